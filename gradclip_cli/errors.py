@@ -1,0 +1,40 @@
+"""The errors gradclip reports to a user, each tied to the contract's exit code.
+
+Every layer raises one of these with a one-line message; the CLI prints it
+and exits with ``exit_code``. Anything else escaping is a bug (shown with
+``--debug``).
+"""
+
+from __future__ import annotations
+
+
+class GradclipError(Exception):
+    """Base class: a message for the user and the exit code it maps to."""
+
+    exit_code = 3
+
+
+class UsageError(GradclipError):
+    """A bad flag or value (exit 2)."""
+
+    exit_code = 2
+
+
+class InputError(GradclipError):
+    """The input cannot be read, holds no gradients, or is refused as unsafe (exit 3)."""
+
+    exit_code = 3
+
+
+class UnsafeCheckpointError(InputError):
+    """The file needs full unpickling, which runs code from the file (exit 3)."""
+
+
+class IntegrityError(InputError):
+    """A stored checksum does not match the data (``--verify``; exit 3)."""
+
+
+class OutputError(GradclipError):
+    """The clipped copy could not be written; the input and target are untouched (exit 3)."""
+
+    exit_code = 3
