@@ -1,0 +1,130 @@
+"""Scaled power sums: the representation every norm in gradclip is built from.
+
+A set of values ``x`` is summarised by ``scale = max |x|`` and
+``power_sum = sum (|x| / scale) ** p``, so that ``||x||_p = scale * power_sum ** (1/p)``.
+This is the scale/sum-of-squares pair of LAPACK's ``dnrm2`` (Blue, "A portable
+Fortran program to find the Euclidean norm of a vector", ACM TOMS 4(1), 1978;
+Hammarling's scaled update), generalised to any p. Each ratio is at most 1, so
+combining pieces never overflows, and pieces far below the largest underflow
+harmlessly to zero. Everything here is float64 on the CPU: it works on one
+number per row, tensor or group, never on gradient elements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class PowerSums:
+    """Norm summaries of ``n`` pieces (rows, tensors or groups), float64 on the CPU.
+
+    ``scale`` and ``power_sum`` describe the finite part; ``max_abs`` is
+    ``max |x|`` with torch's propagation (NaN if any NaN, else inf if any inf).
+    ``nan``, ``posinf`` and ``neginf`` count non-finite elements.
+    """
+
+    norm_type: float
+    scale: torch.Tensor
+    power_sum: torch.Tensor
+    max_abs: torch.Tensor
+    nan: torch.Tensor
+    posinf: torch.Tensor
+    neginf: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.scale.numel()
+
+    @property
+    def nonfinite(self) -> torch.Tensor:
+        """Elements that are NaN or infinite, per piece (int64)."""
+        return self.nan + self.posinf + self.neginf
+
+    @property
+    def norm(self) -> torch.Tensor:
+        """The p-norm of each piece: NaN if it holds a NaN, inf if it holds an inf."""
+        if math.isinf(self.norm_type):
+            finite = self.scale
+        else:
+            finite = self.scale * self.power_sum.pow(1.0 / self.norm_type)
+        inf = torch.full_like(finite, math.inf)
+        out = torch.where(self.posinf + self.neginf > 0, inf, finite)
+        return torch.where(self.nan > 0, torch.full_like(finite, math.nan), out)
+
+    def reduce(self, index: torch.Tensor, size: int) -> PowerSums:
+        """Combine pieces into ``size`` larger ones; piece ``i`` goes to ``index[i]``.
+
+        ``S = sum_i s_i * (m_i / M) ** p`` with ``M = max_i m_i``: the ratio is at
+        most 1, so the sum cannot overflow.
+        """
+        index = index.to(torch.int64)
+        scale = torch.zeros(size, dtype=F64).scatter_reduce(
+            0, index, self.scale, reduce="amax", include_self=True
+        )
+        if math.isinf(self.norm_type):
+            power_sum = (scale > 0).to(F64)
+        else:
+            big = scale[index]
+            ratio = torch.where(big > 0, self.scale / big.clamp_min(torch.finfo(F64).tiny), 0.0)
+            power_sum = torch.zeros(size, dtype=F64).index_add(
+                0, index, self.power_sum * ratio.pow(self.norm_type)
+            )
+        return PowerSums(
+            norm_type=self.norm_type,
+            scale=scale,
+            power_sum=power_sum,
+            max_abs=_max_with_nan(self.max_abs, index, size),
+            nan=_count(self.nan, index, size),
+            posinf=_count(self.posinf, index, size),
+            neginf=_count(self.neginf, index, size),
+        )
+
+    def total(self) -> PowerSums:
+        """All pieces combined into one."""
+        return self.reduce(torch.zeros(len(self), dtype=torch.int64), 1)
+
+    def select(self, index: torch.Tensor) -> PowerSums:
+        """The pieces at ``index``, in that order."""
+        return PowerSums(
+            self.norm_type,
+            *(t[index] for t in (self.scale, self.power_sum, self.max_abs,
+                                 self.nan, self.posinf, self.neginf)),
+        )
+
+
+def from_rows(
+    norm_type: float, row_max: torch.Tensor, row_norm: torch.Tensor | None
+) -> PowerSums:
+    """Summaries of rows whose ``max |x|`` and fast p-norm are known.
+
+    Rows whose max is not finite get scale 0 (their tensor is flagged and
+    counted separately); counts start at zero and are filled by the caller.
+    """
+    row_max = row_max.to(F64)
+    finite = torch.isfinite(row_max)
+    scale = torch.where(finite, row_max, 0.0)
+    if row_norm is None or math.isinf(norm_type):
+        power_sum = (scale > 0).to(F64)
+    else:
+        ratio = row_norm.to(F64) / scale.clamp_min(torch.finfo(F64).tiny)
+        power_sum = torch.where(scale > 0, ratio.pow(norm_type), 0.0)
+    zeros = torch.zeros(row_max.numel(), dtype=torch.int64)
+    return PowerSums(norm_type, scale, power_sum, row_max, zeros, zeros, zeros)
+
+
+def _count(counts: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    return torch.zeros(size, dtype=torch.int64).index_add(0, index, counts)
+
+
+def _max_with_nan(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    # scatter_reduce's NaN handling is not documented; make torch.max's rule explicit.
+    is_nan = torch.isnan(values)
+    clean = torch.where(is_nan, 0.0, values)
+    out = torch.zeros(size, dtype=F64).scatter_reduce(0, index, clean, reduce="amax")
+    any_nan = torch.zeros(size, dtype=torch.int64).index_add(0, index, is_nan.to(torch.int64))
+    return torch.where(any_nan > 0, math.nan, out)
