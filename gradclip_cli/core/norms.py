@@ -19,7 +19,7 @@ Rows combine into tensors in float64 (power_sums.py).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
@@ -32,7 +32,7 @@ from .power_sums import F64, PowerSums, from_rows
 # term lost to underflow together moves the sum by under 2**-24 (6e-8).
 _UNDERFLOW_MARGIN = 2.0**24
 
-DEFAULT_BATCH_BYTES = 256 << 20
+DEFAULT_BATCH_BYTES = 64 << 20
 
 
 def tensor_power_sums(
@@ -42,6 +42,7 @@ def tensor_power_sums(
     device: torch.device | str | None = None,
     foreach: bool | None = None,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
+    on_progress: Callable[[int], None] | None = None,
 ) -> PowerSums:
     """Norm summaries of each tensor, in input order.
 
@@ -53,6 +54,9 @@ def tensor_power_sums(
             on the device at once. None: where each tensor already is.
         foreach: True forces the ``_foreach_norm`` kernel, False forbids it;
             None picks the faster one for the device (CPU: 2-D row views).
+        batch_bytes: tensors are processed (and moved) in batches of about
+            this many bytes.
+        on_progress: called with the bytes of each batch once it is done.
     """
     norm_type = float(norm_type)
     if not norm_type > 0:
@@ -69,13 +73,15 @@ def tensor_power_sums(
     grouped = _group_tensors_by_device_and_dtype([list(tensors)], with_indices=True)
     for (group_device, _), ([group], indices) in grouped.items():
         compute_on = target or group_device
-        for batch in _batches(list(zip(indices, group)), batch_bytes, compute_on, group_device):
+        for batch in _batches(list(zip(indices, group)), batch_bytes):
             index = [i for i, _ in batch]
             originals = [t for _, t in batch]
             moved = [t.to(compute_on) for t in originals] if compute_on != group_device else originals
             rows = _kernel(compute_on, foreach)(moved, norm_type)
             row_parts.append(_finish_rows(rows, originals, norm_type))
             row_owner.append(torch.tensor(index, dtype=torch.int64)[rows.tensor])
+            if on_progress is not None:
+                on_progress(sum(t.numel() * t.element_size() for t in originals))
 
     rows_all = _concat(norm_type, row_parts)
     per_tensor = rows_all.reduce(torch.cat(row_owner), n)
@@ -88,11 +94,8 @@ def _kernel(device: torch.device, foreach: bool | None):
     return rows_by_foreach
 
 
-def _batches(items, batch_bytes, compute_on, group_device):
-    """Whole groups when nothing moves; bounded batches when copying to a device."""
-    if compute_on == group_device:
-        yield items
-        return
+def _batches(items, batch_bytes):
+    """Consecutive runs of about ``batch_bytes``: what is on the device at once."""
     batch, size = [], 0
     for item in items:
         nbytes = item[1].numel() * item[1].element_size()

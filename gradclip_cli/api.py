@@ -1,0 +1,154 @@
+"""Drop-ins for ``torch.nn.utils``' gradient clipping functions.
+
+Same names, arguments and in-place behaviour as torch's; the total norm is
+accurate (relative error <= 1e-6 against float64) and never overflows or
+underflows spuriously, whatever the gradients' dtype or magnitude. Tensors
+tied to one storage count once and are scaled once.
+
+    >>> from gradclip_cli import clip_grad_norm_
+    >>> total = clip_grad_norm_(model.parameters(), max_norm=1.0)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from .core import clamp_, clip_coefficient, find_ties, scale_, tensor_power_sums
+
+TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
+
+# Below this p, norms of float16/bfloat16/float32 values accumulated in float64
+# can neither overflow nor underflow: (3.4e38 ** 6) * 1e12 elements < 1.8e308
+# and (1.4e-45 ** 6) > 2.2e-308. That path needs no host-device sync.
+_FLOAT64_SAFE_P = 6.0
+
+
+def _as_list(tensors: TensorOrTensors) -> list[torch.Tensor]:
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+def _grads(parameters: TensorOrTensors) -> list[torch.Tensor]:
+    return [p.grad for p in _as_list(parameters) if p.grad is not None]
+
+
+def _untied(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    owner = find_ties(tensors)
+    return [t for i, t in enumerate(tensors) if owner[i] == i]
+
+
+def get_total_norm(
+    tensors: TensorOrTensors,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    r"""The p-norm of all elements of ``tensors`` taken as one vector.
+
+    .. math:: \|g\|_p = \Big(\sum_i \sum_j |g_{ij}|^p\Big)^{1/p},
+              \qquad \|g\|_\infty = \max_{i,j} |g_{ij}|
+
+    Args:
+        tensors: a tensor or an iterable of tensors (usually gradients).
+        norm_type: p > 0, or ``inf``. Default 2.
+        error_if_nonfinite: raise ``RuntimeError`` if the total is NaN or inf.
+        foreach: as torch: None picks the fastest kernel, True requires the
+            ``_foreach`` kernels, False forbids them.
+
+    Returns:
+        A 0-dim tensor on the first tensor's device: float32, or float64 when
+        any tensor is float64. NaN if any element is NaN, inf if any is
+        infinite; otherwise finite and accurate to 1e-6 relative (it is inf
+        only when the true norm exceeds float32's range).
+    """
+    tensors = _untied(_as_list(tensors))
+    norm_type = float(norm_type)
+    if len(tensors) == 0:
+        return torch.tensor(0.0)
+    device = tensors[0].device
+    out_dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    if device.type != "cpu" and _sync_free_ok(tensors, norm_type):
+        total = _total_in_float64(tensors, norm_type, foreach)
+    else:
+        sums = tensor_power_sums(tensors, norm_type, foreach=foreach).total()
+        total = sums.norm[0]
+    total = total.to(device=device, dtype=out_dtype)
+    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from "
+            "`parameters` is non-finite, so it cannot be clipped. To disable "
+            "this error and scale the gradients by the non-finite norm anyway, "
+            "set `error_if_nonfinite=False`"
+        )
+    return total
+
+
+def _sync_free_ok(tensors: list[torch.Tensor], norm_type: float) -> bool:
+    narrow = all(t.dtype != torch.float64 for t in tensors)
+    return narrow and (math.isinf(norm_type) or norm_type <= _FLOAT64_SAFE_P)
+
+
+def _total_in_float64(tensors, norm_type, foreach) -> torch.Tensor:
+    """Accelerator path with no host-device sync: accumulate in float64."""
+    first = tensors[0].device
+    norms = []
+    grouped = _group_tensors_by_device_and_dtype([tensors])
+    for (device, _), ([group], _) in grouped.items():
+        if foreach is not False:
+            norms.extend(torch._foreach_norm(group, norm_type, dtype=torch.float64))
+        else:
+            norms.extend(torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in group)
+    stacked = torch.stack([n.to(first, torch.float64) for n in norms])
+    return torch.linalg.vector_norm(stacked, norm_type)
+
+
+def clip_grads_with_norm_(
+    parameters: TensorOrTensors,
+    max_norm: float,
+    total_norm: torch.Tensor,
+    foreach: bool | None = None,
+) -> None:
+    r"""Scale the gradients of ``parameters`` in place, given their total norm.
+
+    Every gradient is multiplied by
+
+    .. math:: c = \min\Big(1, \frac{\text{max\_norm}}{\text{total\_norm} + 10^{-6}}\Big)
+
+    computed in float32 or wider whatever the gradients' dtype. A gradient
+    tied to another (same storage) is scaled once.
+    """
+    grads = _untied(_grads(parameters))
+    if not grads:
+        return
+    scale_(grads, clip_coefficient(total_norm, float(max_norm)), foreach=foreach)
+
+
+def clip_grad_norm_(
+    parameters: TensorOrTensors,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` to total norm ``max_norm``, in place.
+
+    ``get_total_norm`` of the gradients, then ``clip_grads_with_norm_``.
+    Returns the total norm before clipping (see ``get_total_norm``).
+    """
+    parameters = _as_list(parameters)
+    grads = _grads(parameters)
+    total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    clip_grads_with_norm_(parameters, max_norm, total, foreach)
+    return total
+
+
+def clip_grad_value_(
+    parameters: TensorOrTensors,
+    clip_value: float,
+    foreach: bool | None = None,
+) -> None:
+    """Clamp every gradient element of ``parameters`` to ``[-clip_value, clip_value]``, in place."""
+    clamp_(_untied(_grads(parameters)), clip_value, foreach=foreach)

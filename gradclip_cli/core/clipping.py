@@ -1,0 +1,73 @@
+"""Clipping rules: norm clipping by a coefficient, and element-wise clamping.
+
+Both follow ``torch.nn.utils.clip_grad``: one fused ``_foreach_*`` call per
+(device, dtype) group where the device supports it, else a loop.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.utils._foreach_utils import (
+    _device_has_foreach_support,
+    _group_tensors_by_device_and_dtype,
+    _has_foreach_support,
+)
+
+# torch.nn.utils.clip_grads_with_norm_ adds this to the norm before dividing.
+EPS = 1e-6
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))``, as torch computes it.
+
+    The division happens in ``total_norm``'s dtype, float32 or wider: a bf16
+    coefficient would be off by up to 0.4%.
+    """
+    if total_norm.dtype not in (torch.float32, torch.float64):
+        total_norm = total_norm.float()
+    return torch.clamp(max_norm / (total_norm + EPS), max=1.0)
+
+
+def _use_foreach(group: list[torch.Tensor], device: torch.device, foreach: bool | None) -> bool:
+    if foreach is None:
+        return _has_foreach_support(group, device)
+    if foreach and not _device_has_foreach_support(device):
+        raise RuntimeError(
+            f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
+        )
+    return foreach
+
+
+def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool | None = None) -> None:
+    """Multiply every tensor in place by the 0-dim tensor ``coef``.
+
+    Multiplying by a clamped coefficient, rather than branching on
+    ``coef < 1``, avoids a host-device synchronisation (torch does the same).
+    """
+    if not tensors:
+        return
+    grouped = _group_tensors_by_device_and_dtype([list(tensors)])
+    for (device, _), ([group], _) in grouped.items():
+        c = coef.to(device)
+        if _use_foreach(group, device, foreach):
+            torch._foreach_mul_(group, c)
+        else:
+            for t in group:
+                t.mul_(c)
+
+
+def clamp_(tensors: Sequence[torch.Tensor], clip_value: float, foreach: bool | None = None) -> None:
+    """Clamp every element of every tensor to ``[-clip_value, clip_value]`` in place."""
+    if not tensors:
+        return
+    clip_value = float(clip_value)
+    grouped = _group_tensors_by_device_and_dtype([list(tensors)])
+    for (device, _), ([group], _) in grouped.items():
+        if _use_foreach(group, device, foreach):
+            torch._foreach_clamp_min_(group, -clip_value)
+            torch._foreach_clamp_max_(group, clip_value)
+        else:
+            for t in group:
+                t.clamp_(min=-clip_value, max=clip_value)

@@ -1,0 +1,95 @@
+"""Checking flag values: each bad value is a UsageError (exit 2) with one line.
+
+Numbers arrive as strings so that ``nan``, ``inf`` and typos get a message
+that names the flag, rather than a parser's generic complaint.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from .errors import UsageError
+
+DEVICE_CHOICES = "cpu, cuda, cuda:N, mps or auto"
+
+
+def _number(flag: str, text: str) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        raise UsageError(f"{flag} must be a number, got {text!r}") from None
+
+
+def norm_type(text: str) -> float:
+    """p > 0 or inf."""
+    p = _number("--norm-type", text)
+    if math.isnan(p) or not p > 0:
+        raise UsageError(f"--norm-type must be a number > 0 or 'inf', got {text!r}")
+    return p
+
+
+def threshold(flag: str, text: str | None, *, allow_zero: bool) -> float | None:
+    """A finite number > 0 (>= 0 with ``allow_zero``), or None when absent."""
+    if text is None:
+        return None
+    x = _number(flag, text)
+    ok = math.isfinite(x) and (x >= 0 if allow_zero else x > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise UsageError(f"{flag} must be a finite number {bound}, got {text!r}")
+    return x
+
+
+def device(text: str) -> torch.device:
+    """The compute device; UsageError if unknown or not available here."""
+    name = text.strip().lower()
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device must be {DEVICE_CHOICES}, got {text!r}") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {text}: CUDA is not available on this machine")
+        index = 0 if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise UsageError(
+                f"--device {text}: no such CUDA device ({torch.cuda.device_count()} present)"
+            )
+        return torch.device("cuda", index)
+    if dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise UsageError(f"--device {text}: MPS is not available on this machine")
+        return dev
+    raise UsageError(f"--device must be {DEVICE_CHOICES}, got {text!r}")
+
+
+def default_output(source: Path) -> Path:
+    """``<stem>.clipped<suffix>`` beside the input."""
+    return source.with_name(f"{source.stem}.clipped{source.suffix}")
+
+
+def clip_output(source: Path, output: Path | None, in_place: bool) -> Path:
+    """Where ``clip`` writes; never the input unless ``--in-place``."""
+    if in_place:
+        if output is not None:
+            raise UsageError("--in-place and -o/--output contradict each other; give one")
+        return source
+    target = output if output is not None else default_output(source)
+    if target.exists() and source.exists() and target.resolve() == source.resolve():
+        raise UsageError(
+            f"{target}: the output is the input; use --in-place to replace it"
+        )
+    if target.is_dir():
+        raise UsageError(f"{target}: the output is a directory; give a file name")
+    return target

@@ -1,0 +1,58 @@
+"""The progress display on stderr: shown only to a person watching a terminal.
+
+Nothing is drawn when stderr is not a terminal (CI logs, pipes) or with
+``--quiet``; the bar is transient, so it leaves no trace in scrollback.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+
+class Steps:
+    """One bar per step: ``begin(label, total_bytes)`` then ``advance(nbytes)``."""
+
+    def __init__(self, progress: Progress | None):
+        self._progress = progress
+        self._task = None
+
+    def begin(self, label: str, total: int | None = None) -> None:
+        if self._progress is None:
+            return
+        if self._task is not None:
+            self._progress.update(self._task, visible=False)
+        self._task = self._progress.add_task(label, total=total)
+
+    def advance(self, nbytes: int) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.advance(self._task, nbytes)
+
+
+@contextmanager
+def progress_steps(quiet: bool) -> Iterator[Steps]:
+    if quiet or not sys.stderr.isatty():
+        yield Steps(None)
+        return
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    with progress:
+        yield Steps(progress)

@@ -1,0 +1,115 @@
+"""Turn per-tensor norm summaries into a report: groups, totals, verdict."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from ..core import PowerSums
+from .grouping import GroupRule
+from .model import EXCEEDED, NONFINITE, OK, GroupRow, InspectReport, NonFinite, TensorRow
+
+
+def _nonfinite(sums: PowerSums, i: int) -> NonFinite:
+    return NonFinite(int(sums.nan[i]), int(sums.posinf[i]), int(sums.neginf[i]))
+
+
+def _share(norm: float, total: float, p: float) -> float:
+    if not (math.isfinite(norm) and math.isfinite(total)) or total == 0:
+        return math.nan if total != 0 else 0.0
+    ratio = norm / total
+    return ratio if math.isinf(p) else ratio**p
+
+
+def verdict(nonfinite: NonFinite, total: float, max_norm: float | None, allow_nonfinite: bool) -> str:
+    """nonfinite beats exceeded: a NaN total cannot be compared to a threshold."""
+    if nonfinite.total and not allow_nonfinite:
+        return NONFINITE
+    if max_norm is not None and total > max_norm:
+        return EXCEEDED
+    return OK
+
+
+def build_inspect_report(
+    *,
+    names: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    sums: PowerSums,
+    ties: dict[str, list[str]],
+    group_rule: GroupRule,
+    source: str,
+    format: str,
+    key: str,
+    device: str,
+    max_norm: float | None,
+    allow_nonfinite: bool,
+    group_by: str,
+    skipped: list[str],
+) -> InspectReport:
+    """``names``, ``tensors`` and ``sums`` are aligned and hold no tie duplicates."""
+    p = sums.norm_type
+    group_names = [group_rule(n) for n in names]
+    order = list(dict.fromkeys(group_names))  # checkpoint order of first appearance
+    position = {g: i for i, g in enumerate(order)}
+    group_index = torch.tensor([position[g] for g in group_names], dtype=torch.int64)
+    groups = sums.reduce(group_index, len(order))
+    total = sums.total()
+    total_norm = float(total.norm[0])
+    norms = sums.norm.tolist()
+    maxes = sums.max_abs.tolist()
+
+    tensor_rows = [
+        TensorRow(
+            name=name,
+            group=group_names[i],
+            shape=tuple(tensors[i].shape),
+            dtype=str(tensors[i].dtype).removeprefix("torch."),
+            num_elements=tensors[i].numel(),
+            norm=norms[i],
+            max_abs=maxes[i],
+            nonfinite=_nonfinite(sums, i),
+            tied=tuple(ties.get(name, ())),
+        )
+        for i, name in enumerate(names)
+    ]
+    counts = [0] * len(order)
+    elements = [0] * len(order)
+    for g, row in zip(group_index.tolist(), tensor_rows):
+        counts[g] += 1
+        elements[g] += row.num_elements
+    group_rows = []
+    for g, name in enumerate(order):
+        norm = float(groups.norm[g])
+        group_rows.append(
+            GroupRow(
+                name=name,
+                norm=norm,
+                share=_share(norm, total_norm, p),
+                max_abs=float(groups.max_abs[g]),
+                num_tensors=counts[g],
+                num_elements=elements[g],
+                nonfinite=_nonfinite(groups, g),
+            )
+        )
+    nonfinite = _nonfinite(total, 0)
+    return InspectReport(
+        source=source,
+        format=format,
+        key=key,
+        device=device,
+        norm_type=p,
+        total_norm=total_norm,
+        max_abs=float(total.max_abs[0]),
+        num_tensors=len(names),
+        num_elements=sum(r.num_elements for r in tensor_rows),
+        nonfinite=nonfinite,
+        status=verdict(nonfinite, total_norm, max_norm, allow_nonfinite),
+        groups=group_rows,
+        tensors=tensor_rows,
+        max_norm=max_norm,
+        allow_nonfinite=allow_nonfinite,
+        group_by=group_by,
+        skipped=list(skipped),
+    )

@@ -1,0 +1,82 @@
+"""The plain data objects that formats render and the CLI maps to exit codes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    name: str
+    group: str
+    shape: tuple[int, ...]
+    dtype: str
+    num_elements: int
+    norm: float
+    max_abs: float
+    nonfinite: NonFinite
+    tied: tuple[str, ...] = ()  # other names of this same storage
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    name: str
+    norm: float
+    share: float  # (norm / total) ** p: the group's part of sum |g| ** p
+    max_abs: float
+    num_tensors: int
+    num_elements: int
+    nonfinite: NonFinite
+
+
+# What a report concludes; the CLI maps each to an exit code.
+OK, EXCEEDED, NONFINITE = "ok", "exceeded", "nonfinite"
+
+
+@dataclass(frozen=True)
+class InspectReport:
+    source: str
+    format: str
+    key: str
+    device: str
+    norm_type: float
+    total_norm: float
+    max_abs: float
+    num_tensors: int
+    num_elements: int
+    nonfinite: NonFinite
+    status: str
+    groups: list[GroupRow]
+    tensors: list[TensorRow]
+    max_norm: float | None = None
+    allow_nonfinite: bool = False
+    group_by: str = "layer"
+    skipped: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ClipReport:
+    source: str
+    output: str
+    format: str
+    key: str
+    norm_type: float
+    max_norm: float | None
+    clip_value: float | None
+    total_norm_before: float
+    clip_coef: float | None
+    total_norm_after: float
+    clipped: bool
+    num_tensors: int
+    nonfinite: NonFinite
