@@ -1,0 +1,100 @@
+"""Where checkpoints come from: one module per file kind, chosen by the file's first bytes.
+
+Adding a kind is one new module and one line in ``READERS``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.source import safetensors_file, torch_file, verify
+from gradclip_cli.source.interface import Checkpoint, GradientSelection
+from gradclip_cli.source.locate import select_gradients
+
+__all__ = ["Checkpoint", "GradientSelection", "READERS", "load_checkpoint", "select_gradients"]
+
+_HEAD_BYTES = 64  # enough for every magic number below
+
+
+@dataclass(frozen=True)
+class Reader:
+    """One checkpoint kind: how to recognise it, load it, and (optionally) verify it."""
+
+    format: str  # the value of Checkpoint.format
+    recognises: Callable[[bytes], bool]  # given the file's first bytes
+    load: Callable[..., Checkpoint]  # load(path, *, trust_pickle) -> Checkpoint
+    verify: Callable[[Path], None] | None = None  # raises IntegrityError; None: no checksums
+
+
+READERS: tuple[Reader, ...] = (
+    Reader("torch-zip", torch_file.is_torch_zip, torch_file.load_torch_zip,
+           verify.verify_torch_zip),
+    Reader("safetensors", safetensors_file.is_safetensors, safetensors_file.load_safetensors,
+           verify.verify_safetensors),
+    Reader("torch-legacy", torch_file.is_pickle, torch_file.load_torch_legacy),
+)  # fmt: skip
+
+
+def load_checkpoint(
+    path: Path | str, *, trust_pickle: bool = False, verify: bool = False
+) -> Checkpoint:
+    """Load the checkpoint at ``path``, recognising its kind by content, not by suffix.
+
+    Args:
+        path: the file to read.
+        trust_pickle: allow full unpickling (runs code from the file); the
+            default refuses such files with ``UnsafeCheckpointError``.
+        verify: check the file's stored checksums (or layout) before loading;
+            a mismatch raises ``IntegrityError``.
+
+    Every failure is an ``InputError`` with one line naming the file.
+    """
+    path = Path(path)
+    reader = _reader_for(path, _read_head(path))
+    if verify and reader.verify is not None:
+        reader.verify(path)
+    return reader.load(path, trust_pickle=trust_pickle)
+
+
+def _read_head(path: Path) -> bytes:
+    try:
+        info = os.stat(path)
+        if stat.S_ISDIR(info.st_mode):
+            raise InputError(f"{path}: is a directory, not a checkpoint file")
+        with open(path, "rb") as file:
+            head = file.read(_HEAD_BYTES)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except PermissionError:
+        raise InputError(f"{path}: permission denied") from None
+    except OSError as error:
+        raise InputError(f"{path}: cannot read: {error.strerror or error}") from None
+    if not head:
+        raise InputError(f"{path}: empty file, not a checkpoint")
+    return head
+
+
+def _reader_for(path: Path, head: bytes) -> Reader:
+    for reader in READERS:
+        if reader.recognises(head):
+            return reader
+    kind = "a text file" if _looks_like_text(head) else "an unrecognised format"
+    raise InputError(
+        f"{path}: not a checkpoint: {kind} (expected a torch.save file or a .safetensors file)"
+    )
+
+
+def _looks_like_text(head: bytes) -> bool:
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        # A multi-byte character may be cut at the end of the head.
+        text = head[:-3].decode("utf-8", errors="replace")
+        if "\ufffd" in text:
+            return False
+    return all(ch.isprintable() or ch in "\t\r\n\f" for ch in text)

@@ -1,0 +1,105 @@
+"""Reading ``torch.save`` files: the zip format and the legacy pickle format.
+
+Both are read with torch's weights-only unpickler, so nothing in the file can
+run code unless the user passes ``--trust-pickle``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import pickle
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from gradclip_cli.errors import InputError, UnsafeCheckpointError
+from gradclip_cli.source.interface import Checkpoint
+
+ZIP_MAGIC = b"PK\x03\x04"
+# The opcode ``PROTO`` followed by a protocol number torch can write (2..5):
+# legacy ``torch.save`` files open with a pickled magic number at protocol 2.
+# Also the text-protocol opcodes that import a callable (GLOBAL ``c``, or MARK
+# then INST ``(i``), which is how hand-made malicious pickles usually open.
+_PICKLE_START = re.compile(rb"\x80[\x02-\x05]|\(*(?:c|\(i)[\w.]+\n[\w.]+\n")
+
+# Messages of the weights-only unpickler that mean "this pickle wants to import
+# or call something", as opposed to "this pickle is damaged". torch's own
+# ``_get_wo_message`` in torch/serialization.py matches the same phrases.
+_REFUSAL = re.compile(
+    r"GLOBAL (\S+) (?:was not an allowed global|whose module)"
+    r"|(\S+) must be \S+ to load|Unsupported operand|Unsupported class"
+)
+# Advice torch wraps around weights-only refusals; the reason sits between.
+_BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation")
+_ENFORCE_PREFIX = re.compile(r"^\[enforce fail at [^\]]*\]\s*\.?\s*")
+
+
+def is_torch_zip(head: bytes) -> bool:
+    """True when ``head`` (the file's first bytes) opens a zip archive."""
+    return head.startswith(ZIP_MAGIC)
+
+
+def is_pickle(head: bytes) -> bool:
+    """True when ``head`` opens a pickle (the legacy torch format, or a bare pickle).
+
+    A bare pickle is routed here too, so the weights-only unpickler is the one
+    to refuse it when it imports something, and the user hears about
+    ``--trust-pickle`` instead of "unknown format".
+    """
+    return _PICKLE_START.match(head) is not None
+
+
+def load_torch_zip(path: Path, *, trust_pickle: bool = False) -> Checkpoint:
+    """Load a zip-format ``torch.save`` file, memory-mapped.
+
+    ``mmap=True`` maps the file instead of reading it; MAP_PRIVATE is pinned
+    (whatever the process-wide default) so that editing a loaded tensor in
+    place copies the page and never writes through to the file.
+    """
+    with torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE):
+        root = _torch_load(path, trust_pickle=trust_pickle, mmap=True)
+    return Checkpoint(path=path, format="torch-zip", root=root, trusted_pickle=trust_pickle)
+
+
+def load_torch_legacy(path: Path, *, trust_pickle: bool = False) -> Checkpoint:
+    """Load a legacy (pre-1.6, non-zip) ``torch.save`` file; torch cannot mmap this format."""
+    root = _torch_load(path, trust_pickle=trust_pickle, mmap=False)
+    return Checkpoint(path=path, format="torch-legacy", root=root, trusted_pickle=trust_pickle)
+
+
+def _torch_load(path: Path, *, trust_pickle: bool, mmap: bool) -> object:
+    try:
+        with warnings.catch_warnings():
+            # Legacy files trigger TypedStorage deprecation noise that is
+            # torch's internal business, not the user's.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=not trust_pickle, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        refused = _REFUSAL.search(str(error))
+        if refused and not trust_pickle:
+            culprit = next((g for g in refused.groups() if g), None)
+            what = f" (it references {culprit})" if culprit else ""
+            raise UnsafeCheckpointError(
+                f"{path}: refused: loading needs full unpickling, which can run code "
+                f"from the file{what}; pass --trust-pickle only if you trust its source"
+            ) from None
+        raise InputError(f"{path}: not a readable torch checkpoint: {_reason(error)}") from None
+    except Exception as error:  # torch raises RuntimeError, EOFError, ValueError, OSError...
+        raise InputError(f"{path}: not a readable torch checkpoint: {_reason(error)}") from None
+
+
+def _reason(error: BaseException) -> str:
+    """A short reason: torch appends C++ stack traces and advice to its messages."""
+    if isinstance(error, EOFError):
+        return "unexpected end of file (truncated?)"
+    lines = [
+        line.strip()
+        for line in str(error).splitlines()
+        if line.strip() and not line.strip().startswith(_BOILERPLATE)
+    ]
+    text = _ENFORCE_PREFIX.sub("", lines[0]) if lines else ""
+    text = text.split(". This is an internal miniz error")[0]
+    text = text or type(error).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
