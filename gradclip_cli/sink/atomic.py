@@ -1,0 +1,115 @@
+"""Writing a file so that readers see the old one or the new one, never half of either.
+
+The data goes to a fresh temporary file beside the target, is flushed and
+fsync'd, and then ``os.replace`` swaps it in. The existing target is never
+opened for writing: it may be memory-mapped by this very process (the loaded
+input, under ``--in-place``), and truncating a mapped file kills the process
+with SIGBUS on the next page fault. A new inode plus a rename leaves the old
+mapping valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from gradclip_cli.errors import GradclipError, OutputError
+
+# Plain-language causes for the errors a user can act on; strerror covers the rest.
+_CAUSES = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ENOENT: "the folder does not exist",
+    errno.EISDIR: "the target is a directory",
+}
+
+
+def atomic_write(
+    target: Path, write: Callable[[BinaryIO], None], *, mode_from: Path | None = None
+) -> None:
+    """Create or replace ``target`` with what ``write`` puts into the file object it is given.
+
+    Args:
+        target: the file to create or replace; its folder must exist.
+        write: called once with a binary file open for writing.
+        mode_from: copy this file's permission bits (the input, usually);
+            without it an existing target keeps its mode and a new one gets
+            the umask default.
+
+    On any failure, an interrupt included, the temporary file is removed, the
+    target is left as it was, and ``OutputError`` says why in one line.
+    """
+    target = Path(target)
+    folder = target.parent
+    if not folder.is_dir():
+        raise OutputError(f"{target}: cannot write: the folder {folder} does not exist")
+    mode = _mode_for(target, mode_from)
+    try:
+        descriptor, temp_name = tempfile.mkstemp(
+            prefix=f".{target.name}.", suffix=".tmp", dir=folder
+        )
+    except OSError as error:
+        raise _output_error(target, error) from None
+    temp = Path(temp_name)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            write(file)
+            file.flush()
+            os.fchmod(file.fileno(), mode)
+            os.fsync(file.fileno())
+        os.replace(temp, target)
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        if not isinstance(error, (Exception, KeyboardInterrupt)):
+            raise  # SystemExit and friends: cleaned up, but not ours to reword
+        raise _output_error(target, error) from error
+    _fsync_folder(folder)
+
+
+def _mode_for(target: Path, mode_from: Path | None) -> int:
+    for source in (mode_from, target):
+        if source is not None:
+            with contextlib.suppress(OSError):
+                return stat.S_IMODE(os.stat(source).st_mode)
+    return 0o666 & ~_current_umask()
+
+
+def _current_umask() -> int:
+    # The only portable way to read the umask is to set it and put it back.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the rename itself durable. Some file systems refuse to fsync a folder;
+    the replace has already happened, so that is not worth failing over."""
+    with contextlib.suppress(OSError):
+        descriptor = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+def _output_error(target: Path, error: BaseException) -> OutputError:
+    if isinstance(error, KeyboardInterrupt):
+        why = "interrupted"
+    elif isinstance(error, GradclipError):
+        why = str(error)
+    elif isinstance(error, OSError):
+        why = _CAUSES.get(error.errno, error.strerror or str(error))
+    else:
+        lines = str(error).strip().splitlines()
+        why = lines[0] if lines else type(error).__name__
+    return OutputError(f"{target}: cannot write: {why}; nothing was changed")
