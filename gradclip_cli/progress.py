@@ -1,12 +1,15 @@
 """The progress display on stderr: shown only to a person watching a terminal.
 
 Nothing is drawn when stderr is not a terminal (CI logs, pipes) or with
-``--quiet``; the bar is transient, so it leaves no trace in scrollback.
+``--quiet``; nor for runs that finish within ``DELAY_S``, so a small file's
+output is not preceded by a flicker. The bar is transient: it leaves no trace
+in scrollback.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -19,6 +22,9 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+
+
+DELAY_S = 0.5
 
 
 class Steps:
@@ -54,5 +60,13 @@ def progress_steps(quiet: bool) -> Iterator[Steps]:
         console=Console(stderr=True),
         transient=True,
     )
-    with progress:
+    timer = threading.Timer(DELAY_S, progress.start)
+    timer.daemon = True
+    timer.start()
+    try:
         yield Steps(progress)
+    finally:
+        timer.cancel()
+        timer.join()
+        if progress.live.is_started:
+            progress.stop()

@@ -51,8 +51,15 @@ def _nonfinite_cell(n: NonFinite) -> Text:
     return Text(", ".join(parts), style="bold red")
 
 
+# Pipes and CI logs get this width (rich would use 80, which truncates names).
+PIPE_WIDTH = 120
+
+
 def _console(out: TextIO) -> Console:
-    return Console(file=out, highlight=False, soft_wrap=False)
+    console = Console(file=out, highlight=False, soft_wrap=False)
+    if not console.is_terminal:
+        console = Console(file=out, highlight=False, soft_wrap=False, width=PIPE_WIDTH)
+    return console
 
 
 def verdict_line(report: InspectReport) -> Text:
@@ -93,19 +100,25 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
                       + ", ".join(report.skipped[:5]) + (" ..." if len(report.skipped) > 5 else ""))
 
     table = Table(title=f"groups (by {report.group_by})", title_justify="left")
-    for col, just in (("group", "left"), ("norm", "right"), ("share", "right"),
-                      ("max |g|", "right"), ("elements", "right"), ("non-finite", "left"),
-                      ("", "left")):
-        table.add_column(col, justify=just, no_wrap=col != "group")
+    # The bar is the first thing to go on a narrow terminal; names never are.
+    show_bar = console.width >= 100
+    columns = [("group", "left"), ("norm", "right"), ("share", "right"), ("max |g|", "right"),
+               ("elements", "right"), ("non-finite", "left")] + ([("", "left")] if show_bar else [])
+    for col, just in columns:
+        table.add_column(col, justify=just, no_wrap=col != "group",
+                         min_width=min(40, max(len(g.name) for g in report.groups))
+                         if col == "group" else None)
     largest = max((g.norm for g in report.groups if math.isfinite(g.norm)), default=0.0)
     for g in report.groups:
         share = "-" if math.isnan(g.share) else f"{100 * g.share:.1f}%"
-        table.add_row(g.name, fmt(g.norm), share, fmt(g.max_abs), f"{g.num_elements:,}",
-                      _nonfinite_cell(g.nonfinite), bar(g.norm, largest))
+        cells = [g.name, fmt(g.norm), share, fmt(g.max_abs), f"{g.num_elements:,}",
+                 _nonfinite_cell(g.nonfinite)]
+        table.add_row(*cells, *([bar(g.norm, largest)] if show_bar else []))
     table.add_section()
     table.add_row(Text("total", style="bold"), Text(fmt(report.total_norm), style="bold"),
                   "100%" if report.total_norm else "-", fmt(report.max_abs),
-                  f"{report.num_elements:,}", _nonfinite_cell(report.nonfinite), "")
+                  f"{report.num_elements:,}", _nonfinite_cell(report.nonfinite),
+                  *([""] if show_bar else []))
     console.print(table)
 
     if top > 0 and report.tensors:
@@ -114,7 +127,8 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
         head = Table(title=f"top {min(top, len(ranked))} tensors by norm", title_justify="left")
         for col, just in (("tensor", "left"), ("norm", "right"), ("max |g|", "right"),
                           ("shape", "left"), ("dtype", "left")):
-            head.add_column(col, justify=just)
+            head.add_column(col, justify=just, min_width=min(50, max(
+                len(t.name) for t in report.tensors)) if col == "tensor" else None)
         for t in ranked[:top]:
             head.add_row(t.name, fmt(t.norm), fmt(t.max_abs),
                          "x".join(map(str, t.shape)) or "scalar", t.dtype)
