@@ -1,0 +1,138 @@
+"""Write a model's gradients to a file that gradclip reads.
+
+This is the producing side of gradclip: call :func:`save_grads` in a training
+loop right after ``loss.backward()`` (and before ``optimizer.zero_grad()``),
+then run ``gradclip inspect`` on the file, offline or in CI.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from gradclip_cli.sink.atomic import atomic_write
+from gradclip_cli.sink.safetensors_file import write_safetensors
+from gradclip_cli.source.interface import Checkpoint
+
+__all__ = ["save_grads"]
+
+
+def save_grads(model: torch.nn.Module, path: str | os.PathLike[str], /, **extra: Any) -> None:
+    """Save every parameter gradient of ``model`` to ``path``.
+
+    The file holds ``{"grads": {name: grad}, **extra}`` written with
+    :func:`torch.save`, so it loads with ``torch.load(path, weights_only=True)``
+    and ``gradclip inspect`` finds the gradients under ``grads`` by itself.
+
+    Each gradient is a detached copy moved to the CPU: later optimizer steps,
+    ``zero_grad()`` or in-place updates do not change what was saved. Names are
+    those of ``model.named_parameters()``:
+
+    - parameters whose ``.grad`` is ``None`` (frozen, or unused in the
+      backward pass) are left out;
+    - a parameter registered under several names (tied weights, such as a
+      language model head sharing the token embedding) appears once, under the
+      first name ``named_parameters()`` yields.
+
+    When ``path`` ends with ``.safetensors`` the file is a safetensors file of
+    the gradients alone, and ``extra`` becomes its header metadata, which the
+    format restricts to text: every value must then be a ``str``.
+
+    The file is written atomically: the data goes to a temporary file in the
+    same folder, which then replaces ``path`` in one step, so a crash never
+    leaves a half-written file behind (and an older file at ``path`` stays
+    whole until the new one is complete).
+
+    Args:
+        model: the module whose parameters' ``.grad`` are saved.
+        path: where to write; a ``.safetensors`` suffix selects that format,
+            anything else (``.pt``, ``.pth``, ``.bin``, ...) is a torch file.
+        **extra: further top-level entries saved beside ``grads`` (a step
+            number, a config dict, ...); for ``.safetensors``, text metadata.
+            Keep them to plain Python values and tensors so the file still
+            loads with ``weights_only=True``. ``model`` and ``path`` are
+            positional-only, so a whole training checkpoint can be written
+            with ``model=model.state_dict()`` among the extras.
+
+    Raises:
+        ValueError: no parameter has a gradient; ``extra`` has a ``grads``
+            entry; or, for ``.safetensors``, an ``extra`` value is not a
+            ``str`` or a gradient is not a dense floating-point tensor.
+        gradclip_cli.errors.OutputError: the file could not be written (or
+            ``torch.save`` failed on an ``extra`` value); ``path`` is untouched.
+
+    Example::
+
+        >>> import torch
+        >>> from gradclip_cli.producer import save_grads
+        >>> model = torch.nn.Linear(4, 2)
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> save_grads(model, "grads.pt", step=1200)
+        >>> sorted(torch.load("grads.pt", weights_only=True)["grads"])
+        ['bias', 'weight']
+
+    Then, from a shell: ``gradclip inspect grads.pt --max-norm 1.0``.
+    """
+    grads = _detached_grads(model)
+    if not grads:
+        raise ValueError(
+            "save_grads: no parameter of the model has a gradient; "
+            "call it after loss.backward() and before optimizer.zero_grad()"
+        )
+    if "grads" in extra:
+        raise ValueError(
+            "save_grads: 'grads' is the gradient entry itself; give the extra another name"
+        )
+
+    if Path(path).suffix.lower() == ".safetensors":
+        atomic_write(Path(path), _safetensors_writer(grads, _text_metadata(extra)))
+    else:
+        payload = {"grads": grads, **extra}
+        # Saving to a file object (not a name) also keeps the zip's inner
+        # folder name fixed ("archive/") instead of the temporary file's name.
+        atomic_write(Path(path), lambda file: torch.save(payload, file))
+
+
+def _detached_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: copy of p.grad on the CPU}``; named_parameters() already drops tied duplicates."""
+    return {
+        name: p.grad.detach().to("cpu", copy=True)
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
+
+
+def _text_metadata(extra: Mapping[str, Any]) -> dict[str, str] | None:
+    not_text = {
+        key: type(value).__name__ for key, value in extra.items() if not isinstance(value, str)
+    }
+    if not_text:
+        listed = ", ".join(f"{key} ({kind})" for key, kind in not_text.items())
+        raise ValueError(
+            "save_grads: extra entries of a .safetensors file become its header metadata, "
+            f"which holds text only; not str: {listed}. "
+            "Pass str values, or save to a .pt path to keep other values."
+        )
+    return dict(extra) or None
+
+
+def _safetensors_writer(
+    grads: dict[str, torch.Tensor], metadata: dict[str, str] | None
+) -> Callable[[BinaryIO], None]:
+    """Check the gradients fit the format, then hand them to the sink's safetensors writer."""
+    for name, grad in grads.items():
+        if not grad.is_floating_point() or grad.layout != torch.strided:
+            raise ValueError(
+                f"save_grads: gradient {name!r} ({grad.dtype}, {grad.layout}) "
+                "cannot be stored in a .safetensors file; save to a .pt path instead"
+            )
+    # Widest elements first, as the safetensors library orders them: with the
+    # header padded to 8 bytes, every tensor then starts at a multiple of its
+    # element size, which readers that map the file need to view it in place.
+    ordered = dict(sorted(grads.items(), key=lambda item: -item[1].element_size()))
+    checkpoint = Checkpoint(path=Path(), format="safetensors", root=ordered, metadata=metadata)
+    return lambda file: write_safetensors(checkpoint, file)
