@@ -106,6 +106,7 @@ def load_safetensors(path: Path, *, trust_pickle: bool = False) -> Checkpoint:
             root = {entry.name: _aligned(file.get_tensor(entry.name)) for entry in header.entries}
     except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        reason = reason if len(reason) <= 160 else reason[:157] + "..."
         raise InputError(f"{path}: corrupt safetensors file: {reason}") from None
     return Checkpoint(path=path, format="safetensors", root=root, metadata=header.metadata)
 

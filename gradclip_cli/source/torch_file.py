@@ -6,10 +6,13 @@ run code unless the user passes ``--trust-pickle``.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import pickle
+import pickletools
 import re
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -29,7 +32,7 @@ _PICKLE_START = re.compile(rb"\x80[\x02-\x05]|\(*(?:c|\(i)[\w.]+\n[\w.]+\n")
 # ``_get_wo_message`` in torch/serialization.py matches the same phrases.
 _REFUSAL = re.compile(
     r"GLOBAL (\S+) (?:was not an allowed global|whose module)"
-    r"|(\S+) must be \S+ to load|Unsupported operand|Unsupported class"
+    r"|(\S+) must be \S+ to load|Unsupported operand (?P<opcode>\d+)|Unsupported class"
 )
 # Advice torch wraps around weights-only refusals; the reason sits between.
 _BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation")
@@ -58,28 +61,54 @@ def load_torch_zip(path: Path, *, trust_pickle: bool = False) -> Checkpoint:
     (whatever the process-wide default) so that editing a loaded tensor in
     place copies the page and never writes through to the file.
     """
+    _check_zip_directory(path)
     with torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE):
-        root = _torch_load(path, trust_pickle=trust_pickle, mmap=True)
+        root = _torch_load(path, trust_pickle=trust_pickle, mapped=True)
     return Checkpoint(path=path, format="torch-zip", root=root, trusted_pickle=trust_pickle)
 
 
 def load_torch_legacy(path: Path, *, trust_pickle: bool = False) -> Checkpoint:
     """Load a legacy (pre-1.6, non-zip) ``torch.save`` file; torch cannot mmap this format."""
-    root = _torch_load(path, trust_pickle=trust_pickle, mmap=False)
+    root = _torch_load(path, trust_pickle=trust_pickle, mapped=False)
     return Checkpoint(path=path, format="torch-legacy", root=root, trusted_pickle=trust_pickle)
 
 
-def _torch_load(path: Path, *, trust_pickle: bool, mmap: bool) -> object:
+def _check_zip_directory(path: Path) -> None:
+    """Read the zip's central directory (not its data) to name truncation plainly;
+    torch's reader reports a cut archive as "[Errno 22] Invalid argument"."""
     try:
-        with warnings.catch_warnings():
+        with zipfile.ZipFile(path) as archive:
+            size = path.stat().st_size
+            for info in archive.infolist():
+                if info.header_offset + info.compress_size > size:
+                    raise zipfile.BadZipFile(f"entry {info.filename!r} runs past the end")
+    except zipfile.BadZipFile as error:
+        raise InputError(f"{path}: truncated or corrupt zip archive: {error}") from None
+    except (OSError, EOFError, ValueError) as error:
+        raise InputError(f"{path}: truncated or corrupt zip archive: {error}") from None
+
+
+def _torch_load(path: Path, *, trust_pickle: bool, mapped: bool) -> object:
+    # torch.load picks its safetensors reader by the name alone when given a
+    # path ending in ".safetensors"; the content said torch, so hand it an open
+    # file instead. mmap needs a path, so such a misnamed zip is read, not mapped.
+    by_handle = not mapped or path.name.endswith(".safetensors")
+    try:
+        with warnings.catch_warnings(), contextlib.ExitStack() as stack:
             # Legacy files trigger TypedStorage deprecation noise that is
             # torch's internal business, not the user's.
             warnings.simplefilter("ignore", UserWarning)
-            return torch.load(path, map_location="cpu", weights_only=not trust_pickle, mmap=mmap)
+            source = stack.enter_context(open(path, "rb")) if by_handle else path
+            return torch.load(
+                source,
+                map_location="cpu",
+                weights_only=not trust_pickle,
+                mmap=mapped and not by_handle,
+            )
     except pickle.UnpicklingError as error:
         refused = _REFUSAL.search(str(error))
-        if refused and not trust_pickle:
-            culprit = next((g for g in refused.groups() if g), None)
+        if refused and not trust_pickle and _is_real_opcode(refused.group("opcode")):
+            culprit = refused.group(1) or refused.group(2)
             what = f" (it references {culprit})" if culprit else ""
             raise UnsafeCheckpointError(
                 f"{path}: refused: loading needs full unpickling, which can run code "
@@ -88,6 +117,12 @@ def _torch_load(path: Path, *, trust_pickle: bool, mmap: bool) -> object:
         raise InputError(f"{path}: not a readable torch checkpoint: {_reason(error)}") from None
     except Exception as error:  # torch raises RuntimeError, EOFError, ValueError, OSError...
         raise InputError(f"{path}: not a readable torch checkpoint: {_reason(error)}") from None
+
+
+def _is_real_opcode(code: str | None) -> bool:
+    """An opcode the restricted unpickler lacks (protocol 4's FRAME, say) means a real
+    pickle that needs the full one; a byte that is no opcode at all means damage."""
+    return code is None or chr(int(code)) in pickletools.code2op
 
 
 def _reason(error: BaseException) -> str:

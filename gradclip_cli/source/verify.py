@@ -29,7 +29,7 @@ def verify_torch_zip(path: Path) -> None:
             for info in archive.infolist():
                 _check_entry(path, archive, info)
     except zipfile.BadZipFile as error:
-        raise InputError(f"{path}: corrupt zip archive: {error}") from None
+        raise InputError(f"{path}: truncated or corrupt zip archive: {error}") from None
     except (OSError, EOFError, ValueError) as error:
         raise InputError(f"{path}: cannot read zip archive: {error}") from None
 
