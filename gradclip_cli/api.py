@@ -12,7 +12,7 @@ tied to one storage count once and are scaled once.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
@@ -96,7 +96,7 @@ def _total_in_float64(tensors, norm_type, foreach) -> torch.Tensor:
     first = tensors[0].device
     norms = []
     grouped = _group_tensors_by_device_and_dtype([tensors])
-    for (device, _), ([group], _) in grouped.items():
+    for [group], _ in grouped.values():
         if foreach is not False:
             norms.extend(torch._foreach_norm(group, norm_type, dtype=torch.float64))
         else:

@@ -8,12 +8,10 @@ input or unwritable output.
 
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 # torch warns on import when numpy is absent; gradclip never needs numpy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -45,14 +43,17 @@ NormOpt = typer.Option("2", "--norm-type", help="p of the p-norm: any number > 0
 DeviceOpt = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N, mps or auto.")
 FormatOpt = typer.Option("table", "--format", help="table (for people) or json (for scripts).")
 TrustOpt = typer.Option(
-    False, "--trust-pickle", help="Allow full unpickling: runs code from the file. Trusted files only."
+    False, "--trust-pickle",
+    help="Allow full unpickling: runs code from the file. Trusted files only.",
 )
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress display.")
 DebugOpt = typer.Option(False, "--debug", help="Show Python tracebacks on errors.")
 AllowOpt = typer.Option(
     False, "--allow-nonfinite", help="Report NaN/inf gradients without treating them as a finding."
 )
-VerifyOpt = typer.Option(False, "--verify", help="Check every stored checksum before trusting the data.")
+VerifyOpt = typer.Option(
+    False, "--verify", help="Check every stored checksum before trusting the data."
+)
 
 
 @dataclass
@@ -77,7 +78,7 @@ def _load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: 
     if ckpt.trusted_pickle:
         print(f"gradclip: warning: {path}: loaded with --trust-pickle (full unpickling; "
               "code in the file may have run)", file=sys.stderr)
-    selection = select_gradients(ckpt.root, key)
+    selection = select_gradients(ckpt.root, key, path=path)
     all_names = list(selection.tensors)
     all_tensors = list(selection.tensors.values())
     owner = find_ties(all_tensors)
@@ -113,8 +114,9 @@ def _run(body, debug: bool) -> None:
     except (OSError, RuntimeError, ValueError) as error:
         if debug:
             raise
-        print(f"gradclip: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-              " (run with --debug for details)", file=sys.stderr)
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        print(f"gradclip: {type(error).__name__}: {first_line} (run with --debug for details)",
+              file=sys.stderr)
         raise typer.Exit(3) from None
     raise typer.Exit(code)
 
@@ -122,11 +124,11 @@ def _run(body, debug: bool) -> None:
 @app.command()
 def inspect(
     path: Path = typer.Argument(..., help="A torch.save file or a .safetensors file."),
-    key: Optional[str] = KeyOpt,
+    key: str | None = KeyOpt,
     norm_type: str = NormOpt,
     device: str = DeviceOpt,
     format: str = FormatOpt,
-    max_norm: Optional[str] = typer.Option(
+    max_norm: str | None = typer.Option(
         None, "--max-norm", help="Threshold: a total norm above it is a finding (exit 1)."
     ),
     allow_nonfinite: bool = AllowOpt,
@@ -165,17 +167,17 @@ def inspect(
 @app.command()
 def clip(
     path: Path = typer.Argument(..., help="A torch.save file or a .safetensors file."),
-    max_norm: Optional[str] = typer.Option(
+    max_norm: str | None = typer.Option(
         None, "--max-norm", help="Scale gradients so the total norm is at most this."
     ),
-    clip_value: Optional[str] = typer.Option(
+    clip_value: str | None = typer.Option(
         None, "--clip-value", help="Instead: clamp every element to [-V, V]."
     ),
-    output: Optional[Path] = typer.Option(
+    output: Path | None = typer.Option(
         None, "--output", "-o", help="Where to write (default: <stem>.clipped<suffix> beside PATH)."
     ),
     in_place: bool = typer.Option(False, "--in-place", help="Replace PATH itself, atomically."),
-    key: Optional[str] = KeyOpt,
+    key: str | None = KeyOpt,
     norm_type: str = NormOpt,
     device: str = DeviceOpt,
     format: str = FormatOpt,

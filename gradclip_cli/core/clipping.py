@@ -6,7 +6,7 @@ Both follow ``torch.nn.utils.clip_grad``: one fused ``_foreach_*`` call per
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.utils._foreach_utils import (
@@ -40,7 +40,9 @@ def _use_foreach(group: list[torch.Tensor], device: torch.device, foreach: bool 
     return foreach
 
 
-def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool | None = None) -> None:
+def scale_(
+    tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool | None = None
+) -> None:
     """Multiply every tensor in place by the 0-dim tensor ``coef``.
 
     Multiplying by a clamped coefficient, rather than branching on

@@ -5,7 +5,8 @@ tensor. Norms of rows are accumulated in float32 (float64 for float64 tensors)
 over at most ``ROW`` elements, then combined in float64 (see power_sums.py).
 That split is what makes the result accurate: torch's single fp32 reduction
 over a whole tensor has relative error 2.7e-3 on 38M normal values, while
-65,536-element rows combined in float64 give 1.5e-7 (BENCHMARKS.md, accuracy).
+short rows summed with ``sum``'s cascade and combined in float64 stay near
+1e-7 whatever the data (BENCHMARKS.md, accuracy).
 
 Two kernels give the same ``Rows`` and differ only in speed per device:
 
@@ -23,8 +24,8 @@ Neither does any I/O or host-device synchronisation.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch.utils._foreach_utils import _device_has_foreach_support
@@ -83,12 +84,15 @@ def rows_by_foreach(tensors: Sequence[torch.Tensor], norm_type: float) -> Rows:
     norms = None
     if _device_has_foreach_support(device):
         maxima = torch._foreach_norm(chunks, math.inf)
-        if norm_type == 2.0:
+        if norm_type == 2.0 and device.type == "cuda":
+            # CUDA reduces each chunk as a tree: accurate, and one fused kernel.
             norms = torch._foreach_norm(chunks, 2.0, dtype=acc)
         elif not math.isinf(norm_type):
-            # See row_norms: sum |x|**p explicitly, never vector_norm's general-p path.
-            powers = torch._foreach_pow(torch._foreach_abs([c.to(acc) for c in chunks]), norm_type)
-            # Summed in float64: _foreach_norm(.., 1) on CPU loses 4e-6 on widened bf16.
+            # Elsewhere vector_norm accumulates lane by lane (see row_norms):
+            # form |x|**p and sum it in float64 instead.
+            powers = torch._foreach_abs([c.to(acc) for c in chunks])
+            if norm_type != 1.0:
+                torch._foreach_pow_(powers, norm_type)
             norms = [x.sum(dtype=torch.float64).pow(1.0 / norm_type) for x in powers]
     else:
         maxima = [torch.linalg.vector_norm(c, math.inf) for c in chunks]
@@ -111,6 +115,7 @@ def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float) -> Rows:
     # Reused buffers: allocating per block would page-fault on every block.
     wide_buf = torch.empty(max(block_elems, ROW), dtype=acc) if widen else None
     stack_buf = torch.empty(max(block_elems, ROW), dtype=dtype)
+    scratch = torch.empty(max(block_elems, ROW), dtype=acc)
     with_norm = not math.isinf(norm_type)
 
     layout: list[tuple[int, int, int]] = []
@@ -125,7 +130,7 @@ def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float) -> Rows:
         # max |x| = max(max x, -min x): two vectorised passes, no |x| temporary.
         maxima.append(torch.maximum(block.amax(1), block.amin(1).neg()))
         if with_norm:
-            norms.append(row_norms(block, norm_type))
+            norms.append(row_norms(block, norm_type, scratch))
 
     short: dict[int, list[tuple[int, torch.Tensor]]] = {}
     for i, t in enumerate(tensors):
@@ -159,20 +164,24 @@ def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float) -> Rows:
     return _rows(layout, torch.cat(maxima), torch.cat(norms) if with_norm else None, acc)
 
 
-def row_norms(block: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """p-norm of each row of a 2-D block (p finite).
+def row_norms(block: torch.Tensor, norm_type: float, scratch: torch.Tensor | None = None):
+    """p-norm of each row of a 2-D block (p finite), as float64.
 
-    p = 2 uses ``vector_norm`` (6e-8 relative error on 4,096-element fp32
-    rows). Other p sum ``|x| ** p`` explicitly: torch's general-p
-    ``vector_norm`` kernel is 50x less accurate on CPU (3e-6 on the same rows
-    for p = 0.5, against 4e-8 for ``abs().pow(p).sum()``).
+    ``|x| ** p`` is formed in ``scratch`` (cache-resident) and summed with
+    ``sum``, whose cascade summation keeps the relative error near 2e-7 on
+    any 4,096-element fp32 row. ``vector_norm`` accumulates lane by lane: it
+    loses 4e-6 on rows of equal values (p = 2) and 3e-6 on random ones for
+    p = 0.5 (BENCHMARKS.md, accuracy).
     """
+    out = torch.empty(block.shape, dtype=block.dtype) if scratch is None else (
+        scratch[: block.numel()].view(block.shape))
     if norm_type == 2.0:
-        return torch.linalg.vector_norm(block, 2.0, dim=1)
-    powers = block.abs()
-    if norm_type != 1.0:
-        powers = powers.pow_(norm_type)
-    return powers.sum(1).double().pow(1.0 / norm_type)
+        torch.mul(block, block, out=out)
+    else:
+        torch.abs(block, out=out)
+        if norm_type != 1.0:
+            out.pow_(norm_type)
+    return out.sum(1).double().pow(1.0 / norm_type)
 
 
 def full_len(t: torch.Tensor) -> int:

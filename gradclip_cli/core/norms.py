@@ -19,7 +19,7 @@ Rows combine into tensors in float64 (power_sums.py).
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
@@ -76,7 +76,9 @@ def tensor_power_sums(
         for batch in _batches(list(zip(indices, group)), batch_bytes):
             index = [i for i, _ in batch]
             originals = [t for _, t in batch]
-            moved = [t.to(compute_on) for t in originals] if compute_on != group_device else originals
+            moved = originals
+            if compute_on != group_device:
+                moved = [t.to(compute_on) for t in originals]
             rows = _kernel(compute_on, foreach)(moved, norm_type)
             row_parts.append(_finish_rows(rows, originals, norm_type))
             row_owner.append(torch.tensor(index, dtype=torch.int64)[rows.tensor])
@@ -116,7 +118,8 @@ def _finish_rows(rows: Rows, tensors: Sequence[torch.Tensor], norm_type: float) 
     sums = from_rows(norm_type, row_max, row_norm)
     if row_norm is None:
         return sums
-    suspect = torch.isfinite(row_max) & (row_max > 0) & ~_trusted(rows, row_max, row_norm, norm_type)
+    trusted = _trusted(rows, row_max, row_norm, norm_type)
+    suspect = torch.isfinite(row_max) & (row_max > 0) & ~trusted
     if not bool(suspect.any()):
         return sums
     power_sum = sums.power_sum.clone()
@@ -129,9 +132,19 @@ def _finish_rows(rows: Rows, tensors: Sequence[torch.Tensor], norm_type: float) 
 
 
 def _trusted(rows: Rows, row_max, row_norm, norm_type: float) -> torch.Tensor:
+    """Rows whose fast norm is accurate: no overflow, and underflow cannot matter.
+
+    Two ways small numbers lose precision, each bounded to 2**-24 of the row's
+    sum (which is at least ``max ** p``) over its ``n`` elements:
+    terms ``|x| ** p`` that underflow (each is off by at most ``tiny``), and
+    elements that are themselves subnormal (vectorised ``pow`` is not accurate
+    there; each contributes at most ``tiny ** p``).
+    """
     tiny = torch.finfo(rows.acc_dtype).tiny
-    floor = tiny * rows.length.to(F64) * _UNDERFLOW_MARGIN
-    return torch.isfinite(row_norm) & (row_max.pow(norm_type) >= floor)
+    budget = rows.length.to(F64) * _UNDERFLOW_MARGIN
+    terms_ok = row_max.pow(norm_type) >= tiny * budget
+    elements_ok = row_max >= tiny * budget.pow(1.0 / norm_type)
+    return torch.isfinite(row_norm) & terms_ok & elements_ok
 
 
 def exact_power_sum(values: torch.Tensor, scale: float, norm_type: float) -> float:

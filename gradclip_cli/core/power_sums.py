@@ -70,7 +70,7 @@ class PowerSums:
             power_sum = (scale > 0).to(F64)
         else:
             big = scale[index]
-            ratio = torch.where(big > 0, self.scale / big.clamp_min(torch.finfo(F64).tiny), 0.0)
+            ratio = torch.where(big > 0, self.scale / _nonzero(big), 0.0)
             power_sum = torch.zeros(size, dtype=F64).index_add(
                 0, index, self.power_sum * ratio.pow(self.norm_type)
             )
@@ -111,10 +111,18 @@ def from_rows(
     if row_norm is None or math.isinf(norm_type):
         power_sum = (scale > 0).to(F64)
     else:
-        ratio = row_norm.to(F64) / scale.clamp_min(torch.finfo(F64).tiny)
+        ratio = row_norm.to(F64) / _nonzero(scale)
         power_sum = torch.where(scale > 0, ratio.pow(norm_type), 0.0)
     zeros = torch.zeros(row_max.numel(), dtype=torch.int64)
     return PowerSums(norm_type, scale, power_sum, row_max, zeros, zeros, zeros)
+
+
+def _nonzero(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with zeros replaced by 1, for divisions masked where ``x == 0``.
+
+    Not clamp_min(tiny): subnormal scales are real values and must divide as such.
+    """
+    return torch.where(x > 0, x, 1.0)
 
 
 def _count(counts: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:

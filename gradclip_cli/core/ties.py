@@ -8,7 +8,7 @@ name of each tie and reports the others.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

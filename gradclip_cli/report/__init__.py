@@ -2,7 +2,16 @@
 
 from .build import build_inspect_report, verdict
 from .grouping import parse_group_by
-from .model import EXCEEDED, NONFINITE, OK, ClipReport, GroupRow, InspectReport, NonFinite, TensorRow
+from .model import (
+    EXCEEDED,
+    NONFINITE,
+    OK,
+    ClipReport,
+    GroupRow,
+    InspectReport,
+    NonFinite,
+    TensorRow,
+)
 
 __all__ = [
     "EXCEEDED", "NONFINITE", "OK", "ClipReport", "GroupRow", "InspectReport", "NonFinite",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -23,7 +23,9 @@ def _share(norm: float, total: float, p: float) -> float:
     return ratio if math.isinf(p) else ratio**p
 
 
-def verdict(nonfinite: NonFinite, total: float, max_norm: float | None, allow_nonfinite: bool) -> str:
+def verdict(
+    nonfinite: NonFinite, total: float, max_norm: float | None, allow_nonfinite: bool
+) -> str:
     """nonfinite beats exceeded: a NaN total cannot be compared to a threshold."""
     if nonfinite.total and not allow_nonfinite:
         return NONFINITE

@@ -11,7 +11,7 @@ match if the pattern has no group). ``tensor``: one group per tensor.
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import UsageError
 
