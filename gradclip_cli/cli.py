@@ -8,6 +8,7 @@ input or unwritable output.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -108,6 +109,10 @@ def _run(body, debug: bool) -> None:
     except KeyboardInterrupt:
         print("gradclip: interrupted", file=sys.stderr)
         raise typer.Exit(130) from None
+    except BrokenPipeError:
+        # The reader went away (`gradclip ... | head`): stop quietly, as shell tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(141) from None
     except MemoryError:
         print("gradclip: out of memory", file=sys.stderr)
         raise typer.Exit(3) from None
