@@ -1,0 +1,102 @@
+"""Side-by-side timing: contenders alternate within each repetition.
+
+Running A, B, C, A, B, C, ... (rotating who goes first) instead of A x5 then
+B x5 spreads the noise of a shared machine (other processes, CPU frequency,
+page-cache churn) evenly over the contenders, so their medians can be compared.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+
+@dataclass
+class Result:
+    """Seconds per repetition, and the peak RSS in bytes when measured (subprocesses)."""
+
+    name: str
+    seconds: list[float] = field(default_factory=list)
+    peak_rss: list[int] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def max_rss(self) -> int:
+        return max(self.peak_rss) if self.peak_rss else 0
+
+
+def interleaved(
+    contenders: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+) -> dict[str, Result]:
+    """Time each callable ``repeats`` times, alternating them; warm-up runs are not kept.
+
+    The order rotates every repetition, so no contender always runs first
+    (right after another one's allocations) or last.
+    """
+    names = list(contenders)
+    results = {n: Result(n) for n in names}
+    for r in range(warmup + repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            outcome = contenders[name]()
+            elapsed = time.perf_counter() - start
+            if r >= warmup:
+                results[name].seconds.append(elapsed)
+                if isinstance(outcome, int) and outcome > 0:
+                    results[name].peak_rss.append(outcome)
+    return results
+
+
+def run_process(argv: Sequence[str], *, expect: Sequence[int] = (0,)) -> int:
+    """Run a command to completion, output discarded; return its peak RSS in bytes.
+
+    ``os.wait4`` gives this one child's resource usage; ``RUSAGE_CHILDREN``
+    would be the maximum over every child the benchmark ever ran.
+    """
+    proc = subprocess.Popen(
+        list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_quiet_env()
+    )
+    stderr = proc.stderr.read()
+    proc.stderr.close()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode not in expect:
+        raise RuntimeError(
+            f"{' '.join(argv)} exited {proc.returncode}: {stderr.decode(errors='replace')[-2000:]}"
+        )
+    return usage.ru_maxrss * 1024  # kilobytes on Linux
+
+
+def _quiet_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def fmt_seconds(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} µs"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.2f} s"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
