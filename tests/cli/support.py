@@ -1,0 +1,146 @@
+"""Shared helpers for the end-to-end CLI tests: running gradclip, building files, references.
+
+Every number a test compares against comes from :func:`ref_norm` (float64, scaled by the
+largest magnitude so it neither overflows nor underflows), never from gradclip itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import TensorSpec, serialize_file
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLES = REPO / "sample_checkpoints"
+
+INSPECT_KEYS = {
+    "schema", "source", "norm_type", "total_norm", "max_abs", "num_tensors", "num_elements",
+    "nonfinite", "status", "groups", "tensors",
+}  # fmt: skip
+GROUP_KEYS = {"name", "norm", "max_abs", "num_tensors", "num_elements", "nonfinite"}
+TENSOR_KEYS = {"name", "group", "shape", "dtype", "norm", "max_abs", "nonfinite"}
+CLIP_KEYS = {
+    "schema", "source", "output", "norm_type", "max_norm", "total_norm_before", "clip_coef",
+    "total_norm_after", "clipped",
+}  # fmt: skip
+NONFINITE_KEYS = {"nan", "posinf", "neginf"}
+
+
+@dataclass
+class Result:
+    """What a user sees: the exit code and the two streams."""
+
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+    @property
+    def err_lines(self) -> list[str]:
+        return [line for line in self.err.splitlines() if line.strip()]
+
+
+def run_process(*args: object, cwd: Path | None = None, env: dict | None = None) -> Result:
+    """``python -m gradclip_cli ARGS`` in a real process, stdout and stderr piped."""
+    full_env = {**os.environ, **(env or {})}
+    for var in ("FORCE_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE"):
+        full_env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradclip_cli", *map(str, args)],
+        capture_output=True, text=True, cwd=cwd, env=full_env, timeout=120,
+    )  # fmt: skip
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata=None) -> None:
+    """Write with the safetensors library's own numpy-free entry point."""
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    specs = {
+        name: TensorSpec(
+            dtype=str(t.dtype).removeprefix("torch."),
+            shape=list(t.shape),
+            data_ptr=t.data_ptr(),
+            data_len=t.numel() * t.element_size(),
+        )
+        for name, t in tensors.items()
+    }
+    serialize_file(specs, str(path), metadata=metadata)
+
+
+def load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def ref_norm(tensors, p: float) -> float:
+    """The p-norm of all elements as one vector, in float64, scaled by the largest |x|."""
+    flat = [t.detach().to("cpu", torch.float64).reshape(-1) for t in tensors]
+    x = torch.cat(flat).abs() if flat else torch.zeros(0, dtype=torch.float64)
+    if x.numel() == 0:
+        return 0.0
+    top = float(x.max())
+    if math.isinf(p):
+        return top
+    if top == 0.0:
+        return 0.0
+    if p == 1:
+        return math.fsum(x.tolist())
+    return top * float(((x / top) ** p).sum()) ** (1.0 / p)
+
+
+def rel_err(actual: float, expected: float) -> float:
+    if expected == 0:
+        return abs(actual)
+    return abs(actual - expected) / abs(expected)
+
+
+def as_float(value: float | str) -> float:
+    """A JSON number as the contract writes it: non-finite values are strings."""
+    if isinstance(value, str):
+        assert value in ("nan", "inf", "-inf"), value
+        return float(value)
+    assert isinstance(value, (int, float)) and not isinstance(value, bool), value
+    return float(value)
+
+
+def nonfinite_counts(tensors) -> dict[str, int]:
+    counts = {"nan": 0, "posinf": 0, "neginf": 0}
+    for t in tensors:
+        t = t.detach().float()
+        counts["nan"] += int(t.isnan().sum())
+        counts["posinf"] += int((t == math.inf).sum())
+        counts["neginf"] += int((t == -math.inf).sum())
+    return counts
+
+
+def gpt_like_grads(seed: int = 0, layers: int = 3) -> dict[str, torch.Tensor]:
+    """Gradients with real-looking GPT-2 names and different magnitudes per layer."""
+    g = torch.Generator().manual_seed(seed)
+    grads = {
+        "transformer.wte.weight": torch.randn(32, 8, generator=g),
+        "transformer.wpe.weight": torch.randn(8, 8, generator=g) * 0.5,
+    }
+    for i in range(layers):
+        scale = 10.0**i
+        grads[f"transformer.h.{i}.attn.c_attn.weight"] = torch.randn(24, 8, generator=g) * scale
+        grads[f"transformer.h.{i}.attn.c_attn.bias"] = torch.randn(24, generator=g) * scale
+        grads[f"transformer.h.{i}.mlp.c_fc.weight"] = torch.randn(32, 8, generator=g) * scale
+    grads["transformer.ln_f.weight"] = torch.randn(8, generator=g) * 0.1
+    return grads
