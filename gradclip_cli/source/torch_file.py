@@ -79,13 +79,39 @@ def _check_zip_directory(path: Path) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
             size = path.stat().st_size
-            for info in archive.infolist():
-                if info.header_offset + info.compress_size > size:
-                    raise zipfile.BadZipFile(f"entry {info.filename!r} runs past the end")
+            spans = []
+            with open(path, "rb") as raw:
+                for info in archive.infolist():
+                    if info.header_offset + info.compress_size > size:
+                        raise zipfile.BadZipFile(f"entry {info.filename!r} runs past the end")
+                    spans.append((_local_span(raw, info, size), info.filename))
+            # torch's reader trusts the central directory: an entry pointed at
+            # another's bytes would load that data as a tensor, silently.
+            spans.sort()
+            for ((_, end), name), ((begin, _), after) in zip(spans, spans[1:]):
+                if begin < end:
+                    raise zipfile.BadZipFile(f"entries {name!r} and {after!r} overlap")
     except zipfile.BadZipFile as error:
         raise InputError(f"{path}: truncated or corrupt zip archive: {error}") from None
     except (OSError, EOFError, ValueError) as error:
         raise InputError(f"{path}: truncated or corrupt zip archive: {error}") from None
+
+
+def _local_span(raw, info: zipfile.ZipInfo, size: int) -> tuple[int, int]:
+    """The bytes an entry occupies: its local header, name, extra field and data."""
+    raw.seek(info.header_offset)
+    local = raw.read(30)
+    if len(local) < 30 or local[:4] != ZIP_MAGIC:
+        raise zipfile.BadZipFile(f"entry {info.filename!r} has no local header")
+    name_len = int.from_bytes(local[26:28], "little")
+    extra_len = int.from_bytes(local[28:30], "little")
+    name = raw.read(name_len)
+    if name.decode("utf-8", "replace") != info.orig_filename:
+        raise zipfile.BadZipFile(f"entry {info.filename!r} points at another entry's header")
+    end = info.header_offset + 30 + name_len + extra_len + info.compress_size
+    if end > size:
+        raise zipfile.BadZipFile(f"entry {info.filename!r} runs past the end")
+    return info.header_offset, end
 
 
 def _torch_load(path: Path, *, trust_pickle: bool, mapped: bool) -> object:
