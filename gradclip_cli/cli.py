@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,9 +104,13 @@ def _run(body, debug: bool) -> None:
         code = body()
     except GradclipError as error:
         if debug:
-            raise
+            traceback.print_exc()
         print(f"gradclip: {error}", file=sys.stderr)
         raise typer.Exit(error.exit_code) from None
+    except SystemExit:
+        # rich's Console ends the process with SystemExit(1) when stdout is a
+        # closed pipe; that is not a finding.
+        raise typer.Exit(141) from None
     except KeyboardInterrupt:
         print("gradclip: interrupted", file=sys.stderr)
         raise typer.Exit(130) from None
@@ -118,7 +123,7 @@ def _run(body, debug: bool) -> None:
         raise typer.Exit(3) from None
     except (OSError, RuntimeError, ValueError) as error:
         if debug:
-            raise
+            traceback.print_exc()
         first_line = str(error).splitlines()[0] if str(error) else ""
         print(f"gradclip: {type(error).__name__}: {first_line} (run with --debug for details)",
               file=sys.stderr)

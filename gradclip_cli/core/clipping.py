@@ -6,6 +6,7 @@ Both follow ``torch.nn.utils.clip_grad``: one fused ``_foreach_*`` call per
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -52,12 +53,38 @@ def scale_(
         return
     grouped = _group_tensors_by_device_and_dtype([list(tensors)])
     for (device, _), ([group], _) in grouped.items():
-        c = coef.to(device)
-        if _use_foreach(group, device, foreach):
-            torch._foreach_mul_(group, c)
-        else:
-            for t in group:
-                t.mul_(c)
+        for c in _factors(coef):
+            c = c.to(device)
+            if _use_foreach(group, device, foreach):
+                torch._foreach_mul_(group, c)
+            else:
+                for t in group:
+                    t.mul_(c)
+
+
+# Half and float32 tensors multiply in float32, where a coefficient below
+# 2**-126 is subnormal (imprecise) or zero: clipping a 1e38 gradient to 1e-6
+# would zero it. Such coefficients are applied as a few normal factors.
+_SMALLEST_FACTOR = 2.0**-100
+
+
+def _factors(coef: torch.Tensor) -> list[torch.Tensor]:
+    """``coef`` as one factor, or several whose product is ``coef``, each normal in float32.
+
+    Only a CPU coefficient is looked at: reading one from an accelerator would
+    synchronise, and totals there that need it (> 1e38 * max_norm) do not arise.
+    """
+    if coef.device.type != "cpu":
+        return [coef]
+    c = float(coef)
+    if not (0.0 < c < _SMALLEST_FACTOR):
+        return [coef]
+    n = math.ceil(math.log(c) / math.log(_SMALLEST_FACTOR))
+    part = c ** (1.0 / n)
+    rest = c / part ** (n - 1)
+    return [torch.tensor(part, dtype=torch.float64)] * (n - 1) + [
+        torch.tensor(rest, dtype=torch.float64)
+    ]
 
 
 def clamp_(tensors: Sequence[torch.Tensor], clip_value: float, foreach: bool | None = None) -> None:

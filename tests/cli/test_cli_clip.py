@@ -314,12 +314,6 @@ def test_fp16_clip_keeps_fp16_above_fp16_max(gradclip, tmp_path):
     assert ref_norm(out.values(), 2) == pytest.approx(1.0, rel=1e-3)
 
 
-SUBNORMAL_COEF = (
-    "core/clipping.py scale_ multiplies by the float64 coefficient with torch._foreach_mul_, "
-    "which casts it to the tensors' float32 opmath type; below 1.18e-38 (total/max_norm above "
-    "~8.5e37) that is a float32 subnormal with few significant bits (clipped norm off by ~1e-3, "
-    "not 1e-6), and below 7e-46 it is 0 (every gradient zeroed)"
-)
 
 
 @pytest.mark.parametrize(
@@ -327,12 +321,9 @@ SUBNORMAL_COEF = (
     [
         (torch.float32, 1e30, "1"),  # coefficient ~1e-32: a normal float32
         (torch.float32, 1e33, "1e-3"),  # ~7e-38: still normal
-        pytest.param(torch.float32, 1.5e38, "1e-3",  # ~4e-43: a subnormal
-                     marks=pytest.mark.xfail(strict=True, reason=SUBNORMAL_COEF)),
-        pytest.param(torch.float32, 1.5e38, "1e-6",  # ~4e-46: rounds to 0
-                     marks=pytest.mark.xfail(strict=True, reason=SUBNORMAL_COEF)),
-        pytest.param(torch.bfloat16, 1.5e38, "1e-6",
-                     marks=pytest.mark.xfail(strict=True, reason=SUBNORMAL_COEF)),
+        pytest.param(torch.float32, 1.5e38, "1e-3"),  # ~4e-43: a subnormal
+        pytest.param(torch.float32, 1.5e38, "1e-6"),  # ~4e-46: rounds to 0
+        pytest.param(torch.bfloat16, 1.5e38, "1e-6"),
     ],
 )  # fmt: skip
 def test_clip_huge_gradients_to_a_small_norm(gradclip, tmp_path, dtype, scale, max_norm):

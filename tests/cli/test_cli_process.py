@@ -94,11 +94,6 @@ def test_console_script_is_the_same_command(tmp_path):
     assert json.loads(proc.stdout)["status"] == "exceeded"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli.py _run re-raises GradclipError when --debug is given, so the process dies "
-    "with Python's status 1 (a 'finding') instead of the contract's 2 or 3",
-)
 def test_debug_keeps_exit_codes(tmp_path):
     result = run_process("inspect", tmp_path / "missing.pt", "--debug")
     assert "Traceback" in result.err  # --debug shows it...
@@ -115,12 +110,7 @@ def many_tensors(tmp_path) -> Path:
     "fmt",
     [
         "json",
-        pytest.param("table", marks=pytest.mark.xfail(
-            strict=True,
-            reason="format/table.py prints through rich, whose Console handles a closed "
-            "stdout itself with SystemExit(1) before cli.py's BrokenPipeError handler sees "
-            "it: `gradclip inspect big.pt | head` exits 1, the 'finding' status",
-        )),
+        "table",
     ],
 )  # fmt: skip
 def test_reader_closing_the_pipe_is_not_a_finding(tmp_path, fmt):
