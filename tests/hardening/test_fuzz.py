@@ -1,0 +1,187 @@
+"""Fuzzing ``gradclip inspect --format json`` with mutated checkpoints.
+
+Invariant for every case: exit 0 or 1 with parseable JSON on stdout, or exit 3
+with exactly one line on stderr naming the file. Never a traceback, never
+another exit code.
+
+CI runs ``GRADCLIP_FUZZ_EXAMPLES`` (default 100) examples per format and
+mutation strategy. A release run uses more, e.g.::
+
+    GRADCLIP_FUZZ_EXAMPLES=5000 .venv/bin/pytest tests/hardening/test_fuzz.py -p no:randomly
+
+The base files are tiny (a few KiB), so each example costs a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.cli.support import save_safetensors
+
+from .support import assert_clean_inspect, run_cli
+
+EXAMPLES = int(os.environ.get("GRADCLIP_FUZZ_EXAMPLES", "100"))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+_DIR = Path(tempfile.mkdtemp(prefix="gradclip-fuzz-"))
+
+
+def _grads() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "layer.0.w": torch.randn(6, 5, generator=g),
+        "layer.0.b": torch.randn(5, generator=g).half(),
+        "layer.1.w": torch.randn(3, 4, generator=g).double(),
+        "emb": torch.randn(2, 3, generator=g).bfloat16(),
+    }
+
+
+def _base(kind: str) -> bytes:
+    path = _DIR / f"base-{kind}"
+    if kind == "zip":
+        torch.save({"grads": _grads(), "step": 7}, path)
+    elif kind == "legacy":
+        torch.save({"grads": _grads(), "step": 7}, path, _use_new_zipfile_serialization=False)
+    else:
+        save_safetensors(path, _grads(), metadata={"step": "7"})
+    return path.read_bytes()
+
+
+BASES = {kind: _base(kind) for kind in ("zip", "legacy", "safetensors")}
+SUFFIX = {"zip": ".pt", "legacy": ".pt", "safetensors": ".safetensors"}
+COUNTS: dict[str, int] = {}
+
+
+def _check(kind: str, data: bytes, label: str) -> None:
+    COUNTS[label] = COUNTS.get(label, 0) + 1
+    fd, name = tempfile.mkstemp(suffix=SUFFIX[kind], dir=_DIR)
+    path = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        assert_clean_inspect(run_cli("inspect", path, "--format", "json", "-q"), path)
+    finally:
+        path.unlink()
+
+
+def _mutations(size: int):
+    truncate = st.integers(0, size - 1).map(lambda n: ("truncate", n, 0))
+    flip = st.tuples(st.just("flip"), st.integers(0, size - 1), st.integers(0, 7))
+    write = st.tuples(st.just("byte"), st.integers(0, size - 1), st.integers(0, 255))
+    return st.lists(st.one_of(truncate, flip, write), min_size=1, max_size=4)
+
+
+def _apply(data: bytes, mutations) -> bytes:
+    raw = bytearray(data)
+    for op, at, arg in mutations:
+        if at >= len(raw):
+            continue
+        if op == "truncate":
+            del raw[at:]
+        elif op == "flip":
+            raw[at] ^= 1 << arg
+        else:
+            raw[at] = arg
+    return bytes(raw)
+
+
+@pytest.mark.parametrize("kind", list(BASES))
+def test_fuzz_bytes(kind):
+    @FUZZ
+    @given(mutations=_mutations(len(BASES[kind])))
+    def run(mutations):
+        _check(kind, _apply(BASES[kind], mutations), f"bytes-{kind}")
+
+    run()
+
+
+def _header_window(kind: str) -> int:
+    """Where the structure lives: safetensors header, or a zip's local headers + pickle."""
+    if kind == "safetensors":
+        return 8 + struct.unpack("<Q", BASES[kind][:8])[0]
+    return min(len(BASES[kind]), 600)
+
+
+@pytest.mark.parametrize("kind", list(BASES))
+def test_fuzz_header_bytes(kind):
+    """Mutations concentrated on the first bytes: the pickle / header, where parsing happens."""
+
+    @FUZZ
+    @given(mutations=_mutations(_header_window(kind)))
+    def run(mutations):
+        _check(kind, _apply(BASES[kind], mutations), f"header-{kind}")
+
+    run()
+
+
+@pytest.mark.parametrize("kind", ["zip"])
+def test_fuzz_zip_tail(kind):
+    """Mutations in the central directory and end record (the last ~400 bytes)."""
+    size = len(BASES[kind])
+    tail = 400
+
+    @FUZZ
+    @given(mutations=_mutations(tail))
+    def run(mutations):
+        shifted = [(op, size - tail + at, arg) for op, at, arg in mutations]
+        _check(kind, _apply(BASES[kind], shifted), "tail-zip")
+
+    run()
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                 max_size=3),
+    max_leaves=6,
+)
+
+
+@pytest.mark.parametrize("kind", ["safetensors"])
+def test_fuzz_safetensors_json_fields(kind):
+    """Edit fields of the parsed JSON header, re-encode, keep the buffer."""
+    size = struct.unpack("<Q", BASES[kind][:8])[0]
+    header = json.loads(BASES[kind][8 : 8 + size])
+    buffer = BASES[kind][8 + size :]
+    names = sorted(header)
+
+    @FUZZ
+    @given(
+        name=st.sampled_from(names),
+        field=st.sampled_from(["dtype", "shape", "data_offsets", "__new__"]),
+        value=_JSON_VALUES
+        | st.lists(st.integers(-5, 2**64), max_size=3)
+        | st.sampled_from(["F32", "F16", "BF16", "F64", "I64", "BOOL", "F4", "U8", "X"]),
+        drop_buffer=st.integers(0, 16),
+    )
+    def run(name, field, value, drop_buffer):
+        edited = json.loads(json.dumps(header))
+        if name == "__metadata__":
+            edited[name] = value
+        else:
+            edited[name][field] = value
+        text = json.dumps(edited).encode()
+        data = struct.pack("<Q", len(text)) + text + buffer[: len(buffer) - drop_buffer]
+        _check(kind, data, "json-safetensors")
+
+    run()
+
+
+def test_report_counts():
+    """Prints how many cases ran (``-s`` to see); the other fuzz tests ran first."""
+    print("\nfuzz cases:", json.dumps(COUNTS, sort_keys=True), "total", sum(COUNTS.values()))
+    assert all(count >= 1 for count in COUNTS.values())
