@@ -93,7 +93,9 @@ def _check_zip_directory(path: Path) -> None:
                     raise zipfile.BadZipFile(f"entries {name!r} and {after!r} overlap")
     except zipfile.BadZipFile as error:
         raise InputError(f"{path}: truncated or corrupt zip archive: {error}") from None
-    except (OSError, EOFError, ValueError) as error:
+    except (OSError, EOFError, ValueError, NotImplementedError) as error:
+        # NotImplementedError: zipfile's "zip file version 6.4" for a damaged
+        # version-needed field, or a compression method it lacks.
         raise InputError(f"{path}: truncated or corrupt zip archive: {error}") from None
 
 

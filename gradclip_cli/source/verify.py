@@ -30,7 +30,7 @@ def verify_torch_zip(path: Path) -> None:
                 _check_entry(path, archive, info)
     except zipfile.BadZipFile as error:
         raise InputError(f"{path}: truncated or corrupt zip archive: {error}") from None
-    except (OSError, EOFError, ValueError) as error:
+    except (OSError, EOFError, ValueError, NotImplementedError) as error:
         raise InputError(f"{path}: cannot read zip archive: {error}") from None
 
 
