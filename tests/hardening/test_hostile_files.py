@@ -256,13 +256,19 @@ def _zip_surgery(kind: str, raw: bytearray) -> None:
     elif kind == "eocd-cd-offset-lies":
         eocd = raw.rindex(b"PK\x05\x06")
         _edit(raw, eocd + 16, "<I", 3)
+    elif kind == "cd-version-needed-6.4":  # zipfile raised NotImplementedError (fuzz find)
+        _edit(raw, cd_data + 6, "<H", 64)
+    elif kind == "cd-compression-method-99":
+        _edit(raw, cd_data + 10, "<H", 99)
+        _edit(raw, local_data + 8, "<H", 99)
     else:
         raise AssertionError(kind)
 
 
 ZIP_LIES = ["cd-size-bigger", "cd-size-smaller", "cd-size-huge", "cd-offset-overlap",
             "cd-offset-past-end", "local-size-lies", "local-name-length-lies",
-            "eocd-count-lies", "eocd-cd-offset-lies"]
+            "eocd-count-lies", "eocd-cd-offset-lies", "cd-version-needed-6.4",
+            "cd-compression-method-99"]
 
 
 @pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
