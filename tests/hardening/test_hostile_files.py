@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import builtins
 import os
-import pickle
 import struct
 import subprocess
 import sys
@@ -220,7 +219,8 @@ def _central_entry(raw: bytes, name: bytes) -> int:
 
 
 def _local_entry(raw: bytes, name: bytes) -> int:
-    return struct.unpack("<I", raw[_central_entry(raw, name) + 42 : _central_entry(raw, name) + 46])[0]
+    at = _central_entry(raw, name) + 42
+    return struct.unpack("<I", raw[at : at + 4])[0]
 
 
 def _edit(raw: bytearray, offset: int, fmt: str, value: int) -> None:
