@@ -29,6 +29,7 @@ from .progress import Steps, progress_steps  # noqa: E402
 from .report import OK, ClipReport, NonFinite, build_inspect_report, parse_group_by  # noqa: E402
 from .sink import write_checkpoint  # noqa: E402
 from .source import Checkpoint, load_checkpoint, select_gradients  # noqa: E402
+from .source.pages import PageReleaser  # noqa: E402
 
 app = typer.Typer(
     add_completion=False,
@@ -93,9 +94,20 @@ def _load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: 
                   [all_tensors[i] for i in keep], ties, list(selection.skipped))
 
 
-def _measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label: str):
-    steps.begin(label, total=sum(t.numel() * t.element_size() for t in loaded.tensors))
-    return tensor_power_sums(loaded.tensors, p, device=device, on_progress=steps.advance)
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label: str,
+             release: PageReleaser | None = None):
+    steps.begin(label, total=_nbytes(loaded.tensors))
+
+    def done(batch) -> None:
+        steps.advance(_nbytes(batch))
+        if release is not None:
+            release.release(batch)
+
+    return tensor_power_sums(loaded.tensors, p, device=device, on_batch=done)
 
 
 def _run(body, debug: bool) -> None:
@@ -161,7 +173,10 @@ def inspect(
         rule = parse_group_by(group_by)
         with progress_steps(quiet) as steps:
             loaded = _load(path, key, trust_pickle, verify, steps)
-            sums = _measure(loaded, p, dev, steps, "computing norms")
+            # inspect never writes a tensor, so pages read can go back at once:
+            # resident memory stays flat whatever the file's size.
+            release = PageReleaser(path)
+            sums = _measure(loaded, p, dev, steps, "computing norms", release)
         report = build_inspect_report(
             names=loaded.names, tensors=loaded.tensors, sums=sums, ties=loaded.ties,
             group_rule=rule, source=str(path), format=loaded.checkpoint.format,

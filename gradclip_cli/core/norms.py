@@ -42,7 +42,7 @@ def tensor_power_sums(
     device: torch.device | str | None = None,
     foreach: bool | None = None,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
-    on_progress: Callable[[int], None] | None = None,
+    on_batch: Callable[[Sequence[torch.Tensor]], None] | None = None,
 ) -> PowerSums:
     """Norm summaries of each tensor, in input order.
 
@@ -56,7 +56,8 @@ def tensor_power_sums(
             None picks the faster one for the device (CPU: 2-D row views).
         batch_bytes: tensors are processed (and moved) in batches of about
             this many bytes.
-        on_progress: called with the bytes of each batch once it is done.
+        on_batch: called with each batch's input tensors once they are done
+            (progress display; releasing the memory of mapped files).
     """
     norm_type = float(norm_type)
     if not norm_type > 0:
@@ -82,8 +83,8 @@ def tensor_power_sums(
             rows = _kernel(compute_on, foreach)(moved, norm_type)
             row_parts.append(_finish_rows(rows, originals, norm_type))
             row_owner.append(torch.tensor(index, dtype=torch.int64)[rows.tensor])
-            if on_progress is not None:
-                on_progress(sum(t.numel() * t.element_size() for t in originals))
+            if on_batch is not None:
+                on_batch(originals)
 
     rows_all = _concat(norm_type, row_parts)
     per_tensor = rows_all.reduce(torch.cat(row_owner), n)

@@ -176,8 +176,8 @@ def test_no_tensors_and_bad_norm_type():
 def test_batches_and_progress_cover_every_byte():
     ts = make([1000, 2000, 3000], torch.float32, 0.0, 4)
     seen = []
-    sums = tensor_power_sums(ts, 2, batch_bytes=5000, on_progress=seen.append)
-    assert sum(seen) == sum(t.numel() * 4 for t in ts) and len(seen) > 1
+    sums = tensor_power_sums(ts, 2, batch_bytes=5000, on_batch=seen.append)
+    assert [t for batch in seen for t in batch] == ts and len(seen) > 1
     assert rel_err(float(sums.total().norm[0]), norm(ts, 2)) <= TOL
 
 
