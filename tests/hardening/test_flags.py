@@ -89,8 +89,10 @@ def test_top_zero_shows_no_tensor_rows(ckpt):
     assert result.code == 0 and result.err == ""
 
 
-@pytest.mark.parametrize("device", ["tpu", "gpu", "cuda:abc", "cuda:-1", "", "cpu:0:1",
-                                    "xla", "meta", "cuda:99", "mps:7"])
+@pytest.mark.parametrize(
+    "device",
+    ["tpu", "gpu", "cuda:abc", "cuda:-1", "", "cpu:0:1", "xla", "meta", "cuda:99", "mps:7"],
+)
 @pytest.mark.parametrize("command", ["inspect", "clip"])
 def test_unknown_devices(tmp_path, ckpt, command, device):
     extra = ["--max-norm", "1", "-o", tmp_path / "out.pt"] if command == "clip" else []

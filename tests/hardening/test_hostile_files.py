@@ -86,7 +86,7 @@ def _opcode_pickles(marker: Path) -> dict[str, bytes]:
     return {
         # GLOBAL subprocess.Popen, list argument, REDUCE
         "popen-protocol0": f"csubprocess\nPopen\n((lp0\nS'touch'\naS'{m}'\natR.".encode(),
-        "eval-protocol0": f"cbuiltins\neval\n(S\"{touch}\"\ntR.".encode(),
+        "eval-protocol0": f'cbuiltins\neval\n(S"{touch}"\ntR.'.encode(),
         # A name that looks like torch's rebuild function, from another module.
         "rebuild-lookalike-os": f"cos\n_rebuild_tensor_v2\n(S'touch {m}'\ntR.".encode(),
         "rebuild-lookalike-main": b"c__main__\n_rebuild_tensor_v2\n(tR.",
@@ -112,8 +112,16 @@ def test_hand_written_pickles_never_run(tmp_path, name):
     _no_payload_ran(marker)
 
 
-@pytest.mark.parametrize("name", ["popen-protocol0", "eval-protocol0", "rebuild-lookalike-os",
-                                  "allowed-global-chain", "dict-wrapped"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "popen-protocol0",
+        "eval-protocol0",
+        "rebuild-lookalike-os",
+        "allowed-global-chain",
+        "dict-wrapped",
+    ],
+)
 def test_payload_swapped_into_a_valid_zip(tmp_path, name):
     """An otherwise valid checkpoint whose data.pkl is replaced by a payload."""
     marker = tmp_path / "PWNED"
@@ -168,8 +176,14 @@ def _long(n: int) -> bytes:
         lambda b: b.replace(NUMEL_1000, b"K\x0a"),  # storage says 10 elements
         lambda b: b.replace(NUMEL_1000, _long(10**12)),  # storage says 1e12 elements
     ],
-    ids=["shape-1e14", "shape-overflow", "shape-negative", "shape-past-storage",
-         "numel-small", "numel-1e12"],
+    ids=[
+        "shape-1e14",
+        "shape-overflow",
+        "shape-negative",
+        "shape-past-storage",
+        "numel-small",
+        "numel-1e12",
+    ],
 )
 def test_lying_sizes_in_data_pkl(tmp_path, good_zip, edit):
     path = tmp_path / "lie.pt"
@@ -265,10 +279,19 @@ def _zip_surgery(kind: str, raw: bytearray) -> None:
         raise AssertionError(kind)
 
 
-ZIP_LIES = ["cd-size-bigger", "cd-size-smaller", "cd-size-huge", "cd-offset-overlap",
-            "cd-offset-past-end", "local-size-lies", "local-name-length-lies",
-            "eocd-count-lies", "eocd-cd-offset-lies", "cd-version-needed-6.4",
-            "cd-compression-method-99"]
+ZIP_LIES = [
+    "cd-size-bigger",
+    "cd-size-smaller",
+    "cd-size-huge",
+    "cd-offset-overlap",
+    "cd-offset-past-end",
+    "local-size-lies",
+    "local-name-length-lies",
+    "eocd-count-lies",
+    "eocd-cd-offset-lies",
+    "cd-version-needed-6.4",
+    "cd-compression-method-99",
+]
 
 
 @pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
@@ -286,7 +309,9 @@ def test_zip_headers_that_lie(tmp_path, good_zip, kind, verify):
 
         doc = json.loads(result.out)
         assert (doc["num_elements"], round(doc["total_norm"], 6)) == (1000, round(1000**0.5, 6)), (
-            kind, doc)
+            kind,
+            doc,
+        )
     else:
         assert_refused(result, path)
 
@@ -300,16 +325,22 @@ SAFETENSORS_LIES = {
     "same-bytes-twice": ({"a": f32(0, 2), "b": f32(0, 2)}, bytes(8)),
     "absurd-1e15-offsets": (
         {"a": {"dtype": "F32", "shape": [250_000_000_000_000], "data_offsets": [0, 10**15]}},
-        bytes(16)),
+        bytes(16),
+    ),
     "absurd-shape-small-offsets": (
-        {"a": {"dtype": "F32", "shape": [10**15], "data_offsets": [0, 16]}}, bytes(16)),
+        {"a": {"dtype": "F32", "shape": [10**15], "data_offsets": [0, 16]}},
+        bytes(16),
+    ),
     "shape-product-overflows-int64": (
-        {"a": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 16]}}, bytes(16)),
+        {"a": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 16]}},
+        bytes(16),
+    ),
     "offsets-reversed": ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}, bytes(8)),
-    "offsets-float": ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0.0, 4.0]}},
-                      bytes(4)),
-    "offsets-2**64": ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [2**64, 2**64 + 4]}},
-                      bytes(4)),
+    "offsets-float": ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0.0, 4.0]}}, bytes(4)),
+    "offsets-2**64": (
+        {"a": {"dtype": "F32", "shape": [1], "data_offsets": [2**64, 2**64 + 4]}},
+        bytes(4),
+    ),
 }
 
 
@@ -332,8 +363,9 @@ def test_huge_declarations_stay_small_in_memory(tmp_path, good_zip):
     rewrite_zip(good_zip, lie, {"data.pkl": lambda b: b.replace(NUMEL_1000, _long(10**12))})
     cases.append(lie)
     lie2 = tmp_path / "lie2.pt"
-    rewrite_zip(good_zip, lie2,
-                {"data.pkl": lambda b: b.replace(SHAPE_10x100, _long(10**12) + b"Kd\x86")})
+    rewrite_zip(
+        good_zip, lie2, {"data.pkl": lambda b: b.replace(SHAPE_10x100, _long(10**12) + b"Kd\x86")}
+    )
     cases.append(lie2)
     st = tmp_path / "lie.safetensors"
     st.write_bytes(safetensors_bytes(*SAFETENSORS_LIES["absurd-1e15-offsets"]))
@@ -347,8 +379,9 @@ def test_huge_declarations_stay_small_in_memory(tmp_path, good_zip):
         "print(code, peak)\n"
     )
     for path in cases:
-        proc = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
-                              text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60
+        )
         code, peak_kib = proc.stdout.splitlines()[-1].split()
         assert int(code) in (0, 3), proc.stderr
         assert int(peak_kib) < 2 * 1024 * 1024, f"{path.name}: peak RSS {peak_kib} KiB"

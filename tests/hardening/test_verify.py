@@ -102,8 +102,13 @@ def test_verify_cost_on_200mb(tmp_path):
     g = torch.Generator().manual_seed(0)
     torch.save({"grads": {f"w{i}": torch.randn(5_000_000, generator=g) for i in range(10)}}, path)
     print(f"\nfile: {path.stat().st_size / 1e6:.0f} MB")
-    for label, extra in [("warm-up", []), ("plain", []), ("verify", ["--verify"]),
-                         ("plain", []), ("verify", ["--verify"])]:
+    for label, extra in [
+        ("warm-up", []),
+        ("plain", []),
+        ("verify", ["--verify"]),
+        ("plain", []),
+        ("verify", ["--verify"]),
+    ]:
         start = time.perf_counter()
         assert run_cli("inspect", path, "-q", "--format", "json", *extra).code == 0
         print(f"{label:8s} {time.perf_counter() - start:.2f} s")
