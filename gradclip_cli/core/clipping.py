@@ -88,15 +88,20 @@ def _factors(coef: torch.Tensor) -> list[torch.Tensor]:
 
 
 def clamp_(tensors: Sequence[torch.Tensor], clip_value: float, foreach: bool | None = None) -> None:
-    """Clamp every element of every tensor to ``[-clip_value, clip_value]`` in place."""
+    """Clamp every element of every tensor to ``[-clip_value, clip_value]`` in place.
+
+    A bound beyond a dtype's range is that dtype's largest finite value (torch
+    refuses a scalar it cannot represent): finite elements are left alone and
+    infinities become the largest finite value, the nearest to the bound.
+    """
     if not tensors:
         return
-    clip_value = float(clip_value)
     grouped = _group_tensors_by_device_and_dtype([list(tensors)])
-    for (device, _), ([group], _) in grouped.items():
+    for (device, dtype), ([group], _) in grouped.items():
+        bound = min(float(clip_value), torch.finfo(dtype).max)
         if _use_foreach(group, device, foreach):
-            torch._foreach_clamp_min_(group, -clip_value)
-            torch._foreach_clamp_max_(group, clip_value)
+            torch._foreach_clamp_min_(group, -bound)
+            torch._foreach_clamp_max_(group, bound)
         else:
             for t in group:
-                t.clamp_(min=-clip_value, max=clip_value)
+                t.clamp_(min=-bound, max=bound)
