@@ -1,4 +1,4 @@
-"""Issue 3, target 6: peak memory of ``gradclip inspect`` on a checkpoint bigger than it should hold.
+"""Issue 3, target 6: peak memory of ``gradclip inspect`` on a big checkpoint.
 
 The checkpoint is shaped like a 3B-parameter Llama in bfloat16 (6.4 GB; the
 largest tensor, the embedding, is 788 MB). The target is peak RSS <= 300 MB

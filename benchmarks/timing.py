@@ -8,11 +8,16 @@ page-cache churn) evenly over the contenders, so their medians can be compared.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+# GNU time, to measure a child's peak RSS (see run_process); absent: RSS not reported.
+TIME = shutil.which("time", path="/usr/bin:/bin")
 
 
 @dataclass
@@ -58,21 +63,21 @@ def interleaved(
 def run_process(argv: Sequence[str], *, expect: Sequence[int] = (0,)) -> int:
     """Run a command to completion, output discarded; return its peak RSS in bytes.
 
-    ``os.wait4`` gives this one child's resource usage; ``RUSAGE_CHILDREN``
-    would be the maximum over every child the benchmark ever ran.
+    The command runs under ``/usr/bin/time``, which forks it from its own
+    small process. Measuring our own child directly would be wrong: Linux
+    carries a process's RSS high-water mark across ``exec``, and subprocess
+    forks (or vforks) from this benchmark process, so every child would
+    report at least this process's peak (1.2 GiB after the core benchmark).
     """
-    proc = subprocess.Popen(
-        list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_quiet_env()
-    )
-    stderr = proc.stderr.read()
-    proc.stderr.close()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode not in expect:
-        raise RuntimeError(
-            f"{' '.join(argv)} exited {proc.returncode}: {stderr.decode(errors='replace')[-2000:]}"
-        )
-    return usage.ru_maxrss * 1024  # kilobytes on Linux
+    with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
+        wrapped = [TIME, "-f", "%M", "-o", rss.name, *argv] if TIME else list(argv)
+        proc = subprocess.run(wrapped, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              env=_quiet_env())
+        if proc.returncode not in expect:
+            raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: "
+                               f"{proc.stderr.decode(errors='replace')[-2000:]}")
+        text = rss.read().strip().splitlines()
+    return int(text[-1]) * 1024 if text else 0  # kilobytes on Linux
 
 
 def _quiet_env() -> dict[str, str]:
