@@ -11,6 +11,7 @@ runs; files of 1 GiB or more are deleted at the end unless --keep-data.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import subprocess
 import sys
@@ -37,8 +38,16 @@ def machine() -> str:
         model = platform.processor() or "unknown CPU"
     with open("/proc/meminfo") as f:
         mem_kb = int(f.readline().split()[1])
-    load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
-    return (f"{model}, {__import__('os').cpu_count()} CPUs, {mem_kb / (1 << 20):.0f} GiB RAM; "
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "gradclip_cli"],
+                               capture_output=True, text=True).stdout.strip()
+    except OSError:
+        head, dirty = "unknown", ""
+    code = f"gradclip at {head}" + (" (+ uncommitted changes in gradclip_cli/)" if dirty else "")
+    return (f"{code}; {model}, {os.cpu_count()} CPUs, {mem_kb / (1 << 20):.0f} GiB RAM; "
             f"torch {torch.__version__} ({torch.get_num_threads()} threads); "
             f"Python {platform.python_version()}; load average at start {load}")
 
