@@ -12,8 +12,9 @@ from .grouping import GroupRule
 from .model import EXCEEDED, NONFINITE, OK, GroupRow, InspectReport, NonFinite, TensorRow
 
 
-def _nonfinite(sums: PowerSums, i: int) -> NonFinite:
-    return NonFinite(int(sums.nan[i]), int(sums.posinf[i]), int(sums.neginf[i]))
+def _nonfinite_all(sums: PowerSums) -> list[NonFinite]:
+    return [NonFinite(*counts) for counts in zip(sums.nan.tolist(), sums.posinf.tolist(),
+                                                 sums.neginf.tolist())]
 
 
 def _share(norm: float, total: float, p: float) -> float:
@@ -59,8 +60,11 @@ def build_inspect_report(
     groups = sums.reduce(group_index, len(order))
     total = sums.total()
     total_norm = float(total.norm[0])
+    # Whole columns at once: indexing tensors element by element is slow at
+    # 20,000 tensors, and ``norm`` is computed on every access.
     norms = sums.norm.tolist()
     maxes = sums.max_abs.tolist()
+    counts = _nonfinite_all(sums)
 
     tensor_rows = [
         TensorRow(
@@ -71,31 +75,34 @@ def build_inspect_report(
             num_elements=tensors[i].numel(),
             norm=norms[i],
             max_abs=maxes[i],
-            nonfinite=_nonfinite(sums, i),
+            nonfinite=counts[i],
             tied=tuple(ties.get(name, ())),
         )
         for i, name in enumerate(names)
     ]
-    counts = [0] * len(order)
+    members = [0] * len(order)
     elements = [0] * len(order)
     for g, row in zip(group_index.tolist(), tensor_rows):
-        counts[g] += 1
+        members[g] += 1
         elements[g] += row.num_elements
+    group_norms = groups.norm.tolist()
+    group_maxes = groups.max_abs.tolist()
+    group_counts = _nonfinite_all(groups)
     group_rows = []
     for g, name in enumerate(order):
-        norm = float(groups.norm[g])
+        norm = group_norms[g]
         group_rows.append(
             GroupRow(
                 name=name,
                 norm=norm,
                 share=_share(norm, total_norm, p),
-                max_abs=float(groups.max_abs[g]),
-                num_tensors=counts[g],
+                max_abs=group_maxes[g],
+                num_tensors=members[g],
                 num_elements=elements[g],
-                nonfinite=_nonfinite(groups, g),
+                nonfinite=group_counts[g],
             )
         )
-    nonfinite = _nonfinite(total, 0)
+    nonfinite = _nonfinite_all(total)[0]
     return InspectReport(
         source=source,
         format=format,
