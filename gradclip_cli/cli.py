@@ -98,6 +98,11 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+# torch's intra-op threads become gradclip's own workers (see tensor_power_sums).
+WORKERS = torch.get_num_threads()
+torch.set_num_threads(1)
+
+
 def _measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label: str,
              release: PageReleaser | None = None):
     steps.begin(label, total=_nbytes(loaded.tensors))
@@ -107,7 +112,7 @@ def _measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label
         if release is not None:
             release.release(batch)
 
-    return tensor_power_sums(loaded.tensors, p, device=device, on_batch=done)
+    return tensor_power_sums(loaded.tensors, p, device=device, on_batch=done, workers=WORKERS)
 
 
 def _run(body, debug: bool) -> None:

@@ -1,21 +1,20 @@
 """Fast first pass: ``max |x|`` and a p-norm for every row of every tensor.
 
-A *row* is a run of at most ``ROW`` consecutive elements of one flattened
-tensor. Norms of rows are accumulated in float32 (float64 for float64 tensors)
-over at most ``ROW`` elements, then combined in float64 (see power_sums.py).
-That split is what makes the result accurate: torch's single fp32 reduction
-over a whole tensor has relative error 2.7e-3 on 38M normal values, while
-short rows summed with ``sum``'s cascade and combined in float64 stay near
-1e-7 whatever the data (BENCHMARKS.md, accuracy).
+A *row* is a run of consecutive elements of one flattened tensor. Its power
+sum is accumulated in float32 (float64 for float64 tensors) with ``sum``'s
+cascade summation, then rows are combined in float64 (power_sums.py). That
+split is what makes the result accurate: torch's single fp32 reduction over
+a whole tensor has relative error 2.7e-3 on 38M normal values, while these
+stay near 1e-7 whatever the data (BENCHMARKS.md, accuracy).
 
 Two kernels give the same ``Rows`` and differ only in speed per device:
 
-* ``rows_on_cpu``: 2-D views reduced along dim 1 in cache-sized blocks.
-  Each block is read from memory once; the max and norm passes hit L2. Half
-  types are widened into a reused float32 buffer block by block, which is
-  about 5x faster than ``vector_norm(..., dtype=torch.float32)`` on CPU.
-* ``rows_by_foreach``: one ``torch._foreach_norm`` call per group for the
-  maxima and one for the norms, over views of the rows (fused kernels on CUDA,
+* ``rows_on_cpu``: rows of up to ``CHUNK`` elements (1 MiB of float32), each
+  read from memory once, its later passes hitting cache; small tensors are
+  stacked, one row each. Half types are widened into a reused float32 buffer
+  row by row, many times faster than ``vector_norm(..., dtype=torch.float32)``.
+* ``rows_by_foreach``: rows of ``ROW`` elements; one ``torch._foreach_norm``
+  call per group for the maxima and one for the norms (fused kernels on CUDA,
   as ``torch.nn.utils.clip_grad`` uses).
 
 Neither does any I/O or host-device synchronisation.
@@ -25,13 +24,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch.utils._foreach_utils import _device_has_foreach_support
 
+# Rows of the foreach kernel (a fused _foreach_norm call per group).
 ROW = 1 << 12
-BLOCK_BYTES = 1 << 20
+# Pieces of the CPU kernel: 1 MiB of float32, which stays in L2 between passes.
+CHUNK = 1 << 18
+# Tensors below this many elements are stacked with others of their size.
+SMALL = 1 << 14
 
 
 @dataclass
@@ -106,88 +110,130 @@ def rows_by_foreach(tensors: Sequence[torch.Tensor], norm_type: float) -> Rows:
     )
 
 
-def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float) -> Rows:
-    """Row maxima and norms from 2-D views, one cache-sized block at a time."""
+def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float, workers: int = 1) -> Rows:
+    """Maxima and norms of cache-sized pieces, each read from memory once.
+
+    A tensor of at least ``SMALL`` elements is cut into runs of ``CHUNK``
+    elements, each one row: ``aminmax`` reads it into cache, and the power
+    sum's passes then hit cache. Smaller tensors of equal size are stacked into
+    blocks, one row per tensor, so 20,000 small tensors cost a few hundred
+    reductions. ``workers`` > 1 spreads the pieces over that many threads
+    (torch releases the GIL in each op).
+    """
     dtype = tensors[0].dtype
     acc = accumulation_dtype(dtype)
-    widen = dtype != acc
-    block_elems = BLOCK_BYTES // torch.finfo(acc).bits * 8
-    # Reused buffers: allocating per block would page-fault on every block.
-    wide_buf = torch.empty(max(block_elems, ROW), dtype=acc) if widen else None
-    stack_buf = torch.empty(max(block_elems, ROW), dtype=dtype)
-    scratch = torch.empty(max(block_elems, ROW), dtype=acc)
     with_norm = not math.isinf(norm_type)
-
-    layout: list[tuple[int, int, int]] = []
-    maxima: list[torch.Tensor] = []
-    norms: list[torch.Tensor] = []
-
-    def reduce_block(block: torch.Tensor) -> None:
-        if widen:
-            wide = wide_buf[: block.numel()].view(block.shape)
-            wide.copy_(block)
-            block = wide
-        # max |x| = max(max x, -min x): two vectorised passes, no |x| temporary.
-        maxima.append(torch.maximum(block.amax(1), block.amin(1).neg()))
-        if with_norm:
-            norms.append(row_norms(block, norm_type, scratch))
-
-    short: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    chunks: list[tuple[int, int, int]] = []
+    short: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
-        flat = _flat(t)
-        n = flat.numel()
-        full = n - n % ROW
-        if full:
-            matrix = flat[:full].view(-1, ROW)
-            per_block = max(1, block_elems // ROW)
-            for b in range(0, matrix.shape[0], per_block):
-                part = matrix[b : b + per_block]
-                layout.extend((i, (b + j) * ROW, ROW) for j in range(part.shape[0]))
-                reduce_block(part)
-        if n > full:
-            short.setdefault(n - full, []).append((i, flat[full:]))
+        n = t.numel()
+        if n >= SMALL:
+            chunks.extend((i, s, min(CHUNK, n - s)) for s in range(0, n, CHUNK))
+        elif n:
+            short.setdefault(n, []).append(i)
+    stacks = []
+    for length, members in short.items():
+        per_block = max(1, CHUNK // length)
+        stacks.extend((length, members[b : b + per_block])
+                      for b in range(0, len(members), per_block))
 
-    # Small tensors and tails: rows of equal length are stacked into one block,
-    # so 20,000 small tensors cost a few hundred reductions, not 60,000.
-    for length, items in short.items():
-        per_block = max(1, block_elems // length)
-        for b in range(0, len(items), per_block):
-            part = items[b : b + per_block]
-            block = stack_buf[: len(part) * length].view(len(part), length)
-            torch.stack([x for _, x in part], out=block)
-            layout.extend((i, full_len(tensors[i]), length) for i, _ in part)
-            reduce_block(block)
+    flats = [_flat(t) for t in tensors]
+    jobs = [("chunk", c) for c in chunks] + [("stack", s) for s in stacks]
+    workers = max(1, min(workers, len(jobs)))
+    parts = [jobs[w::workers] for w in range(workers)]
 
-    if not maxima:
+    def run(part):
+        pieces = _Pieces(dtype, acc, norm_type, with_norm)
+        for kind, job in part:
+            if kind == "chunk":
+                i, s, n = job
+                pieces.chunk(flats[i][s : s + n], (i, s, n))
+            else:
+                length, members = job
+                pieces.stack([flats[i] for i in members], length,
+                             [(i, 0, length) for i in members])
+        return pieces
+
+    if workers == 1:
+        results = [run(parts[0])] if jobs else []
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            results = list(pool.map(run, parts))
+    layout = [loc for r in results for loc in r.layout]
+    if not layout:
         empty = torch.empty(0, dtype=acc)
         return _rows(layout, empty, empty if with_norm else None, acc)
-    return _rows(layout, torch.cat(maxima), torch.cat(norms) if with_norm else None, acc)
+    maxima = torch.cat([m for r in results for m in r.maxima])
+    norms = None
+    if with_norm:
+        sums = torch.cat([x for r in results for x in r.sums]).double()
+        norms = sums.pow(1.0 / norm_type)
+    return _rows(layout, maxima, norms, acc)
 
 
-def row_norms(block: torch.Tensor, norm_type: float, scratch: torch.Tensor | None = None):
-    """p-norm of each row of a 2-D block (p finite), as float64.
+class _Pieces:
+    """One worker's buffers and results. Buffers are reused: allocating per
+    piece would page-fault on every piece."""
+
+    def __init__(self, dtype, acc, norm_type, with_norm):
+        self.acc, self.norm_type, self.with_norm = acc, norm_type, with_norm
+        self.widen = dtype != acc
+        self.wide = torch.empty(CHUNK, dtype=acc) if self.widen else None
+        self.stacked = torch.empty(CHUNK, dtype=dtype)
+        self.scratch = torch.empty(CHUNK, dtype=acc)
+        self.layout: list[tuple[int, int, int]] = []
+        self.maxima: list[torch.Tensor] = []
+        self.sums: list[torch.Tensor] = []
+
+    def _widened(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.widen:
+            return x
+        wide = self.wide[: x.numel()].view(x.shape)
+        wide.copy_(x)
+        return wide
+
+    def chunk(self, x: torch.Tensor, where) -> None:
+        x = self._widened(x)
+        low, high = torch.aminmax(x)
+        # max |x| = max(max x, -min x): no |x| temporary.
+        self.maxima.append(torch.maximum(high, low.neg()).view(1))
+        if self.with_norm:
+            self.sums.append(power_sums(x, self.norm_type, self.scratch).view(1))
+        self.layout.append(where)
+
+    def stack(self, xs, length: int, where) -> None:
+        block = self.stacked[: len(xs) * length].view(len(xs), length)
+        torch.stack(xs, out=block)
+        block = self._widened(block)
+        self.maxima.append(torch.maximum(block.amax(1), block.amin(1).neg()))
+        if self.with_norm:
+            self.sums.append(power_sums(block, self.norm_type, self.scratch, dim=1))
+        self.layout.extend(where)
+
+
+def power_sums(x: torch.Tensor, norm_type: float, scratch: torch.Tensor, dim=None):
+    """``sum |x| ** p`` (p finite) over ``dim`` (all of ``x`` when None), unrooted.
 
     ``|x| ** p`` is formed in ``scratch`` (cache-resident) and summed with
     ``sum``, whose cascade summation keeps the relative error near 2e-7 on
-    any 4,096-element fp32 row. ``vector_norm`` accumulates lane by lane: it
-    loses 4e-6 on rows of equal values (p = 2) and 3e-6 on random ones for
-    p = 0.5 (BENCHMARKS.md, accuracy).
+    any fp32 run up to 2**20 elements, constant or random. ``vector_norm``
+    accumulates lane by lane: it loses 4e-6 on 4,096 equal fp32 values (p = 2)
+    and 3e-6 on random ones for p = 0.5 (BENCHMARKS.md, accuracy).
     """
-    out = torch.empty(block.shape, dtype=block.dtype) if scratch is None else (
-        scratch[: block.numel()].view(block.shape))
+    out = scratch[: x.numel()].view(x.shape)
     if norm_type == 2.0:
-        torch.mul(block, block, out=out)
+        torch.mul(x, x, out=out)
     else:
-        torch.abs(block, out=out)
+        torch.abs(x, out=out)
         if norm_type != 1.0:
             out.pow_(norm_type)
-    return out.sum(1).double().pow(1.0 / norm_type)
+    return out.sum() if dim is None else out.sum(dim)
 
 
-def full_len(t: torch.Tensor) -> int:
-    """Where a tensor's short tail row starts: after its last full row."""
-    n = t.numel()
-    return n - n % ROW
+def row_norms(block: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """p-norm of each row of a 2-D block (p finite), as float64 (see power_sums)."""
+    scratch = torch.empty(block.numel(), dtype=block.dtype)
+    return power_sums(block, norm_type, scratch, dim=1).double().pow(1.0 / norm_type)
 
 
 def _rows(layout, max_abs, norm, acc) -> Rows:

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradclip_cli.core import tensor_power_sums
-from gradclip_cli.core.kernels import ROW
+from gradclip_cli.core.kernels import CHUNK, ROW, SMALL
 
 from .reference import max_abs, norm, rel_err
 
@@ -45,7 +45,8 @@ def gradients(draw, dtypes=DTYPES):
     lo, hi = MAG_RANGE[dtype]
     log10_mag = draw(st.floats(lo, hi))
     sizes = draw(st.lists(
-        st.one_of(st.integers(0, 40), st.integers(ROW - 2, ROW + 2), st.integers(1, 3 * ROW)),
+        st.one_of(st.integers(0, 40), st.integers(ROW - 2, ROW + 2), st.integers(1, 3 * ROW),
+                  st.integers(SMALL - 2, SMALL + 2), st.sampled_from([CHUNK, CHUNK + 1])),
         min_size=1, max_size=6,
     ))
     seed = draw(st.integers(0, 2**31 - 1))
@@ -54,9 +55,10 @@ def gradients(draw, dtypes=DTYPES):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ts=gradients(dtypes=[torch.float16, torch.bfloat16, torch.float32]),
-       p=st.sampled_from(NORMS), foreach=st.sampled_from([None, True]))
-def test_total_and_per_tensor_norms_match_float64(ts, p, foreach):
-    sums = tensor_power_sums(ts, p, foreach=foreach)
+       p=st.sampled_from(NORMS), foreach=st.sampled_from([None, True]),
+       workers=st.sampled_from([1, 2]))
+def test_total_and_per_tensor_norms_match_float64(ts, p, foreach, workers):
+    sums = tensor_power_sums(ts, p, foreach=foreach, workers=workers)
     assert rel_err(float(sums.total().norm[0]), norm(ts, p)) <= TOL
     for t, got in zip(ts, sums.norm.tolist()):
         assert rel_err(got, norm([t], p)) <= TOL
