@@ -19,6 +19,7 @@ import torch
 
 from gradclip_cli.errors import InputError, UnsafeCheckpointError
 from gradclip_cli.source.interface import Checkpoint
+from gradclip_cli.source.torch_zip_reader import read_torch_zip
 
 ZIP_MAGIC = b"PK\x03\x04"
 # The opcode ``PROTO`` followed by a protocol number torch can write (2..5):
@@ -62,8 +63,14 @@ def load_torch_zip(path: Path, *, trust_pickle: bool = False) -> Checkpoint:
     place copies the page and never writes through to the file.
     """
     _check_zip_directory(path)
-    with torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE):
-        root = _torch_load(path, trust_pickle=trust_pickle, mapped=True)
+    root = None
+    if not trust_pickle and not path.name.endswith(".safetensors"):
+        # The common case (plain tensors in dicts/lists) without torch's
+        # pure-Python unpickler; None means "outside that subset": torch decides.
+        root = read_torch_zip(path)
+    if root is None:
+        with torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE):
+            root = _torch_load(path, trust_pickle=trust_pickle, mapped=True)
     return Checkpoint(path=path, format="torch-zip", root=root, trusted_pickle=trust_pickle)
 
 
