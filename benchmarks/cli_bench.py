@@ -81,9 +81,9 @@ def inspect_table(results: dict, nbytes: int) -> str:
     )
 
 
-def _inspect_section(label: str, path: Path, repeats: int):
+def _inspect_section(label: str, path: Path, repeats: int, warmup: int):
     nbytes = path.stat().st_size
-    results = interleaved(inspect_contenders(path), repeats)
+    results = interleaved(inspect_contenders(path), repeats, warmup)
     text = f"{label}: `{path.name}`, {nbytes / 1e6:.0f} MB.\n\n{inspect_table(results, nbytes)}\n"
     ours = results["gradclip inspect --format json"].median
     return results, text, ours
@@ -93,8 +93,10 @@ def run(quick: bool, repeats: int) -> Section:
     gpt2 = inputs.checkpoint_file("gpt2_fp32", inputs.gpt2_shapes(), torch.float32)
     small = inputs.checkpoint_file("small_20k_fp32", inputs.small_shapes(), torch.float32)
     parts, targets = [], []
+    # Quick runs skip the warm-up: the files were just written, so already cached.
+    warmup = 0 if quick else 1
 
-    res, text, ours = _inspect_section("4. inspect, GPT-2 124M float32", gpt2, repeats)
+    res, text, ours = _inspect_section("4. inspect, GPT-2 124M float32", gpt2, repeats, warmup)
     parts.append(text)
     floor_ratio = ours / res["floor (import torch, read file)"].median
     plain_ratio = ours / res["plain torch script"].median
@@ -103,7 +105,8 @@ def run(quick: bool, repeats: int) -> Section:
     targets.append(Target("4b. inspect GPT-2 fp32 vs plain torch", f"{plain_ratio:.2f}x",
                           "< 1x (faster)", plain_ratio < 1.0))
 
-    res, text, ours = _inspect_section("5. inspect, 20,000 x 1,024 float32", small, repeats)
+    res, text, ours = _inspect_section("5. inspect, 20,000 x 1,024 float32", small, repeats,
+                                       warmup)
     parts.append(text)
     plain_ratio = ours / res["plain torch script"].median
     targets.append(Target("5. inspect 20k tensors vs plain torch", f"{plain_ratio:.2f}x",
@@ -121,7 +124,7 @@ def run(quick: bool, repeats: int) -> Section:
             lambda: run_process([GRADCLIP, "clip", g, "--max-norm", "0.01", "-o", o,
                                  "--format", "json", "-q"]),
     }  # fmt: skip
-    results = interleaved(contenders, repeats)
+    results = interleaved(contenders, repeats, warmup)
     out.unlink(missing_ok=True)
     plain = results["plain torch script (torch.save)"].median
     rows = [[name, fmt_seconds(r.median), ratio(r.median, plain), fmt_bytes(r.max_rss)]
