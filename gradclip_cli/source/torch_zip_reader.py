@@ -69,13 +69,14 @@ class _DTypeMarker(_Inert):
 class _StorageRef(_Inert):
     """One storage key of the file: a view of the mapping over its bytes."""
 
-    __slots__ = ("key", "dtype", "untyped", "numel", "storage", "data_offset")
+    __slots__ = ("key", "dtype", "untyped", "numel", "nbytes", "storage", "data_offset")
 
     def __init__(self, key, marker, numel, storage, data_offset):
         self.key = key
         self.dtype = marker.dtype
         self.untyped = marker.untyped
         self.numel = numel
+        self.nbytes = numel * _ITEMSIZE[marker.dtype]
         self.storage = storage
         self.data_offset = data_offset
 
@@ -261,47 +262,47 @@ def _exact_int(value) -> bool:
     return type(value) is int
 
 
-def _shape(values) -> tuple[int, ...]:
-    if type(values) is not tuple or len(values) > _MAX_DIMS:
-        raise _Reject("bad size or stride")
-    for v in values:
-        if type(v) is not int or v < 0 or v >= _MAX_DIM:
-            raise _Reject("bad size or stride")
-    return values
-
-
-def _empty_hooks(hooks) -> bool:
-    return type(hooks) is OrderedDict and not hooks and not vars(hooks)
+_INT_ONLY = {int}
 
 
 def _make_tensor(ref, offset, size, stride, requires_grad, hooks, dtype, metadata):
-    if type(ref) is not _StorageRef:
-        raise _Reject("tensor without a storage")
-    if requires_grad is not False or not _empty_hooks(hooks):
+    if requires_grad is not False or type(hooks) is not OrderedDict or hooks or vars(hooks):
         raise _Reject("requires_grad or backward hooks")
-    if metadata is not None and not (type(metadata) is dict and not metadata):
+    if metadata is not None and (type(metadata) is not dict or metadata):
         raise _Reject("tensor metadata")
-    if not _exact_int(offset) or offset < 0:
+    if type(offset) is not int or offset < 0:
         raise _Reject("bad storage offset")
-    size = _shape(size)
-    stride = _shape(stride)
-    if len(size) != len(stride):
-        raise _Reject("size and stride differ in length")
+    if type(size) is not tuple or type(stride) is not tuple:
+        raise _Reject("bad size or stride")
+    ndim = len(size)
+    if ndim != len(stride) or ndim > _MAX_DIMS:
+        raise _Reject("bad size or stride")
     itemsize = _ITEMSIZE[dtype]
     if ref.data_offset % itemsize:
         raise _Reject("storage misaligned for its dtype")
-    capacity = ref.numel * _ITEMSIZE[ref.dtype] // itemsize
-    if 0 in size:
-        if offset > capacity:
-            raise _Reject("empty view past its storage")
-    else:
-        last = offset
-        for n, s in zip(size, stride):
-            last += (n - 1) * s
-        if last >= capacity:
-            raise _Reject("view does not fit its storage")
-    tensor = torch.empty(0, dtype=dtype).set_(ref.storage, offset, size, stride)
-    return _TensorSlot(tensor)
+    capacity = ref.nbytes // itemsize
+    if ndim:
+        dims = size + stride
+        if set(map(type, dims)) != _INT_ONLY or min(dims) < 0 or max(dims) >= _MAX_DIM:
+            raise _Reject("bad size or stride")
+        if 0 in size:
+            if offset > capacity:
+                raise _Reject("empty view past its storage")
+        else:
+            last = offset
+            for n, s in zip(size, stride):
+                last += (n - 1) * s
+            if last >= capacity:
+                raise _Reject("view does not fit its storage")
+    elif offset >= capacity:
+        raise _Reject("view does not fit its storage")
+    return _TensorSlot(_empty(0, dtype=dtype).set_(ref.storage, offset, size, stride))
+
+
+_empty = torch.empty
+# UntypedStorage.__getitem__ minus its meta-device check: a slice that aliases
+# the mapping (what torch.load's own mmap path does per storage).
+_slice = torch._C.StorageBase.__getitem__
 
 
 def _rebuild_v2(*args):
@@ -509,7 +510,7 @@ def _read(path: Path) -> object:
             if not overall:
                 overall.append(torch.UntypedStorage.from_file(os.fspath(path), False, size))
             spans[key] = (start, start + nbytes)
-            storage = overall[0][start : start + nbytes]
+            storage = _slice(overall[0], slice(start, start + nbytes))
             ref = _StorageRef(key, marker, numel, storage, start)
             refs[key] = ref
             return ref
