@@ -458,7 +458,13 @@ def _read(path: Path) -> object:
         view = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         prefix, entries = _read_directory(view, size)
+        if f"{prefix}/constants.pkl" in entries:
+            raise _Reject("a TorchScript archive")  # torch.load refuses these with weights_only
         pickle_data = _record(view, size, entries, f"{prefix}/data.pkl")
+        if not pickle_data.startswith(b"\x80\x02"):
+            # torch.save writes protocol 2; other protocols use opcodes (FRAME,
+            # MEMOIZE...) that torch's weights-only unpickler refuses.
+            raise _Reject("pickle protocol other than 2")
         version = _record(view, size, entries, f"{prefix}/version")
         if not _VERSION.fullmatch(version):
             raise _Reject("unexpected format version")
