@@ -20,6 +20,7 @@ final walk that also rejects any type outside the simple subset.
 
 from __future__ import annotations
 
+import copyreg
 import io
 import mmap
 import os
@@ -521,6 +522,9 @@ def _read(path: Path) -> object:
             refs[key] = ref
             return ref
 
+        if copyreg._extension_cache or copyreg._inverted_registry:
+            # EXT opcodes resolved through a populated cache bypass find_class.
+            raise _Reject("copyreg extension codes registered in this process")
         root = _Unpickler(io.BytesIO(pickle_data), resolve).load()
         _check_no_overlap(spans)
         return _finish(root)
