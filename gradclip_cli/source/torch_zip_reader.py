@@ -21,6 +21,7 @@ final walk that also rejects any type outside the simple subset.
 from __future__ import annotations
 
 import copyreg
+import gc
 import io
 import mmap
 import os
@@ -443,12 +444,19 @@ def read_torch_zip(path: Path) -> object | None:
     The storages alias one private (copy-on-write) mapping of the file: editing a
     loaded tensor in place never writes through to the file.
     """
+    # Tens of thousands of small objects would trigger full collections that
+    # find nothing to free (as they do in torch.load): pause the collector.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         return _read(Path(path))
     except _Reject:
         return None
     except Exception:  # noqa: BLE001 - any surprise means "let torch decide"
         return None
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _read(path: Path) -> object:
