@@ -343,7 +343,7 @@ class _Unpickler(pickle.Unpickler):
 
     def __init__(self, data, resolve):
         super().__init__(data)
-        self._resolve = resolve
+        self.persistent_load = resolve  # an attribute: one call less per storage
 
     def find_class(self, module, name):
         if module == "torch._utils":
@@ -360,9 +360,6 @@ class _Unpickler(pickle.Unpickler):
         elif module == "torch.storage" and name == "UntypedStorage":
             return _UNTYPED
         raise _Reject(f"global {module}.{name}")
-
-    def persistent_load(self, pid):
-        return self._resolve(pid)
 
 
 # --- the result walk -------------------------------------------------------
