@@ -369,3 +369,13 @@ def test_random_structures_match_torch(tmp_path, tree):
     got = read_torch_zip(path)
     assert got is not None
     assert_same(got, reference(path))
+
+
+def test_more_than_65535_entries_use_the_zip64_directory(tmp_path):
+    path = tmp_path / "z64.pt"
+    torch.save({str(i): torch.full((1,), float(i)) for i in range(66_000)}, path)
+    assert b"PK\x06\x06" in path.read_bytes()[-200:]  # zip64 end of central directory
+    got = read_torch_zip(path)
+    assert got is not None and len(got) == 66_000
+    for i in (0, 1, 65_535, 65_999):
+        assert got[str(i)].item() == float(i)
