@@ -18,6 +18,9 @@ from rich.text import Text
 from ..report import EXCEEDED, NONFINITE, ClipReport, InspectReport, NonFinite
 
 BAR_WIDTH = 20
+# More groups than a person reads (and rich renders 20,000 rows slowly): show
+# the largest, and any holding NaN/inf, in checkpoint order.
+MAX_GROUPS = 60
 
 
 def fmt(x: float | None) -> str:
@@ -86,6 +89,16 @@ def verdict_line(report: InspectReport) -> Text:
                 style="bold green")
 
 
+def _groups_to_show(report: InspectReport):
+    groups = report.groups
+    if len(groups) <= MAX_GROUPS:
+        return groups
+    def size(g):
+        return math.inf if not math.isfinite(g.norm) else g.norm
+    keep = {id(g) for g in sorted(groups, key=size, reverse=True)[:MAX_GROUPS]}
+    return [g for g in groups if id(g) in keep]
+
+
 def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
     console = _console(out)
     p = fmt_p(report.norm_type)
@@ -109,12 +122,17 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
                          min_width=min(40, max(len(g.name) for g in report.groups))
                          if col == "group" else None)
     largest = max((g.norm for g in report.groups if math.isfinite(g.norm)), default=0.0)
-    for g in report.groups:
+    shown = _groups_to_show(report)
+    for g in shown:
         share = "-" if math.isnan(g.share) else f"{100 * g.share:.1f}%"
         cells = [g.name, fmt(g.norm), share, fmt(g.max_abs), f"{g.num_elements:,}",
                  _nonfinite_cell(g.nonfinite)]
         table.add_row(*cells, *([bar(g.norm, largest)] if show_bar else []))
     table.add_section()
+    if len(shown) < len(report.groups):
+        hidden = len(report.groups) - len(shown)
+        table.add_row(Text(f"... {hidden:,} smaller groups not shown (--format json lists all)",
+                           style="dim"), *[""] * (len(columns) - 1))
     table.add_row(Text("total", style="bold"), Text(fmt(report.total_norm), style="bold"),
                   "100%" if report.total_norm else "-", fmt(report.max_abs),
                   f"{report.num_elements:,}", _nonfinite_cell(report.nonfinite),
