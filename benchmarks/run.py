@@ -1,7 +1,7 @@
 """Run gradclip's benchmarks and print one Markdown report.
 
-    .venv/bin/python -m benchmarks.run            # full: about 15-20 minutes
-    .venv/bin/python -m benchmarks.run --quick    # about 3-4 minutes, smaller inputs
+    .venv/bin/python -m benchmarks.run            # full: 8-15 minutes (load-dependent)
+    .venv/bin/python -m benchmarks.run --quick    # 3-4 minutes, smaller inputs
     .venv/bin/python -m benchmarks.run --only core,accuracy -o report.md
 
 Inputs are generated, seeded, under benchmarks/_data/ and reused by later
