@@ -103,7 +103,7 @@ def _batches(items, batch_bytes):
     """Consecutive runs of about ``batch_bytes``: what is on the device at once."""
     batch, size = [], 0
     for item in items:
-        nbytes = item[1].numel() * item[1].element_size()
+        nbytes = item[1].nbytes
         if batch and size + nbytes > batch_bytes:
             yield batch
             batch, size = [], 0
