@@ -191,3 +191,14 @@ def test_cuda_matches_cpu(dtype):
     gpu = tensor_power_sums(ts, 2, device="cuda")
     for a, b in zip(cpu.norm.tolist(), gpu.norm.tolist()):
         assert rel_err(b, a) <= TOL
+
+
+def test_small_tensors_of_equal_size_but_different_shapes():
+    g = torch.Generator().manual_seed(6)
+    ts = [torch.randn(32, 32, generator=g), torch.randn(1024, generator=g),
+          torch.randn(4, 256, generator=g), torch.randn(64, 16, generator=g).t(),
+          torch.randn(32, 32, generator=g)]
+    sums = tensor_power_sums(ts, 2, workers=2)
+    for t, got in zip(ts, sums.norm.tolist()):
+        assert rel_err(got, norm([t], 2)) <= TOL
+    assert sums.max_abs.tolist() == [max_abs([t]) for t in ts]
