@@ -74,8 +74,7 @@ def tensor_power_sums(
         )
 
     target = torch.device(device) if device is not None else None
-    row_parts: list[PowerSums] = []
-    row_owner: list[torch.Tensor] = []
+    pending = []
     grouped = _group_tensors_by_device_and_dtype([list(tensors)], with_indices=True)
     for (group_device, _), ([group], indices) in grouped.items():
         compute_on = target or group_device
@@ -89,11 +88,15 @@ def tensor_power_sums(
                 rows = rows_on_cpu(moved, norm_type, workers)
             else:
                 rows = rows_by_foreach(moved, norm_type)
-            row_parts.append(_finish_rows(rows, originals, norm_type))
-            row_owner.append(torch.tensor(index, dtype=torch.int64)[rows.tensor])
+            # Kept on the compute device until every batch is queued: reading
+            # results back is the one host-device synchronisation.
+            pending.append((rows, originals, index))
             if on_batch is not None:
                 on_batch(originals)
 
+    row_parts = [_finish_rows(rows, originals, norm_type) for rows, originals, _ in pending]
+    row_owner = [torch.tensor(index, dtype=torch.int64)[rows.tensor]
+                 for rows, _, index in pending]
     rows_all = _concat(norm_type, row_parts)
     per_tensor = rows_all.reduce(torch.cat(row_owner), n)
     return _with_nonfinite_counts(per_tensor, tensors)
@@ -114,8 +117,11 @@ def _batches(items, batch_bytes):
 
 
 def _finish_rows(rows: Rows, tensors: Sequence[torch.Tensor], norm_type: float) -> PowerSums:
-    """Row summaries, with every untrustworthy fast norm recomputed exactly."""
-    # One device-to-host copy per group: the only synchronisation.
+    """Row summaries, with every untrustworthy fast norm recomputed exactly.
+
+    Recomputation reads ``tensors``, the inputs where they were (for the CLI,
+    the memory-mapped file), not copies on the device.
+    """
     row_max = rows.max_abs.to("cpu", F64)
     row_norm = None if rows.norm is None else rows.norm.to("cpu", F64)
     sums = from_rows(norm_type, row_max, row_norm)
