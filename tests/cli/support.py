@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import TensorSpec, serialize_file
+
+from tests.safetensors_files import save_safetensors  # noqa: F401 (re-exported)
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "sample_checkpoints"
@@ -65,21 +66,6 @@ def run_process(*args: object, cwd: Path | None = None, env: dict | None = None)
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata=None) -> None:
-    """Write with the safetensors library's own numpy-free entry point."""
-    tensors = {name: t.contiguous() for name, t in tensors.items()}
-    specs = {
-        name: TensorSpec(
-            dtype=str(t.dtype).removeprefix("torch."),
-            shape=list(t.shape),
-            data_ptr=t.data_ptr(),
-            data_len=t.numel() * t.element_size(),
-        )
-        for name, t in tensors.items()
-    }
-    serialize_file(specs, str(path), metadata=metadata)
 
 
 def load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict | None]:

@@ -6,16 +6,16 @@ import json
 import os
 import stat
 import struct
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors import TensorSpec, safe_open, serialize_file
+from safetensors import safe_open
 
 from gradclip_cli.errors import OutputError
 from gradclip_cli.sink import write_checkpoint
 from gradclip_cli.source import load_checkpoint, select_gradients
 from gradclip_cli.source.interface import Checkpoint
+from tests.safetensors_files import save_safetensors
 
 LEGACY_MAGIC = b"\x80\x02\x8a\x0a"  # pickle PROTO 2, then torch's 10-byte magic number
 
@@ -97,19 +97,6 @@ def test_tied_storages_are_still_one_storage_after_writing(tmp_path, legacy):
     assert grads["row"].untyped_storage().data_ptr() == pointer
     assert torch.equal(grads["lm_head"], weight * 0.5)
     assert torch.equal(grads["row"], weight[1] * 0.5)
-
-
-def save_safetensors(path: Path, tensors: dict, metadata: dict | None) -> None:
-    specs = {
-        name: TensorSpec(
-            dtype=str(t.dtype).removeprefix("torch."),
-            shape=list(t.shape),
-            data_ptr=t.data_ptr(),
-            data_len=t.numel() * t.element_size(),
-        )
-        for name, t in tensors.items()
-    }
-    serialize_file(specs, str(path), metadata=metadata)
 
 
 def safetensors_tensors() -> dict[str, torch.Tensor]:

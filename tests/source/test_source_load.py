@@ -11,24 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import TensorSpec, serialize_file
 
 from gradclip_cli.errors import UnsafeCheckpointError
 from gradclip_cli.source import load_checkpoint
-
-
-def save_safetensors(path: Path, tensors: dict, metadata: dict | None = None) -> None:
-    """Write with the safetensors library itself (its numpy-free entry point)."""
-    specs = {
-        name: TensorSpec(
-            dtype=str(t.dtype).removeprefix("torch."),
-            shape=list(t.shape),
-            data_ptr=t.data_ptr(),
-            data_len=t.numel() * t.element_size(),
-        )
-        for name, t in tensors.items()
-    }
-    serialize_file(specs, str(path), metadata=metadata)
+from tests.safetensors_files import save_safetensors
 
 
 def sha256(path: Path) -> str:
