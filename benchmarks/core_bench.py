@@ -61,19 +61,24 @@ def _bench(title: str, tensors, contenders: dict, baseline: str, repeats: int):
     return results, f"{title}: {len(tensors)} tensors, {nbytes / 1e6:.0f} MB.\n\n{table}\n"
 
 
-def run(quick: bool, repeats: int) -> Section:
-    torch.manual_seed(0)
-    parts, targets = [], []
-
-    # 1. GPT-2 fp32
-    grads = inputs.gradients(inputs.gpt2_shapes(), torch.float32)
-    contenders = {
+def _float32_contenders(grads):
+    """torch's foreach and default totals against gradclip's core and drop-in."""
+    return {
         "torch get_total_norm(foreach=True)":
             lambda: torch.nn.utils.get_total_norm(grads, foreach=True),
         "torch get_total_norm (default)": lambda: torch.nn.utils.get_total_norm(grads),
         "gradclip tensor_power_sums (+max, non-finite)": lambda: _gradclip_full(grads),
         "gradclip get_total_norm": lambda: gradclip_total_norm(grads),
     }  # fmt: skip
+
+
+def run(quick: bool, repeats: int) -> Section:
+    torch.manual_seed(0)
+    parts, targets = [], []
+
+    # 1. GPT-2 fp32
+    grads = inputs.gradients(inputs.gpt2_shapes(), torch.float32)
+    contenders = _float32_contenders(grads)
     res, text = _bench("GPT-2 124M, float32", grads, contenders,
                        "torch get_total_norm(foreach=True)", repeats)
     parts.append(text)
@@ -108,13 +113,7 @@ def run(quick: bool, repeats: int) -> Section:
 
     # 3. 20,000 small tensors
     grads = inputs.gradients(inputs.small_shapes(), torch.float32)
-    contenders = {
-        "torch get_total_norm(foreach=True)":
-            lambda: torch.nn.utils.get_total_norm(grads, foreach=True),
-        "torch get_total_norm (default)": lambda: torch.nn.utils.get_total_norm(grads),
-        "gradclip tensor_power_sums (+max, non-finite)": lambda: _gradclip_full(grads),
-        "gradclip get_total_norm": lambda: gradclip_total_norm(grads),
-    }  # fmt: skip
+    contenders = _float32_contenders(grads)
     res, text = _bench("20,000 x 1,024, float32", grads, contenders,
                        "torch get_total_norm(foreach=True)", repeats)
     parts.append(text)
