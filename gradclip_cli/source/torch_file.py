@@ -62,13 +62,15 @@ def load_torch_zip(path: Path, *, trust_pickle: bool = False) -> Checkpoint:
     (whatever the process-wide default) so that editing a loaded tensor in
     place copies the page and never writes through to the file.
     """
-    _check_zip_directory(path)
     root = None
     if not trust_pickle and not path.name.endswith(".safetensors"):
         # The common case (plain tensors in dicts/lists) without torch's
         # pure-Python unpickler; None means "outside that subset": torch decides.
+        # The reader checks the directory entries it reads itself, so the
+        # zipfile pass below (0.15-0.3 s for 20,000 entries) runs only for torch.
         root = read_torch_zip(path)
     if root is None:
+        _check_zip_directory(path)
         with torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE):
             root = _torch_load(path, trust_pickle=trust_pickle, mapped=True)
     return Checkpoint(path=path, format="torch-zip", root=root, trusted_pickle=trust_pickle)

@@ -245,12 +245,16 @@ def _data_span(view: mmap.mmap, size: int, name: str, entry: tuple) -> tuple[int
     return start, usize
 
 
-def _record(view, size, entries, name) -> bytes:
-    """A small record, CRC-checked as torch's reader does for records it reads whole."""
+def _record(view, size, entries, name, spans) -> bytes:
+    """A small record, CRC-checked as torch's reader does for records it reads whole.
+
+    Its span joins ``spans``, so no storage may overlap it either.
+    """
     entry = entries.get(name)
     if entry is None:
         raise _Reject(f"missing {name}")
     start, length = _data_span(view, size, name, entry)
+    spans[name] = (start, start + length)
     data = view[start : start + length]
     if zlib.crc32(data) != entry[2]:
         raise _Reject(f"CRC mismatch in {name}")
@@ -466,17 +470,20 @@ def _read(path: Path) -> object:
         prefix, entries = _read_directory(view, size)
         if f"{prefix}/constants.pkl" in entries:
             raise _Reject("a TorchScript archive")  # torch.load refuses these with weights_only
-        pickle_data = _record(view, size, entries, f"{prefix}/data.pkl")
+        # Every byte range read, records and storages: none may overlap another
+        # (a storage laid over data.pkl would load pickle bytes as a tensor).
+        spans: dict[str, tuple[int, int]] = {}
+        pickle_data = _record(view, size, entries, f"{prefix}/data.pkl", spans)
         if not pickle_data.startswith(b"\x80\x02"):
             # torch.save writes protocol 2; other protocols use opcodes (FRAME,
             # MEMOIZE...) that torch's weights-only unpickler refuses.
             raise _Reject("pickle protocol other than 2")
-        version = _record(view, size, entries, f"{prefix}/version")
+        version = _record(view, size, entries, f"{prefix}/version", spans)
         if not _VERSION.fullmatch(version):
             raise _Reject("unexpected format version")
         order_name = f"{prefix}/byteorder"
         if order_name in entries:
-            if _record(view, size, entries, order_name) != b"little":
+            if _record(view, size, entries, order_name, spans) != b"little":
                 raise _Reject("not little-endian")
         elif torch.serialization.get_default_load_endianness() not in (
             None,
@@ -486,7 +493,6 @@ def _read(path: Path) -> object:
 
         # Check every storage the pickle names before allocating the mapping:
         # collect the requests first, then validate them all at once.
-        spans: dict[str, tuple[int, int]] = {}
         refs: dict[str, _StorageRef] = {}
         overall = []  # filled once the pickle has been read
 
@@ -521,7 +527,7 @@ def _read(path: Path) -> object:
                 raise _Reject(f"{name} is smaller than its storage")
             if not overall:
                 overall.append(torch.UntypedStorage.from_file(os.fspath(path), False, size))
-            spans[key] = (start, start + nbytes)
+            spans[name] = (start, start + nbytes)
             storage = _slice(overall[0], slice(start, start + nbytes))
             ref = _StorageRef(key, marker, numel, storage, start)
             refs[key] = ref
