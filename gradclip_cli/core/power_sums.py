@@ -88,14 +88,6 @@ class PowerSums:
         """All pieces combined into one."""
         return self.reduce(torch.zeros(len(self), dtype=torch.int64), 1)
 
-    def select(self, index: torch.Tensor) -> PowerSums:
-        """The pieces at ``index``, in that order."""
-        return PowerSums(
-            self.norm_type,
-            *(t[index] for t in (self.scale, self.power_sum, self.max_abs,
-                                 self.nan, self.posinf, self.neginf)),
-        )
-
 
 def from_rows(
     norm_type: float, row_max: torch.Tensor, row_norm: torch.Tensor | None
