@@ -1,35 +1,29 @@
-"""The ``gradclip`` command: wires source -> core -> report -> format/sink.
+"""The ``gradclip`` command: declares options and wires each command's module.
 
-Nothing here computes or reads files itself; it checks flags, calls the
-layers in order, prints, and maps the outcome to the contract's exit codes:
-0 no finding, 1 a finding (or a refused clip), 2 usage error, 3 unreadable
-input or unwritable output.
+Nothing here computes or reads files itself; each command's steps live in
+``commands/`` and are imported only when that command runs (so ``--help``
+and usage errors never import torch). This module maps the outcome to the
+contract's exit codes: 0 no finding, 1 a finding (or a refused clip), 2 usage
+error, 3 unreadable input or unwritable output.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
+
+import typer
+
+from .errors import GradclipError
 
 # torch warns on import when numpy is absent; gradclip never needs numpy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-import torch  # noqa: E402
-import typer  # noqa: E402
-
-from . import options  # noqa: E402
-from .core import clamp_, clip_coefficient, find_ties, scale_, tensor_power_sums  # noqa: E402
-from .errors import GradclipError, UsageError  # noqa: E402
-from .format import FORMATS  # noqa: E402
-from .progress import Steps, progress_steps  # noqa: E402
-from .report import OK, ClipReport, NonFinite, build_inspect_report, parse_group_by  # noqa: E402
-from .sink import write_checkpoint  # noqa: E402
-from .source import Checkpoint, load_checkpoint, select_gradients  # noqa: E402
-from .source.pages import PageReleaser  # noqa: E402
+ERROR_SCHEMA = "gradclip.error/1"
 
 app = typer.Typer(
     add_completion=False,
@@ -45,6 +39,9 @@ KeyOpt = typer.Option(None, "--key", help="Dotted path to the gradient dict (gra
 NormOpt = typer.Option("2", "--norm-type", help="p of the p-norm: any number > 0, or inf.")
 DeviceOpt = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N, mps or auto.")
 FormatOpt = typer.Option("table", "--format", help="table (for people) or json (for scripts).")
+OutputFileOpt = typer.Option(
+    None, "--output-file", help="Write the report to FILE (atomically) instead of stdout."
+)
 TrustOpt = typer.Option(
     False, "--trust-pickle",
     help="Allow full unpickling: runs code from the file. Trusted files only.",
@@ -59,71 +56,45 @@ VerifyOpt = typer.Option(
 )
 
 
-@dataclass
-class Loaded:
-    checkpoint: Checkpoint
-    key: str
-    names: list[str]  # without tie duplicates
-    tensors: list[torch.Tensor]
-    ties: dict[str, list[str]]
-    skipped: list[str]
+def _error_document(message: str, code: int, source: object) -> str:
+    doc = {"schema": ERROR_SCHEMA, "exit_code": code, "error": message,
+           "source": None if source is None else str(source)}
+    return json.dumps(doc) + "\n"
 
 
-def _format(name: str):
-    if name not in FORMATS:
-        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {name!r}")
-    return FORMATS[name]
+def _report_error(message: str, code: int, *, format: str | None, source: object,
+                  output_file: Path | None = None) -> None:
+    """One line on stderr; with ``--format json`` also the contract's error object."""
+    print(f"gradclip: {message}", file=sys.stderr)
+    if format != "json":
+        return
+    document = _error_document(message, code, source)
+    if output_file is not None:
+        from .sink.atomic import atomic_write
+
+        try:
+            atomic_write(Path(output_file), lambda file: file.write(document.encode("utf-8")))
+            return
+        except GradclipError as error:
+            print(f"gradclip: {error}", file=sys.stderr)
+    sys.stdout.write(document)
+    sys.stdout.flush()
 
 
-def _load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: Steps) -> Loaded:
-    steps.begin("loading")
-    ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
-    if ckpt.trusted_pickle:
-        print(f"gradclip: warning: {path}: loaded with --trust-pickle (full unpickling; "
-              "code in the file may have run)", file=sys.stderr)
-    selection = select_gradients(ckpt.root, key, path=path)
-    all_names = list(selection.tensors)
-    all_tensors = list(selection.tensors.values())
-    owner = find_ties(all_tensors)
-    ties: dict[str, list[str]] = {}
-    for i, o in enumerate(owner):
-        if o != i:
-            ties.setdefault(all_names[o], []).append(all_names[i])
-    keep = [i for i, o in enumerate(owner) if o == i]
-    return Loaded(ckpt, selection.key, [all_names[i] for i in keep],
-                  [all_tensors[i] for i in keep], ties, list(selection.skipped))
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-# torch's intra-op threads become gradclip's own workers (see tensor_power_sums).
-WORKERS = torch.get_num_threads()
-torch.set_num_threads(1)
-
-
-def _measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label: str,
-             release: PageReleaser | None = None):
-    steps.begin(label, total=_nbytes(loaded.tensors))
-
-    def done(batch) -> None:
-        steps.advance(_nbytes(batch))
-        if release is not None:
-            release.release(batch)
-
-    return tensor_power_sums(loaded.tensors, p, device=device, on_batch=done, workers=WORKERS)
-
-
-def _run(body, debug: bool) -> None:
+def _run(body, *, debug: bool, format: str | None = None, source: object = None,
+         output_file: Path | None = None) -> None:
     """Run a command body, turning every error into one line and an exit code."""
+
+    def fail(message: str, code: int) -> None:
+        _report_error(message, code, format=format, source=source, output_file=output_file)
+        raise typer.Exit(code)
+
     try:
         code = body()
     except GradclipError as error:
         if debug:
             traceback.print_exc()
-        print(f"gradclip: {error}", file=sys.stderr)
-        raise typer.Exit(error.exit_code) from None
+        fail(str(error), error.exit_code)
     except SystemExit:
         # rich's Console ends the process with SystemExit(1) when stdout is a
         # closed pipe; that is not a finding.
@@ -136,15 +107,12 @@ def _run(body, debug: bool) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise typer.Exit(141) from None
     except MemoryError:
-        print("gradclip: out of memory", file=sys.stderr)
-        raise typer.Exit(3) from None
+        fail("out of memory", 3)
     except (OSError, RuntimeError, ValueError) as error:
         if debug:
             traceback.print_exc()
         first_line = str(error).splitlines()[0] if str(error) else ""
-        print(f"gradclip: {type(error).__name__}: {first_line} (run with --debug for details)",
-              file=sys.stderr)
-        raise typer.Exit(3) from None
+        fail(f"{type(error).__name__}: {first_line} (run with --debug for details)", 3)
     raise typer.Exit(code)
 
 
@@ -155,6 +123,7 @@ def inspect(
     norm_type: str = NormOpt,
     device: str = DeviceOpt,
     format: str = FormatOpt,
+    output_file: Path | None = OutputFileOpt,
     max_norm: str | None = typer.Option(
         None, "--max-norm", help="Threshold: a total norm above it is a finding (exit 1)."
     ),
@@ -171,27 +140,16 @@ def inspect(
     """Report per-group and total gradient norms and non-finite values. Never writes PATH."""
 
     def body() -> int:
-        p = options.norm_type(norm_type)
-        threshold = options.threshold("--max-norm", max_norm, allow_zero=True)
-        dev = options.device(device)
-        fmt = _format(format)
-        rule = parse_group_by(group_by)
-        with progress_steps(quiet) as steps:
-            loaded = _load(path, key, trust_pickle, verify, steps)
-            # inspect never writes a tensor, so pages read can go back at once:
-            # resident memory stays flat whatever the file's size.
-            release = PageReleaser(path)
-            sums = _measure(loaded, p, dev, steps, "computing norms", release)
-        report = build_inspect_report(
-            names=loaded.names, tensors=loaded.tensors, sums=sums, ties=loaded.ties,
-            group_rule=rule, source=str(path), format=loaded.checkpoint.format,
-            key=loaded.key, device=str(dev), max_norm=threshold,
-            allow_nonfinite=allow_nonfinite, group_by=group_by, skipped=loaded.skipped,
-        )
-        fmt.render_inspect(report, sys.stdout, top=top)
-        return 0 if report.status == OK else 1
+        from .commands import inspect as command
 
-    _run(body, debug)
+        return command.run(
+            path=path, key=key, norm_type=norm_type, device=device, format=format,
+            max_norm=max_norm, allow_nonfinite=allow_nonfinite, verify=verify,
+            group_by=group_by, top=top, trust_pickle=trust_pickle, quiet=quiet,
+            output_file=output_file,
+        )
+
+    _run(body, debug=debug, format=format, source=path, output_file=output_file)
 
 
 @app.command()
@@ -211,6 +169,7 @@ def clip(
     norm_type: str = NormOpt,
     device: str = DeviceOpt,
     format: str = FormatOpt,
+    output_file: Path | None = OutputFileOpt,
     allow_nonfinite: bool = typer.Option(
         False, "--allow-nonfinite",
         help="Clip even when gradients hold NaN/inf (as torch with error_if_nonfinite=False).",
@@ -223,53 +182,35 @@ def clip(
     """Write a copy of PATH with clipped gradients; everything else is kept as it was."""
 
     def body() -> int:
-        p = options.norm_type(norm_type)
-        limit = options.threshold("--max-norm", max_norm, allow_zero=False)
-        value = options.threshold("--clip-value", clip_value, allow_zero=False)
-        if (limit is None) == (value is None):
-            raise UsageError("clip needs exactly one of --max-norm X or --clip-value V")
-        target = options.clip_output(path, output, in_place)
-        dev = options.device(device)
-        fmt = _format(format)
-        with progress_steps(quiet) as steps:
-            loaded = _load(path, key, trust_pickle, verify, steps)
-            before = _measure(loaded, p, dev, steps, "computing norms").total()
-            total_before = float(before.norm[0])
-            nonfinite = NonFinite(int(before.nan[0]), int(before.posinf[0]), int(before.neginf[0]))
-            if nonfinite.total and not allow_nonfinite:
-                print(f"gradclip: {path}: total norm is {total_before} ({nonfinite.nan} NaN, "
-                      f"{nonfinite.posinf} +inf, {nonfinite.neginf} -inf); refusing to clip, "
-                      "nothing written (--allow-nonfinite clips anyway)", file=sys.stderr)
-                return 1
-            coef = None
-            if limit is not None:
-                c = clip_coefficient(torch.tensor(total_before, dtype=torch.float64), limit)
-                coef = float(c)
-                scale_(loaded.tensors, c)
-                clipped = coef < 1.0
-            else:
-                clamp_(loaded.tensors, value)
-                clipped = float(before.max_abs[0]) > value
-            after = float(_measure(loaded, p, dev, steps, "checking").total().norm[0])
-            steps.begin("writing")
-            write_checkpoint(loaded.checkpoint, target)
-        report = ClipReport(
-            source=str(path), output=str(target), format=loaded.checkpoint.format,
-            key=loaded.key, norm_type=p, max_norm=limit, clip_value=value,
-            total_norm_before=total_before, clip_coef=coef, total_norm_after=after,
-            clipped=clipped, num_tensors=len(loaded.tensors), nonfinite=nonfinite,
-        )
-        fmt.render_clip(report, sys.stdout)
-        return 0
+        from .commands import clip as command
 
-    _run(body, debug)
+        return command.run(
+            path=path, max_norm=max_norm, clip_value=clip_value, output=output,
+            in_place=in_place, key=key, norm_type=norm_type, device=device, format=format,
+            allow_nonfinite=allow_nonfinite, verify=verify, trust_pickle=trust_pickle,
+            quiet=quiet, output_file=output_file,
+        )
+
+    _run(body, debug=debug, format=format, source=path, output_file=output_file)
+
+
+def _requested_format(argv: list[str]) -> str | None:
+    """``--format`` as written on the command line, for errors raised before parsing ends."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == "--format" and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith("--format="):
+            found = arg.split("=", 1)[1]
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: usage errors become one line and exit 2, as the contract says."""
     command = typer.main.get_command(app)
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        code = command.main(args=argv, prog_name="gradclip", standalone_mode=False)
+        code = command.main(args=args, prog_name="gradclip", standalone_mode=False)
     except typer.Exit as exit_:
         sys.exit(exit_.exit_code)
     except typer.Abort:
@@ -285,7 +226,9 @@ def main(argv: list[str] | None = None) -> None:
             print(ctx.get_help(), file=sys.stderr)
             sys.exit(2)
         where = ctx.command_path if ctx is not None else "gradclip"
-        print(f"gradclip: {error.format_message()} (see '{where} --help')", file=sys.stderr)
+        source = ctx.params.get("path") if ctx is not None else None
+        _report_error(f"{error.format_message()} (see '{where} --help')", 2,
+                      format=_requested_format(args), source=source)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICE_CHOICES = "cpu, cuda, cuda:N, mps or auto"
 
@@ -45,6 +47,8 @@ def threshold(flag: str, text: str | None, *, allow_zero: bool) -> float | None:
 
 def device(text: str) -> torch.device:
     """The compute device; UsageError if unknown or not available here."""
+    import torch
+
     name = text.strip().lower()
     if name == "auto":
         if torch.cuda.is_available():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.source import safetensors_file, torch_file, verify
+from gradclip_cli.source.files import safetensors_file, torch_file, verify
 from gradclip_cli.source.interface import Checkpoint, GradientSelection
 from gradclip_cli.source.locate import select_gradients
 

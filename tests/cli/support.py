@@ -130,3 +130,15 @@ def gpt_like_grads(seed: int = 0, layers: int = 3) -> dict[str, torch.Tensor]:
         grads[f"transformer.h.{i}.mlp.c_fc.weight"] = torch.randn(32, 8, generator=g) * scale
     grads["transformer.ln_f.weight"] = torch.randn(8, generator=g) * 0.1
     return grads
+
+
+def assert_no_report(result) -> None:
+    """A failed run prints no report: stdout is empty, or (``--format json``) holds just
+    the contract's one ``gradclip.error/1`` object with the run's exit code."""
+    if result.out == "":
+        return
+    assert result.out.count("\n") == 1 and result.out.endswith("\n"), result.out
+    doc = json.loads(result.out)
+    assert doc["schema"] == "gradclip.error/1", doc
+    assert doc["exit_code"] == result.code, (doc, result.code)
+    assert doc["error"] and "\n" not in doc["error"], doc

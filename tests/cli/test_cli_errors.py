@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 
 import pytest
 import torch
 
-from .support import save_safetensors
+from .support import assert_no_report, save_safetensors
 
 
 def assert_one_line_error(result, code: int, *needles: str) -> None:
     assert result.code == code, (result.code, result.err)
-    assert result.out == ""
+    assert_no_report(result)
     assert "Traceback" not in result.err
     assert len(result.err_lines) == 1, result.err
     assert result.err_lines[0].startswith("gradclip")
@@ -176,7 +177,7 @@ def test_unreadable_input_exits_3(gradclip, tmp_path, grads_file, case, command)
     before = sorted(p.name for p in tmp_path.iterdir())
     result = gradclip(command, path, *extra)
     assert result.code == 3, (result.code, result.err)
-    assert result.out == ""
+    assert_no_report(result)
     assert "Traceback" not in result.err
     assert 1 <= len(result.err_lines) <= 2, result.err
     assert str(path) in result.err_lines[0], result.err
@@ -184,10 +185,37 @@ def test_unreadable_input_exits_3(gradclip, tmp_path, grads_file, case, command)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
 
 
-def test_unreadable_input_json_mode_keeps_stdout_empty(gradclip, tmp_path, grads_file):
-    files = unreadable_files(tmp_path, grads_file)
-    result = gradclip("inspect", files["truncated-half"], "--format", "json")
-    assert result.code == 3 and result.out == ""
+def test_unreadable_input_json_mode_prints_the_error_object(gradclip, tmp_path, grads_file):
+    """CONTRACT: with --format json a failed run still prints one gradclip.error/1 object."""
+    path = unreadable_files(tmp_path, grads_file)["truncated-half"]
+    result = gradclip("inspect", path, "--format", "json")
+    assert result.code == 3
+    assert result.out.count("\n") == 1
+    doc = result.json()
+    assert doc == {"schema": "gradclip.error/1", "exit_code": 3, "source": str(path),
+                   "error": result.err_lines[0].removeprefix("gradclip: ")}
+    assert str(path) in doc["error"]
+
+
+def test_usage_error_in_json_mode_prints_the_error_object(gradclip, grads_file):
+    result = gradclip("inspect", grads_file, "--format", "json", "--norm-type", "-1")
+    assert result.code == 2
+    doc = result.json()
+    assert doc["schema"] == "gradclip.error/1" and doc["exit_code"] == 2
+    assert "--norm-type" in doc["error"]
+    parse = gradclip("inspect", grads_file, "--format=json", "--no-such-flag")
+    assert parse.code == 2
+    assert parse.json()["exit_code"] == 2 and "--no-such-flag" in parse.json()["error"]
+
+
+def test_error_object_goes_to_the_output_file(gradclip, tmp_path):
+    report = tmp_path / "report.json"
+    missing = tmp_path / "missing.pt"
+    result = gradclip("inspect", missing, "--format", "json", "--output-file", report)
+    assert result.code == 3
+    assert_no_report(result)
+    doc = json.loads(report.read_text())
+    assert doc["exit_code"] == 3 and doc["source"] == str(missing)
 
 
 def unsafe_file(tmp_path, grads):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .support import SAMPLES, ref_norm, rel_err, run_process
+from .support import SAMPLES, assert_no_report, ref_norm, rel_err, run_process
 
 
 def test_inspect_json_streams(tmp_path, grads):
@@ -54,7 +54,7 @@ def test_error_exit_status_and_one_line(tmp_path, args, code):
     argv = [a.format(healthy=SAMPLES / "healthy.pt", tmp=tmp_path) for a in args]
     result = run_process(*argv)
     assert result.code == code
-    assert result.out == ""
+    assert_no_report(result)
     assert "Traceback" not in result.err
     assert len(result.err.splitlines()) == 1, result.err
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import gradclip_cli.cli as cli_module
+import gradclip_cli.commands.common as common_module
 import gradclip_cli.progress as progress_module
 
 ANSI = "\x1b["
@@ -110,7 +111,7 @@ class FakeTerminal(io.StringIO):
 
 
 def slow_load(monkeypatch, seconds: float) -> None:
-    real = cli_module.load_checkpoint
+    real = common_module.load_checkpoint
 
     def load(*args, **kwargs):
         import time
@@ -118,7 +119,7 @@ def slow_load(monkeypatch, seconds: float) -> None:
         time.sleep(seconds)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cli_module, "load_checkpoint", load)
+    monkeypatch.setattr(common_module, "load_checkpoint", load)
 
 
 def test_quiet_draws_no_progress_even_on_a_terminal(grads_file, monkeypatch, capsys):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gradclip_cli.cli import main
+from tests.cli.support import assert_no_report
 
 
 @dataclass
@@ -46,7 +47,7 @@ def assert_refused(result: Outcome, path: Path, *words: str) -> str:
     assert "Traceback" not in result.err
     for word in words:
         assert word in line, line
-    assert result.out == ""
+    assert_no_report(result)
     return line
 
 
@@ -60,6 +61,7 @@ def assert_clean_inspect(result: Outcome, path: Path) -> None:
         assert result.code == 3, (result.code, result.err)
         assert len(result.err_lines) == 1, result.err
         assert str(path) in result.err_lines[0], result.err
+        assert_no_report(result)
 
 
 def rewrite_zip(source: Path, target: Path, edits: dict) -> None:

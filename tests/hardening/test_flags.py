@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from tests.cli.support import assert_no_report
+
 from .support import run_cli
 
 EDGES = ["nan", "inf", "-1", "0", "1e308"]
@@ -24,7 +26,8 @@ def _usage(result, flag: str) -> None:
     assert result.code == 2, (result.code, result.out, result.err)
     assert len(result.err_lines) == 1, result.err
     assert flag in result.err_lines[0], result.err
-    assert "Traceback" not in result.err and result.out == ""
+    assert "Traceback" not in result.err
+    assert_no_report(result)
 
 
 # (command, flag, value) -> None for exit 2, else the expected exit code.

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gradclip_cli.source import load_checkpoint
-from gradclip_cli.source.pages import PageReleaser
+from gradclip_cli.source.files.pages import PageReleaser
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux-only")
 

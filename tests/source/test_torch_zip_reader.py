@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from gradclip_cli.source.torch_zip_reader import read_torch_zip
+from gradclip_cli.source.files.torch_zip_reader import read_torch_zip
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 EXTRA_FLOATS = [

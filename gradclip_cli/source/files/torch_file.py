@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError, UnsafeCheckpointError
+from gradclip_cli.source.files.torch_zip_reader import read_torch_zip
 from gradclip_cli.source.interface import Checkpoint
-from gradclip_cli.source.torch_zip_reader import read_torch_zip
 
 ZIP_MAGIC = b"PK\x03\x04"
 # The opcode ``PROTO`` followed by a protocol number torch can write (2..5):

@@ -13,7 +13,7 @@ import zlib
 from pathlib import Path
 
 from gradclip_cli.errors import InputError, IntegrityError
-from gradclip_cli.source.safetensors_file import read_header
+from gradclip_cli.source.files.safetensors_file import read_header
 
 _CHUNK = 1 << 20  # stream entries: a multi-GB tensor must not be read whole
 

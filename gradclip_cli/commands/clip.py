@@ -1,0 +1,62 @@
+"""``gradclip clip``: load, measure, scale or clamp, check, write a copy."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from .. import options
+from ..core import clamp_, clip_coefficient, scale_
+from ..errors import UsageError
+from ..progress import progress_steps
+from ..report import ClipReport, NonFinite
+from ..sink import write_checkpoint
+from .common import emit, load, measure, output_format
+
+
+def run(
+    *, path: Path, max_norm: str | None, clip_value: str | None, output: Path | None,
+    in_place: bool, key: str | None, norm_type: str, device: str, format: str,
+    allow_nonfinite: bool, verify: bool, trust_pickle: bool, quiet: bool,
+    output_file: Path | None,
+) -> int:
+    p = options.norm_type(norm_type)
+    limit = options.threshold("--max-norm", max_norm, allow_zero=False)
+    value = options.threshold("--clip-value", clip_value, allow_zero=False)
+    if (limit is None) == (value is None):
+        raise UsageError("clip needs exactly one of --max-norm X or --clip-value V")
+    target = options.clip_output(path, output, in_place)
+    dev = options.device(device)
+    fmt = output_format(format)
+    with progress_steps(quiet) as steps:
+        loaded = load(path, key, trust_pickle, verify, steps)
+        before = measure(loaded, p, dev, steps, "computing norms").total()
+        total_before = float(before.norm[0])
+        nonfinite = NonFinite(int(before.nan[0]), int(before.posinf[0]), int(before.neginf[0]))
+        if nonfinite.total and not allow_nonfinite:
+            print(f"gradclip: {path}: total norm is {total_before} ({nonfinite.nan} NaN, "
+                  f"{nonfinite.posinf} +inf, {nonfinite.neginf} -inf); refusing to clip, "
+                  "nothing written (--allow-nonfinite clips anyway)", file=sys.stderr)
+            return 1
+        coef = None
+        if limit is not None:
+            c = clip_coefficient(torch.tensor(total_before, dtype=torch.float64), limit)
+            coef = float(c)
+            scale_(loaded.tensors, c)
+            clipped = coef < 1.0
+        else:
+            clamp_(loaded.tensors, value)
+            clipped = float(before.max_abs[0]) > value
+        after = float(measure(loaded, p, dev, steps, "checking").total().norm[0])
+        steps.begin("writing")
+        write_checkpoint(loaded.checkpoint, target)
+    report = ClipReport(
+        source=str(path), output=str(target), format=loaded.checkpoint.format,
+        key=loaded.key, norm_type=p, max_norm=limit, clip_value=value,
+        total_norm_before=total_before, clip_coef=coef, total_norm_after=after,
+        clipped=clipped, num_tensors=len(loaded.tensors), nonfinite=nonfinite,
+    )
+    emit(lambda out: fmt.render_clip(report, out), output_file)
+    return 0

@@ -1,0 +1,89 @@
+"""Steps the commands share: loading the gradients, measuring them, emitting a report."""
+
+from __future__ import annotations
+
+import io
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from ..core import find_ties, tensor_power_sums
+from ..errors import UsageError
+from ..format import FORMATS
+from ..progress import Steps
+from ..sink import atomic_write
+from ..source import Checkpoint, load_checkpoint, select_gradients
+from ..source.files.pages import PageReleaser
+
+# torch's intra-op threads become gradclip's own workers (see tensor_power_sums).
+WORKERS = torch.get_num_threads()
+torch.set_num_threads(1)
+
+
+@dataclass
+class Loaded:
+    checkpoint: Checkpoint
+    key: str
+    names: list[str]  # without tie duplicates
+    tensors: list[torch.Tensor]
+    ties: dict[str, list[str]]
+    skipped: list[str]
+
+
+def output_format(name: str):
+    """The format module for ``--format NAME``; UsageError if there is none."""
+    if name not in FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {name!r}")
+    return FORMATS[name]
+
+
+def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: Steps) -> Loaded:
+    """Read ``path`` and pick its gradients; tied names are folded into their first name."""
+    steps.begin("loading")
+    ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
+    if ckpt.trusted_pickle:
+        print(f"gradclip: warning: {path}: loaded with --trust-pickle (full unpickling; "
+              "code in the file may have run)", file=sys.stderr)
+    selection = select_gradients(ckpt.root, key, path=path)
+    all_names = list(selection.tensors)
+    all_tensors = list(selection.tensors.values())
+    owner = find_ties(all_tensors)
+    ties: dict[str, list[str]] = {}
+    for i, o in enumerate(owner):
+        if o != i:
+            ties.setdefault(all_names[o], []).append(all_names[i])
+    keep = [i for i, o in enumerate(owner) if o == i]
+    return Loaded(ckpt, selection.key, [all_names[i] for i in keep],
+                  [all_tensors[i] for i in keep], ties, list(selection.skipped))
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label: str,
+            release: PageReleaser | None = None):
+    """Per-tensor power sums of the loaded gradients, with progress and page release."""
+    steps.begin(label, total=nbytes(loaded.tensors))
+
+    def done(batch) -> None:
+        steps.advance(nbytes(batch))
+        if release is not None:
+            release.release(batch)
+
+    return tensor_power_sums(loaded.tensors, p, device=device, on_batch=done, workers=WORKERS)
+
+
+def emit(write: Callable[[TextIO], None], output_file: Path | None) -> None:
+    """Send a rendered report to stdout, or atomically to ``--output-file``."""
+    if output_file is None:
+        write(sys.stdout)
+        return
+    buffer = io.StringIO()
+    write(buffer)
+    data = buffer.getvalue().encode("utf-8")
+    atomic_write(Path(output_file), lambda file: file.write(data))

@@ -1,0 +1,37 @@
+"""``gradclip inspect``: load, measure, report. Never writes the input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import options
+from ..progress import progress_steps
+from ..report import OK, build_inspect_report, parse_group_by
+from ..source.files.pages import PageReleaser
+from .common import emit, load, measure, output_format
+
+
+def run(
+    *, path: Path, key: str | None, norm_type: str, device: str, format: str,
+    max_norm: str | None, allow_nonfinite: bool, verify: bool, group_by: str, top: int,
+    trust_pickle: bool, quiet: bool, output_file: Path | None,
+) -> int:
+    p = options.norm_type(norm_type)
+    threshold = options.threshold("--max-norm", max_norm, allow_zero=True)
+    dev = options.device(device)
+    fmt = output_format(format)
+    rule = parse_group_by(group_by)
+    with progress_steps(quiet) as steps:
+        loaded = load(path, key, trust_pickle, verify, steps)
+        # inspect never writes a tensor, so pages read can go back at once:
+        # resident memory stays flat whatever the file's size.
+        release = PageReleaser(path)
+        sums = measure(loaded, p, dev, steps, "computing norms", release)
+    report = build_inspect_report(
+        names=loaded.names, tensors=loaded.tensors, sums=sums, ties=loaded.ties,
+        group_rule=rule, source=str(path), format=loaded.checkpoint.format,
+        key=loaded.key, device=str(dev), max_norm=threshold,
+        allow_nonfinite=allow_nonfinite, group_by=group_by, skipped=loaded.skipped,
+    )
+    emit(lambda out: fmt.render_inspect(report, out, top=top), output_file)
+    return 0 if report.status == OK else 1
