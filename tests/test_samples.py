@@ -138,7 +138,7 @@ def test_regenerating_matches_the_committed_files(regenerated, name):
 
 
 def perturbed(tree, scale: float):
-    """`tree` with every floating tensor of at least two elements changed by `scale` of its largest value."""
+    """`tree` with each floating tensor (2+ elements) shifted by `scale` of its largest value."""
     if isinstance(tree, torch.Tensor):
         if tree.is_floating_point() and tree.numel() > 1:
             return tree + (tree.double().abs().max() * scale).to(tree.dtype)
