@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._foreach_utils import _device_has_foreach_support
 
+from .power_sums import pointwise_pow
+
 # Rows of the foreach kernel (a fused _foreach_norm call per group).
 ROW = 1 << 12
 # Pieces of the CPU kernel: 1 MiB of float32, which stays in L2 between passes.
@@ -166,11 +168,17 @@ def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float, workers: int 
     if not layout:
         empty = torch.empty(0, dtype=acc)
         return _rows(layout, empty, empty if with_norm else None, acc)
-    maxima = torch.cat([m for r in results for m in r.maxima])
+    # Rows in (tensor, start) order whatever the number of workers: a tensor's
+    # rows are then summed in one order, and its result does not depend on
+    # how many threads or ranks shared the work.
+    order = sorted(range(len(layout)), key=layout.__getitem__)
+    layout = [layout[i] for i in order]
+    order = torch.tensor(order, dtype=torch.int64)
+    maxima = torch.cat([m for r in results for m in r.maxima])[order]
     norms = None
     if with_norm:
-        sums = torch.cat([x for r in results for x in r.sums]).double()
-        norms = sums.pow(1.0 / norm_type)
+        sums = torch.cat([x for r in results for x in r.sums]).double()[order]
+        norms = pointwise_pow(sums, 1.0 / norm_type)
     return _rows(layout, maxima, norms, acc)
 
 

@@ -72,7 +72,7 @@ class PowerSums:
             big = scale[index]
             ratio = torch.where(big > 0, self.scale / _nonzero(big), 0.0)
             power_sum = torch.zeros(size, dtype=F64).index_add(
-                0, index, self.power_sum * ratio.pow(self.norm_type)
+                0, index, self.power_sum * pointwise_pow(ratio, self.norm_type)
             )
         return PowerSums(
             norm_type=self.norm_type,
@@ -104,9 +104,38 @@ def from_rows(
         power_sum = (scale > 0).to(F64)
     else:
         ratio = row_norm.to(F64) / _nonzero(scale)
-        power_sum = torch.where(scale > 0, ratio.pow(norm_type), 0.0)
+        power_sum = torch.where(scale > 0, pointwise_pow(ratio, norm_type), 0.0)
     zeros = torch.zeros(row_max.numel(), dtype=torch.int64)
     return PowerSums(norm_type, scale, power_sum, row_max, zeros, zeros, zeros)
+
+
+def pointwise_pow(x: torch.Tensor, exponent: float) -> torch.Tensor:
+    """``x ** exponent`` elementwise (float64), each result a function of its own element only.
+
+    A vectorised ``pow`` rounds the elements of a SIMD block and those of the
+    scalar tail differently (1 ulp), so a tensor's power sum would depend on
+    where it sat among its neighbours: on how work was split across ranks or
+    threads. Squares and square roots are correctly rounded either way; any
+    other exponent goes through ``math.pow`` one number at a time (a number
+    per row or tensor, never per element). The reports of one process and of
+    many are then the same to the last digit.
+    """
+    if exponent == 1.0:
+        return x.clone()
+    if exponent == 2.0:
+        return x * x
+    if exponent == 0.5:
+        return x.sqrt()
+    values = [_scalar_pow(v, exponent) for v in x.reshape(-1).tolist()]
+    return torch.tensor(values, dtype=F64).reshape(x.shape)
+
+
+def _scalar_pow(value: float, exponent: float) -> float:
+    """``math.pow`` that overflows to inf, as a tensor ``pow`` does, instead of raising."""
+    try:
+        return math.pow(value, exponent)
+    except OverflowError:
+        return math.inf
 
 
 def _nonzero(x: torch.Tensor) -> torch.Tensor:
