@@ -83,37 +83,58 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
 
 def _run(body, *, debug: bool, format: str | None = None, source: object = None,
          output_file: Path | None = None) -> None:
-    """Run a command body, turning every error into one line and an exit code."""
+    """Run a command body, turning every error into one line and an exit code.
 
-    def fail(message: str, code: int) -> None:
+    Under a launcher every rank ends with the same code and rank 0 alone
+    reports (``_settle``).
+    """
+    failed, code, message = _outcome(body, debug)
+    code, message, speaks = _settle(failed, code, message)
+    if message is not None and speaks:
         _report_error(message, code, format=format, source=source, output_file=output_file)
-        raise typer.Exit(code)
+    raise typer.Exit(code)
 
+
+def _outcome(body, debug: bool) -> tuple[bool, int, str | None]:
+    """(failed, exit code, message to report) of running ``body``."""
     try:
-        code = body()
+        return False, body(), None
     except GradclipError as error:
         if debug:
             traceback.print_exc()
-        fail(str(error), error.exit_code)
+        return True, error.exit_code, None if getattr(error, "quiet", False) else str(error)
     except SystemExit:
         # rich's Console ends the process with SystemExit(1) when stdout is a
         # closed pipe; that is not a finding.
-        raise typer.Exit(141) from None
+        return True, 141, None
     except KeyboardInterrupt:
         print("gradclip: interrupted", file=sys.stderr)
-        raise typer.Exit(130) from None
+        return True, 130, None
     except BrokenPipeError:
         # The reader went away (`gradclip ... | head`): stop quietly, as shell tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise typer.Exit(141) from None
+        return True, 141, None
     except MemoryError:
-        fail("out of memory", 3)
+        return True, 3, "out of memory"
     except (OSError, RuntimeError, ValueError) as error:
         if debug:
             traceback.print_exc()
         first_line = str(error).splitlines()[0] if str(error) else ""
-        fail(f"{type(error).__name__}: {first_line} (run with --debug for details)", 3)
-    raise typer.Exit(code)
+        return True, 3, f"{type(error).__name__}: {first_line} (run with --debug for details)"
+
+
+def _settle(failed: bool, code: int, message: str | None) -> tuple[int, str | None, bool]:
+    """Under a launcher: the outcome all ranks agree on, and whether this rank reports it."""
+    from .distributed import launcher
+
+    if not launcher.launched():
+        return code, message, True
+    session = launcher.current()
+    # An interrupt reaches every rank from the launcher; nobody waits for agreement.
+    if session is not None and code != 130:
+        code, message = session.agree(code, message, failed)
+    launcher.leave()
+    return code, message, launcher.launcher_rank() == 0
 
 
 @app.command()

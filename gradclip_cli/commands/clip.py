@@ -9,11 +9,12 @@ import torch
 
 from .. import options
 from ..core import clamp_, clip_coefficient, scale_
+from ..distributed import launcher
 from ..errors import UsageError
 from ..progress import progress_steps
 from ..report import ClipReport, NonFinite
 from ..sink import write_checkpoint
-from .common import emit, load, measure, output_format
+from .common import emit, load, measure, output_format, speaks
 
 
 def run(
@@ -30,16 +31,27 @@ def run(
     target = options.clip_output(path, output, in_place)
     dev = options.device(device)
     fmt = output_format(format)
-    with progress_steps(quiet) as steps:
+    session = launcher.join(dev, device)
+    if session is not None:
+        dev = session.device
+    with progress_steps(quiet or not speaks()) as steps:
         loaded = load(path, key, trust_pickle, verify, steps)
-        before = measure(loaded, p, dev, steps, "computing norms").total()
+        # Under a launcher the ranks share the reading for this first norm.
+        before = measure(loaded, p, dev, steps, "computing norms", session=session).total()
         total_before = float(before.norm[0])
         nonfinite = NonFinite(int(before.nan[0]), int(before.posinf[0]), int(before.neginf[0]))
         if nonfinite.total and not allow_nonfinite:
+            if not speaks():
+                return 1
             print(f"gradclip: {path}: total norm is {total_before} ({nonfinite.nan} NaN, "
                   f"{nonfinite.posinf} +inf, {nonfinite.neginf} -inf); refusing to clip, "
                   "nothing written (--allow-nonfinite clips anyway)", file=sys.stderr)
             return 1
+        if not speaks():
+            # One file is written by one process, which must hold every
+            # scaled tensor: rank 0 scales, checks and writes; the other
+            # ranks are done. (Sharded checkpoints: each rank its shards.)
+            return 0
         coef = None
         if limit is not None:
             c = clip_coefficient(torch.tensor(total_before, dtype=torch.float64), limit)

@@ -12,6 +12,7 @@ from typing import TextIO
 import torch
 
 from ..core import find_ties, tensor_power_sums
+from ..distributed import launcher
 from ..errors import UsageError
 from ..format import FORMATS
 from ..progress import Steps
@@ -45,7 +46,7 @@ def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: S
     """Read ``path`` and pick its gradients; tied names are folded into their first name."""
     steps.begin("loading")
     ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
-    if ckpt.trusted_pickle:
+    if ckpt.trusted_pickle and speaks():
         print(f"gradclip: warning: {path}: loaded with --trust-pickle (full unpickling; "
               "code in the file may have run)", file=sys.stderr)
     selection = select_gradients(ckpt.root, key, path=path)
@@ -65,21 +66,46 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def speaks() -> bool:
+    """Whether this process prints: always, except ranks other than 0 under a launcher."""
+    session = launcher.current()
+    return session is None or session.primary
+
+
 def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label: str,
-            release: PageReleaser | None = None):
-    """Per-tensor power sums of the loaded gradients, with progress and page release."""
-    steps.begin(label, total=nbytes(loaded.tensors))
+            release: PageReleaser | None = None, session: launcher.Session | None = None):
+    """Per-tensor power sums of the loaded gradients, with progress and page release.
+
+    With a ``session`` (under a launcher) each rank reads and measures its own
+    pieces and every rank gets all of them back, in the single-process order.
+    """
+    tensors = loaded.tensors
+    mine = list(range(len(tensors)))
+    if session is not None:
+        from ..distributed.pieces import assign, owned
+
+        owners = assign([nbytes([t]) for t in tensors], session.world_size)
+        mine = owned(owners, session.rank)
+        tensors = [tensors[i] for i in mine]
+    steps.begin(label, total=nbytes(tensors))
 
     def done(batch) -> None:
         steps.advance(nbytes(batch))
         if release is not None:
             release.release(batch)
 
-    return tensor_power_sums(loaded.tensors, p, device=device, on_batch=done, workers=WORKERS)
+    sums = tensor_power_sums(tensors, p, device=device, on_batch=done, workers=WORKERS)
+    if session is None:
+        return sums
+    from ..distributed.combine import gather_power_sums
+
+    return gather_power_sums(session, sums, mine, len(loaded.tensors))
 
 
 def emit(write: Callable[[TextIO], None], output_file: Path | None) -> None:
-    """Send a rendered report to stdout, or atomically to ``--output-file``."""
+    """Send a rendered report to stdout, or atomically to ``--output-file`` (rank 0 alone)."""
+    if not speaks():
+        return
     if output_file is None:
         write(sys.stdout)
         return

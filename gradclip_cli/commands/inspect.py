@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import options
+from ..distributed import launcher
 from ..progress import progress_steps
 from ..report import OK, build_inspect_report, parse_group_by
 from ..source.files.pages import PageReleaser
-from .common import emit, load, measure, output_format
+from .common import emit, load, measure, output_format, speaks
 
 
 def run(
@@ -21,12 +22,15 @@ def run(
     dev = options.device(device)
     fmt = output_format(format)
     rule = parse_group_by(group_by)
-    with progress_steps(quiet) as steps:
+    session = launcher.join(dev, device)
+    if session is not None:
+        dev = session.device
+    with progress_steps(quiet or not speaks()) as steps:
         loaded = load(path, key, trust_pickle, verify, steps)
         # inspect never writes a tensor, so pages read can go back at once:
         # resident memory stays flat whatever the file's size.
         release = PageReleaser(path)
-        sums = measure(loaded, p, dev, steps, "computing norms", release)
+        sums = measure(loaded, p, dev, steps, "computing norms", release, session)
     report = build_inspect_report(
         names=loaded.names, tensors=loaded.tensors, sums=sums, ties=loaded.ties,
         group_rule=rule, source=str(path), format=loaded.checkpoint.format,

@@ -1,0 +1,64 @@
+"""Run several gradclip commands in one process, as one rank of a launched group.
+
+    torchrun --nproc-per-node 2 tests/distributed/ranks_cli.py JOBS.json OUTDIR
+    python tests/distributed/ranks_cli.py JOBS.json OUTDIR      # one process, no group
+
+Starting torch and a process group takes seconds on a busy machine, so the
+tests run every command of a check in one launch: the group is created here,
+once, and gradclip uses it as it would a training script's. Each job's exit
+code, stdout and stderr go to ``OUTDIR/rank{R}.job{I}.{code,out,err}``.
+
+A job may name ``fail_rank``: on that rank alone, reading the gradients
+fails as a failing disk would make it fail (an ``InputError`` naming the
+file), which is how the tests see an error on one rank only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+
+def main() -> None:
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    outdir = Path(sys.argv[2])
+    rank = int(os.environ.get("RANK", "0"))
+    if "RANK" in os.environ:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    from gradclip_cli import cli
+    from gradclip_cli.commands import common
+    from gradclip_cli.errors import InputError
+
+    real = common.tensor_power_sums
+    for index, job in enumerate(jobs):
+        if job.get("fail_rank") == rank:
+            path = job["args"][1]
+
+            def failing(*args, _path=path, **kwargs):
+                raise InputError(f"{_path}: cannot read: Input/output error")
+
+            common.tensor_power_sums = failing
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.main(job["args"])
+            except SystemExit as exit_:
+                code = exit_.code
+        common.tensor_power_sums = real
+        stem = outdir / f"rank{rank}.job{index}"
+        Path(f"{stem}.code").write_text(str(code))
+        Path(f"{stem}.out").write_text(out.getvalue())
+        Path(f"{stem}.err").write_text(err.getvalue())
+    if "RANK" in os.environ:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""The CLI under a launcher: 2 gloo ranks give the one-process report, byte for byte.
+
+One launch of ``torchrun`` runs every command (ranks_cli.py), and one run of
+the same commands without a launcher gives the reference. A last launch runs
+``torchrun -m gradclip_cli`` itself, the way users start it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cli.support import SAMPLES
+
+REPO = Path(__file__).resolve().parents[2]
+HARNESS = Path(__file__).with_name("ranks_cli.py")
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+SAMPLE_FILES = sorted(p.name for p in SAMPLES.iterdir() if p.suffix in (".pt", ".safetensors"))
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env["GRADCLIP_DIST_TIMEOUT"] = "120"
+    return env
+
+
+def _torchrun(*args: object, ranks: int = 2) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={ranks}", *map(str, args)]
+    return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=600)
+
+
+def multi_tensor_checkpoint(path: Path) -> Path:
+    """Tensors of every size class (stacked, one row, several rows) and dtype, one tie."""
+    g = torch.Generator().manual_seed(7)
+    grads = {}
+    for i in range(6):
+        dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
+        grads[f"layers.{i}.attn.weight"] = (torch.randn(96, 96, generator=g) * 10**(i - 3)).to(dtype)
+        grads[f"layers.{i}.attn.bias"] = torch.randn(96, generator=g).to(dtype)
+        grads[f"layers.{i}.mlp.weight"] = torch.randn(600, 512, generator=g).to(dtype)
+        grads[f"layers.{i}.norm.weight"] = torch.rand(96, generator=g)
+    grads["embed.weight"] = torch.randn(1100, 256, generator=g)
+    grads["lm_head.weight"] = grads["embed.weight"]
+    torch.save({"grads": grads, "step": 12}, path)
+    return path
+
+
+def _jobs(tmp: Path, multi: Path) -> list[dict]:
+    jobs = []
+    for name in SAMPLE_FILES:
+        for fmt in ("table", "json"):
+            jobs.append({"args": ["inspect", str(SAMPLES / name), "--format", fmt]})
+    for extra in ([], ["--norm-type", "3", "--group-by", "tensor"], ["--norm-type", "inf"],
+                  ["--norm-type", "0.7", "--max-norm", "10"]):
+        for fmt in ("table", "json"):
+            jobs.append({"args": ["inspect", str(multi), "--format", fmt, *extra]})
+    for fmt in ("table", "json"):
+        jobs.append({"args": ["clip", str(multi), "--max-norm", "1", "--format", fmt,
+                              "-o", str(tmp / f"clipped.{fmt}.pt")]})
+    for fmt in ("table", "json"):
+        jobs.append({"args": ["inspect", str(multi), "--format", fmt], "fail_rank": 1,
+                     "expect_error": True})
+    return jobs
+
+
+def _results(outdir: Path, rank: int, count: int) -> list[tuple[int, str, str]]:
+    stems = [outdir / f"rank{rank}.job{i}" for i in range(count)]
+    return [(int(Path(f"{s}.code").read_text()), Path(f"{s}.out").read_text(),
+             Path(f"{s}.err").read_text()) for s in stems]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ranks")
+    multi = multi_tensor_checkpoint(tmp / "multi.pt")
+    jobs = _jobs(tmp, multi)
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    single, launched = tmp / "single", tmp / "launched"
+    single.mkdir()
+    launched.mkdir()
+    one = subprocess.run([sys.executable, str(HARNESS), str(tmp / "jobs.json"), str(single)],
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr
+    for fmt in ("table", "json"):
+        shutil.move(tmp / f"clipped.{fmt}.pt", tmp / f"clipped.{fmt}.single.pt")
+    two = _torchrun(HARNESS, tmp / "jobs.json", launched)
+    assert two.returncode == 0, two.stderr
+    n = len(jobs)
+    return {"jobs": jobs, "tmp": tmp, "multi": multi, "single": _results(single, 0, n),
+            "ranks": [_results(launched, r, n) for r in range(2)]}
+
+
+def test_two_ranks_print_the_one_process_report(runs):
+    checked = 0
+    for i, job in enumerate(runs["jobs"]):
+        if job.get("expect_error"):
+            continue
+        code, out, err = runs["single"][i]
+        (code0, out0, err0), (code1, out1, err1) = (r[i] for r in runs["ranks"])
+        assert (code0, code1) == (code, code), job["args"]
+        assert out0 == out, job["args"]  # byte for byte
+        assert out1 == "" and err1.strip() == "", job["args"]  # rank 1 says nothing
+        checked += 1
+    assert checked == len(SAMPLE_FILES) * 2 + 10
+
+
+def test_clip_under_two_ranks_writes_the_one_process_file(runs):
+    tmp = runs["tmp"]
+    for fmt in ("table", "json"):
+        one = torch.load(tmp / f"clipped.{fmt}.single.pt", weights_only=True)
+        two = torch.load(tmp / f"clipped.{fmt}.pt", weights_only=True)
+        assert one["step"] == two["step"] == 12
+        assert one["grads"].keys() == two["grads"].keys()
+        for name, t in one["grads"].items():
+            assert t.dtype == two["grads"][name].dtype
+            assert torch.equal(t, two["grads"][name]), name
+        # the tie survives: one storage under two names
+        assert two["grads"]["lm_head.weight"].data_ptr() == two["grads"]["embed.weight"].data_ptr()
+
+
+def test_an_error_on_rank_1_is_reported_once_by_rank_0(runs):
+    multi = runs["multi"]
+    expected = f"rank 1: {multi}: cannot read: Input/output error"
+    for i, job in enumerate(runs["jobs"]):
+        if not job.get("expect_error"):
+            continue
+        (code0, out0, err0), (code1, out1, err1) = (r[i] for r in runs["ranks"])
+        assert code0 == code1 == 3
+        assert out1 == "" and err1 == ""
+        assert [line for line in err0.splitlines() if line] == [f"gradclip: {expected}"]
+        if "json" in job["args"]:
+            doc = json.loads(out0)
+            assert doc == {"schema": "gradclip.error/1", "exit_code": 3, "error": expected,
+                           "source": str(multi)}
+        else:
+            assert out0 == ""
+    # the group outlives the error: the next job ran as usual
+    assert runs["ranks"][0][-1][0] == 3 and len(runs["ranks"][1]) == len(runs["jobs"])
+
+
+def test_torchrun_module_entry_point(runs, tmp_path):
+    multi = runs["multi"]
+    single = [r for j, r in zip(runs["jobs"], runs["single"])
+              if j["args"] == ["inspect", str(multi), "--format", "table"]][0]
+    done = _torchrun("-m", "gradclip_cli", "inspect", multi, "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == single[1]
+    assert "gradclip:" not in done.stderr
