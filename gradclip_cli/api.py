@@ -18,6 +18,7 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .core import clamp_, clip_coefficient, find_ties, scale_, tensor_power_sums
+from .distributed import dtensor
 
 TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
 
@@ -62,10 +63,17 @@ def get_total_norm(
         A 0-dim tensor on the first tensor's device: float32, or float64 when
         any tensor is float64. NaN if any element is NaN, inf if any is
         infinite; otherwise finite and accurate to 1e-6 relative (it is inf
-        only when the true norm exceeds float32's range).
+        only when the true norm exceeds float32's range). With DTensor
+        gradients (FSDP2, tensor parallel, on one mesh or several) it is the
+        norm of the whole gradients, a plain tensor equal on every rank
+        (distributed/dtensor.py).
     """
-    tensors = _untied(_as_list(tensors))
+    tensors = _as_list(tensors)
     norm_type = float(norm_type)
+    if dtensor.has_dtensor(tensors):
+        total = dtensor.get_total_norm(tensors, norm_type, foreach, _sync_free_ok)
+        return _checked(total, norm_type, error_if_nonfinite)
+    tensors = _untied(tensors)
     if len(tensors) == 0:
         return torch.tensor(0.0)
     device = tensors[0].device
@@ -75,7 +83,10 @@ def get_total_norm(
     else:
         sums = tensor_power_sums(tensors, norm_type, foreach=foreach).total()
         total = sums.norm[0]
-    total = total.to(device=device, dtype=out_dtype)
+    return _checked(total.to(device=device, dtype=out_dtype), norm_type, error_if_nonfinite)
+
+
+def _checked(total: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from "
@@ -120,9 +131,10 @@ def clip_grads_with_norm_(
     computed in float32 or wider whatever the gradients' dtype. A gradient
     tied to another (same storage) is scaled once.
     """
-    grads = _untied(_grads(parameters))
+    grads = _untied(dtensor.local_tensors(_grads(parameters)))
     if not grads:
         return
+    total_norm = dtensor.as_plain(total_norm)
     scale_(grads, clip_coefficient(total_norm, float(max_norm)), foreach=foreach)
 
 

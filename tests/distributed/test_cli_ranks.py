@@ -44,7 +44,8 @@ def multi_tensor_checkpoint(path: Path) -> Path:
     grads = {}
     for i in range(6):
         dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
-        grads[f"layers.{i}.attn.weight"] = (torch.randn(96, 96, generator=g) * 10**(i - 3)).to(dtype)
+        magnitude = 10.0 ** (i - 3)
+        grads[f"layers.{i}.attn.weight"] = (torch.randn(96, 96, generator=g) * magnitude).to(dtype)
         grads[f"layers.{i}.attn.bias"] = torch.randn(96, generator=g).to(dtype)
         grads[f"layers.{i}.mlp.weight"] = torch.randn(600, 512, generator=g).to(dtype)
         grads[f"layers.{i}.norm.weight"] = torch.rand(96, generator=g)

@@ -1,0 +1,82 @@
+"""The drop-ins on DTensor gradients, 2 and 4 gloo ranks on the CPU.
+
+Every rank must return the same total, equal (to 1e-6 relative, the
+contract's accuracy) to the float64 norm of every gradient's
+``full_tensor()``. One spawned group per world size runs all its checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch.multiprocessing as mp
+
+from .dtensor_ranks import run_rank
+
+RTOL = 1e-6
+
+
+def _spawn(world: int, tmp_path_factory) -> list[dict]:
+    outdir = tmp_path_factory.mktemp(f"dtensor{world}")
+    mp.spawn(run_rank, args=(world, str(outdir)), nprocs=world, join=True)
+    return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return _spawn(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return _spawn(4, tmp_path_factory)
+
+
+def _check(ranks: list[dict], check: str, key: str) -> tuple[float, float]:
+    """(ours, reference) after asserting every rank returned the same total."""
+    for r in ranks:
+        assert "error" not in r[check], r[check]["error"]
+    totals = {r[check][key][0] for r in ranks}
+    assert len(totals) == 1, f"{check} {key}: ranks disagree: {totals}"
+    ours, ref = ranks[0][check][key][:2]
+    assert math.isfinite(ours) and ours == pytest.approx(ref, rel=RTOL), (check, key)
+    return ours, ref
+
+
+@pytest.mark.parametrize("p", ["p=2.0", "p=1.0", "p=3.0", "p=inf"])
+def test_fsdp2_sharded_gradients(two, p):
+    assert two[0]["fsdp2"]["placements"] == ["(Shard(dim=0),)"]
+    _check(two, "fsdp2", p)
+
+
+def test_fsdp2_beyond_float32(two):
+    ours, ref = _check(two, "fsdp2", "huge")
+    assert ref > 1e31  # its squares overflow a float32 sum
+
+
+def test_fsdp2_clip_grad_norm_reaches_max_norm(two):
+    before, after, max_norm = two[0]["fsdp2"]["clipped"]
+    assert before == pytest.approx(two[0]["fsdp2"]["huge"][1], rel=RTOL)
+    assert after == pytest.approx(max_norm, rel=1e-5)
+    assert {r["fsdp2"]["clipped"][1] for r in two} == {after}
+
+
+@pytest.mark.parametrize("key", ["mixed", "with_plain", "partial"])
+def test_shard_replicate_partial(two, four, key):
+    _check(two, "placements_by_hand", key)
+    _check(four, "placements_by_hand", key)
+
+
+@pytest.mark.parametrize("key", ["p=2", "p=inf"])
+def test_fsdp_times_tensor_parallel(four, key):
+    assert any("Shard" in p and "," in p for p in four[0]["fsdp_tp"]["placements"])
+    _check(four, "fsdp_tp", key)
+
+
+def test_two_meshes_where_torch_fails(four):
+    assert four[0]["two_meshes"]["torch"].startswith("raises")
+    _check(four, "two_meshes", "p=2")
+    before, after, max_norm = four[0]["two_meshes"]["clipped"]
+    assert after == pytest.approx(max_norm, rel=1e-5)
