@@ -10,7 +10,9 @@ code, stdout and stderr go to ``OUTDIR/rank{R}.job{I}.{code,out,err}``.
 
 A job may name ``fail_rank``: on that rank alone, reading the gradients
 fails as a failing disk would make it fail (an ``InputError`` naming the
-file), which is how the tests see an error on one rank only.
+file), which is how the tests see an error on one rank only. ``die_rank``:
+that rank's process ends there, without a word (``os._exit``), as a killed
+or crashed rank would.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def main() -> None:
     if "RANK" in os.environ:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        timeout = float(os.environ.get("GRADCLIP_DIST_TIMEOUT", "120"))
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     from gradclip_cli import cli
     from gradclip_cli.commands import common
     from gradclip_cli.errors import InputError
@@ -45,6 +48,8 @@ def main() -> None:
                 raise InputError(f"{_path}: cannot read: Input/output error")
 
             common.tensor_power_sums = failing
+        if job.get("die_rank") == rank:
+            common.tensor_power_sums = lambda *args, **kwargs: os._exit(9)
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:

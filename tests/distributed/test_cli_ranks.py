@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -156,3 +157,29 @@ def test_torchrun_module_entry_point(runs, tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout == single[1]
     assert "gradclip:" not in done.stderr
+
+
+def test_any_launcher_and_a_rank_that_dies(runs, tmp_path):
+    """Two processes started by hand (RANK, WORLD_SIZE, MASTER_ADDR/PORT: any launcher).
+    Rank 1 dies while rank 0 waits for its sums: rank 0 does not hang; it
+    reports the lost rank once and exits 3."""
+    jobs = tmp_path / "jobs.json"
+    jobs.write_text(json.dumps([{"args": ["inspect", str(runs["multi"]), "--format", "table"],
+                                 "die_rank": 1}]))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "GRADCLIP_DIST_TIMEOUT": "60"}
+        procs.append(subprocess.Popen([sys.executable, str(HARNESS), str(jobs), str(tmp_path)],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE))
+    codes = [p.wait(timeout=300) for p in procs]
+    assert codes[1] == 9
+    (code, out, err), = _results(tmp_path, 0, 1)
+    assert code == 3 and out == ""
+    lines = [line for line in err.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("gradclip: rank 0: lost the other ranks"), err
