@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradclip_cli import clip_grad_norm_, get_total_norm
+from gradclip_cli.distributed import dtensor
 
 
 def reference(grads, p: float = 2.0) -> float:
@@ -27,6 +28,11 @@ def reference(grads, p: float = 2.0) -> float:
     if math.isinf(p):
         return big
     return big * sum(float((t / big).abs().pow(p).sum()) for t in full) ** (1 / p)
+
+
+def float64_path(grads, p: float = 2.0) -> float:
+    """The accelerators' sync-free path (float64 all-reduce), run here on the CPU."""
+    return float(dtensor._total_in_float64(dtensor._local_parts(grads), p))
 
 
 def _torch_outcome(fn) -> str:
@@ -91,6 +97,8 @@ def placements_by_hand(rank: int, world: int) -> dict:
         "mixed": [float(get_total_norm(grads)), reference(grads)],
         "with_plain": [float(get_total_norm([*grads, plain])), reference([*grads, plain])],
         "partial": [float(get_total_norm([partial], 3.0)), reference([partial], 3.0)],
+        "float64_path": [float64_path([*grads, plain]), reference([*grads, plain])],
+        "float64_path_inf": [float64_path(grads, math.inf), reference(grads, math.inf)],
     }
 
 
@@ -114,6 +122,7 @@ def fsdp_tp(rank: int, world: int) -> dict:
         "placements": sorted({str(g.placements) for g in grads}),
         "p=2": [float(get_total_norm(grads)), reference(grads)],
         "p=inf": [float(get_total_norm(grads, math.inf)), reference(grads, math.inf)],
+        "float64_path": [float64_path(grads), reference(grads)],
     }
 
 
@@ -140,6 +149,7 @@ def two_meshes(rank: int, world: int) -> dict:
         [nn.Parameter(p.detach().clone()) for p in params] and params, 1e9))}
     ref = reference(grads)
     out["p=2"] = [float(get_total_norm(grads)), ref]
+    out["float64_path"] = [float64_path(grads), ref]
     before = clip_grad_norm_(params, ref / 4)
     out["clipped"] = [float(before), reference(grads), ref / 4]
     return out

@@ -63,13 +63,14 @@ def test_fsdp2_clip_grad_norm_reaches_max_norm(two):
     assert {r["fsdp2"]["clipped"][1] for r in two} == {after}
 
 
-@pytest.mark.parametrize("key", ["mixed", "with_plain", "partial"])
+@pytest.mark.parametrize("key", ["mixed", "with_plain", "partial", "float64_path",
+                                 "float64_path_inf"])
 def test_shard_replicate_partial(two, four, key):
     _check(two, "placements_by_hand", key)
     _check(four, "placements_by_hand", key)
 
 
-@pytest.mark.parametrize("key", ["p=2", "p=inf"])
+@pytest.mark.parametrize("key", ["p=2", "p=inf", "float64_path"])
 def test_fsdp_times_tensor_parallel(four, key):
     assert any("Shard" in p and "," in p for p in four[0]["fsdp_tp"]["placements"])
     _check(four, "fsdp_tp", key)
@@ -78,5 +79,6 @@ def test_fsdp_times_tensor_parallel(four, key):
 def test_two_meshes_where_torch_fails(four):
     assert four[0]["two_meshes"]["torch"].startswith("raises")
     _check(four, "two_meshes", "p=2")
+    _check(four, "two_meshes", "float64_path")
     before, after, max_norm = four[0]["two_meshes"]["clipped"]
     assert after == pytest.approx(max_norm, rel=1e-5)
