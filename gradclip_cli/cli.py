@@ -64,7 +64,11 @@ def _error_document(message: str, code: int, source: object) -> str:
 
 def _report_error(message: str, code: int, *, format: str | None, source: object,
                   output_file: Path | None = None) -> None:
-    """One line on stderr; with ``--format json`` also the contract's error object."""
+    """One line on stderr; with ``--format json`` also the contract's error object.
+
+    Paths are reported as given (``./h.pt`` stays ``./h.pt``): they arrive as
+    strings, never normalised through ``Path``.
+    """
     print(f"gradclip: {message}", file=sys.stderr)
     if format != "json":
         return
@@ -76,7 +80,8 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
             atomic_write(Path(output_file), lambda file: file.write(document.encode("utf-8")))
             return
         except GradclipError as error:
-            print(f"gradclip: {error}", file=sys.stderr)
+            if str(error) != message:  # --output-file itself was the error: say it once
+                print(f"gradclip: {error}", file=sys.stderr)
     sys.stdout.write(document)
     sys.stdout.flush()
 
@@ -139,7 +144,7 @@ def _settle(failed: bool, code: int, message: str | None) -> tuple[int, str | No
 
 @app.command()
 def inspect(
-    path: Path = typer.Argument(..., help="A torch.save file or a .safetensors file."),
+    path: str = typer.Argument(..., help="A torch.save file or a .safetensors file."),
     key: str | None = KeyOpt,
     norm_type: str = NormOpt,
     device: str = DeviceOpt,
@@ -175,14 +180,14 @@ def inspect(
 
 @app.command()
 def clip(
-    path: Path = typer.Argument(..., help="A torch.save file or a .safetensors file."),
+    path: str = typer.Argument(..., help="A torch.save file or a .safetensors file."),
     max_norm: str | None = typer.Option(
         None, "--max-norm", help="Scale gradients so the total norm is at most this."
     ),
     clip_value: str | None = typer.Option(
         None, "--clip-value", help="Instead: clamp every element to [-V, V]."
     ),
-    output: Path | None = typer.Option(
+    output: str | None = typer.Option(
         None, "--output", "-o", help="Where to write (default: <stem>.clipped<suffix> beside PATH)."
     ),
     in_place: bool = typer.Option(False, "--in-place", help="Replace PATH itself, atomically."),

@@ -1,16 +1,20 @@
 """Checking flag values: each bad value is a UsageError (exit 2) with one line.
 
 Numbers arrive as strings so that ``nan``, ``inf`` and typos get a message
-that names the flag, rather than a parser's generic complaint.
+that names the flag, rather than a parser's generic complaint. Output paths
+are checked here too, before any work: one that exists and is not a regular
+file is an OutputError (exit 3), as it would be at the moment of writing.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import UsageError
+from .sink.atomic import check_target
 
 if TYPE_CHECKING:
     import torch
@@ -78,22 +82,37 @@ def device(text: str) -> torch.device:
     raise UsageError(f"--device must be {DEVICE_CHOICES}, got {text!r}")
 
 
-def default_output(source: Path) -> Path:
-    """``<stem>.clipped<suffix>`` beside the input."""
-    return source.with_name(f"{source.stem}.clipped{source.suffix}")
+def default_output(source: str) -> str:
+    """``<stem>.clipped<suffix>`` beside the input, its folder spelled as the user spelled it."""
+    path = Path(source)
+    name = f"{path.stem}.clipped{path.suffix}"
+    folder, given_name = os.path.split(source)
+    if given_name == path.name:
+        return os.path.join(folder, name)
+    return str(path.with_name(name))  # "dir/h.pt/" and other spellings Path tidies
 
 
-def clip_output(source: Path, output: Path | None, in_place: bool) -> Path:
-    """Where ``clip`` writes; never the input unless ``--in-place``."""
+def clip_output(source: str, output: str | None, in_place: bool) -> str:
+    """Where ``clip`` writes, as the user would spell it; never the input unless ``--in-place``.
+
+    An output that exists and is not a regular file (a folder, a FIFO, a
+    device) is an ``OutputError`` now, before any work is done.
+    """
     if in_place:
         if output is not None:
             raise UsageError("--in-place and -o/--output contradict each other; give one")
         return source
     target = output if output is not None else default_output(source)
-    if target.exists() and source.exists() and target.resolve() == source.resolve():
+    if os.path.exists(target) and os.path.realpath(target) == os.path.realpath(source):
         raise UsageError(
             f"{target}: the output is the input; use --in-place to replace it"
         )
-    if target.is_dir():
-        raise UsageError(f"{target}: the output is a directory; give a file name")
+    check_target(target)
     return target
+
+
+def report_file(output_file: Path | None) -> Path | None:
+    """``--output-file``: refused now, not after the work, when it cannot be a file."""
+    if output_file is not None:
+        check_target(output_file)
+    return output_file

@@ -18,7 +18,7 @@ from .common import emit, load, measure, output_format, speaks
 
 
 def run(
-    *, path: Path, max_norm: str | None, clip_value: str | None, output: Path | None,
+    *, path: str, max_norm: str | None, clip_value: str | None, output: str | None,
     in_place: bool, key: str | None, norm_type: str, device: str, format: str,
     allow_nonfinite: bool, verify: bool, trust_pickle: bool, quiet: bool,
     output_file: Path | None,
@@ -28,9 +28,10 @@ def run(
     value = options.threshold("--clip-value", clip_value, allow_zero=False)
     if (limit is None) == (value is None):
         raise UsageError("clip needs exactly one of --max-norm X or --clip-value V")
-    target = options.clip_output(path, output, in_place)
     dev = options.device(device)
     fmt = output_format(format)
+    target = options.clip_output(path, output, in_place)
+    options.report_file(output_file)
     session = launcher.join(dev, device)
     if session is not None:
         dev = session.device
@@ -63,12 +64,13 @@ def run(
             clipped = float(before.max_abs[0]) > value
         after = float(measure(loaded, p, dev, steps, "checking").total().norm[0])
         steps.begin("writing")
-        write_checkpoint(loaded.checkpoint, target)
+        other_links = write_checkpoint(loaded.checkpoint, target)
     report = ClipReport(
-        source=str(path), output=str(target), format=loaded.checkpoint.format,
+        source=path, output=target, format=loaded.checkpoint.format,
         key=loaded.key, norm_type=p, max_norm=limit, clip_value=value,
         total_norm_before=total_before, clip_coef=coef, total_norm_after=after,
         clipped=clipped, num_tensors=len(loaded.tensors), nonfinite=nonfinite,
+        other_links_unchanged=other_links,
     )
     emit(lambda out: fmt.render_clip(report, out), output_file)
     return 0

@@ -13,7 +13,7 @@ from .common import emit, load, measure, output_format, speaks
 
 
 def run(
-    *, path: Path, key: str | None, norm_type: str, device: str, format: str,
+    *, path: str, key: str | None, norm_type: str, device: str, format: str,
     max_norm: str | None, allow_nonfinite: bool, verify: bool, group_by: str, top: int,
     trust_pickle: bool, quiet: bool, output_file: Path | None,
 ) -> int:
@@ -22,6 +22,7 @@ def run(
     dev = options.device(device)
     fmt = output_format(format)
     rule = parse_group_by(group_by)
+    options.report_file(output_file)
     session = launcher.join(dev, device)
     if session is not None:
         dev = session.device
@@ -33,7 +34,7 @@ def run(
         sums = measure(loaded, p, dev, steps, "computing norms", release, session)
     report = build_inspect_report(
         names=loaded.names, tensors=loaded.tensors, sums=sums, ties=loaded.ties,
-        group_rule=rule, source=str(path), format=loaded.checkpoint.format,
+        group_rule=rule, source=path, format=loaded.checkpoint.format,
         key=loaded.key, device=str(dev), max_norm=threshold,
         allow_nonfinite=allow_nonfinite, group_by=group_by, skipped=loaded.skipped,
     )

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..report import EXCEEDED, NONFINITE, ClipReport, InspectReport, NonFinite
+from .text import visible
 
 BAR_WIDTH = 20
 # More groups than a person reads (and rich renders 20,000 rows slowly): show
@@ -180,3 +181,7 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
     if report.nonfinite.total:
         console.print(Text(f"warning: {report.nonfinite.total} non-finite value(s) were "
                            "clipped under --allow-nonfinite", style="yellow"))
+    if report.other_links_unchanged:
+        console.print(Text(f"note: {visible(report.output)} had {report.other_links_unchanged} "
+                           "other hard link(s), which still hold the old bytes (the atomic "
+                           "replace gives this name a new file)", style="yellow"))

@@ -80,3 +80,5 @@ class ClipReport:
     clipped: bool
     num_tensors: int
     nonfinite: NonFinite
+    # Other hard links of the file the output replaced: they keep its old bytes.
+    other_links_unchanged: int = 0

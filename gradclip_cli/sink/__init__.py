@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from gradclip_cli.errors import OutputError
-from gradclip_cli.sink.atomic import atomic_write
+from gradclip_cli.sink.atomic import atomic_write, check_target
 from gradclip_cli.sink.safetensors_file import write_safetensors
 from gradclip_cli.sink.torch_file import write_torch_legacy, write_torch_zip
 from gradclip_cli.source.interface import Checkpoint
 
-__all__ = ["WRITERS", "atomic_write", "write_checkpoint"]
+__all__ = ["WRITERS", "atomic_write", "check_target", "write_checkpoint"]
 
 WRITERS: dict[str, Callable[[Checkpoint, BinaryIO], None]] = {
     "torch-zip": write_torch_zip,
@@ -25,7 +25,7 @@ WRITERS: dict[str, Callable[[Checkpoint, BinaryIO], None]] = {
 }
 
 
-def write_checkpoint(ckpt: Checkpoint, output: Path | str) -> None:
+def write_checkpoint(ckpt: Checkpoint, output: Path | str) -> int:
     """Write ``ckpt.root`` to ``output`` in the input's own format, atomically.
 
     The caller has already clipped the gradient tensors in ``ckpt.root`` in
@@ -36,9 +36,16 @@ def write_checkpoint(ckpt: Checkpoint, output: Path | str) -> None:
     When ``output`` is a symlink (``--in-place`` on a linked checkpoint), it
     is resolved first: the file it points to is replaced atomically and the
     link stays a link. Raises ``OutputError``; on failure nothing is changed.
+
+    Returns how many other names (hard links) the replaced file had. The
+    replace gives ``output`` a new file, so those names keep the old bytes;
+    the caller says so (writing through every link instead would give up
+    atomicity, and the input may be mapped by this very process).
     """
     writer = WRITERS.get(ckpt.format)
     if writer is None:
         raise OutputError(f"{output}: cannot write checkpoints of format {ckpt.format!r}")
     target = Path(os.path.realpath(output)) if os.path.islink(output) else Path(output)
+    replaced = check_target(target)
     atomic_write(target, lambda file: writer(ckpt, file), mode_from=ckpt.path)
+    return 0 if replaced is None else replaced.st_nlink - 1

@@ -20,6 +20,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 from gradclip_cli.errors import GradclipError, OutputError
+from gradclip_cli.source.files.special import special_kind
+
+# mkstemp's random part (8 characters) plus the dots and ".tmp" around it.
+_TEMP_OVERHEAD = len(".") + len(".") + 8 + len(".tmp")
+_NAME_MAX = 255  # bytes per name on Linux, macOS and Windows file systems
 
 # Plain-language causes for the errors a user can act on; strerror covers the rest.
 _CAUSES = {
@@ -30,6 +35,8 @@ _CAUSES = {
     errno.EPERM: "permission denied",
     errno.ENOENT: "the folder does not exist",
     errno.EISDIR: "the target is a directory",
+    errno.ELOOP: "a loop of symbolic links",
+    errno.ENAMETOOLONG: "the file name is too long",
 }
 
 
@@ -52,10 +59,11 @@ def atomic_write(
     folder = target.parent
     if not folder.is_dir():
         raise OutputError(f"{target}: cannot write: the folder {folder} does not exist")
+    check_target(target)
     mode = _mode_for(target, mode_from)
     try:
         descriptor, temp_name = tempfile.mkstemp(
-            prefix=f".{target.name}.", suffix=".tmp", dir=folder
+            prefix=f".{_temp_stem(target.name, folder)}.", suffix=".tmp", dir=folder
         )
     except OSError as error:
         raise _output_error(target, error) from None
@@ -74,6 +82,43 @@ def atomic_write(
             raise  # SystemExit and friends: cleaned up, but not ours to reword
         raise _output_error(target, error) from error
     _fsync_folder(folder)
+
+
+def check_target(target: Path | str) -> os.stat_result | None:
+    """Refuse an output path that exists and is not a regular file.
+
+    Returns the ``stat`` of the existing file (symlinks followed), or None when
+    there is none yet. A folder, a FIFO or a device (``-o /dev/null``) would be
+    replaced by a regular file: as root, the system's own ``/dev/null``. Such a
+    target is an ``OutputError`` and is never touched.
+    """
+    try:
+        info = os.stat(target)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise _output_error(Path(target), error) from None
+    kind = special_kind(info.st_mode)
+    if kind is not None:
+        raise OutputError(
+            f"{target}: cannot write: it is {kind}, not a regular file; nothing was changed"
+        )
+    return info
+
+
+def _temp_stem(name: str, folder: Path) -> str:
+    """``name``, cut so that the temporary name stays within the folder's name limit.
+
+    The target keeps its full name (only the temporary one is shortened): a
+    248-byte target is valid, but ``.{name}.XXXXXXXX.tmp`` would be 262 bytes.
+    """
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = _NAME_MAX
+    room = max(1, min(limit, _NAME_MAX) - _TEMP_OVERHEAD)
+    # Cut bytes, not characters; surrogateescape keeps a cut character's bytes as they are.
+    return os.fsdecode(os.fsencode(name)[:room])
 
 
 def _mode_for(target: Path, mode_from: Path | None) -> int:

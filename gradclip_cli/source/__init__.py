@@ -5,6 +5,7 @@ Adding a kind is one new module and one line in ``READERS``.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable
@@ -13,10 +14,14 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.source.files import safetensors_file, torch_file, verify
+from gradclip_cli.source.files.special import special_kind
 from gradclip_cli.source.interface import Checkpoint, GradientSelection
 from gradclip_cli.source.locate import select_gradients
 
-__all__ = ["Checkpoint", "GradientSelection", "READERS", "load_checkpoint", "select_gradients"]
+__all__ = [
+    "Checkpoint", "GradientSelection", "READERS", "check_input", "load_checkpoint",
+    "select_gradients",
+]
 
 _HEAD_BYTES = 64  # enough for every magic number below
 
@@ -61,19 +66,57 @@ def load_checkpoint(
     return reader.load(path, trust_pickle=trust_pickle)
 
 
-def _read_head(path: Path) -> bytes:
+def check_input(path: Path | str) -> os.stat_result:
+    """The gate every input passes before anything opens it: a regular file or a folder.
+
+    Returns the ``stat`` of what ``path`` names (symlinks followed). Anything
+    else is an ``InputError`` with one line: a missing file, a dangling
+    symlink or a symlink loop, and every special file. A FIFO (``/dev/stdin``
+    from a pipe included) would block ``open`` until a writer came and then
+    give a stream that cannot be mapped or re-read; a device gives endless or
+    empty bytes. None is a checkpoint, so none is opened: ``stat`` alone
+    decides. Whether a folder is a checkpoint is for the layouts to say.
+    """
     try:
         info = os.stat(path)
-        if stat.S_ISDIR(info.st_mode):
-            raise InputError(f"{path}: is a directory, not a checkpoint file")
-        with open(path, "rb") as file:
-            head = file.read(_HEAD_BYTES)
     except FileNotFoundError:
+        if os.path.islink(path):
+            raise InputError(f"{path}: a symbolic link to a missing file (dangling)") from None
         raise InputError(f"{path}: no such file") from None
     except PermissionError:
         raise InputError(f"{path}: permission denied") from None
     except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise InputError(f"{path}: a loop of symbolic links") from None
         raise InputError(f"{path}: cannot read: {error.strerror or error}") from None
+    if stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode):
+        return info
+    kind = special_kind(info.st_mode)
+    raise InputError(f"{path}: is {kind}, not a checkpoint file; refusing to read it")
+
+
+def _read_head(path: Path) -> bytes:
+    info = check_input(path)
+    if stat.S_ISDIR(info.st_mode):
+        # The one place a folder is turned away; a checkpoint-folder layout claims
+        # its folders before this point.
+        raise InputError(f"{path}: is a directory, not a checkpoint file")
+    try:
+        # O_NONBLOCK: should the path be swapped for a FIFO after the check,
+        # open returns at once instead of waiting for a writer; fstat catches it.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except PermissionError:
+        raise InputError(f"{path}: permission denied") from None
+    except OSError as error:
+        raise InputError(f"{path}: cannot read: {error.strerror or error}") from None
+    with os.fdopen(descriptor, "rb") as file:
+        opened = os.fstat(descriptor)
+        if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+            raise InputError(f"{path}: changed while being opened; refusing to read it")
+        try:
+            head = file.read(_HEAD_BYTES)
+        except OSError as error:
+            raise InputError(f"{path}: cannot read: {error.strerror or error}") from None
     if not head:
         raise InputError(f"{path}: empty file, not a checkpoint")
     return head

@@ -76,7 +76,8 @@ def test_output_equal_to_input(gradclip, grads_file, monkeypatch):
 
 def test_output_is_a_directory(gradclip, grads_file, tmp_path):
     (tmp_path / "d").mkdir()
-    assert_one_line_error(gradclip("clip", grads_file, "--max-norm", "1", "-o", tmp_path / "d"), 2)
+    # The output cannot be written: exit 3, as the contract says (not a usage error).
+    assert_one_line_error(gradclip("clip", grads_file, "--max-norm", "1", "-o", tmp_path / "d"), 3)
 
 
 @pytest.mark.parametrize("device", ["tpu", "gpu", "cuda:x", "xla:0"])
