@@ -54,7 +54,7 @@ def assert_same(got, want):
         assert got.shape == want.shape
         assert got.stride() == want.stride()
         assert got.storage_offset() == want.storage_offset()
-        assert got.requires_grad is False
+        assert got.requires_grad is want.requires_grad
         assert got.untyped_storage().nbytes() == want.untyped_storage().nbytes()
         assert torch.equal(raw_bytes(got), raw_bytes(want))
     elif isinstance(want, dict):
@@ -152,22 +152,20 @@ def test_in_place_edit_does_not_reach_the_file(tmp_path):
 # --- fallbacks -------------------------------------------------------------
 
 
-def test_parameter_falls_back(tmp_path):
-    path = tmp_path / "p.pt"
-    torch.save({"p": torch.nn.Parameter(torch.randn(3))}, path)
-    assert read_torch_zip(path) is None
+def test_parameters_and_requires_grad_are_read_as_torch_reads_them(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    got = check(tmp_path, dict(model.named_parameters()))
+    assert all(type(p) is torch.nn.Parameter and p.requires_grad for p in got.values())
+    frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    got = check(tmp_path, {"t": torch.randn(3).requires_grad_(), "frozen": frozen}, "b.pt")
+    assert got["t"].requires_grad and type(got["t"]) is torch.Tensor
+    assert type(got["frozen"]) is torch.nn.Parameter and not got["frozen"].requires_grad
 
 
-def test_requires_grad_falls_back(tmp_path):
-    path = tmp_path / "rg.pt"
-    torch.save({"t": torch.randn(3).requires_grad_()}, path)
-    assert read_torch_zip(path) is None
-
-
-def test_other_globals_fall_back(tmp_path):
-    path = tmp_path / "g.pt"
-    torch.save({"size": torch.Size([2, 3]), "dev": torch.device("cpu")}, path)
-    assert read_torch_zip(path) is None
+def test_size_device_and_dtype_values_are_read(tmp_path):
+    got = check(tmp_path, {"size": torch.Size([2, 3]), "dev": torch.device("cpu"),
+                           "cuda": torch.device("cuda", 1), "dtype": torch.bfloat16})
+    assert type(got["size"]) is torch.Size and type(got["dev"]) is torch.device
 
 
 def test_set_and_bytes_fall_back(tmp_path):
@@ -177,10 +175,18 @@ def test_set_and_bytes_fall_back(tmp_path):
         assert read_torch_zip(path) is None
 
 
-def test_other_pickle_protocols_fall_back(tmp_path):
-    path = tmp_path / "p4.pt"
-    torch.save({"t": torch.ones(2)}, path, pickle_protocol=4)
-    assert read_torch_zip(path) is None
+@pytest.mark.parametrize("protocol", [3, 4, 5])
+def test_other_pickle_protocols_are_read(tmp_path, protocol):
+    """torch's weights-only unpickler refuses 4 and 5 (FRAME, MEMOIZE); this one reads them."""
+    base = torch.arange(12.0)
+    obj = {"t": torch.ones(2), "view": base[2:8].view(2, 3), "base": base, "n": (1, "x", None)}
+    path = tmp_path / "p.pt"
+    torch.save(obj, path, pickle_protocol=protocol)
+    got = read_torch_zip(path)
+    assert got is not None
+    # The file is the test's own: the full unpickler is a fair reference here.
+    assert_same(got, torch.load(path, map_location="cpu", weights_only=False, mmap=True))
+    assert got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
 
 
 def test_torchscript_archive_falls_back(tmp_path):

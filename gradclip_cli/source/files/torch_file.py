@@ -1,6 +1,8 @@
 """Reading ``torch.save`` files: the zip format and the legacy pickle format.
 
-Both are read with torch's weights-only unpickler, so nothing in the file can
+Both are read first by gradclip's restricted reader (``weights_pickle``: any
+pickle protocol, plain tensors, Parameters and plain values), then, for what
+it does not read, by torch's weights-only unpickler; nothing in the file can
 run code unless the user passes ``--trust-pickle``.
 """
 
@@ -18,7 +20,8 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError, UnsafeCheckpointError
-from gradclip_cli.source.files.torch_zip_reader import read_torch_zip
+from gradclip_cli.source.files import torch_legacy_reader, torch_zip_reader
+from gradclip_cli.source.files.weights_pickle import Outside
 from gradclip_cli.source.interface import Checkpoint
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -68,7 +71,7 @@ def load_torch_zip(path: Path, *, trust_pickle: bool = False) -> Checkpoint:
         # pure-Python unpickler; None means "outside that subset": torch decides.
         # The reader checks the directory entries it reads itself, so the
         # zipfile pass below (0.15-0.3 s for 20,000 entries) runs only for torch.
-        root = read_torch_zip(path)
+        root = _restricted(path, torch_zip_reader.restricted_read)
     if root is None:
         _check_zip_directory(path)
         with torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE):
@@ -78,8 +81,39 @@ def load_torch_zip(path: Path, *, trust_pickle: bool = False) -> Checkpoint:
 
 def load_torch_legacy(path: Path, *, trust_pickle: bool = False) -> Checkpoint:
     """Load a legacy (pre-1.6, non-zip) ``torch.save`` file; torch cannot mmap this format."""
-    root = _torch_load(path, trust_pickle=trust_pickle, mapped=False)
+    root = None if trust_pickle else _restricted(path, torch_legacy_reader.restricted_read)
+    if root is None:
+        root = _torch_load(path, trust_pickle=trust_pickle, mapped=False)
     return Checkpoint(path=path, format="torch-legacy", root=root, trusted_pickle=trust_pickle)
+
+
+def _restricted(path: Path, read) -> object | None:
+    """The restricted reader's result, or None to let ``torch.load`` decide.
+
+    torch's weights-only unpickler reads pickle protocols 2 and 3 only: for
+    those, a file outside the restricted subset goes to torch, which reads
+    what it can and refuses what needs full unpickling. A protocol 4 or 5
+    file it would refuse whatever it holds, so there the restricted reader's
+    verdict stands: a global it does not hand out (or state set on a tensor)
+    is refused as needing full unpickling; anything else is damage.
+    """
+    try:
+        return read(path)
+    except Outside as outside:
+        if outside.protocol is None or outside.protocol <= 3:
+            return None
+        if outside.unsafe:
+            raise _refusal(path, outside.culprit) from None
+        reason = _short(str(outside))
+        raise InputError(f"{path}: not a readable torch checkpoint: {reason}") from None
+
+
+def _refusal(path: Path, culprit: str | None) -> UnsafeCheckpointError:
+    what = f" (it references {culprit})" if culprit else ""
+    return UnsafeCheckpointError(
+        f"{path}: refused: loading needs full unpickling, which can run code "
+        f"from the file{what}; pass --trust-pickle only if you trust its source"
+    )
 
 
 def _check_zip_directory(path: Path) -> None:
@@ -145,12 +179,7 @@ def _torch_load(path: Path, *, trust_pickle: bool, mapped: bool) -> object:
     except pickle.UnpicklingError as error:
         refused = _REFUSAL.search(str(error))
         if refused and not trust_pickle and _is_real_opcode(refused.group("opcode")):
-            culprit = refused.group(1) or refused.group(2)
-            what = f" (it references {culprit})" if culprit else ""
-            raise UnsafeCheckpointError(
-                f"{path}: refused: loading needs full unpickling, which can run code "
-                f"from the file{what}; pass --trust-pickle only if you trust its source"
-            ) from None
+            raise _refusal(path, refused.group(1) or refused.group(2)) from None
         raise InputError(f"{path}: not a readable torch checkpoint: {_reason(error)}") from None
     except Exception as error:  # torch raises RuntimeError, EOFError, ValueError, OSError...
         raise InputError(f"{path}: not a readable torch checkpoint: {_reason(error)}") from None
@@ -173,5 +202,8 @@ def _reason(error: BaseException) -> str:
     ]
     text = _ENFORCE_PREFIX.sub("", lines[0]) if lines else ""
     text = text.split(". This is an internal miniz error")[0]
-    text = text or type(error).__name__
+    return _short(text or type(error).__name__)
+
+
+def _short(text: str) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
