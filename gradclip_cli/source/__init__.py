@@ -11,12 +11,13 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gradclip_cli.errors import InputError
+from gradclip_cli.source import locate
 from gradclip_cli.source.files import safetensors_file, torch_file, verify
 from gradclip_cli.source.files.special import special_kind
 from gradclip_cli.source.interface import Checkpoint, GradientSelection
-from gradclip_cli.source.locate import select_gradients
 
 __all__ = [
     "Checkpoint", "GradientSelection", "READERS", "check_input", "load_checkpoint",
@@ -43,6 +44,28 @@ READERS: tuple[Reader, ...] = (
            verify.verify_safetensors),
     Reader("torch-legacy", torch_file.is_pickle, torch_file.load_torch_legacy),
 )  # fmt: skip
+
+
+def select_gradients(
+    root: Any, key: str | None, *, path: Path | str | None = None
+) -> GradientSelection:
+    """``locate.select_gradients``, refusing tensors that hold no measurable values.
+
+    A nested tensor has no single shape or storage to measure, and a meta
+    tensor has no data at all (a model saved from the meta device): neither
+    can be measured nor clipped, so either is an ``InputError`` naming the
+    file and the tensor, not a failure deep in the arithmetic.
+    """
+    selection = locate.select_gradients(root, key, path=path)
+    where = f"{path}: " if path is not None else ""
+    for name, tensor in selection.tensors.items():
+        if tensor.is_nested:
+            raise InputError(f"{where}gradient {name!r} is a nested tensor; gradclip measures "
+                             "dense tensors only")
+        if tensor.device.type == "meta":
+            raise InputError(f"{where}gradient {name!r} is a meta tensor: it has no data "
+                             "(saved from a model on the meta device)")
+    return selection
 
 
 def load_checkpoint(
