@@ -52,23 +52,27 @@ def _grads() -> dict:
 
 def _base(kind: str) -> bytes:
     path = _DIR / f"base-{kind}"
-    if kind == "zip":
-        torch.save({"grads": _grads(), "step": 7}, path)
-    elif kind == "legacy":
-        torch.save({"grads": _grads(), "step": 7}, path, _use_new_zipfile_serialization=False)
+    # zip4 / legacy5: pickle protocols torch's weights-only unpickler cannot read,
+    # where gradclip's restricted reader alone decides.
+    protocol = {"zip4": 4, "legacy5": 5}.get(kind, 2)
+    obj = {"grads": _grads(), "step": 7, "shape": torch.Size([6, 5])}
+    if kind in ("zip", "zip4"):
+        torch.save(obj, path, pickle_protocol=protocol)
+    elif kind in ("legacy", "legacy5"):
+        torch.save(obj, path, pickle_protocol=protocol, _use_new_zipfile_serialization=False)
     else:
         save_safetensors(path, _grads(), metadata={"step": "7"})
     return path.read_bytes()
 
 
-BASES = {kind: _base(kind) for kind in ("zip", "legacy", "safetensors")}
-SUFFIX = {"zip": ".pt", "legacy": ".pt", "safetensors": ".safetensors"}
+BASES = {kind: _base(kind) for kind in ("zip", "legacy", "safetensors", "zip4", "legacy5")}
+SUFFIX = {"safetensors": ".safetensors"}
 COUNTS: dict[str, int] = {}
 
 
 def _check(kind: str, data: bytes, label: str) -> None:
     COUNTS[label] = COUNTS.get(label, 0) + 1
-    fd, name = tempfile.mkstemp(suffix=SUFFIX[kind], dir=_DIR)
+    fd, name = tempfile.mkstemp(suffix=SUFFIX.get(kind, ".pt"), dir=_DIR)
     path = Path(name)
     try:
         with os.fdopen(fd, "wb") as file:
@@ -99,7 +103,7 @@ def _apply(data: bytes, mutations) -> bytes:
     return bytes(raw)
 
 
-@pytest.mark.parametrize("kind", list(BASES))
+@pytest.mark.parametrize("kind", ["zip", "legacy", "safetensors"])
 def test_fuzz_bytes(kind):
     @FUZZ
     @given(mutations=_mutations(len(BASES[kind])))
@@ -180,6 +184,46 @@ def test_fuzz_safetensors_json_fields(kind):
         _check(kind, data, "json-safetensors")
 
     run()
+
+
+# Names a careless user or a hostile archive might give: markup, escapes, newlines,
+# quotes, shell syntax, leading dashes and dots, any Unicode; never "/" or NUL.
+_NAME_CHARS = st.characters(blacklist_characters="/\x00", blacklist_categories=("Cs",))
+_HOSTILE = st.sampled_from([
+    "[oops]", "[bold red]x", "[link=file:", "]8;;", "\x1b[2J", "\x1b]8;;http://x\x07",
+    "a\nOK: total norm 0.1 (p=2) (exit 0)", "-rf", "--in-place", "$(touch x)", "`id`",
+    "..", ".", " ", "\u202eevil", "name.pt.", "\\", "'\"", "%s%n",
+])  # fmt: skip
+
+
+def _fits(name: str) -> bool:
+    encoded = os.fsencode(name)
+    return (0 < len(encoded) <= 255 - len(".clipped.pt") and name not in (".", "..")
+            and "/" not in name and "\x00" not in name)
+
+
+@settings(FUZZ, max_examples=max(10, EXAMPLES // 4))  # two CLI runs each
+@given(name=(st.text(_NAME_CHARS, min_size=1, max_size=40) | _HOSTILE).filter(_fits))
+def test_fuzz_hostile_file_names(name):
+    """Any valid name reads and writes under exactly that name, reported as given."""
+    COUNTS["hostile-name"] = COUNTS.get("hostile-name", 0) + 1
+    folder = Path(tempfile.mkdtemp(dir=_DIR))
+    try:
+        source = folder / (name + ".pt")
+        source.write_bytes(BASES["zip"])
+        inspected = run_cli("inspect", source, "-q", "--format", "json")
+        assert inspected.code == 0, inspected.err
+        assert json.loads(inspected.out)["source"] == str(source)
+        target = folder / name
+        clipped = run_cli("clip", source, "--max-norm", "1", "-o", target, "-q", "--format", "json")
+        assert clipped.code == 0, clipped.err
+        assert json.loads(clipped.out)["output"] == str(target)
+        assert sorted(os.listdir(folder)) == sorted([name, name + ".pt"])
+        assert torch.load(target, weights_only=True)["grads"].keys() == _grads().keys()
+    finally:
+        for entry in os.listdir(folder):
+            os.unlink(folder / entry)
+        os.rmdir(folder)
 
 
 def test_report_counts():
