@@ -30,11 +30,11 @@ import torch
 
 from gradclip_cli.source.files.weights_pickle import (
     Attempt,
-    DTypeMarker,
     Outside,
     StorageRef,
+    check_storage_id,
     finish,
-    location_ok,
+    known_storage,
     pickle_protocol,
     run_restricted,
     unpickle,
@@ -249,22 +249,9 @@ def _read(path: Path, attempt: Attempt) -> object:
             if type(pid) is not tuple or len(pid) != 5:
                 raise Outside("unexpected persistent id")
             tag, marker, key, location, numel = pid
-            if type(tag) is not str or tag != "storage":
-                raise Outside("unexpected persistent id")
-            if type(marker) is not DTypeMarker or type(key) is not str:
-                raise Outside("unexpected persistent id")
-            if not location_ok(location):
-                raise Outside("storage on an unknown device")
-            if type(numel) is not int or numel < 0:
-                raise Outside("bad storage size")
-            ref = refs.get(key)
+            check_storage_id(tag, marker, key, location, numel)
+            ref = known_storage(refs, key, marker, numel)
             if ref is not None:
-                if (
-                    ref.dtype is not marker.dtype
-                    or ref.numel != numel
-                    or ref.untyped != marker.untyped
-                ):
-                    raise Outside("one storage key read as two storages")
                 return ref
             name = f"{prefix}/data/{key}"
             entry = entries.get(name)

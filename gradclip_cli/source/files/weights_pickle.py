@@ -34,8 +34,8 @@ from typing import BinaryIO
 import torch
 
 __all__ = [
-    "Attempt", "DTypeMarker", "Outside", "StorageRef", "finish", "location_ok",
-    "pickle_protocol", "run_restricted", "unpickle",
+    "Attempt", "DTypeMarker", "Outside", "StorageRef", "check_storage_id", "finish",
+    "known_storage", "pickle_protocol", "run_restricted", "unpickle",
 ]  # fmt: skip
 
 _MAX_DIMS = 64
@@ -147,8 +147,27 @@ ITEMSIZE = {m.dtype: m.dtype.itemsize for m in (*_STORAGES.values(), *_DTYPES.va
 _LOCATION = re.compile(r"(?:cpu|cuda|mps|xpu|hpu)(?::\d{1,4})?")
 
 
-def location_ok(location) -> bool:
-    return type(location) is str and _LOCATION.fullmatch(location) is not None
+def check_storage_id(tag, marker, key, location, numel) -> None:
+    """The parts of a storage's persistent id both formats share, checked."""
+    if type(tag) is not str or tag != "storage":
+        raise Outside("unexpected persistent id")
+    if type(marker) is not DTypeMarker or marker.is_dtype or type(key) is not str:
+        raise Outside("unexpected persistent id")
+    if type(location) is not str or _LOCATION.fullmatch(location) is None:
+        raise Outside("storage on an unknown device")
+    if type(numel) is not int or numel < 0:
+        raise Outside("bad storage size")
+
+
+def known_storage(refs: dict[str, StorageRef], key: str, marker: DTypeMarker,
+                  numel: int) -> StorageRef | None:
+    """The storage already made for ``key``, which must be read the same way again."""
+    ref = refs.get(key)
+    if ref is not None and (
+        ref.dtype is not marker.dtype or ref.numel != numel or ref.untyped != marker.untyped
+    ):
+        raise Outside("one storage key read as two storages")
+    return ref
 
 
 def pickle_protocol(head: bytes) -> int | None:
