@@ -95,6 +95,22 @@ def test_every_protocol_reads_as_torch_does(tmp_path, protocol, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("protocol", [4, 5])
+def test_plain_python_values_at_protocol_4_and_5(tmp_path, protocol, fmt):
+    """Values torch's weights-only set allows, as protocols 4 and 5 write them."""
+    obj = {"grads": {"w": torch.ones(2)}, "c": 1 + 2j, "b": b"raw", "ba": bytearray(b"xy"),
+           "s": {1, "a", (2, 3)}, "fs": frozenset({4}), "big": 2**80, "nan": float("nan")}
+    path = tmp_path / "v.pt"
+    _save(obj, path, protocol, fmt)
+    got = load_checkpoint(path).root
+    want = torch.load(path, weights_only=False)
+    assert_same(got["grads"], want["grads"])
+    for key in ("c", "b", "ba", "s", "fs", "big"):
+        assert type(got[key]) is type(want[key]) and got[key] == want[key], key
+    assert got["nan"] != got["nan"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("protocol", [4, 5])
 def test_cli_inspects_and_clips_protocol_4_and_5(tmp_path, protocol, fmt):
     path = tmp_path / "g.pt"
     grads = {"a": torch.full((3, 4), 0.5), "b": torch.full((5,), -2.0, dtype=torch.float64)}

@@ -2,8 +2,9 @@
 
 It reads what ``torch.load(weights_only=True)`` reads for the common
 checkpoint: nested dicts / lists / tuples / OrderedDicts (with their
-``_metadata``) of tensors and ``nn.Parameter``s and plain values, plus the few
-torch values a state dict holds (``torch.Size``, ``torch.device``, dtypes).
+``_metadata``) of tensors and ``nn.Parameter``s and plain values (numbers,
+strings, bytes, bytearrays, sets of plain values), plus the few torch values a
+state dict holds (``torch.Size``, ``torch.device``, dtypes).
 It runs the pickle with CPython's C unpickler, so every pickle protocol (2 to
 5) is read alike; torch's own weights-only unpickler lacks the opcodes of
 protocols 4 and 5 (FRAME, MEMOIZE, STACK_GLOBAL) and refuses such files, which
@@ -282,6 +283,21 @@ def _device(*args):
         raise Outside("bad torch.device") from None
 
 
+def _complex(*args):
+    if not 1 <= len(args) <= 2 or set(map(type, args)) - {int, float}:
+        raise Outside("unexpected complex arguments")
+    return complex(*args)
+
+
+def _bytearray(*args):
+    """``bytearray(b"...")``, as protocols 3 and 4 pickle one; never ``bytearray(10**12)``."""
+    if args == ():
+        return bytearray()
+    if len(args) != 1 or type(args[0]) is not bytes:
+        raise Outside("unexpected bytearray arguments")
+    return bytearray(args[0])
+
+
 class _Unpickler(pickle.Unpickler):
     """CPython's C unpickler, allowed to import only this module's own objects."""
 
@@ -309,6 +325,12 @@ class _Unpickler(pickle.Unpickler):
                 return _device
         elif module == "torch.storage" and name == "UntypedStorage":
             return _UNTYPED
+        elif module == "builtins":
+            # Sets, frozensets and bytes have opcodes of their own from protocol 3 or 4 on.
+            if name == "complex":
+                return _complex
+            if name == "bytearray":
+                return _bytearray
         raise Outside(f"global {module}.{name}", culprit=f"{module}.{name}")
 
 
