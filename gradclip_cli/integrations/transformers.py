@@ -1,0 +1,90 @@
+"""A Hugging Face ``TrainerCallback`` that runs :class:`~gradclip_cli.monitor.GradMonitor`.
+
+    from transformers import Trainer, TrainingArguments
+    from gradclip_cli.integrations.transformers import GradMonitorCallback
+
+    args = TrainingArguments("out", max_grad_norm=0)  # the callback clips instead
+    trainer = Trainer(model, args, train_dataset=data,
+                      callbacks=[GradMonitorCallback(max_norm=1.0)])
+
+The Trainer calls ``on_pre_optimizer_step`` once per optimizer step, after
+the backward passes of every accumulated batch and after unscaling (AMP), but
+*after* its own clipping to ``max_grad_norm``: a monitor there would see
+clipped gradients, in which a spike is already flattened. So the Trainer's
+clipping is turned off (``max_grad_norm=0``) and the callback clips with
+``max_norm``: one measurement gives the logged norms and the clip, as
+:meth:`GradMonitor.clip_grad_norm_` does. Training with ``max_grad_norm > 0``
+is refused before the first step rather than logged wrong.
+
+Steps are ``state.global_step + 1``: the number the Trainer gives this
+update in ``trainer_state.json``'s ``log_history`` and in ``checkpoint-N``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "gradclip_cli.integrations.transformers needs transformers: "
+        "pip install 'gradclip[transformers]'"
+    ) from e
+
+from ..monitor import GradMonitor
+
+__all__ = ["GradMonitorCallback"]
+
+
+class GradMonitorCallback(TrainerCallback):
+    """Log per-group gradient norms, flag spikes, dump bad steps' gradients, and clip.
+
+    Args:
+        log, dump_dir, **options: as :class:`~gradclip_cli.monitor.GradMonitor`
+            (``every``, ``norm_type``, ``group_by``, ``z``, ``alpha``,
+            ``warmup``, ``max_dumps``). Under DDP only global rank 0 writes.
+        max_norm: clip the gradients to this total norm after measuring them
+            (the Trainer's ``max_grad_norm``, which must then be 0); None to
+            only watch.
+    """
+
+    def __init__(
+        self,
+        log: str | os.PathLike[str] | None = "grads.jsonl",
+        dump_dir: str | os.PathLike[str] | None = "spikes/",
+        *,
+        max_norm: float | None = None,
+        **options: Any,
+    ):
+        if max_norm is not None and not float(max_norm) > 0:
+            raise ValueError(f"GradMonitorCallback: max_norm must be > 0, got {max_norm}")
+        self.log, self.dump_dir, self.options = log, dump_dir, options
+        self.max_norm = None if max_norm is None else float(max_norm)
+        self.monitor: GradMonitor | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
+                       **kwargs: Any) -> None:
+        if args.max_grad_norm and args.max_grad_norm > 0:
+            raise ValueError(
+                f"GradMonitorCallback: TrainingArguments.max_grad_norm={args.max_grad_norm} "
+                "clips the gradients before the callback sees them; set max_grad_norm=0 "
+                f"and pass max_norm={args.max_grad_norm} to GradMonitorCallback, which "
+                "clips after measuring"
+            )
+        if self.monitor is None:
+            self.monitor = GradMonitor(model, self.log, self.dump_dir, **self.options)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.monitor is None:
+            return
+        step = state.global_step + 1
+        if self.max_norm is None:
+            self.monitor.step(step)
+        else:
+            self.monitor.clip_grad_norm_(self.max_norm, step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.close()

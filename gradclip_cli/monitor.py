@@ -1,0 +1,352 @@
+"""Watch gradients in the training loop: a JSON Lines log, spikes, and dumps.
+
+``GradMonitor`` is called once per optimizer step, after ``loss.backward()``
+and before clipping::
+
+    monitor = GradMonitor(model, log="grads.jsonl", dump_dir="spikes/")
+    for step, batch in enumerate(loader):
+        loss = model(batch).loss
+        loss.backward()
+        total = monitor.clip_grad_norm_(1.0, step=step)  # or monitor.step(step), then clip
+        optimizer.step()
+        optimizer.zero_grad()
+
+Each logged step measures the gradients once, the way ``gradclip inspect``
+does (``tensor_power_sums``: accurate in every dtype, tied parameters once),
+and appends one line to the log::
+
+    {"schema": "gradclip.monitor/1", "step": 120, "total_norm": 0.84,
+     "norm_type": 2.0, "groups": {"transformer.h.0": 0.21, ...},
+     "nonfinite": {"nan": 0, "posinf": 0, "neginf": 0},
+     "z": 0.4, "spike": false, "spike_groups": [], "dump": null}
+
+Non-finite numbers are the strings ``"nan"`` and ``"inf"``, as in every
+gradclip JSON document. ``gradclip trend grads.jsonl`` reads the log.
+
+A spike is judged by the rule ``gradclip trend`` uses (``core.spikes``, ZClip):
+the total and every group each have their own history, and ``spike`` is true
+when the total or any group spikes; ``z`` is the total's z-score (null while
+there is too little history) and ``spike_groups`` names the groups that
+spiked. On a spike or a non-finite gradient the gradients are saved with
+:func:`gradclip_cli.producer.save_grads` to ``dump_dir/step-N.pt`` (with a
+``step`` entry), so that ``gradclip inspect dump_dir/step-N.pt`` shows the
+culprit layer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import api
+from .core import PowerSums, clip_coefficient, find_ties, scale_, tensor_power_sums
+from .core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z, SpikeDetector
+from .errors import UsageError
+from .format.json import number
+from .producer import save_grads
+from .report.grouping import parse_group_by
+
+__all__ = ["SCHEMA", "GradMonitor"]
+
+SCHEMA = "gradclip.monitor/1"
+
+# Each dump is a full copy of the gradients (a 7B model's float32 gradients
+# are 28 GB), so only a few are kept; see ``max_dumps``.
+DEFAULT_MAX_DUMPS = 5
+
+
+@dataclass(frozen=True)
+class _Measurement:
+    """One step's gradients (tie duplicates dropped) and their norm summaries."""
+
+    grads: list[torch.Tensor]
+    group_names: list[str]  # in order of first appearance in named_parameters()
+    groups: PowerSums
+    total: PowerSums
+
+
+class GradMonitor:
+    """Log per-group gradient norms every step, flag spikes, save the gradients of bad steps.
+
+    Args:
+        model: the module whose parameters' ``.grad`` are watched. Parameters
+            are looked up on every logged step, so a model wrapped or moved
+            after the monitor was made is still seen as it is then.
+        log: the JSON Lines file to append to (its folder is created); None
+            for no log. Each line is written with one ``write`` to a file
+            opened for appending, so a crash leaves whole lines behind (the
+            log is not ``fsync``-ed: a power loss may drop the last lines).
+        dump_dir: where gradients are saved on a spike or a non-finite
+            gradient, as ``step-N.pt``; None for no dumps.
+        every: log every ``every``-th step (steps with ``step % every == 0``).
+            The other steps cost nothing in ``step()``; in ``clip_grad_norm_``
+            they clip exactly as :func:`gradclip_cli.clip_grad_norm_`, which on
+            an accelerator needs no host-device synchronisation. Only logged
+            steps synchronise (to read the norms back) and only they are judged
+            for spikes.
+        norm_type: p of the p-norm, > 0 or ``inf``.
+        group_by: how parameter names map to groups, as ``--group-by`` of
+            ``gradclip inspect``: ``layer`` (default), ``module``, ``tensor``,
+            ``depth:N``, ``regex:PATTERN``.
+        z, alpha, warmup: the spike rule's threshold, averaging factor and
+            warm-up length (``gradclip trend``'s ``--z``, ``--alpha``, ``--warmup``).
+        max_dumps: at most this many dumps are written (0: none). The *first*
+            ones are kept and later ones skipped (their log line says
+            ``"dump": null``): when a run diverges it usually spikes or goes
+            NaN on every step from then on, and the gradients that explain
+            it are those of the onset, which rotating out old dumps would
+            delete. Nothing the monitor wrote is ever removed.
+
+    Under ``torch.distributed`` every rank measures and clips (so all ranks
+    apply the same coefficient), but only rank 0 writes the log and the
+    dumps. Gradients are read as each rank holds them, which is the whole
+    gradient under DDP (all-reduced before the optimizer step); sharded
+    gradients (FSDP2's DTensors) are refused.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        log: str | os.PathLike[str] | None = "grads.jsonl",
+        dump_dir: str | os.PathLike[str] | None = "spikes/",
+        *,
+        every: int = 1,
+        norm_type: float = 2.0,
+        group_by: str = "layer",
+        z: float = DEFAULT_Z,
+        alpha: float = DEFAULT_ALPHA,
+        warmup: int = DEFAULT_WARMUP,
+        max_dumps: int = DEFAULT_MAX_DUMPS,
+    ):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"GradMonitor: every must be a whole number >= 1, got {every!r}")
+        if isinstance(max_dumps, bool) or not isinstance(max_dumps, int) or max_dumps < 0:
+            raise ValueError(
+                f"GradMonitor: max_dumps must be a whole number >= 0, got {max_dumps!r}"
+            )
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"GradMonitor: norm_type must be > 0 or inf, got {norm_type}")
+        try:
+            self._group_rule = parse_group_by(group_by)
+        except UsageError as e:
+            raise ValueError(f"GradMonitor: {e}") from None
+        self._new_detector = lambda: SpikeDetector(z, alpha, warmup)
+        self._total_detector = self._new_detector()  # validates z, alpha, warmup
+
+        self.model = model
+        self.log_path = None if log is None else Path(log)
+        self.dump_dir = None if dump_dir is None else Path(dump_dir)
+        self.every = every
+        self.norm_type = norm_type
+        self.max_dumps = max_dumps
+        self.dumps: list[Path] = []  # written by this monitor, oldest first
+        self._group_detectors: dict[str, SpikeDetector] = {}
+        self._group_of: dict[str, str] = {}
+        self._calls = 0
+        self._log_file = None
+        self._warned_full = False
+
+    # -- public --------------------------------------------------------------
+
+    def step(self, step: int | None = None) -> dict[str, Any] | None:
+        """Measure, judge and log the gradients as they are now.
+
+        Call after ``backward()`` and before clipping (or use
+        :meth:`clip_grad_norm_`). ``step`` defaults to the number of earlier
+        calls. Returns the logged record (the JSON line as a dict), or None on
+        a step that is not logged (``every``) or when no parameter has a
+        gradient.
+        """
+        step = self._step_number(step)
+        if step % self.every:
+            return None
+        measured = self._measure()
+        if measured is None:
+            return None
+        return self._observe(step, measured)
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        step: int | None = None,
+        *,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """:meth:`step`, then clip the gradients to total norm ``max_norm``, in one pass.
+
+        On a logged step, the norms written to the log and the total that
+        sets the clip coefficient ``min(1, max_norm / (total + 1e-6))`` come
+        from one measurement. Other steps clip as
+        :func:`gradclip_cli.clip_grad_norm_` does. Returns the total norm
+        before clipping, as that function does: a 0-dim float32 tensor
+        (float64 for float64 gradients) on the first gradient's device.
+
+        With ``error_if_nonfinite``, a non-finite total raises ``RuntimeError``
+        after the step is logged (and its gradients dumped), before any
+        gradient is changed.
+        """
+        step = self._step_number(step)
+        measured = None if step % self.every else self._measure()
+        if measured is None:
+            return api.clip_grad_norm_(
+                self.model.parameters(), max_norm, self.norm_type, error_if_nonfinite, foreach
+            )
+        self._observe(step, measured)
+        first = measured.grads[0]
+        wide = any(g.dtype == torch.float64 for g in measured.grads)
+        total = measured.total.norm[0].to(first.device, torch.float64 if wide else torch.float32)
+        if error_if_nonfinite and not math.isfinite(float(measured.total.norm[0])):
+            raise RuntimeError(
+                f"The total norm of order {self.norm_type} for gradients from "
+                "`parameters` is non-finite, so it cannot be clipped. To disable "
+                "this error and scale the gradients by the non-finite norm anyway, "
+                "set `error_if_nonfinite=False`"
+            )
+        scale_(measured.grads, clip_coefficient(total, float(max_norm)), foreach=foreach)
+        return total
+
+    def close(self) -> None:
+        """Close the log file (it is reopened, for appending, if the monitor logs again)."""
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> GradMonitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- workers -------------------------------------------------------------
+
+    def _step_number(self, step: int | None) -> int:
+        if step is None:
+            step = self._calls
+        self._calls += 1
+        return int(step)
+
+    def _group(self, name: str) -> str:
+        group = self._group_of.get(name)
+        if group is None:
+            group = self._group_of[name] = self._group_rule(name)
+        return group
+
+    def _measure(self) -> _Measurement | None:
+        """Per-group and total norm summaries of the gradients: one pass over them."""
+        named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        if not named:
+            return None
+        _refuse_sharded(named)
+        owner = find_ties([g for _, g in named])
+        named = [item for i, item in enumerate(named) if owner[i] == i]
+        grads = [g for _, g in named]
+        sums = tensor_power_sums(grads, self.norm_type)
+        members = [self._group(n) for n, _ in named]
+        order = list(dict.fromkeys(members))
+        position = {g: i for i, g in enumerate(order)}
+        index = torch.tensor([position[g] for g in members], dtype=torch.int64)
+        return _Measurement(grads, order, sums.reduce(index, len(order)), sums.total())
+
+    def _observe(self, step: int, m: _Measurement) -> dict[str, Any]:
+        """Judge one measurement, dump if needed, log it; returns the record."""
+        total_norm = float(m.total.norm[0])
+        group_norms = dict(zip(m.group_names, m.groups.norm.tolist()))
+        judged = self._total_detector.update(total_norm)
+        spike_groups = [
+            name for name, norm in group_norms.items() if self._detector(name).update(norm).spike
+        ]
+        nonfinite = {
+            "nan": int(m.total.nan[0]),
+            "posinf": int(m.total.posinf[0]),
+            "neginf": int(m.total.neginf[0]),
+        }
+        spike = judged.spike or bool(spike_groups)
+        dump = None
+        if spike or any(nonfinite.values()):
+            dump = self._dump(step)
+        record = {
+            "schema": SCHEMA,
+            "step": step,
+            "total_norm": number(total_norm),
+            "norm_type": number(self.norm_type),
+            "groups": {name: number(norm) for name, norm in group_norms.items()},
+            "nonfinite": nonfinite,
+            "z": number(judged.z),
+            "spike": spike,
+            "spike_groups": spike_groups,
+            "dump": None if dump is None else str(dump),
+        }
+        self._write_line(record)
+        return record
+
+    def _detector(self, group: str) -> SpikeDetector:
+        detector = self._group_detectors.get(group)
+        if detector is None:
+            detector = self._group_detectors[group] = self._new_detector()
+        return detector
+
+    def _dump(self, step: int) -> Path | None:
+        if self.dump_dir is None or not _is_writer():
+            return None
+        if len(self.dumps) >= self.max_dumps:
+            if not self._warned_full and self.max_dumps:
+                warnings.warn(
+                    f"GradMonitor: {self.max_dumps} dumps written to {self.dump_dir} "
+                    f"(max_dumps); later spikes are logged but not dumped",
+                    stacklevel=4,
+                )
+                self._warned_full = True
+            return None
+        path = self.dump_dir / f"step-{step}.pt"
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        save_grads(self.model, path, step=step)
+        self.dumps.append(path)
+        return path
+
+    def _write_line(self, record: dict[str, Any]) -> None:
+        if self.log_path is None or not _is_writer():
+            return
+        line = (json.dumps(record, allow_nan=False) + "\n").encode()
+        if self._log_file is None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            # Unbuffered append: each line reaches the file in one write() call
+            # (no Python buffer to lose in a crash), at the end of the file.
+            self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115
+        view = memoryview(line)
+        while view:
+            view = view[self._log_file.write(view):]
+
+
+def _is_writer() -> bool:
+    """Rank 0 of an initialised ``torch.distributed`` job, or a single process.
+
+    Asked at every write: launchers (Lightning, accelerate) initialise the
+    process group after the monitor is made.
+    """
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return True
+
+
+def _refuse_sharded(named: list[tuple[str, torch.Tensor]]) -> None:
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+
+    for name, grad in named:
+        if isinstance(grad, DTensor):
+            raise TypeError(
+                f"GradMonitor: the gradient of {name!r} is a DTensor (FSDP2 or tensor "
+                "parallel): each rank holds a shard, and the monitor measures whole "
+                "gradients only"
+            )

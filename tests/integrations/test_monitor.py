@@ -1,0 +1,276 @@
+"""GradMonitor in a plain training loop: the log, the spike rule, dumps, clipping, ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from gradclip_cli import GradMonitor
+from gradclip_cli import clip_grad_norm_ as gradclip_clip_grad_norm_
+from tests.cli.support import REPO, as_float, ref_norm
+
+from .support import assert_norms_match, culprit, inspect_dump, read_log, reference_norms
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+class Tiny(torch.nn.Module):
+    """A language-model-shaped module: embedding, two blocks, a head tied to the embedding."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.wte = torch.nn.Embedding(16, 8, dtype=dtype)
+        self.h = torch.nn.ModuleList(torch.nn.Linear(8, 8, dtype=dtype) for _ in range(2))
+        self.lm_head = torch.nn.Linear(8, 16, bias=False, dtype=dtype)
+        self.lm_head.weight = self.wte.weight
+
+
+# Steady sizes that repeat every 5 steps: once the history holds one cycle, no
+# step is more than 1.5 standard deviations from the mean, so only an injected
+# spike can cross z = 2.5, whatever the noise of a random series would do.
+CYCLE = [1.0, 1.1, 0.9, 1.05, 0.95]
+
+
+def fill_grads(model: torch.nn.Module, step: int, spike: dict[str, float] | None = None) -> None:
+    """Gradients as after a backward pass, of steady size; ``spike`` scales some."""
+    for i, (name, p) in enumerate(model.named_parameters()):
+        g = torch.Generator().manual_seed(1000 * step + i)
+        grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+        grad *= CYCLE[step % 5] * (spike or {}).get(name, 1.0) / grad.norm()
+        p.grad = grad.to(p.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_each_line_holds_the_float64_norms_of_that_step(tmp_path, dtype):
+    model = Tiny(dtype)
+    log = tmp_path / "logs" / "grads.jsonl"
+    with GradMonitor(model, log, tmp_path / "spikes") as monitor:
+        want = []
+        for step in range(6):
+            fill_grads(model, step)
+            want.append(reference_norms(model))
+            record = monitor.step(step)
+            assert record is not None and record["step"] == step
+    records = read_log(log)
+    assert [r["step"] for r in records] == list(range(6))
+    for step, (record, (total, groups)) in enumerate(zip(records, want)):
+        # The head is tied to the embedding: it counts once, under the first name.
+        assert list(groups) == ["wte", "h.0", "h.1"]
+        assert_norms_match(record, total, groups)
+        assert record["norm_type"] == 2.0
+        assert record["nonfinite"] == {"nan": 0, "posinf": 0, "neginf": 0}
+        assert (record["z"] is None) == (step < 5)  # 5 earlier points before a judgement
+        assert record["spike"] is False and record["dump"] is None
+
+
+@pytest.mark.parametrize("p", [1.0, 3.0, math.inf])
+def test_other_norm_types_and_group_rules(tmp_path, p):
+    model = Tiny()
+    fill_grads(model, 0)
+    record = GradMonitor(model, tmp_path / "g.jsonl", None, norm_type=p, group_by="tensor").step()
+    grads = {n: q.grad for n, q in model.named_parameters()}
+    assert record["norm_type"] == (p if math.isfinite(p) else "inf")
+    assert math.isclose(as_float(record["total_norm"]), ref_norm(list(grads.values()), p),
+                        rel_tol=1e-6)
+    assert list(record["groups"]) == list(grads)
+    for name, grad in grads.items():
+        assert math.isclose(record["groups"][name], ref_norm([grad], p), rel_tol=1e-6)
+
+
+def test_every_logs_only_the_steps_it_names_and_appends(tmp_path):
+    model = Tiny()
+    log = tmp_path / "grads.jsonl"
+    log.write_text('{"earlier": "run"}\n')
+    monitor = GradMonitor(model, log, None, every=4)
+    returned = []
+    for step in range(10):
+        fill_grads(model, step)
+        returned.append(monitor.step())  # steps counted by the monitor: 0, 1, 2, ...
+    monitor.close()
+    assert [r is not None for r in returned] == [s % 4 == 0 for s in range(10)]
+    lines = log.read_text().splitlines()
+    assert lines[0] == '{"earlier": "run"}'
+    assert [json.loads(line)["step"] for line in lines[1:]] == [0, 4, 8]
+
+
+def test_a_step_without_gradients_is_not_logged(tmp_path):
+    monitor = GradMonitor(Tiny(), tmp_path / "grads.jsonl", tmp_path / "spikes")
+    assert monitor.step(0) is None
+    assert not (tmp_path / "grads.jsonl").exists()
+
+
+def test_the_spike_names_the_layer_and_its_dump_shows_it(tmp_path, gradclip):
+    model = Tiny()
+    monitor = GradMonitor(model, tmp_path / "grads.jsonl", tmp_path / "spikes")
+    for step in range(40):
+        fill_grads(model, step, {"h.1.weight": 1e4} if step == 30 else None)
+        monitor.step(step)
+    records = read_log(tmp_path / "grads.jsonl")
+    flagged = [r for r in records if r["spike"]]
+    assert [r["step"] for r in flagged] == [30]
+    (spike,) = flagged
+    assert spike["spike_groups"] == ["h.1"] and spike["z"] > 2.5
+    assert all(r["z"] is None for r in records[:5]) and records[5]["z"] is not None
+    dump = tmp_path / "spikes" / "step-30.pt"
+    assert spike["dump"] == str(dump) and monitor.dumps == [dump]
+    assert sorted(os.listdir(tmp_path / "spikes")) == ["step-30.pt"]
+    assert torch.load(dump, weights_only=True)["step"] == 30
+    report = inspect_dump(gradclip, dump)
+    assert culprit(report) == "h.1"
+    assert math.isclose(as_float(report["total_norm"]), as_float(spike["total_norm"]),
+                        rel_tol=1e-6)
+
+
+def test_nonfinite_gradients_are_counted_and_dumped(tmp_path, gradclip):
+    model = Tiny()
+    monitor = GradMonitor(model, tmp_path / "grads.jsonl", tmp_path / "spikes")
+    fill_grads(model, 0)
+    model.h[0].bias.grad[[1, 2]] = torch.tensor([math.nan, -math.inf])
+    model.h[1].weight.grad[0, 0] = math.inf
+    record = monitor.step(7)
+    assert record["total_norm"] == "nan"
+    assert record["groups"]["h.0"] == "nan" and record["groups"]["h.1"] == "inf"
+    assert isinstance(record["groups"]["wte"], float)
+    assert record["nonfinite"] == {"nan": 1, "posinf": 1, "neginf": 1}
+    assert record["z"] is None and record["spike"] is False
+    assert record["dump"] == str(tmp_path / "spikes" / "step-7.pt")
+    report = inspect_dump(gradclip, tmp_path / "spikes" / "step-7.pt")
+    assert report["nonfinite"] == {"nan": 1, "posinf": 1, "neginf": 1}
+    assert culprit(report) == "h.0"
+    assert read_log(tmp_path / "grads.jsonl") == [record]
+
+
+def test_max_dumps_keeps_the_first_ones(tmp_path):
+    model = Tiny()
+    monitor = GradMonitor(model, tmp_path / "grads.jsonl", tmp_path / "spikes", max_dumps=2)
+    fill_grads(model, 0)
+    model.h[0].weight.grad.fill_(math.nan)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dumps = [monitor.step(step)["dump"] for step in range(5)]
+    assert dumps == [str(tmp_path / "spikes" / f"step-{s}.pt") for s in (0, 1)] + [None] * 3
+    assert sorted(os.listdir(tmp_path / "spikes")) == ["step-0.pt", "step-1.pt"]
+    assert len(caught) == 1 and "max_dumps" in str(caught[0].message)
+    assert caught[0].filename == __file__  # points at the caller's line
+
+    nothing = GradMonitor(model, tmp_path / "other.jsonl", tmp_path / "none", max_dumps=0)
+    assert nothing.step(0)["dump"] is None
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("max_norm", [0.5, 1e9])
+def test_clip_grad_norm_logs_and_clips_as_the_drop_in(tmp_path, dtype, max_norm):
+    model, twin = Tiny(dtype), Tiny(dtype)
+    monitor = GradMonitor(model, tmp_path / "grads.jsonl", None, every=2)
+    for step in range(4):
+        fill_grads(model, step)
+        fill_grads(twin, step)
+        total_ref, _ = reference_norms(model)
+        got = monitor.clip_grad_norm_(max_norm, step)
+        want = gradclip_clip_grad_norm_(twin.parameters(), max_norm)
+        assert got.dtype == want.dtype and got.shape == () and got.device == want.device
+        assert math.isclose(float(got), total_ref, rel_tol=1e-6)
+        for a, b in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
+        if max_norm < total_ref:
+            assert math.isclose(reference_norms(model)[0], max_norm, rel_tol=1e-2)
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == [0, 2]
+
+
+def test_clip_grad_norm_error_if_nonfinite_logs_first_and_changes_nothing(tmp_path):
+    model = Tiny()
+    fill_grads(model, 0)
+    model.h[1].bias.grad[0] = math.nan
+    before = [p.grad.clone() for p in model.parameters()]
+    monitor = GradMonitor(model, tmp_path / "grads.jsonl", tmp_path / "spikes")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        monitor.clip_grad_norm_(1.0, 3, error_if_nonfinite=True)
+    for a, b in zip(model.parameters(), before):
+        torch.testing.assert_close(a.grad, b, equal_nan=True, rtol=0, atol=0)
+    (record,) = read_log(tmp_path / "grads.jsonl")
+    assert record["step"] == 3 and record["dump"] is not None
+
+
+def test_names_that_look_like_markup_stay_one_json_line(tmp_path):
+    model = torch.nn.Module()
+    model.add_module('a"b\nc\u2028', torch.nn.Linear(2, 2))
+    fill_grads(model, 0)
+    GradMonitor(model, tmp_path / "grads.jsonl", None).step(0)
+    (record,) = read_log(tmp_path / "grads.jsonl")
+    assert list(record["groups"]) == ['a"b\nc\u2028']
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"every": 0}, "every must be"),
+        ({"every": 1.5}, "every must be"),
+        ({"max_dumps": -1}, "max_dumps must be"),
+        ({"norm_type": 0}, "norm_type must be"),
+        ({"group_by": "bogus"}, "--group-by must be"),
+        ({"z": -1}, "z must be"),
+        ({"alpha": 1.0}, "alpha must be"),
+        ({"warmup": 0}, "warmup must be"),
+    ],
+)
+def test_bad_options_are_refused_when_made(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        GradMonitor(Tiny(), tmp_path / "grads.jsonl", **options)
+
+
+DDP_RANK = """
+import json, os, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from gradclip_cli import GradMonitor
+rank, world, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
+                        world_size=world)
+torch.manual_seed(0)
+model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+monitor = GradMonitor(model, f"{folder}/grads.jsonl", f"{folder}/spikes", warmup=5)
+torch.manual_seed(rank)
+batch = torch.randn(16, 4)  # the same each step: steady norms, so only step 7 spikes
+totals, grads = [], []
+for step in range(8):
+    loss = model(batch).square().mean()
+    if step == 7:
+        loss = loss * 1e6
+    loss.backward()
+    totals.append(float(monitor.clip_grad_norm_(1.0, step)))
+    grads.append([p.grad.double().sum().item() for p in model.parameters()])
+    model.zero_grad()
+print(json.dumps({"rank": rank, "totals": totals, "grads": grads}), flush=True)
+dist.barrier()
+os._exit(9)  # no cleanup, no flush at exit: what a killed process leaves behind
+"""
+
+
+def test_under_ddp_ranks_agree_rank_0_alone_writes_and_a_crash_leaves_whole_lines(tmp_path):
+    procs = [
+        subprocess.Popen([sys.executable, "-c", DDP_RANK, str(rank), "2", str(tmp_path)],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in range(2)
+    ]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 9, err
+        outs.append(json.loads(out.splitlines()[-1]))
+    # All-reduced gradients: both ranks measure the same totals and clip alike.
+    assert outs[0]["totals"] == outs[1]["totals"]
+    assert outs[0]["grads"] == outs[1]["grads"]
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == list(range(8))  # one writer: no line twice
+    assert [as_float(r["total_norm"]) for r in records] == pytest.approx(outs[0]["totals"],
+                                                                         rel=1e-6)
+    assert records[-1]["spike"] and records[-1]["dump"] is not None
+    assert os.listdir(tmp_path / "spikes") == ["step-7.pt"]
