@@ -27,7 +27,8 @@ A spike is judged by the rule ``gradclip trend`` uses (``core.spikes``, ZClip):
 the total and every group each have their own history, and ``spike`` is true
 when the total or any group spikes; ``z`` is the total's z-score (null while
 there is too little history) and ``spike_groups`` names the groups that
-spiked. On a spike or a non-finite gradient the gradients are saved with
+spiked. On a non-finite gradient, or a spike once the spiking series has
+``warmup`` earlier points, the gradients are saved with
 :func:`gradclip_cli.producer.save_grads` to ``dump_dir/step-N.pt`` (with a
 ``step`` entry), so that ``gradclip inspect dump_dir/step-N.pt`` shows the
 culprit layer.
@@ -97,6 +98,10 @@ class GradMonitor:
             ``depth:N``, ``regex:PATTERN``.
         z, alpha, warmup: the spike rule's threshold, averaging factor and
             warm-up length (``gradclip trend``'s ``--z``, ``--alpha``, ``--warmup``).
+            Spikes are flagged in the log from the 6th logged step, as
+            ``trend`` flags them, but dumped only once the series that spiked
+            has ``warmup`` earlier points: the first steps of a run move fast,
+            and their spikes would use up ``max_dumps``.
         max_dumps: at most this many dumps are written (0: none). The *first*
             ones are kept and later ones skipped (their log line says
             ``"dump": null``): when a run diverges it usually spikes or goes
@@ -260,10 +265,19 @@ class GradMonitor:
         """Judge one measurement, dump if needed, log it; returns the record."""
         total_norm = float(m.total.norm[0])
         group_norms = dict(zip(m.group_names, m.groups.norm.tolist()))
+        # A spike is worth a dump only once its series has ``warmup`` earlier
+        # points: early training moves fast, and a z-score against a handful
+        # of points flags steps that are only a trend.
+        settled = self._total_detector.seen >= self._total_detector.warmup
         judged = self._total_detector.update(total_norm)
-        spike_groups = [
-            name for name, norm in group_norms.items() if self._detector(name).update(norm).spike
-        ]
+        worth_a_dump = judged.spike and settled
+        spike_groups = []
+        for name, norm in group_norms.items():
+            detector = self._detector(name)
+            settled = detector.seen >= detector.warmup
+            if detector.update(norm).spike:
+                spike_groups.append(name)
+                worth_a_dump = worth_a_dump or settled
         nonfinite = {
             "nan": int(m.total.nan[0]),
             "posinf": int(m.total.posinf[0]),
@@ -271,7 +285,7 @@ class GradMonitor:
         }
         spike = judged.spike or bool(spike_groups)
         dump = None
-        if spike or any(nonfinite.values()):
+        if worth_a_dump or any(nonfinite.values()):
             dump = self._dump(step)
         record = {
             "schema": SCHEMA,

@@ -46,13 +46,13 @@ class GradMonitorCallback(Callback):
         **options: Any,
     ):
         super().__init__()
-        self.log, self.dump_dir, self.options = log, dump_dir, options
+        self.log_path, self.dump_dir, self.options = log, dump_dir, options
         self.monitor: GradMonitor | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         # Before the first step: a bad option fails here, not mid-run.
         if stage == "fit" and self.monitor is None:
-            self.monitor = GradMonitor(pl_module, self.log, self.dump_dir, **self.options)
+            self.monitor = GradMonitor(pl_module, self.log_path, self.dump_dir, **self.options)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self.monitor is not None:

@@ -60,7 +60,7 @@ class GradMonitorCallback(TrainerCallback):
     ):
         if max_norm is not None and not float(max_norm) > 0:
             raise ValueError(f"GradMonitorCallback: max_norm must be > 0, got {max_norm}")
-        self.log, self.dump_dir, self.options = log, dump_dir, options
+        self.log_path, self.dump_dir, self.options = log, dump_dir, options
         self.max_norm = None if max_norm is None else float(max_norm)
         self.monitor: GradMonitor | None = None
 
@@ -74,7 +74,7 @@ class GradMonitorCallback(TrainerCallback):
                 "clips after measuring"
             )
         if self.monitor is None:
-            self.monitor = GradMonitor(model, self.log, self.dump_dir, **self.options)
+            self.monitor = GradMonitor(model, self.log_path, self.dump_dir, **self.options)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None:

@@ -110,14 +110,16 @@ def test_the_spike_names_the_layer_and_its_dump_shows_it(tmp_path, gradclip):
     model = Tiny()
     monitor = GradMonitor(model, tmp_path / "grads.jsonl", tmp_path / "spikes")
     for step in range(40):
-        fill_grads(model, step, {"h.1.weight": 1e4} if step == 30 else None)
+        fill_grads(model, step, {"h.1.weight": 1e4} if step in (10, 30) else None)
         monitor.step(step)
     records = read_log(tmp_path / "grads.jsonl")
-    flagged = [r for r in records if r["spike"]]
-    assert [r["step"] for r in flagged] == [30]
-    (spike,) = flagged
-    assert spike["spike_groups"] == ["h.1"] and spike["z"] > 2.5
+    assert [r["step"] for r in records if r["spike"]] == [10, 30]
+    early, spike = records[10], records[30]
+    assert early["spike_groups"] == spike["spike_groups"] == ["h.1"]
+    assert spike["z"] > 2.5 and early["z"] > 2.5
     assert all(r["z"] is None for r in records[:5]) and records[5]["z"] is not None
+    # Step 10 has 9 points of history, fewer than warmup (25): flagged, not dumped.
+    assert early["dump"] is None
     dump = tmp_path / "spikes" / "step-30.pt"
     assert spike["dump"] == str(dump) and monitor.dumps == [dump]
     assert sorted(os.listdir(tmp_path / "spikes")) == ["step-30.pt"]

@@ -1,0 +1,98 @@
+"""The Lightning callback in a real ``lightning.pytorch.Trainer`` run on the CPU."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from .support import assert_norms_match, culprit, inspect_dump, read_log, reference_norms
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from gradclip_cli.integrations.lightning import GradMonitorCallback  # noqa: E402
+
+STEPS, SPIKE_AT, CULPRIT = 40, 30, "net.2"
+
+
+class Regressor(pl.LightningModule):
+    """Two linear layers; at one step the loss gains a term in ``net.2`` alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if self.global_step == SPIKE_AT:
+            loss = loss + 1e4 * self.net[2].weight.square().sum()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class RecordNorms(pl.Callback):
+    """The float64 reference, read from the same gradients the monitor sees."""
+
+    def __init__(self):
+        self.seen: list[tuple[int, float, dict[str, float]]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.seen.append((trainer.global_step, *reference_norms(pl_module)))
+
+
+@pytest.fixture(scope="session")
+def lightning_run(tmp_path_factory):
+    """One short run (cached for the session): the folder, and the reference norms per step."""
+    folder = tmp_path_factory.mktemp("lightning")
+    torch.manual_seed(0)
+    x = torch.randn(256, 6)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+    loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    reference = RecordNorms()
+    trainer = pl.Trainer(
+        max_steps=STEPS, accelerator="cpu", devices=1, gradient_clip_val=1.0,
+        callbacks=[GradMonitorCallback(folder / "grads.jsonl", folder / "spikes", max_dumps=STEPS),
+                   reference],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=folder,
+    )  # fmt: skip
+    trainer.fit(Regressor(), loader)
+    return folder, reference.seen
+
+
+def test_one_line_per_step_with_the_norms_of_that_step(lightning_run):
+    folder, seen = lightning_run
+    records = read_log(folder / "grads.jsonl")
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert [step for step, _, _ in seen] == list(range(STEPS))
+    for record, (_, total, groups) in zip(records, seen):
+        assert list(groups) == ["net.0", "net.2"]
+        assert_norms_match(record, total, groups)
+
+
+def test_the_injected_spike_is_flagged_and_dumped(lightning_run, gradclip):
+    folder, _ = lightning_run
+    records = read_log(folder / "grads.jsonl")
+    spike = records[SPIKE_AT]
+    assert spike["spike"] and CULPRIT in spike["spike_groups"]
+    assert "net.0" not in spike["spike_groups"] and spike["z"] > 2.5
+    # Unclipped: the monitor runs before Lightning clips to gradient_clip_val=1.
+    assert spike["total_norm"] > 100
+    # Mini-batch noise makes the rule flag other steps too; each dump is one of
+    # them, taken only after the warm-up (25 steps).
+    dumped = [r["step"] for r in records if r["dump"]]
+    assert SPIKE_AT in dumped and min(dumped) >= 25
+    assert all(records[s]["spike"] for s in dumped)
+    assert sorted(os.listdir(folder / "spikes")) == sorted(f"step-{s}.pt" for s in dumped)
+    dump = folder / "spikes" / f"step-{SPIKE_AT}.pt"
+    assert spike["dump"] == str(dump)
+    report = inspect_dump(gradclip, dump)
+    assert culprit(report) == CULPRIT
+    assert math.isclose(report["total_norm"], spike["total_norm"], rel_tol=1e-6)
