@@ -44,7 +44,7 @@ def fill_grads(model: torch.nn.Module, step: int, spike: dict[str, float] | None
         g = torch.Generator().manual_seed(1000 * step + i)
         grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
         grad *= CYCLE[step % 5] * (spike or {}).get(name, 1.0) / grad.norm()
-        p.grad = grad.to(p.dtype)
+        p.grad = grad.to(p.device, p.dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -276,3 +276,42 @@ def test_under_ddp_ranks_agree_rank_0_alone_writes_and_a_crash_leaves_whole_line
                                                                          rel=1e-6)
     assert records[-1]["spike"] and records[-1]["dump"] is not None
     assert os.listdir(tmp_path / "spikes") == ["step-7.pt"]
+
+
+def test_the_readme_plain_loop_runs_as_shown(tmp_path, monkeypatch, gradclip):
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## In your training loop"):]
+    code = section[section.index("```python\n") + len("```python\n"):]
+    code = code[: code.index("```")]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == list(range(60))
+    spike = records[50]
+    assert spike["spike_groups"] == ["fc2"] and spike["dump"] == "spikes/step-50.pt"
+    assert culprit(inspect_dump(gradclip, tmp_path / "spikes" / "step-50.pt")) == "fc2"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_only_logged_steps_synchronise(tmp_path):
+    model, twin = Tiny().cuda(), Tiny().cuda()
+    monitor = GradMonitor(model, tmp_path / "grads.jsonl", None, every=3)
+    for step in range(6):
+        fill_grads(model, step)
+        fill_grads(twin, step)
+        logged = step % 3 == 0
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(0 if logged else "error")
+        try:
+            if not logged:
+                assert monitor.step(step) is None
+            total = monitor.clip_grad_norm_(0.5, step)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        want = gradclip_clip_grad_norm_(twin.parameters(), 0.5)
+        assert total.device == want.device and total.dtype == want.dtype
+        assert math.isclose(float(total), float(want), rel_tol=1e-6)
+        for a, b in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
+    assert [r["step"] for r in read_log(tmp_path / "grads.jsonl")] == [0, 3]
