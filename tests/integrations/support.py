@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -85,3 +86,28 @@ def culprit(report: dict) -> str:
         return math.inf if math.isnan(norm) else norm
 
     return max(report["groups"], key=size)["name"]
+
+
+def assert_spike_found(gradclip, folder: Path, spike: dict, culprit_group: str,
+                       quiet_group: str, first_step: int) -> None:
+    """A framework run's injected spike: flagged, naming ``culprit_group``, and dumped.
+
+    Mini-batch noise makes the rule flag other steps too; each dump must be
+    one of the flagged steps, none before the warm-up (25 steps from
+    ``first_step``), and ``gradclip inspect`` on the spike's dump must show
+    the culprit.
+    """
+    assert spike["spike"] and culprit_group in spike["spike_groups"] and spike["z"] > 2.5
+    assert quiet_group not in spike["spike_groups"]
+    # Unclipped: the monitor measures before the framework (or itself) clips to 1.
+    assert spike["total_norm"] > 100
+    records = read_log(folder / "grads.jsonl")
+    dumped = [r["step"] for r in records if r["dump"]]
+    assert spike["step"] in dumped and min(dumped) >= first_step + 25
+    assert all(r["spike"] for r in records if r["dump"])
+    assert sorted(os.listdir(folder / "spikes")) == sorted(f"step-{s}.pt" for s in dumped)
+    dump = folder / "spikes" / f"step-{spike['step']}.pt"
+    assert spike["dump"] == str(dump)
+    report = inspect_dump(gradclip, dump)
+    assert culprit(report) == culprit_group
+    assert math.isclose(report["total_norm"], spike["total_norm"], rel_tol=1e-6)
