@@ -18,6 +18,9 @@ is refused before the first step rather than logged wrong.
 
 Steps are ``state.global_step + 1``: the number the Trainer gives this
 update in ``trainer_state.json``'s ``log_history`` and in ``checkpoint-N``.
+
+Not for DeepSpeed runs: the engine keeps (and clips) the gradients in its
+own buffers, not in the parameters' ``.grad``.
 """
 
 from __future__ import annotations
