@@ -38,7 +38,11 @@ app = typer.Typer(
 KeyOpt = typer.Option(None, "--key", help="Dotted path to the gradient dict (grads, state.grads).")
 NormOpt = typer.Option("2", "--norm-type", help="p of the p-norm: any number > 0, or inf.")
 DeviceOpt = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N, mps or auto.")
-FormatOpt = typer.Option("table", "--format", help="table (for people) or json (for scripts).")
+FormatOpt = typer.Option(
+    "table", "--format",
+    help="table (for people), json (for scripts), markdown (a PR comment or "
+    "$GITHUB_STEP_SUMMARY), github (GitHub Actions annotations) or junit (JUnit XML).",
+)
 OutputFileOpt = typer.Option(
     None, "--output-file", help="Write the report to FILE (atomically) instead of stdout."
 )
@@ -218,6 +222,100 @@ def clip(
         )
 
     _run(body, debug=debug, format=format, source=path, output_file=output_file)
+
+
+WhatOpt = typer.Option(
+    "auto", "--what", help="What is measured: grads, exp_avg, grad_rms, update, weights or auto."
+)
+GroupByOpt = typer.Option(
+    "layer", "--group-by", help="layer, module, tensor, depth:N or regex:PATTERN."
+)
+
+
+@app.command()
+def trend(
+    paths: list[Path] = typer.Argument(
+        ..., help="Checkpoints, folders of them, trainer_state.json files, gradclip monitor logs."
+    ),
+    what: str = WhatOpt,
+    group_by: str = GroupByOpt,
+    z: float | None = typer.Option(
+        None, "--z", help="A point is a spike when its z-score exceeds this (default 2.5)."
+    ),
+    alpha: float | None = typer.Option(
+        None, "--alpha", help="Factor of the exponential averages of mean and variance "
+        "(default 0.97)."
+    ),
+    warmup: int | None = typer.Option(
+        None, "--warmup", help="Points that seed the averages (default 25)."
+    ),
+    fail_on: str = typer.Option(
+        "newest", "--fail-on", help="newest: exit 1 when the newest point spikes or is "
+        "non-finite; any: when any point does."
+    ),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Also draw the norms to FILE.png or FILE.svg (needs gradclip[plot])."
+    ),
+    key: str | None = KeyOpt,
+    norm_type: str | None = typer.Option(
+        None, "--norm-type", help="p of the p-norm (default: the logs' own, else 2)."
+    ),
+    device: str = DeviceOpt,
+    format: str = FormatOpt,
+    output_file: Path | None = OutputFileOpt,
+    verify: bool = VerifyOpt,
+    trust_pickle: bool = TrustOpt,
+    quiet: bool = QuietOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Norms over a run, oldest to newest; flags spikes against the run's own history."""
+
+    def body() -> int:
+        from .commands import trend as command
+
+        return command.run(
+            paths=paths, what=what, group_by=group_by, z=z, alpha=alpha, warmup=warmup,
+            fail_on=fail_on, plot=plot, key=key, norm_type=norm_type, device=device,
+            format=format, trust_pickle=trust_pickle, verify=verify, quiet=quiet,
+            output_file=output_file,
+        )
+
+    source = str(paths[0]) if len(paths) == 1 else " ".join(map(str, paths))
+    _run(body, debug=debug, format=format, source=source, output_file=output_file)
+
+
+@app.command()
+def compare(
+    a: Path = typer.Argument(..., help="The earlier checkpoint (the last good one)."),
+    b: Path = typer.Argument(..., help="The later checkpoint (the first bad one)."),
+    fail_above: str | None = typer.Option(
+        None, "--fail-above",
+        help="Exit 1 when some group's ratio B/A exceeds R or falls below 1/R.",
+    ),
+    what: str = WhatOpt,
+    group_by: str = GroupByOpt,
+    key: str | None = KeyOpt,
+    norm_type: str = NormOpt,
+    device: str = DeviceOpt,
+    format: str = FormatOpt,
+    output_file: Path | None = OutputFileOpt,
+    verify: bool = VerifyOpt,
+    trust_pickle: bool = TrustOpt,
+    quiet: bool = QuietOpt,
+    debug: bool = DebugOpt,
+) -> None:
+    """Per-group norms of A and B side by side with B/A, largest change first."""
+
+    def body() -> int:
+        from .commands import compare as command
+
+        return command.run(
+            a=a, b=b, what=what, fail_above=fail_above, group_by=group_by, key=key,
+            norm_type=norm_type, device=device, format=format, trust_pickle=trust_pickle,
+            verify=verify, quiet=quiet, output_file=output_file,
+        )
+
+    _run(body, debug=debug, format=format, source=f"{a} {b}", output_file=output_file)
 
 
 def _requested_format(argv: list[str]) -> str | None:

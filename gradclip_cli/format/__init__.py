@@ -1,7 +1,7 @@
 """Output formats, one module each; ``FORMATS`` maps ``--format`` names to them."""
 
-from . import json, table
+from . import github, json, junit, markdown, table
 
-FORMATS = {"table": table, "json": json}
+FORMATS = {"table": table, "json": json, "markdown": markdown, "github": github, "junit": junit}
 
 __all__ = ["FORMATS"]

@@ -1,8 +1,7 @@
 """What every output format provides: one function per report kind.
 
-A format writes a whole report to a text stream. Adding a format (Markdown,
-JUnit, ...) is one new module with these two functions and one line in
-``format/__init__.py``.
+A format writes a whole report to a text stream. Adding a format is one new
+module with these functions and one line in ``format/__init__.py``.
 """
 
 from __future__ import annotations
@@ -10,9 +9,15 @@ from __future__ import annotations
 from typing import Protocol, TextIO
 
 from ..report import ClipReport, InspectReport
+from ..report.compare import CompareReport
+from ..report.trend import TrendReport
 
 
 class Format(Protocol):
     def render_inspect(self, report: InspectReport, out: TextIO, *, top: int) -> None: ...
 
     def render_clip(self, report: ClipReport, out: TextIO) -> None: ...
+
+    def render_trend(self, report: TrendReport, out: TextIO) -> None: ...
+
+    def render_compare(self, report: CompareReport, out: TextIO) -> None: ...

@@ -16,6 +16,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ..report import EXCEEDED, NONFINITE, ClipReport, InspectReport, NonFinite
+from ..report.compare import CompareReport
+from ..report.trend import INSUFFICIENT_HISTORY, SPIKE, TrendPoint, TrendReport
 from .text import visible
 
 BAR_WIDTH = 20
@@ -185,3 +187,185 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
         console.print(Text(f"note: {visible(report.output)} had {report.other_links_unchanged} "
                            "other hard link(s), which still hold the old bytes (the atomic "
                            "replace gives this name a new file)", style="yellow"))
+
+
+# -- trend ---------------------------------------------------------------------
+
+# One row per point, but a run logged every step has thousands: beyond this
+# many, the table keeps every spike or non-finite point and the newest ones.
+MAX_POINTS = 60
+SPARK = "▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 60
+MAX_SPARK_GROUPS = 20
+
+
+def points_to_show(report: TrendReport) -> list[TrendPoint]:
+    points = report.points
+    if len(points) <= MAX_POINTS:
+        return points
+    flagged = [i for i, p in enumerate(points) if p.spike or p.is_nonfinite][-MAX_POINTS // 2:]
+    room = MAX_POINTS - len(flagged)
+    keep = set(flagged) | set(range(len(points) - room, len(points)))
+    return [p for i, p in enumerate(points) if i in keep]
+
+
+def sparkline(values: list[float | None], width: int = SPARK_WIDTH) -> Text:
+    """One character per point on a log scale between the series' smallest and largest
+    positive value; ``!`` marks NaN/inf, a space a point where the group is absent.
+    Longer series are folded into ``width`` buckets, each showing its largest value,
+    so a one-point spike stays visible."""
+    if len(values) > width:
+        size = len(values) / width
+        buckets = [values[int(i * size):int((i + 1) * size)] for i in range(width)]
+        values = [_bucket_max(b) for b in buckets]
+    logs = [math.log(v) for v in values if v is not None and math.isfinite(v) and v > 0]
+    low, high = (min(logs), max(logs)) if logs else (0.0, 0.0)
+    line = Text()
+    for v in values:
+        if v is None:
+            line.append(" ")
+        elif not math.isfinite(v):
+            line.append("!", style="bold red")
+        elif v <= 0 or high == low:
+            line.append(SPARK[0] if v <= 0 else SPARK[len(SPARK) // 2], style="cyan")
+        else:
+            level = round((math.log(v) - low) / (high - low) * (len(SPARK) - 1))
+            line.append(SPARK[level], style="cyan")
+    return line
+
+
+def _bucket_max(bucket: list[float | None]) -> float | None:
+    present = [v for v in bucket if v is not None]
+    if not present:
+        return None
+    bad = [v for v in present if not math.isfinite(v)]
+    return bad[0] if bad else max(present)
+
+
+def _z_cell(z: float | None) -> str:
+    return "-" if z is None else f"{z:.2f}"
+
+
+def _point_verdict(p: TrendPoint) -> Text:
+    if p.is_nonfinite:
+        return Text("non-finite", style="bold red")
+    if p.spike:
+        return Text("SPIKE", style="bold red")
+    if p.z is None and not any(v is not None for v in p.group_z.values()):
+        return Text("(history)", style="dim")
+    return Text("ok", style="green")
+
+
+def trend_verdict(report: TrendReport) -> str:
+    """The last line of the table and Markdown reports, matching the exit code."""
+    failing = report.failing
+    if failing:
+        kind = "non-finite gradients" if report.status == NONFINITE else "gradient spike"
+        last = failing[-1]
+        where = f"step {last.step}" if last.step is not None else visible(last.source)
+        groups = ", ".join(visible(g) for g in (last.nonfinite_groups + last.spike_groups))
+        detail = (f"{where}: total norm {fmt(last.total_norm)}, z {_z_cell(last.z)}"
+                  + (f"; groups {groups}" if groups else ""))
+        if report.fail_on == "newest":
+            return f"FAIL: {kind} at the newest point ({detail}) (exit 1)"
+        return (f"FAIL: {kind} at {len(failing)} point(s); the last at {detail} (exit 1)")
+    if report.status == INSUFFICIENT_HISTORY:
+        return ("OK: too little history to judge (a point needs 5 earlier points) (exit 0)")
+    scope = "the newest point" if report.fail_on == "newest" else f"{len(report.points)} points"
+    spikes = sum(p.spike for p in report.points)
+    earlier = f"; {spikes} earlier spike(s)" if spikes and report.fail_on == "newest" else ""
+    return f"OK: no spike or non-finite norm at {scope}{earlier} (exit 0)"
+
+
+def render_trend(report: TrendReport, out: TextIO) -> None:
+    console = _console(out)
+    console.print(Text(
+        f"{len(report.points)} points, {report.what}, p={fmt_p(report.norm_type)}, groups by "
+        f"{visible(report.group_by)}; spike: z > {report.z_threshold:g} (alpha "
+        f"{report.alpha:g}, warmup {report.warmup})"
+    ))  # fmt: skip
+    shown = points_to_show(report)
+    table = Table(title="points (oldest first)", title_justify="left")
+    for col, just in (("step", "right"), ("source", "left"), ("total norm", "right"),
+                      ("z", "right"), ("", "left"), ("spiking groups", "left")):
+        table.add_column(col, justify=just, overflow="fold")
+    for p in shown:
+        table.add_row("-" if p.step is None else str(p.step), Text(visible(p.source)),
+                      fmt(p.total_norm), _z_cell(p.z), _point_verdict(p),
+                      Text(", ".join(visible(g) for g in p.spike_groups + p.nonfinite_groups)))
+    if len(shown) < len(report.points):
+        table.add_section()
+        table.add_row("", Text(f"... {len(report.points) - len(shown):,} unremarkable points "
+                               "not shown (--format json lists all)", style="dim"),
+                      "", "", "", "")
+    console.print(table)
+
+    series = [("total", [p.total_norm for p in report.points])]
+    groups = report.groups
+    ranked = sorted(groups, key=lambda g: -largest_norm(report, g))[:MAX_SPARK_GROUPS]
+    series += [(g, [p.groups.get(g) for p in report.points]) for g in groups if g in ranked]
+    if report.points:
+        lines = Table(title="norms over time (log scale; ! non-finite)", title_justify="left")
+        for col, just in (("series", "left"), ("min", "right"), ("max", "right"),
+                          ("", "left")):
+            lines.add_column(col, justify=just, no_wrap=col == "")
+        for name, values in series:
+            finite = [v for v in values if v is not None and math.isfinite(v)]
+            lines.add_row(Text(visible(name)), fmt(min(finite, default=None)),
+                          fmt(max(finite, default=None)), sparkline(values))
+        if len(groups) > len(ranked):
+            lines.add_row(Text(f"... {len(groups) - len(ranked)} smaller groups", style="dim"),
+                          "", "", "")
+        console.print(lines)
+    failed = report.status in (NONFINITE, SPIKE)
+    console.print(Text(trend_verdict(report), style="bold red" if failed else "bold green"))
+
+
+def largest_norm(report: TrendReport, group: str) -> float:
+    norms = [p.groups[group] for p in report.points if group in p.groups]
+    return max((math.inf if not math.isfinite(v) else v for v in norms), default=0.0)
+
+
+# -- compare -------------------------------------------------------------------
+
+
+def fmt_ratio(ratio: float | None) -> str:
+    if ratio is None:
+        return "-"
+    return fmt(ratio) + "x" if math.isfinite(ratio) else fmt(ratio)
+
+
+def compare_verdict(report: CompareReport) -> str:
+    if report.status == NONFINITE:
+        return "FAIL: a norm in A or B is NaN or inf (exit 1)"
+    if report.status == EXCEEDED:
+        names = ", ".join(visible(g.name) for g in report.beyond[:5])
+        more = f" and {len(report.beyond) - 5} more" if len(report.beyond) > 5 else ""
+        return (f"FAIL: {len(report.beyond)} group(s) changed by more than "
+                f"{report.fail_above:g}x: {names}{more} (exit 1)")
+    limit = f" within {report.fail_above:g}x" if report.fail_above is not None else ""
+    return f"OK: total ratio {fmt_ratio(report.total.ratio)}{limit} (exit 0)"
+
+
+def render_compare(report: CompareReport, out: TextIO) -> None:
+    console = _console(out)
+    console.print(Text(f"A: {visible(report.a)}\nB: {visible(report.b)}\n{report.what}, "
+                       f"p={fmt_p(report.norm_type)}, groups by {visible(report.group_by)}; "
+                       "largest change first"))
+    table = Table(title="B / A per group", title_justify="left")
+    for col, just in (("group", "left"), ("A", "right"), ("B", "right"), ("B / A", "right")):
+        table.add_column(col, justify=just, overflow="fold")
+    rows = report.groups[:MAX_GROUPS]
+    for g in rows:
+        flagged = report.fail_above is not None and g in report.beyond
+        table.add_row(Text(visible(g.name)), fmt(g.a), fmt(g.b),
+                      Text(fmt_ratio(g.ratio), style="bold red" if flagged else ""))
+    if len(rows) < len(report.groups):
+        table.add_row(Text(f"... {len(report.groups) - len(rows):,} groups that changed "
+                           "less (--format json lists all)", style="dim"), "", "", "")
+    table.add_section()
+    t = report.total
+    table.add_row(Text("total", style="bold"), fmt(t.a), fmt(t.b), fmt_ratio(t.ratio))
+    console.print(table)
+    failed = report.status != "ok"
+    console.print(Text(compare_verdict(report), style="bold red" if failed else "bold green"))

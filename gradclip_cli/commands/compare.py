@@ -1,0 +1,51 @@
+"""``gradclip compare A B``: per-group norms of two checkpoints, side by side."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .. import options
+from ..errors import UsageError
+from ..progress import progress_steps
+from ..report import OK, InspectReport, parse_group_by
+from ..report.compare import build_compare_report
+from .common import emit, output_format
+from .trend import Measurement, check_what, measure_checkpoint
+
+
+def run(
+    *, a: Path, b: Path, what: str, fail_above: str | None, group_by: str, key: str | None,
+    norm_type: str, device: str, format: str, trust_pickle: bool, verify: bool, quiet: bool,
+    output_file: Path | None,
+) -> int:
+    check_what(what)
+    limit = options.threshold("--fail-above", fail_above, allow_zero=False)
+    if limit is not None and limit < 1:
+        # R and 1/R bound the same band; R < 1 would flag every group.
+        raise UsageError(f"--fail-above must be >= 1 (a ratio R flags b/a > R or "
+                                 f"< 1/R), got {fail_above!r}")
+    p = options.norm_type(norm_type)
+    dev = options.device(device)
+    fmt = output_format(format)
+    rule = parse_group_by(group_by)
+    how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify)
+    with progress_steps(quiet) as steps:
+        # One at a time: A's pages are released before B is read.
+        ra, _ = measure_checkpoint(a, how, steps)
+        rb, _ = measure_checkpoint(b, how, steps)
+    report = build_compare_report(
+        a=str(a), b=str(b), what="grads", norm_type=p, group_by=group_by,
+        totals=(ra.total_norm, rb.total_norm), groups_a=_norms(ra), groups_b=_norms(rb),
+        nonfinite=_nonfinite(ra) or _nonfinite(rb), fail_above=limit,
+    )  # fmt: skip
+    emit(lambda out: fmt.render_compare(report, out), output_file)
+    return 0 if report.status == OK else 1
+
+
+def _norms(report: InspectReport) -> dict[str, float]:
+    return {g.name: g.norm for g in report.groups}
+
+
+def _nonfinite(report: InspectReport) -> bool:
+    return bool(report.nonfinite.total) or not math.isfinite(report.total_norm)

@@ -1,0 +1,279 @@
+"""``gradclip trend``: norms over a run's checkpoints and logs, spikes judged against history.
+
+Every input becomes points: a checkpoint is one (measured as ``inspect``
+measures it), a monitor log or a ``trainer_state.json`` one per logged step.
+All checkpoints are read in this one process, one after another, each
+released before the next, so 50 checkpoints cost their reading and no more
+start-ups (BENCHMARKS.md, "trend").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import options
+from ..core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z
+from ..errors import InputError, UsageError
+from ..progress import Steps, progress_steps
+from ..report import InspectReport, NonFinite, build_inspect_report, parse_group_by
+from ..report.trend import (
+    FAIL_ON_ANY,
+    FAIL_ON_NEWEST,
+    NONFINITE,
+    SPIKE,
+    Observation,
+    build_trend_report,
+    order_by_step,
+)
+from ..source import READERS
+from ..source.files.pages import PageReleaser
+from ..source.logs import LogKind, log_kind
+from .common import emit, load, measure, output_format
+
+# What --what may name (CONTRACT.md). This build selects saved gradients
+# only; "auto" therefore means "grads".
+WHAT_CHOICES = ("auto", "grads", "exp_avg", "grad_rms", "update", "weights")
+WHAT_READABLE = ("auto", "grads")
+PLOT_SUFFIXES = (".png", ".svg")
+
+_LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """How checkpoints are measured: the same options ``inspect`` takes."""
+
+    key: str | None
+    norm_type: float
+    device: object
+    group_rule: object
+    group_by: str
+    trust_pickle: bool
+    verify: bool
+
+
+def run(
+    *, paths: list[Path], what: str, group_by: str, z: float | None, alpha: float | None,
+    warmup: int | None,
+    fail_on: str, plot: Path | None, key: str | None, norm_type: str | None, device: str,
+    format: str, trust_pickle: bool, verify: bool, quiet: bool, output_file: Path | None,
+) -> int:
+    check_what(what)
+    z = DEFAULT_Z if z is None else z
+    alpha = DEFAULT_ALPHA if alpha is None else alpha
+    warmup = DEFAULT_WARMUP if warmup is None else warmup
+    fail_on = _fail_on(fail_on)
+    _spike_options(z, alpha, warmup)
+    fmt = output_format(format)
+    rule = parse_group_by(group_by)
+    requested_p = None if norm_type is None else options.norm_type(norm_type)
+    dev = options.device(device)
+    if plot is not None:
+        _check_plot(plot)
+    with progress_steps(quiet) as steps:
+        inputs = [item for path in paths
+                  for item in _expand(path, lambda p: _loads(p, key, trust_pickle, steps))]
+        logs = [(path, kind.read(path)) for path, kind in inputs if isinstance(kind, LogKind)]
+        p = _norm_type(requested_p, logs)
+        how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify)
+        observations: list[Observation] = []
+        logged = dict(logs)
+        for path, kind in inputs:
+            if isinstance(kind, LogKind):
+                observations += _logged_observations(path, logged[path])
+            else:
+                observations.append(_checkpoint_observation(path, how, steps))
+    report = build_trend_report(
+        order_by_step(observations), what="grads", norm_type=p, group_by=group_by, z=z,
+        alpha=alpha, warmup=warmup, fail_on=fail_on,
+    )  # fmt: skip
+    if plot is not None:
+        from ..format.plot import write_trend_plot
+
+        write_trend_plot(report, plot)
+    emit(lambda out: fmt.render_trend(report, out), output_file)
+    return 1 if report.status in (SPIKE, NONFINITE) else 0
+
+
+def check_what(text: str) -> str:
+    if text not in WHAT_CHOICES:
+        raise UsageError(f"--what must be one of {', '.join(WHAT_CHOICES)}, got {text!r}")
+    if text not in WHAT_READABLE:
+        raise UsageError(f"--what {text}: this version of trend reads saved gradients only "
+                         "(--what grads or auto)")
+    return text
+
+
+def _fail_on(text: str) -> str:
+    if text not in (FAIL_ON_NEWEST, FAIL_ON_ANY):
+        raise UsageError(f"--fail-on must be newest or any, got {text!r}")
+    return text
+
+
+def _spike_options(z: float, alpha: float, warmup: int) -> None:
+    if not (math.isfinite(z) and z > 0):
+        raise UsageError(f"--z must be a finite number > 0, got {z}")
+    if not 0 < alpha < 1:
+        raise UsageError(f"--alpha must be between 0 and 1 (exclusive), got {alpha}")
+    if warmup < 1:
+        raise UsageError(f"--warmup must be a whole number >= 1, got {warmup}")
+
+
+def _check_plot(plot: Path) -> None:
+    """Before any checkpoint is read: a wrong suffix or a missing matplotlib is exit 2."""
+    if plot.suffix.lower() not in PLOT_SUFFIXES:
+        raise UsageError(f"--plot {plot}: the file name must end in .png or .svg")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib, an optional extra: "
+                         "pip install 'gradclip[plot]'") from None
+
+
+def _norm_type(requested: float | None, logs: list[tuple[Path, list]]) -> float:
+    """The p every point uses: ``--norm-type``, else the one the logs state, else 2.
+
+    A log's norms cannot be re-measured, so a log in another p is exit 2.
+    """
+    stated = {(entry.norm_type, path) for path, entries in logs for entry in entries}
+    p = requested
+    for log_p, path in sorted(stated, key=lambda s: str(s[1])):
+        if p is None:
+            p = log_p
+        elif log_p != p:
+            given = "--norm-type" if requested is not None else "another input"
+            raise UsageError(f"{path}: logs norms with p={log_p:g}, but {given} uses "
+                             f"p={p:g}; trend compares one kind of norm")
+    return 2.0 if p is None else p
+
+
+def _loads(path: Path, key: str | None, trust_pickle: bool, steps: Steps) -> str | None:
+    """None when the loader reads ``path`` as one checkpoint, else why not."""
+    try:
+        load(path, key, trust_pickle, False, steps)
+    except InputError as error:
+        return str(error).removeprefix(f"{path}: ")
+    return None
+
+
+def _expand(path: Path, why_not_checkpoint) -> Iterator[tuple[Path, object]]:
+    """``(path, kind)`` pairs: kind is a ``LogKind`` or ``"checkpoint"``.
+
+    A folder is, in this order: a run's folder of numbered checkpoints (an
+    HF ``output_dir`` of ``checkpoint-N/``, ``global_stepN/``), in step order;
+    one checkpoint (a layout the loader reads); or a folder of checkpoint
+    files and logs, recognised by content (anything else in it is skipped).
+    """
+    if not path.is_dir():
+        kind = log_kind(path)
+        yield path, "checkpoint" if kind is None else kind
+        return
+    children = _children(path)
+    numbered = [c for c in children if c.is_dir() and _LAST_NUMBER.search(c.name)]
+    if numbered:
+        for child in sorted(numbered, key=_name_number):
+            yield child, "checkpoint"
+        return
+    reason = why_not_checkpoint(path)
+    if reason is None:
+        yield path, "checkpoint"
+    else:
+        yield from _folder_of_files(path, reason)
+
+
+def _children(path: Path) -> list[Path]:
+    try:
+        return sorted(c for c in path.iterdir() if not c.name.startswith("."))
+    except OSError as error:
+        raise InputError(f"{path}: cannot list the folder: {error.strerror or error}") from None
+
+
+def _folder_of_files(path: Path, reason: str) -> list[tuple[Path, object]]:
+    found: list[tuple[Path, object]] = []
+    for child in _children(path):
+        if not child.is_file():
+            continue
+        kind = log_kind(child)
+        if kind is not None:
+            found.append((child, kind))
+        elif _is_checkpoint_file(child):
+            found.append((child, "checkpoint"))
+    if not found:
+        raise InputError(f"{path}: neither a checkpoint ({reason}) nor a folder of "
+                         "checkpoints, trainer_state.json or gradclip monitor logs")
+    return found
+
+
+def _is_checkpoint_file(path: Path) -> bool:
+    try:
+        with open(path, "rb") as file:
+            head = file.read(64)
+    except OSError:
+        return False
+    return any(reader.recognises(head) for reader in READERS)
+
+
+def _name_number(path: Path) -> int:
+    match = _LAST_NUMBER.search(path.name)
+    return int(match.group(1)) if match else -1
+
+
+def _step_of(root: object, path: Path) -> int | None:
+    """The checkpoint's ``step``/``global_step`` entry, else the last number in its name."""
+    if isinstance(root, dict):
+        for name in ("global_step", "step"):
+            value = root.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if _is_integer_scalar(value):
+                return int(value.item())
+    stem = path.name if path.is_dir() else path.name.split(".", 1)[0]
+    match = _LAST_NUMBER.search(stem)
+    return int(match.group(1)) if match else None
+
+
+def _is_integer_scalar(value: object) -> bool:
+    import torch
+
+    return (isinstance(value, torch.Tensor) and value.numel() == 1
+            and not value.is_floating_point() and not value.is_complex()
+            and value.dtype != torch.bool)
+
+
+def measure_checkpoint(path: Path, how: Measurement, steps: Steps
+                       ) -> tuple[InspectReport, int | None]:
+    """The checkpoint's ``inspect`` report and its step; its pages are released as read."""
+    loaded = load(path, how.key, how.trust_pickle, how.verify, steps)
+    release = PageReleaser(path) if path.is_file() else None
+    sums = measure(loaded, how.norm_type, how.device, steps, f"measuring {path.name}", release)
+    report = build_inspect_report(
+        names=loaded.names, tensors=loaded.tensors, sums=sums, ties=loaded.ties,
+        group_rule=how.group_rule, source=str(path), format=loaded.checkpoint.format,
+        key=loaded.key, device=str(how.device), max_norm=None, allow_nonfinite=False,
+        group_by=how.group_by, skipped=loaded.skipped,
+    )  # fmt: skip
+    return report, _step_of(loaded.checkpoint.root, path)
+
+
+def _checkpoint_observation(path: Path, how: Measurement, steps: Steps) -> Observation:
+    report, step = measure_checkpoint(path, how, steps)
+    return Observation(
+        source=str(path), step=step, total_norm=report.total_norm,
+        groups={g.name: g.norm for g in report.groups}, nonfinite=report.nonfinite,
+    )  # fmt: skip
+
+
+def _logged_observations(path: Path, entries: list) -> list[Observation]:
+    return [
+        Observation(
+            source=str(path), step=entry.step, total_norm=entry.total_norm,
+            groups=dict(entry.groups),
+            nonfinite=None if entry.nonfinite is None else NonFinite(*entry.nonfinite),
+        )  # fmt: skip
+        for entry in entries
+    ]
+

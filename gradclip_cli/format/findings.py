@@ -1,0 +1,107 @@
+"""What each report counts as a finding, for the formats that list findings one by one.
+
+``--format github`` writes one workflow command per finding; ``--format
+junit`` turns each into a ``<failure>`` of its group's testcase. Both read
+them from here, so the two always agree with each other and with the exit
+code: an ``error`` is what makes the exit code 1; a ``warning`` is worth a
+look but does not fail the run (non-finite values under
+``--allow-nonfinite``, an earlier spike when only the newest point counts).
+
+Names in findings are raw data; each format makes them safe its own way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..report import NONFINITE, ClipReport, InspectReport
+from ..report.compare import CompareReport
+from ..report.trend import TrendPoint, TrendReport
+
+ERROR, WARNING = "error", "warning"
+TOTAL = "(total)"  # the series / testcase of the total norm; no layer is named so
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str  # ERROR (a cause of exit 1) or WARNING
+    series: str  # the group it concerns, or TOTAL
+    title: str
+    message: str
+    source: str | None = None  # the file it concerns, when not the report's own
+
+
+def number(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.6g}" if math.isfinite(x) else str(x)
+
+
+def _counts(n) -> str:
+    return f"{n.nan} NaN, {n.posinf} +inf, {n.neginf} -inf"
+
+
+def inspect_findings(report: InspectReport) -> list[Finding]:
+    found = []
+    severity = WARNING if report.allow_nonfinite else ERROR
+    for g in report.groups:
+        if g.nonfinite.total:
+            found.append(Finding(severity, g.name, "non-finite gradients",
+                                 f"group {g.name}: {_counts(g.nonfinite)}"))
+    if report.max_norm is not None and report.total_norm > report.max_norm:
+        found.append(Finding(ERROR, TOTAL, "total norm exceeds --max-norm",
+                             f"total norm {number(report.total_norm)} > --max-norm "
+                             f"{number(report.max_norm)}"))
+    return found
+
+
+def clip_findings(report: ClipReport) -> list[Finding]:
+    if report.nonfinite.total:
+        return [Finding(WARNING, TOTAL, "non-finite gradients clipped",
+                        f"{_counts(report.nonfinite)} clipped under --allow-nonfinite")]
+    return []
+
+
+def total_spiked(point: TrendPoint, report: TrendReport) -> bool:
+    return point.z is not None and point.z > report.z_threshold
+
+
+def trend_findings(report: TrendReport) -> list[Finding]:
+    """One per spiking or non-finite series at each point; errors for the points
+    ``--fail-on`` covers, warnings for the others."""
+    failing = {id(p) for p in report.failing}
+    found = []
+    for p in report.points:
+        severity = ERROR if id(p) in failing else WARNING
+        at = f"step {p.step}" if p.step is not None else p.source
+        if not math.isfinite(p.total_norm) or (p.nonfinite is not None and p.nonfinite.total):
+            found.append(Finding(severity, TOTAL, f"non-finite gradients at {at}",
+                                 f"{p.source}: total norm {number(p.total_norm)}", p.source))
+        elif total_spiked(p, report):
+            found.append(Finding(severity, TOTAL, f"gradient spike at {at}",
+                                 f"{p.source}: total norm {number(p.total_norm)}, "
+                                 f"z {p.z:.2f} > {report.z_threshold:g}", p.source))
+        for g in p.nonfinite_groups:
+            found.append(Finding(severity, g, f"non-finite gradients at {at}",
+                                 f"{p.source}: group {g} norm {number(p.groups[g])}", p.source))
+        for g in p.spike_groups:
+            found.append(Finding(severity, g, f"gradient spike at {at}",
+                                 f"{p.source}: group {g} norm {number(p.groups[g])}, "
+                                 f"z {p.group_z[g]:.2f} > {report.z_threshold:g}", p.source))
+    return found
+
+
+def compare_findings(report: CompareReport) -> list[Finding]:
+    found = []
+    if report.status == NONFINITE:
+        for g in (report.total, *report.groups):
+            if any(x is not None and not math.isfinite(x) for x in (g.a, g.b)):
+                series = TOTAL if g is report.total else g.name
+                found.append(Finding(ERROR, series, "non-finite gradients",
+                                     f"{g.name}: norm {number(g.a)} in A, {number(g.b)} in B"))
+    for g in report.beyond:
+        found.append(Finding(ERROR, g.name, f"norm changed {number(g.ratio)}x",
+                             f"group {g.name}: {number(g.a)} -> {number(g.b)}, ratio "
+                             f"{number(g.ratio)} beyond --fail-above {report.fail_above:g}"))
+    return found

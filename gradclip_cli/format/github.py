@@ -1,0 +1,67 @@
+"""``--format github``: GitHub Actions workflow commands, one per finding.
+
+Each finding becomes ``::error file=SOURCE,title=TITLE::MESSAGE`` (or
+``::warning``), which the runner shows as an annotation on the run and, for
+a file in the repository, on that file. A run without findings prints one
+``::notice`` with the verdict, so the log says what was checked.
+
+The runner parses these lines itself, so data must not be able to end a
+property, start a new command, or forge a line: following the escaping of
+``@actions/core`` (``toolkit/packages/core/src/command.ts``), ``%``, CR and
+LF become ``%25``, ``%0D``, ``%0A`` everywhere, and in property values
+``:`` and ``,`` also become ``%3A`` and ``%2C``. Names pass through
+``visible()`` first, so they are one printable line before this escaping.
+"""
+
+from __future__ import annotations
+
+from typing import TextIO
+
+from ..report import ClipReport, InspectReport
+from ..report.compare import CompareReport
+from ..report.trend import TrendReport
+from . import findings as F
+from .table import compare_verdict, fmt, fmt_p, trend_verdict, verdict_line
+from .text import visible
+
+
+def escape_data(text: str) -> str:
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def escape_property(text: str) -> str:
+    return escape_data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def command(kind: str, message: str, **properties: str) -> str:
+    """One workflow command line: ``::kind key=value,...::message``."""
+    props = ",".join(f"{k}={escape_property(visible(v))}" for k, v in properties.items())
+    return f"::{kind}{' ' + props if props else ''}::{escape_data(visible(message))}\n"
+
+
+def _write(out: TextIO, source: str, found: list[F.Finding], verdict: str) -> None:
+    for f in found:
+        out.write(command(f.severity, f.message, file=f.source or source,
+                          title=f"gradclip: {f.title}"))
+    if not any(f.severity == F.ERROR for f in found):
+        out.write(command("notice", verdict, file=source, title="gradclip"))
+
+
+def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
+    _write(out, report.source, F.inspect_findings(report), verdict_line(report).plain)
+
+
+def render_clip(report: ClipReport, out: TextIO) -> None:
+    verdict = (f"{report.source} -> {report.output}: total norm (p={fmt_p(report.norm_type)}) "
+               f"{fmt(report.total_norm_before)} -> {fmt(report.total_norm_after)}")
+    _write(out, report.source, F.clip_findings(report), verdict)
+
+
+def render_trend(report: TrendReport, out: TextIO) -> None:
+    # Each finding names its point's own file; the notice, the newest point's.
+    newest = report.points[-1].source if report.points else ""
+    _write(out, newest, F.trend_findings(report), trend_verdict(report))
+
+
+def render_compare(report: CompareReport, out: TextIO) -> None:
+    _write(out, report.b, F.compare_findings(report), compare_verdict(report))

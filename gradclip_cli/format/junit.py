@@ -1,0 +1,90 @@
+"""``--format junit``: JUnit XML, one testcase per group, a finding is a ``<failure>``.
+
+The layout GitLab, Jenkins and Buildkite read: ``<testsuites>`` holding one
+``<testsuite>`` (tests, failures, errors, skipped counted) of ``<testcase
+classname=... name=...>`` elements. Every group is a testcase, plus ``total``
+for the whole-checkpoint checks (``--max-norm``, the total's spikes); a
+group with findings gets one ``<failure>`` per finding. Warnings (findings
+that do not fail the run) go in ``<system-out>``, which no consumer counts
+as a failure.
+
+Names are data: ``visible()`` makes them one printable line (control
+characters, which XML 1.0 cannot hold even as references, become escapes);
+ElementTree then escapes ``& < > "``; ``xml_text`` drops anything XML 1.0
+still forbids, as a second guard.
+"""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable
+from typing import TextIO
+
+from ..report import ClipReport, InspectReport
+from ..report.compare import CompareReport
+from ..report.trend import TrendReport
+from . import findings as F
+from .table import compare_verdict, trend_verdict, verdict_line
+from .text import visible
+
+# Char ::= #x9 | #xA | #xD | [#x20-#xD7FF] | [#xE000-#xFFFD] | [#x10000-#x10FFFF]
+# (XML 1.0, section 2.2).
+_NOT_XML_CHAR = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def xml_text(text: object) -> str:
+    """``text`` as one printable line that XML 1.0 can hold."""
+    return _NOT_XML_CHAR.sub("", visible(text))
+
+
+def _suite(name: str, cases: Iterable[str], found: list[F.Finding], summary: str) -> ET.Element:
+    names = list(dict.fromkeys([*cases, *(f.series for f in found)]))
+    errors = {n: [f for f in found if f.series == n and f.severity == F.ERROR] for n in names}
+    warnings = [f for f in found if f.severity == F.WARNING]
+    failures = sum(1 for n in names if errors[n])
+    root = ET.Element("testsuites", name="gradclip", tests=str(len(names)),
+                      failures=str(failures), errors="0")
+    suite = ET.SubElement(root, "testsuite", name=xml_text(name), tests=str(len(names)),
+                          failures=str(failures), errors="0", skipped="0")
+    for n in names:
+        case = ET.SubElement(suite, "testcase", classname=xml_text(name), name=xml_text(n))
+        for f in errors[n]:
+            failure = ET.SubElement(case, "failure", message=xml_text(f.title),
+                                    type="gradclip")
+            failure.text = xml_text(f.message)
+    out = ET.SubElement(suite, "system-out")
+    out.text = "\n".join([xml_text(summary), *(xml_text(f"warning: {w.title}: {w.message}")
+                                               for w in warnings)])
+    return root
+
+
+def _write(root: ET.Element, out: TextIO) -> None:
+    ET.indent(root)
+    out.write('<?xml version="1.0" encoding="UTF-8"?>\n')
+    out.write(ET.tostring(root, encoding="unicode"))
+    out.write("\n")
+
+
+def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
+    cases = [F.TOTAL, *(g.name for g in report.groups)]
+    _write(_suite(f"gradclip inspect {report.source}", cases, F.inspect_findings(report),
+                  verdict_line(report).plain), out)
+
+
+def render_clip(report: ClipReport, out: TextIO) -> None:
+    summary = (f"{report.source} -> {report.output}: total norm {report.total_norm_before} -> "
+               f"{report.total_norm_after}")
+    _write(_suite(f"gradclip clip {report.source}", [F.TOTAL], F.clip_findings(report),
+                  summary), out)
+
+
+def render_trend(report: TrendReport, out: TextIO) -> None:
+    _write(_suite("gradclip trend", [F.TOTAL, *report.groups], F.trend_findings(report),
+                  trend_verdict(report)), out)
+
+
+def render_compare(report: CompareReport, out: TextIO) -> None:
+    cases = [F.TOTAL, *(g.name for g in report.groups)]
+    _write(_suite(f"gradclip compare {report.a} {report.b}", cases, F.compare_findings(report),
+                  compare_verdict(report)), out)

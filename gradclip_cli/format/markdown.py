@@ -1,0 +1,151 @@
+"""``--format markdown``: GitHub-flavoured Markdown for ``$GITHUB_STEP_SUMMARY`` or a PR comment.
+
+A verdict line, then tables (GFM pipe tables). Text from files is data, not
+markup: after ``visible()`` makes it one printable line, ``escape`` puts a
+backslash before every ASCII punctuation character (CommonMark lets any of
+them be escaped, and a GFM table reads ``\\|`` as a literal pipe), so no name
+can open emphasis, a link, an image, raw HTML, an entity, code or a new cell.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from typing import TextIO
+
+from ..report import NONFINITE, ClipReport, InspectReport, NonFinite
+from ..report.compare import CompareReport
+from ..report.trend import SPIKE, TrendReport
+from .table import (
+    MAX_GROUPS,
+    MAX_SPARK_GROUPS,
+    _groups_to_show,
+    compare_verdict,
+    fmt,
+    fmt_p,
+    fmt_ratio,
+    largest_norm,
+    points_to_show,
+    sparkline,
+    trend_verdict,
+    verdict_line,
+)
+from .text import visible
+
+_ESCAPES = {ord(c): "\\" + c for c in string.punctuation}
+
+
+def escape(text: object) -> str:
+    """``text`` as literal Markdown text, safe inside a table cell."""
+    return visible(text).translate(_ESCAPES)
+
+
+def _table(header: list[str], rows: list[list[str]], align: list[str]) -> str:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join(" ---: " if a == "right" else " --- " for a in align) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _counts(n: NonFinite | None) -> str:
+    if n is None:
+        return "\\-"
+    if not n.total:
+        return "0"
+    return ", ".join(f"{c} {label}" for c, label in ((n.nan, "NaN"), (n.posinf, "\\+inf"),
+                                                     (n.neginf, "\\-inf")) if c)
+
+
+def _num(x: float | None) -> str:
+    # Numbers are ours, but "-" and "+" would start a list item at a line's start.
+    return escape(fmt(x))
+
+
+def _verdict(text: str, failed: bool) -> str:
+    return f"**{'❌' if failed else '✅'} {escape(text)}**\n\n"
+
+
+def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
+    out.write(f"### gradclip inspect: {escape(report.source)}\n\n")
+    out.write(_verdict(verdict_line(report).plain, report.status != "ok"))
+    out.write(f"{report.num_tensors} tensors, {report.num_elements:,} elements, "
+              f"p\\={escape(fmt_p(report.norm_type))}, groups by {escape(report.group_by)}\n\n")
+    shown = _groups_to_show(report)
+    rows = [[escape(g.name), _num(g.norm),
+             "\\-" if math.isnan(g.share) else f"{100 * g.share:.1f}%", _num(g.max_abs),
+             f"{g.num_elements:,}", _counts(g.nonfinite)] for g in shown]
+    rows.append(["**total**", _num(report.total_norm), "100%", _num(report.max_abs),
+                 f"{report.num_elements:,}", _counts(report.nonfinite)])
+    out.write(_table(["group", "norm", "share", "max \\|g\\|", "elements", "non\\-finite"],
+                     rows, ["left", "right", "right", "right", "right", "left"]))
+    if len(shown) < len(report.groups):
+        out.write(f"\n{len(report.groups) - len(shown):,} smaller groups not shown "
+                  "(\\-\\-format json lists all).\n")
+    if top > 0 and report.tensors:
+        ranked = sorted(report.tensors,
+                        key=lambda t: -t.norm if math.isfinite(t.norm) else -math.inf)[:top]
+        out.write(f"\n**Top {len(ranked)} tensors by norm**\n\n")
+        out.write(_table(["tensor", "norm", "max \\|g\\|", "shape", "dtype"],
+                         [[escape(t.name), _num(t.norm), _num(t.max_abs),
+                           escape("x".join(map(str, t.shape)) or "scalar"), escape(t.dtype)]
+                          for t in ranked], ["left", "right", "right", "left", "left"]))
+
+
+def render_clip(report: ClipReport, out: TextIO) -> None:
+    out.write(f"### gradclip clip: {escape(report.source)}\n\n")
+    out.write(_table(["", "value"], [
+        ["output", escape(report.output)],
+        ["total norm before", _num(report.total_norm_before)],
+        ["clip coefficient", _num(report.clip_coef)],
+        ["total norm after", _num(report.total_norm_after)],
+        ["clipped", "yes" if report.clipped else "no"],
+        ["non\\-finite values", _counts(report.nonfinite)],
+    ], ["left", "right"]))
+
+
+def render_trend(report: TrendReport, out: TextIO) -> None:
+    out.write("### gradclip trend\n\n")
+    out.write(_verdict(trend_verdict(report), report.status in (SPIKE, NONFINITE)))
+    out.write(f"{len(report.points)} points, {escape(report.what)}, "
+              f"p\\={escape(fmt_p(report.norm_type))}; spike: z \\> {report.z_threshold:g} "
+              f"(alpha {report.alpha:g}, warmup {report.warmup})\n\n")
+    shown = points_to_show(report)
+    rows = []
+    for p in shown:
+        state = "non\\-finite" if p.is_nonfinite else "**spike**" if p.spike else ""
+        groups = ", ".join(escape(g) for g in p.spike_groups + p.nonfinite_groups)
+        rows.append(["\\-" if p.step is None else str(p.step), escape(p.source),
+                     _num(p.total_norm), "\\-" if p.z is None else escape(f"{p.z:.2f}"),
+                     state, groups])
+    out.write(_table(["step", "source", "total norm", "z", "", "spiking groups"], rows,
+                     ["right", "left", "right", "right", "left", "left"]))
+    if len(shown) < len(report.points):
+        out.write(f"\n{len(report.points) - len(shown):,} unremarkable points not shown.\n")
+    if report.points:
+        ranked = sorted(report.groups, key=lambda g: -largest_norm(report, g))[:MAX_SPARK_GROUPS]
+        series = [("total", [p.total_norm for p in report.points])]
+        series += [(g, [p.groups.get(g) for p in report.points])
+                   for g in report.groups if g in ranked]
+        out.write("\n" + _table(
+            ["series", "min", "max", "over time \\(log scale\\)"],
+            [[escape(name), _num(min(_finite(v), default=None)),
+              _num(max(_finite(v), default=None)), escape(sparkline(v).plain)]
+             for name, v in series], ["left", "right", "right", "left"]))
+
+
+def _finite(values):
+    return [v for v in values if v is not None and math.isfinite(v)]
+
+
+def render_compare(report: CompareReport, out: TextIO) -> None:
+    out.write(f"### gradclip compare: {escape(report.a)} → {escape(report.b)}\n\n")
+    out.write(_verdict(compare_verdict(report), report.status != "ok"))
+    beyond = {id(g) for g in report.beyond}
+    rows = [[escape(g.name), _num(g.a), _num(g.b),
+             f"**{escape(fmt_ratio(g.ratio))}**" if id(g) in beyond else escape(fmt_ratio(g.ratio))]
+            for g in report.groups[:MAX_GROUPS]]
+    t = report.total
+    rows.append(["**total**", _num(t.a), _num(t.b), escape(fmt_ratio(t.ratio))])
+    out.write(_table(["group", "A", "B", "B / A"], rows, ["left", "right", "right", "right"]))
+    if len(report.groups) > MAX_GROUPS:
+        out.write(f"\n{len(report.groups) - MAX_GROUPS:,} groups that changed less not shown.\n")

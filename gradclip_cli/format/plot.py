@@ -1,0 +1,74 @@
+"""``trend --plot FILE.png|.svg``: the norms over time as a picture (matplotlib, optional).
+
+A line for the total and for each of the ``TOP_GROUPS`` groups with the
+largest norms, on a log scale (a spike is orders of magnitude, and healthy
+norms drift by factors); spikes are marked with a red ring, non-finite
+points with a red cross at the top edge. matplotlib is imported here and
+only here, when a plot is asked for (``pip install 'gradclip[plot]'``).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+from ..report.trend import TrendReport
+from ..sink import atomic_write
+from .text import visible
+
+TOP_GROUPS = 8
+
+
+def _label(name: str) -> str:
+    # matplotlib reads text between two "$" as mathtext; a name is plain text.
+    return visible(name).replace("$", r"\$")
+
+
+def write_trend_plot(report: TrendReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed, none opened
+    from matplotlib.figure import Figure
+
+    xs = [p.step if p.step is not None else i for i, p in enumerate(report.points)]
+    fig = Figure(figsize=(10, 5), dpi=100)
+    ax = fig.add_subplot()
+    ranked = sorted(report.groups, key=lambda g: -max(
+        (math.inf if not math.isfinite(p.groups[g]) else p.groups[g]
+         for p in report.points if g in p.groups), default=0.0))[:TOP_GROUPS]
+    series = [("total", [p.total_norm for p in report.points], 2.0)]
+    series += [(g, [p.groups.get(g) for p in report.points], 1.0) for g in ranked]
+    finite = [v for _, values, _ in series for v in values
+              if v is not None and math.isfinite(v) and v > 0]
+    top = max(finite, default=1.0)
+    for name, values, width in series:
+        pts = [(x, v) for x, v in zip(xs, values) if v is not None and math.isfinite(v) and v > 0]
+        if pts:
+            ax.plot(*zip(*pts), label=_label(name), linewidth=width)
+    plotted = {"total", *ranked}
+    spikes = []  # on the line that moved: the total's, or a plotted group's
+    for x, p in zip(xs, report.points):
+        moved = [g for g in p.spike_groups if g in plotted] if p.spike else []
+        values = [p.groups[g] for g in moved]
+        if p.spike and (p.z is not None and p.z > report.z_threshold or not moved):
+            values.append(p.total_norm)
+        spikes += [(x, v) for v in values if math.isfinite(v) and v > 0]
+    if spikes:
+        ax.scatter(*zip(*spikes), s=80, facecolors="none", edgecolors="red", zorder=3,
+                   label="spike")
+    bad = [x for x, p in zip(xs, report.points) if p.is_nonfinite]
+    if bad:
+        ax.scatter(bad, [top] * len(bad), marker="x", color="red", zorder=3,
+                   label="non-finite")
+    if finite:
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"{report.what} norm (p={report.norm_type:g})")
+    ax.set_title(f"gradclip trend: {len(report.points)} points, status {report.status}")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=path.suffix.lower().lstrip("."))
+    data = buffer.getvalue()
+    atomic_write(path, lambda file: file.write(data))

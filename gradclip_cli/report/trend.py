@@ -1,0 +1,156 @@
+"""A run's gradient norms over time, judged by the spike rule ``trend`` and the monitor share.
+
+Each input (a checkpoint, a line of a monitor log, an entry of a Trainer's
+``log_history``) becomes one ``Observation``; ``build_trend_report`` orders
+them by step and judges the total and every group with its own
+``SpikeDetector`` (``core/spikes.py``: ZClip, Kumar et al. 2025). A point is a
+spike when its total or any of its groups is; ``spike_groups`` names the
+groups that moved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..core.spikes import SpikeDetector
+from .model import NONFINITE, OK, NonFinite
+
+SPIKE = "spike"
+INSUFFICIENT_HISTORY = "insufficient_history"
+
+FAIL_ON_NEWEST, FAIL_ON_ANY = "newest", "any"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one input says of one step, before any judging.
+
+    ``nonfinite`` is None when the input gives no element counts (a Trainer's
+    ``log_history`` holds only the total norm).
+    """
+
+    source: str
+    step: int | None
+    total_norm: float
+    groups: dict[str, float] = field(default_factory=dict)
+    nonfinite: NonFinite | None = None
+
+
+@dataclass(frozen=True)
+class TrendPoint:
+    source: str
+    step: int | None
+    total_norm: float
+    groups: dict[str, float]
+    nonfinite: NonFinite | None
+    z: float | None  # the total's z-score; None when not judged
+    spike: bool  # the total or some group spiked
+    spike_groups: tuple[str, ...]  # groups whose own series spiked here
+    nonfinite_groups: tuple[str, ...]  # groups whose norm is NaN or inf here
+    group_z: dict[str, float | None]
+
+    @property
+    def is_nonfinite(self) -> bool:
+        counted = self.nonfinite is not None and self.nonfinite.total > 0
+        return counted or not math.isfinite(self.total_norm) or bool(self.nonfinite_groups)
+
+    @property
+    def judged(self) -> bool:
+        return self.z is not None
+
+
+@dataclass(frozen=True)
+class TrendReport:
+    what: str
+    norm_type: float
+    group_by: str
+    z_threshold: float
+    alpha: float
+    warmup: int
+    fail_on: str
+    points: list[TrendPoint]
+    status: str
+
+    @property
+    def groups(self) -> list[str]:
+        """Every group seen, in order of first appearance."""
+        return list(dict.fromkeys(g for p in self.points for g in p.groups))
+
+    @property
+    def failing(self) -> list[TrendPoint]:
+        """The points that make the exit code 1 under ``fail_on``."""
+        candidates = self.points[-1:] if self.fail_on == FAIL_ON_NEWEST else self.points
+        return [p for p in candidates if p.spike or p.is_nonfinite]
+
+
+def order_by_step(observations: Sequence[Observation]) -> list[Observation]:
+    """By step when every observation has one (a stable sort: ties keep their order);
+    else in the order given, since a partial order would be a guess."""
+    if all(o.step is not None for o in observations):
+        return sorted(observations, key=lambda o: o.step)
+    return list(observations)
+
+
+def build_trend_report(
+    observations: Sequence[Observation],
+    *,
+    what: str,
+    norm_type: float,
+    group_by: str,
+    z: float,
+    alpha: float,
+    warmup: int,
+    fail_on: str,
+) -> TrendReport:
+    """Judge ``observations`` (already in step order) point by point."""
+
+    def detector() -> SpikeDetector:
+        return SpikeDetector(z=z, alpha=alpha, warmup=warmup)
+
+    total_detector = detector()
+    group_detectors: dict[str, SpikeDetector] = {}
+    points = []
+    for obs in observations:
+        total = total_detector.update(obs.total_norm)
+        spike_groups, nonfinite_groups, group_z = [], [], {}
+        for name, norm in obs.groups.items():
+            judgement = group_detectors.setdefault(name, detector()).update(norm)
+            group_z[name] = judgement.z
+            if judgement.spike:
+                spike_groups.append(name)
+            if judgement.nonfinite:
+                nonfinite_groups.append(name)
+        points.append(TrendPoint(
+            source=obs.source, step=obs.step, total_norm=obs.total_norm,
+            groups=dict(obs.groups), nonfinite=obs.nonfinite, z=total.z,
+            spike=total.spike or bool(spike_groups), spike_groups=tuple(spike_groups),
+            nonfinite_groups=tuple(nonfinite_groups), group_z=group_z,
+        ))  # fmt: skip
+    return TrendReport(
+        what=what, norm_type=norm_type, group_by=group_by, z_threshold=z, alpha=alpha,
+        warmup=warmup, fail_on=fail_on, points=points, status=_status(points, fail_on),
+    )  # fmt: skip
+
+
+def _status(points: list[TrendPoint], fail_on: str) -> str:
+    """nonfinite beats spike beats insufficient_history, over the points ``fail_on`` covers.
+
+    A point counts as judged when its total or any group was (each series
+    needs ``MIN_HISTORY`` earlier points of its own).
+    """
+    if not points:
+        return INSUFFICIENT_HISTORY
+    covered = points[-1:] if fail_on == FAIL_ON_NEWEST else points
+    if any(p.is_nonfinite for p in covered):
+        return NONFINITE
+    if any(p.spike for p in covered):
+        return SPIKE
+
+    def judged(p: TrendPoint) -> bool:
+        return p.z is not None or any(v is not None for v in p.group_z.values())
+
+    if not any(judged(p) for p in covered):
+        return INSUFFICIENT_HISTORY
+    return OK

@@ -1,0 +1,95 @@
+"""The JSON Lines log of gradclip's training-loop monitor (``gradclip.monitor/1``).
+
+One object per line: ``{"schema": "gradclip.monitor/1", "step": int,
+"total_norm": number | "nan" | "inf" | "-inf", "norm_type": number,
+"groups": {name: norm}, "nonfinite": {"nan", "posinf", "neginf"}, ...}``.
+Other keys are ignored. A last line without its newline is a write the
+training process had not finished (it may still be running, or it died
+mid-write): it is skipped with a warning, never guessed at.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.source.logs import LoggedNorms, LogKind, read_text
+
+SCHEMA = "gradclip.monitor/1"
+_NONFINITE_WORDS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def recognises(head: str) -> bool:
+    first = head.split("\n", 1)[0]
+    try:
+        obj = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and obj.get("schema") == SCHEMA
+
+
+def _norm(value: object, where: str) -> float:
+    if isinstance(value, str) and value in _NONFINITE_WORDS:
+        return _NONFINITE_WORDS[value]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise InputError(f"{where}: a norm must be a number or \"nan\"/\"inf\"/\"-inf\", "
+                     f"got {json.dumps(value)[:40]}")
+
+
+def _count(value: object, where: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise InputError(f"{where}: a non-finite count must be a whole number >= 0")
+
+
+def _entry(obj: object, where: str) -> LoggedNorms:
+    if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
+        raise InputError(f"{where}: not a {SCHEMA} object")
+    step = obj.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise InputError(f"{where}: \"step\" must be a whole number")
+    groups = obj.get("groups", {})
+    if not isinstance(groups, dict):
+        raise InputError(f"{where}: \"groups\" must be an object of name: norm")
+    nonfinite = obj.get("nonfinite")
+    counts = None
+    if nonfinite is not None:
+        if not isinstance(nonfinite, dict):
+            raise InputError(f"{where}: \"nonfinite\" must be an object")
+        counts = tuple(_count(nonfinite.get(k, 0), where) for k in ("nan", "posinf", "neginf"))
+    norm_type = _norm(obj.get("norm_type", 2.0), where)
+    if not norm_type > 0:
+        raise InputError(f"{where}: \"norm_type\" must be > 0")
+    return LoggedNorms(
+        step=step, total_norm=_norm(obj.get("total_norm"), where), norm_type=norm_type,
+        groups={str(k): _norm(v, where) for k, v in groups.items()}, nonfinite=counts,
+    )  # fmt: skip
+
+
+def read(path: Path) -> list[LoggedNorms]:
+    text = read_text(path)
+    lines = text.split("\n")
+    unfinished = lines.pop()  # "" when the file ends with a newline
+    entries = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            obj = json.loads(line)
+        except ValueError as error:
+            raise InputError(f"{where}: not a JSON object ({error.msg})") from None
+        entries.append(_entry(obj, where))
+    if unfinished.strip():
+        print(f"gradclip: warning: {path}:{len(lines) + 1}: last line has no newline "
+              "(a write in progress?); skipped", file=sys.stderr)
+    if not entries:
+        raise InputError(f"{path}: a {SCHEMA} log with no complete entries")
+    return entries
+
+
+KIND = LogKind("gradclip-monitor", recognises, read)

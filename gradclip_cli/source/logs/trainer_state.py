@@ -1,0 +1,51 @@
+"""A Hugging Face Trainer's ``trainer_state.json``: the ``grad_norm`` it logs each step.
+
+``log_history`` is a list of dicts; the training entries carry ``step`` and
+(transformers >= 4.38) ``grad_norm``, the total 2-norm that
+``clip_grad_norm_`` returned before clipping. Python's json writes a NaN norm
+as ``NaN``, which ``json.loads`` reads back. Entries without ``grad_norm``
+(evaluation, the final summary) are not points.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.source.logs import LoggedNorms, LogKind, read_text
+
+# accelerate's clip_grad_norm_, which the Trainer calls, uses norm_type=2.
+TRAINER_NORM_TYPE = 2.0
+
+
+def recognises(head: str) -> bool:
+    return '"log_history"' in head
+
+
+def read(path: Path) -> list[LoggedNorms]:
+    try:
+        state = json.loads(read_text(path))
+    except ValueError as error:
+        raise InputError(f"{path}: not valid JSON ({error})") from None
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        raise InputError(f"{path}: \"log_history\" must be a list of log entries")
+    entries = []
+    for i, entry in enumerate(history):
+        if not isinstance(entry, dict) or "grad_norm" not in entry:
+            continue
+        norm, step = entry["grad_norm"], entry.get("step")
+        if not isinstance(norm, (int, float)) or isinstance(norm, bool):
+            raise InputError(f"{path}: log_history[{i}]: grad_norm must be a number")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+            raise InputError(f"{path}: log_history[{i}]: step must be a whole number")
+        entries.append(LoggedNorms(step=step, total_norm=float(norm),
+                                   norm_type=TRAINER_NORM_TYPE))
+    if not entries:
+        raise InputError(f"{path}: no log_history entry has a grad_norm "
+                         "(transformers >= 4.38 logs it every logging_steps)")
+    return entries
+
+
+KIND = LogKind("trainer-state", recognises, read)
