@@ -44,6 +44,18 @@ _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 
 
 @dataclass(frozen=True)
+class Input:
+    """One file or folder to read: a checkpoint (``kind`` None) or a norm log.
+
+    ``folder_step`` is the number of the ``checkpoint-N/`` folder it came
+    from, the step of a checkpoint that states none itself."""
+
+    path: Path
+    kind: LogKind | None = None
+    folder_step: int | None = None
+
+
+@dataclass(frozen=True)
 class Measurement:
     """How checkpoints are measured: the same options ``inspect`` takes."""
 
@@ -77,16 +89,17 @@ def run(
     with progress_steps(quiet) as steps:
         inputs = [item for path in paths
                   for item in _expand(path, lambda p: _loads(p, key, trust_pickle, steps))]
-        logs = [(path, kind.read(path)) for path, kind in inputs if isinstance(kind, LogKind)]
+        logs = [(item.path, item.kind.read(item.path)) for item in inputs
+                if isinstance(item.kind, LogKind)]
         p = _norm_type(requested_p, logs)
         how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify)
         observations: list[Observation] = []
         logged = dict(logs)
-        for path, kind in inputs:
-            if isinstance(kind, LogKind):
-                observations += _logged_observations(path, logged[path])
+        for item in inputs:
+            if isinstance(item.kind, LogKind):
+                observations += _logged_observations(item.path, logged[item.path])
             else:
-                observations.append(_checkpoint_observation(path, how, steps))
+                observations.append(_checkpoint_observation(item, how, steps))
     report = build_trend_report(
         order_by_step(observations), what="grads", norm_type=p, group_by=group_by, z=z,
         alpha=alpha, warmup=warmup, fail_on=fail_on,
@@ -160,8 +173,9 @@ def _loads(path: Path, key: str | None, trust_pickle: bool, steps: Steps) -> str
     return None
 
 
-def _expand(path: Path, why_not_checkpoint) -> Iterator[tuple[Path, object]]:
-    """``(path, kind)`` pairs: kind is a ``LogKind`` or ``"checkpoint"``.
+def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None
+            ) -> Iterator[Input]:
+    """The checkpoints and logs ``path`` stands for.
 
     A folder is, in this order: a run's folder of numbered checkpoints (an
     HF ``output_dir`` of ``checkpoint-N/``, ``global_stepN/``), in step order;
@@ -169,20 +183,19 @@ def _expand(path: Path, why_not_checkpoint) -> Iterator[tuple[Path, object]]:
     files and logs, recognised by content (anything else in it is skipped).
     """
     if not path.is_dir():
-        kind = log_kind(path)
-        yield path, "checkpoint" if kind is None else kind
+        yield Input(path, log_kind(path), folder_step)
         return
-    children = _children(path)
-    numbered = [c for c in children if c.is_dir() and _LAST_NUMBER.search(c.name)]
-    if numbered:
-        for child in sorted(numbered, key=_name_number):
-            yield child, "checkpoint"
-        return
+    if folder_step is None:
+        numbered = [c for c in _children(path) if c.is_dir() and _LAST_NUMBER.search(c.name)]
+        if numbered:
+            for child in sorted(numbered, key=_name_number):
+                yield from _expand(child, why_not_checkpoint, _name_number(child))
+            return
     reason = why_not_checkpoint(path)
     if reason is None:
-        yield path, "checkpoint"
+        yield Input(path, None, folder_step)
     else:
-        yield from _folder_of_files(path, reason)
+        yield from _folder_of_files(path, reason, folder_step)
 
 
 def _children(path: Path) -> list[Path]:
@@ -192,16 +205,14 @@ def _children(path: Path) -> list[Path]:
         raise InputError(f"{path}: cannot list the folder: {error.strerror or error}") from None
 
 
-def _folder_of_files(path: Path, reason: str) -> list[tuple[Path, object]]:
-    found: list[tuple[Path, object]] = []
+def _folder_of_files(path: Path, reason: str, folder_step: int | None) -> list[Input]:
+    found = []
     for child in _children(path):
         if not child.is_file():
             continue
         kind = log_kind(child)
-        if kind is not None:
-            found.append((child, kind))
-        elif _is_checkpoint_file(child):
-            found.append((child, "checkpoint"))
+        if kind is not None or _is_checkpoint_file(child):
+            found.append(Input(child, kind, folder_step))
     if not found:
         raise InputError(f"{path}: neither a checkpoint ({reason}) nor a folder of "
                          "checkpoints, trainer_state.json or gradclip monitor logs")
@@ -222,8 +233,9 @@ def _name_number(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def _step_of(root: object, path: Path) -> int | None:
-    """The checkpoint's ``step``/``global_step`` entry, else the last number in its name."""
+def _step_of(root: object, path: Path, folder_step: int | None) -> int | None:
+    """The checkpoint's ``step``/``global_step`` entry, else the last number in its name,
+    else its ``checkpoint-N/`` folder's number."""
     if isinstance(root, dict):
         for name in ("global_step", "step"):
             value = root.get(name)
@@ -233,7 +245,7 @@ def _step_of(root: object, path: Path) -> int | None:
                 return int(value.item())
     stem = path.name if path.is_dir() else path.name.split(".", 1)[0]
     match = _LAST_NUMBER.search(stem)
-    return int(match.group(1)) if match else None
+    return int(match.group(1)) if match else folder_step
 
 
 def _is_integer_scalar(value: object) -> bool:
@@ -244,7 +256,7 @@ def _is_integer_scalar(value: object) -> bool:
             and value.dtype != torch.bool)
 
 
-def measure_checkpoint(path: Path, how: Measurement, steps: Steps
+def measure_checkpoint(path: Path, how: Measurement, steps: Steps, folder_step: int | None = None
                        ) -> tuple[InspectReport, int | None]:
     """The checkpoint's ``inspect`` report and its step; its pages are released as read."""
     loaded = load(path, how.key, how.trust_pickle, how.verify, steps)
@@ -256,13 +268,13 @@ def measure_checkpoint(path: Path, how: Measurement, steps: Steps
         key=loaded.key, device=str(how.device), max_norm=None, allow_nonfinite=False,
         group_by=how.group_by, skipped=loaded.skipped,
     )  # fmt: skip
-    return report, _step_of(loaded.checkpoint.root, path)
+    return report, _step_of(loaded.checkpoint.root, path, folder_step)
 
 
-def _checkpoint_observation(path: Path, how: Measurement, steps: Steps) -> Observation:
-    report, step = measure_checkpoint(path, how, steps)
+def _checkpoint_observation(item: Input, how: Measurement, steps: Steps) -> Observation:
+    report, step = measure_checkpoint(item.path, how, steps, item.folder_step)
     return Observation(
-        source=str(path), step=step, total_norm=report.total_norm,
+        source=str(item.path), step=step, total_norm=report.total_norm,
         groups={g.name: g.norm for g in report.groups}, nonfinite=report.nonfinite,
     )  # fmt: skip
 

@@ -318,7 +318,9 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
                           "", "", "")
         console.print(lines)
     failed = report.status in (NONFINITE, SPIKE)
-    console.print(Text(trend_verdict(report), style="bold red" if failed else "bold green"))
+    # One line whatever its length: scripts and people grep for it.
+    console.print(Text(trend_verdict(report), style="bold red" if failed else "bold green"),
+                  soft_wrap=True)
 
 
 def largest_norm(report: TrendReport, group: str) -> float:
@@ -368,4 +370,5 @@ def render_compare(report: CompareReport, out: TextIO) -> None:
     table.add_row(Text("total", style="bold"), fmt(t.a), fmt(t.b), fmt_ratio(t.ratio))
     console.print(table)
     failed = report.status != "ok"
-    console.print(Text(compare_verdict(report), style="bold red" if failed else "bold green"))
+    console.print(Text(compare_verdict(report), style="bold red" if failed else "bold green"),
+                  soft_wrap=True)

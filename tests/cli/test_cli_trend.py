@@ -1,0 +1,313 @@
+"""``gradclip trend``: inputs of every kind, ordering, the spike verdict and exit codes,
+numbers against float64, the JSON schema, --plot, and every bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from tests.schemas import validate
+from tests.trainer_runs import SPIKE_STEP, STEPS, train_with_spike
+
+from .support import as_float, assert_no_report, ref_norm, rel_err
+
+LAYERS = ("transformer.h.0", "transformer.h.1", "transformer.h.2")
+
+
+def layer_grads(seed: int, scale: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+    """Three layers of two tensors each, magnitudes jittered a little per step."""
+    g = torch.Generator().manual_seed(seed)
+    grads = {}
+    for layer in LAYERS:
+        factor = (scale or {}).get(layer, 1.0)
+        for name, shape in (("attn.weight", (16, 8)), ("mlp.weight", (8, 16))):
+            grads[f"{layer}.{name}"] = torch.randn(*shape, generator=g) * factor
+    return grads
+
+
+def save_run(folder, steps, spikes: dict[int, dict[str, float]] | None = None,
+             name="grads-{step}.pt", with_step=True):
+    """One torch.save file per step; ``spikes[step]`` scales layers at that step."""
+    folder.mkdir(parents=True, exist_ok=True)
+    saved = {}
+    for step in steps:
+        grads = layer_grads(step, (spikes or {}).get(step))
+        body = {"grads": grads, "step": step} if with_step else {"grads": grads}
+        torch.save(body, folder / name.format(step=step))
+        saved[step] = grads
+    return saved
+
+
+def monitor_line(step, total, groups, nonfinite=(0, 0, 0), norm_type=2.0) -> str:
+    def word(x):
+        return x if math.isfinite(x) else ("nan" if math.isnan(x) else "inf")
+
+    return json.dumps({
+        "schema": "gradclip.monitor/1", "step": step, "total_norm": word(total),
+        "norm_type": norm_type, "groups": {k: word(v) for k, v in groups.items()},
+        "nonfinite": dict(zip(("nan", "posinf", "neginf"), nonfinite)),
+    }) + "\n"  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def trainer_state(tmp_path_factory):
+    """A real Trainer run's trainer_state.json (spike at SPIKE_STEP), made once a session."""
+    return train_with_spike(tmp_path_factory.mktemp("hf_run"))
+
+
+# -- checkpoints ---------------------------------------------------------------
+
+
+def test_folder_of_checkpoints_norms_match_float64_and_newest_spike_fails(gradclip, tmp_path):
+    saved = save_run(tmp_path / "run", range(0, 120, 10), spikes={110: {"transformer.h.1": 50}})
+    r = gradclip("trend", tmp_path / "run", "--format", "json")
+    assert r.code == 1, r.err
+    doc = r.json()
+    validate(doc, "trend-1")
+    assert doc["status"] == "spike"
+    assert [p["step"] for p in doc["points"]] == list(range(0, 120, 10))
+    for point in doc["points"]:
+        grads = saved[point["step"]]
+        assert rel_err(as_float(point["total_norm"]), ref_norm(grads.values(), 2)) <= 1e-6
+        for layer in LAYERS:
+            members = [t for n, t in grads.items() if n.startswith(layer + ".")]
+            assert rel_err(as_float(point["groups"][layer]), ref_norm(members, 2)) <= 1e-6
+        assert point["nonfinite"] == {"nan": 0, "posinf": 0, "neginf": 0}
+    newest = doc["points"][-1]
+    assert newest["spike"] is True and "transformer.h.1" in newest["spike_groups"]
+    assert newest["z"] > 2.5
+
+
+def test_table_names_the_spiking_group_and_the_verdict_matches_the_exit_code(gradclip,
+                                                                            tmp_path):
+    save_run(tmp_path / "run", range(12), spikes={11: {"transformer.h.2": 100}})
+    r = gradclip("trend", tmp_path / "run")
+    assert r.code == 1
+    lines = r.out.splitlines()
+    assert lines[-1].startswith("FAIL: gradient spike at the newest point (step 11")
+    assert "transformer.h.2" in lines[-1] and lines[-1].endswith("(exit 1)")
+    assert any("SPIKE" in line and "transformer.h.2" in line for line in lines)
+    assert any(line.startswith("│ transformer.h.2") for line in lines)  # a sparkline row
+
+
+def test_earlier_spike_fails_only_with_fail_on_any(gradclip, tmp_path):
+    save_run(tmp_path / "run", range(14), spikes={8: {"transformer.h.0": 100}})
+    r = gradclip("trend", tmp_path / "run", "--format", "json")
+    doc = r.json()
+    spikes = [p["step"] for p in doc["points"] if p["spike"]]
+    assert 8 in spikes and doc["points"][-1]["spike"] is False
+    assert (r.code, doc["status"]) == (0, "ok")
+    r = gradclip("trend", tmp_path / "run", "--format", "json", "--fail-on", "any")
+    assert (r.code, r.json()["status"]) == (1, "spike")
+
+
+def test_points_are_ordered_by_step_entry_then_by_the_number_in_the_name(gradclip, tmp_path):
+    # Names sort 1, 10, 2 as text; the step entries order them.
+    save_run(tmp_path / "a", (1, 10, 2), name="ckpt_{step}.pt")
+    doc = gradclip("trend", tmp_path / "a", "--format", "json").json()
+    assert [p["step"] for p in doc["points"]] == [1, 2, 10]
+    # Without a step entry: the last number in the name.
+    save_run(tmp_path / "b", (3, 20, 100), name="run7-step{step}.pt", with_step=False)
+    doc = gradclip("trend", *sorted((tmp_path / "b").iterdir(), reverse=True),
+                   "--format", "json").json()
+    assert [p["step"] for p in doc["points"]] == [3, 20, 100]
+
+
+def test_without_steps_points_keep_the_order_given(gradclip, tmp_path):
+    save_run(tmp_path, (5, 6, 7), name="grads-{step}.pt", with_step=False)
+    named = [tmp_path / "x.pt", tmp_path / "y.pt", tmp_path / "z.pt"]
+    for src, dst in zip(sorted(tmp_path.glob("grads-*.pt")), named):
+        src.rename(dst)
+    doc = gradclip("trend", named[2], named[0], named[1], "--format", "json").json()
+    assert [p["source"] for p in doc["points"]] == [str(named[2]), str(named[0]), str(named[1])]
+    assert all(p["step"] is None for p in doc["points"])
+    assert doc["status"] == "insufficient_history"
+
+
+def test_hf_output_dir_of_numbered_checkpoint_folders_is_a_series(gradclip, tmp_path):
+    # checkpoint-N/ folders in step order; a folder that is no checkpoint layout
+    # is read as a folder of files.
+    for step in (5, 50, 500):
+        save_run(tmp_path / f"checkpoint-{step}", (step,), name="grads.pt", with_step=False)
+    doc = gradclip("trend", tmp_path, "--format", "json").json()
+    assert [p["step"] for p in doc["points"]] == [5, 50, 500]
+
+
+def test_nonfinite_newest_point_is_status_nonfinite(gradclip, tmp_path):
+    save_run(tmp_path / "run", range(8))
+    grads = layer_grads(8)
+    grads["transformer.h.0.mlp.weight"][0, 0] = math.nan
+    torch.save({"grads": grads, "step": 8}, tmp_path / "run" / "grads-8.pt")
+    r = gradclip("trend", tmp_path / "run", "--format", "json")
+    assert r.code == 1
+    doc = r.json()
+    validate(doc, "trend-1")
+    newest = doc["points"][-1]
+    assert doc["status"] == "nonfinite" and newest["total_norm"] == "nan"
+    assert newest["nonfinite"] == {"nan": 1, "posinf": 0, "neginf": 0}
+    assert newest["nonfinite_groups"] == ["transformer.h.0"]
+
+
+def test_too_little_history_is_exit_0_insufficient_history(gradclip, tmp_path):
+    save_run(tmp_path / "run", range(5), spikes={4: {"transformer.h.0": 1000}})
+    r = gradclip("trend", tmp_path / "run", "--format", "json")
+    assert (r.code, r.json()["status"]) == (0, "insufficient_history")
+    assert r.json()["points"][-1]["z"] is None
+
+
+def test_output_file_gets_the_report_and_stdout_stays_empty(gradclip, tmp_path):
+    save_run(tmp_path / "run", range(7))
+    target = tmp_path / "trend.json"
+    r = gradclip("trend", tmp_path / "run", "--format", "json", "--output-file", target)
+    assert r.code == 0 and r.out == ""
+    validate(json.loads(target.read_text()), "trend-1")
+
+
+# -- logs ----------------------------------------------------------------------
+
+
+def test_monitor_log_spike_names_the_group(gradclip, tmp_path):
+    log = tmp_path / "grads.jsonl"
+    lines = [monitor_line(s, 1.0 + 0.01 * (s % 3), {"a": 0.8 + 0.01 * (s % 2), "b": 0.6})
+             for s in range(30)]
+    lines.append(monitor_line(30, 1.5, {"a": 0.8, "b": 60.0}))
+    log.write_text("".join(lines))
+    r = gradclip("trend", log, "--format", "json")
+    assert r.code == 1, r.err
+    doc = r.json()
+    validate(doc, "trend-1")
+    assert doc["norm_type"] == 2.0 and len(doc["points"]) == 31
+    newest = doc["points"][-1]
+    assert newest["spike_groups"] == ["b"] and newest["source"] == str(log)
+    assert newest["groups"] == {"a": 0.8, "b": 60.0}
+
+
+def test_monitor_log_nonfinite_and_its_norm_type(gradclip, tmp_path):
+    log = tmp_path / "grads.jsonl"
+    lines = [monitor_line(s, 2.0, {"a": 2.0}, norm_type=math.inf) for s in range(6)]
+    lines.append(monitor_line(6, math.nan, {"a": math.nan}, (3, 0, 0), norm_type=math.inf))
+    log.write_text("".join(lines).replace("Infinity", '"inf"'))
+    r = gradclip("trend", log, "--format", "json")
+    assert r.code == 1
+    doc = r.json()
+    assert doc["status"] == "nonfinite" and doc["norm_type"] == "inf"
+    assert doc["points"][-1]["nonfinite"] == {"nan": 3, "posinf": 0, "neginf": 0}
+    r = gradclip("trend", log, "--norm-type", "2")
+    assert r.code == 2 and "p=inf" in r.err and str(log) in r.err
+
+
+def test_monitor_log_unfinished_last_line_is_skipped_with_a_warning(gradclip, tmp_path):
+    log = tmp_path / "grads.jsonl"
+    log.write_text("".join(monitor_line(s, 1.0, {}) for s in range(7)) + '{"schema": "gra')
+    r = gradclip("trend", log, "--format", "json")
+    assert r.code == 0 and len(r.json()["points"]) == 7
+    assert f"{log}:8: last line has no newline" in r.err
+
+
+def test_trainer_state_of_a_real_run_finds_the_injected_spike(gradclip, trainer_state):
+    r = gradclip("trend", trainer_state, "--format", "json", "--fail-on", "any")
+    assert r.code == 1, r.err
+    doc = r.json()
+    validate(doc, "trend-1")
+    history = json.loads(trainer_state.read_text())["log_history"]
+    logged = {e["step"]: e["grad_norm"] for e in history if "grad_norm" in e}
+    assert [p["step"] for p in doc["points"]] == list(range(1, STEPS + 1))
+    assert {p["step"]: p["total_norm"] for p in doc["points"]} == logged
+    assert all(p["nonfinite"] is None and p["groups"] == {} for p in doc["points"])
+    assert [p["step"] for p in doc["points"] if p["spike"]] == [SPIKE_STEP]
+    # The newest point is healthy: the default --fail-on newest passes.
+    r = gradclip("trend", trainer_state)
+    assert r.code == 0 and "1 earlier spike(s)" in r.out
+
+
+def test_trainer_state_and_checkpoints_mix_in_step_order(gradclip, tmp_path):
+    state = tmp_path / "trainer_state.json"
+    state.write_text(json.dumps({"global_step": 4, "log_history": [
+        {"loss": 1.0, "grad_norm": 2.0, "step": 2}, {"eval_loss": 1.0, "step": 2},
+        {"loss": 1.0, "grad_norm": math.nan, "step": 4}]}))  # json writes NaN
+    save_run(tmp_path / "ck", (1, 3))
+    doc = gradclip("trend", tmp_path / "ck", state, "--format", "json").json()
+    assert [p["step"] for p in doc["points"]] == [1, 2, 3, 4]
+    assert doc["points"][-1]["total_norm"] == "nan" and doc["status"] == "nonfinite"
+
+
+# -- plot ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix, magic", [(".png", b"\x89PNG\r\n\x1a\n"), (".svg", b"<?xml")])
+def test_plot_writes_the_picture(gradclip, tmp_path, suffix, magic):
+    save_run(tmp_path / "run", range(8), spikes={7: {"transformer.h.0": 100}})
+    picture = tmp_path / f"norms{suffix}"
+    r = gradclip("trend", tmp_path / "run", "--plot", picture, "--format", "json")
+    assert r.code == 1 and r.json()["status"] == "spike"
+    assert picture.read_bytes().startswith(magic)
+
+
+def test_plot_without_matplotlib_is_a_usage_error(gradclip, tmp_path, monkeypatch):
+    save_run(tmp_path / "run", range(3))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    r = gradclip("trend", tmp_path / "run", "--plot", tmp_path / "p.png")
+    assert r.code == 2 and r.out == ""
+    assert "pip install 'gradclip[plot]'" in r.err and not (tmp_path / "p.png").exists()
+
+
+# -- bad input -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--fail-on", "oldest"], "--fail-on"),
+    (["--z", "0"], "--z"),
+    (["--alpha", "1"], "--alpha"),
+    (["--warmup", "0"], "--warmup"),
+    (["--plot", "p.jpg"], ".png or .svg"),
+    (["--what", "moments"], "--what"),
+    (["--what", "exp_avg"], "saved gradients only"),
+    (["--norm-type", "-1"], "--norm-type"),
+    (["--format", "xml"], "--format"),
+])  # fmt: skip
+def test_bad_flags_are_exit_2_with_one_line(gradclip, tmp_path, args, words):
+    save_run(tmp_path / "run", range(3))
+    r = gradclip("trend", tmp_path / "run", *args, "--format", "json") if "--format" not in \
+        args else gradclip("trend", tmp_path / "run", *args)
+    assert r.code == 2, r.err
+    assert words in r.err and len(r.err_lines) == 1
+    assert_no_report(r)
+
+
+def _bad_log(path, text):
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: _bad_log(d / "m.jsonl", monitor_line(1, 1.0, {}) + "{oops\n"),
+     "m.jsonl:2: not a JSON"),
+    (lambda d: _bad_log(d / "m.jsonl", monitor_line(1, 1.0, {}) + '{"schema": "x"}\n'),
+     "m.jsonl:2: not a gradclip.monitor/1"),
+    (lambda d: _bad_log(d / "m.jsonl", monitor_line(1, 1.0, {}).replace("1.0", '"big"')),
+     "a norm must be a number"),
+    (lambda d: _bad_log(d / "m.jsonl",
+                        monitor_line(1, 1.0, {}).replace('"step": 1', '"step": 1.5')),
+     '"step" must be a whole number'),
+    (lambda d: _bad_log(d / "t.json", '{"log_history": [{"loss": 1.0, "step": 1}]}'),
+     "no log_history entry has a grad_norm"),
+    (lambda d: _bad_log(d / "t.json", '{"log_history": {"grad_norm": 1}}'),
+     '"log_history" must be a list'),
+    (lambda d: _bad_log(d / "t.json", '{"log_history": [{"grad_norm": "x", "step": 1}]}'),
+     "grad_norm must be a number"),
+    (lambda d: _bad_log(d / "t.json", '{"log_history": [{"grad_norm": 1.0, "step": 1}'),
+     "not valid JSON"),
+    (lambda d: d / "missing.pt", "no such file"),
+    (lambda d: _bad_log(d / "notes.txt", "hello"), "not a checkpoint"),
+    (lambda d: (d / "empty").mkdir() or d / "empty", "neither a checkpoint"),
+])  # fmt: skip
+def test_bad_inputs_are_exit_3_naming_the_file(gradclip, tmp_path, make, words):
+    path = make(tmp_path)
+    r = gradclip("trend", path, "--format", "json")
+    assert r.code == 3, (r.code, r.err)
+    assert words in r.err and str(path) in r.err and len(r.err_lines) == 1
+    assert_no_report(r)
