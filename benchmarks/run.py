@@ -22,11 +22,19 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch  # noqa: E402
 
-from . import accuracy, cli_bench, core_bench, inputs, memory_bench, scaling_bench  # noqa: E402
+from . import (  # noqa: E402
+    accuracy,
+    cli_bench,
+    core_bench,
+    inputs,
+    memory_bench,
+    scaling_bench,
+    trend_bench,
+)
 from .report import verdict  # noqa: E402
 from .timing import markdown_table  # noqa: E402
 
-SECTIONS = ("core", "accuracy", "cli", "memory", "scaling")
+SECTIONS = ("core", "accuracy", "cli", "memory", "scaling", "trend")
 
 
 def machine() -> str:
@@ -85,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             section = cli_bench.run(args.quick, repeats)
         elif name == "memory":
             section, big = memory_bench.run(args.quick, 1 if args.quick else 3)
+        elif name == "trend":
+            section = trend_bench.run(args.quick, repeats)
         else:
             section = scaling_bench.run(args.quick, scaling_repeats, big)
         text = section.markdown() + f"\n_{name}: {time.perf_counter() - t0:.0f} s_\n"

@@ -38,6 +38,14 @@ def number(x: float | None) -> str:
     return f"{x:.6g}" if math.isfinite(x) else str(x)
 
 
+def z_text(z: float | None) -> str:
+    """A z-score for people: two decimals, or three digits once it is huge (a flat
+    history makes any rise millions of standard deviations)."""
+    if z is None:
+        return "-"
+    return f"{z:.2f}" if abs(z) < 1e4 else f"{z:.3g}"
+
+
 def _counts(n) -> str:
     return f"{n.nan} NaN, {n.posinf} +inf, {n.neginf} -inf"
 
@@ -81,14 +89,14 @@ def trend_findings(report: TrendReport) -> list[Finding]:
         elif total_spiked(p, report):
             found.append(Finding(severity, TOTAL, f"gradient spike at {at}",
                                  f"{p.source}: total norm {number(p.total_norm)}, "
-                                 f"z {p.z:.2f} > {report.z_threshold:g}", p.source))
+                                 f"z {z_text(p.z)} > {report.z_threshold:g}", p.source))
         for g in p.nonfinite_groups:
             found.append(Finding(severity, g, f"non-finite gradients at {at}",
                                  f"{p.source}: group {g} norm {number(p.groups[g])}", p.source))
         for g in p.spike_groups:
             found.append(Finding(severity, g, f"gradient spike at {at}",
                                  f"{p.source}: group {g} norm {number(p.groups[g])}, "
-                                 f"z {p.group_z[g]:.2f} > {report.z_threshold:g}", p.source))
+                                 f"z {z_text(p.group_z[g])} > {report.z_threshold:g}", p.source))
     return found
 
 

@@ -16,6 +16,7 @@ from typing import TextIO
 from ..report import NONFINITE, ClipReport, InspectReport, NonFinite
 from ..report.compare import CompareReport
 from ..report.trend import SPIKE, TrendReport
+from .findings import z_text
 from .table import (
     MAX_GROUPS,
     MAX_SPARK_GROUPS,
@@ -115,7 +116,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
         state = "non\\-finite" if p.is_nonfinite else "**spike**" if p.spike else ""
         groups = ", ".join(escape(g) for g in p.spike_groups + p.nonfinite_groups)
         rows.append(["\\-" if p.step is None else str(p.step), escape(p.source),
-                     _num(p.total_norm), "\\-" if p.z is None else escape(f"{p.z:.2f}"),
+                     _num(p.total_norm), escape(z_text(p.z)),
                      state, groups])
     out.write(_table(["step", "source", "total norm", "z", "", "spiking groups"], rows,
                      ["right", "left", "right", "right", "left", "left"]))

@@ -18,6 +18,7 @@ from rich.text import Text
 from ..report import EXCEEDED, NONFINITE, ClipReport, InspectReport, NonFinite
 from ..report.compare import CompareReport
 from ..report.trend import INSUFFICIENT_HISTORY, SPIKE, TrendPoint, TrendReport
+from .findings import z_text
 from .text import visible
 
 BAR_WIDTH = 20
@@ -242,10 +243,6 @@ def _bucket_max(bucket: list[float | None]) -> float | None:
     return bad[0] if bad else max(present)
 
 
-def _z_cell(z: float | None) -> str:
-    return "-" if z is None else f"{z:.2f}"
-
-
 def _point_verdict(p: TrendPoint) -> Text:
     if p.is_nonfinite:
         return Text("non-finite", style="bold red")
@@ -264,7 +261,7 @@ def trend_verdict(report: TrendReport) -> str:
         last = failing[-1]
         where = f"step {last.step}" if last.step is not None else visible(last.source)
         groups = ", ".join(visible(g) for g in (last.nonfinite_groups + last.spike_groups))
-        detail = (f"{where}: total norm {fmt(last.total_norm)}, z {_z_cell(last.z)}"
+        detail = (f"{where}: total norm {fmt(last.total_norm)}, z {z_text(last.z)}"
                   + (f"; groups {groups}" if groups else ""))
         if report.fail_on == "newest":
             return f"FAIL: {kind} at the newest point ({detail}) (exit 1)"
@@ -291,7 +288,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
         table.add_column(col, justify=just, overflow="fold")
     for p in shown:
         table.add_row("-" if p.step is None else str(p.step), Text(visible(p.source)),
-                      fmt(p.total_norm), _z_cell(p.z), _point_verdict(p),
+                      fmt(p.total_norm), z_text(p.z), _point_verdict(p),
                       Text(", ".join(visible(g) for g in p.spike_groups + p.nonfinite_groups)))
     if len(shown) < len(report.points):
         table.add_section()
