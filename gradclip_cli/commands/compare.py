@@ -8,10 +8,10 @@ from pathlib import Path
 from .. import options
 from ..errors import UsageError
 from ..progress import progress_steps
-from ..report import OK, InspectReport, parse_group_by
+from ..report import OK, parse_group_by
 from ..report.compare import build_compare_report
 from .common import emit, output_format
-from .trend import Measurement, check_what, measure_checkpoint
+from .trend import Measured, Measurement, check_what, measure_checkpoint
 
 
 def run(
@@ -32,20 +32,16 @@ def run(
     how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify)
     with progress_steps(quiet) as steps:
         # One at a time: A's pages are released before B is read.
-        ra, _ = measure_checkpoint(a, how, steps)
-        rb, _ = measure_checkpoint(b, how, steps)
+        ra = measure_checkpoint(a, how, steps)
+        rb = measure_checkpoint(b, how, steps)
     report = build_compare_report(
         a=str(a), b=str(b), what="grads", norm_type=p, group_by=group_by,
-        totals=(ra.total_norm, rb.total_norm), groups_a=_norms(ra), groups_b=_norms(rb),
+        totals=(ra.total_norm, rb.total_norm), groups_a=ra.groups, groups_b=rb.groups,
         nonfinite=_nonfinite(ra) or _nonfinite(rb), fail_above=limit,
     )  # fmt: skip
     emit(lambda out: fmt.render_compare(report, out), output_file)
     return 0 if report.status == OK else 1
 
 
-def _norms(report: InspectReport) -> dict[str, float]:
-    return {g.name: g.norm for g in report.groups}
-
-
-def _nonfinite(report: InspectReport) -> bool:
-    return bool(report.nonfinite.total) or not math.isfinite(report.total_norm)
+def _nonfinite(m: Measured) -> bool:
+    return bool(m.nonfinite.total) or not math.isfinite(m.total_norm)
