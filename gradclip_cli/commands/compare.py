@@ -6,11 +6,12 @@ import math
 from pathlib import Path
 
 from .. import options
+from ..distributed import launcher
 from ..errors import UsageError
 from ..progress import progress_steps
 from ..report import OK, parse_group_by
 from ..report.compare import build_compare_report
-from .common import emit, output_format
+from .common import emit, output_format, speaks
 from .trend import Measured, Measurement, check_what, measure_checkpoint
 
 
@@ -29,8 +30,11 @@ def run(
     dev = options.device(device)
     fmt = output_format(format)
     rule = parse_group_by(group_by)
-    how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify)
-    with progress_steps(quiet) as steps:
+    session = launcher.join(dev, device)
+    if session is not None:
+        dev = session.device
+    how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session)
+    with progress_steps(quiet or not speaks()) as steps:
         # One at a time: A's pages are released before B is read.
         ra = measure_checkpoint(a, how, steps)
         rb = measure_checkpoint(b, how, steps)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .. import options
 from ..core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z
+from ..distributed import launcher
 from ..errors import InputError, UsageError
 from ..progress import Steps, progress_steps
 from ..report import NonFinite, parse_group_by
@@ -32,7 +33,7 @@ from ..report.trend import (
 from ..source import READERS
 from ..source.files.pages import PageReleaser
 from ..source.logs import LogKind, log_kind
-from .common import emit, load, measure, output_format
+from .common import emit, load, measure, output_format, speaks
 
 # What --what may name (CONTRACT.md). This build selects saved gradients
 # only; "auto" therefore means "grads".
@@ -66,6 +67,7 @@ class Measurement:
     group_by: str
     trust_pickle: bool
     verify: bool
+    session: object = None  # a launcher.Session under torchrun: ranks split each checkpoint
 
 
 def run(
@@ -86,13 +88,18 @@ def run(
     dev = options.device(device)
     if plot is not None:
         _check_plot(plot)
-    with progress_steps(quiet) as steps:
+    # Under torchrun every rank reads every checkpoint's share, as inspect does
+    # (CONTRACT.md, "Beyond one machine"); rank 0 alone writes the report.
+    session = launcher.join(dev, device)
+    if session is not None:
+        dev = session.device
+    with progress_steps(quiet or not speaks()) as steps:
         inputs = [item for path in paths
                   for item in _expand(path, lambda p: _loads(p, key, trust_pickle, steps))]
         logs = [(item.path, item.kind.read(item.path)) for item in inputs
                 if isinstance(item.kind, LogKind)]
         p = _norm_type(requested_p, logs)
-        how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify)
+        how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session)
         observations: list[Observation] = []
         logged = dict(logs)
         for item in inputs:
@@ -104,7 +111,7 @@ def run(
         order_by_step(observations), what="grads", norm_type=p, group_by=group_by, z=z,
         alpha=alpha, warmup=warmup, fail_on=fail_on,
     )  # fmt: skip
-    if plot is not None:
+    if plot is not None and speaks():
         from ..format.plot import write_trend_plot
 
         write_trend_plot(report, plot)
@@ -273,7 +280,8 @@ def measure_checkpoint(path: Path, how: Measurement, steps: Steps,
 
     loaded = load(path, how.key, how.trust_pickle, how.verify, steps)
     release = PageReleaser(path) if path.is_file() else None
-    sums = measure(loaded, how.norm_type, how.device, steps, f"measuring {path.name}", release)
+    sums = measure(loaded, how.norm_type, how.device, steps, f"measuring {path.name}", release,
+                   how.session)
     # Group norms only, not inspect's full report (a row per tensor): that was
     # 0.55 s of 5.2 s over 50 checkpoints (BENCHMARKS.md, "trend").
     group_names = [how.group_rule(n) for n in loaded.names]

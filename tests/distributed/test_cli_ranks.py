@@ -68,6 +68,11 @@ def _jobs(tmp: Path, multi: Path) -> list[dict]:
     for fmt in ("table", "json"):
         jobs.append({"args": ["clip", str(multi), "--max-norm", "1", "--format", fmt,
                               "-o", str(tmp / f"clipped.{fmt}.pt")]})
+    # trend and compare: every checkpoint split across the ranks, one report.
+    jobs.append({"args": ["trend", str(SAMPLES / "healthy.pt"), str(multi),
+                          str(SAMPLES / "exploding.pt"), "--format", "json"]})
+    jobs.append({"args": ["compare", str(SAMPLES / "healthy.pt"),
+                          str(SAMPLES / "exploding.pt"), "--format", "markdown"]})
     for fmt in ("table", "json"):
         jobs.append({"args": ["inspect", str(multi), "--format", fmt], "fail_rank": 1,
                      "expect_error": True})
@@ -112,7 +117,7 @@ def test_two_ranks_print_the_one_process_report(runs):
         assert out0 == out, job["args"]  # byte for byte
         assert out1 == "" and err1.strip() == "", job["args"]  # rank 1 says nothing
         checked += 1
-    assert checked == len(SAMPLE_FILES) * 2 + 10
+    assert checked == len(SAMPLE_FILES) * 2 + 12
 
 
 def test_clip_under_two_ranks_writes_the_one_process_file(runs):
