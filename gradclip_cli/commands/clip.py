@@ -11,6 +11,7 @@ from .. import options
 from ..core import clamp_, clip_coefficient, scale_
 from ..distributed import launcher
 from ..errors import UsageError
+from ..format.text import visible
 from ..progress import progress_steps
 from ..report import ClipReport, NonFinite
 from ..sink import write_checkpoint
@@ -21,7 +22,7 @@ def run(
     *, path: str, max_norm: str | None, clip_value: str | None, output: str | None,
     in_place: bool, key: str | None, norm_type: str, device: str, format: str,
     allow_nonfinite: bool, verify: bool, trust_pickle: bool, quiet: bool,
-    output_file: Path | None,
+    output_file: Path | None, progress: bool = True,
 ) -> int:
     p = options.norm_type(norm_type)
     limit = options.threshold("--max-norm", max_norm, allow_zero=False)
@@ -35,7 +36,7 @@ def run(
     session = launcher.join(dev, device)
     if session is not None:
         dev = session.device
-    with progress_steps(quiet or not speaks()) as steps:
+    with progress_steps(not progress or not speaks()) as steps:
         loaded = load(path, key, trust_pickle, verify, steps)
         # Under a launcher the ranks share the reading for this first norm.
         before = measure(loaded, p, dev, steps, "computing norms", session=session).total()
@@ -44,9 +45,10 @@ def run(
         if nonfinite.total and not allow_nonfinite:
             if not speaks():
                 return 1
-            print(f"gradclip: {path}: total norm is {total_before} ({nonfinite.nan} NaN, "
-                  f"{nonfinite.posinf} +inf, {nonfinite.neginf} -inf); refusing to clip, "
-                  "nothing written (--allow-nonfinite clips anyway)", file=sys.stderr)
+            print(f"gradclip: {visible(str(path))}: total norm is {total_before} "
+                  f"({nonfinite.nan} NaN, {nonfinite.posinf} +inf, {nonfinite.neginf} -inf); "
+                  "refusing to clip, nothing written (--allow-nonfinite clips anyway)",
+                  file=sys.stderr)
             return 1
         if not speaks():
             # One file is written by one process, which must hold every
@@ -72,5 +74,10 @@ def run(
         clipped=clipped, num_tensors=len(loaded.tensors), nonfinite=nonfinite,
         other_links_unchanged=other_links,
     )
-    emit(lambda out: fmt.render_clip(report, out), output_file)
+    if quiet and format == "table":
+        from ..format import table
+
+        emit(lambda out: table.print_clip_summary(report, out), output_file)
+    else:
+        emit(lambda out: fmt.render_clip(report, out), output_file)
     return 0

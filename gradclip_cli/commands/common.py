@@ -15,6 +15,7 @@ from ..core import find_ties, tensor_power_sums
 from ..distributed import launcher
 from ..errors import UsageError
 from ..format import FORMATS
+from ..format.text import visible
 from ..progress import Steps
 from ..sink import atomic_write
 from ..source import Checkpoint, load_checkpoint, select_gradients
@@ -47,8 +48,8 @@ def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: S
     steps.begin("loading")
     ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
     if ckpt.trusted_pickle and speaks():
-        print(f"gradclip: warning: {path}: loaded with --trust-pickle (full unpickling; "
-              "code in the file may have run)", file=sys.stderr)
+        print(f"gradclip: warning: {visible(str(path))}: loaded with --trust-pickle "
+              "(full unpickling; code in the file may have run)", file=sys.stderr)
     selection = select_gradients(ckpt.root, key, path=path)
     all_names = list(selection.tensors)
     all_tensors = list(selection.tensors.values())

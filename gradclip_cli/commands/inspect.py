@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from .. import options
@@ -15,7 +16,7 @@ from .common import emit, load, measure, output_format, speaks
 def run(
     *, path: str, key: str | None, norm_type: str, device: str, format: str,
     max_norm: str | None, allow_nonfinite: bool, verify: bool, group_by: str, top: int,
-    trust_pickle: bool, quiet: bool, output_file: Path | None,
+    trust_pickle: bool, quiet: bool, output_file: Path | None, progress: bool = True,
 ) -> int:
     p = options.norm_type(norm_type)
     threshold = options.threshold("--max-norm", max_norm, allow_zero=True)
@@ -26,7 +27,7 @@ def run(
     session = launcher.join(dev, device)
     if session is not None:
         dev = session.device
-    with progress_steps(quiet or not speaks()) as steps:
+    with progress_steps(not progress or not speaks()) as steps:
         loaded = load(path, key, trust_pickle, verify, steps)
         # inspect never writes a tensor, so pages read can go back at once:
         # resident memory stays flat whatever the file's size.
@@ -38,5 +39,13 @@ def run(
         key=loaded.key, device=str(dev), max_norm=threshold,
         allow_nonfinite=allow_nonfinite, group_by=group_by, skipped=loaded.skipped,
     )
-    emit(lambda out: fmt.render_inspect(report, out, top=top), output_file)
+    if quiet and format == "table":
+        # -q: the verdict alone on stdout; what the finding is goes to stderr.
+        from ..format import table
+
+        if speaks():
+            table.print_findings(report, sys.stderr)
+        emit(lambda out: table.print_verdict(report, out), output_file)
+    else:
+        emit(lambda out: fmt.render_inspect(report, out, top=top), output_file)
     return 0 if report.status == OK else 1

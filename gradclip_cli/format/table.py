@@ -4,13 +4,30 @@ Groups in checkpoint order with norm, share, max |g|, size, non-finite counts
 and a bar against the largest group; then the top tensors by norm and every
 tensor holding non-finite values; then a one-line verdict matching the exit
 code. rich decides colour: only on a terminal, never with NO_COLOR set.
+
+Fitting the width. Every line fits the width (``COLUMNS`` when set, else the
+terminal's, else ``PIPE_WIDTH``) from 60 columns up. Columns are sized here,
+not by rich: optional columns go first (the bar, then share, elements, ...),
+then names are shortened in the middle with an ellipsis (their ends are what
+tells layers apart); a number is never cut. Prose lines (header, verdict)
+wrap between words.
+
+Data is not markup. Names, keys, paths and metadata come from the file: each
+is passed through ``visible`` (one inert line) and handed to rich as a
+``Text`` on a console that parses no markup and no emoji codes.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TextIO
 
+from rich import box
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -25,6 +42,11 @@ BAR_WIDTH = 20
 # More groups than a person reads (and rich renders 20,000 rows slowly): show
 # the largest, and any holding NaN/inf, in checkpoint order.
 MAX_GROUPS = 60
+# Pipes and CI logs get this width when COLUMNS is unset (rich would use 80).
+PIPE_WIDTH = 120
+ELLIPSIS = "…"
+# A name column narrower than this shows too little to tell names apart.
+MIN_NAME_WIDTH = 12
 
 
 def fmt(x: float | None) -> str:
@@ -41,6 +63,181 @@ def fmt_p(p: float) -> str:
     return "inf" if math.isinf(p) else f"{p:g}"
 
 
+def plural(count: int, singular: str, many: str | None = None) -> str:
+    """``1 tensor``, ``2 tensors``, ``1,000 entries``."""
+    word = singular if count == 1 else (many or singular + "s")
+    return f"{count:,} {word}"
+
+
+def shorten(text: str, width: int) -> str:
+    """``text`` in at most ``width`` cells, its middle replaced by an ellipsis if needed."""
+    if cell_len(text) <= width:
+        return text
+    if width <= 1:
+        return ELLIPSIS[:width]
+    keep = width - 1
+    head, tail = "", ""
+    # Grow both ends alternately (the tail gets the odd cell: the end of a name
+    # says which parameter it is) until the next character would not fit.
+    left, right = 0, len(text)
+    while left < right:
+        take_tail = cell_len(tail) <= cell_len(head)
+        ch = text[right - 1] if take_tail else text[left]
+        if cell_len(head) + cell_len(tail) + cell_len(ch) > keep:
+            break
+        if take_tail:
+            tail, right = ch + tail, right - 1
+        else:
+            head, left = head + ch, left + 1
+    return head + ELLIPSIS + tail
+
+
+def wrap(text: str, width: int, indent: str = "  ") -> list[str]:
+    """Prose split between words into lines of at most ``width`` cells (a word never breaks)."""
+    lines = textwrap.wrap(text, width=width, subsequent_indent=indent,
+                          break_long_words=False, break_on_hyphens=False)
+    return lines or [""]
+
+
+def report_width(out: TextIO) -> int:
+    """``COLUMNS`` when set (in pipes too); else the terminal's width; else ``PIPE_WIDTH``."""
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        columns = 0
+    if columns > 0:
+        return columns
+    isatty = getattr(out, "isatty", None)
+    if isatty is not None and isatty():
+        try:
+            return os.get_terminal_size(out.fileno()).columns
+        except (AttributeError, OSError, ValueError):
+            pass
+    return PIPE_WIDTH
+
+
+def _console(out: TextIO) -> Console:
+    # markup=False and emoji=False: nothing in a str is ever interpreted; data
+    # arrives as Text anyway. soft_wrap: lines are fitted here, rich never re-wraps them.
+    return Console(file=out, width=report_width(out), highlight=False, markup=False,
+                   emoji=False, soft_wrap=True)
+
+
+def _print_prose(console: Console, text: str, style: str = "", indent: str = "  ") -> None:
+    for line in wrap(text, console.width, indent):
+        console.print(Text(line, style=style))
+
+
+@dataclass
+class Column:
+    header: str
+    cells: list[str | Text]
+    justify: str = "right"
+    drop: int = 0  # 0: always shown; else dropped in increasing order when space is short
+    name: bool = False  # the one column whose cells may be shortened
+    wrap_at: str | None = None  # cells may break into lines after this separator
+
+
+def _parts(cell: str | Text, sep: str) -> list[str]:
+    text = cell.plain if isinstance(cell, Text) else cell
+    pieces = text.split(sep)
+    return [piece + sep for piece in pieces[:-1]] + pieces[-1:]
+
+
+def _narrowest(col: Column) -> int:
+    """The least width a column takes without breaking inside a number or word."""
+    if col.wrap_at is None:
+        return max([cell_len(col.header), *(_cell_width(c) for c in col.cells)])
+    parts = [cell_len(part.rstrip()) for c in col.cells for part in _parts(c, col.wrap_at)]
+    return max([cell_len(col.header), *parts])
+
+
+def _wrapped(cell: str | Text, sep: str, width: int) -> Text:
+    lines: list[str] = []
+    for part in _parts(cell, sep):
+        if lines and cell_len(lines[-1] + part.rstrip()) <= width:
+            lines[-1] += part
+        else:
+            lines.append(part)
+    style = cell.style if isinstance(cell, Text) else ""
+    return Text("\n".join(line.rstrip() for line in lines), style=style)
+
+
+def _cell_width(cell: str | Text) -> int:
+    return cell.cell_len if isinstance(cell, Text) else cell_len(cell)
+
+
+def _fit_table(title: str, columns: list[Column], width: int, footer: Sequence[int] = ()) -> Table:
+    """A rich Table of ``columns`` that is at most ``width`` cells wide (from 60 up).
+
+    ``footer``: row indices after which a section line goes.
+    """
+    # Box-drawing overhead: a border left of every column and one at the end,
+    # and one space of padding on each side of every cell.
+    def overhead(cols: list[Column]) -> int:
+        return 3 * len(cols) + 1
+
+    def natural(col: Column) -> int:
+        return max([cell_len(col.header), *(_cell_width(c) for c in col.cells)])
+
+    shown = list(columns)
+    name_col = next(c for c in shown if c.name)
+
+    def needed(cols: list[Column]) -> int:
+        return sum(natural(c) for c in cols) + overhead(cols)
+
+    # Optional columns go before any name is shortened; what still does not
+    # fit then comes out of the names.
+
+    for rank in sorted({c.drop for c in columns if c.drop}):
+        if needed(shown) <= width:
+            break
+        shown = [c for c in shown if c.drop != rank]
+    widths = {id(c): natural(c) for c in shown}
+    room = width - overhead(shown) - sum(widths[id(c)] for c in shown if not c.name)
+    least_name = min(natural(name_col), MIN_NAME_WIDTH)
+    for col in shown:  # still short: break cells that may break (after a separator)
+        if room >= least_name:
+            break
+        if col.wrap_at is not None:
+            give = min(widths[id(col)] - _narrowest(col), least_name - room)
+            widths[id(col)] -= give
+            room += give
+    name_width = max(min(natural(name_col), room), least_name)
+    widths[id(name_col)] = name_width
+    table = Table(title=Text(shorten(title, width)), title_justify="left", box=box.HEAVY_HEAD)
+    for col in shown:
+        w = widths[id(col)]
+        table.add_column(Text(col.header), justify=col.justify, no_wrap=True, width=w,
+                         overflow="crop")
+    rows = len(name_col.cells)
+    for i in range(rows):
+        cells = []
+        for col in shown:
+            cell = col.cells[i]
+            if col.name and isinstance(cell, str):
+                cell = shorten(cell, name_width)
+            elif col.wrap_at is not None and _cell_width(cell) > widths[id(col)]:
+                cell = _wrapped(cell, col.wrap_at, widths[id(col)])
+            cells.append(cell if isinstance(cell, Text) else Text(cell))
+        table.add_row(*cells)
+        if i in footer:
+            table.add_section()
+    return table
+
+
+def _print_table(console: Console, table: Table) -> None:
+    # Fitted above; below 60 columns a table may still be wider than the
+    # console, and then it runs over rather than have rich crop a number.
+    measured = console.measure(table, options=console.options.update_width(10_000)).maximum
+    width = console.width
+    console.width = max(width, measured)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+
+
 def bar(value: float, largest: float) -> Text:
     if not math.isfinite(value):
         return Text("!" * BAR_WIDTH, style="bold red")
@@ -50,23 +247,16 @@ def bar(value: float, largest: float) -> Text:
     return Text("█" * filled + "·" * (BAR_WIDTH - filled), style="cyan")
 
 
+def _nonfinite_text(n: NonFinite) -> str:
+    parts = [f"{c} {label}" for c, label in ((n.nan, "nan"), (n.posinf, "+inf"),
+                                             (n.neginf, "-inf")) if c]
+    return ", ".join(parts)
+
+
 def _nonfinite_cell(n: NonFinite) -> Text:
     if not n.total:
         return Text("-", style="dim")
-    parts = [f"{c} {label}" for c, label in ((n.nan, "nan"), (n.posinf, "+inf"),
-                                             (n.neginf, "-inf")) if c]
-    return Text(", ".join(parts), style="bold red")
-
-
-# Pipes and CI logs get this width (rich would use 80, which truncates names).
-PIPE_WIDTH = 120
-
-
-def _console(out: TextIO) -> Console:
-    console = Console(file=out, highlight=False, soft_wrap=False)
-    if not console.is_terminal:
-        console = Console(file=out, highlight=False, soft_wrap=False, width=PIPE_WIDTH)
-    return console
+    return Text(_nonfinite_text(n), style="bold red")
 
 
 def verdict_line(report: InspectReport) -> Text:
@@ -76,7 +266,7 @@ def verdict_line(report: InspectReport) -> Text:
         tensors = sum(1 for t in report.tensors if t.nonfinite.total)
         return Text(
             f"FAIL: non-finite gradients: {n.nan} NaN, {n.posinf} +inf, {n.neginf} -inf "
-            f"in {tensors} tensor(s); total norm {fmt(report.total_norm)} (exit 1)",
+            f"in {plural(tensors, 'tensor')}; total norm {fmt(report.total_norm)} (exit 1)",
             style="bold red",
         )
     if report.status == EXCEEDED:
@@ -87,107 +277,177 @@ def verdict_line(report: InspectReport) -> Text:
         )
     note = ""
     if report.nonfinite.total:
-        note = f"; {report.nonfinite.total} non-finite value(s) allowed by --allow-nonfinite"
+        note = (f"; {plural(report.nonfinite.total, 'non-finite value')} allowed by "
+                "--allow-nonfinite")
     limit = f" <= --max-norm {fmt(report.max_norm)}" if report.max_norm is not None else ""
     return Text(f"OK: total norm {fmt(report.total_norm)} (p={p}){limit}{note} (exit 0)",
                 style="bold green")
+
+
+def print_verdict(report: InspectReport, out: TextIO) -> None:
+    """The verdict alone (``--quiet``), fitted to the width like every line."""
+    console = _console(out)
+    line = verdict_line(report)
+    _print_prose(console, line.plain, style=str(line.style))
+
+
+def print_findings(report: InspectReport, err: TextIO) -> None:
+    """Under ``--quiet``: each tensor behind a non-finite finding, one plain line on stderr."""
+    if report.status != NONFINITE:
+        return
+    for t in report.tensors:
+        if t.nonfinite.total:
+            err.write(f"gradclip: {visible(t.name)}: {_nonfinite_text(t.nonfinite)}\n")
 
 
 def _groups_to_show(report: InspectReport):
     groups = report.groups
     if len(groups) <= MAX_GROUPS:
         return groups
+
     def size(g):
         return math.inf if not math.isfinite(g.norm) else g.norm
+
     keep = {id(g) for g in sorted(groups, key=size, reverse=True)[:MAX_GROUPS]}
     return [g for g in groups if id(g) in keep]
 
 
+def _header(report: InspectReport, width: int) -> list[str]:
+    source = visible(report.source)
+    details = [report.format]
+    if report.key:
+        details.append(f"key '{visible(report.key)}'")
+    details += [plural(report.num_tensors, "tensor"), plural(report.num_elements, "element"),
+                f"p={fmt_p(report.norm_type)}", f"device {visible(report.device)}"]
+    line = f"{source}  {', '.join(details)}"
+    if cell_len(line) <= width:
+        return [line]
+    return [shorten(source, width), *wrap(", ".join(details), width)]
+
+
+def _groups_table(report: InspectReport, width: int) -> Table:
+    shown = _groups_to_show(report)
+    largest = max((g.norm for g in report.groups if math.isfinite(g.norm)), default=0.0)
+    names: list[str | Text] = [visible(g.name) for g in shown]
+    norms: list[str | Text] = [fmt(g.norm) for g in shown]
+    shares: list[str | Text] = ["-" if math.isnan(g.share) else f"{100 * g.share:.1f}%"
+                                for g in shown]
+    maxes: list[str | Text] = [fmt(g.max_abs) for g in shown]
+    sizes: list[str | Text] = [f"{g.num_elements:,}" for g in shown]
+    flags: list[str | Text] = [_nonfinite_cell(g.nonfinite) for g in shown]
+    bars: list[str | Text] = [bar(g.norm, largest) for g in shown]
+    names.append(Text("total", style="bold"))
+    norms.append(Text(fmt(report.total_norm), style="bold"))
+    shares.append("100%" if report.total_norm else "-")
+    maxes.append(fmt(report.max_abs))
+    sizes.append(f"{report.num_elements:,}")
+    flags.append(_nonfinite_cell(report.nonfinite))
+    bars.append("")
+    any_nonfinite = report.nonfinite.total > 0
+    columns = [
+        Column("group", names, justify="left", name=True),
+        Column("norm", norms),
+        Column("share", shares, drop=2),
+        Column("max |g|", maxes),
+        Column("elements", sizes, drop=3),
+        Column("non-finite", flags, justify="left", drop=0 if any_nonfinite else 3,
+               wrap_at=", "),
+        Column("", bars, justify="left", drop=1),
+    ]
+    last_group = len(shown) - 1
+    title = f"groups (by {visible(report.group_by)})"
+    return _fit_table(title, columns, width, footer=(last_group,))
+
+
+def _top_table(report: InspectReport, top: int, width: int) -> Table:
+    ranked = sorted(report.tensors, key=lambda t: -t.norm if math.isfinite(t.norm) else -math.inf)
+    rows = ranked[:top]
+    columns = [
+        Column("tensor", [visible(t.name) for t in rows], justify="left", name=True),
+        Column("norm", [fmt(t.norm) for t in rows]),
+        Column("max |g|", [fmt(t.max_abs) for t in rows], drop=3),
+        Column("shape", ["x".join(map(str, t.shape)) or "scalar" for t in rows],
+               justify="left", drop=1),
+        Column("dtype", [visible(t.dtype) for t in rows], justify="left", drop=2),
+    ]
+    return _fit_table(f"top {plural(len(rows), 'tensor')} by norm", columns, width)
+
+
 def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
     console = _console(out)
-    p = fmt_p(report.norm_type)
-    key = f", key '{report.key}'" if report.key else ""
-    console.print(
-        f"[bold]{report.source}[/bold]  {report.format}{key}, {report.num_tensors} tensors, "
-        f"{report.num_elements:,} elements, p={p}, device {report.device}"
-    )
+    width = console.width
+    header = _header(report, width)
+    console.print(Text(header[0], style="bold"))
+    for line in header[1:]:
+        console.print(Text(line))
     if report.skipped:
-        console.print(f"skipped {len(report.skipped)} non-floating entr"
-                      f"{'y' if len(report.skipped) == 1 else 'ies'}: "
-                      + ", ".join(report.skipped[:5]) + (" ..." if len(report.skipped) > 5 else ""))
-
-    table = Table(title=f"groups (by {report.group_by})", title_justify="left")
-    # The bar is the first thing to go on a narrow terminal; names never are.
-    show_bar = console.width >= 100
-    columns = [("group", "left"), ("norm", "right"), ("share", "right"), ("max |g|", "right"),
-               ("elements", "right"), ("non-finite", "left")] + ([("", "left")] if show_bar else [])
-    for col, just in columns:
-        table.add_column(col, justify=just, no_wrap=col != "group",
-                         min_width=min(40, max(len(g.name) for g in report.groups))
-                         if col == "group" else None)
-    largest = max((g.norm for g in report.groups if math.isfinite(g.norm)), default=0.0)
-    shown = _groups_to_show(report)
-    for g in shown:
-        share = "-" if math.isnan(g.share) else f"{100 * g.share:.1f}%"
-        cells = [g.name, fmt(g.norm), share, fmt(g.max_abs), f"{g.num_elements:,}",
-                 _nonfinite_cell(g.nonfinite)]
-        table.add_row(*cells, *([bar(g.norm, largest)] if show_bar else []))
-    table.add_section()
-    if len(shown) < len(report.groups):
-        hidden = len(report.groups) - len(shown)
-        table.add_row(Text(f"... {hidden:,} smaller groups not shown (--format json lists all)",
-                           style="dim"), *[""] * (len(columns) - 1))
-    table.add_row(Text("total", style="bold"), Text(fmt(report.total_norm), style="bold"),
-                  "100%" if report.total_norm else "-", fmt(report.max_abs),
-                  f"{report.num_elements:,}", _nonfinite_cell(report.nonfinite),
-                  *([""] if show_bar else []))
-    console.print(table)
-
+        names = ", ".join(shorten(visible(s), 40) for s in report.skipped[:5])
+        more = " ..." if len(report.skipped) > 5 else ""
+        count = plural(len(report.skipped), "non-floating entry", "non-floating entries")
+        _print_prose(console, f"skipped {count}: {names}{more}")
+    _print_table(console, _groups_table(report, width))
+    hidden = len(report.groups) - len(_groups_to_show(report))
+    if hidden:
+        _print_prose(console, f"... {hidden:,} smaller groups not shown (--format json lists "
+                              "all)", style="dim")
     if top > 0 and report.tensors:
-        ranked = sorted(report.tensors,
-                        key=lambda t: -t.norm if math.isfinite(t.norm) else -math.inf)
-        head = Table(title=f"top {min(top, len(ranked))} tensors by norm", title_justify="left")
-        for col, just in (("tensor", "left"), ("norm", "right"), ("max |g|", "right"),
-                          ("shape", "left"), ("dtype", "left")):
-            head.add_column(col, justify=just, min_width=min(50, max(
-                len(t.name) for t in report.tensors)) if col == "tensor" else None)
-        for t in ranked[:top]:
-            head.add_row(t.name, fmt(t.norm), fmt(t.max_abs),
-                         "x".join(map(str, t.shape)) or "scalar", t.dtype)
-        console.print(head)
+        _print_table(console, _top_table(report, top, width))
 
     bad = [t for t in report.tensors if t.nonfinite.total]
     if bad:
-        console.print(Text(f"non-finite values in {len(bad)} tensor(s):", style="bold red"))
+        console.print(Text(f"non-finite values in {plural(len(bad), 'tensor')}:",
+                           style="bold red"))
         for t in bad:
-            line = Text(f"  {t.name}: ")
+            counts = _nonfinite_text(t.nonfinite)
+            name = shorten(visible(t.name), max(width - 4 - cell_len(counts), MIN_NAME_WIDTH))
+            line = Text(f"  {name}: ")
             line.append_text(_nonfinite_cell(t.nonfinite))
             console.print(line)
-    ties = [t for t in report.tensors if t.tied]
-    for t in ties:
-        console.print(f"tied (counted once): {t.name} = " + ", ".join(t.tied), style="dim")
-    console.print(verdict_line(report))
+    for t in report.tensors:
+        if t.tied:
+            names = [shorten(visible(n), max(width // 2, MIN_NAME_WIDTH)) for n in t.tied]
+            text = (f"tied (counted once): {shorten(visible(t.name), max(width // 2, 12))} = "
+                    + ", ".join(names))
+            _print_prose(console, text, style="dim")
+    line = verdict_line(report)
+    _print_prose(console, line.plain, style=str(line.style))
 
 
-def render_clip(report: ClipReport, out: TextIO) -> None:
-    console = _console(out)
+def _clip_summary(report: ClipReport) -> str:
     if report.clip_value is not None:
         what = f"clamped every element to [-{fmt(report.clip_value)}, {fmt(report.clip_value)}]"
     elif report.clipped:
         what = f"scaled by {fmt(report.clip_coef)}"
     else:
-        what = f"unchanged (coefficient {fmt(report.clip_coef)} is 1)"
-    p = fmt_p(report.norm_type)
-    console.print(f"[bold]{report.source}[/bold] -> [bold]{report.output}[/bold]")
-    console.print(f"total norm (p={p}): {fmt(report.total_norm_before)} -> "
-                  f"{fmt(report.total_norm_after)}; {report.num_tensors} tensors {what}")
+        what = "unchanged: the total norm is within --max-norm"
+    return (f"total norm (p={fmt_p(report.norm_type)}): {fmt(report.total_norm_before)} -> "
+            f"{fmt(report.total_norm_after)}; {plural(report.num_tensors, 'tensor')} {what}")
+
+
+def print_clip_summary(report: ClipReport, out: TextIO) -> None:
+    """Under ``--quiet``: the one line that says what was done."""
+    _print_prose(_console(out), _clip_summary(report))
+
+
+def render_clip(report: ClipReport, out: TextIO) -> None:
+    console = _console(out)
+    width = console.width
+    source, output = visible(report.source), visible(report.output)
+    line = f"{source} -> {output}"
+    if cell_len(line) <= width:
+        console.print(Text(line, style="bold"))
+    else:
+        console.print(Text(shorten(source, width), style="bold"))
+        console.print(Text(shorten(f"-> {output}", width), style="bold"))
+    _print_prose(console, _clip_summary(report))
     if report.nonfinite.total:
-        console.print(Text(f"warning: {report.nonfinite.total} non-finite value(s) were "
-                           "clipped under --allow-nonfinite", style="yellow"))
+        _print_prose(console, f"warning: {plural(report.nonfinite.total, 'non-finite value')} "
+                              "were clipped under --allow-nonfinite", style="yellow")
     if report.other_links_unchanged:
-        console.print(Text(f"note: {visible(report.output)} had {report.other_links_unchanged} "
-                           "other hard link(s), which still hold the old bytes (the atomic "
-                           "replace gives this name a new file)", style="yellow"))
+        _print_prose(console, f"note: {visible(report.output)} had "
+                              f"{plural(report.other_links_unchanged, 'other hard link')}, which "
+                              "still hold the old bytes (the atomic replace gives this name a "
+                              "new file)", style="yellow")
 
 
 # -- trend ---------------------------------------------------------------------
