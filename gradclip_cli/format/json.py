@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from ..report import ClipReport, InspectReport, NonFinite
-from ..report.compare import CompareReport, CompareRow
-from ..report.trend import TrendReport
+if TYPE_CHECKING:  # the report package imports torch; help and usage errors must not
+    from ..report import ClipReport, InspectReport, NonFinite
+    from ..report.compare import CompareReport, CompareRow
+    from ..report.trend import TrendReport
 
 INSPECT_SCHEMA = "gradclip.inspect/1"
 CLIP_SCHEMA = "gradclip.clip/1"

@@ -20,7 +20,7 @@ from ..report import NONFINITE, ClipReport, InspectReport, NonFinite
 from ..report.compare import CompareReport
 from ..report.trend import SPIKE, TrendReport
 from .findings import z_text
-from .table import (
+from .table_layout import (
     MAX_GROUPS,
     MAX_SPARK_GROUPS,
     _groups_to_show,
