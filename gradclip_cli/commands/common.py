@@ -11,7 +11,7 @@ from typing import TextIO
 
 import torch
 
-from ..core import find_ties, tensor_power_sums
+from ..core import Elements, PowerSums, distinct_elements, tensor_power_sums
 from ..distributed import launcher
 from ..errors import UsageError
 from ..format import FORMATS
@@ -34,6 +34,13 @@ class Loaded:
     tensors: list[torch.Tensor]
     ties: dict[str, list[str]]
     skipped: list[str]
+    elements: Elements  # the distinct elements of ``tensors``
+    key_path: tuple[str, ...] = ()
+
+    @property
+    def shares(self) -> list[list[str]]:
+        """For each tensor, the other tensors holding some of its elements."""
+        return [[self.names[j] for j in others] for others in self.elements.shares]
 
 
 def output_format(name: str):
@@ -44,7 +51,12 @@ def output_format(name: str):
 
 
 def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: Steps) -> Loaded:
-    """Read ``path`` and pick its gradients; tied names are folded into their first name."""
+    """Read ``path`` and pick its gradients; tied names are folded into their first name.
+
+    Tied means holding exactly the same storage elements, whatever the view
+    (``m`` and ``m.t()``); tensors sharing only some elements keep their own
+    rows and count each shared element once (core/elements.py).
+    """
     steps.begin("loading")
     ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
     if ckpt.trusted_pickle and speaks():
@@ -53,14 +65,16 @@ def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: S
     selection = select_gradients(ckpt.root, key, path=path)
     all_names = list(selection.tensors)
     all_tensors = list(selection.tensors.values())
-    owner = find_ties(all_tensors)
+    everything = distinct_elements(all_tensors)
     ties: dict[str, list[str]] = {}
-    for i, o in enumerate(owner):
+    for i, o in enumerate(everything.tie_of):
         if o != i:
             ties.setdefault(all_names[o], []).append(all_names[i])
-    keep = [i for i, o in enumerate(owner) if o == i]
-    return Loaded(ckpt, selection.key, [all_names[i] for i in keep],
-                  [all_tensors[i] for i in keep], ties, list(selection.skipped))
+    keep = [i for i, o in enumerate(everything.tie_of) if o == i]
+    tensors = [all_tensors[i] for i in keep]
+    elements = everything if len(keep) == len(all_tensors) else distinct_elements(tensors)
+    return Loaded(ckpt, selection.key, [all_names[i] for i in keep], tensors, ties,
+                  list(selection.skipped), elements, tuple(selection.key_path))
 
 
 def nbytes(tensors) -> int:
@@ -74,33 +88,37 @@ def speaks() -> bool:
 
 
 def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label: str,
-            release: PageReleaser | None = None, session: launcher.Session | None = None):
-    """Per-tensor power sums of the loaded gradients, with progress and page release.
+            release: PageReleaser | None = None, session: launcher.Session | None = None
+            ) -> tuple[PowerSums, PowerSums]:
+    """Power sums of each tensor's own elements and of the elements it owns
+    (``core.element_power_sums``), with progress and page release.
 
+    Every distinct element is read once: the pieces of ``Loaded.elements``.
     With a ``session`` (under a launcher) each rank reads and measures its own
     pieces and every rank gets all of them back, in the single-process order.
     """
-    tensors = loaded.tensors
-    mine = list(range(len(tensors)))
+    pieces, rows = loaded.elements.measured()
+    mine = list(range(len(pieces)))
     if session is not None:
         from ..distributed.pieces import assign, owned
 
-        owners = assign([nbytes([t]) for t in tensors], session.world_size)
+        owners = assign([nbytes([t]) for t in pieces], session.world_size)
         mine = owned(owners, session.rank)
-        tensors = [tensors[i] for i in mine]
-    steps.begin(label, total=nbytes(tensors))
+    work = [pieces[i] for i in mine]
+    steps.begin(label, total=nbytes(work))
 
     def done(batch) -> None:
         steps.advance(nbytes(batch))
         if release is not None:
             release.release(batch)
 
-    sums = tensor_power_sums(tensors, p, device=device, on_batch=done, workers=WORKERS)
-    if session is None:
-        return sums
-    from ..distributed.combine import gather_power_sums
+    sums = tensor_power_sums(work, p, device=device, on_batch=done, workers=WORKERS)
+    if session is not None:
+        from ..distributed.combine import gather_power_sums
 
-    return gather_power_sums(session, sums, mine, len(loaded.tensors))
+        sums = gather_power_sums(session, sums, mine, len(pieces))
+    n = len(loaded.elements)
+    return sums.take(torch.tensor(rows, dtype=torch.int64)), sums.take(torch.arange(n))
 
 
 def emit(write: Callable[[TextIO], None], output_file: Path | None) -> None:

@@ -32,9 +32,13 @@ def run(
         # inspect never writes a tensor, so pages read can go back at once:
         # resident memory stays flat whatever the file's size.
         release = PageReleaser(path)
-        sums = measure(loaded, p, dev, steps, "computing norms", release, session)
+        sums, owned = measure(loaded, p, dev, steps, "computing norms", release, session)
+    elements = loaded.elements
     report = build_inspect_report(
-        names=loaded.names, tensors=loaded.tensors, sums=sums, ties=loaded.ties,
+        names=loaded.names, tensors=loaded.tensors, sums=sums, owned=owned,
+        counts=[elements.count(i) for i in range(len(elements))],
+        owned_counts=[piece.numel() for piece in elements.owned],
+        ties=loaded.ties, shares=loaded.shares,
         group_rule=rule, source=path, format=loaded.checkpoint.format,
         key=loaded.key, device=str(dev), max_norm=threshold,
         allow_nonfinite=allow_nonfinite, group_by=group_by, skipped=loaded.skipped,

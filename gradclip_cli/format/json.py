@@ -50,6 +50,8 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
         "num_elements": report.num_elements,
         "nonfinite": _nonfinite(report.nonfinite),
         "status": report.status,
+        "overflow": report.overflow,
+        "total_norm_log10": number(report.total_norm_log10),
         "group_by": report.group_by,
         "skipped": report.skipped,
         "groups": [
@@ -74,6 +76,7 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
                 "max_abs": number(t.max_abs),
                 "nonfinite": _nonfinite(t.nonfinite),
                 "tied": list(t.tied),
+                "shares": list(t.shares),
             }
             for t in report.tensors
         ],
@@ -84,7 +87,7 @@ def clip_document(report: ClipReport) -> dict[str, Any]:
     doc = asdict(report)
     doc["nonfinite"] = _nonfinite(report.nonfinite)
     for k in ("norm_type", "max_norm", "clip_value", "total_norm_before", "clip_coef",
-              "total_norm_after"):
+              "total_norm_after", "clip_coef_log2", "clip_coef_torch"):
         doc[k] = number(doc[k])
     return {"schema": CLIP_SCHEMA, **doc}
 

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..report import EXCEEDED, NONFINITE, ClipReport, InspectReport, NonFinite
+from ..report import EXCEEDED, NONFINITE, OVERFLOW, ClipReport, InspectReport, NonFinite
 from ..report.compare import CompareReport
 from ..report.trend import INSUFFICIENT_HISTORY, SPIKE, TrendPoint, TrendReport
 from .findings import z_text
@@ -227,7 +227,7 @@ def bar(value: float, largest: float) -> Text:
         return Text("!" * BAR_WIDTH, style="bold red")
     if not (largest > 0 and math.isfinite(largest)):
         return Text("")
-    filled = round(BAR_WIDTH * value / largest)
+    filled = round(BAR_WIDTH * (value / largest))  # value * 20 could overflow
     return Text("█" * filled + "·" * (BAR_WIDTH - filled), style="cyan")
 
 
@@ -243,8 +243,31 @@ def _nonfinite_cell(n: NonFinite) -> Text:
     return Text(_nonfinite_text(n), style="bold red")
 
 
+# How a total beyond float64's range is shown (its float64 rounding is inf).
+BEYOND_FLOAT64 = "> 1.8e308"
+
+
+def fmt_total(report: InspectReport) -> str:
+    return BEYOND_FLOAT64 if report.overflow else fmt(report.total_norm)
+
+
 def verdict_line(report: InspectReport) -> Text:
     p = fmt_p(report.norm_type)
+    if report.status == NONFINITE and report.allow_nonfinite:
+        return Text(
+            f"FAIL: total norm {fmt(report.total_norm)} (p={p}): --max-norm "
+            f"{fmt(report.max_norm)} could not be checked; non-finite values allowed by "
+            "--allow-nonfinite (exit 1)",
+            style="bold red",
+        )
+    if report.status == OVERFLOW:
+        about = report.total_norm_log10
+        about = f"about 10^{about:.6g}, " if about is not None and math.isfinite(about) else ""
+        return Text(
+            f"FAIL: total norm {BEYOND_FLOAT64} ({about}p={p}) is beyond float64's range "
+            "(exit 1)",
+            style="bold red",
+        )
     if report.status == NONFINITE:
         n = report.nonfinite
         tensors = sum(1 for t in report.tensors if t.nonfinite.total)
@@ -321,7 +344,7 @@ def _groups_table(report: InspectReport, width: int) -> Table:
     flags: list[str | Text] = [_nonfinite_cell(g.nonfinite) for g in shown]
     bars: list[str | Text] = [bar(g.norm, largest) for g in shown]
     names.append(Text("total", style="bold"))
-    norms.append(Text(fmt(report.total_norm), style="bold"))
+    norms.append(Text(fmt_total(report), style="bold"))
     shares.append("100%" if report.total_norm else "-")
     maxes.append(fmt(report.max_abs))
     sizes.append(f"{report.num_elements:,}")
@@ -393,6 +416,12 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
             text = (f"tied (counted once): {shorten(visible(t.name), max(width // 2, 12))} = "
                     + ", ".join(names))
             _print_prose(console, text, style="dim")
+    for t in report.tensors:
+        if t.shares:
+            names = [shorten(visible(n), max(width // 2, MIN_NAME_WIDTH)) for n in t.shares]
+            text = (f"shares elements (each counted once): "
+                    f"{shorten(visible(t.name), max(width // 2, 12))} with " + ", ".join(names))
+            _print_prose(console, text, style="dim")
     line = verdict_line(report)
     _print_prose(console, line.plain, style=str(line.style))
 
@@ -400,12 +429,23 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
 def _clip_summary(report: ClipReport) -> str:
     if report.clip_value is not None:
         what = f"clamped every element to [-{fmt(report.clip_value)}, {fmt(report.clip_value)}]"
+    elif report.clip_coef is not None and math.isnan(report.clip_coef):
+        what = "scaled by nan: every gradient element is now NaN, as torch's clip_grad_norm_ does"
     elif report.clipped:
-        what = f"scaled by {fmt(report.clip_coef)}"
+        what = f"scaled by {_fmt_coef(report)}"
     else:
         what = "unchanged: the total norm is within --max-norm"
-    return (f"total norm (p={fmt_p(report.norm_type)}): {fmt(report.total_norm_before)} -> "
+    before = BEYOND_FLOAT64 if report.overflow else fmt(report.total_norm_before)
+    return (f"total norm (p={fmt_p(report.norm_type)}): {before} -> "
             f"{fmt(report.total_norm_after)}; {plural(report.num_tensors, 'tensor')} {what}")
+
+
+def _fmt_coef(report: ClipReport) -> str:
+    # A coefficient below float64's range still scaled exactly (as factors).
+    if report.clip_coef == 0.0 and report.clip_coef_log2 is not None \
+            and math.isfinite(report.clip_coef_log2):
+        return f"2^{report.clip_coef_log2:.6g}"
+    return fmt(report.clip_coef)
 
 
 def print_clip_summary(report: ClipReport, out: TextIO) -> None:
@@ -424,6 +464,15 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
         console.print(Text(shorten(source, width), style="bold"))
         console.print(Text(shorten(f"-> {output}", width), style="bold"))
     _print_prose(console, _clip_summary(report))
+    if report.coef_lowered:
+        _print_prose(console, f"coefficient lowered from {fmt(report.clip_coef_torch)} (torch's) "
+                              f"to {fmt(report.clip_coef)}: rounded to the stored dtype, the "
+                              "clipped total would exceed --max-norm")
+    if report.unshared:
+        entries = plural(len(report.unshared), "non-gradient entry", "non-gradient entries")
+        _print_prose(console, f"kept the values of {entries}"
+                              " that shared storage with a gradient (now stored separately): "
+                              + ", ".join(visible(n) for n in report.unshared))
     if report.nonfinite.total:
         _print_prose(console, f"warning: {plural(report.nonfinite.total, 'non-finite value')} "
                               "were clipped under --allow-nonfinite", style="yellow")

@@ -48,7 +48,7 @@ def select_gradients(
             raise InputError(
                 f"{where}two gradient entries flatten to the same name {name!r}"
             )
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
             tensors[name] = value
         else:
             skipped.append(name)
