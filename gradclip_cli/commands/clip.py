@@ -81,9 +81,9 @@ def run(
             if not nonfinite.total and _zeroes_everything(loaded, owned, coef):
                 if speaks():
                     print(f"gradclip: {visible(str(path))}: clipping to --max-norm {limit:g} "
-                          f"needs a coefficient of 2^{coef.log2:.6g} (total norm {_describe(before)}, "
-                          f"p={p:g}), which would round every gradient to zero; refusing to "
-                          "clip, nothing written", file=sys.stderr)
+                          f"needs a coefficient of 2^{coef.log2:.6g} (total norm "
+                          f"{_describe(before)}, p={p:g}), which would round every gradient "
+                          "to zero; refusing to clip, nothing written", file=sys.stderr)
                 return 1
         if not speaks():
             # One file is written by one process, which must hold every
