@@ -28,6 +28,7 @@ import copyreg
 import gc
 import pickle
 import re
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import BinaryIO
@@ -381,13 +382,29 @@ def unpickle(file: BinaryIO, resolve: Callable[[object], StorageRef] = _no_stora
     if copyreg._extension_cache or copyreg._inverted_registry:
         # EXT opcodes resolved through a populated cache bypass find_class.
         raise Outside("copyreg extension codes registered in this process")
+    # A damaged pickle can make CPython report an error while freeing what it
+    # built ("deallocated bytearray object has exported buffers", from a
+    # READONLY_BUFFER opcode on a bytearray): that goes to sys.unraisablehook,
+    # which would print a second stderr line. Catch it here and call the file damaged.
+    hook, unraisable = sys.unraisablehook, []
+    sys.unraisablehook = unraisable.append
     try:
-        return _Unpickler(file, resolve).load()
+        unpickler = _Unpickler(file, resolve)
+        try:
+            result = unpickler.load()
+        finally:
+            del unpickler  # its stack and memo are freed now, while the hook listens
     except Outside:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-            IndexError, KeyError, RuntimeError, OverflowError, MemoryError) as error:
+            IndexError, KeyError, RuntimeError, OverflowError, MemoryError,
+            SystemError) as error:
         raise Outside(f"damaged pickle: {type(error).__name__}: {error}") from None
+    finally:
+        sys.unraisablehook = hook
+    if unraisable:
+        raise Outside(f"damaged pickle: {unraisable[0].exc_type.__name__}")
+    return result
 
 
 # --- the result walk -------------------------------------------------------
