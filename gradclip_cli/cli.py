@@ -34,6 +34,9 @@ app = typer.Typer(
     "flags, clipped copies. Exit codes: 0 ok, 1 finding, 2 usage error, 3 unreadable input.",
 )
 
+PATH_HELP = ("A checkpoint: a torch.save or .safetensors file, a sharded index or its folder, "
+             "a Trainer checkpoint-N/ folder, a Lightning .ckpt.")
+
 # Options both commands take.
 KeyOpt = typer.Option(None, "--key", help="Dotted path to the gradient dict (grads, state.grads).")
 NormOpt = typer.Option("2", "--norm-type", help="p of the p-norm: any number > 0, or inf.")
@@ -54,6 +57,10 @@ QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress display.")
 DebugOpt = typer.Option(False, "--debug", help="Show Python tracebacks on errors.")
 AllowOpt = typer.Option(
     False, "--allow-nonfinite", help="Report NaN/inf gradients without treating them as a finding."
+)
+WhatOpt = typer.Option(
+    "auto", "--what",
+    help="grads, exp_avg, grad_rms, update, weights or auto (grads if saved, else exp_avg).",
 )
 VerifyOpt = typer.Option(
     False, "--verify", help="Check every stored checksum before trusting the data."
@@ -148,7 +155,7 @@ def _settle(failed: bool, code: int, message: str | None) -> tuple[int, str | No
 
 @app.command()
 def inspect(
-    path: str = typer.Argument(..., help="A torch.save file or a .safetensors file."),
+    path: str = typer.Argument(..., help=PATH_HELP),
     key: str | None = KeyOpt,
     norm_type: str = NormOpt,
     device: str = DeviceOpt,
@@ -163,6 +170,7 @@ def inspect(
         "layer", "--group-by", help="layer, module, tensor, depth:N or regex:PATTERN."
     ),
     top: int = typer.Option(5, "--top", min=0, help="Show the K largest tensors by norm."),
+    what: str = WhatOpt,
     trust_pickle: bool = TrustOpt,
     quiet: bool = QuietOpt,
     debug: bool = DebugOpt,
@@ -176,7 +184,7 @@ def inspect(
             path=path, key=key, norm_type=norm_type, device=device, format=format,
             max_norm=max_norm, allow_nonfinite=allow_nonfinite, verify=verify,
             group_by=group_by, top=top, trust_pickle=trust_pickle, quiet=quiet,
-            output_file=output_file,
+            output_file=output_file, what=what,
         )
 
     _run(body, debug=debug, format=format, source=path, output_file=output_file)
@@ -184,7 +192,7 @@ def inspect(
 
 @app.command()
 def clip(
-    path: str = typer.Argument(..., help="A torch.save file or a .safetensors file."),
+    path: str = typer.Argument(..., help=PATH_HELP),
     max_norm: str | None = typer.Option(
         None, "--max-norm", help="Scale gradients so the total norm is at most this."
     ),
@@ -205,6 +213,7 @@ def clip(
         help="Clip even when gradients hold NaN/inf (as torch with error_if_nonfinite=False).",
     ),
     verify: bool = VerifyOpt,
+    what: str = typer.Option("grads", "--what", help="Only grads: clip changes gradients."),
     trust_pickle: bool = TrustOpt,
     quiet: bool = QuietOpt,
     debug: bool = DebugOpt,
@@ -218,7 +227,7 @@ def clip(
             path=path, max_norm=max_norm, clip_value=clip_value, output=output,
             in_place=in_place, key=key, norm_type=norm_type, device=device, format=format,
             allow_nonfinite=allow_nonfinite, verify=verify, trust_pickle=trust_pickle,
-            quiet=quiet, output_file=output_file,
+            quiet=quiet, output_file=output_file, what=what,
         )
 
     _run(body, debug=debug, format=format, source=path, output_file=output_file)

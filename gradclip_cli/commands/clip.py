@@ -13,7 +13,7 @@ from ..distributed import launcher
 from ..errors import UsageError
 from ..progress import progress_steps
 from ..report import ClipReport, NonFinite
-from ..sink import write_checkpoint
+from ..sink import write_contents
 from .common import emit, load, measure, output_format, speaks
 
 
@@ -21,7 +21,7 @@ def run(
     *, path: str, max_norm: str | None, clip_value: str | None, output: str | None,
     in_place: bool, key: str | None, norm_type: str, device: str, format: str,
     allow_nonfinite: bool, verify: bool, trust_pickle: bool, quiet: bool,
-    output_file: Path | None,
+    output_file: Path | None, what: str = "grads",
 ) -> int:
     p = options.norm_type(norm_type)
     limit = options.threshold("--max-norm", max_norm, allow_zero=False)
@@ -36,7 +36,8 @@ def run(
     if session is not None:
         dev = session.device
     with progress_steps(quiet or not speaks()) as steps:
-        loaded = load(path, key, trust_pickle, verify, steps)
+        loaded = load(path, key, trust_pickle, verify, steps, what, gradients_only=True)
+        tensors = loaded.held_tensors()
         # Under a launcher the ranks share the reading for this first norm.
         before = measure(loaded, p, dev, steps, "computing norms", session=session).total()
         total_before = float(before.norm[0])
@@ -57,16 +58,16 @@ def run(
         if limit is not None:
             c = clip_coefficient(torch.tensor(total_before, dtype=torch.float64), limit)
             coef = float(c)
-            scale_(loaded.tensors, c)
+            scale_(tensors, c)
             clipped = coef < 1.0
         else:
-            clamp_(loaded.tensors, value)
+            clamp_(tensors, value)
             clipped = float(before.max_abs[0]) > value
         after = float(measure(loaded, p, dev, steps, "checking").total().norm[0])
         steps.begin("writing")
-        other_links = write_checkpoint(loaded.checkpoint, target)
+        other_links = write_contents(loaded.contents, target)
     report = ClipReport(
-        source=path, output=target, format=loaded.checkpoint.format,
+        source=path, output=target, format=loaded.contents.kind,
         key=loaded.key, norm_type=p, max_norm=limit, clip_value=value,
         total_norm_before=total_before, clip_coef=coef, total_norm_after=after,
         clipped=clipped, num_tensors=len(loaded.tensors), nonfinite=nonfinite,

@@ -11,14 +11,17 @@ from typing import TextIO
 
 import torch
 
-from ..core import find_ties, tensor_power_sums
+from ..core import PowerSums
 from ..distributed import launcher
-from ..errors import UsageError
+from ..errors import InputError, UsageError
 from ..format import FORMATS
 from ..progress import Steps
 from ..sink import atomic_write
-from ..source import Checkpoint, load_checkpoint, select_gradients
+from ..source import Checkpoint
 from ..source.files.pages import PageReleaser
+from ..source.interface import Contents
+from ..source.layouts import open_checkpoint
+from ..source.what import Selection, select, stored_power_sums
 
 # torch's intra-op threads become gradclip's own workers (see tensor_power_sums).
 WORKERS = torch.get_num_threads()
@@ -27,12 +30,43 @@ torch.set_num_threads(1)
 
 @dataclass
 class Loaded:
-    checkpoint: Checkpoint
-    key: str
-    names: list[str]  # without tie duplicates
-    tensors: list[torch.Tensor]
-    ties: dict[str, list[str]]
-    skipped: list[str]
+    """An opened checkpoint and what ``--what`` chose from it."""
+
+    contents: Contents
+    selection: Selection
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        return self.contents.checkpoint
+
+    @property
+    def key(self) -> str:
+        return self.selection.key
+
+    @property
+    def names(self) -> list[str]:  # without tie duplicates
+        return self.selection.names
+
+    @property
+    def tensors(self) -> list:
+        """The stored tensors (``StoredTensor``: shape, dtype, numel, pieces)."""
+        return self.selection.tensors
+
+    @property
+    def ties(self) -> dict[str, list[str]]:
+        return self.selection.ties
+
+    @property
+    def skipped(self) -> list[str]:
+        return self.selection.skipped
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors themselves, for changing them in place (clip)."""
+        held = [t.held for t in self.selection.tensors]
+        if any(h is None for h in held):
+            raise InputError(f"{self.contents.path}: clip needs every gradient in one piece; "
+                             "this checkpoint stores some in several")
+        return held
 
 
 def output_format(name: str):
@@ -42,28 +76,34 @@ def output_format(name: str):
     return FORMATS[name]
 
 
-def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: Steps) -> Loaded:
-    """Read ``path`` and pick its gradients; tied names are folded into their first name."""
+def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: Steps,
+         what: str = "auto", *, gradients_only: bool = False) -> Loaded:
+    """Open ``path`` (any layout) and choose what ``--what`` measures.
+
+    Tied names are folded into their first name. ``gradients_only``: clip,
+    which changes gradients and nothing else.
+    """
     steps.begin("loading")
-    ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
-    if ckpt.trusted_pickle and speaks():
+    contents = open_checkpoint(path, key=key, trust_pickle=trust_pickle, verify=verify)
+    if contents.trusted_pickle and speaks():
         print(f"gradclip: warning: {path}: loaded with --trust-pickle (full unpickling; "
               "code in the file may have run)", file=sys.stderr)
-    selection = select_gradients(ckpt.root, key, path=path)
-    all_names = list(selection.tensors)
-    all_tensors = list(selection.tensors.values())
-    owner = find_ties(all_tensors)
-    ties: dict[str, list[str]] = {}
-    for i, o in enumerate(owner):
-        if o != i:
-            ties.setdefault(all_names[o], []).append(all_names[i])
-    keep = [i for i, o in enumerate(owner) if o == i]
-    return Loaded(ckpt, selection.key, [all_names[i] for i in keep],
-                  [all_tensors[i] for i in keep], ties, list(selection.skipped))
+    return Loaded(contents, select(contents, what, gradients_only=gradients_only))
 
 
 def nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.dtype.itemsize for t in tensors)
+
+
+class Releasers:
+    """Page release for every file a checkpoint was read from (see ``PageReleaser``)."""
+
+    def __init__(self, files):
+        self._releasers = [PageReleaser(Path(f)) for f in files]
+
+    def release(self, tensors) -> None:
+        for releaser in self._releasers:
+            releaser.release(tensors)
 
 
 def speaks() -> bool:
@@ -72,34 +112,56 @@ def speaks() -> bool:
     return session is None or session.primary
 
 
+def _shared(sizes: list[int], session: launcher.Session | None, run) -> PowerSums:
+    """``run(indices)`` over all pieces, or under a launcher over this rank's share of them
+    (split by bytes), every rank getting all of them back in the single-process order."""
+    if session is None:
+        return run(None)
+    from ..distributed.combine import gather_power_sums
+    from ..distributed.pieces import assign, owned
+
+    mine = owned(assign(sizes, session.world_size), session.rank)
+    return gather_power_sums(session, run(mine), mine, len(sizes))
+
+
 def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label: str,
-            release: PageReleaser | None = None, session: launcher.Session | None = None):
-    """Per-tensor power sums of the loaded gradients, with progress and page release.
+            release: PageReleaser | Releasers | None = None,
+            session: launcher.Session | None = None) -> PowerSums:
+    """Per-tensor power sums of what ``--what`` chose, with progress and page release.
 
     With a ``session`` (under a launcher) each rank reads and measures its own
     pieces and every rank gets all of them back, in the single-process order.
     """
-    tensors = loaded.tensors
-    mine = list(range(len(tensors)))
-    if session is not None:
-        from ..distributed.pieces import assign, owned
+    selection = loaded.selection
 
-        owners = assign([nbytes([t]) for t in tensors], session.world_size)
-        mine = owned(owners, session.rank)
-        tensors = [tensors[i] for i in mine]
-    steps.begin(label, total=nbytes(tensors))
+    def run(only):
+        steps.begin(label, total=nbytes(selection.tensors if only is None
+                                        else [selection.tensors[i] for i in only]))
 
-    def done(batch) -> None:
-        steps.advance(nbytes(batch))
-        if release is not None:
-            release.release(batch)
+        def done(batch) -> None:
+            steps.advance(nbytes(batch))
+            if release is not None:
+                release.release(batch)
 
-    sums = tensor_power_sums(tensors, p, device=device, on_batch=done, workers=WORKERS)
-    if session is None:
-        return sums
-    from ..distributed.combine import gather_power_sums
+        return selection.measure(p, device, done, WORKERS, only)
 
-    return gather_power_sums(session, sums, mine, len(loaded.tensors))
+    return _shared([t.nbytes for t in selection.tensors], session, run)
+
+
+def measure_weights(loaded: Loaded, p: float, device: torch.device,
+                    release: Releasers | None = None,
+                    session: launcher.Session | None = None) -> PowerSums | None:
+    """Power sums of the weights of the measured names (for ``ratio``), where all are held."""
+    weights = loaded.selection.weights
+    if not weights or any(w is None for w in weights):
+        return None
+    on_batch = release.release if release is not None else None
+
+    def run(only):
+        chosen = weights if only is None else [weights[i] for i in only]
+        return stored_power_sums(chosen, p, device, on_batch, WORKERS)
+
+    return _shared([w.nbytes for w in weights], session, run)
 
 
 def emit(write: Callable[[TextIO], None], output_file: Path | None) -> None:

@@ -2,7 +2,10 @@
 
 from .clipping import clamp_, clip_coefficient, scale_
 from .norms import tensor_power_sums
-from .power_sums import PowerSums
+from .power_sums import PowerSums, concat
 from .ties import find_ties
 
-__all__ = ["PowerSums", "clamp_", "clip_coefficient", "find_ties", "scale_", "tensor_power_sums"]
+__all__ = [
+    "PowerSums", "clamp_", "clip_coefficient", "concat", "find_ties", "scale_",
+    "tensor_power_sums",
+]

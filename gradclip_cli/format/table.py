@@ -107,10 +107,14 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
     console = _console(out)
     p = fmt_p(report.norm_type)
     key = f", key '{report.key}'" if report.key else ""
-    console.print(
-        f"[bold]{report.source}[/bold]  {report.format}{key}, {report.num_tensors} tensors, "
-        f"{report.num_elements:,} elements, p={p}, device {report.device}"
-    )
+    step = f", step {report.step}" if report.step is not None else ""
+    header = Text(report.source, style="bold")
+    header.append(f"  {report.format}{key}{step}, {report.num_tensors} tensors, "
+                  f"{report.num_elements:,} elements, p={p}, device {report.device}")
+    console.print(header)
+    console.print(Text(f"what: {report.what}"))
+    for line in report.description:
+        console.print(Text(line, style="dim"))
     if report.skipped:
         console.print(f"skipped {len(report.skipped)} non-floating entr"
                       f"{'y' if len(report.skipped) == 1 else 'ies'}: "
@@ -119,7 +123,9 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
     table = Table(title=f"groups (by {report.group_by})", title_justify="left")
     # The bar is the first thing to go on a narrow terminal; names never are.
     show_bar = console.width >= 100
+    with_ratio = any(g.ratio is not None for g in report.groups)
     columns = [("group", "left"), ("norm", "right"), ("share", "right"), ("max |g|", "right"),
+               *([("ratio", "right")] if with_ratio else []),
                ("elements", "right"), ("non-finite", "left")] + ([("", "left")] if show_bar else [])
     for col, just in columns:
         table.add_column(col, justify=just, no_wrap=col != "group",
@@ -129,7 +135,8 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
     shown = _groups_to_show(report)
     for g in shown:
         share = "-" if math.isnan(g.share) else f"{100 * g.share:.1f}%"
-        cells = [g.name, fmt(g.norm), share, fmt(g.max_abs), f"{g.num_elements:,}",
+        cells = [g.name, fmt(g.norm), share, fmt(g.max_abs),
+                 *([fmt(g.ratio)] if with_ratio else []), f"{g.num_elements:,}",
                  _nonfinite_cell(g.nonfinite)]
         table.add_row(*cells, *([bar(g.norm, largest)] if show_bar else []))
     table.add_section()
@@ -139,7 +146,8 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
                            style="dim"), *[""] * (len(columns) - 1))
     table.add_row(Text("total", style="bold"), Text(fmt(report.total_norm), style="bold"),
                   "100%" if report.total_norm else "-", fmt(report.max_abs),
-                  f"{report.num_elements:,}", _nonfinite_cell(report.nonfinite),
+                  *([""] if with_ratio else []), f"{report.num_elements:,}",
+                  _nonfinite_cell(report.nonfinite),
                   *([""] if show_bar else []))
     console.print(table)
 

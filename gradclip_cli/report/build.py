@@ -24,6 +24,13 @@ def _share(norm: float, total: float, p: float) -> float:
     return ratio if math.isinf(p) else ratio**p
 
 
+def _ratio(norm: float, weight_norm: float) -> float:
+    """norm / weight norm; a zero weight norm gives inf (or nan for a zero norm too)."""
+    if weight_norm == 0:
+        return math.nan if norm == 0 else math.inf
+    return norm / weight_norm
+
+
 def verdict(
     nonfinite: NonFinite, total: float, max_norm: float | None, allow_nonfinite: bool
 ) -> str:
@@ -50,8 +57,16 @@ def build_inspect_report(
     allow_nonfinite: bool,
     group_by: str,
     skipped: list[str],
+    what: str = "grads",
+    step: int | None = None,
+    description: Sequence[str] = (),
+    weight_sums: PowerSums | None = None,
 ) -> InspectReport:
-    """``names``, ``tensors`` and ``sums`` are aligned and hold no tie duplicates."""
+    """``names``, ``tensors`` and ``sums`` are aligned and hold no tie duplicates.
+
+    ``weight_sums``, aligned too, are the same parameters' weights: each
+    tensor and group then gets ``ratio = norm / weight norm``.
+    """
     p = sums.norm_type
     group_names = [group_rule(n) for n in names]
     order = list(dict.fromkeys(group_names))  # checkpoint order of first appearance
@@ -65,6 +80,11 @@ def build_inspect_report(
     norms = sums.norm.tolist()
     maxes = sums.max_abs.tolist()
     counts = _nonfinite_all(sums)
+    ratios: list[float | None] = [None] * len(names)
+    group_ratios: list[float | None] = [None] * len(order)
+    if weight_sums is not None:
+        ratios = [_ratio(a, b) for a, b in zip(norms, weight_sums.norm.tolist())]
+        weight_groups = weight_sums.reduce(group_index, len(order)).norm.tolist()
 
     tensor_rows = [
         TensorRow(
@@ -77,6 +97,7 @@ def build_inspect_report(
             max_abs=maxes[i],
             nonfinite=counts[i],
             tied=tuple(ties.get(name, ())),
+            ratio=ratios[i],
         )
         for i, name in enumerate(names)
     ]
@@ -91,6 +112,8 @@ def build_inspect_report(
     group_rows = []
     for g, name in enumerate(order):
         norm = group_norms[g]
+        if weight_sums is not None:
+            group_ratios[g] = _ratio(norm, weight_groups[g])
         group_rows.append(
             GroupRow(
                 name=name,
@@ -100,6 +123,7 @@ def build_inspect_report(
                 num_tensors=members[g],
                 num_elements=elements[g],
                 nonfinite=group_counts[g],
+                ratio=group_ratios[g],
             )
         )
     nonfinite = _nonfinite_all(total)[0]
@@ -121,4 +145,7 @@ def build_inspect_report(
         allow_nonfinite=allow_nonfinite,
         group_by=group_by,
         skipped=list(skipped),
+        what=what,
+        step=step,
+        description=list(description),
     )

@@ -27,6 +27,7 @@ class TensorRow:
     max_abs: float
     nonfinite: NonFinite
     tied: tuple[str, ...] = ()  # other names of this same storage
+    ratio: float | None = None  # norm / the same parameter's weight norm
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class GroupRow:
     num_tensors: int
     num_elements: int
     nonfinite: NonFinite
+    ratio: float | None = None  # norm / the norm of the same parameters' weights
 
 
 # What a report concludes; the CLI maps each to an exit code.
@@ -63,6 +65,9 @@ class InspectReport:
     allow_nonfinite: bool = False
     group_by: str = "layer"
     skipped: list[str] = field(default_factory=list)
+    what: str = "grads"  # what was measured (--what, resolved)
+    step: int | None = None  # the training step, when the checkpoint records it
+    description: list[str] = field(default_factory=list)  # lines for the header
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,10 @@ def main() -> None:
         timeout = float(os.environ.get("GRADCLIP_DIST_TIMEOUT", "120"))
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     from gradclip_cli import cli
-    from gradclip_cli.commands import common
     from gradclip_cli.errors import InputError
+
+    # Measuring goes through source/what.py, which calls the core's tensor_power_sums.
+    from gradclip_cli.source import what as common
 
     real = common.tensor_power_sums
     for index, job in enumerate(jobs):
