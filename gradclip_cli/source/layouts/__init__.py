@@ -20,10 +20,10 @@ from pathlib import Path
 from gradclip_cli.errors import InputError
 from gradclip_cli.source.interface import Contents, Layout
 
-from . import hf_sharded, single_file
+from . import hf_sharded, hf_trainer, single_file
 
 LAYOUTS: tuple[Layout, ...] = (
-
+    hf_trainer,
     hf_sharded,
 )
 

@@ -76,7 +76,9 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     contents.skipped = [n for n in tensors if n not in floating]
     if not floating:
         contents.gradient_error = f"{index}: no floating-point tensors in the set"
-    contents.weights = dict(tensors)
+    # The same tensors are the weights when the set is a model (save_pretrained):
+    # --what weights measures them; no ratio of a tensor to itself.
+    contents.weights = contents.gradients
     return contents
 
 
