@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def run(
         raise UsageError("clip needs exactly one of --max-norm X or --clip-value V")
     dev = options.device(device)
     fmt = output_format(format)
-    target = options.clip_output(path, output, in_place)
+    # A folder is a set, written as a folder (its target is known once it is opened).
+    target = path if os.path.isdir(path) else options.clip_output(path, output, in_place)
     options.report_file(output_file)
     session = launcher.join(dev, device)
     if session is not None:
@@ -38,6 +40,8 @@ def run(
     with progress_steps(quiet or not speaks()) as steps:
         loaded = load(path, key, trust_pickle, verify, steps, what, gradients_only=True)
         tensors = loaded.held_tensors()
+        if loaded.contents.shards:
+            target = str(_set_target(loaded.contents.index.parent, output, in_place))
         # Under a launcher the ranks share the reading for this first norm.
         before = measure(loaded, p, dev, steps, "computing norms", session=session).total()
         total_before = float(before.norm[0])
@@ -65,7 +69,7 @@ def run(
             clipped = float(before.max_abs[0]) > value
         after = float(measure(loaded, p, dev, steps, "checking").total().norm[0])
         steps.begin("writing")
-        other_links = write_contents(loaded.contents, target)
+        other_links = write_contents(loaded.contents, target, in_place=in_place)
     report = ClipReport(
         source=path, output=target, format=loaded.contents.kind,
         key=loaded.key, norm_type=p, max_norm=limit, clip_value=value,
@@ -75,3 +79,14 @@ def run(
     )
     emit(lambda out: fmt.render_clip(report, out), output_file)
     return 0
+
+
+def _set_target(folder: Path, output: str | None, in_place: bool) -> Path:
+    """A sharded set is written as a folder: ``-o`` names it; default ``<folder>.clipped``."""
+    if in_place:
+        return folder
+    target = Path(output) if output is not None else folder.with_name(f"{folder.name}.clipped")
+    if target.exists():
+        raise UsageError(f"{target}: exists; a clipped set is written as a new folder "
+                         "(or use --in-place)")
+    return target

@@ -93,7 +93,7 @@ def read_set(
         by_shard.setdefault(shard, []).append(name)
     shards: list[Checkpoint] = []
     found: dict[str, StoredTensor] = {}
-    for shard_name, names in by_shard.items():
+    for shard_name, names in sorted(by_shard.items()):
         shard_path = inside(folder, shard_name, named_by=index)
         if not os.path.exists(shard_path):
             raise InputError(f"{shard_path}: missing: {index.name} names it as a shard")
