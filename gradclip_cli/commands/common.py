@@ -135,8 +135,7 @@ def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label:
     selection = loaded.selection
 
     def run(only):
-        steps.begin(label, total=nbytes(selection.tensors if only is None
-                                        else [selection.tensors[i] for i in only]))
+        steps.begin(label, total=selection.bytes_to_read(only))
 
         def done(batch) -> None:
             steps.advance(nbytes(batch))
@@ -145,7 +144,7 @@ def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label:
 
         return selection.measure(p, device, done, WORKERS, only)
 
-    return _shared([t.nbytes for t in selection.tensors], session, run)
+    return _shared(selection.read_sizes(), session, run)
 
 
 def measure_weights(loaded: Loaded, p: float, device: torch.device,

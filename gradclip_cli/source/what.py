@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -83,7 +83,17 @@ class Selection:
     explain: str
     measure: Measure
     weights: list[StoredTensor | None] | None = None
-    notes: list[str] = field(default_factory=list)
+    extra_reads: list[StoredTensor] | None = None  # also read, aligned with ``tensors``
+
+    def read_sizes(self) -> list[int]:
+        """Bytes measuring each tensor reads (for progress and for sharing work)."""
+        sizes = [t.nbytes for t in self.tensors]
+        if self.extra_reads is not None:
+            sizes = [a + b.nbytes for a, b in zip(sizes, self.extra_reads)]
+        return sizes
+
+    def bytes_to_read(self, only: list[int] | None = None) -> int:
+        return sum(_pick(self.read_sizes(), only))
 
 
 def select(contents: Contents, what: str, *, gradients_only: bool = False) -> Selection:
@@ -264,6 +274,11 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
         if m.shape != v.shape:
             raise InputError(f"{opt.file}: parameter {visible(p.name)}: exp_avg {list(m.shape)} "
                              f"and exp_avg_sq {list(v.shape)} differ in shape")
+        weight = contents.weights.get(p.name) if contents.weights else None
+        if weight is not None and weight.shape != m.shape:
+            raise InputError(f"{opt.file}: parameter {visible(p.name)}: exp_avg "
+                             f"{list(m.shape)} does not fit the weight's shape "
+                             f"{list(weight.shape)}")
 
     if what == "exp_avg":
         def measure(p, dev, on_batch, workers, only=None):
@@ -293,6 +308,7 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
     return Selection(
         what=what, names=[p.name for p in params], tensors=described, ties={}, skipped=[],
         key="", explain=EXPLAIN[what], measure=measure, weights=weights,
+        extra_reads=squares if what == "update" else None,
     )
 
 
@@ -386,7 +402,7 @@ def _update_power_sums(moments, squares, corrections, hyper, p, device, on_batch
             updates.append(m.to(dtype).mul(lr / c1).div_(denom))
         parts.append(tensor_power_sums(updates, p, device=device, workers=workers))
         if on_batch is not None:
-            on_batch([moments[i].read() for i in batch])
+            on_batch([t[i].read() for t in (moments, squares) for i in batch])
         batch, size = [], 0
 
     for i, m in enumerate(moments):

@@ -38,9 +38,14 @@ def sharded_pretrained(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def sharded_bin(tmp_path_factory) -> Path:
-    """``save_pretrained(safe_serialization=False)``: torch shards and their index."""
+    """``huggingface_hub.save_torch_state_dict(safe_serialization=False)``: torch shards and
+    ``pytorch_model.bin.index.json`` (transformers 5 writes safetensors only)."""
+    from huggingface_hub import save_torch_state_dict
+
     folder = tmp_path_factory.mktemp("pretrained_bin")
-    tiny_gpt2().save_pretrained(folder, max_shard_size="6KB", safe_serialization=False)
+    state = {k: v for k, v in tiny_gpt2().state_dict().items() if k != "lm_head.weight"}
+    save_torch_state_dict(state, folder, max_shard_size="6KB", safe_serialization=False)
+    assert (folder / "pytorch_model.bin.index.json").exists()
     return folder
 
 

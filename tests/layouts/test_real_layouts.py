@@ -9,6 +9,7 @@ the Trainer itself used), and the bias correction is done by hand.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,33 @@ def test_param_names_map_directly(gradclip, tmp_path):
         assert rel_err(row["norm"], _norm([m])) <= TOL
     assert math.isclose(doc["total_norm"], _norm(
         s["exp_avg"].double() / (1 - 0.9) for s in state["state"].values()), rel_tol=TOL)
+
+
+def test_grads_beside_weights_get_ratio(gradclip):
+    # training_state.pt: grads, the model (lm_head tied to wte) and AdamW after one step.
+    from tests.cli.support import SAMPLES
+
+    saved = torch.load(SAMPLES / "training_state.pt", weights_only=True)
+    doc = gradclip("inspect", SAMPLES / "training_state.pt", "--format", "json").json()
+    assert doc["what"] == "grads"
+    for row in doc["tensors"]:
+        ratio = _norm([saved["grads"][row["name"]]]) / _norm([saved["model"][row["name"]]])
+        assert rel_err(row["ratio"], ratio) <= TOL, row["name"]
+    exp_avg = gradclip("inspect", SAMPLES / "training_state.pt", "--what", "exp_avg",
+                       "--format", "json").json()
+    # One step: exp_avg_hat == (0.1 * g) / (1 - 0.9) == g, the saved gradient itself.
+    assert rel_err(exp_avg["total_norm"], doc["total_norm"]) <= 1e-5
+
+
+def test_a_folder_with_two_indexes_asks_for_one(gradclip, sharded_pretrained, sharded_bin,
+                                                 tmp_path):
+    both = tmp_path / "both"
+    shutil.copytree(sharded_pretrained, both)
+    for f in sharded_bin.iterdir():
+        shutil.copy(f, both / f.name)
+    result = gradclip("inspect", both)
+    assert result.code == 3
+    assert result.err_lines == [
+        f"gradclip: {both}: holds several indexes (model.safetensors.index.json, "
+        "pytorch_model.bin.index.json); give the one to read"]
+    assert gradclip("inspect", both / "pytorch_model.bin.index.json").code == 0

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
+from gradclip_cli.format.text import visible
 from gradclip_cli.source.interface import Contents, Layout
 
 from . import hf_sharded, hf_trainer, single_file
@@ -41,6 +42,10 @@ def open_checkpoint(
         if layout.recognises(path):
             return layout.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
     if os.path.isdir(path):
+        indexes = sorted(n for n in os.listdir(path) if n.endswith(hf_sharded.INDEX_SUFFIX))
+        if len(indexes) > 1:
+            raise InputError(f"{path}: holds several indexes ({visible(', '.join(indexes))}); "
+                             "give the one to read")
         raise InputError(
             f"{path}: is a folder, but not a checkpoint gradclip knows (expected a sharded "
             "checkpoint's index, or a Hugging Face Trainer checkpoint-N/ folder)")

@@ -65,7 +65,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     contents = Contents(path=path, kind=KIND, files=[index, *(s.path for s in shards)],
                         shards=shards, index=index, model_order=False,
                         trusted_pickle=any(s.trusted_pickle for s in shards))
-    contents.description.append(f"{index.name}: {len(tensors)} tensors in {len(shards)} shards")
+    contents.description.append(
+        f"{visible(index.name)}: {len(tensors)} tensors in {len(shards)} shards")
     if key is not None:
         raise InputError(f"{index}: --key {key!r} does not apply: a sharded set is one flat "
                          "mapping of name -> tensor")

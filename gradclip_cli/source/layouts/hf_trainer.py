@@ -65,7 +65,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         contents.model_order_names = model_order_from_config(path)
     contents.gradient_error = (f"{path}: a Trainer checkpoint holds no gradients "
                                "(the optimizer's moments stand in for them: --what exp_avg)")
-    held = ", ".join(p.name for p in contents.files)
+    held = ", ".join(visible(p.name) for p in contents.files)
     step = f" at global_step {contents.step}" if contents.step is not None else ""
     contents.description.insert(0, f"Trainer checkpoint{step}: {held}")
     return contents

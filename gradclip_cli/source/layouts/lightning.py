@@ -40,9 +40,8 @@ def contents(ckpt: Checkpoint, *, key: str | None) -> Contents:
     path = ckpt.path
     out = Contents(path=path, kind=KIND, files=[path], checkpoint=ckpt,
                    trusted_pickle=ckpt.trusted_pickle)
-    weights = root["state_dict"]
-    if not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        raise InputError(f"{path}: Lightning 'state_dict' holds entries that are not tensors")
+    # Modules may keep non-tensor extra state in a state_dict; only tensors are weights.
+    weights = {k: v for k, v in root["state_dict"].items() if isinstance(v, torch.Tensor)}
     # Gradients only where the file holds a gradient mapping: the state_dict
     # itself is the model, never taken for gradients.
     rest = {k: v for k, v in root.items() if k not in ("state_dict", "optimizer_states")}

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from gradclip_cli.errors import InputError
+from gradclip_cli.format.text import visible
 from gradclip_cli.source import load_checkpoint, select_gradients
 from gradclip_cli.source.interface import Contents, stored
 
@@ -40,7 +41,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     index = _index_listing(path)
     if index is not None:
         contents.description.append(
-            f"covers shard {path.name} only; the whole checkpoint is indexed by {index.name}")
+            f"covers shard {visible(path.name)} only; the whole checkpoint is indexed by "
+            f"{visible(index.name)}")
         contents.index = index
     return contents
 
