@@ -99,6 +99,13 @@ def lightning_ckpt(tmp_path_factory) -> Path:
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=1e-2, betas=(0.8, 0.95))
 
+        def on_before_optimizer_step(self, optimizer):
+            # The last step's gradients, kept for the checkpoint (as a monitor would).
+            self.last_grads = {n: p.grad.detach().clone() for n, p in self.named_parameters()}
+
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["grads"] = self.last_grads
+
     torch.manual_seed(2)
     data = TensorDataset(torch.randn(24, 6), torch.randn(24, 3))
     out = tmp_path_factory.mktemp("lightning")

@@ -107,7 +107,7 @@ def test_lightning_checkpoint(gradclip, lightning_ckpt):
     for pid, name in enumerate(names):
         state = optimizer["state"][pid]
         expected[name] = state["exp_avg"].double() / (1 - beta1 ** float(state["step"]))
-    doc = gradclip("inspect", lightning_ckpt, "--format", "json").json()
+    doc = gradclip("inspect", lightning_ckpt, "--what", "exp_avg", "--format", "json").json()
     assert doc["what"] == "exp_avg" and doc["format"] == "lightning"
     assert doc["step"] == saved["global_step"] == 3
     assert rel_err(doc["total_norm"], _norm(expected.values())) <= TOL
@@ -211,3 +211,22 @@ def test_a_folder_with_two_indexes_asks_for_one(gradclip, sharded_pretrained, sh
         f"gradclip: {both}: holds several indexes (model.safetensors.index.json, "
         "pytorch_model.bin.index.json); give the one to read"]
     assert gradclip("inspect", both / "pytorch_model.bin.index.json").code == 0
+
+
+def test_lightning_checkpoint_with_saved_grads_is_clipped_whole(gradclip, lightning_ckpt,
+                                                                tmp_path):
+    saved = torch.load(lightning_ckpt, weights_only=True)
+    total = _norm(saved["grads"].values())
+    doc = gradclip("inspect", lightning_ckpt, "--format", "json").json()
+    assert doc["what"] == "grads" and rel_err(doc["total_norm"], total) <= TOL
+    out = tmp_path / "clipped.ckpt"
+    result = gradclip("clip", lightning_ckpt, "--max-norm", str(total / 4), "-o", out)
+    assert result.code == 0, result.err
+    clipped = torch.load(out, weights_only=True)
+    assert rel_err(_norm(clipped["grads"].values()), total / 4) <= 1e-5
+    assert set(clipped) == set(saved)
+    for name, weight in saved["state_dict"].items():
+        assert torch.equal(clipped["state_dict"][name], weight)
+    assert clipped["optimizer_states"][0]["param_groups"] == saved["optimizer_states"][0][
+        "param_groups"]
+    assert clipped["global_step"] == saved["global_step"]
