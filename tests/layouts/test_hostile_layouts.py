@@ -86,6 +86,11 @@ def test_symlink_out_of_the_folder(sharded, tmp_path):
     _one_line(run_cli("inspect", sharded), "leads outside its folder")
 
 
+def test_control_characters_in_a_shard_name(sharded):
+    _edit_index(sharded, _point_first_at("model-00001\nOK: total norm 0.safetensors"))
+    _one_line(run_cli("inspect", sharded), "model.safetensors.index.json", "not a relative path")
+
+
 def test_missing_shard(sharded):
     os.unlink(sharded / SECOND)
     _one_line(run_cli("inspect", sharded), f"{sharded / SECOND}: missing")

@@ -28,7 +28,9 @@ def inside(folder: Path, name: object, *, named_by: Path) -> Path:
     names whose resolved path (symlinks followed) lies outside the folder's
     resolved path. ``named_by`` is the file that gave the name, for the message.
     """
-    if not isinstance(name, str) or not name or "\x00" in name:
+    # Control characters have no place in a shard's name, and would break the
+    # one-line message that names the file.
+    if not isinstance(name, str) or not name or not name.isprintable():
         raise InputError(f"{named_by}: names a file {visible(repr(name))}, not a relative path")
     parts = PurePosixPath(name).parts
     if name.startswith(("/", "\\")) or os.path.isabs(name) or ".." in parts or "\\" in name:
