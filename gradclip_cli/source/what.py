@@ -200,6 +200,9 @@ def _untied(source: dict[str, StoredTensor]):
     return [names[i] for i in keep], [stored[i] for i in keep], ties
 
 
+# A stored tensor may carry requires_grad (torch.save keeps the flag); measuring
+# is never differentiated, and out= kernels refuse such inputs under grad mode.
+@torch.no_grad()
 def stored_power_sums(
     tensors: Sequence[StoredTensor], p: float, device: torch.device | None = None,
     on_batch: Callable | None = None, workers: int = 1,
@@ -383,6 +386,7 @@ def _square_rooted(sums: PowerSums, divisor: torch.Tensor, p: float) -> PowerSum
                      sums.neginf)
 
 
+@torch.no_grad()
 def _update_power_sums(moments, squares, corrections, hyper, p, device, on_batch, workers):
     """Power sums of ``lr * m_hat / (sqrt(v_hat) + eps)``, a batch of parameters at a time."""
     parts = []

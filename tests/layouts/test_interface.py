@@ -75,5 +75,5 @@ def test_sharded_set_is_one_total_and_a_shard_alone_says_so(tmp_path):
 
 def test_a_folder_of_no_known_layout_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(InputError, match="is a folder, but not a checkpoint"):
+    with pytest.raises(InputError, match="is a directory, but not a checkpoint"):
         open_checkpoint(tmp_path)

@@ -47,6 +47,6 @@ def open_checkpoint(
             raise InputError(f"{path}: holds several indexes ({visible(', '.join(indexes))}); "
                              "give the one to read")
         raise InputError(
-            f"{path}: is a folder, but not a checkpoint gradclip knows (expected a sharded "
+            f"{path}: is a directory, but not a checkpoint gradclip knows (expected a sharded "
             "checkpoint's index, or a Hugging Face Trainer checkpoint-N/ folder)")
     return single_file.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
