@@ -2,8 +2,10 @@
 
 Same names, arguments and in-place behaviour as torch's; the total norm is
 accurate (relative error <= 1e-6 against float64) and never overflows or
-underflows spuriously, whatever the gradients' dtype or magnitude. Tensors
-tied to one storage count once and are scaled once.
+underflows spuriously, whatever the gradients' dtype or magnitude. Elements
+that several tensors share (tied weights, views, expansions) count once and
+are scaled once; complex gradients count with ``|z|``, sparse ones with their
+stored values; tensors that require grad are read without recording a graph.
 
     >>> from gradclip_cli import clip_grad_norm_
     >>> total = clip_grad_norm_(model.parameters(), max_norm=1.0)
@@ -17,7 +19,17 @@ from collections.abc import Iterable
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from .core import clamp_, clip_coefficient, find_ties, scale_, tensor_power_sums
+from .core import (
+    Elements,
+    PowerSums,
+    clamp_elements_,
+    clip_coefficient,
+    distinct_elements,
+    exact_clip_coefficient,
+    readable,
+    scale_elements_,
+    tensor_power_sums,
+)
 from .distributed import dtensor
 
 TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
@@ -36,9 +48,8 @@ def _grads(parameters: TensorOrTensors) -> list[torch.Tensor]:
     return [p.grad for p in _as_list(parameters) if p.grad is not None]
 
 
-def _untied(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    owner = find_ties(tensors)
-    return [t for i, t in enumerate(tensors) if owner[i] == i]
+def _wide(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.float64, torch.complex128)
 
 
 def get_total_norm(
@@ -73,17 +84,10 @@ def get_total_norm(
     if dtensor.has_dtensor(tensors):
         total = dtensor.get_total_norm(tensors, norm_type, foreach, _sync_free_ok)
         return _checked(total, norm_type, error_if_nonfinite)
-    tensors = _untied(tensors)
     if len(tensors) == 0:
         return torch.tensor(0.0)
-    device = tensors[0].device
-    out_dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    if device.type != "cpu" and _sync_free_ok(tensors, norm_type):
-        total = _total_in_float64(tensors, norm_type, foreach)
-    else:
-        sums = tensor_power_sums(tensors, norm_type, foreach=foreach).total()
-        total = sums.norm[0]
-    return _checked(total.to(device=device, dtype=out_dtype), norm_type, error_if_nonfinite)
+    total, _ = _total_norm(distinct_elements(tensors), tensors, norm_type, foreach)
+    return _checked(total, norm_type, error_if_nonfinite)
 
 
 def _checked(total: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
@@ -97,6 +101,19 @@ def _checked(total: torch.Tensor, norm_type: float, error_if_nonfinite: bool) ->
     return total
 
 
+def _total_norm(
+    elements: Elements, tensors: list[torch.Tensor], norm_type: float, foreach: bool | None
+) -> tuple[torch.Tensor, PowerSums | None]:
+    """The total as the 0-dim result tensor, and its exact summary when it was read back."""
+    device = tensors[0].device
+    out_dtype = torch.float64 if any(_wide(t) for t in tensors) else torch.float32
+    pieces = [p.measure for p in elements.owned]
+    if device.type != "cpu" and _sync_free_ok(pieces, norm_type):
+        return _total_in_float64(pieces, norm_type, foreach).to(device, out_dtype), None
+    sums = tensor_power_sums(pieces, norm_type, foreach=foreach).total()
+    return sums.norm[0].to(device=device, dtype=out_dtype), sums
+
+
 def _sync_free_ok(tensors: list[torch.Tensor], norm_type: float) -> bool:
     narrow = all(t.dtype != torch.float64 for t in tensors)
     return narrow and (math.isinf(norm_type) or norm_type <= _FLOAT64_SAFE_P)
@@ -104,6 +121,9 @@ def _sync_free_ok(tensors: list[torch.Tensor], norm_type: float) -> bool:
 
 def _total_in_float64(tensors, norm_type, foreach) -> torch.Tensor:
     """Accelerator path with no host-device sync: accumulate in float64."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
     first = tensors[0].device
     norms = []
     grouped = _group_tensors_by_device_and_dtype([tensors])
@@ -128,14 +148,15 @@ def clip_grads_with_norm_(
 
     .. math:: c = \min\Big(1, \frac{\text{max\_norm}}{\text{total\_norm} + 10^{-6}}\Big)
 
-    computed in float32 or wider whatever the gradients' dtype. A gradient
-    tied to another (same storage) is scaled once.
+    computed in float32 or wider whatever the gradients' dtype. An element
+    that several gradients share (tied weights, views) is scaled once.
     """
-    grads = _untied(dtensor.local_tensors(_grads(parameters)))
+    grads = dtensor.local_tensors(_grads(parameters))
     if not grads:
         return
-    total_norm = dtensor.as_plain(total_norm)
-    scale_(grads, clip_coefficient(total_norm, float(max_norm)), foreach=foreach)
+    total_norm = readable(dtensor.as_plain(total_norm))
+    scale_elements_(distinct_elements(grads), clip_coefficient(total_norm, float(max_norm)),
+                    foreach)
 
 
 def clip_grad_norm_(
@@ -148,12 +169,33 @@ def clip_grad_norm_(
     """Clip the gradients of ``parameters`` to total norm ``max_norm``, in place.
 
     ``get_total_norm`` of the gradients, then ``clip_grads_with_norm_``.
-    Returns the total norm before clipping (see ``get_total_norm``).
+    Returns the total norm before clipping (see ``get_total_norm``). Where
+    the total was read back exactly (CPU, or p > 6), the coefficient comes
+    from it: a total beyond the result dtype's range (reported as inf)
+    still clips to ``max_norm`` instead of zeroing every gradient.
     """
     parameters = _as_list(parameters)
     grads = _grads(parameters)
-    total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-    clip_grads_with_norm_(parameters, max_norm, total, foreach)
+    if dtensor.has_dtensor(grads):
+        total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        clip_grads_with_norm_(parameters, max_norm, total, foreach)
+        return total
+    if not grads:
+        return torch.tensor(0.0)
+    elements = distinct_elements(grads)
+    total, sums = _total_norm(elements, grads, float(norm_type), foreach)
+    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from "
+            "`parameters` is non-finite, so it cannot be clipped. To disable "
+            "this error and scale the gradients by the non-finite norm anyway, "
+            "set `error_if_nonfinite=False`"
+        )
+    if sums is not None:
+        coef = exact_clip_coefficient(sums, float(max_norm))
+    else:
+        coef = clip_coefficient(total, float(max_norm))
+    scale_elements_(elements, coef, foreach)
     return total
 
 
@@ -163,4 +205,5 @@ def clip_grad_value_(
     foreach: bool | None = None,
 ) -> None:
     """Clamp every gradient element of ``parameters`` to ``[-clip_value, clip_value]``, in place."""
-    clamp_(_untied(_grads(parameters)), clip_value, foreach=foreach)
+    clamp_elements_(distinct_elements(dtensor.local_tensors(_grads(parameters))), clip_value,
+                    foreach)

@@ -26,7 +26,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 ERROR_SCHEMA = "gradclip.error/1"
 
 app = typer.Typer(
-    add_completion=False,
+    add_completion=True,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -38,22 +38,33 @@ PATH_HELP = ("A checkpoint: a torch.save or .safetensors file, a sharded index o
              "a Trainer checkpoint-N/ folder, a Lightning .ckpt.")
 
 # Options both commands take.
-KeyOpt = typer.Option(None, "--key", help="Dotted path to the gradient dict (grads, state.grads).")
-NormOpt = typer.Option("2", "--norm-type", help="p of the p-norm: any number > 0, or inf.")
-DeviceOpt = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N, mps or auto.")
+KeyOpt = typer.Option(
+    None, "--key", metavar="K",
+    help="Dotted path to the gradients (grads, state.grads); an integer indexes a list.",
+)
+NormOpt = typer.Option("2", "--norm-type", metavar="P",
+                       help="p of the p-norm: any number > 0, or inf.")
+DeviceOpt = typer.Option("cpu", "--device", metavar="DEVICE",
+                         help="cpu, cuda, cuda:N, mps or auto.")
 FormatOpt = typer.Option(
-    "table", "--format",
+    "table", "--format", metavar="FORMAT",
     help="table (for people), json (for scripts), markdown (a PR comment or "
     "$GITHUB_STEP_SUMMARY), github (GitHub Actions annotations) or junit (JUnit XML).",
 )
 OutputFileOpt = typer.Option(
-    None, "--output-file", help="Write the report to FILE (atomically) instead of stdout."
+    None, "--output-file", metavar="FILE",
+    help="Write the report to FILE (atomically) instead of stdout.",
 )
 TrustOpt = typer.Option(
     False, "--trust-pickle",
     help="Allow full unpickling: runs code from the file. Trusted files only.",
 )
-QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress display.")
+QuietOpt = typer.Option(
+    False, "--quiet", "-q",
+    help="Print only the verdict line (findings also on stderr); the exit code is unchanged.",
+)
+NoProgressOpt = typer.Option(False, "--no-progress", help="No progress display on stderr.")
+PathArg = typer.Argument(..., metavar="PATH", show_default=False, help=PATH_HELP)
 DebugOpt = typer.Option(False, "--debug", help="Show Python tracebacks on errors.")
 AllowOpt = typer.Option(
     False, "--allow-nonfinite", help="Report NaN/inf gradients without treating them as a finding."
@@ -65,6 +76,25 @@ WhatOpt = typer.Option(
 VerifyOpt = typer.Option(
     False, "--verify", help="Check every stored checksum before trusting the data."
 )
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        print(f"gradclip {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_show_version,
+        help="Print gradclip's version and exit.",
+    ),
+) -> None:
+    """Gradient diagnostics for PyTorch checkpoints: accurate norms, non-finite flags, clipped
+    copies. Exit codes: 0 ok, 1 finding, 2 usage error, 3 unreadable input."""
 
 
 def _error_document(message: str, code: int, source: object) -> str:
@@ -79,7 +109,14 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
 
     Paths are reported as given (``./h.pt`` stays ``./h.pt``): they arrive as
     strings, never normalised through ``Path``.
+
+    The message names paths and keys that came from a file or the command
+    line: ``visible`` keeps it one inert line (no escape sequence, no newline
+    forging a second line).
     """
+    from .format.text import visible
+
+    message = visible(message)
     print(f"gradclip: {message}", file=sys.stderr)
     if format != "json":
         return
@@ -155,24 +192,28 @@ def _settle(failed: bool, code: int, message: str | None) -> tuple[int, str | No
 
 @app.command()
 def inspect(
-    path: str = typer.Argument(..., help=PATH_HELP),
+    path: str = PathArg,
     key: str | None = KeyOpt,
     norm_type: str = NormOpt,
     device: str = DeviceOpt,
     format: str = FormatOpt,
     output_file: Path | None = OutputFileOpt,
     max_norm: str | None = typer.Option(
-        None, "--max-norm", help="Threshold: a total norm above it is a finding (exit 1)."
+        None, "--max-norm", metavar="FLOAT",
+        help="Threshold: a total norm above it is a finding (exit 1).",
     ),
     allow_nonfinite: bool = AllowOpt,
     verify: bool = VerifyOpt,
     group_by: str = typer.Option(
-        "layer", "--group-by", help="layer, module, tensor, depth:N or regex:PATTERN."
+        "layer", "--group-by", metavar="RULE",
+        help="layer, module, tensor, depth:N or regex:PATTERN.",
     ),
-    top: int = typer.Option(5, "--top", min=0, help="Show the K largest tensors by norm."),
+    top: int = typer.Option(5, "--top", min=0, metavar="N",
+                            help="Show the N largest tensors by norm."),
     what: str = WhatOpt,
     trust_pickle: bool = TrustOpt,
     quiet: bool = QuietOpt,
+    no_progress: bool = NoProgressOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Report per-group and total gradient norms and non-finite values. Never writes PATH."""
@@ -184,7 +225,7 @@ def inspect(
             path=path, key=key, norm_type=norm_type, device=device, format=format,
             max_norm=max_norm, allow_nonfinite=allow_nonfinite, verify=verify,
             group_by=group_by, top=top, trust_pickle=trust_pickle, quiet=quiet,
-            output_file=output_file, what=what,
+            progress=not (quiet or no_progress), output_file=output_file, what=what,
         )
 
     _run(body, debug=debug, format=format, source=path, output_file=output_file)
@@ -192,15 +233,18 @@ def inspect(
 
 @app.command()
 def clip(
-    path: str = typer.Argument(..., help=PATH_HELP),
+    path: str = PathArg,
     max_norm: str | None = typer.Option(
-        None, "--max-norm", help="Scale gradients so the total norm is at most this."
+        None, "--max-norm", metavar="FLOAT",
+        help="Scale gradients so the total norm is at most FLOAT.",
     ),
     clip_value: str | None = typer.Option(
-        None, "--clip-value", help="Instead: clamp every element to [-V, V]."
+        None, "--clip-value", metavar="FLOAT",
+        help="Instead: clamp every element to [-FLOAT, FLOAT].",
     ),
     output: str | None = typer.Option(
-        None, "--output", "-o", help="Where to write (default: <stem>.clipped<suffix> beside PATH)."
+        None, "--output", "-o", metavar="FILE",
+        help="Where to write (default: <stem>.clipped<suffix> beside PATH).",
     ),
     in_place: bool = typer.Option(False, "--in-place", help="Replace PATH itself, atomically."),
     key: str | None = KeyOpt,
@@ -216,6 +260,7 @@ def clip(
     what: str = typer.Option("grads", "--what", help="Only grads: clip changes gradients."),
     trust_pickle: bool = TrustOpt,
     quiet: bool = QuietOpt,
+    no_progress: bool = NoProgressOpt,
     debug: bool = DebugOpt,
 ) -> None:
     """Write a copy of PATH with clipped gradients; everything else is kept as it was."""
@@ -227,7 +272,7 @@ def clip(
             path=path, max_norm=max_norm, clip_value=clip_value, output=output,
             in_place=in_place, key=key, norm_type=norm_type, device=device, format=format,
             allow_nonfinite=allow_nonfinite, verify=verify, trust_pickle=trust_pickle,
-            quiet=quiet, output_file=output_file, what=what,
+            quiet=quiet, progress=not (quiet or no_progress), output_file=output_file, what=what,
         )
 
     _run(body, debug=debug, format=format, source=path, output_file=output_file)

@@ -12,16 +12,10 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 DELAY_S = 0.5
 
@@ -50,6 +44,17 @@ def progress_steps(quiet: bool) -> Iterator[Steps]:
     if quiet or not sys.stderr.isatty():
         yield Steps(None)
         return
+    # rich is imported only here, when a person may watch: pipes and CI never pay for it.
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
     progress = Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),

@@ -2,27 +2,42 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from .. import options
-from ..core import clamp_, clip_coefficient, scale_
+from ..core import (
+    Coefficient,
+    clamp_elements_,
+    exact_clip_coefficient,
+    lowered_coefficient,
+    rounds_to_zero,
+    scale_elements_,
+    unit_roundoff,
+)
 from ..distributed import launcher
 from ..errors import UsageError
+from ..format.text import visible
 from ..progress import progress_steps
 from ..report import ClipReport, NonFinite
 from ..sink import write_contents
-from .common import emit, load, measure, output_format, speaks
+from .common import Loaded, emit, load, measure, output_format, speaks
+
+# Lowering steps tried before giving up (two suffice in practice; see
+# core.lowered_coefficient for why four always do).
+_MAX_LOWERINGS = 8
 
 
 def run(
     *, path: str, max_norm: str | None, clip_value: str | None, output: str | None,
     in_place: bool, key: str | None, norm_type: str, device: str, format: str,
     allow_nonfinite: bool, verify: bool, trust_pickle: bool, quiet: bool,
-    output_file: Path | None, what: str = "grads",
+    output_file: Path | None, what: str = "grads", progress: bool = True,
 ) -> int:
     p = options.norm_type(norm_type)
     limit = options.threshold("--max-norm", max_norm, allow_zero=False)
@@ -34,50 +49,92 @@ def run(
     # A folder is a set, written as a folder (its target is known once it is opened).
     target = path if os.path.isdir(path) else options.clip_output(path, output, in_place)
     options.report_file(output_file)
+
+    def load_for_writing(steps) -> tuple[Loaded, list[str]]:
+        loaded = load(path, key, trust_pickle, verify, steps, what, gradients_only=True)
+        loaded.held_tensors()  # clip changes tensors in place: each must be one piece
+        return loaded, _unshare_other_entries(loaded)
+
     session = launcher.join(dev, device)
     if session is not None:
         dev = session.device
-    with progress_steps(quiet or not speaks()) as steps:
-        loaded = load(path, key, trust_pickle, verify, steps, what, gradients_only=True)
-        tensors = loaded.held_tensors()
+    with progress_steps(not progress or not speaks()) as steps:
+        loaded, unshared = load_for_writing(steps)
         if loaded.contents.shards:
             target = str(_set_target(loaded.contents.index.parent, output, in_place))
+        if value is not None and any(t.is_complex() for t in loaded.held_tensors()):
+            raise UsageError("--clip-value cannot clamp complex gradients (complex numbers "
+                             "have no order); use --max-norm")
         # Under a launcher the ranks share the reading for this first norm.
-        before = measure(loaded, p, dev, steps, "computing norms", session=session).total()
+        _, owned = measure(loaded, p, dev, steps, "computing norms", session=session)
+        before = owned.total()
         total_before = float(before.norm[0])
+        overflow = bool(before.overflow[0])
         nonfinite = NonFinite(int(before.nan[0]), int(before.posinf[0]), int(before.neginf[0]))
         if nonfinite.total and not allow_nonfinite:
             if not speaks():
                 return 1
-            print(f"gradclip: {path}: total norm is {total_before} ({nonfinite.nan} NaN, "
-                  f"{nonfinite.posinf} +inf, {nonfinite.neginf} -inf); refusing to clip, "
-                  "nothing written (--allow-nonfinite clips anyway)", file=sys.stderr)
+            print(f"gradclip: {visible(str(path))}: total norm is {total_before} "
+                  f"({nonfinite.nan} NaN, {nonfinite.posinf} +inf, {nonfinite.neginf} -inf); "
+                  "refusing to clip, nothing written (--allow-nonfinite clips anyway)",
+                  file=sys.stderr)
             return 1
+        coef = torch_coef = None
+        if limit is not None:
+            coef = torch_coef = exact_clip_coefficient(before, limit)
+            # Every rank has the same total, so every rank decides (and exits) alike.
+            if not nonfinite.total and _zeroes_everything(loaded, owned, coef):
+                if speaks():
+                    print(f"gradclip: {visible(str(path))}: clipping to --max-norm {limit:g} "
+                          f"needs a coefficient of 2^{coef.log2:.6g} (total norm "
+                          f"{_describe(before)}, p={p:g}), which would round every gradient "
+                          "to zero; refusing to clip, nothing written", file=sys.stderr)
+                return 1
         if not speaks():
             # One file is written by one process, which must hold every
             # scaled tensor: rank 0 scales, checks and writes; the other
             # ranks are done. (Sharded checkpoints: each rank its shards.)
             return 0
-        coef = None
         if limit is not None:
-            c = clip_coefficient(torch.tensor(total_before, dtype=torch.float64), limit)
-            coef = float(c)
-            scale_(tensors, c)
-            clipped = coef < 1.0
+            scale_elements_(loaded.elements, coef)
+            after = float(measure(loaded, p, dev, steps, "checking")[1].total().norm[0])
+            # Rounding to a narrow stored dtype can leave the total just above
+            # the limit; start again from the file with a lower coefficient.
+            # ``inspect`` measures the output with this same code, so the
+            # comparison it makes is this one.
+            roundoff = max(unit_roundoff(t.dtype) for t in loaded.held_tensors())
+            attempt = 0
+            while after > limit and math.isfinite(after) and attempt < _MAX_LOWERINGS:
+                coef = lowered_coefficient(coef, after, limit, roundoff, attempt)
+                attempt += 1
+                loaded, unshared = load_for_writing(steps)
+                scale_elements_(loaded.elements, coef)
+                after = float(measure(loaded, p, dev, steps, "checking")[1].total().norm[0])
+            clipped = not coef.is_one
         else:
-            clamp_(tensors, value)
+            clamp_elements_(loaded.elements, value)
             clipped = float(before.max_abs[0]) > value
-        after = float(measure(loaded, p, dev, steps, "checking").total().norm[0])
+            after = float(measure(loaded, p, dev, steps, "checking")[1].total().norm[0])
         steps.begin("writing")
         other_links = write_contents(loaded.contents, target, in_place=in_place)
+    lowered = coef is not torch_coef
     report = ClipReport(
         source=path, output=target, format=loaded.contents.kind,
         key=loaded.key, norm_type=p, max_norm=limit, clip_value=value,
-        total_norm_before=total_before, clip_coef=coef, total_norm_after=after,
-        clipped=clipped, num_tensors=len(loaded.tensors), nonfinite=nonfinite,
+        total_norm_before=total_before, clip_coef=None if coef is None else coef.value,
+        total_norm_after=after, clipped=clipped, num_tensors=len(loaded.tensors),
+        nonfinite=nonfinite, overflow=overflow,
+        clip_coef_log2=None if coef is None else coef.log2,
+        clip_coef_torch=torch_coef.value if lowered else None, coef_lowered=lowered,
+        unshared=unshared,
         other_links_unchanged=other_links,
     )
-    emit(lambda out: fmt.render_clip(report, out), output_file)
+    if quiet and format == "table":
+        from ..format import table
+
+        emit(lambda out: table.print_clip_summary(report, out), output_file)
+    else:
+        emit(lambda out: fmt.render_clip(report, out), output_file)
     return 0
 
 
@@ -90,3 +147,67 @@ def _set_target(folder: Path, output: str | None, in_place: bool) -> Path:
         raise UsageError(f"{target}: exists; a clipped set is written as a new folder "
                          "(or use --in-place)")
     return target
+
+
+def _describe(total) -> str:
+    norm = float(total.norm[0])
+    if math.isinf(norm) and bool(total.overflow[0]):
+        return f"> 1.8e308, about 10^{float(total.log2_norm[0]) * math.log10(2):.6g}"
+    return f"{norm:g}"
+
+
+def _zeroes_everything(loaded: Loaded, owned, coef: Coefficient) -> bool:
+    """Whether scaling by ``coef`` would round every nonzero gradient element to zero.
+
+    Each tensor's largest element decides for it: if that rounds to zero in
+    the tensor's dtype, so does every other. Gradients that are all zero
+    already are no evidence either way.
+    """
+    maxima = owned.max_abs.tolist()
+    nonzero = [(m, t) for m, t in zip(maxima, loaded.held_tensors()) if m > 0]
+    return bool(nonzero) and all(rounds_to_zero(m, t.dtype, coef) for m, t in nonzero)
+
+
+def _unshare_other_entries(loaded: Loaded) -> list[str]:
+    """Give every non-gradient tensor that shares storage with a gradient its own copy.
+
+    ``torch.save`` keeps shared storages shared, so an EMA buffer that is a
+    view of ``grads.w`` would otherwise be scaled along with it. The walk
+    covers nested dicts and lists outside the gradient mapping (iteratively:
+    depth is the file's to choose); the names of copied entries are returned
+    for the report.
+    """
+    if loaded.checkpoint is None:
+        return []  # a set of files: each shard holds gradients only where it is written
+    storages = {_storage_key(t) for t in loaded.held_tensors() if t.layout == torch.strided}
+    storages.discard(None)
+    if not storages:
+        return []
+    key_path = tuple(loaded.key.split(".")) if loaded.key else ()
+    copied: list[str] = []
+    stack: list[tuple[tuple[str, ...], object]] = [((), loaded.checkpoint.root)]
+    while stack:
+        path, node = stack.pop()
+        if path == key_path:
+            continue
+        if isinstance(node, Mapping):
+            entries = list(node.items())
+        elif isinstance(node, list):
+            entries = list(enumerate(node))
+        else:
+            continue
+        for name, child in entries:
+            where = (*path, str(name))
+            if isinstance(child, torch.Tensor):
+                if child.layout == torch.strided and _storage_key(child) in storages:
+                    node[name] = child.detach().clone()
+                    copied.append(".".join(where))
+            else:
+                stack.append((where, child))
+    return sorted(copied)
+
+
+def _storage_key(t: torch.Tensor):
+    if t.numel() == 0:
+        return None
+    return (t.device, t.untyped_storage().data_ptr())

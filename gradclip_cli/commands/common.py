@@ -11,10 +11,11 @@ from typing import TextIO
 
 import torch
 
-from ..core import PowerSums
+from ..core import Elements, PowerSums, distinct_elements, tensor_power_sums
 from ..distributed import launcher
 from ..errors import InputError, UsageError
 from ..format import FORMATS
+from ..format.text import visible
 from ..progress import Steps
 from ..sink import atomic_write
 from ..source import Checkpoint
@@ -30,10 +31,17 @@ torch.set_num_threads(1)
 
 @dataclass
 class Loaded:
-    """An opened checkpoint and what ``--what`` chose from it."""
+    """An opened checkpoint and what ``--what`` chose from it.
+
+    ``elements``: the distinct storage elements of the chosen tensors
+    (core/elements.py), where they are gradients held whole in memory (a
+    single file, a mapped shard); None where they are read piece by piece or
+    derived from optimizer state, which share no storage once read.
+    """
 
     contents: Contents
     selection: Selection
+    elements: Elements | None = None
 
     @property
     def checkpoint(self) -> Checkpoint | None:
@@ -60,12 +68,27 @@ class Loaded:
     def skipped(self) -> list[str]:
         return self.selection.skipped
 
+    @property
+    def shares(self) -> list[list[str]]:
+        """For each tensor, the other tensors holding some of its elements."""
+        if self.elements is None:
+            return [[] for _ in self.names]
+        return [[self.names[j] for j in others] for others in self.elements.shares]
+
+    def counts(self) -> tuple[list[int], list[int]]:
+        """Distinct elements each tensor covers, and those it holds first (owns)."""
+        if self.elements is None:
+            counts = [t.numel() for t in self.tensors]
+            return counts, counts
+        e = self.elements
+        return [e.count(i) for i in range(len(e))], [piece.numel() for piece in e.owned]
+
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors themselves, for changing them in place (clip)."""
         held = [t.held for t in self.selection.tensors]
         if any(h is None for h in held):
-            raise InputError(f"{self.contents.path}: clip needs every gradient in one piece; "
-                             "this checkpoint stores some in several")
+            raise InputError(f"{visible(str(self.contents.path))}: clip needs every gradient "
+                             "in one piece; this checkpoint stores some in several")
         return held
 
 
@@ -80,15 +103,23 @@ def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: S
          what: str = "auto", *, gradients_only: bool = False) -> Loaded:
     """Open ``path`` (any layout) and choose what ``--what`` measures.
 
-    Tied names are folded into their first name. ``gradients_only``: clip,
-    which changes gradients and nothing else.
+    Tied names (holding exactly the same storage elements, whatever the view:
+    ``m`` and ``m.t()``) are folded into their first name; gradients held in
+    memory that share only some elements keep their own rows and count each
+    shared element once (core/elements.py). ``gradients_only``: clip, which
+    changes gradients and nothing else.
     """
     steps.begin("loading")
     contents = open_checkpoint(path, key=key, trust_pickle=trust_pickle, verify=verify)
     if contents.trusted_pickle and speaks():
-        print(f"gradclip: warning: {path}: loaded with --trust-pickle (full unpickling; "
-              "code in the file may have run)", file=sys.stderr)
-    return Loaded(contents, select(contents, what, gradients_only=gradients_only))
+        print(f"gradclip: warning: {visible(str(path))}: loaded with --trust-pickle "
+              "(full unpickling; code in the file may have run)", file=sys.stderr)
+    selection = select(contents, what, gradients_only=gradients_only)
+    elements = None
+    held = [t.held for t in selection.tensors]
+    if selection.what == "grads" and all(h is not None for h in held):
+        elements = distinct_elements(held)
+    return Loaded(contents, selection, elements)
 
 
 def nbytes(tensors) -> int:
@@ -126,12 +157,16 @@ def _shared(sizes: list[int], session: launcher.Session | None, run) -> PowerSum
 
 def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label: str,
             release: PageReleaser | Releasers | None = None,
-            session: launcher.Session | None = None) -> PowerSums:
-    """Per-tensor power sums of what ``--what`` chose, with progress and page release.
+            session: launcher.Session | None = None) -> tuple[PowerSums, PowerSums]:
+    """Power sums of each tensor's own elements and of the elements it owns
+    (``core.element_power_sums``), with progress and page release.
 
+    Every distinct element is read once: the pieces of ``Loaded.elements``.
     With a ``session`` (under a launcher) each rank reads and measures its own
     pieces and every rank gets all of them back, in the single-process order.
     """
+    if loaded.elements is not None:
+        return _measure_elements(loaded.elements, p, device, steps, label, release, session)
     selection = loaded.selection
 
     def run(only):
@@ -144,7 +179,31 @@ def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label:
 
         return selection.measure(p, device, done, WORKERS, only)
 
-    return _shared(selection.read_sizes(), session, run)
+    # Read piece by piece or derived from optimizer state: no two rows share
+    # an element, so each tensor owns all of its own.
+    sums = _shared(selection.read_sizes(), session, run)
+    return sums, sums
+
+
+def _measure_elements(elements: Elements, p: float, device: torch.device, steps: Steps,
+                      label: str, release, session: launcher.Session | None
+                      ) -> tuple[PowerSums, PowerSums]:
+    """``measure`` over held gradients: every distinct element is read once."""
+    pieces, rows = elements.measured()
+
+    def done(batch) -> None:
+        steps.advance(nbytes(batch))
+        if release is not None:
+            release.release(batch)
+
+    def run(only):
+        work = pieces if only is None else [pieces[i] for i in only]
+        steps.begin(label, total=nbytes(work))
+        return tensor_power_sums(work, p, device=device, on_batch=done, workers=WORKERS)
+
+    sums = _shared([nbytes([t]) for t in pieces], session, run)
+    n = len(elements)
+    return sums.take(torch.tensor(rows, dtype=torch.int64)), sums.take(torch.arange(n))
 
 
 def measure_weights(loaded: Loaded, p: float, device: torch.device,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from .. import options
@@ -15,6 +16,7 @@ def run(
     *, path: str, key: str | None, norm_type: str, device: str, format: str,
     max_norm: str | None, allow_nonfinite: bool, verify: bool, group_by: str, top: int,
     trust_pickle: bool, quiet: bool, output_file: Path | None, what: str = "auto",
+    progress: bool = True,
 ) -> int:
     p = options.norm_type(norm_type)
     threshold = options.threshold("--max-norm", max_norm, allow_zero=True)
@@ -25,16 +27,19 @@ def run(
     session = launcher.join(dev, device)
     if session is not None:
         dev = session.device
-    with progress_steps(quiet or not speaks()) as steps:
+    with progress_steps(not progress or not speaks()) as steps:
         loaded = load(path, key, trust_pickle, verify, steps, what)
         # inspect never writes a tensor, so pages read can go back at once:
         # resident memory stays flat whatever the file's size.
         release = Releasers(loaded.contents.files)
-        sums = measure(loaded, p, dev, steps, "computing norms", release, session)
+        sums, owned = measure(loaded, p, dev, steps, "computing norms", release, session)
         weight_sums = measure_weights(loaded, p, dev, release, session)
     contents, selection = loaded.contents, loaded.selection
+    counts, owned_counts = loaded.counts()
     report = build_inspect_report(
-        names=loaded.names, tensors=loaded.tensors, sums=sums, ties=loaded.ties,
+        names=loaded.names, tensors=loaded.tensors, sums=sums, owned=owned,
+        counts=counts, owned_counts=owned_counts,
+        ties=loaded.ties, shares=loaded.shares,
         group_rule=rule, source=path, format=contents.kind,
         key=loaded.key, device=str(dev), max_norm=threshold,
         allow_nonfinite=allow_nonfinite, group_by=group_by, skipped=loaded.skipped,
@@ -42,5 +47,13 @@ def run(
         description=[*contents.description, f"measured: {selection.explain}"],
         weight_sums=weight_sums,
     )
-    emit(lambda out: fmt.render_inspect(report, out, top=top), output_file)
+    if quiet and format == "table":
+        # -q: the verdict alone on stdout; what the finding is goes to stderr.
+        from ..format import table
+
+        if speaks():
+            table.print_findings(report, sys.stderr)
+        emit(lambda out: table.print_verdict(report, out), output_file)
+    else:
+        emit(lambda out: fmt.render_inspect(report, out, top=top), output_file)
     return 0 if report.status == OK else 1

@@ -280,8 +280,9 @@ def measure_checkpoint(path: Path, how: Measurement, steps: Steps,
 
     loaded = load(path, how.key, how.trust_pickle, how.verify, steps)
     release = PageReleaser(path) if path.is_file() else None
-    sums = measure(loaded, how.norm_type, how.device, steps, f"measuring {path.name}", release,
-                   how.session)
+    # Groups and the total count each shared element once: the owned sums.
+    _, sums = measure(loaded, how.norm_type, how.device, steps, f"measuring {path.name}",
+                      release, how.session)
     # Group norms only, not inspect's full report (a row per tensor): that was
     # 0.55 s of 5.2 s over 50 checkpoints (BENCHMARKS.md, "trend").
     group_names = [how.group_rule(n) for n in loaded.names]

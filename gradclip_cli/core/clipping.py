@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.utils._foreach_utils import (
@@ -15,6 +16,9 @@ from torch.utils._foreach_utils import (
     _group_tensors_by_device_and_dtype,
     _has_foreach_support,
 )
+
+from .elements import Elements
+from .power_sums import PowerSums
 
 # torch.nn.utils.clip_grads_with_norm_ adds this to the norm before dividing.
 EPS = 1e-6
@@ -31,6 +35,108 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (total_norm + EPS), max=1.0)
 
 
+@dataclass(frozen=True)
+class Coefficient:
+    """A clip coefficient ``c = mantissa * 2**exponent``, ``mantissa`` in [0.5, 1).
+
+    A total beyond float64's range still has an exact coefficient, below
+    float64's range; the pair holds it to float64's relative precision, where
+    ``log2 c`` as one float64 would lose 1e-13 near 2**-1024. A coefficient of
+    0 (an infinite total) has mantissa 0; a NaN one, mantissa NaN.
+    """
+
+    mantissa: float
+    exponent: int = 0
+
+    @classmethod
+    def of(cls, value: float) -> Coefficient:
+        mantissa, exponent = math.frexp(value)
+        return cls(mantissa, exponent)
+
+    def times(self, factor: float) -> Coefficient:
+        mantissa, exponent = math.frexp(self.mantissa * factor)
+        return Coefficient(mantissa, self.exponent + exponent)
+
+    def shifted(self, exponent: int) -> Coefficient:
+        """``c * 2**exponent``, exactly."""
+        return Coefficient(self.mantissa, self.exponent + exponent)
+
+    @property
+    def value(self) -> float:
+        """``c`` rounded to float64: 0.0 or subnormal when below its range."""
+        return math.ldexp(self.mantissa, self.exponent)
+
+    @property
+    def log2(self) -> float:
+        if math.isnan(self.mantissa):
+            return math.nan
+        if self.mantissa == 0:
+            return -math.inf
+        return math.log2(self.mantissa) + self.exponent
+
+    @property
+    def is_one(self) -> bool:
+        return self.value == 1.0
+
+
+def exact_clip_coefficient(total: PowerSums, max_norm: float) -> Coefficient:
+    """``min(1, max_norm / (||g|| + 1e-6))`` for the one-piece summary ``total``.
+
+    Within float64's range this is torch's formula in float64. Beyond it
+    (``||g|| = scale * power_sum ** (1/p)`` > 1.8e308, where the 1e-6 no
+    longer matters) each factor is split into mantissa and power of two:
+    ``scale = m_s 2^e_s`` exactly, ``power_sum ** (1/p) = 2^t`` with
+    ``t = log2(power_sum) / p``, and ``c = (m_x / (m_s 2^frac t)) 2^(e_x - e_s - floor t)``.
+    """
+    norm = float(total.norm[0])
+    if not math.isinf(norm) or int(total.nonfinite[0]):
+        c = max_norm / (norm + EPS)
+        # torch.clamp keeps a NaN (Python's min would return 1.0).
+        return Coefficient.of(1.0 if c >= 1.0 else c)
+    scale_m, scale_e = math.frexp(float(total.scale[0]))
+    p = total.norm_type
+    t = 0.0 if math.isinf(p) else math.log2(float(total.power_sum[0])) / p
+    whole = math.floor(t)
+    limit_m, limit_e = math.frexp(max_norm)
+    ratio = Coefficient.of(limit_m / (scale_m * 2.0 ** (t - whole)))
+    return ratio.shifted(limit_e - scale_e - whole)
+
+
+def rounds_to_zero(max_abs: float, dtype: torch.dtype, coef: Coefficient) -> bool:
+    """Whether ``max_abs * c`` rounds to zero in ``dtype`` (half the smallest subnormal or less)."""
+    if not (max_abs > 0 and math.isfinite(max_abs)) or math.isnan(coef.log2):
+        return False
+    info = torch.finfo(dtype)
+    smallest = info.smallest_normal * info.eps  # the smallest subnormal
+    return math.log2(max_abs) + coef.log2 <= math.log2(smallest) - 1
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """The largest relative error of rounding to ``dtype`` (half an ulp at 1)."""
+    real = {torch.complex32: torch.float16, torch.complex64: torch.float32,
+            torch.complex128: torch.float64}.get(dtype, dtype)
+    return torch.finfo(real).eps / 2
+
+
+_MARGIN_STEPS = (0.0, 0.25, 1.0, 2.5)
+
+
+def lowered_coefficient(coef: Coefficient, after: float, max_norm: float,
+                        roundoff: float, attempt: int) -> Coefficient:
+    """A lower coefficient, where rounding to the stored dtype left the total above the limit.
+
+    Rounding each element moves it by at most ``u`` relative (``roundoff``),
+    so the rounded total after ``c`` is ``c ||g|| (1 + e)`` with ``|e| <= u``.
+    ``c' = c * max_norm / after * (1 - m)`` aims just below the limit; the
+    margin ``m`` grows with each attempt (0, u/4, u, 2.5u, ...), and from
+    ``m >= 2u`` the result cannot exceed ``max_norm``, so few attempts are
+    ever needed.
+    """
+    steps = _MARGIN_STEPS[attempt] if attempt < len(_MARGIN_STEPS) else 2.5 * 2 ** (attempt - 3)
+    margin = min(roundoff * steps, 0.5)
+    return coef.times(max_norm / after * (1.0 - margin))
+
+
 def _use_foreach(group: list[torch.Tensor], device: torch.device, foreach: bool | None) -> bool:
     if foreach is None:
         return _has_foreach_support(group, device)
@@ -41,52 +147,115 @@ def _use_foreach(group: list[torch.Tensor], device: torch.device, foreach: bool 
     return foreach
 
 
+# torch's CPU kernels cannot multiply float8 tensors; they are scaled in float32.
+_FLOAT8 = {getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                             "float8_e5m2fnuz") if hasattr(torch, name)}
+
+
+@torch.no_grad()
 def scale_(
-    tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool | None = None
+    tensors: Sequence[torch.Tensor], coef: torch.Tensor | Coefficient, foreach: bool | None = None
 ) -> None:
-    """Multiply every tensor in place by the 0-dim tensor ``coef``.
+    """Multiply every tensor in place by ``coef`` (a 0-dim tensor, or an exact ``Coefficient``).
 
     Multiplying by a clamped coefficient, rather than branching on
     ``coef < 1``, avoids a host-device synchronisation (torch does the same).
+    float8 tensors are multiplied in float32 and rounded back.
     """
     if not tensors:
         return
     grouped = _group_tensors_by_device_and_dtype([list(tensors)])
-    for (device, _), ([group], _) in grouped.items():
-        for c in _factors(coef):
+    for (device, dtype), ([group], _) in grouped.items():
+        for c in _factors(coef, dtype):
             c = c.to(device)
-            if _use_foreach(group, device, foreach):
+            if dtype in _FLOAT8:
+                for t in group:
+                    t.copy_(t.float().mul_(c))
+            elif _use_foreach(group, device, foreach):
                 torch._foreach_mul_(group, c)
             else:
                 for t in group:
                     t.mul_(c)
 
 
+def scale_elements_(elements: Elements, coef: torch.Tensor | Coefficient,
+                    foreach: bool | None = None) -> None:
+    """Scale every distinct element of ``elements`` once, in place."""
+    _each_element_once(elements, lambda group, fe: scale_(group, coef, fe), foreach)
+
+
+def clamp_elements_(elements: Elements, clip_value: float, foreach: bool | None = None) -> None:
+    """Clamp every distinct element of ``elements`` once, in place.
+
+    An uncoalesced sparse COO tensor stores one element as several entries
+    that add up: the sum is clamped, kept in the first entry, the rest zeroed.
+    """
+    loose = [p for p in elements.owned if p.sparse is not None and not p.sparse.is_coalesced()]
+    for p in loose:
+        _clamp_uncoalesced_(p.sparse, clip_value)
+    _each_element_once(elements, lambda group, fe: clamp_(group, clip_value, fe), foreach,
+                       skip={id(p) for p in loose})
+
+
+@torch.no_grad()
+def _clamp_uncoalesced_(t: torch.Tensor, clip_value: float) -> None:
+    values = t._values()
+    _, group = torch.unique(t._indices(), dim=1, return_inverse=True)
+    sums = torch.zeros((int(group.max()) + 1, *values.shape[1:]), dtype=values.dtype)
+    sums.index_add_(0, group, values)
+    clamp_([sums], clip_value, foreach=False)
+    first = torch.full((sums.shape[0],), group.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, group, torch.arange(group.numel()), reduce="amin")
+    values.zero_()
+    values.index_copy_(0, first, sums)
+
+
+@torch.no_grad()
+def _each_element_once(elements: Elements, apply, foreach: bool | None, skip=frozenset()) -> None:
+    """``apply`` to the views of owned pieces at once; gathered pieces go out and back."""
+    apply([p.target for p in elements.owned if p.target is not None and id(p) not in skip],
+          foreach)
+    for p in elements.owned:
+        if p.index is not None and p.index.numel():
+            values = p.base.index_select(0, p.index)
+            apply([values], False)
+            p.base.index_copy_(0, p.index, values)
+
+
 # Half and float32 tensors multiply in float32, where a coefficient below
 # 2**-126 is subnormal (imprecise) or zero: clipping a 1e38 gradient to 1e-6
-# would zero it. Such coefficients are applied as a few normal factors.
-_SMALLEST_FACTOR = 2.0**-100
+# would zero it. Such coefficients are applied as a few normal factors, as are
+# coefficients below float64's own normal range for float64 tensors.
+_SMALLEST_FACTOR_EXP = -100
+_SMALLEST_FACTOR_EXP_F64 = -1000
 
 
-def _factors(coef: torch.Tensor) -> list[torch.Tensor]:
-    """``coef`` as one factor, or several whose product is ``coef``, each normal in float32.
+def _factors(coef: torch.Tensor | Coefficient, dtype: torch.dtype) -> list[torch.Tensor]:
+    """``coef`` as one factor, or several whose product is ``coef``, each normal where applied.
 
+    A small coefficient is applied as its mantissa, then powers of two (exact
+    multiplications), each at least the dtype's smallest factor.
     Only a CPU coefficient is looked at: reading one from an accelerator would
     synchronise, and totals there that need it (> 1e38 * max_norm) do not arise.
     """
-    if coef.device.type != "cpu":
-        return [coef]
-    c = float(coef)
-    if not (0.0 < c < _SMALLEST_FACTOR):
-        return [coef]
-    n = math.ceil(math.log(c) / math.log(_SMALLEST_FACTOR))
-    part = c ** (1.0 / n)
-    rest = c / part ** (n - 1)
-    return [torch.tensor(part, dtype=torch.float64)] * (n - 1) + [
-        torch.tensor(rest, dtype=torch.float64)
-    ]
+    if isinstance(coef, torch.Tensor):
+        if coef.device.type != "cpu":
+            return [coef]
+        coef = Coefficient.of(float(coef))
+    smallest = _SMALLEST_FACTOR_EXP_F64 if dtype in (torch.float64, torch.complex128) \
+        else _SMALLEST_FACTOR_EXP
+    if not (coef.mantissa > 0) or coef.exponent > smallest:
+        return [torch.tensor(coef.value, dtype=torch.float64)]
+    factors = [coef.mantissa]
+    exponent = coef.exponent
+    while exponent < 0:
+        step = max(exponent, smallest)
+        factors.append(math.ldexp(1.0, step))
+        exponent -= step
+    return [torch.tensor(f, dtype=torch.float64) for f in factors]
 
 
+@torch.no_grad()
 def clamp_(tensors: Sequence[torch.Tensor], clip_value: float, foreach: bool | None = None) -> None:
     """Clamp every element of every tensor to ``[-clip_value, clip_value]`` in place.
 
@@ -98,8 +267,13 @@ def clamp_(tensors: Sequence[torch.Tensor], clip_value: float, foreach: bool | N
         return
     grouped = _group_tensors_by_device_and_dtype([list(tensors)])
     for (device, dtype), ([group], _) in grouped.items():
+        if dtype.is_complex:
+            raise ValueError("complex tensors cannot be clamped: complex numbers have no order")
         bound = min(float(clip_value), torch.finfo(dtype).max)
-        if _use_foreach(group, device, foreach):
+        if dtype in _FLOAT8:
+            for t in group:
+                t.copy_(t.float().clamp_(min=-bound, max=bound))
+        elif _use_foreach(group, device, foreach):
             torch._foreach_clamp_min_(group, -bound)
             torch._foreach_clamp_max_(group, bound)
         else:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+from .elements import Elements, measurable, readable
 from .kernels import Rows, rows_by_foreach, rows_on_cpu
 from .power_sums import F64, PowerSums, from_rows
 
@@ -67,6 +68,7 @@ def tensor_power_sums(
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+    tensors = [measurable(readable(t)) for t in tensors]
     n = len(tensors)
     if n == 0:
         return from_rows(norm_type, torch.empty(0, dtype=F64), None).reduce(
@@ -100,6 +102,23 @@ def tensor_power_sums(
     rows_all = _concat(norm_type, row_parts)
     per_tensor = rows_all.reduce(torch.cat(row_owner), n)
     return _with_nonfinite_counts(per_tensor, tensors)
+
+
+def element_power_sums(
+    elements: Elements, norm_type: float, measured=None, **options
+) -> tuple[PowerSums, PowerSums]:
+    """Summaries of each tensor's own elements, and of the elements each owns.
+
+    Every distinct element is read once (``Elements.measured``). The first
+    result describes each tensor as it is (its row in a report); the second
+    partitions the elements, so its ``reduce`` and ``total`` count each once.
+    ``measured`` is ``elements.measured()`` when the caller has it already;
+    ``options`` are ``tensor_power_sums``'.
+    """
+    pieces, rows = measured or elements.measured()
+    sums = tensor_power_sums(pieces, norm_type, **options)
+    n = len(elements)
+    return sums.take(torch.tensor(rows, dtype=torch.int64)), sums.take(torch.arange(n))
 
 
 def _batches(items, batch_bytes):

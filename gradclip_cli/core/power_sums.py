@@ -56,6 +56,29 @@ class PowerSums:
         out = torch.where(self.posinf + self.neginf > 0, inf, finite)
         return torch.where(self.nan > 0, torch.full_like(finite, math.nan), out)
 
+    @property
+    def log2_norm(self) -> torch.Tensor:
+        """``log2`` of each piece's finite norm, defined where ``norm`` overflows float64.
+
+        ``log2 ||x|| = log2 scale + log2(power_sum) / p``: the summary holds a
+        norm of any size; only its rounding to one float64 can overflow.
+        """
+        if math.isinf(self.norm_type):
+            return self.scale.log2()
+        return self.scale.log2() + self.power_sum.log2() / self.norm_type
+
+    @property
+    def overflow(self) -> torch.Tensor:
+        """Pieces whose norm is finite but beyond float64's range (``norm`` says inf)."""
+        return (self.nonfinite == 0) & torch.isinf(self.norm)
+
+    def take(self, index: torch.Tensor) -> PowerSums:
+        """The pieces at ``index``, in that order (a piece may appear several times)."""
+        index = index.to(torch.int64)
+        return PowerSums(self.norm_type, *(getattr(self, f)[index] for f in
+                                           ("scale", "power_sum", "max_abs", "nan", "posinf",
+                                            "neginf")))
+
     def reduce(self, index: torch.Tensor, size: int) -> PowerSums:
         """Combine pieces into ``size`` larger ones; piece ``i`` goes to ``index[i]``.
 

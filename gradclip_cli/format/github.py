@@ -21,7 +21,7 @@ from ..report import ClipReport, InspectReport
 from ..report.compare import CompareReport
 from ..report.trend import TrendReport
 from . import findings as F
-from .table import compare_verdict, fmt, fmt_p, trend_verdict, verdict_line
+from .table_layout import compare_verdict, fmt, fmt_p, trend_verdict, verdict_line
 from .text import visible
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from ..report import ClipReport, InspectReport, NonFinite
-from ..report.compare import CompareReport, CompareRow
-from ..report.trend import TrendReport
+if TYPE_CHECKING:  # the report package imports torch; help and usage errors must not
+    from ..report import ClipReport, InspectReport, NonFinite
+    from ..report.compare import CompareReport, CompareRow
+    from ..report.trend import TrendReport
 
 INSPECT_SCHEMA = "gradclip.inspect/1"
 CLIP_SCHEMA = "gradclip.clip/1"
@@ -52,6 +53,8 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
         "num_elements": report.num_elements,
         "nonfinite": _nonfinite(report.nonfinite),
         "status": report.status,
+        "overflow": report.overflow,
+        "total_norm_log10": number(report.total_norm_log10),
         "group_by": report.group_by,
         "skipped": report.skipped,
         "groups": [
@@ -78,6 +81,7 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
                 "nonfinite": _nonfinite(t.nonfinite),
                 "tied": list(t.tied),
                 **({"ratio": number(t.ratio)} if t.ratio is not None else {}),
+                "shares": list(t.shares),
             }
             for t in report.tensors
         ],
@@ -88,7 +92,7 @@ def clip_document(report: ClipReport) -> dict[str, Any]:
     doc = asdict(report)
     doc["nonfinite"] = _nonfinite(report.nonfinite)
     for k in ("norm_type", "max_norm", "clip_value", "total_norm_before", "clip_coef",
-              "total_norm_after"):
+              "total_norm_after", "clip_coef_log2", "clip_coef_torch"):
         doc[k] = number(doc[k])
     return {"schema": CLIP_SCHEMA, **doc}
 

@@ -25,7 +25,7 @@ from ..report import ClipReport, InspectReport
 from ..report.compare import CompareReport
 from ..report.trend import TrendReport
 from . import findings as F
-from .table import compare_verdict, trend_verdict, verdict_line
+from .table_layout import compare_verdict, trend_verdict, verdict_line
 from .text import visible
 
 # Char ::= #x9 | #xA | #xD | [#x20-#xD7FF] | [#xE000-#xFFFD] | [#x10000-#x10FFFF]

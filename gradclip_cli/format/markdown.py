@@ -2,22 +2,25 @@
 
 A verdict line, then tables (GFM pipe tables). Text from files is data, not
 markup: after ``visible()`` makes it one printable line, ``escape`` puts a
-backslash before every ASCII punctuation character (CommonMark lets any of
-them be escaped, and a GFM table reads ``\\|`` as a literal pipe), so no name
-can open emphasis, a link, an image, raw HTML, an entity, code or a new cell.
+backslash before every character that can open inline markup in CommonMark,
+GFM or GitHub's renderer: emphasis and strikethrough, code, links and images,
+raw HTML, entities, math (``$``), a new table cell (GFM reads ``\\|`` as a
+literal pipe) and GFM's bare autolinks (``:`` of ``https://``, ``@`` of an
+e-mail address, the dot of ``www.``). Everything else (dots, dashes, slashes in
+names and paths) stays as it is, so the source still reads as the name.
 """
 
 from __future__ import annotations
 
 import math
-import string
+import re
 from typing import TextIO
 
 from ..report import NONFINITE, ClipReport, InspectReport, NonFinite
 from ..report.compare import CompareReport
 from ..report.trend import SPIKE, TrendReport
 from .findings import z_text
-from .table import (
+from .table_layout import (
     MAX_GROUPS,
     MAX_SPARK_GROUPS,
     _groups_to_show,
@@ -33,12 +36,13 @@ from .table import (
 )
 from .text import visible
 
-_ESCAPES = {ord(c): "\\" + c for c in string.punctuation}
+_ESCAPES = {ord(c): "\\" + c for c in "\\`*_[]<>|~&!$:@"}
+_WWW = re.compile(r"(?i)(?<=www)\.")
 
 
 def escape(text: object) -> str:
     """``text`` as literal Markdown text, safe inside a table cell."""
-    return visible(text).translate(_ESCAPES)
+    return _WWW.sub(r"\\.", visible(text).translate(_ESCAPES))
 
 
 def _table(header: list[str], rows: list[list[str]], align: list[str]) -> str:
@@ -53,8 +57,8 @@ def _counts(n: NonFinite | None) -> str:
         return "\\-"
     if not n.total:
         return "0"
-    return ", ".join(f"{c} {label}" for c, label in ((n.nan, "NaN"), (n.posinf, "\\+inf"),
-                                                     (n.neginf, "\\-inf")) if c)
+    return ", ".join(f"{c} {label}" for c, label in ((n.nan, "NaN"), (n.posinf, "+inf"),
+                                                     (n.neginf, "-inf")) if c)
 
 
 def _num(x: float | None) -> str:
@@ -70,18 +74,18 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
     out.write(f"### gradclip inspect: {escape(report.source)}\n\n")
     out.write(_verdict(verdict_line(report).plain, report.status != "ok"))
     out.write(f"{report.num_tensors} tensors, {report.num_elements:,} elements, "
-              f"p\\={escape(fmt_p(report.norm_type))}, groups by {escape(report.group_by)}\n\n")
+              f"p={escape(fmt_p(report.norm_type))}, groups by {escape(report.group_by)}\n\n")
     shown = _groups_to_show(report)
     rows = [[escape(g.name), _num(g.norm),
              "\\-" if math.isnan(g.share) else f"{100 * g.share:.1f}%", _num(g.max_abs),
              f"{g.num_elements:,}", _counts(g.nonfinite)] for g in shown]
     rows.append(["**total**", _num(report.total_norm), "100%", _num(report.max_abs),
                  f"{report.num_elements:,}", _counts(report.nonfinite)])
-    out.write(_table(["group", "norm", "share", "max \\|g\\|", "elements", "non\\-finite"],
+    out.write(_table(["group", "norm", "share", "max \\|g\\|", "elements", "non-finite"],
                      rows, ["left", "right", "right", "right", "right", "left"]))
     if len(shown) < len(report.groups):
         out.write(f"\n{len(report.groups) - len(shown):,} smaller groups not shown "
-                  "(\\-\\-format json lists all).\n")
+                  "(`--format json` lists all).\n")
     if top > 0 and report.tensors:
         ranked = sorted(report.tensors,
                         key=lambda t: -t.norm if math.isfinite(t.norm) else -math.inf)[:top]
@@ -100,7 +104,7 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
         ["clip coefficient", _num(report.clip_coef)],
         ["total norm after", _num(report.total_norm_after)],
         ["clipped", "yes" if report.clipped else "no"],
-        ["non\\-finite values", _counts(report.nonfinite)],
+        ["non-finite values", _counts(report.nonfinite)],
     ], ["left", "right"]))
 
 
@@ -108,12 +112,12 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
     out.write("### gradclip trend\n\n")
     out.write(_verdict(trend_verdict(report), report.status in (SPIKE, NONFINITE)))
     out.write(f"{len(report.points)} points, {escape(report.what)}, "
-              f"p\\={escape(fmt_p(report.norm_type))}; spike: z \\> {report.z_threshold:g} "
+              f"p={escape(fmt_p(report.norm_type))}; spike: z \\> {report.z_threshold:g} "
               f"(alpha {report.alpha:g}, warmup {report.warmup})\n\n")
     shown = points_to_show(report)
     rows = []
     for p in shown:
-        state = "non\\-finite" if p.is_nonfinite else "**spike**" if p.spike else ""
+        state = "non-finite" if p.is_nonfinite else "**spike**" if p.spike else ""
         groups = ", ".join(escape(g) for g in p.spike_groups + p.nonfinite_groups)
         rows.append(["\\-" if p.step is None else str(p.step), escape(p.source),
                      _num(p.total_norm), escape(z_text(p.z)),

@@ -6,6 +6,7 @@ from .model import (
     EXCEEDED,
     NONFINITE,
     OK,
+    OVERFLOW,
     ClipReport,
     GroupRow,
     InspectReport,
@@ -14,6 +15,6 @@ from .model import (
 )
 
 __all__ = [
-    "EXCEEDED", "NONFINITE", "OK", "ClipReport", "GroupRow", "InspectReport", "NonFinite",
-    "TensorRow", "build_inspect_report", "parse_group_by", "verdict",
+    "EXCEEDED", "NONFINITE", "OK", "OVERFLOW", "ClipReport", "GroupRow", "InspectReport",
+    "NonFinite", "TensorRow", "build_inspect_report", "parse_group_by", "verdict",
 ]

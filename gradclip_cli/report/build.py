@@ -9,7 +9,16 @@ import torch
 
 from ..core import PowerSums
 from .grouping import GroupRule
-from .model import EXCEEDED, NONFINITE, OK, GroupRow, InspectReport, NonFinite, TensorRow
+from .model import (
+    EXCEEDED,
+    NONFINITE,
+    OK,
+    OVERFLOW,
+    GroupRow,
+    InspectReport,
+    NonFinite,
+    TensorRow,
+)
 
 
 def _nonfinite_all(sums: PowerSums) -> list[NonFinite]:
@@ -32,11 +41,22 @@ def _ratio(norm: float, weight_norm: float) -> float:
 
 
 def verdict(
-    nonfinite: NonFinite, total: float, max_norm: float | None, allow_nonfinite: bool
+    nonfinite: NonFinite, total: float, max_norm: float | None, allow_nonfinite: bool,
+    overflow: bool = False,
 ) -> str:
-    """nonfinite beats exceeded: a NaN total cannot be compared to a threshold."""
+    """What the report concludes, worst first.
+
+    Non-finite gradients are a finding unless allowed. A NaN total cannot be
+    compared with ``--max-norm``: with a threshold it is a finding whatever
+    ``--allow-nonfinite`` says. A finite total beyond float64's range is a
+    finding of its own (it exceeds every threshold, and no float says by how much).
+    """
     if nonfinite.total and not allow_nonfinite:
         return NONFINITE
+    if math.isnan(total) and max_norm is not None:
+        return NONFINITE
+    if overflow:
+        return OVERFLOW
     if max_norm is not None and total > max_norm:
         return EXCEEDED
     return OK
@@ -48,6 +68,7 @@ def build_inspect_report(
     tensors: Sequence[torch.Tensor],
     sums: PowerSums,
     ties: dict[str, list[str]],
+    shares: Sequence[Sequence[str]] | None = None,
     group_rule: GroupRule,
     source: str,
     format: str,
@@ -61,25 +82,40 @@ def build_inspect_report(
     step: int | None = None,
     description: Sequence[str] = (),
     weight_sums: PowerSums | None = None,
+    owned: PowerSums | None = None,
+    counts: Sequence[int] | None = None,
+    owned_counts: Sequence[int] | None = None,
 ) -> InspectReport:
-    """``names``, ``tensors`` and ``sums`` are aligned and hold no tie duplicates.
+    """``names``, ``tensors`` and the rest are aligned and hold no tie duplicates.
+
+    ``sums`` and ``counts`` describe each tensor's own elements (its row);
+    ``owned`` and ``owned_counts`` the elements it holds first, which partition
+    every element once (groups and the total). Without them, the tensors
+    are taken to share no elements.
 
     ``weight_sums``, aligned too, are the same parameters' weights: each
     tensor and group then gets ``ratio = norm / weight norm``.
     """
     p = sums.norm_type
+    if owned is None:
+        owned = sums
+    if counts is None:
+        counts = [t.numel() for t in tensors]
+    if owned_counts is None:
+        owned_counts = counts
     group_names = [group_rule(n) for n in names]
     order = list(dict.fromkeys(group_names))  # checkpoint order of first appearance
     position = {g: i for i, g in enumerate(order)}
     group_index = torch.tensor([position[g] for g in group_names], dtype=torch.int64)
-    groups = sums.reduce(group_index, len(order))
-    total = sums.total()
+    groups = owned.reduce(group_index, len(order))
+    total = owned.total()
     total_norm = float(total.norm[0])
+    overflow = bool(total.overflow[0])
     # Whole columns at once: indexing tensors element by element is slow at
     # 20,000 tensors, and ``norm`` is computed on every access.
     norms = sums.norm.tolist()
     maxes = sums.max_abs.tolist()
-    counts = _nonfinite_all(sums)
+    nonfinite_rows = _nonfinite_all(sums)
     ratios: list[float | None] = [None] * len(names)
     group_ratios: list[float | None] = [None] * len(order)
     if weight_sums is not None:
@@ -92,20 +128,21 @@ def build_inspect_report(
             group=group_names[i],
             shape=tuple(tensors[i].shape),
             dtype=str(tensors[i].dtype).removeprefix("torch."),
-            num_elements=tensors[i].numel(),
+            num_elements=counts[i],
             norm=norms[i],
             max_abs=maxes[i],
-            nonfinite=counts[i],
+            nonfinite=nonfinite_rows[i],
             tied=tuple(ties.get(name, ())),
             ratio=ratios[i],
+            shares=tuple(shares[i]) if shares else (),
         )
         for i, name in enumerate(names)
     ]
     members = [0] * len(order)
     elements = [0] * len(order)
-    for g, row in zip(group_index.tolist(), tensor_rows):
+    for g, count in zip(group_index.tolist(), owned_counts):
         members[g] += 1
-        elements[g] += row.num_elements
+        elements[g] += count
     group_norms = groups.norm.tolist()
     group_maxes = groups.max_abs.tolist()
     group_counts = _nonfinite_all(groups)
@@ -136,9 +173,9 @@ def build_inspect_report(
         total_norm=total_norm,
         max_abs=float(total.max_abs[0]),
         num_tensors=len(names),
-        num_elements=sum(r.num_elements for r in tensor_rows),
+        num_elements=sum(owned_counts),
         nonfinite=nonfinite,
-        status=verdict(nonfinite, total_norm, max_norm, allow_nonfinite),
+        status=verdict(nonfinite, total_norm, max_norm, allow_nonfinite, overflow),
         groups=group_rows,
         tensors=tensor_rows,
         max_norm=max_norm,
@@ -148,4 +185,6 @@ def build_inspect_report(
         what=what,
         step=step,
         description=list(description),
+        overflow=overflow,
+        total_norm_log10=float(total.log2_norm[0]) * math.log10(2.0) if overflow else None,
     )

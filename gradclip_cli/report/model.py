@@ -26,7 +26,8 @@ class TensorRow:
     norm: float
     max_abs: float
     nonfinite: NonFinite
-    tied: tuple[str, ...] = ()  # other names of this same storage
+    tied: tuple[str, ...] = ()  # other names of exactly these storage elements
+    shares: tuple[str, ...] = ()  # other tensors holding some of these elements
     ratio: float | None = None  # norm / the same parameter's weight norm
 
 
@@ -43,7 +44,7 @@ class GroupRow:
 
 
 # What a report concludes; the CLI maps each to an exit code.
-OK, EXCEEDED, NONFINITE = "ok", "exceeded", "nonfinite"
+OK, EXCEEDED, NONFINITE, OVERFLOW = "ok", "exceeded", "nonfinite", "overflow"
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class InspectReport:
     what: str = "grads"  # what was measured (--what, resolved)
     step: int | None = None  # the training step, when the checkpoint records it
     description: list[str] = field(default_factory=list)  # lines for the header
+    # A finite total beyond float64's range: total_norm is inf, log10 says how far.
+    overflow: bool = False
+    total_norm_log10: float | None = None
 
 
 @dataclass(frozen=True)
@@ -87,3 +91,12 @@ class ClipReport:
     nonfinite: NonFinite
     # Other hard links of the file the output replaced: they keep its old bytes.
     other_links_unchanged: int = 0
+    overflow: bool = False  # total_norm_before beyond float64's range (reported as inf)
+    clip_coef_log2: float | None = None  # exact even where clip_coef underflows float64
+    # torch's coefficient, when rounding to the stored dtype made a lower one necessary
+    # (after clipping, the stored total must not exceed max_norm)
+    clip_coef_torch: float | None = None
+    coef_lowered: bool = False
+    # non-gradient entries that shared storage with a gradient: given their own
+    # copy before scaling, so they keep their values
+    unshared: list[str] = field(default_factory=list)

@@ -1,6 +1,7 @@
 """Finding the gradient mapping inside a loaded checkpoint (the contract's ``--key`` rule).
 
-With a key: follow the dotted path through nested mappings. Without: a single
+With a key: follow the dotted path through nested mappings (an integer
+component indexes a list or tuple). Without: a single
 top-level mapping named ``grads``, ``gradients`` or ``grad``; else the whole
 file when it is a flat mapping of name -> tensor; else an error listing the
 candidate keys.
@@ -27,30 +28,32 @@ def select_gradients(
 ) -> GradientSelection:
     """Return the gradient tensors of ``root``, chosen by ``key`` or by the default rule.
 
-    Nested mappings (and lists) inside the chosen mapping are flattened with
-    dotted names; entries that are not floating-point tensors are listed in
-    ``skipped``. ``path``, when given, names the file in error messages.
+    Nested mappings, lists and tuples inside the chosen entry are flattened
+    with dotted names (a list's positions are its names); entries that are not
+    floating-point tensors are listed in ``skipped``. ``path``, when given,
+    names the file in error messages. Every walk keeps its own stack: a
+    nesting of any depth is read without Python recursion.
     """
     where = f"{path}: " if path is not None else ""
     if key is not None:
         key_path = _follow(root, key, where)
     else:
         key_path = _default_key_path(root, where)
-    mapping = _at(root, key_path)
+    container = _at(root, key_path)
     tensors: dict[str, torch.Tensor] = {}
     skipped: list[str] = []
-    seen: set[str] = set()
-    for name, value in _leaves(mapping, ()):
-        if name in seen:
+    for name, value in _leaves(container, where):
+        if name in tensors or name in skipped:
             # {"a.b": x, "a": {"b": y}} flattens to one name twice; never merge silently.
-            raise InputError(f"{where}two gradient entries flatten to the same name {name!r}")
-        seen.add(name)
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            raise InputError(
+                f"{where}two gradient entries flatten to the same name {name!r}"
+            )
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
             tensors[name] = value
         else:
             skipped.append(name)
     if not tensors:
-        under = f"under {'.'.join(key_path)!r}" if key_path else "in the file"
+        under = f"under {_shown_key(key_path)!r}" if key_path else "in the file"
         raise InputError(
             f"{where}no floating-point gradients found {under} "
             f"({len(skipped)} entries, none a floating-point tensor)"
@@ -59,10 +62,14 @@ def select_gradients(
 
 
 def _follow(root: Any, key: str, where: str) -> tuple[str, ...]:
-    """Resolve a dotted key; a part may itself contain dots (``"model.grads"`` as one key)."""
+    """Resolve a dotted key; a part may itself contain dots (``"model.grads"`` as one key).
+
+    An integer part indexes a list or tuple (``optimizer_states.0.state``).
+    """
     parts = [part for part in key.split(".") if part]
+    shown = key
     if not parts:
-        raise InputError(f"{where}--key {key!r} is empty")
+        raise InputError(f"{where}--key {shown!r} is empty")
     node, key_path = root, ()
     while parts:
         # Prefer the longest run of parts that names one entry.
@@ -73,20 +80,32 @@ def _follow(root: Any, key: str, where: str) -> tuple[str, ...]:
                 node, key_path, parts = match[1], (*key_path, match[0]), parts[take:]
                 break
         else:
-            found = ".".join(key_path) or "the top level"
+            if not key_path and isinstance(root, Mapping) and _is_flat(root):
+                raise InputError(
+                    f"{where}--key {shown!r}: no entry {parts[0]!r}; the file itself "
+                    "is a flat name -> tensor mapping: omit --key"
+                )
+            found = _shown_key(key_path) or "the top level"
+            if isinstance(node, (list, tuple)):
+                kind = type(node).__name__
+                found += f" (a {kind} of {len(node)}: positions 0 to {len(node) - 1})"
             raise InputError(
-                f"{where}--key {key!r}: no entry {parts[0]!r} at {found}; "
-                f"candidates: {_candidate_text(root)}"
+                f"{where}--key {shown!r}: no entry {parts[0]!r} at {found}; "
+                f"{_hint(root)}"
             )
-    if not isinstance(node, Mapping):
+    if not isinstance(node, (Mapping, list, tuple)):
         raise InputError(
-            f"{where}--key {key!r} leads to a {type(node).__name__}, not a mapping of gradients; "
-            f"candidates: {_candidate_text(root)}"
+            f"{where}--key {shown!r} leads to a {type(node).__name__}, not a mapping of "
+            f"gradients; {_hint(root)}"
         )
     return key_path
 
 
 def _lookup(node: Any, name: str) -> tuple[str, Any] | None:
+    if isinstance(node, (list, tuple)):
+        if name.isdigit() and name.isascii() and int(name) < len(node):
+            return str(int(name)), node[int(name)]
+        return None
     if not isinstance(node, Mapping):
         return None
     for entry, value in node.items():
@@ -110,10 +129,19 @@ def _default_key_path(root: Any, where: str) -> tuple[str, ...]:
         )
     if _is_flat(root):
         return ()
+    listed = [
+        (str(k), v) for k, v in root.items()
+        if str(k) in GRADIENT_KEYS and isinstance(v, (list, tuple))
+    ]  # fmt: skip
+    if len(listed) == 1:
+        name, value = listed[0]
+        raise InputError(
+            f"{where}{name!r} is a {type(value).__name__} of {len(value)}, not a name -> tensor "
+            f"mapping; --key {name} reads it with positions as names (0 to {len(value) - 1})"
+        )
     raise InputError(
         f"{where}no gradients found: no top-level 'grads', 'gradients' or 'grad' mapping and "
-        f"the file is not a flat name -> tensor mapping; candidates for --key: "
-        f"{_candidate_text(root)}"
+        f"the file is not a flat name -> tensor mapping; {_hint(root)}"
     )
 
 
@@ -132,36 +160,103 @@ def _at(root: Any, key_path: tuple[str, ...]) -> Any:
     return node
 
 
-def _leaves(node: Any, prefix: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
-    items: Any = node.items() if isinstance(node, Mapping) else enumerate(node)
-    for entry, value in items:
-        name = (*prefix, str(entry))
-        if isinstance(value, (Mapping, list, tuple)) and value:
-            yield from _leaves(value, name)
+def _children(node: Any):
+    return node.items() if isinstance(node, Mapping) else enumerate(node)
+
+
+def _leaves(node: Any, where: str = "") -> Iterator[tuple[str, Any]]:
+    """``(dotted name, value)`` for every non-container entry under ``node``, in file order.
+
+    Iterative (a checkpoint may nest deeper than Python's recursion limit);
+    a container that holds itself is an error rather than an endless walk.
+    """
+    prefix: list[str] = []
+    on_path = [id(node)]
+    stack = [iter(_children(node))]
+    while stack:
+        for entry, value in stack[-1]:
+            name = str(entry)
+            if isinstance(value, (Mapping, list, tuple)) and value:
+                if id(value) in on_path:
+                    raise InputError(
+                        f"{where}{'.'.join((*prefix, name))!r} contains itself"
+                    )
+                prefix.append(name)
+                on_path.append(id(value))
+                stack.append(iter(_children(value)))
+                break
+            yield ".".join((*prefix, name)), value
         else:
-            yield ".".join(name), value
+            stack.pop()
+            on_path.pop()
+            if prefix:
+                prefix.pop()
+
+
+def _is_optimizer_state(node: Any) -> bool:
+    """A ``torch.optim.Optimizer.state_dict()``: its tensors are moments, never gradients."""
+    return isinstance(node, Mapping) and "state" in node and "param_groups" in node
+
+
+def _gradient_shaped(value: Any) -> bool:
+    # A scalar is a counter (AdamW's `step`) or a loss, never a parameter's gradient.
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0
+
+
+def _survey(root: Any) -> tuple[list[str], list[str]]:
+    """Dotted paths of the containers that directly hold gradient-shaped floating tensors,
+    and of the optimizer states, both in file order and at most ``_MAX_DEPTH`` deep."""
+    candidates: list[str] = []
+    optimizers: list[str] = []
+    seen: set[int] = set()
+    stack: list[tuple[Any, tuple[str, ...]]] = [(root, ())]
+    while stack:
+        node, prefix = stack.pop()
+        if id(node) in seen or len(prefix) > _MAX_DEPTH:
+            continue
+        seen.add(id(node))
+        if _is_optimizer_state(node):
+            optimizers.append(".".join(prefix) or "the top level")
+            continue
+        children = list(_children(node))
+        if prefix and any(_gradient_shaped(v) for _, v in children):
+            candidates.append(".".join(prefix))
+        stack.extend(
+            (value, (*prefix, str(entry)))
+            for entry, value in reversed(children)
+            if isinstance(value, (Mapping, list, tuple))
+        )
+    return candidates, optimizers
 
 
 def candidate_keys(root: Any) -> list[str]:
-    """Dotted paths of the mappings in ``root`` that directly hold tensors, in file order."""
-    found: list[str] = []
+    """Dotted paths of the containers in ``root`` that directly hold gradient-shaped tensors.
 
-    def walk(node: Any, prefix: tuple[str, ...], depth: int) -> None:
-        if not isinstance(node, Mapping) or depth > _MAX_DEPTH:
-            return
-        if prefix and any(isinstance(v, torch.Tensor) for v in node.values()):
-            found.append(".".join(prefix))
-        for entry, value in node.items():
-            walk(value, (*prefix, str(entry)), depth + 1)
-
-    walk(root, (), 0)
-    return found
+    Optimizer state is never a candidate: its tensors are moments and counters.
+    """
+    return _survey(root)[0]
 
 
 def _candidate_text(root: Any) -> str:
     keys = candidate_keys(root)
     if not keys:
-        return "none (no mapping in the file holds tensors)"
+        return "none (no mapping in the file holds gradient-shaped tensors)"
     shown = ", ".join(keys[:_MAX_CANDIDATES])
     more = len(keys) - _MAX_CANDIDATES
     return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+def _hint(root: Any) -> str:
+    """What to try instead: the candidate keys, and the optimizer's moments when present."""
+    keys, optimizers = _survey(root)
+    text = f"candidates for --key: {_candidate_text(root)}"
+    if optimizers:
+        text += (
+            f"; optimizer state at {optimizers[0]!r} holds moments, not gradients: "
+            "--what exp_avg measures its first moment"
+        )
+    return text
+
+
+def _shown_key(key_path: tuple[str, ...]) -> str:
+    return ".".join(key_path)

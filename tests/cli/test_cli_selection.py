@@ -168,7 +168,14 @@ def test_tied_tensors_named_in_table(gradclip, tmp_path):
 def test_equal_but_separate_tensors_are_not_tied(gradclip, tmp_path):
     a = torch.ones(4)
     path = tmp_path / "copies.pt"
-    torch.save({"a.w": a, "b.w": a.clone(), "c.w": a[:2]}, path)  # c is a view, not a tie
+    # b is a copy: its own elements. c is a view of half of a: not a tie (its
+    # own row), but its elements are a's and count once (issue 7.2).
+    torch.save({"a.w": a, "b.w": a.clone(), "c.w": a[:2]}, path)
     doc = gradclip("inspect", path, "--format", "json").json()
     assert doc["num_tensors"] == 3
-    assert doc["total_norm"] == pytest.approx(math.sqrt(10), rel=1e-6)
+    assert doc["num_elements"] == 8
+    assert doc["total_norm"] == pytest.approx(math.sqrt(8), rel=1e-6)
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert rows["c.w"]["norm"] == pytest.approx(math.sqrt(2), rel=1e-6)
+    assert rows["c.w"]["shares"] == ["a.w"] and rows["a.w"]["shares"] == ["c.w"]
+    assert rows["b.w"]["shares"] == [] and rows["b.w"]["tied"] == []

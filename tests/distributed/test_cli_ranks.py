@@ -158,7 +158,7 @@ def test_torchrun_module_entry_point(runs, tmp_path):
     multi = runs["multi"]
     single = [r for j, r in zip(runs["jobs"], runs["single"])
               if j["args"] == ["inspect", str(multi), "--format", "table"]][0]
-    done = _torchrun("-m", "gradclip_cli", "inspect", multi, "--quiet")
+    done = _torchrun("-m", "gradclip_cli", "inspect", multi, "--no-progress")
     assert done.returncode == 0, done.stderr
     assert done.stdout == single[1]
     assert "gradclip:" not in done.stderr

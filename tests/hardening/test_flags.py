@@ -128,11 +128,16 @@ def test_odd_number_spellings_for_norm_type(ckpt, value):
     if math.isnan(p) or not p > 0:
         _usage(result, "--norm-type")
         return
+    doc = json.loads(result.out)
+    total = doc["total_norm"]
+    if p == 1e-320:
+        # The p-norm of 3 non-zero elements as p -> 0+ is 3 ** (1/p): beyond float64,
+        # a finding of its own (issue 7.1), never "inf" with exit 0.
+        assert result.code == 1, result.err
+        assert total == "inf" and doc["overflow"] is True and doc["status"] == "overflow"
+        return
     assert result.code == 0, result.err
-    total = json.loads(result.out)["total_norm"]
-    if p == 1e-320:  # the p-norm of 3 non-zero elements as p -> 0+ is huge: inf or finite
-        assert total == "inf" or isinstance(total, float)
-    elif math.isinf(p):
+    if math.isinf(p):
         assert total == 12.0
     else:
         reference = sum(abs(x) ** p for x in (3.0, 4.0, 12.0)) ** (1 / p)

@@ -226,6 +226,78 @@ def test_fuzz_hostile_file_names(name):
         os.rmdir(folder)
 
 
+@st.composite
+def _aliasing_views(draw):
+    """One storage and 1-4 views of it: slices, transposes, overlaps, expansions, self-overlaps."""
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]))
+    numel = draw(st.integers(1, 48))
+    views = []
+    for _ in range(draw(st.integers(1, 4))):
+        ndim = draw(st.integers(0, 3))
+        sizes = [draw(st.integers(1, 5)) for _ in range(ndim)]
+        strides = [draw(st.integers(0, 7)) for _ in range(ndim)]
+        reach = sum((n - 1) * s for n, s in zip(sizes, strides))
+        if reach >= numel:
+            continue
+        offset = draw(st.integers(0, numel - 1 - reach))
+        views.append((tuple(sizes), tuple(strides), offset))
+    return dtype, numel, views
+
+
+def _offsets(size, stride, offset) -> set[int]:
+    import itertools
+
+    return {offset + sum(i * s for i, s in zip(index, stride))
+            for index in itertools.product(*(range(n) for n in size))}
+
+
+def test_fuzz_aliasing_layouts():
+    """Views sharing elements: the total is the float64 norm of the distinct storage
+    elements, and clipping scales each of them exactly once."""
+
+    @FUZZ
+    @given(case=_aliasing_views(), seed=st.integers(0, 2**16))
+    def run(case, seed):
+        dtype, numel, specs = case
+        if not specs:
+            return
+        COUNTS["aliasing"] = COUNTS.get("aliasing", 0) + 1
+        base = (torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+        grads = {f"v{i}": base.as_strided(*spec) for i, spec in enumerate(specs)}
+        covered = sorted(set().union(*(_offsets(*spec) for spec in specs)))
+        values = base.double()[covered]
+        top = float(values.abs().max())
+        want = top * float(((values / top) ** 2).sum()) ** 0.5 if top else 0.0
+        fd, name = tempfile.mkstemp(suffix=".pt", dir=_DIR)
+        os.close(fd)
+        path, out = Path(name), Path(name + ".clipped.pt")
+        try:
+            torch.save({"grads": grads}, path)
+            result = run_cli("inspect", path, "--format", "json", "-q")
+            assert result.code == 0, result.err
+            doc = json.loads(result.out)
+            assert abs(doc["total_norm"] - want) <= 1e-6 * want
+            assert doc["num_elements"] == len(covered)
+            limit = want / 2 if want else 1.0
+            result = run_cli("clip", path, "--max-norm", limit, "-o", out, "--format", "json")
+            assert result.code == 0, result.err
+            coef = json.loads(result.out)["clip_coef"]
+            clipped = torch.load(out, weights_only=True)["grads"]
+            eps = torch.finfo(dtype).eps
+            for key, view in grads.items():
+                # Scaled once: x * coef within the coefficient's and the product's
+                # roundings (an element scaled twice would be off by coef <= 1/2).
+                exact = view.double() * coef
+                error = (clipped[key].double() - exact).abs()
+                assert bool((error <= eps * exact.abs()).all()), key
+            assert run_cli("inspect", out, "--max-norm", limit, "-q").code == 0
+        finally:
+            path.unlink()
+            out.unlink(missing_ok=True)
+
+    run()
+
+
 def test_report_counts():
     """Prints how many cases ran (``-s`` to see); the other fuzz tests ran first."""
     print("\nfuzz cases:", json.dumps(COUNTS, sort_keys=True), "total", sum(COUNTS.values()))

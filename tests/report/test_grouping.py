@@ -7,7 +7,15 @@ import math
 import pytest
 
 from gradclip_cli.errors import UsageError
-from gradclip_cli.report import EXCEEDED, NONFINITE, OK, NonFinite, parse_group_by, verdict
+from gradclip_cli.report import (
+    EXCEEDED,
+    NONFINITE,
+    OK,
+    OVERFLOW,
+    NonFinite,
+    parse_group_by,
+    verdict,
+)
 
 
 @pytest.mark.parametrize(
@@ -42,5 +50,10 @@ def test_verdict_order_and_thresholds():
     assert verdict(clean, 1.0, 1.0, False) == OK  # equal is not above
     assert verdict(clean, 1.5, 1.0, False) == EXCEEDED
     assert verdict(bad, math.nan, 1.0, False) == NONFINITE
-    assert verdict(bad, math.nan, 1.0, True) == OK
+    # A NaN total cannot be compared with a threshold, allowed or not (issue 7.3).
+    assert verdict(bad, math.nan, 1.0, True) == NONFINITE
+    assert verdict(bad, math.nan, None, True) == OK
     assert verdict(NonFinite(posinf=1), math.inf, 1.0, True) == EXCEEDED
+    # A finite total beyond float64 is a finding with or without a threshold (issue 7.1).
+    assert verdict(clean, math.inf, None, False, overflow=True) == OVERFLOW
+    assert verdict(clean, math.inf, 1.0, True, overflow=True) == OVERFLOW

@@ -509,7 +509,14 @@ class _Attribute:
 
 
 def _plain_key(key) -> bool:
-    """A tuple key made of plain values (nested tuples too)."""
+    """A tuple key made of plain values (nested tuples too, to any depth: no recursion)."""
     if type(key) is not tuple:
         return False
-    return all(type(part) in _PLAIN or _plain_key(part) for part in key)
+    pending = [key]
+    while pending:
+        for part in pending.pop():
+            if type(part) is tuple:
+                pending.append(part)
+            elif type(part) not in _PLAIN:
+                return False
+    return True

@@ -1,0 +1,90 @@
+"""The drop-ins with the tensors torch users really have: parameters, complex, sparse,
+shared elements and totals beyond float64, each against torch or a float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradclip_cli import clip_grad_norm_, clip_grad_value_, get_total_norm
+
+from .core.reference import rel_err
+
+
+def test_requires_grad_tensors_measure_as_torch():
+    x = torch.randn(10, requires_grad=True)
+    ours = get_total_norm([x])
+    assert not ours.requires_grad
+    assert rel_err(float(ours), float(torch.nn.utils.get_total_norm([x]))) <= 1e-6
+
+
+def test_clip_after_create_graph_matches_torch():
+    def grads_of(model_seed: int):
+        torch.manual_seed(model_seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        loss = model(torch.randn(16, 4)).pow(2).sum()
+        loss.backward(create_graph=True)
+        return list(model.parameters())
+
+    ours, theirs = grads_of(0), grads_of(0)
+    total = clip_grad_norm_(ours, 0.1)
+    want = torch.nn.utils.clip_grad_norm_(theirs, 0.1)
+    assert rel_err(float(total), float(want)) <= 1e-6
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad.detach(), b.grad.detach(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, 3.0, math.inf])
+def test_complex_gradients_count_with_modulus(p):
+    g = torch.Generator().manual_seed(1)
+    z = torch.complex(torch.randn(64, generator=g), torch.randn(64, generator=g))
+    real = torch.randn(10, generator=g)
+    want = torch.nn.utils.get_total_norm([z.to(torch.complex128), real.double()], p)
+    assert rel_err(float(get_total_norm([z, real], p)), float(want)) <= 1e-6
+
+
+def test_complex_gradients_are_clipped():
+    w = torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    w.grad = torch.tensor([3 + 4j, 0, 0], dtype=torch.complex64)
+    total = clip_grad_norm_([w], 1.0)
+    assert rel_err(float(total), 5.0) <= 1e-6
+    torch.testing.assert_close(w.grad, torch.tensor([0.6 + 0.8j, 0, 0], dtype=torch.complex64))
+
+
+def test_sparse_embedding_gradients_are_measured_and_clipped():
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    emb(torch.tensor([1, 2, 1, 7])).sum().backward()
+    dense = emb.weight.grad.to_dense().double()
+    total = clip_grad_norm_(emb.parameters(), 0.5)
+    assert rel_err(float(total), float(dense.norm())) <= 1e-6
+    after = emb.weight.grad.to_dense().double()
+    assert rel_err(float(after.norm()), 0.5) <= 1e-6
+    clip_grad_value_(emb.parameters(), 0.01)
+    assert float(emb.weight.grad.coalesce().values().abs().max()) <= 0.01
+
+
+def test_shared_elements_count_once_and_scale_once():
+    m = torch.randn(6, 5, dtype=torch.float64)
+    base = torch.randn(30, dtype=torch.float64)
+    views = [m, m.t(), base[0:20], base[10:30], base[3:4].expand(100, 100)]
+    want = math.sqrt(float(m.pow(2).sum()) + float(base.pow(2).sum()))
+    assert rel_err(float(get_total_norm(views)), want) <= 1e-12
+    params = [torch.nn.Parameter(torch.zeros_like(v)) for v in views]
+    for p, v in zip(params, views):
+        p.grad = v
+    m0, base0 = m.clone(), base.clone()
+    clip_grad_norm_(params, 1.0)
+    c = 1.0 / (want + 1e-6)
+    torch.testing.assert_close(m, m0 * c, rtol=1e-12, atol=0)
+    torch.testing.assert_close(base, base0 * c, rtol=1e-12, atol=0)
+
+
+def test_total_beyond_float64_clips_instead_of_zeroing():
+    w = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    w.grad = torch.full((4,), 1e308, dtype=torch.float64)
+    total = clip_grad_norm_([w], 1.0)
+    assert math.isinf(float(total))  # the float64 result cannot hold 2e308
+    torch.testing.assert_close(w.grad, torch.full((4,), 0.5, dtype=torch.float64),
+                               rtol=1e-12, atol=0)
