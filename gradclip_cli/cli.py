@@ -70,7 +70,7 @@ AllowOpt = typer.Option(
     False, "--allow-nonfinite", help="Report NaN/inf gradients without treating them as a finding."
 )
 WhatOpt = typer.Option(
-    "auto", "--what",
+    "auto", "--what", metavar="WHAT",
     help="grads, exp_avg, grad_rms, update, weights or auto (grads if saved, else exp_avg).",
 )
 VerifyOpt = typer.Option(
@@ -257,7 +257,8 @@ def clip(
         help="Clip even when gradients hold NaN/inf (as torch with error_if_nonfinite=False).",
     ),
     verify: bool = VerifyOpt,
-    what: str = typer.Option("grads", "--what", help="Only grads: clip changes gradients."),
+    what: str = typer.Option("grads", "--what", metavar="WHAT",
+                             help="Only grads: clip changes gradients."),
     trust_pickle: bool = TrustOpt,
     quiet: bool = QuietOpt,
     no_progress: bool = NoProgressOpt,
@@ -279,7 +280,8 @@ def clip(
 
 
 WhatOpt = typer.Option(
-    "auto", "--what", help="What is measured: grads, exp_avg, grad_rms, update, weights or auto."
+    "auto", "--what", metavar="WHAT",
+    help="What is measured: grads, exp_avg, grad_rms, update, weights or auto."
 )
 GroupByOpt = typer.Option(
     "layer", "--group-by", help="layer, module, tensor, depth:N or regex:PATTERN."
