@@ -44,8 +44,9 @@ def contents(ckpt: Checkpoint, *, key: str | None) -> Contents:
     weights = {k: v for k, v in root["state_dict"].items() if isinstance(v, torch.Tensor)}
     # Gradients only where the file holds a gradient mapping: the state_dict
     # itself is the model, never taken for gradients.
+    # An explicit --key reaches anywhere in the file (optimizer_states.0.state).
     rest = {k: v for k, v in root.items() if k not in ("state_dict", "optimizer_states")}
-    fill_from_root(out, rest, path, key)
+    fill_from_root(out, root if key is not None else rest, path, key)
     out.weights = stored({str(k): v for k, v in weights.items()}, path)
     out.optimizers = []
     states = root.get("optimizer_states", [])
