@@ -34,6 +34,9 @@ app = typer.Typer(
     "flags, clipped copies. Exit codes: 0 ok, 1 finding, 2 usage error, 3 unreadable input.",
 )
 
+PATH_HELP = ("A checkpoint: a torch.save or .safetensors file, a sharded index or its folder, "
+             "a Trainer checkpoint-N/ folder, a Lightning .ckpt.")
+
 # Options both commands take.
 KeyOpt = typer.Option(
     None, "--key", metavar="K",
@@ -61,11 +64,14 @@ QuietOpt = typer.Option(
     help="Print only the verdict line (findings also on stderr); the exit code is unchanged.",
 )
 NoProgressOpt = typer.Option(False, "--no-progress", help="No progress display on stderr.")
-PathArg = typer.Argument(..., metavar="PATH", show_default=False,
-                         help="A checkpoint: a torch.save file or a .safetensors file.")
+PathArg = typer.Argument(..., metavar="PATH", show_default=False, help=PATH_HELP)
 DebugOpt = typer.Option(False, "--debug", help="Show Python tracebacks on errors.")
 AllowOpt = typer.Option(
     False, "--allow-nonfinite", help="Report NaN/inf gradients without treating them as a finding."
+)
+WhatOpt = typer.Option(
+    "auto", "--what", metavar="WHAT",
+    help="grads, exp_avg, grad_rms, update, weights or auto (grads if saved, else exp_avg).",
 )
 VerifyOpt = typer.Option(
     False, "--verify", help="Check every stored checksum before trusting the data."
@@ -204,6 +210,7 @@ def inspect(
     ),
     top: int = typer.Option(5, "--top", min=0, metavar="N",
                             help="Show the N largest tensors by norm."),
+    what: str = WhatOpt,
     trust_pickle: bool = TrustOpt,
     quiet: bool = QuietOpt,
     no_progress: bool = NoProgressOpt,
@@ -218,7 +225,7 @@ def inspect(
             path=path, key=key, norm_type=norm_type, device=device, format=format,
             max_norm=max_norm, allow_nonfinite=allow_nonfinite, verify=verify,
             group_by=group_by, top=top, trust_pickle=trust_pickle, quiet=quiet,
-            progress=not (quiet or no_progress), output_file=output_file,
+            progress=not (quiet or no_progress), output_file=output_file, what=what,
         )
 
     _run(body, debug=debug, format=format, source=path, output_file=output_file)
@@ -250,6 +257,8 @@ def clip(
         help="Clip even when gradients hold NaN/inf (as torch with error_if_nonfinite=False).",
     ),
     verify: bool = VerifyOpt,
+    what: str = typer.Option("grads", "--what", metavar="WHAT",
+                             help="Only grads: clip changes gradients."),
     trust_pickle: bool = TrustOpt,
     quiet: bool = QuietOpt,
     no_progress: bool = NoProgressOpt,
@@ -264,14 +273,15 @@ def clip(
             path=path, max_norm=max_norm, clip_value=clip_value, output=output,
             in_place=in_place, key=key, norm_type=norm_type, device=device, format=format,
             allow_nonfinite=allow_nonfinite, verify=verify, trust_pickle=trust_pickle,
-            quiet=quiet, progress=not (quiet or no_progress), output_file=output_file,
+            quiet=quiet, progress=not (quiet or no_progress), output_file=output_file, what=what,
         )
 
     _run(body, debug=debug, format=format, source=path, output_file=output_file)
 
 
 WhatOpt = typer.Option(
-    "auto", "--what", help="What is measured: grads, exp_avg, grad_rms, update, weights or auto."
+    "auto", "--what", metavar="WHAT",
+    help="What is measured: grads, exp_avg, grad_rms, update, weights or auto."
 )
 GroupByOpt = typer.Option(
     "layer", "--group-by", help="layer, module, tensor, depth:N or regex:PATTERN."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,7 +25,7 @@ from ..errors import UsageError
 from ..format.text import visible
 from ..progress import progress_steps
 from ..report import ClipReport, NonFinite
-from ..sink import write_checkpoint
+from ..sink import write_contents
 from .common import Loaded, emit, load, measure, output_format, speaks
 
 # Lowering steps tried before giving up (two suffice in practice; see
@@ -36,7 +37,7 @@ def run(
     *, path: str, max_norm: str | None, clip_value: str | None, output: str | None,
     in_place: bool, key: str | None, norm_type: str, device: str, format: str,
     allow_nonfinite: bool, verify: bool, trust_pickle: bool, quiet: bool,
-    output_file: Path | None, progress: bool = True,
+    output_file: Path | None, what: str = "grads", progress: bool = True,
 ) -> int:
     p = options.norm_type(norm_type)
     limit = options.threshold("--max-norm", max_norm, allow_zero=False)
@@ -45,11 +46,13 @@ def run(
         raise UsageError("clip needs exactly one of --max-norm X or --clip-value V")
     dev = options.device(device)
     fmt = output_format(format)
-    target = options.clip_output(path, output, in_place)
+    # A folder is a set, written as a folder (its target is known once it is opened).
+    target = path if os.path.isdir(path) else options.clip_output(path, output, in_place)
     options.report_file(output_file)
 
     def load_for_writing(steps) -> tuple[Loaded, list[str]]:
-        loaded = load(path, key, trust_pickle, verify, steps)
+        loaded = load(path, key, trust_pickle, verify, steps, what, gradients_only=True)
+        loaded.held_tensors()  # clip changes tensors in place: each must be one piece
         return loaded, _unshare_other_entries(loaded)
 
     session = launcher.join(dev, device)
@@ -57,7 +60,9 @@ def run(
         dev = session.device
     with progress_steps(not progress or not speaks()) as steps:
         loaded, unshared = load_for_writing(steps)
-        if value is not None and any(t.is_complex() for t in loaded.tensors):
+        if loaded.contents.shards:
+            target = str(_set_target(loaded.contents.index.parent, output, in_place))
+        if value is not None and any(t.is_complex() for t in loaded.held_tensors()):
             raise UsageError("--clip-value cannot clamp complex gradients (complex numbers "
                              "have no order); use --max-norm")
         # Under a launcher the ranks share the reading for this first norm.
@@ -97,7 +102,7 @@ def run(
             # the limit; start again from the file with a lower coefficient.
             # ``inspect`` measures the output with this same code, so the
             # comparison it makes is this one.
-            roundoff = max(unit_roundoff(t.dtype) for t in loaded.tensors)
+            roundoff = max(unit_roundoff(t.dtype) for t in loaded.held_tensors())
             attempt = 0
             while after > limit and math.isfinite(after) and attempt < _MAX_LOWERINGS:
                 coef = lowered_coefficient(coef, after, limit, roundoff, attempt)
@@ -111,10 +116,10 @@ def run(
             clipped = float(before.max_abs[0]) > value
             after = float(measure(loaded, p, dev, steps, "checking")[1].total().norm[0])
         steps.begin("writing")
-        other_links = write_checkpoint(loaded.checkpoint, target)
+        other_links = write_contents(loaded.contents, target, in_place=in_place)
     lowered = coef is not torch_coef
     report = ClipReport(
-        source=path, output=target, format=loaded.checkpoint.format,
+        source=path, output=target, format=loaded.contents.kind,
         key=loaded.key, norm_type=p, max_norm=limit, clip_value=value,
         total_norm_before=total_before, clip_coef=None if coef is None else coef.value,
         total_norm_after=after, clipped=clipped, num_tensors=len(loaded.tensors),
@@ -133,6 +138,17 @@ def run(
     return 0
 
 
+def _set_target(folder: Path, output: str | None, in_place: bool) -> Path:
+    """A sharded set is written as a folder: ``-o`` names it; default ``<folder>.clipped``."""
+    if in_place:
+        return folder
+    target = Path(output) if output is not None else folder.with_name(f"{folder.name}.clipped")
+    if target.exists():
+        raise UsageError(f"{target}: exists; a clipped set is written as a new folder "
+                         "(or use --in-place)")
+    return target
+
+
 def _describe(total) -> str:
     norm = float(total.norm[0])
     if math.isinf(norm) and bool(total.overflow[0]):
@@ -148,7 +164,7 @@ def _zeroes_everything(loaded: Loaded, owned, coef: Coefficient) -> bool:
     already are no evidence either way.
     """
     maxima = owned.max_abs.tolist()
-    nonzero = [(m, t) for m, t in zip(maxima, loaded.tensors) if m > 0]
+    nonzero = [(m, t) for m, t in zip(maxima, loaded.held_tensors()) if m > 0]
     return bool(nonzero) and all(rounds_to_zero(m, t.dtype, coef) for m, t in nonzero)
 
 
@@ -161,15 +177,18 @@ def _unshare_other_entries(loaded: Loaded) -> list[str]:
     depth is the file's to choose); the names of copied entries are returned
     for the report.
     """
-    storages = {_storage_key(t) for t in loaded.tensors if t.layout == torch.strided}
+    if loaded.checkpoint is None:
+        return []  # a set of files: each shard holds gradients only where it is written
+    storages = {_storage_key(t) for t in loaded.held_tensors() if t.layout == torch.strided}
     storages.discard(None)
     if not storages:
         return []
+    key_path = tuple(loaded.key.split(".")) if loaded.key else ()
     copied: list[str] = []
     stack: list[tuple[tuple[str, ...], object]] = [((), loaded.checkpoint.root)]
     while stack:
         path, node = stack.pop()
-        if path == loaded.key_path:
+        if path == key_path:
             continue
         if isinstance(node, Mapping):
             entries = list(node.items())

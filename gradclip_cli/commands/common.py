@@ -13,13 +13,16 @@ import torch
 
 from ..core import Elements, PowerSums, distinct_elements, tensor_power_sums
 from ..distributed import launcher
-from ..errors import UsageError
+from ..errors import InputError, UsageError
 from ..format import FORMATS
 from ..format.text import visible
 from ..progress import Steps
 from ..sink import atomic_write
-from ..source import Checkpoint, load_checkpoint, select_gradients
+from ..source import Checkpoint
 from ..source.files.pages import PageReleaser
+from ..source.interface import Contents
+from ..source.layouts import open_checkpoint
+from ..source.what import Selection, select, stored_power_sums
 
 # torch's intra-op threads become gradclip's own workers (see tensor_power_sums).
 WORKERS = torch.get_num_threads()
@@ -28,19 +31,65 @@ torch.set_num_threads(1)
 
 @dataclass
 class Loaded:
-    checkpoint: Checkpoint
-    key: str
-    names: list[str]  # without tie duplicates
-    tensors: list[torch.Tensor]
-    ties: dict[str, list[str]]
-    skipped: list[str]
-    elements: Elements  # the distinct elements of ``tensors``
-    key_path: tuple[str, ...] = ()
+    """An opened checkpoint and what ``--what`` chose from it.
+
+    ``elements``: the distinct storage elements of the chosen tensors
+    (core/elements.py), where they are gradients held whole in memory (a
+    single file, a mapped shard); None where they are read piece by piece or
+    derived from optimizer state, which share no storage once read.
+    """
+
+    contents: Contents
+    selection: Selection
+    elements: Elements | None = None
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        return self.contents.checkpoint
+
+    @property
+    def key(self) -> str:
+        return self.selection.key
+
+    @property
+    def names(self) -> list[str]:  # without tie duplicates
+        return self.selection.names
+
+    @property
+    def tensors(self) -> list:
+        """The stored tensors (``StoredTensor``: shape, dtype, numel, pieces)."""
+        return self.selection.tensors
+
+    @property
+    def ties(self) -> dict[str, list[str]]:
+        return self.selection.ties
+
+    @property
+    def skipped(self) -> list[str]:
+        return self.selection.skipped
 
     @property
     def shares(self) -> list[list[str]]:
         """For each tensor, the other tensors holding some of its elements."""
+        if self.elements is None:
+            return [[] for _ in self.names]
         return [[self.names[j] for j in others] for others in self.elements.shares]
+
+    def counts(self) -> tuple[list[int], list[int]]:
+        """Distinct elements each tensor covers, and those it holds first (owns)."""
+        if self.elements is None:
+            counts = [t.numel() for t in self.tensors]
+            return counts, counts
+        e = self.elements
+        return [e.count(i) for i in range(len(e))], [piece.numel() for piece in e.owned]
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors themselves, for changing them in place (clip)."""
+        held = [t.held for t in self.selection.tensors]
+        if any(h is None for h in held):
+            raise InputError(f"{visible(str(self.contents.path))}: clip needs every gradient "
+                             "in one piece; this checkpoint stores some in several")
+        return held
 
 
 def output_format(name: str):
@@ -50,35 +99,42 @@ def output_format(name: str):
     return FORMATS[name]
 
 
-def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: Steps) -> Loaded:
-    """Read ``path`` and pick its gradients; tied names are folded into their first name.
+def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: Steps,
+         what: str = "auto", *, gradients_only: bool = False) -> Loaded:
+    """Open ``path`` (any layout) and choose what ``--what`` measures.
 
-    Tied means holding exactly the same storage elements, whatever the view
-    (``m`` and ``m.t()``); tensors sharing only some elements keep their own
-    rows and count each shared element once (core/elements.py).
+    Tied names (holding exactly the same storage elements, whatever the view:
+    ``m`` and ``m.t()``) are folded into their first name; gradients held in
+    memory that share only some elements keep their own rows and count each
+    shared element once (core/elements.py). ``gradients_only``: clip, which
+    changes gradients and nothing else.
     """
     steps.begin("loading")
-    ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
-    if ckpt.trusted_pickle and speaks():
+    contents = open_checkpoint(path, key=key, trust_pickle=trust_pickle, verify=verify)
+    if contents.trusted_pickle and speaks():
         print(f"gradclip: warning: {visible(str(path))}: loaded with --trust-pickle "
               "(full unpickling; code in the file may have run)", file=sys.stderr)
-    selection = select_gradients(ckpt.root, key, path=path)
-    all_names = list(selection.tensors)
-    all_tensors = list(selection.tensors.values())
-    everything = distinct_elements(all_tensors)
-    ties: dict[str, list[str]] = {}
-    for i, o in enumerate(everything.tie_of):
-        if o != i:
-            ties.setdefault(all_names[o], []).append(all_names[i])
-    keep = [i for i, o in enumerate(everything.tie_of) if o == i]
-    tensors = [all_tensors[i] for i in keep]
-    elements = everything if len(keep) == len(all_tensors) else distinct_elements(tensors)
-    return Loaded(ckpt, selection.key, [all_names[i] for i in keep], tensors, ties,
-                  list(selection.skipped), elements, tuple(selection.key_path))
+    selection = select(contents, what, gradients_only=gradients_only)
+    elements = None
+    held = [t.held for t in selection.tensors]
+    if selection.what == "grads" and all(h is not None for h in held):
+        elements = distinct_elements(held)
+    return Loaded(contents, selection, elements)
 
 
 def nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.dtype.itemsize for t in tensors)
+
+
+class Releasers:
+    """Page release for every file a checkpoint was read from (see ``PageReleaser``)."""
+
+    def __init__(self, files):
+        self._releasers = [PageReleaser(Path(f)) for f in files]
+
+    def release(self, tensors) -> None:
+        for releaser in self._releasers:
+            releaser.release(tensors)
 
 
 def speaks() -> bool:
@@ -87,9 +143,21 @@ def speaks() -> bool:
     return session is None or session.primary
 
 
+def _shared(sizes: list[int], session: launcher.Session | None, run) -> PowerSums:
+    """``run(indices)`` over all pieces, or under a launcher over this rank's share of them
+    (split by bytes), every rank getting all of them back in the single-process order."""
+    if session is None:
+        return run(None)
+    from ..distributed.combine import gather_power_sums
+    from ..distributed.pieces import assign, owned
+
+    mine = owned(assign(sizes, session.world_size), session.rank)
+    return gather_power_sums(session, run(mine), mine, len(sizes))
+
+
 def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label: str,
-            release: PageReleaser | None = None, session: launcher.Session | None = None
-            ) -> tuple[PowerSums, PowerSums]:
+            release: PageReleaser | Releasers | None = None,
+            session: launcher.Session | None = None) -> tuple[PowerSums, PowerSums]:
     """Power sums of each tensor's own elements and of the elements it owns
     (``core.element_power_sums``), with progress and page release.
 
@@ -97,28 +165,61 @@ def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label:
     With a ``session`` (under a launcher) each rank reads and measures its own
     pieces and every rank gets all of them back, in the single-process order.
     """
-    pieces, rows = loaded.elements.measured()
-    mine = list(range(len(pieces)))
-    if session is not None:
-        from ..distributed.pieces import assign, owned
+    if loaded.elements is not None:
+        return _measure_elements(loaded.elements, p, device, steps, label, release, session)
+    selection = loaded.selection
 
-        owners = assign([nbytes([t]) for t in pieces], session.world_size)
-        mine = owned(owners, session.rank)
-    work = [pieces[i] for i in mine]
-    steps.begin(label, total=nbytes(work))
+    def run(only):
+        steps.begin(label, total=selection.bytes_to_read(only))
+
+        def done(batch) -> None:
+            steps.advance(nbytes(batch))
+            if release is not None:
+                release.release(batch)
+
+        return selection.measure(p, device, done, WORKERS, only)
+
+    # Read piece by piece or derived from optimizer state: no two rows share
+    # an element, so each tensor owns all of its own.
+    sums = _shared(selection.read_sizes(), session, run)
+    return sums, sums
+
+
+def _measure_elements(elements: Elements, p: float, device: torch.device, steps: Steps,
+                      label: str, release, session: launcher.Session | None
+                      ) -> tuple[PowerSums, PowerSums]:
+    """``measure`` over held gradients: every distinct element is read once."""
+    pieces, rows = elements.measured()
 
     def done(batch) -> None:
         steps.advance(nbytes(batch))
         if release is not None:
             release.release(batch)
 
-    sums = tensor_power_sums(work, p, device=device, on_batch=done, workers=WORKERS)
-    if session is not None:
-        from ..distributed.combine import gather_power_sums
+    def run(only):
+        work = pieces if only is None else [pieces[i] for i in only]
+        steps.begin(label, total=nbytes(work))
+        return tensor_power_sums(work, p, device=device, on_batch=done, workers=WORKERS)
 
-        sums = gather_power_sums(session, sums, mine, len(pieces))
-    n = len(loaded.elements)
+    sums = _shared([nbytes([t]) for t in pieces], session, run)
+    n = len(elements)
     return sums.take(torch.tensor(rows, dtype=torch.int64)), sums.take(torch.arange(n))
+
+
+def measure_weights(loaded: Loaded, p: float, device: torch.device,
+                    release: Releasers | None = None,
+                    session: launcher.Session | None = None) -> PowerSums | None:
+    """Power sums of the weights of the measured names (for ``ratio``), where all are held."""
+    weights = loaded.selection.weights
+    if not weights or any(w is None for w in weights):
+        return None
+    on_batch = release.release if release is not None else None
+
+    def run(only):
+        chosen = weights if only is None else [weights[i] for i in only]
+        return stored_power_sums(chosen, p, device, on_batch, WORKERS)
+
+    return _shared([w.nbytes for w in weights], session, run)
 
 
 def emit(write: Callable[[TextIO], None], output_file: Path | None) -> None:

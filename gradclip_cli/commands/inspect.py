@@ -9,14 +9,14 @@ from .. import options
 from ..distributed import launcher
 from ..progress import progress_steps
 from ..report import OK, build_inspect_report, parse_group_by
-from ..source.files.pages import PageReleaser
-from .common import emit, load, measure, output_format, speaks
+from .common import Releasers, emit, load, measure, measure_weights, output_format, speaks
 
 
 def run(
     *, path: str, key: str | None, norm_type: str, device: str, format: str,
     max_norm: str | None, allow_nonfinite: bool, verify: bool, group_by: str, top: int,
-    trust_pickle: bool, quiet: bool, output_file: Path | None, progress: bool = True,
+    trust_pickle: bool, quiet: bool, output_file: Path | None, what: str = "auto",
+    progress: bool = True,
 ) -> int:
     p = options.norm_type(norm_type)
     threshold = options.threshold("--max-norm", max_norm, allow_zero=True)
@@ -28,20 +28,24 @@ def run(
     if session is not None:
         dev = session.device
     with progress_steps(not progress or not speaks()) as steps:
-        loaded = load(path, key, trust_pickle, verify, steps)
+        loaded = load(path, key, trust_pickle, verify, steps, what)
         # inspect never writes a tensor, so pages read can go back at once:
         # resident memory stays flat whatever the file's size.
-        release = PageReleaser(path)
+        release = Releasers(loaded.contents.files)
         sums, owned = measure(loaded, p, dev, steps, "computing norms", release, session)
-    elements = loaded.elements
+        weight_sums = measure_weights(loaded, p, dev, release, session)
+    contents, selection = loaded.contents, loaded.selection
+    counts, owned_counts = loaded.counts()
     report = build_inspect_report(
         names=loaded.names, tensors=loaded.tensors, sums=sums, owned=owned,
-        counts=[elements.count(i) for i in range(len(elements))],
-        owned_counts=[piece.numel() for piece in elements.owned],
+        counts=counts, owned_counts=owned_counts,
         ties=loaded.ties, shares=loaded.shares,
-        group_rule=rule, source=path, format=loaded.checkpoint.format,
+        group_rule=rule, source=path, format=contents.kind,
         key=loaded.key, device=str(dev), max_norm=threshold,
         allow_nonfinite=allow_nonfinite, group_by=group_by, skipped=loaded.skipped,
+        what=selection.what, step=contents.step,
+        description=[*contents.description, f"measured: {selection.explain}"],
+        weight_sums=weight_sums,
     )
     if quiet and format == "table":
         # -q: the verdict alone on stdout; what the finding is goes to stderr.

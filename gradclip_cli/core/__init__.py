@@ -14,11 +14,11 @@ from .clipping import (
 )
 from .elements import Elements, distinct_elements, find_ties, readable
 from .norms import element_power_sums, tensor_power_sums
-from .power_sums import PowerSums
+from .power_sums import PowerSums, concat
 
 __all__ = [
     "Coefficient", "Elements", "PowerSums", "clamp_", "clamp_elements_", "clip_coefficient",
-    "distinct_elements", "element_power_sums", "exact_clip_coefficient", "find_ties",
+    "concat", "distinct_elements", "element_power_sums", "exact_clip_coefficient", "find_ties",
     "lowered_coefficient",
     "readable", "rounds_to_zero", "scale_", "scale_elements_", "tensor_power_sums",
     "unit_roundoff",

@@ -112,6 +112,19 @@ class PowerSums:
         return self.reduce(torch.zeros(len(self), dtype=torch.int64), 1)
 
 
+def concat(norm_type: float, parts: list[PowerSums]) -> PowerSums:
+    """The pieces of several summaries, one after another."""
+    if not parts:
+        empty = torch.empty(0, dtype=F64)
+        zero = torch.empty(0, dtype=torch.int64)
+        return PowerSums(norm_type, empty, empty, empty, zero, zero, zero)
+    return PowerSums(
+        norm_type,
+        *(torch.cat([getattr(p, f) for p in parts])
+          for f in ("scale", "power_sum", "max_abs", "nan", "posinf", "neginf")),
+    )
+
+
 def from_rows(
     norm_type: float, row_max: torch.Tensor, row_norm: torch.Tensor | None
 ) -> PowerSums:

@@ -39,7 +39,10 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
     return {
         "schema": INSPECT_SCHEMA,
         "source": report.source,
+        "what": report.what,
         "format": report.format,
+        "step": report.step,
+        "description": list(report.description),
         "key": report.key,
         "device": report.device,
         "norm_type": number(report.norm_type),
@@ -63,6 +66,7 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
                 "num_tensors": g.num_tensors,
                 "num_elements": g.num_elements,
                 "nonfinite": _nonfinite(g.nonfinite),
+                **({"ratio": number(g.ratio)} if g.ratio is not None else {}),
             }
             for g in report.groups
         ],
@@ -76,6 +80,7 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
                 "max_abs": number(t.max_abs),
                 "nonfinite": _nonfinite(t.nonfinite),
                 "tied": list(t.tied),
+                **({"ratio": number(t.ratio)} if t.ratio is not None else {}),
                 "shares": list(t.shares),
             }
             for t in report.tensors

@@ -324,12 +324,17 @@ def _header(report: InspectReport, width: int) -> list[str]:
     details = [report.format]
     if report.key:
         details.append(f"key '{visible(report.key)}'")
+    if report.step is not None:
+        details.append(f"step {report.step}")
     details += [plural(report.num_tensors, "tensor"), plural(report.num_elements, "element"),
                 f"p={fmt_p(report.norm_type)}", f"device {visible(report.device)}"]
     line = f"{source}  {', '.join(details)}"
+    # The layout's own lines (files read, coverage) arrive escaped already.
+    described = [part for text in (f"what: {visible(report.what)}", *report.description)
+                 for part in wrap(text, width)]
     if cell_len(line) <= width:
-        return [line]
-    return [shorten(source, width), *wrap(", ".join(details), width)]
+        return [line, *described]
+    return [shorten(source, width), *wrap(", ".join(details), width), *described]
 
 
 def _groups_table(report: InspectReport, width: int) -> Table:
@@ -340,6 +345,8 @@ def _groups_table(report: InspectReport, width: int) -> Table:
     shares: list[str | Text] = ["-" if math.isnan(g.share) else f"{100 * g.share:.1f}%"
                                 for g in shown]
     maxes: list[str | Text] = [fmt(g.max_abs) for g in shown]
+    with_ratio = any(g.ratio is not None for g in report.groups)
+    ratios: list[str | Text] = [fmt(g.ratio) for g in shown] + [""]
     sizes: list[str | Text] = [f"{g.num_elements:,}" for g in shown]
     flags: list[str | Text] = [_nonfinite_cell(g.nonfinite) for g in shown]
     bars: list[str | Text] = [bar(g.norm, largest) for g in shown]
@@ -356,6 +363,7 @@ def _groups_table(report: InspectReport, width: int) -> Table:
         Column("norm", norms),
         Column("share", shares, drop=2),
         Column("max |g|", maxes),
+        *([Column("ratio", ratios)] if with_ratio else []),
         Column("elements", sizes, drop=3),
         Column("non-finite", flags, justify="left", drop=0 if any_nonfinite else 3,
                wrap_at=", "),

@@ -33,6 +33,13 @@ def _share(norm: float, total: float, p: float) -> float:
     return ratio if math.isinf(p) else ratio**p
 
 
+def _ratio(norm: float, weight_norm: float) -> float:
+    """norm / weight norm; a zero weight norm gives inf (or nan for a zero norm too)."""
+    if weight_norm == 0:
+        return math.nan if norm == 0 else math.inf
+    return norm / weight_norm
+
+
 def verdict(
     nonfinite: NonFinite, total: float, max_norm: float | None, allow_nonfinite: bool,
     overflow: bool = False,
@@ -71,6 +78,10 @@ def build_inspect_report(
     allow_nonfinite: bool,
     group_by: str,
     skipped: list[str],
+    what: str = "grads",
+    step: int | None = None,
+    description: Sequence[str] = (),
+    weight_sums: PowerSums | None = None,
     owned: PowerSums | None = None,
     counts: Sequence[int] | None = None,
     owned_counts: Sequence[int] | None = None,
@@ -81,6 +92,9 @@ def build_inspect_report(
     ``owned`` and ``owned_counts`` the elements it holds first, which partition
     every element once (groups and the total). Without them, the tensors
     are taken to share no elements.
+
+    ``weight_sums``, aligned too, are the same parameters' weights: each
+    tensor and group then gets ``ratio = norm / weight norm``.
     """
     p = sums.norm_type
     if owned is None:
@@ -101,7 +115,12 @@ def build_inspect_report(
     # 20,000 tensors, and ``norm`` is computed on every access.
     norms = sums.norm.tolist()
     maxes = sums.max_abs.tolist()
-    counts = _nonfinite_all(sums)
+    nonfinite_rows = _nonfinite_all(sums)
+    ratios: list[float | None] = [None] * len(names)
+    group_ratios: list[float | None] = [None] * len(order)
+    if weight_sums is not None:
+        ratios = [_ratio(a, b) for a, b in zip(norms, weight_sums.norm.tolist())]
+        weight_groups = weight_sums.reduce(group_index, len(order)).norm.tolist()
 
     tensor_rows = [
         TensorRow(
@@ -112,8 +131,9 @@ def build_inspect_report(
             num_elements=counts[i],
             norm=norms[i],
             max_abs=maxes[i],
-            nonfinite=counts[i],
+            nonfinite=nonfinite_rows[i],
             tied=tuple(ties.get(name, ())),
+            ratio=ratios[i],
             shares=tuple(shares[i]) if shares else (),
         )
         for i, name in enumerate(names)
@@ -129,6 +149,8 @@ def build_inspect_report(
     group_rows = []
     for g, name in enumerate(order):
         norm = group_norms[g]
+        if weight_sums is not None:
+            group_ratios[g] = _ratio(norm, weight_groups[g])
         group_rows.append(
             GroupRow(
                 name=name,
@@ -138,6 +160,7 @@ def build_inspect_report(
                 num_tensors=members[g],
                 num_elements=elements[g],
                 nonfinite=group_counts[g],
+                ratio=group_ratios[g],
             )
         )
     nonfinite = _nonfinite_all(total)[0]
@@ -159,6 +182,9 @@ def build_inspect_report(
         allow_nonfinite=allow_nonfinite,
         group_by=group_by,
         skipped=list(skipped),
+        what=what,
+        step=step,
+        description=list(description),
         overflow=overflow,
         total_norm_log10=float(total.log2_norm[0]) * math.log10(2.0) if overflow else None,
     )

@@ -28,6 +28,7 @@ class TensorRow:
     nonfinite: NonFinite
     tied: tuple[str, ...] = ()  # other names of exactly these storage elements
     shares: tuple[str, ...] = ()  # other tensors holding some of these elements
+    ratio: float | None = None  # norm / the same parameter's weight norm
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class GroupRow:
     num_tensors: int
     num_elements: int
     nonfinite: NonFinite
+    ratio: float | None = None  # norm / the norm of the same parameters' weights
 
 
 # What a report concludes; the CLI maps each to an exit code.
@@ -64,6 +66,9 @@ class InspectReport:
     allow_nonfinite: bool = False
     group_by: str = "layer"
     skipped: list[str] = field(default_factory=list)
+    what: str = "grads"  # what was measured (--what, resolved)
+    step: int | None = None  # the training step, when the checkpoint records it
+    description: list[str] = field(default_factory=list)  # lines for the header
     # A finite total beyond float64's range: total_norm is inf, log10 says how far.
     overflow: bool = False
     total_norm_log10: float | None = None

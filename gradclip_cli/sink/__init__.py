@@ -14,9 +14,9 @@ from gradclip_cli.errors import OutputError
 from gradclip_cli.sink.atomic import atomic_write, check_target
 from gradclip_cli.sink.safetensors_file import write_safetensors
 from gradclip_cli.sink.torch_file import write_torch_legacy, write_torch_zip
-from gradclip_cli.source.interface import Checkpoint
+from gradclip_cli.source.interface import Checkpoint, Contents
 
-__all__ = ["WRITERS", "atomic_write", "check_target", "write_checkpoint"]
+__all__ = ["WRITERS", "atomic_write", "check_target", "write_checkpoint", "write_contents"]
 
 WRITERS: dict[str, Callable[[Checkpoint, BinaryIO], None]] = {
     "torch-zip": write_torch_zip,
@@ -49,3 +49,18 @@ def write_checkpoint(ckpt: Checkpoint, output: Path | str) -> int:
     replaced = check_target(target)
     atomic_write(target, lambda file: writer(ckpt, file), mode_from=ckpt.path)
     return 0 if replaced is None else replaced.st_nlink - 1
+
+
+def write_contents(contents: Contents, output: Path | str, *, in_place: bool = False) -> int:
+    """Write what ``contents`` was opened from: one file, or a sharded set as a set.
+
+    Returns what ``write_checkpoint`` does for one file (0 for a set).
+    """
+    if contents.checkpoint is not None:
+        return write_checkpoint(contents.checkpoint, output)
+    if contents.shards and contents.index is not None:
+        from gradclip_cli.sink.sharded_set import write_set
+
+        write_set(contents, Path(output), WRITERS, in_place=in_place)
+        return 0
+    raise OutputError(f"{output}: cannot write a {contents.kind} checkpoint")

@@ -1,17 +1,32 @@
-"""What every checkpoint source hands to the rest of gradclip."""
+"""What every checkpoint source hands to the rest of gradclip.
+
+Two kinds of source live under ``source/``:
+
+* *files* (``source/files/``) read one file's bytes safely and give a
+  ``Checkpoint``: the stored object, untouched;
+* *layouts* (``source/layouts/``) know how one checkpoint is laid out across
+  files and keys and give ``Contents``: named tensors (gradients, weights),
+  the optimizer state, the step, and a description for the report.
+
+The layout contract (``Layout``, ``Contents``, ``StoredTensor``, ``Piece``)
+is written out below; a new layout module follows it and adds one line to
+``source/layouts/__init__.py``.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 
 @dataclass
 class Checkpoint:
-    """A loaded checkpoint, untouched.
+    """A loaded checkpoint file, untouched.
 
     ``root`` is the object as stored: a dict (possibly nested) for torch files,
     a flat ``{name: tensor}`` dict for safetensors. Tensors are memory-mapped
@@ -42,3 +57,217 @@ class GradientSelection:
     @property
     def key(self) -> str:
         return ".".join(self.key_path)
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored part of a tensor.
+
+    ``offsets`` is where the piece starts in the full tensor (one index per
+    dimension) and ``shape`` its extent; ``read()`` returns the piece's data
+    with that shape, memory-mapped where the file format allows. ``read`` is
+    called when the piece is measured and its result dropped afterwards, so a
+    layout may read from disk there (a DCP chunk) or return a tensor it
+    already holds (a mapped safetensors entry). ``file`` names where the bytes
+    live, for messages and for giving mapped pages back. ``held`` is the
+    data when the layout already holds it (a mapped tensor: ties between
+    names are found among held pieces, and clip scales them in place).
+    """
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+    file: Path | None = None
+    held: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class StoredTensor:
+    """A named tensor as a checkpoint stores it: in one piece or in several.
+
+    The pieces tile the tensor exactly once: no gaps, no overlaps. A layout
+    whose files hold a piece more than once (replicated DCP chunks, a
+    parameter saved by every data-parallel rank) keeps one copy and drops the
+    others, so every element counts once in every norm. Memory stays bounded
+    by the largest piece: nothing here reads a piece until it is measured.
+
+    ``shape``, ``dtype`` and ``numel()`` match a ``torch.Tensor``'s, so a
+    report can describe a stored tensor without reading it.
+    """
+
+    __slots__ = ("name", "shape", "dtype", "pieces")
+
+    def __init__(self, name: str, shape: Iterable[int], dtype: torch.dtype,
+                 pieces: Iterable[Piece]):
+        self.name = name
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.pieces = tuple(pieces)
+
+    @classmethod
+    def whole(cls, name: str, tensor: torch.Tensor, file: Path | None = None) -> StoredTensor:
+        """A tensor already at hand (loaded or mapped): one piece covering all of it."""
+        shape = tuple(tensor.shape)
+        piece = Piece((0,) * len(shape), shape, lambda: tensor, file, tensor)
+        return cls(name, shape, tensor.dtype, (piece,))
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.dtype.itemsize
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    @property
+    def held(self) -> torch.Tensor | None:
+        """The tensor itself when it is one piece already at hand, else None."""
+        if len(self.pieces) == 1 and self.pieces[0].shape == tuple(self.shape):
+            return self.pieces[0].held
+        return None
+
+    def read(self) -> torch.Tensor:
+        """The whole tensor: the single piece as stored, or the pieces assembled (a copy)."""
+        if len(self.pieces) == 1 and self.pieces[0].shape == tuple(self.shape):
+            return self.pieces[0].read()
+        out = torch.empty(self.shape, dtype=self.dtype)
+        for piece in self.pieces:
+            index = tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.shape))
+            out[index] = piece.read()
+        return out
+
+    def __repr__(self) -> str:
+        return (f"StoredTensor({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"pieces={len(self.pieces)})")
+
+
+@dataclass
+class OptimizerState:
+    """A ``torch.optim.Optimizer.state_dict()`` (or a framework's equivalent), as stored.
+
+    ``param_groups`` are the stored groups: each a dict with ``"params"`` (the
+    parameter ids of the group, in the order the optimizer was given them)
+    and the hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``...).
+    ``state`` maps a parameter id to its per-parameter state: tensors as
+    ``StoredTensor`` (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``...) and
+    scalars as Python numbers or 0-dim tensors (``step``). ``param_names``
+    maps ids to model names when the optimizer stored them (torch >= 2.6
+    with named parameters; DeepSpeed's ``param_shapes``), else is None and
+    ``source/what.py`` recovers the mapping from the model's order.
+    ``file`` is where the state was read (for messages).
+    """
+
+    param_groups: list[dict[str, Any]]
+    state: dict[int, dict[str, Any]]
+    param_names: dict[int, str] | None = None
+    file: Path | None = None
+
+
+@dataclass
+class Contents:
+    """What a layout found in a checkpoint; every field a layout cannot fill stays empty.
+
+    Attributes:
+        path: the PATH the user gave.
+        kind: what it is, for the report (``"hf-sharded"``, ``"hf-trainer"``,
+            ``"lightning"``, ``"dcp"``, ``"deepspeed"``, or a file format).
+        description: lines for the report header, each a plain sentence:
+            the files read, and any limit on coverage ("covers shard
+            model-00002-of-00003.safetensors only; the index is
+            model.safetensors.index.json").
+        files: every file the layout read (all inside the checkpoint's folder).
+        gradients: saved gradients by name, in checkpoint order, or None.
+        gradient_key: where the gradients were found (the ``--key`` path).
+        skipped: names of non-floating-point entries next to the gradients.
+        weights: the model's parameters by name, in model order where the
+            layout knows it (``model_order``), or None.
+        model_order: True when ``weights`` is in the model's parameter order
+            (torch state_dict order); False when the files sort the names
+            (safetensors headers and HF indexes do), in which case optimizer
+            state without ``param_names`` cannot be mapped from it alone.
+        model_order_names: the model's parameter names in order, when the
+            layout learned it elsewhere (rebuilding the model from its config).
+        optimizer: the optimizer state, or None; several optimizers (Lightning
+            can hold a list) are reported by ``optimizers``.
+        optimizers: every optimizer state, ``optimizer`` being the first.
+        step: the training step when the checkpoint records one.
+        checkpoint: for a single-file source, the loaded file (clip writes it back).
+        shards: for a set of files (HF sharded), each file's loaded
+            ``Checkpoint`` in index order, for clip to write back as a set.
+        index: the index file of a set, when there is one.
+    """
+
+    path: Path
+    kind: str
+    description: list[str] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+    gradients: dict[str, StoredTensor] | None = None
+    gradient_key: str = ""
+    skipped: list[str] = field(default_factory=list)
+    weights: dict[str, StoredTensor] | None = None
+    model_order: bool = True
+    model_order_names: list[str] | None = None
+    optimizers: list[OptimizerState] = field(default_factory=list)
+    step: int | None = None
+    checkpoint: Checkpoint | None = None
+    shards: list[Checkpoint] = field(default_factory=list)
+    index: Path | None = None
+    trusted_pickle: bool = False
+    gradient_error: str | None = None  # why no gradients were found, for --what grads
+
+    @property
+    def optimizer(self) -> OptimizerState | None:
+        return self.optimizers[0] if self.optimizers else None
+
+
+class Layout(Protocol):
+    """One checkpoint layout, as a module in ``source/layouts/`` provides it.
+
+    ``KIND``: the ``Contents.kind`` it produces.
+
+    ``recognises(path) -> bool``: look at content, never at a suffix alone:
+    a folder's file names and a small JSON file's keys are content; reading
+    a large file is not (recognition must stay cheap, and must not fail on
+    paths of other kinds: return False, raise nothing). Layouts are tried in
+    registry order and the first that recognises the path opens it.
+
+    ``open(path, *, key, trust_pickle, verify) -> Contents``: read the
+    checkpoint. Rules every layout keeps:
+
+    * every file read comes from the registry's file readers
+      (``source.load_checkpoint``), so the weights-only unpickler, the header
+      checks and ``--verify`` apply to each file;
+    * nothing outside the checkpoint's folder is read: a name taken from a
+      file (an index's ``weight_map``, DCP's storage paths) is resolved and
+      checked to stay inside the folder, symlinks included, before it is
+      opened (``layouts.paths.inside``);
+    * any inconsistency (a missing or truncated file, a tensor the index
+      puts elsewhere, a name stored twice, a metadata file that is not what
+      it claims) raises ``InputError`` with one line naming the file;
+    * tensors are handed over as ``StoredTensor``: mapped, or as pieces read
+      on demand, never all copied into memory at once; replicated pieces
+      are kept once;
+    * ``description`` says what was read and what is not covered.
+    """
+
+    KIND: str
+
+    def recognises(self, path: Path) -> bool: ...
+
+    def open(self, path: Path, *, key: str | None, trust_pickle: bool,
+             verify: bool) -> Contents: ...
+
+
+def stored(
+    tensors: Mapping[str, torch.Tensor], file: Path | None = None
+) -> dict[str, StoredTensor]:
+    """``{name: tensor}`` as ``{name: StoredTensor}``, one piece each."""
+    return {name: StoredTensor.whole(name, t, file) for name, t in tensors.items()}

@@ -71,7 +71,10 @@ def test_no_gradients_never_suggests_optimizer_state(gradclip, tmp_path, grads):
     path = tmp_path / "training.pt"
     model = {name: torch.randn(g.shape) for name, g in grads.items()}
     torch.save({"model": model, "optimizer": adamw_state(grads), "epoch": 3}, path)
-    err = assert_one_error_line(gradclip("inspect", path), path)
+    # --what auto measures the Adam moments where no gradients are saved (the
+    # contract's default); asking for gradients gets the hints.
+    assert gradclip("inspect", path, "--format", "json").json()["what"] == "exp_avg"
+    err = assert_one_error_line(gradclip("inspect", path, "--what", "grads"), path)
     candidates = err.split("candidates for --key: ", 1)[1]
     assert candidates.startswith("model;")
     assert "state" not in candidates.split(";")[0]

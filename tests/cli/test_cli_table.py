@@ -111,7 +111,7 @@ class FakeTerminal(io.StringIO):
 
 
 def slow_load(monkeypatch, seconds: float) -> None:
-    real = common_module.load_checkpoint
+    real = common_module.open_checkpoint
 
     def load(*args, **kwargs):
         import time
@@ -119,7 +119,7 @@ def slow_load(monkeypatch, seconds: float) -> None:
         time.sleep(seconds)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(common_module, "load_checkpoint", load)
+    monkeypatch.setattr(common_module, "open_checkpoint", load)
 
 
 def test_quiet_draws_no_progress_even_on_a_terminal(grads_file, monkeypatch, capsys):

@@ -35,10 +35,14 @@ def main() -> None:
 
         timeout = float(os.environ.get("GRADCLIP_DIST_TIMEOUT", "120"))
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    # Held gradients are measured in commands/common.py, everything else in
+    # source/what.py; both call the core's tensor_power_sums.
     from gradclip_cli import cli
     from gradclip_cli.commands import common
     from gradclip_cli.errors import InputError
+    from gradclip_cli.source import what
 
+    modules = (common, what)
     real = common.tensor_power_sums
     for index, job in enumerate(jobs):
         if job.get("fail_rank") == rank:
@@ -47,16 +51,19 @@ def main() -> None:
             def failing(*args, _path=path, **kwargs):
                 raise InputError(f"{_path}: cannot read: Input/output error")
 
-            common.tensor_power_sums = failing
+            for module in modules:
+                module.tensor_power_sums = failing
         if job.get("die_rank") == rank:
-            common.tensor_power_sums = lambda *args, **kwargs: os._exit(9)
+            for module in modules:
+                module.tensor_power_sums = lambda *args, **kwargs: os._exit(9)
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 cli.main(job["args"])
             except SystemExit as exit_:
                 code = exit_.code
-        common.tensor_power_sums = real
+        for module in modules:
+            module.tensor_power_sums = real
         stem = outdir / f"rank{rank}.job{index}"
         Path(f"{stem}.code").write_text(str(code))
         Path(f"{stem}.out").write_text(out.getvalue())

@@ -42,7 +42,7 @@ def _grads(path: Path) -> dict:
 )
 def test_long_output_name_is_written_under_exactly_that_name(tmp_path, ckpt, name):
     assert len(os.fsencode(name)) <= 255
-    result = run_cli("clip", ckpt, "--max-norm", "1", "-o", tmp_path / name, "-q",
+    result = run_cli("clip", ckpt, "--max-norm", "1", "-o", tmp_path / name, "--no-progress",
                      "--format", "json")
     assert result.code == 0, result.err
     assert sorted(os.listdir(tmp_path)) == sorted(["h.pt", name])  # no temporary file left
@@ -55,14 +55,15 @@ def test_long_output_name_is_written_under_exactly_that_name(tmp_path, ckpt, nam
 
 def test_long_report_file_name(tmp_path, ckpt):
     name = "r" * 250 + ".json"
-    result = run_cli("inspect", ckpt, "-q", "--format", "json", "--output-file", tmp_path / name)
+    result = run_cli("inspect", ckpt, "--no-progress", "--format", "json",
+                     "--output-file", tmp_path / name)
     assert result.code == 0, result.err
     assert json.loads((tmp_path / name).read_text())["schema"] == "gradclip.inspect/1"
 
 
 def test_a_name_past_the_limit_is_one_line_exit_3(tmp_path, ckpt):
     name = "a" * 256 + ".pt"
-    result = run_cli("clip", ckpt, "--max-norm", "1", "-o", tmp_path / name, "-q")
+    result = run_cli("clip", ckpt, "--max-norm", "1", "-o", tmp_path / name, "--no-progress")
     assert result.code == 3
     assert len(result.err_lines) == 1 and "too long" in result.err_lines[0].lower()
     assert os.listdir(tmp_path) == ["h.pt"]
@@ -90,9 +91,10 @@ def test_in_place_on_a_hard_linked_file_says_the_other_names_keep_the_old_bytes(
 
 
 def test_a_single_link_says_nothing(tmp_path, ckpt):
-    result = run_cli("clip", ckpt, "--max-norm", "0.5", "--in-place", "-q", "--format", "json")
+    result = run_cli("clip", ckpt, "--max-norm", "0.5", "--in-place", "--no-progress",
+                     "--format", "json")
     assert json.loads(result.out)["other_links_unchanged"] == 0
-    table = run_cli("clip", ckpt, "--max-norm", "0.5", "--in-place", "-q")
+    table = run_cli("clip", ckpt, "--max-norm", "0.5", "--in-place", "--no-progress")
     assert "hard link" not in table.out
 
 
@@ -124,6 +126,6 @@ def test_paths_are_reported_as_given(tmp_path, ckpt, monkeypatch, fmt):
 
 def test_error_document_source_is_as_given(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = run_cli("inspect", "./missing.pt", "-q", "--format", "json")
+    result = run_cli("inspect", "./missing.pt", "--no-progress", "--format", "json")
     assert result.code == 3
     assert json.loads(result.out)["source"] == "./missing.pt"

@@ -1,0 +1,130 @@
+"""Writing a sharded checkpoint (an index and its shards) back as a set.
+
+A reader must never see a mix of old and new shards, and there is no way to
+replace several files at once. So the whole folder is written anew, beside
+the target, under a hidden temporary name: every shard in its own format
+(through ``WRITERS``), the index and every other file of the folder copied
+byte for byte. Each file is fsync'd, then the folder is switched in:
+
+* a new output folder: one ``rename`` of the finished temporary folder;
+* ``--in-place``: ``renameat2(RENAME_EXCHANGE)`` swaps the two folders in
+  one step on Linux, then the old one (now under the temporary name) is
+  removed. Where the exchange is unavailable (not Linux, or a file system
+  without it), two renames: the old folder to ``.<name>.old-*`` and the new
+  one to ``<name>``.
+
+What a crash leaves (kill -9 at any moment): before the switch, the input
+untouched and a ``.<name>.clipped-*.tmp`` folder beside it; after an
+exchange, the clipped set in place and the old set in that temporary
+folder; in the two-rename fallback, between the renames, no folder at
+``<name>`` at all, the old set at ``.<name>.old-*`` and the new one at
+``.<name>.clipped-*.tmp``, each whole. Never a folder holding some shards
+of each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+from gradclip_cli.errors import OutputError
+from gradclip_cli.sink.atomic import _fsync_folder, _output_error
+from gradclip_cli.source.interface import Checkpoint, Contents
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def write_set(contents: Contents, target: Path, writers: dict, *, in_place: bool) -> None:
+    """Write ``contents.shards`` (already clipped in place) and the rest of the folder to
+    ``target``, a folder; replace it only when ``in_place``."""
+    source = contents.index.parent
+    target = Path(target)
+    parent = target.parent
+    if not parent.is_dir():
+        raise OutputError(f"{target}: cannot write: the folder {parent} does not exist")
+    if not in_place and (target.exists() or target.is_symlink()):
+        raise OutputError(f"{target}: cannot write: it exists; a set is written as a new "
+                          "folder (or use --in-place)")
+    shards = {Path(s.path).name: s for s in contents.shards}
+    try:
+        temp = Path(tempfile.mkdtemp(prefix=f".{target.name}.clipped-", suffix=".tmp",
+                                     dir=parent))
+    except OSError as error:
+        raise _output_error(target, error) from None
+    try:
+        os.chmod(temp, stat.S_IMODE(os.stat(source).st_mode))
+        for entry in sorted(os.scandir(source), key=lambda e: e.name):
+            if not entry.is_file(follow_symlinks=False):
+                continue  # the set's files are plain files; links and folders stay behind
+            out = temp / entry.name
+            if entry.name in shards:
+                _write_shard(shards[entry.name], out, writers)
+            else:
+                _copy(Path(entry.path), out)
+        _fsync_folder(temp)
+        if in_place:
+            _switch(temp, target)
+        else:
+            os.rename(temp, target)
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(temp)
+        if not isinstance(error, (Exception, KeyboardInterrupt)):
+            raise
+        raise _output_error(target, error) from error
+    _fsync_folder(parent)
+
+
+def _write_shard(ckpt: Checkpoint, out: Path, writers: dict) -> None:
+    writer = writers.get(ckpt.format)
+    if writer is None:
+        raise OutputError(f"{out}: cannot write shards of format {ckpt.format!r}")
+    with open(out, "xb") as file:
+        writer(ckpt, file)
+        file.flush()
+        os.fchmod(file.fileno(), stat.S_IMODE(os.stat(ckpt.path).st_mode))
+        os.fsync(file.fileno())
+
+
+def _copy(source: Path, out: Path) -> None:
+    with open(source, "rb") as read, open(out, "xb") as write:
+        shutil.copyfileobj(read, write, 1 << 20)
+        write.flush()
+        os.fchmod(write.fileno(), stat.S_IMODE(os.fstat(read.fileno()).st_mode))
+        os.fsync(write.fileno())
+
+
+def _switch(new: Path, target: Path) -> None:
+    """Put ``new`` at ``target`` (an existing folder) and remove the old one."""
+    if _exchange(new, target):
+        shutil.rmtree(new)  # now the old set
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.rmdir(old)
+    os.rename(target, old)
+    os.rename(new, target)
+    shutil.rmtree(old)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2``); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code))

@@ -1,0 +1,52 @@
+"""Checkpoint layouts: how one checkpoint is laid out across files and keys.
+
+Each module here recognises one layout by content and opens it into
+``Contents`` (see ``source/interface.py`` for the contract a layout keeps).
+Adding a layout is one module and one line in ``LAYOUTS``; order matters:
+the first layout that recognises a path opens it, so a framework folder
+(which may hold a sharded index) comes before the bare index.
+
+``open_checkpoint`` is the one entry point the commands use: folders and
+indexes go to the layouts, single files to ``single_file`` (the file
+readers, plus what a file's content says: a Lightning ``.ckpt``, a shard of
+an indexed set).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.format.text import visible
+from gradclip_cli.source.interface import Contents, Layout
+
+from . import hf_sharded, hf_trainer, single_file
+
+LAYOUTS: tuple[Layout, ...] = (
+    hf_trainer,
+    hf_sharded,
+)
+
+
+def open_checkpoint(
+    path: Path | str, *, key: str | None = None, trust_pickle: bool = False,
+    verify: bool = False,
+) -> Contents:
+    """Open ``path`` (a file, an index or a checkpoint folder) as ``Contents``.
+
+    Every failure is an ``InputError`` with one line naming the file.
+    """
+    path = Path(path)
+    for layout in LAYOUTS:
+        if layout.recognises(path):
+            return layout.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
+    if os.path.isdir(path):
+        indexes = sorted(n for n in os.listdir(path) if n.endswith(hf_sharded.INDEX_SUFFIX))
+        if len(indexes) > 1:
+            raise InputError(f"{path}: holds several indexes ({visible(', '.join(indexes))}); "
+                             "give the one to read")
+        raise InputError(
+            f"{path}: is a directory, but not a checkpoint gradclip knows (expected a sharded "
+            "checkpoint's index, or a Hugging Face Trainer checkpoint-N/ folder)")
+    return single_file.open(path, key=key, trust_pickle=trust_pickle, verify=verify)

@@ -1,0 +1,149 @@
+"""Hugging Face Trainer checkpoints: ``checkpoint-N/`` folders.
+
+``Trainer._save_checkpoint`` writes the model (``model.safetensors``, or
+sharded with an index, or ``pytorch_model.bin``), ``optimizer.pt`` (the
+optimizer's ``state_dict()``: state keyed by index, no ``param_names``),
+``trainer_state.json`` (``global_step``, ``log_history``), ``scheduler.pt``,
+``rng_state.pth`` and ``training_args.bin``. Recognised by content: a folder
+holding ``trainer_state.json`` or ``optimizer.pt`` beside model weights.
+
+The Trainer gives the optimizer two param groups, decayed and not decayed,
+each in model order. Mapping state to names needs the model's order, which a
+safetensors file does not keep (its header sorts names). ``pytorch_model.bin``
+keeps it; otherwise the order is rebuilt from ``config.json`` by constructing
+the model on the meta device (no memory, no weights, no remote code), when
+transformers is installed. Nothing else is trusted: ``training_args.bin`` is
+a full pickle and is never read.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.format.text import visible
+from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source.interface import Contents, stored
+
+from . import hf_sharded
+from .paths import read_json
+from .torch_optim import optimizer_state
+
+KIND = "hf-trainer"
+STATE = "trainer_state.json"
+OPTIMIZER = "optimizer.pt"
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
+
+
+def recognises(path: Path) -> bool:
+    if not os.path.isdir(path):
+        return False
+    try:
+        names = set(os.listdir(path))
+    except OSError:
+        return False
+    has_weights = any(n in names for n in (*WEIGHT_FILES, *INDEX_FILES))
+    return has_weights and (STATE in names or OPTIMIZER in names)
+
+
+def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    contents = Contents(path=path, kind=KIND)
+    contents.step = _global_step(path)
+    _read_weights(contents, path, trust_pickle=trust_pickle, verify=verify)
+    optimizer_file = path / OPTIMIZER
+    if os.path.exists(optimizer_file):
+        ckpt = load_checkpoint(optimizer_file, trust_pickle=trust_pickle, verify=verify)
+        contents.optimizers.append(optimizer_state(ckpt.root, optimizer_file, "the file"))
+        contents.files.append(optimizer_file)
+        contents.trusted_pickle |= ckpt.trusted_pickle
+    if contents.optimizer is not None and contents.optimizer.param_names is None \
+            and not contents.model_order:
+        contents.model_order_names = model_order_from_config(path)
+    contents.gradient_error = (f"{path}: a Trainer checkpoint holds no gradients "
+                               "(the optimizer's moments stand in for them: --what exp_avg)")
+    held = ", ".join(visible(p.name) for p in contents.files)
+    step = f" at global_step {contents.step}" if contents.step is not None else ""
+    contents.description.insert(0, f"Trainer checkpoint{step}: {held}")
+    return contents
+
+
+def _global_step(folder: Path) -> int | None:
+    state_file = folder / STATE
+    if not os.path.exists(state_file):
+        return None
+    state = read_json(state_file, what="a Trainer state")
+    if not isinstance(state, dict):
+        raise InputError(f"{state_file}: not a Trainer state: not a JSON object")
+    step = state.get("global_step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise InputError(f"{state_file}: not a Trainer state: global_step is "
+                         f"{visible(repr(step))}, not a step count")
+    named = _CHECKPOINT_NAME.fullmatch(folder.resolve().name)
+    if named and int(named.group(1)) != step:
+        raise InputError(f"{state_file}: says global_step {step}, but the folder is "
+                         f"{visible(folder.resolve().name)}")
+    return step
+
+
+def _read_weights(contents: Contents, folder: Path, *, trust_pickle: bool,
+                  verify: bool) -> None:
+    for name in INDEX_FILES:
+        index = folder / name
+        if os.path.exists(index):
+            shards, tensors = hf_sharded.read_set(index, trust_pickle=trust_pickle, verify=verify)
+            contents.weights = tensors
+            contents.model_order = False  # an index sorts its names
+            contents.files += [index, *(s.path for s in shards)]
+            contents.trusted_pickle |= any(s.trusted_pickle for s in shards)
+            return
+    for name in WEIGHT_FILES:
+        file = folder / name
+        if os.path.exists(file):
+            ckpt = load_checkpoint(file, trust_pickle=trust_pickle, verify=verify)
+            if not isinstance(ckpt.root, dict):
+                raise InputError(f"{file}: model weights should be name -> tensor")
+            contents.weights = stored({str(k): v for k, v in ckpt.root.items()}, file)
+            # torch.save of a state_dict keeps module order; safetensors sorts names.
+            contents.model_order = ckpt.format != "safetensors"
+            contents.files.append(file)
+            contents.trusted_pickle |= ckpt.trusted_pickle
+            return
+
+
+def model_order_from_config(folder: Path) -> list[str] | None:
+    """The model's parameter names in ``named_parameters()`` order, rebuilt from config.json.
+
+    The model is built on the meta device (shapes only) from transformers'
+    own classes (``architectures`` must name one; ``trust_remote_code`` is
+    never set). None when transformers is missing or the model cannot be built;
+    the mapping then says why it cannot proceed.
+    """
+    config_file = folder / "config.json"
+    if not os.path.exists(config_file):
+        return None
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    document = read_json(config_file, what="a model config")
+    architectures = document.get("architectures") if isinstance(document, dict) else None
+    if not (isinstance(architectures, list) and architectures
+            and isinstance(architectures[0], str)):
+        return None
+    model_class = getattr(transformers, architectures[0], None)
+    if not (isinstance(model_class, type)
+            and issubclass(model_class, transformers.PreTrainedModel)):
+        return None
+    try:
+        config = transformers.AutoConfig.from_pretrained(os.fspath(folder),
+                                                         trust_remote_code=False)
+        with torch.device("meta"):
+            model = model_class(config)
+    except Exception:  # any failure to build: the order stays unknown, reported later
+        return None
+    return [name for name, _ in model.named_parameters()]

@@ -1,0 +1,73 @@
+"""Names read from a checkpoint's own files, turned into paths that stay inside its folder.
+
+An index's ``weight_map`` or a DCP storage path is data written by whoever made
+the checkpoint. Opening it as given would let ``../../etc/passwd``, an
+absolute path or a symlink read files the user never pointed gradclip at, so
+every such name goes through ``inside`` first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.format.text import visible
+
+# An index or trainer_state.json larger than this is not one (a 70B model's
+# index is about 100 KB): refuse it before parsing rather than read gigabytes.
+MAX_JSON_BYTES = 64 << 20
+
+
+def inside(folder: Path, name: object, *, named_by: Path) -> Path:
+    """The file ``name`` (relative, '/'-separated) in ``folder``; ``InputError`` if it leaves.
+
+    Refused: non-strings, empty names, absolute paths, ``..`` parts, and
+    names whose resolved path (symlinks followed) lies outside the folder's
+    resolved path. ``named_by`` is the file that gave the name, for the message.
+    """
+    # Control characters have no place in a shard's name, and would break the
+    # one-line message that names the file.
+    if not isinstance(name, str) or not name or not name.isprintable():
+        raise InputError(f"{named_by}: names a file {visible(repr(name))}, not a relative path")
+    parts = PurePosixPath(name).parts
+    if name.startswith(("/", "\\")) or os.path.isabs(name) or ".." in parts or "\\" in name:
+        raise InputError(
+            f"{named_by}: names {visible(repr(name))}, outside its folder; refused")
+    candidate = folder.joinpath(*parts)
+    real_folder = Path(os.path.realpath(folder))
+    real = Path(os.path.realpath(candidate))
+    if real != real_folder and real_folder not in real.parents:
+        raise InputError(
+            f"{named_by}: {visible(repr(name))} leads outside its folder "
+            f"(to {visible(str(real))}); refused")
+    return candidate
+
+
+def read_json(path: Path, *, what: str) -> Any:
+    """Parse a small JSON file; ``InputError`` naming it when it is missing, huge or not JSON."""
+    try:
+        size = os.stat(path).st_size
+        if size > MAX_JSON_BYTES:
+            raise InputError(f"{path}: {size} bytes is too large for {what}")
+        with open(path, "rb") as file:
+            raw = file.read()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file ({what})") from None
+    except OSError as error:
+        raise InputError(f"{path}: cannot read: {error.strerror or error}") from None
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise InputError(f"{path}: not {what}: not valid JSON") from None
+
+
+def json_head_keys(path: Path, limit: int = 4096) -> str:
+    """The file's first bytes as text (for cheap recognition), or '' when unreadable."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(limit).decode("utf-8", errors="replace")
+    except OSError:
+        return ""

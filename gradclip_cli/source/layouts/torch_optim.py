@@ -1,0 +1,69 @@
+"""Reading a ``torch.optim.Optimizer.state_dict()`` as stored, into ``OptimizerState``.
+
+``{"state": {id: {"step": ..., "exp_avg": ..., ...}}, "param_groups": [{"params":
+[ids], "lr": ..., ...}]}``; torch >= 2.6 adds ``"param_names"`` to each group
+when the optimizer was given named parameters. Everything is checked for
+shape before use: the file is data, and a group whose ``params`` is not a
+list of ids must be a clear error, not a crash later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.format.text import visible
+from gradclip_cli.source.interface import OptimizerState, StoredTensor
+
+
+def is_optimizer_state(value: Any) -> bool:
+    return (isinstance(value, Mapping) and isinstance(value.get("state"), Mapping)
+            and isinstance(value.get("param_groups"), (list, tuple)))
+
+
+def optimizer_state(value: Any, file: Path, where: str) -> OptimizerState:
+    """``value`` (a state dict found at ``where`` in ``file``) as ``OptimizerState``."""
+
+    def bad(why: str) -> InputError:
+        return InputError(f"{file}: {where} is not an optimizer state dict: {why}")
+
+    if not is_optimizer_state(value):
+        raise bad("it needs 'state' and 'param_groups'")
+    groups: list[dict[str, Any]] = []
+    names: dict[int, str] = {}
+    seen: set[int] = set()
+    for g, group in enumerate(value["param_groups"]):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"), (list, tuple)):
+            raise bad(f"param group {g} has no 'params' list")
+        params = list(group["params"])
+        if not all(isinstance(p, int) and not isinstance(p, bool) for p in params):
+            raise bad(f"param group {g} lists parameters that are not integer ids")
+        if seen.intersection(params):
+            raise bad(f"param group {g} repeats a parameter id of an earlier group")
+        seen.update(params)
+        group_names = group.get("param_names")
+        if isinstance(group_names, (list, tuple)) and len(group_names) == len(params):
+            for p, name in zip(params, group_names):
+                if not isinstance(name, str):
+                    raise bad(f"param group {g} has a parameter name that is not a string")
+                names[p] = name
+        groups.append({**{str(k): v for k, v in group.items()}, "params": params})
+    state: dict[int, dict[str, Any]] = {}
+    for pid, entry in value["state"].items():
+        if not isinstance(pid, int) or isinstance(pid, bool):
+            raise bad(f"state is keyed by {visible(repr(pid))}, not by integer parameter ids")
+        if pid not in seen:
+            raise bad(f"state holds parameter {pid}, which no param group lists")
+        if not isinstance(entry, Mapping):
+            raise bad(f"state of parameter {pid} is not a mapping")
+        state[pid] = {
+            str(k): StoredTensor.whole(f"{pid}.{k}", v, file)
+            if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+            for k, v in entry.items()
+        }
+    complete = len(names) == len(seen)
+    return OptimizerState(groups, state, names if complete and names else None, file)

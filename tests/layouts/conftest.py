@@ -1,0 +1,119 @@
+"""Real checkpoints, built by the libraries that write them, once per test session.
+
+Each fixture runs the real writer (transformers ``save_pretrained`` and a
+``Trainer`` run, huggingface_hub ``save_torch_state_dict``, a ``lightning``
+run) on a tiny GPT-2 or MLP on the CPU; nothing imitates their files.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cli.conftest import gradclip  # noqa: F401 (the in-process runner)
+
+VOCAB, WIDTH, LAYERS, CONTEXT = 48, 16, 2, 12
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=WIDTH, n_layer=LAYERS, n_head=2,
+                        n_positions=CONTEXT, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+@pytest.fixture(scope="session")
+def sharded_pretrained(tmp_path_factory) -> Path:
+    """``save_pretrained`` of a tiny GPT-2 in 6 KB shards (safetensors + index)."""
+    folder = tmp_path_factory.mktemp("pretrained")
+    tiny_gpt2().save_pretrained(folder, max_shard_size="6KB")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def sharded_bin(tmp_path_factory) -> Path:
+    """``huggingface_hub.save_torch_state_dict(safe_serialization=False)``: torch shards and
+    ``pytorch_model.bin.index.json`` (transformers 5 writes safetensors only)."""
+    from huggingface_hub import save_torch_state_dict
+
+    folder = tmp_path_factory.mktemp("pretrained_bin")
+    state = {k: v for k, v in tiny_gpt2().state_dict().items() if k != "lm_head.weight"}
+    save_torch_state_dict(state, folder, max_shard_size="6KB", safe_serialization=False)
+    assert (folder / "pytorch_model.bin.index.json").exists()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def trainer_run(tmp_path_factory) -> Path:
+    """A real ``transformers.Trainer`` run: 4 AdamW steps on the CPU, a checkpoint at step 4."""
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    class Tokens(Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(1)
+            self.ids = torch.randint(0, VOCAB, (16, CONTEXT), generator=g)
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    out = tmp_path_factory.mktemp("trainer")
+    args = TrainingArguments(
+        output_dir=os.fspath(out), max_steps=4, save_steps=4, per_device_train_batch_size=4,
+        learning_rate=1e-3, lr_scheduler_type="constant", weight_decay=0.1, use_cpu=True,
+        report_to=[], logging_steps=1,
+        disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens()).train()
+    return out / "checkpoint-4"
+
+
+@pytest.fixture(scope="session")
+def lightning_ckpt(tmp_path_factory) -> Path:
+    """A real ``lightning`` run: 3 Adam steps of a small MLP, saved by the Trainer."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class MLP(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(),
+                                            torch.nn.Linear(10, 10), torch.nn.Tanh(),
+                                            torch.nn.Linear(10, 3))
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.body(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2, betas=(0.8, 0.95))
+
+        def on_before_optimizer_step(self, optimizer):
+            # The last step's gradients, kept for the checkpoint (as a monitor would).
+            self.last_grads = {n: p.grad.detach().clone() for n, p in self.named_parameters()}
+
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["grads"] = self.last_grads
+
+    torch.manual_seed(2)
+    data = TensorDataset(torch.randn(24, 6), torch.randn(24, 3))
+    out = tmp_path_factory.mktemp("lightning")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=out)
+        trainer.fit(MLP(), DataLoader(data, batch_size=8))
+        trainer.save_checkpoint(out / "last.ckpt")
+    return out / "last.ckpt"

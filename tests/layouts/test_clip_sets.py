@@ -1,0 +1,146 @@
+"""``clip`` of a sharded set: every shard plus the index written back as a set, switched whole.
+
+The set is written by ``huggingface_hub.save_torch_state_dict``; the clipped
+copy is checked shard by shard in float64 against the input, and a kill -9
+at any moment of ``--in-place`` leaves the folder holding the old set or the
+new one, never some shards of each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.cli.support import rel_err
+
+
+def _read_set(folder: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(str(folder / shard), framework="pt") as file:
+            tensors.update({n: file.get_tensor(n) for n in file.keys()})
+    return tensors
+
+
+def _norm(tensors) -> float:
+    return float(torch.cat([t.double().reshape(-1) for t in tensors]).norm())
+
+
+def _make_set(folder: Path, per_tensor: int, count: int, shard_bytes: int) -> dict:
+    from huggingface_hub import save_torch_state_dict
+
+    g = torch.Generator().manual_seed(5)
+    grads = {f"h.{i}.w": torch.randn(per_tensor, generator=g) * (i + 1) for i in range(count)}
+    grads["h.0.half"] = torch.randn(64, generator=g).half()
+    folder.mkdir()
+    save_torch_state_dict(grads, folder, max_shard_size=shard_bytes,
+                          metadata={"producer": "test"})
+    (folder / "README.txt").write_text("not a shard: copied as it is\n")
+    return grads
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest()
+            for n in sorted(os.listdir(folder))}
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["output", "in-place"])
+def test_clip_writes_the_whole_set(gradclip, tmp_path, in_place):
+    folder = tmp_path / "grads"
+    grads = _make_set(folder, 300, 6, 2000)
+    before = _digests(folder)
+    assert sum(n.endswith(".safetensors") for n in before) == 6
+    args = ["--in-place"] if in_place else ["-o", tmp_path / "clipped"]
+    result = gradclip("clip", folder, "--max-norm", "1", "--format", "json", *args)
+    assert result.code == 0, result.err
+    doc = result.json()
+    target = folder if in_place else tmp_path / "clipped"
+    assert doc["output"] == str(target)
+    total = _norm(grads.values())
+    coef = 1.0 / (total + 1e-6)
+    assert rel_err(doc["total_norm_before"], total) <= 1e-6
+    assert rel_err(doc["clip_coef"], coef) <= 1e-6
+    after = _read_set(target)
+    assert list(after) == list(_read_set(folder if not in_place else target))
+    for name, original in grads.items():
+        assert after[name].dtype == original.dtype and after[name].shape == original.shape
+        tol = 1e-3 if original.dtype == torch.float16 else 1e-6
+        assert torch.allclose(after[name].double(), original.double() * coef, rtol=tol,
+                              atol=tol * float(original.abs().max()) * coef)
+    written = _digests(target)
+    assert set(written) == set(before)  # same files, no leftovers
+    assert written["model.safetensors.index.json"] == before["model.safetensors.index.json"]
+    assert written["README.txt"] == before["README.txt"]
+    with safe_open(str(target / "model-00001-of-00006.safetensors"), framework="pt") as file:
+        assert file.metadata() == {"format": "pt"}  # as huggingface_hub wrote it
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+    if not in_place:
+        assert _digests(folder) == before  # the input is untouched
+    check = gradclip("inspect", target, "--max-norm", "1")
+    assert check.code == 0, check.out
+
+
+def test_clip_of_a_set_refuses_an_existing_output(gradclip, tmp_path):
+    folder = tmp_path / "grads"
+    _make_set(folder, 100, 3, 1000)
+    (tmp_path / "taken").mkdir()
+    result = gradclip("clip", folder, "--max-norm", "1", "-o", tmp_path / "taken")
+    assert result.code == 2
+    assert "exists; a clipped set is written as a new folder" in result.err
+
+
+def test_kill_9_during_clip_of_a_set(tmp_path):
+    """Killed while the new set is written, and after: the folder is whole, old or new."""
+    folder = tmp_path / "grads"
+    grads = _make_set(folder, 500_000, 8, 4_000_000)  # 8 shards, 16 MB
+    original = _digests(folder)
+    seen = []
+    for delay in ["temp-appears", "temp-half", 60]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gradclip_cli", "clip", str(folder), "--max-norm", "1",
+             "--in-place", "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        start = time.monotonic()
+        if delay != 60:
+            want = 1 if delay == "temp-appears" else 4
+            while proc.poll() is None and time.monotonic() - start < 60:
+                temps = list(tmp_path.glob(".grads.clipped-*.tmp"))
+                with contextlib.suppress(OSError):
+                    if temps and len(os.listdir(temps[0])) >= want:
+                        break
+                time.sleep(0.002)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        else:
+            proc.wait(timeout=delay)
+        proc.wait()
+        now = _digests(folder)
+        assert set(now) == set(original)
+        if now == original:
+            state = "old set"
+        else:
+            after = _read_set(folder)
+            assert rel_err(_norm(after.values()), 1.0) <= 1e-3, "a mix of old and new shards"
+            state = "new set"
+        leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+        seen.append(f"{delay}: {state}, {len(leftovers)} leftover")
+        for leftover in leftovers:
+            shutil.rmtree(tmp_path / leftover)
+        if state == "new set":
+            break
+    print("\n" + "\n".join(seen))
+    assert seen[0].startswith("temp-appears: old set")
+    assert "new set" in seen[-1]
+    assert len(grads) == 9

@@ -1,0 +1,87 @@
+"""Mapping optimizer state to names by shape (the contract's interleaving rule), and --what."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradclip_cli.source.what import interleave
+
+A, B, C = (4, 4), (4,), (8, 4)
+
+
+def test_two_groups_split_the_model_order_one_way():
+    # HF Trainer: matrices decayed (group 0), vectors not (group 1), each in model order.
+    model = [A, B, C, B, A, B]
+    groups = [[A, C, A], [B, B, B]]
+    assert interleave(model, groups) == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+
+
+def test_equal_shapes_across_groups_are_ambiguous():
+    assert interleave([A, A], [[A], [A]]) == "ambiguous"
+
+
+def test_ambiguity_that_later_shapes_resolve_is_not_ambiguous():
+    # The first A could start either group; only one choice lets C follow in group 0.
+    assert interleave([A, C, A], [[A, C], [A]]) == [(0, 0), (0, 1), (1, 0)]
+
+
+def test_no_fit_is_none():
+    assert interleave([A, B], [[B], [C]]) is None
+    assert interleave([A], [[A, A]]) is None  # more state than parameters
+
+
+def test_frozen_parameters_are_skipped_only_when_there_are_spare_ones():
+    assert interleave([A, C, B], [[A, B]]) == [(0, 0), None, (0, 1)]
+    assert interleave([A, A, B], [[A, B]]) == "ambiguous"  # which A is frozen?
+
+
+def test_unknown_shapes_fit_anything():
+    assert interleave([A, None], [[A], [B]]) == [(0, 0), (1, 0)]
+
+
+def test_a_trainer_grouping_through_the_cli(gradclip, tmp_path):
+    # A model saved in module order, an AdamW with the Trainer's two groups.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.LayerNorm(5),
+                                torch.nn.Linear(5, 2))
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if n.endswith("weight") and not n.startswith("1.")]
+    rest = [p for n, p in named if not (n.endswith("weight") and not n.startswith("1."))]
+    adam = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": rest, "weight_decay": 0.0}], lr=0.01)
+    model(torch.randn(4, 3)).square().sum().backward()
+    adam.step()
+    state = adam.state_dict()
+    path = tmp_path / "run.pt"
+    torch.save({"model": model.state_dict(), "optimizer": state}, path)
+    doc = gradclip("inspect", path, "--format", "json").json()
+    assert doc["what"] == "exp_avg"
+    assert [t["name"] for t in doc["tensors"]] == [n for n, _ in named]
+    ids = {id(p): i for i, p in enumerate(decay + rest)}
+    for (_, param), row in zip(named, doc["tensors"]):
+        m = state["state"][ids[id(param)]]["exp_avg"].double() / (1 - 0.9)
+        assert abs(row["norm"] - float(m.norm())) <= 1e-6 * float(m.norm())
+
+
+def test_an_ambiguous_grouping_is_exit_3(gradclip, tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    a, b = model[0].weight, model[1].weight
+    adam = torch.optim.Adam([{"params": [b, model[0].bias]}, {"params": [a, model[1].bias]}])
+    model(torch.randn(2, 4)).sum().backward()
+    adam.step()
+    path = tmp_path / "run.pt"
+    torch.save({"model": model.state_dict(), "optimizer": adam.state_dict()}, path)
+    result = gradclip("inspect", path)
+    assert result.code == 3
+    assert result.err_lines == [
+        f"gradclip: {path}: cannot map optimizer state to parameter names: the param groups "
+        "fit the model's parameter order in more than one way (parameters of equal shape), "
+        "and the optimizer stored no param_names"]
+
+
+@pytest.mark.parametrize("what", ["exp_avg", "weights", "update"])
+def test_clip_takes_grads_only(gradclip, tmp_path, what):
+    torch.save({"grads": {"w": torch.ones(3)}}, tmp_path / "g.pt")
+    result = gradclip("clip", tmp_path / "g.pt", "--max-norm", "1", "--what", what)
+    assert result.code == 2
+    assert f"clip changes gradients only: --what grads, got '{what}'" in result.err
