@@ -184,13 +184,7 @@ def clip_grad_norm_(
         return torch.tensor(0.0)
     elements = distinct_elements(grads)
     total, sums = _total_norm(elements, grads, float(norm_type), foreach)
-    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-        raise RuntimeError(
-            f"The total norm of order {float(norm_type)} for gradients from "
-            "`parameters` is non-finite, so it cannot be clipped. To disable "
-            "this error and scale the gradients by the non-finite norm anyway, "
-            "set `error_if_nonfinite=False`"
-        )
+    total = _checked(total, float(norm_type), error_if_nonfinite)
     if sums is not None:
         coef = exact_clip_coefficient(sums, float(max_norm))
     else:
