@@ -389,6 +389,11 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: usage errors become one line and exit 2, as the contract says."""
     command = typer.main.get_command(app)
     args = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" not in args:
+        # A damaged file can make CPython complain while freeing what torch's
+        # unpickler built ("deallocated bytearray object has exported buffers");
+        # the file's error is already the one line the contract allows.
+        sys.unraisablehook = lambda unraisable: None
     try:
         code = command.main(args=args, prog_name="gradclip", standalone_mode=False)
     except typer.Exit as exit_:
