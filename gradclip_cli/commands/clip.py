@@ -25,7 +25,7 @@ from ..errors import UsageError
 from ..format.text import visible
 from ..progress import progress_steps
 from ..report import ClipReport, NonFinite
-from ..sink import write_contents
+from ..sink import WRITERS, write_contents
 from .common import Loaded, emit, load, measure, output_format, speaks
 
 # Lowering steps tried before giving up (two suffice in practice; see
@@ -65,8 +65,16 @@ def run(
         if value is not None and any(t.is_complex() for t in loaded.held_tensors()):
             raise UsageError("--clip-value cannot clamp complex gradients (complex numbers "
                              "have no order); use --max-norm")
-        # Under a launcher the ranks share the reading for this first norm.
-        _, owned = measure(loaded, p, dev, steps, "computing norms", session=session)
+        # Under a launcher the ranks share the reading for this first norm; for a
+        # set, by shards: each rank goes on to clip and write the shards it read.
+        by_shard = session is not None and bool(loaded.contents.shards)
+        files = None
+        if by_shard:
+            from ..distributed.sets import shard_owners, write_set_by_ranks
+
+            files = shard_owners(loaded.contents, session.world_size)
+        _, owned = measure(loaded, p, dev, steps, "computing norms", session=session,
+                           files=files)
         before = owned.total()
         total_before = float(before.norm[0])
         overflow = bool(before.overflow[0])
@@ -90,14 +98,27 @@ def run(
                           f"{_describe(before)}, p={p:g}), which would round every gradient "
                           "to zero; refusing to clip, nothing written", file=sys.stderr)
                 return 1
-        if not speaks():
+        if not speaks() and not by_shard:
             # One file is written by one process, which must hold every
             # scaled tensor: rank 0 scales, checks and writes; the other
-            # ranks are done. (Sharded checkpoints: each rank its shards.)
+            # ranks are done. (A set: each rank its own shards.)
             return 0
+        checking = session if by_shard else None
+
+        def mine(loaded: Loaded):
+            """The elements this process scales: all, or under a launcher its shards'."""
+            if not by_shard:
+                return loaded.elements
+            return loaded.elements.only(
+                [files[Path(t.pieces[0].file).name] == session.rank for t in loaded.tensors])
+
+        def check(loaded: Loaded) -> float:
+            sums = measure(loaded, p, dev, steps, "checking", session=checking, files=files)
+            return float(sums[1].total().norm[0])
+
         if limit is not None:
-            scale_elements_(loaded.elements, coef)
-            after = float(measure(loaded, p, dev, steps, "checking")[1].total().norm[0])
+            scale_elements_(mine(loaded), coef)
+            after = check(loaded)
             # Rounding to a narrow stored dtype can leave the total just above
             # the limit; start again from the file with a lower coefficient.
             # ``inspect`` measures the output with this same code, so the
@@ -108,15 +129,22 @@ def run(
                 coef = lowered_coefficient(coef, after, limit, roundoff, attempt)
                 attempt += 1
                 loaded, unshared = load_for_writing(steps)
-                scale_elements_(loaded.elements, coef)
-                after = float(measure(loaded, p, dev, steps, "checking")[1].total().norm[0])
+                scale_elements_(mine(loaded), coef)
+                after = check(loaded)
             clipped = not coef.is_one
         else:
-            clamp_elements_(loaded.elements, value)
+            clamp_elements_(mine(loaded), value)
             clipped = float(before.max_abs[0]) > value
-            after = float(measure(loaded, p, dev, steps, "checking")[1].total().norm[0])
+            after = check(loaded)
         steps.begin("writing")
-        other_links = write_contents(loaded.contents, target, in_place=in_place)
+        if by_shard:
+            write_set_by_ranks(session, loaded.contents, Path(target), WRITERS,
+                               in_place=in_place, owners=files)
+            other_links = 0
+        else:
+            other_links = write_contents(loaded.contents, target, in_place=in_place)
+    if not speaks():
+        return 0
     lowered = coef is not torch_coef
     report = ClipReport(
         source=path, output=target, format=loaded.contents.kind,

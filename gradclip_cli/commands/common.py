@@ -143,30 +143,40 @@ def speaks() -> bool:
     return session is None or session.primary
 
 
-def _shared(sizes: list[int], session: launcher.Session | None, run) -> PowerSums:
+def _shared(sizes: list[int], session: launcher.Session | None, run,
+            owners: list[int] | None = None) -> PowerSums:
     """``run(indices)`` over all pieces, or under a launcher over this rank's share of them
-    (split by bytes), every rank getting all of them back in the single-process order."""
+    (split by bytes, or as ``owners`` says), every rank getting all of them back in the
+    single-process order."""
     if session is None:
         return run(None)
     from ..distributed.combine import gather_power_sums
     from ..distributed.pieces import assign, owned
 
-    mine = owned(assign(sizes, session.world_size), session.rank)
+    if owners is None:
+        owners = assign(sizes, session.world_size)
+    mine = owned(owners, session.rank)
     return gather_power_sums(session, run(mine), mine, len(sizes))
 
 
 def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label: str,
             release: PageReleaser | Releasers | None = None,
-            session: launcher.Session | None = None) -> tuple[PowerSums, PowerSums]:
+            session: launcher.Session | None = None,
+            files: dict[str, int] | None = None) -> tuple[PowerSums, PowerSums]:
     """Power sums of each tensor's own elements and of the elements it owns
     (``core.element_power_sums``), with progress and page release.
 
     Every distinct element is read once: the pieces of ``Loaded.elements``.
     With a ``session`` (under a launcher) each rank reads and measures its own
     pieces and every rank gets all of them back, in the single-process order.
+    ``files`` (held gradients only): the rank that reads each file, by name,
+    where the split must follow files (clip of a set writes each shard from
+    the rank that read it) rather than bytes.
     """
     if loaded.elements is not None:
-        return _measure_elements(loaded.elements, p, device, steps, label, release, session)
+        owners = None if files is None else _piece_owners(loaded, files)
+        return _measure_elements(loaded.elements, p, device, steps, label, release, session,
+                                 owners)
     selection = loaded.selection
 
     def run(only):
@@ -186,8 +196,8 @@ def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label:
 
 
 def _measure_elements(elements: Elements, p: float, device: torch.device, steps: Steps,
-                      label: str, release, session: launcher.Session | None
-                      ) -> tuple[PowerSums, PowerSums]:
+                      label: str, release, session: launcher.Session | None,
+                      owners: list[int] | None = None) -> tuple[PowerSums, PowerSums]:
     """``measure`` over held gradients: every distinct element is read once."""
     pieces, rows = elements.measured()
 
@@ -201,9 +211,24 @@ def _measure_elements(elements: Elements, p: float, device: torch.device, steps:
         steps.begin(label, total=nbytes(work))
         return tensor_power_sums(work, p, device=device, on_batch=done, workers=WORKERS)
 
-    sums = _shared([nbytes([t]) for t in pieces], session, run)
+    sums = _shared([nbytes([t]) for t in pieces], session, run, owners)
     n = len(elements)
     return sums.take(torch.tensor(rows, dtype=torch.int64)), sums.take(torch.arange(n))
+
+
+def _piece_owners(loaded: Loaded, files: dict[str, int]) -> list[int]:
+    """The rank of each measured piece of ``loaded.elements``: the rank of its tensor's file.
+
+    Measured positions ``0 .. n-1`` are tensor ``i``'s own elements, later ones
+    the gathered coverage of each tensor that has one, in tensor order
+    (``Elements.measured``). Tensors in different files share no storage.
+    """
+    def owner(i: int) -> int:
+        return files[Path(loaded.tensors[i].pieces[0].file).name]
+
+    owners = [owner(i) for i in range(len(loaded.tensors))]
+    owners += [owners[i] for i, c in enumerate(loaded.elements.covered) if not isinstance(c, int)]
+    return owners
 
 
 def measure_weights(loaded: Loaded, p: float, device: torch.device,

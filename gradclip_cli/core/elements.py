@@ -102,6 +102,12 @@ class Elements:
                 tensors.append(c.measure)
         return tensors, rows
 
+    def only(self, keep: Sequence[bool]) -> Elements:
+        """The elements owned by the tensors ``keep`` marks, the others left out: what
+        one rank scales when each rank clips its own shards of a set."""
+        owned = [p if k else Piece() for p, k in zip(self.owned, keep)]
+        return Elements(owned, self.covered, self.tie_of, self.shares)
+
     def count(self, i: int) -> int:
         """Distinct elements tensor ``i`` covers."""
         c = self.covered[i]

@@ -44,6 +44,19 @@ _AT_FDCWD = -100
 def write_set(contents: Contents, target: Path, writers: dict, *, in_place: bool) -> None:
     """Write ``contents.shards`` (already clipped in place) and the rest of the folder to
     ``target``, a folder; replace it only when ``in_place``."""
+    temp = begin_set(contents, target, in_place=in_place)
+    try:
+        fill_set(contents, temp, writers)
+    except BaseException as error:
+        discard_set(temp)
+        if not isinstance(error, (Exception, KeyboardInterrupt)):
+            raise
+        raise _output_error(Path(target), error) from error
+    switch_set(temp, target, in_place=in_place)
+
+
+def begin_set(contents: Contents, target: Path, *, in_place: bool) -> Path:
+    """Check ``target`` and make the hidden temporary folder the new set is written into."""
     source = contents.index.parent
     target = Path(target)
     parent = target.parent
@@ -52,34 +65,56 @@ def write_set(contents: Contents, target: Path, writers: dict, *, in_place: bool
     if not in_place and (target.exists() or target.is_symlink()):
         raise OutputError(f"{target}: cannot write: it exists; a set is written as a new "
                           "folder (or use --in-place)")
-    shards = {Path(s.path).name: s for s in contents.shards}
     try:
         temp = Path(tempfile.mkdtemp(prefix=f".{target.name}.clipped-", suffix=".tmp",
                                      dir=parent))
+        os.chmod(temp, stat.S_IMODE(os.stat(source).st_mode))
     except OSError as error:
         raise _output_error(target, error) from None
+    return temp
+
+
+def fill_set(contents: Contents, temp: Path, writers: dict, *,
+             shards: set[str] | None = None, rest: bool = True) -> None:
+    """Write into ``temp`` the shards named in ``shards`` (all when None), each in its own
+    format and fsync'd, and, with ``rest``, copy every other plain file of the folder.
+
+    Under a launcher each rank fills in its own shards (``distributed/sets.py``).
+    """
+    source = contents.index.parent
+    by_name = {Path(s.path).name: s for s in contents.shards}
+    for entry in sorted(os.scandir(source), key=lambda e: e.name):
+        if not entry.is_file(follow_symlinks=False):
+            continue  # the set's files are plain files; links and folders stay behind
+        out = temp / entry.name
+        if entry.name in by_name:
+            if shards is None or entry.name in shards:
+                _write_shard(by_name[entry.name], out, writers)
+        elif rest:
+            _copy(Path(entry.path), out)
+
+
+def switch_set(temp: Path, target: Path, *, in_place: bool) -> None:
+    """Put the finished set in ``temp`` at ``target``: one rename, or an exchange in place."""
+    target = Path(target)
     try:
-        os.chmod(temp, stat.S_IMODE(os.stat(source).st_mode))
-        for entry in sorted(os.scandir(source), key=lambda e: e.name):
-            if not entry.is_file(follow_symlinks=False):
-                continue  # the set's files are plain files; links and folders stay behind
-            out = temp / entry.name
-            if entry.name in shards:
-                _write_shard(shards[entry.name], out, writers)
-            else:
-                _copy(Path(entry.path), out)
         _fsync_folder(temp)
         if in_place:
             _switch(temp, target)
         else:
             os.rename(temp, target)
     except BaseException as error:
-        with contextlib.suppress(OSError):
-            shutil.rmtree(temp)
+        discard_set(temp)
         if not isinstance(error, (Exception, KeyboardInterrupt)):
             raise
         raise _output_error(target, error) from error
-    _fsync_folder(parent)
+    _fsync_folder(target.parent)
+
+
+def discard_set(temp: Path) -> None:
+    """Remove an unfinished set's temporary folder (best effort: the input is untouched)."""
+    with contextlib.suppress(OSError):
+        shutil.rmtree(temp)
 
 
 def _write_shard(ckpt: Checkpoint, out: Path, writers: dict) -> None:

@@ -12,12 +12,14 @@ A job may name ``fail_rank``: on that rank alone, reading the gradients
 fails as a failing disk would make it fail (an ``InputError`` naming the
 file), which is how the tests see an error on one rank only. ``die_rank``:
 that rank's process ends there, without a word (``os._exit``), as a killed
-or crashed rank would.
+or crashed rank would. ``full_disk_rank``: on that rank, writing a shard of
+a set fails as a full disk makes it fail (``ENOSPC``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -40,10 +42,15 @@ def main() -> None:
     from gradclip_cli import cli
     from gradclip_cli.commands import common
     from gradclip_cli.errors import InputError
+    from gradclip_cli.sink import sharded_set
     from gradclip_cli.source import what
 
     modules = (common, what)
     real = common.tensor_power_sums
+    real_write_shard = sharded_set._write_shard
+
+    def full_disk(ckpt, out, writers):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out))
     for index, job in enumerate(jobs):
         if job.get("fail_rank") == rank:
             path = job["args"][1]
@@ -53,6 +60,8 @@ def main() -> None:
 
             for module in modules:
                 module.tensor_power_sums = failing
+        if job.get("full_disk_rank") == rank:
+            sharded_set._write_shard = full_disk
         if job.get("die_rank") == rank:
             for module in modules:
                 module.tensor_power_sums = lambda *args, **kwargs: os._exit(9)
@@ -64,6 +73,7 @@ def main() -> None:
                 code = exit_.code
         for module in modules:
             module.tensor_power_sums = real
+        sharded_set._write_shard = real_write_shard
         stem = outdir / f"rank{rank}.job{index}"
         Path(f"{stem}.code").write_text(str(code))
         Path(f"{stem}.out").write_text(out.getvalue())

@@ -8,7 +8,6 @@ the same commands without a launcher gives the reference. A last launch runs
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -19,24 +18,17 @@ import pytest
 import torch
 
 from tests.cli.support import SAMPLES
+from tests.distributed.launch import (
+    HARNESS,
+    REPO,
+    env,
+    one_process,
+    results,
+    torchrun,
+    write_jobs,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-HARNESS = Path(__file__).with_name("ranks_cli.py")
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 SAMPLE_FILES = sorted(p.name for p in SAMPLES.iterdir() if p.suffix in (".pt", ".safetensors"))
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    env["GRADCLIP_DIST_TIMEOUT"] = "120"
-    return env
-
-
-def _torchrun(*args: object, ranks: int = 2) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={ranks}", *map(str, args)]
-    return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=600)
 
 
 def multi_tensor_checkpoint(path: Path) -> Path:
@@ -79,31 +71,24 @@ def _jobs(tmp: Path, multi: Path) -> list[dict]:
     return jobs
 
 
-def _results(outdir: Path, rank: int, count: int) -> list[tuple[int, str, str]]:
-    stems = [outdir / f"rank{rank}.job{i}" for i in range(count)]
-    return [(int(Path(f"{s}.code").read_text()), Path(f"{s}.out").read_text(),
-             Path(f"{s}.err").read_text()) for s in stems]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ranks")
     multi = multi_tensor_checkpoint(tmp / "multi.pt")
     jobs = _jobs(tmp, multi)
-    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    jobs_file = write_jobs(tmp, jobs)
     single, launched = tmp / "single", tmp / "launched"
     single.mkdir()
     launched.mkdir()
-    one = subprocess.run([sys.executable, str(HARNESS), str(tmp / "jobs.json"), str(single)],
-                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    one = one_process(jobs_file, single)
     assert one.returncode == 0, one.stderr
     for fmt in ("table", "json"):
         shutil.move(tmp / f"clipped.{fmt}.pt", tmp / f"clipped.{fmt}.single.pt")
-    two = _torchrun(HARNESS, tmp / "jobs.json", launched)
+    two = torchrun(HARNESS, jobs_file, launched)
     assert two.returncode == 0, two.stderr
     n = len(jobs)
-    return {"jobs": jobs, "tmp": tmp, "multi": multi, "single": _results(single, 0, n),
-            "ranks": [_results(launched, r, n) for r in range(2)]}
+    return {"jobs": jobs, "tmp": tmp, "multi": multi, "single": results(single, 0, n),
+            "ranks": [results(launched, r, n) for r in range(2)]}
 
 
 def test_two_ranks_print_the_one_process_report(runs):
@@ -158,7 +143,7 @@ def test_torchrun_module_entry_point(runs, tmp_path):
     multi = runs["multi"]
     single = [r for j, r in zip(runs["jobs"], runs["single"])
               if j["args"] == ["inspect", str(multi), "--format", "table"]][0]
-    done = _torchrun("-m", "gradclip_cli", "inspect", multi, "--no-progress")
+    done = torchrun("-m", "gradclip_cli", "inspect", multi, "--no-progress")
     assert done.returncode == 0, done.stderr
     assert done.stdout == single[1]
     assert "gradclip:" not in done.stderr
@@ -176,15 +161,15 @@ def test_any_launcher_and_a_rank_that_dies(runs, tmp_path):
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "GRADCLIP_DIST_TIMEOUT": "60"}
+        rank_env = {**env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "GRADCLIP_DIST_TIMEOUT": "60"}
         procs.append(subprocess.Popen([sys.executable, str(HARNESS), str(jobs), str(tmp_path)],
-                                      cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      cwd=REPO, env=rank_env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE))
     codes = [p.wait(timeout=300) for p in procs]
     assert codes[1] == 9
-    (code, out, err), = _results(tmp_path, 0, 1)
+    (code, out, err), = results(tmp_path, 0, 1)
     assert code == 3 and out == ""
     lines = [line for line in err.splitlines() if line]
     assert len(lines) == 1 and lines[0].startswith("gradclip: rank 0: lost the other ranks"), err

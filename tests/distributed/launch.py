@@ -1,0 +1,51 @@
+"""Running gradclip commands as ranks of a launched group, for the tests.
+
+``run_jobs`` runs a list of commands twice: once in one process (no
+launcher), once under ``torchrun`` with 2 gloo ranks, each through
+``ranks_cli.py`` so that torch and the process group start once per launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HARNESS = Path(__file__).with_name("ranks_cli.py")
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+Result = tuple[int, str, str]  # exit code, stdout, stderr
+
+
+def env() -> dict[str, str]:
+    """This environment without a launcher's variables, and a collective timeout."""
+    out = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    out["GRADCLIP_DIST_TIMEOUT"] = "120"
+    return out
+
+
+def torchrun(*args: object, ranks: int = 2) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={ranks}", *map(str, args)]
+    return subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=600)
+
+
+def one_process(jobs_file: Path, outdir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(HARNESS), str(jobs_file), str(outdir)],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+
+
+def results(outdir: Path, rank: int, count: int) -> list[Result]:
+    stems = [outdir / f"rank{rank}.job{i}" for i in range(count)]
+    return [(int(Path(f"{s}.code").read_text()), Path(f"{s}.out").read_text(),
+             Path(f"{s}.err").read_text()) for s in stems]
+
+
+def write_jobs(folder: Path, jobs: list[dict]) -> Path:
+    path = folder / "jobs.json"
+    path.write_text(json.dumps(jobs))
+    return path
