@@ -1,8 +1,10 @@
 """Issue 10: ``gradclip inspect`` on 1 process, and under torchrun with 1 and 2 ranks.
 
-    python -m benchmarks.distributed_bench [--repeats N]
+    python -m benchmarks.distributed_bench [--repeats N] [--layout file|hf-sharded]
 
-A 2 GB bfloat16 file (119 tensors of 16 MiB, benchmarks/inputs.py). Each
+``file``: a 2 GB bfloat16 file (119 tensors of 16 MiB, benchmarks/inputs.py);
+``hf-sharded``: a 2 GB float32 set in 250 MB shards, as layouts_bench.py
+writes it (``huggingface_hub.save_torch_state_dict``). Each
 contender is a fresh process (or a torchrun with its ranks), so start-up
 counts for all alike. Two page-cache states, each in its own interleaved run:
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,11 +36,34 @@ TENSOR = 8 << 20  # elements: 16 MiB of bfloat16
 
 
 def drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    """Drop the pages of ``path`` (a file, or every file of a folder) from the page cache."""
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def checkpoint(layout: str) -> tuple[Path, str]:
+    """The checkpoint to read (built once, kept in the inputs folder) and a description."""
+    if layout == "file":
+        count = round(2.0e9 / (TENSOR * 2))
+        path = inputs.checkpoint_file("uniform_2.0GB_bf16", inputs.uniform_shapes(count, TENSOR),
+                                      torch.bfloat16)
+        return path, f"{path.stat().st_size / 1e9:.2f} GB, {count} tensors"
+    from .layouts_bench import make_set
+
+    folder = inputs.DATA / "hf_sharded_2.0GB_f32"
+    if not (folder / "model.safetensors.index.json").exists():
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        make_set(folder, 2.0)
+    shards = sorted(folder.glob("*.safetensors"))
+    size = sum(s.stat().st_size for s in shards)
+    return folder, f"{size / 1e9:.2f} GB in {len(shards)} safetensors shards"
 
 
 def _command(path: Path, ranks: int | None) -> list[str]:
@@ -99,14 +125,13 @@ def gather_cost(ranks: int = 2) -> list[list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layout", choices=("file", "hf-sharded"), default="file")
     parser.add_argument("--gather-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.gather_rank:
         gather_rank(args.gather_rank)
         return
-    count = round(2.0e9 / (TENSOR * 2))
-    path = inputs.checkpoint_file("uniform_2.0GB_bf16", inputs.uniform_shapes(count, TENSOR),
-                                  torch.bfloat16)
+    path, description = checkpoint(args.layout)
     names = {"1 process (no launcher)": None, "torchrun, 1 rank": 1, "torchrun, 2 ranks": 2}
     rows = []
     for cache in ("warm", "cold"):
@@ -116,8 +141,8 @@ def main() -> None:
         for name in names:
             median = results[name].median
             rows.append([cache, name, fmt_seconds(median), f"{base / median:.2f}x"])
-    print(f"{path.name}: {path.stat().st_size / 1e9:.2f} GB, {count} tensors, "
-          f"{os.cpu_count()} CPUs, {args.repeats} repeats (median)\n")
+    print(f"{path.name}: {description}, {os.cpu_count()} CPUs, {args.repeats} repeats "
+          "(median)\n")
     print(markdown_table(["page cache", "run", "median", "speed-up vs 1 process"], rows))
     print("\nThe one gather (gloo, median of 21):\n")
     print(markdown_table(["tensors", "ranks", "gather"], gather_cost()))

@@ -189,9 +189,7 @@ def _long(n: int) -> bytes:
 def test_lying_sizes_in_data_pkl(tmp_path, good_zip, edit):
     path = tmp_path / "lie.pt"
     rewrite_zip(good_zip, path, {"data.pkl": edit})
-    start = time.monotonic()
     result = run_cli("inspect", path, "-q", "--format", "json")
-    assert time.monotonic() - start < 20
     if result.code == 0:
         # Only acceptable when what is reported is the real stored data (torch
         # sizes a mapped storage by its zip entry, not by the declared numel).
@@ -351,9 +349,7 @@ def test_safetensors_headers_that_lie(tmp_path, name, verify):
     header, buffer = SAFETENSORS_LIES[name]
     path = tmp_path / "lie.safetensors"
     path.write_bytes(safetensors_bytes(header, buffer))
-    start = time.monotonic()
     result = run_cli("inspect", path, "-q", *(["--verify"] if verify else []))
-    assert time.monotonic() - start < 20
     assert_refused(result, path)
 
 

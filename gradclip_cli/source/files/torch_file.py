@@ -100,7 +100,7 @@ def _restricted(path: Path, read) -> object | None:
     try:
         return read(path)
     except Outside as outside:
-        if outside.protocol is None or outside.protocol <= 3:
+        if not outside.damaged and (outside.protocol is None or outside.protocol <= 3):
             return None
         if outside.unsafe:
             raise _refusal(path, outside.culprit) from None

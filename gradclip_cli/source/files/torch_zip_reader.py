@@ -260,7 +260,9 @@ def _read(path: Path, attempt: Attempt) -> object:
             start, length = _data_span(view, size, name, entry)
             nbytes = numel * marker.dtype.itemsize
             if length < nbytes:
-                raise Outside(f"{name} is smaller than its storage")
+                # torch.load refuses this too, but with mmap=True it maps a
+                # storage of the claimed size over a smaller file.
+                raise Outside(f"{name} is smaller than its storage", damaged=True)
             if not overall:
                 overall.append(torch.UntypedStorage.from_file(os.fspath(path), False, size))
             spans[name] = (start, start + nbytes)

@@ -53,12 +53,17 @@ class Outside(Exception):
     backward hooks). Otherwise the file is damaged or unusual, and torch's
     own reader may still make sense of it. ``protocol`` is the pickle's
     protocol, once known: torch's weights-only unpickler reads 2 and 3 only.
+    ``damaged``: the file contradicts itself in a way torch's own reader would
+    refuse too, or would read only partly (a storage that claims more bytes
+    than its record holds): no second opinion is asked.
     """
 
-    def __init__(self, reason: str, *, culprit: str | None = None, unsafe: bool = False):
+    def __init__(self, reason: str, *, culprit: str | None = None, unsafe: bool = False,
+                 damaged: bool = False):
         super().__init__(reason)
         self.culprit = culprit
         self.unsafe = unsafe or culprit is not None
+        self.damaged = damaged
         self.protocol: int | None = None
 
 
