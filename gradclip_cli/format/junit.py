@@ -25,7 +25,14 @@ from ..report import ClipReport, InspectReport
 from ..report.compare import CompareReport
 from ..report.trend import TrendReport
 from . import findings as F
-from .table_layout import compare_verdict, trend_verdict, verdict_line
+from .table_layout import (
+    compare_verdict,
+    fmt,
+    fmt_p,
+    fmt_ratio,
+    trend_verdict,
+    verdict_line,
+)
 from .text import visible
 
 # Char ::= #x9 | #xA | #xD | [#x20-#xD7FF] | [#xE000-#xFFFD] | [#x10000-#x10FFFF]
@@ -38,7 +45,9 @@ def xml_text(text: object) -> str:
     return _NOT_XML_CHAR.sub("", visible(text))
 
 
-def _suite(name: str, cases: Iterable[str], found: list[F.Finding], summary: str) -> ET.Element:
+def _suite(name: str, cases: Iterable[str], found: list[F.Finding], summary: str,
+           details: dict[str, str] | None = None) -> ET.Element:
+    """The document; ``details`` gives some testcases a ``<system-out>`` line (their norm)."""
     names = list(dict.fromkeys([*cases, *(f.series for f in found)]))
     errors = {n: [f for f in found if f.series == n and f.severity == F.ERROR] for n in names}
     warnings = [f for f in found if f.severity == F.WARNING]
@@ -53,6 +62,8 @@ def _suite(name: str, cases: Iterable[str], found: list[F.Finding], summary: str
             failure = ET.SubElement(case, "failure", message=xml_text(f.title),
                                     type="gradclip")
             failure.text = xml_text(f.message)
+        if details and n in details:
+            ET.SubElement(case, "system-out").text = xml_text(details[n])
     out = ET.SubElement(suite, "system-out")
     out.text = "\n".join([xml_text(summary), *(xml_text(f"warning: {w.title}: {w.message}")
                                                for w in warnings)])
@@ -68,8 +79,13 @@ def _write(root: ET.Element, out: TextIO) -> None:
 
 def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
     cases = [F.TOTAL, *(g.name for g in report.groups)]
+    p = fmt_p(report.norm_type)
+    details = {g.name: f"{report.what}: norm {fmt(g.norm)} (p={p})"
+               + ("" if g.ratio is None else f", ratio {fmt_ratio(g.ratio)} to the weights")
+               for g in report.groups}
+    details[F.TOTAL] = f"{report.what}: total norm {fmt(report.total_norm)} (p={p})"
     _write(_suite(f"gradclip inspect {report.source}", cases, F.inspect_findings(report),
-                  verdict_line(report).plain), out)
+                  verdict_line(report).plain, details), out)
 
 
 def render_clip(report: ClipReport, out: TextIO) -> None:

@@ -73,27 +73,44 @@ def _verdict(text: str, failed: bool) -> str:
 def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
     out.write(f"### gradclip inspect: {escape(report.source)}\n\n")
     out.write(_verdict(verdict_line(report).plain, report.status != "ok"))
-    out.write(f"{report.num_tensors} tensors, {report.num_elements:,} elements, "
-              f"p={escape(fmt_p(report.norm_type))}, groups by {escape(report.group_by)}\n\n")
+    step = "" if report.step is None else f" at step {report.step}"
+    out.write(f"{escape(report.what)}{step}: {report.num_tensors} tensors, "
+              f"{report.num_elements:,} elements, p={escape(fmt_p(report.norm_type))}, "
+              f"groups by {escape(report.group_by)}\n\n")
     shown = _groups_to_show(report)
-    rows = [[escape(g.name), _num(g.norm),
+    # ratio: each norm over the norm of the same parameters' weights, where the
+    # checkpoint holds them (the update-to-weight ratio, for --what update).
+    ratio = any(g.ratio is not None for g in report.groups)
+    rows = [[escape(g.name), _num(g.norm), *_ratio_cell(ratio, g.ratio),
              "\\-" if math.isnan(g.share) else f"{100 * g.share:.1f}%", _num(g.max_abs),
              f"{g.num_elements:,}", _counts(g.nonfinite)] for g in shown]
-    rows.append(["**total**", _num(report.total_norm), "100%", _num(report.max_abs),
-                 f"{report.num_elements:,}", _counts(report.nonfinite)])
-    out.write(_table(["group", "norm", "share", "max \\|g\\|", "elements", "non-finite"],
-                     rows, ["left", "right", "right", "right", "right", "left"]))
+    rows.append(["**total**", _num(report.total_norm), *([""] if ratio else []), "100%",
+                 _num(report.max_abs), f"{report.num_elements:,}", _counts(report.nonfinite)])
+    out.write(_table(["group", "norm", *(["ratio"] if ratio else []), "share", "max \\|g\\|",
+                      "elements", "non-finite"],
+                     rows, ["left", "right", *(["right"] if ratio else []), "right", "right",
+                            "right", "left"]))
     if len(shown) < len(report.groups):
         out.write(f"\n{len(report.groups) - len(shown):,} smaller groups not shown "
                   "(`--format json` lists all).\n")
     if top > 0 and report.tensors:
         ranked = sorted(report.tensors,
                         key=lambda t: -t.norm if math.isfinite(t.norm) else -math.inf)[:top]
+        ratio = any(t.ratio is not None for t in ranked)
         out.write(f"\n**Top {len(ranked)} tensors by norm**\n\n")
-        out.write(_table(["tensor", "norm", "max \\|g\\|", "shape", "dtype"],
-                         [[escape(t.name), _num(t.norm), _num(t.max_abs),
-                           escape("x".join(map(str, t.shape)) or "scalar"), escape(t.dtype)]
-                          for t in ranked], ["left", "right", "right", "left", "left"]))
+        out.write(_table(["tensor", "norm", *(["ratio"] if ratio else []), "max \\|g\\|", "shape",
+                          "dtype"],
+                         [[escape(t.name), _num(t.norm), *_ratio_cell(ratio, t.ratio),
+                           _num(t.max_abs), escape("x".join(map(str, t.shape)) or "scalar"),
+                           escape(t.dtype)] for t in ranked],
+                         ["left", "right", *(["right"] if ratio else []), "right", "left", "left"]))
+
+
+def _ratio_cell(shown: bool, ratio: float | None) -> list[str]:
+    """The ratio column's cell, or no cell when the table has no such column."""
+    if not shown:
+        return []
+    return ["\\-" if ratio is None else escape(fmt_ratio(ratio))]
 
 
 def render_clip(report: ClipReport, out: TextIO) -> None:

@@ -230,3 +230,41 @@ def test_lightning_checkpoint_with_saved_grads_is_clipped_whole(gradclip, lightn
     assert clipped["optimizer_states"][0]["param_groups"] == saved["optimizer_states"][0][
         "param_groups"]
     assert clipped["global_step"] == saved["global_step"]
+
+
+def test_ci_formats_carry_what_and_ratio(gradclip, trainer_run):
+    """markdown and junit say what was measured and give each group's ratio, read back by
+    a CommonMark + GFM parser and by ElementTree, equal to the float64 reference."""
+    import xml.etree.ElementTree as ET
+
+    from tests.format.test_ci_formats import cells
+
+    reference = _trainer_reference(trainer_run)
+    weights = _safetensors(trainer_run / "model.safetensors")
+    doc = gradclip("inspect", trainer_run, "--what", "update", "--format", "json").json()
+    members = {g["name"]: [t["name"] for t in doc["tensors"] if t["group"] == g["name"]]
+               for g in doc["groups"]}
+
+    def expected(group: str) -> float:
+        return (_norm(reference[n][2] for n in members[group])
+                / _norm(weights[n] for n in members[group]))
+
+    markdown = gradclip("inspect", trainer_run, "--what", "update", "--format", "markdown")
+    assert markdown.code == 0 and "update at step 4: 28 tensors" in markdown.out
+    groups_table, top_table = markdown.out.split("**Top 5 tensors by norm**")
+    header, *rows = cells(groups_table)
+    assert header[:3] == ["group", "norm", "ratio"]
+    assert cells(top_table)[0][:3] == ["tensor", "norm", "ratio"]
+    by_group = {row[0]: row for row in rows}
+    assert set(by_group) == {*members, "total"}
+    for group in members:
+        assert rel_err(float(by_group[group][2].rstrip("x")), expected(group)) <= 1e-5, group
+
+    junit = gradclip("inspect", trainer_run, "--what", "update", "--format", "junit")
+    cases = ET.fromstring(junit.out).iter("testcase")
+    said = {case.get("name"): case.findtext("system-out") for case in cases}
+    for group in members:
+        text = said[group]
+        assert text.startswith("update: norm "), text
+        ratio = float(text.split("ratio ")[1].split("x")[0])
+        assert rel_err(ratio, expected(group)) <= 1e-5, group
