@@ -49,6 +49,7 @@ import torch
 from . import api
 from .core import PowerSums, clip_coefficient, find_ties, scale_, tensor_power_sums
 from .core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z, SpikeDetector
+from .distributed import dtensor
 from .errors import UsageError
 from .format.json import number
 from .producer import save_grads
@@ -111,9 +112,13 @@ class GradMonitor:
 
     Under ``torch.distributed`` every rank measures and clips (so all ranks
     apply the same coefficient), but only rank 0 writes the log and the
-    dumps. Gradients are read as each rank holds them, which is the whole
-    gradient under DDP (all-reduced before the optimizer step); sharded
-    gradients (FSDP2's DTensors) are refused.
+    dumps. Gradients are read as each rank holds them: the whole gradient
+    under DDP (all-reduced before the optimizer step), or a DTensor under
+    FSDP2 and tensor parallelism, whose norms are combined over its mesh as
+    :func:`gradclip_cli.get_total_norm` combines them (a few numbers per
+    tensor gathered on each logged step; every rank gets the same norms). A
+    dump of DTensor gradients gathers each one whole (``full_tensor()``, on
+    every rank, as the spike is seen by all) and rank 0 writes them.
     """
 
     def __init__(
@@ -216,7 +221,9 @@ class GradMonitor:
                 "this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`"
             )
-        scale_(measured.grads, clip_coefficient(total, float(max_norm)), foreach=foreach)
+        # A DTensor is scaled through its local tensor, whatever its placements.
+        scale_(dtensor.local_tensors(measured.grads), clip_coefficient(total, float(max_norm)),
+               foreach=foreach)
         return total
 
     def close(self) -> None:
@@ -250,11 +257,15 @@ class GradMonitor:
         named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
         if not named:
             return None
-        _refuse_sharded(named)
-        owner = find_ties([g for _, g in named])
+        grads = [g for _, g in named]
+        sharded = dtensor.has_dtensor(grads)
+        owner = find_ties(dtensor.local_tensors(grads) if sharded else grads)
         named = [item for i, item in enumerate(named) if owner[i] == i]
         grads = [g for _, g in named]
-        sums = tensor_power_sums(grads, self.norm_type)
+        if sharded:
+            sums = dtensor.tensor_sums(grads, self.norm_type)
+        else:
+            sums = tensor_power_sums(grads, self.norm_type)
         members = [self._group(n) for n, _ in named]
         order = list(dict.fromkeys(members))
         position = {g: i for i, g in enumerate(order)}
@@ -309,10 +320,16 @@ class GradMonitor:
         return detector
 
     def _dump(self, step: int) -> Path | None:
-        if self.dump_dir is None or not _is_writer():
+        if self.dump_dir is None:
+            return None
+        # Every rank sees the same norms, so all of them reach here together:
+        # DTensor gradients are gathered whole by all ranks for rank 0 to write.
+        sharded = dtensor.has_dtensor([p.grad for p in self.model.parameters()
+                                       if p.grad is not None])
+        if not sharded and not _is_writer():
             return None
         if len(self.dumps) >= self.max_dumps:
-            if not self._warned_full and self.max_dumps:
+            if not self._warned_full and self.max_dumps and _is_writer():
                 warnings.warn(
                     f"GradMonitor: {self.max_dumps} dumps written to {self.dump_dir} "
                     f"(max_dumps); later spikes are logged but not dumped",
@@ -321,7 +338,8 @@ class GradMonitor:
                 self._warned_full = True
             return None
         path = self.dump_dir / f"step-{step}.pt"
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        if _is_writer():
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
         save_grads(self.model, path, step=step)
         self.dumps.append(path)
         return path
@@ -350,17 +368,3 @@ def _is_writer() -> bool:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return True
-
-
-def _refuse_sharded(named: list[tuple[str, torch.Tensor]]) -> None:
-    if not torch.distributed.is_available():
-        return
-    from torch.distributed.tensor import DTensor
-
-    for name, grad in named:
-        if isinstance(grad, DTensor):
-            raise TypeError(
-                f"GradMonitor: the gradient of {name!r} is a DTensor (FSDP2 or tensor "
-                "parallel): each rank holds a shard, and the monitor measures whole "
-                "gradients only"
-            )

@@ -14,6 +14,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from gradclip_cli.distributed import dtensor
 from gradclip_cli.sink.atomic import atomic_write
 from gradclip_cli.sink.safetensors_file import write_safetensors
 from gradclip_cli.source.interface import Checkpoint
@@ -37,6 +38,10 @@ def save_grads(model: torch.nn.Module, path: str | os.PathLike[str], /, **extra:
     - a parameter registered under several names (tied weights, such as a
       language model head sharing the token embedding) appears once, under the
       first name ``named_parameters()`` yields.
+
+    DTensor gradients (FSDP2, tensor parallel) are saved whole: each is
+    gathered with ``full_tensor()``, a collective, so every rank must call
+    ``save_grads``; rank 0 writes the file and the other ranks write nothing.
 
     When ``path`` ends with ``.safetensors`` the file is a safetensors file of
     the gradients alone, and ``extra`` becomes its header metadata, which the
@@ -78,6 +83,8 @@ def save_grads(model: torch.nn.Module, path: str | os.PathLike[str], /, **extra:
     Then, from a shell: ``gradclip inspect grads.pt --max-norm 1.0``.
     """
     grads = _detached_grads(model)
+    if grads is None:
+        return  # DTensor gradients gathered for rank 0, which writes them
     if not grads:
         raise ValueError(
             "save_grads: no parameter of the model has a gradient; "
@@ -97,13 +104,24 @@ def save_grads(model: torch.nn.Module, path: str | os.PathLike[str], /, **extra:
         atomic_write(Path(path), lambda file: torch.save(payload, file))
 
 
-def _detached_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``{name: copy of p.grad on the CPU}``; named_parameters() already drops tied duplicates."""
-    return {
-        name: p.grad.detach().to("cpu", copy=True)
-        for name, p in model.named_parameters()
-        if p.grad is not None
-    }
+def _detached_grads(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """``{name: copy of p.grad on the CPU}``; named_parameters() already drops tied duplicates.
+
+    A DTensor gradient (FSDP2, tensor parallel) is gathered whole with
+    ``full_tensor()``, a collective: every rank must call, and ranks other
+    than 0 get None (they write nothing).
+    """
+    named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    grads = [g for _, g in named]
+    if dtensor.has_dtensor(grads):
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            whole = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return None
+        grads = whole
+    return {name: g.detach().to("cpu", copy=True) for (name, _), g in zip(named, grads)}
 
 
 def _text_metadata(extra: Mapping[str, Any]) -> dict[str, str] | None:

@@ -94,7 +94,7 @@ def get_total_norm(
     return total.to(device=device, dtype=out_dtype)
 
 
-def _local_parts(tensors):
+def _local_parts(tensors, drop_ties: bool = True):
     """(mesh, sharded mesh dims, local tensor) per tensor, Partial made Replicate, ties dropped."""
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -110,6 +110,8 @@ def _local_parts(tensors):
         # _StridedShard over a tensor-parallel shard (whose is_shard() is False).
         dims = tuple(d for d, p in enumerate(t.placements) if not p.is_replicate())
         parts.append((t.device_mesh, dims, t.to_local()))
+    if not drop_ties:
+        return parts
     owner = find_ties([local for _, _, local in parts])
     return [part for i, part in enumerate(parts) if owner[i] == i]
 
@@ -124,15 +126,35 @@ def _by_reduction(parts) -> dict:
 
 
 def _total_exact(parts, norm_type: float, foreach) -> torch.Tensor:
+    return _part_sums(parts, norm_type, foreach).total().norm[0]
+
+
+def tensor_sums(tensors: Sequence[torch.Tensor], norm_type: float,
+                foreach: bool | None = None) -> PowerSums:
+    """Each tensor's power sums, DTensors combined over their meshes, in the given order.
+
+    Every rank gets the same numbers (the monitor's per-group norms). Ties are
+    not looked for: the caller passes each gradient once.
+    """
+    return _part_sums(_local_parts(tensors, drop_ties=False), norm_type, foreach)
+
+
+def _part_sums(parts, norm_type: float, foreach) -> PowerSums:
+    """The parts' sums in their order: one ``tensor_power_sums`` and one collective per
+    (mesh, sharded dim) group."""
+    rows = torch.empty(len(parts), dtype=torch.int64)
     pieces = []
+    start = 0
     for (mesh, dims), indices in _by_reduction(parts).items():
         sums = tensor_power_sums([parts[i][2] for i in indices], norm_type, foreach=foreach)
         for dim in dims:
             sums = _combine_over(sums, mesh, dim)
         pieces.append(sums)
-    total = PowerSums(norm_type, *(torch.cat([getattr(s, f).to(_dtype(f)) for s in pieces])
-                                   for f in _FIELDS)).total()
-    return total.norm[0]
+        rows[torch.tensor(indices, dtype=torch.int64)] = torch.arange(start, start + len(indices))
+        start += len(indices)
+    joined = PowerSums(norm_type, *(torch.cat([getattr(s, f).to(_dtype(f)) for s in pieces])
+                                    for f in _FIELDS))
+    return joined.take(rows)
 
 
 def _dtype(field: str) -> torch.dtype:

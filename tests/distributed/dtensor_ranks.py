@@ -155,7 +155,72 @@ def two_meshes(rank: int, world: int) -> dict:
     return out
 
 
-CHECKS = {2: [fsdp2, placements_by_hand], 4: [placements_by_hand, fsdp_tp, two_meshes]}
+def monitor_fsdp2(rank: int, world: int, outdir: str) -> dict:
+    """GradMonitor over FSDP2 gradients: three logged steps, a NaN injected at the third.
+
+    Records the logged per-layer norms beside float64 references from
+    ``full_tensor()``, the clipped total, and what rank 0 dumped.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradclip_cli import GradMonitor
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _mlp(seed=3)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    folder = Path(outdir, "monitor")
+    monitor = GradMonitor(model, log=folder / "grads.jsonl", dump_dir=folder / "spikes")
+    out: dict = {"steps": []}
+    for step in range(3):
+        model.zero_grad()
+        _backward(model, rank + 10 * step, scale=10.0 ** step)
+        names = [n for n, _ in model.named_parameters()]
+        grads = [p.grad for p in model.parameters()]
+        references = {layer: reference([g for n, g in zip(names, grads)
+                                        if n.split(".")[0] == layer])
+                      for layer in ("0", "2")}
+        total = reference(grads)
+        if step == 2:  # one element of one rank's shard: the whole gradient is NaN-tainted
+            if rank == 0:
+                grads[0].to_local().view(-1)[0] = float("nan")
+            record = monitor.step(step)
+            out["nan"] = {"nonfinite": record["nonfinite"], "dump": record["dump"]}
+            break
+        max_norm = total / 2
+        before = monitor.clip_grad_norm_(max_norm, step=step)
+        out["steps"].append({"groups": monitor_groups(folder, step, rank),
+                             "references": references, "total": [float(before), total],
+                             "after": [reference(grads), max_norm]})
+    monitor.close()
+    dumped = folder / "spikes" / "step-2.pt"
+    out["dump_exists"] = dumped.exists()
+    full = {n: g.full_tensor() for n, g in zip(names, grads)}  # a collective: every rank
+    if rank == 0 and dumped.exists():
+        saved = torch.load(dumped, weights_only=True)
+        out["dump_matches"] = saved["step"] == 2 and all(
+            torch.equal(saved["grads"][n], t) or (t.isnan() == saved["grads"][n].isnan()).all()
+            and torch.equal(saved["grads"][n].nan_to_num(), t.nan_to_num())
+            for n, t in full.items())
+    return out
+
+
+def monitor_groups(folder: Path, step: int, rank: int) -> dict | None:
+    """The groups rank 0 logged for ``step`` (other ranks log nothing: None)."""
+    log = folder / "grads.jsonl"
+    if rank != 0:
+        return None
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        if record["step"] == step:
+            return record["groups"]
+    return None
+
+
+CHECKS = {2: [fsdp2, placements_by_hand, monitor_fsdp2],
+          4: [placements_by_hand, fsdp_tp, two_meshes]}
 
 
 def run_rank(rank: int, world: int, outdir: str) -> None:
@@ -167,7 +232,9 @@ def run_rank(rank: int, world: int, outdir: str) -> None:
     results = {}
     for check in CHECKS[world]:
         try:
-            results[check.__name__] = check(rank, world)
+            needs_folder = check is monitor_fsdp2
+            results[check.__name__] = (check(rank, world, outdir) if needs_folder
+                                       else check(rank, world))
         except Exception as error:  # reported to the test, which fails with it
             results[check.__name__] = {"error": f"{type(error).__name__}: {error}"}
         dist.barrier()

@@ -82,3 +82,24 @@ def test_two_meshes_where_torch_fails(four):
     _check(four, "two_meshes", "float64_path")
     before, after, max_norm = four[0]["two_meshes"]["clipped"]
     assert after == pytest.approx(max_norm, rel=1e-5)
+
+
+def test_monitor_logs_fsdp2_layers_as_float64_says(two):
+    """GradMonitor on FSDP2 DTensors: rank 0 logs each layer's norm of the whole gradient,
+    every rank clips by the same total, and a NaN on one rank's shard is dumped whole."""
+    ranks = [r["monitor_fsdp2"] for r in two]
+    for r in ranks:
+        assert "error" not in r, r.get("error")
+    for step, (zero, one) in enumerate(zip(ranks[0]["steps"], ranks[1]["steps"])):
+        assert one["groups"] is None  # rank 1 writes no log
+        assert zero["total"][0] == one["total"][0], step  # the same total on every rank
+        assert zero["total"][0] == pytest.approx(zero["total"][1], rel=RTOL), step
+        assert set(zero["groups"]) == set(zero["references"]) == {"0", "2"}
+        for layer, norm in zero["groups"].items():
+            assert norm == pytest.approx(zero["references"][layer], rel=RTOL), (step, layer)
+        after, max_norm = zero["after"]
+        assert after == pytest.approx(max_norm, rel=1e-5), step
+    for r in ranks:
+        assert r["nan"]["nonfinite"]["nan"] == 1
+    assert ranks[0]["nan"]["dump"].endswith("step-2.pt")
+    assert ranks[0]["dump_matches"] is True
