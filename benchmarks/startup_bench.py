@@ -1,6 +1,6 @@
 """Issue 8, item 9: what gradclip costs above ``import torch``, and inspect vs the plain script.
 
-    .venv/bin/python -m benchmarks.startup_bench [--repeats 11] [--gpt2-repeats 5]
+    .venv/bin/python -m benchmarks.startup_bench [--repeats 11] [--gpt2-repeats 5] [--baseline TREE]
 
 Startup: three fresh processes, interleaved, on the small sample file
 (sample_checkpoints/healthy.pt, 28 tensors): ``python -c "import torch"``;
@@ -41,12 +41,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_checkpoints" / "healthy.pt"
 
 
-def timed(argv: list[str]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of a child process run to completion, output discarded."""
+def timed(argv: list[str], path: str | None = None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of a child process run to completion, output discarded.
+
+    ``path``: a tree whose gradclip_cli the child imports instead (PYTHONPATH).
+    """
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if path is not None:
+        env["PYTHONPATH"] = path
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -55,19 +60,23 @@ def timed(argv: list[str]) -> tuple[float, float]:
     return wall, cpu
 
 
-def startup(repeats: int) -> dict[str, tuple[list[float], list[float]]]:
+def startup(repeats: int, baseline: str | None) -> dict[str, tuple[list[float], list[float]]]:
     path = str(SAMPLE)
+    ours = [GRADCLIP, "inspect", path, "--format", "json"]
     contenders = {
-        "python -c 'import torch'": [PYTHON, "-c", "import torch"],
-        "plain torch script": [PYTHON, "-c", PLAIN_INSPECT, path],
-        "gradclip inspect --format json": [GRADCLIP, "inspect", path, "--format", "json"],
+        "python -c 'import torch'": ([PYTHON, "-c", "import torch"], None),
+        "plain torch script": ([PYTHON, "-c", PLAIN_INSPECT, path], None),
+        "gradclip inspect --format json": (ours, None),
     }
+    if baseline is not None:
+        compileall.compile_dir(Path(baseline) / "gradclip_cli", quiet=1)
+        contenders[f"the same, gradclip from {baseline}"] = (ours, baseline)
     names = list(contenders)
     results: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in names}
     for r in range(1 + repeats):  # one warm-up round
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            wall, cpu = timed(contenders[name])
+            wall, cpu = timed(*contenders[name])
             if r:
                 results[name][0].append(wall)
                 results[name][1].append(cpu)
@@ -110,12 +119,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.startup_bench")
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--gpt2-repeats", type=int, default=5)
+    parser.add_argument("--baseline", metavar="TREE",
+                        help="also time gradclip from another checkout (git archive of a commit)")
     args = parser.parse_args(argv)
     compileall.compile_dir(ROOT / "gradclip_cli", quiet=1)
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"load average at start: {load}\n")
 
-    results = startup(args.repeats)
+    results = startup(args.repeats, args.baseline)
     base_wall, base_cpu = (statistics.median(x) for x in results["python -c 'import torch'"])
     print(f"Startup, `{SAMPLE.name}` ({SAMPLE.stat().st_size / 1e3:.0f} kB), median of "
           f"{args.repeats}, interleaved:\n")
