@@ -144,7 +144,8 @@ def _command(name: str):
     importing torch allocates some 170,000 objects that live as long as the
     process, and with the collector on, full collections walk all of them
     while they are being made (two during ``import torch``, one more while
-    gradclip's modules load: 40-120 ms each, BENCHMARKS.md "Startup").
+    gradclip's modules load: 60-280 ms each on a loaded 2-core machine,
+    BENCHMARKS.md "Startup").
     Here, once everything the command needs is imported, ``gc.freeze`` moves
     those objects to the permanent generation (the use CPython's documentation
     gives it) and the collector resumes for what the run itself allocates.
@@ -413,17 +414,14 @@ class _TypedValuesFirst:
     """A parameter's coercion that passes through values already of its type.
 
     typer 0.29 coerces every parameter's value, defaults included, through a
-    pydantic ``TypeAdapter`` built on first use; importing pydantic and
-    building the adapters costs more than the rest of a JSON run above
-    ``import torch`` (BENCHMARKS.md, "Startup"). A string option's value is
+    pydantic ``TypeAdapter`` built on first use; importing pydantic (44
+    modules) and building the adapters costs about as much as all of
+    gradclip's own imports (BENCHMARKS.md, "Startup"). A string option's value is
     already a string and a default already has its type, so those are returned
     as they are, exactly what the adapter would return. Anything else (``--top
     3`` arrives as the string ``"3"``, a path as a string) goes to typer's own
     coercion, built then, so its parsing and its messages are typer's.
     """
-
-    def __init__(self, param) -> None:
-        self._param = param
 
     def coerce(self, value, param, ctx):
         single = not (param.multiple or param.nargs == -1)
@@ -443,7 +441,7 @@ def _pass_typed_values(command) -> None:
     params = [*getattr(command, "params", ()), command.get_help_option(typer.Context(command))]
     for param in params:
         if getattr(param, "_runtime_param", False) is None and hasattr(param, "type_descriptor"):
-            param._runtime_param = _TypedValuesFirst(param)
+            param._runtime_param = _TypedValuesFirst()
     for sub in getattr(command, "commands", {}).values():
         _pass_typed_values(sub)
 
