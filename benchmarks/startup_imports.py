@@ -2,8 +2,8 @@
 
     .venv/bin/python -m benchmarks.startup_imports [TREE ...]   # default: this checkout
 
-Counts come from ``python -X importtime`` in a fresh process and do not depend
-on load, unlike import times on a shared machine.
+Counts are of ``sys.modules`` as a fresh process ends (built-in modules
+included); they do not depend on load, unlike import times on a shared machine.
 """
 
 from __future__ import annotations
@@ -21,13 +21,23 @@ COMMANDS = {
 }
 
 
+# ``python -m gradclip_cli ARGS``, then sys.modules as the process ends. (``-X importtime``
+# misses modules loaded through importlib.import_module: the formats and the commands.)
+RUN_AND_LIST = """
+import atexit, runpy, sys
+atexit.register(lambda: sys.__stderr__.write("\\nMODULES " + " ".join(sorted(sys.modules)) + "\\n"))
+sys.argv[0] = "gradclip"
+runpy.run_module("gradclip_cli", run_name="__main__", alter_sys=True)
+"""
+
+
 def imported(tree: Path, args: list[str]) -> list[str]:
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "gradclip_cli", *args], cwd=tree,
+        [sys.executable, "-c", RUN_AND_LIST, *args], cwd=tree,
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tree)},
     )  # fmt: skip
-    return [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines()
-            if line.startswith("import time:") and "|" in line and "package" not in line]
+    listed = [line for line in proc.stderr.splitlines() if line.startswith("MODULES ")]
+    return listed[-1].split()[1:]
 
 
 def count(names: list[str], package: str) -> int:

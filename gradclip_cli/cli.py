@@ -9,6 +9,8 @@ error, 3 unreadable input or unwritable output.
 
 from __future__ import annotations
 
+import gc
+import importlib
 import json
 import os
 import sys
@@ -134,6 +136,29 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
     sys.stdout.flush()
 
 
+def _command(name: str):
+    """The module of command ``name``; under the process's own entry point, collections resume.
+
+    ``main()`` run as the process (``gradclip``, ``python -m gradclip_cli``)
+    turns the cyclic garbage collector off while modules are imported:
+    importing torch allocates some 170,000 objects that live as long as the
+    process, and with the collector on, full collections walk all of them
+    while they are being made (two during ``import torch``, one more while
+    gradclip's modules load: 60-280 ms each on a loaded 2-core machine,
+    BENCHMARKS.md "Startup").
+    Here, once everything the command needs is imported, ``gc.freeze`` moves
+    those objects to the permanent generation (the use CPython's documentation
+    gives it) and the collector resumes for what the run itself allocates.
+    """
+    import torch  # noqa: F401  (first: the command's modules all need it)
+
+    module = importlib.import_module(f"{__package__}.commands.{name}")
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
+    return module
+
+
 def _run(body, *, debug: bool, format: str | None = None, source: object = None,
          output_file: Path | None = None) -> None:
     """Run a command body, turning every error into one line and an exit code.
@@ -219,7 +244,7 @@ def inspect(
     """Report per-group and total gradient norms and non-finite values. Never writes PATH."""
 
     def body() -> int:
-        from .commands import inspect as command
+        command = _command("inspect")
 
         return command.run(
             path=path, key=key, norm_type=norm_type, device=device, format=format,
@@ -267,7 +292,7 @@ def clip(
     """Write a copy of PATH with clipped gradients; everything else is kept as it was."""
 
     def body() -> int:
-        from .commands import clip as command
+        command = _command("clip")
 
         return command.run(
             path=path, max_norm=max_norm, clip_value=clip_value, output=output,
@@ -327,7 +352,7 @@ def trend(
     """Norms over a run, oldest to newest; flags spikes against the run's own history."""
 
     def body() -> int:
-        from .commands import trend as command
+        command = _command("trend")
 
         return command.run(
             paths=paths, what=what, group_by=group_by, z=z, alpha=alpha, warmup=warmup,
@@ -363,7 +388,7 @@ def compare(
     """Per-group norms of A and B side by side with B/A, largest change first."""
 
     def body() -> int:
-        from .commands import compare as command
+        command = _command("compare")
 
         return command.run(
             a=a, b=b, what=what, fail_above=fail_above, group_by=group_by, key=key,
@@ -385,9 +410,60 @@ def _requested_format(argv: list[str]) -> str | None:
     return found
 
 
+class _TypedValuesFirst:
+    """A parameter's coercion that passes through values already of its type.
+
+    typer 0.29 coerces every parameter's value, defaults included, through a
+    pydantic ``TypeAdapter`` built on first use; importing pydantic (44
+    modules) and building the adapters costs about as much as all of
+    gradclip's own imports (BENCHMARKS.md, "Startup"). A string option's value is
+    already a string and a default already has its type, so those are returned
+    as they are, exactly what the adapter would return. Anything else (``--top
+    3`` arrives as the string ``"3"``, a path as a string) goes to typer's own
+    coercion, built then, so its parsing and its messages are typer's.
+    """
+
+    def coerce(self, value, param, ctx):
+        single = not (param.multiple or param.nargs == -1)
+        if single and (value is None or type(value) is param.type_descriptor.annotation):
+            return value
+        param._runtime_param = None  # typer builds its own from here on
+        return param.get_runtime_param().coerce(value, param=param, ctx=ctx)
+
+
+def _pass_typed_values(command) -> None:
+    """Give every parameter ``_TypedValuesFirst`` where typer builds coercions lazily (0.29+).
+
+    Older typers (click's own types, no pydantic) have no such attribute and
+    are left alone.
+    """
+    # click makes --help on first need and keeps it (``get_help_option``): make it now.
+    params = [*getattr(command, "params", ()), command.get_help_option(typer.Context(command))]
+    for param in params:
+        if getattr(param, "_runtime_param", False) is None and hasattr(param, "type_descriptor"):
+            param._runtime_param = _TypedValuesFirst()
+    for sub in getattr(command, "commands", {}).values():
+        _pass_typed_values(sub)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: usage errors become one line and exit 2, as the contract says."""
+    # The process's own entry point: no collections until the command's
+    # modules are imported (_command). Callers that pass argv (tests,
+    # embedding) keep their collector as it is.
+    entry = argv is None and gc.isenabled()
+    if entry:
+        gc.disable()
+    try:
+        _main(argv)
+    finally:
+        if entry:
+            gc.enable()
+
+
+def _main(argv: list[str] | None) -> None:
     command = typer.main.get_command(app)
+    _pass_typed_values(command)
     args = list(sys.argv[1:] if argv is None else argv)
     if "--debug" not in args:
         # A damaged file can make CPython complain while freeing what torch's
