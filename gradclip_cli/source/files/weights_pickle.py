@@ -45,8 +45,8 @@ import torch
 
 __all__ = [
     "Attempt", "DTypeMarker", "Opaque", "Outside", "StorageRef", "allowing",
-    "check_storage_id", "finish", "known_storage", "pickle_protocol", "run_restricted",
-    "unpickle",
+    "check_storage_id", "finish", "is_allowed", "known_storage", "pickle_protocol",
+    "run_restricted", "unpickle",
 ]  # fmt: skip
 
 _MAX_DIMS = 64
@@ -142,6 +142,12 @@ def allowing(stand_ins: Mapping[tuple[str, str], object]) -> Iterator[None]:
         yield
     finally:
         _ALLOWED.reset(token)
+
+
+def is_allowed(dotted: str | None) -> bool:
+    """True when ``module.name`` is on the list ``allowing`` has widened, now."""
+    allowed = _ALLOWED.get()
+    return bool(allowed and dotted) and any(f"{m}.{n}" == dotted for m, n in allowed)
 
 
 class _Slot(_Inert):
