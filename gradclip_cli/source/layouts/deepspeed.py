@@ -224,11 +224,10 @@ class _Reader:
         version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
         at = f" at global step {contents.step}" if contents.step is not None else ""
         contents.description.append(
-            f"DeepSpeed ZeRO stage {stage} checkpoint{at}: {visible(self.folder.name)}/, "
-            f"{world} data-parallel rank(s){version}")
+            f"DeepSpeed ZeRO stage {stage} checkpoint{at}: {visible(self.folder.name)}/")
         contents.description.append(
-            f"fp32 master weights and Adam moments of {len(weights)} parameters, "
-            f"from {len(optims)} partition file(s)")
+            f"{world} data-parallel rank(s){version}: fp32 master weights and Adam moments "
+            f"of {len(weights)} parameters")
         frozen = model.root.get("frozen_param_shapes")
         if isinstance(frozen, Mapping) and frozen:
             contents.description.append(
