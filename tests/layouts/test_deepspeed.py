@@ -245,3 +245,25 @@ def test_flat_pieces_assemble_in_row_major_order():
     assert stored.held is None
     assert torch.equal(stored.read(), full)
     assert math.prod(stored.shape) == sum(p.numel for p in stored.pieces)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_damaged_rank_files_are_a_report_or_one_line(deepspeed_runs, tmp_path, seed):
+    """Bytes flipped anywhere in a rank file (the pickle, the directory, the data)."""
+    import random
+
+    from tests.hardening.support import assert_clean_inspect
+
+    rng = random.Random(seed)
+    stage = STAGES[seed % len(STAGES)]
+    target = tmp_path / "run"
+    shutil.copytree(deepspeed_runs / f"zero{stage}", target)
+    file = rng.choice(sorted((target / TAG).glob("*.pt")))
+    data = bytearray(file.read_bytes())
+    for _ in range(rng.randint(1, 8)):
+        data[rng.randrange(len(data))] = rng.randrange(256)
+    file.write_bytes(bytes(data))
+    # Exit 0/1 with a report, or exit 3 with one line naming a file of the checkpoint
+    # (a damaged value may be caught when another rank's file disagrees with it).
+    result = run_cli("inspect", target, "--format", "json", "--no-progress")
+    assert_clean_inspect(result, target)
