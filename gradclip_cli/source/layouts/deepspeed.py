@@ -34,6 +34,11 @@ read from the memory-mapped files on demand: nothing is gathered, memory stays
 bounded by the largest partition. The weights reported are these fp32
 master weights; the optimizer state names each parameter (``param_names``).
 
+The Hugging Face Trainer run with DeepSpeed writes the same ``latest`` and
+``global_stepN/`` inside its ``checkpoint-N/`` (beside the model weights and
+``trainer_state.json``, without ``optimizer.pt``): this layout comes first in
+``LAYOUTS`` so that such a folder is read here, where the moments are.
+
 Every file goes through the restricted reader, with DeepSpeed's own pickled
 classes mapped to inert stand-ins (``files/deepspeed_pickle.py``); DeepSpeed
 is never imported.
@@ -196,7 +201,7 @@ class _Reader:
             raise InputError(f"{model.path}: dp_world_size {dp}, but the optimizer states are "
                              f"partitioned over {world} ranks")
         flats = [_flat_groups(c, stage, len(shapes)) for c in optims]
-        states = [_base_state(c, stage, len(shapes)) for c in optims]
+        states = [_base_state(c, stage) for c in optims]
         files = [c.path for c in optims]
         padded = _check_partition_sizes(optims, flats, stage)
         if stage <= 2:
@@ -316,7 +321,7 @@ def _flat_groups(ckpt: Checkpoint, stage: int, groups: int) -> list[torch.Tensor
     return [_flat_tensor(f, ckpt, f"{key}[{i}]") for i, f in enumerate(flats)]
 
 
-def _base_state(ckpt: Checkpoint, stage: int, groups: int) -> tuple[list[dict], list[dict]]:
+def _base_state(ckpt: Checkpoint, stage: int) -> tuple[list[dict], list[dict]]:
     """The wrapped optimizer's ``(param_groups, per-group state)``, one entry per flat group."""
     osd = _osd(ckpt)
     key = "base_optimizer_state" if stage <= 2 else "optimizer_state_dict"
