@@ -17,6 +17,7 @@ page cache warm:
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import socket
@@ -54,6 +55,10 @@ def _worker(rank: int, port: int, out: str, stage: int, layers: int) -> None:
     import deepspeed
     import torch
 
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory collective (a C++
+    # extension, minutes on a fresh machine) on first use; gloo alone does the job.
+    # (``deepspeed.comm.torch`` as an attribute is torch itself: take the module.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])

@@ -19,6 +19,7 @@ hold, up to float32 rounding in the reduction order.
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import sys
@@ -39,6 +40,10 @@ def _worker(rank: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory collective (a C++
+    # extension, minutes on a fresh machine) on first use; gloo alone does the job.
+    # (``deepspeed.comm.torch`` as an attribute is torch itself: take the module.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     for stage in STAGES:
         torch.manual_seed(0)
