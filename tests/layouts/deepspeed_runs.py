@@ -3,7 +3,8 @@
 ``python -m tests.layouts.deepspeed_runs OUT`` starts 2 processes (gloo, the
 CPU accelerator) that train a tiny MLP with ZeRO stages 1, 2 and 3 in turn,
 2 AdamW steps each, and save ``OUT/zeroN/`` with ``engine.save_checkpoint``
-(``latest`` plus ``global_step2/``). The model's sizes are chosen so that
+(``latest`` plus ``global_step2/``), then ZeRO 2 again with bf16 mixed
+precision into ``OUT/zero2_bf16/``. The model's sizes are chosen so that
 the flat partitions cut parameters: ``0.weight`` (35 elements) spans both
 ranks' partitions under ZeRO 1/2, and every parameter is split under ZeRO 3.
 Two param groups (decayed weights, undecayed biases) exercise the group
@@ -26,6 +27,8 @@ import sys
 from pathlib import Path
 
 STAGES = (1, 2, 3)
+# (folder, ZeRO stage, bf16 mixed precision): bf16 runs write bf16_zero_pp_rank_* files.
+RUNS = tuple((f"zero{stage}", stage, False) for stage in STAGES) + (("zero2_bf16", 2, True),)
 WORLD = 2
 STEPS = 2
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.8, 0.95), 1e-6, 0.1
@@ -45,7 +48,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     # (``deepspeed.comm.torch`` as an attribute is torch itself: take the module.)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
-    for stage in STAGES:
+    for folder_name, stage, bf16 in RUNS:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(),
                                     torch.nn.Linear(7, 3))
@@ -67,13 +70,15 @@ def _worker(rank: int, port: int, out: str) -> None:
                 "torch_adam": True}},
             "gradient_clipping": 0.0,
             "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": bf16},
         }
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups(model),
                                           config=config)
         g = torch.Generator().manual_seed(10 * stage + rank)
         for _ in range(STEPS):
             x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
-            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            low = torch.bfloat16 if bf16 else torch.float32
+            engine.backward(torch.nn.functional.mse_loss(engine(x.to(low)), y.to(low)))
             engine.step()
             plain.zero_grad()
             torch.nn.functional.mse_loss(mirror(x), y).backward()
@@ -81,15 +86,14 @@ def _worker(rank: int, port: int, out: str) -> None:
                 dist.all_reduce(p.grad)
                 p.grad /= WORLD
             plain.step()
-        folder = os.path.join(out, f"zero{stage}")
-        engine.save_checkpoint(folder)
+        engine.save_checkpoint(os.path.join(out, folder_name))
         reference = {
             name: {"weight": p.detach().clone(), **{
                 k: v.clone() for k, v in plain.state[p].items()}}
             for name, p in mirror.named_parameters()
         }
-        if rank == 0:
-            torch.save(reference, os.path.join(out, f"zero{stage}.reference.pt"))
+        if rank == 0 and not bf16:  # the fp32 mirror is no reference for a bf16 run
+            torch.save(reference, os.path.join(out, f"{folder_name}.reference.pt"))
         engine.destroy()
 
 

@@ -96,6 +96,32 @@ def test_weights_are_zero_to_fp32s(deepspeed_runs, stage):
     assert {p.file.name for p in split.pieces} == {_optim(0), _optim(1)}
 
 
+def test_bf16_mixed_precision_rank_files(deepspeed_runs):
+    """``bf16_zero_pp_rank_*`` files: weights as ``zero_to_fp32`` rebuilds them; the total
+    ``exp_avg`` norm is that of every rank's flat moments (their padding is zero)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from gradclip_cli.source.layouts import open_checkpoint
+
+    folder = deepspeed_runs / "zero2_bf16"
+    assert sorted(p.name for p in (folder / TAG).glob("bf16_*")) == [
+        f"bf16_{_optim(0)}", f"bf16_{_optim(1)}"]
+    theirs = get_fp32_state_dict_from_zero_checkpoint(os.fspath(folder))
+    ours = open_checkpoint(folder)
+    assert set(ours.weights) == set(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours.weights[name].read(), tensor), name
+    squares = 0.0
+    for rank in range(2):
+        root = torch.load(folder / TAG / f"bf16_{_optim(rank)}", weights_only=False)
+        for entry in root["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+            assert float(entry["step"]) == STEPS
+            squares += float(entry["exp_avg"].double().square().sum())
+    doc = _inspect(folder, "exp_avg")
+    expected = math.sqrt(squares) / (1 - BETAS[0] ** STEPS)
+    assert doc["total_norm"] == pytest.approx(expected, rel=1e-6)
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_auto_reports_exp_avg_by_name_and_step(deepspeed_runs, stage):
     doc = _inspect(deepspeed_runs / f"zero{stage}", "auto")

@@ -73,7 +73,9 @@ from .paths import inside
 KIND = "deepspeed"
 LATEST = "latest"
 _MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
-_OPTIM = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+# bf16 mixed precision (DeepSpeed's BF16_Optimizer) names its rank files bf16_zero_pp_rank_*,
+# with the same content.
+_OPTIM = re.compile(r"(?:(bf16_))?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _MAX_LATEST_BYTES = 4096  # a tag is a folder name
 _MAX_RANKS = 1 << 16
 
@@ -175,22 +177,32 @@ class _Reader:
     def contents(self, given: Path) -> Contents:
         names = os.listdir(self.folder)
         found = [m for n in names if (m := _MODEL.fullmatch(n) or _OPTIM.fullmatch(n))]
-        mp_ranks = sorted({m.group(2) for m in found})
+        mp_ranks = sorted({m.group(m.lastindex) for m in found})
         if mp_ranks != ["00"]:
             raise InputError(f"{self.folder}: holds model-parallel ranks "
                              f"{visible(', '.join(mp_ranks))}; gradclip reads DeepSpeed "
                              "checkpoints of one model-parallel rank (mp_rank_00)")
-        optim_ranks = sorted(int(m.group(1)) for n in names if (m := _OPTIM.fullmatch(n)))
-        first = self.load(_optim_name(0))
+        optim = [m for n in names if (m := _OPTIM.fullmatch(n))]
+        prefixes = sorted({m.group(1) or "" for m in optim})
+        if len(prefixes) > 1:
+            raise InputError(f"{self.folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* "
+                             "optimizer files; which set belongs to this checkpoint is unclear")
+        prefix = prefixes[0]
+
+        def optim_name(rank: int) -> str:
+            return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+        optim_ranks = sorted(int(m.group(2)) for m in optim)
+        first = self.load(optim_name(0))
         stage, world = _stage_and_world(first)
         beyond = [r for r in optim_ranks if r >= world]
         if beyond:
-            raise InputError(f"{self.folder / _optim_name(beyond[0])}: a rank beyond the "
+            raise InputError(f"{self.folder / optim_name(beyond[0])}: a rank beyond the "
                              f"{world} that {first.path.name} names (partition_count)")
         model = self.load("mp_rank_00_model_states.pt" if stage <= 2
                           else "zero_pp_rank_0_mp_rank_00_model_states.pt")
         shapes = _param_shapes(model)
-        optims = [first] + [self.load(_optim_name(r)) for r in range(1, world)]
+        optims = [first] + [self.load(optim_name(r)) for r in range(1, world)]
         for ckpt in optims[1:]:
             other_stage, other_world = _stage_and_world(ckpt)
             if (other_stage, other_world) != (stage, world):
@@ -238,10 +250,6 @@ class _Reader:
             contents.description.append(
                 f"{len(frozen)} frozen parameter(s) have no optimizer state and are not read")
         return contents
-
-
-def _optim_name(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
 def _osd(ckpt: Checkpoint) -> Mapping:
