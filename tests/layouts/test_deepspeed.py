@@ -293,3 +293,26 @@ def test_damaged_rank_files_are_a_report_or_one_line(deepspeed_runs, tmp_path, s
     # (a damaged value may be caught when another rank's file disagrees with it).
     result = run_cli("inspect", target, "--format", "json", "--no-progress")
     assert_clean_inspect(result, target)
+
+
+def test_an_fp16_dynamic_loss_scaler_is_read_as_plain_values(tmp_path):
+    """fp16 training (not available on the CPU) pickles DeepSpeed's DynamicLossScaler in
+    each rank file; the real object, saved as DeepSpeed saves it, reads as a stand-in."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from gradclip_cli.source import load_checkpoint
+    from gradclip_cli.source.files.deepspeed_pickle import GLOBALS, DynamicLossScalerState
+    from gradclip_cli.source.files.weights_pickle import allowing
+
+    scaler = DynamicLossScaler(init_scale=2.0 ** 16, scale_window=1000, min_scale=1.0,
+                               delayed_shift=2, consecutive_hysteresis=False,
+                               dtype=torch.float16)
+    path = tmp_path / "optim.pt"
+    torch.save({"optimizer_state_dict": {"loss_scaler": scaler, "t": torch.ones(3)}}, path)
+    with allowing(GLOBALS):
+        root = load_checkpoint(path).root
+    got = root["optimizer_state_dict"]["loss_scaler"]
+    assert type(got) is DynamicLossScalerState
+    assert got.state == vars(scaler)
+    assert torch.equal(root["optimizer_state_dict"]["t"], torch.ones(3))
