@@ -191,6 +191,13 @@ def test_latest_through_a_symlink_out_is_refused(copy, tmp_path):
     assert_refused(run_cli("inspect", copy), copy / "latest", "leads outside its folder")
 
 
+def test_a_rank_file_linked_from_outside_is_refused(copy, tmp_path):
+    outside = tmp_path / "outside.pt"
+    (copy / TAG / _optim(1)).rename(outside)  # a valid rank file, now outside the folder
+    (copy / TAG / _optim(1)).symlink_to(outside)
+    assert_refused(run_cli("inspect", copy), copy / TAG, "leads outside its folder")
+
+
 def test_missing_rank_file(copy):
     (copy / TAG / _optim(1)).unlink()
     assert_refused(run_cli("inspect", copy), copy / TAG / _optim(1), "missing")
