@@ -225,12 +225,16 @@ class _Reader:
         optimizer = _optimizer(shapes, places, flats, padded, states, optims)
         contents = Contents(path=given, kind=KIND, files=list(self.files),
                             trusted_pickle=self.trusted)
-        contents.weights = weights
+        # param_shapes lists parameters group by group; the module's state dict
+        # (placeholders under ZeRO 3) keeps the model's order, which the report follows.
         module = model.root.get("module")
-        if isinstance(module, Mapping):
-            order = [str(k) for k in module if k in weights]
-            if len(order) == len(weights):
-                contents.model_order_names = order
+        order = [k for k in module if k in weights] if isinstance(module, Mapping) else []
+        if len(order) == len(weights):
+            weights = {n: weights[n] for n in order}
+            contents.model_order_names = order
+        else:
+            contents.model_order = False
+        contents.weights = weights
         contents.optimizers = [optimizer]
         step = model.root.get("global_steps")
         if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
