@@ -75,6 +75,10 @@ class Piece:
     live, for messages and for giving mapped pages back. ``held`` is the
     data when the layout already holds it (a mapped tensor: ties between
     names are found among held pieces, and clip scales them in place).
+
+    In a *flat* ``StoredTensor`` (see there) a piece is instead a range of
+    the tensor's row-major flattening: ``offsets == (start,)``, ``shape ==
+    (length,)``, and ``read()`` returns those ``length`` elements as 1-D.
     """
 
     offsets: tuple[int, ...]
@@ -99,16 +103,25 @@ class StoredTensor:
 
     ``shape``, ``dtype`` and ``numel()`` match a ``torch.Tensor``'s, so a
     report can describe a stored tensor without reading it.
+
+    ``flat=True``: the pieces are 1-D ranges of the tensor's row-major
+    flattening rather than N-d blocks, for layouts that store a parameter
+    flattened and cut at arbitrary element boundaries (DeepSpeed ZeRO
+    partitions a flat buffer of all parameters across ranks, so a 2-D
+    weight may end in one rank's file and continue in the next). Norms need
+    only the elements, so such pieces are measured as they are; ``read()``
+    assembles them and gives the tensor its shape.
     """
 
-    __slots__ = ("name", "shape", "dtype", "pieces")
+    __slots__ = ("name", "shape", "dtype", "pieces", "flat")
 
     def __init__(self, name: str, shape: Iterable[int], dtype: torch.dtype,
-                 pieces: Iterable[Piece]):
+                 pieces: Iterable[Piece], *, flat: bool = False):
         self.name = name
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.pieces = tuple(pieces)
+        self.flat = flat
 
     @classmethod
     def whole(cls, name: str, tensor: torch.Tensor, file: Path | None = None) -> StoredTensor:
@@ -138,6 +151,12 @@ class StoredTensor:
         """The whole tensor: the single piece as stored, or the pieces assembled (a copy)."""
         if len(self.pieces) == 1 and self.pieces[0].shape == tuple(self.shape):
             return self.pieces[0].read()
+        if self.flat:
+            flat = torch.empty(self.numel(), dtype=self.dtype)
+            for piece in self.pieces:
+                start, = piece.offsets
+                flat[start:start + piece.numel] = piece.read().reshape(-1)
+            return flat.view(self.shape)
         out = torch.empty(self.shape, dtype=self.dtype)
         for piece in self.pieces:
             index = tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.shape))
@@ -145,8 +164,9 @@ class StoredTensor:
         return out
 
     def __repr__(self) -> str:
+        flat = ", flat" if self.flat else ""
         return (f"StoredTensor({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"pieces={len(self.pieces)})")
+                f"pieces={len(self.pieces)}{flat})")
 
 
 @dataclass

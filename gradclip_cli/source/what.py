@@ -406,7 +406,10 @@ def _update_power_sums(moments, squares, corrections, hyper, p, device, on_batch
             updates.append(m.to(dtype).mul(lr / c1).div_(denom))
         parts.append(tensor_power_sums(updates, p, device=device, workers=workers))
         if on_batch is not None:
-            on_batch([t[i].read() for t in (moments, squares) for i in batch])
+            # The pieces as stored (mapped views), not read()'s assembled copy of a
+            # tensor stored in several pieces: their pages are the ones to give back.
+            on_batch([piece.read() for t in (moments, squares) for i in batch
+                      for piece in t[i].pieces])
         batch, size = [], 0
 
     for i, m in enumerate(moments):

@@ -117,3 +117,22 @@ def lightning_ckpt(tmp_path_factory) -> Path:
         trainer.fit(MLP(), DataLoader(data, batch_size=8))
         trainer.save_checkpoint(out / "last.ckpt")
     return out / "last.ckpt"
+
+
+@pytest.fixture(scope="session")
+def deepspeed_runs(tmp_path_factory) -> Path:
+    """Real DeepSpeed ZeRO 1, 2 and 3 checkpoints (``deepspeed_runs.py``): ``zeroN/`` each,
+    with ``zeroN.reference.pt`` beside. One 2-process CPU run builds all three."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    out = tmp_path_factory.mktemp("deepspeed")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "tests.layouts.deepspeed_runs", os.fspath(out)],
+                         env=env, capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-4000:]
+    return out

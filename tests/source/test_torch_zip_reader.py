@@ -385,3 +385,46 @@ def test_more_than_65535_entries_use_the_zip64_directory(tmp_path):
     assert got is not None and len(got) == 66_000
     for i in (0, 1, 65_535, 65_999):
         assert got[str(i)].item() == float(i)
+
+
+def test_a_tensor_with_attributes_is_read_as_torch_reads_it(tmp_path):
+    """``_rebuild_from_type_v2``: how DeepSpeed ZeRO-3 saves its flat buffers (``ds_id``)."""
+    t = torch.arange(6.0)
+    t.ds_id = "0_3"
+    got = check(tmp_path, {"t": t})
+    assert type(got["t"]) is torch.Tensor and got["t"].ds_id == "0_3"
+
+
+def test_a_tensor_attribute_that_shadows_a_member_falls_back(tmp_path):
+    for i, (name, value) in enumerate((("shape", 1), ("_private", 1), ("tag", [1]))):
+        t = torch.ones(2)
+        t.__dict__[name] = value
+        path = tmp_path / f"a{i}.pt"
+        torch.save({"t": t}, path)
+        assert read_torch_zip(path) is None, name
+
+
+class Framework:
+    """Stands for a framework class a checkpoint pickles (DeepSpeed's loss scaler)."""
+
+    def __init__(self):
+        self.scale = 2.0
+
+
+def test_allowing_hands_out_a_stand_in_only_inside_the_block(tmp_path):
+    from gradclip_cli.source.files.weights_pickle import Opaque, allowing
+
+    class StandIn(Opaque):
+        __slots__ = ("state",)
+
+        def __setstate__(self, state):
+            self.state = dict(state)
+
+    path = tmp_path / "f.pt"
+    torch.save({"t": torch.ones(2), "scaler": Framework()}, path)
+    assert read_torch_zip(path) is None
+    with allowing({(__name__, "Framework"): StandIn}):
+        got = read_torch_zip(path)
+    assert type(got["scaler"]) is StandIn and got["scaler"].state == {"scale": 2.0}
+    assert torch.equal(got["t"], torch.ones(2))
+    assert read_torch_zip(path) is None

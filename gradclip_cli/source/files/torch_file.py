@@ -21,7 +21,7 @@ import torch
 
 from gradclip_cli.errors import InputError, UnsafeCheckpointError
 from gradclip_cli.source.files import torch_legacy_reader, torch_zip_reader
-from gradclip_cli.source.files.weights_pickle import Outside
+from gradclip_cli.source.files.weights_pickle import Outside, is_allowed
 from gradclip_cli.source.interface import Checkpoint
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -65,30 +65,34 @@ def load_torch_zip(path: Path, *, trust_pickle: bool = False) -> Checkpoint:
     (whatever the process-wide default) so that editing a loaded tensor in
     place copies the page and never writes through to the file.
     """
-    root = None
+    root, culprit = None, None
     if not trust_pickle and not path.name.endswith(".safetensors"):
         # The common case (plain tensors in dicts/lists) without torch's
         # pure-Python unpickler; None means "outside that subset": torch decides.
         # The reader checks the directory entries it reads itself, so the
         # zipfile pass below (0.15-0.3 s for 20,000 entries) runs only for torch.
-        root = _restricted(path, torch_zip_reader.restricted_read)
+        root, culprit = _restricted(path, torch_zip_reader.restricted_read)
     if root is None:
         _check_zip_directory(path)
         with torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE):
-            root = _torch_load(path, trust_pickle=trust_pickle, mapped=True)
+            root = _torch_load(path, trust_pickle=trust_pickle, mapped=True, culprit=culprit)
     return Checkpoint(path=path, format="torch-zip", root=root, trusted_pickle=trust_pickle)
 
 
 def load_torch_legacy(path: Path, *, trust_pickle: bool = False) -> Checkpoint:
     """Load a legacy (pre-1.6, non-zip) ``torch.save`` file; torch cannot mmap this format."""
-    root = None if trust_pickle else _restricted(path, torch_legacy_reader.restricted_read)
+    root, culprit = (None, None) if trust_pickle else \
+        _restricted(path, torch_legacy_reader.restricted_read)
     if root is None:
-        root = _torch_load(path, trust_pickle=trust_pickle, mapped=False)
+        root = _torch_load(path, trust_pickle=trust_pickle, mapped=False, culprit=culprit)
     return Checkpoint(path=path, format="torch-legacy", root=root, trusted_pickle=trust_pickle)
 
 
-def _restricted(path: Path, read) -> object | None:
+def _restricted(path: Path, read) -> tuple[object | None, str | None]:
     """The restricted reader's result, or None to let ``torch.load`` decide.
+
+    With None comes the global the restricted reader refused, if that was why:
+    ``_torch_load`` names it when torch refuses a global that ``allowing`` vouches for.
 
     torch's weights-only unpickler reads pickle protocols 2 and 3 only: for
     those, a file outside the restricted subset goes to torch, which reads
@@ -98,10 +102,10 @@ def _restricted(path: Path, read) -> object | None:
     is refused as needing full unpickling; anything else is damage.
     """
     try:
-        return read(path)
+        return read(path), None
     except Outside as outside:
         if not outside.damaged and (outside.protocol is None or outside.protocol <= 3):
-            return None
+            return None, outside.culprit
         if outside.unsafe:
             raise _refusal(path, outside.culprit) from None
         reason = _short(str(outside))
@@ -159,7 +163,8 @@ def _local_span(raw, info: zipfile.ZipInfo, size: int) -> tuple[int, int]:
     return info.header_offset, end
 
 
-def _torch_load(path: Path, *, trust_pickle: bool, mapped: bool) -> object:
+def _torch_load(path: Path, *, trust_pickle: bool, mapped: bool,
+                culprit: str | None = None) -> object:
     # torch.load picks its safetensors reader by the name alone when given a
     # path ending in ".safetensors"; the content said torch, so hand it an open
     # file instead. mmap needs a path, so such a misnamed zip is read, not mapped.
@@ -179,7 +184,11 @@ def _torch_load(path: Path, *, trust_pickle: bool, mapped: bool) -> object:
     except pickle.UnpicklingError as error:
         refused = _REFUSAL.search(str(error))
         if refused and not trust_pickle and _is_real_opcode(refused.group("opcode")):
-            raise _refusal(path, refused.group(1) or refused.group(2)) from None
+            named = refused.group(1) or refused.group(2)
+            if culprit is not None and is_allowed(named):
+                # torch stopped at a stand-in gradclip vouches for; the reason is elsewhere.
+                named = culprit
+            raise _refusal(path, named) from None
         raise InputError(f"{path}: not a readable torch checkpoint: {_reason(error)}") from None
     except Exception as error:  # torch raises RuntimeError, EOFError, ValueError, OSError...
         raise InputError(f"{path}: not a readable torch checkpoint: {_reason(error)}") from None

@@ -20,24 +20,33 @@ that also rejects any type outside the subset.
 
 A reader supplies ``resolve(persistent_id) -> StorageRef`` (where a storage's
 bytes are) and calls ``unpickle`` then ``finish``.
+
+A layout whose files pickle a framework's own small objects (DeepSpeed's loss
+scaler and enums) reads them inside ``allowing(globals)``, the way
+``torch.serialization.safe_globals`` widens torch's own list: each named
+global maps to a stand-in the layout defines (an ``Opaque`` subclass, or a
+checked callable), never to the framework's class, so nothing is imported.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copyreg
 import gc
 import pickle
 import re
 import sys
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import BinaryIO
 
 import torch
 
 __all__ = [
-    "Attempt", "DTypeMarker", "Outside", "StorageRef", "check_storage_id", "finish",
-    "known_storage", "pickle_protocol", "run_restricted", "unpickle",
+    "Attempt", "DTypeMarker", "Opaque", "Outside", "StorageRef", "allowing",
+    "check_storage_id", "finish", "is_allowed", "known_storage", "pickle_protocol",
+    "run_restricted", "unpickle",
 ]  # fmt: skip
 
 _MAX_DIMS = 64
@@ -111,6 +120,39 @@ class StorageRef(_Inert):
         self.nbytes = numel * ITEMSIZE[marker.dtype]
         self.storage = storage
         self.data_offset = data_offset
+
+
+class Opaque(_Inert):
+    """Base of the stand-ins an ``allowing`` list hands out for a framework's objects.
+
+    A subclass defines its own ``__slots__`` and, when the pickle sets state
+    on it (NEWOBJ then BUILD), a ``__setstate__`` that checks every value
+    before keeping it. ``finish`` keeps an ``Opaque`` as it is, like a
+    plain value.
+    """
+
+    __slots__ = ()
+
+
+# (module, name) -> stand-in: widened for the duration of ``allowing``.
+_ALLOWED: contextvars.ContextVar[Mapping[tuple[str, str], object] | None] = \
+    contextvars.ContextVar("gradclip_allowed_globals", default=None)
+
+
+@contextlib.contextmanager
+def allowing(stand_ins: Mapping[tuple[str, str], object]) -> Iterator[None]:
+    """Within the block, ``find_class(module, name)`` also hands out ``stand_ins``."""
+    token = _ALLOWED.set({**(_ALLOWED.get() or {}), **stand_ins})
+    try:
+        yield
+    finally:
+        _ALLOWED.reset(token)
+
+
+def is_allowed(dotted: str | None) -> bool:
+    """True when ``module.name`` is on the list ``allowing`` has widened, now."""
+    allowed = _ALLOWED.get()
+    return bool(allowed and dotted) and any(f"{m}.{n}" == dotted for m, n in allowed)
 
 
 class _Slot(_Inert):
@@ -272,6 +314,42 @@ def _rebuild_parameter(*args):
     return _Slot(torch.nn.Parameter(data.value, requires_grad))
 
 
+class _TensorType(_Inert):
+    """What ``find_class`` returns for ``torch.Tensor``: only ``_rebuild_from_type_v2`` takes it."""
+
+    __slots__ = ()
+
+
+_TENSOR_TYPE = _TensorType()
+
+
+def _rebuild_from_type(*args):
+    """``torch._tensor._rebuild_from_type_v2(func, torch.Tensor, args, state)``.
+
+    How ``Tensor.__reduce_ex__`` pickles a plain tensor that carries Python
+    attributes (DeepSpeed ZeRO-3 tags its flat buffers with ``ds_id``). Only
+    the plain ``torch.Tensor`` type, only this module's tensor rebuilders, and
+    only new, non-underscore attribute names with plain values, as torch's
+    weights-only unpickler sets them.
+    """
+    if len(args) != 4:
+        raise Outside("unexpected _rebuild_from_type_v2 arguments")
+    func, new_type, func_args, state = args
+    if func not in (_rebuild_v2, _rebuild_v3) or new_type is not _TENSOR_TYPE \
+            or type(func_args) is not tuple:
+        raise Outside("_rebuild_from_type_v2 of something other than a plain tensor",
+                      unsafe=True)
+    if state is not None and type(state) is not dict:
+        raise Outside("tensor state that is not a dict of attributes", unsafe=True)
+    slot = func(*func_args)
+    for name, value in (state or {}).items():
+        if type(name) is not str or not name.isidentifier() or name.startswith("_") \
+                or hasattr(torch.Tensor, name) or type(value) not in _PLAIN:
+            raise Outside("tensor attribute outside plain values", unsafe=True)
+        setattr(slot.value, name, value)
+    return slot
+
+
 def _size(*args):
     if len(args) != 1 or type(args[0]) is not tuple or set(map(type, args[0])) - _INT_ONLY:
         raise Outside("unexpected torch.Size arguments")
@@ -329,14 +407,21 @@ class _Unpickler(pickle.Unpickler):
                 return _size
             if name == "device":
                 return _device
+            if name == "Tensor":
+                return _TENSOR_TYPE
         elif module == "torch.storage" and name == "UntypedStorage":
             return _UNTYPED
+        elif module == "torch._tensor" and name == "_rebuild_from_type_v2":
+            return _rebuild_from_type
         elif module == "builtins":
             # Sets, frozensets and bytes have opcodes of their own from protocol 3 or 4 on.
             if name == "complex":
                 return _complex
             if name == "bytearray":
                 return _bytearray
+        allowed = _ALLOWED.get()
+        if allowed is not None and (module, name) in allowed:
+            return allowed[(module, name)]
         raise Outside(f"global {module}.{name}", culprit=f"{module}.{name}")
 
 
@@ -440,7 +525,7 @@ def finish(root):
                 if type(item) not in _PLAIN and not _plain_key(item):
                     raise Outside("unsupported set member")
             return obj
-        if kind is bytearray:
+        if kind is bytearray or isinstance(obj, Opaque):
             return obj
         return None
 

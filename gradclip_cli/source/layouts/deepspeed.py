@@ -1,0 +1,547 @@
+"""DeepSpeed ZeRO checkpoints: a ``global_stepN/`` folder, or its parent with ``latest``.
+
+``engine.save_checkpoint(dir)`` writes ``dir/latest`` (the tag, a folder
+name) and ``dir/<tag>/`` holding, with ``mp_rank_00`` for one model-parallel
+rank:
+
+* ``mp_rank_00_model_states.pt`` (ZeRO 1 and 2) or one
+  ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per data-parallel rank
+  (ZeRO 3): the module's state dict (full for 1 and 2, empty placeholders
+  for 3), ``param_shapes`` (per param group, ``{name: torch.Size}`` in the
+  order the parameters were flattened), ``global_steps``, ``dp_world_size``;
+* ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank ``R``: the rank's
+  partition of every group's flat fp32 master weights and the wrapped
+  optimizer's ``state_dict()`` over those flat partitions (so ``exp_avg``
+  and ``exp_avg_sq`` are flat partitions of the same layout).
+
+How a flat partition maps back to parameters is DeepSpeed's
+``utils/zero_to_fp32.py`` (``_zero2_merge_trainable_params``,
+``_zero3_merge_trainable_params``), followed here exactly:
+
+* ZeRO 1/2: per group, the ranks' partitions end to end form one flat
+  vector; parameters follow in ``param_shapes`` order, each ``numel`` long,
+  plus ``param_alignment_paddings`` when stored; the total, aligned to
+  ``2 * world_size``, must equal the vector's, aligned alike. A parameter
+  may start in one rank's partition and end in the next one's.
+* ZeRO 3: every parameter is cut into ``world_size`` parts of
+  ``ceil(numel / world_size)``; rank ``R`` keeps part ``R`` (zero padded) in
+  its flat buffer (its groups end to end), parameters in ``param_shapes``
+  order; ``offset * world_size`` must equal the buffers' total.
+
+Each parameter becomes a ``StoredTensor`` whose pieces are its ranges in the
+rank files (flat ranges when it spans ranks: ``StoredTensor(flat=True)``),
+read from the memory-mapped files on demand: nothing is gathered, memory stays
+bounded by the largest partition. The weights reported are these fp32
+master weights; the optimizer state names each parameter (``param_names``).
+
+The Hugging Face Trainer run with DeepSpeed writes the same ``latest`` and
+``global_stepN/`` inside its ``checkpoint-N/`` (beside the model weights and
+``trainer_state.json``, without ``optimizer.pt``): this layout comes first in
+``LAYOUTS`` so that such a folder is read here, where the moments are.
+
+Every file goes through the restricted reader, with DeepSpeed's own pickled
+classes mapped to inert stand-ins (``files/deepspeed_pickle.py``); DeepSpeed
+is never imported.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.format.text import visible
+from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source.files.deepspeed_pickle import GLOBALS
+from gradclip_cli.source.files.weights_pickle import allowing
+from gradclip_cli.source.interface import (
+    Checkpoint,
+    Contents,
+    OptimizerState,
+    Piece,
+    StoredTensor,
+)
+
+from .paths import inside
+
+KIND = "deepspeed"
+LATEST = "latest"
+_MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
+# bf16 mixed precision (DeepSpeed's BF16_Optimizer) names its rank files bf16_zero_pp_rank_*,
+# with the same content.
+_OPTIM = re.compile(r"(?:(bf16_))?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+_MAX_LATEST_BYTES = 4096  # a tag is a folder name
+_MAX_RANKS = 1 << 16
+
+
+# --------------------------------------------------------------------- recognition
+
+
+def _rank_files(names) -> tuple[bool, bool]:
+    model = optim = False
+    for name in names:
+        model = model or _MODEL.fullmatch(name) is not None
+        optim = optim or _OPTIM.fullmatch(name) is not None
+    return model, optim
+
+
+def _is_step_folder(path: Path) -> bool:
+    try:
+        return all(_rank_files(os.listdir(path)))
+    except OSError:
+        return False
+
+
+def recognises(path: Path) -> bool:
+    """A folder of rank files, or one holding ``latest`` beside such a folder."""
+    if not os.path.isdir(path):
+        return False
+    if _is_step_folder(path):
+        return True
+    try:
+        if not os.path.isfile(path / LATEST):
+            return False
+        with os.scandir(path) as entries:
+            return any(e.is_dir() and _is_step_folder(Path(e.path)) for e in entries)
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------- opening
+
+
+def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    tag_note = ""
+    folder = path
+    if not _is_step_folder(path):
+        folder = _follow_latest(path)
+        tag_note = f" (named by {LATEST})"
+    reader = _Reader(folder, trust_pickle=trust_pickle, verify=verify)
+    contents = reader.contents(path)
+    contents.description[0] += tag_note
+    return contents
+
+
+def _follow_latest(parent: Path) -> Path:
+    """The folder ``parent/latest`` names; its content is data, checked like any name."""
+    latest = parent / LATEST
+    try:
+        size = os.stat(latest).st_size
+        if size > _MAX_LATEST_BYTES:
+            raise InputError(f"{latest}: {size} bytes is too large for a checkpoint tag")
+        with latest.open("rb") as file:
+            raw = file.read(_MAX_LATEST_BYTES + 1)
+    except OSError as error:
+        raise InputError(f"{latest}: cannot read: {error.strerror or error}") from None
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise InputError(f"{latest}: not a checkpoint tag: not UTF-8 text") from None
+    folder = inside(parent, tag, named_by=latest)
+    if not os.path.isdir(folder):
+        raise InputError(f"{latest}: names {visible(repr(tag))}, which is not a folder here")
+    if not _is_step_folder(folder):
+        raise InputError(f"{latest}: names {visible(repr(tag))}, which holds no DeepSpeed "
+                         "model and optimizer state files")
+    return folder
+
+
+class _Reader:
+    """One ``global_stepN/`` folder: its files, loaded (mapped) and checked."""
+
+    def __init__(self, folder: Path, *, trust_pickle: bool, verify: bool):
+        self.folder = folder
+        self.trust_pickle = trust_pickle
+        self.verify = verify
+        self.files: list[Path] = []
+        self.trusted = False
+
+    def load(self, name: str) -> Checkpoint:
+        file = inside(self.folder, name, named_by=self.folder)
+        if not os.path.exists(file):
+            raise InputError(f"{file}: missing (the checkpoint's other files expect it)")
+        with allowing(GLOBALS):
+            ckpt = load_checkpoint(file, trust_pickle=self.trust_pickle, verify=self.verify)
+        if not isinstance(ckpt.root, Mapping):
+            raise InputError(f"{file}: not a DeepSpeed state file: not a dict")
+        self.files.append(file)
+        self.trusted |= ckpt.trusted_pickle
+        return ckpt
+
+    def contents(self, given: Path) -> Contents:
+        names = os.listdir(self.folder)
+        found = [m for n in names if (m := _MODEL.fullmatch(n) or _OPTIM.fullmatch(n))]
+        mp_ranks = sorted({m.group(m.lastindex) for m in found})
+        if mp_ranks != ["00"]:
+            raise InputError(f"{self.folder}: holds model-parallel ranks "
+                             f"{visible(', '.join(mp_ranks))}; gradclip reads DeepSpeed "
+                             "checkpoints of one model-parallel rank (mp_rank_00)")
+        optim = [m for n in names if (m := _OPTIM.fullmatch(n))]
+        prefixes = sorted({m.group(1) or "" for m in optim})
+        if len(prefixes) > 1:
+            raise InputError(f"{self.folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* "
+                             "optimizer files; which set belongs to this checkpoint is unclear")
+        prefix = prefixes[0]
+
+        def optim_name(rank: int) -> str:
+            return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+        optim_ranks = sorted(int(m.group(2)) for m in optim)
+        first = self.load(optim_name(0))
+        stage, world = _stage_and_world(first)
+        beyond = [r for r in optim_ranks if r >= world]
+        if beyond:
+            raise InputError(f"{self.folder / optim_name(beyond[0])}: a rank beyond the "
+                             f"{world} that {first.path.name} names (partition_count)")
+        model = self.load("mp_rank_00_model_states.pt" if stage <= 2
+                          else "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        shapes = _param_shapes(model)
+        optims = [first] + [self.load(optim_name(r)) for r in range(1, world)]
+        for ckpt in optims[1:]:
+            other_stage, other_world = _stage_and_world(ckpt)
+            if (other_stage, other_world) != (stage, world):
+                raise InputError(f"{ckpt.path}: ZeRO stage {other_stage} over {other_world} "
+                                 f"ranks, but {first.path.name} says stage {stage} over {world}")
+        dp = model.root.get("dp_world_size")
+        if isinstance(dp, int) and dp != world:
+            raise InputError(f"{model.path}: dp_world_size {dp}, but the optimizer states are "
+                             f"partitioned over {world} ranks")
+        flats = [_flat_groups(c, stage, len(shapes)) for c in optims]
+        states = [_base_state(c, stage) for c in optims]
+        files = [c.path for c in optims]
+        padded = _check_partition_sizes(optims, flats, stage)
+        if stage <= 2:
+            places = _zero2_places(shapes, flats, world, first)
+        else:
+            places = _zero3_places(shapes, flats, world, first)
+        flat_shapes = shapes_flat(shapes)
+        weights = {n: _stored(n, flat_shapes[n], places[n], flats, files) for n in flat_shapes}
+        optimizer = _optimizer(shapes, places, flats, padded, states, optims)
+        contents = Contents(path=given, kind=KIND, files=list(self.files),
+                            trusted_pickle=self.trusted)
+        # param_shapes lists parameters group by group; the module's state dict
+        # (placeholders under ZeRO 3) keeps the model's order, which the report follows.
+        module = model.root.get("module")
+        order = [k for k in module if k in weights] if isinstance(module, Mapping) else []
+        if len(order) == len(weights):
+            weights = {n: weights[n] for n in order}
+            contents.model_order_names = order
+        else:
+            contents.model_order = False
+        contents.weights = weights
+        contents.optimizers = [optimizer]
+        step = model.root.get("global_steps")
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            contents.step = step
+        contents.gradient_error = (f"{given}: a DeepSpeed checkpoint holds no gradients "
+                                   "(the optimizer's moments stand in for them: --what exp_avg)")
+        version = model.root.get("ds_version")
+        version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
+        at = f" at global step {contents.step}" if contents.step is not None else ""
+        contents.description.append(
+            f"DeepSpeed ZeRO stage {stage} checkpoint{at}: {visible(self.folder.name)}/")
+        contents.description.append(
+            f"{world} data-parallel rank(s){version}: fp32 master weights and Adam moments "
+            f"of {len(weights)} parameters")
+        frozen = model.root.get("frozen_param_shapes")
+        if isinstance(frozen, Mapping) and frozen:
+            contents.description.append(
+                f"{len(frozen)} frozen parameter(s) have no optimizer state and are not read")
+        return contents
+
+
+def _osd(ckpt: Checkpoint) -> Mapping:
+    osd = ckpt.root.get("optimizer_state_dict")
+    if not isinstance(osd, Mapping):
+        raise InputError(f"{ckpt.path}: not a DeepSpeed optimizer state: no "
+                         "'optimizer_state_dict'")
+    return osd
+
+
+def _stage_and_world(ckpt: Checkpoint) -> tuple[int, int]:
+    osd = _osd(ckpt)
+    stage = osd.get("zero_stage")
+    if not isinstance(stage, int) or isinstance(stage, bool) or not 1 <= stage <= 3:
+        raise InputError(f"{ckpt.path}: not a ZeRO optimizer state: zero_stage is "
+                         f"{visible(repr(stage))}")
+    count = osd.get("partition_count")
+    if isinstance(count, (list, tuple)) and count:
+        # ZeRO 1/2 store one count per group (expert groups may differ); zero_to_fp32 takes
+        # the largest as the data-parallel world size.
+        counts = list(count)
+    else:
+        counts = [count]
+    if not all(isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= _MAX_RANKS
+               for c in counts):
+        raise InputError(f"{ckpt.path}: partition_count is {visible(repr(count))}, not a "
+                         "number of ranks")
+    return stage, max(counts)
+
+
+def _param_shapes(model: Checkpoint) -> list[dict[str, tuple[int, ...]]]:
+    raw = model.root.get("param_shapes")
+    if isinstance(raw, Mapping):
+        raw = [raw]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise InputError(f"{model.path}: not a DeepSpeed model state: no 'param_shapes'")
+    groups: list[dict[str, tuple[int, ...]]] = []
+    seen: set[str] = set()
+    for group in raw:
+        if not isinstance(group, Mapping):
+            raise InputError(f"{model.path}: param_shapes holds a group that is not a mapping")
+        shapes = {}
+        for name, shape in group.items():
+            if not isinstance(name, str) or name in seen:
+                raise InputError(f"{model.path}: param_shapes names {visible(repr(name))} "
+                                 "twice or not as a string")
+            if not isinstance(shape, (tuple, list)) or not all(
+                    isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62
+                    for d in shape):
+                raise InputError(f"{model.path}: param_shapes gives {visible(name)} the shape "
+                                 f"{visible(repr(shape))}")
+            seen.add(name)
+            shapes[name] = tuple(shape)
+        groups.append(shapes)
+    return groups
+
+
+def shapes_flat(shapes: list[dict[str, tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
+    return {n: s for group in shapes for n, s in group.items()}
+
+
+def _flat_tensor(value: Any, ckpt: Checkpoint, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 \
+            or not value.dtype.is_floating_point:
+        raise InputError(f"{ckpt.path}: {what} is not a flat floating-point tensor")
+    return value
+
+
+def _flat_groups(ckpt: Checkpoint, stage: int, groups: int) -> list[torch.Tensor]:
+    key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
+    flats = _osd(ckpt).get(key)
+    if isinstance(flats, torch.Tensor):
+        flats = [flats]
+    if not isinstance(flats, (list, tuple)) or (stage <= 2 and len(flats) != groups):
+        raise InputError(f"{ckpt.path}: {key} should list one flat partition per param "
+                         f"group ({groups})")
+    return [_flat_tensor(f, ckpt, f"{key}[{i}]") for i, f in enumerate(flats)]
+
+
+def _base_state(ckpt: Checkpoint, stage: int) -> tuple[list[dict], list[dict]]:
+    """The wrapped optimizer's ``(param_groups, per-group state)``, one entry per flat group."""
+    osd = _osd(ckpt)
+    key = "base_optimizer_state" if stage <= 2 else "optimizer_state_dict"
+    base = osd.get(key)
+    if not (isinstance(base, Mapping) and isinstance(base.get("state"), Mapping)
+            and isinstance(base.get("param_groups"), (list, tuple))):
+        raise InputError(f"{ckpt.path}: {key} is not an optimizer state dict")
+    param_groups = list(base["param_groups"])
+    states = []
+    for g, group in enumerate(param_groups):
+        params = group.get("params") if isinstance(group, Mapping) else None
+        if not isinstance(params, (list, tuple)) or len(params) != 1:
+            raise InputError(f"{ckpt.path}: {key} param group {g} should hold one flat "
+                             "parameter")
+        entry = base["state"].get(params[0], {})
+        if not isinstance(entry, Mapping):
+            raise InputError(f"{ckpt.path}: {key} state of group {g} is not a mapping")
+        states.append(dict(entry))
+    return param_groups, states
+
+
+def _check_partition_sizes(optims: list[Checkpoint], flats, stage: int) -> list[int]:
+    """Each group's partition size, padding included, checked to be the same on every rank.
+
+    DeepSpeed cuts each group into equal partitions; ZeRO 1/2 files leave out the
+    padding at the end of the fp32 partition (``group_paddings``) but keep it in the
+    optimizer's moments, which are over the padded partition.
+    """
+    def sizes(r: int) -> list[int]:
+        stored = [t.numel() for t in flats[r]]
+        if stage <= 2:
+            pads = _osd(optims[r]).get("group_paddings")
+            if not isinstance(pads, (list, tuple)) or len(pads) != len(stored) or not all(
+                    isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pads):
+                raise InputError(f"{optims[r].path}: group_paddings is "
+                                 f"{visible(repr(pads))}, not one padding per group")
+            stored = [n + p for n, p in zip(stored, pads)]
+        return stored
+
+    expected = sizes(0)
+    for r in range(1, len(optims)):
+        if sizes(r) != expected:
+            raise InputError(f"{optims[r].path}: its flat partitions (with padding) hold "
+                             f"{sizes(r)} elements, rank 0's {expected}; DeepSpeed "
+                             "partitions every group equally")
+    return expected
+
+
+# A place: where one parameter's elements lie, as (rank, group, start, length, at) runs:
+# ``length`` elements of rank ``rank``'s flat group ``group`` from ``start``, which are
+# the parameter's flattened elements from ``at``.
+Place = list[tuple[int, int, int, int, int]]
+
+
+def _runs(sizes: list[int], start: int, length: int) -> list[tuple[int, int, int]]:
+    """``[start, start + length)`` of segments of ``sizes`` laid end to end: (segment, from, n)."""
+    out = []
+    base = 0
+    for i, size in enumerate(sizes):
+        lo, hi = max(start, base), min(start + length, base + size)
+        if lo < hi:
+            out.append((i, lo - base, hi - lo))
+        base += size
+    return out
+
+
+def _zero2_places(shapes, flats, world: int, first: Checkpoint) -> dict[str, Place]:
+    places: dict[str, Place] = {}
+    paddings = _osd(first).get("param_alignment_paddings")
+    for g, group in enumerate(shapes):
+        sizes = [flats[r][g].numel() for r in range(world)]
+        pads = None
+        if isinstance(paddings, (list, tuple)) and g < len(paddings):
+            pads = paddings[g]
+            if not isinstance(pads, (list, tuple)) or len(pads) != len(group) or not all(
+                    isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pads):
+                raise InputError(f"{first.path}: param_alignment_paddings of group {g} do not "
+                                 f"match its {len(group)} parameters")
+        offset = 0
+        avail = sum(sizes)
+        for i, (name, shape) in enumerate(group.items()):
+            numel = math.prod(shape)
+            if offset + numel > avail:
+                raise InputError(
+                    f"{first.path}: the partitions of group {g} hold {avail} elements over "
+                    f"{world} ranks, fewer than param_shapes needs ({visible(name)} ends at "
+                    f"{offset + numel})")
+            at = 0
+            place = []
+            for r, start, n in _runs(sizes, offset, numel):
+                place.append((r, g, start, n, at))
+                at += n
+            places[name] = place
+            offset += numel + (pads[i] if pads is not None else 0)
+        align = 2 * world
+        if _align(offset, align) != _align(avail, align):
+            raise InputError(
+                f"{first.path}: the partitions of group {g} hold {avail} elements over {world} "
+                f"ranks, but param_shapes accounts for {offset}")
+    return places
+
+
+def _align(x: int, to: int) -> int:
+    return to * math.ceil(x / to)
+
+
+def _zero3_places(shapes, flats, world: int, first: Checkpoint) -> dict[str, Place]:
+    places: dict[str, Place] = {}
+    sizes = [[t.numel() for t in rank] for rank in flats]
+    avail = sum(sizes[0])
+    offset = 0
+    for name, shape in shapes_flat(shapes).items():
+        numel = math.prod(shape)
+        part = math.ceil(numel / world)
+        if offset + part > avail:
+            raise InputError(f"{first.path}: the flat buffers hold {avail} elements per rank, "
+                             f"fewer than param_shapes needs ({visible(name)} ends at "
+                             f"{offset + part})")
+        place = []
+        for r in range(world):
+            at = r * part
+            keep = max(0, min(part, numel - at))  # the last parts are padding
+            for g, start, n in _runs(sizes[r], offset, keep):
+                place.append((r, g, start, n, at))
+                at += n
+        places[name] = place
+        offset += part
+    if offset != avail:
+        raise InputError(f"{first.path}: the flat buffers hold {avail} elements per rank, but "
+                         f"param_shapes accounts for {offset}")
+    return places
+
+
+def _stored(name: str, shape: tuple[int, ...], place: Place, tensors, files
+            ) -> StoredTensor:
+    """``name`` as pieces of the flat tensors ``tensors[rank][group]`` (from ``files[rank]``)."""
+    first = tensors[place[0][0]][place[0][1]] if place else None
+    dtype = first.dtype if first is not None else torch.float32
+    numel = math.prod(shape)
+    if not place:  # an empty parameter
+        return StoredTensor.whole(name, torch.empty(shape, dtype=dtype))
+    if len(place) == 1:
+        r, g, start, n, _ = place[0]
+        view = tensors[r][g][start:start + n].view(shape)
+        return StoredTensor.whole(name, view, files[r])
+    pieces = []
+    for r, g, start, n, at in place:
+        part = tensors[r][g][start:start + n]
+        pieces.append(Piece((at,), (n,), (lambda part=part: part), files[r]))
+    if sum(n for *_, n, _ in place) != numel:
+        raise AssertionError("pieces do not tile the parameter")  # _places guarantees it
+    return StoredTensor(name, shape, dtype, pieces, flat=True)
+
+
+def _optimizer(shapes, places, flats, padded, states, optims) -> OptimizerState:
+    """The Adam state of every parameter, cut from the flat moment partitions."""
+    world = len(optims)
+    files = [c.path for c in optims]
+    moments: dict[str, list[list[torch.Tensor]]] = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        per_rank = []
+        for r in range(world):
+            _, group_states = states[r]
+            if len(group_states) != len(flats[r]):
+                raise InputError(f"{optims[r].path}: {len(group_states)} optimizer param "
+                                 f"groups for {len(flats[r])} flat groups")
+            row = []
+            for g, entry in enumerate(group_states):
+                value = entry.get(key)
+                if value is None:
+                    raise InputError(f"{optims[r].path}: group {g} has no {key}; gradclip "
+                                     "reads Adam's state from DeepSpeed checkpoints")
+                value = _flat_tensor(value, optims[r], f"group {g} {key}")
+                if value.numel() not in (flats[r][g].numel(), padded[g]):
+                    raise InputError(f"{optims[r].path}: group {g} {key} holds "
+                                     f"{value.numel()} elements, its fp32 partition "
+                                     f"{flats[r][g].numel()} ({padded[g]} with padding)")
+                row.append(value)
+            per_rank.append(row)
+        moments[key] = per_rank
+    groups0, states0 = states[0]
+    param_groups: list[dict[str, Any]] = []
+    state: dict[int, dict[str, Any]] = {}
+    names: dict[int, str] = {}
+    flat_shapes = shapes_flat(shapes)
+    pid = 0
+    # ZeRO 3 merges all groups' parameters into one flat buffer per rank; the
+    # hyperparameters then come from the group each parameter's first run lies in.
+    for g, group in enumerate(shapes):
+        ids = []
+        for name in group:
+            place = places[name]
+            home = place[0][1] if place else min(g, len(groups0) - 1)
+            hyper = groups0[home] if home < len(groups0) else groups0[-1]
+            step = states0[home].get("step") if home < len(states0) else None
+            if step is None and isinstance(hyper, Mapping):
+                step = hyper.get("step")
+            state[pid] = {
+                "step": step,
+                "exp_avg": _stored(f"{name}.exp_avg", flat_shapes[name], place,
+                                   moments["exp_avg"], files),
+                "exp_avg_sq": _stored(f"{name}.exp_avg_sq", flat_shapes[name], place,
+                                      moments["exp_avg_sq"], files),
+            }
+            names[pid] = name
+            ids.append(pid)
+            pid += 1
+        hyper = groups0[g] if g < len(groups0) else groups0[-1]
+        param_groups.append({**{str(k): v for k, v in hyper.items() if k != "params"},
+                             "params": ids})
+    return OptimizerState(param_groups, state, names, optims[0].path)

@@ -1,0 +1,111 @@
+"""Real DeepSpeed ZeRO checkpoints, written by DeepSpeed's own CPU training.
+
+``python -m tests.layouts.deepspeed_runs OUT`` starts 2 processes (gloo, the
+CPU accelerator) that train a tiny MLP with ZeRO stages 1, 2 and 3 in turn,
+2 AdamW steps each, and save ``OUT/zeroN/`` with ``engine.save_checkpoint``
+(``latest`` plus ``global_step2/``), then ZeRO 2 again with bf16 mixed
+precision into ``OUT/zero2_bf16/``. The model's sizes are chosen so that
+the flat partitions cut parameters: ``0.weight`` (35 elements) spans both
+ranks' partitions under ZeRO 1/2, and every parameter is split under ZeRO 3.
+Two param groups (decayed weights, undecayed biases) exercise the group
+layout.
+
+Beside each checkpoint, ``OUT/zeroN.reference.pt`` holds the tests'
+independent reference: the same model trained alongside with plain
+``torch.optim.AdamW`` on the same batches, its gradients averaged over the
+ranks with ``all_reduce`` (what data parallelism computes), so its
+``exp_avg``, ``exp_avg_sq`` and weights are what the ZeRO partitions must
+hold, up to float32 rounding in the reduction order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import sys
+from pathlib import Path
+
+STAGES = (1, 2, 3)
+# (folder, ZeRO stage, bf16 mixed precision): bf16 runs write bf16_zero_pp_rank_* files.
+RUNS = tuple((f"zero{stage}", stage, False) for stage in STAGES) + (("zero2_bf16", 2, True),)
+WORLD = 2
+STEPS = 2
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.8, 0.95), 1e-6, 0.1
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_SIZE=str(WORLD))
+    import copy
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory collective (a C++
+    # extension, minutes on a fresh machine) on first use; gloo alone does the job.
+    # (``deepspeed.comm.torch`` as an attribute is torch itself: take the module.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    for folder_name, stage, bf16 in RUNS:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(),
+                                    torch.nn.Linear(7, 3))
+        mirror = copy.deepcopy(model)
+
+        def groups(module):
+            named = list(module.named_parameters())
+            return [{"params": [p for n, p in named if n.endswith("weight")]},
+                    {"params": [p for n, p in named if n.endswith("bias")],
+                     "weight_decay": 0.0}]
+
+        plain = torch.optim.AdamW(groups(mirror), lr=LR, betas=BETAS, eps=EPS,
+                                  weight_decay=WEIGHT_DECAY)
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {
+                "lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY,
+                "torch_adam": True}},
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": bf16},
+        }
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups(model),
+                                          config=config)
+        g = torch.Generator().manual_seed(10 * stage + rank)
+        for _ in range(STEPS):
+            x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+            low = torch.bfloat16 if bf16 else torch.float32
+            engine.backward(torch.nn.functional.mse_loss(engine(x.to(low)), y.to(low)))
+            engine.step()
+            plain.zero_grad()
+            torch.nn.functional.mse_loss(mirror(x), y).backward()
+            for p in mirror.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= WORLD
+            plain.step()
+        engine.save_checkpoint(os.path.join(out, folder_name))
+        reference = {
+            name: {"weight": p.detach().clone(), **{
+                k: v.clone() for k, v in plain.state[p].items()}}
+            for name, p in mirror.named_parameters()
+        }
+        if rank == 0 and not bf16:  # the fp32 mirror is no reference for a bf16 run
+            torch.save(reference, os.path.join(out, f"{folder_name}.reference.pt"))
+        engine.destroy()
+
+
+def build(out: Path) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(port, os.fspath(out)), nprocs=WORLD)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    build(Path(sys.argv[1]))
