@@ -18,6 +18,7 @@ byte ranges read may overlap.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import mmap
 import os
@@ -42,6 +43,8 @@ from gradclip_cli.source.files.weights_pickle import (
 
 __all__ = ["read_torch_zip", "restricted_read"]
 
+# The widest element a storage holds (complex128): storages at other offsets are copied.
+_ALIGN = 16
 _VERSION = re.compile(rb"[1-3]\n?")
 # UntypedStorage.__getitem__ minus its meta-device check: a slice that aliases
 # the mapping (what torch.load's own mmap path does per storage).
@@ -67,7 +70,8 @@ def _read_directory(view: mmap.mmap, size: int) -> tuple[str, dict]:
     signatures) rejects.
     """
     tail_start = max(0, size - (22 + 0xFFFF))
-    pos = view.rfind(_EOCD, tail_start, size)
+    pos = bytes(view[tail_start:size]).rfind(_EOCD)
+    pos = pos + tail_start if pos >= 0 else pos
     if pos < 0 or pos + 22 > size:
         raise Outside("no end of central directory")
     disk, cd_disk, n_here, n_total, cd_size, cd_offset, _ = struct.unpack_from(
@@ -121,7 +125,7 @@ def _read_directory(view: mmap.mmap, size: int) -> tuple[str, dict]:
         extra_end = name_end + extra_len
         if extra_end + comment_len > end:
             raise Outside("central directory truncated")
-        name = view[at + 46 : name_end].decode("utf-8")
+        name = bytes(view[at + 46 : name_end]).decode("utf-8")
         if csize == _U32 or usize == _U32 or offset == _U32:
             usize, csize, offset = _zip64_extra(view[name_end:extra_end], usize, csize, offset)
         if name in entries:
@@ -181,7 +185,7 @@ def _record(view, size, entries, name, spans) -> bytes:
         raise Outside(f"missing {name}")
     start, length = _data_span(view, size, name, entry)
     spans[name] = (start, start + length)
-    data = view[start : start + length]
+    data = bytes(view[start : start + length])
     if zlib.crc32(data) != entry[2]:
         raise Outside(f"CRC mismatch in {name}")
     return data
@@ -204,18 +208,31 @@ def read_torch_zip(path: Path) -> object | None:
         return None
 
 
-def restricted_read(path: Path) -> object:
+def restricted_read(path: Path, span: tuple[int, int] | None = None) -> object:
     """``read_torch_zip``, raising ``Outside`` (with the reason and the pickle protocol)
-    where that returns None."""
-    return run_restricted(lambda attempt: _read(Path(path), attempt))
+    where that returns None.
+
+    ``span`` (start, length): read the ``torch.save`` blob that lies at those
+    bytes of a bigger file (a DCP ``.distcp`` chunk) instead of the whole
+    file. Its zip offsets count from ``start``; its storages are mapped from
+    the file there, never copied.
+    """
+    return run_restricted(lambda attempt: _read(Path(path), attempt, span))
 
 
-def _read(path: Path, attempt: Attempt) -> object:
+def _read(path: Path, attempt: Attempt, span: tuple[int, int] | None = None) -> object:
     with open(path, "rb") as raw:
-        size = os.fstat(raw.fileno()).st_size
+        file_size = os.fstat(raw.fileno()).st_size
+        base, size = (0, file_size) if span is None else span
+        if base < 0 or size < 0 or base + size > file_size:
+            raise Outside(f"bytes {base}..{base + size} lie past the end of the file "
+                          f"({file_size} bytes)")
         if size < 22:
             raise Outside("too small for a zip")
-        view = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ)
+        mapping = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ)
+    # The blob's own bytes, positions counted from its start (no copy).
+    window = memoryview(mapping)[base : base + size] if span is not None else None
+    view = window if window is not None else mapping
     try:
         prefix, entries = _read_directory(view, size)
         if f"{prefix}/constants.pkl" in entries:
@@ -262,10 +279,19 @@ def _read(path: Path, attempt: Attempt) -> object:
             if length < nbytes:
                 raise Outside(f"{name} is smaller than its storage")
             if not overall:
-                overall.append(torch.UntypedStorage.from_file(os.fspath(path), False, size))
+                overall.append(
+                    torch.UntypedStorage.from_file(os.fspath(path), False, file_size))
             spans[name] = (start, start + nbytes)
-            storage = _slice(overall[0], slice(start, start + nbytes))
-            ref = StorageRef(key, marker, numel, storage, start)
+            at = base + start
+            storage = _slice(overall[0], slice(at, at + nbytes))
+            if span is not None and at % _ALIGN:
+                # A blob inside a bigger file sits where its writer left it
+                # (DCP packs them end to end): its storages are aligned to the
+                # blob, not to memory. Copy such a storage once, aligned;
+                # memory stays bounded by this blob.
+                storage = torch.UntypedStorage(nbytes).copy_(storage)
+                at = 0
+            ref = StorageRef(key, marker, numel, storage, at)
             refs[key] = ref
             return ref
 
@@ -273,7 +299,12 @@ def _read(path: Path, attempt: Attempt) -> object:
         _check_no_overlap(spans)
         return finish(root)
     finally:
-        view.close()
+        with contextlib.suppress(BufferError):
+            # A slice of the window may live on in a traceback's frame: the
+            # mapping then closes when that goes.
+            if window is not None:
+                window.release()
+            mapping.close()
 
 
 def _check_no_overlap(spans: dict[str, tuple[int, int]]) -> None:

@@ -302,11 +302,20 @@ def _bytearray(*args):
 class _Unpickler(pickle.Unpickler):
     """CPython's C unpickler, allowed to import only this module's own objects."""
 
-    def __init__(self, file, resolve):
+    def __init__(self, file, resolve, classes=None):
         super().__init__(file)
         self.persistent_load = resolve  # an attribute: one call less per storage
+        self.classes = classes
 
     def find_class(self, module, name):
+        found = self._find_class(module, name)
+        if found is None and self.classes is not None:
+            found = self.classes(module, name)
+        if found is None:
+            raise Outside(f"global {module}.{name}", culprit=f"{module}.{name}")
+        return found
+
+    def _find_class(self, module, name):
         if module == "torch._utils":
             if name == "_rebuild_tensor_v2":
                 return _rebuild_v2
@@ -332,7 +341,7 @@ class _Unpickler(pickle.Unpickler):
                 return _complex
             if name == "bytearray":
                 return _bytearray
-        raise Outside(f"global {module}.{name}", culprit=f"{module}.{name}")
+        return None
 
 
 class Attempt:
@@ -374,10 +383,15 @@ def _no_storages(pid):
     raise Outside("unexpected persistent id")
 
 
-def unpickle(file: BinaryIO, resolve: Callable[[object], StorageRef] = _no_storages) -> object:
+def unpickle(
+    file: BinaryIO, resolve: Callable[[object], StorageRef] = _no_storages,
+    classes: Callable[[str, str], object | None] | None = None,
+) -> object:
     """Run one pickle from ``file`` (left just after its STOP) with the restricted unpickler.
 
     The result may still hold placeholders: pass it to ``finish``.
+    ``classes(module, name)`` hands out more globals (a file kind's own inert
+    records, as ``dcp_metadata`` does), or None to refuse them.
     """
     if copyreg._extension_cache or copyreg._inverted_registry:
         # EXT opcodes resolved through a populated cache bypass find_class.
@@ -389,7 +403,7 @@ def unpickle(file: BinaryIO, resolve: Callable[[object], StorageRef] = _no_stora
     hook, unraisable = sys.unraisablehook, []
     sys.unraisablehook = unraisable.append
     try:
-        unpickler = _Unpickler(file, resolve)
+        unpickler = _Unpickler(file, resolve, classes)
         try:
             result = unpickler.load()
         finally:
