@@ -52,6 +52,10 @@ def run(
 
     def load_for_writing(steps) -> tuple[Loaded, list[str]]:
         loaded = load(path, key, trust_pickle, verify, steps, what, gradients_only=True)
+        if loaded.contents.kind == "dcp":
+            raise UsageError(f"{visible(str(path))}: clip does not write DCP checkpoints yet; "
+                             "inspect reads them (load with torch.distributed.checkpoint, "
+                             "clip, and save again)")
         loaded.held_tensors()  # clip changes tensors in place: each must be one piece
         return loaded, _unshare_other_entries(loaded)
 

@@ -21,11 +21,12 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.format.text import visible
 from gradclip_cli.source.interface import Contents, Layout
 
-from . import hf_sharded, hf_trainer, single_file
+from . import dcp, hf_sharded, hf_trainer, single_file
 
 LAYOUTS: tuple[Layout, ...] = (
     hf_trainer,
     hf_sharded,
+    dcp,
 )
 
 
@@ -48,5 +49,6 @@ def open_checkpoint(
                              "give the one to read")
         raise InputError(
             f"{path}: is a directory, but not a checkpoint gradclip knows (expected a sharded "
-            "checkpoint's index, or a Hugging Face Trainer checkpoint-N/ folder)")
+            "checkpoint's index, a Hugging Face Trainer checkpoint-N/ folder, or a "
+            "torch.distributed.checkpoint folder with .metadata)")
     return single_file.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
