@@ -170,8 +170,9 @@ def _location(meta, fqn: str, n: int = 0):
     return MetadataIndex(fqn, chunk.offsets)
 
 
-def _fails(gradclip, path: Path, named: Path, *phrases: str, what: str = "auto") -> str:
-    result = gradclip("inspect", path, "--what", what)
+def _fails(gradclip, path: Path, named: Path, *phrases: str, what: str = "auto",
+           verify: bool = False) -> str:
+    result = gradclip("inspect", path, "--what", what, *(["--verify"] if verify else []))
     assert result.code == 3, (result.code, result.out, result.err)
     lines = result.err.strip().splitlines()
     assert len(lines) == 1, result.err
@@ -252,6 +253,24 @@ def test_damaged_chunk(gradclip, dcp_checkpoint, tmp_path):
     data[-22:] = b"\0" * 22
     shard.write_bytes(bytes(data))
     _fails(gradclip, folder, shard, "not a readable torch.save blob")
+
+
+def test_verify_checks_every_chunks_crc(gradclip, dcp_checkpoint, reference, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = _copy(dcp_checkpoint, tmp_path)
+    meta = FileSystemReader(folder).read_metadata()
+    info = meta.storage_data[_location(meta, "grads.0.weight", 1)]
+    shard = folder / info.relative_path
+    data = bytearray(shard.read_bytes())
+    # Rows 5..10 of the gradient are the chunk's float data: flip a bit in it.
+    values = reference["grads"]["0.weight"][5:].contiguous().numpy().tobytes()
+    at = data.find(values, info.offset, info.offset + info.length)
+    assert at > 0
+    data[at + 1] ^= 0x10
+    shard.write_bytes(bytes(data))
+    assert gradclip("inspect", folder, "--format", "json").code == 0  # torch never checks
+    _fails(gradclip, folder, shard, "checksum mismatch", what="grads", verify=True)
 
 
 def test_chunk_pointed_at_another_tensors_bytes(gradclip, dcp_checkpoint, tmp_path):

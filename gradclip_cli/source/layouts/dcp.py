@@ -37,7 +37,6 @@ import torch
 from gradclip_cli.errors import InputError, UnsafeCheckpointError
 from gradclip_cli.format.text import visible
 from gradclip_cli.source.files.dcp_metadata import (
-    BYTES,
     METADATA_NAME,
     Chunk,
     DcpMetadata,
@@ -47,6 +46,7 @@ from gradclip_cli.source.files.dcp_metadata import (
     read_dcp_metadata,
 )
 from gradclip_cli.source.files.torch_zip_reader import restricted_read
+from gradclip_cli.source.files.verify import verify_torch_zip
 from gradclip_cli.source.files.weights_pickle import Outside
 from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
 from gradclip_cli.source.locate import GRADIENT_KEYS
@@ -76,6 +76,10 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     meta = read_dcp_metadata(meta_file)
     files = _files(meta, folder)
     _check_byte_ranges(meta, files)
+    if verify:
+        for location in meta.locations.values():
+            verify_torch_zip(files[location.relative_path],
+                             (location.offset, location.length))
     tensors = {k: _stored(meta, k, e, files) for k, e in meta.entries.items()
                if isinstance(e, TensorEntry)}
     paths = {k: meta.paths.get(k, (k,)) for k in meta.entries}
