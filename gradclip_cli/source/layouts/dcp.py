@@ -96,14 +96,13 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             contents.step = _step(meta, k, tensors, files)
             break
     chunks = sum(len(t.pieces) for t in tensors.values())
-    held = [f"{len(contents.weights)} weights" if contents.weights else "",
-            f"optimizer state for {len(contents.optimizer.state)} parameters"
-            if contents.optimizer else "",
-            f"{len(contents.gradients)} gradients" if contents.gradients else ""]
+    held = [what for what, there in (("weights", contents.weights),
+                                     ("gradients", contents.gradients),
+                                     ("optimizer state", contents.optimizers)) if there]
     step = f" at step {contents.step}" if contents.step is not None else ""
     contents.description.append(
-        f"DCP checkpoint{step}: {len(tensors)} tensors in {chunks} chunks across "
-        f"{len(set(files.values()))} files" + "".join(f"; {h}" for h in held if h))
+        f"DCP checkpoint{step}: {len(tensors)} tensors, {chunks} chunks, "
+        f"{len(set(files.values()))} files; {', '.join(held) or 'no tensors gradclip reads'}")
     return contents
 
 
