@@ -31,6 +31,7 @@ import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from gradclip_cli.errors import OutputError
@@ -41,9 +42,14 @@ _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
 
-def write_set(contents: Contents, target: Path, writers: dict, *, in_place: bool) -> None:
+def write_set(contents: Contents, target: Path, writers: dict, *, in_place: bool,
+              patch: Callable[[str, Path], None] | None = None) -> None:
     """Write ``contents.shards`` (already clipped in place) and the rest of the folder to
-    ``target``, a folder; replace it only when ``in_place``."""
+    ``target``, a folder; replace it only when ``in_place``.
+
+    ``patch(name, copy)``, when given, changes a copied file before it is
+    fsync'd (a DCP ``.distcp`` file's clipped chunks).
+    """
     source = contents.index.parent
     target = Path(target)
     parent = target.parent
@@ -67,7 +73,7 @@ def write_set(contents: Contents, target: Path, writers: dict, *, in_place: bool
             if entry.name in shards:
                 _write_shard(shards[entry.name], out, writers)
             else:
-                _copy(Path(entry.path), out)
+                _copy(Path(entry.path), out, patch)
         _fsync_folder(temp)
         if in_place:
             _switch(temp, target)
@@ -93,10 +99,12 @@ def _write_shard(ckpt: Checkpoint, out: Path, writers: dict) -> None:
         os.fsync(file.fileno())
 
 
-def _copy(source: Path, out: Path) -> None:
+def _copy(source: Path, out: Path, patch: Callable[[str, Path], None] | None = None) -> None:
     with open(source, "rb") as read, open(out, "xb") as write:
         shutil.copyfileobj(read, write, 1 << 20)
         write.flush()
+        if patch is not None:
+            patch(out.name, out)
         os.fchmod(write.fileno(), stat.S_IMODE(os.fstat(read.fileno()).st_mode))
         os.fsync(write.fileno())
 

@@ -139,12 +139,121 @@ def test_table_names_the_layout(gradclip, dcp_checkpoint):
             "optimizer state") in result.out
 
 
-def test_clip_is_refused_plainly(gradclip, dcp_checkpoint, tmp_path):
-    out = tmp_path / "clipped"
-    result = gradclip("clip", dcp_checkpoint, "--max-norm", "1", "-o", out)
-    assert result.code == 2
-    assert "clip does not write DCP checkpoints yet" in result.err
-    assert not out.exists()
+def _reassembled(folder: Path, tmp_path: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{folder.name}.pt"
+    dcp_to_torch_save(folder, out)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["output", "in-place"])
+def test_clip_writes_the_set_back(gradclip, dcp_checkpoint, reference, tmp_path, in_place):
+    folder = _copy(dcp_checkpoint, tmp_path)
+    metadata = (folder / ".metadata").read_bytes()
+    total = _norm(reference["grads"].values())
+    limit = total / 4
+    args = ["--in-place"] if in_place else ["-o", tmp_path / "clipped"]
+    result = gradclip("clip", folder, "--max-norm", limit, *args, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    out = folder if in_place else tmp_path / "clipped"
+    assert rel_err(doc["total_norm_before"], total) <= TOL and doc["clipped"]
+    assert doc["num_tensors"] == len(reference["grads"])  # tensors, not their chunks
+    coef = doc["clip_coef"]
+    assert coef == pytest.approx(limit / (total + 1e-6), rel=1e-6)
+    # The same byte ranges: .metadata is copied as it is, every file keeps its size.
+    assert (out / ".metadata").read_bytes() == metadata
+    assert sorted(os.listdir(out)) == sorted(os.listdir(dcp_checkpoint))
+    for name in os.listdir(out):
+        assert (out / name).stat().st_size == (dcp_checkpoint / name).stat().st_size
+    after = _reassembled(out, tmp_path)  # torch's own reader
+    for name, grad in reference["grads"].items():
+        exact = grad.double() * coef
+        error = (after["grads"][name].double() - exact).abs()
+        assert bool((error <= torch.finfo(torch.float32).eps * exact.abs()).all()), name
+    for part in ("model", "optim", "step"):
+        assert repr(after[part]) == repr(reference[part]), part
+    assert gradclip("inspect", out, "--verify", "--max-norm", limit).code == 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_clip_keeps_the_input_when_refusing(gradclip, dcp_checkpoint, tmp_path):
+    result = gradclip("clip", dcp_checkpoint, "--max-norm", "1", "--what", "exp_avg")
+    assert result.code == 2 and "clip changes gradients only" in result.err
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    result = gradclip("clip", dcp_checkpoint, "--max-norm", "1", "-o", taken)
+    assert result.code == 2 and "exists" in result.err
+    assert os.listdir(taken) == []
+
+
+def _save_big(folder: Path) -> None:
+    """A 16 MB DCP checkpoint in 4 files, written by dcp.save in this process (one rank)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    g = torch.Generator().manual_seed(5)
+    grads = {f"h.{i}.w": torch.randn(500_000, generator=g) * (i + 1) for i in range(8)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"grads": grads}, storage_writer=FileSystemWriter(folder, thread_count=4))
+
+
+def test_kill_9_during_clip(tmp_path):
+    """Killed while the new set is written, and after: the folder is whole, old or new."""
+    import contextlib
+    import hashlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    folder = tmp_path / "grads"
+    _save_big(folder)
+    assert len(list(folder.glob("*.distcp"))) == 4
+
+    def digests():
+        return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest()
+                for n in sorted(os.listdir(folder))}
+
+    original = digests()
+    seen = []
+    for delay in ["temp-appears", "temp-half", "end"]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gradclip_cli", "clip", str(folder), "--max-norm", "1",
+             "--in-place", "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        start = time.monotonic()
+        if delay != "end":
+            want = 1 if delay == "temp-appears" else 3
+            while proc.poll() is None and time.monotonic() - start < 60:
+                temps = list(tmp_path.glob(".grads.clipped-*.tmp"))
+                with contextlib.suppress(OSError):
+                    if temps and len(os.listdir(temps[0])) >= want:
+                        break
+                time.sleep(0.002)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=120)
+        now = digests()
+        assert set(now) == set(original)
+        if now == original:
+            state = "old set"
+        else:
+            after = _reassembled(folder, tmp_path)
+            assert rel_err(_norm(after["grads"].values()), 1.0) <= 1e-3, "a mix of old and new"
+            state = "new set"
+        leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+        seen.append(f"{delay}: {state}, {len(leftovers)} leftover")
+        for leftover in leftovers:
+            shutil.rmtree(tmp_path / leftover)
+        if state == "new set":
+            break
+    print("\n" + "\n".join(seen))
+    assert seen[0].startswith("temp-appears: old set")
+    assert "new set" in seen[-1]
 
 
 # ------------------------------------------------------------------ hostile and broken

@@ -62,8 +62,11 @@ _CENTRAL_FMT = struct.Struct("<4s6H3L5H2L")  # 46 bytes
 _U32 = 0xFFFFFFFF
 
 
-def _read_directory(view: mmap.mmap, size: int) -> tuple[str, dict]:
+def _read_directory(view: mmap.mmap, size: int,
+                    central: dict[str, int] | None = None) -> tuple[str, dict]:
     """Entries of the zip: name -> (method, flags, crc, csize, usize, header_offset).
+
+    ``central``, when given, receives each entry's central directory record position.
 
     Returns the archive prefix (the first entry's top folder, as torch's reader
     takes it) too. Anything unusual (multi-disk, duplicate names, bad
@@ -131,6 +134,8 @@ def _read_directory(view: mmap.mmap, size: int) -> tuple[str, dict]:
         if name in entries:
             raise Outside("duplicate entry name")
         entries[name] = (method, flags, crc, csize, usize, offset)
+        if central is not None:
+            central[name] = at
         if prefix is None:
             prefix = name.split("/", 1)[0]
         at = extra_end + comment_len
@@ -312,3 +317,64 @@ def _check_no_overlap(spans: dict[str, tuple[int, int]]) -> None:
     for (_, end), (begin, _) in zip(ordered, ordered[1:]):
         if begin < end:
             raise Outside("storages overlap")
+
+
+# --- rewriting one storage in place (clip of a DCP chunk) ------------------
+
+
+class StoragePatch:
+    """Where a single-storage ``torch.save`` blob keeps its storage's bytes and their CRC32.
+
+    ``data_start`` and every ``crc_positions`` entry are absolute offsets in
+    the file; writing ``nbytes`` new bytes at ``data_start`` and their CRC32
+    (little-endian) at each CRC position gives a blob of the same length that
+    ``torch.load`` and ``--verify`` read as the new values.
+    """
+
+    __slots__ = ("data_start", "nbytes", "crc_positions")
+
+    def __init__(self, data_start: int, nbytes: int, crc_positions: list[int]):
+        self.data_start = data_start
+        self.nbytes = nbytes
+        self.crc_positions = crc_positions
+
+
+_DESCRIPTOR = b"PK\x07\x08"
+
+
+def storage_patch(path: Path, span: tuple[int, int]) -> StoragePatch:
+    """The ``StoragePatch`` of the blob at ``span`` (start, length) of ``path``; ``Outside``
+    when the blob holds other than exactly one stored storage."""
+    base, size = span
+    with open(path, "rb") as raw:
+        mapping = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ)
+    window = memoryview(mapping)[base : base + size]
+    try:
+        if len(window) != size or size < 22:
+            raise Outside("blob runs past the end of the file")
+        central: dict[str, int] = {}
+        prefix, entries = _read_directory(window, size, central)
+        storages = [n for n in entries if n.startswith(f"{prefix}/data/")]
+        if len(storages) != 1:
+            raise Outside(f"{len(storages)} storages in one chunk")
+        name = storages[0]
+        method, flags, crc, _csize, _usize, offset = entries[name]
+        start, length = _data_span(window, size, name, entries[name])
+        positions = [central[name] + 16]
+        (local_crc,) = struct.unpack_from("<L", window, offset + 14)
+        if local_crc == crc:
+            positions.append(offset + 14)
+        elif local_crc != 0 or not flags & 0x8:
+            raise Outside(f"entry {name}: local header and directory disagree")
+        if flags & 0x8:  # a data descriptor follows the data: [signature] crc sizes
+            at = start + length
+            if bytes(window[at : at + 4]) == _DESCRIPTOR:
+                at += 4
+            if at + 4 > size or struct.unpack_from("<L", window, at)[0] != crc:
+                raise Outside(f"entry {name}: data descriptor not found")
+            positions.append(at)
+        return StoragePatch(base + start, length, [base + p for p in positions])
+    finally:
+        with contextlib.suppress(BufferError):
+            window.release()
+            mapping.close()

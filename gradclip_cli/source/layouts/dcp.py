@@ -30,6 +30,7 @@ import builtins
 import math
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,7 +46,11 @@ from gradclip_cli.source.files.dcp_metadata import (
     looks_like_dcp_metadata,
     read_dcp_metadata,
 )
-from gradclip_cli.source.files.torch_zip_reader import restricted_read
+from gradclip_cli.source.files.torch_zip_reader import (
+    StoragePatch,
+    restricted_read,
+    storage_patch,
+)
 from gradclip_cli.source.files.verify import verify_torch_zip
 from gradclip_cli.source.files.weights_pickle import Outside
 from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
@@ -83,7 +88,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     tensors = {k: _stored(meta, k, e, files) for k, e in meta.entries.items()
                if isinstance(e, TensorEntry)}
     paths = {k: meta.paths.get(k, (k,)) for k in meta.entries}
-    contents = Contents(path=path, kind=KIND, files=[meta_file, *sorted(set(files.values()))])
+    contents = Contents(path=path, kind=KIND, files=[meta_file, *sorted(set(files.values()))],
+                        index=meta_file)
     contents.weights = _under(paths, tensors, WEIGHT_KEYS)
     _fill_gradients(contents, meta_file, paths, tensors, key)
     for name in OPTIMIZER_KEYS:
@@ -180,6 +186,55 @@ def _tiling(meta: DcpMetadata, key: str, entry: TensorEntry) -> list[Chunk]:
 # --------------------------------------------------------------------- reading
 
 
+@dataclass(frozen=True)
+class _ChunkPiece(Piece):
+    """A piece that is a DCP chunk: also says where its blob lies."""
+
+    location: Location | None = None
+
+
+@dataclass
+class HeldChunk:
+    """A gradient chunk read into memory for clip, and where its storage's bytes go back."""
+
+    name: str  # the tensor's name (one of its chunks)
+    file: Path
+    patch: StoragePatch
+    tensor: torch.Tensor
+
+
+def hold_gradient_chunks(contents: Contents) -> None:
+    """Read every gradient chunk into memory, each as a gradient of its own, for clip.
+
+    ``contents.gradients`` becomes one held tensor per chunk (a tensor in one
+    chunk keeps its name; others are named ``name[offsets]``), each on a
+    private mapping or its own copy, so scaling in place never reaches the
+    files. ``contents.chunks`` says where each chunk's storage lies, for the
+    sink to write the scaled bytes into a copy of the set. Every blob must hold
+    exactly one stored storage, the chunk's (what ``dcp.save`` writes).
+    """
+    held: dict[str, StoredTensor] = {}
+    chunks: list[HeldChunk] = []
+    for name, tensor in (contents.gradients or {}).items():
+        for piece in tensor.pieces:
+            assert isinstance(piece, _ChunkPiece) and piece.location is not None
+            value = piece.read()
+            location = piece.location
+            where = f"{piece.file}: bytes {location.offset}..{location.offset + location.length}"
+            try:
+                patch = storage_patch(piece.file, (location.offset, location.length))
+            except Outside as outside:
+                raise InputError(f"{where}: cannot be rewritten in place: {outside}") from None
+            if patch.nbytes != value.untyped_storage().nbytes():
+                raise InputError(f"{where}: the stored storage is not the chunk's")
+            label = name if len(tensor.pieces) == 1 else \
+                f"{name}[{','.join(map(str, piece.offsets))}]"
+            held[label] = StoredTensor.whole(label, value, piece.file)
+            chunks.append(HeldChunk(name, piece.file, patch, value))
+    contents.gradients = held
+    contents.chunks = chunks
+
+
 def _stored(meta: DcpMetadata, key: str, entry: TensorEntry,
             files: dict[str, Path]) -> StoredTensor:
     pieces = []
@@ -189,8 +244,10 @@ def _stored(meta: DcpMetadata, key: str, entry: TensorEntry,
             raise InputError(f"{meta.path}: lists a chunk of {visible(repr(key))} at "
                              f"{list(chunk.offsets)} but not where it is stored")
         file = files[location.relative_path]
-        pieces.append(Piece(chunk.offsets, chunk.sizes,
-                            _chunk_reader(file, location, key, entry.dtype, chunk.sizes), file))
+        pieces.append(_ChunkPiece(
+            chunk.offsets, chunk.sizes,
+            _chunk_reader(file, location, key, entry.dtype, chunk.sizes), file,
+            location=location))
     return StoredTensor(key, entry.size, entry.dtype, pieces)
 
 
