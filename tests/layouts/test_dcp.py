@@ -486,3 +486,27 @@ def test_no_gradients_says_what_is_there(gradclip, dcp_checkpoint, tmp_path):
     assert math.isfinite(auto.json()["total_norm"])
     line = _fails(gradclip, folder, folder, "--what grads", "no gradients", what="grads")
     assert "available: --what exp_avg, --what grad_rms, --what update, --what weights" in line
+
+
+@pytest.mark.parametrize("unaligned_ok", [True, False], ids=["mapped", "copied"])
+def test_blob_at_an_odd_offset(tmp_path, monkeypatch, unaligned_ok):
+    """A torch.save blob 3 bytes into a file (as DCP packs them): read where it lies on CPUs
+    that load unaligned data, else copied aligned; the same values either way."""
+    import io
+
+    from gradclip_cli.source.files import torch_zip_reader
+    from gradclip_cli.source.files.weights_pickle import Outside
+
+    monkeypatch.setattr(torch_zip_reader, "_UNALIGNED_OK", unaligned_ok)
+    value = {"w": torch.randn(7, 5, dtype=torch.float64), "b": torch.arange(6.0).half()}
+    blob = io.BytesIO()
+    torch.save(value, blob)
+    data = blob.getvalue()
+    path = tmp_path / "packed.bin"
+    path.write_bytes(b"abc" + data + b"tail")
+    read = torch_zip_reader.restricted_read(path, (3, len(data)))
+    assert torch.equal(read["w"], value["w"]) and torch.equal(read["b"], value["b"])
+    if not unaligned_ok:
+        assert read["w"].data_ptr() % 8 == 0
+    with pytest.raises(Outside, match="past the end"):
+        torch_zip_reader.restricted_read(path, (3, len(data) + 10))

@@ -22,6 +22,7 @@ import contextlib
 import io
 import mmap
 import os
+import platform
 import re
 import struct
 import zlib
@@ -43,8 +44,10 @@ from gradclip_cli.source.files.weights_pickle import (
 
 __all__ = ["read_torch_zip", "restricted_read"]
 
-# The widest element a storage holds (complex128): storages at other offsets are copied.
+# The widest element a storage holds (complex128): a blob's storage at another offset
+# is read where it lies on CPUs that load unaligned data, else copied.
 _ALIGN = 16
+_UNALIGNED_OK = platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
 _VERSION = re.compile(rb"[1-3]\n?")
 # UntypedStorage.__getitem__ minus its meta-device check: a slice that aliases
 # the mapping (what torch.load's own mmap path does per storage).
@@ -292,9 +295,13 @@ def _read(path: Path, attempt: Attempt, span: tuple[int, int] | None = None) -> 
             if span is not None and at % _ALIGN:
                 # A blob inside a bigger file sits where its writer left it
                 # (DCP packs them end to end): its storages are aligned to the
-                # blob, not to memory. Copy such a storage once, aligned;
-                # memory stays bounded by this blob.
-                storage = torch.UntypedStorage(nbytes).copy_(storage)
+                # blob, not to memory. Where the CPU loads unaligned floats
+                # (x86-64, ARMv8: torch's vector kernels use unaligned loads)
+                # the mapping is used as it is; elsewhere the storage is
+                # copied once, aligned (memory stays bounded by the blob).
+                # The copy cost 40% of inspect's time on x86 (BENCHMARKS.md).
+                if not _UNALIGNED_OK:
+                    storage = torch.UntypedStorage(nbytes).copy_(storage)
                 at = 0
             ref = StorageRef(key, marker, numel, storage, at)
             refs[key] = ref
