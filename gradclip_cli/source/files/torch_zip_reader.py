@@ -223,7 +223,7 @@ def restricted_read(path: Path, span: tuple[int, int] | None = None) -> object:
     ``span`` (start, length): read the ``torch.save`` blob that lies at those
     bytes of a bigger file (a DCP ``.distcp`` chunk) instead of the whole
     file. Its zip offsets count from ``start``; its storages are mapped from
-    the file there, never copied.
+    the blob's pages there, never copied.
     """
     return run_restricted(lambda attempt: _read(Path(path), attempt, span))
 
@@ -237,10 +237,19 @@ def _read(path: Path, attempt: Attempt, span: tuple[int, int] | None = None) -> 
                           f"({file_size} bytes)")
         if size < 22:
             raise Outside("too small for a zip")
-        mapping = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ)
+        if span is None:
+            mapping = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ)
+            lead = 0
+        else:
+            # The blob's pages only, private (copy-on-write): its storages
+            # alias this mapping, and a file of many blobs is never mapped whole.
+            lead = base % mmap.ALLOCATIONGRANULARITY
+            mapping = mmap.mmap(raw.fileno(), lead + size, access=mmap.ACCESS_COPY,
+                                offset=base - lead)
     # The blob's own bytes, positions counted from its start (no copy).
-    window = memoryview(mapping)[base : base + size] if span is not None else None
+    window = memoryview(mapping)[lead : lead + size] if span is not None else None
     view = window if window is not None else mapping
+    overall: list = []  # the mapping as a storage, once the pickle names one
     try:
         prefix, entries = _read_directory(view, size)
         if f"{prefix}/constants.pkl" in entries:
@@ -268,7 +277,6 @@ def _read(path: Path, attempt: Attempt, span: tuple[int, int] | None = None) -> 
         # Check every storage the pickle names before allocating the mapping:
         # collect the requests first, then validate them all at once.
         refs: dict[str, StorageRef] = {}
-        overall = []  # filled once the pickle has been read
 
         def resolve(pid):
             if type(pid) is not tuple or len(pid) != 5:
@@ -288,9 +296,11 @@ def _read(path: Path, attempt: Attempt, span: tuple[int, int] | None = None) -> 
                 raise Outside(f"{name} is smaller than its storage")
             if not overall:
                 overall.append(
-                    torch.UntypedStorage.from_file(os.fspath(path), False, file_size))
+                    torch.UntypedStorage.from_file(os.fspath(path), False, file_size)
+                    if span is None else torch.frombuffer(mapping, dtype=torch.uint8)
+                    .untyped_storage())
             spans[name] = (start, start + nbytes)
-            at = base + start
+            at = lead + start  # in the mapping
             storage = _slice(overall[0], slice(at, at + nbytes))
             if span is not None and at % _ALIGN:
                 # A blob inside a bigger file sits where its writer left it
@@ -316,7 +326,11 @@ def _read(path: Path, attempt: Attempt, span: tuple[int, int] | None = None) -> 
             # mapping then closes when that goes.
             if window is not None:
                 window.release()
-            mapping.close()
+            if span is None or not overall:
+                # Storages made by frombuffer hold the mapping object itself,
+                # not a buffer export: closing would unmap under them. It
+                # unmaps when the last of them is freed.
+                mapping.close()
 
 
 def _check_no_overlap(spans: dict[str, tuple[int, int]]) -> None:

@@ -31,6 +31,7 @@ import re
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import BinaryIO
 
 import torch
@@ -400,8 +401,12 @@ def unpickle(
     # built ("deallocated bytearray object has exported buffers", from a
     # READONLY_BUFFER opcode on a bytearray): that goes to sys.unraisablehook,
     # which would print a second stderr line. Catch it here and call the file damaged.
-    hook, unraisable = sys.unraisablehook, []
+    # CPython 3.11's bytearray reports it through PyErr_Print, that is
+    # sys.excepthook, not the unraisable hook: listen on both.
+    hook, excepthook, unraisable = sys.unraisablehook, sys.excepthook, []
     sys.unraisablehook = unraisable.append
+    sys.excepthook = lambda kind, value, traceback: unraisable.append(
+        SimpleNamespace(exc_type=kind))
     try:
         unpickler = _Unpickler(file, resolve, classes)
         try:
@@ -416,6 +421,7 @@ def unpickle(
         raise Outside(f"damaged pickle: {type(error).__name__}: {error}") from None
     finally:
         sys.unraisablehook = hook
+        sys.excepthook = excepthook
     if unraisable:
         raise Outside(f"damaged pickle: {unraisable[0].exc_type.__name__}")
     return result
