@@ -14,6 +14,7 @@ from .. import options
 from ..core import (
     Coefficient,
     clamp_elements_,
+    distinct_elements,
     exact_clip_coefficient,
     lowered_coefficient,
     rounds_to_zero,
@@ -26,6 +27,7 @@ from ..format.text import visible
 from ..progress import progress_steps
 from ..report import ClipReport, NonFinite
 from ..sink import WRITERS, write_contents
+from ..source.what import select
 from .common import Loaded, emit, load, measure, output_format, speaks
 
 # Lowering steps tried before giving up (two suffice in practice; see
@@ -52,6 +54,8 @@ def run(
 
     def load_for_writing(steps) -> tuple[Loaded, list[str]]:
         loaded = load(path, key, trust_pickle, verify, steps, what, gradients_only=True)
+        if loaded.contents.kind == "dcp":
+            loaded = _held_chunks(loaded)
         loaded.held_tensors()  # clip changes tensors in place: each must be one piece
         return loaded, _unshare_other_entries(loaded)
 
@@ -60,7 +64,8 @@ def run(
         dev = session.device
     with progress_steps(not progress or not speaks()) as steps:
         loaded, unshared = load_for_writing(steps)
-        if loaded.contents.shards:
+        if loaded.contents.checkpoint is None and loaded.contents.index is not None:
+            # A set of files (HF sharded, DCP) is written as a folder.
             target = str(_set_target(loaded.contents.index.parent, output, in_place))
         if value is not None and any(t.is_complex() for t in loaded.held_tensors()):
             raise UsageError("--clip-value cannot clamp complex gradients (complex numbers "
@@ -150,7 +155,9 @@ def run(
         source=path, output=target, format=loaded.contents.kind,
         key=loaded.key, norm_type=p, max_norm=limit, clip_value=value,
         total_norm_before=total_before, clip_coef=None if coef is None else coef.value,
-        total_norm_after=after, clipped=clipped, num_tensors=len(loaded.tensors),
+        total_norm_after=after, clipped=clipped,
+        # A DCP set is clipped chunk by chunk; the report counts its tensors.
+        num_tensors=len({c.name for c in loaded.contents.chunks}) or len(loaded.tensors),
         nonfinite=nonfinite, overflow=overflow,
         clip_coef_log2=None if coef is None else coef.log2,
         clip_coef_torch=torch_coef.value if lowered else None, coef_lowered=lowered,
@@ -164,6 +171,17 @@ def run(
     else:
         emit(lambda out: fmt.render_clip(report, out), output_file)
     return 0
+
+
+def _held_chunks(loaded: Loaded) -> Loaded:
+    """A DCP set's gradients read into memory chunk by chunk, each a gradient of its own
+    (clip scales tensors in place; the sink writes each chunk back where it was)."""
+    from ..source.layouts.dcp import hold_gradient_chunks
+
+    hold_gradient_chunks(loaded.contents)
+    selection = select(loaded.contents, "grads", gradients_only=True)
+    return Loaded(loaded.contents, selection,
+                  distinct_elements([t.held for t in selection.tensors]))
 
 
 def _set_target(folder: Path, output: str | None, in_place: bool) -> Path:

@@ -58,6 +58,11 @@ def write_contents(contents: Contents, output: Path | str, *, in_place: bool = F
     """
     if contents.checkpoint is not None:
         return write_checkpoint(contents.checkpoint, output)
+    if contents.kind == "dcp" and contents.index is not None:
+        from gradclip_cli.sink.dcp_set import write_dcp_set
+
+        write_dcp_set(contents, Path(output), in_place=in_place)
+        return 0
     if contents.shards and contents.index is not None:
         from gradclip_cli.sink.sharded_set import write_set
 

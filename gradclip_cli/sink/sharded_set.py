@@ -31,6 +31,7 @@ import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from gradclip_cli.errors import OutputError
@@ -41,12 +42,17 @@ _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
 
-def write_set(contents: Contents, target: Path, writers: dict, *, in_place: bool) -> None:
+def write_set(contents: Contents, target: Path, writers: dict, *, in_place: bool,
+              patch: Callable[[str, Path], None] | None = None) -> None:
     """Write ``contents.shards`` (already clipped in place) and the rest of the folder to
-    ``target``, a folder; replace it only when ``in_place``."""
+    ``target``, a folder; replace it only when ``in_place``.
+
+    ``patch(name, copy)``, when given, changes a copied file before it is
+    fsync'd (a DCP ``.distcp`` file's clipped chunks).
+    """
     temp = begin_set(contents, target, in_place=in_place)
     try:
-        fill_set(contents, temp, writers)
+        fill_set(contents, temp, writers, patch=patch)
     except BaseException as error:
         discard_set(temp)
         if not isinstance(error, (Exception, KeyboardInterrupt)):
@@ -75,7 +81,8 @@ def begin_set(contents: Contents, target: Path, *, in_place: bool) -> Path:
 
 
 def fill_set(contents: Contents, temp: Path, writers: dict, *,
-             shards: set[str] | None = None, rest: bool = True) -> None:
+             shards: set[str] | None = None, rest: bool = True,
+             patch: Callable[[str, Path], None] | None = None) -> None:
     """Write into ``temp`` the shards named in ``shards`` (all when None), each in its own
     format and fsync'd, and, with ``rest``, copy every other plain file of the folder.
 
@@ -91,7 +98,7 @@ def fill_set(contents: Contents, temp: Path, writers: dict, *,
             if shards is None or entry.name in shards:
                 _write_shard(by_name[entry.name], out, writers)
         elif rest:
-            _copy(Path(entry.path), out)
+            _copy(Path(entry.path), out, patch)
 
 
 def switch_set(temp: Path, target: Path, *, in_place: bool) -> None:
@@ -128,10 +135,12 @@ def _write_shard(ckpt: Checkpoint, out: Path, writers: dict) -> None:
         os.fsync(file.fileno())
 
 
-def _copy(source: Path, out: Path) -> None:
+def _copy(source: Path, out: Path, patch: Callable[[str, Path], None] | None = None) -> None:
     with open(source, "rb") as read, open(out, "xb") as write:
         shutil.copyfileobj(read, write, 1 << 20)
         write.flush()
+        if patch is not None:
+            patch(out.name, out)
         os.fchmod(write.fileno(), stat.S_IMODE(os.fstat(read.fileno()).st_mode))
         os.fsync(write.fileno())
 

@@ -222,7 +222,10 @@ class Contents:
         checkpoint: for a single-file source, the loaded file (clip writes it back).
         shards: for a set of files (HF sharded), each file's loaded
             ``Checkpoint`` in index order, for clip to write back as a set.
-        index: the index file of a set, when there is one.
+        index: the index file of a set, when there is one (a DCP folder's ``.metadata``).
+        chunks: for a DCP set being clipped, each gradient chunk held in memory
+            with where its blob lies (``layouts.dcp.HeldChunk``), for clip to
+            write back.
     """
 
     path: Path
@@ -240,6 +243,7 @@ class Contents:
     checkpoint: Checkpoint | None = None
     shards: list[Checkpoint] = field(default_factory=list)
     index: Path | None = None
+    chunks: list[Any] = field(default_factory=list)  # DCP: gradient chunks held for clip
     trusted_pickle: bool = False
     gradient_error: str | None = None  # why no gradients were found, for --what grads
 

@@ -18,9 +18,11 @@ byte ranges read may overlap.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import mmap
 import os
+import platform
 import re
 import struct
 import zlib
@@ -42,6 +44,10 @@ from gradclip_cli.source.files.weights_pickle import (
 
 __all__ = ["read_torch_zip", "restricted_read"]
 
+# The widest element a storage holds (complex128): a blob's storage at another offset
+# is read where it lies on CPUs that load unaligned data, else copied.
+_ALIGN = 16
+_UNALIGNED_OK = platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
 _VERSION = re.compile(rb"[1-3]\n?")
 # UntypedStorage.__getitem__ minus its meta-device check: a slice that aliases
 # the mapping (what torch.load's own mmap path does per storage).
@@ -59,15 +65,19 @@ _CENTRAL_FMT = struct.Struct("<4s6H3L5H2L")  # 46 bytes
 _U32 = 0xFFFFFFFF
 
 
-def _read_directory(view: mmap.mmap, size: int) -> tuple[str, dict]:
+def _read_directory(view: mmap.mmap, size: int,
+                    central: dict[str, int] | None = None) -> tuple[str, dict]:
     """Entries of the zip: name -> (method, flags, crc, csize, usize, header_offset).
+
+    ``central``, when given, receives each entry's central directory record position.
 
     Returns the archive prefix (the first entry's top folder, as torch's reader
     takes it) too. Anything unusual (multi-disk, duplicate names, bad
     signatures) rejects.
     """
     tail_start = max(0, size - (22 + 0xFFFF))
-    pos = view.rfind(_EOCD, tail_start, size)
+    pos = bytes(view[tail_start:size]).rfind(_EOCD)
+    pos = pos + tail_start if pos >= 0 else pos
     if pos < 0 or pos + 22 > size:
         raise Outside("no end of central directory")
     disk, cd_disk, n_here, n_total, cd_size, cd_offset, _ = struct.unpack_from(
@@ -121,12 +131,14 @@ def _read_directory(view: mmap.mmap, size: int) -> tuple[str, dict]:
         extra_end = name_end + extra_len
         if extra_end + comment_len > end:
             raise Outside("central directory truncated")
-        name = view[at + 46 : name_end].decode("utf-8")
+        name = bytes(view[at + 46 : name_end]).decode("utf-8")
         if csize == _U32 or usize == _U32 or offset == _U32:
             usize, csize, offset = _zip64_extra(view[name_end:extra_end], usize, csize, offset)
         if name in entries:
             raise Outside("duplicate entry name")
         entries[name] = (method, flags, crc, csize, usize, offset)
+        if central is not None:
+            central[name] = at
         if prefix is None:
             prefix = name.split("/", 1)[0]
         at = extra_end + comment_len
@@ -181,7 +193,7 @@ def _record(view, size, entries, name, spans) -> bytes:
         raise Outside(f"missing {name}")
     start, length = _data_span(view, size, name, entry)
     spans[name] = (start, start + length)
-    data = view[start : start + length]
+    data = bytes(view[start : start + length])
     if zlib.crc32(data) != entry[2]:
         raise Outside(f"CRC mismatch in {name}")
     return data
@@ -204,18 +216,40 @@ def read_torch_zip(path: Path) -> object | None:
         return None
 
 
-def restricted_read(path: Path) -> object:
+def restricted_read(path: Path, span: tuple[int, int] | None = None) -> object:
     """``read_torch_zip``, raising ``Outside`` (with the reason and the pickle protocol)
-    where that returns None."""
-    return run_restricted(lambda attempt: _read(Path(path), attempt))
+    where that returns None.
+
+    ``span`` (start, length): read the ``torch.save`` blob that lies at those
+    bytes of a bigger file (a DCP ``.distcp`` chunk) instead of the whole
+    file. Its zip offsets count from ``start``; its storages are mapped from
+    the blob's pages there, never copied.
+    """
+    return run_restricted(lambda attempt: _read(Path(path), attempt, span))
 
 
-def _read(path: Path, attempt: Attempt) -> object:
+def _read(path: Path, attempt: Attempt, span: tuple[int, int] | None = None) -> object:
     with open(path, "rb") as raw:
-        size = os.fstat(raw.fileno()).st_size
+        file_size = os.fstat(raw.fileno()).st_size
+        base, size = (0, file_size) if span is None else span
+        if base < 0 or size < 0 or base + size > file_size:
+            raise Outside(f"bytes {base}..{base + size} lie past the end of the file "
+                          f"({file_size} bytes)")
         if size < 22:
             raise Outside("too small for a zip")
-        view = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ)
+        if span is None:
+            mapping = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ)
+            lead = 0
+        else:
+            # The blob's pages only, private (copy-on-write): its storages
+            # alias this mapping, and a file of many blobs is never mapped whole.
+            lead = base % mmap.ALLOCATIONGRANULARITY
+            mapping = mmap.mmap(raw.fileno(), lead + size, access=mmap.ACCESS_COPY,
+                                offset=base - lead)
+    # The blob's own bytes, positions counted from its start (no copy).
+    window = memoryview(mapping)[lead : lead + size] if span is not None else None
+    view = window if window is not None else mapping
+    overall: list = []  # the mapping as a storage, once the pickle names one
     try:
         prefix, entries = _read_directory(view, size)
         if f"{prefix}/constants.pkl" in entries:
@@ -243,7 +277,6 @@ def _read(path: Path, attempt: Attempt) -> object:
         # Check every storage the pickle names before allocating the mapping:
         # collect the requests first, then validate them all at once.
         refs: dict[str, StorageRef] = {}
-        overall = []  # filled once the pickle has been read
 
         def resolve(pid):
             if type(pid) is not tuple or len(pid) != 5:
@@ -264,10 +297,25 @@ def _read(path: Path, attempt: Attempt) -> object:
                 # storage of the claimed size over a smaller file.
                 raise Outside(f"{name} is smaller than its storage", damaged=True)
             if not overall:
-                overall.append(torch.UntypedStorage.from_file(os.fspath(path), False, size))
+                overall.append(
+                    torch.UntypedStorage.from_file(os.fspath(path), False, file_size)
+                    if span is None else torch.frombuffer(mapping, dtype=torch.uint8)
+                    .untyped_storage())
             spans[name] = (start, start + nbytes)
-            storage = _slice(overall[0], slice(start, start + nbytes))
-            ref = StorageRef(key, marker, numel, storage, start)
+            at = lead + start  # in the mapping
+            storage = _slice(overall[0], slice(at, at + nbytes))
+            if span is not None and at % _ALIGN:
+                # A blob inside a bigger file sits where its writer left it
+                # (DCP packs them end to end): its storages are aligned to the
+                # blob, not to memory. Where the CPU loads unaligned floats
+                # (x86-64, ARMv8: torch's vector kernels use unaligned loads)
+                # the mapping is used as it is; elsewhere the storage is
+                # copied once, aligned (memory stays bounded by the blob).
+                # The copy cost 40% of inspect's time on x86 (BENCHMARKS.md).
+                if not _UNALIGNED_OK:
+                    storage = torch.UntypedStorage(nbytes).copy_(storage)
+                at = 0
+            ref = StorageRef(key, marker, numel, storage, at)
             refs[key] = ref
             return ref
 
@@ -275,7 +323,16 @@ def _read(path: Path, attempt: Attempt) -> object:
         _check_no_overlap(spans)
         return finish(root)
     finally:
-        view.close()
+        with contextlib.suppress(BufferError):
+            # A slice of the window may live on in a traceback's frame: the
+            # mapping then closes when that goes.
+            if window is not None:
+                window.release()
+            if span is None or not overall:
+                # Storages made by frombuffer hold the mapping object itself,
+                # not a buffer export: closing would unmap under them. It
+                # unmaps when the last of them is freed.
+                mapping.close()
 
 
 def _check_no_overlap(spans: dict[str, tuple[int, int]]) -> None:
@@ -283,3 +340,64 @@ def _check_no_overlap(spans: dict[str, tuple[int, int]]) -> None:
     for (_, end), (begin, _) in zip(ordered, ordered[1:]):
         if begin < end:
             raise Outside("storages overlap")
+
+
+# --- rewriting one storage in place (clip of a DCP chunk) ------------------
+
+
+class StoragePatch:
+    """Where a single-storage ``torch.save`` blob keeps its storage's bytes and their CRC32.
+
+    ``data_start`` and every ``crc_positions`` entry are absolute offsets in
+    the file; writing ``nbytes`` new bytes at ``data_start`` and their CRC32
+    (little-endian) at each CRC position gives a blob of the same length that
+    ``torch.load`` and ``--verify`` read as the new values.
+    """
+
+    __slots__ = ("data_start", "nbytes", "crc_positions")
+
+    def __init__(self, data_start: int, nbytes: int, crc_positions: list[int]):
+        self.data_start = data_start
+        self.nbytes = nbytes
+        self.crc_positions = crc_positions
+
+
+_DESCRIPTOR = b"PK\x07\x08"
+
+
+def storage_patch(path: Path, span: tuple[int, int]) -> StoragePatch:
+    """The ``StoragePatch`` of the blob at ``span`` (start, length) of ``path``; ``Outside``
+    when the blob holds other than exactly one stored storage."""
+    base, size = span
+    with open(path, "rb") as raw:
+        mapping = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ)
+    window = memoryview(mapping)[base : base + size]
+    try:
+        if len(window) != size or size < 22:
+            raise Outside("blob runs past the end of the file")
+        central: dict[str, int] = {}
+        prefix, entries = _read_directory(window, size, central)
+        storages = [n for n in entries if n.startswith(f"{prefix}/data/")]
+        if len(storages) != 1:
+            raise Outside(f"{len(storages)} storages in one chunk")
+        name = storages[0]
+        method, flags, crc, _csize, _usize, offset = entries[name]
+        start, length = _data_span(window, size, name, entries[name])
+        positions = [central[name] + 16]
+        (local_crc,) = struct.unpack_from("<L", window, offset + 14)
+        if local_crc == crc:
+            positions.append(offset + 14)
+        elif local_crc != 0 or not flags & 0x8:
+            raise Outside(f"entry {name}: local header and directory disagree")
+        if flags & 0x8:  # a data descriptor follows the data: [signature] crc sizes
+            at = start + length
+            if bytes(window[at : at + 4]) == _DESCRIPTOR:
+                at += 4
+            if at + 4 > size or struct.unpack_from("<L", window, at)[0] != crc:
+                raise Outside(f"entry {name}: data descriptor not found")
+            positions.append(at)
+        return StoragePatch(base + start, length, [base + p for p in positions])
+    finally:
+        with contextlib.suppress(BufferError):
+            window.release()
+            mapping.close()

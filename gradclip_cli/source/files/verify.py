@@ -8,6 +8,7 @@ exactly: no overlap, no gap, nothing past the end.
 
 from __future__ import annotations
 
+import io
 import zipfile
 import zlib
 from pathlib import Path
@@ -18,14 +19,21 @@ from gradclip_cli.source.files.safetensors_file import read_header
 _CHUNK = 1 << 20  # stream entries: a multi-GB tensor must not be read whole
 
 
-def verify_torch_zip(path: Path) -> None:
+def verify_torch_zip(path: Path, span: tuple[int, int] | None = None) -> None:
     """Recompute every zip entry's CRC32 and compare it with the stored one.
 
+    ``span`` (start, length): check the ``torch.save`` blob at those bytes of
+    a bigger file (a DCP chunk), read whole: a chunk is what bounds memory.
     Raises ``IntegrityError`` naming the first damaged entry, ``InputError``
     when the archive itself cannot be read.
     """
+    source: Path | io.BytesIO = path
+    if span is not None:
+        with open(path, "rb") as file:
+            file.seek(span[0])
+            source = io.BytesIO(file.read(span[1]))
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(source) as archive:
             for info in archive.infolist():
                 _check_entry(path, archive, info)
     except zipfile.BadZipFile as error:

@@ -39,6 +39,7 @@ import re
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
+from types import SimpleNamespace
 from typing import BinaryIO
 
 import torch
@@ -385,11 +386,20 @@ def _bytearray(*args):
 class _Unpickler(pickle.Unpickler):
     """CPython's C unpickler, allowed to import only this module's own objects."""
 
-    def __init__(self, file, resolve):
+    def __init__(self, file, resolve, classes=None):
         super().__init__(file)
         self.persistent_load = resolve  # an attribute: one call less per storage
+        self.classes = classes
 
     def find_class(self, module, name):
+        found = self._find_class(module, name)
+        if found is None and self.classes is not None:
+            found = self.classes(module, name)
+        if found is None:
+            raise Outside(f"global {module}.{name}", culprit=f"{module}.{name}")
+        return found
+
+    def _find_class(self, module, name):
         if module == "torch._utils":
             if name == "_rebuild_tensor_v2":
                 return _rebuild_v2
@@ -422,7 +432,7 @@ class _Unpickler(pickle.Unpickler):
         allowed = _ALLOWED.get()
         if allowed is not None and (module, name) in allowed:
             return allowed[(module, name)]
-        raise Outside(f"global {module}.{name}", culprit=f"{module}.{name}")
+        return None
 
 
 class Attempt:
@@ -464,10 +474,15 @@ def _no_storages(pid):
     raise Outside("unexpected persistent id")
 
 
-def unpickle(file: BinaryIO, resolve: Callable[[object], StorageRef] = _no_storages) -> object:
+def unpickle(
+    file: BinaryIO, resolve: Callable[[object], StorageRef] = _no_storages,
+    classes: Callable[[str, str], object | None] | None = None,
+) -> object:
     """Run one pickle from ``file`` (left just after its STOP) with the restricted unpickler.
 
     The result may still hold placeholders: pass it to ``finish``.
+    ``classes(module, name)`` hands out more globals (a file kind's own inert
+    records, as ``dcp_metadata`` does), or None to refuse them.
     """
     if copyreg._extension_cache or copyreg._inverted_registry:
         # EXT opcodes resolved through a populated cache bypass find_class.
@@ -476,10 +491,14 @@ def unpickle(file: BinaryIO, resolve: Callable[[object], StorageRef] = _no_stora
     # built ("deallocated bytearray object has exported buffers", from a
     # READONLY_BUFFER opcode on a bytearray): that goes to sys.unraisablehook,
     # which would print a second stderr line. Catch it here and call the file damaged.
-    hook, unraisable = sys.unraisablehook, []
+    # CPython 3.11's bytearray reports it through PyErr_Print, that is
+    # sys.excepthook, not the unraisable hook: listen on both.
+    hook, excepthook, unraisable = sys.unraisablehook, sys.excepthook, []
     sys.unraisablehook = unraisable.append
+    sys.excepthook = lambda kind, value, traceback: unraisable.append(
+        SimpleNamespace(exc_type=kind))
     try:
-        unpickler = _Unpickler(file, resolve)
+        unpickler = _Unpickler(file, resolve, classes)
         try:
             result = unpickler.load()
         finally:
@@ -492,6 +511,7 @@ def unpickle(file: BinaryIO, resolve: Callable[[object], StorageRef] = _no_stora
         raise Outside(f"damaged pickle: {type(error).__name__}: {error}") from None
     finally:
         sys.unraisablehook = hook
+        sys.excepthook = excepthook
     if unraisable:
         raise Outside(f"damaged pickle: {unraisable[0].exc_type.__name__}")
     return result

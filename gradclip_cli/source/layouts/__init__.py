@@ -21,12 +21,13 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.format.text import visible
 from gradclip_cli.source.interface import Contents, Layout
 
-from . import deepspeed, hf_sharded, hf_trainer, single_file
+from . import dcp, deepspeed, hf_sharded, hf_trainer, single_file
 
 LAYOUTS: tuple[Layout, ...] = (
     deepspeed,
     hf_trainer,
     hf_sharded,
+    dcp,
 )
 
 
@@ -49,6 +50,7 @@ def open_checkpoint(
                              "give the one to read")
         raise InputError(
             f"{path}: is a directory, but not a checkpoint gradclip knows (expected a sharded "
-            "checkpoint's index, a Hugging Face Trainer checkpoint-N/ folder, or a DeepSpeed "
-            "global_stepN/ folder or its parent with 'latest')")
+            "checkpoint's index, a Hugging Face Trainer checkpoint-N/ folder, a DeepSpeed "
+            "global_stepN/ folder or its parent with 'latest', or a torch.distributed.checkpoint "
+            "folder with .metadata)")
     return single_file.open(path, key=key, trust_pickle=trust_pickle, verify=verify)

@@ -1,0 +1,530 @@
+"""DCP folders: a real 2-rank FSDP2 checkpoint, and every way a hostile one can break.
+
+The checkpoint is written once per session by ``dcp.save`` on two spawned
+gloo ranks (``dcp_ranks.py``). References never go through gradclip: torch's
+own ``dcp_to_torch_save`` reassembles the full tensors, and the norms,
+bias corrections and updates are computed here in float64.
+
+Hostile copies are made by rewriting the real ``.metadata`` with torch's own
+classes (the test may import them; gradclip never does), or by cutting and
+pointing the real ``.distcp`` files.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.cli.support import rel_err
+
+from .dcp_ranks import STEPS, save_rank
+
+TOL = 1e-6  # the contract's accuracy; the references are float64
+
+
+@pytest.fixture(scope="session")
+def dcp_checkpoint(tmp_path_factory) -> Path:
+    outdir = tmp_path_factory.mktemp("dcp")
+    mp.spawn(save_rank, args=(2, str(outdir)), nprocs=2, join=True)
+    return outdir / "checkpoint"
+
+
+@pytest.fixture(scope="session")
+def reference(dcp_checkpoint, tmp_path_factory) -> dict:
+    """The whole state dict as torch's own DCP reader reassembles it."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path_factory.mktemp("dcp_ref") / "full.pt"
+    dcp_to_torch_save(dcp_checkpoint, out)
+    return torch.load(out, weights_only=True)
+
+
+def _norm(tensors) -> float:
+    tensors = list(tensors)
+    return float(torch.cat([t.double().reshape(-1) for t in tensors]).norm()) if tensors else 0.0
+
+
+def _expected(reference: dict, what: str) -> dict[str, torch.Tensor]:
+    """name -> the float64 tensor ``--what`` measures, from torch's reassembled state."""
+    if what == "grads":
+        return {n: t.double() for n, t in reference["grads"].items()}
+    if what == "weights":
+        return {n: t.double() for n, t in reference["model"].items()}
+    optim = reference["optim"]
+    group = optim["param_groups"][0]
+    beta1, beta2 = group["betas"]
+    out = {}
+    for name, state in optim["state"].items():
+        step = float(state["step"])
+        m = state["exp_avg"].double() / (1 - beta1**step)
+        v = state["exp_avg_sq"].double() / (1 - beta2**step)
+        out[name] = {"exp_avg": m, "grad_rms": v.sqrt(),
+                     "update": group["lr"] * m / (v.sqrt() + group["eps"])}[what]
+    return out
+
+
+def test_fixture_is_sharded_by_fsdp2(dcp_checkpoint):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(dcp_checkpoint).read_metadata()
+    chunks = meta.state_dict_metadata["grads.2.weight"].chunks
+    assert [tuple(c.sizes) for c in chunks] == [(2, 10), (1, 10)]
+    files = {info.relative_path for info in meta.storage_data.values()}
+    assert files == {"__0_0.distcp", "__1_0.distcp"}
+
+
+@pytest.mark.parametrize("what", ["grads", "exp_avg", "grad_rms", "update", "weights"])
+def test_every_number_against_torch_reassembled(gradclip, dcp_checkpoint, reference, what):
+    expected = _expected(reference, what)
+    weights = {n: t.double() for n, t in reference["model"].items()}
+    result = gradclip("inspect", dcp_checkpoint, "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["what"] == what and doc["format"] == "dcp" and doc["step"] == STEPS
+    assert rel_err(doc["total_norm"], _norm(expected.values())) <= TOL
+    assert doc["num_elements"] == sum(t.numel() for t in expected.values())
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected) == set(weights)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], _norm([expected[name]])) <= TOL, name
+        assert row["max_abs"] == pytest.approx(float(expected[name].abs().max()), rel=TOL)
+        assert row["shape"] == list(expected[name].shape)
+        if what != "weights":
+            assert rel_err(row["ratio"], _norm([expected[name]]) / _norm([weights[name]])) \
+                <= TOL, name
+
+
+@pytest.mark.parametrize("p", ["1", "3", "inf"])
+def test_other_norms(gradclip, dcp_checkpoint, reference, p):
+    grads = torch.cat([t.double().reshape(-1) for t in reference["grads"].values()])
+    result = gradclip("inspect", dcp_checkpoint, "--norm-type", p, "--format", "json")
+    assert result.code == 0, result.err
+    assert rel_err(result.json()["total_norm"], float(grads.norm(float(p)))) <= TOL
+
+
+def test_auto_is_grads_and_key_reaches_any_entry(gradclip, dcp_checkpoint, reference):
+    auto = gradclip("inspect", dcp_checkpoint, "--format", "json").json()
+    assert auto["what"] == "grads"
+    keyed = gradclip("inspect", dcp_checkpoint, "--key", "model", "--format", "json")
+    assert keyed.code == 0, keyed.err
+    assert rel_err(keyed.json()["total_norm"], _norm(reference["model"].values())) <= TOL
+    state = gradclip("inspect", dcp_checkpoint, "--key", "optim.state.0.weight",
+                     "--format", "json")
+    assert state.code == 0, state.err
+    # Every floating-point tensor under the key, as --key does in one file: the
+    # moments and the 0-dim float step.
+    moments = reference["optim"]["state"]["0.weight"]
+    assert {t["name"] for t in state.json()["tensors"]} == set(moments)
+    assert rel_err(state.json()["total_norm"], _norm(moments.values())) <= TOL
+
+
+def test_metadata_file_given_itself(gradclip, dcp_checkpoint):
+    folder = gradclip("inspect", dcp_checkpoint, "--format", "json").json()
+    file = gradclip("inspect", dcp_checkpoint / ".metadata", "--format", "json")
+    assert file.code == 0, file.err
+    assert file.json()["total_norm"] == folder["total_norm"]
+
+
+def test_table_names_the_layout(gradclip, dcp_checkpoint):
+    result = gradclip("inspect", dcp_checkpoint, "--what", "exp_avg")
+    assert result.code == 0, result.err
+    assert ("DCP checkpoint at step 2: 20 tensors, 36 chunks, 2 files; weights, gradients, "
+            "optimizer state") in result.out
+
+
+def _reassembled(folder: Path, tmp_path: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{folder.name}.pt"
+    dcp_to_torch_save(folder, out)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["output", "in-place"])
+def test_clip_writes_the_set_back(gradclip, dcp_checkpoint, reference, tmp_path, in_place):
+    folder = _copy(dcp_checkpoint, tmp_path)
+    metadata = (folder / ".metadata").read_bytes()
+    total = _norm(reference["grads"].values())
+    limit = total / 4
+    args = ["--in-place"] if in_place else ["-o", tmp_path / "clipped"]
+    result = gradclip("clip", folder, "--max-norm", limit, *args, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    out = folder if in_place else tmp_path / "clipped"
+    assert rel_err(doc["total_norm_before"], total) <= TOL and doc["clipped"]
+    assert doc["num_tensors"] == len(reference["grads"])  # tensors, not their chunks
+    coef = doc["clip_coef"]
+    assert coef == pytest.approx(limit / (total + 1e-6), rel=1e-6)
+    # The same byte ranges: .metadata is copied as it is, every file keeps its size.
+    assert (out / ".metadata").read_bytes() == metadata
+    assert sorted(os.listdir(out)) == sorted(os.listdir(dcp_checkpoint))
+    for name in os.listdir(out):
+        assert (out / name).stat().st_size == (dcp_checkpoint / name).stat().st_size
+    after = _reassembled(out, tmp_path)  # torch's own reader
+    for name, grad in reference["grads"].items():
+        exact = grad.double() * coef
+        error = (after["grads"][name].double() - exact).abs()
+        assert bool((error <= torch.finfo(torch.float32).eps * exact.abs()).all()), name
+    for part in ("model", "optim", "step"):
+        assert repr(after[part]) == repr(reference[part]), part
+    assert gradclip("inspect", out, "--verify", "--max-norm", limit).code == 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_clip_keeps_the_input_when_refusing(gradclip, dcp_checkpoint, tmp_path):
+    result = gradclip("clip", dcp_checkpoint, "--max-norm", "1", "--what", "exp_avg")
+    assert result.code == 2 and "clip changes gradients only" in result.err
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    result = gradclip("clip", dcp_checkpoint, "--max-norm", "1", "-o", taken)
+    assert result.code == 2 and "exists" in result.err
+    assert os.listdir(taken) == []
+
+
+def _save_big(folder: Path) -> None:
+    """A 16 MB DCP checkpoint in 4 files, written by dcp.save in this process (one rank)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    g = torch.Generator().manual_seed(5)
+    grads = {f"h.{i}.w": torch.randn(500_000, generator=g) * (i + 1) for i in range(8)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"grads": grads}, storage_writer=FileSystemWriter(folder, thread_count=4))
+
+
+def test_kill_9_during_clip(tmp_path):
+    """Killed while the new set is written, and after: the folder is whole, old or new."""
+    import contextlib
+    import hashlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    folder = tmp_path / "grads"
+    _save_big(folder)
+    assert len(list(folder.glob("*.distcp"))) == 4
+
+    def digests():
+        return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest()
+                for n in sorted(os.listdir(folder))}
+
+    original = digests()
+    seen = []
+    for delay in ["temp-appears", "temp-half", "end"]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gradclip_cli", "clip", str(folder), "--max-norm", "1",
+             "--in-place", "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        start = time.monotonic()
+        if delay != "end":
+            want = 1 if delay == "temp-appears" else 3
+            while proc.poll() is None and time.monotonic() - start < 60:
+                temps = list(tmp_path.glob(".grads.clipped-*.tmp"))
+                with contextlib.suppress(OSError):
+                    if temps and len(os.listdir(temps[0])) >= want:
+                        break
+                time.sleep(0.002)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=120)
+        now = digests()
+        assert set(now) == set(original)
+        if now == original:
+            state = "old set"
+        else:
+            after = _reassembled(folder, tmp_path)
+            assert rel_err(_norm(after["grads"].values()), 1.0) <= 1e-3, "a mix of old and new"
+            state = "new set"
+        leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+        seen.append(f"{delay}: {state}, {len(leftovers)} leftover")
+        for leftover in leftovers:
+            shutil.rmtree(tmp_path / leftover)
+        if state == "new set":
+            break
+    print("\n" + "\n".join(seen))
+    assert seen[0].startswith("temp-appears: old set")
+    assert "new set" in seen[-1]
+
+
+# ------------------------------------------------------------------ hostile and broken
+
+
+def _copy(dcp_checkpoint: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "ckpt"
+    shutil.copytree(dcp_checkpoint, folder)
+    return folder
+
+
+def _edit_metadata(folder: Path, change) -> None:
+    with open(folder / ".metadata", "rb") as file:
+        meta = pickle.load(file)  # the test's own fixture: torch's classes, trusted here
+    change(meta)
+    with open(folder / ".metadata", "wb") as file:
+        pickle.dump(meta, file)
+
+
+def _location(meta, fqn: str, n: int = 0):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    chunk = meta.state_dict_metadata[fqn].chunks[n]
+    return MetadataIndex(fqn, chunk.offsets)
+
+
+def _fails(gradclip, path: Path, named: Path, *phrases: str, what: str = "auto",
+           verify: bool = False) -> str:
+    result = gradclip("inspect", path, "--what", what, *(["--verify"] if verify else []))
+    assert result.code == 3, (result.code, result.out, result.err)
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1, result.err
+    assert str(named) in lines[0], lines[0]
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+    assert "Traceback" not in result.err
+    return lines[0]
+
+
+def _overlap(meta):
+    chunk = meta.state_dict_metadata["grads.0.weight"].chunks[1]
+    chunk.offsets = torch.Size([4, 0])  # rows 4..8 over the first chunk's 0..5
+    meta.storage_data = {(_relabel(k, chunk) if k.fqn == "grads.0.weight" and k.offset[0] == 5
+                          else k): v for k, v in meta.storage_data.items()}
+
+
+def _relabel(index, chunk):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    return MetadataIndex(index.fqn, chunk.offsets)
+
+
+def _gap(meta):
+    meta.state_dict_metadata["grads.0.bias"].chunks.pop()
+
+
+def _past_tensor(meta):
+    meta.state_dict_metadata["grads.0.bias"].chunks[1].sizes = torch.Size([7])
+
+
+def _past_file_end(meta):
+    info = meta.storage_data[_location(meta, "grads.2.bias", 1)]
+    info.length = 10**9
+
+
+def _same_bytes(meta):
+    a = meta.storage_data[_location(meta, "grads.2.bias", 1)]
+    b = meta.storage_data[_location(meta, "model.2.bias", 1)]
+    b.relative_path, b.offset, b.length = a.relative_path, a.offset, a.length
+
+
+def _no_location(meta):
+    del meta.storage_data[_location(meta, "grads.0.weight", 1)]
+
+
+@pytest.mark.parametrize("change, phrases", [
+    (_overlap, ["'grads.0.weight'", "overlap"]),
+    (_gap, ["'grads.0.bias'", "a gap"]),
+    (_past_tensor, ["'grads.0.bias'", "past the tensor's size"]),
+    (_same_bytes, ["overlapping bytes"]),
+    (_no_location, ["'grads.0.weight'", "not where it is stored"]),
+])
+def test_inconsistent_metadata(gradclip, dcp_checkpoint, tmp_path, change, phrases):
+    folder = _copy(dcp_checkpoint, tmp_path)
+    _edit_metadata(folder, change)
+    _fails(gradclip, folder, folder / ".metadata", *phrases)
+
+
+def test_chunk_past_its_files_end(gradclip, dcp_checkpoint, tmp_path):
+    folder = _copy(dcp_checkpoint, tmp_path)
+    _edit_metadata(folder, _past_file_end)
+    _fails(gradclip, folder, folder / "__1_0.distcp", "truncated", "past its end")
+
+
+def test_truncated_distcp(gradclip, dcp_checkpoint, tmp_path):
+    folder = _copy(dcp_checkpoint, tmp_path)
+    shard = folder / "__0_0.distcp"
+    os.truncate(shard, shard.stat().st_size - 100)
+    _fails(gradclip, folder, shard, "truncated")
+
+
+def test_damaged_chunk(gradclip, dcp_checkpoint, tmp_path):
+    """The zip end record of the last chunk of __0_0.distcp overwritten: found when read."""
+    folder = _copy(dcp_checkpoint, tmp_path)
+    shard = folder / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-22:] = b"\0" * 22
+    shard.write_bytes(bytes(data))
+    _fails(gradclip, folder, shard, "not a readable torch.save blob")
+
+
+def test_verify_checks_every_chunks_crc(gradclip, dcp_checkpoint, reference, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = _copy(dcp_checkpoint, tmp_path)
+    meta = FileSystemReader(folder).read_metadata()
+    info = meta.storage_data[_location(meta, "grads.0.weight", 1)]
+    shard = folder / info.relative_path
+    data = bytearray(shard.read_bytes())
+    # Rows 5..10 of the gradient are the chunk's float data: flip a bit in it.
+    values = reference["grads"]["0.weight"][5:].contiguous().numpy().tobytes()
+    at = data.find(values, info.offset, info.offset + info.length)
+    assert at > 0
+    data[at + 1] ^= 0x10
+    shard.write_bytes(bytes(data))
+    assert gradclip("inspect", folder, "--format", "json").code == 0  # torch never checks
+    _fails(gradclip, folder, shard, "checksum mismatch", what="grads", verify=True)
+
+
+def test_chunk_pointed_at_another_tensors_bytes(gradclip, dcp_checkpoint, tmp_path):
+    folder = _copy(dcp_checkpoint, tmp_path)
+
+    def swap(meta):
+        a = _location(meta, "grads.0.weight", 0)
+        b = _location(meta, "grads.0.bias", 0)
+        meta.storage_data[a], meta.storage_data[b] = meta.storage_data[b], meta.storage_data[a]
+
+    _edit_metadata(folder, swap)
+    _fails(gradclip, folder, folder / "__0_0.distcp", "not the torch.float32 chunk [5, 6]")
+
+
+@pytest.mark.parametrize("name", ["../outside.distcp", "/etc/passwd", "link.distcp"])
+def test_file_outside_the_folder(gradclip, dcp_checkpoint, tmp_path, name):
+    folder = _copy(dcp_checkpoint, tmp_path)
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(folder / "__1_0.distcp", outside)
+    os.symlink(outside, folder / "link.distcp")
+
+    def point(meta):
+        for info in meta.storage_data.values():
+            if info.relative_path == "__1_0.distcp":
+                info.relative_path = name
+
+    _edit_metadata(folder, point)
+    _fails(gradclip, folder, folder / ".metadata", "outside its folder")
+
+
+def test_missing_distcp(gradclip, dcp_checkpoint, tmp_path):
+    folder = _copy(dcp_checkpoint, tmp_path)
+    (folder / "__1_0.distcp").unlink()
+    _fails(gradclip, folder, folder / "__1_0.distcp", "missing")
+
+
+class _Payload:
+    """Unpickling this runs ``touch <marker>``: what a hostile .metadata does."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_metadata_with_a_code_payload(gradclip, dcp_checkpoint, tmp_path):
+    marker = tmp_path / "ran"
+    # The payload works: plain pickle runs it.
+    pickle.loads(pickle.dumps(_Payload(marker)))
+    assert marker.exists()
+    marker.unlink()
+    whole = _copy(dcp_checkpoint, tmp_path)
+    (whole / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    _fails(gradclip, whole, whole / ".metadata", "refused", "system")
+    # Hidden inside real metadata, where DCP keeps planner data.
+    inner = tmp_path / "inner"
+    shutil.copytree(dcp_checkpoint, inner)
+    _edit_metadata(inner, lambda meta: setattr(meta, "planner_data", _Payload(marker)))
+    _fails(gradclip, inner, inner / ".metadata", "refused", "system")
+    assert not marker.exists()
+
+
+def test_chunk_with_a_code_payload(gradclip, dcp_checkpoint, tmp_path):
+    marker = tmp_path / "ran"
+    folder = _copy(dcp_checkpoint, tmp_path)
+    shard = folder / "__1_0.distcp"
+    start = shard.stat().st_size
+    with open(shard, "ab") as file:
+        torch.save(_Payload(marker), file)
+    length = shard.stat().st_size - start
+
+    def point(meta):
+        info = meta.storage_data[_location(meta, "grads.2.bias", 1)]
+        info.relative_path, info.offset, info.length = "__1_0.distcp", start, length
+
+    _edit_metadata(folder, point)
+    _fails(gradclip, folder, shard, "refused")
+    assert not marker.exists()
+
+
+def test_not_metadata_at_all(gradclip, tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"hello")
+    _fails(gradclip, folder, folder / ".metadata", "not DCP metadata")
+    (folder / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
+    _fails(gradclip, folder, folder / ".metadata", "not readable DCP metadata")
+
+
+def test_no_gradients_says_what_is_there(gradclip, dcp_checkpoint, tmp_path):
+    folder = _copy(dcp_checkpoint, tmp_path)
+
+    def drop_grads(meta):
+        for key in [k for k in meta.state_dict_metadata if k.startswith("grads.")]:
+            del meta.state_dict_metadata[key]
+            del meta.planner_data[key]
+
+    _edit_metadata(folder, drop_grads)
+    auto = gradclip("inspect", folder, "--format", "json")
+    assert auto.code == 0, auto.err
+    assert auto.json()["what"] == "exp_avg"
+    assert math.isfinite(auto.json()["total_norm"])
+    line = _fails(gradclip, folder, folder, "--what grads", "no gradients", what="grads")
+    assert "available: --what exp_avg, --what grad_rms, --what update, --what weights" in line
+
+
+@pytest.mark.parametrize("unaligned_ok", [True, False], ids=["mapped", "copied"])
+def test_blob_at_an_odd_offset(tmp_path, monkeypatch, unaligned_ok):
+    """A torch.save blob 3 bytes into a file (as DCP packs them): read where it lies on CPUs
+    that load unaligned data, else copied aligned; the same values either way."""
+    import io
+
+    from gradclip_cli.source.files import torch_zip_reader
+    from gradclip_cli.source.files.weights_pickle import Outside
+
+    monkeypatch.setattr(torch_zip_reader, "_UNALIGNED_OK", unaligned_ok)
+    value = {"w": torch.randn(7, 5, dtype=torch.float64), "b": torch.arange(6.0).half()}
+    blob = io.BytesIO()
+    torch.save(value, blob)
+    data = blob.getvalue()
+    path = tmp_path / "packed.bin"
+    path.write_bytes(b"abc" + data + b"tail")
+    read = torch_zip_reader.restricted_read(path, (3, len(data)))
+    assert torch.equal(read["w"], value["w"]) and torch.equal(read["b"], value["b"])
+    if not unaligned_ok:
+        assert read["w"].data_ptr() % 8 == 0
+    with pytest.raises(Outside, match="past the end"):
+        torch_zip_reader.restricted_read(path, (3, len(data) + 10))
+
+
+def test_under_a_launcher_the_ranks_share_the_chunks(gradclip, dcp_checkpoint):
+    """``torchrun -m gradclip_cli inspect`` on 2 gloo ranks: rank 0 prints one process's report
+    (``update``: each rank reads its share of the moments' chunks)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    launched = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "gradclip_cli", "inspect", str(dcp_checkpoint), "--what", "update",
+         "--format", "json"], env=env, capture_output=True, text=True, timeout=600)
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    alone = gradclip("inspect", dcp_checkpoint, "--what", "update", "--format", "json")
+    assert json.loads(launched.stdout) == alone.json()
