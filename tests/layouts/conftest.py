@@ -120,6 +120,18 @@ def lightning_ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def dcp_checkpoint(tmp_path_factory) -> Path:
+    """A real FSDP2 DCP folder: ``dcp.save`` on two spawned gloo ranks (``dcp_ranks.py``)."""
+    import torch.multiprocessing as mp
+
+    from .dcp_ranks import save_rank
+
+    outdir = tmp_path_factory.mktemp("dcp")
+    mp.spawn(save_rank, args=(2, str(outdir)), nprocs=2, join=True)
+    return outdir / "checkpoint"
+
+
+@pytest.fixture(scope="session")
 def deepspeed_runs(tmp_path_factory) -> Path:
     """Real DeepSpeed ZeRO 1, 2 and 3 checkpoints (``deepspeed_runs.py``): ``zeroN/`` each,
     with ``zeroN.reference.pt`` beside. One 2-process CPU run builds all three."""

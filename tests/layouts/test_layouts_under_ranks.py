@@ -2,8 +2,9 @@
 
 The real fixtures of this folder (``save_pretrained`` and
 ``save_torch_state_dict`` sets, a Trainer ``checkpoint-N/``, a Lightning
-``.ckpt``) are inspected with every ``--what`` once in one process and once
-under ``torchrun --nproc-per-node 2``; rank 0's report must be the same byte
+``.ckpt``, an FSDP2 DCP folder, DeepSpeed ZeRO-2 and ZeRO-3 folders) are
+inspected with several ``--what`` once in one process and once under
+``torchrun --nproc-per-node 2``; rank 0's report must be the same byte
 for byte, and rank 1 says nothing. ``clip`` of a gradient set writes each
 shard from the rank that read it: the set it writes is the one-process set,
 file for file, and a full disk on rank 1 is reported once, naming rank 1,
@@ -27,6 +28,9 @@ WHATS = {
     "pretrained_bin": ["weights"],
     "trainer": ["auto", "exp_avg", "grad_rms", "update", "weights"],
     "lightning": ["auto", "grads", "exp_avg", "update", "weights"],
+    "dcp": ["auto", "exp_avg", "update", "weights"],
+    "zero2": ["auto", "grad_rms", "weights"],
+    "zero3": ["update"],
 }
 
 
@@ -48,10 +52,12 @@ def _digests(folder: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lightning_ckpt):
+def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lightning_ckpt,
+             dcp_checkpoint, deepspeed_runs):
     tmp = tmp_path_factory.mktemp("layouts_ranks")
     paths = {"pretrained": sharded_pretrained, "pretrained_bin": sharded_bin,
-             "trainer": trainer_run, "lightning": lightning_ckpt}
+             "trainer": trainer_run, "lightning": lightning_ckpt, "dcp": dcp_checkpoint,
+             "zero2": deepspeed_runs / "zero2", "zero3": deepspeed_runs / "zero3"}
     jobs: list[dict] = []
     for kind, whats in WHATS.items():
         for what in whats:
@@ -70,6 +76,9 @@ def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lig
         shutil.copytree(folder, copy)
     clips = [
         ["clip", str(grads), "--max-norm", "1", "--format", "json", "-o", str(tmp / "out")],
+        # a DCP folder's gradients: the ranks share the reading, rank 0 writes the set
+        ["clip", str(dcp_checkpoint), "--max-norm", "0.01", "--format", "json",
+         "-o", str(tmp / "dcp_out")],
         ["clip", str(grads), "--clip-value", "0.5", "--no-progress", "-o", str(tmp / "outv")],
         # bf16: rounding leaves the total above 0.5 unless the coefficient is lowered
         ["clip", str(halves), "--max-norm", "0.5", "--format", "json"],
@@ -80,7 +89,7 @@ def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lig
                         "-o", str(tmp / "never")], "full_disk_rank": 1}
     jobs.append(failing)
     jobs_file = write_jobs(tmp, jobs)
-    outputs = [tmp / "out", tmp / "outv", tmp / "halves.clipped", grads]
+    outputs = [tmp / "out", tmp / "dcp_out", tmp / "outv", tmp / "halves.clipped", grads]
 
     one, two = tmp / "one", tmp / "two"
     one.mkdir()
@@ -118,7 +127,7 @@ def test_two_ranks_print_the_one_process_report_for_every_layout(launched):
         assert out0 == out, job["args"]  # byte for byte
         assert out1 == "" and err1.strip() == "", job["args"]
         checked += 1
-    assert checked == 2 * sum(map(len, WHATS.values())) + 2 + 4
+    assert checked == 2 * sum(map(len, WHATS.values())) + 2 + 5
 
 
 def test_each_rank_writes_its_shards_of_the_one_process_set(launched):
