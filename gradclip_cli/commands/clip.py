@@ -27,6 +27,7 @@ from ..format.text import visible
 from ..progress import progress_steps
 from ..report import ClipReport, NonFinite
 from ..sink import WRITERS, write_contents
+from ..source.layouts.dcp import is_dcp_set
 from ..source.what import select
 from .common import Loaded, emit, load, measure, output_format, speaks
 
@@ -54,7 +55,7 @@ def run(
 
     def load_for_writing(steps) -> tuple[Loaded, list[str]]:
         loaded = load(path, key, trust_pickle, verify, steps, what, gradients_only=True)
-        if loaded.contents.kind == "dcp":
+        if is_dcp_set(loaded.contents):
             loaded = _held_chunks(loaded)
         loaded.held_tensors()  # clip changes tensors in place: each must be one piece
         return loaded, _unshare_other_entries(loaded)

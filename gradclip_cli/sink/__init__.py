@@ -58,7 +58,7 @@ def write_contents(contents: Contents, output: Path | str, *, in_place: bool = F
     """
     if contents.checkpoint is not None:
         return write_checkpoint(contents.checkpoint, output)
-    if contents.kind == "dcp" and contents.index is not None:
+    if contents.chunks and contents.index is not None:  # a DCP set's gradient chunks
         from gradclip_cli.sink.dcp_set import write_dcp_set
 
         write_dcp_set(contents, Path(output), in_place=in_place)

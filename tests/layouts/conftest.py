@@ -120,6 +120,23 @@ def lightning_ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def lightning_sharded(tmp_path_factory) -> Path:
+    """A real ``lightning`` run with ``ModelParallelStrategy`` (FSDP2) on two CPU processes:
+    its sharded ``last.ckpt/`` folder (``lightning_sharded_run.py``)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("lightning_sharded")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run([sys.executable, os.fspath(Path(__file__).with_name(
+        "lightning_sharded_run.py")), os.fspath(out)], env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-4000:]
+    return out / "last.ckpt"
+
+
+@pytest.fixture(scope="session")
 def dcp_checkpoint(tmp_path_factory) -> Path:
     """A real FSDP2 DCP folder: ``dcp.save`` on two spawned gloo ranks (``dcp_ranks.py``)."""
     import torch.multiprocessing as mp

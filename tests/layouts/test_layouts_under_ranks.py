@@ -2,7 +2,7 @@
 
 The real fixtures of this folder (``save_pretrained`` and
 ``save_torch_state_dict`` sets, a Trainer ``checkpoint-N/``, a Lightning
-``.ckpt``, an FSDP2 DCP folder, DeepSpeed ZeRO-2 and ZeRO-3 folders) are
+``.ckpt`` file and a sharded ``.ckpt`` folder, an FSDP2 DCP folder, DeepSpeed ZeRO-2 and ZeRO-3 folders) are
 inspected with several ``--what`` once in one process and once under
 ``torchrun --nproc-per-node 2``; rank 0's report must be the same byte
 for byte, and rank 1 says nothing. ``clip`` of a gradient set writes each
@@ -29,6 +29,7 @@ WHATS = {
     "trainer": ["auto", "exp_avg", "grad_rms", "update", "weights"],
     "lightning": ["auto", "grads", "exp_avg", "update", "weights"],
     "dcp": ["auto", "exp_avg", "update", "weights"],
+    "lightning_sharded": ["auto", "update"],
     "zero2": ["auto", "grad_rms", "weights"],
     "zero3": ["update"],
 }
@@ -53,10 +54,11 @@ def _digests(folder: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lightning_ckpt,
-             dcp_checkpoint, deepspeed_runs):
+             lightning_sharded, dcp_checkpoint, deepspeed_runs):
     tmp = tmp_path_factory.mktemp("layouts_ranks")
     paths = {"pretrained": sharded_pretrained, "pretrained_bin": sharded_bin,
              "trainer": trainer_run, "lightning": lightning_ckpt, "dcp": dcp_checkpoint,
+             "lightning_sharded": lightning_sharded,
              "zero2": deepspeed_runs / "zero2", "zero3": deepspeed_runs / "zero3"}
     jobs: list[dict] = []
     for kind, whats in WHATS.items():

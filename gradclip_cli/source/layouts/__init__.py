@@ -21,12 +21,13 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.format.text import visible
 from gradclip_cli.source.interface import Contents, Layout
 
-from . import dcp, deepspeed, hf_sharded, hf_trainer, single_file
+from . import dcp, deepspeed, hf_sharded, hf_trainer, lightning, single_file
 
 LAYOUTS: tuple[Layout, ...] = (
     deepspeed,
     hf_trainer,
     hf_sharded,
+    lightning,  # a sharded Lightning folder is a DCP folder with meta.pt: before dcp
     dcp,
 )
 

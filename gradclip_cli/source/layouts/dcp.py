@@ -29,6 +29,7 @@ from __future__ import annotations
 import builtins
 import math
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,7 @@ from .single_file import OPTIMIZER_KEYS, WEIGHT_KEYS
 
 KIND = "dcp"
 _STEP_KEYS = ("step", "global_step")
+_LIGHTNING_OPTIMIZER = re.compile(r"optimizer_\d+")
 
 
 def recognises(path: Path) -> bool:
@@ -92,11 +94,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
                         index=meta_file)
     contents.weights = _under(paths, tensors, WEIGHT_KEYS)
     _fill_gradients(contents, meta_file, paths, tensors, key)
-    for name in OPTIMIZER_KEYS:
-        if any(p[0] == name and len(p) > 2 and p[1] in ("state", "param_groups")
-               for p in paths.values()):
-            contents.optimizers.append(_optimizer(meta, name, paths, tensors, files))
-            break
+    for name in _optimizer_tops(paths):
+        contents.optimizers.append(_optimizer(meta, name, paths, tensors, files))
     for k, p in paths.items():
         if len(p) == 1 and p[0] in _STEP_KEYS:
             contents.step = _step(meta, k, tensors, files)
@@ -359,6 +358,25 @@ def _tops(paths) -> str:
     tops = list(dict.fromkeys(str(p[0]) for p in paths.values()))
     shown = ", ".join(visible(repr(t)) for t in tops[:8])
     return shown + (f" and {len(tops) - 8} more" if len(tops) > 8 else "")
+
+
+def _optimizer_tops(paths) -> list[str]:
+    """The top-level keys holding optimizer state: the first of ``OPTIMIZER_KEYS`` that
+    does, else Lightning's ``optimizer_0``, ``optimizer_1``... (one per optimizer)."""
+    def holds_state(top: str) -> bool:
+        return any(p[0] == top and len(p) > 2 and p[1] in ("state", "param_groups")
+                   for p in paths.values())
+
+    for name in OPTIMIZER_KEYS:
+        if holds_state(name):
+            return [name]
+    numbered = {str(p[0]) for p in paths.values() if _LIGHTNING_OPTIMIZER.fullmatch(str(p[0]))}
+    return [t for t in sorted(numbered, key=lambda t: int(t.rsplit("_", 1)[1])) if holds_state(t)]
+
+
+def is_dcp_set(contents: Contents) -> bool:
+    """Whether ``contents`` was read from a DCP folder (this layout, or one built on it)."""
+    return contents.index is not None and contents.index.name == METADATA_NAME
 
 
 def _optimizer(meta: DcpMetadata, top: str, paths, tensors, files) -> OptimizerState:

@@ -1,4 +1,4 @@
-"""Lightning ``.ckpt`` files: one ``torch.save`` file with Lightning's keys.
+"""Lightning checkpoints: a ``.ckpt`` file, or a sharded ``.ckpt`` folder.
 
 ``Trainer.save_checkpoint`` writes ``{"epoch", "global_step",
 "pytorch-lightning_version", "state_dict": {name: tensor}, "optimizer_states":
@@ -9,22 +9,67 @@ Recognised by those keys (``state_dict`` plus Lightning's version or its
 ``param_names`` maps onto it (``source/what.py``). Gradients saved beside
 (``GradMonitor`` / ``save_grads`` under ``grads``) are found by the usual
 ``--key`` rule.
+
+A strategy that shards the model (``ModelParallelStrategy``, FSDP with
+``state_dict_type="sharded"``) saves a folder instead: a DCP checkpoint of
+``state_dict.<fqn>`` and ``optimizer_<i>.state.<fqn>.exp_avg``... (read by
+the ``dcp`` layout, which finds both), plus ``meta.pt``, the rest of the
+checkpoint (``global_step``, loops, callbacks) as a small ``torch.save``
+file, read by the restricted reader for its step. Recognised by content:
+``.metadata`` and ``meta.pt`` side by side.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from gradclip_cli.errors import InputError
+from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.interface import Checkpoint, Contents, stored
 
+from . import dcp
 from .torch_optim import optimizer_state
 
 KIND = "lightning"
 VERSION_KEY = "pytorch-lightning_version"
+META = "meta.pt"
+
+
+def recognises(path: Path) -> bool:
+    """A sharded Lightning checkpoint: a DCP folder with Lightning's ``meta.pt`` beside."""
+    return os.path.isdir(path) and os.path.isfile(path / META) and dcp.recognises(path)
+
+
+def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    """A sharded ``.ckpt`` folder: the DCP checkpoint, with the step from ``meta.pt``."""
+    out = dcp.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
+    meta_file = path / META
+    meta = load_checkpoint(meta_file, trust_pickle=trust_pickle, verify=verify)
+    if not isinstance(meta.root, Mapping):
+        raise InputError(f"{meta_file}: not Lightning's checkpoint metadata: holds a "
+                         f"{type(meta.root).__name__}, not a dict")
+    out.kind = KIND
+    out.files.append(meta_file)
+    out.trusted_pickle |= meta.trusted_pickle
+    out.step = _global_step(meta.root, meta_file)
+    version = meta.root.get(VERSION_KEY)
+    out.description.insert(
+        0, f"Lightning sharded checkpoint"
+        f"{f' (Lightning {version})' if isinstance(version, str) else ''}: "
+        f"{len(out.weights or {})} weights, {len(out.optimizers)} optimizer state(s)")
+    return out
+
+
+def _global_step(root: Mapping, path: Path) -> int | None:
+    step = root.get("global_step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise InputError(f"{path}: Lightning 'global_step' is {step!r}, not a step count")
+    return step
 
 
 def claims(root: Any) -> bool:
@@ -54,11 +99,7 @@ def contents(ckpt: Checkpoint, *, key: str | None) -> Contents:
         raise InputError(f"{path}: Lightning 'optimizer_states' is not a list")
     for i, state in enumerate(states):
         out.optimizers.append(optimizer_state(state, path, f"optimizer_states[{i}]"))
-    step = root.get("global_step")
-    if step is not None:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise InputError(f"{path}: Lightning 'global_step' is {step!r}, not a step count")
-        out.step = step
+    out.step = _global_step(root, path)
     version = root.get(VERSION_KEY)
     out.description.append(
         f"Lightning checkpoint{f' (Lightning {version})' if isinstance(version, str) else ''}: "
