@@ -1,10 +1,16 @@
 """``gradclip trend``: norms over a run's checkpoints and logs, spikes judged against history.
 
-Every input becomes points: a checkpoint is one (measured as ``inspect``
-measures it), a monitor log or a ``trainer_state.json`` one per logged step.
-All checkpoints are read in this one process, one after another, each
-released before the next, so 50 checkpoints cost their reading and no more
-start-ups (BENCHMARKS.md, "trend").
+Every input becomes points: a checkpoint is one (opened and measured as
+``inspect`` does: any layout, any ``--what``), a monitor log or a
+``trainer_state.json`` one per logged step. All checkpoints are read in this
+one process, one after another, each released before the next, so 50
+checkpoints cost their reading and no more start-ups (BENCHMARKS.md, "trend").
+
+A trend judges one quantity: every point must measure the same ``what``.
+Logs hold gradient norms (``grads``); with ``--what auto`` each checkpoint
+picks its own (``grads`` if saved, else ``exp_avg``), and a run whose points
+would mix kinds is exit 2 naming two that differ: z-scores of Adam's first
+moment against a history of gradient norms would mean nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from .. import options
 from ..core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z
 from ..distributed import launcher
 from ..errors import InputError, UsageError
+from ..format.text import visible
 from ..progress import Steps, progress_steps
 from ..report import NonFinite, parse_group_by
 from ..report.trend import (
@@ -31,14 +38,15 @@ from ..report.trend import (
     order_by_step,
 )
 from ..source import READERS
-from ..source.files.pages import PageReleaser
+from ..source.layouts import LAYOUTS
 from ..source.logs import LogKind, log_kind
-from .common import emit, load, measure, output_format, speaks
+from ..source.what import EXPLAIN, WHATS
+from .common import Releasers, emit, load, measure, output_format, speaks
 
-# What --what may name (CONTRACT.md). This build selects saved gradients
-# only; "auto" therefore means "grads".
-WHAT_CHOICES = ("auto", "grads", "exp_avg", "grad_rms", "update", "weights")
-WHAT_READABLE = ("auto", "grads")
+# What --what may name (CONTRACT.md): the same choices inspect takes.
+WHAT_CHOICES = WHATS
+# What a norm log (monitor JSON Lines, trainer_state.json) holds.
+LOGGED_WHAT = "grads"
 PLOT_SUFFIXES = (".png", ".svg")
 
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
@@ -68,6 +76,7 @@ class Measurement:
     trust_pickle: bool
     verify: bool
     session: object = None  # a launcher.Session under torchrun: ranks split each checkpoint
+    what: str = "auto"
 
 
 def run(
@@ -99,16 +108,21 @@ def run(
         logs = [(item.path, item.kind.read(item.path)) for item in inputs
                 if isinstance(item.kind, LogKind)]
         p = _norm_type(requested_p, logs)
-        how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session)
+        how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
+        kinds = OneKind(what)
+        for path, _ in logs:
+            kinds.check(str(path), LOGGED_WHAT, logged=True)
         observations: list[Observation] = []
         logged = dict(logs)
         for item in inputs:
             if isinstance(item.kind, LogKind):
                 observations += _logged_observations(item.path, logged[item.path])
             else:
-                observations.append(_checkpoint_observation(item, how, steps))
+                point = _checkpoint_observation(item, how, steps)
+                kinds.check(point.source, point.what)
+                observations.append(point)
     report = build_trend_report(
-        order_by_step(observations), what="grads", norm_type=p, group_by=group_by, z=z,
+        order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
         alpha=alpha, warmup=warmup, fail_on=fail_on,
     )  # fmt: skip
     if plot is not None and speaks():
@@ -122,10 +136,40 @@ def run(
 def check_what(text: str) -> str:
     if text not in WHAT_CHOICES:
         raise UsageError(f"--what must be one of {', '.join(WHAT_CHOICES)}, got {text!r}")
-    if text not in WHAT_READABLE:
-        raise UsageError(f"--what {text}: this version reads saved gradients only "
-                         "(--what grads or auto)")
     return text
+
+
+class OneKind:
+    """Checks that every point of a trend (or both sides of a compare) measures one ``what``.
+
+    ``requested``: ``--what``; "auto" lets the first point decide. A second
+    kind is a ``UsageError`` naming both sources: one series, one quantity.
+    """
+
+    def __init__(self, requested: str):
+        self.requested = requested
+        self.first: tuple[str, str] | None = None  # (source, what)
+
+    @property
+    def what(self) -> str:
+        if self.first is not None:
+            return self.first[1]
+        return LOGGED_WHAT if self.requested == "auto" else self.requested
+
+    def check(self, source: str, what: str, *, logged: bool = False) -> None:
+        if logged and self.requested not in ("auto", what):
+            raise UsageError(
+                f"--what {self.requested}: {visible(source)} logs gradient norms ({what}) "
+                f"only, which cannot be measured as {self.requested}; trend one kind at a time")
+        if self.first is None:
+            self.first = (source, what)
+            return
+        source0, what0 = self.first
+        if what != what0:
+            raise UsageError(
+                f"{visible(source)} measures {what} ({EXPLAIN[what]}) but {visible(source0)} "
+                f"measures {what0}; one trend compares one quantity: give --what {what0} or "
+                f"--what {what}, or leave out the inputs that lack it")
 
 
 def _fail_on(text: str) -> str:
@@ -172,7 +216,14 @@ def _norm_type(requested: float | None, logs: list[tuple[Path, list]]) -> float:
 
 
 def _loads(path: Path, key: str | None, trust_pickle: bool, steps: Steps) -> str | None:
-    """None when the loader reads ``path`` as one checkpoint, else why not."""
+    """None when ``path`` is one checkpoint (a layout recognises it), else why not.
+
+    Recognition is by content and cheap (a folder's names, a small JSON
+    file's keys): the checkpoint is read once, when it is measured, and a
+    damaged one is reported then, naming its file.
+    """
+    if any(layout.recognises(path) for layout in LAYOUTS):
+        return None
     try:
         load(path, key, trust_pickle, False, steps)
     except InputError as error:
@@ -240,9 +291,13 @@ def _name_number(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def _step_of(root: object, path: Path, folder_step: int | None) -> int | None:
-    """The checkpoint's ``step``/``global_step`` entry, else the last number in its name,
-    else its ``checkpoint-N/`` folder's number."""
+def _step_of(stated: int | None, root: object, path: Path, folder_step: int | None
+             ) -> int | None:
+    """The step the layout read (a Trainer's ``global_step``), else the checkpoint's
+    ``step``/``global_step`` entry, else the last number in its name, else its
+    ``checkpoint-N/`` folder's number."""
+    if stated is not None:
+        return stated
     if isinstance(root, dict):
         for name in ("global_step", "step"):
             value = root.get(name)
@@ -271,15 +326,17 @@ class Measured:
     nonfinite: NonFinite
     groups: dict[str, float]  # in checkpoint order of first appearance
     step: int | None
+    what: str = LOGGED_WHAT  # what was measured (``--what auto`` decides per checkpoint)
 
 
 def measure_checkpoint(path: Path, how: Measurement, steps: Steps,
                        folder_step: int | None = None) -> Measured:
-    """Load, measure and group one checkpoint; its pages are released as they are read."""
+    """Load (any layout), select ``how.what`` and measure one checkpoint, grouped;
+    its pages are released as they are read."""
     import torch
 
-    loaded = load(path, how.key, how.trust_pickle, how.verify, steps)
-    release = PageReleaser(path) if path.is_file() else None
+    loaded = load(path, how.key, how.trust_pickle, how.verify, steps, how.what)
+    release = Releasers(loaded.contents.files or [path])
     # Groups and the total count each shared element once: the owned sums.
     _, sums = measure(loaded, how.norm_type, how.device, steps, f"measuring {path.name}",
                       release, how.session)
@@ -295,14 +352,17 @@ def measure_checkpoint(path: Path, how: Measurement, steps: Steps,
         total_norm=float(total.norm[0]),
         nonfinite=NonFinite(int(total.nan[0]), int(total.posinf[0]), int(total.neginf[0])),
         groups=dict(zip(order, group_norms)),
-        step=_step_of(loaded.checkpoint.root, path, folder_step),
+        step=_step_of(loaded.contents.step,
+                      None if loaded.checkpoint is None else loaded.checkpoint.root,
+                      path, folder_step),
+        what=loaded.selection.what,
     )  # fmt: skip
 
 
 def _checkpoint_observation(item: Input, how: Measurement, steps: Steps) -> Observation:
     m = measure_checkpoint(item.path, how, steps, item.folder_step)
     return Observation(source=str(item.path), step=m.step, total_norm=m.total_norm,
-                       groups=m.groups, nonfinite=m.nonfinite)
+                       groups=m.groups, nonfinite=m.nonfinite, what=m.what)
 
 
 def _logged_observations(path: Path, entries: list) -> list[Observation]:
@@ -311,6 +371,7 @@ def _logged_observations(path: Path, entries: list) -> list[Observation]:
             source=str(path), step=entry.step, total_norm=entry.total_norm,
             groups=dict(entry.groups),
             nonfinite=None if entry.nonfinite is None else NonFinite(*entry.nonfinite),
+            what=LOGGED_WHAT,
         )  # fmt: skip
         for entry in entries
     ]

@@ -265,7 +265,6 @@ def test_plot_without_matplotlib_is_a_usage_error(gradclip, tmp_path, monkeypatc
     (["--warmup", "0"], "--warmup"),
     (["--plot", "p.jpg"], ".png or .svg"),
     (["--what", "moments"], "--what"),
-    (["--what", "exp_avg"], "saved gradients only"),
     (["--norm-type", "-1"], "--norm-type"),
     (["--format", "xml"], "--format"),
 ])  # fmt: skip
