@@ -149,6 +149,7 @@ class OneKind:
     def __init__(self, requested: str):
         self.requested = requested
         self.first: tuple[str, str] | None = None  # (source, what)
+        self.logs = False
 
     @property
     def what(self) -> str:
@@ -161,15 +162,20 @@ class OneKind:
             raise UsageError(
                 f"--what {self.requested}: {visible(source)} logs gradient norms ({what}) "
                 f"only, which cannot be measured as {self.requested}; trend one kind at a time")
+        self.logs |= logged
         if self.first is None:
             self.first = (source, what)
             return
         source0, what0 = self.first
-        if what != what0:
-            raise UsageError(
-                f"{visible(source)} measures {what} ({EXPLAIN[what]}) but {visible(source0)} "
-                f"measures {what0}; one trend compares one quantity: give --what {what0} or "
-                f"--what {what}, or leave out the inputs that lack it")
+        if what == what0:
+            return
+        if logged or self.logs:
+            fix = "a log holds gradient norms only: trend the logs and the checkpoints apart"
+        else:
+            fix = f"give --what {what0} or --what {what} to measure every checkpoint alike"
+        raise UsageError(f"{visible(source)} measures {what} ({EXPLAIN[what]}) but "
+                         f"{visible(source0)} measures {what0}; one trend judges one "
+                         f"quantity: {fix}")
 
 
 def _fail_on(text: str) -> str:
