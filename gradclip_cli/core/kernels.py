@@ -23,6 +23,8 @@ Neither does any I/O or host-device synchronisation.
 from __future__ import annotations
 
 import math
+import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -162,8 +164,10 @@ def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float, workers: int 
     if workers == 1:
         results = [run(parts[0])] if jobs else []
     else:
-        with ThreadPoolExecutor(workers) as pool:
-            results = list(pool.map(run, parts))
+        # The last part runs on the calling thread, the others on the shared pool.
+        pending = [_pool(workers - 1).submit(run, part) for part in parts[:-1]]
+        last = run(parts[-1])
+        results = [f.result() for f in pending] + [last]
     layout = [loc for r in results for loc in r.layout]
     if not layout:
         empty = torch.empty(0, dtype=acc)
@@ -180,6 +184,37 @@ def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float, workers: int 
         sums = torch.cat([x for r in results for x in r.sums]).double()[order]
         norms = pointwise_pow(sums, 1.0 / norm_type)
     return _rows(layout, maxima, norms, acc)
+
+
+# One pool of worker threads for the process, grown on demand and reused by
+# every call: starting threads per call cost 7 ms a thread on a loaded 2-core
+# machine, 0.7 s over 50 checkpoints (BENCHMARKS.md, "trend"). Which thread
+# runs a part changes nothing: the parts and the row order are fixed above.
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(size: int) -> ThreadPoolExecutor:
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_SIZE < size:
+            old = _POOL
+            _POOL = ThreadPoolExecutor(size, thread_name_prefix="gradclip-norms")
+            _POOL_SIZE = size
+            if old is not None:
+                old.shutdown(wait=False)  # its running parts finish; new ones go here
+        return _POOL
+
+
+def _forget_pool() -> None:
+    """In a forked child the parent's threads do not exist: start afresh."""
+    global _POOL, _POOL_SIZE, _POOL_LOCK
+    _POOL, _POOL_SIZE, _POOL_LOCK = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 class _Pieces:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from gradclip_cli.source.files.pages import register_mapping
 from gradclip_cli.source.files.weights_pickle import (
     Attempt,
     Outside,
@@ -212,7 +213,8 @@ def restricted_read(path: Path) -> object:
 
 def _read(path: Path, attempt: Attempt) -> object:
     with open(path, "rb") as raw:
-        size = os.fstat(raw.fileno()).st_size
+        stat = os.fstat(raw.fileno())
+        size = stat.st_size
         if size < 22:
             raise Outside("too small for a zip")
         view = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ)
@@ -263,6 +265,7 @@ def _read(path: Path, attempt: Attempt) -> object:
                 raise Outside(f"{name} is smaller than its storage")
             if not overall:
                 overall.append(torch.UntypedStorage.from_file(os.fspath(path), False, size))
+                register_mapping(stat, overall[0])
             spans[name] = (start, start + nbytes)
             storage = _slice(overall[0], slice(start, start + nbytes))
             ref = StorageRef(key, marker, numel, storage, start)
