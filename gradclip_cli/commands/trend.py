@@ -114,21 +114,19 @@ def run(
             kinds.check(str(path), LOGGED_WHAT, logged=True)
         observations: list[Observation] = []
         logged = dict(logs)
-        checkpoints = [item for item in inputs if not isinstance(item.kind, LogKind)]
-        opened = _opened_ahead(checkpoints, how)
-        try:
-            for item in inputs:
-                if isinstance(item.kind, LogKind):
-                    observations += _logged_observations(item.path, logged[item.path])
-                    continue
-                loaded = next(opened)
-                kinds.check(str(item.path), loaded.selection.what)
-                m = measure_loaded(loaded, item.path, how, steps, item.folder_step)
-                observations.append(Observation(
-                    source=str(item.path), step=m.step, total_norm=m.total_norm,
-                    groups=m.groups, nonfinite=m.nonfinite, what=m.what))
-        finally:
-            opened.close()
+        for item in inputs:
+            if isinstance(item.kind, LogKind):
+                observations += _logged_observations(item.path, logged[item.path])
+                continue
+            # One at a time: loading checkpoint i+1 on a thread while i was
+            # measured made trend slower, not faster (BENCHMARKS.md, "trend").
+            loaded = load(item.path, how.key, how.trust_pickle, how.verify, steps, how.what)
+            kinds.check(str(item.path), loaded.selection.what)  # before measuring it
+            m = measure_loaded(loaded, item.path, how, steps, item.folder_step)
+            del loaded  # its mapping goes before the next checkpoint is opened
+            observations.append(Observation(
+                source=str(item.path), step=m.step, total_norm=m.total_norm,
+                groups=m.groups, nonfinite=m.nonfinite, what=m.what))
     report = build_trend_report(
         order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
         alpha=alpha, warmup=warmup, fail_on=fail_on,
@@ -349,41 +347,6 @@ def measure_checkpoint(path: Path, how: Measurement, steps: Steps,
     its pages are released as they are read."""
     loaded = load(path, how.key, how.trust_pickle, how.verify, steps, how.what)
     return measure_loaded(loaded, path, how, steps, folder_step)
-
-
-def _opened_ahead(items: list[Input], how: Measurement) -> Iterator[Loaded]:
-    """Each checkpoint of ``items`` loaded, in order, the next one loading while the
-    caller measures this one.
-
-    Loading is mostly Python (unpickling, the zip directory: about 10 ms per
-    small checkpoint) and holds the GIL; measuring is torch kernels that
-    release it, so one background thread hides most of the loading
-    (BENCHMARKS.md, "trend"). Loading touches none of the tensors' pages, so
-    at most one checkpoint's pages are resident at a time, as before. An
-    error loading checkpoint i+1 surfaces when i+1 is reached, as it would
-    one by one. Under a launcher the ranks load in step, one at a time.
-    """
-    def load_one(item: Input) -> Loaded:
-        # The display shows the measuring of the checkpoint before it.
-        return load(item.path, how.key, how.trust_pickle, how.verify, Steps(None), how.what)
-
-    if how.session is not None or len(items) < 2:
-        for item in items:
-            yield load_one(item)
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(1, thread_name_prefix="gradclip-load") as pool:
-        ahead = pool.submit(load_one, items[0])
-        try:
-            for k in range(len(items)):
-                loaded = ahead.result()
-                ahead = pool.submit(load_one, items[k + 1]) if k + 1 < len(items) else None
-                yield loaded
-                del loaded
-        finally:
-            if ahead is not None:
-                ahead.cancel()
 
 
 def measure_loaded(loaded: Loaded, path: Path, how: Measurement, steps: Steps,
