@@ -10,15 +10,54 @@ itself sane.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 STEPS = 40
 SPIKE_STEP = 30  # as the Trainer logs it: global_step after the optimizer step
 SPIKE_SCALE = 1000.0
 
+# The checkpointed run: a checkpoint-N/ folder at every step, no clipping.
+CHECKPOINTED_STEPS = 12
+CHECKPOINTED_SPIKE_STEP = 10
+
+
+@dataclass(frozen=True)
+class CheckpointedRun:
+    """``output_dir`` holds ``checkpoint-1/`` .. ``checkpoint-N/``; ``group_names[g]``
+    are the names of the optimizer's param group ``g``'s parameters, in its order
+    (taken from the live model, to map ``optimizer.pt``'s ids to names)."""
+
+    output_dir: Path
+    steps: int
+    spike_step: int
+    group_names: list[list[str]]
+
 
 def train_with_spike(output_dir: Path) -> Path:
     """Run the Trainer into ``output_dir``; return its ``trainer_state.json``."""
+    state, _ = _train(output_dir, steps=STEPS, spike_step=SPIKE_STEP, save=False,
+                      max_grad_norm=1.0)
+    return state
+
+
+def train_checkpointed_with_spike(output_dir: Path) -> CheckpointedRun:
+    """A shorter run that saves a Trainer checkpoint every step, spike at
+    ``CHECKPOINTED_SPIKE_STEP``.
+
+    Gradient clipping is off (``max_grad_norm=0``) so that the spike reaches
+    Adam: its moments jump at that step, ``exp_avg`` by ``(1 - beta1) * g``
+    (a 100-fold jump for a 1000-fold gradient) and ``exp_avg_sq`` by
+    ``(1 - beta2) * g**2``, then decay over the following steps. The learning
+    rate is constant so that ``update`` moves only with the moments.
+    """
+    _, groups = _train(output_dir, steps=CHECKPOINTED_STEPS, spike_step=CHECKPOINTED_SPIKE_STEP,
+                       save=True, max_grad_norm=0.0)
+    return CheckpointedRun(output_dir, CHECKPOINTED_STEPS, CHECKPOINTED_SPIKE_STEP, groups)
+
+
+def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
+           max_grad_norm: float) -> tuple[Path, list[list[str]]]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -27,22 +66,24 @@ def train_with_spike(output_dir: Path) -> Path:
                         bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 64, (STEPS * 4, 16), generator=generator)
+    tokens = torch.randint(0, 64, (steps * 4, 16), generator=generator)
     dataset = [{"input_ids": t, "labels": t} for t in tokens]
 
     class SpikeTrainer(Trainer):
         def compute_loss(self, model, inputs, *args, **kwargs):
             loss = super().compute_loss(model, inputs, *args, **kwargs)
             # global_step counts finished optimizer steps; this step logs as +1.
-            if self.state.global_step + 1 == SPIKE_STEP:
+            if self.state.global_step + 1 == spike_step:
                 loss = loss * SPIKE_SCALE
             return loss
 
+    saving = {"save_strategy": "steps", "save_steps": 1, "lr_scheduler_type": "constant"} \
+        if save else {"save_strategy": "no"}
     args = TrainingArguments(
-        output_dir=str(output_dir), max_steps=STEPS, per_device_train_batch_size=4,
-        learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
-        use_cpu=True, seed=0, data_seed=0, max_grad_norm=1.0, disable_tqdm=True,
-        dataloader_num_workers=0,
+        output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4,
+        learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+        data_seed=0, max_grad_norm=max_grad_norm, disable_tqdm=True,
+        dataloader_num_workers=0, **saving,
     )  # fmt: skip
     trainer = SpikeTrainer(model=model, args=args, train_dataset=dataset)
     # One thread: on a shared 2-core machine, intra-op threads over such tiny
@@ -54,4 +95,6 @@ def train_with_spike(output_dir: Path) -> Path:
     finally:
         torch.set_num_threads(threads)
     trainer.save_state()
-    return output_dir / "trainer_state.json"
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    groups = [[name_of[id(p)] for p in g["params"]] for g in trainer.optimizer.param_groups]
+    return output_dir / "trainer_state.json", groups

@@ -12,7 +12,7 @@ from ..progress import progress_steps
 from ..report import OK, parse_group_by
 from ..report.compare import build_compare_report
 from .common import emit, output_format, speaks
-from .trend import Measured, Measurement, check_what, measure_checkpoint
+from .trend import Measured, Measurement, OneKind, check_what, measure_checkpoint
 
 
 def run(
@@ -33,13 +33,16 @@ def run(
     session = launcher.join(dev, device)
     if session is not None:
         dev = session.device
-    how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session)
+    how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
+    kinds = OneKind(what)
     with progress_steps(quiet or not speaks()) as steps:
         # One at a time: A's pages are released before B is read.
         ra = measure_checkpoint(a, how, steps)
+        kinds.check(str(a), ra.what)
         rb = measure_checkpoint(b, how, steps)
+        kinds.check(str(b), rb.what)
     report = build_compare_report(
-        a=str(a), b=str(b), what="grads", norm_type=p, group_by=group_by,
+        a=str(a), b=str(b), what=kinds.what, norm_type=p, group_by=group_by,
         totals=(ra.total_norm, rb.total_norm), groups_a=ra.groups, groups_b=rb.groups,
         nonfinite=_nonfinite(ra) or _nonfinite(rb), fail_above=limit,
     )  # fmt: skip

@@ -1,10 +1,16 @@
 """``gradclip trend``: norms over a run's checkpoints and logs, spikes judged against history.
 
-Every input becomes points: a checkpoint is one (measured as ``inspect``
-measures it), a monitor log or a ``trainer_state.json`` one per logged step.
-All checkpoints are read in this one process, one after another, each
-released before the next, so 50 checkpoints cost their reading and no more
-start-ups (BENCHMARKS.md, "trend").
+Every input becomes points: a checkpoint is one (opened and measured as
+``inspect`` does: any layout, any ``--what``), a monitor log or a
+``trainer_state.json`` one per logged step. All checkpoints are read in this
+one process, one after another, each released before the next, so 50
+checkpoints cost their reading and no more start-ups (BENCHMARKS.md, "trend").
+
+A trend judges one quantity: every point must measure the same ``what``.
+Logs hold gradient norms (``grads``); with ``--what auto`` each checkpoint
+picks its own (``grads`` if saved, else ``exp_avg``), and a run whose points
+would mix kinds is exit 2 naming two that differ: z-scores of Adam's first
+moment against a history of gradient norms would mean nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from .. import options
 from ..core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z
 from ..distributed import launcher
 from ..errors import InputError, UsageError
+from ..format.text import visible
 from ..progress import Steps, progress_steps
 from ..report import NonFinite, parse_group_by
 from ..report.trend import (
@@ -31,14 +38,15 @@ from ..report.trend import (
     order_by_step,
 )
 from ..source import READERS
-from ..source.files.pages import PageReleaser
+from ..source.layouts import LAYOUTS
 from ..source.logs import LogKind, log_kind
-from .common import emit, load, measure, output_format, speaks
+from ..source.what import EXPLAIN, WHATS
+from .common import Loaded, Releasers, emit, load, measure, output_format, speaks
 
-# What --what may name (CONTRACT.md). This build selects saved gradients
-# only; "auto" therefore means "grads".
-WHAT_CHOICES = ("auto", "grads", "exp_avg", "grad_rms", "update", "weights")
-WHAT_READABLE = ("auto", "grads")
+# What --what may name (CONTRACT.md): the same choices inspect takes.
+WHAT_CHOICES = WHATS
+# What a norm log (monitor JSON Lines, trainer_state.json) holds.
+LOGGED_WHAT = "grads"
 PLOT_SUFFIXES = (".png", ".svg")
 
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
@@ -68,6 +76,7 @@ class Measurement:
     trust_pickle: bool
     verify: bool
     session: object = None  # a launcher.Session under torchrun: ranks split each checkpoint
+    what: str = "auto"
 
 
 def run(
@@ -99,16 +108,27 @@ def run(
         logs = [(item.path, item.kind.read(item.path)) for item in inputs
                 if isinstance(item.kind, LogKind)]
         p = _norm_type(requested_p, logs)
-        how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session)
+        how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
+        kinds = OneKind(what)
+        for path, _ in logs:
+            kinds.check(str(path), LOGGED_WHAT, logged=True)
         observations: list[Observation] = []
         logged = dict(logs)
         for item in inputs:
             if isinstance(item.kind, LogKind):
                 observations += _logged_observations(item.path, logged[item.path])
-            else:
-                observations.append(_checkpoint_observation(item, how, steps))
+                continue
+            # One at a time: loading checkpoint i+1 on a thread while i was
+            # measured made trend slower, not faster (BENCHMARKS.md, "trend").
+            loaded = load(item.path, how.key, how.trust_pickle, how.verify, steps, how.what)
+            kinds.check(str(item.path), loaded.selection.what)  # before measuring it
+            m = measure_loaded(loaded, item.path, how, steps, item.folder_step)
+            del loaded  # its mapping goes before the next checkpoint is opened
+            observations.append(Observation(
+                source=str(item.path), step=m.step, total_norm=m.total_norm,
+                groups=m.groups, nonfinite=m.nonfinite, what=m.what))
     report = build_trend_report(
-        order_by_step(observations), what="grads", norm_type=p, group_by=group_by, z=z,
+        order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
         alpha=alpha, warmup=warmup, fail_on=fail_on,
     )  # fmt: skip
     if plot is not None and speaks():
@@ -122,10 +142,46 @@ def run(
 def check_what(text: str) -> str:
     if text not in WHAT_CHOICES:
         raise UsageError(f"--what must be one of {', '.join(WHAT_CHOICES)}, got {text!r}")
-    if text not in WHAT_READABLE:
-        raise UsageError(f"--what {text}: this version reads saved gradients only "
-                         "(--what grads or auto)")
     return text
+
+
+class OneKind:
+    """Checks that every point of a trend (or both sides of a compare) measures one ``what``.
+
+    ``requested``: ``--what``; "auto" lets the first point decide. A second
+    kind is a ``UsageError`` naming both sources: one series, one quantity.
+    """
+
+    def __init__(self, requested: str):
+        self.requested = requested
+        self.first: tuple[str, str] | None = None  # (source, what)
+        self.logs = False
+
+    @property
+    def what(self) -> str:
+        if self.first is not None:
+            return self.first[1]
+        return LOGGED_WHAT if self.requested == "auto" else self.requested
+
+    def check(self, source: str, what: str, *, logged: bool = False) -> None:
+        if logged and self.requested not in ("auto", what):
+            raise UsageError(
+                f"--what {self.requested}: {visible(source)} logs gradient norms ({what}) "
+                f"only, which cannot be measured as {self.requested}; trend one kind at a time")
+        self.logs |= logged
+        if self.first is None:
+            self.first = (source, what)
+            return
+        source0, what0 = self.first
+        if what == what0:
+            return
+        if logged or self.logs:
+            fix = "a log holds gradient norms only: trend the logs and the checkpoints apart"
+        else:
+            fix = f"give --what {what0} or --what {what} to measure every checkpoint alike"
+        raise UsageError(f"{visible(source)} measures {what} ({EXPLAIN[what]}) but "
+                         f"{visible(source0)} measures {what0}; one trend judges one "
+                         f"quantity: {fix}")
 
 
 def _fail_on(text: str) -> str:
@@ -172,7 +228,14 @@ def _norm_type(requested: float | None, logs: list[tuple[Path, list]]) -> float:
 
 
 def _loads(path: Path, key: str | None, trust_pickle: bool, steps: Steps) -> str | None:
-    """None when the loader reads ``path`` as one checkpoint, else why not."""
+    """None when ``path`` is one checkpoint (a layout recognises it), else why not.
+
+    Recognition is by content and cheap (a folder's names, a small JSON
+    file's keys): the checkpoint is read once, when it is measured, and a
+    damaged one is reported then, naming its file.
+    """
+    if any(layout.recognises(path) for layout in LAYOUTS):
+        return None
     try:
         load(path, key, trust_pickle, False, steps)
     except InputError as error:
@@ -240,9 +303,13 @@ def _name_number(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def _step_of(root: object, path: Path, folder_step: int | None) -> int | None:
-    """The checkpoint's ``step``/``global_step`` entry, else the last number in its name,
-    else its ``checkpoint-N/`` folder's number."""
+def _step_of(stated: int | None, root: object, path: Path, folder_step: int | None
+             ) -> int | None:
+    """The step the layout read (a Trainer's ``global_step``), else the checkpoint's
+    ``step``/``global_step`` entry, else the last number in its name, else its
+    ``checkpoint-N/`` folder's number."""
+    if stated is not None:
+        return stated
     if isinstance(root, dict):
         for name in ("global_step", "step"):
             value = root.get(name)
@@ -271,15 +338,23 @@ class Measured:
     nonfinite: NonFinite
     groups: dict[str, float]  # in checkpoint order of first appearance
     step: int | None
+    what: str = LOGGED_WHAT  # what was measured (``--what auto`` decides per checkpoint)
 
 
 def measure_checkpoint(path: Path, how: Measurement, steps: Steps,
                        folder_step: int | None = None) -> Measured:
-    """Load, measure and group one checkpoint; its pages are released as they are read."""
+    """Load (any layout), select ``how.what`` and measure one checkpoint, grouped;
+    its pages are released as they are read."""
+    loaded = load(path, how.key, how.trust_pickle, how.verify, steps, how.what)
+    return measure_loaded(loaded, path, how, steps, folder_step)
+
+
+def measure_loaded(loaded: Loaded, path: Path, how: Measurement, steps: Steps,
+                   folder_step: int | None = None) -> Measured:
+    """Measure and group one loaded checkpoint; its pages are released as they are read."""
     import torch
 
-    loaded = load(path, how.key, how.trust_pickle, how.verify, steps)
-    release = PageReleaser(path) if path.is_file() else None
+    release = Releasers(loaded.contents.files or [path])
     # Groups and the total count each shared element once: the owned sums.
     _, sums = measure(loaded, how.norm_type, how.device, steps, f"measuring {path.name}",
                       release, how.session)
@@ -295,14 +370,11 @@ def measure_checkpoint(path: Path, how: Measurement, steps: Steps,
         total_norm=float(total.norm[0]),
         nonfinite=NonFinite(int(total.nan[0]), int(total.posinf[0]), int(total.neginf[0])),
         groups=dict(zip(order, group_norms)),
-        step=_step_of(loaded.checkpoint.root, path, folder_step),
+        step=_step_of(loaded.contents.step,
+                      None if loaded.checkpoint is None else loaded.checkpoint.root,
+                      path, folder_step),
+        what=loaded.selection.what,
     )  # fmt: skip
-
-
-def _checkpoint_observation(item: Input, how: Measurement, steps: Steps) -> Observation:
-    m = measure_checkpoint(item.path, how, steps, item.folder_step)
-    return Observation(source=str(item.path), step=m.step, total_norm=m.total_norm,
-                       groups=m.groups, nonfinite=m.nonfinite)
 
 
 def _logged_observations(path: Path, entries: list) -> list[Observation]:
@@ -311,6 +383,7 @@ def _logged_observations(path: Path, entries: list) -> list[Observation]:
             source=str(path), step=entry.step, total_norm=entry.total_norm,
             groups=dict(entry.groups),
             nonfinite=None if entry.nonfinite is None else NonFinite(*entry.nonfinite),
+            what=LOGGED_WHAT,
         )  # fmt: skip
         for entry in entries
     ]

@@ -23,6 +23,8 @@ Neither does any I/O or host-device synchronisation.
 from __future__ import annotations
 
 import math
+import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -162,8 +164,10 @@ def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float, workers: int 
     if workers == 1:
         results = [run(parts[0])] if jobs else []
     else:
-        with ThreadPoolExecutor(workers) as pool:
-            results = list(pool.map(run, parts))
+        # The last part runs on the calling thread, the others on the shared pool.
+        pending = [_pool(workers - 1).submit(run, part) for part in parts[:-1]]
+        last = run(parts[-1])
+        results = [f.result() for f in pending] + [last]
     layout = [loc for r in results for loc in r.layout]
     if not layout:
         empty = torch.empty(0, dtype=acc)
@@ -174,12 +178,43 @@ def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float, workers: int 
     order = sorted(range(len(layout)), key=layout.__getitem__)
     layout = [layout[i] for i in order]
     order = torch.tensor(order, dtype=torch.int64)
-    maxima = torch.cat([m for r in results for m in r.maxima])[order]
+    maxima = torch.cat([m for r in results for m in r.all_maxima()])[order]
     norms = None
     if with_norm:
-        sums = torch.cat([x for r in results for x in r.sums]).double()[order]
+        sums = torch.cat([x for r in results for x in r.all_sums()]).double()[order]
         norms = pointwise_pow(sums, 1.0 / norm_type)
     return _rows(layout, maxima, norms, acc)
+
+
+# One pool of worker threads for the process, grown on demand and reused by
+# every call: starting threads per call cost 7 ms a thread on a loaded 2-core
+# machine, 0.7 s over 50 checkpoints (BENCHMARKS.md, "trend"). Which thread
+# runs a part changes nothing: the parts and the row order are fixed above.
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(size: int) -> ThreadPoolExecutor:
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_SIZE < size:
+            old = _POOL
+            _POOL = ThreadPoolExecutor(size, thread_name_prefix="gradclip-norms")
+            _POOL_SIZE = size
+            if old is not None:
+                old.shutdown(wait=False)  # its running parts finish; new ones go here
+        return _POOL
+
+
+def _forget_pool() -> None:
+    """In a forked child the parent's threads do not exist: start afresh."""
+    global _POOL, _POOL_SIZE, _POOL_LOCK
+    _POOL, _POOL_SIZE, _POOL_LOCK = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 class _Pieces:
@@ -193,8 +228,24 @@ class _Pieces:
         self.stacked = torch.empty(CHUNK, dtype=dtype)
         self.scratch = torch.empty(CHUNK, dtype=acc)
         self.layout: list[tuple[int, int, int]] = []
+        # Chunks come before stacks (rows_on_cpu's job order): a chunk's results
+        # are 0-dim and stacked once at the end, sparing two small ops a chunk.
+        self.highs: list[torch.Tensor] = []
+        self.lows: list[torch.Tensor] = []
+        self.chunk_sums: list[torch.Tensor] = []
         self.maxima: list[torch.Tensor] = []
         self.sums: list[torch.Tensor] = []
+
+    def all_maxima(self) -> list[torch.Tensor]:
+        """Row maxima in layout order."""
+        if not self.highs:
+            return self.maxima
+        return [torch.maximum(torch.stack(self.highs), torch.stack(self.lows).neg()),
+                *self.maxima]
+
+    def all_sums(self) -> list[torch.Tensor]:
+        """Row power sums in layout order."""
+        return [torch.stack(self.chunk_sums), *self.sums] if self.chunk_sums else self.sums
 
     def _widened(self, x: torch.Tensor) -> torch.Tensor:
         if not self.widen:
@@ -204,12 +255,15 @@ class _Pieces:
         return wide
 
     def chunk(self, x: torch.Tensor, where) -> None:
+        if self.maxima:
+            raise AssertionError("chunks must come before stacks")
         x = self._widened(x)
         low, high = torch.aminmax(x)
-        # max |x| = max(max x, -min x): no |x| temporary.
-        self.maxima.append(torch.maximum(high, low.neg()).view(1))
+        # max |x| = max(max x, -min x): no |x| temporary (formed in all_maxima).
+        self.highs.append(high)
+        self.lows.append(low)
         if self.with_norm:
-            self.sums.append(power_sums(x, self.norm_type, self.scratch).view(1))
+            self.chunk_sums.append(power_sums(x, self.norm_type, self.scratch))
         self.layout.append(where)
 
     def stack(self, xs, length: int, where) -> None:
@@ -232,7 +286,9 @@ def power_sums(x: torch.Tensor, norm_type: float, scratch: torch.Tensor, dim=Non
     accumulates lane by lane: it loses 4e-6 on 4,096 equal fp32 values (p = 2)
     and 3e-6 on random ones for p = 0.5 (BENCHMARKS.md, accuracy).
     """
-    out = scratch[: x.numel()].view(x.shape)
+    out = scratch[: x.numel()]
+    if x.dim() != 1:
+        out = out.view(x.shape)
     if norm_type == 2.0:
         torch.mul(x, x, out=out)
     else:

@@ -111,6 +111,7 @@ def trend_document(report: TrendReport) -> dict[str, Any]:
             {
                 "source": p.source,
                 "step": p.step,
+                "what": p.what,
                 "total_norm": number(p.total_norm),
                 "groups": {name: number(norm) for name, norm in p.groups.items()},
                 "nonfinite": None if p.nonfinite is None else _nonfinite(p.nonfinite),

@@ -28,7 +28,8 @@ class Observation:
     """What one input says of one step, before any judging.
 
     ``nonfinite`` is None when the input gives no element counts (a Trainer's
-    ``log_history`` holds only the total norm).
+    ``log_history`` holds only the total norm). ``what`` is what was measured
+    (``grads``, ``exp_avg``, ...; a log's norms are ``grads``).
     """
 
     source: str
@@ -36,6 +37,7 @@ class Observation:
     total_norm: float
     groups: dict[str, float] = field(default_factory=dict)
     nonfinite: NonFinite | None = None
+    what: str = "grads"
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class TrendPoint:
     spike_groups: tuple[str, ...]  # groups whose own series spiked here
     nonfinite_groups: tuple[str, ...]  # groups whose norm is NaN or inf here
     group_z: dict[str, float | None]
+    what: str = "grads"
 
     @property
     def is_nonfinite(self) -> bool:
@@ -104,7 +107,14 @@ def build_trend_report(
     warmup: int,
     fail_on: str,
 ) -> TrendReport:
-    """Judge ``observations`` (already in step order) point by point."""
+    """Judge ``observations`` (already in step order) point by point.
+
+    Every observation measures ``what``: a series of one quantity (the
+    command refuses a mix before judging, ``commands/trend.OneKind``).
+    """
+    mixed = sorted({o.what for o in observations} - {what})
+    if mixed:
+        raise ValueError(f"a trend of {what} given points measuring {', '.join(mixed)}")
 
     def detector() -> SpikeDetector:
         return SpikeDetector(z=z, alpha=alpha, warmup=warmup)
@@ -126,7 +136,7 @@ def build_trend_report(
             source=obs.source, step=obs.step, total_norm=obs.total_norm,
             groups=dict(obs.groups), nonfinite=obs.nonfinite, z=total.z,
             spike=total.spike or bool(spike_groups), spike_groups=tuple(spike_groups),
-            nonfinite_groups=tuple(nonfinite_groups), group_z=group_z,
+            nonfinite_groups=tuple(nonfinite_groups), group_z=group_z, what=obs.what,
         ))  # fmt: skip
     return TrendReport(
         what=what, norm_type=norm_type, group_by=group_by, z_threshold=z, alpha=alpha,

@@ -97,7 +97,8 @@ def test_zero_norms(gradclip, tmp_path):
 @pytest.mark.parametrize("args, code, words", [
     (["--fail-above", "0.5"], 2, "--fail-above must be >= 1"),
     (["--fail-above", "nan"], 2, "--fail-above"),
-    (["--what", "update"], 2, "saved gradients only"),
+    (["--what", "moments"], 2, "--what must be one of"),
+    (["--what", "update"], 3, "a.pt: --what update: the checkpoint holds no optimizer state"),
     (["--group-by", "depth:0"], 2, "--group-by"),
 ])  # fmt: skip
 def test_bad_flags(gradclip, tmp_path, args, code, words):

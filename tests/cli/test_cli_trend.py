@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.schemas import validate
-from tests.trainer_runs import SPIKE_STEP, STEPS, train_with_spike
+from tests.trainer_runs import SPIKE_STEP, STEPS, train_checkpointed_with_spike, train_with_spike
 
 from .support import as_float, assert_no_report, ref_norm, rel_err
 
@@ -235,6 +235,131 @@ def test_trainer_state_and_checkpoints_mix_in_step_order(gradclip, tmp_path):
     assert doc["points"][-1]["total_norm"] == "nan" and doc["status"] == "nonfinite"
 
 
+# -- a real Trainer run's own checkpoint-N/ folders ------------------------------
+
+
+@pytest.fixture(scope="session")
+def checkpointed_run(tmp_path_factory):
+    """A real Trainer run saving checkpoint-N/ every step, spike injected (made once)."""
+    return train_checkpointed_with_spike(tmp_path_factory.mktemp("hf_ckpt_run"))
+
+
+def optimizer_reference(run, step: int, what: str) -> dict[str, float]:
+    """``what``'s norm in float64 straight from ``checkpoint-N/optimizer.pt``: the
+    total and per layer (``transformer.h.K``), names from the live model's groups."""
+    saved = torch.load(run.output_dir / f"checkpoint-{step}" / "optimizer.pt",
+                       weights_only=True)
+    names = [n for group in run.group_names for n in group]
+    ids = [pid for group in saved["param_groups"] for pid in group["params"]]
+    hyper = {pid: group for group in saved["param_groups"] for pid in group["params"]}
+    assert len(ids) == len(names)
+    values = {}
+    for pid, name in zip(ids, names):
+        state, group = saved["state"][pid], hyper[pid]
+        t = float(state["step"])
+        beta1, beta2 = group["betas"]
+        m_hat = state["exp_avg"].double() / (1 - beta1 ** t)
+        v_hat = state["exp_avg_sq"].double() / (1 - beta2 ** t)
+        values[name] = {"exp_avg": m_hat, "grad_rms": v_hat.sqrt(),
+                        "update": group["lr"] * m_hat / (v_hat.sqrt() + group["eps"])}[what]
+    ref = {"total": ref_norm(values.values(), 2)}
+    for layer in ("transformer.h.0", "transformer.h.1"):
+        ref[layer] = ref_norm([v for n, v in values.items() if n.startswith(layer + ".")], 2)
+    return ref
+
+
+def test_trainer_checkpoints_exp_avg_finds_the_injected_spike(gradclip, checkpointed_run):
+    run = checkpointed_run
+    # The run's output_dir: one point per checkpoint-N/, in step order.
+    r = gradclip("trend", run.output_dir, "--what", "exp_avg", "--format", "json",
+                 "--fail-on", "any")
+    assert r.code == 1, r.err
+    doc = r.json()
+    validate(doc, "trend-1")
+    assert doc["what"] == "exp_avg" and doc["status"] == "spike"
+    assert [p["step"] for p in doc["points"]] == list(range(1, run.steps + 1))
+    assert {p["what"] for p in doc["points"]} == {"exp_avg"}
+    # Adam's first moment jumps by (1 - beta1) * g at the spike and decays after it:
+    # the first spike is the injected step, none before it.
+    spikes = [p["step"] for p in doc["points"] if p["spike"]]
+    assert spikes[0] == run.spike_step and spikes == list(range(run.spike_step, run.steps + 1))
+    for point in doc["points"]:
+        ref = optimizer_reference(run, point["step"], "exp_avg")
+        assert rel_err(point["total_norm"], ref["total"]) <= 1e-6, point["step"]
+        for layer in ("transformer.h.0", "transformer.h.1"):
+            assert rel_err(point["groups"][layer], ref[layer]) <= 1e-6, (point["step"], layer)
+    # Up to the spike: the newest point is the spike, exit 1 under the default --fail-on.
+    upto = [run.output_dir / f"checkpoint-{s}" for s in range(1, run.spike_step + 1)]
+    r = gradclip("trend", *reversed(upto), "--what", "exp_avg", "--format", "json")
+    assert r.code == 1, r.err
+    doc = r.json()
+    assert doc["status"] == "spike" and doc["points"][-1]["step"] == run.spike_step
+    assert doc["points"][-1]["z"] > 2.5 and not any(p["spike"] for p in doc["points"][:-1])
+    assert "transformer.h.0" in doc["points"][-1]["spike_groups"]
+    r = gradclip("trend", *upto[:-1], "--what", "exp_avg", "--format", "json")
+    assert (r.code, r.json()["status"]) == (0, "ok")
+
+
+@pytest.mark.parametrize("what", ["grad_rms", "update"])
+def test_trainer_checkpoints_other_moments_match_float64(gradclip, checkpointed_run, what):
+    run = checkpointed_run
+    r = gradclip("trend", run.output_dir, "--what", what, "--format", "json")
+    doc = r.json()
+    validate(doc, "trend-1")
+    assert doc["what"] == what
+    # update is formed elementwise in float32 before its norm: a few ulps more.
+    tolerance = 1e-6 if what == "grad_rms" else 4e-6
+    for point in doc["points"]:
+        ref = optimizer_reference(run, point["step"], what)
+        assert rel_err(point["total_norm"], ref["total"]) <= tolerance, point["step"]
+        for layer in ("transformer.h.0", "transformer.h.1"):
+            assert rel_err(point["groups"][layer], ref[layer]) <= tolerance
+    if what == "grad_rms":
+        # exp_avg_sq jumps by (1 - beta2) * g**2: the RMS moves at the spike.
+        assert [p["step"] for p in doc["points"] if p["spike"]][0] == run.spike_step
+        assert r.code == 1 and doc["points"][-1]["spike"]
+
+
+def test_trainer_checkpoints_auto_measures_exp_avg_and_says_so(gradclip, checkpointed_run):
+    last = checkpointed_run.output_dir / f"checkpoint-{checkpointed_run.steps}"
+    doc = gradclip("trend", last, "--format", "json").json()
+    assert doc["what"] == "exp_avg" and doc["points"][0]["what"] == "exp_avg"
+    r = gradclip("trend", checkpointed_run.output_dir)
+    assert r.out.splitlines()[0].startswith(f"{checkpointed_run.steps} points, exp_avg, p=2")
+
+
+def test_trainer_run_state_finds_the_same_spike(gradclip, checkpointed_run):
+    run = checkpointed_run
+    state = run.output_dir / f"checkpoint-{run.spike_step}" / "trainer_state.json"
+    r = gradclip("trend", state, "--format", "json")
+    assert r.code == 1, r.err
+    doc = r.json()
+    assert doc["what"] == "grads" and doc["status"] == "spike"
+    logged = {e["step"]: e["grad_norm"] for e in json.loads(state.read_text())["log_history"]
+              if "grad_norm" in e}
+    assert {p["step"]: p["total_norm"] for p in doc["points"]} == logged
+    assert [p["step"] for p in doc["points"] if p["spike"]] == [run.spike_step]
+
+
+def test_checkpoints_and_logs_of_different_kinds_are_refused(gradclip, checkpointed_run,
+                                                             tmp_path):
+    run = checkpointed_run
+    state = run.output_dir / "trainer_state.json"
+    r = gradclip("trend", run.output_dir, state, "--format", "json")
+    assert r.code == 2 and len(r.err_lines) == 1
+    assert "measures exp_avg" in r.err and "measures grads" in r.err and str(state) in r.err
+    assert_no_report(r)
+    r = gradclip("trend", state, "--what", "update")
+    assert r.code == 2 and len(r.err_lines) == 1 and "--what update" in r.err
+    assert str(state) in r.err and r.out == ""
+    # auto picks per checkpoint: one holding gradients, one holding Adam state only.
+    save_run(tmp_path, (1,), name="grads-{step}.pt")
+    r = gradclip("trend", tmp_path / "grads-1.pt", run.output_dir / "checkpoint-2")
+    assert r.code == 2 and len(r.err_lines) == 1
+    assert "--what grads or --what exp_avg" in r.err and "grads-1.pt" in r.err
+    assert_no_report(r)
+
+
 # -- plot ----------------------------------------------------------------------
 
 
@@ -265,7 +390,6 @@ def test_plot_without_matplotlib_is_a_usage_error(gradclip, tmp_path, monkeypatc
     (["--warmup", "0"], "--warmup"),
     (["--plot", "p.jpg"], ".png or .svg"),
     (["--what", "moments"], "--what"),
-    (["--what", "exp_avg"], "saved gradients only"),
     (["--norm-type", "-1"], "--norm-type"),
     (["--format", "xml"], "--format"),
 ])  # fmt: skip

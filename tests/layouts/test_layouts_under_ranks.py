@@ -2,8 +2,8 @@
 
 The real fixtures of this folder (``save_pretrained`` and
 ``save_torch_state_dict`` sets, a Trainer ``checkpoint-N/``, a Lightning
-``.ckpt`` file and a sharded ``.ckpt`` folder, an FSDP2 DCP folder, DeepSpeed ZeRO-2 and ZeRO-3 folders) are
-inspected with several ``--what`` once in one process and once under
+``.ckpt`` file and a sharded ``.ckpt`` folder, an FSDP2 DCP folder, DeepSpeed
+ZeRO-2 and ZeRO-3 folders) are inspected with several ``--what`` once in one process and once under
 ``torchrun --nproc-per-node 2``; rank 0's report must be the same byte
 for byte, and rank 1 says nothing. ``clip`` of a gradient set writes each
 shard from the rank that read it: the set it writes is the one-process set,

@@ -57,3 +57,35 @@ def test_legacy_files_are_not_mapped(tmp_path):
     ckpt = load_checkpoint(path)
     PageReleaser(path).release(list(ckpt.root.values()))
     assert bool((ckpt.root["w"] == 3.0).all())
+
+
+@linux
+def test_the_readers_own_mapping_is_known_without_proc_maps_while_it_lives(tmp_path,
+                                                                          monkeypatch):
+    import gc
+
+    from gradclip_cli.source.files import pages
+
+    path = tmp_path / "g.pt"
+    torch.save({"w": torch.full((1 << 20,), 5.0)}, path)
+    ckpt = load_checkpoint(path)
+
+    def no_proc(_path):
+        raise AssertionError("read /proc/self/maps for a mapping gradclip made itself")
+
+    monkeypatch.setattr(pages, "_file_mappings", no_proc)
+    w = ckpt.root["w"]
+    releaser = PageReleaser(path)
+    [(lo, hi)] = releaser._ranges
+    assert lo <= w.data_ptr() and w.data_ptr() + w.nbytes <= hi
+    releaser.release([w])
+    assert bool((w == 5.0).all())
+    # Once the checkpoint's tensors are gone the mapping is gone: its range is
+    # forgotten, and heap memory that may reuse the addresses is left alone.
+    del ckpt, w
+    gc.collect()
+    assert pages._registered(path) == []
+    monkeypatch.setattr(pages, "_file_mappings", lambda _path: [])
+    anonymous = torch.full((1 << 20,), 7.0)
+    PageReleaser(path).release([anonymous])
+    assert bool((anonymous == 7.0).all())

@@ -8,9 +8,16 @@ again, they are read back from the file, unchanged.
 That is only safe for pages that were never written (a written page of a
 private mapping is the only copy of the change) and that belong to the file
 (dropping anonymous memory zeroes it). So ``PageReleaser`` acts only inside
-the ranges /proc/self/maps shows mapped from the checkpoint's own file, and is
-used only by ``inspect``, which never writes a tensor. Elsewhere than Linux it
-does nothing.
+ranges known to be mapped privately from the checkpoint's own file, and is
+used only by ``inspect`` and ``trend``, which never write a tensor. Elsewhere
+than Linux it does nothing.
+
+Those ranges come from the mappings gradclip's own reader made
+(``register_mapping``: the range of a private ``from_file`` storage, valid
+while a weak reference says the storage lives, so the range cannot have been
+unmapped and reused), else from /proc/self/maps. Reading /proc/self/maps
+costs 3-8 ms in a process with torch loaded, which over 50 small
+checkpoints was a tenth of ``trend``'s time (BENCHMARKS.md, "trend").
 """
 
 from __future__ import annotations
@@ -19,19 +26,53 @@ import ctypes
 import mmap
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 _MADV_DONTNEED = 4  # Linux
+
+# (st_dev, st_ino, start, end, weak reference to the mapping's storage)
+_MAPPINGS: list[tuple[int, int, int, int, StorageWeakRef]] = []
+_MAPPINGS_LOCK = threading.Lock()
+
+
+def register_mapping(stat: os.stat_result, storage: torch.UntypedStorage) -> None:
+    """Record that ``storage`` maps the whole file ``stat`` describes, privately
+    (``torch.UntypedStorage.from_file(path, shared=False)``).
+
+    Storages sliced from it keep it alive, so while the weak reference has not
+    expired the range is this file's mapping and nothing else's.
+    """
+    if not sys.platform.startswith("linux") or storage.nbytes() == 0:
+        return
+    start = storage.data_ptr()
+    entry = (stat.st_dev, stat.st_ino, start, start + storage.nbytes(), StorageWeakRef(storage))
+    with _MAPPINGS_LOCK:
+        _MAPPINGS[:] = [m for m in _MAPPINGS if not m[4].expired()]
+        _MAPPINGS.append(entry)
+
+
+def _registered(path: Path) -> list[tuple[int, int]]:
+    try:
+        target = os.stat(path)
+    except OSError:
+        return []
+    with _MAPPINGS_LOCK:
+        return [(lo, hi) for dev, ino, lo, hi, ref in _MAPPINGS
+                if dev == target.st_dev and ino == target.st_ino and not ref.expired()]
 
 
 class PageReleaser:
     """Releases the pages of tensors mapped from ``path``."""
 
     def __init__(self, path: Path):
-        self._ranges = _file_mappings(path) if sys.platform.startswith("linux") else []
+        self._ranges = []
+        if sys.platform.startswith("linux"):
+            self._ranges = _registered(path) or _file_mappings(path)
         self._madvise = None
         if self._ranges:
             libc = ctypes.CDLL(None, use_errno=True)

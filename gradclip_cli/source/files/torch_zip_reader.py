@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from gradclip_cli.source.files.pages import register_mapping
 from gradclip_cli.source.files.weights_pickle import (
     Attempt,
     Outside,
@@ -230,7 +231,8 @@ def restricted_read(path: Path, span: tuple[int, int] | None = None) -> object:
 
 def _read(path: Path, attempt: Attempt, span: tuple[int, int] | None = None) -> object:
     with open(path, "rb") as raw:
-        file_size = os.fstat(raw.fileno()).st_size
+        stat = os.fstat(raw.fileno())
+        file_size = stat.st_size
         base, size = (0, file_size) if span is None else span
         if base < 0 or size < 0 or base + size > file_size:
             raise Outside(f"bytes {base}..{base + size} lie past the end of the file "
@@ -297,10 +299,13 @@ def _read(path: Path, attempt: Attempt, span: tuple[int, int] | None = None) -> 
                 # storage of the claimed size over a smaller file.
                 raise Outside(f"{name} is smaller than its storage", damaged=True)
             if not overall:
-                overall.append(
-                    torch.UntypedStorage.from_file(os.fspath(path), False, file_size)
-                    if span is None else torch.frombuffer(mapping, dtype=torch.uint8)
-                    .untyped_storage())
+                if span is None:
+                    overall.append(
+                        torch.UntypedStorage.from_file(os.fspath(path), False, file_size))
+                    register_mapping(stat, overall[0])
+                else:
+                    overall.append(torch.frombuffer(mapping, dtype=torch.uint8)
+                                   .untyped_storage())
             spans[name] = (start, start + nbytes)
             at = lead + start  # in the mapping
             storage = _slice(overall[0], slice(at, at + nbytes))
