@@ -68,6 +68,9 @@ def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lig
                                       "--format", fmt, "--no-progress"]})
     jobs.append({"args": ["inspect", str(trainer_run), "--what", "exp_avg", "--group-by",
                           "tensor", "--norm-type", "inf", "--no-progress"]})
+    # trend: every checkpoint's pieces shared by the ranks, one report
+    jobs.append({"args": ["trend", str(trainer_run), str(lightning_ckpt), str(dcp_checkpoint),
+                          "--what", "exp_avg", "--format", "json"]})
     lone = sorted(sharded_pretrained.glob("model-*.safetensors"))[1]
     jobs.append({"args": ["inspect", str(lone), "--format", "json"]})
     grads, halves = tmp / "grads", tmp / "halves"
@@ -129,7 +132,7 @@ def test_two_ranks_print_the_one_process_report_for_every_layout(launched):
         assert out0 == out, job["args"]  # byte for byte
         assert out1 == "" and err1.strip() == "", job["args"]
         checked += 1
-    assert checked == 2 * sum(map(len, WHATS.values())) + 2 + 5
+    assert checked == 2 * sum(map(len, WHATS.values())) + 3 + 5
 
 
 def test_each_rank_writes_its_shards_of_the_one_process_set(launched):
