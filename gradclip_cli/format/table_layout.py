@@ -561,7 +561,9 @@ def trend_verdict(report: TrendReport) -> str:
     """The last line of the table and Markdown reports, matching the exit code."""
     failing = report.failing
     if failing:
-        kind = "non-finite gradients" if report.status == NONFINITE else "gradient spike"
+        measured = "gradients" if report.what == "grads" else report.what
+        kind = (f"non-finite {measured}" if report.status == NONFINITE
+                else "gradient spike" if report.what == "grads" else f"{report.what} spike")
         last = failing[-1]
         where = f"step {last.step}" if last.step is not None else visible(last.source)
         groups = ", ".join(visible(g) for g in (last.nonfinite_groups + last.spike_groups))

@@ -141,8 +141,9 @@ def holdings(contents: Contents) -> str:
 def _unavailable(contents: Contents, what: str, why: str) -> InputError:
     offer = available(contents)
     options = ", ".join(f"--what {w}" for w in offer) if offer else "nothing gradclip measures"
-    return InputError(f"{contents.path}: --what {what}: {why}; it holds {holdings(contents)}; "
-                      f"available: {options}")
+    held = holdings(contents)
+    held = "" if held in why else f"it holds {held}; "  # said once, not twice
+    return InputError(f"{contents.path}: --what {what}: {why}; {held}available: {options}")
 
 
 def _has_adam(contents: Contents) -> bool:
