@@ -149,6 +149,19 @@ def dcp_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def dcp_hf_checkpoint(tmp_path_factory) -> Path:
+    """DCP's Hugging Face layout from two spawned FSDP2 ranks (``dcp_hf_ranks.py``), with
+    ``reference.pt`` (every parameter whole) beside the folder."""
+    import torch.multiprocessing as mp
+
+    from .dcp_hf_ranks import save_rank
+
+    outdir = tmp_path_factory.mktemp("dcp_hf")
+    mp.spawn(save_rank, args=(2, str(outdir)), nprocs=2, join=True)
+    return outdir / "checkpoint"
+
+
+@pytest.fixture(scope="session")
 def deepspeed_runs(tmp_path_factory) -> Path:
     """Real DeepSpeed ZeRO 1, 2 and 3 checkpoints (``deepspeed_runs.py``): ``zeroN/`` each,
     with ``zeroN.reference.pt`` beside. One 2-process CPU run builds all three."""

@@ -2,8 +2,9 @@
 
 The real fixtures of this folder (``save_pretrained`` and
 ``save_torch_state_dict`` sets, a Trainer ``checkpoint-N/``, a Lightning
-``.ckpt`` file and a sharded ``.ckpt`` folder, an FSDP2 DCP folder, DeepSpeed
-ZeRO-2 and ZeRO-3 folders) are inspected with several ``--what`` once in one process and once under
+``.ckpt`` file and a sharded ``.ckpt`` folder, FSDP2 DCP folders with
+``.metadata`` and in the Hugging Face layout, DeepSpeed ZeRO-2 and ZeRO-3
+folders) are inspected with several ``--what`` once in one process and once under
 ``torchrun --nproc-per-node 2``; rank 0's report must be the same byte
 for byte, and rank 1 says nothing. ``clip`` of a gradient set writes each
 shard from the rank that read it: the set it writes is the one-process set,
@@ -30,6 +31,7 @@ WHATS = {
     "lightning": ["auto", "grads", "exp_avg", "update", "weights"],
     "dcp": ["auto", "exp_avg", "update", "weights"],
     "lightning_sharded": ["auto", "update"],
+    "dcp_hf": ["weights"],
     "zero2": ["auto", "grad_rms", "weights"],
     "zero3": ["update"],
 }
@@ -54,11 +56,11 @@ def _digests(folder: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lightning_ckpt,
-             lightning_sharded, dcp_checkpoint, deepspeed_runs):
+             lightning_sharded, dcp_checkpoint, dcp_hf_checkpoint, deepspeed_runs):
     tmp = tmp_path_factory.mktemp("layouts_ranks")
     paths = {"pretrained": sharded_pretrained, "pretrained_bin": sharded_bin,
              "trainer": trainer_run, "lightning": lightning_ckpt, "dcp": dcp_checkpoint,
-             "lightning_sharded": lightning_sharded,
+             "lightning_sharded": lightning_sharded, "dcp_hf": dcp_hf_checkpoint,
              "zero2": deepspeed_runs / "zero2", "zero3": deepspeed_runs / "zero3"}
     jobs: list[dict] = []
     for kind, whats in WHATS.items():

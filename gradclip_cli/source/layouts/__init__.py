@@ -21,7 +21,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.format.text import visible
 from gradclip_cli.source.interface import Contents, Layout
 
-from . import dcp, deepspeed, hf_sharded, hf_trainer, lightning, single_file
+from . import dcp, dcp_hf, deepspeed, hf_sharded, hf_trainer, lightning, single_file
 
 LAYOUTS: tuple[Layout, ...] = (
     deepspeed,
@@ -29,6 +29,7 @@ LAYOUTS: tuple[Layout, ...] = (
     hf_sharded,
     lightning,  # a sharded Lightning folder is a DCP folder with meta.pt: before dcp
     dcp,
+    dcp_hf,
 )
 
 
@@ -53,5 +54,5 @@ def open_checkpoint(
             f"{path}: is a directory, but not a checkpoint gradclip knows (expected a sharded "
             "checkpoint's index, a Hugging Face Trainer checkpoint-N/ folder, a DeepSpeed "
             "global_stepN/ folder or its parent with 'latest', or a torch.distributed.checkpoint "
-            "folder with .metadata)")
+            "folder: .metadata, or safetensors shards with DCP_SHARDING_INFO)")
     return single_file.open(path, key=key, trust_pickle=trust_pickle, verify=verify)

@@ -158,28 +158,37 @@ def _check_byte_ranges(meta: DcpMetadata, files: dict[str, Path]) -> None:
 
 def _tiling(meta: DcpMetadata, key: str, entry: TensorEntry) -> list[Chunk]:
     """The chunks of ``entry``, each once, checked to cover the tensor exactly."""
-    shown = visible(repr(key))
     chunks = list(dict.fromkeys(entry.chunks))  # a replicated chunk counts once
-    for chunk in chunks:
-        if any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.size)):
-            raise InputError(f"{meta.path}: a chunk of {shown} at {list(chunk.offsets)} "
-                             f"reaches past the tensor's size {list(entry.size)}")
-    live = [c for c in chunks if math.prod(c.sizes)]
+    check_tiling(meta.path, key, entry.size, [(c.offsets, c.sizes) for c in chunks])
+    return chunks
+
+
+def check_tiling(where: Path, key: str, size, boxes) -> None:
+    """That ``boxes`` (``(offsets, sizes)`` each, distinct) tile a tensor of ``size``
+    exactly: none reaches past it, none overlaps another, no element is left out.
+    ``InputError`` naming ``where`` otherwise."""
+    shown = visible(repr(key))
+    for offsets, sizes in boxes:
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            raise InputError(f"{where}: a chunk of {shown} at {list(offsets)} has "
+                             f"{len(sizes)} dimensions, the tensor {len(size)}")
+        if any(o + s > n for o, s, n in zip(offsets, sizes, size)):
+            raise InputError(f"{where}: a chunk of {shown} at {list(offsets)} "
+                             f"reaches past the tensor's size {list(size)}")
+    live = sorted((tuple(o), tuple(s)) for o, s in boxes if math.prod(s))
     # Sweep along the first dimension: only chunks that start before one ends can meet it.
-    live.sort(key=lambda c: c.offsets)
-    for i, a in enumerate(live):
-        for b in live[i + 1:]:
-            if a.offsets and b.offsets[0] >= a.offsets[0] + a.sizes[0]:
+    for i, (a_off, a_size) in enumerate(live):
+        for b_off, b_size in live[i + 1:]:
+            if a_off and b_off[0] >= a_off[0] + a_size[0]:
                 break
             if all(max(ao, bo) < min(ao + asz, bo + bsz) for ao, asz, bo, bsz
-                   in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
-                raise InputError(f"{meta.path}: chunks of {shown} at {list(a.offsets)} and "
-                                 f"{list(b.offsets)} overlap")
-    covered = sum(math.prod(c.sizes) for c in live)
-    if covered != math.prod(entry.size):
-        raise InputError(f"{meta.path}: the chunks of {shown} cover {covered} of its "
-                         f"{math.prod(entry.size)} elements (a gap)")
-    return chunks
+                   in zip(a_off, a_size, b_off, b_size)):
+                raise InputError(f"{where}: chunks of {shown} at {list(a_off)} and "
+                                 f"{list(b_off)} overlap")
+    covered = sum(math.prod(s) for _, s in live)
+    if covered != math.prod(size):
+        raise InputError(f"{where}: the chunks of {shown} cover {covered} of its "
+                         f"{math.prod(size)} elements (a gap)")
 
 
 # --------------------------------------------------------------------- reading

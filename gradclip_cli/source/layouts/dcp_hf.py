@@ -1,0 +1,134 @@
+"""DCP's Hugging Face layout: safetensors shards that record where each piece lies.
+
+``dcp.save(state_dict, storage_writer=HuggingFaceStorageWriter(path,
+save_distributed=True))`` has every rank write its own shards of the model
+as a safetensors file (``shard-0000R-model-0000K-of-0000N.safetensors``)
+whose header metadata ``DCP_SHARDING_INFO`` is JSON: for each tensor of the
+file, ``saved_offsets``, where the piece starts in the full tensor. There
+is no ``.metadata``: the full size of a tensor is where its pieces end.
+Recognised by content: a folder of safetensors files whose first one
+carries ``DCP_SHARDING_INFO`` (a header read, never the data).
+
+Every file is read by the safetensors reader (header checks, mapped data);
+a tensor becomes a ``StoredTensor`` whose pieces are its pieces in the
+files, checked to tile it exactly (``dcp.check_tiling``); a piece stored
+twice at the same place (replicated) counts once, and must hold the same
+bytes both times: with no ``.metadata`` to give the full size, a piece that
+claimed another's place would otherwise hide a part of the tensor. What the files hold is a
+flat ``name -> tensor`` state dict: the model's weights, or gradients saved
+that way (the ``--key`` rule's whole file), as for a flat DCP folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.format.text import visible
+from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source.files.safetensors_file import read_header
+from gradclip_cli.source.interface import Contents, Piece, StoredTensor
+
+from .dcp import check_tiling
+from .paths import inside
+
+KIND = "dcp-hf"
+SHARDING_KEY = "DCP_SHARDING_INFO"
+SUFFIX = ".safetensors"
+
+
+def recognises(path: Path) -> bool:
+    if not os.path.isdir(path):
+        return False
+    try:
+        files = _shards(path)
+        return bool(files) and SHARDING_KEY in (read_header(files[0]).metadata or {})
+    except (OSError, InputError):
+        return False
+
+
+def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    if key:
+        raise InputError(f"{path}: --key {key!r}: a DCP Hugging Face folder holds one flat "
+                         "name -> tensor mapping; omit --key")
+    pieces: dict[str, list[Piece]] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    files = _shards(path)
+    for file in files:
+        file = inside(path, file.name, named_by=path)
+        ckpt = load_checkpoint(file, trust_pickle=trust_pickle, verify=verify)
+        offsets = _sharding_info(file, ckpt.metadata)
+        if set(offsets) != set(ckpt.root):
+            extra = sorted(set(ckpt.root) ^ set(offsets))[0]
+            raise InputError(f"{file}: {SHARDING_KEY} and the tensors disagree about "
+                             f"{visible(repr(extra))}")
+        for name, tensor in ckpt.root.items():
+            at = offsets[name]
+            if len(at) != tensor.dim():
+                raise InputError(f"{file}: {SHARDING_KEY} places {visible(repr(name))} at "
+                                 f"{at}, but it has {tensor.dim()} dimensions")
+            if dtypes.setdefault(name, tensor.dtype) != tensor.dtype:
+                raise InputError(f"{file}: {visible(repr(name))} is {tensor.dtype} here and "
+                                 f"{dtypes[name]} in another file")
+            piece = Piece(tuple(at), tuple(tensor.shape), lambda t=tensor: t, file, tensor)
+            known = pieces.setdefault(name, [])
+            same = [p for p in known if p.offsets == piece.offsets and p.shape == piece.shape]
+            if not same:
+                known.append(piece)
+            elif not _same_bytes(same[0].held, tensor):
+                # Replicated state is written by every rank alike and counts once; a
+                # piece that differs would silently lose one copy's values.
+                raise InputError(f"{file}: holds {visible(repr(name))} at {at}, where "
+                                 f"{same[0].file.name} holds other values")
+    tensors = {}
+    for name in sorted(pieces):
+        found = pieces[name]
+        size = tuple(max(p.offsets[d] + p.shape[d] for p in found)
+                     for d in range(len(found[0].shape)))
+        check_tiling(path, name, size, [(p.offsets, p.shape) for p in found])
+        tensors[name] = StoredTensor(name, size, dtypes[name], found)
+    floating = {n: t for n, t in tensors.items() if t.dtype.is_floating_point}
+    contents = Contents(path=path, kind=KIND, files=list(files), model_order=False,
+                        gradients=floating or None, weights=floating or None,
+                        skipped=[n for n in tensors if n not in floating])
+    if not floating:
+        contents.gradient_error = f"{path}: no floating-point tensors in its shards"
+    chunks = sum(len(p) for p in pieces.values())
+    contents.description.append(
+        f"DCP Hugging Face layout: {len(tensors)} tensors in {chunks} pieces, "
+        f"{len(files)} safetensors files")
+    return contents
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _shards(folder: Path) -> list[Path]:
+    return sorted(folder / n for n in os.listdir(folder) if n.endswith(SUFFIX))
+
+
+def _sharding_info(file: Path, metadata: dict[str, str] | None) -> dict[str, list[int]]:
+    text = (metadata or {}).get(SHARDING_KEY)
+    if text is None:
+        raise InputError(f"{file}: no {SHARDING_KEY} in its metadata, as the folder's other "
+                         "shards have")
+    try:
+        info = json.loads(text)
+    except ValueError:
+        raise InputError(f"{file}: {SHARDING_KEY} is not JSON") from None
+    if not isinstance(info, dict):
+        raise InputError(f"{file}: {SHARDING_KEY} is not a JSON object")
+    out = {}
+    for name, entry in info.items():
+        offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
+        if not isinstance(offsets, list) or not all(
+                type(o) is int and o >= 0 for o in offsets):
+            raise InputError(f"{file}: {SHARDING_KEY} gives {visible(repr(name))} no list "
+                             "of offsets >= 0")
+        out[name] = offsets
+    return out
