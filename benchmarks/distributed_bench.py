@@ -1,10 +1,12 @@
 """Issue 10: ``gradclip inspect`` on 1 process, and under torchrun with 1 and 2 ranks.
 
-    python -m benchmarks.distributed_bench [--repeats N] [--layout file|hf-sharded]
+    python -m benchmarks.distributed_bench [--repeats N] [--layout file|hf-sharded|dcp]
 
 ``file``: a 2 GB bfloat16 file (119 tensors of 16 MiB, benchmarks/inputs.py);
 ``hf-sharded``: a 2 GB float32 set in 250 MB shards, as layouts_bench.py
-writes it (``huggingface_hub.save_torch_state_dict``). Each
+writes it (``huggingface_hub.save_torch_state_dict``); ``dcp``: a 2 GB float32
+DCP folder written by two gloo ranks, each tensor sharded row-wise over both
+(dcp_bench.py). Each
 contender is a fresh process (or a torchrun with its ranks), so start-up
 counts for all alike. Two page-cache states, each in its own interleaved run:
 
@@ -53,6 +55,18 @@ def checkpoint(layout: str) -> tuple[Path, str]:
         path = inputs.checkpoint_file("uniform_2.0GB_bf16", inputs.uniform_shapes(count, TENSOR),
                                       torch.bfloat16)
         return path, f"{path.stat().st_size / 1e9:.2f} GB, {count} tensors"
+    if layout == "dcp":
+        from .dcp_bench import make_checkpoint
+
+        folder = inputs.DATA / "dcp_2.0GB_f32"
+        if not (folder / ".metadata").exists():
+            if folder.exists():
+                shutil.rmtree(folder)
+            inputs.DATA.mkdir(exist_ok=True)
+            make_checkpoint(folder, 2.0)
+        files = sorted(folder.glob("*.distcp"))
+        size = sum(f.stat().st_size for f in files)
+        return folder, f"{size / 1e9:.2f} GB in {len(files)} .distcp files (2 chunks a tensor)"
     from .layouts_bench import make_set
 
     folder = inputs.DATA / "hf_sharded_2.0GB_f32"
@@ -125,7 +139,7 @@ def gather_cost(ranks: int = 2) -> list[list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--layout", choices=("file", "hf-sharded"), default="file")
+    parser.add_argument("--layout", choices=("file", "hf-sharded", "dcp"), default="file")
     parser.add_argument("--gather-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.gather_rank:
