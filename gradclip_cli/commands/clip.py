@@ -73,7 +73,7 @@ def run(
                              "have no order); use --max-norm")
         # Under a launcher the ranks share the reading for this first norm; for a
         # set, by shards: each rank goes on to clip and write the shards it read.
-        by_shard = session is not None and bool(loaded.contents.shards)
+        by_shard = session is not None and bool(loaded.contents.shards or loaded.contents.chunks)
         files = None
         if by_shard:
             from ..distributed.sets import shard_owners, write_set_by_ranks
@@ -144,8 +144,11 @@ def run(
             after = check(loaded)
         steps.begin("writing")
         if by_shard:
+            from ..sink.dcp_set import chunk_patcher
+
+            patch = chunk_patcher(loaded.contents.chunks) if loaded.contents.chunks else None
             write_set_by_ranks(session, loaded.contents, Path(target), WRITERS,
-                               in_place=in_place, owners=files)
+                               in_place=in_place, owners=files, patch=patch)
             other_links = 0
         else:
             other_links = write_contents(loaded.contents, target, in_place=in_place)

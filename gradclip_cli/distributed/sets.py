@@ -2,8 +2,10 @@
 
 The set is still switched in whole (``sink/sharded_set.py``): rank 0 makes
 the one temporary folder and tells the others its name; every rank writes
-its own shards into it (rank 0 also copies the index and the folder's other
-files); one exchange then tells every rank whether all the writes succeeded.
+its own shards into it (an HF set's shards, or the ``.distcp`` files of a
+DCP set's gradient chunks, copied with the chunks patched); rank 0 also
+copies the index or ``.metadata`` and the folder's other files; one
+exchange then tells every rank whether all the writes succeeded.
 Only then does rank 0 switch the folder in. A failed write on any rank is
 reported once, naming that rank, and the temporary folder is removed by
 rank 0 after every rank has stopped writing into it: the input is
@@ -14,6 +16,7 @@ out in the exchange (``launcher.Session``), and the input is untouched too.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import OutputError
@@ -25,22 +28,28 @@ from .pieces import assign
 
 
 def shard_owners(contents: Contents, world_size: int) -> dict[str, int]:
-    """The rank that reads, clips and writes each shard (by name): contiguous runs of
-    shards of about equal bytes (``pieces.assign``)."""
-    sizes = [os.stat(s.path).st_size for s in contents.shards]
-    owners = assign(sizes, world_size)
-    return {Path(s.path).name: r for s, r in zip(contents.shards, owners)}
+    """The rank that reads, clips and writes each file of a set (by name): the shards of
+    an HF set, the ``.distcp`` files holding a DCP set's gradient chunks; contiguous
+    runs of files of about equal bytes (``pieces.assign``). Other files of the folder
+    (the index, ``.metadata``) are rank 0's to copy."""
+    if contents.shards:
+        files = [Path(s.path) for s in contents.shards]
+    else:
+        files = sorted({Path(c.file) for c in contents.chunks})
+    owners = assign([os.stat(f).st_size for f in files], world_size)
+    return {f.name: r for f, r in zip(files, owners)}
 
 
 def write_set_by_ranks(session: Session, contents: Contents, target: Path, writers: dict,
-                       *, in_place: bool, owners: dict[str, int]) -> None:
+                       *, in_place: bool, owners: dict[str, int],
+                       patch: Callable[[str, Path], None] | None = None) -> None:
     """Write the clipped set at ``target`` from every rank at once (see the module docstring)."""
     temp = begin_set(contents, target, in_place=in_place) if session.primary else None
     temp = Path(session.exchange(None if temp is None else str(temp))[0])
-    mine = {name for name, rank in owners.items() if rank == session.rank}
     failure = None
     try:
-        fill_set(contents, temp, writers, shards=mine, rest=session.primary)
+        fill_set(contents, temp, writers, patch=patch,
+                 mine=lambda name: owners.get(name, 0) == session.rank)
     except OutputError as error:
         failure = str(error)
     except OSError as error:

@@ -26,10 +26,12 @@ from gradclip_cli.source.interface import Contents
 
 def write_dcp_set(contents: Contents, target: Path, *, in_place: bool) -> None:
     """Write the DCP folder of ``contents`` (its chunks already clipped in memory) to ``target``."""
-    write_set(contents, target, {}, in_place=in_place, patch=_patcher(contents.chunks))
+    write_set(contents, target, {}, in_place=in_place, patch=chunk_patcher(contents.chunks))
 
 
-def _patcher(chunks) -> Callable[[str, Path], None]:
+def chunk_patcher(chunks) -> Callable[[str, Path], None]:
+    """``patch(name, copy)`` for ``write_set``: the scaled chunks' bytes and CRC32s into the
+    copy of the ``.distcp`` file ``name``."""
     by_file: dict[str, list] = {}
     for chunk in chunks:
         by_file.setdefault(Path(chunk.file).name, []).append(chunk)

@@ -81,23 +81,25 @@ def begin_set(contents: Contents, target: Path, *, in_place: bool) -> Path:
 
 
 def fill_set(contents: Contents, temp: Path, writers: dict, *,
-             shards: set[str] | None = None, rest: bool = True,
+             mine: Callable[[str], bool] | None = None,
              patch: Callable[[str, Path], None] | None = None) -> None:
-    """Write into ``temp`` the shards named in ``shards`` (all when None), each in its own
-    format and fsync'd, and, with ``rest``, copy every other plain file of the folder.
+    """Write into ``temp`` every plain file of the folder: shards in their own format,
+    other files copied (and ``patch``-ed), each fsync'd.
 
-    Under a launcher each rank fills in its own shards (``distributed/sets.py``).
+    ``mine(name)``: whether this process writes the file ``name`` (all when
+    None); under a launcher each rank writes its own (``distributed/sets.py``).
     """
     source = contents.index.parent
     by_name = {Path(s.path).name: s for s in contents.shards}
     for entry in sorted(os.scandir(source), key=lambda e: e.name):
         if not entry.is_file(follow_symlinks=False):
             continue  # the set's files are plain files; links and folders stay behind
+        if mine is not None and not mine(entry.name):
+            continue
         out = temp / entry.name
         if entry.name in by_name:
-            if shards is None or entry.name in shards:
-                _write_shard(by_name[entry.name], out, writers)
-        elif rest:
+            _write_shard(by_name[entry.name], out, writers)
+        else:
             _copy(Path(entry.path), out, patch)
 
 

@@ -13,7 +13,8 @@ fails as a failing disk would make it fail (an ``InputError`` naming the
 file), which is how the tests see an error on one rank only. ``die_rank``:
 that rank's process ends there, without a word (``os._exit``), as a killed
 or crashed rank would. ``full_disk_rank``: on that rank, writing a shard of
-a set fails as a full disk makes it fail (``ENOSPC``).
+a set (a shard, or a copied file of a DCP set) fails as a full disk makes
+it fail (``ENOSPC``).
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def main() -> None:
 
     modules = (common, what)
     real = common.tensor_power_sums
-    real_write_shard = sharded_set._write_shard
+    real_write_shard, real_copy = sharded_set._write_shard, sharded_set._copy
 
-    def full_disk(ckpt, out, writers):
+    def full_disk(source, out, *args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out))
     for index, job in enumerate(jobs):
         if job.get("fail_rank") == rank:
@@ -61,7 +62,7 @@ def main() -> None:
             for module in modules:
                 module.tensor_power_sums = failing
         if job.get("full_disk_rank") == rank:
-            sharded_set._write_shard = full_disk
+            sharded_set._write_shard = sharded_set._copy = full_disk
         if job.get("die_rank") == rank:
             for module in modules:
                 module.tensor_power_sums = lambda *args, **kwargs: os._exit(9)
@@ -73,7 +74,7 @@ def main() -> None:
                 code = exit_.code
         for module in modules:
             module.tensor_power_sums = real
-        sharded_set._write_shard = real_write_shard
+        sharded_set._write_shard, sharded_set._copy = real_write_shard, real_copy
         stem = outdir / f"rank{rank}.job{index}"
         Path(f"{stem}.code").write_text(str(code))
         Path(f"{stem}.out").write_text(out.getvalue())

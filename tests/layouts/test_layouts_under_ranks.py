@@ -92,9 +92,9 @@ def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lig
         ["clip", str(grads), "--max-norm", "2", "--in-place", "--format", "json"],
     ]
     jobs += [{"args": args} for args in clips]
-    failing = {"args": ["clip", str(grads), "--max-norm", "1", "--format", "json",
-                        "-o", str(tmp / "never")], "full_disk_rank": 1}
-    jobs.append(failing)
+    for source, name in ((grads, "never"), (dcp_checkpoint, "never_dcp")):
+        jobs.append({"args": ["clip", str(source), "--max-norm", "1", "--format", "json",
+                              "-o", str(tmp / name)], "full_disk_rank": 1})
     jobs_file = write_jobs(tmp, jobs)
     outputs = [tmp / "out", tmp / "dcp_out", tmp / "outv", tmp / "halves.clipped", grads]
 
@@ -109,7 +109,8 @@ def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lig
         shutil.copytree(out, single_sets[out])
         if out != grads:  # the in-place job's input is put back below
             shutil.rmtree(out)
-    shutil.rmtree(tmp / "never")  # one process has no rank 1 to fail: it wrote the set
+    for name in ("never", "never_dcp"):  # one process has no rank 1 to fail: it wrote them
+        shutil.rmtree(tmp / name)
     for folder, copy in pristine.items():
         if folder.exists():
             shutil.rmtree(folder)
@@ -147,16 +148,21 @@ def test_each_rank_writes_its_shards_of_the_one_process_set(launched):
 
 
 def test_a_full_disk_on_rank_1_is_reported_once_and_changes_nothing(launched):
-    i = next(i for i, job in enumerate(launched["jobs"]) if "full_disk_rank" in job)
-    (code0, out0, err0), (code1, out1, err1) = (r[i] for r in launched["ranks"])
+    """Rank 1 writes shards of both sets (an HF set's shard, a DCP set's .distcp copy):
+    its failure is rank 0's one line, and neither the target nor a temporary folder stays."""
     tmp = launched["tmp"]
-    assert code0 == code1 == 3
-    assert out1 == "" and err1 == ""
-    lines = [line for line in err0.splitlines() if line]
-    assert lines == [f"gradclip: rank 1: {tmp / 'never'}: cannot write: no space left on the "
-                     "device; nothing was changed"], err0
-    assert '"exit_code": 3' in out0
-    assert not (tmp / "never").exists()
-    assert not [n for n in os.listdir(tmp) if n.startswith(".never.clipped-")]
+    failing = [(i, job) for i, job in enumerate(launched["jobs"]) if "full_disk_rank" in job]
+    assert len(failing) == 2
+    for i, job in failing:
+        (code0, out0, err0), (code1, out1, err1) = (r[i] for r in launched["ranks"])
+        target = Path(job["args"][-1])
+        assert code0 == code1 == 3
+        assert out1 == "" and err1 == ""
+        lines = [line for line in err0.splitlines() if line]
+        assert lines == [f"gradclip: rank 1: {target}: cannot write: no space left on the "
+                         "device; nothing was changed"], err0
+        assert '"exit_code": 3' in out0
+        assert not target.exists()
+        assert not [n for n in os.listdir(tmp) if n.startswith(f".{target.name}.clipped-")]
     # the input (clipped in place by the job before) is as that job left it
     assert _digests(launched["grads"]) == _digests(launched["sets"][launched["grads"]])
