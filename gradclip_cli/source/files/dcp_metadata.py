@@ -29,6 +29,7 @@ from gradclip_cli.source.files.weights_pickle import (
     DTypeMarker,
     Outside,
     _Slot,
+    allowing,
     pickle_protocol,
     run_restricted,
     unpickle,
@@ -194,10 +195,6 @@ _CLASSES = {
 }
 
 
-def _dcp_classes(module: str, name: str):
-    return _CLASSES.get((module, name))
-
-
 # --------------------------------------------------------------------- reading
 
 
@@ -227,7 +224,8 @@ def read_dcp_metadata(path: Path) -> DcpMetadata:
     if pickle_protocol(data) is None:
         raise InputError(f"{path}: not DCP metadata: not a pickle")
     try:
-        root = run_restricted(lambda _: unpickle(io.BytesIO(data), classes=_dcp_classes))
+        with allowing(_CLASSES):
+            root = run_restricted(lambda _: unpickle(io.BytesIO(data)))
     except Outside as outside:
         if outside.unsafe:
             what = f" (it references {outside.culprit})" if outside.culprit else ""

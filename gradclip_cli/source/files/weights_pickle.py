@@ -386,15 +386,12 @@ def _bytearray(*args):
 class _Unpickler(pickle.Unpickler):
     """CPython's C unpickler, allowed to import only this module's own objects."""
 
-    def __init__(self, file, resolve, classes=None):
+    def __init__(self, file, resolve):
         super().__init__(file)
         self.persistent_load = resolve  # an attribute: one call less per storage
-        self.classes = classes
 
     def find_class(self, module, name):
         found = self._find_class(module, name)
-        if found is None and self.classes is not None:
-            found = self.classes(module, name)
         if found is None:
             raise Outside(f"global {module}.{name}", culprit=f"{module}.{name}")
         return found
@@ -474,15 +471,12 @@ def _no_storages(pid):
     raise Outside("unexpected persistent id")
 
 
-def unpickle(
-    file: BinaryIO, resolve: Callable[[object], StorageRef] = _no_storages,
-    classes: Callable[[str, str], object | None] | None = None,
-) -> object:
+def unpickle(file: BinaryIO, resolve: Callable[[object], StorageRef] = _no_storages) -> object:
     """Run one pickle from ``file`` (left just after its STOP) with the restricted unpickler.
 
-    The result may still hold placeholders: pass it to ``finish``.
-    ``classes(module, name)`` hands out more globals (a file kind's own inert
-    records, as ``dcp_metadata`` does), or None to refuse them.
+    The result may still hold placeholders: pass it to ``finish``. A file
+    kind's own inert records (DCP's metadata classes, DeepSpeed's) are handed
+    out inside ``allowing``.
     """
     if copyreg._extension_cache or copyreg._inverted_registry:
         # EXT opcodes resolved through a populated cache bypass find_class.
@@ -498,7 +492,7 @@ def unpickle(
     sys.excepthook = lambda kind, value, traceback: unraisable.append(
         SimpleNamespace(exc_type=kind))
     try:
-        unpickler = _Unpickler(file, resolve, classes)
+        unpickler = _Unpickler(file, resolve)
         try:
             result = unpickler.load()
         finally:
