@@ -118,7 +118,9 @@ def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: S
     elements = None
     held = [t.held for t in selection.tensors]
     if selection.what == "grads" and all(h is not None for h in held):
-        elements = distinct_elements(held)
+        # Finding the ties computed them already, unless ties were dropped.
+        elements = selection.elements if selection.elements is not None else \
+            distinct_elements(held)
     return Loaded(contents, selection, elements)
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradclip_cli.core import PowerSums, concat, find_ties, tensor_power_sums
+from gradclip_cli.core import Elements, PowerSums, concat, distinct_elements, tensor_power_sums
 from gradclip_cli.errors import InputError, UsageError
 from gradclip_cli.format.text import visible
 from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor
@@ -84,6 +84,9 @@ class Selection:
     measure: Measure
     weights: list[StoredTensor | None] | None = None
     extra_reads: list[StoredTensor] | None = None  # also read, aligned with ``tensors``
+    # The distinct storage elements of ``tensors``, when every one is held and
+    # finding the ties already computed them (so loading need not again).
+    elements: Elements | None = None
 
     def read_sizes(self) -> list[int]:
         """Bytes measuring each tensor reads (for progress and for sharing work)."""
@@ -165,7 +168,7 @@ def _raw(contents: Contents, what: str) -> Selection:
         if what == "grads" and contents.gradient_error:
             why = contents.gradient_error.removeprefix(f"{contents.path}: ")
         raise _unavailable(contents, what, why)
-    names, tensors, ties = _untied(source)
+    names, tensors, ties, elements = _untied(source)
     weights = None
     if what == "grads" and contents.weights and contents.weights is not contents.gradients:
         weights = [contents.weights.get(n) for n in names]
@@ -175,7 +178,7 @@ def _raw(contents: Contents, what: str) -> Selection:
         key=contents.gradient_key if what == "grads" else "", explain=EXPLAIN[what],
         measure=lambda p, dev, on_batch, workers, only=None: stored_power_sums(
             _pick(tensors, only), p, dev, on_batch, workers),
-        weights=weights,
+        weights=weights, elements=elements,
     )
 
 
@@ -184,21 +187,26 @@ def _pick(items: list, only: list[int] | None) -> list:
 
 
 def _untied(source: dict[str, StoredTensor]):
+    """Names and stored tensors without tie duplicates, the ties, and the distinct
+    elements of what is kept when all of it is held and nothing was dropped."""
     names = list(source)
     stored = list(source.values())
     held = [s.held for s in stored]
     ties: dict[str, list[str]] = {}
     keep = list(range(len(names)))
     candidates = [i for i, h in enumerate(held) if h is not None]
+    elements = None
     if candidates:
-        owner = find_ties([held[i] for i in candidates])
+        elements = distinct_elements([held[i] for i in candidates])
         dropped = set()
-        for k, o in enumerate(owner):
+        for k, o in enumerate(elements.tie_of):
             if o != k:
                 ties.setdefault(names[candidates[o]], []).append(names[candidates[k]])
                 dropped.add(candidates[k])
         keep = [i for i in keep if i not in dropped]
-    return [names[i] for i in keep], [stored[i] for i in keep], ties
+        if dropped or len(candidates) < len(names):
+            elements = None  # they describe other tensors than those kept
+    return [names[i] for i in keep], [stored[i] for i in keep], ties, elements
 
 
 # A stored tensor may carry requires_grad (torch.save keeps the flag); measuring
@@ -465,7 +473,7 @@ def _model_order(contents: Contents, opt: OptimizerState) -> list[str]:
     if contents.model_order_names:
         return list(contents.model_order_names)
     if contents.weights and contents.model_order:
-        names, _, _ = _untied(contents.weights)
+        names, _, _, _ = _untied(contents.weights)
         return names
     where = "its weights are stored sorted by name" if contents.weights else \
         "it holds no model weights"
