@@ -14,24 +14,14 @@ import os
 import torch
 import torch.distributed as dist
 
+from .dcp_ranks import sharded_mlp
+
 
 def save_rank(rank: int, world: int, outdir: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    os.environ.pop("RANK", None)
-    dist.init_process_group("gloo", init_method=f"file://{outdir}/store", rank=rank,
-                            world_size=world)
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    # 3 output rows split 2 + 1: uneven FSDP2 shards.
-    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_mlp(rank, world, outdir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(rank))
     model(x).square().sum().backward()

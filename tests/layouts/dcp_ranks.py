@@ -17,9 +17,8 @@ import torch.distributed as dist
 STEPS = 2
 
 
-def save_rank(rank: int, world: int, outdir: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def sharded_mlp(rank: int, world: int, outdir: str) -> torch.nn.Module:
+    """Join the spawned gloo group and build the small MLP, FSDP2-sharded over it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -34,6 +33,14 @@ def save_rank(rank: int, world: int, outdir: str) -> None:
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def save_rank(rank: int, world: int, outdir: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = sharded_mlp(rank, world, outdir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95),
                                   weight_decay=0.1)
     for step in range(STEPS):
