@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError, UnsafeCheckpointError
+from gradclip_cli.source.files.small_file import read_small_file
 from gradclip_cli.source.files.weights_pickle import (
     DTypeMarker,
     Outside,
@@ -209,18 +210,9 @@ def read_dcp_metadata(path: Path) -> DcpMetadata:
     A pickle that imports anything outside the records above is refused
     (``UnsafeCheckpointError``) before anything it names is called.
     """
-    try:
-        size = os.stat(path).st_size
-        if size > MAX_METADATA_BYTES:
-            raise InputError(f"{path}: {size} bytes is too large for DCP metadata")
-        with open(path, "rb") as file:
-            data = file.read()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file (DCP metadata)") from None
-    except IsADirectoryError:
-        raise InputError(f"{path}: is a directory, not DCP metadata") from None
-    except OSError as error:
-        raise InputError(f"{path}: cannot read: {error.strerror or error}") from None
+    if os.path.isdir(path):
+        raise InputError(f"{path}: is a directory, not DCP metadata")
+    data = read_small_file(path, limit=MAX_METADATA_BYTES, what="DCP metadata")
     if pickle_protocol(data) is None:
         raise InputError(f"{path}: not DCP metadata: not a pickle")
     try:

@@ -15,6 +15,7 @@ from typing import Any
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.format.text import visible
+from gradclip_cli.source.files.small_file import read_small_file
 
 # An index or trainer_state.json larger than this is not one (a 70B model's
 # index is about 100 KB): refuse it before parsing rather than read gigabytes.
@@ -48,16 +49,7 @@ def inside(folder: Path, name: object, *, named_by: Path) -> Path:
 
 def read_json(path: Path, *, what: str) -> Any:
     """Parse a small JSON file; ``InputError`` naming it when it is missing, huge or not JSON."""
-    try:
-        size = os.stat(path).st_size
-        if size > MAX_JSON_BYTES:
-            raise InputError(f"{path}: {size} bytes is too large for {what}")
-        with open(path, "rb") as file:
-            raw = file.read()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file ({what})") from None
-    except OSError as error:
-        raise InputError(f"{path}: cannot read: {error.strerror or error}") from None
+    raw = read_small_file(path, limit=MAX_JSON_BYTES, what=what)
     try:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
