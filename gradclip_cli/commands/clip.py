@@ -29,7 +29,7 @@ from ..report import ClipReport, NonFinite
 from ..sink import WRITERS, write_contents
 from ..source.layouts.dcp import is_dcp_set
 from ..source.what import select
-from .common import Loaded, emit, load, measure, output_format, speaks
+from .common import Loaded, emit, load, measure, output_format, speaks, tensor_owners
 
 # Lowering steps tried before giving up (two suffice in practice; see
 # core.lowered_coefficient for why four always do).
@@ -116,7 +116,7 @@ def run(
             if not by_shard:
                 return loaded.elements
             return loaded.elements.only(
-                [files[Path(t.pieces[0].file).name] == session.rank for t in loaded.tensors])
+                [rank == session.rank for rank in tensor_owners(loaded, files)])
 
         def check(loaded: Loaded) -> float:
             sums = measure(loaded, p, dev, steps, "checking", session=checking, files=files)

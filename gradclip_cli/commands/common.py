@@ -218,6 +218,11 @@ def _measure_elements(elements: Elements, p: float, device: torch.device, steps:
     return sums.take(torch.tensor(rows, dtype=torch.int64)), sums.take(torch.arange(n))
 
 
+def tensor_owners(loaded: Loaded, files: dict[str, int]) -> list[int]:
+    """The rank of each tensor of ``loaded``: the rank that reads its file (``files``)."""
+    return [files[Path(t.pieces[0].file).name] for t in loaded.tensors]
+
+
 def _piece_owners(loaded: Loaded, files: dict[str, int]) -> list[int]:
     """The rank of each measured piece of ``loaded.elements``: the rank of its tensor's file.
 
@@ -225,10 +230,7 @@ def _piece_owners(loaded: Loaded, files: dict[str, int]) -> list[int]:
     the gathered coverage of each tensor that has one, in tensor order
     (``Elements.measured``). Tensors in different files share no storage.
     """
-    def owner(i: int) -> int:
-        return files[Path(loaded.tensors[i].pieces[0].file).name]
-
-    owners = [owner(i) for i in range(len(loaded.tensors))]
+    owners = tensor_owners(loaded, files)
     owners += [owners[i] for i, c in enumerate(loaded.elements.covered) if not isinstance(c, int)]
     return owners
 
