@@ -38,7 +38,7 @@ from ..report.trend import (
     order_by_step,
 )
 from ..source import READERS
-from ..source.layouts import LAYOUTS
+from ..source.layouts import LAYOUTS, accelerate_fsdp
 from ..source.logs import LogKind, log_kind
 from ..source.what import EXPLAIN, WHATS
 from .common import Loaded, Releasers, emit, load, measure, output_format, speaks
@@ -255,7 +255,9 @@ def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None
     if not path.is_dir():
         yield Input(path, log_kind(path), folder_step)
         return
-    if folder_step is None:
+    # accelerate's FSDP folder numbers its parts (pytorch_model_fsdp_0/, optimizer_0/):
+    # one checkpoint, not a run.
+    if folder_step is None and not accelerate_fsdp.recognises(path):
         numbered = [c for c in _children(path) if c.is_dir() and _LAST_NUMBER.search(c.name)]
         if numbered:
             for child in sorted(numbered, key=_name_number):

@@ -178,3 +178,16 @@ def deepspeed_runs(tmp_path_factory) -> Path:
                          cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stderr[-4000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def accelerate_fsdp_run(tmp_path_factory) -> Path:
+    """accelerate's FSDP checkpoints from two spawned FSDP2 ranks
+    (``accelerate_fsdp_ranks.py``): ``run/checkpoint-1/`` and ``run/checkpoint-2/``."""
+    import torch.multiprocessing as mp
+
+    from .accelerate_fsdp_ranks import save_rank
+
+    outdir = tmp_path_factory.mktemp("accelerate_fsdp")
+    mp.spawn(save_rank, args=(2, str(outdir)), nprocs=2, join=True)
+    return outdir / "run"

@@ -3,13 +3,13 @@
 The real fixtures of this folder (``save_pretrained`` and
 ``save_torch_state_dict`` sets, a Trainer ``checkpoint-N/``, a Lightning
 ``.ckpt`` file and a sharded ``.ckpt`` folder, FSDP2 DCP folders with
-``.metadata`` and in the Hugging Face layout, DeepSpeed ZeRO-2 and ZeRO-3
-folders) are inspected with several ``--what`` once in one process and once under
-``torchrun --nproc-per-node 2``; rank 0's report must be the same byte
-for byte, and rank 1 says nothing. ``clip`` of a gradient set writes each
-shard from the rank that read it: the set it writes is the one-process set,
-file for file, and a full disk on rank 1 is reported once, naming rank 1,
-with the input untouched and nothing left behind.
+``.metadata`` and in the Hugging Face layout, accelerate's FSDP folder,
+DeepSpeed ZeRO-2 and ZeRO-3 folders) are inspected with several ``--what``
+once in one process and once under ``torchrun --nproc-per-node 2``; rank 0's
+report must be the same byte for byte, and rank 1 says nothing. ``clip`` of a
+gradient set writes each shard from the rank that read it: the set it writes
+is the one-process set, file for file, and a full disk on rank 1 is reported
+once, naming rank 1, with the input untouched and nothing left behind.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ WHATS = {
     "dcp_hf": ["weights"],
     "zero2": ["auto", "grad_rms", "weights"],
     "zero3": ["update"],
+    "accelerate_fsdp": ["auto", "update", "weights"],
 }
 
 
@@ -56,12 +57,14 @@ def _digests(folder: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lightning_ckpt,
-             lightning_sharded, dcp_checkpoint, dcp_hf_checkpoint, deepspeed_runs):
+             lightning_sharded, dcp_checkpoint, dcp_hf_checkpoint, deepspeed_runs,
+             accelerate_fsdp_run):
     tmp = tmp_path_factory.mktemp("layouts_ranks")
     paths = {"pretrained": sharded_pretrained, "pretrained_bin": sharded_bin,
              "trainer": trainer_run, "lightning": lightning_ckpt, "dcp": dcp_checkpoint,
              "lightning_sharded": lightning_sharded, "dcp_hf": dcp_hf_checkpoint,
-             "zero2": deepspeed_runs / "zero2", "zero3": deepspeed_runs / "zero3"}
+             "zero2": deepspeed_runs / "zero2", "zero3": deepspeed_runs / "zero3",
+             "accelerate_fsdp": accelerate_fsdp_run / "checkpoint-2"}
     jobs: list[dict] = []
     for kind, whats in WHATS.items():
         for what in whats:
@@ -73,6 +76,7 @@ def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lig
     # trend: every checkpoint's pieces shared by the ranks, one report
     jobs.append({"args": ["trend", str(trainer_run), str(lightning_ckpt), str(dcp_checkpoint),
                           "--what", "exp_avg", "--format", "json"]})
+    jobs.append({"args": ["trend", str(accelerate_fsdp_run), "--what", "update"]})
     lone = sorted(sharded_pretrained.glob("model-*.safetensors"))[1]
     jobs.append({"args": ["inspect", str(lone), "--format", "json"]})
     grads, halves = tmp / "grads", tmp / "halves"
@@ -135,7 +139,7 @@ def test_two_ranks_print_the_one_process_report_for_every_layout(launched):
         assert out0 == out, job["args"]  # byte for byte
         assert out1 == "" and err1.strip() == "", job["args"]
         checked += 1
-    assert checked == 2 * sum(map(len, WHATS.values())) + 3 + 5
+    assert checked == 2 * sum(map(len, WHATS.values())) + 4 + 5
 
 
 def test_each_rank_writes_its_shards_of_the_one_process_set(launched):

@@ -21,10 +21,20 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.format.text import visible
 from gradclip_cli.source.interface import Contents, Layout
 
-from . import dcp, dcp_hf, deepspeed, hf_sharded, hf_trainer, lightning, single_file
+from . import (
+    accelerate_fsdp,
+    dcp,
+    dcp_hf,
+    deepspeed,
+    hf_sharded,
+    hf_trainer,
+    lightning,
+    single_file,
+)
 
 LAYOUTS: tuple[Layout, ...] = (
     deepspeed,
+    accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     hf_trainer,
     hf_sharded,
     lightning,  # a sharded Lightning folder is a DCP folder with meta.pt: before dcp
@@ -53,6 +63,7 @@ def open_checkpoint(
         raise InputError(
             f"{path}: is a directory, but not a checkpoint gradclip knows (expected a sharded "
             "checkpoint's index, a Hugging Face Trainer checkpoint-N/ folder, a DeepSpeed "
-            "global_stepN/ folder or its parent with 'latest', or a torch.distributed.checkpoint "
+            "global_stepN/ folder or its parent with 'latest', an accelerate FSDP folder "
+            "(pytorch_model_fsdp_0/), or a torch.distributed.checkpoint "
             "folder: .metadata, or safetensors shards with DCP_SHARDING_INFO)")
     return single_file.open(path, key=key, trust_pickle=trust_pickle, verify=verify)

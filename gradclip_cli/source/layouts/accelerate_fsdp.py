@@ -1,0 +1,93 @@
+"""accelerate's FSDP checkpoints: ``pytorch_model_fsdp_0/`` and ``optimizer_0/``, both DCP.
+
+With ``state_dict_type="SHARDED_STATE_DICT"`` (accelerate's default for
+FSDP2), ``Accelerator.save_state`` and the Trainer's ``checkpoint-N/`` save
+through ``accelerate.utils.save_fsdp_model`` and ``save_fsdp_optimizer``:
+each writes one DCP folder inside the checkpoint folder,
+``pytorch_model_fsdp_<i>/`` holding ``{"model": model_state}`` and
+``optimizer_<i>/`` holding ``{"optimizer": get_optimizer_state_dict(...)}``
+(state and param groups keyed by parameter name). A Trainer adds
+``trainer_state.json`` beside them, read for the step.
+
+Recognised by content: a folder holding ``pytorch_model_fsdp_<i>/.metadata``.
+Each DCP folder is read by the ``dcp`` layout (the allow-list metadata
+reader, the layout checks, chunks read on demand); this module only puts the
+model's weights and every optimizer's state together. Each subfolder is
+also a checkpoint on its own, for gradclip given it directly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.format.text import visible
+from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
+from gradclip_cli.source.interface import Contents
+
+from . import dcp, hf_trainer
+from .paths import inside
+
+KIND = "accelerate-fsdp"
+_MODEL = re.compile(r"pytorch_model_fsdp_(\d+)")
+_OPTIMIZER = re.compile(r"optimizer_(\d+)")
+
+
+def recognises(path: Path) -> bool:
+    return bool(_parts(path, _MODEL))
+
+
+def _parts(path: Path, pattern: re.Pattern) -> list[str]:
+    """The subfolders of ``path`` named by ``pattern`` that hold DCP metadata, by number."""
+    try:
+        names = os.listdir(path) if os.path.isdir(path) else []
+    except OSError:
+        return []
+    found = [n for n in names if pattern.fullmatch(n)
+             and os.path.isfile(os.path.join(path, n, METADATA_NAME))]
+    return sorted(found, key=lambda n: int(pattern.fullmatch(n).group(1)))
+
+
+def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    models = _parts(path, _MODEL)
+    if len(models) > 1:
+        raise InputError(
+            f"{path}: holds {len(models)} FSDP models ({visible(', '.join(models))}); "
+            "give the folder of the one to read")
+    contents = Contents(path=path, kind=KIND)
+    contents.step = hf_trainer.global_step(path)
+    model = _read_part(path, models[0], key=key, trust_pickle=trust_pickle, verify=verify)
+    contents.weights = model.weights
+    contents.files += model.files
+    optimizers = _parts(path, _OPTIMIZER)
+    for name in optimizers:
+        part = _read_part(path, name, key=None, trust_pickle=trust_pickle, verify=verify)
+        if not part.optimizers:
+            raise InputError(f"{path / name / METADATA_NAME}: holds no optimizer state")
+        contents.optimizers += part.optimizers
+        contents.files += part.files
+    if key is not None:
+        contents.gradients, contents.gradient_key = model.gradients, model.gradient_key
+        contents.skipped, contents.gradient_error = model.skipped, model.gradient_error
+    else:
+        contents.gradient_error = (
+            f"{path}: an accelerate FSDP checkpoint holds no gradients (the optimizer's "
+            "moments stand in for them: --what exp_avg)")
+    if os.path.exists(path / hf_trainer.STATE):
+        contents.files.append(path / hf_trainer.STATE)
+    step = f" at global_step {contents.step}" if contents.step is not None else ""
+    held = ", ".join(f"{visible(n)}/" for n in optimizers)
+    contents.description.append(
+        f"accelerate FSDP checkpoint{step}: {visible(models[0])}/ "
+        f"({len(model.weights or {})} weights), "
+        + (f"{held} (optimizer state)" if held else "no optimizer state"))
+    return contents
+
+
+def _read_part(path: Path, name: str, *, key: str | None, trust_pickle: bool,
+               verify: bool) -> Contents:
+    """One of the checkpoint's DCP folders (checked to stay inside it), as ``dcp`` reads it."""
+    folder = inside(path, name, named_by=path)
+    return dcp.open(folder, key=key, trust_pickle=trust_pickle, verify=verify)
