@@ -178,3 +178,11 @@ def deepspeed_runs(tmp_path_factory) -> Path:
                          cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stderr[-4000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def dcp_hf_grads(dcp_hf_checkpoint) -> Path:
+    """The same run's gradients in DCP's Hugging Face layout (``dcp_hf_ranks.py``): FSDP2's
+    shards, ``2.bias`` replicated (the same piece in both files), an int64 ``counts``;
+    ``grads_reference.pt`` (every gradient whole) beside the folder."""
+    return dcp_hf_checkpoint.parent / "grads"
