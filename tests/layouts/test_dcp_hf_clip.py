@@ -254,3 +254,21 @@ def test_kill_9_during_clip(tmp_path):
     print("\n" + "\n".join(seen))
     assert seen[0].startswith("temp-appears: old set")
     assert "new set" in seen[-1]
+
+
+def test_a_shard_linked_inside_the_folder_is_written_as_a_file(gradclip, grads, tmp_path):
+    """A shard that is a link to a file inside the folder is read through the link; the
+    clipped set holds it as a plain file (leaving it out would lose its pieces)."""
+    second = sorted(grads.glob("*.safetensors"))[1]
+    (grads / "store").mkdir()
+    second.rename(grads / "store" / "pieces.bin")
+    second.symlink_to(Path("store") / "pieces.bin")
+    whole = _whole(grads)
+    out = tmp_path / "clipped"
+    result = gradclip("clip", grads, "--clip-value", "1", "-o", out)
+    assert result.code == 0, result.err
+    assert (out / second.name).is_file() and not (out / second.name).is_symlink()
+    after = _whole(out)
+    for name, tensor in whole.items():
+        expected = tensor.clamp(-1, 1) if tensor.is_floating_point() else tensor
+        assert torch.equal(after[name], expected), name
