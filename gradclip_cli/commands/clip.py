@@ -29,7 +29,7 @@ from ..report import ClipReport, NonFinite
 from ..sink import WRITERS, write_contents
 from ..source.layouts.dcp import is_dcp_set
 from ..source.what import select
-from .common import Loaded, emit, load, measure, output_format, speaks, tensor_owners
+from .common import Loaded, emit, load, measure, output_format, speaks, tensor_writers
 
 # Lowering steps tried before giving up (two suffice in practice; see
 # core.lowered_coefficient for why four always do).
@@ -54,9 +54,8 @@ def run(
     options.report_file(output_file)
 
     def load_for_writing(steps) -> tuple[Loaded, list[str]]:
-        loaded = load(path, key, trust_pickle, verify, steps, what, gradients_only=True)
-        if is_dcp_set(loaded.contents):
-            loaded = _held_chunks(loaded)
+        loaded = _held_pieces(load(path, key, trust_pickle, verify, steps, what,
+                                   gradients_only=True))
         loaded.held_tensors()  # clip changes tensors in place: each must be one piece
         return loaded, _unshare_other_entries(loaded)
 
@@ -65,9 +64,9 @@ def run(
         dev = session.device
     with progress_steps(not progress or not speaks()) as steps:
         loaded, unshared = load_for_writing(steps)
-        if loaded.contents.checkpoint is None and loaded.contents.index is not None:
-            # A set of files (HF sharded, DCP) is written as a folder.
-            target = str(_set_target(loaded.contents.index.parent, output, in_place))
+        if loaded.contents.checkpoint is None and loaded.contents.folder is not None:
+            # A set of files (HF sharded, DCP, DCP's HF layout) is written as a folder.
+            target = str(_set_target(loaded.contents.folder, output, in_place))
         if value is not None and any(t.is_complex() for t in loaded.held_tensors()):
             raise UsageError("--clip-value cannot clamp complex gradients (complex numbers "
                              "have no order); use --max-norm")
@@ -112,11 +111,12 @@ def run(
         checking = session if by_shard else None
 
         def mine(loaded: Loaded):
-            """The elements this process scales: all, or under a launcher its shards'."""
+            """The elements this process scales: all, or under a launcher those of the
+            shards it writes (a replicated piece: every rank that writes a copy)."""
             if not by_shard:
                 return loaded.elements
             return loaded.elements.only(
-                [rank == session.rank for rank in tensor_owners(loaded, files)])
+                [session.rank in ranks for ranks in tensor_writers(loaded, files)])
 
         def check(loaded: Loaded) -> float:
             sums = measure(loaded, p, dev, steps, "checking", session=checking, files=files)
@@ -160,8 +160,10 @@ def run(
         key=loaded.key, norm_type=p, max_norm=limit, clip_value=value,
         total_norm_before=total_before, clip_coef=None if coef is None else coef.value,
         total_norm_after=after, clipped=clipped,
-        # A DCP set is clipped chunk by chunk; the report counts its tensors.
-        num_tensors=len({c.name for c in loaded.contents.chunks}) or len(loaded.tensors),
+        # A DCP set is clipped chunk by chunk (its HF layout piece by piece); the report
+        # counts its tensors.
+        num_tensors=len({c.name for c in loaded.contents.chunks})
+        or len({p.name for p in loaded.contents.held_pieces.values()}) or len(loaded.tensors),
         nonfinite=nonfinite, overflow=overflow,
         clip_coef_log2=None if coef is None else coef.log2,
         clip_coef_torch=torch_coef.value if lowered else None, coef_lowered=lowered,
@@ -177,12 +179,19 @@ def run(
     return 0
 
 
-def _held_chunks(loaded: Loaded) -> Loaded:
-    """A DCP set's gradients read into memory chunk by chunk, each a gradient of its own
-    (clip scales tensors in place; the sink writes each chunk back where it was)."""
+def _held_pieces(loaded: Loaded) -> Loaded:
+    """A DCP set's gradients held chunk by chunk (its Hugging Face layout's piece by
+    piece), each a gradient of its own: clip scales tensors in place, and the sink
+    writes each chunk or piece back where it was. Other checkpoints as they are."""
+    from ..source.layouts import dcp_hf
     from ..source.layouts.dcp import hold_gradient_chunks
 
-    hold_gradient_chunks(loaded.contents)
+    if is_dcp_set(loaded.contents):
+        hold_gradient_chunks(loaded.contents)
+    elif loaded.contents.kind == dcp_hf.KIND:
+        dcp_hf.hold_gradient_pieces(loaded.contents)
+    else:
+        return loaded
     selection = select(loaded.contents, "grads", gradients_only=True)
     return Loaded(loaded.contents, selection,
                   distinct_elements([t.held for t in selection.tensors]))

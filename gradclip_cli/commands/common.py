@@ -223,6 +223,18 @@ def tensor_owners(loaded: Loaded, files: dict[str, int]) -> list[int]:
     return [files[Path(t.pieces[0].file).name] for t in loaded.tensors]
 
 
+def tensor_writers(loaded: Loaded, files: dict[str, int]) -> list[set[int]]:
+    """The ranks that write each tensor of ``loaded`` (``files``): its own file's, and
+    for a piece that other files hold too (``Contents.held_pieces``), theirs."""
+    writers = []
+    held = loaded.contents.held_pieces
+    for t, rank in zip(loaded.tensors, tensor_owners(loaded, files)):
+        piece = held.get(t.name)
+        copies = piece.copies if piece is not None else ()
+        writers.append({rank, *(files[Path(c).name] for c in copies)})
+    return writers
+
+
 def _piece_owners(loaded: Loaded, files: dict[str, int]) -> list[int]:
     """The rank of each measured piece of ``loaded.elements``: the rank of its tensor's file.
 

@@ -58,12 +58,12 @@ def write_contents(contents: Contents, output: Path | str, *, in_place: bool = F
     """
     if contents.checkpoint is not None:
         return write_checkpoint(contents.checkpoint, output)
-    if contents.chunks and contents.index is not None:  # a DCP set's gradient chunks
+    if contents.chunks and contents.folder is not None:  # a DCP set's gradient chunks
         from gradclip_cli.sink.dcp_set import write_dcp_set
 
         write_dcp_set(contents, Path(output), in_place=in_place)
         return 0
-    if contents.shards and contents.index is not None:
+    if contents.shards and contents.folder is not None:  # HF sharded, DCP's HF layout
         from gradclip_cli.sink.sharded_set import write_set
 
         write_set(contents, Path(output), WRITERS, in_place=in_place)

@@ -1,4 +1,5 @@
-"""Writing a sharded checkpoint (an index and its shards) back as a set.
+"""Writing a sharded checkpoint (an index and its shards, or DCP's Hugging Face layout's
+safetensors files) back as a set.
 
 A reader must never see a mix of old and new shards, and there is no way to
 replace several files at once. So the whole folder is written anew, beside
@@ -63,7 +64,7 @@ def write_set(contents: Contents, target: Path, writers: dict, *, in_place: bool
 
 def begin_set(contents: Contents, target: Path, *, in_place: bool) -> Path:
     """Check ``target`` and make the hidden temporary folder the new set is written into."""
-    source = contents.index.parent
+    source = contents.folder
     target = Path(target)
     parent = target.parent
     if not parent.is_dir():
@@ -89,11 +90,13 @@ def fill_set(contents: Contents, temp: Path, writers: dict, *,
     ``mine(name)``: whether this process writes the file ``name`` (all when
     None); under a launcher each rank writes its own (``distributed/sets.py``).
     """
-    source = contents.index.parent
+    source = contents.folder
     by_name = {Path(s.path).name: s for s in contents.shards}
     for entry in sorted(os.scandir(source), key=lambda e: e.name):
-        if not entry.is_file(follow_symlinks=False):
-            continue  # the set's files are plain files; links and folders stay behind
+        if entry.name not in by_name and not entry.is_file(follow_symlinks=False):
+            # Other links and folders stay behind; a shard is written from what was
+            # read, as a plain file, even where the folder linked it (inside itself).
+            continue
         if mine is not None and not mine(entry.name):
             continue
         out = temp / entry.name

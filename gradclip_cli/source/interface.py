@@ -220,12 +220,20 @@ class Contents:
         optimizers: every optimizer state, ``optimizer`` being the first.
         step: the training step when the checkpoint records one.
         checkpoint: for a single-file source, the loaded file (clip writes it back).
-        shards: for a set of files (HF sharded), each file's loaded
-            ``Checkpoint`` in index order, for clip to write back as a set.
+        shards: for a set of files (HF sharded, DCP's Hugging Face layout),
+            each file's loaded ``Checkpoint`` in index (or name) order, for
+            clip to write back as a set.
         index: the index file of a set, when there is one (a DCP folder's ``.metadata``).
+        folder: for a set of files, the folder that holds them, which clip
+            writes back as a folder (an index's folder; DCP's Hugging Face
+            layout has no index).
         chunks: for a DCP set being clipped, each gradient chunk held in memory
             with where its blob lies (``layouts.dcp.HeldChunk``), for clip to
             write back.
+        held_pieces: for a DCP Hugging Face set being clipped, each gradient
+            piece held as a gradient of its own, by its name
+            (``layouts.dcp_hf.HeldPiece``: its tensor, and the other files
+            holding the same piece).
     """
 
     path: Path
@@ -243,7 +251,9 @@ class Contents:
     checkpoint: Checkpoint | None = None
     shards: list[Checkpoint] = field(default_factory=list)
     index: Path | None = None
+    folder: Path | None = None
     chunks: list[Any] = field(default_factory=list)  # DCP: gradient chunks held for clip
+    held_pieces: dict[str, Any] = field(default_factory=dict)  # DCP HF: pieces held for clip
     trusted_pickle: bool = False
     gradient_error: str | None = None  # why no gradients were found, for --what grads
 

@@ -181,6 +181,14 @@ def deepspeed_runs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def dcp_hf_grads(dcp_hf_checkpoint) -> Path:
+    """The same run's gradients in DCP's Hugging Face layout (``dcp_hf_ranks.py``): FSDP2's
+    shards, ``2.bias`` replicated (the same piece in both files), an int64 ``counts``;
+    ``grads_reference.pt`` (every gradient whole) beside the folder."""
+    return dcp_hf_checkpoint.parent / "grads"
+
+
+@pytest.fixture(scope="session")
 def accelerate_fsdp_run(tmp_path_factory) -> Path:
     """accelerate's FSDP checkpoints from two spawned FSDP2 ranks
     (``accelerate_fsdp_ranks.py``): ``run/checkpoint-1/`` and ``run/checkpoint-2/``."""

@@ -8,7 +8,9 @@ DeepSpeed ZeRO-2 and ZeRO-3 folders) are inspected with several ``--what``
 once in one process and once under ``torchrun --nproc-per-node 2``; rank 0's
 report must be the same byte for byte, and rank 1 says nothing. ``clip`` of a
 gradient set writes each shard from the rank that read it: the set it writes
-is the one-process set, file for file, and a full disk on rank 1 is reported
+is the one-process set, file for file (a DCP Hugging Face set's replicated
+piece too, scaled alike by the two ranks whose files hold it), and a full
+disk on rank 1 is reported
 once, naming rank 1, with the input untouched and nothing left behind.
 """
 
@@ -57,8 +59,8 @@ def _digests(folder: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lightning_ckpt,
-             lightning_sharded, dcp_checkpoint, dcp_hf_checkpoint, deepspeed_runs,
-             accelerate_fsdp_run):
+             lightning_sharded, dcp_checkpoint, dcp_hf_checkpoint, dcp_hf_grads,
+             deepspeed_runs, accelerate_fsdp_run):
     tmp = tmp_path_factory.mktemp("layouts_ranks")
     paths = {"pretrained": sharded_pretrained, "pretrained_bin": sharded_bin,
              "trainer": trainer_run, "lightning": lightning_ckpt, "dcp": dcp_checkpoint,
@@ -94,13 +96,20 @@ def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lig
         # bf16: rounding leaves the total above 0.5 unless the coefficient is lowered
         ["clip", str(halves), "--max-norm", "0.5", "--format", "json"],
         ["clip", str(grads), "--max-norm", "2", "--in-place", "--format", "json"],
+        # DCP's HF layout: each rank writes its safetensors file, both the replicated piece
+        ["clip", str(dcp_hf_grads), "--max-norm", "1", "--format", "json",
+         "-o", str(tmp / "dcp_hf_out")],
+        ["clip", str(dcp_hf_grads), "--clip-value", "1", "--format", "json",
+         "-o", str(tmp / "dcp_hf_outv")],
     ]
     jobs += [{"args": args} for args in clips]
-    for source, name in ((grads, "never"), (dcp_checkpoint, "never_dcp")):
+    for source, name in ((grads, "never"), (dcp_checkpoint, "never_dcp"),
+                         (dcp_hf_grads, "never_dcp_hf")):
         jobs.append({"args": ["clip", str(source), "--max-norm", "1", "--format", "json",
                               "-o", str(tmp / name)], "full_disk_rank": 1})
     jobs_file = write_jobs(tmp, jobs)
-    outputs = [tmp / "out", tmp / "dcp_out", tmp / "outv", tmp / "halves.clipped", grads]
+    outputs = [tmp / "out", tmp / "dcp_out", tmp / "outv", tmp / "halves.clipped", grads,
+               tmp / "dcp_hf_out", tmp / "dcp_hf_outv"]
 
     one, two = tmp / "one", tmp / "two"
     one.mkdir()
@@ -113,7 +122,7 @@ def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lig
         shutil.copytree(out, single_sets[out])
         if out != grads:  # the in-place job's input is put back below
             shutil.rmtree(out)
-    for name in ("never", "never_dcp"):  # one process has no rank 1 to fail: it wrote them
+    for name in ("never", "never_dcp", "never_dcp_hf"):  # one process has no rank 1 to fail
         shutil.rmtree(tmp / name)
     for folder, copy in pristine.items():
         if folder.exists():
@@ -139,7 +148,7 @@ def test_two_ranks_print_the_one_process_report_for_every_layout(launched):
         assert out0 == out, job["args"]  # byte for byte
         assert out1 == "" and err1.strip() == "", job["args"]
         checked += 1
-    assert checked == 2 * sum(map(len, WHATS.values())) + 4 + 5
+    assert checked == 2 * sum(map(len, WHATS.values())) + 4 + 7
 
 
 def test_each_rank_writes_its_shards_of_the_one_process_set(launched):
@@ -152,11 +161,12 @@ def test_each_rank_writes_its_shards_of_the_one_process_set(launched):
 
 
 def test_a_full_disk_on_rank_1_is_reported_once_and_changes_nothing(launched):
-    """Rank 1 writes shards of both sets (an HF set's shard, a DCP set's .distcp copy):
-    its failure is rank 0's one line, and neither the target nor a temporary folder stays."""
+    """Rank 1 writes shards of every set (an HF set's shard, a DCP set's .distcp copy, a
+    DCP HF set's safetensors file): its failure is rank 0's one line, and neither the
+    target nor a temporary folder stays."""
     tmp = launched["tmp"]
     failing = [(i, job) for i, job in enumerate(launched["jobs"]) if "full_disk_rank" in job]
-    assert len(failing) == 2
+    assert len(failing) == 3
     for i, job in failing:
         (code0, out0, err0), (code1, out1, err1) = (r[i] for r in launched["ranks"])
         target = Path(job["args"][-1])

@@ -91,7 +91,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
                if isinstance(e, TensorEntry)}
     paths = {k: meta.paths.get(k, (k,)) for k in meta.entries}
     contents = Contents(path=path, kind=KIND, files=[meta_file, *sorted(set(files.values()))],
-                        index=meta_file)
+                        index=meta_file, folder=folder)
     contents.weights = _under(paths, tensors, WEIGHT_KEYS)
     _fill_gradients(contents, meta_file, paths, tensors, key)
     for name in _optimizer_tops(paths):

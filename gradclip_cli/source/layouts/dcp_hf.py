@@ -17,12 +17,22 @@ bytes both times: with no ``.metadata`` to give the full size, a piece that
 claimed another's place would otherwise hide a part of the tensor. What the files hold is a
 flat ``name -> tensor`` state dict: the model's weights, or gradients saved
 that way (the ``--key`` rule's whole file), as for a flat DCP folder.
+
+``clip`` holds each piece as a gradient of its own (``hold_gradient_pieces``,
+as ``dcp.hold_gradient_chunks`` holds a DCP folder's chunks) and writes every
+file back as a safetensors file, the set switched in whole
+(``sink/sharded_set.py``): the same tensors in the same order, the same
+header metadata, ``DCP_SHARDING_INFO`` included, so the pieces stay where
+they were. A piece stored twice is one gradient, counted and scaled once;
+the second file is written from that same tensor, so both copies keep equal
+bytes, as the layout requires.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +41,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.format.text import visible
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.safetensors_file import read_header
-from gradclip_cli.source.interface import Contents, Piece, StoredTensor
+from gradclip_cli.source.interface import Checkpoint, Contents, Piece, StoredTensor
 
 from .dcp import check_tiling
 from .paths import inside
@@ -55,8 +65,9 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     if key:
         raise InputError(f"{path}: --key {key!r}: a DCP Hugging Face folder holds one flat "
                          "name -> tensor mapping; omit --key")
-    pieces: dict[str, list[Piece]] = {}
+    pieces: dict[str, list[_ShardPiece]] = {}
     dtypes: dict[str, torch.dtype] = {}
+    shards: list[Checkpoint] = []
     files = _shards(path)
     for file in files:
         file = inside(path, file.name, named_by=path)
@@ -74,16 +85,24 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             if dtypes.setdefault(name, tensor.dtype) != tensor.dtype:
                 raise InputError(f"{file}: {visible(repr(name))} is {tensor.dtype} here and "
                                  f"{dtypes[name]} in another file")
-            piece = Piece(tuple(at), tuple(tensor.shape), lambda t=tensor: t, file, tensor)
+            piece = _ShardPiece(tuple(at), tuple(tensor.shape), lambda t=tensor: t, file,
+                                tensor)
             known = pieces.setdefault(name, [])
-            same = [p for p in known if p.offsets == piece.offsets and p.shape == piece.shape]
+            same = [i for i, p in enumerate(known)
+                    if p.offsets == piece.offsets and p.shape == piece.shape]
             if not same:
                 known.append(piece)
-            elif not _same_bytes(same[0].held, tensor):
+                continue
+            first = known[same[0]]
+            if not _same_bytes(first.held, tensor):
                 # Replicated state is written by every rank alike and counts once; a
                 # piece that differs would silently lose one copy's values.
                 raise InputError(f"{file}: holds {visible(repr(name))} at {at}, where "
-                                 f"{same[0].file.name} holds other values")
+                                 f"{first.file.name} holds other values")
+            # Kept once; where the copy lies is kept for clip, which writes it back.
+            known[same[0]] = _ShardPiece(first.offsets, first.shape, first.read, first.file,
+                                         first.held, copies=(*first.copies, file))
+        shards.append(ckpt)
     tensors = {}
     for name in sorted(pieces):
         found = pieces[name]
@@ -92,7 +111,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         check_tiling(path, name, size, [(p.offsets, p.shape) for p in found])
         tensors[name] = StoredTensor(name, size, dtypes[name], found)
     floating = {n: t for n, t in tensors.items() if t.dtype.is_floating_point}
-    contents = Contents(path=path, kind=KIND, files=list(files), model_order=False,
+    contents = Contents(path=path, kind=KIND, files=list(files), shards=shards, folder=path,
+                        model_order=False,
                         gradients=floating or None, weights=floating or None,
                         skipped=[n for n in tensors if n not in floating])
     if not floating:
@@ -102,6 +122,50 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         f"DCP Hugging Face layout: {len(tensors)} tensors in {chunks} pieces, "
         f"{len(files)} safetensors files")
     return contents
+
+
+@dataclass(frozen=True)
+class _ShardPiece(Piece):
+    """A piece read from one file; ``copies``: the other files that hold it (replicated)."""
+
+    copies: tuple[Path, ...] = ()
+
+
+@dataclass(frozen=True)
+class HeldPiece:
+    """A gradient piece held for clip: the tensor it is a piece of, and the other files
+    that hold a copy of it (written back from the same tensor)."""
+
+    name: str
+    copies: tuple[Path, ...] = ()
+
+
+def hold_gradient_pieces(contents: Contents) -> None:
+    """Make every gradient piece a gradient of its own, for clip.
+
+    ``contents.gradients`` becomes one held tensor per piece (a tensor in one
+    piece keeps its name; others are named ``name[offsets]``, as DCP chunks
+    are): the mapped tensors of the shards' ``Checkpoint``s, private
+    mappings, so scaling in place changes what the sink writes and never the
+    files. A piece that another file holds too becomes that file's tensor as
+    well (its bytes are the same, checked at open), so it is scaled once and
+    written to both. ``contents.held_pieces`` records each piece's tensor and
+    copies.
+    """
+    shards = {Path(s.path): s for s in contents.shards}
+    held: dict[str, StoredTensor] = {}
+    records: dict[str, HeldPiece] = {}
+    for name, tensor in (contents.gradients or {}).items():
+        for piece in tensor.pieces:
+            assert isinstance(piece, _ShardPiece) and piece.held is not None
+            label = name if len(tensor.pieces) == 1 else \
+                f"{name}[{','.join(map(str, piece.offsets))}]"
+            held[label] = StoredTensor.whole(label, piece.held, piece.file)
+            for copy in piece.copies:
+                shards[copy].root[name] = piece.held
+            records[label] = HeldPiece(name, piece.copies)
+    contents.gradients = held
+    contents.held_pieces = records
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

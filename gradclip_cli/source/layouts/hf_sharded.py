@@ -63,7 +63,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     assert index is not None  # recognises() said so
     shards, tensors = read_set(index, trust_pickle=trust_pickle, verify=verify)
     contents = Contents(path=path, kind=KIND, files=[index, *(s.path for s in shards)],
-                        shards=shards, index=index, model_order=False,
+                        shards=shards, index=index, folder=index.parent,
+                        model_order=False,
                         trusted_pickle=any(s.trusted_pickle for s in shards))
     contents.description.append(
         f"{visible(index.name)}: {len(tensors)} tensors in {len(shards)} shards")
