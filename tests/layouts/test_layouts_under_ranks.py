@@ -10,8 +10,8 @@ report must be the same byte for byte, and rank 1 says nothing. ``clip`` of a
 gradient set writes each shard from the rank that read it: the set it writes
 is the one-process set, file for file (a DCP Hugging Face set's replicated
 piece too, scaled alike by the two ranks whose files hold it), and a full
-disk on rank 1 is reported
-once, naming rank 1, with the input untouched and nothing left behind.
+disk on rank 1 is reported once, naming rank 1, with the input untouched and
+nothing left behind.
 """
 
 from __future__ import annotations
