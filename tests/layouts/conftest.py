@@ -178,3 +178,25 @@ def deepspeed_runs(tmp_path_factory) -> Path:
                          cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stderr[-4000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def deepspeed_trainer_run(tmp_path_factory) -> Path:
+    """A real ``transformers.Trainer`` run under DeepSpeed ZeRO 2 on two CPU processes
+    (``deepspeed_trainer_run.py``): ``checkpoint-1/`` .. ``checkpoint-3/`` and
+    ``reference.pt`` in the returned ``output_dir``."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    out = tmp_path_factory.mktemp("deepspeed_trainer")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "tests.layouts.deepspeed_trainer_run",
+                          os.fspath(out)], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-4000:]
+    return out

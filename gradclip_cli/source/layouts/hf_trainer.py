@@ -52,7 +52,7 @@ def recognises(path: Path) -> bool:
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     contents = Contents(path=path, kind=KIND)
-    contents.step = _global_step(path)
+    contents.step = global_step(path)
     _read_weights(contents, path, trust_pickle=trust_pickle, verify=verify)
     optimizer_file = path / OPTIMIZER
     if os.path.exists(optimizer_file):
@@ -71,7 +71,9 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     return contents
 
 
-def _global_step(folder: Path) -> int | None:
+def global_step(folder: Path) -> int | None:
+    """``folder/trainer_state.json``'s ``global_step`` (None without the file), checked
+    against the folder's ``checkpoint-N`` name."""
     state_file = folder / STATE
     if not os.path.exists(state_file):
         return None
