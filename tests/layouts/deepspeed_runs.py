@@ -8,7 +8,10 @@ precision into ``OUT/zero2_bf16/``. The model's sizes are chosen so that
 the flat partitions cut parameters: ``0.weight`` (35 elements) spans both
 ranks' partitions under ZeRO 1/2, and every parameter is split under ZeRO 3.
 Two param groups (decayed weights, undecayed biases) exercise the group
-layout.
+layout. The last layer (``4.weight``, ``4.bias``) is frozen
+(``requires_grad=False``): ZeRO 2 and 3 save it as frozen parameters
+(``frozen_param_fragments``; under ZeRO 3 cut over the ranks with padding),
+ZeRO 1 in the module's state dict alone.
 
 Beside each checkpoint, ``OUT/zeroN.reference.pt`` holds the tests'
 independent reference: the same model trained alongside with plain
@@ -51,7 +54,9 @@ def _worker(rank: int, port: int, out: str) -> None:
     for folder_name, stage, bf16 in RUNS:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(),
-                                    torch.nn.Linear(7, 3))
+                                    torch.nn.Linear(7, 3), torch.nn.Tanh(),
+                                    torch.nn.Linear(3, 3))
+        model[4].requires_grad_(False)  # frozen: weights without optimizer state
         mirror = copy.deepcopy(model)
 
         def groups(module):
@@ -83,6 +88,8 @@ def _worker(rank: int, port: int, out: str) -> None:
             plain.zero_grad()
             torch.nn.functional.mse_loss(mirror(x), y).backward()
             for p in mirror.parameters():
+                if p.grad is None:  # frozen
+                    continue
                 dist.all_reduce(p.grad)
                 p.grad /= WORLD
             plain.step()

@@ -25,6 +25,7 @@ from tests.hardening.support import assert_refused, run_cli
 from tests.layouts.deepspeed_runs import BETAS, EPS, LR, STEPS
 
 STAGES = (1, 2, 3)
+FROZEN = ("4.weight", "4.bias")  # requires_grad=False in every run
 TAG = "global_step2"
 # The reference reduces gradients with all_reduce, ZeRO with reduce_scatter: the
 # float32 results may differ in the last bits per step (2 steps, values ~1).
@@ -42,9 +43,16 @@ def _inspect(path: Path, what: str) -> dict:
 
 
 def _expected(reference: dict, what: str) -> dict[str, torch.Tensor]:
-    """``what`` per parameter, in float64, from the plain AdamW run's state."""
+    """``what`` per parameter, in float64, from the plain AdamW run's state; the frozen
+    parameters (no state) for the weights alone."""
     out = {}
     for name, entry in reference.items():
+        if what == "weights":
+            out[name] = entry["weight"].double()
+            continue
+        if name in FROZEN:
+            assert "step" not in entry
+            continue
         step = float(entry["step"])
         assert step == STEPS
         c1, c2 = 1 - BETAS[0] ** step, 1 - BETAS[1] ** step
@@ -66,6 +74,7 @@ def test_numbers_match_a_plain_adamw_run(deepspeed_runs, stage, what):
     assert doc["what"] == what
     tensors = {t["name"]: t for t in doc["tensors"]}
     assert list(tensors) == list(expected)  # the model's order, not param_shapes' groups
+    assert (FROZEN[0] in tensors) == (what == "weights")
     for name, value in expected.items():
         assert tensors[name]["shape"] == list(value.shape)
         assert tensors[name]["norm"] == pytest.approx(value.norm().item(), rel=RTOL)
@@ -88,12 +97,25 @@ def test_weights_are_zero_to_fp32s(deepspeed_runs, stage):
     theirs = get_fp32_state_dict_from_zero_checkpoint(os.fspath(deepspeed_runs / f"zero{stage}"))
     ours = open_checkpoint(deepspeed_runs / f"zero{stage}")
     assert ours.kind == "deepspeed" and ours.step == STEPS
-    assert set(ours.weights) == set(theirs)
+    # ZeRO 1 saves no frozen_param_* (zero_to_fp32 leaves them out); its whole module
+    # state dict holds them.
+    assert set(ours.weights) == set(theirs) | (set(FROZEN) if stage == 1 else set())
     for name, tensor in theirs.items():
         assert torch.equal(ours.weights[name].read(), tensor), name
+    # The frozen layer never moved: the weights it started with, on every stage.
+    reference = torch.load(deepspeed_runs / f"zero{stage}.reference.pt")
+    for name in FROZEN:
+        assert torch.equal(ours.weights[name].read(), reference[name]["weight"]), name
     # 0.weight (35 elements) starts in rank 0's partition and ends in rank 1's.
     split = ours.weights["0.weight"]
     assert {p.file.name for p in split.pieces} == {_optim(0), _optim(1)}
+    frozen_files = {p.file.name for p in ours.weights["4.weight"].pieces}
+    if stage == 3:  # 9 elements: 5 on rank 0, 4 and a padding element on rank 1
+        assert frozen_files == {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)}
+    else:
+        assert frozen_files == {"mp_rank_00_model_states.pt"}
+    line = "2 frozen parameter(s) (requires_grad=False): weights without Adam moments"
+    assert any(d.startswith(line) for d in ours.description)
 
 
 def test_bf16_mixed_precision_rank_files(deepspeed_runs):
@@ -260,6 +282,25 @@ def test_a_code_payload_in_a_rank_file_never_runs(copy, tmp_path):
     line = assert_refused(run_cli("inspect", copy), file, "refused")
     assert "system" in line
     assert not marker.exists()
+
+
+def test_a_frozen_part_of_the_wrong_size(deepspeed_runs, tmp_path):
+    """ZeRO 3 cuts every frozen parameter into equal flat parts, one per rank."""
+    target = tmp_path / "run"
+    shutil.copytree(deepspeed_runs / "zero3", target)
+    file = target / TAG / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+
+    def cut(root):
+        root["frozen_param_fragments"]["4.weight"] = torch.zeros(4)
+    _rewrite(file, cut)
+    assert_refused(run_cli("inspect", target, "--what", "weights"), file, "4.weight",
+                   "not a flat part of 5")
+
+
+def test_frozen_fragments_missing(copy):
+    file = copy / TAG / "mp_rank_00_model_states.pt"
+    _rewrite(file, lambda root: root.pop("frozen_param_fragments"))
+    assert_refused(run_cli("inspect", copy), file, "no frozen_param_fragments")
 
 
 def test_an_extra_rank_beyond_partition_count(copy):

@@ -286,9 +286,13 @@ class _Reader:
         the model state files: under ZeRO 2 each parameter whole (in the module's
         dtype); under ZeRO 3 each rank's file holds its flat part of every frozen
         parameter, ``ceil(numel / world)`` elements, the last part zero padded.
-        ZeRO 1 saves neither.
+        ZeRO 1 saves neither, but its module state dict is whole: there the frozen
+        parameters are its entries that are neither in ``param_shapes`` nor buffers
+        (``buffer_names``) nor tied names (``shared_params``).
         """
         raw = model.root.get("frozen_param_shapes")
+        if raw is None and stage == 1:
+            return _frozen_in_module(model, trainable)
         if raw is None or (isinstance(raw, Mapping) and not raw):
             return {}
         shapes = _shape_group(raw, model, "frozen_param_shapes", set(trainable))
@@ -334,6 +338,21 @@ class _Reader:
                     place.append((r, i, 0, keep, r * part))
             out[name] = _stored(name, shape, place, fragments, files)
         return out
+
+
+def _frozen_in_module(model: Checkpoint, trainable: Mapping) -> dict[str, StoredTensor]:
+    module = model.root.get("module")
+    buffers = model.root.get("buffer_names")
+    shared = model.root.get("shared_params")
+    if not (isinstance(module, Mapping) and isinstance(buffers, (list, tuple))
+            and isinstance(shared, Mapping)):
+        return {}  # what is a parameter cannot be told: none is taken for one
+    others = set(trainable) | {b for b in buffers if isinstance(b, str)} | \
+        {n for n in shared if isinstance(n, str)}
+    return {name: StoredTensor.whole(name, value, model.path)
+            for name, value in module.items()
+            if isinstance(name, str) and name not in others
+            and isinstance(value, torch.Tensor) and value.dtype.is_floating_point}
 
 
 def _osd(ckpt: Checkpoint) -> Mapping:
