@@ -37,7 +37,16 @@ master weights; the optimizer state names each parameter (``param_names``).
 The Hugging Face Trainer run with DeepSpeed writes the same ``latest`` and
 ``global_stepN/`` inside its ``checkpoint-N/`` (beside the model weights and
 ``trainer_state.json``, without ``optimizer.pt``): this layout comes first in
-``LAYOUTS`` so that such a folder is read here, where the moments are.
+``LAYOUTS`` so that such a folder is read here, where the moments are. The
+step reported is then the Trainer's ``global_step`` (``trainer_state.json``,
+checked against the folder's name as ``hf_trainer`` does), DeepSpeed's own
+count noted when it differs.
+
+Frozen parameters (``requires_grad=False``) have weights and no optimizer
+state: ZeRO 2 and 3 save them apart (``frozen_param_shapes``,
+``frozen_param_fragments``; see ``_Reader.frozen``), ZeRO 1 only in its whole
+module state dict. They are measured by ``--what weights`` and absent from the
+moments, which the description says.
 
 Every file goes through the restricted reader, with DeepSpeed's own pickled
 classes mapped to inert stand-ins (``files/deepspeed_pickle.py``); DeepSpeed
@@ -127,21 +136,20 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     contents = reader.contents(path)
     contents.description[0] += tag_note
     if folder != path:
-        _trainer_step(contents, path, folder)
+        _trainer_step(contents, path)
     return contents
 
 
-def _trainer_step(contents: Contents, path: Path, folder: Path) -> None:
+def _trainer_step(contents: Contents, path: Path) -> None:
     """A Hugging Face Trainer's ``checkpoint-N/`` around the DeepSpeed folder: its
     ``global_step`` (``trainer_state.json``, checked against the folder's name) is the
     checkpoint's step, as for a Trainer checkpoint without DeepSpeed."""
     step = hf_trainer.global_step(path)
     if step is None:
         return
-    contents.files.insert(0, path / hf_trainer.STATE)
     contents.description.insert(
-        0, f"Hugging Face Trainer checkpoint at global_step {step}: {hf_trainer.STATE}, "
-        f"DeepSpeed's {LATEST} and {visible(folder.name)}/")
+        0, f"Hugging Face Trainer checkpoint at global_step {step} ({hf_trainer.STATE}), "
+        "with DeepSpeed")
     if contents.step is not None and contents.step != step:
         contents.description.append(
             f"DeepSpeed counts {contents.step} steps (global_steps), the Trainer {step}: "
@@ -274,8 +282,8 @@ class _Reader:
             f"of {len(flat_shapes)} parameters")
         if frozen:
             contents.description.append(
-                f"{len(frozen)} frozen parameter(s) (requires_grad=False): weights without "
-                "Adam moments, measured by --what weights alone")
+                f"{len(frozen)} frozen parameter(s): weights without Adam moments (measured by "
+                "--what weights)")
         return contents
 
     def frozen(self, model: Checkpoint, stage: int, world: int, trainable: Mapping
