@@ -364,3 +364,35 @@ def test_an_fp16_dynamic_loss_scaler_is_read_as_plain_values(tmp_path):
     assert type(got) is DynamicLossScalerState
     assert got.state == vars(scaler)
     assert torch.equal(root["optimizer_state_dict"]["t"], torch.ones(3))
+
+
+# ------------------------------------------------------------------ DeepSpeedCPUAdam
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["exp_avg", "grad_rms", "update", "weights"])
+def test_cpu_adam_offload_reads_as_adamw(deepspeed_cpu_adam, what):
+    """ZeRO-Offload's ``DeepSpeedCPUAdam`` keeps AdamW's state under AdamW's names, with
+    ``step`` a plain int (torch's is a tensor) and ``bias_correction`` in its groups:
+    the numbers are the plain AdamW run's, the weights ``zero_to_fp32``'s."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    folder = deepspeed_cpu_adam / "zero2_cpu_adam"
+    root = torch.load(folder / TAG / _optim(0), weights_only=False)
+    base = root["optimizer_state_dict"]["base_optimizer_state"]
+    assert all(type(entry["step"]) is int for entry in base["state"].values())
+    assert all(group["bias_correction"] for group in base["param_groups"])
+    reference = torch.load(deepspeed_cpu_adam / "zero2_cpu_adam.reference.pt")
+    expected = _expected(reference, what)
+    doc = _inspect(folder, what)
+    tensors = {t["name"]: t for t in doc["tensors"]}
+    assert list(tensors) == list(expected)
+    for name, value in expected.items():
+        assert tensors[name]["norm"] == pytest.approx(value.norm().item(), rel=RTOL), name
+    if what == "weights":
+        from gradclip_cli.source.layouts import open_checkpoint
+
+        theirs = get_fp32_state_dict_from_zero_checkpoint(os.fspath(folder))
+        ours = open_checkpoint(folder)
+        for name, tensor in theirs.items():
+            assert torch.equal(ours.weights[name].read(), tensor), name
