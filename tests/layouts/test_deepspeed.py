@@ -303,6 +303,23 @@ def test_frozen_fragments_missing(copy):
     assert_refused(run_cli("inspect", copy), file, "no frozen_param_fragments")
 
 
+def test_frozen_parameters_without_frozen_param_records(copy, deepspeed_runs):
+    """As ZeRO 1 saves them (and DeepSpeed did before it saved them apart): only in the
+    whole module state dict, told from buffers and tied names by what DeepSpeed lists."""
+    file = copy / TAG / "mp_rank_00_model_states.pt"
+
+    def strip(root):
+        root["frozen_param_shapes"] = root["frozen_param_fragments"] = None
+    _rewrite(file, strip)
+    reference = torch.load(deepspeed_runs / "zero2.reference.pt")
+    doc = _inspect(copy, "weights")
+    tensors = {t["name"]: t for t in doc["tensors"]}
+    assert list(tensors) == list(reference)
+    for name in FROZEN:
+        expected = reference[name]["weight"].double().norm().item()
+        assert tensors[name]["norm"] == pytest.approx(expected, rel=1e-6), name
+
+
 def test_an_extra_rank_beyond_partition_count(copy):
     shutil.copy(copy / TAG / _optim(1), copy / TAG / _optim(2))
     assert_refused(run_cli("inspect", copy), copy / TAG / _optim(2), "beyond")

@@ -294,12 +294,13 @@ class _Reader:
         the model state files: under ZeRO 2 each parameter whole (in the module's
         dtype); under ZeRO 3 each rank's file holds its flat part of every frozen
         parameter, ``ceil(numel / world)`` elements, the last part zero padded.
-        ZeRO 1 saves neither, but its module state dict is whole: there the frozen
+        ZeRO 1 saves neither (nor do DeepSpeed versions before frozen parameters were
+        saved apart), but a ZeRO 1/2 module state dict is whole: there the frozen
         parameters are its entries that are neither in ``param_shapes`` nor buffers
         (``buffer_names``) nor tied names (``shared_params``).
         """
         raw = model.root.get("frozen_param_shapes")
-        if raw is None and stage == 1:
+        if raw is None and stage <= 2:
             return _frozen_in_module(model, trainable)
         if raw is None or (isinstance(raw, Mapping) and not raw):
             return {}
