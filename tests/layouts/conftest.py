@@ -161,22 +161,52 @@ def dcp_hf_checkpoint(tmp_path_factory) -> Path:
     return outdir / "checkpoint"
 
 
-@pytest.fixture(scope="session")
-def deepspeed_runs(tmp_path_factory) -> Path:
-    """Real DeepSpeed ZeRO 1, 2 and 3 checkpoints (``deepspeed_runs.py``): ``zeroN/`` each,
-    with ``zeroN.reference.pt`` beside. One 2-process CPU run builds all three."""
+def _deepspeed_run(module: str, out: Path, *args: str, timeout: int = 600) -> None:
+    """``python -m tests.layouts.<module> OUT ARGS``: a real DeepSpeed CPU run (gloo, two
+    processes it spawns itself), away from any launcher's variables."""
     import importlib.util
     import subprocess
     import sys
 
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
-    out = tmp_path_factory.mktemp("deepspeed")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "tests.layouts.deepspeed_runs", os.fspath(out)],
-                         env=env, capture_output=True, text=True, timeout=600,
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", f"tests.layouts.{module}", os.fspath(out),
+                          *args], env=env, capture_output=True, text=True, timeout=timeout,
                          cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stderr[-4000:]
+
+
+@pytest.fixture(scope="session")
+def deepspeed_runs(tmp_path_factory) -> Path:
+    """Real DeepSpeed ZeRO 1, 2 and 3 checkpoints (``deepspeed_runs.py``): ``zeroN/`` each,
+    with ``zeroN.reference.pt`` beside. One 2-process CPU run builds all three."""
+    out = tmp_path_factory.mktemp("deepspeed")
+    _deepspeed_run("deepspeed_runs", out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def deepspeed_cpu_adam(tmp_path_factory) -> Path:
+    """ZeRO 2 with the optimizer offloaded: DeepSpeed's own ``DeepSpeedCPUAdam``
+    (``deepspeed_runs.py --cpu-adam``): ``zero2_cpu_adam/`` and its reference. Compiling
+    the op takes minutes: slow tests only."""
+    if not os.environ.get("GRADCLIP_SLOW"):
+        pytest.skip("set GRADCLIP_SLOW=1 (DeepSpeedCPUAdam is compiled on first use)")
+    out = tmp_path_factory.mktemp("deepspeed_cpu_adam")
+    _deepspeed_run("deepspeed_runs", out, "--cpu-adam", timeout=1800)
+    return out
+
+
+@pytest.fixture(scope="session")
+def deepspeed_trainer_run(tmp_path_factory) -> Path:
+    """A real ``transformers.Trainer`` run under DeepSpeed ZeRO 2 on two CPU processes
+    (``deepspeed_trainer_run.py``): ``checkpoint-1/`` .. ``checkpoint-3/`` and
+    ``reference.pt`` in the returned ``output_dir``."""
+    out = tmp_path_factory.mktemp("deepspeed_trainer")
+    _deepspeed_run("deepspeed_trainer_run", out)
     return out
 
 

@@ -8,7 +8,10 @@ precision into ``OUT/zero2_bf16/``. The model's sizes are chosen so that
 the flat partitions cut parameters: ``0.weight`` (35 elements) spans both
 ranks' partitions under ZeRO 1/2, and every parameter is split under ZeRO 3.
 Two param groups (decayed weights, undecayed biases) exercise the group
-layout.
+layout. The last layer (``4.weight``, ``4.bias``) is frozen
+(``requires_grad=False``): ZeRO 2 and 3 save it as frozen parameters
+(``frozen_param_fragments``; under ZeRO 3 cut over the ranks with padding),
+ZeRO 1 in the module's state dict alone.
 
 Beside each checkpoint, ``OUT/zeroN.reference.pt`` holds the tests'
 independent reference: the same model trained alongside with plain
@@ -16,6 +19,13 @@ independent reference: the same model trained alongside with plain
 ranks with ``all_reduce`` (what data parallelism computes), so its
 ``exp_avg``, ``exp_avg_sq`` and weights are what the ZeRO partitions must
 hold, up to float32 rounding in the reduction order.
+
+``python -m tests.layouts.deepspeed_runs OUT --cpu-adam`` builds
+``OUT/zero2_cpu_adam/`` alone instead (and its reference): ZeRO 2 with the
+optimizer offloaded to the host, where DeepSpeed runs its own
+``DeepSpeedCPUAdam``. Its op is compiled on first use (about 4 minutes on a
+2-core machine; cached in ``TORCH_EXTENSIONS_DIR`` after), so only the slow
+tests (``GRADCLIP_SLOW=1``) build it.
 """
 
 from __future__ import annotations
@@ -27,14 +37,19 @@ import sys
 from pathlib import Path
 
 STAGES = (1, 2, 3)
-# (folder, ZeRO stage, bf16 mixed precision): bf16 runs write bf16_zero_pp_rank_* files.
-RUNS = tuple((f"zero{stage}", stage, False) for stage in STAGES) + (("zero2_bf16", 2, True),)
+# (folder, ZeRO stage, bf16 mixed precision, optimizer offloaded): bf16 runs write
+# bf16_zero_pp_rank_* files.
+RUNS = tuple((f"zero{stage}", stage, False, False) for stage in STAGES) + (
+    ("zero2_bf16", 2, True, False),)
+# ZeRO-Offload: the optimizer runs on the host as DeepSpeedCPUAdam, a C++ op that
+# DeepSpeed JIT-compiles on first use (minutes): built only when asked (--cpu-adam).
+CPU_ADAM_RUNS = (("zero2_cpu_adam", 2, False, True),)
 WORLD = 2
 STEPS = 2
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.8, 0.95), 1e-6, 0.1
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str, runs: tuple = RUNS) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_SIZE=str(WORLD))
     import copy
@@ -48,10 +63,12 @@ def _worker(rank: int, port: int, out: str) -> None:
     # (``deepspeed.comm.torch`` as an attribute is torch itself: take the module.)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
-    for folder_name, stage, bf16 in RUNS:
+    for folder_name, stage, bf16, offload in runs:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(),
-                                    torch.nn.Linear(7, 3))
+                                    torch.nn.Linear(7, 3), torch.nn.Tanh(),
+                                    torch.nn.Linear(3, 3))
+        model[4].requires_grad_(False)  # frozen: weights without optimizer state
         mirror = copy.deepcopy(model)
 
         def groups(module):
@@ -67,13 +84,16 @@ def _worker(rank: int, port: int, out: str) -> None:
             "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {
                 "lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY,
-                "torch_adam": True}},
+                "torch_adam": not offload}},
             "gradient_clipping": 0.0,
-            "zero_optimization": {"stage": stage},
+            "zero_optimization": {"stage": stage, **(
+                {"offload_optimizer": {"device": "cpu"}} if offload else {})},
             "bf16": {"enabled": bf16},
         }
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups(model),
                                           config=config)
+        wrapped = type(engine.optimizer.optimizer).__name__
+        assert wrapped == ("DeepSpeedCPUAdam" if offload else "AdamW"), wrapped
         g = torch.Generator().manual_seed(10 * stage + rank)
         for _ in range(STEPS):
             x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
@@ -83,6 +103,8 @@ def _worker(rank: int, port: int, out: str) -> None:
             plain.zero_grad()
             torch.nn.functional.mse_loss(mirror(x), y).backward()
             for p in mirror.parameters():
+                if p.grad is None:  # frozen
+                    continue
                 dist.all_reduce(p.grad)
                 p.grad /= WORLD
             plain.step()
@@ -97,15 +119,15 @@ def _worker(rank: int, port: int, out: str) -> None:
         engine.destroy()
 
 
-def build(out: Path) -> None:
+def build(out: Path, runs: tuple = RUNS) -> None:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, os.fspath(out)), nprocs=WORLD)
+    mp.spawn(_worker, args=(port, os.fspath(out), runs), nprocs=WORLD)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    build(Path(sys.argv[1]))
+    build(Path(sys.argv[1]), CPU_ADAM_RUNS if "--cpu-adam" in sys.argv[2:] else RUNS)

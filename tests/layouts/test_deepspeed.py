@@ -25,6 +25,7 @@ from tests.hardening.support import assert_refused, run_cli
 from tests.layouts.deepspeed_runs import BETAS, EPS, LR, STEPS
 
 STAGES = (1, 2, 3)
+FROZEN = ("4.weight", "4.bias")  # requires_grad=False in every run
 TAG = "global_step2"
 # The reference reduces gradients with all_reduce, ZeRO with reduce_scatter: the
 # float32 results may differ in the last bits per step (2 steps, values ~1).
@@ -42,9 +43,16 @@ def _inspect(path: Path, what: str) -> dict:
 
 
 def _expected(reference: dict, what: str) -> dict[str, torch.Tensor]:
-    """``what`` per parameter, in float64, from the plain AdamW run's state."""
+    """``what`` per parameter, in float64, from the plain AdamW run's state; the frozen
+    parameters (no state) for the weights alone."""
     out = {}
     for name, entry in reference.items():
+        if what == "weights":
+            out[name] = entry["weight"].double()
+            continue
+        if name in FROZEN:
+            assert "step" not in entry
+            continue
         step = float(entry["step"])
         assert step == STEPS
         c1, c2 = 1 - BETAS[0] ** step, 1 - BETAS[1] ** step
@@ -66,6 +74,7 @@ def test_numbers_match_a_plain_adamw_run(deepspeed_runs, stage, what):
     assert doc["what"] == what
     tensors = {t["name"]: t for t in doc["tensors"]}
     assert list(tensors) == list(expected)  # the model's order, not param_shapes' groups
+    assert (FROZEN[0] in tensors) == (what == "weights")
     for name, value in expected.items():
         assert tensors[name]["shape"] == list(value.shape)
         assert tensors[name]["norm"] == pytest.approx(value.norm().item(), rel=RTOL)
@@ -88,12 +97,25 @@ def test_weights_are_zero_to_fp32s(deepspeed_runs, stage):
     theirs = get_fp32_state_dict_from_zero_checkpoint(os.fspath(deepspeed_runs / f"zero{stage}"))
     ours = open_checkpoint(deepspeed_runs / f"zero{stage}")
     assert ours.kind == "deepspeed" and ours.step == STEPS
-    assert set(ours.weights) == set(theirs)
+    # ZeRO 1 saves no frozen_param_* (zero_to_fp32 leaves them out); its whole module
+    # state dict holds them.
+    assert set(ours.weights) == set(theirs) | (set(FROZEN) if stage == 1 else set())
     for name, tensor in theirs.items():
         assert torch.equal(ours.weights[name].read(), tensor), name
+    # The frozen layer never moved: the weights it started with, on every stage.
+    reference = torch.load(deepspeed_runs / f"zero{stage}.reference.pt")
+    for name in FROZEN:
+        assert torch.equal(ours.weights[name].read(), reference[name]["weight"]), name
     # 0.weight (35 elements) starts in rank 0's partition and ends in rank 1's.
     split = ours.weights["0.weight"]
     assert {p.file.name for p in split.pieces} == {_optim(0), _optim(1)}
+    frozen_files = {p.file.name for p in ours.weights["4.weight"].pieces}
+    if stage == 3:  # 9 elements: 5 on rank 0, 4 and a padding element on rank 1
+        assert frozen_files == {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)}
+    else:
+        assert frozen_files == {"mp_rank_00_model_states.pt"}
+    line = "2 frozen parameter(s): weights without Adam moments"
+    assert any(d.startswith(line) for d in ours.description)
 
 
 def test_bf16_mixed_precision_rank_files(deepspeed_runs):
@@ -262,6 +284,42 @@ def test_a_code_payload_in_a_rank_file_never_runs(copy, tmp_path):
     assert not marker.exists()
 
 
+def test_a_frozen_part_of_the_wrong_size(deepspeed_runs, tmp_path):
+    """ZeRO 3 cuts every frozen parameter into equal flat parts, one per rank."""
+    target = tmp_path / "run"
+    shutil.copytree(deepspeed_runs / "zero3", target)
+    file = target / TAG / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+
+    def cut(root):
+        root["frozen_param_fragments"]["4.weight"] = torch.zeros(4)
+    _rewrite(file, cut)
+    assert_refused(run_cli("inspect", target, "--what", "weights"), file, "4.weight",
+                   "not a flat part of 5")
+
+
+def test_frozen_fragments_missing(copy):
+    file = copy / TAG / "mp_rank_00_model_states.pt"
+    _rewrite(file, lambda root: root.pop("frozen_param_fragments"))
+    assert_refused(run_cli("inspect", copy), file, "no frozen_param_fragments")
+
+
+def test_frozen_parameters_without_frozen_param_records(copy, deepspeed_runs):
+    """As ZeRO 1 saves them (and DeepSpeed did before it saved them apart): only in the
+    whole module state dict, told from buffers and tied names by what DeepSpeed lists."""
+    file = copy / TAG / "mp_rank_00_model_states.pt"
+
+    def strip(root):
+        root["frozen_param_shapes"] = root["frozen_param_fragments"] = None
+    _rewrite(file, strip)
+    reference = torch.load(deepspeed_runs / "zero2.reference.pt")
+    doc = _inspect(copy, "weights")
+    tensors = {t["name"]: t for t in doc["tensors"]}
+    assert list(tensors) == list(reference)
+    for name in FROZEN:
+        expected = reference[name]["weight"].double().norm().item()
+        assert tensors[name]["norm"] == pytest.approx(expected, rel=1e-6), name
+
+
 def test_an_extra_rank_beyond_partition_count(copy):
     shutil.copy(copy / TAG / _optim(1), copy / TAG / _optim(2))
     assert_refused(run_cli("inspect", copy), copy / TAG / _optim(2), "beyond")
@@ -323,3 +381,35 @@ def test_an_fp16_dynamic_loss_scaler_is_read_as_plain_values(tmp_path):
     assert type(got) is DynamicLossScalerState
     assert got.state == vars(scaler)
     assert torch.equal(root["optimizer_state_dict"]["t"], torch.ones(3))
+
+
+# ------------------------------------------------------------------ DeepSpeedCPUAdam
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["exp_avg", "grad_rms", "update", "weights"])
+def test_cpu_adam_offload_reads_as_adamw(deepspeed_cpu_adam, what):
+    """ZeRO-Offload's ``DeepSpeedCPUAdam`` keeps AdamW's state under AdamW's names, with
+    ``step`` a plain int (torch's is a tensor) and ``bias_correction`` in its groups:
+    the numbers are the plain AdamW run's, the weights ``zero_to_fp32``'s."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    folder = deepspeed_cpu_adam / "zero2_cpu_adam"
+    root = torch.load(folder / TAG / _optim(0), weights_only=False)
+    base = root["optimizer_state_dict"]["base_optimizer_state"]
+    assert all(type(entry["step"]) is int for entry in base["state"].values())
+    assert all(group["bias_correction"] for group in base["param_groups"])
+    reference = torch.load(deepspeed_cpu_adam / "zero2_cpu_adam.reference.pt")
+    expected = _expected(reference, what)
+    doc = _inspect(folder, what)
+    tensors = {t["name"]: t for t in doc["tensors"]}
+    assert list(tensors) == list(expected)
+    for name, value in expected.items():
+        assert tensors[name]["norm"] == pytest.approx(value.norm().item(), rel=RTOL), name
+    if what == "weights":
+        from gradclip_cli.source.layouts import open_checkpoint
+
+        theirs = get_fp32_state_dict_from_zero_checkpoint(os.fspath(folder))
+        ours = open_checkpoint(folder)
+        for name, tensor in theirs.items():
+            assert torch.equal(ours.weights[name].read(), tensor), name

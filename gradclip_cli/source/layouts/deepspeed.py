@@ -37,7 +37,16 @@ master weights; the optimizer state names each parameter (``param_names``).
 The Hugging Face Trainer run with DeepSpeed writes the same ``latest`` and
 ``global_stepN/`` inside its ``checkpoint-N/`` (beside the model weights and
 ``trainer_state.json``, without ``optimizer.pt``): this layout comes first in
-``LAYOUTS`` so that such a folder is read here, where the moments are.
+``LAYOUTS`` so that such a folder is read here, where the moments are. The
+step reported is then the Trainer's ``global_step`` (``trainer_state.json``,
+checked against the folder's name as ``hf_trainer`` does), DeepSpeed's own
+count noted when it differs.
+
+Frozen parameters (``requires_grad=False``) have weights and no optimizer
+state: ZeRO 2 and 3 save them apart (``frozen_param_shapes``,
+``frozen_param_fragments``; see ``_Reader.frozen``), ZeRO 1 only in its whole
+module state dict. They are measured by ``--what weights`` and absent from the
+moments, which the description says.
 
 Every file goes through the restricted reader, with DeepSpeed's own pickled
 classes mapped to inert stand-ins (``files/deepspeed_pickle.py``); DeepSpeed
@@ -68,6 +77,7 @@ from gradclip_cli.source.interface import (
     StoredTensor,
 )
 
+from . import hf_trainer
 from .paths import inside
 
 KIND = "deepspeed"
@@ -125,7 +135,26 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     reader = _Reader(folder, trust_pickle=trust_pickle, verify=verify)
     contents = reader.contents(path)
     contents.description[0] += tag_note
+    if folder != path:
+        _trainer_step(contents, path)
     return contents
+
+
+def _trainer_step(contents: Contents, path: Path) -> None:
+    """A Hugging Face Trainer's ``checkpoint-N/`` around the DeepSpeed folder: its
+    ``global_step`` (``trainer_state.json``, checked against the folder's name) is the
+    checkpoint's step, as for a Trainer checkpoint without DeepSpeed."""
+    step = hf_trainer.global_step(path)
+    if step is None:
+        return
+    contents.description.insert(
+        0, f"Hugging Face Trainer checkpoint at global_step {step} ({hf_trainer.STATE}), "
+        "with DeepSpeed")
+    if contents.step is not None and contents.step != step:
+        contents.description.append(
+            f"DeepSpeed counts {contents.step} steps (global_steps), the Trainer {step}: "
+            "the Trainer's global_step is the step reported")
+    contents.step = step
 
 
 def _follow_latest(parent: Path) -> Path:
@@ -222,6 +251,8 @@ class _Reader:
             places = _zero3_places(shapes, flats, world, first)
         flat_shapes = shapes_flat(shapes)
         weights = {n: _stored(n, flat_shapes[n], places[n], flats, files) for n in flat_shapes}
+        frozen = self.frozen(model, stage, world, flat_shapes)
+        weights.update(frozen)
         optimizer = _optimizer(shapes, places, flats, padded, states, optims)
         contents = Contents(path=given, kind=KIND, files=list(self.files),
                             trusted_pickle=self.trusted)
@@ -248,12 +279,89 @@ class _Reader:
             f"DeepSpeed ZeRO stage {stage} checkpoint{at}: {visible(self.folder.name)}/")
         contents.description.append(
             f"{world} data-parallel rank(s){version}: fp32 master weights and Adam moments "
-            f"of {len(weights)} parameters")
-        frozen = model.root.get("frozen_param_shapes")
-        if isinstance(frozen, Mapping) and frozen:
+            f"of {len(flat_shapes)} parameters")
+        if frozen:
             contents.description.append(
-                f"{len(frozen)} frozen parameter(s) have no optimizer state and are not read")
+                f"{len(frozen)} frozen parameter(s): weights without Adam moments (measured by "
+                "--what weights)")
         return contents
+
+    def frozen(self, model: Checkpoint, stage: int, world: int, trainable: Mapping
+               ) -> dict[str, StoredTensor]:
+        """Frozen parameters: weights without optimizer state, as ``zero_to_fp32`` reads them.
+
+        ZeRO 2 and 3 save ``frozen_param_shapes`` and ``frozen_param_fragments`` in
+        the model state files: under ZeRO 2 each parameter whole (in the module's
+        dtype); under ZeRO 3 each rank's file holds its flat part of every frozen
+        parameter, ``ceil(numel / world)`` elements, the last part zero padded.
+        ZeRO 1 saves neither (nor do DeepSpeed versions before frozen parameters were
+        saved apart), but a ZeRO 1/2 module state dict is whole: there the frozen
+        parameters are its entries that are neither in ``param_shapes`` nor buffers
+        (``buffer_names``) nor tied names (``shared_params``).
+        """
+        raw = model.root.get("frozen_param_shapes")
+        if raw is None and stage <= 2:
+            return _frozen_in_module(model, trainable)
+        if raw is None or (isinstance(raw, Mapping) and not raw):
+            return {}
+        shapes = _shape_group(raw, model, "frozen_param_shapes", set(trainable))
+        models = [model]
+        if stage == 3:
+            models += [self.load(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+                       for r in range(1, world)]
+        fragments = []
+        for ckpt in models:
+            held = ckpt.root.get("frozen_param_fragments")
+            if not isinstance(held, Mapping):
+                raise InputError(f"{ckpt.path}: frozen_param_shapes names {len(shapes)} "
+                                 "parameter(s), but there are no frozen_param_fragments")
+            row = []
+            for name in shapes:
+                tensor = held.get(name)
+                if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
+                    raise InputError(f"{ckpt.path}: frozen_param_fragments holds no "
+                                     f"floating-point tensor for {visible(name)}")
+                row.append(tensor)
+            fragments.append(row)
+        files = [c.path for c in models]
+        out = {}
+        for i, (name, shape) in enumerate(shapes.items()):
+            numel = math.prod(shape)
+            if stage <= 2:
+                tensor = fragments[0][i]
+                if tensor.numel() != numel:
+                    raise InputError(f"{files[0]}: frozen_param_fragments gives {visible(name)} "
+                                     f"{tensor.numel()} elements, its shape {list(shape)}")
+                out[name] = StoredTensor.whole(name, tensor.reshape(shape), files[0])
+                continue
+            part = math.ceil(numel / world)
+            place = []
+            for r in range(world):
+                tensor = fragments[r][i]
+                if tensor.dim() != 1 or tensor.numel() != part:
+                    raise InputError(f"{files[r]}: frozen_param_fragments gives {visible(name)} "
+                                     f"{tensor.numel()} elements, not a flat part of {part} "
+                                     f"({numel} over {world} ranks)")
+                keep = max(0, min(part, numel - r * part))  # the last parts are padding
+                if keep:
+                    place.append((r, i, 0, keep, r * part))
+            out[name] = _stored(name, shape, place, fragments, files)
+        return out
+
+
+def _frozen_in_module(model: Checkpoint, trainable: Mapping) -> dict[str, StoredTensor]:
+    module = model.root.get("module")
+    buffers = model.root.get("buffer_names")
+    shared = model.root.get("shared_params")
+    if not (isinstance(module, Mapping) and isinstance(buffers, (list, tuple))
+            and isinstance(shared, Mapping)):
+        return {}  # what is a parameter cannot be told: none is taken for one
+    others = set(trainable) | {b for b in buffers if isinstance(b, str)} | \
+        {n for n in shared if isinstance(n, str)}
+    return {name: StoredTensor.whole(name, value, model.path)
+            for name, value in module.items()
+            if isinstance(name, str) and name not in others
+            and isinstance(value, torch.Tensor) and value.dtype.is_floating_point}
 
 
 def _osd(ckpt: Checkpoint) -> Mapping:
@@ -290,25 +398,28 @@ def _param_shapes(model: Checkpoint) -> list[dict[str, tuple[int, ...]]]:
         raw = [raw]
     if not isinstance(raw, (list, tuple)) or not raw:
         raise InputError(f"{model.path}: not a DeepSpeed model state: no 'param_shapes'")
-    groups: list[dict[str, tuple[int, ...]]] = []
     seen: set[str] = set()
-    for group in raw:
-        if not isinstance(group, Mapping):
-            raise InputError(f"{model.path}: param_shapes holds a group that is not a mapping")
-        shapes = {}
-        for name, shape in group.items():
-            if not isinstance(name, str) or name in seen:
-                raise InputError(f"{model.path}: param_shapes names {visible(repr(name))} "
-                                 "twice or not as a string")
-            if not isinstance(shape, (tuple, list)) or not all(
-                    isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62
-                    for d in shape):
-                raise InputError(f"{model.path}: param_shapes gives {visible(name)} the shape "
-                                 f"{visible(repr(shape))}")
-            seen.add(name)
-            shapes[name] = tuple(shape)
-        groups.append(shapes)
-    return groups
+    return [_shape_group(group, model, "param_shapes", seen) for group in raw]
+
+
+def _shape_group(group: Any, model: Checkpoint, key: str, seen: set[str]
+                 ) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of one group of ``key``, each name new to ``seen`` (then added)."""
+    if not isinstance(group, Mapping):
+        raise InputError(f"{model.path}: {key} holds a group that is not a mapping")
+    shapes = {}
+    for name, shape in group.items():
+        if not isinstance(name, str) or name in seen:
+            raise InputError(f"{model.path}: {key} names {visible(repr(name))} "
+                             "twice or not as a string")
+        if not isinstance(shape, (tuple, list)) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62
+                for d in shape):
+            raise InputError(f"{model.path}: {key} gives {visible(name)} the shape "
+                             f"{visible(repr(shape))}")
+        seen.add(name)
+        shapes[name] = tuple(shape)
+    return shapes
 
 
 def shapes_flat(shapes: list[dict[str, tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:

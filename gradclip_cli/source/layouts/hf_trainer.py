@@ -72,7 +72,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
 
 
 def global_step(folder: Path) -> int | None:
-    """``global_step`` from the folder's ``trainer_state.json``; None when it has none."""
+    """``folder/trainer_state.json``'s ``global_step`` (None without the file), checked
+    against the folder's ``checkpoint-N`` name."""
     state_file = folder / STATE
     if not os.path.exists(state_file):
         return None
