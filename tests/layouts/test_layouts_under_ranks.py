@@ -4,14 +4,14 @@ The real fixtures of this folder (``save_pretrained`` and
 ``save_torch_state_dict`` sets, a Trainer ``checkpoint-N/``, a Lightning
 ``.ckpt`` file and a sharded ``.ckpt`` folder, FSDP2 DCP folders with
 ``.metadata`` and in the Hugging Face layout, accelerate's FSDP folder,
-DeepSpeed ZeRO-2 and ZeRO-3 folders) are inspected with several ``--what``
-once in one process and once under ``torchrun --nproc-per-node 2``; rank 0's
-report must be the same byte for byte, and rank 1 says nothing. ``clip`` of a
-gradient set writes each shard from the rank that read it: the set it writes
-is the one-process set, file for file (a DCP Hugging Face set's replicated
-piece too, scaled alike by the two ranks whose files hold it), and a full
-disk on rank 1 is reported once, naming rank 1, with the input untouched and
-nothing left behind.
+DeepSpeed ZeRO-2 and ZeRO-3 folders, a Trainer + DeepSpeed ``checkpoint-N/``)
+are inspected with several ``--what`` once in one process and once under
+``torchrun --nproc-per-node 2``; rank 0's report must be the same byte for
+byte, and rank 1 says nothing. ``clip`` of a gradient set writes each shard
+from the rank that read it: the set it writes is the one-process set, file for
+file (a DCP Hugging Face set's replicated piece too, scaled alike by the two
+ranks whose files hold it), and a full disk on rank 1 is reported once, naming
+rank 1, with the input untouched and nothing left behind.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ WHATS = {
     "zero2": ["auto", "grad_rms", "weights"],
     "zero3": ["update"],
     "accelerate_fsdp": ["auto", "update", "weights"],
+    "deepspeed_trainer": ["auto", "weights"],
 }
 
 
@@ -60,13 +61,14 @@ def _digests(folder: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, sharded_pretrained, sharded_bin, trainer_run, lightning_ckpt,
              lightning_sharded, dcp_checkpoint, dcp_hf_checkpoint, dcp_hf_grads,
-             deepspeed_runs, accelerate_fsdp_run):
+             deepspeed_runs, accelerate_fsdp_run, deepspeed_trainer_run):
     tmp = tmp_path_factory.mktemp("layouts_ranks")
     paths = {"pretrained": sharded_pretrained, "pretrained_bin": sharded_bin,
              "trainer": trainer_run, "lightning": lightning_ckpt, "dcp": dcp_checkpoint,
              "lightning_sharded": lightning_sharded, "dcp_hf": dcp_hf_checkpoint,
              "zero2": deepspeed_runs / "zero2", "zero3": deepspeed_runs / "zero3",
-             "accelerate_fsdp": accelerate_fsdp_run / "checkpoint-2"}
+             "accelerate_fsdp": accelerate_fsdp_run / "checkpoint-2",
+             "deepspeed_trainer": deepspeed_trainer_run / "checkpoint-3"}
     jobs: list[dict] = []
     for kind, whats in WHATS.items():
         for what in whats:
