@@ -20,6 +20,7 @@ import torch
 from tests.cli.support import rel_err
 
 from .accelerate_fsdp_ranks import STEPS
+from .test_dcp import adam_measured
 
 TOL = 1e-6  # the contract's accuracy; the references are float64
 
@@ -52,16 +53,7 @@ def _norm(tensors) -> float:
 def _expected(model: dict, optim: dict, what: str) -> dict[str, torch.Tensor]:
     if what == "weights":
         return {n: t.double() for n, t in model.items()}
-    group = optim["param_groups"][0]
-    beta1, beta2 = group["betas"]
-    out = {}
-    for name, state in optim["state"].items():
-        step = float(state["step"])
-        m = state["exp_avg"].double() / (1 - beta1**step)
-        v = state["exp_avg_sq"].double() / (1 - beta2**step)
-        out[name] = {"exp_avg": m, "grad_rms": v.sqrt(),
-                     "update": group["lr"] * m / (v.sqrt() + group["eps"])}[what]
-    return out
+    return adam_measured(optim, what)
 
 
 def test_fixture_is_accelerates_sharded_layout(accelerate_fsdp_run):

@@ -8,15 +8,9 @@ new one, never some shards of each.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +18,8 @@ import torch
 from safetensors import safe_open
 
 from tests.cli.support import rel_err
+
+from .kill_clip import kill_during_clip
 
 
 def _read_set(folder: Path) -> dict[str, torch.Tensor]:
@@ -106,41 +102,7 @@ def test_kill_9_during_clip_of_a_set(tmp_path):
     """Killed while the new set is written, and after: the folder is whole, old or new."""
     folder = tmp_path / "grads"
     grads = _make_set(folder, 500_000, 8, 4_000_000)  # 8 shards, 16 MB
-    original = _digests(folder)
-    seen = []
-    for delay in ["temp-appears", "temp-half", 60]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gradclip_cli", "clip", str(folder), "--max-norm", "1",
-             "--in-place", "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        start = time.monotonic()
-        if delay != 60:
-            want = 1 if delay == "temp-appears" else 4
-            while proc.poll() is None and time.monotonic() - start < 60:
-                temps = list(tmp_path.glob(".grads.clipped-*.tmp"))
-                with contextlib.suppress(OSError):
-                    if temps and len(os.listdir(temps[0])) >= want:
-                        break
-                time.sleep(0.002)
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-        else:
-            proc.wait(timeout=delay)
-        proc.wait()
-        now = _digests(folder)
-        assert set(now) == set(original)
-        if now == original:
-            state = "old set"
-        else:
-            after = _read_set(folder)
-            assert rel_err(_norm(after.values()), 1.0) <= 1e-3, "a mix of old and new shards"
-            state = "new set"
-        leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
-        seen.append(f"{delay}: {state}, {len(leftovers)} leftover")
-        for leftover in leftovers:
-            shutil.rmtree(tmp_path / leftover)
-        if state == "new set":
-            break
-    print("\n" + "\n".join(seen))
+    seen = kill_during_clip(folder, lambda f: _norm(_read_set(f).values()), half=4)
     assert seen[0].startswith("temp-appears: old set")
     assert "new set" in seen[-1]
     assert len(grads) == 9

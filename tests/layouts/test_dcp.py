@@ -24,6 +24,7 @@ import torch
 from tests.cli.support import rel_err
 
 from .dcp_ranks import STEPS
+from .kill_clip import kill_during_clip
 
 TOL = 1e-6  # the contract's accuracy; the references are float64
 
@@ -49,7 +50,12 @@ def _expected(reference: dict, what: str) -> dict[str, torch.Tensor]:
         return {n: t.double() for n, t in reference["grads"].items()}
     if what == "weights":
         return {n: t.double() for n, t in reference["model"].items()}
-    optim = reference["optim"]
+    return adam_measured(reference["optim"], what)
+
+
+def adam_measured(optim: dict, what: str) -> dict[str, torch.Tensor]:
+    """name -> the float64 ``exp_avg``, ``grad_rms`` or ``update`` of an optimizer state
+    keyed by name (``get_optimizer_state_dict``'s, reassembled by torch)."""
     group = optim["param_groups"][0]
     beta1, beta2 = group["betas"]
     out = {}
@@ -196,54 +202,12 @@ def _save_big(folder: Path) -> None:
 
 def test_kill_9_during_clip(tmp_path):
     """Killed while the new set is written, and after: the folder is whole, old or new."""
-    import contextlib
-    import hashlib
-    import signal
-    import subprocess
-    import sys
-    import time
-
     folder = tmp_path / "grads"
     _save_big(folder)
     assert len(list(folder.glob("*.distcp"))) == 4
 
-    def digests():
-        return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest()
-                for n in sorted(os.listdir(folder))}
-
-    original = digests()
-    seen = []
-    for delay in ["temp-appears", "temp-half", "end"]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gradclip_cli", "clip", str(folder), "--max-norm", "1",
-             "--in-place", "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        start = time.monotonic()
-        if delay != "end":
-            want = 1 if delay == "temp-appears" else 3
-            while proc.poll() is None and time.monotonic() - start < 60:
-                temps = list(tmp_path.glob(".grads.clipped-*.tmp"))
-                with contextlib.suppress(OSError):
-                    if temps and len(os.listdir(temps[0])) >= want:
-                        break
-                time.sleep(0.002)
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=120)
-        now = digests()
-        assert set(now) == set(original)
-        if now == original:
-            state = "old set"
-        else:
-            after = _reassembled(folder, tmp_path)
-            assert rel_err(_norm(after["grads"].values()), 1.0) <= 1e-3, "a mix of old and new"
-            state = "new set"
-        leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
-        seen.append(f"{delay}: {state}, {len(leftovers)} leftover")
-        for leftover in leftovers:
-            shutil.rmtree(tmp_path / leftover)
-        if state == "new set":
-            break
-    print("\n" + "\n".join(seen))
+    seen = kill_during_clip(
+        folder, lambda f: _norm(_reassembled(f, tmp_path)["grads"].values()), half=3)
     assert seen[0].startswith("temp-appears: old set")
     assert "new set" in seen[-1]
 

@@ -12,15 +12,10 @@ library file by file, and by ``gradclip inspect``.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -28,6 +23,8 @@ import pytest
 import torch
 
 from tests.cli.support import load_safetensors, rel_err
+
+from .kill_clip import kill_during_clip
 
 TOL = 1e-6
 EPS = torch.finfo(torch.float32).eps
@@ -220,38 +217,7 @@ def test_kill_9_during_clip(tmp_path):
     _save(folder, {f"h.{i}.w": torch.randn(500_000, generator=g) * (i + 1)
                    for i in range(8)}, 4)  # 4 files, 16 MB
     assert len(list(folder.glob("*.safetensors"))) == 4
-    original = _digests(folder)
-    seen = []
-    for delay in ["temp-appears", "temp-half", "end"]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gradclip_cli", "clip", str(folder), "--max-norm", "1",
-             "--in-place", "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        start = time.monotonic()
-        if delay != "end":
-            want = 1 if delay == "temp-appears" else 3
-            while proc.poll() is None and time.monotonic() - start < 60:
-                temps = list(tmp_path.glob(".grads.clipped-*.tmp"))
-                with contextlib.suppress(OSError):
-                    if temps and len(os.listdir(temps[0])) >= want:
-                        break
-                time.sleep(0.002)
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=120)
-        now = _digests(folder)
-        assert set(now) == set(original)
-        if now == original:
-            state = "old set"
-        else:
-            assert rel_err(_norm(_whole(folder).values()), 1.0) <= 1e-3, "a mix of old and new"
-            state = "new set"
-        leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
-        seen.append(f"{delay}: {state}, {len(leftovers)} leftover")
-        for leftover in leftovers:
-            shutil.rmtree(tmp_path / leftover)
-        if state == "new set":
-            break
-    print("\n" + "\n".join(seen))
+    seen = kill_during_clip(folder, lambda f: _norm(_whole(f).values()), half=3)
     assert seen[0].startswith("temp-appears: old set")
     assert "new set" in seen[-1]
 
