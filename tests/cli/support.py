@@ -75,6 +75,15 @@ def load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
+def load_dcp(folder: Path, out: Path) -> dict:
+    """A DCP folder's whole state dict as torch's own reader reassembles it (saved to
+    ``out`` by ``dcp_to_torch_save``, loaded back): the reference, never gradclip."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder, out)
+    return torch.load(out, weights_only=True)
+
+
 def ref_norm(tensors, p: float) -> float:
     """The p-norm of all elements as one vector, in float64, scaled by the largest |x|."""
     flat = [t.detach().to("cpu", torch.float64).reshape(-1) for t in tensors]

@@ -17,19 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli.support import rel_err
+from tests.cli.support import load_dcp, rel_err
 
 from .accelerate_fsdp_ranks import STEPS
 from .test_dcp import adam_measured
 
 TOL = 1e-6  # the contract's accuracy; the references are float64
-
-
-def _reassembled(folder: Path, out: Path) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(folder, out)
-    return torch.load(out, weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +32,8 @@ def references(accelerate_fsdp_run, tmp_path_factory) -> dict[int, tuple[dict, d
     out = {}
     for step in range(1, STEPS + 1):
         folder = accelerate_fsdp_run / f"checkpoint-{step}"
-        model = _reassembled(folder / "pytorch_model_fsdp_0", tmp / f"model{step}.pt")["model"]
-        optim = _reassembled(folder / "optimizer_0", tmp / f"optim{step}.pt")["optimizer"]
+        model = load_dcp(folder / "pytorch_model_fsdp_0", tmp / f"model{step}.pt")["model"]
+        optim = load_dcp(folder / "optimizer_0", tmp / f"optim{step}.pt")["optimizer"]
         out[step] = (model, optim)
     return out
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli.support import rel_err
+from tests.cli.support import load_dcp, rel_err
 
 from .dcp_ranks import STEPS
 from .kill_clip import kill_during_clip
@@ -32,11 +32,7 @@ TOL = 1e-6  # the contract's accuracy; the references are float64
 @pytest.fixture(scope="session")
 def reference(dcp_checkpoint, tmp_path_factory) -> dict:
     """The whole state dict as torch's own DCP reader reassembles it."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp_path_factory.mktemp("dcp_ref") / "full.pt"
-    dcp_to_torch_save(dcp_checkpoint, out)
-    return torch.load(out, weights_only=True)
+    return load_dcp(dcp_checkpoint, tmp_path_factory.mktemp("dcp_ref") / "full.pt")
 
 
 def _norm(tensors) -> float:
@@ -138,11 +134,7 @@ def test_table_names_the_layout(gradclip, dcp_checkpoint):
 
 
 def _reassembled(folder: Path, tmp_path: Path) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp_path / f"{folder.name}.pt"
-    dcp_to_torch_save(folder, out)
-    return torch.load(out, weights_only=True)
+    return load_dcp(folder, tmp_path / f"{folder.name}.pt")
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["output", "in-place"])

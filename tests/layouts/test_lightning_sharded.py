@@ -15,18 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli.support import rel_err
+from tests.cli.support import load_dcp, rel_err
 
 TOL = 1e-6  # the contract's accuracy; the references are float64
 
 
 @pytest.fixture(scope="module")
 def reference(lightning_sharded, tmp_path_factory) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp_path_factory.mktemp("lightning_sharded_ref") / "full.pt"
-    dcp_to_torch_save(lightning_sharded, out)
-    return torch.load(out, weights_only=True)
+    return load_dcp(lightning_sharded, tmp_path_factory.mktemp("lightning_sharded_ref") / "full.pt")
 
 
 def _expected(reference: dict, what: str) -> dict[str, torch.Tensor]:
