@@ -20,6 +20,7 @@ from pathlib import Path
 from gradclip_cli.errors import InputError
 from gradclip_cli.format.text import visible
 from gradclip_cli.source.interface import Contents, Layout
+from gradclip_cli.source.roles import settle
 
 from . import (
     accelerate_fsdp,
@@ -54,7 +55,7 @@ def open_checkpoint(
     path = Path(path)
     for layout in LAYOUTS:
         if layout.recognises(path):
-            return layout.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
+            return settle(layout.open(path, key=key, trust_pickle=trust_pickle, verify=verify))
     if os.path.isdir(path):
         indexes = sorted(n for n in os.listdir(path) if n.endswith(hf_sharded.INDEX_SUFFIX))
         if len(indexes) > 1:
@@ -66,4 +67,4 @@ def open_checkpoint(
             "global_stepN/ folder or its parent with 'latest', an accelerate FSDP folder "
             "(pytorch_model_fsdp_0/), or a torch.distributed.checkpoint "
             "folder: .metadata, or safetensors shards with DCP_SHARDING_INFO)")
-    return single_file.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
+    return settle(single_file.open(path, key=key, trust_pickle=trust_pickle, verify=verify))
