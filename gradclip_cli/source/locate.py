@@ -266,6 +266,8 @@ def _candidate_text(root: Any) -> str:
 def _hint(root: Any) -> str:
     """What to try instead: the keys that may hold gradients. What else the file holds
     (weights, optimizer state) the command says, as the ``--what`` it can measure."""
+    if not candidate_keys(root):
+        return "no mapping in the file holds gradient-shaped tensors"
     return f"candidates for --key: {_candidate_text(root)}"
 
 

@@ -295,9 +295,9 @@ def identify(opt: OptimizerState) -> Kind:
         decoupled = every(lambda g: bool(g.get("decoupled_weight_decay")))
         name = ("AdamW" if decoupled else "Adam") + (" (AMSGrad)" if amsgrad else "")
         return kind(name, dict.fromkeys(QUANTITIES), _adam(amsgrad))
-    name = "an optimizer gradclip does not know"
-    return kind(name, {q: f"{name} (state keys: {', '.join(tensor_keys) or 'none'})"
-                       for q in QUANTITIES}, None)
+    held = ", ".join(visible(k) for k in tensor_keys) or "none"
+    return kind("an unknown optimizer", {q: f"gradclip knows no rule for its state keys ({held})"
+                                         for q in QUANTITIES}, None)
 
 
 def _positive(value) -> bool:
@@ -315,5 +315,5 @@ def derive(kind: Kind, what: str, opt: OptimizerState, name: str, entry: dict,
 
 def holds(kind: Kind) -> str:
     """What ``kind`` keeps per parameter, for people: ``AdamW (exp_avg, exp_avg_sq)``."""
-    keys = ", ".join(visible(k) for k in kind.keys)
-    return f"{kind.name} state ({keys})" if keys else f"{kind.name} state (empty)"
+    keys = ", ".join(visible(k) for k in kind.keys) or "empty"
+    return f"{kind.name} state ({keys})"

@@ -165,7 +165,8 @@ def _unavailable(contents: Contents, what: str, why: str, gradients_only: bool =
     offer = [w for w in available(contents) if w != what]
     options = ", ".join(f"--what {w}" for w in offer) if offer else "nothing gradclip measures"
     held = holdings(contents)
-    held = "" if not contents.optimizers or held in why else f"it holds {held}; "
+    keys = held[held.find("("):] if "(" in held else held
+    held = "" if not contents.optimizers or keys in why else f"it holds {held}; "
     return InputError(f"{path}: --what {what}: {why}; {held}available: {options}")
 
 
