@@ -9,8 +9,6 @@ it was given, the change it made to the parameters), never from gradclip.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
