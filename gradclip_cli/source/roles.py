@@ -10,8 +10,9 @@ something else. Evidence that it is a model's weights, strongest first:
 * torch's ``_metadata`` (``Module.state_dict()`` returns an ``OrderedDict``
   carrying each module's version; a dict of gradients has none);
 * buffer names (``running_mean``, ``running_var``, ``num_batches_tracked``
-  of BatchNorm and InstanceNorm) and integer tensors (counters, index
-  buffers): a gradient is never an integer;
+  of BatchNorm and InstanceNorm). Integer tensors are never weights or
+  gradients (they are set apart as buffers), but alone they are no evidence:
+  scripts save counters beside gradients;
 * a model folder's ``config.json`` beside the file, or a framework's weight
   file name (``model.safetensors``, ``pytorch_model.bin``, ``lit_model.pth``,
   ``model-00001-of-00002.safetensors``...).
@@ -94,10 +95,6 @@ def weight_evidence(mapping: Mapping[str, Any], *, file: Path | None = None,
     buffers = [n for n in names if n.rsplit(".", 1)[-1] in BUFFER_NAMES]
     if buffers:
         return f"a model's buffers: {visible(buffers[0])}"
-    integers = [str(n) for n, t in mapping.items() if is_buffer(str(n), t)
-                and getattr(t, "dim", lambda: 0)() > 0]
-    if integers:
-        return f"integer tensors: {visible(integers[0])}"
     if file is not None and _WEIGHT_FILE.fullmatch(file.name):
         return f"a model's weight file name: {visible(file.name)}"
     if folder is not None and os.path.isfile(folder / "config.json"):
