@@ -9,6 +9,7 @@ from .. import options
 from ..distributed import launcher
 from ..progress import progress_steps
 from ..report import OK, build_inspect_report, parse_group_by
+from ..source.roles import role_counts
 from .common import Releasers, emit, load, measure, measure_weights, output_format, speaks
 
 
@@ -47,6 +48,7 @@ def run(
         description=[*contents.description, f"measured: {selection.measured}"],
         measured={"what": selection.what, "explain": selection.explain,
                   "evidence": selection.evidence},
+        roles=role_counts(contents),
         weight_sums=weight_sums,
     )
     if quiet and format == "table":

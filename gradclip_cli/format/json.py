@@ -44,6 +44,7 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
         "step": report.step,
         "description": list(report.description),
         "measured": dict(report.measured),
+        "roles": dict(report.roles),
         "key": report.key,
         "device": report.device,
         "norm_type": number(report.norm_type),

@@ -82,6 +82,7 @@ def build_inspect_report(
     step: int | None = None,
     description: Sequence[str] = (),
     measured: dict[str, str] | None = None,
+    roles: dict[str, int] | None = None,
     weight_sums: PowerSums | None = None,
     owned: PowerSums | None = None,
     counts: Sequence[int] | None = None,
@@ -187,6 +188,7 @@ def build_inspect_report(
         step=step,
         description=list(description),
         measured=dict(measured or {}),
+        roles=dict(roles or {}),
         overflow=overflow,
         total_norm_log10=float(total.log2_norm[0]) * math.log10(2.0) if overflow else None,
     )

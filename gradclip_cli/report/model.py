@@ -72,6 +72,8 @@ class InspectReport:
     # What was measured and the evidence for each role (source/roles.py), for scripts:
     # {"what": ..., "evidence": "a state_dict: torch's _metadata"}.
     measured: dict[str, str] = field(default_factory=dict)
+    # How many tensors of the checkpoint have each role: {"weight": 12, "buffer": 3, ...}.
+    roles: dict[str, int] = field(default_factory=dict)
     # A finite total beyond float64's range: total_norm is inf, log10 says how far.
     overflow: bool = False
     total_norm_log10: float | None = None

@@ -135,6 +135,14 @@ def describe(contents: Contents) -> list[Role]:
     return out
 
 
+def role_counts(contents: Contents) -> dict[str, int]:
+    """How many tensors of ``contents`` have each role (``describe``), for the report."""
+    counts: dict[str, int] = {}
+    for role in describe(contents):
+        counts[role.role] = counts.get(role.role, 0) + 1
+    return counts
+
+
 def settle(contents: Contents) -> Contents:
     """Buffers apart from weights, whatever layout opened the checkpoint: buffers are
     never weights or gradients."""
