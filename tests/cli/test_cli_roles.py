@@ -277,10 +277,7 @@ def test_one_step_rule_for_inspect_and_trend(gradclip, tmp_path, key):
     assert [p["step"] for p in doc["points"]] == [7, 9]
 
 
-# ------------------------------------------------------------- every hint works
-
-
-def _suggestions(err: str) -> list[list[str]]:
+def suggestions(err: str) -> list[list[str]]:
     """The flags a refusal offers: ``--what X`` from "available:", ``--key K`` candidates."""
     out = []
     if "available: " in err:
@@ -289,9 +286,41 @@ def _suggestions(err: str) -> list[list[str]]:
             out += [w.split() for w in offered.split(", ")]
     if "candidates for --key: " in err:
         listed = err.split("candidates for --key: ", 1)[1].split(";")[0].strip()
-        if not listed.startswith("none"):
-            out += [["--key", k.split(" (")[0]] for k in listed.split(", ")]
+        out += [["--key", k.split(" (")[0]] for k in listed.split(", ")]
     return out
+
+
+def walk_refusals(gradclip, paths, out) -> tuple[int, int]:
+    """Every refusal of inspect and clip over ``paths`` (each --what): each flag it offers
+    is followed and must succeed and measure what it says; clip never offers weights or
+    optimizer state. Returns (refusals met, suggestions followed)."""
+    refusals = followed = 0
+    for path in paths:
+        for command in ("inspect", "clip"):
+            for what in (None, "grads", "exp_avg", "grad_rms", "update", "weights"):
+                if command == "clip" and what not in (None, "grads"):
+                    continue
+                args = [command, path, *(("--what", what) if what else ())]
+                if command == "clip":
+                    args += ["--max-norm", "1", "-o", out / "clipped.pt"]
+                result = gradclip(*args)
+                if result.code != 3:
+                    continue
+                refusals += 1
+                assert "Traceback" not in result.err and len(result.err_lines) == 1
+                for flags in suggestions(result.err):
+                    if command == "clip":
+                        assert flags[0] == "--key", result.err  # never --what weights/moments
+                    base = args[:2] + args[4:] if flags[0] == "--what" and what else args
+                    done = gradclip(*base, *flags, "--format", "json")
+                    assert done.code in (0, 1), (result.err, flags, done.err)
+                    if flags[0] == "--what" and command == "inspect":
+                        assert done.json()["what"] == flags[1]
+                    followed += 1
+    return refusals, followed
+
+
+# ------------------------------------------------------------- every hint works
 
 
 def test_every_refusal_offers_only_what_works(gradclip, runs, tmp_path):
@@ -304,28 +333,5 @@ def test_every_refusal_offers_only_what_works(gradclip, runs, tmp_path):
     opt_only = tmp_path / "optimizer.bin"
     torch.save(runs["RAdam"].opt, opt_only)
     paths = [r.path for r in runs.values()] + [weights, nested, opt_only]
-    refusals = followed = 0
-    for path in paths:
-        for command in ("inspect", "clip"):
-            for what in (None, "grads", "exp_avg", "grad_rms", "update", "weights"):
-                if command == "clip" and what not in (None, "grads"):
-                    continue
-                args = [command, path, *(("--what", what) if what else ())]
-                if command == "clip":
-                    args += ["--max-norm", "1", "-o", tmp_path / "out.pt"]
-                result = gradclip(*args)
-                if result.code != 3:
-                    continue
-                refusals += 1
-                assert "Traceback" not in result.err and len(result.err_lines) == 1
-                for flags in _suggestions(result.err):
-                    if command == "clip":
-                        assert flags[0] == "--key", result.err  # never --what weights/moments
-                    base = [a for a in args if a not in ("--what", what)] if \
-                        flags[0] == "--what" else args
-                    done = gradclip(*base, *flags, *(("--format", "json")))
-                    assert done.code in (0, 1), (result.err, flags, done.err)
-                    if flags[0] == "--what" and command == "inspect":
-                        assert done.json()["what"] == flags[1]
-                    followed += 1
+    refusals, followed = walk_refusals(gradclip, paths, tmp_path)
     assert refusals > 30 and followed > 30  # the walk met many refusals and hints

@@ -249,3 +249,14 @@ def test_timm_checkpoint_sgd_nesterov_gives_weights_only(gradclip, timm_saver):
     assert result.code == 3
     assert "SGD: with Nesterov momentum its last step needs the last gradient" in result.err
     assert result.err_lines[0].endswith("available: --what weights")
+
+
+def test_every_refusal_on_these_layouts_offers_only_what_works(
+        gradclip, tmp_path, trainer_run, trainer_adafactor, trainer_sgd, accelerate_state,
+        timm_saver, sharded_pretrained):
+    from tests.cli.test_cli_roles import walk_refusals
+
+    paths = [trainer_run, trainer_adafactor, trainer_sgd, accelerate_state / "optimizer.bin",
+             accelerate_state / "model.safetensors", *timm_saver.values(), sharded_pretrained]
+    refusals, followed = walk_refusals(gradclip, paths, tmp_path)
+    assert refusals >= 2 * len(paths) and followed > len(paths)
