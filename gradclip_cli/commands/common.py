@@ -16,13 +16,14 @@ from ..distributed import launcher
 from ..errors import InputError, UsageError
 from ..format import FORMATS
 from ..format.text import visible
+from ..measuring import power_sums, stored_power_sums
 from ..progress import Steps
 from ..sink import atomic_write
 from ..source import Checkpoint
 from ..source.files.pages import PageReleaser
 from ..source.interface import Contents
 from ..source.layouts import open_checkpoint
-from ..source.what import Selection, select, stored_power_sums
+from ..source.what import Selection, select
 
 # torch's intra-op threads become gradclip's own workers (see tensor_power_sums).
 WORKERS = torch.get_num_threads()
@@ -189,7 +190,9 @@ def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label:
             if release is not None:
                 release.release(batch)
 
-        return selection.measure(p, device, done, WORKERS, only)
+        chosen = selection.derivations if only is None else \
+            [selection.derivations[i] for i in only]
+        return power_sums(chosen, p, device, done, WORKERS)
 
     # Read piece by piece or derived from optimizer state: no two rows share
     # an element, so each tensor owns all of its own.

@@ -169,6 +169,24 @@ class StoredTensor:
                 f"pieces={len(self.pieces)}{flat})")
 
 
+@dataclass(frozen=True)
+class Derivation:
+    """How one measured tensor's value follows from stored tensors: ``compute(*reads read)``,
+    of ``shape``. ``scale``: the value is exactly ``scale * reads[0]``, so its norm is the
+    stored tensor's norm scaled and nothing is copied (the identity: ``scale == 1``).
+    """
+
+    reads: tuple[StoredTensor, ...]
+    compute: Callable[..., torch.Tensor]
+    shape: tuple[int, ...]
+    scale: float | None = None
+
+    @classmethod
+    def stored(cls, tensor: StoredTensor) -> Derivation:
+        """The stored tensor itself (gradients, weights)."""
+        return cls((tensor,), lambda t: t, tuple(tensor.shape), 1.0)
+
+
 @dataclass
 class OptimizerState:
     """A ``torch.optim.Optimizer.state_dict()`` (or a framework's equivalent), as stored.

@@ -35,23 +35,9 @@ import torch
 from gradclip_cli.core import optimizer_math as om
 from gradclip_cli.errors import InputError
 from gradclip_cli.format.text import visible
-from gradclip_cli.source.interface import OptimizerState, StoredTensor
+from gradclip_cli.source.interface import Derivation, OptimizerState, StoredTensor
 
 QUANTITIES = ("exp_avg", "grad_rms", "update")
-
-
-@dataclass(frozen=True)
-class Derivation:
-    """One parameter's quantity: ``compute(*tensors read from reads)``, of ``shape``.
-
-    ``scale``: the quantity is ``scale * reads[0]`` exactly, so its norm is the
-    stored tensor's norm scaled (no copy is made).
-    """
-
-    reads: tuple[StoredTensor, ...]
-    compute: Callable[..., torch.Tensor]
-    shape: tuple[int, ...]
-    scale: float | None = None
 
 
 class Refusal(Exception):

@@ -1,42 +1,35 @@
-"""What is measured (``--what``): gradients, Adam's moments, the update, or the weights.
+"""What is measured (``--what``): gradients, an optimizer's quantities, or the weights.
 
 A checkpoint rarely holds gradients; what it holds after a divergence is the
-optimizer's state. For Adam and AdamW (Kingma & Ba, "Adam: A Method for
-Stochastic Optimization", ICLR 2015, Algorithm 1; torch.optim.Adam), with
-``t`` each parameter's own ``step``:
+optimizer's state. This module says what to measure and measures nothing:
+each measured name gets a ``Derivation`` (which stored tensors it reads and
+the transform that gives its value), and ``gradclip_cli.measuring`` does the
+reading for all of them alike.
 
-* ``exp_avg``:  ``m_hat = m / (1 - beta1 ** t)``, the bias-corrected first
-  moment: an exponential average of the gradient;
-* ``grad_rms``: ``sqrt(v_hat) = sqrt(v / (1 - beta2 ** t))``: the gradient's
-  root mean square over recent steps;
-* ``update``:   ``lr * m_hat / (sqrt(v_hat) + eps)``: the step Adam took last,
-  without AdamW's decoupled weight decay ``lr * wd * w``;
-* ``grads`` and ``weights``: the tensors as stored;
-* ``auto``: ``grads`` when the checkpoint holds gradients, else ``exp_avg``.
+* ``grads`` and ``weights``: the tensors as stored, by role
+  (``source/roles.py``: buffers are never weights);
+* ``exp_avg``, ``grad_rms``, ``update``: as the optimizer that wrote the
+  state defines them (``source/optimizers.py`` recognises it, the math is
+  ``core/optimizer_math.py``), or an ``InputError`` naming the optimizer,
+  what it holds and what is available;
+* ``auto``: ``grads`` when the checkpoint holds gradients, else ``exp_avg``
+  when its optimizer keeps a first moment, else ``weights``.
 
 Bias correction is a scalar per tensor, so ``exp_avg`` is measured on the
-stored moment and its norm scaled afterwards, and ``grad_rms`` uses
-``||sqrt(v / c)||_p = (||v||_{p/2} / c) ** (1/2)``: in power-sum form the
-scale becomes ``sqrt(scale / c)`` and the power sum is unchanged. Neither
-copies a tensor. ``update`` is elementwise and is computed a batch of
-parameters at a time, so memory stays bounded by a batch.
-
-Optimizer state is keyed by parameter id; names come from ``param_names``
-when stored, else from the model's order group by group (``map_names``).
+stored moment and its norm scaled afterwards (no copy). Optimizer state is
+keyed by parameter id; names come from ``param_names`` when stored, else
+from the model's order group by group (``map_names``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
-from gradclip_cli.core import Elements, PowerSums, concat, distinct_elements, tensor_power_sums
+from gradclip_cli.core import Elements, distinct_elements
 from gradclip_cli.errors import InputError, UsageError
 from gradclip_cli.format.text import visible
 from gradclip_cli.source import optimizers, roles
-from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor
+from gradclip_cli.source.interface import Contents, Derivation, OptimizerState, StoredTensor
 
 WHATS = ("auto", "grads", "exp_avg", "grad_rms", "update", "weights")
 EXPLAIN = {
@@ -46,22 +39,23 @@ EXPLAIN = {
     "update": "last update, as its own update rule gives it, weight decay excluded",
     "weights": "model weights",
 }
-_BATCH_BYTES = 64 << 20
 
-# measure(p, device, on_batch, workers, only): power sums of tensors ``only`` (indices
-# into ``Selection.tensors``; None: all), in that order.
-Measure = Callable[[float, torch.device, Callable | None, int, list[int] | None], PowerSums]
 
 
 @dataclass
 class Selection:
     """The named tensors chosen by ``--what``, in report order, without tie duplicates.
 
-    ``tensors`` describe the measured tensors in the report (shape, dtype,
-    elements): the stored tensors for grads, weights and ``exp_avg``, the
-    state a quantity is derived from where it has the parameter's shape, else
-    a description of the parameter's shape. ``reads[i]``: every stored tensor
-    measuring ``names[i]`` reads (optimizer quantities). ``weights[i]`` is the
+    A selection says what to measure and measures nothing: ``derivations[i]``
+    is which stored tensors ``names[i]`` reads and the transform that gives
+    its value (the identity for grads and weights, a scale for ``exp_avg``,
+    an optimizer's rule from ``core.optimizer_math`` otherwise); one
+    measuring step (``gradclip_cli.measuring``) reads, batches, reports
+    progress and gives pages back for every kind alike. ``tensors`` describe
+    the measured tensors in the report (shape, dtype, elements): the stored
+    tensors for grads, weights and ``exp_avg``, the state a quantity is
+    derived from where it has the parameter's shape, else a description of
+    the parameter's shape. ``weights[i]`` is the
     weight of ``names[i]`` for ``ratio`` (None when the checkpoint lacks it or
     ``what`` is ``weights``). ``evidence``: why these tensors are what is
     measured (``source/roles.py``).
@@ -74,9 +68,8 @@ class Selection:
     skipped: list[str]
     key: str
     explain: str
-    measure: Measure
+    derivations: list[Derivation]
     weights: list[StoredTensor | None] | None = None
-    reads: list[tuple[StoredTensor, ...]] | None = None
     # The distinct storage elements of ``tensors``, when every one is held and
     # finding the ties already computed them (so loading need not again).
     elements: Elements | None = None
@@ -84,9 +77,7 @@ class Selection:
 
     def read_sizes(self) -> list[int]:
         """Bytes measuring each tensor reads (for progress and for sharing work)."""
-        if self.reads is not None:
-            return [sum(t.nbytes for t in r) for r in self.reads]
-        return [t.nbytes for t in self.tensors]
+        return [sum(t.nbytes for t in d.reads) for d in self.derivations]
 
     def bytes_to_read(self, only: list[int] | None = None) -> int:
         return sum(_pick(self.read_sizes(), only))
@@ -199,8 +190,7 @@ def _raw(contents: Contents, what: str, gradients_only: bool = False) -> Selecti
         what=what, names=names, tensors=tensors, ties=ties,
         skipped=list(contents.skipped) if what == "grads" else [],
         key=contents.gradient_key if what == "grads" else "", explain=explain,
-        measure=lambda p, dev, on_batch, workers, only=None: stored_power_sums(
-            _pick(tensors, only), p, dev, on_batch, workers),
+        derivations=[Derivation.stored(t) for t in tensors],
         weights=weights, elements=elements,
         evidence=contents.evidence.get(role, f"the {contents.kind} layout"),
     )
@@ -231,47 +221,6 @@ def _untied(source: dict[str, StoredTensor]):
         if dropped or len(candidates) < len(names):
             elements = None  # they describe other tensors than those kept
     return [names[i] for i in keep], [stored[i] for i in keep], ties, elements
-
-
-# A stored tensor may carry requires_grad (torch.save keeps the flag); measuring
-# is never differentiated, and out= kernels refuse such inputs under grad mode.
-@torch.no_grad()
-def stored_power_sums(
-    tensors: Sequence[StoredTensor], p: float, device: torch.device | None = None,
-    on_batch: Callable | None = None, workers: int = 1,
-) -> PowerSums:
-    """Per-tensor power sums of stored tensors, reading pieces a batch at a time.
-
-    Tensors held in one piece (mapped) go to the core as they are; pieces
-    read on demand are read about ``_BATCH_BYTES`` at a time, measured, and
-    dropped, then combined into their tensors (``PowerSums.reduce``).
-    """
-    held = [s.held for s in tensors]
-    if all(h is not None for h in held):
-        return tensor_power_sums(held, p, device=device, on_batch=on_batch, workers=workers)
-    parts: list[PowerSums] = []
-    owners: list[int] = []
-    batch: list = []
-    size = 0
-
-    def flush() -> None:
-        nonlocal batch, size
-        if batch:
-            read = [piece.read() for _, piece in batch]
-            parts.append(tensor_power_sums(read, p, device=device, workers=workers))
-            owners.extend(i for i, _ in batch)
-            if on_batch is not None:
-                on_batch(read)
-        batch, size = [], 0
-
-    for i, s in enumerate(tensors):
-        for piece in s.pieces:
-            batch.append((i, piece))
-            size += piece.numel * s.dtype.itemsize
-            if size >= _BATCH_BYTES:
-                flush()
-    flush()
-    return concat(p, parts).reduce(torch.tensor(owners, dtype=torch.int64), len(tensors))
 
 
 # ----------------------------------------------------------------- optimizer state
@@ -323,20 +272,12 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
                  else StoredTensor(p.name, d.shape, d.reads[0].dtype, ())
                  for p, d in zip(params, derived)]
 
-    def measure(p, dev, on_batch, workers, only=None):
-        chosen = _pick(derived, only)
-        if chosen and all(d.scale is not None for d in chosen):
-            sums = stored_power_sums([d.reads[0] for d in chosen], p, dev, on_batch, workers)
-            return _scaled(sums, torch.tensor([d.scale for d in chosen], dtype=torch.float64))
-        return _derived_power_sums(chosen, p, dev, on_batch, workers)
-
     weights = None
     if contents.weights:
         weights = [contents.weights.get(p.name) for p in params]
     return Selection(
         what=what, names=[p.name for p in params], tensors=described, ties={}, skipped=[],
-        key="", explain=f"{kind.name} {EXPLAIN[what]}", measure=measure, weights=weights,
-        reads=[d.reads for d in derived],
+        key="", explain=f"{kind.name} {EXPLAIN[what]}", derivations=derived, weights=weights,
         evidence=contents.evidence.get(roles.OPTIMIZER_STATE, f"the {contents.kind} layout"),
     )
 
@@ -351,43 +292,6 @@ def _report_order(contents: Contents, names: list[str]) -> dict[str, int]:
     if contents.weights and contents.model_order:
         return {n: i for i, n in enumerate(contents.weights)}
     return {n: i for i, n in enumerate(names)}
-
-
-def _scaled(sums: PowerSums, factor: torch.Tensor) -> PowerSums:
-    """Summaries of ``factor[i] * x_i``: scale and max move, the power sum does not."""
-    return PowerSums(sums.norm_type, sums.scale * factor, sums.power_sum,
-                     sums.max_abs * factor, sums.nan, sums.posinf, sums.neginf)
-
-
-@torch.no_grad()
-def _derived_power_sums(derived, p, device, on_batch, workers):
-    """Power sums of each derivation's tensor, computed a batch of parameters at a time:
-    memory stays bounded by a batch whatever the checkpoint's size."""
-    parts = []
-    batch: list = []
-    size = 0
-
-    def flush():
-        nonlocal batch, size
-        if not batch:
-            return
-        values = [d.compute(*(t.read() for t in d.reads)) for d in batch]
-        parts.append(tensor_power_sums(values, p, device=device, workers=workers))
-        if on_batch is not None:
-            # The pieces as stored (mapped views), not read()'s assembled copy of a
-            # tensor stored in several pieces: their pages are the ones to give back.
-            on_batch([piece.read() for d in batch for t in d.reads for piece in t.pieces])
-        batch, size = [], 0
-
-    for d in derived:
-        batch.append(d)
-        size += sum(t.nbytes for t in d.reads)
-        if size >= _BATCH_BYTES:
-            flush()
-    flush()
-    if not parts:
-        return tensor_power_sums([], p, device=device, workers=workers)
-    return concat(p, parts)
 
 
 # ----------------------------------------------------------------- ids to names

@@ -39,14 +39,14 @@ def main() -> None:
         timeout = float(os.environ.get("GRADCLIP_DIST_TIMEOUT", "120"))
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     # Held gradients are measured in commands/common.py, everything else in
-    # source/what.py; both call the core's tensor_power_sums.
+    # gradclip_cli/measuring.py; both call the core's tensor_power_sums.
     from gradclip_cli import cli
     from gradclip_cli.commands import common
     from gradclip_cli.errors import InputError
     from gradclip_cli.sink import sharded_set
-    from gradclip_cli.source import what
+    from gradclip_cli import measuring
 
-    modules = (common, what)
+    modules = (common, measuring)
     real = common.tensor_power_sums
     real_write_shard, real_copy = sharded_set._write_shard, sharded_set._copy
 

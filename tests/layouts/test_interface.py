@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gradclip_cli.errors import InputError
+from gradclip_cli.measuring import stored_power_sums
 from gradclip_cli.source.interface import Piece, StoredTensor
 from gradclip_cli.source.layouts import open_checkpoint
-from gradclip_cli.source.what import stored_power_sums
 from tests.cli.support import ref_norm, rel_err
 
 
@@ -40,9 +40,9 @@ def test_a_tensor_in_pieces_measures_as_the_whole(dtype, p):
 
 def test_pieces_batched_beyond_one_read(monkeypatch):
     # Many pieces across several batches: each piece read once, combined exactly.
-    from gradclip_cli.source import what
+    from gradclip_cli import measuring
 
-    monkeypatch.setattr(what, "_BATCH_BYTES", 256)
+    monkeypatch.setattr(measuring, "_BATCH_BYTES", 256)
     reads = []
     full = torch.randn(64, 8, dtype=torch.float64)
     split = _pieces(full, [4] * 16)
