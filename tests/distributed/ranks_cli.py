@@ -40,11 +40,10 @@ def main() -> None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     # Held gradients are measured in commands/common.py, everything else in
     # gradclip_cli/measuring.py; both call the core's tensor_power_sums.
-    from gradclip_cli import cli
+    from gradclip_cli import cli, measuring
     from gradclip_cli.commands import common
     from gradclip_cli.errors import InputError
     from gradclip_cli.sink import sharded_set
-    from gradclip_cli import measuring
 
     modules = (common, measuring)
     real = common.tensor_power_sums
