@@ -307,6 +307,15 @@ def map_names(contents: Contents, opt: OptimizerState) -> dict[int, str]:
     (``interleave``). None or several: ``InputError`` with the reason.
     """
     if opt.param_names is not None:
+        if contents.weights:
+            # Evidence against evidence: names the model does not have.
+            held = set(contents.weights) | set(contents.buffers or ())
+            strangers = [n for n in opt.param_names.values() if n not in held]
+            if strangers:
+                more = f" and {len(strangers) - 1} more" if len(strangers) > 1 else ""
+                raise InputError(
+                    f"{opt.file}: the optimizer's param_names name {visible(strangers[0])}"
+                    f"{more}, which the checkpoint's weights do not hold: the two disagree")
         return dict(sorted(opt.param_names.items()))
     if not contents.weights and not contents.model_order_names:
         # No model at all (an optimizer's state dict saved alone): its ids are the only

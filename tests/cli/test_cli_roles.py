@@ -335,3 +335,19 @@ def test_every_refusal_offers_only_what_works(gradclip, runs, tmp_path):
     paths = [r.path for r in runs.values()] + [weights, nested, opt_only]
     refusals, followed = walk_refusals(gradclip, paths, tmp_path)
     assert refusals > 30 and followed > 30  # the walk met many refusals and hints
+
+
+def test_param_names_that_do_not_match_the_weights(gradclip, tmp_path):
+    model = torch.nn.Linear(3, 2)
+    adam = torch.optim.Adam(model.named_parameters(), lr=0.01)
+    model(torch.randn(2, 3)).sum().backward()
+    adam.step()
+    state = adam.state_dict()
+    state["param_groups"][0]["param_names"] = ["weight", "proj.bias"]
+    path = tmp_path / "ck.pt"
+    torch.save({"model": model.state_dict(), "optimizer": state}, path)
+    result = gradclip("inspect", path, "--what", "exp_avg")
+    assert result.code == 3
+    assert result.err_lines == [
+        f"gradclip: {path}: the optimizer's param_names name proj.bias, which the "
+        "checkpoint's weights do not hold: the two disagree"]
