@@ -82,6 +82,10 @@ def test_trainer_checkpoint_auto_is_exp_avg_and_says_so(gradclip, trainer_run):
     assert result.code == 0, result.err
     assert "what: exp_avg" in result.out
     assert "Trainer checkpoint at global_step 4: model.safetensors, optimizer.pt" in result.out
+    measured = gradclip("inspect", trainer_run, "--format", "json").json()["measured"]
+    assert measured == {
+        "what": "exp_avg", "evidence": "the Trainer's optimizer.pt",
+        "explain": "AdamW first moment exp_avg / (1 - beta1^step), each parameter's own step"}
 
 
 def test_trainer_checkpoint_weights_and_no_grads(gradclip, trainer_run):
