@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .. import options
 from ..distributed import launcher
+from ..format.text import visible
 from ..progress import progress_steps
 from ..report import OK, build_inspect_report, parse_group_by
 from ..source.roles import role_counts
@@ -45,7 +46,8 @@ def run(
         key=loaded.key, device=str(dev), max_norm=threshold,
         allow_nonfinite=allow_nonfinite, group_by=group_by, skipped=loaded.skipped,
         what=selection.what, step=contents.step,
-        description=[*contents.description, f"measured: {selection.measured}"],
+        description=[*contents.description, *_buffers_apart(contents, selection.what),
+                     f"measured: {selection.measured}"],
         measured={"what": selection.what, "explain": selection.explain,
                   "evidence": selection.evidence},
         roles=role_counts(contents),
@@ -61,3 +63,12 @@ def run(
     else:
         emit(lambda out: fmt.render_inspect(report, out, top=top), output_file)
     return 0 if report.status == OK else 1
+
+
+def _buffers_apart(contents, what: str) -> list[str]:
+    """The buffers set apart from the weights, named (a few), when weights are measured."""
+    buffers = list(contents.buffers or ())
+    if what != "weights" or not buffers:
+        return []
+    more = f" and {len(buffers) - 3} more" if len(buffers) > 3 else ""
+    return [f"buffers, not weights: {visible(', '.join(buffers[:3]))}{more}"]

@@ -154,6 +154,9 @@ def test_weights_are_the_parameters_buffers_apart(gradclip, runs):
     assert rel_err(doc["total_norm"], ref_norm([p.detach() for p in run.params.values()],
                                                 2)) <= TOL
     assert "3 buffers apart" in doc["measured"]["explain"]
+    assert "buffers, not weights: 1.running_mean, 1.running_var, 1.num_batches_tracked" \
+        in doc["description"]
+    assert doc["roles"] == {"weight": 6, "buffer": 3, "optimizer state": 12}
 
 
 def test_a_model_state_dict_alone_is_weights_and_says_why(gradclip, runs, tmp_path):
