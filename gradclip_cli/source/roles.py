@@ -103,11 +103,15 @@ def weight_evidence(mapping: Mapping[str, Any], *, file: Path | None = None,
 
 
 def contradiction(gradients: Mapping[str, Any], said: str) -> None:
-    """Gradients that hold a model's buffers: exit 3 naming both sides."""
+    """Gradients that are a model's state dict (buffers, torch's ``_metadata``): exit 3
+    naming both sides."""
     buffers = [str(n) for n in gradients if str(n).rsplit(".", 1)[-1] in BUFFER_NAMES]
     if buffers:
         raise InputError(f"{said} says gradients, but it holds a model's buffers "
                          f"({visible(buffers[0])}): gradients have no running statistics")
+    if isinstance(getattr(gradients, "_metadata", None), Mapping):
+        raise InputError(f"{said} says gradients, but it is a model's state_dict (torch's "
+                         "_metadata): a module's weights, not gradients")
 
 
 def describe(contents: Contents) -> list[Role]:

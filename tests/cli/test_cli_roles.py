@@ -354,3 +354,15 @@ def test_param_names_that_do_not_match_the_weights(gradclip, tmp_path):
     assert result.err_lines == [
         f"gradclip: {path}: the optimizer's param_names name proj.bias, which the "
         "checkpoint's weights do not hold: the two disagree"]
+
+
+@pytest.mark.parametrize("flags", [(), ("--key", "grads")])
+def test_a_grads_key_holding_a_state_dict_contradicts_itself(gradclip, tmp_path, flags):
+    path = tmp_path / "g.pt"
+    torch.save({"grads": torch.nn.Linear(2, 2).state_dict()}, path)
+    result = gradclip("inspect", path, *flags)
+    assert result.code == 3
+    said = "--key grads" if flags else "the key 'grads'"
+    assert result.err_lines == [
+        f"gradclip: {path}: {said} says gradients, but it is a model's state_dict (torch's "
+        "_metadata): a module's weights, not gradients"]

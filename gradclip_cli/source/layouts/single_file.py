@@ -21,7 +21,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.format.text import visible
 from gradclip_cli.source import load_checkpoint, locate, roles, select_gradients
 from gradclip_cli.source.interface import Contents, stored
-from gradclip_cli.source.vocabulary import OPTIMIZER_KEYS, WEIGHT_KEYS, step_of
+from gradclip_cli.source.vocabulary import GRADIENT_KEYS, OPTIMIZER_KEYS, WEIGHT_KEYS, step_of
 
 from . import lightning
 from .paths import MAX_JSON_BYTES
@@ -93,7 +93,7 @@ def _gradients(contents, root, path, key, selection, metadata) -> None:
                 "a flat name -> tensor mapping that nothing marks as weights")
     else:
         shown = selection.key
-        roles.contradiction(selection.tensors, f"{path}: the key {visible(repr(shown))}")
+        roles.contradiction(locate.at_key(root, shown), f"{path}: the key {visible(repr(shown))}")
         contents.evidence[roles.GRADIENT] = (
             "gradclip's mark (save_grads)" if marked else
             f"--key {visible(shown)}" if key is not None else f"a {visible(repr(shown))} key")
@@ -106,6 +106,8 @@ def _named(contents: Contents, root: Any, path: Path, key: str) -> bool:
     """``--key`` naming optimizer state or a model's weights: taken as such (True)."""
     node = locate.at_key(root, key, path=path)
     shown = visible(key)
+    if key.rsplit(".", 1)[-1] in GRADIENT_KEYS and isinstance(node, Mapping):
+        roles.contradiction(node, f"{path}: --key {shown}")  # a gradient key holding weights
     if is_optimizer_state(node):
         contents.optimizers.append(optimizer_state(node, path, repr(key)))
         contents.keyed = roles.OPTIMIZER_STATE
