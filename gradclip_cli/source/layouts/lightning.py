@@ -100,6 +100,8 @@ def contents(ckpt: Checkpoint, *, key: str | None) -> Contents:
     for i, state in enumerate(states):
         out.optimizers.append(optimizer_state(state, path, f"optimizer_states[{i}]"))
     out.step = _global_step(root, path)
+    out.evidence.setdefault("weight", "Lightning's state_dict")
+    out.evidence.setdefault("optimizer state", "Lightning's optimizer_states")
     version = root.get(VERSION_KEY)
     out.description.append(
         f"Lightning checkpoint{f' (Lightning {version})' if isinstance(version, str) else ''}: "
