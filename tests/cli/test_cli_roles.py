@@ -366,3 +366,19 @@ def test_a_grads_key_holding_a_state_dict_contradicts_itself(gradclip, tmp_path,
     assert result.err_lines == [
         f"gradclip: {path}: {said} says gradients, but it is a model's state_dict (torch's "
         "_metadata): a module's weights, not gradients"]
+
+
+def test_weights_and_optimizer_state_under_any_name_are_found_by_evidence(gradclip, runs, tmp_path):
+    run = runs["Adam"]
+    path = tmp_path / "ck.pt"
+    torch.save({"net": run.state, "opt": run.opt}, path)
+    doc = gradclip("inspect", path, "--what", "update", "--format", "json").json()
+    assert doc["measured"]["evidence"] == "the 'opt' entry"
+    assert rel_err(doc["total_norm"], ref_norm(run.update.values(), 2)) <= TOL
+    refused = gradclip("inspect", path, "--what", "grads")
+    assert refused.code == 3
+    assert refused.err_lines[0].endswith(
+        "it holds Adam state (exp_avg, exp_avg_sq); available: --what exp_avg, "
+        "--what grad_rms, --what update, --what weights")
+    weights = gradclip("inspect", path, "--what", "weights", "--format", "json").json()
+    assert weights["measured"]["evidence"] == "the 'net' entry: a state_dict: torch's _metadata"

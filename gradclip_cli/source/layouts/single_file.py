@@ -136,15 +136,24 @@ def _others(contents: Contents, root: Any, path: Path, skip: str | None = None) 
     if not isinstance(root, Mapping):
         return
     if contents.weights is None:
-        for name in WEIGHT_KEYS:
+        # The usual names, else any top-level entry that is recognisably a model's
+        # state dict (torch's _metadata, buffers).
+        found = [(name, f"the {visible(repr(name))} entry") for name in WEIGHT_KEYS]
+        found += [(str(k), f"the {visible(repr(str(k)))} entry: {e}") for k, v in root.items()
+                  if str(k) not in WEIGHT_KEYS and isinstance(v, Mapping)
+                  and (e := roles.weight_evidence(v)) is not None]
+        for name, evidence in found:
             weights = root.get(name)
             if name != skip and isinstance(weights, Mapping) and weights and all(
                     isinstance(v, torch.Tensor) for v in weights.values()):
                 contents.weights = stored({str(k): v for k, v in weights.items()}, path)
-                contents.evidence.setdefault(roles.WEIGHT, f"the {visible(repr(name))} entry")
+                contents.evidence.setdefault(roles.WEIGHT, evidence)
                 break
     if not contents.optimizers:
-        for name in OPTIMIZER_KEYS:
+        # The usual names first, then any top-level entry shaped as one (state and
+        # param_groups): the structure is the evidence, whatever the script named it.
+        names = [*OPTIMIZER_KEYS, *(str(k) for k in root if str(k) not in OPTIMIZER_KEYS)]
+        for name in names:
             if name != skip and is_optimizer_state(root.get(name)):
                 contents.optimizers.append(optimizer_state(root[name], path, repr(name)))
                 contents.evidence.setdefault(roles.OPTIMIZER_STATE,
