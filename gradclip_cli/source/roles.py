@@ -34,6 +34,7 @@ from typing import Any
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.format.text import visible
+from gradclip_cli.source import optimizers
 from gradclip_cli.source.interface import Contents, StoredTensor
 
 GRADIENT, WEIGHT, BUFFER, OPTIMIZER_STATE, OTHER = (
@@ -116,8 +117,6 @@ def contradiction(gradients: Mapping[str, Any], said: str) -> None:
 
 def describe(contents: Contents) -> list[Role]:
     """Every tensor of ``contents`` with its role, in one list: the checkpoint's description."""
-    from gradclip_cli.source import optimizers  # the optimizer kinds, for state entries
-
     out: list[Role] = []
     ev = contents.evidence
     for name in contents.gradients or {}:
