@@ -193,7 +193,7 @@ def test_total_size_stays_small():
 
 def test_healthy_has_real_names_and_finite_float32(healthy):
     loaded = load(SAMPLES / "healthy.pt")
-    assert set(loaded) == {"grads", "step"}
+    assert set(loaded) == {"grads", "gradclip", "step"}  # save_grads marks what it writes
     assert isinstance(loaded["step"], int)
     for name in [
         "transformer.wte.weight",
@@ -252,7 +252,7 @@ def test_nonfinite_has_nan_and_both_infinities(healthy):
 
 def test_bf16_is_healthy_cast(healthy):
     loaded = load(SAMPLES / "bf16.pt")
-    assert set(loaded) == {"grads", "step"}
+    assert set(loaded) == {"grads", "gradclip", "step"}
     assert list(loaded["grads"]) == list(healthy)
     for name, grad in loaded["grads"].items():
         assert grad.dtype == torch.bfloat16
@@ -261,7 +261,7 @@ def test_bf16_is_healthy_cast(healthy):
 
 def test_training_state_nesting(healthy):
     state = load(SAMPLES / "training_state.pt")
-    assert set(state) == {"model", "optimizer", "grads", "step", "config"}
+    assert set(state) == {"model", "optimizer", "grads", "gradclip", "step", "config"}
     assert state["step"] == 1
     assert_same(state["grads"], healthy, "grads")
 

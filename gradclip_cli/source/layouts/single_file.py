@@ -80,7 +80,7 @@ def _gradients(contents, root, path, key, selection, metadata) -> None:
         evidence = roles.weight_evidence(root, file=path, folder=path.parent)
         if marked:
             roles.contradiction(root, f"{path}: gradclip's mark")
-            contents.evidence[roles.GRADIENT] = "gradclip's mark (save_grads)"
+            contents.evidence[roles.GRADIENT] = "gradclip's mark: save_grads wrote it"
         elif evidence is not None:
             contents.weights, contents.buffers = roles.split_buffers(
                 stored({str(k): v for k, v in root.items() if hasattr(v, "dtype")}, path))
@@ -95,7 +95,7 @@ def _gradients(contents, root, path, key, selection, metadata) -> None:
         shown = selection.key
         roles.contradiction(locate.at_key(root, shown), f"{path}: the key {visible(repr(shown))}")
         contents.evidence[roles.GRADIENT] = (
-            "gradclip's mark (save_grads)" if marked else
+            "gradclip's mark: save_grads wrote it" if marked else
             f"--key {visible(shown)}" if key is not None else f"a {visible(repr(shown))} key")
     contents.gradients = stored(selection.tensors, path)
     contents.gradient_key = selection.key
