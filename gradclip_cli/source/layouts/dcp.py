@@ -80,7 +80,7 @@ def recognises(path: Path) -> bool:
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     meta_file = path / METADATA_NAME if os.path.isdir(path) else path
     folder = meta_file.parent
-    meta = read_dcp_metadata(meta_file)
+    meta = read_dcp_metadata(meta_file, folder if os.path.isdir(path) else None)
     files = _files(meta, folder)
     _check_byte_ranges(meta, files)
     if verify:

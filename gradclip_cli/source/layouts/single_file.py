@@ -9,7 +9,6 @@ opened alone, and the report says that it covers that shard only.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +22,7 @@ from gradclip_cli.source import load_checkpoint, select_gradients
 from gradclip_cli.source.interface import Contents, stored
 
 from . import lightning
-from .paths import MAX_JSON_BYTES
+from .paths import read_json
 from .torch_optim import is_optimizer_state, optimizer_state
 
 # Top-level keys under which training scripts keep the model and the optimizer.
@@ -86,11 +85,8 @@ def _index_listing(path: Path) -> Path | None:
     for name in sorted(names):
         candidate = folder / name
         try:
-            if os.path.getsize(candidate) > MAX_JSON_BYTES:
-                continue
-            with candidate.open("rb") as file:
-                index = json.loads(file.read().decode("utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            index = read_json(candidate, what="an index", folder=folder)
+        except InputError:
             continue
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if isinstance(weight_map, dict) and path.name in weight_map.values():

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
+from gradclip_cli.format.text import visible
+from gradclip_cli.source.files.small_file import read_head, read_small_file
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class LogKind:
 # Enough for a monitor log's first line or the keys a trainer_state.json puts
 # before its log_history.
 _HEAD_BYTES = 1 << 16
+# A log is read whole; a million monitor steps are some 300 MB.
+MAX_LOG_BYTES = 1 << 30
 
 
 def log_kind(path: Path) -> LogKind | None:
@@ -44,10 +48,9 @@ def log_kind(path: Path) -> LogKind | None:
     from gradclip_cli.source.logs import monitor_log, trainer_state
 
     try:
-        with open(path, "rb") as file:
-            head = file.read(_HEAD_BYTES)
-    except OSError:
-        return None  # the checkpoint loader reports unreadable files
+        head = read_head(path, _HEAD_BYTES, what="a norm log")
+    except InputError:
+        return None  # the checkpoint loader reports unreadable and special files
     if not head.lstrip().startswith(b"{"):
         return None
     text = head.decode("utf-8", errors="replace").lstrip()
@@ -57,11 +60,11 @@ def log_kind(path: Path) -> LogKind | None:
     return None
 
 
-def read_text(path: Path) -> str:
+def read_text(path: Path, what: str) -> str:
+    """A log's text, read by the one small-file reader (a regular file, bounded)."""
+    data = read_small_file(path, limit=MAX_LOG_BYTES, what=what)
     try:
-        return path.read_text(encoding="utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise InputError(f"{path}: not UTF-8 text (byte {error.start})") from None
-    except OSError as error:
-        raise InputError(f"{path}: cannot read: {error.strerror or error}") from None
+        raise InputError(f"{visible(str(path))}: not UTF-8 text (byte {error.start})") from None
 
