@@ -20,7 +20,7 @@ from pathlib import Path
 
 import typer
 
-from .errors import GradclipError
+from .errors import REPORT_FILE_FLAG, GradclipError
 
 # torch warns on import when numpy is absent; gradclip never needs numpy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -123,7 +123,8 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
     if format != "json":
         return
     document = _error_document(message, code, source)
-    if output_file is not None:
+    if output_file is not None and not message.startswith(REPORT_FILE_FLAG):
+        # (an error about --output-file itself is never written there: stdout)
         from .sink.atomic import atomic_write
 
         try:

@@ -20,6 +20,8 @@ def run(
     norm_type: str, device: str, format: str, trust_pickle: bool, verify: bool, quiet: bool,
     output_file: Path | None,
 ) -> int:
+    # First: an error document (--format json) goes to --output-file too.
+    options.report_file(output_file, reads=[a, b])
     check_what(what)
     limit = options.threshold("--fail-above", fail_above, allow_zero=False)
     if limit is not None and limit < 1:

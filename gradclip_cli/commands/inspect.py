@@ -18,17 +18,19 @@ def run(
     trust_pickle: bool, quiet: bool, output_file: Path | None, what: str = "auto",
     progress: bool = True,
 ) -> int:
+    # First: an error document (--format json) goes to --output-file too.
+    options.report_file(output_file, reads=[path])
     p = options.norm_type(norm_type)
     threshold = options.threshold("--max-norm", max_norm, allow_zero=True)
     dev = options.device(device)
     fmt = output_format(format)
     rule = parse_group_by(group_by)
-    options.report_file(output_file)
     session = launcher.join(dev, device)
     if session is not None:
         dev = session.device
     with progress_steps(not progress or not speaks()) as steps:
         loaded = load(path, key, trust_pickle, verify, steps, what)
+        options.report_file(output_file, reads=loaded.contents.files)
         # inspect never writes a tensor, so pages read can go back at once:
         # resident memory stays flat whatever the file's size.
         release = Releasers(loaded.contents.files)

@@ -85,6 +85,8 @@ def run(
     norm_type: str | None, device: str, format: str, trust_pickle: bool, verify: bool,
     quiet: bool, output_file: Path | None,
 ) -> int:
+    # First: an error document (--format json) goes to --output-file too.
+    options.report_file(output_file, reads=paths, writes=[plot] if plot is not None else [])
     check_what(what)
     z = DEFAULT_Z if z is None else z
     alpha = DEFAULT_ALPHA if alpha is None else alpha
@@ -121,6 +123,7 @@ def run(
             # One at a time: loading checkpoint i+1 on a thread while i was
             # measured made trend slower, not faster (BENCHMARKS.md, "trend").
             loaded = load(item.path, how.key, how.trust_pickle, how.verify, steps, how.what)
+            options.report_file(output_file, reads=loaded.contents.files)
             kinds.check(str(item.path), loaded.selection.what)  # before measuring it
             m = measure_loaded(loaded, item.path, how, steps, item.folder_step)
             del loaded  # its mapping goes before the next checkpoint is opened
