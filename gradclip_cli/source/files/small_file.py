@@ -32,7 +32,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.format.text import visible
 from gradclip_cli.source.files.special import special_kind
 
-EXCERPT_CHARS = 40  # what a message may quote of a file's content
+EXCERPT_CHARS = 80  # what a message may quote of a file's content (a long shard name fits)
 
 
 def excerpt(text: object, limit: int = EXCERPT_CHARS) -> str:

@@ -57,6 +57,7 @@ from gradclip_cli.source.files.weights_pickle import Outside
 from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
 from gradclip_cli.source.locate import GRADIENT_KEYS
 
+from . import tiling
 from .paths import inside
 from .single_file import OPTIMIZER_KEYS, WEIGHT_KEYS
 
@@ -175,20 +176,19 @@ def check_tiling(where: Path, key: str, size, boxes) -> None:
         if any(o + s > n for o, s, n in zip(offsets, sizes, size)):
             raise InputError(f"{where}: a chunk of {shown} at {list(offsets)} "
                              f"reaches past the tensor's size {list(size)}")
-    live = sorted((tuple(o), tuple(s)) for o, s in boxes if math.prod(s))
-    # Sweep along the first dimension: only chunks that start before one ends can meet it.
-    for i, (a_off, a_size) in enumerate(live):
-        for b_off, b_size in live[i + 1:]:
-            if a_off and b_off[0] >= a_off[0] + a_size[0]:
-                break
-            if all(max(ao, bo) < min(ao + asz, bo + bsz) for ao, asz, bo, bsz
-                   in zip(a_off, a_size, b_off, b_size)):
-                raise InputError(f"{where}: chunks of {shown} at {list(a_off)} and "
-                                 f"{list(b_off)} overlap")
-    covered = sum(math.prod(s) for _, s in live)
-    if covered != math.prod(size):
-        raise InputError(f"{where}: the chunks of {shown} cover {covered} of its "
-                         f"{math.prod(size)} elements (a gap)")
+    try:
+        tiling.check(size, boxes)  # O(n log n): see layouts/tiling.py
+    except tiling.Overlap as overlap:
+        if overlap.pair is None:
+            raise InputError(f"{where}: chunks of {shown} overlap (they hold "
+                             f"{sum(math.prod(s) for _, s in boxes)} elements of its "
+                             f"{math.prod(size)})") from None
+        (a_off, _), (b_off, _) = overlap.pair
+        raise InputError(f"{where}: chunks of {shown} at {list(a_off)} and "
+                         f"{list(b_off)} overlap") from None
+    except tiling.Gap as gap:
+        raise InputError(f"{where}: the chunks of {shown} cover {gap.covered} of its "
+                         f"{math.prod(size)} elements (a gap)") from None
 
 
 # --------------------------------------------------------------------- reading
