@@ -42,8 +42,10 @@ def _verdict(size, boxes) -> str:
         if overlap.pair is not None:
             a, b = overlap.pair
             assert a in boxes and b in boxes and a != b
-            assert all(max(ao, bo) < min(ao + asz, bo + bsz)
-                       for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]))
+            assert all(
+                max(ao, bo) < min(ao + asz, bo + bsz)
+                for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1])
+            )
         return "overlap"
     except tiling.Gap as gap:
         assert gap.covered == sum(math.prod(s) for _, s in boxes)
@@ -55,8 +57,10 @@ def _grid(size, cuts):
     """The boxes of a grid: ``cuts[d]`` the cut points along dimension d."""
     edges = [[0, *sorted(c), n] for c, n in zip(cuts, size)]
     spans = [[(a, b - a) for a, b in zip(e, e[1:]) if b > a] for e in edges]
-    return [(tuple(o for o, _ in combo), tuple(s for _, s in combo))
-            for combo in itertools.product(*spans)]
+    return [
+        (tuple(o for o, _ in combo), tuple(s for _, s in combo))
+        for combo in itertools.product(*spans)
+    ]
 
 
 @st.composite
@@ -65,8 +69,9 @@ def layouts(draw):
     moved, resized, split off or added, as a hostile metadata file might."""
     dims = draw(st.integers(1, 4))
     size = tuple(draw(st.integers(1, 5)) for _ in range(dims))
-    cuts = [draw(st.sets(st.integers(1, max(1, n - 1)), max_size=2)) if n > 1 else set()
-            for n in size]
+    cuts = [
+        draw(st.sets(st.integers(1, max(1, n - 1)), max_size=2)) if n > 1 else set() for n in size
+    ]
     boxes = _grid(size, cuts)
     for _ in range(draw(st.integers(0, 3))):
         kind = draw(st.sampled_from(["drop", "move", "grow", "add"]))
@@ -96,21 +101,31 @@ def test_verdict_is_the_element_counts(layout):
 
 
 def test_every_grid_tiles_in_every_dimension_count():
-    for size, cuts in [((6,), [{2, 3}]), ((4, 6), [{1}, {2, 4}]), ((2, 3, 4), [{1}, {1, 2}, {2}]),
-                       ((2, 2, 2, 2), [{1}] * 4), ((3, 1, 5, 2, 2), [{1}, set(), {4}, {1}, {1}])]:
+    for size, cuts in [
+        ((6,), [{2, 3}]),
+        ((4, 6), [{1}, {2, 4}]),
+        ((2, 3, 4), [{1}, {1, 2}, {2}]),
+        ((2, 2, 2, 2), [{1}] * 4),
+        ((3, 1, 5, 2, 2), [{1}, set(), {4}, {1}, {1}]),
+    ]:
         assert _verdict(size, _grid(size, cuts)) == "ok", size
 
 
 N = 16_000
 
 
-@pytest.mark.parametrize("shape, box", [
-    ((1, N), lambda i: ((0, i), (1, 1))),  # every chunk shares the first dimension
-    ((N,), lambda i: ((i,), (1,))),
-    ((2, N // 4, 2), lambda i: ((i % 2, i // 2 % (N // 4), i // (N // 2)), (1, 1, 1))),
-    ((2, 2, N // 8, 2), lambda i: ((i % 2, i // 2 % 2, i // 4 % (N // 8), i // (N // 2)),
-                                   (1, 1, 1, 1))),
-])
+@pytest.mark.parametrize(
+    "shape, box",
+    [
+        ((1, N), lambda i: ((0, i), (1, 1))),  # every chunk shares the first dimension
+        ((N,), lambda i: ((i,), (1,))),
+        ((2, N // 4, 2), lambda i: ((i % 2, i // 2 % (N // 4), i // (N // 2)), (1, 1, 1))),
+        (
+            (2, 2, N // 8, 2),
+            lambda i: ((i % 2, i // 2 % 2, i // 4 % (N // 8), i // (N // 2)), (1, 1, 1, 1)),
+        ),
+    ],
+)
 def test_sixteen_thousand_chunks(shape, box):
     """Many one-element chunks: accepted whole; one missing is a gap naming the counts;
     one moved onto its neighbour is an overlap naming both."""

@@ -35,8 +35,9 @@ class _OutOfRange(Exception):
 
 def _integer(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INTEGER_DIGITS:
-        raise _OutOfRange(text, f"an integer of {len(text.lstrip('-'))} digits "
-                                f"(at most {MAX_INTEGER_DIGITS})")
+        raise _OutOfRange(
+            text, f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INTEGER_DIGITS})"
+        )
     return int(text)
 
 
@@ -57,22 +58,23 @@ def parse_json(data: bytes | str, *, where: str, what: str = "JSON") -> Any:
         try:
             data = data.decode("utf-8")
         except UnicodeDecodeError as error:
-            raise InputError(f"{where}: not {what}: not UTF-8 text (byte {error.start})") \
-                from None
+            raise InputError(f"{where}: not {what}: not UTF-8 text (byte {error.start})") from None
     try:
         return json.loads(data, parse_int=_integer, parse_float=_float)
     except json.JSONDecodeError as error:
-        raise InputError(f"{where}: not {what}: not valid JSON ({error.msg} at "
-                         f"{_place(data, error.pos)})") from None
+        raise InputError(
+            f"{where}: not {what}: not valid JSON ({error.msg} at {_place(data, error.pos)})"
+        ) from None
     except _OutOfRange as error:
         at = _place(data, data.find(error.text))
         raise InputError(f"{where}: not {what}: {error.why} at {at}") from None
     except RecursionError:
-        raise InputError(f"{where}: not {what}: nested too deeply (past {_DEPTH} levels "
-                         f"at {_place(data, _deepest(data))})") from None
+        raise InputError(
+            f"{where}: not {what}: nested too deeply (past {_DEPTH} levels "
+            f"at {_place(data, _deepest(data))})"
+        ) from None
     except (ValueError, OverflowError) as error:  # anything else json lets through
-        raise InputError(f"{where}: not {what}: not valid JSON ({type(error).__name__})") \
-            from None
+        raise InputError(f"{where}: not {what}: not valid JSON ({type(error).__name__})") from None
 
 
 def _place(text: str, pos: int) -> str:

@@ -64,8 +64,7 @@ def check(size: Sequence[int], boxes: Sequence[Box]) -> None:
     live = sorted((tuple(o), tuple(s)) for o, s in boxes if math.prod(s))
     total = math.prod(size)
     covered = sum(math.prod(s) for _, s in live)
-    cut = [d for d in range(len(size))
-           if any(o[d] != 0 or s[d] != size[d] for o, s in live)]
+    cut = [d for d in range(len(size)) if any(o[d] != 0 or s[d] != size[d] for o, s in live)]
     if not cut:  # every piece is the whole tensor; distinct, so at most one
         if covered != total:
             raise Gap(covered)
@@ -79,8 +78,9 @@ def check(size: Sequence[int], boxes: Sequence[Box]) -> None:
         return
     if len(cut) <= MAX_CORNER_DIMENSIONS and covered == total and _corners_tile(live, cut, size):
         return
-    pair, exhausted = _pairwise_overlap(live, cut, None if len(cut) > MAX_CORNER_DIMENSIONS
-                                        else PAIR_BUDGET)
+    pair, exhausted = _pairwise_overlap(
+        live, cut, None if len(cut) > MAX_CORNER_DIMENSIONS else PAIR_BUDGET
+    )
     if pair is not None:
         raise Overlap(pair)
     if exhausted and covered >= total:
@@ -91,8 +91,9 @@ def check(size: Sequence[int], boxes: Sequence[Box]) -> None:
 
 
 def _overlaps(a: Box, b: Box) -> bool:
-    return all(max(ao, bo) < min(ao + asz, bo + bsz)
-               for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]))
+    return all(
+        max(ao, bo) < min(ao + asz, bo + bsz) for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1])
+    )
 
 
 def _sweep_overlap(live: list[Box], cut: list[int]) -> tuple[Box, Box] | None:
@@ -155,8 +156,9 @@ def _corners_tile(live: list[Box], cut: list[int], size: Sequence[int]) -> bool:
     return {c: n for c, n in counts.items() if n} == expected
 
 
-def _pairwise_overlap(live: list[Box], cut: list[int],
-                      budget: int | None) -> tuple[tuple[Box, Box] | None, bool]:
+def _pairwise_overlap(
+    live: list[Box], cut: list[int], budget: int | None
+) -> tuple[tuple[Box, Box] | None, bool]:
     """Two overlapping boxes, found comparing the pairs that a sweep along one dimension
     crosses at once, and whether ``budget`` pairs ran out first. The sweep runs along the
     cut dimension with the most distinct offsets, where the fewest boxes meet."""
@@ -165,7 +167,7 @@ def _pairwise_overlap(live: list[Box], cut: list[int],
     tests = 0
     for i, a in enumerate(ordered):
         a_end = a[0][d] + a[1][d]
-        for b in ordered[i + 1:]:
+        for b in ordered[i + 1 :]:
             if b[0][d] >= a_end:
                 break
             tests += 1
