@@ -262,10 +262,12 @@ class GradMonitor:
         owner = find_ties(dtensor.local_tensors(grads) if sharded else grads)
         named = [item for i, item in enumerate(named) if owner[i] == i]
         grads = [g for _, g in named]
+        # No max |g|: the record does not report it, and the power sums certify
+        # the norms by themselves (one pass; on an accelerator, one read).
         if sharded:
-            sums = dtensor.tensor_sums(grads, self.norm_type)
+            sums = dtensor.tensor_sums(grads, self.norm_type, with_max=False)
         else:
-            sums = tensor_power_sums(grads, self.norm_type)
+            sums = tensor_power_sums(grads, self.norm_type, with_max=False)
         members = [self._group(n) for n, _ in named]
         order = list(dict.fromkeys(members))
         position = {g: i for i, g in enumerate(order)}
