@@ -16,6 +16,7 @@ moment against a history of gradient norms would mean nothing.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,13 +34,16 @@ from ..report.trend import (
     FAIL_ON_NEWEST,
     NONFINITE,
     SPIKE,
+    ClippingFound,
     Observation,
+    SeriesFound,
     build_trend_report,
     order_by_step,
 )
-from ..source import READERS
+from ..source import READERS, run_folder
 from ..source.layouts import LAYOUTS, accelerate_fsdp
 from ..source.logs import LogKind, log_kind
+from ..source.run_folder import RunFolder
 from ..source.what import EXPLAIN, WHATS
 from .common import Loaded, Releasers, emit, load, measure, output_format, speaks
 
@@ -62,6 +66,7 @@ class Input:
     path: Path
     kind: LogKind | None = None
     folder_step: int | None = None
+    entries: tuple | None = None  # a log's entries, when run-folder discovery read them
 
 
 @dataclass(frozen=True)
@@ -105,10 +110,12 @@ def run(
     if session is not None:
         dev = session.device
     with progress_steps(quiet or not speaks()) as steps:
-        inputs = [item for path in paths
-                  for item in _expand(path, lambda p: _loads(p, key, trust_pickle, steps))]
-        logs = [(item.path, item.kind.read(item.path)) for item in inputs
-                if isinstance(item.kind, LogKind)]
+        runs: list[RunFolder] = []
+        inputs = _once([item for path in paths
+                        for item in _expand(path, lambda p: _loads(p, key, trust_pickle, steps),
+                                            what=what, runs=runs)])
+        logs = [(item.path, item.kind.read(item.path) if item.entries is None
+                 else list(item.entries)) for item in inputs if isinstance(item.kind, LogKind)]
         p = _norm_type(requested_p, logs)
         how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
         kinds = OneKind(what)
@@ -132,7 +139,7 @@ def run(
                 groups=m.groups, nonfinite=m.nonfinite, what=m.what))
     report = build_trend_report(
         order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
-        alpha=alpha, warmup=warmup, fail_on=fail_on,
+        alpha=alpha, warmup=warmup, fail_on=fail_on, **_found(runs),
     )  # fmt: skip
     if plot is not None and speaks():
         from ..format.plot import write_trend_plot
@@ -246,14 +253,17 @@ def _loads(path: Path, key: str | None, trust_pickle: bool, steps: Steps) -> str
     return None
 
 
-def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None
-            ) -> Iterator[Input]:
+def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None, *,
+            what: str = "auto", runs: list | None = None) -> Iterator[Input]:
     """The checkpoints and logs ``path`` stands for.
 
     A folder is, in this order: a run's folder of numbered checkpoints (an
-    HF ``output_dir`` of ``checkpoint-N/``, ``global_stepN/``), in step order;
-    one checkpoint (a layout the loader reads); or a folder of checkpoint
-    files and logs, recognised by content (anything else in it is skipped).
+    HF ``output_dir`` of ``checkpoint-N/``, ``global_stepN/``), whose one
+    judged series (``source/run_folder.py``: its monitor log, its newest
+    ``trainer_state.json`` or the checkpoints in step order) is appended to
+    ``runs``; one checkpoint (a layout the loader reads); or a folder of
+    checkpoint files and logs, recognised by content (anything else in it is
+    skipped).
     """
     if not path.is_dir():
         yield Input(path, log_kind(path), folder_step)
@@ -261,16 +271,51 @@ def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None
     # accelerate's FSDP folder numbers its parts (pytorch_model_fsdp_0/, optimizer_0/):
     # one checkpoint, not a run.
     if folder_step is None and not accelerate_fsdp.recognises(path):
-        numbered = [c for c in _children(path) if c.is_dir() and _LAST_NUMBER.search(c.name)]
+        run = run_folder.discover(path, what)
+        if run is not None:
+            if runs is not None:
+                runs.append(run)
+            if run.judged.kind != run_folder.CHECKPOINTS:
+                yield Input(run.judged.paths[0], run.judged.log, None, run.judged.entries)
+                return
+        numbered = run_folder.numbered_folders(path)
         if numbered:
-            for child in sorted(numbered, key=_name_number):
-                yield from _expand(child, why_not_checkpoint, _name_number(child))
+            for number, child in numbered:
+                yield from _expand(child, why_not_checkpoint, number)
             return
     reason = why_not_checkpoint(path)
     if reason is None:
         yield Input(path, None, folder_step)
     else:
         yield from _folder_of_files(path, reason, folder_step)
+
+
+def _once(inputs: list[Input]) -> list[Input]:
+    """Each file or folder once (a run folder and its own trainer_state.json, given
+    together, are one series, not two)."""
+    seen, kept = set(), []
+    for item in inputs:
+        real = os.path.realpath(item.path)
+        if real not in seen:
+            seen.add(real)
+            kept.append(item)
+    return kept
+
+
+def _found(runs: list[RunFolder]) -> dict:
+    """The report's account of the run folders read: every series, the judged one,
+    whether the Trainer clipped; a line of notes each."""
+    series, clipping, notes = [], [], []
+    for run in runs:
+        for i, s in enumerate(run.series):
+            series.append(SeriesFound(s.source, s.kind, s.points, s.per_group,
+                                      s is run.judged, run.why_not.get(i)))
+        if run.clipping is not None:
+            c = run.clipping
+            clipping.append(ClippingFound(c.max_grad_norm, None if c.source is None
+                                          else str(c.source), run.clipping_note()))
+        notes += run.notes()
+    return {"series": series, "clipping": clipping, "notes": notes}
 
 
 def _children(path: Path) -> list[Path]:
@@ -301,11 +346,6 @@ def _is_checkpoint_file(path: Path) -> bool:
     except OSError:
         return False
     return any(reader.recognises(head) for reader in READERS)
-
-
-def _name_number(path: Path) -> int:
-    match = _LAST_NUMBER.search(path.name)
-    return int(match.group(1)) if match else -1
 
 
 def _step_of(stated: int | None, root: object, path: Path, folder_step: int | None

@@ -587,6 +587,8 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
         f"{visible(report.group_by)}; spike: z > {report.z_threshold:g} (alpha "
         f"{report.alpha:g}, warmup {report.warmup})"
     ))  # fmt: skip
+    for note in report.notes:  # where each series of a run folder came from
+        console.print(Text(visible(note)))
     shown = points_to_show(report)
     table = Table(title="points (oldest first)", title_justify="left")
     for col, just in (("step", "right"), ("source", "left"), ("total norm", "right"),
