@@ -24,7 +24,7 @@ def run(
     fmt = output_format(format)
     rule = parse_group_by(group_by)
     options.report_file(output_file)
-    session = launcher.join(dev, device)
+    session = launcher.join(dev, device, [path])
     if session is not None:
         dev = session.device
     with progress_steps(not progress or not speaks()) as steps:

@@ -99,7 +99,7 @@ def run(
         _check_plot(plot)
     # Under torchrun every rank reads every checkpoint's share, as inspect does
     # (CONTRACT.md, "Beyond one machine"); rank 0 alone writes the report.
-    session = launcher.join(dev, device)
+    session = launcher.join(dev, device, paths)
     if session is not None:
         dev = session.device
     with progress_steps(quiet or not speaks()) as steps:
