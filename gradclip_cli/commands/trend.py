@@ -39,7 +39,8 @@ from ..report.trend import (
 )
 from ..source import READERS
 from ..source.layouts import LAYOUTS, accelerate_fsdp
-from ..source.logs import LogKind, log_kind
+from ..source.logs import LogKind
+from ..source.logs.recognise import log_kind
 from ..source.what import EXPLAIN, WHATS
 from .common import Loaded, Releasers, emit, load, measure, output_format, speaks
 

@@ -3,7 +3,8 @@
 Two kinds, each one module, recognised by content: a Hugging Face Trainer's
 ``trainer_state.json`` (``log_history`` entries with ``grad_norm``) and the
 JSON Lines log of gradclip's own training-loop monitor (``gradclip.monitor/1``).
-Each yields ``LoggedNorms``, one per logged step, numbers as written.
+Each yields ``LoggedNorms``, one per logged step, numbers as written;
+``recognise.log_kind`` tells which kind a file is.
 """
 
 from __future__ import annotations
@@ -32,29 +33,6 @@ class LogKind:
     name: str
     recognises: Callable[[str], bool]  # given the file's first bytes, decoded
     read: Callable[[Path], list[LoggedNorms]]
-
-
-# Enough for a monitor log's first line or the keys a trainer_state.json puts
-# before its log_history.
-_HEAD_BYTES = 1 << 16
-
-
-def log_kind(path: Path) -> LogKind | None:
-    """The kind of norm log ``path`` is, or None when it is not one (a checkpoint, say)."""
-    from gradclip_cli.source.logs import monitor_log, trainer_state
-
-    try:
-        with open(path, "rb") as file:
-            head = file.read(_HEAD_BYTES)
-    except OSError:
-        return None  # the checkpoint loader reports unreadable files
-    if not head.lstrip().startswith(b"{"):
-        return None
-    text = head.decode("utf-8", errors="replace").lstrip()
-    for kind in (monitor_log.KIND, trainer_state.KIND):
-        if kind.recognises(text):
-            return kind
-    return None
 
 
 def read_text(path: Path) -> str:
