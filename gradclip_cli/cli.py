@@ -466,6 +466,9 @@ def _main(argv: list[str] | None) -> None:
     command = typer.main.get_command(app)
     _pass_typed_values(command)
     args = list(sys.argv[1:] if argv is None else argv)
+    from .distributed import launcher
+
+    launcher.set_command_line(args)  # under a launcher, every rank's must be the same
     if "--debug" not in args:
         # A damaged file can make CPython complain while freeing what torch's
         # unpickler built ("deallocated bytearray object has exported buffers");

@@ -32,7 +32,7 @@ def run(
     dev = options.device(device)
     fmt = output_format(format)
     rule = parse_group_by(group_by)
-    session = launcher.join(dev, device)
+    session = launcher.join(dev, device, [a, b])
     if session is not None:
         dev = session.device
     how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session, what)

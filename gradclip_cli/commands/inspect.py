@@ -25,7 +25,7 @@ def run(
     dev = options.device(device)
     fmt = output_format(format)
     rule = parse_group_by(group_by)
-    session = launcher.join(dev, device)
+    session = launcher.join(dev, device, [path])
     if session is not None:
         dev = session.device
     with progress_steps(not progress or not speaks()) as steps:

@@ -42,7 +42,8 @@ from ..report.trend import (
 )
 from ..source import READERS, run_folder
 from ..source.layouts import LAYOUTS, accelerate_fsdp
-from ..source.logs import LogKind, log_kind
+from ..source.logs import LogKind
+from ..source.logs.recognise import log_kind
 from ..source.run_folder import RunFolder
 from ..source.what import EXPLAIN, WHATS
 from .common import Loaded, Releasers, emit, load, measure, output_format, speaks
@@ -106,7 +107,7 @@ def run(
         _check_plot(plot)
     # Under torchrun every rank reads every checkpoint's share, as inspect does
     # (CONTRACT.md, "Beyond one machine"); rank 0 alone writes the report.
-    session = launcher.join(dev, device)
+    session = launcher.join(dev, device, paths)
     if session is not None:
         dev = session.device
     with progress_steps(quiet or not speaks()) as steps:

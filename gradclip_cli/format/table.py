@@ -28,11 +28,6 @@ if TYPE_CHECKING:  # the report package imports torch; help and usage errors mus
     from ..report.compare import CompareReport
     from ..report.trend import TrendReport
 
-# More groups than a person reads (and rich renders 20,000 rows slowly): show
-# the largest, and any holding NaN/inf, in checkpoint order.
-MAX_GROUPS = 60
-
-
 def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
     from . import table_layout
 

@@ -34,7 +34,8 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.source.files import training_args
-from gradclip_cli.source.logs import LoggedNorms, LogKind, log_kind, monitor_log, trainer_state
+from gradclip_cli.source.logs import LoggedNorms, LogKind, monitor_log, trainer_state
+from gradclip_cli.source.logs.recognise import log_kind
 
 MONITOR, TRAINER_STATE, CHECKPOINTS = "gradclip-monitor", "trainer-state", "checkpoints"
 TRAINER_STATE_FILE = "trainer_state.json"

@@ -35,7 +35,7 @@ import torch
 
 from gradclip_cli.core import Elements, PowerSums, concat, distinct_elements, tensor_power_sums
 from gradclip_cli.errors import InputError, UsageError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor
 
 WHATS = ("auto", "grads", "exp_avg", "grad_rms", "update", "weights")

@@ -13,7 +13,7 @@ import torch
 from tests.schemas import validate
 from tests.trainer_runs import SPIKE_STEP, STEPS, train_checkpointed_with_spike, train_with_spike
 
-from .support import as_float, assert_no_report, ref_norm, rel_err
+from .support import as_float, assert_no_report, logical_lines, ref_norm, rel_err, unwrapped
 
 LAYERS = ("transformer.h.0", "transformer.h.1", "transformer.h.2")
 
@@ -87,7 +87,7 @@ def test_table_names_the_spiking_group_and_the_verdict_matches_the_exit_code(gra
     save_run(tmp_path / "run", range(12), spikes={11: {"transformer.h.2": 100}})
     r = gradclip("trend", tmp_path / "run")
     assert r.code == 1
-    lines = r.out.splitlines()
+    lines = logical_lines(r.out)
     assert lines[-1].startswith("FAIL: gradient spike at the newest point (step 11")
     assert "transformer.h.2" in lines[-1] and lines[-1].endswith("(exit 1)")
     assert any("SPIKE" in line and "transformer.h.2" in line for line in lines)
@@ -221,7 +221,7 @@ def test_trainer_state_of_a_real_run_finds_the_injected_spike(gradclip, trainer_
     assert [p["step"] for p in doc["points"] if p["spike"]] == [SPIKE_STEP]
     # The newest point is healthy: the default --fail-on newest passes.
     r = gradclip("trend", trainer_state)
-    assert r.code == 0 and "1 earlier spike(s)" in r.out
+    assert r.code == 0 and "1 earlier spike(s)" in unwrapped(r.out)
 
 
 def test_trainer_state_and_checkpoints_mix_in_step_order(gradclip, tmp_path):
@@ -297,7 +297,7 @@ def test_trainer_checkpoints_exp_avg_finds_the_injected_spike(gradclip, checkpoi
     assert doc["points"][-1]["z"] > 2.5 and not any(p["spike"] for p in doc["points"][:-1])
     assert "transformer.h.0" in doc["points"][-1]["spike_groups"]
     table = gradclip("trend", *upto, "--what", "exp_avg")  # the verdict names what spiked
-    assert table.out.splitlines()[-1].startswith(
+    assert logical_lines(table.out)[-1].startswith(
         f"FAIL: exp_avg spike at the newest point (step {run.spike_step}")
     r = gradclip("trend", *upto[:-1], "--what", "exp_avg", "--format", "json")
     assert (r.code, r.json()["status"]) == (0, "ok")

@@ -7,9 +7,9 @@ the first layout that recognises a path opens it, so a framework folder
 (which may hold a sharded index) comes before the bare index.
 
 ``open_checkpoint`` is the one entry point the commands use: folders and
-indexes go to the layouts, single files to ``single_file`` (the file
-readers, plus what a file's content says: a Lightning ``.ckpt``, a shard of
-an indexed set).
+indexes go to the layouts, single files to ``open_file`` (the file readers,
+then what a file's content says: a Lightning ``.ckpt``, else ``single_file``,
+which also says when the file is a shard of an indexed set).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import os
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
+from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.interface import Contents, Layout
 
 from . import (
@@ -66,4 +67,13 @@ def open_checkpoint(
             "global_stepN/ folder or its parent with 'latest', an accelerate FSDP folder "
             "(pytorch_model_fsdp_0/), or a torch.distributed.checkpoint "
             "folder: .metadata, or safetensors shards with DCP_SHARDING_INFO)")
-    return single_file.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
+    return open_file(path, key=key, trust_pickle=trust_pickle, verify=verify)
+
+
+def open_file(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    """One checkpoint file: a framework's own file (a Lightning ``.ckpt``, recognised by its
+    keys) or a plain one (``single_file``)."""
+    ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
+    if lightning.claims(ckpt.root):
+        return lightning.contents(ckpt, key=key)
+    return single_file.contents_of(ckpt, key=key)

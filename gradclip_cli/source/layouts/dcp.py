@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError, UnsafeCheckpointError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.dcp_metadata import (
     METADATA_NAME,
     Chunk,
@@ -58,8 +58,8 @@ from gradclip_cli.source.interface import Contents, OptimizerState, Piece, Store
 from gradclip_cli.source.locate import GRADIENT_KEYS
 
 from . import tiling
+from .keys import OPTIMIZER_KEYS, WEIGHT_KEYS
 from .paths import inside
-from .single_file import OPTIMIZER_KEYS, WEIGHT_KEYS
 
 KIND = "dcp"
 _STEP_KEYS = ("step", "global_step")

@@ -2,8 +2,8 @@
 
 A plain file gives its gradients (the ``--key`` rule of ``source/locate.py``)
 and, when it holds them next to the gradients, the model's weights and the
-optimizer's state. A Lightning ``.ckpt`` is recognised by its keys and opened
-by ``lightning``. A file that an index beside it lists as one of its shards is
+optimizer's state (``fill_from_root``, which a framework's own file, such as a
+Lightning ``.ckpt``, uses too). A file that an index beside it lists as one of its shards is
 opened alone, and the report says that it covers that shard only.
 """
 
@@ -17,23 +17,18 @@ from typing import Any
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
-from gradclip_cli.source import load_checkpoint, select_gradients
-from gradclip_cli.source.interface import Contents, stored
+from gradclip_cli.escaping import visible
+from gradclip_cli.source import select_gradients
+from gradclip_cli.source.interface import Checkpoint, Contents, stored
 
-from . import lightning
+from .keys import OPTIMIZER_KEYS, WEIGHT_KEYS
 from .paths import read_json
 from .torch_optim import is_optimizer_state, optimizer_state
 
-# Top-level keys under which training scripts keep the model and the optimizer.
-WEIGHT_KEYS = ("model", "model_state_dict", "state_dict", "module")
-OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "optimizer_state")
 
-
-def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
-    ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
-    if lightning.claims(ckpt.root):
-        return lightning.contents(ckpt, key=key)
+def contents_of(ckpt: Checkpoint, *, key: str | None) -> Contents:
+    """A loaded file that is no framework's own (``layouts.open_file`` asks them first)."""
+    path = ckpt.path
     contents = Contents(path=path, kind=ckpt.format, files=[path], checkpoint=ckpt,
                         trusted_pickle=ckpt.trusted_pickle)
     fill_from_root(contents, ckpt.root, path, key)
