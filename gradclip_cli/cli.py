@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import importlib
-import json
 import os
 import sys
 import traceback
@@ -24,8 +23,6 @@ from .errors import GradclipError
 
 # torch warns on import when numpy is absent; gradclip never needs numpy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
-ERROR_SCHEMA = "gradclip.error/1"
 
 app = typer.Typer(
     add_completion=True,
@@ -99,30 +96,41 @@ def _options(
     copies. Exit codes: 0 ok, 1 finding, 2 usage error, 3 unreadable input."""
 
 
-def _error_document(message: str, code: int, source: object) -> str:
-    doc = {"schema": ERROR_SCHEMA, "exit_code": code, "error": message,
-           "source": None if source is None else str(source)}
-    return json.dumps(doc) + "\n"
+# The formats that carry a failure on stdout (or in --output-file) besides the line
+# on stderr; a table is for a person, who reads stderr.
+FAILURE_FORMATS = ("json", "junit", "github", "markdown")
 
 
 def _report_error(message: str, code: int, *, format: str | None, source: object,
-                  output_file: Path | None = None) -> None:
-    """One line on stderr; with ``--format json`` also the contract's error object.
+                  command: str = "gradclip", output_file: Path | None = None) -> None:
+    """One line on stderr; with a CI format also that format's failure document.
 
+    ``--format json`` prints the contract's ``gradclip.error/1`` object,
+    ``junit`` a testcase with an ``<error>``, ``github`` an ``::error`` line,
+    ``markdown`` a failure line: a report file is never silently empty.
     Paths are reported as given (``./h.pt`` stays ``./h.pt``): they arrive as
     strings, never normalised through ``Path``.
 
     The message names paths and keys that came from a file or the command
     line: ``visible`` keeps it one inert line (no escape sequence, no newline
-    forging a second line).
+    forging a second line); each format escapes it further as its data.
     """
     from .format.text import visible
 
     message = visible(message)
     print(f"gradclip: {message}", file=sys.stderr)
-    if format != "json":
+    if format not in FAILURE_FORMATS:
         return
-    document = _error_document(message, code, source)
+    import io
+
+    from .format import FORMATS
+    from .report.model import FailureReport
+
+    failure = FailureReport(command=command, message=message, exit_code=code,
+                            source=None if source is None else str(source))
+    buffer = io.StringIO()
+    FORMATS[format].render_error(failure, buffer)
+    document = buffer.getvalue()
     if output_file is not None:
         from .sink.atomic import atomic_write
 
@@ -159,7 +167,7 @@ def _command(name: str):
     return module
 
 
-def _run(body, *, debug: bool, format: str | None = None, source: object = None,
+def _run(body, *, command: str, debug: bool, format: str | None = None, source: object = None,
          output_file: Path | None = None) -> None:
     """Run a command body, turning every error into one line and an exit code.
 
@@ -169,7 +177,8 @@ def _run(body, *, debug: bool, format: str | None = None, source: object = None,
     failed, code, message = _outcome(body, debug)
     code, message, speaks = _settle(failed, code, message)
     if message is not None and speaks:
-        _report_error(message, code, format=format, source=source, output_file=output_file)
+        _report_error(message, code, format=format, source=source, command=command,
+                      output_file=output_file)
     raise typer.Exit(code)
 
 
@@ -253,7 +262,8 @@ def inspect(
             progress=not (quiet or no_progress), output_file=output_file, what=what,
         )
 
-    _run(body, debug=debug, format=format, source=path, output_file=output_file)
+    _run(body, command="inspect", debug=debug, format=format, source=path,
+         output_file=output_file)
 
 
 @app.command()
@@ -301,7 +311,8 @@ def clip(
             quiet=quiet, progress=not (quiet or no_progress), output_file=output_file, what=what,
         )
 
-    _run(body, debug=debug, format=format, source=path, output_file=output_file)
+    _run(body, command="clip", debug=debug, format=format, source=path,
+         output_file=output_file)
 
 
 WhatOpt = typer.Option(
@@ -362,7 +373,8 @@ def trend(
         )
 
     source = str(paths[0]) if len(paths) == 1 else " ".join(map(str, paths))
-    _run(body, debug=debug, format=format, source=source, output_file=output_file)
+    _run(body, command="trend", debug=debug, format=format, source=source,
+         output_file=output_file)
 
 
 @app.command()
@@ -396,7 +408,8 @@ def compare(
             verify=verify, quiet=quiet, output_file=output_file,
         )
 
-    _run(body, debug=debug, format=format, source=f"{a} {b}", output_file=output_file)
+    _run(body, command="compare", debug=debug, format=format, source=f"{a} {b}",
+         output_file=output_file)
 
 
 def _requested_format(argv: list[str]) -> str | None:
@@ -489,7 +502,8 @@ def _main(argv: list[str] | None) -> None:
         where = ctx.command_path if ctx is not None else "gradclip"
         source = ctx.params.get("path") if ctx is not None else None
         _report_error(f"{error.format_message()} (see '{where} --help')", 2,
-                      format=_requested_format(args), source=source)
+                      format=_requested_format(args), source=source,
+                      command=ctx.info_name if ctx is not None else "gradclip")
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..report import NONFINITE, ClipReport, InspectReport
-from ..report.compare import CompareReport
-from ..report.trend import TrendPoint, TrendReport
+from ..report.model import NONFINITE
+
+if TYPE_CHECKING:
+    from ..report import ClipReport, InspectReport
+    from ..report.compare import CompareReport
+    from ..report.trend import TrendPoint, TrendReport
 
 ERROR, WARNING = "error", "warning"
 TOTAL = "(total)"  # the series / testcase of the total norm; no layer is named so
+RUN = "(run)"  # the testcase of a run that failed before it could report (exit 2 or 3)
 
 
 @dataclass(frozen=True)

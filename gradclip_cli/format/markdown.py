@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from ..report import NONFINITE, ClipReport, InspectReport, NonFinite
-from ..report.compare import CompareReport
-from ..report.trend import SPIKE, TrendReport
+from ..report.model import NONFINITE, SPIKE
 from .findings import z_text
 from .table_layout import (
     MAX_GROUPS,
@@ -35,6 +33,11 @@ from .table_layout import (
     verdict_line,
 )
 from .text import visible
+
+if TYPE_CHECKING:
+    from ..report import ClipReport, FailureReport, InspectReport, NonFinite
+    from ..report.compare import CompareReport
+    from ..report.trend import TrendReport
 
 _ESCAPES = {ord(c): "\\" + c for c in "\\`*_[]<>|~&!$:@"}
 _WWW = re.compile(r"(?i)(?<=www)\.")
@@ -171,3 +174,11 @@ def render_compare(report: CompareReport, out: TextIO) -> None:
     out.write(_table(["group", "A", "B", "B / A"], rows, ["left", "right", "right", "right"]))
     if len(report.groups) > MAX_GROUPS:
         out.write(f"\n{len(report.groups) - MAX_GROUPS:,} groups that changed less not shown.\n")
+
+
+def render_error(failure: FailureReport, out: TextIO) -> None:
+    """The heading a report would have, then a failure line: a step summary or PR
+    comment says why there is no report."""
+    source = f": {escape(failure.source)}" if failure.source else ""
+    out.write(f"### gradclip {escape(failure.command)}{source}\n\n")
+    out.write(_verdict(f"FAIL: {failure.kind}: {failure.message} (exit {failure.exit_code})", True))

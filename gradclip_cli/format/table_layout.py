@@ -10,7 +10,7 @@ import os
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from rich import box
 from rich.cells import cell_len
@@ -18,12 +18,15 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..report import EXCEEDED, NONFINITE, OVERFLOW, ClipReport, InspectReport, NonFinite
-from ..report.compare import CompareReport
-from ..report.trend import INSUFFICIENT_HISTORY, SPIKE, TrendPoint, TrendReport
+from ..report.model import EXCEEDED, INSUFFICIENT_HISTORY, NONFINITE, OVERFLOW, SPIKE
 from .findings import z_text
 from .table import MAX_GROUPS
 from .text import visible
+
+if TYPE_CHECKING:
+    from ..report import ClipReport, InspectReport, NonFinite
+    from ..report.compare import CompareReport
+    from ..report.trend import TrendPoint, TrendReport
 
 BAR_WIDTH = 20
 # Pipes and CI logs get this width when COLUMNS is unset (rich would use 80).
