@@ -28,6 +28,7 @@ from .table_layout import (
     fmt_ratio,
     largest_norm,
     points_to_show,
+    ratio_cell,
     sparkline,
     trend_verdict,
     verdict_line,
@@ -165,12 +166,18 @@ def _finite(values):
 def render_compare(report: CompareReport, out: TextIO) -> None:
     out.write(f"### gradclip compare: {escape(report.a)} → {escape(report.b)}\n\n")
     out.write(_verdict(compare_verdict(report), report.status != "ok"))
-    beyond = {id(g) for g in report.beyond}
-    rows = [[escape(g.name), _num(g.a), _num(g.b),
-             f"**{escape(fmt_ratio(g.ratio))}**" if id(g) in beyond else escape(fmt_ratio(g.ratio))]
+    flagged = {id(g) for g in report.beyond}
+    if report.fail_above is not None:
+        flagged |= {id(g) for g in report.one_sided}
+
+    def ratio(row, bold: bool) -> str:
+        text = escape(ratio_cell(row))
+        return f"**{text}**" if bold else text
+
+    rows = [[escape(g.name), _num(g.a), _num(g.b), ratio(g, id(g) in flagged)]
             for g in report.groups[:MAX_GROUPS]]
     t = report.total
-    rows.append(["**total**", _num(t.a), _num(t.b), escape(fmt_ratio(t.ratio))])
+    rows.append(["**total**", _num(t.a), _num(t.b), ratio(t, report.total_beyond)])
     out.write(_table(["group", "A", "B", "B / A"], rows, ["left", "right", "right", "right"]))
     if len(report.groups) > MAX_GROUPS:
         out.write(f"\n{len(report.groups) - MAX_GROUPS:,} groups that changed less not shown.\n")
