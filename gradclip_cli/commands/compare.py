@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .. import options
+from .. import options, values
 from ..distributed import launcher
-from ..errors import UsageError
 from ..progress import progress_steps
 from ..report import OK, parse_group_by
 from ..report.compare import build_compare_report
@@ -18,16 +17,12 @@ from .trend import Measured, Measurement, OneKind, check_what, measure_checkpoin
 def run(
     *, a: Path, b: Path, what: str, fail_above: str | None, group_by: str, key: str | None,
     norm_type: str, device: str, format: str, trust_pickle: bool, verify: bool, quiet: bool,
-    output_file: Path | None,
+    output_file: Path | None, progress: bool = True,
 ) -> int:
     # First: an error document (--format json) goes to --output-file too.
     options.report_file(output_file, reads=[a, b])
     check_what(what)
-    limit = options.threshold("--fail-above", fail_above, allow_zero=False)
-    if limit is not None and limit < 1:
-        # R and 1/R bound the same band; R < 1 would flag every group.
-        raise UsageError(f"--fail-above must be >= 1 (a ratio R flags b/a > R or "
-                                 f"< 1/R), got {fail_above!r}")
+    limit = values.ratio_limit("--fail-above", fail_above)
     p = options.norm_type(norm_type)
     dev = options.device(device)
     fmt = output_format(format)
@@ -37,7 +32,7 @@ def run(
         dev = session.device
     how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
     kinds = OneKind(what)
-    with progress_steps(quiet or not speaks()) as steps:
+    with progress_steps(quiet or not progress or not speaks()) as steps:
         # One at a time: A's pages are released before B is read.
         ra = measure_checkpoint(a, how, steps)
         kinds.check(str(a), ra.what)

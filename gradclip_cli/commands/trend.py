@@ -15,14 +15,13 @@ moment against a history of gradient norms would mean nothing.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import options
+from .. import options, values
 from ..core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z
 from ..distributed import launcher
 from ..errors import InputError, UsageError
@@ -52,7 +51,6 @@ from .common import Loaded, Releasers, emit, load, measure, output_format, speak
 WHAT_CHOICES = WHATS
 # What a norm log (monitor JSON Lines, trainer_state.json) holds.
 LOGGED_WHAT = "grads"
-PLOT_SUFFIXES = (".png", ".svg")
 
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 
@@ -89,7 +87,7 @@ def run(
     *, paths: list[Path], what: str, group_by: str, z: float | None, alpha: float | None,
     warmup: int | None, fail_on: str, plot: Path | None, key: str | None,
     norm_type: str | None, device: str, format: str, trust_pickle: bool, verify: bool,
-    quiet: bool, output_file: Path | None,
+    quiet: bool, output_file: Path | None, progress: bool = True,
 ) -> int:
     # First: an error document (--format json) goes to --output-file too.
     options.report_file(output_file, reads=paths, writes=[plot] if plot is not None else [])
@@ -110,7 +108,7 @@ def run(
     session = launcher.join(dev, device, paths)
     if session is not None:
         dev = session.device
-    with progress_steps(quiet or not speaks()) as steps:
+    with progress_steps(quiet or not progress or not speaks()) as steps:
         runs: list[RunFolder] = []
         inputs = _once([item for path in paths
                         for item in _expand(path, lambda p: _loads(p, key, trust_pickle, steps),
@@ -151,9 +149,7 @@ def run(
 
 
 def check_what(text: str) -> str:
-    if text not in WHAT_CHOICES:
-        raise UsageError(f"--what must be one of {', '.join(WHAT_CHOICES)}, got {text!r}")
-    return text
+    return values.word("--what", text, WHAT_CHOICES)
 
 
 class OneKind:
@@ -196,29 +192,19 @@ class OneKind:
 
 
 def _fail_on(text: str) -> str:
-    if text not in (FAIL_ON_NEWEST, FAIL_ON_ANY):
-        raise UsageError(f"--fail-on must be newest or any, got {text!r}")
-    return text
+    return values.word("--fail-on", text, (FAIL_ON_NEWEST, FAIL_ON_ANY))
 
 
 def _spike_options(z: float, alpha: float, warmup: int) -> None:
-    if not (math.isfinite(z) and z > 0):
-        raise UsageError(f"--z must be a finite number > 0, got {z}")
-    if not 0 < alpha < 1:
-        raise UsageError(f"--alpha must be between 0 and 1 (exclusive), got {alpha}")
-    if warmup < 1:
-        raise UsageError(f"--warmup must be a whole number >= 1, got {warmup}")
+    """The rules the command line checked already (values.py), for callers that skip it."""
+    values.threshold("--z", z, allow_zero=False)
+    values.fraction("--alpha", alpha)
+    values.whole("--warmup", warmup, least=1)
 
 
 def _check_plot(plot: Path) -> None:
     """Before any checkpoint is read: a wrong suffix or a missing matplotlib is exit 2."""
-    if plot.suffix.lower() not in PLOT_SUFFIXES:
-        raise UsageError(f"--plot {plot}: the file name must end in .png or .svg")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UsageError("--plot needs matplotlib, an optional extra: "
-                         "pip install 'gradclip[plot]'") from None
+    values.plot_file(str(plot))
 
 
 def _norm_type(requested: float | None, logs: list[tuple[Path, list]]) -> float:

@@ -10,7 +10,7 @@ import os
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from rich import box
 from rich.cells import cell_len
@@ -18,11 +18,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..report import EXCEEDED, NONFINITE, OVERFLOW, ClipReport, InspectReport, NonFinite
-from ..report.compare import CompareReport
-from ..report.trend import INSUFFICIENT_HISTORY, SPIKE, TrendPoint, TrendReport
+from ..report.model import EXCEEDED, INSUFFICIENT_HISTORY, NONFINITE, OVERFLOW, SPIKE
 from .findings import z_text
 from .text import visible
+
+if TYPE_CHECKING:
+    from ..report import ClipReport, InspectReport, NonFinite
+    from ..report.compare import CompareReport, CompareRow
+    from ..report.trend import TrendPoint, TrendReport
 
 BAR_WIDTH = 20
 # More groups than a person reads (and rich renders 20,000 rows slowly): show
@@ -644,16 +647,38 @@ def fmt_ratio(ratio: float | None) -> str:
     return fmt(ratio) + "x" if math.isfinite(ratio) else fmt(ratio)
 
 
+def ratio_cell(row: CompareRow) -> str:
+    """The B / A cell: the ratio, or which side alone holds the group."""
+    if row.only is not None:
+        return f"only in {row.only.upper()}"
+    return fmt_ratio(row.ratio)
+
+
+def _names(rows: list[CompareRow], label=lambda g: visible(g.name)) -> str:
+    more = f" and {len(rows) - 5} more" if len(rows) > 5 else ""
+    return ", ".join(label(g) for g in rows[:5]) + more
+
+
 def compare_verdict(report: CompareReport) -> str:
     if report.status == NONFINITE:
         return "FAIL: a norm in A or B is NaN or inf (exit 1)"
     if report.status == EXCEEDED:
-        names = ", ".join(visible(g.name) for g in report.beyond[:5])
-        more = f" and {len(report.beyond) - 5} more" if len(report.beyond) > 5 else ""
-        return (f"FAIL: {len(report.beyond)} group(s) changed by more than "
-                f"{report.fail_above:g}x: {names}{more} (exit 1)")
+        limit = f"{report.fail_above:g}x"
+        parts = []
+        if report.total_beyond:
+            parts.append(f"the total changed {fmt_ratio(report.total.ratio)}, beyond {limit}")
+        if report.beyond:
+            parts.append(f"{len(report.beyond)} group(s) changed by more than {limit}: "
+                         f"{_names(report.beyond)}")
+        if report.one_sided:
+            parts.append(f"{len(report.one_sided)} group(s) on one side only: "
+                         + _names(report.one_sided,
+                                  lambda g: f"{visible(g.name)} ({g.only.upper()} only)"))
+        return f"FAIL: {'; '.join(parts)} (exit 1)"
     limit = f" within {report.fail_above:g}x" if report.fail_above is not None else ""
-    return f"OK: total ratio {fmt_ratio(report.total.ratio)}{limit} (exit 0)"
+    alone = (f"; {len(report.one_sided)} group(s) on one side only"
+             if report.one_sided else "")
+    return f"OK: total ratio {fmt_ratio(report.total.ratio)}{limit}{alone} (exit 0)"
 
 
 def render_compare(report: CompareReport, out: TextIO) -> None:
@@ -666,15 +691,16 @@ def render_compare(report: CompareReport, out: TextIO) -> None:
         table.add_column(col, justify=just, overflow="fold")
     rows = report.groups[:MAX_GROUPS]
     for g in rows:
-        flagged = report.fail_above is not None and g in report.beyond
+        flagged = report.fail_above is not None and (g in report.beyond or g.only is not None)
         table.add_row(Text(visible(g.name)), fmt(g.a), fmt(g.b),
-                      Text(fmt_ratio(g.ratio), style="bold red" if flagged else ""))
+                      Text(ratio_cell(g), style="bold red" if flagged else ""))
     if len(rows) < len(report.groups):
         table.add_row(Text(f"... {len(report.groups) - len(rows):,} groups that changed "
                            "less (--format json lists all)", style="dim"), "", "", "")
     table.add_section()
     t = report.total
-    table.add_row(Text("total", style="bold"), fmt(t.a), fmt(t.b), fmt_ratio(t.ratio))
+    table.add_row(Text("total", style="bold"), fmt(t.a), fmt(t.b),
+                  Text(fmt_ratio(t.ratio), style="bold red" if report.total_beyond else ""))
     console.print(table)
     failed = report.status != "ok"
     console.print(Text(compare_verdict(report), style="bold red" if failed else "bold green"),

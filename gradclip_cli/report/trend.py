@@ -15,10 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..core.spikes import SpikeDetector
-from .model import NONFINITE, OK, NonFinite
-
-SPIKE = "spike"
-INSUFFICIENT_HISTORY = "insufficient_history"
+from .model import INSUFFICIENT_HISTORY, NONFINITE, OK, SPIKE, NonFinite
 
 FAIL_ON_NEWEST, FAIL_ON_ANY = "newest", "any"
 
