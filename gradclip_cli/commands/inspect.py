@@ -46,7 +46,9 @@ def run(
         key=loaded.key, device=str(dev), max_norm=threshold,
         allow_nonfinite=allow_nonfinite, group_by=group_by, skipped=loaded.skipped,
         what=selection.what, step=contents.step,
-        description=[*contents.description, f"measured: {selection.explain}"],
+        description=[*contents.description, f"measured: {selection.measured}"],
+        measured={"what": selection.what, "explain": selection.explain,
+                  "evidence": selection.evidence},
         weight_sums=weight_sums,
     )
     if quiet and format == "table":

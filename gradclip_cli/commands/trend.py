@@ -44,6 +44,7 @@ from ..source.layouts import LAYOUTS, accelerate_fsdp
 from ..source.logs import LogKind
 from ..source.logs.recognise import log_kind
 from ..source.run_folder import RunFolder
+from ..source.vocabulary import step_of
 from ..source.what import EXPLAIN, WHATS
 from .common import Loaded, Releasers, emit, load, measure, output_format, speaks
 
@@ -338,28 +339,16 @@ def _is_checkpoint_file(path: Path) -> bool:
 def _step_of(stated: int | None, root: object, path: Path, folder_step: int | None
              ) -> int | None:
     """The step the layout read (a Trainer's ``global_step``), else the checkpoint's
-    ``step``/``global_step`` entry, else the last number in its name, else its
-    ``checkpoint-N/`` folder's number."""
+    step entry (``source/vocabulary.py``, the rule inspect follows too), else the last
+    number in its name, else its ``checkpoint-N/`` folder's number."""
     if stated is not None:
         return stated
-    if isinstance(root, dict):
-        for name in ("global_step", "step"):
-            value = root.get(name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-            if _is_integer_scalar(value):
-                return int(value.item())
+    recorded = step_of(root)
+    if recorded is not None:
+        return recorded
     stem = path.name if path.is_dir() else path.name.split(".", 1)[0]
     match = _LAST_NUMBER.search(stem)
     return int(match.group(1)) if match else folder_step
-
-
-def _is_integer_scalar(value: object) -> bool:
-    import torch
-
-    return (isinstance(value, torch.Tensor) and value.numel() == 1
-            and not value.is_floating_point() and not value.is_complex()
-            and value.dtype != torch.bool)
 
 
 @dataclass(frozen=True)

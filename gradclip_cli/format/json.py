@@ -44,6 +44,7 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
         "format": report.format,
         "step": report.step,
         "description": list(report.description),
+        "measured": dict(report.measured),
         "key": report.key,
         "device": report.device,
         "norm_type": number(report.norm_type),

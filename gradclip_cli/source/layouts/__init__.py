@@ -21,6 +21,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.interface import Contents, Layout
+from gradclip_cli.source.roles import settle
 
 from . import (
     accelerate_fsdp,
@@ -55,7 +56,7 @@ def open_checkpoint(
     path = Path(path)
     for layout in LAYOUTS:
         if layout.recognises(path):
-            return layout.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
+            return settle(layout.open(path, key=key, trust_pickle=trust_pickle, verify=verify))
     if os.path.isdir(path):
         indexes = sorted(n for n in os.listdir(path) if n.endswith(hf_sharded.INDEX_SUFFIX))
         if len(indexes) > 1:
@@ -72,8 +73,8 @@ def open_checkpoint(
 
 def open_file(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     """One checkpoint file: a framework's own file (a Lightning ``.ckpt``, recognised by its
-    keys) or a plain one (``single_file``)."""
+    keys) or a plain one (``single_file``), its roles settled."""
     ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
     if lightning.claims(ckpt.root):
-        return lightning.contents(ckpt, key=key)
-    return single_file.contents_of(ckpt, key=key)
+        return settle(lightning.contents(ckpt, key=key))
+    return settle(single_file.contents_of(ckpt, key=key))

@@ -72,9 +72,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         contents.gradients, contents.gradient_key = model.gradients, model.gradient_key
         contents.skipped, contents.gradient_error = model.skipped, model.gradient_error
     else:
-        contents.gradient_error = (
-            f"{path}: an accelerate FSDP checkpoint holds no gradients (the optimizer's "
-            "moments stand in for them: --what exp_avg)")
+        contents.gradient_error = f"{path}: an accelerate FSDP checkpoint holds no gradients"
     if os.path.exists(path / hf_trainer.STATE):
         contents.files.append(path / hf_trainer.STATE)
     step = f" at global_step {contents.step}" if contents.step is not None else ""

@@ -56,13 +56,13 @@ from gradclip_cli.source.files.verify import verify_torch_zip
 from gradclip_cli.source.files.weights_pickle import Outside
 from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
 from gradclip_cli.source.locate import GRADIENT_KEYS
+from gradclip_cli.source.vocabulary import OPTIMIZER_KEYS, STEP_KEYS, WEIGHT_KEYS
 
 from . import tiling
-from .keys import OPTIMIZER_KEYS, WEIGHT_KEYS
 from .paths import inside
 
 KIND = "dcp"
-_STEP_KEYS = ("step", "global_step")
+_STEP_KEYS = STEP_KEYS
 _LIGHTNING_OPTIMIZER = re.compile(r"optimizer_\d+")
 
 

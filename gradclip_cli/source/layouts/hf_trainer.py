@@ -64,8 +64,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     if contents.optimizer is not None and contents.optimizer.param_names is None \
             and not contents.model_order:
         contents.model_order_names = model_order_from_config(path, len(contents.weights or {}))
-    contents.gradient_error = (f"{path}: a Trainer checkpoint holds no gradients "
-                               "(the optimizer's moments stand in for them: --what exp_avg)")
+    contents.gradient_error = f"{path}: a Trainer checkpoint holds no gradients"
     held = ", ".join(visible(p.name) for p in contents.files)
     step = f" at global_step {contents.step}" if contents.step is not None else ""
     contents.description.insert(0, f"Trainer checkpoint{step}: {held}")
