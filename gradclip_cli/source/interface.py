@@ -256,6 +256,8 @@ class Contents:
     held_pieces: dict[str, Any] = field(default_factory=dict)  # DCP HF: pieces held for clip
     trusted_pickle: bool = False
     gradient_error: str | None = None  # why no gradients were found, for --what grads
+    # Weights under the optimizer's name for a parameter the model stores split (ratio only).
+    fused_weights: dict[str, StoredTensor] = field(default_factory=dict)
 
     @property
     def optimizer(self) -> OptimizerState | None:

@@ -30,6 +30,7 @@ from . import (
     hf_trainer,
     lightning,
     single_file,
+    torchtitan,
 )
 
 LAYOUTS: tuple[Layout, ...] = (
@@ -37,6 +38,7 @@ LAYOUTS: tuple[Layout, ...] = (
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     hf_trainer,
     hf_sharded,
+    torchtitan,  # a DCP folder laid out torchtitan's way: before dcp
     lightning,  # a sharded Lightning folder is a DCP folder with meta.pt: before dcp
     dcp,
     dcp_hf,
