@@ -86,3 +86,17 @@ def torchtitan_runs(framework_python, tmp_path_factory) -> dict[int, Path]:
         )
         for ranks in (1, 2)
     }
+
+
+@pytest.fixture(scope="session")
+def olmo_core_runs(framework_python, tmp_path_factory) -> dict[int, Path]:
+    """OLMo-core runs on 1 rank and on 2 (FSDP): ``run/step{1,2,3}`` and ``reference/``."""
+    return {
+        ranks: run_generator(
+            framework_python,
+            "olmo_core_run.py",
+            tmp_path_factory.mktemp(f"olmo_core{ranks}"),
+            ranks,
+        )
+        for ranks in (1, 2)
+    }

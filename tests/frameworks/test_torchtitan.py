@@ -7,8 +7,6 @@ moments' bias corrections and updates are computed here in float64.
 
 from __future__ import annotations
 
-import os
-import pickle
 import shutil
 from pathlib import Path
 
@@ -16,10 +14,18 @@ import pytest
 import torch
 
 from tests.cli.support import rel_err
-from tests.distributed.launch import HARNESS, one_process, results, torchrun, write_jobs
 
-TOL = 1e-6
-QUANTITIES = ("exp_avg", "grad_rms", "update")
+from .support import (
+    QUANTITIES,
+    TOL,
+    RunsCode,
+    adam_measured,
+    flat_optimizer,
+    norm,
+    one_line_exit_3,
+    rewrite_metadata,
+    same_under_torchrun,
+)
 
 
 def _reference(run: Path, step: int) -> dict:
@@ -30,41 +36,8 @@ def _step_folder(run: Path, step: int) -> Path:
     return run / "run" / "checkpoint" / f"step-{step}"
 
 
-def _norm(tensors) -> float:
-    return float(torch.cat([t.double().reshape(-1) for t in tensors]).norm())
-
-
 def _weights(ref: dict) -> dict[str, torch.Tensor]:
     return {n: t for n, t in ref.items() if isinstance(t, torch.Tensor)}
-
-
-def _optimizer(ref: dict) -> tuple[dict, dict]:
-    """torchtitan's flat optimizer dict as ``{fqn: state}`` and ``{fqn: hyperparameters}``."""
-    state: dict[str, dict] = {}
-    hyper: dict[str, dict] = {}
-    for key, value in ref["optimizer"].items():
-        head, _, rest = key.partition(".")
-        fqn, _, name = rest.rpartition(".")
-        (state if head == "state" else hyper).setdefault(fqn, {})[name] = value
-    return state, hyper
-
-
-def _measured(ref: dict, what: str) -> dict[str, torch.Tensor]:
-    """fqn -> the float64 tensor ``--what`` measures, from torch's reassembled state."""
-    state, hyper = _optimizer(ref)
-    out = {}
-    for fqn, s in state.items():
-        h = hyper[fqn]
-        beta1, beta2 = h["betas"]
-        step = float(s["step"])
-        m = s["exp_avg"].double() / (1 - beta1**step)
-        v = s["exp_avg_sq"].double() / (1 - beta2**step)
-        out[fqn] = {
-            "exp_avg": m,
-            "grad_rms": v.sqrt(),
-            "update": h["lr"] * m / (v.sqrt() + h["eps"]),
-        }[what]
-    return out
 
 
 def _weight_of(ref: dict, fqn: str) -> list[torch.Tensor]:
@@ -84,7 +57,7 @@ def run(request, torchtitan_runs) -> Path:
 def test_the_fixture_is_torchtitans_layout(run):
     ref = _reference(run, 2)
     assert ref["train_state"]["step"] == 2
-    state, _ = _optimizer(ref)
+    state, _ = flat_optimizer(ref["optimizer"])
     fused = [f for f in state if f.endswith("qkv_linear.wqkv.weight")]
     assert len(fused) == 2 and not any(f in ref for f in fused)
     assert "layers.0.attention.qkv_linear.wq.weight" in ref
@@ -96,25 +69,23 @@ def test_the_fixture_is_torchtitans_layout(run):
 @pytest.mark.parametrize("what", QUANTITIES)
 def test_every_quantity_against_torch_reassembled(gradclip, run, step, what):
     ref = _reference(run, step)
-    expected = _measured(ref, what)
+    expected = adam_measured(*flat_optimizer(ref["optimizer"]), what)
     result = gradclip("inspect", _step_folder(run, step), "--what", what, "--format", "json")
     assert result.code == 0, result.err
     doc = result.json()
     assert (doc["format"], doc["step"], doc["what"]) == ("torchtitan", step, what)
-    assert rel_err(doc["total_norm"], _norm(expected.values())) <= TOL
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
     rows = {t["name"]: t for t in doc["tensors"]}
     assert set(rows) == set(expected)
     for fqn, row in rows.items():
-        assert rel_err(row["norm"], _norm([expected[fqn]])) <= TOL, fqn
+        assert rel_err(row["norm"], norm([expected[fqn]])) <= TOL, fqn
         # ratio: the same elements on both sides, a fused wqkv's weights being wq, wk, wv
-        assert rel_err(row["ratio"], _norm([expected[fqn]]) / _norm(_weight_of(ref, fqn))) <= TOL, (
-            fqn
-        )
+        assert rel_err(row["ratio"], norm([expected[fqn]]) / norm(_weight_of(ref, fqn))) <= TOL, fqn
     groups = {g["name"]: g for g in doc["groups"]}
     layer = [f for f in expected if f.startswith("layers.1.")]
     weights = [w for f in layer for w in _weight_of(ref, f)]
     assert (
-        rel_err(groups["layers.1"]["ratio"], _norm(expected[f] for f in layer) / _norm(weights))
+        rel_err(groups["layers.1"]["ratio"], norm(expected[f] for f in layer) / norm(weights))
         <= TOL
     )
 
@@ -135,8 +106,8 @@ def test_weights_against_torch_reassembled(gradclip, run, step):
     rows = {t["name"]: t for t in doc["tensors"]}
     assert set(rows) == set(weights)  # wq, wk, wv as stored: no fused weight among them
     for name, row in rows.items():
-        assert rel_err(row["norm"], _norm([weights[name]])) <= TOL, name
-    assert rel_err(doc["total_norm"], _norm(weights.values())) <= TOL
+        assert rel_err(row["norm"], norm([weights[name]])) <= TOL, name
+    assert rel_err(doc["total_norm"], norm(weights.values())) <= TOL
 
 
 def test_no_gradients_says_what_it_holds(gradclip, run):
@@ -155,7 +126,7 @@ def test_trend_over_the_run_folder(gradclip, run):
     points = result.json()["points"]
     assert [p["step"] for p in points] == [1, 2, 3]
     for point, step in zip(points, (1, 2, 3)):
-        assert rel_err(point["total_norm"], _norm(_weights(_reference(run, step)).values())) <= TOL
+        assert rel_err(point["total_norm"], norm(_weights(_reference(run, step)).values())) <= TOL
 
 
 # --------------------------------------------------------------------- hostile copies
@@ -168,40 +139,17 @@ def copy(run, tmp_path) -> Path:
     return target
 
 
-def _rewrite_metadata(folder: Path, change) -> None:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    meta = FileSystemReader(folder).read_metadata()
-    change(meta)
-    (folder / ".metadata").write_bytes(pickle.dumps(meta))
-
-
-class _Runs:
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
-def _one_line_exit_3(result, *words: str) -> None:
-    assert result.code == 3, (result.code, result.err)
-    assert len(result.err_lines) == 1, result.err
-    for word in words:
-        assert word in result.err, result.err
-
-
 def test_truncated_chunk_file(gradclip, copy):
     shard = copy / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    _one_line_exit_3(gradclip("inspect", copy, "--what", "exp_avg"), "truncated", "__0_0.distcp")
+    one_line_exit_3(gradclip("inspect", copy, "--what", "exp_avg"), "truncated", "__0_0.distcp")
 
 
 def test_chunk_file_outside_the_folder(gradclip, copy, tmp_path):
     outside = tmp_path / "elsewhere.distcp"
     (copy / "__0_0.distcp").rename(outside)
     (copy / "__0_0.distcp").symlink_to(outside)
-    _one_line_exit_3(gradclip("inspect", copy, "--what", "update"), "outside its folder")
+    one_line_exit_3(gradclip("inspect", copy, "--what", "update"), "outside its folder")
 
 
 def test_storage_path_leaving_the_folder(gradclip, copy):
@@ -209,18 +157,18 @@ def test_storage_path_leaving_the_folder(gradclip, copy):
         for info in meta.storage_data.values():
             info.relative_path = "../../escaped.distcp"
 
-    _rewrite_metadata(copy, escape)
-    _one_line_exit_3(gradclip("inspect", copy, "--what", "weights"), "outside its folder")
+    rewrite_metadata(copy, escape)
+    one_line_exit_3(gradclip("inspect", copy, "--what", "weights"), "outside its folder")
 
 
 def test_metadata_that_runs_code_is_refused(gradclip, copy, tmp_path):
     marker = tmp_path / "ran"
 
     def arm(meta):
-        meta.storage_meta = _Runs(marker)
+        meta.storage_meta = RunsCode(marker)
 
-    _rewrite_metadata(copy, arm)
-    _one_line_exit_3(
+    rewrite_metadata(copy, arm)
+    one_line_exit_3(
         gradclip("inspect", copy, "--what", "exp_avg"), "refused", "--trust-pickle", ".metadata"
     )
     assert not marker.exists()
@@ -228,10 +176,26 @@ def test_metadata_that_runs_code_is_refused(gradclip, copy, tmp_path):
 
 def test_metadata_that_is_not_a_pickle(gradclip, copy):
     (copy / ".metadata").write_bytes(b"\x00not a pickle\n" * 8)
-    _one_line_exit_3(gradclip("inspect", copy), "not DCP metadata", ".metadata")
+    one_line_exit_3(gradclip("inspect", copy), "not DCP metadata", ".metadata")
 
 
 # --------------------------------------------------------------------- under torchrun
+
+
+def test_trust_pickle_opens_dcp_metadata_with_the_warning(gradclip, copy, tmp_path):
+    marker = tmp_path / "ran"
+
+    def arm(meta):
+        meta.storage_meta = RunsCode(marker)
+
+    rewrite_metadata(copy, arm)
+    refused = gradclip("inspect", copy, "--what", "weights", "--format", "json")
+    assert refused.code == 3 and not marker.exists()
+    trusted = gradclip("inspect", copy, "--what", "weights", "--format", "json", "--trust-pickle")
+    assert trusted.code == 0, trusted.err
+    assert marker.exists()  # full unpickling ran what the file names, as asked
+    assert "loaded with --trust-pickle" in trusted.err
+    assert trusted.json()["format"] == "torchtitan"
 
 
 def test_two_ranks_print_the_one_process_report(torchtitan_runs, tmp_path):
@@ -266,17 +230,4 @@ def test_two_ranks_print_the_one_process_report(torchtitan_runs, tmp_path):
             ]
         }
     )
-    jobs_file = write_jobs(tmp_path, jobs)
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir()
-    two.mkdir()
-    assert one_process(jobs_file, one).returncode == 0
-    done = torchrun(HARNESS, jobs_file, two)
-    assert done.returncode == 0, done.stderr[-3000:]
-    single = results(one, 0, len(jobs))
-    ranks = [results(two, r, len(jobs)) for r in range(2)]
-    for job, (code, out, err), (code0, out0, _), (code1, out1, err1) in zip(jobs, single, *ranks):
-        assert code == 0, (job["args"], err)
-        assert (code0, code1) == (code, code), job["args"]
-        assert out0 == out, job["args"]  # byte for byte
-        assert out1 == "" and err1.strip() == "", job["args"]
+    same_under_torchrun(jobs, tmp_path)

@@ -191,6 +191,8 @@ _CLASSES = {
     (_METADATA_MODULE, "StorageMeta"): _StorageMeta,
     (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): _memory_format,
     (_FILESYSTEM_MODULE, "_StorageInfo"): _StorageInfo,
+    # OLMo-core's own storage writer records the same three fields in a class of its own.
+    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch.serialization", "_get_layout"): _get_layout,
     **{("pathlib", name): _path
        for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")},

@@ -29,6 +29,7 @@ from . import (
     hf_sharded,
     hf_trainer,
     lightning,
+    olmo_core,
     single_file,
     torchtitan,
 )
@@ -38,6 +39,7 @@ LAYOUTS: tuple[Layout, ...] = (
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     hf_trainer,
     hf_sharded,
+    olmo_core,
     torchtitan,  # a DCP folder laid out torchtitan's way: before dcp
     lightning,  # a sharded Lightning folder is a DCP folder with meta.pt: before dcp
     dcp,

@@ -28,7 +28,13 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.format.text import visible
-from gradclip_cli.source.files.dcp_metadata import METADATA_NAME, DcpMetadata, read_dcp_metadata
+from gradclip_cli.source.files.dcp_metadata import (
+    MAX_METADATA_BYTES,
+    METADATA_NAME,
+    DcpMetadata,
+    read_dcp_metadata,
+)
+from gradclip_cli.source.files.small_file import read_small_file
 from gradclip_cli.source.files.verify import verify_torch_zip
 from gradclip_cli.source.interface import OptimizerState, Piece, StoredTensor
 
@@ -72,15 +78,14 @@ def metadata(meta_file: Path, *, trust_pickle: bool = False) -> DcpMetadata:
 _CACHE: dict[tuple, DcpMetadata] = {}
 
 
-def planner_paths(meta_file: Path) -> dict[str, tuple]:
-    """Each key's path in the saved state dict (the planner's records), for recognition."""
-    meta = metadata(meta_file)
-    return {k: tuple(meta.paths.get(k, (k,))) for k in meta.entries}
-
-
-def all_tensors(meta_file: Path) -> bool:
-    """Whether every entry of the metadata is a tensor (no bytes values)."""
-    return all(not isinstance(e, str) for e in metadata(meta_file).entries.values())
+def names_all(meta_file: Path, marks: tuple[bytes, ...]) -> bool:
+    """Whether the metadata's bytes hold every one of ``marks`` (key names, for recognising a
+    metadata file the restricted reader refuses), bounded as the reader is."""
+    try:
+        data = read_small_file(meta_file, limit=MAX_METADATA_BYTES, what="DCP metadata")
+    except InputError:
+        return False
+    return all(mark in data for mark in marks)
 
 
 def read_folder(folder: Path, *, verify: bool, trust_pickle: bool = False) -> Folder:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gradclip_cli.errors import InputError
+from gradclip_cli.errors import InputError, UnsafeCheckpointError
 from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.interface import Contents
 
@@ -35,6 +35,7 @@ from . import dcp_frameworks as frameworks
 
 KIND = "torchtitan"
 _OPTIMIZER, _TRAIN_STATE = "optimizer", "train_state"
+_MARKS = (b"train_state", b"optimizer", b"state.")
 
 
 def recognises(path: Path) -> bool:
@@ -46,9 +47,18 @@ def _kind(path: Path) -> str | None:
     if not os.path.isdir(path) or not os.path.isfile(path / METADATA_NAME):
         return None
     try:
-        paths = frameworks.planner_paths(path / METADATA_NAME)
+        meta = frameworks.metadata(path / METADATA_NAME)
+    except UnsafeCheckpointError:
+        # Refused as it stands: say so (or open it under --trust-pickle) here when its
+        # records name torchtitan's state, rather than as a plain DCP folder.
+        return "full" if frameworks.names_all(path / METADATA_NAME, _MARKS) else None
     except InputError:
         return None
+    return _kind_of(path, meta)
+
+
+def _kind_of(path: Path, meta) -> str | None:
+    paths = {k: tuple(meta.paths.get(k, (k,))) for k in meta.entries}
     if (_TRAIN_STATE, "step") in paths.values() and any(
         len(p) == 2 and p[0] == _OPTIMIZER and str(p[1]).startswith(("state.", "param_groups."))
         for p in paths.values()
@@ -58,15 +68,20 @@ def _kind(path: Path) -> str | None:
         frameworks.step_folder_number(path, "step-") is not None
         and paths
         and all(len(p) == 1 for p in paths.values())
-        and frameworks.all_tensors(path / METADATA_NAME)
+        and all(not isinstance(e, str) for e in meta.entries.values())
     ):
         return "export"
     return None
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
-    kind = _kind(path)
     folder = frameworks.read_folder(path, verify=verify, trust_pickle=trust_pickle)
+    kind = _kind_of(path, folder.meta)
+    if kind is None:
+        raise InputError(
+            f"{folder.meta_file}: not a torchtitan checkpoint: no train_state.step "
+            "and optimizer state, nor a step-N/ folder of model tensors alone"
+        )
     contents = Contents(
         path=path,
         kind=KIND,
