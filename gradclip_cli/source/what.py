@@ -332,7 +332,7 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
 
     weights = None
     if contents.weights:
-        weights = [contents.weights.get(p.name) for p in params]
+        weights = [contents.weights.get(p.name, contents.fused_weights.get(p.name)) for p in params]
     return Selection(
         what=what, names=[p.name for p in params], tensors=described, ties={}, skipped=[],
         key="", explain=f"{kind.name} {EXPLAIN[what]}", measure=measure, weights=weights,

@@ -31,7 +31,9 @@ from . import (
     hf_sharded,
     hf_trainer,
     lightning,
+    olmo_core,
     single_file,
+    torchtitan,
 )
 
 LAYOUTS: tuple[Layout, ...] = (
@@ -39,6 +41,8 @@ LAYOUTS: tuple[Layout, ...] = (
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     hf_trainer,
     hf_sharded,
+    olmo_core,
+    torchtitan,  # a DCP folder laid out torchtitan's way: before dcp
     lightning,  # a sharded Lightning folder is a DCP folder with meta.pt: before dcp
     dcp,
     dcp_hf,

@@ -81,7 +81,8 @@ def recognises(path: Path) -> bool:
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     meta_file = path / METADATA_NAME if os.path.isdir(path) else path
     folder = meta_file.parent
-    meta = read_dcp_metadata(meta_file, folder if os.path.isdir(path) else None)
+    meta = read_dcp_metadata(meta_file, folder if os.path.isdir(path) else None,
+                             trust_pickle=trust_pickle)
     files = _files(meta, folder)
     _check_byte_ranges(meta, files)
     if verify:
@@ -92,7 +93,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
                if isinstance(e, TensorEntry)}
     paths = {k: meta.paths.get(k, (k,)) for k in meta.entries}
     contents = Contents(path=path, kind=KIND, files=[meta_file, *sorted(set(files.values()))],
-                        index=meta_file, folder=folder)
+                        index=meta_file, folder=folder, trusted_pickle=meta.trusted)
     contents.weights = _under(paths, tensors, WEIGHT_KEYS)
     _fill_gradients(contents, meta_file, paths, tensors, key)
     for name in _optimizer_tops(paths):
