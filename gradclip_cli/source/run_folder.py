@@ -108,10 +108,15 @@ class RunFolder:
                 lines.append(f"not judged: {series.describe()}: {self.why_not[i]}")
         lines += [f"not read: {why}" for why in self.unread]
         if self.judged.kind == TRAINER_STATE:
+            monitors = [s for s in self.series if s.kind == MONITOR]
+            where = (
+                f"{monitors[0].source}, coarser, has every layer's: trend it alone"
+                if monitors
+                else "a GradMonitor log beside it would give every layer's norm"
+            )
             lines.append(
                 "layer: log_history holds the total norm only, so a spike cannot "
-                "be placed in a layer; a GradMonitor log beside it gives every "
-                "layer's norm"
+                f"be placed in a layer; {where}"
             )
         if self.clipping is not None:
             lines.append(self.clipping_note())

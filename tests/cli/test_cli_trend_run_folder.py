@@ -263,3 +263,23 @@ def test_a_trainer_state_without_grad_norm_is_named_not_ignored(gradclip, run_fo
     unread = [n for n in doc["notes"] if n.startswith("not read: ")]
     assert len(unread) == 2 and all("no log_history entry has a grad_norm" in n for n in unread)
     assert doc["status"] == "insufficient_history"  # 4 checkpoints: too few to judge
+
+
+def test_a_coarser_monitor_log_loses_to_log_history_and_is_named(gradclip, run_folder, tmp_path):
+    # A monitor logging every 2nd step (GradMonitor(every=2)): log_history is finer.
+    run = run_folder
+    folder = copy_without(run, tmp_path)
+    log = folder / RUN_FOLDER_LOG
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text("".join(line for line in lines if json.loads(line)["step"] % 2 == 0))
+    doc = gradclip("trend", folder, "--format", "json").json()
+    assert [s["kind"] for s in doc["series"] if s["judged"]] == ["trainer-state"]
+    assert series_of(doc)["gradclip-monitor"]["why_not"] == (
+        f"fewer points than the judged series ({run.steps // 2} < {run.steps})"
+    )
+    [layer] = [n for n in doc["notes"] if n.startswith("layer: ")]
+    assert f"{log}, coarser, has every layer's: trend it alone" in layer
+    # Trended alone, the monitor log places the spike (an even step) in its layer.
+    alone = gradclip("trend", log, "--format", "json").json()
+    spike = next(p for p in alone["points"] if p["step"] == run.spike_step)
+    assert spike["spike"] and run.spike_layer in spike["spike_groups"]
