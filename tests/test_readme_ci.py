@@ -32,8 +32,8 @@ SAMPLES = REPO / "sample_checkpoints"
 def ci_jobs() -> tuple[dict, dict]:
     """(GitHub workflow, GitLab config) from the README's "In CI" section."""
     text = (REPO / "README.md").read_text()
-    section = text[text.index("## In CI"):]
-    section = section[:section.index("\n## ", 1)]
+    section = text[text.index("## In CI") :]
+    section = section[: section.index("\n## ", 1)]
     blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", section, re.S)]
     github = next(b for b in blocks if "jobs" in b)
     gitlab = next(b for b in blocks if "gradients" in b and "script" in b["gradients"])
@@ -73,8 +73,14 @@ def run_folder(tmp_path: Path, newest: str) -> Path:
 def shell(script: str, cwd: Path, env: dict, flags: list[str]) -> subprocess.CompletedProcess:
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     full = {**os.environ, "PATH": path, **env}
-    return subprocess.run(["bash", "--noprofile", "--norc", *flags, "-c", script], cwd=cwd,
-                          env=full, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["bash", "--noprofile", "--norc", *flags, "-c", script],
+        cwd=cwd,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def checkout(step: dict, workspace: Path) -> None:
@@ -108,8 +114,9 @@ done
 def findings_alone(args: list[str], cwd: Path, env: dict) -> set[str]:
     """The ``::error`` / ``::warning`` lines ``gradclip ARGS --format github`` prints
     when run on its own: what the job must pass on."""
-    r = shell(" ".join(shlex.quote(a) for a in ["gradclip", *args, "--format", "github"]),
-              cwd, env, [])
+    r = shell(
+        " ".join(shlex.quote(a) for a in ["gradclip", *args, "--format", "github"]), cwd, env, []
+    )
     return {line for line in r.stdout.splitlines() if line.startswith(("::error", "::warning"))}
 
 
@@ -122,10 +129,14 @@ def run_github_job(workspace: Path, grads: Path, run: Path) -> tuple[list, Path]
     summary = workspace / "summary.md"
     pip_log = workspace / "pip.log"
     fake_pip(workspace / "bin", pip_log)
-    env = {**job["env"], "GRADS": str(grads), "RUN": str(run),
-           "GITHUB_STEP_SUMMARY": str(summary),
-           "PATH": f"{workspace / 'bin'}{os.pathsep}{Path(sys.executable).parent}"
-                   f"{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **job["env"],
+        "GRADS": str(grads),
+        "RUN": str(run),
+        "GITHUB_STEP_SUMMARY": str(summary),
+        "PATH": f"{workspace / 'bin'}{os.pathsep}{Path(sys.executable).parent}"
+        f"{os.pathsep}{os.environ['PATH']}",
+    }
     results = []
     for step in job["steps"]:
         uses = step.get("uses", "")
@@ -150,8 +161,11 @@ def test_github_actions_install_step_installs_what_the_job_checked_out(tmp_path)
     assert [name for name, _ in results] == ["Install gradclip", "Gradient check"]
     assert results[0][1].returncode == 0, results[0][1].stderr
     job = github_job()
-    paths = [s["with"]["path"] for s in job["steps"]
-             if s.get("uses", "").startswith("actions/checkout@") and "path" in s.get("with", {})]
+    paths = [
+        s["with"]["path"]
+        for s in job["steps"]
+        if s.get("uses", "").startswith("actions/checkout@") and "path" in s.get("with", {})
+    ]
     assert paths == ["gradclip"]
 
 
@@ -175,8 +189,9 @@ def test_github_actions_job_under_bash_e_reports_every_finding(tmp_path, grads, 
     commands = r.stdout.splitlines()
     assert commands and all(line.startswith("::") for line in commands)
     env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    inspect_found = findings_alone(["inspect", str(SAMPLES / f"{grads}.pt"), "--max-norm", "1e3"],
-                                   workspace, env)
+    inspect_found = findings_alone(
+        ["inspect", str(SAMPLES / f"{grads}.pt"), "--max-norm", "1e3"], workspace, env
+    )
     trend_found = findings_alone(["trend", str(run)], workspace, env)
     if code == 0:
         assert {line.split(" ", 1)[0] for line in commands} == {"::notice"}

@@ -99,6 +99,7 @@ class RunFolder:
     judged: Series
     why_not: dict[int, str]  # index in ``series`` -> why it was not judged
     clipping: Clipping | None  # None: no Trainer arguments in the folder
+    unread: tuple[str, ...] = ()  # logs found but not read as a series, and why
 
     def notes(self) -> list[str]:
         """What was found and chosen, one line each: where every series came from."""
@@ -106,11 +107,17 @@ class RunFolder:
         for i, series in enumerate(self.series):
             if series is not self.judged:
                 lines.append(f"not judged: {series.describe()}: {self.why_not[i]}")
+        lines += [f"not read: {why}" for why in self.unread]
         if self.judged.kind == TRAINER_STATE:
+            monitors = [s for s in self.series if s.kind == MONITOR]
+            where = (
+                f"{monitors[0].source}, coarser, has every layer's: trend it alone"
+                if monitors
+                else "a GradMonitor log beside it would give every layer's norm"
+            )
             lines.append(
                 "layer: log_history holds the total norm only, so a spike cannot "
-                "be placed in a layer; a GradMonitor log beside it gives every "
-                "layer's norm"
+                f"be placed in a layer; {where}"
             )
         if self.clipping is not None:
             lines.append(self.clipping_note())
@@ -156,15 +163,16 @@ def discover(path: Path, what: str) -> RunFolder | None:
         Series(CHECKPOINTS, tuple(f for _, f in folders), tuple(n for n, _ in folders), True)
     ]
     logs = _monitor_logs(path)
-    state = _newest_trainer_state(path, folders)
+    unread: list[str] = []
+    state = _newest_trainer_state(path, folders, unread)
     if state is not None:
         logs.append(state)
     series += logs
     clipping = _clipping(path, folders)
-    if not logs and clipping is None:
+    if not logs and clipping is None and not unread:
         return None
     judged, why_not = _choose(series, what)
-    return RunFolder(path, tuple(series), judged, why_not, clipping)
+    return RunFolder(path, tuple(series), judged, why_not, clipping, tuple(unread))
 
 
 def _children(path: Path) -> list[Path]:
@@ -189,9 +197,12 @@ def _monitor_logs(path: Path) -> list[Series]:
     return found
 
 
-def _newest_trainer_state(path: Path, folders: list[tuple[int, Path]]) -> Series | None:
+def _newest_trainer_state(
+    path: Path, folders: list[tuple[int, Path]], unread: list[str]
+) -> Series | None:
     """The folder's own ``trainer_state.json``, or the last checkpoint's when that one
-    logs later steps (the run went on after ``save_state``, or never called it)."""
+    logs later steps (the run went on after ``save_state``, or never called it).
+    One that cannot be read as a series is added to ``unread`` with why."""
     candidates = [path / TRAINER_STATE_FILE]
     if folders:
         candidates.append(folders[-1][1] / TRAINER_STATE_FILE)
@@ -201,11 +212,11 @@ def _newest_trainer_state(path: Path, folders: list[tuple[int, Path]]) -> Series
             continue
         try:
             read.append(_log_series(TRAINER_STATE, trainer_state.KIND, file))
-        except InputError:
+        except InputError as error:
             # A Trainer state with no grad_norm (older transformers, or a
             # logging_steps past the run's end) holds no series; a damaged one
-            # is no series either: the checkpoints still are.
-            continue
+            # is no series either: the checkpoints still are, and the notes say why.
+            unread.append(str(error))
     if not read:
         return None
     return max(

@@ -236,3 +236,50 @@ def test_a_run_that_did_not_clip_says_so(gradclip, tmp_path, run_folder):
     [clipping] = doc["clipping"]
     assert clipping["clipped"] is False and math.isclose(clipping["max_grad_norm"], 0.0)
     assert clipping["note"].startswith("clipping: the Trainer did not clip")
+
+
+def test_training_args_too_large_to_be_arguments_is_not_opened(gradclip, run_folder, tmp_path):
+    run = run_folder
+    folder = copy_without(run, tmp_path)
+    newest = folder / f"checkpoint-{run.steps}" / "training_args.bin"
+    torch.save({"padding": torch.zeros(1 << 19)}, newest)  # 2 MiB of tensor data
+    doc = gradclip("trend", folder, "--format", "json").json()
+    [clipping] = doc["clipping"]
+    assert clipping["clipped"] is None and "too large for a Trainer's arguments" in clipping["note"]
+    # The spike is still found: the arguments only add the note.
+    assert any(p["spike"] and p["step"] == run.spike_step for p in doc["points"])
+
+
+def test_a_trainer_state_without_grad_norm_is_named_not_ignored(gradclip, run_folder, tmp_path):
+    run = run_folder
+    folder = copy_without(run, tmp_path, RUN_FOLDER_LOG)
+    for state in folder.rglob("trainer_state.json"):
+        document = json.loads(state.read_text())
+        for entry in document["log_history"]:
+            entry.pop("grad_norm", None)  # as transformers < 4.38 wrote it
+        state.write_text(json.dumps(document))
+    doc = gradclip("trend", folder, "--format", "json").json()
+    assert [s["kind"] for s in doc["series"]] == ["checkpoints"]
+    unread = [n for n in doc["notes"] if n.startswith("not read: ")]
+    assert len(unread) == 2 and all("no log_history entry has a grad_norm" in n for n in unread)
+    assert doc["status"] == "insufficient_history"  # 4 checkpoints: too few to judge
+
+
+def test_a_coarser_monitor_log_loses_to_log_history_and_is_named(gradclip, run_folder, tmp_path):
+    # A monitor logging every 2nd step (GradMonitor(every=2)): log_history is finer.
+    run = run_folder
+    folder = copy_without(run, tmp_path)
+    log = folder / RUN_FOLDER_LOG
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text("".join(line for line in lines if json.loads(line)["step"] % 2 == 0))
+    doc = gradclip("trend", folder, "--format", "json").json()
+    assert [s["kind"] for s in doc["series"] if s["judged"]] == ["trainer-state"]
+    assert series_of(doc)["gradclip-monitor"]["why_not"] == (
+        f"fewer points than the judged series ({run.steps // 2} < {run.steps})"
+    )
+    [layer] = [n for n in doc["notes"] if n.startswith("layer: ")]
+    assert f"{log}, coarser, has every layer's: trend it alone" in layer
+    # Trended alone, the monitor log places the spike (an even step) in its layer.
+    alone = gradclip("trend", log, "--format", "json").json()
+    spike = next(p for p in alone["points"] if p["step"] == run.spike_step)
+    assert spike["spike"] and run.spike_layer in spike["spike_groups"]

@@ -20,6 +20,7 @@ that names any other global is refused as any checkpoint is (exit 3 under
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -27,6 +28,9 @@ from gradclip_cli.errors import InputError, UnsafeCheckpointError
 from gradclip_cli.source.files.weights_pickle import Opaque, Outside, allowing
 
 FILE_NAME = "training_args.bin"
+# A Trainer's arguments pickle to about 8 KB; a file far larger is something else,
+# refused before it is opened.
+MAX_BYTES = 1 << 20
 _PLAIN = (int, float, bool, str, type(None))
 
 
@@ -91,6 +95,12 @@ def read_fields(path: Path) -> dict[str, object]:
     """
     from gradclip_cli.source import load_checkpoint
 
+    try:
+        size = os.stat(path).st_size
+    except OSError as error:
+        raise InputError(f"{path}: cannot read: {error.strerror or error}") from None
+    if size > MAX_BYTES:
+        raise InputError(f"{path}: {size} bytes is too large for a Trainer's arguments")
     try:
         with allowing(GLOBALS):
             root = load_checkpoint(path).root
