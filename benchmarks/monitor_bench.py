@@ -2,11 +2,11 @@
 
 One process, one set of parameters with GPT-2 124M's shapes (or 1,000 small
 tensors, ``--shapes small``) and seeded gradients (benchmarks/inputs.py).
-Every contender clips the same gradients with a ``max_norm`` far above their norm: the coefficient is then exactly 1,
-so the gradients stay the same between repetitions while every contender
-still does the full work (the norm, and the in-place multiply by the clamped
-coefficient, which is not skipped when it is 1). Contenders alternate within
-each repetition (timing.interleaved); medians are reported.
+Most contenders clip with a ``max_norm`` far above the norm: the coefficient
+is then exactly 1, so the gradients stay the same between repetitions. torch
+still multiplies by it; gradclip on the CPU skips that multiply (see the
+clipping pair below for a step that clips). Contenders alternate within each
+repetition (timing.interleaved); medians are reported.
 
     .venv/bin/python -m benchmarks.monitor_bench            # GPT-2 124M, float32
     .venv/bin/python -m benchmarks.monitor_bench --shapes small   # 1,000 x 4,096
