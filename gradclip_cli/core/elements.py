@@ -33,7 +33,6 @@ values); duplicate COO entries are summed first, as the dense tensor would be.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -151,24 +150,20 @@ def distinct_elements(tensors: Sequence[torch.Tensor]) -> Elements:
 
 
 def _storage_key(t: torch.Tensor):
-    """What identifies ``t``'s storage, read from metadata only, never from data.
+    """What identifies ``t``'s storage (``t`` not empty), read from metadata, never data.
 
     The storage's address where there is one, without building a storage
-    object (2 us each). A ``meta`` or fake tensor has no data, and its
-    ``data_ptr()`` is 0 (or refuses): there the storage object itself, which
-    views of one tensor share, is compared by identity.
+    object (2 us each). A ``meta`` or fake tensor has no data: its
+    ``data_ptr()`` is 0 (or refuses), and there the storage object itself,
+    which views of one tensor share, is compared by identity.
     """
-    if t.device.type != "meta" and not _is_fake(t):
-        try:
-            return t.data_ptr() - t.storage_offset() * t.element_size()
-        except RuntimeError:
-            pass
+    try:
+        address = t.data_ptr()
+    except RuntimeError:
+        address = 0
+    if address:
+        return address - t.storage_offset() * t.element_size()
     return StorageWeakRef(t.untyped_storage())
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    fake = sys.modules.get("torch._subclasses.fake_tensor")
-    return fake is not None and isinstance(t, fake.FakeTensor)
 
 
 def _split_storage(tensors, members, owned, covered, tie_of, shares) -> None:
