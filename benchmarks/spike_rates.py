@@ -313,6 +313,62 @@ def _series(records: list[dict]) -> dict[str, list[float]]:
     return out
 
 
+def replay_flags(records: list[dict]) -> list[int]:
+    """Steps the rule in force flags when the log's norms are judged afresh (the
+    monitor's own verdicts, recomputed: used to try other floors on the same runs)."""
+    from gradclip_cli.core.spikes import SpikeDetector
+
+    steps = [r["step"] for r in records]
+    flagged = set()
+    for values in _series(records).values():
+        detector = SpikeDetector()
+        flagged |= {s for s, x in zip(steps, values) if detector.update(x).spike}
+    return sorted(flagged)
+
+
+def floor_table(pairs: dict[str, list[tuple[Run, Run]]], floors: list[float]) -> None:
+    """The same runs judged with other values of the std floor (``MIN_RELATIVE_STD``)."""
+    from gradclip_cli.core import spikes
+
+    print()
+    print(
+        "| std floor (x mean) | clean: steps flagged | clean: largest z "
+        "| injected found | their smallest z |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    in_force = spikes.MIN_RELATIVE_STD
+    try:
+        for floor in floors:
+            spikes.MIN_RELATIVE_STD = floor
+            flagged = hits = injected = 0
+            largest, smallest = -math.inf, math.inf
+            for clean, spiked in (p for runs in pairs.values() for p in runs):
+                flagged += len(replay_flags(clean.records))
+                largest = max(largest, largest_z(clean.records))
+                smallest = min([smallest, *injected_z(spiked)])
+                flags = replay_flags(spiked.records)
+                for step, target in spiked.injected.items():
+                    injected += 1
+                    series = "total" if target == "*" else target
+                    hits += step in flags and _series_flags(spiked, series, step)
+            mark = " (in force)" if floor == in_force else ""
+            print(
+                f"| {floor:g}{mark} | {flagged} | {largest:.2f} | {hits} / {injected} "
+                f"| {smallest:.2f} |"
+            )
+    finally:
+        spikes.MIN_RELATIVE_STD = in_force
+
+
+def _series_flags(run: Run, series: str, step: int) -> bool:
+    from gradclip_cli.core.spikes import SpikeDetector
+
+    detector = SpikeDetector()
+    steps = [r["step"] for r in run.records]
+    judged = [detector.update(x) for x in _series(run.records)[series]]
+    return judged[steps.index(step)].spike
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=10, help="runs per kind (default 10)")
@@ -325,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument(
+        "--floors",
+        default="",
+        help="also judge the same runs with these std floors, e.g. 0,0.2,0.3,0.5",
+    )
     options = parser.parse_args(argv)
     seeds = range(options.first_seed, options.first_seed + options.seeds)
     start = time.perf_counter()
@@ -340,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     ok = True
+    pairs: dict[str, list[tuple[Run, Run]]] = {}
     for kind in options.kinds.split(","):
         flagged = judged = found_count = injected = before = 0
         largest, smallest = -math.inf, math.inf
@@ -347,8 +409,13 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:
             clean = make_run(kind, seed, injected=False, steps=options.steps)
             spiked = make_run(kind, seed, injected=True, steps=options.steps)
+            pairs.setdefault(kind, []).append((clean, spiked))
             for run in (clean, spiked):
-                if trend_flags(run.records) != flagged_steps(run.records):
+                if (
+                    not trend_flags(run.records)
+                    == replay_flags(run.records)
+                    == flagged_steps(run.records)
+                ):
                     raise SystemExit(f"{kind} seed {run.seed}: trend and the monitor disagree")
             flagged += len(flagged_steps(clean.records))
             judged += judged_steps(clean.records)
@@ -372,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {found_count} / {injected}{missing} | {smallest:.2f} "
             f"| {', '.join(other) or 'none'} |"
         )
+    if options.floors:
+        floor_table(pairs, [float(f) for f in options.floors.split(",")])
     print()
     print(
         f"{time.perf_counter() - start:.0f} s; goal (no clean step flagged, every injected "

@@ -349,7 +349,7 @@ class GradMonitor:
         clipped_to = spike_coef = None
         # A limit of 0 comes from a history of zero gradients: there is no
         # scale to clip to, and clipping would zero every gradient.
-        if self.clip_spikes and judged.spike and judged.limit and judged.limit > 0:
+        if self.clip_spikes and judged.spike and judged.limit is not None and judged.limit > 0:
             clipped_to = judged.limit if max_norm is None else min(judged.limit, max_norm)
             # torch's formula, in float64 from the total already read back.
             spike_coef = min(1.0, clipped_to / (total_norm + EPS))

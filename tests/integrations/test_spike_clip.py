@@ -10,13 +10,14 @@ of the recorded gradients, judged by the rule as the README states it
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
 from gradclip_cli import GradMonitor
-from tests.cli.support import ref_norm
+from tests.cli.support import REPO, ref_norm
 from tests.core.spike_reference import reference
 
 from .support import read_log
@@ -202,3 +203,26 @@ def test_hugging_face_trainer(tmp_path):
     records = read_log(tmp_path / "grads.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert_only_the_spike_is_clipped(records, before.seen, after.seen)
+
+
+def test_the_readme_spike_clip_loop_runs_as_shown(tmp_path, monkeypatch):
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## In your training loop") :]
+    section = section[section.index("Clipping that adapts") :]
+    code = section[section.index("```python\n") + len("```python\n") :]
+    code = code[: code.index("```")]
+    assert "clip_spikes=True" in code
+    shown = section[section.index("```console\n") :].splitlines()[2]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records if r["clip_coef"] is not None] == [50]
+    judged = reference([r["total_norm"] for r in records])
+    record, (_, is_spike, limit) = records[50], judged[50]
+    assert is_spike and math.isclose(record["clipped_to"], limit, rel_tol=1e-9)
+    assert math.isclose(record["clip_coef"], limit / (record["total_norm"] + 1e-6), rel_tol=1e-9)
+    # The line the README prints is this run's, to the last few digits.
+    want = json.loads(shown)
+    assert list(want) == list(record) and want["step"] == 50
+    for key in ("total_norm", "z", "clipped_to", "clip_coef"):
+        assert math.isclose(record[key], want[key], rel_tol=1e-6), key
