@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..report.model import EXCEEDED, INSUFFICIENT_HISTORY, NONFINITE, OVERFLOW, SPIKE
+from . import findings as F
 from .findings import z_text
 from .table import MAX_GROUPS
 from .text import visible
@@ -598,14 +599,33 @@ def trend_verdict(report: TrendReport) -> str:
         detail = (f"{where}: total norm {fmt(last.total_norm)}, z {z_text(last.z)}"
                   + (f"; groups {groups}" if groups else ""))
         if report.fail_on == "newest":
-            return f"FAIL: {kind} at the newest point ({detail}) (exit 1)"
+            return f"FAIL: {kind} at the newest point ({detail}){_earlier(report)} (exit 1)"
         return (f"FAIL: {kind} at {len(failing)} point(s); the last at {detail} (exit 1)")
     if report.status == INSUFFICIENT_HISTORY:
-        return ("OK: too little history to judge (a point needs 5 earlier points) (exit 0)")
+        return ("OK: too little history to judge (a point needs 5 earlier points)"
+                f"{_earlier(report)} (exit 0)")
     scope = "the newest point" if report.fail_on == "newest" else f"{len(report.points)} points"
-    spikes = sum(p.spike for p in report.points)
-    earlier = f"; {spikes} earlier spike(s)" if spikes and report.fail_on == "newest" else ""
-    return f"OK: no spike or non-finite norm at {scope}{earlier} (exit 0)"
+    return f"OK: no spike or non-finite norm at {scope}{_earlier(report)} (exit 0)"
+
+
+def _steps(points: list[TrendPoint]) -> str:
+    where = [str(p.step) if p.step is not None else visible(p.source) for p in points[:5]]
+    more = f" and {len(points) - 5} more" if len(points) > 5 else ""
+    return ("step " if len(points) == 1 else "steps ") + ", ".join(where) + more
+
+
+def _earlier(report: TrendReport) -> str:
+    """Under ``--fail-on newest``: the earlier spikes and non-finite points, which do not
+    fail the run but must not go unsaid (a NaN step a run recovered from, say)."""
+    if report.fail_on != "newest":
+        return ""
+    earlier = report.points[:-1]
+    nonfinite = [p for p in earlier if p.is_nonfinite]
+    spikes = [p for p in earlier if p.spike and not p.is_nonfinite]
+    parts = [f"{len(nonfinite)} non-finite ({_steps(nonfinite)})" if nonfinite else "",
+             f"{len(spikes)} spike(s) ({_steps(spikes)})" if spikes else ""]
+    said = [part for part in parts if part]
+    return f"; earlier: {', '.join(said)}" if said else ""
 
 
 def render_trend(report: TrendReport, out: TextIO) -> None:
@@ -748,3 +768,23 @@ def render_compare(report: CompareReport, out: TextIO) -> None:
     failed = report.status != "ok"
     console.print(Text(compare_verdict(report), style="bold red" if failed else "bold green"),
                   soft_wrap=True)
+
+
+def _print_quiet(verdict: str, failed: bool, found: list, out: TextIO, err: TextIO | None
+                 ) -> None:
+    if err is not None:
+        for f in found:
+            if f.severity == F.ERROR:
+                err.write(f"gradclip: {visible(f.message)}\n")
+    console = _console(out)
+    console.print(Text(verdict, style="bold red" if failed else "bold green"), soft_wrap=True)
+
+
+def print_trend_verdict(report: TrendReport, out: TextIO, err: TextIO | None) -> None:
+    _print_quiet(trend_verdict(report), report.status in (NONFINITE, SPIKE),
+                 F.trend_findings(report), out, err)
+
+
+def print_compare_verdict(report: CompareReport, out: TextIO, err: TextIO | None) -> None:
+    _print_quiet(compare_verdict(report), report.status != "ok", F.compare_findings(report),
+                 out, err)
