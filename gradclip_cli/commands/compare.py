@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 from .. import options, values
@@ -43,7 +44,14 @@ def run(
         totals=(ra.total_norm, rb.total_norm), groups_a=ra.groups, groups_b=rb.groups,
         nonfinite=_nonfinite(ra) or _nonfinite(rb), fail_above=limit,
     )  # fmt: skip
-    emit(lambda out: fmt.render_compare(report, out), output_file)
+    if quiet and format == "table":
+        # -q: the verdict alone on stdout; each finding a line on stderr.
+        from ..format import table
+
+        err = sys.stderr if speaks() else None
+        emit(lambda out: table.print_compare_verdict(report, out, err), output_file)
+    else:
+        emit(lambda out: fmt.render_compare(report, out), output_file)
     return 0 if report.status == OK else 1
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,7 +146,14 @@ def run(
         from ..format.plot import write_trend_plot
 
         write_trend_plot(report, plot)
-    emit(lambda out: fmt.render_trend(report, out), output_file)
+    if quiet and format == "table":
+        # -q: the verdict alone on stdout; each finding a line on stderr.
+        from ..format import table
+
+        err = sys.stderr if speaks() else None
+        emit(lambda out: table.print_trend_verdict(report, out, err), output_file)
+    else:
+        emit(lambda out: fmt.render_trend(report, out), output_file)
     return 1 if report.status in (SPIKE, NONFINITE) else 0
 
 

@@ -58,10 +58,11 @@ def _counts(n) -> str:
 def inspect_findings(report: InspectReport) -> list[Finding]:
     found = []
     severity = WARNING if report.allow_nonfinite else ERROR
-    for g in report.groups:
-        if g.nonfinite.total:
-            found.append(Finding(severity, g.name, "non-finite gradients",
-                                 f"group {g.name}: {_counts(g.nonfinite)}"))
+    # One per tensor, as the table and -q name them; its group is the testcase.
+    for t in report.tensors:
+        if t.nonfinite.total:
+            found.append(Finding(severity, t.group, "non-finite gradients",
+                                 f"tensor {t.name} (group {t.group}): {_counts(t.nonfinite)}"))
     if report.max_norm is not None and report.total_norm > report.max_norm:
         found.append(Finding(ERROR, TOTAL, "total norm exceeds --max-norm",
                              f"total norm {number(report.total_norm)} > --max-norm "

@@ -221,7 +221,7 @@ def test_trainer_state_of_a_real_run_finds_the_injected_spike(gradclip, trainer_
     assert [p["step"] for p in doc["points"] if p["spike"]] == [SPIKE_STEP]
     # The newest point is healthy: the default --fail-on newest passes.
     r = gradclip("trend", trainer_state)
-    assert r.code == 0 and "1 earlier spike(s)" in unwrapped(r.out)
+    assert r.code == 0 and f"; earlier: 1 spike(s) (step {SPIKE_STEP})" in unwrapped(r.out)
 
 
 def test_trainer_state_and_checkpoints_mix_in_step_order(gradclip, tmp_path):
