@@ -24,7 +24,7 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.interface import Contents, stored
 
@@ -59,6 +59,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     if optimizer_file is not None:
         ckpt = load_checkpoint(optimizer_file, trust_pickle=trust_pickle, verify=verify)
         contents.optimizers.append(optimizer_state(ckpt.root, optimizer_file, "the file"))
+        contents.evidence[roles.OPTIMIZER_STATE] = f"the Trainer's {OPTIMIZER}"
         contents.files.append(optimizer_file)
         contents.trusted_pickle |= ckpt.trusted_pickle
     if contents.optimizer is not None and contents.optimizer.param_names is None \
@@ -99,6 +100,7 @@ def _read_weights(contents: Contents, folder: Path, *, trust_pickle: bool,
             shards, tensors = hf_sharded.read_set(index, trust_pickle=trust_pickle, verify=verify,
                                                   folder=folder)
             contents.weights = tensors
+            contents.evidence[roles.WEIGHT] = f"the Trainer's {visible(name)}"
             contents.model_order = False  # an index sorts its names
             contents.files += [index, *(s.path for s in shards)]
             contents.trusted_pickle |= any(s.trusted_pickle for s in shards)
@@ -110,6 +112,7 @@ def _read_weights(contents: Contents, folder: Path, *, trust_pickle: bool,
             if not isinstance(ckpt.root, dict):
                 raise InputError(f"{file}: model weights should be name -> tensor")
             contents.weights = stored({str(k): v for k, v in ckpt.root.items()}, file)
+            contents.evidence[roles.WEIGHT] = f"the Trainer's {visible(name)}"
             # torch.save of a state_dict keeps module order; safetensors sorts names.
             contents.model_order = ckpt.format != "safetensors"
             contents.files.append(file)
