@@ -79,7 +79,7 @@ _SCANNED = 1000  # children looked at for a hint; a refusal never waits on a hug
 
 
 def _is_log(path: Path) -> bool:
-    from ..source.logs import log_kind
+    from ..source.logs.recognise import log_kind
 
     try:
         regular = stat.S_ISREG(os.stat(path).st_mode)
