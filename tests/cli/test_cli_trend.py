@@ -333,7 +333,7 @@ def test_trainer_checkpoints_auto_measures_exp_avg_and_the_output_dir_its_log(
     assert r.out.splitlines()[0].startswith(f"{run.steps} points, exp_avg, p=2")
     # The output_dir holds as many steps of log_history as checkpoints: the log, which
     # holds the gradients' own norms, is judged, and the checkpoints are named.
-    lines = gradclip("trend", run.output_dir).out.splitlines()
+    lines = logical_lines(gradclip("trend", run.output_dir).out)
     assert lines[0].startswith(f"{run.steps} points, grads, p=2")
     assert lines[1].startswith(f"judged: {run.output_dir / 'trainer_state.json'} (Trainer "
                                "log_history grad_norm")

@@ -15,7 +15,7 @@ import torch
 from tests.schemas import validate
 from tests.trainer_runs import RUN_FOLDER_LOG, train_run_folder
 
-from .support import rel_err
+from .support import logical_lines, rel_err
 
 
 @pytest.fixture(scope="session")
@@ -128,7 +128,7 @@ def test_every_format_says_where_the_series_came_from_and_that_the_trainer_clipp
     run = run_folder
     log = str(run.output_dir / RUN_FOLDER_LOG)
     table = gradclip("trend", run.output_dir)
-    lines = table.out.splitlines()
+    lines = logical_lines(table.out)
     assert lines[1].startswith(f"judged: {log} (gradclip monitor log")
     assert any(line.startswith("not judged: ") and "trainer_state.json" in line for line in lines)
     assert any(
