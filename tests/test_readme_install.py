@@ -65,7 +65,7 @@ def requirements() -> tuple[set[str], set[str]]:
 def test_the_first_command_installs_only_what_using_the_tool_needs():
     first, _ = two_commands()
     base, test_only = requirements()
-    assert {"torch", "typer", "rich", "safetensors"} <= base
+    assert {"torch", "click", "rich", "safetensors"} <= base
     assert {"pytest", "transformers", "deepspeed", "lightning"} <= test_only
     installs = pip_installs(first)
     assert installs == [["torch==2.13.0"], ["-e", "."]], installs

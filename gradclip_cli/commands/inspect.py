@@ -99,6 +99,10 @@ def trend_hint(path: str) -> str | None:
     if _is_log(p):
         what = "a log of gradient norms over steps"
     elif p.is_dir():
+        from ..source.layouts import LAYOUTS
+
+        if any(layout.recognises(p) for layout in LAYOUTS):
+            return None  # a checkpoint: its own refusal says what it holds
         try:
             children = [c for _, c in zip(range(_SCANNED), p.iterdir())]
         except OSError:
