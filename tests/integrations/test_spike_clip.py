@@ -77,7 +77,7 @@ def assert_only_the_spike_is_clipped(records, before, after, max_norm=None):
 
 
 @pytest.mark.parametrize("max_norm", [None, 1.0, 0.05])
-def test_plain_loop(tmp_path, max_norm):
+def test_plain_loop(tmp_path, max_norm, gradclip):
     """``step()`` clips only the spike; ``clip_grad_norm_`` takes the smaller of the two."""
     torch.manual_seed(0)
     model = regressor()
@@ -99,6 +99,10 @@ def test_plain_loop(tmp_path, max_norm):
             optimizer.step()
             optimizer.zero_grad()
     assert_only_the_spike_is_clipped(read_log(tmp_path / "grads.jsonl"), before, after, max_norm)
+    # trend reads the log (its new keys too) and judges it the same way.
+    result = gradclip("trend", tmp_path / "grads.jsonl", "--format", "json", "--fail-on", "any")
+    assert result.code == 1, result.err
+    assert [p["step"] for p in result.json()["points"] if p["spike"]] == [SPIKE_AT]
 
 
 def test_off_by_default_the_spike_is_only_logged(tmp_path):
