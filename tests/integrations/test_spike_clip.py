@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -77,7 +79,7 @@ def assert_only_the_spike_is_clipped(records, before, after, max_norm=None):
 
 
 @pytest.mark.parametrize("max_norm", [None, 1.0, 0.05])
-def test_plain_loop(tmp_path, max_norm):
+def test_plain_loop(tmp_path, max_norm, gradclip):
     """``step()`` clips only the spike; ``clip_grad_norm_`` takes the smaller of the two."""
     torch.manual_seed(0)
     model = regressor()
@@ -99,6 +101,10 @@ def test_plain_loop(tmp_path, max_norm):
             optimizer.step()
             optimizer.zero_grad()
     assert_only_the_spike_is_clipped(read_log(tmp_path / "grads.jsonl"), before, after, max_norm)
+    # trend reads the log (its new keys too) and judges it the same way.
+    result = gradclip("trend", tmp_path / "grads.jsonl", "--format", "json", "--fail-on", "any")
+    assert result.code == 1, result.err
+    assert [p["step"] for p in result.json()["points"] if p["spike"]] == [SPIKE_AT]
 
 
 def test_off_by_default_the_spike_is_only_logged(tmp_path):
@@ -226,3 +232,52 @@ def test_the_readme_spike_clip_loop_runs_as_shown(tmp_path, monkeypatch):
     assert list(want) == list(record) and want["step"] == 50
     for key in ("total_norm", "z", "clipped_to", "clip_coef"):
         assert math.isclose(record[key], want[key], rel_tol=1e-6), key
+
+
+DDP_RANK = """
+import json, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from gradclip_cli import GradMonitor
+rank, folder = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
+                        world_size=2)
+torch.manual_seed(0)
+model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)))
+monitor = GradMonitor(model, f"{folder}/grads.jsonl", None, clip_spikes=True)
+torch.manual_seed(rank)
+batch = torch.randn(16, 4)  # the same each step: steady norms, so only step 7 spikes
+seen = []
+for step in range(8):
+    loss = model(batch).square().mean() * (10.0 if step == 7 else 1.0)
+    loss.backward()
+    monitor.step(step)
+    seen.append([p.grad.double().flatten().tolist() for p in model.parameters()])
+    model.zero_grad()
+dist.barrier()
+print(json.dumps(seen), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_under_ddp_every_rank_clips_the_spike_alike(tmp_path):
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DDP_RANK, str(rank), str(tmp_path)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    seen = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        seen.append(json.loads(out.splitlines()[-1]))
+    assert seen[0] == seen[1]  # the same coefficient on both ranks, bit for bit
+    records = read_log(tmp_path / "grads.jsonl")  # rank 0 alone wrote it
+    assert [r["step"] for r in records if r["clip_coef"] is not None] == [7]
+    spike = records[7]
+    total_after = math.sqrt(sum(v * v for grad in seen[0][7] for v in grad))
+    assert math.isclose(total_after, spike["clipped_to"], rel_tol=1e-5)
