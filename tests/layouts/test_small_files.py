@@ -20,6 +20,7 @@ printed, neither on stderr nor in the JSON error document.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -30,6 +31,7 @@ import torch
 
 from tests.cli.support import run_process
 from tests.hardening.support import run_cli
+from tests.hardening.test_json_inputs import DEEP, json_error, refused
 
 SECRET = "gradclip-test-secret-4d1f7a"
 
@@ -86,13 +88,7 @@ def _run_unblocked(fifo: Path, *args) -> object:
 
 
 def _one_line(result, *fragments: object) -> str:
-    assert result.code == 3, (result.code, result.err)
-    lines = [line for line in result.err.splitlines() if line.strip()]
-    assert len(lines) == 1, result.err
-    assert "Traceback" not in result.err
-    for fragment in fragments:
-        assert str(fragment) in lines[0], lines[0]
-    return lines[0]
+    return refused(result, *fragments)
 
 
 @pytest.mark.parametrize("layout, name", CASES)
@@ -166,3 +162,48 @@ def test_trend_of_a_log_linked_to_dev_zero(tmp_path):
     log = tmp_path / "trainer_state.json"
     log.symlink_to("/dev/zero")
     _one_line(_run_unblocked(log, "trend", log), log, "character device")
+
+
+# ------------------------------------------------------------- JSON inside the layouts
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: json.dumps(d)[:-1] + ', "deeper": ' + DEEP + "}", "nested too deeply"),
+    (lambda d: json.dumps(d)[:-1] + ', "best_metric": ' + "9" * 5000 + "}",
+     "an integer of 5000 digits"),
+])  # fmt: skip
+@pytest.mark.parametrize("name", ["trainer_state.json", "config.json"])
+def test_a_trainer_checkpoint_json_file(request, tmp_path, name, edit, words):
+    trainer_copy = _copy(request, tmp_path, "trainer")
+    file = trainer_copy / name
+    file.write_text(edit(json.loads(file.read_text())))
+    result = run_cli("inspect", trainer_copy, "--what", "exp_avg", "--format", "json")
+    refused(result, file, words)
+    json_error(result)
+
+
+def test_a_config_that_lies_about_its_layers(request, tmp_path):
+    """``n_layer: 3000`` in a few hundred bytes: refused naming the file before any model is
+    built (it took 120 s and 2.6 GB), since the checkpoint stores far fewer tensors."""
+    trainer_copy = _copy(request, tmp_path, "trainer")
+    config = trainer_copy / "config.json"
+    document = json.loads(config.read_text())
+    stored = document["n_layer"]
+    document["n_layer"] = 3000
+    config.write_text(json.dumps(document))
+    line = refused(run_cli("inspect", trainer_copy, "--what", "exp_avg"), config,
+                    "n_layer", "3000", "weight tensors")
+    assert "refusing to build" in line
+    document["n_layer"] = stored  # the truth is still read as before
+    config.write_text(json.dumps(document))
+    assert run_cli("inspect", trainer_copy, "--what", "exp_avg").code in (0, 1)
+
+
+def test_an_index_nested_deeply(sharded_set):
+    folder = sharded_set
+    index = folder / "model.safetensors.index.json"
+    document = json.loads(index.read_text())
+    index.write_text(json.dumps(document)[:-1] + ', "extra": ' + DEEP + "}")
+    result = run_cli("inspect", folder, "--format", "json")
+    refused(result, index, "nested too deeply")
+    json_error(result)

@@ -90,7 +90,7 @@ def read(path: Path) -> list[LoggedNorms]:
         if not line.strip():
             continue
         where = f"{visible(str(path))}:{number}"
-        entries.append(_entry(parse_json(line, where=where, what="a JSON object"), where))
+        entries.append(_entry(parse_json(line, where=where, what="a JSON object", line=True), where))
     if unfinished.strip():
         print(f"gradclip: warning: {path}:{len(lines) + 1}: last line has no newline "
               "(a write in progress?); skipped", file=sys.stderr)
