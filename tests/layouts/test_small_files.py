@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 from tests.cli.support import run_process
 from tests.hardening.support import run_cli
@@ -207,3 +208,43 @@ def test_an_index_nested_deeply(sharded_set):
     result = run_cli("inspect", folder, "--format", "json")
     refused(result, index, "nested too deeply")
     json_error(result)
+
+
+# ------------------------------------------------------------- fuzzing the small files
+
+# Each example opens a real checkpoint (up to 2 s for DeepSpeed's): a tenth of the count.
+_SMALL_FUZZ = settings(max_examples=max(5, int(os.environ.get("GRADCLIP_FUZZ_EXAMPLES", "100"))
+                                        // 10), deadline=None, database=None,
+                       suppress_health_check=[HealthCheck.too_slow,
+                                              HealthCheck.function_scoped_fixture])
+
+
+@pytest.mark.parametrize("layout, name", [
+    ("trainer", "trainer_state.json"), ("trainer", "config.json"), ("deepspeed", "latest"),
+    ("accelerate", "trainer_state.json"), ("sharded", "model.safetensors.index.json"),
+])  # fmt: skip
+def test_fuzz_small_files_of_real_layouts(request, tmp_path, layout, name):
+    """Mutated bytes of a real layout's small file: a report (exit 0 or 1, JSON), or exit 3
+    with one line naming the folder or a file in it; never a traceback."""
+    from tests.hardening.test_fuzz import _apply, _mutations
+
+    folder = _copy(request, tmp_path, layout)
+    file = folder / name
+    original = file.read_bytes()
+
+    @_SMALL_FUZZ
+    @given(mutations=_mutations(len(original)))
+    def run(mutations):
+        file.write_bytes(_apply(original, mutations))
+        result = run_cli("inspect", folder, "--what", "auto", "--format", "json")
+        assert "Traceback" not in result.err, result.err
+        if result.code in (0, 1):
+            assert json.loads(result.out)["schema"] == "gradclip.inspect/1"
+        else:
+            refused(result, folder)
+            json_error(result)
+
+    try:
+        run()
+    finally:
+        file.write_bytes(original)
