@@ -3,7 +3,8 @@ one JSON parser and bounded reader every layout's small files go through.
 
 Invariant (``test_fuzz.py``'s, for ``trend``): exit 0 or 1 with a trend JSON
 document on stdout, or exit 3 with exactly one line naming the file and the
-JSON error document. Never a traceback, never another exit code. The bases
+JSON error document (or exit 2 where a flipped byte makes one log hold norms
+of two kinds, trend's own usage error). Never a traceback, never another exit code. The bases
 are a monitor log (JSON Lines) and a ``trainer_state.json`` as the monitor
 and the Trainer write them; mutations are byte edits, then whole JSON values
 (nested, huge integers, floats past range, any text) put where a norm, a step
@@ -55,8 +56,11 @@ def _check_trend(name: str, data: bytes, label: str) -> None:
         if result.code in (0, 1):
             assert json.loads(result.out)["schema"] == "gradclip.trend/1"
             return
-        assert result.code == 3, (result.code, result.err)
         lines = [line for line in result.err.splitlines() if line.strip()]
+        if result.code == 2:  # one log in two kinds of norm: trend's own usage error
+            assert len(lines) == 1 and "compares one kind of norm" in lines[0], result.err
+            return
+        assert result.code == 3, (result.code, result.err)
         assert len(lines) == 1 and str(path) in lines[0], result.err
         assert json.loads(result.out)["schema"] == "gradclip.error/1"
     finally:
