@@ -48,11 +48,11 @@ def _float(text: str) -> float:
     return value
 
 
-def parse_json(data: bytes | str, *, where: str, what: str = "JSON") -> Any:
+def parse_json(data: bytes | str, *, where: str, what: str = "JSON", line: bool = False) -> Any:
     """The document in ``data``; ``InputError`` "``where``: not ``what``: <why, where>".
 
-    ``where`` names the file (and the line, for one line of a log), already
-    made visible by the caller.
+    ``where`` names the file (and the line, for one line of a log: ``line``,
+    whose places are then columns alone), already made visible by the caller.
     """
     if isinstance(data, bytes):
         try:
@@ -63,25 +63,25 @@ def parse_json(data: bytes | str, *, where: str, what: str = "JSON") -> Any:
         return json.loads(data, parse_int=_integer, parse_float=_float)
     except json.JSONDecodeError as error:
         raise InputError(
-            f"{where}: not {what}: not valid JSON ({error.msg} at {_place(data, error.pos)})"
+            f"{where}: not {what}: not valid JSON ({error.msg} at {_place(data, line, error.pos)})"
         ) from None
     except _OutOfRange as error:
-        at = _place(data, data.find(error.text))
+        at = _place(data, line, data.find(error.text))
         raise InputError(f"{where}: not {what}: {error.why} at {at}") from None
     except RecursionError:
         raise InputError(
             f"{where}: not {what}: nested too deeply (past {_DEPTH} levels "
-            f"at {_place(data, _deepest(data))})"
+            f"at {_place(data, line, _deepest(data))})"
         ) from None
     except (ValueError, OverflowError) as error:  # anything else json lets through
         raise InputError(f"{where}: not {what}: not valid JSON ({type(error).__name__})") from None
 
 
-def _place(text: str, pos: int) -> str:
+def _place(text: str, line: bool, pos: int) -> str:
     if pos < 0:
         return "an unknown place"
     column = pos - (text.rfind("\n", 0, pos) + 1) + 1
-    if "\n" not in text:  # one line of a JSON Lines log: its number is in ``where``
+    if line:  # one line of a JSON Lines log: its number is in ``where``
         return f"column {column}"
     return f"line {text.count(chr(10), 0, pos) + 1} column {column}"
 

@@ -90,12 +90,16 @@ def read(path: Path) -> list[LoggedNorms]:
         if not line.strip():
             continue
         where = f"{visible(str(path))}:{number}"
-        entries.append(_entry(parse_json(line, where=where, what="a JSON object"), where))
+        obj = parse_json(line, where=where, what="a JSON object", line=True)
+        entries.append(_entry(obj, where))
+    shown = visible(str(path))
+    if not entries:  # one line: the error says what the warning would have
+        unended = " (its last line has no newline: a write in progress?)" \
+            if unfinished.strip() else ""
+        raise InputError(f"{shown}: a {SCHEMA} log with no complete entries{unended}")
     if unfinished.strip():
-        print(f"gradclip: warning: {path}:{len(lines) + 1}: last line has no newline "
+        print(f"gradclip: warning: {shown}:{len(lines) + 1}: last line has no newline "
               "(a write in progress?); skipped", file=sys.stderr)
-    if not entries:
-        raise InputError(f"{path}: a {SCHEMA} log with no complete entries")
     return entries
 
 
