@@ -108,6 +108,7 @@ def test_never_reports_weights_or_moments_as_gradients(gradclip, run):
     assert auto.code == 0 and auto.json()["what"] == "exp_avg", auto.err
     grads = gradclip("inspect", run / "run" / "iter_0000002", "--what", "grads")
     one_line_exit_3(grads, "saves no gradients", "--what exp_avg")
+    one_line_exit_3(gradclip("inspect", run / "run", "--key", "optimizer"), "--key")
 
 
 def test_trend_over_the_save_folder(gradclip, run):

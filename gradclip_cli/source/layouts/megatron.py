@@ -70,6 +70,7 @@ def _is_iteration(path: Path) -> bool:
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    frameworks.refuse_key(path, key, "a Megatron torch_dist checkpoint")
     folder_path, tracker = _iteration_folder(path)
     stated = read_json(
         inside(folder_path, _JSON, named_by=folder_path), what="Megatron checkpoint metadata"
