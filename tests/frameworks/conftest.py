@@ -100,3 +100,15 @@ def olmo_core_runs(framework_python, tmp_path_factory) -> dict[int, Path]:
         )
         for ranks in (1, 2)
     }
+
+
+@pytest.fixture(scope="session")
+def megatron_runs(framework_python, tmp_path_factory) -> dict[int, Path]:
+    """Megatron-core runs on 1 rank and on 2 (data parallel): ``run/iter_000000{1,2,3}``,
+    ``run/latest_checkpointed_iteration.txt`` and ``reference/``."""
+    return {
+        ranks: run_generator(
+            framework_python, "megatron_run.py", tmp_path_factory.mktemp(f"megatron{ranks}"), ranks
+        )
+        for ranks in (1, 2)
+    }

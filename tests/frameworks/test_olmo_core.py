@@ -84,6 +84,7 @@ def test_weights_and_auto(gradclip, run):
     assert auto.code == 0 and auto.json()["what"] == "exp_avg", auto.err
     grads = gradclip("inspect", run / "run" / "step3", "--what", "grads")
     one_line_exit_3(grads, "OLMo-core checkpoint saves no gradients", "--what exp_avg")
+    one_line_exit_3(gradclip("inspect", run / "run" / "step3", "--key", "optim"), "--key")
 
 
 def test_trend_over_the_run_folder(gradclip, run):

@@ -115,6 +115,8 @@ def test_no_gradients_says_what_it_holds(gradclip, run):
     assert full.code == 3 and len(full.err_lines) == 1, full.err
     assert "torchtitan checkpoint saves no gradients" in full.err
     assert "--what exp_avg, --what grad_rms, --what update, --what weights" in full.err
+    keyed = gradclip("inspect", _step_folder(run, 2), "--key", "optimizer")
+    one_line_exit_3(keyed, "--key 'optimizer'", "saves no gradients")
     export = gradclip("inspect", _step_folder(run, 3), "--what", "exp_avg")
     assert export.code == 3 and len(export.err_lines) == 1, export.err
     assert "no optimizer state" in export.err and "--what weights" in export.err

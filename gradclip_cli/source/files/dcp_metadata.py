@@ -42,6 +42,8 @@ __all__ = ["Chunk", "DcpMetadata", "Location", "TensorEntry", "looks_like_dcp_me
 METADATA_NAME = ".metadata"
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
+_PLANNER_MODULE = "torch.distributed.checkpoint.planner"
+_MEGATRON_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
 # A 70B model's metadata is a few MB; anything far larger is not one.
 MAX_METADATA_BYTES = 1 << 30
 
@@ -155,6 +157,20 @@ class _StorageInfo(_Record):
     __slots__ = ()
 
 
+class _SavePlan(_Record):
+    """A rank's plan (``planner.SavePlan``; Megatron's ``MCoreSavePlan``), kept in
+    ``all_local_plans`` by Megatron's torch_dist writer: inert, never read."""
+
+    __slots__ = ()
+
+
+def _write_item_type(*args):
+    # WriteItemType(value): TENSOR, SHARD, BYTE_IO.
+    if len(args) != 1 or type(args[0]) is not int or args[0] not in (1, 2, 3):
+        raise Outside("unexpected WriteItemType arguments")
+    return args[0]
+
+
 class _Layout:
     __slots__ = ("name",)
 
@@ -194,6 +210,14 @@ _CLASSES = {
     # OLMo-core's own storage writer records the same three fields in a class of its own.
     ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch.serialization", "_get_layout"): _get_layout,
+    # Megatron's torch_dist writer keeps every rank's save plan in the metadata
+    # (``all_local_plans``); older ones wrote its own subclasses of DCP's records.
+    (_PLANNER_MODULE, "SavePlan"): _SavePlan,
+    (_PLANNER_MODULE, "WriteItem"): _SavePlan,
+    (_PLANNER_MODULE, "TensorWriteData"): _SavePlan,
+    (_PLANNER_MODULE, "WriteItemType"): _write_item_type,
+    (_MEGATRON_MODULE, "MCoreSavePlan"): _SavePlan,
+    (_MEGATRON_MODULE, "MCoreMetadata"): _Metadata,
     **{("pathlib", name): _path
        for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")},
 }
@@ -279,7 +303,11 @@ def _int(value, what: str) -> int:
 def _checked(path: Path, root) -> DcpMetadata:
     fields = _fields(root, _Metadata, "the top level",
                      ("state_dict_metadata", "planner_data", "storage_data", "storage_meta",
-                      "version"))
+                      "version", "all_local_plans", "mcore_data"))
+    plans = fields.get("all_local_plans")
+    if plans is not None and (type(plans) is not list
+                              or any(type(plan) is not _SavePlan for plan in plans)):
+        raise _Bad("all_local_plans is not a list of save plans")
     items = fields.get("state_dict_metadata")
     if type(items) is not dict:
         raise _Bad("state_dict_metadata is not a dict")

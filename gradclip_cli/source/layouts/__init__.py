@@ -31,12 +31,14 @@ from . import (
     hf_sharded,
     hf_trainer,
     lightning,
+    megatron,
     olmo_core,
     single_file,
     torchtitan,
 )
 
 LAYOUTS: tuple[Layout, ...] = (
+    megatron,  # its folders hold a DCP folder and common.pt: before any flat mapping
     deepspeed,
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     hf_trainer,

@@ -243,6 +243,17 @@ def _flattened(read):
     return lambda: read().reshape(-1)
 
 
+def refuse_key(path: Path, key: str | None, what: str) -> None:
+    """``--key`` finds saved gradients; these frameworks save none, and their weights and
+    optimizer state are named by the layout, so a ``--key`` would only mislabel them."""
+    if key is not None:
+        raise InputError(
+            f"{path}: --key {visible(repr(key))}: {what} saves no gradients and "
+            "gradclip names its weights and optimizer state itself: drop --key "
+            "(--what chooses what is measured)"
+        )
+
+
 def step_folder_number(path: Path, prefix: str) -> int | None:
     """N of a folder named ``<prefix>N`` (``step-3``, ``step3``), else None."""
     name = os.path.basename(os.path.normpath(path))

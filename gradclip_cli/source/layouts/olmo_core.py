@@ -48,6 +48,7 @@ def recognises(path: Path) -> bool:
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    frameworks.refuse_key(path, key, "an OLMo-core checkpoint")
     stated = read_json(inside(path, _JSON, named_by=path), what="OLMo-core checkpoint metadata")
     if not isinstance(stated, dict):
         raise InputError(f"{path / _JSON}: not OLMo-core checkpoint metadata: not an object")

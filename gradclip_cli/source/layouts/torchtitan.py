@@ -75,6 +75,7 @@ def _kind_of(path: Path, meta) -> str | None:
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    frameworks.refuse_key(path, key, "a torchtitan checkpoint")
     folder = frameworks.read_folder(path, verify=verify, trust_pickle=trust_pickle)
     kind = _kind_of(path, folder.meta)
     if kind is None:
@@ -98,7 +99,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         contents.step = frameworks.step_folder_number(path, "step-")
         contents.gradient_error = (
             f"{path}: a torchtitan weights-only export (a step-N/ folder holding only the "
-            "model's state dict): no gradients; --what weights measures it"
+            "model's state dict) saves no gradients"
         )
         contents.description.append(
             f"torchtitan weights-only export at step {contents.step}: {len(weights)} model "
