@@ -281,6 +281,8 @@ class Contents:
     evidence: dict[str, str] = field(default_factory=dict)
     # The role ``--key`` named ("weight", "optimizer state"), which ``auto`` then measures.
     keyed: str | None = None
+    # Weights under the optimizer's name for a parameter the model stores split (ratio only).
+    fused_weights: dict[str, StoredTensor] = field(default_factory=dict)
 
     @property
     def optimizer(self) -> OptimizerState | None:

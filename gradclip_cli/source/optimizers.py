@@ -34,7 +34,7 @@ import torch
 
 from gradclip_cli.core import optimizer_math as om
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import Derivation, OptimizerState, StoredTensor
 
 QUANTITIES = ("exp_avg", "grad_rms", "update")

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source import optimizers
 from gradclip_cli.source.interface import Contents, StoredTensor
 

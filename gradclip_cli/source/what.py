@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from gradclip_cli.core import Elements, distinct_elements
 from gradclip_cli.errors import InputError, UsageError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source import optimizers, roles
 from gradclip_cli.source.interface import Contents, Derivation, OptimizerState, StoredTensor
 
@@ -274,7 +274,7 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
 
     weights = None
     if contents.weights:
-        weights = [contents.weights.get(p.name) for p in params]
+        weights = [contents.weights.get(p.name, contents.fused_weights.get(p.name)) for p in params]
     return Selection(
         what=what, names=[p.name for p in params], tensors=described, ties={}, skipped=[],
         key="", explain=f"{kind.name} {EXPLAIN[what]}", derivations=derived, weights=weights,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli.support import load_dcp, rel_err
+from tests.cli.support import load_dcp, rel_err, unwrapped
 
 from .accelerate_fsdp_ranks import STEPS
 from .test_dcp import adam_measured
@@ -89,8 +89,9 @@ def test_table_names_the_layout_and_its_folders(gradclip, accelerate_fsdp_run):
     folder = accelerate_fsdp_run / f"checkpoint-{STEPS}"
     result = gradclip("inspect", folder, "--no-progress")
     assert result.code == 0, result.err
-    assert "accelerate-fsdp, step 2, 4 tensors, 103 elements" in result.out
-    assert "what: exp_avg" in result.out
+    shown = unwrapped(result.out)
+    assert "accelerate-fsdp, step 2, 4 tensors, 103 elements" in shown
+    assert "what: exp_avg" in shown
     assert (f"accelerate FSDP checkpoint at global_step {STEPS}: pytorch_model_fsdp_0/ "
             "(4 weights), optimizer_0/ (optimizer state)") in result.out
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.cli.support import rel_err
+from tests.cli.support import rel_err, unwrapped
 
 from .conftest import tiny_gpt2
 
@@ -80,8 +80,9 @@ def test_trainer_checkpoint_moments(gradclip, trainer_run, what, column):
 def test_trainer_checkpoint_auto_is_exp_avg_and_says_so(gradclip, trainer_run):
     result = gradclip("inspect", trainer_run)
     assert result.code == 0, result.err
-    assert "what: exp_avg" in result.out
-    assert "Trainer checkpoint at global_step 4: model.safetensors, optimizer.pt" in result.out
+    shown = unwrapped(result.out)
+    assert "what: exp_avg" in shown
+    assert "Trainer checkpoint at global_step 4: model.safetensors, optimizer.pt" in shown
     measured = gradclip("inspect", trainer_run, "--format", "json").json()["measured"]
     assert measured == {
         "what": "exp_avg", "evidence": "the Trainer's optimizer.pt",

@@ -21,8 +21,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, roles
+from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.interface import Checkpoint, Contents, StoredTensor
 
 from .paths import MAX_JSON_BYTES, inside, json_head_keys, read_json
@@ -61,7 +62,8 @@ def _looks_like_index(path: Path) -> bool:
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     index = find_index(path)
     assert index is not None  # recognises() said so
-    shards, tensors = read_set(index, trust_pickle=trust_pickle, verify=verify)
+    shards, tensors = read_set(index, trust_pickle=trust_pickle, verify=verify,
+                               folder=path if os.path.isdir(path) else None)
     contents = Contents(path=path, kind=KIND, files=[index, *(s.path for s in shards)],
                         shards=shards, index=index, folder=index.parent,
                         model_order=False,
@@ -96,10 +98,13 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
 
 
 def read_set(
-    index: Path, *, trust_pickle: bool, verify: bool
+    index: Path, *, trust_pickle: bool, verify: bool, folder: Path | None = None
 ) -> tuple[list[Checkpoint], dict[str, StoredTensor]]:
-    """Open every shard ``index`` names; the tensors in the index's order, checked."""
-    weight_map = _weight_map(index)
+    """Open every shard ``index`` names; the tensors in the index's order, checked.
+
+    ``folder``: the checkpoint's folder when the layout found the index in it (the
+    index's real path must stay inside); None for an index the user named."""
+    weight_map = _weight_map(index, folder)
     folder = index.parent
     by_shard: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
@@ -138,13 +143,13 @@ def read_set(
     return shards, {name: found[name] for name in weight_map}
 
 
-def _weight_map(index: Path) -> dict[str, str]:
-    document = read_json(index, what="a sharded checkpoint's index")
+def _weight_map(index: Path, folder: Path | None) -> dict[str, str]:
+    document = read_json(index, what="a sharded checkpoint's index", folder=folder)
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise InputError(f"{index}: not a sharded checkpoint's index: no 'weight_map' object")
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
-            raise InputError(f"{index}: weight_map maps {visible(repr(name))} to "
-                             f"{visible(repr(shard))}, not a file name")
+            raise InputError(f"{index}: weight_map maps {excerpt(name)} to "
+                             f"a {type(shard).__name__}, not a file name")
     return weight_map

@@ -2,14 +2,13 @@
 
 A plain file gives its gradients (the ``--key`` rule of ``source/locate.py``)
 and, when it holds them next to the gradients, the model's weights and the
-optimizer's state. A Lightning ``.ckpt`` is recognised by its keys and opened
-by ``lightning``. A file that an index beside it lists as one of its shards is
+optimizer's state (``fill_from_root``, which a framework's own file, such as a
+Lightning ``.ckpt``, uses too). A file that an index beside it lists as one of its shards is
 opened alone, and the report says that it covers that shard only.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,20 +17,18 @@ from typing import Any
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
-from gradclip_cli.source import load_checkpoint, locate, roles, select_gradients
-from gradclip_cli.source.interface import Contents, stored
+from gradclip_cli.escaping import visible
+from gradclip_cli.source import locate, roles, select_gradients
+from gradclip_cli.source.interface import Checkpoint, Contents, stored
 from gradclip_cli.source.vocabulary import GRADIENT_KEYS, OPTIMIZER_KEYS, WEIGHT_KEYS, step_of
 
-from . import lightning
-from .paths import MAX_JSON_BYTES
+from .paths import read_json
 from .torch_optim import is_optimizer_state, optimizer_state
 
 
-def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
-    ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
-    if lightning.claims(ckpt.root):
-        return lightning.contents(ckpt, key=key)
+def contents_of(ckpt: Checkpoint, *, key: str | None) -> Contents:
+    """A loaded file that is no framework's own (``layouts.open_file`` asks them first)."""
+    path = ckpt.path
     contents = Contents(path=path, kind=ckpt.format, files=[path], checkpoint=ckpt,
                         trusted_pickle=ckpt.trusted_pickle)
     fill_from_root(contents, ckpt.root, path, key, metadata=ckpt.metadata)
@@ -172,11 +169,8 @@ def _index_listing(path: Path) -> Path | None:
     for name in sorted(names):
         candidate = folder / name
         try:
-            if os.path.getsize(candidate) > MAX_JSON_BYTES:
-                continue
-            with candidate.open("rb") as file:
-                index = json.loads(file.read().decode("utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            index = read_json(candidate, what="an index", folder=folder)
+        except InputError:
             continue
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if isinstance(weight_map, dict) and path.name in weight_map.values():
