@@ -1,55 +1,33 @@
-"""Checking flag values: each bad value is a UsageError (exit 2) with one line.
+"""What the commands check once torch is loaded: the device, and where output goes.
 
-Numbers arrive as strings so that ``nan``, ``inf`` and typos get a message
-that names the flag, rather than a parser's generic complaint. Output paths
-are checked here too, before any work: one that exists and is not a regular
-file is an OutputError (exit 3), as it would be at the moment of writing.
+Each bad value is a UsageError (exit 2) with one line. The form of every
+value was checked while the command line was parsed (``values.py``); here
+``--device`` is checked against this machine, and output paths before any
+work: one that exists and is not a regular file is an OutputError (exit 3),
+as it would be at the moment of writing.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import values
 from .errors import REPORT_FILE_FLAG, UsageError
-from .format.text import visible
+from .escaping import visible
 from .sink.atomic import check_target
 
 if TYPE_CHECKING:
     import torch
 
-DEVICE_CHOICES = "cpu, cuda, cuda:N, mps or auto"
-
-
-def _number(flag: str, text: str) -> float:
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        raise UsageError(f"{flag} must be a number, got {text!r}") from None
-
-
-def norm_type(text: str) -> float:
-    """p > 0 or inf."""
-    p = _number("--norm-type", text)
-    if math.isnan(p) or not p > 0:
-        raise UsageError(f"--norm-type must be a number > 0 or 'inf', got {text!r}")
-    return p
-
-
-def threshold(flag: str, text: str | None, *, allow_zero: bool) -> float | None:
-    """A finite number > 0 (>= 0 with ``allow_zero``), or None when absent."""
-    if text is None:
-        return None
-    x = _number(flag, text)
-    ok = math.isfinite(x) and (x >= 0 if allow_zero else x > 0)
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise UsageError(f"{flag} must be a finite number {bound}, got {text!r}")
-    return x
+# The rules for values given as text live in values.py (checked while the command
+# line is parsed, before torch loads); these names are the commands' way to them.
+norm_type = values.norm_type
+threshold = values.threshold
+DEVICE_CHOICES = values.DEVICES
 
 
 def device(text: str) -> torch.device:

@@ -61,7 +61,7 @@ def run(
         loaded.held_tensors()  # clip changes tensors in place: each must be one piece
         return loaded, _unshare_other_entries(loaded)
 
-    session = launcher.join(dev, device)
+    session = launcher.join(dev, device, [path])
     if session is not None:
         dev = session.device
     with progress_steps(not progress or not speaks()) as steps:

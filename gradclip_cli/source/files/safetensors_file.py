@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.small_file import open_regular
 from gradclip_cli.source.interface import Checkpoint

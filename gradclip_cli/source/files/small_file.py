@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.special import special_kind
 
 EXCERPT_CHARS = 80  # what a message may quote of a file's content (a long shard name fits)

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError, UnsafeCheckpointError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.dcp_metadata import (
     METADATA_NAME,
     Chunk,
@@ -56,13 +56,13 @@ from gradclip_cli.source.files.verify import verify_torch_zip
 from gradclip_cli.source.files.weights_pickle import Outside
 from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
 from gradclip_cli.source.locate import GRADIENT_KEYS
+from gradclip_cli.source.vocabulary import OPTIMIZER_KEYS, STEP_KEYS, WEIGHT_KEYS
 
 from . import tiling
 from .paths import inside
-from .single_file import OPTIMIZER_KEYS, WEIGHT_KEYS
 
 KIND = "dcp"
-_STEP_KEYS = ("step", "global_step")
+_STEP_KEYS = STEP_KEYS
 _LIGHTNING_OPTIMIZER = re.compile(r"optimizer_\d+")
 
 
@@ -81,7 +81,8 @@ def recognises(path: Path) -> bool:
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     meta_file = path / METADATA_NAME if os.path.isdir(path) else path
     folder = meta_file.parent
-    meta = read_dcp_metadata(meta_file, folder if os.path.isdir(path) else None)
+    meta = read_dcp_metadata(meta_file, folder if os.path.isdir(path) else None,
+                             trust_pickle=trust_pickle)
     files = _files(meta, folder)
     _check_byte_ranges(meta, files)
     if verify:
@@ -92,7 +93,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
                if isinstance(e, TensorEntry)}
     paths = {k: meta.paths.get(k, (k,)) for k in meta.entries}
     contents = Contents(path=path, kind=KIND, files=[meta_file, *sorted(set(files.values()))],
-                        index=meta_file, folder=folder)
+                        index=meta_file, folder=folder, trusted_pickle=meta.trusted)
     contents.weights = _under(paths, tensors, WEIGHT_KEYS)
     _fill_gradients(contents, meta_file, paths, tensors, key)
     for name in _optimizer_tops(paths):

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.safetensors_file import read_header

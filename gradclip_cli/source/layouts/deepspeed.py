@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.deepspeed_pickle import GLOBALS
 from gradclip_cli.source.files.small_file import excerpt, read_small_file
@@ -265,8 +265,7 @@ class _Reader:
         step = model.root.get("global_steps")
         if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
             contents.step = step
-        contents.gradient_error = (f"{given}: a DeepSpeed checkpoint holds no gradients "
-                                   "(the optimizer's moments stand in for them: --what exp_avg)")
+        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
         version = model.root.get("ds_version")
         version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
         at = f" at global step {contents.step}" if contents.step is not None else ""

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
-from gradclip_cli.source import load_checkpoint
+from gradclip_cli.escaping import visible
+from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.interface import Checkpoint, Contents, StoredTensor
 
@@ -76,12 +76,23 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     # A set is one flat name -> tensor mapping: its tensors are what the
     # --key rule calls the whole file (gradients, when saved as such).
     floating = {n: t for n, t in tensors.items() if t.is_floating_point()}
-    contents.gradients = floating or None
     contents.skipped = [n for n in tensors if n not in floating]
+    # A model folder (save_pretrained: config.json beside the index) or a model's
+    # buffers say weights; else the set is gradients, as a flat file would be.
+    evidence = roles.weight_evidence(tensors, folder=index.parent)
+    if evidence is not None:
+        contents.weights = floating or None
+        contents.evidence[roles.WEIGHT] = evidence
+        contents.gradient_error = f"{index}: the set is a model's weights ({evidence}), " \
+            "not gradients"
+        return contents
+    contents.gradients = floating or None
+    contents.evidence[roles.GRADIENT] = "a set of name -> tensor shards that nothing marks " \
+        "as weights"
     if not floating:
         contents.gradient_error = f"{index}: no floating-point tensors in the set"
-    # The same tensors are the weights when the set is a model (save_pretrained):
-    # --what weights measures them; no ratio of a tensor to itself.
+    # The same tensors are the weights should the set be a model saved without its
+    # config: --what weights measures them; no ratio of a tensor to itself.
     contents.weights = contents.gradients
     return contents
 

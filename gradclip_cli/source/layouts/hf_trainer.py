@@ -23,8 +23,8 @@ import re
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
-from gradclip_cli.source import load_checkpoint
+from gradclip_cli.escaping import visible
+from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.interface import Contents, stored
 
@@ -59,13 +59,13 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     if optimizer_file is not None:
         ckpt = load_checkpoint(optimizer_file, trust_pickle=trust_pickle, verify=verify)
         contents.optimizers.append(optimizer_state(ckpt.root, optimizer_file, "the file"))
+        contents.evidence[roles.OPTIMIZER_STATE] = f"the Trainer's {OPTIMIZER}"
         contents.files.append(optimizer_file)
         contents.trusted_pickle |= ckpt.trusted_pickle
     if contents.optimizer is not None and contents.optimizer.param_names is None \
             and not contents.model_order:
         contents.model_order_names = model_order_from_config(path, len(contents.weights or {}))
-    contents.gradient_error = (f"{path}: a Trainer checkpoint holds no gradients "
-                               "(the optimizer's moments stand in for them: --what exp_avg)")
+    contents.gradient_error = f"{path}: a Trainer checkpoint holds no gradients"
     held = ", ".join(visible(p.name) for p in contents.files)
     step = f" at global_step {contents.step}" if contents.step is not None else ""
     contents.description.insert(0, f"Trainer checkpoint{step}: {held}")
@@ -100,6 +100,7 @@ def _read_weights(contents: Contents, folder: Path, *, trust_pickle: bool,
             shards, tensors = hf_sharded.read_set(index, trust_pickle=trust_pickle, verify=verify,
                                                   folder=folder)
             contents.weights = tensors
+            contents.evidence[roles.WEIGHT] = f"the Trainer's {visible(name)}"
             contents.model_order = False  # an index sorts its names
             contents.files += [index, *(s.path for s in shards)]
             contents.trusted_pickle |= any(s.trusted_pickle for s in shards)
@@ -111,6 +112,7 @@ def _read_weights(contents: Contents, folder: Path, *, trust_pickle: bool,
             if not isinstance(ckpt.root, dict):
                 raise InputError(f"{file}: model weights should be name -> tensor")
             contents.weights = stored({str(k): v for k, v in ckpt.root.items()}, file)
+            contents.evidence[roles.WEIGHT] = f"the Trainer's {visible(name)}"
             # torch.save of a state_dict keeps module order; safetensors sorts names.
             contents.model_order = ckpt.format != "safetensors"
             contents.files.append(file)

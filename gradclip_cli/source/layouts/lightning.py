@@ -35,6 +35,7 @@ from gradclip_cli.source.interface import Checkpoint, Contents, stored
 
 from . import dcp
 from .paths import member
+from .single_file import fill_from_root
 from .torch_optim import optimizer_state
 
 KIND = "lightning"
@@ -81,8 +82,6 @@ def claims(root: Any) -> bool:
 
 
 def contents(ckpt: Checkpoint, *, key: str | None) -> Contents:
-    from .single_file import fill_from_root
-
     root = ckpt.root
     path = ckpt.path
     out = Contents(path=path, kind=KIND, files=[path], checkpoint=ckpt,

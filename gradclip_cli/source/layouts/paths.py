@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.small_file import (
     check_inside,

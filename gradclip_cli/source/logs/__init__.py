@@ -3,7 +3,8 @@
 Two kinds, each one module, recognised by content: a Hugging Face Trainer's
 ``trainer_state.json`` (``log_history`` entries with ``grad_norm``) and the
 JSON Lines log of gradclip's own training-loop monitor (``gradclip.monitor/1``).
-Each yields ``LoggedNorms``, one per logged step, numbers as written.
+Each yields ``LoggedNorms``, one per logged step, numbers as written;
+``recognise.log_kind`` tells which kind a file is.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
-from gradclip_cli.source.files.small_file import read_head, read_small_file
+from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.small_file import read_small_file
 
 
 @dataclass(frozen=True)
@@ -36,28 +37,8 @@ class LogKind:
     read: Callable[[Path], list[LoggedNorms]]
 
 
-# Enough for a monitor log's first line or the keys a trainer_state.json puts
-# before its log_history.
-_HEAD_BYTES = 1 << 16
 # A log is read whole; a million monitor steps are some 300 MB.
 MAX_LOG_BYTES = 1 << 30
-
-
-def log_kind(path: Path) -> LogKind | None:
-    """The kind of norm log ``path`` is, or None when it is not one (a checkpoint, say)."""
-    from gradclip_cli.source.logs import monitor_log, trainer_state
-
-    try:
-        head = read_head(path, _HEAD_BYTES, what="a norm log")
-    except InputError:
-        return None  # the checkpoint loader reports unreadable and special files
-    if not head.lstrip().startswith(b"{"):
-        return None
-    text = head.decode("utf-8", errors="replace").lstrip()
-    for kind in (monitor_log.KIND, trainer_state.KIND):
-        if kind.recognises(text):
-            return kind
-    return None
 
 
 def read_text(path: Path, what: str) -> str:

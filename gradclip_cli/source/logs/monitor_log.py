@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.logs import LoggedNorms, LogKind, read_text
