@@ -31,6 +31,7 @@ from .core import (
     scale_elements_,
     tensor_power_sums,
 )
+from .core.adaptive import adaptive_clip_
 from .core.kernels import FLOAT64_SAFE_P, total_on_device
 from .distributed import dtensor
 
@@ -240,3 +241,31 @@ def clip_grad_value_(
     """Clamp every gradient element of ``parameters`` to ``[-clip_value, clip_value]``, in place."""
     clamp_elements_(distinct_elements(dtensor.local_tensors(_grads(parameters))), clip_value,
                     foreach)
+
+
+def adaptive_clip_grad_(
+    parameters: TensorOrTensors,
+    clip_factor: float = 0.01,
+    eps: float = 1e-3,
+) -> None:
+    r"""Unit-wise adaptive gradient clipping (AGC, Brock et al. 2021), in place.
+
+    For each output unit ``i`` of each parameter (dimension 0: a row of a
+    linear weight, a convolution filter; a vector parameter is one unit)
+
+    .. math:: G_i \leftarrow G_i \cdot \min\Big(1, \lambda
+              \frac{\max(\|W_i\|, \epsilon)}{\|G_i\|}\Big)
+
+    as timm's ``adaptive_clip_grad`` and optax's ``adaptive_grad_clip``
+    define it, with unit norms accumulated in float64 (exact in every dtype)
+    and no host-device read (core/adaptive.py).
+
+    Args:
+        parameters: a tensor or an iterable of tensors with ``.grad``.
+        clip_factor: ``lambda``, the largest ratio of a unit's gradient norm
+            to its weight norm. Default 0.01.
+        eps: the floor of a unit's weight norm, so that units whose weights
+            start at zero can still move. Default 1e-3.
+    """
+    pairs = [(p, p.grad) for p in _parameters(parameters) if p.grad is not None]
+    adaptive_clip_(pairs, float(clip_factor), float(eps))
