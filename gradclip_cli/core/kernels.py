@@ -365,7 +365,8 @@ class _Pieces:
         if self.with_max:
             self.maxima.append(torch.maximum(block.amax(1), block.amin(1).neg()))
         if self.with_norm:
-            self.sums.append(power_sums(block, self.norm_type, self.scratch, dim=1))
+            # The block is this worker's own copy: |x| ** p is formed over it in place.
+            self.sums.append(power_sums(block, self.norm_type, block.view(-1), dim=1))
         self.layout.extend(where)
 
 
