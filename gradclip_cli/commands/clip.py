@@ -184,7 +184,7 @@ def _held_pieces(loaded: Loaded) -> Loaded:
     piece), each a gradient of its own: clip scales tensors in place, and the sink
     writes each chunk or piece back where it was. Other checkpoints as they are."""
     from ..source.layouts import dcp_hf
-    from ..source.layouts.dcp import hold_gradient_chunks
+    from ..source.layouts.dcp_folder import hold_gradient_chunks
 
     if is_dcp_set(loaded.contents):
         hold_gradient_chunks(loaded.contents)

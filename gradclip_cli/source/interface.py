@@ -228,7 +228,7 @@ class Contents:
             writes back as a folder (an index's folder; DCP's Hugging Face
             layout has no index).
         chunks: for a DCP set being clipped, each gradient chunk held in memory
-            with where its blob lies (``layouts.dcp.HeldChunk``), for clip to
+            with where its blob lies (``layouts.dcp_folder.HeldChunk``), for clip to
             write back.
         held_pieces: for a DCP Hugging Face set being clipped, each gradient
             piece held as a gradient of its own, by its name

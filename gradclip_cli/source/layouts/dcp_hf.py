@@ -11,7 +11,7 @@ carries ``DCP_SHARDING_INFO`` (a header read, never the data).
 
 Every file is read by the safetensors reader (header checks, mapped data);
 a tensor becomes a ``StoredTensor`` whose pieces are its pieces in the
-files, checked to tile it exactly (``dcp.check_tiling``); a piece stored
+files, checked to tile it exactly (``dcp_folder.check_tiling``); a piece stored
 twice at the same place (replicated) counts once, and must hold the same
 bytes both times: with no ``.metadata`` to give the full size, a piece that
 claimed another's place would otherwise hide a part of the tensor. What the files hold is a
@@ -19,7 +19,7 @@ flat ``name -> tensor`` state dict: the model's weights, or gradients saved
 that way (the ``--key`` rule's whole file), as for a flat DCP folder.
 
 ``clip`` holds each piece as a gradient of its own (``hold_gradient_pieces``,
-as ``dcp.hold_gradient_chunks`` holds a DCP folder's chunks) and writes every
+as ``dcp_folder.hold_gradient_chunks`` holds a DCP folder's chunks) and writes every
 file back as a safetensors file, the set switched in whole
 (``sink/sharded_set.py``): the same tensors in the same order, the same
 header metadata, ``DCP_SHARDING_INFO`` included, so the pieces stay where
@@ -43,7 +43,7 @@ from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.safetensors_file import read_header
 from gradclip_cli.source.interface import Checkpoint, Contents, Piece, StoredTensor
 
-from .dcp import check_tiling
+from .dcp_folder import check_tiling
 from .paths import inside
 
 KIND = "dcp-hf"
