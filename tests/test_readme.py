@@ -50,7 +50,7 @@ def run(command: str) -> str:
     with tempfile.TemporaryDirectory() as scratch:
         proc = subprocess.run(
             ["bash", "-c", command.replace("/tmp/", scratch + "/")], cwd=REPO, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
         )  # fmt: skip
         output = proc.stdout.replace(scratch + "/", "/tmp/")
     return "\n".join(line.rstrip() for line in output.rstrip("\n").splitlines())

@@ -62,7 +62,7 @@ def shell(script: str, cwd: Path, env: dict, flags: list[str]) -> subprocess.Com
     full = {**os.environ, **env,
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     return subprocess.run(["bash", "--noprofile", "--norc", *flags, "-c", script], cwd=cwd,
-                          env=full, capture_output=True, text=True, timeout=300)
+                          env=full, capture_output=True, text=True, timeout=900)
 
 
 # Each case starts gradclip four times (GitHub) or twice (GitLab): a pass and a
