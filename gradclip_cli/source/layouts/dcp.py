@@ -17,15 +17,14 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.interface import Contents, StoredTensor
 from gradclip_cli.source.locate import GRADIENT_KEYS
 
-from .dcp_folder import DcpFolder, read_folder, recognises, renamed
+from .dcp_folder import DcpFolder, hold_gradient_chunks, read_folder, recognises, renamed
 from .keys import OPTIMIZER_KEYS, WEIGHT_KEYS
 
-__all__ = ["KIND", "fill_gradients", "first_under", "is_dcp_set", "model_weights", "open",
-           "optimizer_tops", "recognises"]
+__all__ = ["KIND", "fill_gradients", "first_under", "model_weights", "open",
+           "optimizer_tops", "recognises", "write_back"]
 
 KIND = "dcp"
 _STEP_KEYS = ("step", "global_step")
@@ -138,6 +137,13 @@ def optimizer_tops(folder: DcpFolder) -> list[str]:
             if folder.holds_optimizer_state(t)]
 
 
-def is_dcp_set(contents: Contents) -> bool:
-    """Whether ``contents`` was read from a DCP folder (this layout, or one built on it)."""
-    return contents.index is not None and contents.index.name == METADATA_NAME
+def write_back(contents: Contents):
+    """For clip: every gradient chunk held as a gradient of its own (``hold_gradient_chunks``),
+    and the folder written back with each chunk's bytes patched into a copy of its file."""
+    from gradclip_cli.sink.dcp_set import chunk_patcher
+    from gradclip_cli.sink.write_back import SetWriteBack
+
+    chunks = hold_gradient_chunks(contents)
+    return SetWriteBack(contents, files=sorted({Path(c.file) for c in chunks}),
+                        tensor_count=len({c.name for c in chunks}),
+                        patch=chunk_patcher(chunks) if chunks else None)

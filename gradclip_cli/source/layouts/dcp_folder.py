@@ -266,13 +266,13 @@ class HeldChunk:
     tensor: torch.Tensor
 
 
-def hold_gradient_chunks(contents: Contents) -> None:
+def hold_gradient_chunks(contents: Contents) -> list[HeldChunk]:
     """Read every gradient chunk into memory, each as a gradient of its own, for clip.
 
     ``contents.gradients`` becomes one held tensor per chunk (a tensor in one
     chunk keeps its name; others are named ``name[offsets]``), each on a
     private mapping or its own copy, so scaling in place never reaches the
-    files. ``contents.chunks`` says where each chunk's storage lies, for the
+    files. The chunks returned say where each chunk's storage lies, for the
     sink to write the scaled bytes into a copy of the set. Every blob must hold
     exactly one stored storage, the chunk's (what ``dcp.save`` writes).
     """
@@ -295,7 +295,7 @@ def hold_gradient_chunks(contents: Contents) -> None:
             held[label] = StoredTensor.whole(label, value, piece.file)
             chunks.append(HeldChunk(name, piece.file, patch, value))
     contents.gradients = held
-    contents.chunks = chunks
+    return chunks
 
 
 def _stored(meta: DcpMetadata, key: str, entry: TensorEntry,

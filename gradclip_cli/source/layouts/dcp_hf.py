@@ -140,7 +140,7 @@ class HeldPiece:
     copies: tuple[Path, ...] = ()
 
 
-def hold_gradient_pieces(contents: Contents) -> None:
+def hold_gradient_pieces(contents: Contents) -> dict[str, HeldPiece]:
     """Make every gradient piece a gradient of its own, for clip.
 
     ``contents.gradients`` becomes one held tensor per piece (a tensor in one
@@ -149,8 +149,7 @@ def hold_gradient_pieces(contents: Contents) -> None:
     mappings, so scaling in place changes what the sink writes and never the
     files. A piece that another file holds too becomes that file's tensor as
     well (its bytes are the same, checked at open), so it is scaled once and
-    written to both. ``contents.held_pieces`` records each piece's tensor and
-    copies.
+    written to both. Returns each held piece's tensor and copies, by its name.
     """
     shards = {Path(s.path): s for s in contents.shards}
     held: dict[str, StoredTensor] = {}
@@ -165,7 +164,18 @@ def hold_gradient_pieces(contents: Contents) -> None:
                 shards[copy].root[name] = piece.held
             records[label] = HeldPiece(name, piece.copies)
     contents.gradients = held
-    contents.held_pieces = records
+    return records
+
+
+def write_back(contents: Contents):
+    """For clip: every gradient piece held as a gradient of its own
+    (``hold_gradient_pieces``), every shard written back as safetensors."""
+    from gradclip_cli.sink.write_back import SetWriteBack
+
+    pieces = hold_gradient_pieces(contents)
+    return SetWriteBack(contents, files=[Path(s.path) for s in contents.shards],
+                        tensor_count=len({p.name for p in pieces.values()}),
+                        pieces={label: p.copies for label, p in pieces.items()})
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
