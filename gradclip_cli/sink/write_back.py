@@ -28,8 +28,14 @@ class FileWriteBack:
     def copies(self, name: str) -> tuple[Path, ...]:
         return ()
 
-    def write(self, target: Path | str, *, in_place: bool, session=None,
-              owners: dict[str, int] | None = None) -> int:
+    def write(
+        self,
+        target: Path | str,
+        *,
+        in_place: bool,
+        session=None,
+        owners: dict[str, int] | None = None,
+    ) -> int:
         from gradclip_cli.sink import write_checkpoint
 
         return write_checkpoint(self.checkpoint, target)
@@ -59,18 +65,30 @@ class SetWriteBack:
     def copies(self, name: str) -> tuple[Path, ...]:
         return self.pieces.get(name, ())
 
-    def write(self, target: Path | str, *, in_place: bool, session=None,
-              owners: dict[str, int] | None = None) -> int:
+    def write(
+        self,
+        target: Path | str,
+        *,
+        in_place: bool,
+        session=None,
+        owners: dict[str, int] | None = None,
+    ) -> int:
         from gradclip_cli.sink import WRITERS
 
         if session is not None:
             from gradclip_cli.distributed.sets import write_set_by_ranks
 
-            write_set_by_ranks(session, self.contents, Path(target), WRITERS,
-                               in_place=in_place, owners=owners or {}, patch=self.patch)
+            write_set_by_ranks(
+                session,
+                self.contents,
+                Path(target),
+                WRITERS,
+                in_place=in_place,
+                owners=owners or {},
+                patch=self.patch,
+            )
         else:
             from gradclip_cli.sink.sharded_set import write_set
 
-            write_set(self.contents, Path(target), WRITERS, in_place=in_place,
-                      patch=self.patch)
+            write_set(self.contents, Path(target), WRITERS, in_place=in_place, patch=self.patch)
         return 0

@@ -16,15 +16,29 @@ from gradclip_cli.format import table
 from gradclip_cli.report import ClipReport, NonFinite
 from tests.cli.support import logical_lines
 
-NOTE = ("had 2 other hard links, which still hold the old bytes (the atomic replace gives "
-        "this name a new file)")
+NOTE = (
+    "had 2 other hard links, which still hold the old bytes (the atomic replace gives "
+    "this name a new file)"
+)
 
 
 def _report(path: str) -> ClipReport:
-    return ClipReport(source=path, output=path, format="torch-zip", key="grads",
-                      norm_type=2.0, max_norm=0.5, clip_value=None, total_norm_before=1.5,
-                      clip_coef=1 / 3, total_norm_after=0.5, clipped=True, num_tensors=2,
-                      nonfinite=NonFinite(0, 0, 0), other_links_unchanged=2)
+    return ClipReport(
+        source=path,
+        output=path,
+        format="torch-zip",
+        key="grads",
+        norm_type=2.0,
+        max_norm=0.5,
+        clip_value=None,
+        total_norm_before=1.5,
+        clip_coef=1 / 3,
+        total_norm_after=0.5,
+        clipped=True,
+        num_tensors=2,
+        nonfinite=NonFinite(0, 0, 0),
+        other_links_unchanged=2,
+    )
 
 
 @pytest.mark.parametrize("width", [80, 120])
