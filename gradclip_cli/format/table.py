@@ -61,6 +61,20 @@ def print_clip_summary(report: ClipReport, out: TextIO) -> None:
     table_layout.print_clip_summary(report, out)
 
 
+def print_trend_verdict(report: TrendReport, out: TextIO, err: TextIO | None) -> None:
+    """``trend -q``: the verdict line alone; each finding a plain line on ``err``."""
+    from . import table_layout
+
+    table_layout.print_trend_verdict(report, out, err)
+
+
+def print_compare_verdict(report: CompareReport, out: TextIO, err: TextIO | None) -> None:
+    """``compare -q``: the verdict line alone; each finding a plain line on ``err``."""
+    from . import table_layout
+
+    table_layout.print_compare_verdict(report, out, err)
+
+
 def render_trend(report: TrendReport, out: TextIO) -> None:
     from . import table_layout
 

@@ -221,7 +221,7 @@ def test_trainer_state_of_a_real_run_finds_the_injected_spike(gradclip, trainer_
     assert [p["step"] for p in doc["points"] if p["spike"]] == [SPIKE_STEP]
     # The newest point is healthy: the default --fail-on newest passes.
     r = gradclip("trend", trainer_state)
-    assert r.code == 0 and "1 earlier spike(s)" in unwrapped(r.out)
+    assert r.code == 0 and f"; earlier: 1 spike(s) (step {SPIKE_STEP})" in unwrapped(r.out)
 
 
 def test_trainer_state_and_checkpoints_mix_in_step_order(gradclip, tmp_path):
@@ -323,12 +323,25 @@ def test_trainer_checkpoints_other_moments_match_float64(gradclip, checkpointed_
         assert r.code == 1 and doc["points"][-1]["spike"]
 
 
-def test_trainer_checkpoints_auto_measures_exp_avg_and_says_so(gradclip, checkpointed_run):
-    last = checkpointed_run.output_dir / f"checkpoint-{checkpointed_run.steps}"
+def test_trainer_checkpoints_auto_measures_exp_avg_and_the_output_dir_its_log(
+        gradclip, checkpointed_run):
+    run = checkpointed_run
+    last = run.output_dir / f"checkpoint-{run.steps}"
     doc = gradclip("trend", last, "--format", "json").json()
     assert doc["what"] == "exp_avg" and doc["points"][0]["what"] == "exp_avg"
-    r = gradclip("trend", checkpointed_run.output_dir)
-    assert r.out.splitlines()[0].startswith(f"{checkpointed_run.steps} points, exp_avg, p=2")
+    r = gradclip("trend", *sorted(run.output_dir.glob("checkpoint-*")))
+    assert r.out.splitlines()[0].startswith(f"{run.steps} points, exp_avg, p=2")
+    # The output_dir holds as many steps of log_history as checkpoints: the log, which
+    # holds the gradients' own norms, is judged, and the checkpoints are named.
+    lines = logical_lines(gradclip("trend", run.output_dir).out)
+    assert lines[0].startswith(f"{run.steps} points, grads, p=2")
+    assert lines[1].startswith(f"judged: {run.output_dir / 'trainer_state.json'} (Trainer "
+                               "log_history grad_norm")
+    assert any(line.startswith("not judged: ") and "--what exp_avg trends the checkpoints"
+               in line for line in lines)
+    # This run trained with max_grad_norm=0: its moments saw every gradient.
+    assert any(line.startswith("clipping: the Trainer did not clip (max_grad_norm 0 ")
+               for line in lines)
 
 
 def test_trainer_run_state_finds_the_same_spike(gradclip, checkpointed_run):
@@ -348,7 +361,8 @@ def test_checkpoints_and_logs_of_different_kinds_are_refused(gradclip, checkpoin
                                                              tmp_path):
     run = checkpointed_run
     state = run.output_dir / "trainer_state.json"
-    r = gradclip("trend", run.output_dir, state, "--format", "json")
+    checkpoints = sorted(run.output_dir.glob("checkpoint-*"))
+    r = gradclip("trend", *checkpoints, state, "--format", "json")
     assert r.code == 2 and len(r.err_lines) == 1
     assert "measures exp_avg" in r.err and "measures grads" in r.err and str(state) in r.err
     assert_no_report(r)

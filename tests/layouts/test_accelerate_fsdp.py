@@ -101,10 +101,9 @@ def test_no_gradients_says_what_to_measure(gradclip, accelerate_fsdp_run):
     result = gradclip("inspect", folder, "--what", "grads")
     assert result.code == 3
     assert result.err_lines == [
-        f"gradclip: {folder}: --what grads: an accelerate FSDP checkpoint holds no gradients "
-        "(the optimizer's moments stand in for them: --what exp_avg); it holds optimizer state "
-        "exp_avg, exp_avg_sq; available: --what exp_avg, --what grad_rms, --what update, "
-        "--what weights"]
+        f"gradclip: {folder}: --what grads: an accelerate FSDP checkpoint holds no gradients; "
+        "it holds AdamW state (exp_avg, exp_avg_sq); available: --what exp_avg, "
+        "--what grad_rms, --what update, --what weights"]
     result = gradclip("clip", folder, "--max-norm", "1")
     assert result.code == 3 and len(result.err_lines) == 1
     assert sorted(os.listdir(folder.parent)) == ["checkpoint-1", "checkpoint-2"]

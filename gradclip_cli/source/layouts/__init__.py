@@ -21,6 +21,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.interface import Contents, Layout, WriteBack
+from gradclip_cli.source.roles import settle
 
 from . import (
     accelerate_fsdp,
@@ -30,14 +31,20 @@ from . import (
     hf_sharded,
     hf_trainer,
     lightning,
+    megatron,
+    olmo_core,
     single_file,
+    torchtitan,
 )
 
 LAYOUTS: tuple[Layout, ...] = (
+    megatron,  # its folders hold a DCP folder and common.pt: before any flat mapping
     deepspeed,
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     hf_trainer,
     hf_sharded,
+    olmo_core,
+    torchtitan,  # a DCP folder laid out torchtitan's way: before dcp
     lightning,  # a sharded Lightning folder is a DCP folder with meta.pt: before dcp
     dcp,
     dcp_hf,
@@ -55,7 +62,7 @@ def open_checkpoint(
     path = Path(path)
     for layout in LAYOUTS:
         if layout.recognises(path):
-            return layout.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
+            return settle(layout.open(path, key=key, trust_pickle=trust_pickle, verify=verify))
     if os.path.isdir(path):
         indexes = sorted(n for n in os.listdir(path) if n.endswith(hf_sharded.INDEX_SUFFIX))
         if len(indexes) > 1:
@@ -85,8 +92,8 @@ def write_back(contents: Contents) -> WriteBack | None:
 
 def open_file(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     """One checkpoint file: a framework's own file (a Lightning ``.ckpt``, recognised by its
-    keys) or a plain one (``single_file``)."""
+    keys) or a plain one (``single_file``), its roles settled."""
     ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
     if lightning.claims(ckpt.root):
-        return lightning.contents(ckpt, key=key)
-    return single_file.contents_of(ckpt, key=key)
+        return settle(lightning.contents(ckpt, key=key))
+    return settle(single_file.contents_of(ckpt, key=key))

@@ -60,12 +60,12 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             "give the folder of the one to read")
     contents = Contents(path=path, kind=KIND)
     contents.step = hf_trainer.global_step(path)
-    model = _read_part(path, models[0], verify=verify)
+    model = _read_part(path, models[0], verify=verify, trust_pickle=trust_pickle)
     contents.weights = dcp.model_weights(model)
     contents.files += model.files
     optimizers = _parts(path, _OPTIMIZER)
     for name in optimizers:
-        part = _read_part(path, name, verify=verify)
+        part = _read_part(path, name, verify=verify, trust_pickle=trust_pickle)
         tops = dcp.optimizer_tops(part)
         if not tops:
             raise InputError(f"{path / name / METADATA_NAME}: holds no optimizer state")
@@ -74,9 +74,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     if key is not None:
         dcp.fill_gradients(contents, model, key)
     else:
-        contents.gradient_error = (
-            f"{path}: an accelerate FSDP checkpoint holds no gradients (the optimizer's "
-            "moments stand in for them: --what exp_avg)")
+        contents.gradient_error = f"{path}: an accelerate FSDP checkpoint holds no gradients"
     if os.path.exists(path / hf_trainer.STATE):
         contents.files.append(path / hf_trainer.STATE)
     step = f" at global_step {contents.step}" if contents.step is not None else ""
@@ -88,6 +86,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     return contents
 
 
-def _read_part(path: Path, name: str, *, verify: bool) -> DcpFolder:
+def _read_part(path: Path, name: str, *, verify: bool, trust_pickle: bool) -> DcpFolder:
     """One of the checkpoint's DCP folders (checked to stay inside it), read and checked."""
-    return read_folder(inside(path, name, named_by=path), verify=verify)
+    return read_folder(inside(path, name, named_by=path), verify=verify,
+                       trust_pickle=trust_pickle)

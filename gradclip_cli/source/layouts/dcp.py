@@ -19,22 +19,22 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import Contents, StoredTensor
 from gradclip_cli.source.locate import GRADIENT_KEYS
+from gradclip_cli.source.vocabulary import OPTIMIZER_KEYS, STEP_KEYS, WEIGHT_KEYS
 
 from .dcp_folder import DcpFolder, hold_gradient_chunks, read_folder, recognises, renamed
-from .keys import OPTIMIZER_KEYS, WEIGHT_KEYS
 
 __all__ = ["KIND", "fill_gradients", "first_under", "model_weights", "open",
            "optimizer_tops", "recognises", "write_back"]
 
 KIND = "dcp"
-_STEP_KEYS = ("step", "global_step")
+_STEP_KEYS = STEP_KEYS
 _LIGHTNING_OPTIMIZER = re.compile(r"optimizer_\d+")
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
-    folder = read_folder(path, verify=verify)
+    folder = read_folder(path, verify=verify, trust_pickle=trust_pickle)
     contents = Contents(path=path, kind=KIND, files=folder.files, index=folder.metadata_file,
-                        folder=folder.folder)
+                        folder=folder.folder, trusted_pickle=folder.trusted)
     contents.weights = first_under(folder, WEIGHT_KEYS)
     fill_gradients(contents, folder, key)
     for name in optimizer_tops(folder):

@@ -70,6 +70,7 @@ from gradclip_cli.source.files.verify import verify_torch_zip
 from gradclip_cli.source.files.weights_pickle import Outside
 from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
 
+from . import tiling
 from .paths import inside
 
 __all__ = ["DcpFolder", "HeldChunk", "METADATA_NAME", "check_tiling", "hold_gradient_chunks",
@@ -98,6 +99,7 @@ class DcpFolder:
     data_files: dict[str, Path]  # relative name in .metadata -> the file
     tensors: dict[str, StoredTensor]  # flattened key -> its chunks
     paths: dict[str, tuple]  # flattened key -> its path in the saved state dict
+    trusted: bool = False  # .metadata was read with --trust-pickle (full unpickling)
 
     @property
     def files(self) -> list[Path]:
@@ -141,14 +143,16 @@ class DcpFolder:
         return _step(self.meta, key, self.tensors, self.data_files)
 
 
-def read_folder(path: Path, *, verify: bool = False) -> DcpFolder:
+def read_folder(path: Path, *, verify: bool = False, trust_pickle: bool = False) -> DcpFolder:
     """Read a DCP folder (or its ``.metadata`` given itself) and check its layout.
 
-    ``verify``: also check every blob's stored CRC32s (``--verify``). Every
-    failure is an ``InputError`` naming the file.
+    ``verify``: also check every blob's stored CRC32s (``--verify``);
+    ``trust_pickle``: as ``files/dcp_metadata`` takes it. Every failure is an
+    ``InputError`` naming the file.
     """
     meta_file = path / METADATA_NAME if os.path.isdir(path) else path
-    meta = read_dcp_metadata(meta_file)
+    meta = read_dcp_metadata(meta_file, meta_file.parent if os.path.isdir(path) else None,
+                             trust_pickle=trust_pickle)
     files = _files(meta, meta_file.parent)
     _check_byte_ranges(meta, files)
     if verify:
@@ -158,7 +162,7 @@ def read_folder(path: Path, *, verify: bool = False) -> DcpFolder:
     tensors = {k: _stored(meta, k, e, files) for k, e in meta.entries.items()
                if isinstance(e, TensorEntry)}
     paths = {k: meta.paths.get(k, (k,)) for k in meta.entries}
-    return DcpFolder(meta_file, meta_file.parent, meta, files, tensors, paths)
+    return DcpFolder(meta_file, meta_file.parent, meta, files, tensors, paths, meta.trusted)
 
 
 def renamed(tensor: StoredTensor, name: str) -> StoredTensor:
@@ -230,20 +234,19 @@ def check_tiling(where: Path, key: str, size, boxes) -> None:
         if any(o + s > n for o, s, n in zip(offsets, sizes, size)):
             raise InputError(f"{where}: a chunk of {shown} at {list(offsets)} "
                              f"reaches past the tensor's size {list(size)}")
-    live = sorted((tuple(o), tuple(s)) for o, s in boxes if math.prod(s))
-    # Sweep along the first dimension: only chunks that start before one ends can meet it.
-    for i, (a_off, a_size) in enumerate(live):
-        for b_off, b_size in live[i + 1:]:
-            if a_off and b_off[0] >= a_off[0] + a_size[0]:
-                break
-            if all(max(ao, bo) < min(ao + asz, bo + bsz) for ao, asz, bo, bsz
-                   in zip(a_off, a_size, b_off, b_size)):
-                raise InputError(f"{where}: chunks of {shown} at {list(a_off)} and "
-                                 f"{list(b_off)} overlap")
-    covered = sum(math.prod(s) for _, s in live)
-    if covered != math.prod(size):
-        raise InputError(f"{where}: the chunks of {shown} cover {covered} of its "
-                         f"{math.prod(size)} elements (a gap)")
+    try:
+        tiling.check(size, boxes)  # O(n log n): see layouts/tiling.py
+    except tiling.Overlap as overlap:
+        if overlap.pair is None:
+            raise InputError(f"{where}: chunks of {shown} overlap (they hold "
+                             f"{sum(math.prod(s) for _, s in boxes)} elements of its "
+                             f"{math.prod(size)})") from None
+        (a_off, _), (b_off, _) = overlap.pair
+        raise InputError(f"{where}: chunks of {shown} at {list(a_off)} and "
+                         f"{list(b_off)} overlap") from None
+    except tiling.Gap as gap:
+        raise InputError(f"{where}: the chunks of {shown} cover {gap.covered} of its "
+                         f"{math.prod(size)} elements (a gap)") from None
 
 
 # --------------------------------------------------------------------- reading

@@ -33,6 +33,7 @@ from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.interface import Checkpoint, Contents, stored
 
 from . import dcp
+from .paths import member
 from .single_file import fill_from_root
 from .torch_optim import optimizer_state
 
@@ -49,7 +50,7 @@ def recognises(path: Path) -> bool:
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     """A sharded ``.ckpt`` folder: the DCP checkpoint, with the step from ``meta.pt``."""
     out = dcp.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
-    meta_file = path / META
+    meta_file = member(path, META)
     meta = load_checkpoint(meta_file, trust_pickle=trust_pickle, verify=verify)
     if not isinstance(meta.root, Mapping):
         raise InputError(f"{meta_file}: not Lightning's checkpoint metadata: holds a "

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
+from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.small_file import read_small_file
 
 
 @dataclass(frozen=True)
@@ -35,11 +37,15 @@ class LogKind:
     read: Callable[[Path], list[LoggedNorms]]
 
 
-def read_text(path: Path) -> str:
+# A log is read whole; a million monitor steps are some 300 MB.
+MAX_LOG_BYTES = 1 << 30
+
+
+def read_text(path: Path, what: str) -> str:
+    """A log's text, read by the one small-file reader (a regular file, bounded)."""
+    data = read_small_file(path, limit=MAX_LOG_BYTES, what=what)
     try:
-        return path.read_text(encoding="utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise InputError(f"{path}: not UTF-8 text (byte {error.start})") from None
-    except OSError as error:
-        raise InputError(f"{path}: cannot read: {error.strerror or error}") from None
+        raise InputError(f"{visible(str(path))}: not UTF-8 text (byte {error.start})") from None
 
