@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.source.layouts import tiling
-from gradclip_cli.source.layouts.dcp import check_tiling
+from gradclip_cli.source.layouts.dcp_folder import check_tiling
 
 WHERE = Path("ckpt/.metadata")
 

@@ -68,6 +68,12 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     return out
 
 
+def write_back(contents: Contents):
+    """For clip: a sharded folder is written back as the DCP folder it is (a ``.ckpt`` file
+    as a file, as ``layouts.write_back`` does for any)."""
+    return dcp.write_back(contents)
+
+
 def _global_step(root: Mapping, path: Path) -> int | None:
     step = root.get("global_step")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
