@@ -261,7 +261,7 @@ def test_help_names_every_metavar():
                   "--output-file FILE", "--max-norm FLOAT", "--group-by RULE", "--top N",
                   "-q, --quiet", "--no-progress"):
         assert shown in text, shown
-    # typer prints the positional argument's type after its name; every option is named.
+    # No Python type shows after a name; every option is named by its metavar.
     options = text.split("Options:", 1)[1]
     for raw in ("<str>", "<int range>", "<path>", "{path}"):
         assert raw not in options, raw
