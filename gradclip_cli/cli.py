@@ -115,7 +115,7 @@ FAILURE_FORMATS = ("json", "junit", "github", "markdown")
 
 def _report_error(message: str, code: int, *, format: str | None, source: object,
                   command: str = "gradclip", output_file: Path | None = None,
-                  inputs: tuple[str, ...] = ()) -> None:
+                  inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = ()) -> None:
     """One line on stderr; with a CI format also that format's failure document.
 
     ``--format json`` prints the contract's ``gradclip.error/1`` object,
@@ -140,11 +140,12 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
     from .report.model import FailureReport
 
     failure = FailureReport(command=command, message=message, exit_code=code,
-                            source=None if source is None else str(source))
+                            source=None if source is None else str(source),
+                            file=inputs[0] if len(inputs) == 1 else None)
     buffer = io.StringIO()
     FORMATS[format].render_error(failure, buffer)
     document = buffer.getvalue()
-    if output_file is not None and _may_hold_the_failure(output_file, inputs):
+    if output_file is not None and _may_hold_the_failure(output_file, (*inputs, *outputs)):
         from .sink.atomic import atomic_write
 
         try:
@@ -205,7 +206,8 @@ def _command(name: str):
 
 
 def _run(body, *, command: str, debug: bool, format: str | None = None, source: object = None,
-         output_file: Path | None = None, inputs: tuple[str, ...] = ()) -> None:
+         output_file: Path | None = None, inputs: tuple[str, ...] = (),
+         outputs: tuple[str, ...] = ()) -> None:
     """Run a command body, turning every error into one line and an exit code.
 
     Under a launcher every rank ends with the same code and rank 0 alone
@@ -215,7 +217,7 @@ def _run(body, *, command: str, debug: bool, format: str | None = None, source: 
     code, message, speaks = _settle(failed, code, message)
     if message is not None and speaks:
         _report_error(message, code, format=format, source=source, command=command,
-                      output_file=output_file, inputs=inputs)
+                      output_file=output_file, inputs=inputs, outputs=outputs)
     raise click.exceptions.Exit(code)
 
 
@@ -322,7 +324,8 @@ def clip(path, max_norm, clip_value, output, in_place, key, norm_type, device, f
         )
 
     _run(body, command="clip", debug=debug, format=format, source=path,
-         output_file=_output_file(output_file), inputs=(path, *([output] if output else [])))
+         output_file=_output_file(output_file), inputs=(path,),
+         outputs=(output,) if output else ())
 
 
 @app.command(context_settings=CONTEXT, help="Norms over a run, oldest to newest; flags "
@@ -357,7 +360,8 @@ def trend(paths, what, group_by, z, alpha, warmup, fail_on, plot, key, norm_type
         )
 
     _run(body, command="trend", debug=debug, format=format, source=" ".join(paths),
-         output_file=_output_file(output_file), inputs=(*paths, *([plot] if plot else [])))
+         output_file=_output_file(output_file), inputs=tuple(paths),
+         outputs=(plot,) if plot else ())
 
 
 @app.command(context_settings=CONTEXT, help="Per-group norms of A and B side by side with "
@@ -396,7 +400,7 @@ def _requested_format(argv: list[str]) -> str | None:
     return found
 
 
-def _given_source(ctx: click.Context, args: list[str]) -> str | None:
+def _given_inputs(ctx: click.Context, args: list[str]) -> tuple[str, ...]:
     """The PATH (or paths) of a command line that failed to parse, for the error document.
 
     click reads arguments after options, so a bad option value stops it before
@@ -407,15 +411,15 @@ def _given_source(ctx: click.Context, args: list[str]) -> str | None:
         probe = ctx.command.make_context(ctx.info_name, rest, parent=ctx.parent,
                                          resilient_parsing=True)
     except Exception:  # noqa: BLE001 (best effort: the error itself is what is reported)
-        return None
+        return ()
     params = probe.params
     if params.get("path"):
-        return params["path"]
+        return (params["path"],)
     if params.get("paths"):
-        return " ".join(params["paths"])
+        return tuple(params["paths"])
     if params.get("a") and params.get("b"):
-        return f"{params['a']} {params['b']}"
-    return None
+        return (params["a"], params["b"])
+    return ()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -455,9 +459,10 @@ def _main(argv: list[str] | None) -> None:
             sys.exit(2)
         where = ctx.command_path if ctx is not None else PROG
         command = ctx.info_name if ctx is not None and ctx.parent is not None else PROG
-        source = _given_source(ctx, args) if command != PROG else None
+        inputs = _given_inputs(ctx, args) if command != PROG else ()
         _report_error(f"{error.format_message()} (see '{where} --help')", 2,
-                      format=_requested_format(args), source=source, command=command)
+                      format=_requested_format(args), source=" ".join(inputs) or None,
+                      command=command, inputs=inputs)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -72,5 +72,5 @@ def render_compare(report: CompareReport, out: TextIO) -> None:
 def render_error(failure: FailureReport, out: TextIO) -> None:
     """One ``::error`` naming the input (when known), so the job's annotations say why
     it has no report."""
-    file = {"file": failure.source} if failure.source else {}
+    file = {"file": failure.file} if failure.file else {}
     out.write(command("error", failure.message, **file, title=f"gradclip: {failure.title}"))
