@@ -23,7 +23,7 @@ import click
 from click.shell_completion import get_completion_class
 
 from . import values as V
-from .errors import GradclipError
+from .errors import REPORT_FILE_FLAG, GradclipError
 
 # torch warns on import when numpy is absent; gradclip never needs numpy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -145,7 +145,10 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
     buffer = io.StringIO()
     FORMATS[format].render_error(failure, buffer)
     document = buffer.getvalue()
-    if output_file is not None and _may_hold_the_failure(output_file, (*inputs, *outputs)):
+    # An error about --output-file itself is never written there, nor is any failure
+    # written onto an input: stdout instead.
+    if (output_file is not None and not message.startswith(REPORT_FILE_FLAG)
+            and _may_hold_the_failure(output_file, (*inputs, *outputs))):
         from .sink.atomic import atomic_write
 
         try:
@@ -439,6 +442,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def _main(argv: list[str] | None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    from .distributed import launcher
+
+    launcher.set_command_line(args)  # under a launcher, every rank's must be the same
     if "--debug" not in args:
         # A damaged file can make CPython complain while freeing what torch's
         # unpickler built ("deallocated bytearray object has exported buffers");

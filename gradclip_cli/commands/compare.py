@@ -20,13 +20,15 @@ def run(
     norm_type: str, device: str, format: str, trust_pickle: bool, verify: bool, quiet: bool,
     output_file: Path | None, progress: bool = True,
 ) -> int:
+    # First: an error document (--format json) goes to --output-file too.
+    options.report_file(output_file, reads=[a, b])
     check_what(what)
     limit = values.ratio_limit("--fail-above", fail_above)
     p = options.norm_type(norm_type)
     dev = options.device(device)
     fmt = output_format(format)
     rule = parse_group_by(group_by)
-    session = launcher.join(dev, device)
+    session = launcher.join(dev, device, [a, b])
     if session is not None:
         dev = session.device
     how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session, what)

@@ -22,13 +22,14 @@ def run(
     trust_pickle: bool, quiet: bool, output_file: Path | None, what: str = "auto",
     progress: bool = True,
 ) -> int:
+    # First: an error document (--format json) goes to --output-file too.
+    options.report_file(output_file, reads=[path])
     p = options.norm_type(norm_type)
     threshold = options.threshold("--max-norm", max_norm, allow_zero=True)
     dev = options.device(device)
     fmt = output_format(format)
     rule = parse_group_by(group_by)
-    options.report_file(output_file)
-    session = launcher.join(dev, device)
+    session = launcher.join(dev, device, [path])
     if session is not None:
         dev = session.device
     with progress_steps(not progress or not speaks()) as steps:
@@ -39,6 +40,7 @@ def run(
             if hint is None:
                 raise
             raise InputError(f"{error}; {hint}") from None
+        options.report_file(output_file, reads=loaded.contents.files)
         # inspect never writes a tensor, so pages read can go back at once:
         # resident memory stays flat whatever the file's size.
         release = Releasers(loaded.contents.files)
@@ -54,7 +56,9 @@ def run(
         key=loaded.key, device=str(dev), max_norm=threshold,
         allow_nonfinite=allow_nonfinite, group_by=group_by, skipped=loaded.skipped,
         what=selection.what, step=contents.step,
-        description=[*contents.description, f"measured: {selection.explain}"],
+        description=[*contents.description, f"measured: {selection.measured}"],
+        measured={"what": selection.what, "explain": selection.explain,
+                  "evidence": selection.evidence},
         weight_sums=weight_sums,
     )
     if quiet and format == "table":
@@ -75,7 +79,7 @@ _SCANNED = 1000  # children looked at for a hint; a refusal never waits on a hug
 
 
 def _is_log(path: Path) -> bool:
-    from ..source.logs import log_kind
+    from ..source.logs.recognise import log_kind
 
     try:
         regular = stat.S_ISREG(os.stat(path).st_mode)
@@ -95,6 +99,10 @@ def trend_hint(path: str) -> str | None:
     if _is_log(p):
         what = "a log of gradient norms over steps"
     elif p.is_dir():
+        from ..source.layouts import LAYOUTS
+
+        if any(layout.recognises(p) for layout in LAYOUTS):
+            return None  # a checkpoint: its own refusal says what it holds
         try:
             children = [c for _, c in zip(range(_SCANNED), p.iterdir())]
         except OSError:

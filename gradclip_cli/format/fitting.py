@@ -93,7 +93,8 @@ class Column:
     justify: str = "right"
     drop: int = 0  # 0: always shown; else dropped in increasing order when space is short
     name: bool = False  # cells may be shortened in the middle (the widest name first)
-    wrap_at: str | None = None  # cells may break into lines after this separator
+    wrap_at: str | None = None  # cells may break into lines after this separator (with
+    # ``name``: a list of names, each on its own line before any is shortened)
 
 
 def plain(cell: Cell) -> str:
@@ -176,10 +177,13 @@ class Fitted:
         """``cell`` as drawn in ``col``: a name shortened, a wrapping cell broken into lines
         (as a ``str``: the drawer keeps a styled cell's style), anything else as it is."""
         w = self.width(col)
+        if col.wrap_at is not None and cell_width(cell) > w:
+            lines = wrapped(cell, col.wrap_at, w).split("\n")
+            if col.name:  # a list of names: one per line where it fits, each shortened
+                lines = [shorten(line, w) for line in lines]
+            return "\n".join(lines)
         if col.name and isinstance(cell, str):
             return shorten(cell, w)
-        if col.wrap_at is not None and cell_width(cell) > w:
-            return wrapped(cell, col.wrap_at, w)
         return cell
 
 
@@ -198,7 +202,7 @@ def fit(columns: list[Column], width: int, shorten_first: bool = False) -> Fitte
     for col in shown:  # still short: break cells that may break (after a separator)
         if room >= least_names:
             break
-        if col.wrap_at is not None:
+        if col.wrap_at is not None and not col.name:  # (a name column gives below)
             give = min(widths[id(col)] - _narrowest(col), least_names - room)
             widths[id(col)] -= give
             room += give

@@ -62,6 +62,8 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
 def render_trend(report: TrendReport, out: TextIO) -> None:
     # Each finding names its point's own file; the notice, the newest point's.
     newest = report.points[-1].source if report.points else ""
+    for note in report.notes:  # where each series of a run folder came from
+        out.write(command("notice", note, title="gradclip trend: run folder"))
     _write(out, newest, F.trend_findings(report), trend_verdict(report))
 
 

@@ -45,6 +45,7 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
         "format": report.format,
         "step": report.step,
         "description": list(report.description),
+        "measured": dict(report.measured),
         "key": report.key,
         "device": report.device,
         "norm_type": number(report.norm_type),
@@ -125,6 +126,19 @@ def trend_document(report: TrendReport) -> dict[str, Any]:
             for p in report.points
         ],
         "status": report.status,
+        # Where the points came from when a run folder held several series (extras).
+        "series": [
+            {"source": s.source, "kind": s.kind, "points": s.points, "per_group": s.per_group,
+             "judged": s.judged, "why_not": s.why_not}
+            for s in report.series
+        ],
+        "clipping": [
+            {"source": c.source, "max_grad_norm": number(c.max_grad_norm),
+             "clipped": None if c.max_grad_norm is None else c.max_grad_norm > 0,
+             "note": c.note}
+            for c in report.clipping
+        ],
+        "notes": list(report.notes),
     }
 
 

@@ -41,7 +41,7 @@ def xml_text(text: object) -> str:
 
 
 def _suite(name: str, cases: Iterable[str], found: list[F.Finding], summary: str,
-           details: dict[str, str] | None = None) -> ET.Element:
+           details: dict[str, str] | None = None, notes: Iterable[str] = ()) -> ET.Element:
     """The document; ``details`` gives some testcases a ``<system-out>`` line (their norm)."""
     names = list(dict.fromkeys([*cases, *(f.series for f in found)]))
     errors = {n: [f for f in found if f.series == n and f.severity == F.ERROR] for n in names}
@@ -60,8 +60,8 @@ def _suite(name: str, cases: Iterable[str], found: list[F.Finding], summary: str
         if details and n in details:
             ET.SubElement(case, "system-out").text = xml_text(details[n])
     out = ET.SubElement(suite, "system-out")
-    out.text = "\n".join([xml_text(summary), *(xml_text(f"warning: {w.title}: {w.message}")
-                                               for w in warnings)])
+    out.text = "\n".join([xml_text(summary), *(xml_text(note) for note in notes),
+                           *(xml_text(f"warning: {w.title}: {w.message}") for w in warnings)])
     return root
 
 
@@ -91,8 +91,9 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
 
 
 def render_trend(report: TrendReport, out: TextIO) -> None:
+    # The notes (where each series of a run folder came from) follow the verdict.
     _write(_suite("gradclip trend", [F.TOTAL, *report.groups], F.trend_findings(report),
-                  trend_verdict(report)), out)
+                  trend_verdict(report), notes=report.notes), out)
 
 
 def render_compare(report: CompareReport, out: TextIO) -> None:

@@ -137,6 +137,8 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
     out.write(f"{len(report.points)} points, {escape(report.what)}, "
               f"p={escape(fmt_p(report.norm_type))}; spike: z \\> {report.z_threshold:g} "
               f"(alpha {report.alpha:g}, warmup {report.warmup})\n\n")
+    if report.notes:  # where each series of a run folder came from
+        out.write("".join(f"- {escape(note)}\n" for note in report.notes) + "\n")
     shown = points_to_show(report)
     rows = []
     for p in shown:

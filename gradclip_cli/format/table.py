@@ -324,6 +324,8 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
                  f"{len(report.points)} points, {report.what}, p={fmt_p(report.norm_type)}, "
                  f"groups by {visible(report.group_by)}; spike: z > {report.z_threshold:g} "
                  f"(alpha {report.alpha:g}, warmup {report.warmup})")
+    for note in report.notes:  # where each series of a run folder came from
+        _print_prose(console, visible(note))
     shown = points_to_show(report)
     columns = [
         Column("step", ["-" if p.step is None else str(p.step) for p in shown]),
@@ -332,7 +334,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
         Column("z", [z_text(p.z) for p in shown]),
         Column("", [_point_verdict(p) for p in shown], justify="left"),
         Column("spiking groups", [point_groups(p) for p in shown], justify="left", name=True,
-               drop=1),
+               wrap_at=", ", drop=1),
     ]
     _print_table(console, _fit_table("points (oldest first)", columns, width,
                                      shorten_first=True))

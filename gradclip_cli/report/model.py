@@ -71,6 +71,9 @@ class InspectReport:
     what: str = "grads"  # what was measured (--what, resolved)
     step: int | None = None  # the training step, when the checkpoint records it
     description: list[str] = field(default_factory=list)  # lines for the header
+    # What was measured and the evidence for each role (source/roles.py), for scripts:
+    # {"what": ..., "evidence": "a state_dict: torch's _metadata"}.
+    measured: dict[str, str] = field(default_factory=dict)
     # A finite total beyond float64's range: total_norm is inf, log10 says how far.
     overflow: bool = False
     total_norm_log10: float | None = None

@@ -9,7 +9,7 @@ import torch
 
 from tests.schemas import validate
 
-from .support import as_float, assert_no_report, ref_norm, rel_err
+from .support import as_float, assert_no_report, logical_lines, ref_norm, rel_err
 from .test_cli_trend import LAYERS, layer_grads
 
 
@@ -52,7 +52,7 @@ def test_fail_above_flags_ratios_beyond_r_or_below_its_inverse(gradclip, tmp_pat
     pair(tmp_path, {"transformer.h.1": 8.0, "transformer.h.2": 0.5})
     r = gradclip("compare", tmp_path / "a.pt", tmp_path / "b.pt", "--fail-above", limit)
     assert r.code == code, r.out
-    last = r.out.splitlines()[-1]
+    last = logical_lines(r.out)[-1]
     assert last.endswith(f"(exit {code})")
     if code:
         assert "transformer.h.1" in last and "transformer.h.2" not in last

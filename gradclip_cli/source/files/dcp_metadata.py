@@ -42,6 +42,8 @@ __all__ = ["Chunk", "DcpMetadata", "Location", "TensorEntry", "looks_like_dcp_me
 METADATA_NAME = ".metadata"
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
+_PLANNER_MODULE = "torch.distributed.checkpoint.planner"
+_MEGATRON_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
 # A 70B model's metadata is a few MB; anything far larger is not one.
 MAX_METADATA_BYTES = 1 << 30
 
@@ -94,6 +96,7 @@ class DcpMetadata:
     locations: dict[tuple[str, tuple[int, ...] | None], Location]
     paths: dict[str, tuple[str | int, ...]]
     version: str | None
+    trusted: bool = False  # read with --trust-pickle's full unpickling
 
 
 # --------------------------------------------------------------------- what the pickle builds
@@ -154,6 +157,20 @@ class _StorageInfo(_Record):
     __slots__ = ()
 
 
+class _SavePlan(_Record):
+    """A rank's plan (``planner.SavePlan``; Megatron's ``MCoreSavePlan``), kept in
+    ``all_local_plans`` by Megatron's torch_dist writer: inert, never read."""
+
+    __slots__ = ()
+
+
+def _write_item_type(*args):
+    # WriteItemType(value): TENSOR, SHARD, BYTE_IO.
+    if len(args) != 1 or type(args[0]) is not int or args[0] not in (1, 2, 3):
+        raise Outside("unexpected WriteItemType arguments")
+    return args[0]
+
+
 class _Layout:
     __slots__ = ("name",)
 
@@ -190,7 +207,17 @@ _CLASSES = {
     (_METADATA_MODULE, "StorageMeta"): _StorageMeta,
     (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): _memory_format,
     (_FILESYSTEM_MODULE, "_StorageInfo"): _StorageInfo,
+    # OLMo-core's own storage writer records the same three fields in a class of its own.
+    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch.serialization", "_get_layout"): _get_layout,
+    # Megatron's torch_dist writer keeps every rank's save plan in the metadata
+    # (``all_local_plans``); older ones wrote its own subclasses of DCP's records.
+    (_PLANNER_MODULE, "SavePlan"): _SavePlan,
+    (_PLANNER_MODULE, "WriteItem"): _SavePlan,
+    (_PLANNER_MODULE, "TensorWriteData"): _SavePlan,
+    (_PLANNER_MODULE, "WriteItemType"): _write_item_type,
+    (_MEGATRON_MODULE, "MCoreSavePlan"): _SavePlan,
+    (_MEGATRON_MODULE, "MCoreMetadata"): _Metadata,
     **{("pathlib", name): _path
        for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")},
 }
@@ -204,26 +231,36 @@ def looks_like_dcp_metadata(head: bytes) -> bool:
     return pickle_protocol(head) is not None and _METADATA_MODULE.encode() in head[:256]
 
 
-def read_dcp_metadata(path: Path) -> DcpMetadata:
+def read_dcp_metadata(path: Path, folder: Path | None = None, *,
+                      trust_pickle: bool = False) -> DcpMetadata:
     """Read and check ``path`` (a ``.metadata`` file); ``InputError`` naming it otherwise.
 
+    ``folder``: the checkpoint's folder when the layout found the file in it (its
+    real path must stay inside, ``small_file``'s rule); None for a file the user named.
+
     A pickle that imports anything outside the records above is refused
-    (``UnsafeCheckpointError``) before anything it names is called.
+    (``UnsafeCheckpointError``) before anything it names is called, unless
+    ``trust_pickle``: then it is unpickled in full (as DCP's own
+    ``read_metadata`` does, running what it names) and the objects it builds
+    are read field by field into the same checked records.
     """
     if os.path.isdir(path):
         raise InputError(f"{path}: is a directory, not DCP metadata")
-    data = read_small_file(path, limit=MAX_METADATA_BYTES, what="DCP metadata")
+    data = read_small_file(path, limit=MAX_METADATA_BYTES, what="DCP metadata", folder=folder)
     if pickle_protocol(data) is None:
         raise InputError(f"{path}: not DCP metadata: not a pickle")
     try:
         with allowing(_CLASSES):
             root = run_restricted(lambda _: unpickle(io.BytesIO(data)))
     except Outside as outside:
+        if outside.unsafe and trust_pickle:
+            return _trusted(path, data)
         if outside.unsafe:
             what = f" (it references {outside.culprit})" if outside.culprit else ""
             raise UnsafeCheckpointError(
                 f"{path}: refused: DCP metadata that names code outside DCP's own records{what}; "
-                "nothing from it was run") from None
+                "nothing from it was run; pass --trust-pickle only if you trust its "
+                "source") from None
         raise InputError(f"{path}: not readable DCP metadata: {_short(str(outside))}") from None
     try:
         return _checked(path, root)
@@ -266,7 +303,11 @@ def _int(value, what: str) -> int:
 def _checked(path: Path, root) -> DcpMetadata:
     fields = _fields(root, _Metadata, "the top level",
                      ("state_dict_metadata", "planner_data", "storage_data", "storage_meta",
-                      "version"))
+                      "version", "all_local_plans", "mcore_data"))
+    plans = fields.get("all_local_plans")
+    if plans is not None and (type(plans) is not list
+                              or any(type(plan) is not _SavePlan for plan in plans)):
+        raise _Bad("all_local_plans is not a list of save plans")
     items = fields.get("state_dict_metadata")
     if type(items) is not dict:
         raise _Bad("state_dict_metadata is not a dict")
@@ -365,6 +406,66 @@ def _location(fqn: str, info) -> Location:
                    "gradclip reads plain torch.save chunks only")
     return Location(name, _int(fields.get("offset"), f"{what} offset"),
                     _int(fields.get("length"), f"{what} length"))
+
+
+def _trusted(path: Path, data: bytes) -> DcpMetadata:
+    """``--trust-pickle``: the metadata unpickled in full, read into gradclip's records."""
+    import pickle
+
+    try:
+        root = pickle.loads(data)  # noqa: S301 (the user asked for full unpickling)
+    except Exception as error:  # whatever the pickle's own classes raise
+        raise InputError(f"{path}: not readable DCP metadata with --trust-pickle: "
+                         f"{_short(f'{type(error).__name__}: {error}')}") from None
+    try:
+        return _from_objects(path, root)
+    except (AttributeError, TypeError, ValueError, _Bad) as error:
+        raise InputError(f"{path}: not readable DCP metadata: {_short(str(error))}") from None
+
+
+def _from_objects(path: Path, root) -> DcpMetadata:
+    """DCP's own ``Metadata`` object (or one with its fields), checked as ``_checked`` does."""
+    entries: dict[str, TensorEntry | str] = {}
+    for key, item in dict(root.state_dict_metadata).items():
+        if type(key) is not str:
+            raise _Bad("a state_dict_metadata key is not a string")
+        if not hasattr(item, "chunks"):
+            entries[key] = BYTES
+            continue
+        dtype = item.properties.dtype
+        if not isinstance(dtype, torch.dtype):
+            raise _Bad(f"entry {key!r} has no dtype")
+        size = tuple(_int(d, f"entry {key!r} size") for d in item.size)
+        chunks = tuple(Chunk(tuple(_int(o, f"entry {key!r} offsets") for o in c.offsets),
+                             tuple(_int(n, f"entry {key!r} sizes") for n in c.sizes))
+                       for c in item.chunks)
+        entries[key] = TensorEntry(dtype, size, chunks)
+    locations: dict[tuple[str, tuple[int, ...] | None], Location] = {}
+    for index, info in dict(root.storage_data).items():
+        fqn = index.fqn
+        if type(fqn) is not str:
+            raise _Bad("a storage_data key has no fqn")
+        offset = None if index.offset is None else tuple(
+            _int(o, f"storage_data key {fqn!r} offset") for o in index.offset)
+        if (fqn, offset) in locations:
+            raise _Bad(f"storage_data lists {fqn!r} at {offset} twice")
+        if getattr(info, "transform_descriptors", None):
+            raise _Bad(f"storage of {fqn!r} was written through stream transforms")
+        if type(info.relative_path) is not str:
+            raise _Bad(f"storage of {fqn!r} has no relative_path")
+        locations[(fqn, offset)] = Location(
+            info.relative_path, _int(info.offset, f"storage of {fqn!r} offset"),
+            _int(info.length, f"storage of {fqn!r} length"))
+    paths: dict[str, tuple[str | int, ...]] = {}
+    planner = getattr(root, "planner_data", None)
+    if isinstance(planner, dict):
+        for key, value in planner.items():
+            if (type(key) is str and type(value) is tuple and value
+                    and all(type(part) in (str, int) for part in value)):
+                paths[key] = value
+    version = getattr(root, "version", None)
+    return DcpMetadata(path, entries, locations, paths,
+                       version if type(version) is str else None, trusted=True)
 
 
 def _short(text: str) -> str:

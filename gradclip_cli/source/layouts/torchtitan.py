@@ -1,0 +1,148 @@
+"""torchtitan checkpoints: ``checkpoint/step-N/``, a DCP folder laid out torchtitan's way.
+
+torchtitan's ``CheckpointManager`` (``components/checkpointer/dcp.py``)
+saves one state dict with ``dcp.save``: the model's state dict *flattened
+into the top level* (``tok_embeddings.weight``, ``layers.0...``: no
+``model.`` prefix), beside ``optimizer`` (its ``OptimizersContainer``,
+flattened by parameter name: ``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``),
+``lr_scheduler``, ``dataloader`` and ``train_state`` (the trainer's
+``state_dict()``: ``step`` and ``ntokens_seen``, ints stored as bytes
+values). Recognised by content: a DCP folder whose planner records
+``train_state.step`` and ``optimizer`` entries of that flattened form.
+
+Its last save is by default a weights-only export (``last_save_model_only``):
+the model's state dict alone, in a ``step-N/`` folder. Recognised as that: a
+``step-N/`` DCP folder holding nothing but top-level tensors, a model state
+dict with no gradient mark; read as weights, its step the folder's number.
+
+torchtitan's fused ``wqkv`` (``FusedQKVLinear``) is trained as one
+parameter, so the optimizer names ``...qkv_linear.wqkv.weight``, while the
+model's state dict stores ``wq``, ``wk`` and ``wv``. Their weights together
+are compared with its moments (``ratio``), see
+``dcp_frameworks.fused_weights``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gradclip_cli.errors import InputError, UnsafeCheckpointError
+from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
+from gradclip_cli.source.interface import Contents
+
+from . import dcp_frameworks as frameworks
+
+KIND = "torchtitan"
+_OPTIMIZER, _TRAIN_STATE = "optimizer", "train_state"
+_MARKS = (b"train_state", b"optimizer", b"state.")
+
+
+def recognises(path: Path) -> bool:
+    return _kind(path) is not None
+
+
+def _kind(path: Path) -> str | None:
+    """``"full"``, ``"export"`` or None, from the folder's metadata (cached, small)."""
+    if not os.path.isdir(path) or not os.path.isfile(path / METADATA_NAME):
+        return None
+    try:
+        meta = frameworks.metadata(path / METADATA_NAME)
+    except UnsafeCheckpointError:
+        # Refused as it stands: say so (or open it under --trust-pickle) here when its
+        # records name torchtitan's state, rather than as a plain DCP folder.
+        return "full" if frameworks.names_all(path / METADATA_NAME, _MARKS) else None
+    except InputError:
+        return None
+    return _kind_of(path, meta)
+
+
+def _kind_of(path: Path, meta) -> str | None:
+    paths = {k: tuple(meta.paths.get(k, (k,))) for k in meta.entries}
+    if (_TRAIN_STATE, "step") in paths.values() and any(
+        len(p) == 2 and p[0] == _OPTIMIZER and str(p[1]).startswith(("state.", "param_groups."))
+        for p in paths.values()
+    ):
+        return "full"
+    if (
+        frameworks.step_folder_number(path, "step-") is not None
+        and paths
+        and all(len(p) == 1 for p in paths.values())
+        and all(not isinstance(e, str) for e in meta.entries.values())
+    ):
+        return "export"
+    return None
+
+
+def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    frameworks.refuse_key(path, key, "a torchtitan checkpoint")
+    folder = frameworks.read_folder(path, verify=verify, trust_pickle=trust_pickle)
+    kind = _kind_of(path, folder.meta)
+    if kind is None:
+        raise InputError(
+            f"{folder.meta_file}: not a torchtitan checkpoint: no train_state.step "
+            "and optimizer state, nor a step-N/ folder of model tensors alone"
+        )
+    contents = Contents(
+        path=path,
+        kind=KIND,
+        files=folder.all_files(),
+        index=folder.meta_file,
+        folder=path,
+        trusted_pickle=folder.meta.trusted,
+    )
+    weights = {
+        k: frameworks.renamed(t, k) for k, t in folder.tensors.items() if len(folder.paths[k]) == 1
+    }
+    contents.weights = weights or None
+    if kind == "export":
+        contents.step = frameworks.step_folder_number(path, "step-")
+        contents.gradient_error = (
+            f"{path}: a torchtitan weights-only export (a step-N/ folder holding only the "
+            "model's state dict) saves no gradients"
+        )
+        contents.description.append(
+            f"torchtitan weights-only export at step {contents.step}: {len(weights)} model "
+            "tensors, no optimizer state"
+        )
+        return contents
+    optimizer = frameworks.fqn_optimizer(
+        folder,
+        {k: str(p[1]) for k, p in folder.paths.items() if len(p) == 2 and p[0] == _OPTIMIZER},
+    )
+    if optimizer is not None:
+        contents.optimizers.append(optimizer)
+    step_key = next(k for k, p in folder.paths.items() if p == (_TRAIN_STATE, "step"))
+    contents.step = frameworks.int_value(
+        folder.value(step_key), folder.meta_file, "train_state.step"
+    )
+    contents.gradient_error = (
+        f"{path}: a torchtitan checkpoint saves no gradients (model, optimizer, lr_scheduler, "
+        "dataloader, train_state)"
+    )
+    fused, notes = frameworks.fused_weights(optimizer, weights)
+    contents.fused_weights = fused
+    contents.model_order_names = _model_order(list(weights), fused)
+    chunks = sum(len(t.pieces) for t in folder.tensors.values())
+    contents.description.append(
+        f"torchtitan checkpoint at step {contents.step}: {len(weights)} model tensors, "
+        f"optimizer state for {len(optimizer.state) if optimizer else 0} parameters; "
+        f"{chunks} chunks in {len(set(folder.files.values()))} files"
+    )
+    if fused:
+        contents.description.append(
+            f"fused parameters {', '.join(fused)} have optimizer state under their fused "
+            "name and weights stored split as wq, wk, wv: ratio compares the same elements"
+        )
+    contents.description.extend(notes)
+    return contents
+
+
+def _model_order(names: list[str], fused: dict) -> list[str]:
+    """The model's parameter names in state-dict order, each fused name where its wq is."""
+    order = list(names)
+    for name in fused:
+        module, _, param = name.rpartition(".")
+        first = f"{module[: -len('wqkv')]}wq.{param}"
+        order.insert(order.index(first) if first in order else len(order), name)
+    return order

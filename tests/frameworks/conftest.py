@@ -1,0 +1,114 @@
+"""Checkpoints written by the pretraining frameworks themselves, once per test session.
+
+torchtitan, OLMo-core and Megatron-core are heavy (and pin their own
+dependencies), so they live in a venv of their own, never in the one the
+tests run in: ``GRADCLIP_FRAMEWORKS_PYTHON`` names its interpreter (``.ci/run``
+builds it). Each fixture runs one generator script of this folder in that
+interpreter, in a subprocess (under ``torchrun`` for its ranks); the script
+trains a tiny model for a few AdamW steps, saves with the framework's own
+checkpointing code, and writes beside the checkpoint what the framework's
+(or torch's) own loader reads back: the tests' reference. Without the
+variable every test here is skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.cli.conftest import gradclip  # noqa: F401 (the in-process runner)
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+VARIABLE = "GRADCLIP_FRAMEWORKS_PYTHON"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(str(item.fspath)).resolve().parent == HERE:
+            item.add_marker(pytest.mark.frameworks)
+
+
+@pytest.fixture(scope="session")
+def framework_python() -> str:
+    python = os.environ.get(VARIABLE)
+    if not python:
+        pytest.skip(
+            f"{VARIABLE} is not set: it names the python of a venv with torchtitan, "
+            "ai2-olmo-core and megatron-core (.ci/run builds one)"
+        )
+    if not os.access(python, os.X_OK):
+        pytest.skip(f"{VARIABLE}={python} is not an executable")
+    return python
+
+
+def run_generator(python: str, script: str, out: Path, ranks: int, *extra: str) -> Path:
+    """Run ``tests/frameworks/SCRIPT OUT`` under ``torchrun`` with ``ranks`` gloo ranks."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    command = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        str(HERE / script),
+        str(out),
+        *extra,
+    ]
+    for _attempt in range(2):  # a gloo rank may abort at exit once in a while (seen in CI)
+        done = subprocess.run(
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+        )
+        if done.returncode == 0:
+            return out
+    raise AssertionError(
+        f"{script} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    )
+
+
+@pytest.fixture(scope="session")
+def torchtitan_runs(framework_python, tmp_path_factory) -> dict[int, Path]:
+    """torchtitan runs on 1 and 2 ranks: ``run/checkpoint/step-{1,2,3}`` and ``reference/``."""
+    return {
+        ranks: run_generator(
+            framework_python,
+            "torchtitan_run.py",
+            tmp_path_factory.mktemp(f"torchtitan{ranks}"),
+            ranks,
+        )
+        for ranks in (1, 2)
+    }
+
+
+@pytest.fixture(scope="session")
+def olmo_core_runs(framework_python, tmp_path_factory) -> dict[int, Path]:
+    """OLMo-core runs on 1 rank and on 2 (FSDP): ``run/step{1,2,3}`` and ``reference/``."""
+    return {
+        ranks: run_generator(
+            framework_python,
+            "olmo_core_run.py",
+            tmp_path_factory.mktemp(f"olmo_core{ranks}"),
+            ranks,
+        )
+        for ranks in (1, 2)
+    }
+
+
+@pytest.fixture(scope="session")
+def megatron_runs(framework_python, tmp_path_factory) -> dict[int, Path]:
+    """Megatron-core runs on 1 rank and on 2 (data parallel): ``run/iter_000000{1,2,3}``,
+    ``run/latest_checkpointed_iteration.txt`` and ``reference/``."""
+    return {
+        ranks: run_generator(
+            framework_python, "megatron_run.py", tmp_path_factory.mktemp(f"megatron{ranks}"), ranks
+        )
+        for ranks in (1, 2)
+    }

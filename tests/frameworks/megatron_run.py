@@ -1,0 +1,210 @@
+"""A real Megatron-core run on the CPU, saved as ``torch_dist``, and Megatron's own load of it.
+
+Run in the frameworks venv (megatron-core 0.16.1, see ``.ci/run``)::
+
+    torchrun --nproc-per-node N tests/frameworks/megatron_run.py OUT
+
+Megatron-core's ``GPTModel`` (its local layer spec: no Transformer Engine;
+2 layers, CPU initialisation) trains 3 AdamW steps through Megatron's
+``FP32Optimizer`` (torch's AdamW inside); with 2 ranks the ranks are data
+parallel (gloo), the gradients averaged by hand. After each step the state
+dict Megatron-LM's ``save_checkpoint`` builds (``model`` and ``optimizer``
+as the model's and the optimizer's ``sharded_state_dict``, ``iteration``,
+``args``, ``checkpoint_version``) is written by Megatron-core's own
+``dist_checkpointing.save`` to ``OUT/run/iter_000000N/`` (torch_dist:
+``.metadata``, ``*.distcp``, ``common.pt``, ``metadata.json``), and the
+tracker ``latest_checkpointed_iteration.txt`` names the newest, as
+Megatron-LM's ``save_checkpoint`` names them (Megatron-LM itself, with its
+``megatron/training``, is not on PyPI).
+
+Shims for the CPU, as the issue describes: ``FP32Optimizer`` puts its unit
+loss scale on ``cuda`` (made on the CPU here), Megatron's RNG tracker forks
+nothing (no dropout), and its attention's scratch buffer asks for
+``torch.cuda.current_device()`` (the CPU here) and the ``torch_dist`` writer
+calls ``torch.cuda.synchronize()`` (nothing to wait for here).
+
+Then Megatron's own ``dist_checkpointing.load`` reads each step back into
+the sharded state dict of a freshly built model and optimizer, saved as
+``OUT/reference/iter_N.pt`` (plain tensors, by Megatron's names; the moments
+by parameter id, with ``param_names`` naming each id by Megatron's own id-to-sharded-tensor map).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+VOCAB, SEQUENCE, STEPS, LAYERS = 64, 8, 3, 2
+
+
+def build():
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+        # No dropout here, and no CUDA RNG to fork: Megatron's tracker forks nothing.
+        tensor_parallel.get_cuda_rng_tracker().fork = lambda *_, **__: contextlib.nullcontext()
+    config = TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=16,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        init_method_std=0.02,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+    torch.manual_seed(0)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQUENCE,
+    )
+
+
+def optimizer_for(model):
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    adamw = torch.optim.AdamW(
+        model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+    )
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.0)
+    real_tensor = torch.tensor
+
+    def on_cpu(*args, device=None, **kwargs):  # FP32Optimizer's loss scale says 'cuda'
+        return real_tensor(*args, **kwargs)
+
+    torch.tensor = on_cpu
+    try:
+        return FP32Optimizer(adamw, config, init_state_fn=lambda *_: None)
+    finally:
+        torch.tensor = real_tensor
+
+
+def state_dict(model, optimizer, iteration: int) -> dict:
+    model_sd = model.sharded_state_dict()
+    args = argparse.Namespace(
+        num_layers=LAYERS,
+        hidden_size=16,
+        lr=1e-2,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        iteration=iteration,
+        ckpt_format="torch_dist",
+    )
+    return {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd),
+        "iteration": iteration,
+        "args": args,
+        "checkpoint_version": 3.0,
+    }
+
+
+def main(out: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    torch.cuda.current_device = lambda: torch.device("cpu")  # the attention's scratch buffer
+    torch.cuda.synchronize = lambda *_: None  # the torch_dist writer's preload
+
+    model = build()
+    optimizer = optimizer_for(model)
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    run = out / "run"
+    run.mkdir(parents=True, exist_ok=True)
+    for iteration in range(1, STEPS + 1):
+        tokens = torch.randint(0, VOCAB, (2, SEQUENCE + 1), generator=g)
+        position_ids = torch.arange(SEQUENCE).expand(2, SEQUENCE)
+        causal = torch.ones(SEQUENCE, SEQUENCE, dtype=torch.bool).triu(1)[None, None]
+        loss = model(tokens[:, :-1], position_ids, causal, labels=tokens[:, 1:]).float().mean()
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is not None and dist.get_world_size() > 1:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+        optimizer.step()
+        optimizer.zero_grad()
+        folder = run / f"iter_{iteration:07d}"
+        if dist.get_rank() == 0:
+            folder.mkdir()
+        dist.barrier()
+        dist_checkpointing.save(state_dict(model, optimizer, iteration), str(folder))
+        if dist.get_rank() == 0:
+            (run / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+        dist.barrier()
+    reference(out)
+
+
+def reference(out: Path) -> None:
+    """Megatron's own load of each step into a fresh model's and optimizer's sharded dicts."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
+
+    (out / "reference").mkdir(exist_ok=True)
+    for iteration in range(1, STEPS + 1):
+        model = build()
+        optimizer = optimizer_for(model)
+        # Fill the optimizer's state so that its sharded dict lists every moment to load.
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        wanted = state_dict(model, optimizer, iteration)
+        loaded = dist_checkpointing.load(wanted, str(out / "run" / f"iter_{iteration:07d}"))
+        flat: dict = {}
+        _flatten(loaded, "", flat)
+        # The optimizer's state is keyed by parameter id: Megatron's own map from ids to its
+        # sharded tensors names each, a stacked one by its layer (its prepended offset).
+        model_sd = model.sharded_state_dict()
+        ids = get_param_id_to_sharded_param_map(model_sd, optimizer.get_parameters())
+        flat["param_names"] = [_layer_name(ids[i]) for i in range(len(ids))]
+        # The model's state-dict names (the loaded dict's keys) by their sharded tensors' too.
+        flat["model_names"] = {
+            k: _layer_name(v) for k, v in model_sd.items() if isinstance(v, ShardedTensor)
+        }
+        if dist.get_rank() == 0:
+            torch.save(flat, out / "reference" / f"iter_{iteration}.pt")
+        dist.barrier()
+
+
+def _layer_name(sharded) -> str:
+    """A sharded tensor's key, a stacked one's with its layer (the prepended offset) in it."""
+    if not sharded.prepend_axis_num:
+        return sharded.key
+    return sharded.key.replace("layers.", f"layers.{sharded.global_offset[0]}.", 1)
+
+
+def _flatten(value, prefix: str, flat: dict) -> None:
+    """A loaded state dict as ``{dotted name: tensor or plain value}``."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(v, f"{prefix}{k}.", flat)
+    elif isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        for i, v in enumerate(value):
+            _flatten(v, f"{prefix}{i}.", flat)
+    elif isinstance(value, torch.Tensor):
+        flat[prefix[:-1]] = value.detach().clone()
+    elif isinstance(value, ShardedTensor):
+        raise AssertionError(f"{prefix} was not loaded")
+    elif isinstance(value, (int, float, str, bool)) or value is None:
+        flat[prefix[:-1]] = value
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    try:
+        main(target)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,93 @@
+"""What the framework tests share: float64 references from a flattened optimizer state, the
+hostile-copy checks, and running a list of commands once alone and once under torchrun."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import torch
+
+from tests.distributed.launch import HARNESS, one_process, results, torchrun, write_jobs
+
+TOL = 1e-6  # the contract's accuracy; the references are float64
+QUANTITIES = ("exp_avg", "grad_rms", "update")
+
+
+def norm(tensors) -> float:
+    return float(torch.cat([t.double().reshape(-1) for t in tensors]).norm())
+
+
+def flat_optimizer(flat: dict) -> tuple[dict, dict]:
+    """An optimizer state flattened by parameter name (``state.<fqn>.exp_avg``,
+    ``param_groups.<fqn>.lr``) as ``{fqn: state}`` and ``{fqn: hyperparameters}``."""
+    state: dict[str, dict] = {}
+    hyper: dict[str, dict] = {}
+    for key, value in flat.items():
+        head, _, rest = key.partition(".")
+        fqn, _, name = rest.rpartition(".")
+        (state if head == "state" else hyper).setdefault(fqn, {})[name] = value
+    return state, hyper
+
+
+def adam_measured(state: dict, hyper: dict, what: str) -> dict[str, torch.Tensor]:
+    """fqn -> the float64 ``exp_avg``, ``grad_rms`` or ``update`` (the contract's formulas)."""
+    out = {}
+    for fqn, s in state.items():
+        h = hyper[fqn]
+        beta1, beta2 = h["betas"]
+        step = float(s["step"])
+        m = s["exp_avg"].double() / (1 - beta1**step)
+        v = s["exp_avg_sq"].double() / (1 - beta2**step)
+        out[fqn] = {
+            "exp_avg": m,
+            "grad_rms": v.sqrt(),
+            "update": h["lr"] * m / (v.sqrt() + h["eps"]),
+        }[what]
+    return out
+
+
+def one_line_exit_3(result, *words: str) -> None:
+    assert result.code == 3, (result.code, result.err)
+    assert len(result.err_lines) == 1, result.err
+    for word in words:
+        assert word in result.err, result.err
+
+
+def rewrite_metadata(folder: Path, change) -> None:
+    """Change a real ``.metadata`` with torch's own classes (the test may import them)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(folder).read_metadata()
+    change(meta)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+class RunsCode:
+    """Pickles as a call to ``os.system``: proof that a refused file ran nothing."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def same_under_torchrun(jobs: list[dict], tmp_path: Path) -> None:
+    """Each job alone and as 2 gloo ranks: rank 0 prints the one-process output byte for byte,
+    rank 1 nothing, every rank the same exit code (0)."""
+    jobs_file = write_jobs(tmp_path, jobs)
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    assert one_process(jobs_file, one).returncode == 0
+    done = torchrun(HARNESS, jobs_file, two)
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = results(one, 0, len(jobs))
+    ranks = [results(two, r, len(jobs)) for r in range(2)]
+    for job, (code, out, err), (code0, out0, _), (code1, out1, err1) in zip(jobs, single, *ranks):
+        assert code == 0, (job["args"], err)
+        assert (code0, code1) == (code, code), job["args"]
+        assert out0 == out, job["args"]  # byte for byte
+        assert out1 == "" and err1.strip() == "", job["args"]

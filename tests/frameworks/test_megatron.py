@@ -1,0 +1,180 @@
+"""Megatron ``torch_dist``: real Megatron-core runs on 1 and 2 gloo ranks (``megatron_run.py``).
+
+References never go through gradclip: Megatron-core's own
+``dist_checkpointing.load`` reads each step back into a fresh model's and
+optimizer's sharded state dict (in the frameworks venv); its stacked layer
+tensors are split here with plain indexing, and the moments' bias
+corrections and updates computed in float64.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cli.support import rel_err
+
+from .support import QUANTITIES, TOL, RunsCode, norm, one_line_exit_3, same_under_torchrun
+
+STEPS = (1, 2, 3)
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _reference(run: Path, step: int) -> dict:
+    return torch.load(run / "reference" / f"iter_{step}.pt", weights_only=True)
+
+
+def _weights(ref: dict) -> dict[str, torch.Tensor]:
+    """Model name (a stacked tensor's layer by its number) -> the weight Megatron loaded."""
+    return {name: ref[f"model.{key}"] for key, name in ref["model_names"].items()}
+
+
+def _measured(ref: dict, what: str) -> dict[str, torch.Tensor]:
+    group = "optimizer.param_groups.0."  # hyperparameters as Megatron loaded them
+    beta1, beta2 = ref[f"{group}betas.0"], ref[f"{group}betas.1"]
+    lr, eps = ref[f"{group}lr"], ref[f"{group}eps"]
+    step = float(ref["optimizer.state.common_step"])
+    out = {}
+    for i, name in enumerate(ref["param_names"]):
+        m = ref[f"optimizer.state.{i}.exp_avg"].double() / (1 - beta1**step)
+        v = ref[f"optimizer.state.{i}.exp_avg_sq"].double() / (1 - beta2**step)
+        out[name] = {"exp_avg": m, "grad_rms": v.sqrt(), "update": lr * m / (v.sqrt() + eps)}[what]
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+def run(request, megatron_runs) -> Path:
+    return megatron_runs[request.param]
+
+
+def test_the_fixture_is_megatrons_layout(run):
+    folder = run / "run" / "iter_0000002"
+    assert (run / "run" / TRACKER).read_text() == "3"
+    assert '"sharded_backend": "torch_dist"' in (folder / "metadata.json").read_text()
+    with pytest.raises(Exception, match="Namespace"):  # args: not weights-only loadable
+        torch.load(folder / "common.pt", weights_only=True)
+    assert b"all_local_plans" in (folder / ".metadata").read_bytes()
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", QUANTITIES)
+def test_every_quantity_against_megatrons_load(gradclip, run, step, what):
+    ref = _reference(run, step)
+    expected = _measured(ref, what)
+    weights = _weights(ref)
+    result = gradclip(
+        "inspect", run / "run" / f"iter_{step:07d}", "--what", what, "--format", "json"
+    )
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["format"], doc["step"], doc["what"]) == ("megatron", step, what)
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+        assert rel_err(row["ratio"], norm([expected[name]]) / norm([weights[name]])) <= TOL
+    groups = {g["name"]: g for g in doc["groups"]}
+    for layer in (0, 1):  # each stacked layer a group of its own
+        members = [n for n in expected if n.startswith(f"decoder.layers.{layer}.")]
+        assert (
+            members
+            and rel_err(
+                groups[f"decoder.layers.{layer}"]["norm"], norm(expected[n] for n in members)
+            )
+            <= TOL
+        )
+
+
+def test_weights_and_the_save_folder(gradclip, run):
+    weights = _weights(_reference(run, 3))
+    result = gradclip("inspect", run / "run", "--what", "weights", "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["step"] == 3 and TRACKER in " ".join(doc["description"])
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(weights)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([weights[name]])) <= TOL, name
+        assert row["shape"] == list(weights[name].shape)
+
+
+def test_never_reports_weights_or_moments_as_gradients(gradclip, run):
+    auto = gradclip("inspect", run / "run" / "iter_0000002", "--format", "json")
+    assert auto.code == 0 and auto.json()["what"] == "exp_avg", auto.err
+    grads = gradclip("inspect", run / "run" / "iter_0000002", "--what", "grads")
+    one_line_exit_3(grads, "saves no gradients", "--what exp_avg")
+    one_line_exit_3(gradclip("inspect", run / "run", "--key", "optimizer"), "--key")
+
+
+def test_trend_over_the_save_folder(gradclip, run):
+    result = gradclip("trend", run / "run", "--what", "grad_rms", "--format", "json")
+    assert result.code == 0, result.err
+    points = result.json()["points"]
+    assert [p["step"] for p in points] == list(STEPS)
+    for point, step in zip(points, STEPS):
+        expected = _measured(_reference(run, step), "grad_rms")
+        assert rel_err(point["total_norm"], norm(expected.values())) <= TOL
+
+
+# --------------------------------------------------------------------- hostile copies
+
+
+@pytest.fixture
+def save(run, tmp_path) -> Path:
+    target = tmp_path / "save"
+    shutil.copytree(run / "run", target)
+    return target
+
+
+@pytest.mark.parametrize("text", ["../../elsewhere", "7", "iter_0000003", "\x00"])
+def test_tracker_naming_no_folder_inside(gradclip, save, text):
+    (save / TRACKER).write_text(text)
+    one_line_exit_3(gradclip("inspect", save), TRACKER)
+
+
+def test_common_that_runs_code_is_refused(gradclip, save, tmp_path):
+    marker = tmp_path / "ran"
+    common = save / "iter_0000003" / "common.pt"
+    torch.save({"iteration": 3, "args": RunsCode(marker)}, common)
+    one_line_exit_3(gradclip("inspect", save), "common.pt", "--trust-pickle")
+    assert not marker.exists()
+
+
+def test_metadata_that_runs_code_is_refused(gradclip, save, tmp_path):
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    marker = tmp_path / "ran"
+    meta = Metadata(state_dict_metadata={}, storage_meta=RunsCode(marker))
+    (save / "iter_0000003" / ".metadata").write_bytes(pickle.dumps(meta))
+    one_line_exit_3(gradclip("inspect", save), "refused", "--trust-pickle", ".metadata")
+    assert not marker.exists()
+
+
+def test_truncated_chunk_file(gradclip, save):
+    shard = sorted((save / "iter_0000003").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    one_line_exit_3(gradclip("inspect", save, "--what", "update"), shard.name)
+
+
+def test_other_sharded_backend(gradclip, save):
+    (save / "iter_0000003" / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+    one_line_exit_3(gradclip("inspect", save / "iter_0000003"), "zarr", "torch_dist")
+
+
+# --------------------------------------------------------------------- under torchrun
+
+
+def test_two_ranks_print_the_one_process_report(megatron_runs, tmp_path):
+    run = megatron_runs[2]
+    jobs = [
+        {"args": ["inspect", str(run / "run"), "--what", what, "--format", fmt, "--no-progress"]}
+        for what in (*QUANTITIES, "weights")
+        for fmt in ("table", "json")
+    ]
+    jobs.append({"args": ["trend", str(run / "run"), "--what", "exp_avg", "--format", "json"]})
+    same_under_torchrun(jobs, tmp_path)

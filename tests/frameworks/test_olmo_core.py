@@ -1,0 +1,167 @@
+"""OLMo-core ``stepN/``: real runs on 1 rank and on 2 FSDP gloo ranks (``olmo_core_run.py``).
+
+References never go through gradclip: OLMo-core's own ``unshard_checkpoint``
+writes each step's model and flattened optimizer state as torch files (in
+the frameworks venv), and the moments' bias corrections and updates are
+computed here in float64.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cli.support import rel_err
+
+from .support import (
+    QUANTITIES,
+    TOL,
+    RunsCode,
+    adam_measured,
+    flat_optimizer,
+    norm,
+    one_line_exit_3,
+    same_under_torchrun,
+)
+
+STEPS = (1, 2, 3)
+
+
+def _reference(run: Path, step: int) -> tuple[dict, dict]:
+    folder = run / "reference" / f"step{step}"
+    return (
+        torch.load(folder / "model.pt", weights_only=True),
+        torch.load(folder / "optim.pt", weights_only=True),
+    )
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks-fsdp"])
+def run(request, olmo_core_runs) -> Path:
+    return olmo_core_runs[request.param]
+
+
+def test_the_fixture_is_olmo_cores_layout(run):
+    folder = run / "run" / "step2"
+    assert (folder / ".metadata.json").is_file() and (folder / "train" / "rank0.pt").is_file()
+    with pytest.raises(Exception, match="numpy"):  # the RNG state: not weights-only loadable
+        torch.load(folder / "train" / "rank0.pt", weights_only=True)
+    assert (
+        b"olmo_core.distributed.checkpoint.filesystem"
+        in (folder / "model_and_optim" / ".metadata").read_bytes()
+    )
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", QUANTITIES)
+def test_every_quantity_against_olmo_cores_unsharding(gradclip, run, step, what):
+    model, optim = _reference(run, step)
+    expected = adam_measured(*flat_optimizer(optim), what)
+    result = gradclip("inspect", run / "run" / f"step{step}", "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["format"], doc["step"], doc["what"]) == ("olmo-core", step, what)
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected) == set(model)
+    for fqn, row in rows.items():
+        assert rel_err(row["norm"], norm([expected[fqn]])) <= TOL, fqn
+        assert rel_err(row["ratio"], norm([expected[fqn]]) / norm([model[fqn]])) <= TOL, fqn
+    groups = {g["name"]: g for g in doc["groups"]}
+    layer = [f for f in expected if f.startswith("blocks.1.")]
+    assert rel_err(groups["blocks.1"]["norm"], norm(expected[f] for f in layer)) <= TOL
+
+
+def test_weights_and_auto(gradclip, run):
+    model, _ = _reference(run, 3)
+    result = gradclip("inspect", run / "run" / "step3", "--what", "weights", "--format", "json")
+    assert result.code == 0, result.err
+    assert rel_err(result.json()["total_norm"], norm(model.values())) <= TOL
+    auto = gradclip("inspect", run / "run" / "step3", "--format", "json")
+    assert auto.code == 0 and auto.json()["what"] == "exp_avg", auto.err
+    grads = gradclip("inspect", run / "run" / "step3", "--what", "grads")
+    one_line_exit_3(grads, "OLMo-core checkpoint saves no gradients", "--what exp_avg")
+    one_line_exit_3(gradclip("inspect", run / "run" / "step3", "--key", "optim"), "--key")
+
+
+def test_trend_over_the_run_folder(gradclip, run):
+    result = gradclip("trend", run / "run", "--what", "update", "--format", "json")
+    assert result.code == 0, result.err
+    points = result.json()["points"]
+    assert [p["step"] for p in points] == list(STEPS)
+    for point, step in zip(points, STEPS):
+        expected = adam_measured(*flat_optimizer(_reference(run, step)[1]), "update")
+        assert rel_err(point["total_norm"], norm(expected.values())) <= TOL
+
+
+# --------------------------------------------------------------------- hostile copies
+
+
+@pytest.fixture
+def copy(run, tmp_path) -> Path:
+    target = tmp_path / "step2"
+    shutil.copytree(run / "run" / "step2", target)
+    return target
+
+
+def test_train_state_outside_the_folder(gradclip, copy, tmp_path):
+    outside = tmp_path / "elsewhere.pt"
+    (copy / "train" / "rank0.pt").rename(outside)
+    (copy / "train" / "rank0.pt").symlink_to(outside)
+    one_line_exit_3(gradclip("inspect", copy), "outside its folder")
+
+
+def test_truncated_train_state(gradclip, copy):
+    state = copy / "train" / "rank0.pt"
+    state.write_bytes(state.read_bytes()[:200])
+    one_line_exit_3(gradclip("inspect", copy), "rank0.pt")
+
+
+def test_metadata_json_that_is_not_json(gradclip, copy):
+    (copy / ".metadata.json").write_bytes(b"{not json")
+    one_line_exit_3(gradclip("inspect", copy), ".metadata.json", "not valid JSON")
+
+
+def test_truncated_chunk_file(gradclip, copy):
+    shard = sorted((copy / "model_and_optim").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:10])
+    one_line_exit_3(gradclip("inspect", copy, "--what", "update"), shard.name)
+
+
+def test_dcp_metadata_naming_other_code_is_refused(gradclip, copy, tmp_path):
+    # Torch's reader cannot unpickle OLMo-core's records here (olmo_core is not installed
+    # in this venv): write a fresh metadata, torch's own, that also names os.system.
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    marker = tmp_path / "ran"
+    meta = Metadata(state_dict_metadata={}, storage_meta=RunsCode(marker))
+    (copy / "model_and_optim" / ".metadata").write_bytes(pickle.dumps(meta))
+    one_line_exit_3(gradclip("inspect", copy), "refused", "--trust-pickle", ".metadata")
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------- under torchrun
+
+
+def test_two_ranks_print_the_one_process_report(olmo_core_runs, tmp_path):
+    run = olmo_core_runs[2]
+    jobs = [
+        {
+            "args": [
+                "inspect",
+                str(run / "run" / "step3"),
+                "--what",
+                what,
+                "--format",
+                fmt,
+                "--no-progress",
+            ]
+        }
+        for what in (*QUANTITIES, "weights")
+        for fmt in ("table", "json")
+    ]
+    jobs.append({"args": ["trend", str(run / "run"), "--what", "exp_avg", "--format", "json"]})
+    same_under_torchrun(jobs, tmp_path)
