@@ -30,6 +30,7 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.interface import Checkpoint, Contents, stored
 
 from . import dcp
@@ -70,7 +71,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
 def _global_step(root: Mapping, path: Path) -> int | None:
     step = root.get("global_step")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise InputError(f"{path}: Lightning 'global_step' is {step!r}, not a step count")
+        raise InputError(f"{path}: Lightning 'global_step' is {excerpt(step)}, not a step count")
     return step
 
 
