@@ -53,7 +53,7 @@ class Result:
 
 
 # The table's prose (header details, notes, the verdict) wraps between words
-# to the width, continuing with this indent (format/table_layout.py ``wrap``).
+# to the width, continuing with this indent (format/fitting.py ``wrap``).
 WRAP_INDENT = "  "
 
 

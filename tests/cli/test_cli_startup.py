@@ -96,7 +96,7 @@ def within(modules: set[str], *packages: str) -> set[str]:
 
 # What only a table, a progress bar or another format draws with; typer and the
 # pydantic it coerces with (gradclip's command line is click's).
-NOT_FOR_JSON = ("rich", "gradclip_cli.format.table", "gradclip_cli.format.table_layout",
+NOT_FOR_JSON = ("rich", "gradclip_cli.format.table", "gradclip_cli.format.fitting",
                 "gradclip_cli.format.markdown", "gradclip_cli.format.junit",
                 "gradclip_cli.format.github", "gradclip_cli.format.plot", "markdown_it",
                 "pydantic", "pydantic_core", "typer")
@@ -261,7 +261,36 @@ def test_help_names_every_metavar():
                   "--output-file FILE", "--max-norm FLOAT", "--group-by RULE", "--top N",
                   "-q, --quiet", "--no-progress"):
         assert shown in text, shown
-    # typer prints the positional argument's type after its name; every option is named.
+    # No Python type shows after a name; every option is named by its metavar.
     options = text.split("Options:", 1)[1]
     for raw in ("<str>", "<int range>", "<path>", "{path}"):
         assert raw not in options, raw
+
+
+RICH_FREE = """
+import json, sys
+import gradclip_cli.format.{name} as module
+print(json.dumps(sorted(m for m in sys.modules if m == "rich" or m.startswith(("rich.", "torch")))))
+"""
+
+
+@pytest.mark.parametrize("name", ["json", "markdown", "github", "junit", "words", "shown",
+                                  "findings"])
+def test_formats_but_the_table_import_no_rich_and_no_torch(name):
+    proc = subprocess.run([sys.executable, "-c", RICH_FREE.replace("{name}", name)],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
+
+
+def test_the_table_is_where_rich_is():
+    proc = subprocess.run([sys.executable, "-c", RICH_FREE.replace("{name}", "table")],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert "rich.table" in json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("fmt", ["markdown", "github", "junit"])
+def test_a_ci_format_run_imports_no_rich(fmt):
+    code, modules = imported("inspect", str(SAMPLES / "healthy.pt"), "--format", fmt)
+    assert code == 0
+    assert not within(modules, "rich", "gradclip_cli.format.table", "gradclip_cli.format.fitting")
