@@ -18,7 +18,17 @@ import torch
 
 from tests.cli.support import rel_err
 
-from .support import QUANTITIES, TOL, RunsCode, norm, one_line_exit_3, same_under_torchrun
+from .support import (
+    QUANTITIES,
+    TOL,
+    RunsCode,
+    norm,
+    one_line_exit_3,
+    same_under_torchrun,
+    skip_without_frameworks,
+)
+
+skip_without_frameworks()
 
 STEPS = (1, 2, 3)
 TRACKER = "latest_checkpointed_iteration.txt"
