@@ -14,10 +14,11 @@ stored values; tensors that require grad are read without recording a graph.
 from __future__ import annotations
 
 import math
+import types
+import warnings
 from collections.abc import Iterable
 
 import torch
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .core import (
     Elements,
@@ -30,18 +31,25 @@ from .core import (
     scale_elements_,
     tensor_power_sums,
 )
+from .core.kernels import FLOAT64_SAFE_P, total_on_device
 from .distributed import dtensor
 
 TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
 
-# Below this p, norms of float16/bfloat16/float32 values accumulated in float64
-# can neither overflow nor underflow: (3.4e38 ** 6) * 1e12 elements < 1.8e308
-# and (1.4e-45 ** 6) > 2.2e-308. That path needs no host-device sync.
-_FLOAT64_SAFE_P = 6.0
-
-
 def _as_list(tensors: TensorOrTensors) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+def _parameters(parameters: TensorOrTensors) -> list[torch.Tensor]:
+    """The parameters as a list; an exhausted generator warns, as torch's clip_grad_norm_."""
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    is_generator = isinstance(parameters, types.GeneratorType)
+    parameters = list(parameters)
+    if is_generator and not parameters:
+        warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
+                      stacklevel=3)
+    return parameters
 
 
 def _grads(parameters: TensorOrTensors) -> list[torch.Tensor]:
@@ -65,7 +73,11 @@ def get_total_norm(
 
     Args:
         tensors: a tensor or an iterable of tensors (usually gradients).
-        norm_type: p > 0, or ``inf``. Default 2.
+        norm_type: p > 0, or ``inf``. Default 2. As torch, p <= 0 and
+            ``-inf`` are also accepted with torch's meaning: the p-"norm" of
+            the vector of per-tensor norms (for 0, the number of tensors
+            with a nonzero element; for ``-inf``, the smallest ``|x|``),
+            accumulated in float64.
         error_if_nonfinite: raise ``RuntimeError`` if the total is NaN or inf.
         foreach: as torch: None picks the fastest kernel, True requires the
             ``_foreach`` kernels, False forbids them.
@@ -74,10 +86,11 @@ def get_total_norm(
         A 0-dim tensor on the first tensor's device: float32, or float64 when
         any tensor is float64. NaN if any element is NaN, inf if any is
         infinite; otherwise finite and accurate to 1e-6 relative (it is inf
-        only when the true norm exceeds float32's range). With DTensor
-        gradients (FSDP2, tensor parallel, on one mesh or several) it is the
-        norm of the whole gradients, a plain tensor equal on every rank
-        (distributed/dtensor.py).
+        only when the true norm exceeds float32's range). On an accelerator
+        nothing is read back to the host. With DTensor gradients (FSDP2,
+        tensor parallel, on one mesh or several) it is the norm of the whole
+        gradients, equal on every rank, as a DTensor replicated on the first
+        gradient's mesh, as torch returns one (distributed/dtensor.py).
     """
     tensors = _as_list(tensors)
     norm_type = float(norm_type)
@@ -88,6 +101,22 @@ def get_total_norm(
         return torch.tensor(0.0)
     total, _ = _total_norm(distinct_elements(tensors), tensors, norm_type, foreach)
     return _checked(total, norm_type, error_if_nonfinite)
+
+
+def _torch_defined_norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """torch's total for p <= 0 and -inf: the p-"norm" of the per-tensor norms.
+
+    These are not norms (p = 0 counts nonzero elements, so the total counts
+    tensors that have one), and torch defines the total this way; each
+    per-tensor value is accumulated in float64.
+    """
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    first = tensors[0].device
+    norms = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float64).to(first)
+             for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
 def _checked(total: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
@@ -108,32 +137,19 @@ def _total_norm(
     device = tensors[0].device
     out_dtype = torch.float64 if any(_wide(t) for t in tensors) else torch.float32
     pieces = [p.measure for p in elements.owned]
-    if device.type != "cpu" and _sync_free_ok(pieces, norm_type):
-        return _total_in_float64(pieces, norm_type, foreach).to(device, out_dtype), None
-    sums = tensor_power_sums(pieces, norm_type, foreach=foreach).total()
-    return sums.norm[0].to(device=device, dtype=out_dtype), sums
+    if not norm_type > 0:
+        return _torch_defined_norm(pieces, norm_type).to(device, out_dtype), None
+    if device.type != "cpu":
+        # A fixed number of fused ops per (device, dtype) group, nothing read back.
+        return total_on_device(pieces, norm_type, foreach).to(device, out_dtype), None
+    sums = tensor_power_sums(pieces, norm_type, foreach=foreach, with_max=False).total()
+    return sums.norm[0].to(dtype=out_dtype), sums
 
 
 def _sync_free_ok(tensors: list[torch.Tensor], norm_type: float) -> bool:
+    """Whether float64 sums of ``tensors`` cannot overflow (DTensor's on-device path)."""
     narrow = all(t.dtype != torch.float64 for t in tensors)
-    return narrow and (math.isinf(norm_type) or norm_type <= _FLOAT64_SAFE_P)
-
-
-def _total_in_float64(tensors, norm_type, foreach) -> torch.Tensor:
-    """Accelerator path with no host-device sync: accumulate in float64."""
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
-        return torch.zeros((), dtype=torch.float64)
-    first = tensors[0].device
-    norms = []
-    grouped = _group_tensors_by_device_and_dtype([tensors])
-    for [group], _ in grouped.values():
-        if foreach is not False:
-            norms.extend(torch._foreach_norm(group, norm_type, dtype=torch.float64))
-        else:
-            norms.extend(torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in group)
-    stacked = torch.stack([n.to(first, torch.float64) for n in norms])
-    return torch.linalg.vector_norm(stacked, norm_type)
+    return narrow and (math.isinf(norm_type) or 0 < norm_type <= FLOAT64_SAFE_P)
 
 
 def clip_grads_with_norm_(
@@ -169,12 +185,13 @@ def clip_grad_norm_(
     """Clip the gradients of ``parameters`` to total norm ``max_norm``, in place.
 
     ``get_total_norm`` of the gradients, then ``clip_grads_with_norm_``.
-    Returns the total norm before clipping (see ``get_total_norm``). Where
-    the total was read back exactly (CPU, or p > 6), the coefficient comes
-    from it: a total beyond the result dtype's range (reported as inf)
-    still clips to ``max_norm`` instead of zeroing every gradient.
+    Returns the total norm before clipping (see ``get_total_norm``). On the
+    CPU the coefficient comes from the exact summary: a total beyond the
+    result dtype's range (reported as inf) still clips to ``max_norm``
+    instead of zeroing every gradient. On an accelerator it is computed
+    there, from the float64 total, and nothing is read back.
     """
-    parameters = _as_list(parameters)
+    parameters = _parameters(parameters)
     grads = _grads(parameters)
     if dtensor.has_dtensor(grads):
         total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)

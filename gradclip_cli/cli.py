@@ -1,129 +1,154 @@
 """The ``gradclip`` command: declares options and wires each command's module.
 
 Nothing here computes or reads files itself; each command's steps live in
-``commands/`` and are imported only when that command runs (so ``--help``
-and usage errors never import torch). This module maps the outcome to the
-contract's exit codes: 0 no finding, 1 a finding (or a refused clip), 2 usage
-error, 3 unreadable input or unwritable output.
+``commands/`` and are imported only when that command runs. Options are
+declared once each, on click's documented interface; every value is checked
+by its type while the command line is parsed (``values.py``), so ``--help``,
+a typo'd value and shell completion never import torch. This module maps the
+outcome to the contract's exit codes: 0 no finding, 1 a finding (or a refused
+clip), 2 usage error, 3 unreadable input or unwritable output.
 """
 
 from __future__ import annotations
 
 import gc
 import importlib
-import json
 import os
 import sys
 import traceback
 import warnings
 from pathlib import Path
 
-import typer
+import click
+from click.shell_completion import get_completion_class
 
-from .errors import GradclipError
+from . import values as V
+from .errors import REPORT_FILE_FLAG, GradclipError
 
 # torch warns on import when numpy is absent; gradclip never needs numpy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-ERROR_SCHEMA = "gradclip.error/1"
-
-app = typer.Typer(
-    add_completion=True,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-    help="Gradient diagnostics for PyTorch checkpoints: accurate norms, non-finite "
-    "flags, clipped copies. Exit codes: 0 ok, 1 finding, 2 usage error, 3 unreadable input.",
-)
-
-PATH_HELP = ("A checkpoint: a torch.save or .safetensors file, a sharded index or its folder, "
-             "a Trainer checkpoint-N/ folder, a Lightning .ckpt.")
-
-# Options both commands take.
-KeyOpt = typer.Option(
-    None, "--key", metavar="K",
-    help="Dotted path to the gradients (grads, state.grads); an integer indexes a list.",
-)
-NormOpt = typer.Option("2", "--norm-type", metavar="P",
-                       help="p of the p-norm: any number > 0, or inf.")
-DeviceOpt = typer.Option("cpu", "--device", metavar="DEVICE",
-                         help="cpu, cuda, cuda:N, mps or auto.")
-FormatOpt = typer.Option(
-    "table", "--format", metavar="FORMAT",
-    help="table (for people), json (for scripts), markdown (a PR comment or "
-    "$GITHUB_STEP_SUMMARY), github (GitHub Actions annotations) or junit (JUnit XML).",
-)
-OutputFileOpt = typer.Option(
-    None, "--output-file", metavar="FILE",
-    help="Write the report to FILE (atomically) instead of stdout.",
-)
-TrustOpt = typer.Option(
-    False, "--trust-pickle",
-    help="Allow full unpickling: runs code from the file. Trusted files only.",
-)
-QuietOpt = typer.Option(
-    False, "--quiet", "-q",
-    help="Print only the verdict line (findings also on stderr); the exit code is unchanged.",
-)
-NoProgressOpt = typer.Option(False, "--no-progress", help="No progress display on stderr.")
-PathArg = typer.Argument(..., metavar="PATH", show_default=False, help=PATH_HELP)
-DebugOpt = typer.Option(False, "--debug", help="Show Python tracebacks on errors.")
-AllowOpt = typer.Option(
-    False, "--allow-nonfinite", help="Report NaN/inf gradients without treating them as a finding."
-)
-WhatOpt = typer.Option(
-    "auto", "--what", metavar="WHAT",
-    help="grads, exp_avg, grad_rms, update, weights or auto (grads if saved, else exp_avg).",
-)
-VerifyOpt = typer.Option(
-    False, "--verify", help="Check every stored checksum before trusting the data."
-)
+PROG = "gradclip"
+COMPLETE_VAR = "_GRADCLIP_COMPLETE"  # click's completion protocol (see --show-completion)
+SUMMARY = ("Gradient diagnostics for PyTorch checkpoints: accurate norms, non-finite flags, "
+           "clipped copies. Exit codes: 0 ok, 1 finding, 2 usage error, 3 unreadable input.")
+PATH_HELP = ("PATH is a checkpoint: a torch.save or .safetensors file, a sharded index or its "
+             "folder, a DCP folder, a training framework's checkpoint folder (Trainer "
+             "checkpoint-N/, Lightning, DeepSpeed, accelerate, Megatron, ...).")
+CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True,
+           "max_content_width": 100}
 
 
-def _show_version(value: bool) -> None:
-    if value:
+def _show_version(ctx: click.Context, _param, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
         from . import __version__
 
-        print(f"gradclip {__version__}")
-        raise typer.Exit(0)
+        click.echo(f"{PROG} {__version__}")
+        ctx.exit(0)
 
 
-@app.callback()
-def _options(
-    version: bool = typer.Option(
-        False, "--version", is_eager=True, callback=_show_version,
-        help="Print gradclip's version and exit.",
-    ),
-) -> None:
-    """Gradient diagnostics for PyTorch checkpoints: accurate norms, non-finite flags, clipped
-    copies. Exit codes: 0 ok, 1 finding, 2 usage error, 3 unreadable input."""
+def _show_completion(ctx: click.Context, _param, shell: str | None) -> None:
+    """The script that makes ``shell`` complete gradclip's commands, options and values."""
+    if shell is None or ctx.resilient_parsing:
+        return
+    cls = get_completion_class(shell)
+    click.echo(cls(ctx.command, {}, PROG, COMPLETE_VAR).source())
+    ctx.exit(0)
 
 
-def _error_document(message: str, code: int, source: object) -> str:
-    doc = {"schema": ERROR_SCHEMA, "exit_code": code, "error": message,
-           "source": None if source is None else str(source)}
-    return json.dumps(doc) + "\n"
+@click.group(context_settings=CONTEXT, no_args_is_help=True, help=SUMMARY)
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True,
+              callback=_show_version, help="Print gradclip's version and exit.")
+@click.option("--show-completion", type=click.Choice(["bash", "zsh", "fish"]),
+              metavar="SHELL", expose_value=False, is_eager=True, callback=_show_completion,
+              help='Print the completion script for SHELL; e.g. eval "$(gradclip '
+                   '--show-completion bash)" in ~/.bashrc.')
+def app() -> None:
+    pass
+
+
+# Options, each declared once. A decorator makes a new click.Option for each
+# command it is applied to; options that differ between commands (defaults,
+# help) are declared apart and named for what differs.
+def _option(*names: str, **kwargs):
+    return click.option(*names, **kwargs)
+
+
+key_option = _option("--key", metavar="K", help="Dotted path to the gradients "
+                     "(grads, state.grads); an integer indexes a list.")
+norm_type_option = _option("--norm-type", type=V.NORM_TYPE, default="2", metavar="P",
+                           help="p of the p-norm: any number > 0, or inf.")
+device_option = _option("--device", type=V.DEVICE, default="cpu", metavar="DEVICE",
+                        help=f"{V.DEVICES}.")
+format_option = _option("--format", "format", type=V.FORMAT, default="table",
+                        metavar="FORMAT", help="table (for people), json (for scripts), "
+                        "markdown (a PR comment or $GITHUB_STEP_SUMMARY), github (GitHub "
+                        "Actions annotations) or junit (JUnit XML).")
+output_file_option = _option("--output-file", metavar="FILE",
+                             help="Write the report to FILE (atomically) instead of stdout.")
+trust_option = _option("--trust-pickle", is_flag=True, help="Allow full unpickling: runs "
+                       "code from the file. Trusted files only.")
+quiet_option = _option("--quiet", "-q", is_flag=True, help="Print only the verdict line "
+                       "(findings also on stderr); the exit code is unchanged.")
+no_progress_option = _option("--no-progress", is_flag=True,
+                             help="No progress display on stderr.")
+debug_option = _option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
+verify_option = _option("--verify", is_flag=True,
+                        help="Check every stored checksum before trusting the data.")
+what_option = _option("--what", type=V.WHAT, default="auto", metavar="WHAT",
+                      help="What is measured: grads, exp_avg, grad_rms, update, weights or "
+                      "auto (grads if saved, else exp_avg, else weights).")
+group_by_option = _option("--group-by", type=V.GROUP_BY, default="layer", metavar="RULE",
+                          help="layer, module, tensor, depth:N or regex:PATTERN.")
+path_argument = click.argument("path", metavar="PATH")
+
+
+def _shared(command):
+    """The options every command takes, in the order --help lists them."""
+    for option in reversed((key_option, device_option, format_option, output_file_option,
+                            verify_option, trust_option, quiet_option, no_progress_option,
+                            debug_option)):
+        command = option(command)
+    return command
+
+
+# The formats that carry a failure on stdout (or in --output-file) besides the line
+# on stderr; a table is for a person, who reads stderr.
+FAILURE_FORMATS = ("json", "junit", "github", "markdown")
 
 
 def _report_error(message: str, code: int, *, format: str | None, source: object,
-                  output_file: Path | None = None) -> None:
-    """One line on stderr; with ``--format json`` also the contract's error object.
+                  command: str = "gradclip", output_file: Path | None = None) -> None:
+    """One line on stderr; with a CI format also that format's failure document.
 
+    ``--format json`` prints the contract's ``gradclip.error/1`` object,
+    ``junit`` a testcase with an ``<error>``, ``github`` an ``::error`` line,
+    ``markdown`` a failure line: a report file is never silently empty.
     Paths are reported as given (``./h.pt`` stays ``./h.pt``): they arrive as
     strings, never normalised through ``Path``.
 
     The message names paths and keys that came from a file or the command
     line: ``visible`` keeps it one inert line (no escape sequence, no newline
-    forging a second line).
+    forging a second line); each format escapes it further as its data.
     """
     from .format.text import visible
 
     message = visible(message)
     print(f"gradclip: {message}", file=sys.stderr)
-    if format != "json":
+    if format not in FAILURE_FORMATS:
         return
-    document = _error_document(message, code, source)
-    if output_file is not None:
+    import io
+
+    from .format import FORMATS
+    from .report.model import FailureReport
+
+    failure = FailureReport(command=command, message=message, exit_code=code,
+                            source=None if source is None else str(source))
+    buffer = io.StringIO()
+    FORMATS[format].render_error(failure, buffer)
+    document = buffer.getvalue()
+    if output_file is not None and not message.startswith(REPORT_FILE_FLAG):
+        # (an error about --output-file itself is never written there: stdout)
         from .sink.atomic import atomic_write
 
         try:
@@ -159,7 +184,7 @@ def _command(name: str):
     return module
 
 
-def _run(body, *, debug: bool, format: str | None = None, source: object = None,
+def _run(body, *, command: str, debug: bool, format: str | None = None, source: object = None,
          output_file: Path | None = None) -> None:
     """Run a command body, turning every error into one line and an exit code.
 
@@ -169,8 +194,9 @@ def _run(body, *, debug: bool, format: str | None = None, source: object = None,
     failed, code, message = _outcome(body, debug)
     code, message, speaks = _settle(failed, code, message)
     if message is not None and speaks:
-        _report_error(message, code, format=format, source=source, output_file=output_file)
-    raise typer.Exit(code)
+        _report_error(message, code, format=format, source=source, command=command,
+                      output_file=output_file)
+    raise click.exceptions.Exit(code)
 
 
 def _outcome(body, debug: bool) -> tuple[bool, int, str | None]:
@@ -215,188 +241,128 @@ def _settle(failed: bool, code: int, message: str | None) -> tuple[int, str | No
     return code, message, launcher.launcher_rank() == 0
 
 
-@app.command()
-def inspect(
-    path: str = PathArg,
-    key: str | None = KeyOpt,
-    norm_type: str = NormOpt,
-    device: str = DeviceOpt,
-    format: str = FormatOpt,
-    output_file: Path | None = OutputFileOpt,
-    max_norm: str | None = typer.Option(
-        None, "--max-norm", metavar="FLOAT",
-        help="Threshold: a total norm above it is a finding (exit 1).",
-    ),
-    allow_nonfinite: bool = AllowOpt,
-    verify: bool = VerifyOpt,
-    group_by: str = typer.Option(
-        "layer", "--group-by", metavar="RULE",
-        help="layer, module, tensor, depth:N or regex:PATTERN.",
-    ),
-    top: int = typer.Option(5, "--top", min=0, metavar="N",
-                            help="Show the N largest tensors by norm."),
-    what: str = WhatOpt,
-    trust_pickle: bool = TrustOpt,
-    quiet: bool = QuietOpt,
-    no_progress: bool = NoProgressOpt,
-    debug: bool = DebugOpt,
-) -> None:
-    """Report per-group and total gradient norms and non-finite values. Never writes PATH."""
+def _output_file(value: str | None) -> Path | None:
+    return None if value is None else Path(value)
 
+
+@app.command(context_settings=CONTEXT, help="Report per-group and total gradient norms and "
+             "non-finite values. Never writes PATH.\n\n" + PATH_HELP)
+@path_argument
+@norm_type_option
+@_option("--max-norm", type=V.positive("--max-norm", allow_zero=True), metavar="FLOAT",
+         help="Threshold: a total norm above it is a finding (exit 1).")
+@_option("--allow-nonfinite", is_flag=True,
+         help="Report NaN/inf gradients without treating them as a finding.")
+@group_by_option
+@_option("--top", type=V.count("--top", 0), default="5", metavar="N",
+         help="Show the N largest tensors by norm.")
+@what_option
+@_shared
+def inspect(path, key, norm_type, device, format, output_file, max_norm, allow_nonfinite,
+            verify, group_by, top, what, trust_pickle, quiet, no_progress, debug) -> None:
     def body() -> int:
-        command = _command("inspect")
-
-        return command.run(
+        return _command("inspect").run(
             path=path, key=key, norm_type=norm_type, device=device, format=format,
             max_norm=max_norm, allow_nonfinite=allow_nonfinite, verify=verify,
             group_by=group_by, top=top, trust_pickle=trust_pickle, quiet=quiet,
-            progress=not (quiet or no_progress), output_file=output_file, what=what,
+            progress=not (quiet or no_progress), output_file=_output_file(output_file),
+            what=what,
         )
 
-    _run(body, debug=debug, format=format, source=path, output_file=output_file)
+    _run(body, command="inspect", debug=debug, format=format, source=path,
+         output_file=_output_file(output_file))
 
 
-@app.command()
-def clip(
-    path: str = PathArg,
-    max_norm: str | None = typer.Option(
-        None, "--max-norm", metavar="FLOAT",
-        help="Scale gradients so the total norm is at most FLOAT.",
-    ),
-    clip_value: str | None = typer.Option(
-        None, "--clip-value", metavar="FLOAT",
-        help="Instead: clamp every element to [-FLOAT, FLOAT].",
-    ),
-    output: str | None = typer.Option(
-        None, "--output", "-o", metavar="FILE",
-        help="Where to write (default: <stem>.clipped<suffix> beside PATH).",
-    ),
-    in_place: bool = typer.Option(False, "--in-place", help="Replace PATH itself, atomically."),
-    key: str | None = KeyOpt,
-    norm_type: str = NormOpt,
-    device: str = DeviceOpt,
-    format: str = FormatOpt,
-    output_file: Path | None = OutputFileOpt,
-    allow_nonfinite: bool = typer.Option(
-        False, "--allow-nonfinite",
-        help="Clip even when gradients hold NaN/inf (as torch with error_if_nonfinite=False).",
-    ),
-    verify: bool = VerifyOpt,
-    what: str = typer.Option("grads", "--what", metavar="WHAT",
-                             help="Only grads: clip changes gradients."),
-    trust_pickle: bool = TrustOpt,
-    quiet: bool = QuietOpt,
-    no_progress: bool = NoProgressOpt,
-    debug: bool = DebugOpt,
-) -> None:
-    """Write a copy of PATH with clipped gradients; everything else is kept as it was."""
-
+@app.command(context_settings=CONTEXT, help="Write a copy of PATH with clipped gradients; "
+             "everything else is kept as it was.\n\n" + PATH_HELP)
+@path_argument
+@_option("--max-norm", type=V.positive("--max-norm"), metavar="FLOAT",
+         help="Scale gradients so the total norm is at most FLOAT.")
+@_option("--clip-value", type=V.positive("--clip-value"), metavar="FLOAT",
+         help="Instead: clamp every element to [-FLOAT, FLOAT].")
+@_option("--output", "-o", metavar="FILE",
+         help="Where to write (default: <stem>.clipped<suffix> beside PATH).")
+@_option("--in-place", is_flag=True, help="Replace PATH itself, atomically.")
+@norm_type_option
+@_option("--allow-nonfinite", is_flag=True, help="Clip even when gradients hold NaN/inf "
+         "(as torch with error_if_nonfinite=False).")
+@_option("--what", type=V.CLIP_WHAT, default="grads", metavar="WHAT",
+         help="Only grads: clip changes gradients.")
+@_shared
+def clip(path, max_norm, clip_value, output, in_place, key, norm_type, device, format,
+         output_file, allow_nonfinite, verify, what, trust_pickle, quiet, no_progress,
+         debug) -> None:
     def body() -> int:
-        command = _command("clip")
-
-        return command.run(
+        return _command("clip").run(
             path=path, max_norm=max_norm, clip_value=clip_value, output=output,
             in_place=in_place, key=key, norm_type=norm_type, device=device, format=format,
             allow_nonfinite=allow_nonfinite, verify=verify, trust_pickle=trust_pickle,
-            quiet=quiet, progress=not (quiet or no_progress), output_file=output_file, what=what,
+            quiet=quiet, progress=not (quiet or no_progress),
+            output_file=_output_file(output_file), what=what,
         )
 
-    _run(body, debug=debug, format=format, source=path, output_file=output_file)
+    _run(body, command="clip", debug=debug, format=format, source=path,
+         output_file=_output_file(output_file))
 
 
-WhatOpt = typer.Option(
-    "auto", "--what", metavar="WHAT",
-    help="What is measured: grads, exp_avg, grad_rms, update, weights or auto."
-)
-GroupByOpt = typer.Option(
-    "layer", "--group-by", help="layer, module, tensor, depth:N or regex:PATTERN."
-)
-
-
-@app.command()
-def trend(
-    paths: list[Path] = typer.Argument(
-        ..., help="Checkpoints, folders of them, trainer_state.json files, gradclip monitor logs."
-    ),
-    what: str = WhatOpt,
-    group_by: str = GroupByOpt,
-    z: float | None = typer.Option(
-        None, "--z", help="A point is a spike when its z-score exceeds this (default 2.5)."
-    ),
-    alpha: float | None = typer.Option(
-        None, "--alpha", help="Factor of the exponential averages of mean and variance "
-        "(default 0.97)."
-    ),
-    warmup: int | None = typer.Option(
-        None, "--warmup", help="Points that seed the averages (default 25)."
-    ),
-    fail_on: str = typer.Option(
-        "newest", "--fail-on", help="newest: exit 1 when the newest point spikes or is "
-        "non-finite; any: when any point does."
-    ),
-    plot: Path | None = typer.Option(
-        None, "--plot", help="Also draw the norms to FILE.png or FILE.svg (needs gradclip[plot])."
-    ),
-    key: str | None = KeyOpt,
-    norm_type: str | None = typer.Option(
-        None, "--norm-type", help="p of the p-norm (default: the logs' own, else 2)."
-    ),
-    device: str = DeviceOpt,
-    format: str = FormatOpt,
-    output_file: Path | None = OutputFileOpt,
-    verify: bool = VerifyOpt,
-    trust_pickle: bool = TrustOpt,
-    quiet: bool = QuietOpt,
-    debug: bool = DebugOpt,
-) -> None:
-    """Norms over a run, oldest to newest; flags spikes against the run's own history."""
-
+@app.command(context_settings=CONTEXT, help="Norms over a run, oldest to newest; flags "
+             "spikes against the run's own history.\n\nEach PATH is a checkpoint, a folder "
+             "of them (an HF output_dir), a trainer_state.json or a gradclip monitor log.")
+@click.argument("paths", nargs=-1, required=True, metavar="PATH...")
+@what_option
+@group_by_option
+@_option("--z", type=V.positive("--z"), metavar="Z", help="A point is a spike when its "
+         "z-score exceeds Z (default 2.5).")
+@_option("--alpha", type=V.between_0_and_1("--alpha"), metavar="A",
+         help="Factor of the exponential averages of mean and variance (default 0.97).")
+@_option("--warmup", type=V.count("--warmup", 1), metavar="N",
+         help="Points that seed the averages (default 25).")
+@_option("--fail-on", type=V.FAIL_ON_TYPE, default="newest", metavar="WHEN",
+         help="newest: exit 1 when the newest point spikes or is non-finite; any: when any "
+         "point does.")
+@_option("--plot", type=V.PLOT, metavar="FILE",
+         help="Also draw the norms to FILE.png or FILE.svg (needs gradclip[plot]).")
+@_option("--norm-type", type=V.NORM_TYPE, metavar="P",
+         help="p of the p-norm (default: the logs' own, else 2).")
+@_shared
+def trend(paths, what, group_by, z, alpha, warmup, fail_on, plot, key, norm_type, device,
+          format, output_file, verify, trust_pickle, quiet, no_progress, debug) -> None:
     def body() -> int:
-        command = _command("trend")
-
-        return command.run(
-            paths=paths, what=what, group_by=group_by, z=z, alpha=alpha, warmup=warmup,
-            fail_on=fail_on, plot=plot, key=key, norm_type=norm_type, device=device,
-            format=format, trust_pickle=trust_pickle, verify=verify, quiet=quiet,
-            output_file=output_file,
+        return _command("trend").run(
+            paths=[Path(p) for p in paths], what=what, group_by=group_by, z=z, alpha=alpha,
+            warmup=warmup, fail_on=fail_on, plot=None if plot is None else Path(plot),
+            key=key, norm_type=norm_type, device=device, format=format,
+            trust_pickle=trust_pickle, verify=verify, quiet=quiet,
+            output_file=_output_file(output_file), progress=not (quiet or no_progress),
         )
 
-    source = str(paths[0]) if len(paths) == 1 else " ".join(map(str, paths))
-    _run(body, debug=debug, format=format, source=source, output_file=output_file)
+    _run(body, command="trend", debug=debug, format=format, source=" ".join(paths),
+         output_file=_output_file(output_file))
 
 
-@app.command()
-def compare(
-    a: Path = typer.Argument(..., help="The earlier checkpoint (the last good one)."),
-    b: Path = typer.Argument(..., help="The later checkpoint (the first bad one)."),
-    fail_above: str | None = typer.Option(
-        None, "--fail-above",
-        help="Exit 1 when some group's ratio B/A exceeds R or falls below 1/R.",
-    ),
-    what: str = WhatOpt,
-    group_by: str = GroupByOpt,
-    key: str | None = KeyOpt,
-    norm_type: str = NormOpt,
-    device: str = DeviceOpt,
-    format: str = FormatOpt,
-    output_file: Path | None = OutputFileOpt,
-    verify: bool = VerifyOpt,
-    trust_pickle: bool = TrustOpt,
-    quiet: bool = QuietOpt,
-    debug: bool = DebugOpt,
-) -> None:
-    """Per-group norms of A and B side by side with B/A, largest change first."""
-
+@app.command(context_settings=CONTEXT, help="Per-group norms of A and B side by side with "
+             "B/A, largest change first.\n\nA is the earlier checkpoint (the last good one), "
+             "B the later (the first bad one).")
+@click.argument("a", metavar="A")
+@click.argument("b", metavar="B")
+@_option("--fail-above", type=V.RATIO, metavar="R", help="Exit 1 when the total's or some "
+         "group's ratio B/A exceeds R or falls below 1/R, or a group is on one side only.")
+@what_option
+@group_by_option
+@norm_type_option
+@_shared
+def compare(a, b, fail_above, what, group_by, key, norm_type, device, format, output_file,
+            verify, trust_pickle, quiet, no_progress, debug) -> None:
     def body() -> int:
-        command = _command("compare")
-
-        return command.run(
-            a=a, b=b, what=what, fail_above=fail_above, group_by=group_by, key=key,
-            norm_type=norm_type, device=device, format=format, trust_pickle=trust_pickle,
-            verify=verify, quiet=quiet, output_file=output_file,
+        return _command("compare").run(
+            a=Path(a), b=Path(b), what=what, fail_above=fail_above, group_by=group_by,
+            key=key, norm_type=norm_type, device=device, format=format,
+            trust_pickle=trust_pickle, verify=verify, quiet=quiet,
+            output_file=_output_file(output_file), progress=not (quiet or no_progress),
         )
 
-    _run(body, debug=debug, format=format, source=f"{a} {b}", output_file=output_file)
+    _run(body, command="compare", debug=debug, format=format, source=f"{a} {b}",
+         output_file=_output_file(output_file))
 
 
 def _requested_format(argv: list[str]) -> str | None:
@@ -410,40 +376,26 @@ def _requested_format(argv: list[str]) -> str | None:
     return found
 
 
-class _TypedValuesFirst:
-    """A parameter's coercion that passes through values already of its type.
+def _given_source(ctx: click.Context, args: list[str]) -> str | None:
+    """The PATH (or paths) of a command line that failed to parse, for the error document.
 
-    typer 0.29 coerces every parameter's value, defaults included, through a
-    pydantic ``TypeAdapter`` built on first use; importing pydantic (44
-    modules) and building the adapters costs about as much as all of
-    gradclip's own imports (BENCHMARKS.md, "Startup"). A string option's value is
-    already a string and a default already has its type, so those are returned
-    as they are, exactly what the adapter would return. Anything else (``--top
-    3`` arrives as the string ``"3"``, a path as a string) goes to typer's own
-    coercion, built then, so its parsing and its messages are typer's.
+    click reads arguments after options, so a bad option value stops it before
+    PATH is known; a resilient parse (values that fail become None) finds it.
     """
-
-    def coerce(self, value, param, ctx):
-        single = not (param.multiple or param.nargs == -1)
-        if single and (value is None or type(value) is param.type_descriptor.annotation):
-            return value
-        param._runtime_param = None  # typer builds its own from here on
-        return param.get_runtime_param().coerce(value, param=param, ctx=ctx)
-
-
-def _pass_typed_values(command) -> None:
-    """Give every parameter ``_TypedValuesFirst`` where typer builds coercions lazily (0.29+).
-
-    Older typers (click's own types, no pydantic) have no such attribute and
-    are left alone.
-    """
-    # click makes --help on first need and keeps it (``get_help_option``): make it now.
-    params = [*getattr(command, "params", ()), command.get_help_option(typer.Context(command))]
-    for param in params:
-        if getattr(param, "_runtime_param", False) is None and hasattr(param, "type_descriptor"):
-            param._runtime_param = _TypedValuesFirst()
-    for sub in getattr(command, "commands", {}).values():
-        _pass_typed_values(sub)
+    try:
+        rest = args[args.index(ctx.info_name) + 1:]
+        probe = ctx.command.make_context(ctx.info_name, rest, parent=ctx.parent,
+                                         resilient_parsing=True)
+    except Exception:  # noqa: BLE001 (best effort: the error itself is what is reported)
+        return None
+    params = probe.params
+    if params.get("path"):
+        return params["path"]
+    if params.get("paths"):
+        return " ".join(params["paths"])
+    if params.get("a") and params.get("b"):
+        return f"{params['a']} {params['b']}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -462,34 +414,33 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(argv: list[str] | None) -> None:
-    command = typer.main.get_command(app)
-    _pass_typed_values(command)
     args = list(sys.argv[1:] if argv is None else argv)
+    from .distributed import launcher
+
+    launcher.set_command_line(args)  # under a launcher, every rank's must be the same
     if "--debug" not in args:
         # A damaged file can make CPython complain while freeing what torch's
         # unpickler built ("deallocated bytearray object has exported buffers");
         # the file's error is already the one line the contract allows.
         sys.unraisablehook = lambda unraisable: None
     try:
-        code = command.main(args=args, prog_name="gradclip", standalone_mode=False)
-    except typer.Exit as exit_:
+        code = app.main(args=args, prog_name=PROG, complete_var=COMPLETE_VAR,
+                        standalone_mode=False)
+    except click.exceptions.Exit as exit_:
         sys.exit(exit_.exit_code)
-    except typer.Abort:
+    except click.Abort:
         print("gradclip: interrupted", file=sys.stderr)
         sys.exit(130)
-    except Exception as error:
-        # click's UsageError family (typer vendors click in recent releases, so
-        # the class is matched by shape): a parse error of flags or arguments.
-        if not (hasattr(error, "format_message") and getattr(error, "exit_code", None) == 2):
-            raise
-        ctx = getattr(error, "ctx", None)
+    except click.UsageError as error:
+        ctx = error.ctx
         if type(error).__name__ == "NoArgsIsHelpError" and ctx is not None:
             print(ctx.get_help(), file=sys.stderr)
             sys.exit(2)
-        where = ctx.command_path if ctx is not None else "gradclip"
-        source = ctx.params.get("path") if ctx is not None else None
+        where = ctx.command_path if ctx is not None else PROG
+        command = ctx.info_name if ctx is not None and ctx.parent is not None else PROG
+        source = _given_source(ctx, args) if command != PROG else None
         _report_error(f"{error.format_message()} (see '{where} --help')", 2,
-                      format=_requested_format(args), source=source)
+                      format=_requested_format(args), source=source, command=command)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -20,6 +20,11 @@ class UsageError(GradclipError):
     exit_code = 2
 
 
+# How a message about ``--output-file`` itself begins: such an error is reported on
+# stdout, never written to that file (it may be an input).
+REPORT_FILE_FLAG = "--output-file"
+
+
 class InputError(GradclipError):
     """The input cannot be read, holds no gradients, or is refused as unsafe (exit 3)."""
 

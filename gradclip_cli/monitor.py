@@ -18,7 +18,8 @@ and appends one line to the log::
     {"schema": "gradclip.monitor/1", "step": 120, "total_norm": 0.84,
      "norm_type": 2.0, "groups": {"transformer.h.0": 0.21, ...},
      "nonfinite": {"nan": 0, "posinf": 0, "neginf": 0},
-     "z": 0.4, "spike": false, "spike_groups": [], "dump": null}
+     "z": 0.4, "spike": false, "spike_groups": [], "dump": null,
+     "clipped_to": null, "clip_coef": null}
 
 Non-finite numbers are the strings ``"nan"`` and ``"inf"``, as in every
 gradclip JSON document. ``gradclip trend grads.jsonl`` reads the log.
@@ -32,6 +33,17 @@ spiked. On a non-finite gradient, or a spike once the spiking series has
 :func:`gradclip_cli.producer.save_grads` to ``dump_dir/step-N.pt`` (with a
 ``step`` entry), so that ``gradclip inspect dump_dir/step-N.pt`` shows the
 culprit layer.
+
+With ``clip_spikes=True`` the monitor also clips a spike, as ZClip does: when
+the total's z-score is above ``z``, the gradients are scaled so that their
+total is the history's ``mean + z * std`` (the spike rule's limit), and the
+line says so: ``"clipped_to"`` is that total, ``"clip_coef"`` the factor the
+gradients were multiplied by (both null on steps it did not clip).
+
+``log`` and ``dump_dir`` are checked when the monitor is made (a bad path is
+a ``ValueError`` then, not a failure mid-run). A write that fails later (a
+full disk, a folder removed) is reported on stderr once and training goes
+on: a failed dump leaves its step's line with ``"dump": null``.
 """
 
 from __future__ import annotations
@@ -39,6 +51,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,10 +61,18 @@ from typing import Any
 import torch
 
 from . import api
-from .core import PowerSums, clip_coefficient, find_ties, scale_, tensor_power_sums
+from .core import (
+    Coefficient,
+    PowerSums,
+    clip_coefficient,
+    find_ties,
+    scale_,
+    tensor_power_sums,
+)
+from .core.clipping import EPS
 from .core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z, SpikeDetector
 from .distributed import dtensor
-from .errors import UsageError
+from .errors import OutputError, UsageError
 from .format.json import number
 from .producer import save_grads
 from .report.grouping import parse_group_by
@@ -103,6 +125,13 @@ class GradMonitor:
             ``trend`` flags them, but dumped only once the series that spiked
             has ``warmup`` earlier points: the first steps of a run move fast,
             and their spikes would use up ``max_dumps``.
+        clip_spikes: also clip spikes (ZClip): on a logged step whose total
+            is a spike, scale the gradients to the total ``mean + z * std``
+            of the history (``step()`` does this too; ``clip_grad_norm_``
+            takes the smaller of that and ``max_norm``). Steps that are not
+            spikes, and spikes of a group that leave the total below its
+            limit, are not changed by it. A spike is judged only on logged
+            steps, so with ``every=N`` only they are clipped.
         max_dumps: at most this many dumps are written (0: none). The *first*
             ones are kept and later ones skipped (their log line says
             ``"dump": null``): when a run diverges it usually spikes or goes
@@ -134,6 +163,7 @@ class GradMonitor:
         alpha: float = DEFAULT_ALPHA,
         warmup: int = DEFAULT_WARMUP,
         max_dumps: int = DEFAULT_MAX_DUMPS,
+        clip_spikes: bool = False,
     ):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"GradMonitor: every must be a whole number >= 1, got {every!r}")
@@ -141,6 +171,8 @@ class GradMonitor:
             raise ValueError(
                 f"GradMonitor: max_dumps must be a whole number >= 0, got {max_dumps!r}"
             )
+        if not isinstance(clip_spikes, bool):
+            raise ValueError(f"GradMonitor: clip_spikes must be True or False, got {clip_spikes!r}")
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"GradMonitor: norm_type must be > 0 or inf, got {norm_type}")
@@ -152,8 +184,10 @@ class GradMonitor:
         self._total_detector = self._new_detector()  # validates z, alpha, warmup
 
         self.model = model
-        self.log_path = None if log is None else Path(log)
-        self.dump_dir = None if dump_dir is None else Path(dump_dir)
+        self.log_path = None if log is None else _checked_path(log, "log", folder=False)
+        self.dump_dir = None if dump_dir is None else _checked_path(dump_dir, "dump_dir",
+                                                                    folder=True)
+        self.clip_spikes = clip_spikes
         self.every = every
         self.norm_type = norm_type
         self.max_dumps = max_dumps
@@ -162,7 +196,9 @@ class GradMonitor:
         self._group_of: dict[str, str] = {}
         self._calls = 0
         self._log_file = None
+        self._log_broken = False  # a line was cut short: nothing more is appended
         self._warned_full = False
+        self._reported: set[str] = set()  # write failures already told on stderr
 
     # -- public --------------------------------------------------------------
 
@@ -173,7 +209,8 @@ class GradMonitor:
         :meth:`clip_grad_norm_`). ``step`` defaults to the number of earlier
         calls. Returns the logged record (the JSON line as a dict), or None on
         a step that is not logged (``every``) or when no parameter has a
-        gradient.
+        gradient. With ``clip_spikes``, a spike's gradients are clipped to
+        the limit (see the class).
         """
         step = self._step_number(step)
         if step % self.every:
@@ -181,7 +218,10 @@ class GradMonitor:
         measured = self._measure()
         if measured is None:
             return None
-        return self._observe(step, measured)
+        record, spike_coef = self._observe(step, measured)
+        if spike_coef is not None:
+            scale_(dtensor.local_tensors(measured.grads), spike_coef)
+        return record
 
     def clip_grad_norm_(
         self,
@@ -200,6 +240,9 @@ class GradMonitor:
         before clipping, as that function does: a 0-dim float32 tensor
         (float64 for float64 gradients) on the first gradient's device.
 
+        With ``clip_spikes``, a logged step whose total is a spike is clipped
+        to the smaller of ``max_norm`` and the spike rule's limit.
+
         With ``error_if_nonfinite``, a non-finite total raises ``RuntimeError``
         after the step is logged (and its gradients dumped), before any
         gradient is changed.
@@ -210,7 +253,7 @@ class GradMonitor:
             return api.clip_grad_norm_(
                 self.model.parameters(), max_norm, self.norm_type, error_if_nonfinite, foreach
             )
-        self._observe(step, measured)
+        _, spike_coef = self._observe(step, measured, float(max_norm))
         first = measured.grads[0]
         wide = any(g.dtype == torch.float64 for g in measured.grads)
         total = measured.total.norm[0].to(first.device, torch.float64 if wide else torch.float32)
@@ -221,9 +264,9 @@ class GradMonitor:
                 "this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`"
             )
+        coef = clip_coefficient(total, float(max_norm)) if spike_coef is None else spike_coef
         # A DTensor is scaled through its local tensor, whatever its placements.
-        scale_(dtensor.local_tensors(measured.grads), clip_coefficient(total, float(max_norm)),
-               foreach=foreach)
+        scale_(dtensor.local_tensors(measured.grads), coef, foreach=foreach)
         return total
 
     def close(self) -> None:
@@ -262,18 +305,26 @@ class GradMonitor:
         owner = find_ties(dtensor.local_tensors(grads) if sharded else grads)
         named = [item for i, item in enumerate(named) if owner[i] == i]
         grads = [g for _, g in named]
+        # No max |g|: the record does not report it, and the power sums certify
+        # the norms by themselves (one pass; on an accelerator, one read).
         if sharded:
-            sums = dtensor.tensor_sums(grads, self.norm_type)
+            sums = dtensor.tensor_sums(grads, self.norm_type, with_max=False)
         else:
-            sums = tensor_power_sums(grads, self.norm_type)
+            sums = tensor_power_sums(grads, self.norm_type, with_max=False)
         members = [self._group(n) for n, _ in named]
         order = list(dict.fromkeys(members))
         position = {g: i for i, g in enumerate(order)}
         index = torch.tensor([position[g] for g in members], dtype=torch.int64)
         return _Measurement(grads, order, sums.reduce(index, len(order)), sums.total())
 
-    def _observe(self, step: int, m: _Measurement) -> dict[str, Any]:
-        """Judge one measurement, dump if needed, log it; returns the record."""
+    def _observe(self, step: int, m: _Measurement, max_norm: float | None = None,
+                 ) -> tuple[dict[str, Any], Coefficient | None]:
+        """Judge one measurement, dump if needed, log it.
+
+        Returns the record and, when ``clip_spikes`` clips this step, the
+        coefficient to scale the gradients by (None otherwise); ``max_norm``
+        is the fixed limit the caller clips to as well, if any.
+        """
         total_norm = float(m.total.norm[0])
         group_norms = dict(zip(m.group_names, m.groups.norm.tolist()))
         # A spike is worth a dump only once its series has ``warmup`` earlier
@@ -295,9 +346,16 @@ class GradMonitor:
             "neginf": int(m.total.neginf[0]),
         }
         spike = judged.spike or bool(spike_groups)
+        clipped_to = spike_coef = None
+        # A limit of 0 comes from a history of zero gradients: there is no
+        # scale to clip to, and clipping would zero every gradient.
+        if self.clip_spikes and judged.spike and judged.limit is not None and judged.limit > 0:
+            clipped_to = judged.limit if max_norm is None else min(judged.limit, max_norm)
+            # torch's formula, in float64 from the total already read back.
+            spike_coef = min(1.0, clipped_to / (total_norm + EPS))
         dump = None
         if worth_a_dump or any(nonfinite.values()):
-            dump = self._dump(step)
+            dump = self._dump(step)  # the gradients as they came, before any clip
         record = {
             "schema": SCHEMA,
             "step": step,
@@ -309,9 +367,11 @@ class GradMonitor:
             "spike": spike,
             "spike_groups": spike_groups,
             "dump": None if dump is None else str(dump),
+            "clipped_to": number(clipped_to),
+            "clip_coef": number(spike_coef),
         }
         self._write_line(record)
-        return record
+        return record, None if spike_coef is None else Coefficient.of(spike_coef)
 
     def _detector(self, group: str) -> SpikeDetector:
         detector = self._group_detectors.get(group)
@@ -338,24 +398,91 @@ class GradMonitor:
                 self._warned_full = True
             return None
         path = self.dump_dir / f"step-{step}.pt"
-        if _is_writer():
-            self.dump_dir.mkdir(parents=True, exist_ok=True)
-        save_grads(self.model, path, step=step)
+        try:
+            if _is_writer():
+                self.dump_dir.mkdir(parents=True, exist_ok=True)
+            save_grads(self.model, path, step=step)
+        except (OSError, OutputError) as e:
+            # Every rank has gathered its part by now, so rank 0 alone failing
+            # leaves no collective waiting.
+            self._report("dump", f"GradMonitor: cannot write {path}: {e}; training goes "
+                                 "on, this step is logged without its dump")
+            return None
         self.dumps.append(path)
         return path
 
     def _write_line(self, record: dict[str, Any]) -> None:
-        if self.log_path is None or not _is_writer():
+        if self.log_path is None or self._log_broken or not _is_writer():
             return
         line = (json.dumps(record, allow_nan=False) + "\n").encode()
-        if self._log_file is None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            # Unbuffered append: each line reaches the file in one write() call
-            # (no Python buffer to lose in a crash), at the end of the file.
-            self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115
         view = memoryview(line)
-        while view:
-            view = view[self._log_file.write(view):]
+        try:
+            if self._log_file is None:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                # Unbuffered append: each line reaches the file in one write() call
+                # (no Python buffer to lose in a crash), at the end of the file.
+                self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115
+            while view:
+                view = view[self._log_file.write(view):]
+        except OSError as e:
+            if len(view) < len(line):
+                # Part of the line is in the file: a line appended after it would
+                # make it unreadable, so the log ends here (``trend`` skips an
+                # unfinished last line with a warning).
+                self._log_broken = True
+                self.close()
+                self._report("log", f"GradMonitor: cannot write {self.log_path}: {e}; "
+                                    "training goes on, the log stops at this step")
+            else:  # nothing of the line was written: later steps try again
+                self._report("log", f"GradMonitor: cannot write {self.log_path}: {e}; "
+                                    "training goes on, lines that cannot be written are "
+                                    "dropped")
+
+    def _report(self, what: str, message: str) -> None:
+        """Say on stderr, once per kind of write, that a write failed.
+
+        Not a warning: ``-W error`` would turn it into an exception that ends the run.
+        """
+        if what not in self._reported:
+            self._reported.add(what)
+            print(message, file=sys.stderr, flush=True)
+
+
+def _checked_path(path: str | os.PathLike[str], what: str, *, folder: bool) -> Path:
+    """``path`` as a Path, once it is clear that the monitor can write there.
+
+    The log (``folder=False``) must be a file to append to, or a character
+    device such as ``/dev/stdout``; ``dump_dir`` a folder. Either may not
+    exist yet: then the nearest existing folder above it must be one that
+    can be written to. Raises ``ValueError`` naming the option otherwise.
+    """
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:  # a part of the path is a file, a loop of links, ...
+        raise ValueError(f"GradMonitor: {what}={str(path)!r} cannot be used: {e.strerror}") \
+            from None
+    if mode is not None:
+        if folder and not stat.S_ISDIR(mode):
+            raise ValueError(f"GradMonitor: {what}={str(path)!r} is not a folder")
+        if not folder and not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+            kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+            raise ValueError(f"GradMonitor: {what}={str(path)!r} is {kind}")
+        if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
+            raise ValueError(f"GradMonitor: {what}={str(path)!r} cannot be written to")
+        return path
+    above = path.absolute().parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise ValueError(f"GradMonitor: {what}={str(path)!r} cannot be made: {str(above)!r} "
+                         "is not a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ValueError(f"GradMonitor: {what}={str(path)!r} cannot be made: {str(above)!r} "
+                         "cannot be written to")
+    return path
 
 
 def _is_writer() -> bool:

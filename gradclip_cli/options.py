@@ -1,52 +1,33 @@
-"""Checking flag values: each bad value is a UsageError (exit 2) with one line.
+"""What the commands check once torch is loaded: the device, and where output goes.
 
-Numbers arrive as strings so that ``nan``, ``inf`` and typos get a message
-that names the flag, rather than a parser's generic complaint. Output paths
-are checked here too, before any work: one that exists and is not a regular
-file is an OutputError (exit 3), as it would be at the moment of writing.
+Each bad value is a UsageError (exit 2) with one line. The form of every
+value was checked while the command line was parsed (``values.py``); here
+``--device`` is checked against this machine, and output paths before any
+work: one that exists and is not a regular file is an OutputError (exit 3),
+as it would be at the moment of writing.
 """
 
 from __future__ import annotations
 
-import math
 import os
+import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import UsageError
+from . import values
+from .errors import REPORT_FILE_FLAG, UsageError
+from .escaping import visible
 from .sink.atomic import check_target
 
 if TYPE_CHECKING:
     import torch
 
-DEVICE_CHOICES = "cpu, cuda, cuda:N, mps or auto"
-
-
-def _number(flag: str, text: str) -> float:
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        raise UsageError(f"{flag} must be a number, got {text!r}") from None
-
-
-def norm_type(text: str) -> float:
-    """p > 0 or inf."""
-    p = _number("--norm-type", text)
-    if math.isnan(p) or not p > 0:
-        raise UsageError(f"--norm-type must be a number > 0 or 'inf', got {text!r}")
-    return p
-
-
-def threshold(flag: str, text: str | None, *, allow_zero: bool) -> float | None:
-    """A finite number > 0 (>= 0 with ``allow_zero``), or None when absent."""
-    if text is None:
-        return None
-    x = _number(flag, text)
-    ok = math.isfinite(x) and (x >= 0 if allow_zero else x > 0)
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise UsageError(f"{flag} must be a finite number {bound}, got {text!r}")
-    return x
+# The rules for values given as text live in values.py (checked while the command
+# line is parsed, before torch loads); these names are the commands' way to them.
+norm_type = values.norm_type
+threshold = values.threshold
+DEVICE_CHOICES = values.DEVICES
 
 
 def device(text: str) -> torch.device:
@@ -111,8 +92,68 @@ def clip_output(source: str, output: str | None, in_place: bool) -> str:
     return target
 
 
-def report_file(output_file: Path | None) -> Path | None:
-    """``--output-file``: refused now, not after the work, when it cannot be a file."""
-    if output_file is not None:
-        check_target(output_file)
-    return output_file
+def report_file(output_file: Path | str | None, *, reads: Iterable[Path | str] = (),
+                writes: Iterable[Path | str] = ()) -> Path | None:
+    """``--output-file``: refused now, not after the work, when it cannot be a file or
+    when it is anything the command reads or writes.
+
+    ``reads``: the inputs (files and folders: the command line's, then every file a
+    layout read, as each becomes known); ``writes``: what the command writes besides
+    the report (clip's output file or folder, ``--plot``). Refused (``UsageError``,
+    exit 2, nothing written): the same file by identity (``st_dev``/``st_ino``:
+    symlinks and hard links included) or by real path (one not made yet), and
+    anything inside one of those folders, or a hard link to a file inside one.
+    Commands call this again as more of what they read becomes known; each call
+    comes before anything is written.
+    """
+    if output_file is None:
+        return None
+    check_target(output_file)
+    for role, paths in (("the input", reads), ("the output", writes)):
+        for path in paths:
+            why = _same_or_inside(output_file, path)
+            if why is not None:
+                raise UsageError(f"{REPORT_FILE_FLAG} {visible(str(output_file))}: "
+                                 f"{why} {role} {visible(str(path))}; the report would "
+                                 "replace it; nothing was written")
+    return Path(output_file)
+
+
+def _same_or_inside(report: Path | str, path: Path | str) -> str | None:
+    """How ``report`` clashes with ``path`` ("is", "is inside", "is a link to a file in"),
+    or None when it does not."""
+    real_report, real_path = os.path.realpath(report), os.path.realpath(path)
+    if real_report == real_path:
+        return "is"
+    try:
+        mine = os.stat(report)
+    except OSError:
+        mine = None
+    try:
+        theirs = os.stat(path)
+    except OSError:
+        theirs = None
+    if mine is not None and theirs is not None and _same_file(mine, theirs):
+        return "is"
+    if Path(real_path) in Path(real_report).parents:
+        return "is inside"  # a folder, or one not made yet (a clipped set's)
+    if mine is not None and mine.st_nlink > 1 and theirs is not None \
+            and stat.S_ISDIR(theirs.st_mode) and _links_into(mine, path):
+        return "is a link to a file inside"
+    return None
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _links_into(report: os.stat_result, folder: Path | str) -> bool:
+    """Whether a file under ``folder`` (symlinks followed, folders not) is ``report``."""
+    for root, _, names in os.walk(folder):
+        for name in names:
+            try:
+                if _same_file(report, os.stat(os.path.join(root, name))):
+                    return True
+            except OSError:
+                continue
+    return False

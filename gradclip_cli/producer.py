@@ -18,6 +18,7 @@ from gradclip_cli.distributed import dtensor
 from gradclip_cli.sink.atomic import atomic_write
 from gradclip_cli.sink.safetensors_file import write_safetensors
 from gradclip_cli.source.interface import Checkpoint
+from gradclip_cli.source.roles import MARK_GRADIENTS, MARK_KEY
 
 __all__ = ["save_grads"]
 
@@ -25,9 +26,12 @@ __all__ = ["save_grads"]
 def save_grads(model: torch.nn.Module, path: str | os.PathLike[str], /, **extra: Any) -> None:
     """Save every parameter gradient of ``model`` to ``path``.
 
-    The file holds ``{"grads": {name: grad}, **extra}`` written with
-    :func:`torch.save`, so it loads with ``torch.load(path, weights_only=True)``
-    and ``gradclip inspect`` finds the gradients under ``grads`` by itself.
+    The file holds ``{"grads": {name: grad}, "gradclip": "gradients", **extra}``
+    written with :func:`torch.save`, so it loads with ``torch.load(path,
+    weights_only=True)`` and ``gradclip inspect`` finds the gradients under
+    ``grads`` by itself; ``"gradclip": "gradients"`` is gradclip's mark, the
+    evidence that the tensors are gradients (in a safetensors file's metadata
+    too).
 
     Each gradient is a detached copy moved to the CPU: later optimizer steps,
     ``zero_grad()`` or in-place updates do not change what was saved. Names are
@@ -90,15 +94,17 @@ def save_grads(model: torch.nn.Module, path: str | os.PathLike[str], /, **extra:
             "save_grads: no parameter of the model has a gradient; "
             "call it after loss.backward() and before optimizer.zero_grad()"
         )
-    if "grads" in extra:
+    if "grads" in extra or MARK_KEY in extra:
         raise ValueError(
-            "save_grads: 'grads' is the gradient entry itself; give the extra another name"
+            "save_grads: 'grads' is the gradient entry itself and 'gradclip' its mark; "
+            "give the extra another name"
         )
 
     if Path(path).suffix.lower() == ".safetensors":
-        atomic_write(Path(path), _safetensors_writer(grads, _text_metadata(extra)))
+        metadata = {MARK_KEY: MARK_GRADIENTS, **(_text_metadata(extra) or {})}
+        atomic_write(Path(path), _safetensors_writer(grads, metadata))
     else:
-        payload = {"grads": grads, **extra}
+        payload = {"grads": grads, MARK_KEY: MARK_GRADIENTS, **extra}
         # Saving to a file object (not a name) also keeps the zip's inner
         # folder name fixed ("archive/") instead of the temporary file's name.
         atomic_write(Path(path), lambda file: torch.save(payload, file))

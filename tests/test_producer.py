@@ -80,7 +80,8 @@ def test_extra_entries_are_kept(model, tmp_path):
     config = {"lr": 3e-4, "betas": [0.9, 0.95], "name": "run-7", "warmup": None}
     save_grads(model, path, step=1200, config=config, model=model.state_dict(), path="kept")
     loaded = torch.load(path, weights_only=True)
-    assert set(loaded) == {"grads", "step", "config", "model", "path"}
+    assert set(loaded) == {"grads", "gradclip", "step", "config", "model", "path"}
+    assert loaded["gradclip"] == "gradients"  # gradclip's mark: the evidence of the role
     assert loaded["step"] == 1200
     assert loaded["config"] == config
     assert loaded["path"] == "kept"
@@ -108,7 +109,7 @@ def test_safetensors_holds_grads_and_metadata(model, tmp_path):
     for name, grad in loaded.items():
         assert torch.equal(grad, params[name].grad)
     with safe_open(path, framework="pt") as f:
-        assert f.metadata() == {"step": "1200", "run": "demo"}
+        assert f.metadata() == {"gradclip": "gradients", "step": "1200", "run": "demo"}
 
 
 def test_safetensors_mixed_dtypes_are_aligned(tmp_path):
@@ -130,7 +131,7 @@ def test_safetensors_mixed_dtypes_are_aligned(tmp_path):
     raw = path.read_bytes()
     (header_len,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + header_len])
-    assert "__metadata__" not in header
+    assert header.pop("__metadata__") == {"gradclip": "gradients"}  # gradclip's mark
     widths = {"F16": 2, "BF16": 2, "F64": 8}
     for name, entry in header.items():
         assert (8 + header_len + entry["data_offsets"][0]) % widths[entry["dtype"]] == 0, name

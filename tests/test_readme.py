@@ -1,11 +1,27 @@
 """The README's command examples are what the commands print.
 
-Each fenced block whose first line is ``$ gradclip ...`` (a shell pipeline
-is allowed) runs from the repository root at ``COLUMNS=100``; its output must
-match the block's remaining lines. Numbers compare within 1e-9 relative, and
-runs of spaces as one, so a last-bit difference between CPUs never fails
-the check. ``/tmp/`` in a command is a fresh temporary folder, so examples
-leave nothing behind.
+Every fenced block whose first line starts with ``$ `` is an output block, and
+each one is checked or says why not. An HTML comment on the line before the
+fence (invisible on GitHub) says how it is made:
+
+- none (a plain fence, ``$ gradclip ...``): run from the repository root;
+- ``<!-- readme: run after the python block above, saved as train.py -->``:
+  the nearest ``python`` block above is written to ``train.py`` in a fresh
+  folder, and the block's commands run there;
+- ``<!-- readme: run in tests/trainer_runs.py's FUNCTION, as output/ -->``:
+  that real Trainer run is made into ``output/`` of a fresh folder (once a
+  session), and the block's commands run there;
+- ``<!-- readme: shown, not run: REASON -->``: not run, for the reason given
+  (which must name where the test suite checks the same thing).
+
+A block with several ``$`` lines runs them in order in one folder, each
+line's output below it. Output is stdout and stderr interleaved as a
+terminal shows them, at ``COLUMNS=100``. Numbers compare within 1e-9
+relative in blocks run on the repository's samples, and within 1e-5 in blocks
+made by a training run (float32 training over tens of steps differs in the
+last digits between CPU kinds: 1053.37082 against 1053.37088 seen here); runs
+of spaces compare as one. ``/tmp/`` in a command is a fresh temporary folder,
+so examples leave nothing behind.
 
 To rewrite the blocks from real output after a change:
 
@@ -20,6 +36,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,71 +44,194 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 WIDTH = 100
-BLOCK = re.compile(r"^```\n(\$ gradclip .*?)\n```$", re.MULTILINE | re.DOTALL)
+FENCE = re.compile(
+    r"^(?:<!-- readme: (?P<how>[^\n]*?) -->\n)?```(?P<info>[a-z]*)\n(?P<body>.*?)\n```$",
+    re.MULTILINE | re.DOTALL,
+)
+PYTHON = re.compile(r"^```python\n(.*?)\n```$", re.MULTILINE | re.DOTALL)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[+-]?\d+)?")
+TRAIN_PY = "run after the python block above, saved as train.py"
+TRAINER_RUN = re.compile(r"run in tests/trainer_runs\.py's (\w+), as output/")
+NOT_RUN = "shown, not run: "
+SAMPLE_TOLERANCE, TRAINED_TOLERANCE = 1e-9, 1e-5
 
 
-def examples(text: str) -> list[tuple[str, str]]:
-    """(command, expected output) for every runnable block, in README order."""
+@dataclass(frozen=True)
+class Example:
+    line: int  # of the fence, for messages
+    how: str | None
+    commands: list[str]
+    output: str  # the block's text after its first "$ " line
+    span: tuple[int, int]  # of the whole match, for rewriting
+    setup: str | None  # train.py's text, for TRAIN_PY blocks
+
+    @property
+    def tolerance(self) -> float:
+        return SAMPLE_TOLERANCE if self.how is None else TRAINED_TOLERANCE
+
+    @property
+    def first(self) -> str:
+        return self.commands[0]
+
+
+def output_blocks(text: str) -> list[Example]:
+    """Every fenced block whose first line starts with ``$ ``, in README order."""
     found = []
-    for match in BLOCK.finditer(text):
-        command, _, output = match.group(1).partition("\n")
-        found.append((command.removeprefix("$ "), output))
+    for match in FENCE.finditer(text):
+        body = match.group("body")
+        if not body.startswith("$ "):
+            continue
+        first, _, output = body.partition("\n")
+        commands = [first] + [line for line in output.splitlines() if line.startswith("$ ")]
+        before = text[: match.start()]
+        pythons = PYTHON.findall(before)
+        found.append(Example(
+            line=before.count("\n") + 1, how=match.group("how"),
+            commands=[c.removeprefix("$ ") for c in commands], output=output,
+            span=match.span(), setup=pythons[-1] if pythons else None,
+        ))  # fmt: skip
     return found
 
 
-def run(command: str) -> str:
-    """The block's text for ``command``: stdout and stderr interleaved as a terminal shows them."""
+def examples(text: str) -> list[Example]:
+    """The blocks that are run (all but the ones marked shown, not run)."""
+    return [e for e in output_blocks(text) if not (e.how or "").startswith(NOT_RUN)]
+
+
+_TRAINER_RUNS: dict[str, Path] = {}
+
+
+def _trainer_run(function: str) -> Path:
+    """A folder holding ``output/``, the real Trainer run ``function`` makes (once)."""
+    if function not in _TRAINER_RUNS:
+        from tests import trainer_runs
+
+        folder = Path(tempfile.mkdtemp(prefix="readme-run-"))
+        getattr(trainer_runs, function)(folder / "output")
+        _TRAINER_RUNS[function] = folder
+    return _TRAINER_RUNS[function]
+
+
+def _shell(command: str, cwd: Path, scratch: str) -> str:
     bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "COLUMNS": str(WIDTH), "PATH": bin_dir + os.pathsep + os.environ["PATH"],
-           "NO_COLOR": "1", "PYTHONIOENCODING": "utf-8", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "COLUMNS": str(WIDTH),
+        "PATH": bin_dir + os.pathsep + os.environ["PATH"],
+        "NO_COLOR": "1",
+        "PYTHONIOENCODING": "utf-8",
+        "PYTHONUNBUFFERED": "1",
+    }
     for var in ("FORCE_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE"):
         env.pop(var, None)
-    with tempfile.TemporaryDirectory() as scratch:
-        proc = subprocess.run(
-            ["bash", "-c", command.replace("/tmp/", scratch + "/")], cwd=REPO, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
-        )  # fmt: skip
-        output = proc.stdout.replace(scratch + "/", "/tmp/")
+    proc = subprocess.run(
+        ["bash", "-c", command.replace("/tmp/", scratch + "/")], cwd=cwd, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
+    )  # fmt: skip
+    output = proc.stdout.replace(scratch + "/", "/tmp/")
     return "\n".join(line.rstrip() for line in output.rstrip("\n").splitlines())
 
 
-def same(expected: str, actual: str) -> bool:
-    """Equal text, with numbers within 1e-9 relative and any run of spaces as one."""
+def run(example: Example) -> str:
+    """The block's text after its first line: each command's output, and each later
+    ``$`` line before its own output, as a terminal shows them."""
+    with tempfile.TemporaryDirectory() as scratch:
+        if example.how is None:
+            cwd = REPO
+        elif example.how == TRAIN_PY:
+            assert example.setup is not None, f"README line {example.line}: no python block"
+            cwd = Path(scratch) / "run"
+            cwd.mkdir()
+            (cwd / "train.py").write_text(example.setup + "\n", encoding="utf-8")
+        elif (named := TRAINER_RUN.fullmatch(example.how)) is not None:
+            cwd = _trainer_run(named.group(1))
+        else:
+            raise AssertionError(f"README line {example.line}: unknown marker {example.how!r}")
+        parts = []
+        for i, command in enumerate(example.commands):
+            if i:
+                parts.append(f"$ {command}")
+            text = _shell(command, cwd, scratch)
+            if text:
+                parts.append(text)
+        return "\n".join(parts)
+
+
+def same(expected: str, actual: str, tolerance: float = SAMPLE_TOLERANCE) -> bool:
+    """Equal text, with numbers within ``tolerance`` relative and any run of spaces as one."""
+
     def parts(text: str):
         text = re.sub(r"[ \t]+", " ", text.strip())
         return NUMBER.split(text), [float(x) for x in NUMBER.findall(text)]
 
     (words_a, numbers_a), (words_b, numbers_b) = parts(expected), parts(actual)
-    return words_a == words_b and len(numbers_a) == len(numbers_b) and all(
-        math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0) for a, b in zip(numbers_a, numbers_b))
+    return (
+        words_a == words_b
+        and len(numbers_a) == len(numbers_b)
+        and all(
+            math.isclose(a, b, rel_tol=tolerance, abs_tol=0.0) for a, b in zip(numbers_a, numbers_b)
+        )
+    )
 
 
-@pytest.mark.parametrize("command, expected", examples(README.read_text(encoding="utf-8")))
-def test_readme_example(command, expected):
-    actual = run(command)
-    assert same(expected, actual), f"README block for `{command}` is stale:\n{actual}"
+_README = README.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("example", examples(_README), ids=lambda e: f"line{e.line}")
+def test_readme_example(example):
+    actual = run(example)
+    assert same(example.output, actual, example.tolerance), (
+        f"README block at line {example.line} (`{example.first}`) is stale:\n{actual}"
+    )
+
+
+def test_every_output_block_is_checked_or_says_why_not():
+    blocks = output_blocks(_README)
+    assert len(blocks) > 10
+    for block in blocks:
+        where = f"README line {block.line} (`{block.first}`)"
+        if block.how is None:
+            # Run from the repository root: only the samples it ships.
+            assert block.first.startswith("gradclip "), f"{where}: not a gradclip command"
+            continue
+        if block.how.startswith(NOT_RUN):
+            reason = block.how.removeprefix(NOT_RUN)
+            assert "tests/" in reason, f"{where}: the reason must name the test that checks it"
+            continue
+        assert block.how == TRAIN_PY or TRAINER_RUN.fullmatch(block.how), (
+            f"{where}: unknown marker {block.how!r}"
+        )
+    # Every example of a command people copy is run, not shown.
+    run_commands = [e.first for e in examples(_README)]
+    for command in ("gradclip inspect", "gradclip clip", "gradclip trend", "gradclip compare"):
+        assert any(c.startswith(command) for c in run_commands), command
+    assert any("python train.py" in e.first for e in examples(_README))
 
 
 def test_the_readme_has_examples_and_the_clone_stays_clean():
-    commands = [command for command, _ in examples(README.read_text(encoding="utf-8"))]
-    assert any(c.startswith("gradclip inspect") for c in commands)
-    assert any(c.startswith("gradclip clip") for c in commands)
-    # Every example that writes a file writes it under /tmp/ (8.7: nothing left in the clone).
-    for command in commands:
-        for flag in ("-o", "--output", "--output-file"):
-            if f" {flag} " in command:
-                assert command.split(f" {flag} ", 1)[1].startswith("/tmp/"), command
+    for example in examples(_README):
+        if example.how is not None:
+            continue  # runs in a folder of its own
+        for command in example.commands:
+            # Every example that writes a file writes it under /tmp/ (nothing left in the clone).
+            for flag in ("-o", "--output", "--output-file"):
+                if f" {flag} " in command:
+                    assert command.split(f" {flag} ", 1)[1].startswith("/tmp/"), command
 
 
 def update() -> None:
     text = README.read_text(encoding="utf-8")
-
-    def replace(match: re.Match) -> str:
-        command = match.group(1).partition("\n")[0]
-        return f"```\n{command}\n{run(command.removeprefix('$ '))}\n```"
-
-    README.write_text(BLOCK.sub(replace, text), encoding="utf-8")
+    for example in reversed(examples(text)):
+        start, end = example.span
+        block = text[start:end]
+        head = (
+            block[: block.index("\n$ ") + 1]
+            if block.startswith("<!--")
+            else block[: block.index("\n") + 1]
+        )
+        new = f"{head}$ {example.first}\n{run(example)}\n```"
+        text = text[:start] + new + text[end:]
+    README.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -98,3 +98,108 @@ def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
     name_of = {id(p): n for n, p in model.named_parameters()}
     groups = [[name_of[id(p)] for p in g["params"]] for g in trainer.optimizer.param_groups]
     return output_dir / "trainer_state.json", groups
+
+
+# The run a newcomer brings to `gradclip trend output_dir`: a checkpoint every
+# few steps, the Trainer's default clipping, a monitor log beside them, and one
+# layer's gradients blown up at one step.
+RUN_FOLDER_STEPS = 20
+RUN_FOLDER_SAVE_STEPS = 5
+RUN_FOLDER_SPIKE_STEP = 12
+RUN_FOLDER_SPIKE_LAYER = "transformer.h.1"
+RUN_FOLDER_SPIKE_SCALE = 1000.0
+RUN_FOLDER_LOG = "grads.jsonl"
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """``output_dir`` holds ``checkpoint-5/`` .. ``checkpoint-20/`` (each with its
+    ``trainer_state.json`` and ``training_args.bin``), the run's final
+    ``trainer_state.json`` and ``grads.jsonl``, the log of a ``GradMonitor``."""
+
+    output_dir: Path
+    steps: int
+    save_steps: int
+    spike_step: int
+    spike_layer: str
+    max_grad_norm: float
+    # float64 norms of every step's gradients as the monitor saw them (before
+    # the Trainer clips): {step: {"total": ..., layer: ...}}, layers named as
+    # --group-by layer names them (transformer.h.1, transformer.wte, ...).
+    reference: dict[int, dict[str, float]]
+
+
+def train_run_folder(output_dir: Path) -> RunFolder:
+    """A 20-step run with ``TrainingArguments``' default ``max_grad_norm`` (1.0).
+
+    The spike is one layer's: a gradient hook multiplies ``transformer.h.1``'s
+    gradients by ``RUN_FOLDER_SPIKE_SCALE`` in the backward pass of step 12, so
+    the Trainer's logged (pre-clipping) ``grad_norm`` and the monitor both see
+    it; the optimizer, after the Trainer clips to 1.0, does not. The monitor is
+    called at the end of ``training_step`` (after backward, before the
+    Trainer's clipping), the place ``GradMonitor.step`` asks for.
+    """
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (RUN_FOLDER_STEPS * 4, 16), generator=generator)
+    dataset = [{"input_ids": t, "labels": t} for t in tokens]
+    monitor = GradMonitor(model, output_dir / RUN_FOLDER_LOG, dump_dir=None)
+    reference: dict[int, dict[str, float]] = {}
+
+    class MonitoredTrainer(Trainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            step = self.state.global_step + 1  # the step log_history gives it
+            monitor.step(step)
+            reference[step] = _float64_norms(model)
+            return loss
+
+    trainer = None
+
+    def blow_up(grad):
+        if trainer.state.global_step + 1 == RUN_FOLDER_SPIKE_STEP:
+            return grad * RUN_FOLDER_SPIKE_SCALE
+        return grad
+
+    for name, parameter in model.named_parameters():
+        if name.startswith(RUN_FOLDER_SPIKE_LAYER + "."):
+            parameter.register_hook(blow_up)
+    args = TrainingArguments(
+        output_dir=str(output_dir), max_steps=RUN_FOLDER_STEPS, per_device_train_batch_size=4,
+        learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+        data_seed=0, disable_tqdm=True, dataloader_num_workers=0, save_strategy="steps",
+        save_steps=RUN_FOLDER_SAVE_STEPS,
+    )  # fmt: skip
+    trainer = MonitoredTrainer(model=model, args=args, train_dataset=dataset)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+        monitor.close()
+    trainer.save_state()
+    return RunFolder(output_dir, RUN_FOLDER_STEPS, RUN_FOLDER_SAVE_STEPS, RUN_FOLDER_SPIKE_STEP,
+                     RUN_FOLDER_SPIKE_LAYER, args.max_grad_norm, reference)
+
+
+def _float64_norms(model) -> dict[str, float]:
+    """The total and per-layer 2-norms of the model's gradients, in float64."""
+    squares: dict[str, float] = {}
+    for name, parameter in model.named_parameters():
+        if parameter.grad is None:
+            continue
+        parts = name.split(".")
+        layer = ".".join(parts[:3] if parts[1] == "h" else parts[:2])
+        squares[layer] = squares.get(layer, 0.0) + float(parameter.grad.double().square().sum())
+    norms = {layer: total ** 0.5 for layer, total in squares.items()}
+    norms["total"] = sum(squares.values()) ** 0.5
+    return norms

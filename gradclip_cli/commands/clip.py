@@ -42,6 +42,8 @@ def run(
     allow_nonfinite: bool, verify: bool, trust_pickle: bool, quiet: bool,
     output_file: Path | None, what: str = "grads", progress: bool = True,
 ) -> int:
+    # First: an error document (--format json) goes to --output-file too.
+    options.report_file(output_file, reads=[path], writes=[] if output is None else [output])
     p = options.norm_type(norm_type)
     limit = options.threshold("--max-norm", max_norm, allow_zero=False)
     value = options.threshold("--clip-value", clip_value, allow_zero=False)
@@ -51,7 +53,7 @@ def run(
     fmt = output_format(format)
     # A folder is a set, written as a folder (its target is known once it is opened).
     target = path if os.path.isdir(path) else options.clip_output(path, output, in_place)
-    options.report_file(output_file)
+    options.report_file(output_file, reads=[path], writes=[target])
 
     def load_for_writing(steps) -> tuple[Loaded, list[str]]:
         loaded = _held_pieces(load(path, key, trust_pickle, verify, steps, what,
@@ -59,7 +61,7 @@ def run(
         loaded.held_tensors()  # clip changes tensors in place: each must be one piece
         return loaded, _unshare_other_entries(loaded)
 
-    session = launcher.join(dev, device)
+    session = launcher.join(dev, device, [path])
     if session is not None:
         dev = session.device
     with progress_steps(not progress or not speaks()) as steps:
@@ -67,6 +69,8 @@ def run(
         if loaded.contents.checkpoint is None and loaded.contents.folder is not None:
             # A set of files (HF sharded, DCP, DCP's HF layout) is written as a folder.
             target = str(_set_target(loaded.contents.folder, output, in_place))
+        options.report_file(output_file, reads=[*loaded.contents.files, loaded.contents.path],
+                            writes=[target])
         if value is not None and any(t.is_complex() for t in loaded.held_tensors()):
             raise UsageError("--clip-value cannot clamp complex gradients (complex numbers "
                              "have no order); use --max-norm")

@@ -11,9 +11,10 @@ from typing import TextIO
 
 import torch
 
+from .. import values
 from ..core import Elements, PowerSums, distinct_elements, tensor_power_sums
 from ..distributed import launcher
-from ..errors import InputError, UsageError
+from ..errors import InputError
 from ..format import FORMATS
 from ..format.text import visible
 from ..progress import Steps
@@ -94,9 +95,7 @@ class Loaded:
 
 def output_format(name: str):
     """The format module for ``--format NAME``; UsageError if there is none."""
-    if name not in FORMATS:
-        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {name!r}")
-    return FORMATS[name]
+    return FORMATS[values.word("--format", name, tuple(FORMATS))]
 
 
 def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: Steps,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
-from .. import options
+from .. import options, values
 from ..distributed import launcher
-from ..errors import UsageError
 from ..progress import progress_steps
 from ..report import OK, parse_group_by
 from ..report.compare import build_compare_report
@@ -18,24 +18,22 @@ from .trend import Measured, Measurement, OneKind, check_what, measure_checkpoin
 def run(
     *, a: Path, b: Path, what: str, fail_above: str | None, group_by: str, key: str | None,
     norm_type: str, device: str, format: str, trust_pickle: bool, verify: bool, quiet: bool,
-    output_file: Path | None,
+    output_file: Path | None, progress: bool = True,
 ) -> int:
+    # First: an error document (--format json) goes to --output-file too.
+    options.report_file(output_file, reads=[a, b])
     check_what(what)
-    limit = options.threshold("--fail-above", fail_above, allow_zero=False)
-    if limit is not None and limit < 1:
-        # R and 1/R bound the same band; R < 1 would flag every group.
-        raise UsageError(f"--fail-above must be >= 1 (a ratio R flags b/a > R or "
-                                 f"< 1/R), got {fail_above!r}")
+    limit = values.ratio_limit("--fail-above", fail_above)
     p = options.norm_type(norm_type)
     dev = options.device(device)
     fmt = output_format(format)
     rule = parse_group_by(group_by)
-    session = launcher.join(dev, device)
+    session = launcher.join(dev, device, [a, b])
     if session is not None:
         dev = session.device
     how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
     kinds = OneKind(what)
-    with progress_steps(quiet or not speaks()) as steps:
+    with progress_steps(quiet or not progress or not speaks()) as steps:
         # One at a time: A's pages are released before B is read.
         ra = measure_checkpoint(a, how, steps)
         kinds.check(str(a), ra.what)
@@ -46,7 +44,14 @@ def run(
         totals=(ra.total_norm, rb.total_norm), groups_a=ra.groups, groups_b=rb.groups,
         nonfinite=_nonfinite(ra) or _nonfinite(rb), fail_above=limit,
     )  # fmt: skip
-    emit(lambda out: fmt.render_compare(report, out), output_file)
+    if quiet and format == "table":
+        # -q: the verdict alone on stdout; each finding a line on stderr.
+        from ..format import table
+
+        err = sys.stderr if speaks() else None
+        emit(lambda out: table.print_compare_verdict(report, out, err), output_file)
+    else:
+        emit(lambda out: fmt.render_compare(report, out), output_file)
     return 0 if report.status == OK else 1
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import re
+import stat
 import sys
 from pathlib import Path
 
 from .. import options
 from ..distributed import launcher
+from ..errors import InputError
 from ..progress import progress_steps
 from ..report import OK, build_inspect_report, parse_group_by
 from .common import Releasers, emit, load, measure, measure_weights, output_format, speaks
@@ -18,17 +22,25 @@ def run(
     trust_pickle: bool, quiet: bool, output_file: Path | None, what: str = "auto",
     progress: bool = True,
 ) -> int:
+    # First: an error document (--format json) goes to --output-file too.
+    options.report_file(output_file, reads=[path])
     p = options.norm_type(norm_type)
     threshold = options.threshold("--max-norm", max_norm, allow_zero=True)
     dev = options.device(device)
     fmt = output_format(format)
     rule = parse_group_by(group_by)
-    options.report_file(output_file)
-    session = launcher.join(dev, device)
+    session = launcher.join(dev, device, [path])
     if session is not None:
         dev = session.device
     with progress_steps(not progress or not speaks()) as steps:
-        loaded = load(path, key, trust_pickle, verify, steps, what)
+        try:
+            loaded = load(path, key, trust_pickle, verify, steps, what)
+        except InputError as error:
+            hint = trend_hint(path)
+            if hint is None:
+                raise
+            raise InputError(f"{error}; {hint}") from None
+        options.report_file(output_file, reads=loaded.contents.files)
         # inspect never writes a tensor, so pages read can go back at once:
         # resident memory stays flat whatever the file's size.
         release = Releasers(loaded.contents.files)
@@ -44,7 +56,9 @@ def run(
         key=loaded.key, device=str(dev), max_norm=threshold,
         allow_nonfinite=allow_nonfinite, group_by=group_by, skipped=loaded.skipped,
         what=selection.what, step=contents.step,
-        description=[*contents.description, f"measured: {selection.explain}"],
+        description=[*contents.description, f"measured: {selection.measured}"],
+        measured={"what": selection.what, "explain": selection.explain,
+                  "evidence": selection.evidence},
         weight_sums=weight_sums,
     )
     if quiet and format == "table":
@@ -57,3 +71,48 @@ def run(
     else:
         emit(lambda out: fmt.render_inspect(report, out, top=top), output_file)
     return 0 if report.status == OK else 1
+
+
+# A run's folder holds numbered checkpoints (HF Trainer, DeepSpeed), not one checkpoint.
+_NUMBERED = re.compile(r"(checkpoint-|global_step|step-?)\d+")
+_SCANNED = 1000  # children looked at for a hint; a refusal never waits on a huge folder
+
+
+def _is_log(path: Path) -> bool:
+    from ..source.logs.recognise import log_kind
+
+    try:
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+    return regular and log_kind(path) is not None
+
+
+def trend_hint(path: str) -> str | None:
+    """Where inspect refuses a run's logs or its output folder: the command that reads them.
+
+    A ``trainer_state.json`` or a monitor's ``grads.jsonl`` holds norms over
+    steps, and an ``output_dir`` holds several checkpoints: ``trend`` reads
+    both (CONTRACT.md, "Over time"); inspect reads one checkpoint.
+    """
+    p = Path(path)
+    if _is_log(p):
+        what = "a log of gradient norms over steps"
+    elif p.is_dir():
+        from ..source.layouts import LAYOUTS
+
+        if any(layout.recognises(p) for layout in LAYOUTS):
+            return None  # a checkpoint: its own refusal says what it holds
+        try:
+            children = [c for _, c in zip(range(_SCANNED), p.iterdir())]
+        except OSError:
+            return None
+        if any(_NUMBERED.fullmatch(c.name) and c.is_dir() for c in children):
+            what = "a run's folder of numbered checkpoints"
+        elif any(c.suffix in (".json", ".jsonl") and _is_log(c) for c in children):
+            what = "a run's folder with a log of gradient norms"
+        else:
+            return None
+    else:
+        return None
+    return f"it is {what}: for norms over the run use 'gradclip trend {path}'"

@@ -15,13 +15,14 @@ moment against a history of gradient norms would mean nothing.
 
 from __future__ import annotations
 
-import math
+import os
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import options
+from .. import options, values
 from ..core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z
 from ..distributed import launcher
 from ..errors import InputError, UsageError
@@ -33,13 +34,18 @@ from ..report.trend import (
     FAIL_ON_NEWEST,
     NONFINITE,
     SPIKE,
+    ClippingFound,
     Observation,
+    SeriesFound,
     build_trend_report,
     order_by_step,
 )
-from ..source import READERS
+from ..source import READERS, run_folder
 from ..source.layouts import LAYOUTS, accelerate_fsdp
-from ..source.logs import LogKind, log_kind
+from ..source.logs import LogKind
+from ..source.logs.recognise import log_kind
+from ..source.run_folder import RunFolder
+from ..source.vocabulary import step_of
 from ..source.what import EXPLAIN, WHATS
 from .common import Loaded, Releasers, emit, load, measure, output_format, speaks
 
@@ -47,7 +53,6 @@ from .common import Loaded, Releasers, emit, load, measure, output_format, speak
 WHAT_CHOICES = WHATS
 # What a norm log (monitor JSON Lines, trainer_state.json) holds.
 LOGGED_WHAT = "grads"
-PLOT_SUFFIXES = (".png", ".svg")
 
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 
@@ -62,6 +67,7 @@ class Input:
     path: Path
     kind: LogKind | None = None
     folder_step: int | None = None
+    entries: tuple | None = None  # a log's entries, when run-folder discovery read them
 
 
 @dataclass(frozen=True)
@@ -83,8 +89,10 @@ def run(
     *, paths: list[Path], what: str, group_by: str, z: float | None, alpha: float | None,
     warmup: int | None, fail_on: str, plot: Path | None, key: str | None,
     norm_type: str | None, device: str, format: str, trust_pickle: bool, verify: bool,
-    quiet: bool, output_file: Path | None,
+    quiet: bool, output_file: Path | None, progress: bool = True,
 ) -> int:
+    # First: an error document (--format json) goes to --output-file too.
+    options.report_file(output_file, reads=paths, writes=[plot] if plot is not None else [])
     check_what(what)
     z = DEFAULT_Z if z is None else z
     alpha = DEFAULT_ALPHA if alpha is None else alpha
@@ -99,14 +107,16 @@ def run(
         _check_plot(plot)
     # Under torchrun every rank reads every checkpoint's share, as inspect does
     # (CONTRACT.md, "Beyond one machine"); rank 0 alone writes the report.
-    session = launcher.join(dev, device)
+    session = launcher.join(dev, device, paths)
     if session is not None:
         dev = session.device
-    with progress_steps(quiet or not speaks()) as steps:
-        inputs = [item for path in paths
-                  for item in _expand(path, lambda p: _loads(p, key, trust_pickle, steps))]
-        logs = [(item.path, item.kind.read(item.path)) for item in inputs
-                if isinstance(item.kind, LogKind)]
+    with progress_steps(quiet or not progress or not speaks()) as steps:
+        runs: list[RunFolder] = []
+        inputs = _once([item for path in paths
+                        for item in _expand(path, lambda p: _loads(p, key, trust_pickle, steps),
+                                            what=what, runs=runs)])
+        logs = [(item.path, item.kind.read(item.path) if item.entries is None
+                 else list(item.entries)) for item in inputs if isinstance(item.kind, LogKind)]
         p = _norm_type(requested_p, logs)
         how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
         kinds = OneKind(what)
@@ -121,6 +131,7 @@ def run(
             # One at a time: loading checkpoint i+1 on a thread while i was
             # measured made trend slower, not faster (BENCHMARKS.md, "trend").
             loaded = load(item.path, how.key, how.trust_pickle, how.verify, steps, how.what)
+            options.report_file(output_file, reads=loaded.contents.files)
             kinds.check(str(item.path), loaded.selection.what)  # before measuring it
             m = measure_loaded(loaded, item.path, how, steps, item.folder_step)
             del loaded  # its mapping goes before the next checkpoint is opened
@@ -129,20 +140,25 @@ def run(
                 groups=m.groups, nonfinite=m.nonfinite, what=m.what))
     report = build_trend_report(
         order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
-        alpha=alpha, warmup=warmup, fail_on=fail_on,
+        alpha=alpha, warmup=warmup, fail_on=fail_on, **_found(runs),
     )  # fmt: skip
     if plot is not None and speaks():
         from ..format.plot import write_trend_plot
 
         write_trend_plot(report, plot)
-    emit(lambda out: fmt.render_trend(report, out), output_file)
+    if quiet and format == "table":
+        # -q: the verdict alone on stdout; each finding a line on stderr.
+        from ..format import table
+
+        err = sys.stderr if speaks() else None
+        emit(lambda out: table.print_trend_verdict(report, out, err), output_file)
+    else:
+        emit(lambda out: fmt.render_trend(report, out), output_file)
     return 1 if report.status in (SPIKE, NONFINITE) else 0
 
 
 def check_what(text: str) -> str:
-    if text not in WHAT_CHOICES:
-        raise UsageError(f"--what must be one of {', '.join(WHAT_CHOICES)}, got {text!r}")
-    return text
+    return values.word("--what", text, WHAT_CHOICES)
 
 
 class OneKind:
@@ -185,29 +201,19 @@ class OneKind:
 
 
 def _fail_on(text: str) -> str:
-    if text not in (FAIL_ON_NEWEST, FAIL_ON_ANY):
-        raise UsageError(f"--fail-on must be newest or any, got {text!r}")
-    return text
+    return values.word("--fail-on", text, (FAIL_ON_NEWEST, FAIL_ON_ANY))
 
 
 def _spike_options(z: float, alpha: float, warmup: int) -> None:
-    if not (math.isfinite(z) and z > 0):
-        raise UsageError(f"--z must be a finite number > 0, got {z}")
-    if not 0 < alpha < 1:
-        raise UsageError(f"--alpha must be between 0 and 1 (exclusive), got {alpha}")
-    if warmup < 1:
-        raise UsageError(f"--warmup must be a whole number >= 1, got {warmup}")
+    """The rules the command line checked already (values.py), for callers that skip it."""
+    values.threshold("--z", z, allow_zero=False)
+    values.fraction("--alpha", alpha)
+    values.whole("--warmup", warmup, least=1)
 
 
 def _check_plot(plot: Path) -> None:
     """Before any checkpoint is read: a wrong suffix or a missing matplotlib is exit 2."""
-    if plot.suffix.lower() not in PLOT_SUFFIXES:
-        raise UsageError(f"--plot {plot}: the file name must end in .png or .svg")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UsageError("--plot needs matplotlib, an optional extra: "
-                         "pip install 'gradclip[plot]'") from None
+    values.plot_file(str(plot))
 
 
 def _norm_type(requested: float | None, logs: list[tuple[Path, list]]) -> float:
@@ -243,14 +249,17 @@ def _loads(path: Path, key: str | None, trust_pickle: bool, steps: Steps) -> str
     return None
 
 
-def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None
-            ) -> Iterator[Input]:
+def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None, *,
+            what: str = "auto", runs: list | None = None) -> Iterator[Input]:
     """The checkpoints and logs ``path`` stands for.
 
     A folder is, in this order: a run's folder of numbered checkpoints (an
-    HF ``output_dir`` of ``checkpoint-N/``, ``global_stepN/``), in step order;
-    one checkpoint (a layout the loader reads); or a folder of checkpoint
-    files and logs, recognised by content (anything else in it is skipped).
+    HF ``output_dir`` of ``checkpoint-N/``, ``global_stepN/``), whose one
+    judged series (``source/run_folder.py``: its monitor log, its newest
+    ``trainer_state.json`` or the checkpoints in step order) is appended to
+    ``runs``; one checkpoint (a layout the loader reads); or a folder of
+    checkpoint files and logs, recognised by content (anything else in it is
+    skipped).
     """
     if not path.is_dir():
         yield Input(path, log_kind(path), folder_step)
@@ -258,16 +267,51 @@ def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None
     # accelerate's FSDP folder numbers its parts (pytorch_model_fsdp_0/, optimizer_0/):
     # one checkpoint, not a run.
     if folder_step is None and not accelerate_fsdp.recognises(path):
-        numbered = [c for c in _children(path) if c.is_dir() and _LAST_NUMBER.search(c.name)]
+        run = run_folder.discover(path, what)
+        if run is not None:
+            if runs is not None:
+                runs.append(run)
+            if run.judged.kind != run_folder.CHECKPOINTS:
+                yield Input(run.judged.paths[0], run.judged.log, None, run.judged.entries)
+                return
+        numbered = run_folder.numbered_folders(path)
         if numbered:
-            for child in sorted(numbered, key=_name_number):
-                yield from _expand(child, why_not_checkpoint, _name_number(child))
+            for number, child in numbered:
+                yield from _expand(child, why_not_checkpoint, number)
             return
     reason = why_not_checkpoint(path)
     if reason is None:
         yield Input(path, None, folder_step)
     else:
         yield from _folder_of_files(path, reason, folder_step)
+
+
+def _once(inputs: list[Input]) -> list[Input]:
+    """Each file or folder once (a run folder and its own trainer_state.json, given
+    together, are one series, not two)."""
+    seen, kept = set(), []
+    for item in inputs:
+        real = os.path.realpath(item.path)
+        if real not in seen:
+            seen.add(real)
+            kept.append(item)
+    return kept
+
+
+def _found(runs: list[RunFolder]) -> dict:
+    """The report's account of the run folders read: every series, the judged one,
+    whether the Trainer clipped; a line of notes each."""
+    series, clipping, notes = [], [], []
+    for run in runs:
+        for i, s in enumerate(run.series):
+            series.append(SeriesFound(s.source, s.kind, s.points, s.per_group,
+                                      s is run.judged, run.why_not.get(i)))
+        if run.clipping is not None:
+            c = run.clipping
+            clipping.append(ClippingFound(c.max_grad_norm, None if c.source is None
+                                          else str(c.source), run.clipping_note()))
+        notes += run.notes()
+    return {"series": series, "clipping": clipping, "notes": notes}
 
 
 def _children(path: Path) -> list[Path]:
@@ -300,36 +344,19 @@ def _is_checkpoint_file(path: Path) -> bool:
     return any(reader.recognises(head) for reader in READERS)
 
 
-def _name_number(path: Path) -> int:
-    match = _LAST_NUMBER.search(path.name)
-    return int(match.group(1)) if match else -1
-
-
 def _step_of(stated: int | None, root: object, path: Path, folder_step: int | None
              ) -> int | None:
     """The step the layout read (a Trainer's ``global_step``), else the checkpoint's
-    ``step``/``global_step`` entry, else the last number in its name, else its
-    ``checkpoint-N/`` folder's number."""
+    step entry (``source/vocabulary.py``, the rule inspect follows too), else the last
+    number in its name, else its ``checkpoint-N/`` folder's number."""
     if stated is not None:
         return stated
-    if isinstance(root, dict):
-        for name in ("global_step", "step"):
-            value = root.get(name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-            if _is_integer_scalar(value):
-                return int(value.item())
+    recorded = step_of(root)
+    if recorded is not None:
+        return recorded
     stem = path.name if path.is_dir() else path.name.split(".", 1)[0]
     match = _LAST_NUMBER.search(stem)
     return int(match.group(1)) if match else folder_step
-
-
-def _is_integer_scalar(value: object) -> bool:
-    import torch
-
-    return (isinstance(value, torch.Tensor) and value.numel() == 1
-            and not value.is_floating_point() and not value.is_complex()
-            and value.dtype != torch.bool)
 
 
 @dataclass(frozen=True)

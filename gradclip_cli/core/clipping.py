@@ -161,8 +161,12 @@ def scale_(
     Multiplying by a clamped coefficient, rather than branching on
     ``coef < 1``, avoids a host-device synchronisation (torch does the same).
     float8 tensors are multiplied in float32 and rounded back.
+
+    A coefficient of exactly 1 changes no bit, and where it is known without
+    a synchronisation (a ``Coefficient``, or a CPU tensor) the pass is
+    skipped: on the CPU, a step that does not clip then costs the norm alone.
     """
-    if not tensors:
+    if not tensors or _is_one(coef):
         return
     grouped = _group_tensors_by_device_and_dtype([list(tensors)])
     for (device, dtype), ([group], _) in grouped.items():
@@ -176,6 +180,12 @@ def scale_(
             else:
                 for t in group:
                     t.mul_(c)
+
+
+def _is_one(coef: torch.Tensor | Coefficient) -> bool:
+    if isinstance(coef, Coefficient):
+        return coef.is_one
+    return coef.device.type == "cpu" and coef.numel() == 1 and bool(coef == 1.0)
 
 
 def scale_elements_(elements: Elements, coef: torch.Tensor | Coefficient,

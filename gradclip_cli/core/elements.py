@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 _WIDER_COMPLEX = {torch.complex32: torch.complex64, torch.complex64: torch.complex128}
 
@@ -137,9 +138,7 @@ def distinct_elements(tensors: Sequence[torch.Tensor]) -> Elements:
         elif t.numel() == 0:
             owned[i] = Piece(target=t)
         else:
-            # The storage's address, without building a storage object (2 us each).
-            start = t.data_ptr() - t.storage_offset() * t.element_size()
-            by_storage.setdefault((t.device, start, t.dtype), []).append(i)
+            by_storage.setdefault((t.device, _storage_key(t), t.dtype), []).append(i)
     for members in by_storage.values():
         if len(members) == 1 and tensors[members[0]].is_contiguous():
             # The common case, kept cheap for 20,000 tensors: alone in its
@@ -148,6 +147,23 @@ def distinct_elements(tensors: Sequence[torch.Tensor]) -> Elements:
             continue
         _split_storage(tensors, members, owned, covered, tie_of, shares)
     return Elements(owned, covered, tie_of, shares)  # type: ignore[arg-type]
+
+
+def _storage_key(t: torch.Tensor):
+    """What identifies ``t``'s storage (``t`` not empty), read from metadata, never data.
+
+    The storage's address where there is one, without building a storage
+    object (2 us each). A ``meta`` or fake tensor has no data: its
+    ``data_ptr()`` is 0 (or refuses), and there the storage object itself,
+    which views of one tensor share, is compared by identity.
+    """
+    try:
+        address = t.data_ptr()
+    except RuntimeError:
+        address = 0
+    if address:
+        return address - t.storage_offset() * t.element_size()
+    return StorageWeakRef(t.untyped_storage())
 
 
 def _split_storage(tensors, members, owned, covered, tie_of, shares) -> None:
@@ -182,8 +198,10 @@ def _gather_storage(tensors, members, views, owned, covered, tie_of, shares) -> 
     hi = max(_last_offset(v) for v in views.values()) + 1
     flat = _flat_storage(tensors[members[0]])
     base = flat[lo:hi]
+    # Masks describe positions, not values: they are built on the CPU from
+    # offsets and strides, so nothing is read from the device (or from meta).
     masks = {i: _coverage(views[i], lo, hi - lo) for i in members}
-    before = torch.zeros(hi - lo, dtype=torch.bool, device=base.device)
+    before = torch.zeros(hi - lo, dtype=torch.bool)
     owns_all = {}
     for k, i in enumerate(members):
         mine = masks[i] & ~before
@@ -267,7 +285,7 @@ def _coverage(v: torch.Tensor, lo: int, size: int) -> torch.Tensor:
     doubling (``S | S << k s``), so the work is the span's size times
     ``log2 n`` per dimension, whatever the view's logical size.
     """
-    mask = torch.zeros(size, dtype=torch.bool, device=v.device)
+    mask = torch.zeros(size, dtype=torch.bool)
     mask[v.storage_offset() - lo] = True
     for n, stride in zip(v.shape, v.stride()):
         have = 1  # the mask now holds offsets i * stride for i < have
@@ -281,7 +299,7 @@ def _coverage(v: torch.Tensor, lo: int, size: int) -> torch.Tensor:
 
 
 def _gathered(base: torch.Tensor, mask: torch.Tensor) -> Piece:
-    return Piece(base=base, index=mask.nonzero().flatten())
+    return Piece(base=base, index=mask.nonzero().flatten().to(base.device))
 
 
 def _view_piece(v: torch.Tensor) -> Piece:

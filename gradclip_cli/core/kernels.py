@@ -7,15 +7,16 @@ split is what makes the result accurate: torch's single fp32 reduction over
 a whole tensor has relative error 2.7e-3 on 38M normal values, while these
 stay near 1e-7 whatever the data (BENCHMARKS.md, accuracy).
 
-Two kernels give the same ``Rows`` and differ only in speed per device:
+Two kernels give ``Rows`` and differ in speed per device:
 
 * ``rows_on_cpu``: rows of up to ``CHUNK`` elements (1 MiB of float32), each
   read from memory once, its later passes hitting cache; small tensors are
   stacked, one row each. Half types are widened into a reused float32 buffer
   row by row, many times faster than ``vector_norm(..., dtype=torch.float32)``.
-* ``rows_by_foreach``: rows of ``ROW`` elements; one ``torch._foreach_norm``
-  call per group for the maxima and one for the norms (fused kernels on CUDA,
-  as ``torch.nn.utils.clip_grad`` uses).
+* ``sums_by_foreach``: one row per tensor, a fixed number of fused
+  ``torch._foreach_norm`` calls per group accumulated in float64 (fused
+  kernels on CUDA, as ``torch.nn.utils.clip_grad`` uses): the host's work
+  follows the number of tensors, never their size.
 
 Neither does any I/O or host-device synchronisation.
 """
@@ -30,12 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from torch.utils._foreach_utils import _device_has_foreach_support
+from torch.utils._foreach_utils import (
+    _device_has_foreach_support,
+    _group_tensors_by_device_and_dtype,
+)
 
 from .power_sums import pointwise_pow
 
-# Rows of the foreach kernel (a fused _foreach_norm call per group).
-ROW = 1 << 12
 # Pieces of the CPU kernel: 1 MiB of float32, which stays in L2 between passes.
 CHUNK = 1 << 18
 # Tensors below this many elements are stacked with others of their size.
@@ -47,17 +49,33 @@ class Rows:
     """Row results for tensors of one (device, dtype) group.
 
     ``tensor``, ``start`` and ``length`` locate each row (int64, CPU);
-    ``max_abs`` and ``norm`` are per row on the compute device (``norm`` is
-    None for p = inf, where the max is the norm). ``acc_dtype`` is the type
-    the norms were accumulated in.
+    ``max_abs`` and ``norm`` are per row on the compute device. ``norm`` is
+    None for p = inf, where the max is the norm; ``max_abs`` is None where
+    it was not asked for (``with_max=False``): a norm is certified from its
+    own power sum, and the max is only reported. Where ``unit`` (a 0-dim
+    tensor) is given, ``norm`` is that of the values divided by it.
+    ``acc_dtype`` is the type the norms were accumulated in.
     """
 
     tensor: torch.Tensor
     start: torch.Tensor
     length: torch.Tensor
-    max_abs: torch.Tensor
+    max_abs: torch.Tensor | None
     norm: torch.Tensor | None
     acc_dtype: torch.dtype
+    unit: torch.Tensor | None = None
+
+    def device_values(self) -> list[torch.Tensor]:
+        """The tensors that live on the compute device, to read back together."""
+        return [x for x in (self.max_abs, self.norm, self.unit) if x is not None]
+
+    def with_values(self, values: list[torch.Tensor]) -> Rows:
+        """The same rows with ``device_values()`` replaced (by their host copies)."""
+        values = iter(values)
+        fields = [None if x is None else next(values) for x in (self.max_abs, self.norm,
+                                                                 self.unit)]
+        return Rows(self.tensor, self.start, self.length, fields[0], fields[1], self.acc_dtype,
+                    fields[2])
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -70,51 +88,116 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1)
 
 
-def row_layout(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
-    """(tensor index, start, length) of every row, tensor by tensor."""
-    layout = []
-    for i, t in enumerate(tensors):
-        n = t.numel()
-        layout.extend((i, s, min(ROW, n - s)) for s in range(0, n, ROW))
-    return layout
+def sums_by_foreach(tensors: Sequence[torch.Tensor], norm_type: float,
+                    with_max: bool = True, foreach: bool | None = None) -> Rows:
+    """One row per tensor from a fixed number of fused ops, whatever the sizes.
 
+    The accelerator kernel: ``torch._foreach_norm`` over the whole group (a
+    loop of ``vector_norm`` where the device has no foreach kernels, as
+    torch's clip_grad does), no views per piece, no host-device read. CUDA
+    reduces each tensor as a tree; the accumulation is float64:
 
-def rows_by_foreach(tensors: Sequence[torch.Tensor], norm_type: float) -> Rows:
-    """Row maxima and norms with one fused ``_foreach_norm`` call each."""
-    flats = [_flat(t) for t in tensors]
-    layout = row_layout(tensors)
-    chunks = [flats[i][s : s + n] for i, s, n in layout]
-    acc = accumulation_dtype(tensors[0].dtype)
+    * float16/bfloat16/float32 and ``p <= 6`` (``FLOAT64_SAFE_P``): plain
+      float64 norms, which no finite input can overflow or underflow;
+    * float64 tensors, or a larger ``p``: every tensor divided by the group's
+      largest ``|x|`` first (``unit``, a 0-dim tensor on the device), so each
+      term is at most 1 and the sum cannot overflow. A tensor far below the
+      group's largest can still underflow there; ``norms._finish_rows``
+      certifies each row from its own sum and recomputes those exactly.
+
+    ``foreach`` as torch's: None uses the fused kernels where the device has
+    them, True requires them, False loops.
+    """
     device = tensors[0].device
-    if not chunks:
-        empty = torch.empty(0, dtype=acc, device=device)
-        return _rows(layout, empty, None if math.isinf(norm_type) else empty, acc)
-    norms = None
-    if _device_has_foreach_support(device):
-        maxima = torch._foreach_norm(chunks, math.inf)
-        if norm_type == 2.0 and device.type == "cuda":
-            # CUDA reduces each chunk as a tree: accurate, and one fused kernel.
-            norms = torch._foreach_norm(chunks, 2.0, dtype=acc)
-        elif not math.isinf(norm_type):
-            # Elsewhere vector_norm accumulates lane by lane (see row_norms):
-            # form |x|**p and sum it in float64 instead.
-            powers = torch._foreach_abs([c.to(acc) for c in chunks])
-            if norm_type != 1.0:
-                torch._foreach_pow_(powers, norm_type)
-            norms = [x.sum(dtype=torch.float64).pow(1.0 / norm_type) for x in powers]
-    else:
-        maxima = [torch.linalg.vector_norm(c, math.inf) for c in chunks]
-        if not math.isinf(norm_type):
-            norms = [row_norms(c.to(acc).view(1, -1), norm_type)[0] for c in chunks]
-    return _rows(
-        layout,
-        torch.stack(maxima).to(acc),
-        None if norms is None else torch.stack(norms),
-        acc,
-    )
+    dtype = tensors[0].dtype
+    index = [i for i, t in enumerate(tensors) if t.numel()]  # inf-norms of empty ones raise
+    live = [tensors[i] for i in index]
+    layout = [(i, 0, tensors[i].numel()) for i in index]
+    n = len(live)
+    safe = dtype != torch.float64 and (math.isinf(norm_type) or norm_type <= FLOAT64_SAFE_P)
+    fused = _fused(device, foreach)
+    maxima = norms = unit = None
+    if n and (with_max or not safe or math.isinf(norm_type)):
+        maxima = _stacked(_norms(live, math.inf, fused)).to(torch.float64)
+    if n and not math.isinf(norm_type):
+        if safe:
+            norms = _stacked(_norms(live, norm_type, fused, torch.float64))
+        else:
+            top = maxima.max()
+            unit = torch.where(torch.isfinite(top) & (top > 0), top, 1.0)
+            wide = live if dtype == torch.float64 else [t.to(torch.float64) for t in live]
+            norms = _stacked(_norms(_divided(wide, unit, fused), norm_type, fused))
+    if not n:
+        maxima = norms = torch.empty(0, dtype=torch.float64, device=device)
+        norms = None if math.isinf(norm_type) else norms
+    if not with_max and not math.isinf(norm_type):
+        maxima = None
+    return _rows(layout, maxima, norms, torch.float64, unit=unit)
 
 
-def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float, workers: int = 1) -> Rows:
+# Below this p, sums of |x| ** p of float16/bfloat16/float32 values in float64
+# can neither overflow nor underflow: (3.4e38 ** 6) * 1e12 elements < 1.8e308,
+# and (1.4e-45 ** 6) = 7.5e-270 > 2.2e-308 * 2**24 * 1e12.
+FLOAT64_SAFE_P = 6.0
+
+
+def _fused(device: torch.device, foreach: bool | None) -> bool:
+    if foreach is None:
+        return _device_has_foreach_support(device)
+    if foreach and not _device_has_foreach_support(device):
+        raise RuntimeError(
+            f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
+        )
+    return foreach
+
+
+def _norms(tensors, ord: float, fused: bool, dtype: torch.dtype | None = None):
+    """Each tensor's ``ord``-norm: one fused call, or a loop where the device has none."""
+    if fused:
+        return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+    return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
+
+
+def _divided(tensors, unit: torch.Tensor, fused: bool):
+    if fused:
+        return torch._foreach_div(tensors, unit)
+    return [t / unit for t in tensors]
+
+
+def total_on_device(tensors: Sequence[torch.Tensor], norm_type: float,
+                    foreach: bool | None = None) -> torch.Tensor:
+    """The p-norm of all elements (p > 0 or inf), as a 0-dim float64 tensor on the
+    first tensor's device, with no host-device read (torch's clip_grad has none).
+
+    Each (device, dtype) group is reduced by ``sums_by_foreach`` to its own
+    norm ``v_g``; groups combine as ``M * ||v / M||_p`` with ``M = max v_g``,
+    so a sum of powers never overflows. NaN propagates, then inf, as torch's.
+    """
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    first = tensors[0].device
+    grouped = _group_tensors_by_device_and_dtype([list(tensors)])
+    totals = []
+    for [group], _ in grouped.values():
+        rows = sums_by_foreach(group, norm_type, with_max=False, foreach=foreach)
+        values = rows.max_abs if rows.norm is None else rows.norm
+        total = torch.linalg.vector_norm(values, norm_type)
+        totals.append((total if rows.unit is None else total * rows.unit).to(first))
+    totals = torch.stack(totals)
+    if len(totals) == 1:
+        return totals[0]
+    top = totals.max()
+    unit = torch.where(torch.isfinite(top) & (top > 0), top, 1.0)
+    return unit * torch.linalg.vector_norm(totals / unit, norm_type)
+
+
+def _stacked(values: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(values)
+
+
+def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float, workers: int = 1,
+                with_max: bool = True) -> Rows:
     """Maxima and norms of cache-sized pieces, each read from memory once.
 
     A tensor of at least ``SMALL`` elements is cut into runs of ``CHUNK``
@@ -122,11 +205,13 @@ def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float, workers: int 
     sum's passes then hit cache. Smaller tensors of equal size are stacked into
     blocks, one row per tensor, so 20,000 small tensors cost a few hundred
     reductions. ``workers`` > 1 spreads the pieces over that many threads
-    (torch releases the GIL in each op).
+    (torch releases the GIL in each op). ``with_max=False`` skips the
+    ``aminmax`` pass (p finite): the power sum alone certifies a norm.
     """
     dtype = tensors[0].dtype
     acc = accumulation_dtype(dtype)
     with_norm = not math.isinf(norm_type)
+    with_max = with_max or not with_norm
     chunks: list[tuple[int, int, int]] = []
     # Small tensors are bucketed by shape, not size: torch.stack takes them as
     # they are, sparing 20,000 reshapes (3 us each, a third of the time there).
@@ -150,7 +235,7 @@ def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float, workers: int 
     parts = [jobs[w::workers] for w in range(workers)]
 
     def run(part):
-        pieces = _Pieces(dtype, acc, norm_type, with_norm)
+        pieces = _Pieces(dtype, acc, norm_type, with_norm, with_max)
         for kind, job in part:
             if kind == "chunk":
                 i, s, n = job
@@ -171,14 +256,16 @@ def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float, workers: int 
     layout = [loc for r in results for loc in r.layout]
     if not layout:
         empty = torch.empty(0, dtype=acc)
-        return _rows(layout, empty, empty if with_norm else None, acc)
+        return _rows(layout, empty if with_max else None, empty if with_norm else None, acc)
     # Rows in (tensor, start) order whatever the number of workers: a tensor's
     # rows are then summed in one order, and its result does not depend on
     # how many threads or ranks shared the work.
     order = sorted(range(len(layout)), key=layout.__getitem__)
     layout = [layout[i] for i in order]
     order = torch.tensor(order, dtype=torch.int64)
-    maxima = torch.cat([m for r in results for m in r.all_maxima()])[order]
+    maxima = None
+    if with_max:
+        maxima = torch.cat([m for r in results for m in r.all_maxima()])[order]
     norms = None
     if with_norm:
         sums = torch.cat([x for r in results for x in r.all_sums()]).double()[order]
@@ -221,8 +308,10 @@ class _Pieces:
     """One worker's buffers and results. Buffers are reused: allocating per
     piece would page-fault on every piece."""
 
-    def __init__(self, dtype, acc, norm_type, with_norm):
+    def __init__(self, dtype, acc, norm_type, with_norm, with_max=True):
         self.acc, self.norm_type, self.with_norm = acc, norm_type, with_norm
+        self.with_max = with_max
+        self.stacks_started = False
         self.widen = dtype != acc
         self.wide = torch.empty(CHUNK, dtype=acc) if self.widen else None
         self.stacked = torch.empty(CHUNK, dtype=dtype)
@@ -255,23 +344,26 @@ class _Pieces:
         return wide
 
     def chunk(self, x: torch.Tensor, where) -> None:
-        if self.maxima:
+        if self.stacks_started:
             raise AssertionError("chunks must come before stacks")
         x = self._widened(x)
-        low, high = torch.aminmax(x)
-        # max |x| = max(max x, -min x): no |x| temporary (formed in all_maxima).
-        self.highs.append(high)
-        self.lows.append(low)
+        if self.with_max:
+            low, high = torch.aminmax(x)
+            # max |x| = max(max x, -min x): no |x| temporary (formed in all_maxima).
+            self.highs.append(high)
+            self.lows.append(low)
         if self.with_norm:
             self.chunk_sums.append(power_sums(x, self.norm_type, self.scratch))
         self.layout.append(where)
 
     def stack(self, xs, length: int, where) -> None:
+        self.stacks_started = True
         block = self.stacked[: len(xs) * length].view(len(xs), *xs[0].shape)
         torch.stack(xs, out=block)
         block = block.view(len(xs), length)
         block = self._widened(block)
-        self.maxima.append(torch.maximum(block.amax(1), block.amin(1).neg()))
+        if self.with_max:
+            self.maxima.append(torch.maximum(block.amax(1), block.amin(1).neg()))
         if self.with_norm:
             self.sums.append(power_sums(block, self.norm_type, self.scratch, dim=1))
         self.layout.extend(where)
@@ -304,6 +396,6 @@ def row_norms(block: torch.Tensor, norm_type: float) -> torch.Tensor:
     return power_sums(block, norm_type, scratch, dim=1).double().pow(1.0 / norm_type)
 
 
-def _rows(layout, max_abs, norm, acc) -> Rows:
+def _rows(layout, max_abs, norm, acc, unit=None) -> Rows:
     index = torch.tensor(layout, dtype=torch.int64).reshape(-1, 3)
-    return Rows(index[:, 0], index[:, 1], index[:, 2], max_abs, norm, acc)
+    return Rows(index[:, 0], index[:, 1], index[:, 2], max_abs, norm, acc, unit)

@@ -3,14 +3,18 @@
 ``tensor_power_sums`` is the one entry point. It works in three steps:
 
 1. Group tensors by (device, dtype), as ``torch.nn.utils.clip_grad`` does, and
-   run a fast kernel per group (kernels.py): ``max |x|`` and a float32- (or
-   float64-) accumulated p-norm for every row of at most 65,536 elements.
-2. Trust a row's fast norm only where it cannot have overflowed or lost
-   precision to underflow (``_trusted``); recompute the few others exactly,
-   in float64 after an exact power-of-two rescale. Finite gradients near 1e20
-   or 1e-25 therefore give the right total, where torch gives inf or 0.
-3. Count NaN / +inf / -inf only in tensors whose maximum says they hold one:
-   a finite max proves every element finite, so healthy checkpoints never
+   run a fast kernel per group (kernels.py): a float32- or float64-accumulated
+   p-norm for every row (a CPU piece of at most 262,144 elements, or a whole
+   tensor on an accelerator), and ``max |x|`` where it is asked for. Results
+   on an accelerator are read back once, together.
+2. Trust a row's fast norm only where its own power sum proves it accurate
+   (``_trusted``): a finite sum did not overflow, and one above
+   ``n * tiny * 2**24`` cannot have lost 2**-24 of itself to underflow.
+   Recompute the few others exactly, in float64 after an exact power-of-two
+   rescale. Finite gradients near 1e20 or 1e-25 therefore give the right
+   total, where torch gives inf or 0.
+3. Count NaN / +inf / -inf only in tensors whose sum says they hold one:
+   a finite sum proves every element finite, so healthy gradients never
    pay for an ``isfinite`` pass.
 
 Rows combine into tensors in float64 (power_sums.py).
@@ -25,8 +29,8 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .elements import Elements, measurable, readable
-from .kernels import Rows, rows_by_foreach, rows_on_cpu
-from .power_sums import F64, PowerSums, from_rows
+from .kernels import FLOAT64_SAFE_P, Rows, rows_on_cpu, sums_by_foreach
+from .power_sums import F64, PowerSums, from_rows, pointwise_pow
 
 # A fast row norm is trusted when its largest term max|x|**p is at least this
 # many times the accumulator's smallest normal number, per element: then every
@@ -45,6 +49,7 @@ def tensor_power_sums(
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     on_batch: Callable[[Sequence[torch.Tensor]], None] | None = None,
     workers: int = 1,
+    with_max: bool = True,
 ) -> PowerSums:
     """Norm summaries of each tensor, in input order.
 
@@ -64,6 +69,11 @@ def tensor_power_sums(
             own ops single-threaded and uses this instead: two-thread OpenMP
             regions on 1 MiB pieces slow down 30-fold when another process
             holds a core, while independent threads only lose that core.
+        with_max: measure ``max |x|`` too (one more pass on the CPU; a
+            reduction more on an accelerator). Without it (p finite),
+            ``max_abs`` is NaN for tensors whose elements are all finite, and
+            ``scale`` is not necessarily the max: the norms, totals and counts
+            are the same. The drop-ins and the monitor need no max.
     """
     norm_type = float(norm_type)
     if not norm_type > 0:
@@ -80,28 +90,53 @@ def tensor_power_sums(
     grouped = _group_tensors_by_device_and_dtype([list(tensors)], with_indices=True)
     for (group_device, _), ([group], indices) in grouped.items():
         compute_on = target or group_device
-        for batch in _batches(list(zip(indices, group)), batch_bytes):
+        # Batches bound what is copied to the device at once, and pace on_batch;
+        # otherwise a group is one batch, and its host work does not grow with
+        # the tensors' sizes.
+        limit = batch_bytes if compute_on != group_device or on_batch is not None else math.inf
+        for batch in _batches(list(zip(indices, group)), limit):
             index = [i for i, _ in batch]
             originals = [t for _, t in batch]
             moved = originals
             if compute_on != group_device:
                 moved = [t.to(compute_on) for t in originals]
             if compute_on.type == "cpu" and not foreach:
-                rows = rows_on_cpu(moved, norm_type, workers)
+                rows = rows_on_cpu(moved, norm_type, workers, with_max)
             else:
-                rows = rows_by_foreach(moved, norm_type)
+                rows = sums_by_foreach(moved, norm_type, with_max)
             # Kept on the compute device until every batch is queued: reading
             # results back is the one host-device synchronisation.
             pending.append((rows, originals, index))
             if on_batch is not None:
                 on_batch(originals)
 
-    row_parts = [_finish_rows(rows, originals, norm_type) for rows, originals, _ in pending]
-    row_owner = [torch.tensor(index, dtype=torch.int64)[rows.tensor]
-                 for rows, _, index in pending]
-    rows_all = _concat(norm_type, row_parts)
-    per_tensor = rows_all.reduce(torch.cat(row_owner), n)
-    return _with_nonfinite_counts(per_tensor, tensors)
+    host_rows = read_back([rows for rows, _, _ in pending])
+    finished = [_finish_rows(rows, originals, norm_type)
+                for rows, (_, originals, _) in zip(host_rows, pending)]
+    row_owner = torch.cat([torch.tensor(index, dtype=torch.int64)[rows.tensor]
+                           for rows, (_, _, index) in zip(host_rows, pending)])
+    rows_all = _concat(norm_type, [sums for sums, _ in finished])
+    per_tensor = rows_all.reduce(row_owner, n)
+    flagged = torch.zeros(n, dtype=torch.int64).index_add(
+        0, row_owner, torch.cat([bad for _, bad in finished]).to(torch.int64))
+    return _with_nonfinite_counts(per_tensor, tensors, flagged > 0)
+
+
+def read_back(parts: list[Rows]) -> list[Rows]:
+    """Every row result on the host: one device-to-host copy per device, however
+    many groups and batches (the monitor's one read per logged step)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for rows in parts:
+        for value in rows.device_values():
+            if value.device.type != "cpu":
+                by_device.setdefault(value.device, []).append(value)
+    host: dict[int, torch.Tensor] = {}
+    for values in by_device.values():
+        flat = torch.cat([v.reshape(-1).to(F64) for v in values]).to("cpu")
+        for v, piece in zip(values, flat.split([v.numel() for v in values])):
+            host[id(v)] = piece.reshape(v.shape)
+    return [rows.with_values([host.get(id(v), v) for v in rows.device_values()])
+            for rows in parts]
 
 
 def element_power_sums(
@@ -135,44 +170,84 @@ def _batches(items, batch_bytes):
         yield batch
 
 
-def _finish_rows(rows: Rows, tensors: Sequence[torch.Tensor], norm_type: float) -> PowerSums:
-    """Row summaries, with every untrustworthy fast norm recomputed exactly.
+def _finish_rows(rows: Rows, tensors: Sequence[torch.Tensor],
+                 norm_type: float) -> tuple[PowerSums, torch.Tensor]:
+    """Row summaries, with every untrustworthy fast norm recomputed exactly, and
+    which rows hold a NaN or an infinity.
 
     Recomputation reads ``tensors``, the inputs where they were (for the CLI,
     the memory-mapped file), not copies on the device.
     """
-    row_max = rows.max_abs.to("cpu", F64)
-    row_norm = None if rows.norm is None else rows.norm.to("cpu", F64)
-    sums = from_rows(norm_type, row_max, row_norm)
-    if row_norm is None:
-        return sums
-    trusted = _trusted(rows, row_max, row_norm, norm_type)
-    suspect = torch.isfinite(row_max) & (row_max > 0) & ~trusted
-    if not bool(suspect.any()):
-        return sums
-    power_sum = sums.power_sum.clone()
-    for r in suspect.nonzero().flatten().tolist():
-        t, s, n = int(rows.tensor[r]), int(rows.start[r]), int(rows.length[r])
-        values = tensors[t].reshape(-1)[s : s + n]
-        power_sum[r] = exact_power_sum(values, float(row_max[r]), norm_type)
-    return PowerSums(norm_type, sums.scale, power_sum, sums.max_abs, sums.nan, sums.posinf,
-                     sums.neginf)
+    row_max = None if rows.max_abs is None else rows.max_abs.to(F64)
+    if rows.norm is None:  # p = inf: the max is the norm
+        return from_rows(norm_type, row_max, None), ~torch.isfinite(row_max)
+    norm = rows.norm.to(F64)
+    unit = 1.0 if rows.unit is None else float(rows.unit)
+    computed = norm.pow(norm_type)  # each row's power sum, of the values / unit
+    trusted = _trusted(rows, computed, norm_type)
+    # float64 sums of narrower values at p <= 6 neither overflow nor lose a
+    # nonzero term (kernels.FLOAT64_SAFE_P): a zero sum is all zeros.
+    safe = (rows.acc_dtype == F64 and norm_type <= FLOAT64_SAFE_P
+            and bool(tensors) and tensors[0].dtype != F64)
+    if row_max is not None:
+        bad = ~torch.isfinite(row_max)
+        scale = torch.where(bad, 0.0, row_max)
+        relative = scale / unit
+        ratio = norm / torch.where(relative > 0, relative, 1.0)
+        power_sum = torch.where(relative > 0, pointwise_pow(ratio, norm_type), 0.0)
+        suspect = (scale > 0) & ~trusted
+        max_abs = row_max
+    else:
+        # No max: a finite norm is its own scale. A non-finite one is a NaN or
+        # an inf among the elements, unless the accumulation could overflow.
+        finite = torch.isfinite(norm)
+        bad = ~finite
+        if not safe:
+            bad = bad & ~_finite_max(rows, tensors, bad)
+        scale = torch.where(finite & (norm > 0), norm * unit, 0.0)
+        power_sum = (scale > 0).to(F64)
+        suspect = ~bad & ~trusted & ~(safe & (norm == 0))
+        max_abs = torch.where(bad, norm, math.nan)
+    if bool(suspect.any()):
+        scale, power_sum = scale.clone(), power_sum.clone()
+        for r in suspect.nonzero().flatten().tolist():
+            t, s, n = int(rows.tensor[r]), int(rows.start[r]), int(rows.length[r])
+            values = tensors[t].reshape(-1)[s : s + n]
+            top = float(row_max[r]) if row_max is not None else _max_abs(values)
+            scale[r] = top
+            power_sum[r] = exact_power_sum(values, top, norm_type) if top > 0 else 0.0
+    zeros = torch.zeros(len(scale), dtype=torch.int64)
+    return PowerSums(norm_type, scale, power_sum, max_abs, zeros, zeros, zeros), bad
 
 
-def _trusted(rows: Rows, row_max, row_norm, norm_type: float) -> torch.Tensor:
-    """Rows whose fast norm is accurate: no overflow, and underflow cannot matter.
+def _trusted(rows: Rows, computed: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """Rows whose fast power sum is accurate: no overflow, and underflow cannot matter.
 
-    Two ways small numbers lose precision, each bounded to 2**-24 of the row's
-    sum (which is at least ``max ** p``) over its ``n`` elements:
-    terms ``|x| ** p`` that underflow (each is off by at most ``tiny``), and
-    elements that are themselves subnormal (vectorised ``pow`` is not accurate
-    there; each contributes at most ``tiny ** p``).
+    Certified from the computed sum itself (at least ``max ** p``, so a
+    stronger test than the max alone would give). A finite sum did not
+    overflow. Two ways small numbers lose precision, each bounded to 2**-24
+    of the sum over the row's ``n`` elements: terms ``|x| ** p`` that
+    underflow (each off by at most ``tiny``), and elements that are
+    themselves subnormal (vectorised ``pow`` is not accurate there; each
+    contributes at most ``tiny ** p``).
     """
     tiny = torch.finfo(rows.acc_dtype).tiny
-    budget = rows.length.to(F64) * _UNDERFLOW_MARGIN
-    terms_ok = row_max.pow(norm_type) >= tiny * budget
-    elements_ok = row_max >= tiny * budget.pow(1.0 / norm_type)
-    return torch.isfinite(row_norm) & terms_ok & elements_ok
+    floor = max(tiny, tiny**norm_type) if norm_type > 0 else tiny
+    budget = rows.length.to(F64) * _UNDERFLOW_MARGIN * floor
+    return torch.isfinite(computed) & (computed >= budget)
+
+
+def _finite_max(rows: Rows, tensors, rows_mask: torch.Tensor) -> torch.Tensor:
+    """For each row in ``rows_mask``, whether its max is finite (its sum overflowed)."""
+    out = torch.zeros_like(rows_mask)
+    for r in rows_mask.nonzero().flatten().tolist():
+        t, s, n = int(rows.tensor[r]), int(rows.start[r]), int(rows.length[r])
+        out[r] = math.isfinite(_max_abs(tensors[t].reshape(-1)[s : s + n]))
+    return out
+
+
+def _max_abs(values: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(values.detach(), math.inf))
 
 
 def exact_power_sum(values: torch.Tensor, scale: float, norm_type: float) -> float:
@@ -199,14 +274,18 @@ def _concat(norm_type: float, parts: list[PowerSums]) -> PowerSums:
     )
 
 
-def _with_nonfinite_counts(sums: PowerSums, tensors: Sequence[torch.Tensor]) -> PowerSums:
-    flagged = (~torch.isfinite(sums.max_abs)).nonzero().flatten().tolist()
+def _with_nonfinite_counts(sums: PowerSums, tensors: Sequence[torch.Tensor],
+                           flagged: torch.Tensor) -> PowerSums:
+    """Counts for the tensors ``flagged`` (a non-finite row), read back in one copy."""
+    flagged = flagged.nonzero().flatten().tolist()
     if not flagged:
         return sums
+    first = tensors[flagged[0]].device
+    counts = torch.stack([
+        torch.stack([torch.isnan(t).sum(), torch.isposinf(t).sum(), torch.isneginf(t).sum()])
+        .to(first) for t in (tensors[i] for i in flagged)
+    ]).to("cpu")
     nan, posinf, neginf = sums.nan.clone(), sums.posinf.clone(), sums.neginf.clone()
-    for i in flagged:
-        t = tensors[i]
-        nan[i] = int(torch.isnan(t).sum())
-        posinf[i] = int(torch.isposinf(t).sum())
-        neginf[i] = int(torch.isneginf(t).sum())
+    index = torch.tensor(flagged, dtype=torch.int64)
+    nan[index], posinf[index], neginf[index] = counts[:, 0], counts[:, 1], counts[:, 2]
     return PowerSums(sums.norm_type, sums.scale, sums.power_sum, sums.max_abs, nan, posinf, neginf)

@@ -130,23 +130,25 @@ def _total_exact(parts, norm_type: float, foreach) -> torch.Tensor:
 
 
 def tensor_sums(tensors: Sequence[torch.Tensor], norm_type: float,
-                foreach: bool | None = None) -> PowerSums:
+                foreach: bool | None = None, with_max: bool = True) -> PowerSums:
     """Each tensor's power sums, DTensors combined over their meshes, in the given order.
 
     Every rank gets the same numbers (the monitor's per-group norms). Ties are
-    not looked for: the caller passes each gradient once.
+    not looked for: the caller passes each gradient once. ``with_max`` as
+    ``tensor_power_sums``'.
     """
-    return _part_sums(_local_parts(tensors, drop_ties=False), norm_type, foreach)
+    return _part_sums(_local_parts(tensors, drop_ties=False), norm_type, foreach, with_max)
 
 
-def _part_sums(parts, norm_type: float, foreach) -> PowerSums:
+def _part_sums(parts, norm_type: float, foreach, with_max: bool = True) -> PowerSums:
     """The parts' sums in their order: one ``tensor_power_sums`` and one collective per
     (mesh, sharded dim) group."""
     rows = torch.empty(len(parts), dtype=torch.int64)
     pieces = []
     start = 0
     for (mesh, dims), indices in _by_reduction(parts).items():
-        sums = tensor_power_sums([parts[i][2] for i in indices], norm_type, foreach=foreach)
+        sums = tensor_power_sums([parts[i][2] for i in indices], norm_type, foreach=foreach,
+                                 with_max=with_max)
         for dim in dims:
             sums = _combine_over(sums, mesh, dim)
         pieces.append(sums)

@@ -22,6 +22,7 @@ before every command.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -133,6 +134,13 @@ def _describe(failure, envelopes) -> tuple[str, int, bool]:
 
 
 _current: Session | None = None
+_command_line: list[str] | None = None
+
+
+def set_command_line(args: list[str]) -> None:
+    """The arguments this process's command was given, which every rank must share."""
+    global _command_line
+    _command_line = list(args)
 
 
 def current() -> Session | None:
@@ -140,8 +148,12 @@ def current() -> Session | None:
     return _current
 
 
-def join(device, device_text: str = "cpu") -> Session | None:
+def join(device, device_text: str = "cpu", inputs=()) -> Session | None:
     """Join (or create) the process group when launched; None otherwise.
+
+    Before anything is read, the ranks agree on the command line and on the
+    identity of every path in ``inputs`` (``agreement.py``): if any rank
+    differs, every rank raises the same ``InputError`` (exit 3).
 
     ``device`` is the parsed ``--device``; ``cuda`` without an index (or
     ``auto`` that found CUDA) becomes ``cuda:LOCAL_RANK``, and the backend is
@@ -175,6 +187,10 @@ def join(device, device_text: str = "cpu") -> Session | None:
             raise GradclipError(f"cannot join the process group ({backend}): {first}") from None
     _current = Session(dist.get_rank(), dist.get_world_size(), local_rank, device, timeout_s,
                        owns)
+    from .agreement import check_agreement
+
+    command_line = sys.argv[1:] if _command_line is None else _command_line
+    check_agreement(_current, command_line, [str(p) for p in inputs])
     return _current
 
 

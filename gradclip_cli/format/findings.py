@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..report import NONFINITE, ClipReport, InspectReport
-from ..report.compare import CompareReport
-from ..report.trend import TrendPoint, TrendReport
+from ..report.model import NONFINITE
+
+if TYPE_CHECKING:
+    from ..report import ClipReport, InspectReport
+    from ..report.compare import CompareReport
+    from ..report.trend import TrendPoint, TrendReport
 
 ERROR, WARNING = "error", "warning"
 TOTAL = "(total)"  # the series / testcase of the total norm; no layer is named so
+RUN = "(run)"  # the testcase of a run that failed before it could report (exit 2 or 3)
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,11 @@ def _counts(n) -> str:
 def inspect_findings(report: InspectReport) -> list[Finding]:
     found = []
     severity = WARNING if report.allow_nonfinite else ERROR
-    for g in report.groups:
-        if g.nonfinite.total:
-            found.append(Finding(severity, g.name, "non-finite gradients",
-                                 f"group {g.name}: {_counts(g.nonfinite)}"))
+    # One per tensor, as the table and -q name them; its group is the testcase.
+    for t in report.tensors:
+        if t.nonfinite.total:
+            found.append(Finding(severity, t.group, "non-finite gradients",
+                                 f"tensor {t.name} (group {t.group}): {_counts(t.nonfinite)}"))
     if report.max_norm is not None and report.total_norm > report.max_norm:
         found.append(Finding(ERROR, TOTAL, "total norm exceeds --max-norm",
                              f"total norm {number(report.total_norm)} > --max-norm "
@@ -108,8 +114,20 @@ def compare_findings(report: CompareReport) -> list[Finding]:
                 series = TOTAL if g is report.total else g.name
                 found.append(Finding(ERROR, series, "non-finite gradients",
                                      f"{g.name}: norm {number(g.a)} in A, {number(g.b)} in B"))
+    t = report.total
+    if report.total_beyond:
+        found.append(Finding(ERROR, TOTAL, f"total norm changed {number(t.ratio)}x",
+                             f"total norm: {number(t.a)} -> {number(t.b)}, ratio "
+                             f"{number(t.ratio)} beyond --fail-above {report.fail_above:g}"))
     for g in report.beyond:
         found.append(Finding(ERROR, g.name, f"norm changed {number(g.ratio)}x",
                              f"group {g.name}: {number(g.a)} -> {number(g.b)}, ratio "
                              f"{number(g.ratio)} beyond --fail-above {report.fail_above:g}"))
+    # A group on one side only fails under --fail-above; without it, it is worth a look.
+    severity = ERROR if report.fail_above is not None else WARNING
+    for g in report.one_sided:
+        side, other = ("A", "B") if g.only == "a" else ("B", "A")
+        norm = g.a if g.only == "a" else g.b
+        found.append(Finding(severity, g.name, f"group in {side} only",
+                             f"group {g.name}: norm {number(norm)} in {side}, absent from {other}"))
     return found

@@ -15,14 +15,16 @@ LF become ``%25``, ``%0D``, ``%0A`` everywhere, and in property values
 
 from __future__ import annotations
 
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from ..report import ClipReport, InspectReport
-from ..report.compare import CompareReport
-from ..report.trend import TrendReport
 from . import findings as F
 from .table_layout import compare_verdict, fmt, fmt_p, trend_verdict, verdict_line
 from .text import visible
+
+if TYPE_CHECKING:
+    from ..report import ClipReport, FailureReport, InspectReport
+    from ..report.compare import CompareReport
+    from ..report.trend import TrendReport
 
 
 def escape_data(text: str) -> str:
@@ -60,8 +62,17 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
 def render_trend(report: TrendReport, out: TextIO) -> None:
     # Each finding names its point's own file; the notice, the newest point's.
     newest = report.points[-1].source if report.points else ""
+    for note in report.notes:  # where each series of a run folder came from
+        out.write(command("notice", note, title="gradclip trend: run folder"))
     _write(out, newest, F.trend_findings(report), trend_verdict(report))
 
 
 def render_compare(report: CompareReport, out: TextIO) -> None:
     _write(out, report.b, F.compare_findings(report), compare_verdict(report))
+
+
+def render_error(failure: FailureReport, out: TextIO) -> None:
+    """One ``::error`` naming the input (when known), so the job's annotations say why
+    it has no report."""
+    file = {"file": failure.source} if failure.source else {}
+    out.write(command("error", failure.message, **file, title=f"gradclip: {failure.title}"))

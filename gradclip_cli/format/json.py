@@ -13,7 +13,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:  # the report package imports torch; help and usage errors must not
-    from ..report import ClipReport, InspectReport, NonFinite
+    from ..report import ClipReport, FailureReport, InspectReport, NonFinite
     from ..report.compare import CompareReport, CompareRow
     from ..report.trend import TrendReport
 
@@ -21,6 +21,7 @@ INSPECT_SCHEMA = "gradclip.inspect/1"
 CLIP_SCHEMA = "gradclip.clip/1"
 TREND_SCHEMA = "gradclip.trend/1"
 COMPARE_SCHEMA = "gradclip.compare/1"
+ERROR_SCHEMA = "gradclip.error/1"
 
 
 def number(x: float | None) -> float | str | None:
@@ -43,6 +44,7 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
         "format": report.format,
         "step": report.step,
         "description": list(report.description),
+        "measured": dict(report.measured),
         "key": report.key,
         "device": report.device,
         "norm_type": number(report.norm_type),
@@ -123,6 +125,19 @@ def trend_document(report: TrendReport) -> dict[str, Any]:
             for p in report.points
         ],
         "status": report.status,
+        # Where the points came from when a run folder held several series (extras).
+        "series": [
+            {"source": s.source, "kind": s.kind, "points": s.points, "per_group": s.per_group,
+             "judged": s.judged, "why_not": s.why_not}
+            for s in report.series
+        ],
+        "clipping": [
+            {"source": c.source, "max_grad_norm": number(c.max_grad_norm),
+             "clipped": None if c.max_grad_norm is None else c.max_grad_norm > 0,
+             "note": c.note}
+            for c in report.clipping
+        ],
+        "notes": list(report.notes),
     }
 
 
@@ -167,3 +182,13 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
 
 def render_compare(report: CompareReport, out: TextIO) -> None:
     _write(compare_document(report), out)
+
+
+def error_document(failure: FailureReport) -> dict[str, Any]:
+    return {"schema": ERROR_SCHEMA, "exit_code": failure.exit_code, "error": failure.message,
+            "source": failure.source}
+
+
+def render_error(failure: FailureReport, out: TextIO) -> None:
+    # One line whatever the stream: a script reads the first line of stdout.
+    out.write(json.dumps(error_document(failure)) + "\n")

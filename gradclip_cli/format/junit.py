@@ -19,11 +19,8 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from ..report import ClipReport, InspectReport
-from ..report.compare import CompareReport
-from ..report.trend import TrendReport
 from . import findings as F
 from .table_layout import (
     compare_verdict,
@@ -34,6 +31,11 @@ from .table_layout import (
     verdict_line,
 )
 from .text import visible
+
+if TYPE_CHECKING:
+    from ..report import ClipReport, FailureReport, InspectReport
+    from ..report.compare import CompareReport
+    from ..report.trend import TrendReport
 
 # Char ::= #x9 | #xA | #xD | [#x20-#xD7FF] | [#xE000-#xFFFD] | [#x10000-#x10FFFF]
 # (XML 1.0, section 2.2).
@@ -46,7 +48,7 @@ def xml_text(text: object) -> str:
 
 
 def _suite(name: str, cases: Iterable[str], found: list[F.Finding], summary: str,
-           details: dict[str, str] | None = None) -> ET.Element:
+           details: dict[str, str] | None = None, notes: Iterable[str] = ()) -> ET.Element:
     """The document; ``details`` gives some testcases a ``<system-out>`` line (their norm)."""
     names = list(dict.fromkeys([*cases, *(f.series for f in found)]))
     errors = {n: [f for f in found if f.series == n and f.severity == F.ERROR] for n in names}
@@ -65,8 +67,8 @@ def _suite(name: str, cases: Iterable[str], found: list[F.Finding], summary: str
         if details and n in details:
             ET.SubElement(case, "system-out").text = xml_text(details[n])
     out = ET.SubElement(suite, "system-out")
-    out.text = "\n".join([xml_text(summary), *(xml_text(f"warning: {w.title}: {w.message}")
-                                               for w in warnings)])
+    out.text = "\n".join([xml_text(summary), *(xml_text(note) for note in notes),
+                           *(xml_text(f"warning: {w.title}: {w.message}") for w in warnings)])
     return root
 
 
@@ -96,11 +98,26 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
 
 
 def render_trend(report: TrendReport, out: TextIO) -> None:
+    # The notes (where each series of a run folder came from) follow the verdict.
     _write(_suite("gradclip trend", [F.TOTAL, *report.groups], F.trend_findings(report),
-                  trend_verdict(report)), out)
+                  trend_verdict(report), notes=report.notes), out)
 
 
 def render_compare(report: CompareReport, out: TextIO) -> None:
     cases = [F.TOTAL, *(g.name for g in report.groups)]
     _write(_suite(f"gradclip compare {report.a} {report.b}", cases, F.compare_findings(report),
                   compare_verdict(report)), out)
+
+
+def render_error(failure: FailureReport, out: TextIO) -> None:
+    """A run that could not report: one testcase holding an ``<error>`` (JUnit's word for
+    a test that could not run, as opposed to a ``<failure>``), so a CI test report
+    shows why it is empty."""
+    name = " ".join(["gradclip", failure.command, *([failure.source] if failure.source else [])])
+    root = ET.Element("testsuites", name="gradclip", tests="1", failures="0", errors="1")
+    suite = ET.SubElement(root, "testsuite", name=xml_text(name), tests="1", failures="0",
+                          errors="1", skipped="0")
+    case = ET.SubElement(suite, "testcase", classname=xml_text(name), name=F.RUN)
+    error = ET.SubElement(case, "error", message=xml_text(failure.title), type="gradclip")
+    error.text = xml_text(failure.message)
+    _write(root, out)

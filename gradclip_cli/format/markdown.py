@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from ..report import NONFINITE, ClipReport, InspectReport, NonFinite
-from ..report.compare import CompareReport
-from ..report.trend import SPIKE, TrendReport
+from ..report.model import NONFINITE, SPIKE
 from .findings import z_text
 from .table_layout import (
     MAX_GROUPS,
@@ -30,11 +28,17 @@ from .table_layout import (
     fmt_ratio,
     largest_norm,
     points_to_show,
+    ratio_cell,
     sparkline,
     trend_verdict,
     verdict_line,
 )
 from .text import visible
+
+if TYPE_CHECKING:
+    from ..report import ClipReport, FailureReport, InspectReport, NonFinite
+    from ..report.compare import CompareReport
+    from ..report.trend import TrendReport
 
 _ESCAPES = {ord(c): "\\" + c for c in "\\`*_[]<>|~&!$:@"}
 _WWW = re.compile(r"(?i)(?<=www)\.")
@@ -131,6 +135,8 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
     out.write(f"{len(report.points)} points, {escape(report.what)}, "
               f"p={escape(fmt_p(report.norm_type))}; spike: z \\> {report.z_threshold:g} "
               f"(alpha {report.alpha:g}, warmup {report.warmup})\n\n")
+    if report.notes:  # where each series of a run folder came from
+        out.write("".join(f"- {escape(note)}\n" for note in report.notes) + "\n")
     shown = points_to_show(report)
     rows = []
     for p in shown:
@@ -162,12 +168,26 @@ def _finite(values):
 def render_compare(report: CompareReport, out: TextIO) -> None:
     out.write(f"### gradclip compare: {escape(report.a)} → {escape(report.b)}\n\n")
     out.write(_verdict(compare_verdict(report), report.status != "ok"))
-    beyond = {id(g) for g in report.beyond}
-    rows = [[escape(g.name), _num(g.a), _num(g.b),
-             f"**{escape(fmt_ratio(g.ratio))}**" if id(g) in beyond else escape(fmt_ratio(g.ratio))]
+    flagged = {id(g) for g in report.beyond}
+    if report.fail_above is not None:
+        flagged |= {id(g) for g in report.one_sided}
+
+    def ratio(row, bold: bool) -> str:
+        text = escape(ratio_cell(row))
+        return f"**{text}**" if bold else text
+
+    rows = [[escape(g.name), _num(g.a), _num(g.b), ratio(g, id(g) in flagged)]
             for g in report.groups[:MAX_GROUPS]]
     t = report.total
-    rows.append(["**total**", _num(t.a), _num(t.b), escape(fmt_ratio(t.ratio))])
+    rows.append(["**total**", _num(t.a), _num(t.b), ratio(t, report.total_beyond)])
     out.write(_table(["group", "A", "B", "B / A"], rows, ["left", "right", "right", "right"]))
     if len(report.groups) > MAX_GROUPS:
         out.write(f"\n{len(report.groups) - MAX_GROUPS:,} groups that changed less not shown.\n")
+
+
+def render_error(failure: FailureReport, out: TextIO) -> None:
+    """The heading a report would have, then a failure line: a step summary or PR
+    comment says why there is no report."""
+    source = f": {escape(failure.source)}" if failure.source else ""
+    out.write(f"### gradclip {escape(failure.command)}{source}\n\n")
+    out.write(_verdict(f"FAIL: {failure.kind}: {failure.message} (exit {failure.exit_code})", True))

@@ -12,10 +12,13 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..report.trend import TrendReport
 from ..sink import atomic_write
 from .text import visible
+
+if TYPE_CHECKING:
+    from ..report.trend import TrendReport
 
 TOP_GROUPS = 8
 
@@ -23,6 +26,18 @@ TOP_GROUPS = 8
 def _label(name: str) -> str:
     # matplotlib reads text between two "$" as mathtext; a name is plain text.
     return visible(name).replace("$", r"\$")
+
+
+def plot_title(report: TrendReport) -> str:
+    """What the picture shows, then the verdict with its scope: a ring on an earlier
+    spike under a title that only said "status ok" read as a contradiction."""
+    spikes = sum(p.spike and not p.is_nonfinite for p in report.points)
+    nonfinite = sum(p.is_nonfinite for p in report.points)
+    marks = [f"{spikes} spike(s)" if spikes else "", f"{nonfinite} non-finite" if nonfinite else ""]
+    found = ", ".join(m for m in marks if m) or "no spike"
+    scope = "newest point" if report.fail_on == "newest" else "any point"
+    return (f"gradclip trend: {len(report.points)} points, {found}; "
+            f"verdict ({scope}): {report.status}")
 
 
 def write_trend_plot(report: TrendReport, path: Path) -> None:
@@ -65,7 +80,7 @@ def write_trend_plot(report: TrendReport, path: Path) -> None:
         ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel(f"{report.what} norm (p={report.norm_type:g})")
-    ax.set_title(f"gradclip trend: {len(report.points)} points, status {report.status}")
+    ax.set_title(plot_title(report))
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="best", fontsize="small")
     buffer = io.BytesIO()

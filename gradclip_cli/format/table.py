@@ -28,11 +28,6 @@ if TYPE_CHECKING:  # the report package imports torch; help and usage errors mus
     from ..report.compare import CompareReport
     from ..report.trend import TrendReport
 
-# More groups than a person reads (and rich renders 20,000 rows slowly): show
-# the largest, and any holding NaN/inf, in checkpoint order.
-MAX_GROUPS = 60
-
-
 def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
     from . import table_layout
 
@@ -64,6 +59,20 @@ def print_clip_summary(report: ClipReport, out: TextIO) -> None:
     from . import table_layout
 
     table_layout.print_clip_summary(report, out)
+
+
+def print_trend_verdict(report: TrendReport, out: TextIO, err: TextIO | None) -> None:
+    """``trend -q``: the verdict line alone; each finding a plain line on ``err``."""
+    from . import table_layout
+
+    table_layout.print_trend_verdict(report, out, err)
+
+
+def print_compare_verdict(report: CompareReport, out: TextIO, err: TextIO | None) -> None:
+    """``compare -q``: the verdict line alone; each finding a plain line on ``err``."""
+    from . import table_layout
+
+    table_layout.print_compare_verdict(report, out, err)
 
 
 def render_trend(report: TrendReport, out: TextIO) -> None:

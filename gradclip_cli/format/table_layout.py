@@ -10,7 +10,7 @@ import os
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from rich import box
 from rich.cells import cell_len
@@ -18,14 +18,20 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..report import EXCEEDED, NONFINITE, OVERFLOW, ClipReport, InspectReport, NonFinite
-from ..report.compare import CompareReport
-from ..report.trend import INSUFFICIENT_HISTORY, SPIKE, TrendPoint, TrendReport
+from ..report.model import EXCEEDED, INSUFFICIENT_HISTORY, NONFINITE, OVERFLOW, SPIKE
+from . import findings as F
 from .findings import z_text
-from .table import MAX_GROUPS
 from .text import visible
 
+if TYPE_CHECKING:
+    from ..report import ClipReport, InspectReport, NonFinite
+    from ..report.compare import CompareReport, CompareRow
+    from ..report.trend import TrendPoint, TrendReport
+
 BAR_WIDTH = 20
+# More groups than a person reads (and rich renders 20,000 rows slowly): show
+# the largest, and any holding NaN/inf, in checkpoint order.
+MAX_GROUPS = 60
 # Pipes and CI logs get this width when COLUMNS is unset (rich would use 80).
 PIPE_WIDTH = 120
 ELLIPSIS = "…"
@@ -151,56 +157,77 @@ def _cell_width(cell: str | Text) -> int:
     return cell.cell_len if isinstance(cell, Text) else cell_len(cell)
 
 
-def _fit_table(title: str, columns: list[Column], width: int, footer: Sequence[int] = ()) -> Table:
-    """A rich Table of ``columns`` that is at most ``width`` cells wide (from 60 up).
-
-    ``footer``: row indices after which a section line goes.
-    """
+def _overhead(cols: list[Column]) -> int:
     # Box-drawing overhead: a border left of every column and one at the end,
     # and one space of padding on each side of every cell.
-    def overhead(cols: list[Column]) -> int:
-        return 3 * len(cols) + 1
+    return 3 * len(cols) + 1
 
-    def natural(col: Column) -> int:
-        return max([cell_len(col.header), *(_cell_width(c) for c in col.cells)])
 
+def _natural(col: Column) -> int:
+    return max([cell_len(col.header), *(_cell_width(c) for c in col.cells)])
+
+
+def _least(col: Column) -> int:
+    """The least width a name column is shortened to (a shorter name tells too little)."""
+    return min(_natural(col), MIN_NAME_WIDTH)
+
+
+def shown_columns(columns: list[Column], width: int, shorten_first: bool = False
+                  ) -> list[Column]:
+    """The columns that fit ``width``: optional ones go, in increasing ``drop`` order,
+    while the table is too wide with names at their full width (``shorten_first``:
+    at their least width, so names are shortened before a column goes)."""
     shown = list(columns)
-    name_col = next(c for c in shown if c.name)
 
     def needed(cols: list[Column]) -> int:
-        return sum(natural(c) for c in cols) + overhead(cols)
-
-    # Optional columns go before any name is shortened; what still does not
-    # fit then comes out of the names.
+        return sum(_least(c) if c.name and shorten_first else _natural(c)
+                   for c in cols) + _overhead(cols)
 
     for rank in sorted({c.drop for c in columns if c.drop}):
         if needed(shown) <= width:
             break
         shown = [c for c in shown if c.drop != rank]
-    widths = {id(c): natural(c) for c in shown}
-    room = width - overhead(shown) - sum(widths[id(c)] for c in shown if not c.name)
-    least_name = min(natural(name_col), MIN_NAME_WIDTH)
+    return shown
+
+
+def _fit_table(title: str, columns: list[Column], width: int, footer: Sequence[int] = (),
+               shorten_first: bool = False) -> Table:
+    """A rich Table of ``columns`` that is at most ``width`` cells wide (from 60 up).
+
+    Optional columns go first (``shown_columns``); what still does not fit
+    comes out of the name columns (``name=True``), the widest first, each
+    shortened in the middle. ``footer``: row indices after which a section line goes.
+    """
+    shown = shown_columns(columns, width, shorten_first)
+    names = [c for c in shown if c.name]
+    widths = {id(c): _natural(c) for c in shown}
+    room = width - _overhead(shown) - sum(widths[id(c)] for c in shown if not c.name)
+    least_names = sum(_least(c) for c in names)
     for col in shown:  # still short: break cells that may break (after a separator)
-        if room >= least_name:
+        if room >= least_names:
             break
         if col.wrap_at is not None:
-            give = min(widths[id(col)] - _narrowest(col), least_name - room)
+            give = min(widths[id(col)] - _narrowest(col), least_names - room)
             widths[id(col)] -= give
             room += give
-    name_width = max(min(natural(name_col), room), least_name)
-    widths[id(name_col)] = name_width
+    # Take what does not fit from the widest name column, one cell at a time.
+    while sum(widths[id(c)] for c in names) > room:
+        widest = max(names, key=lambda c: widths[id(c)] - _least(c))
+        if widths[id(widest)] <= _least(widest):
+            break
+        widths[id(widest)] -= 1
     table = Table(title=Text(shorten(title, width)), title_justify="left", box=box.HEAVY_HEAD)
     for col in shown:
         w = widths[id(col)]
         table.add_column(Text(col.header), justify=col.justify, no_wrap=True, width=w,
                          overflow="crop")
-    rows = len(name_col.cells)
+    rows = len(shown[0].cells) if shown else 0
     for i in range(rows):
         cells = []
         for col in shown:
             cell = col.cells[i]
             if col.name and isinstance(cell, str):
-                cell = shorten(cell, name_width)
+                cell = shorten(cell, widths[id(col)])
             elif col.wrap_at is not None and _cell_width(cell) > widths[id(col)]:
                 cell = _wrapped(cell, col.wrap_at, widths[id(col)])
             cells.append(cell if isinstance(cell, Text) else Text(cell))
@@ -557,6 +584,10 @@ def _point_verdict(p: TrendPoint) -> Text:
     return Text("ok", style="green")
 
 
+def _point_groups(p: TrendPoint) -> str:
+    return ", ".join(visible(g) for g in p.spike_groups + p.nonfinite_groups)
+
+
 def trend_verdict(report: TrendReport) -> str:
     """The last line of the table and Markdown reports, matching the exit code."""
     failing = report.failing
@@ -570,56 +601,92 @@ def trend_verdict(report: TrendReport) -> str:
         detail = (f"{where}: total norm {fmt(last.total_norm)}, z {z_text(last.z)}"
                   + (f"; groups {groups}" if groups else ""))
         if report.fail_on == "newest":
-            return f"FAIL: {kind} at the newest point ({detail}) (exit 1)"
+            return f"FAIL: {kind} at the newest point ({detail}){_earlier(report)} (exit 1)"
         return (f"FAIL: {kind} at {len(failing)} point(s); the last at {detail} (exit 1)")
     if report.status == INSUFFICIENT_HISTORY:
-        return ("OK: too little history to judge (a point needs 5 earlier points) (exit 0)")
+        return ("OK: too little history to judge (a point needs 5 earlier points)"
+                f"{_earlier(report)} (exit 0)")
     scope = "the newest point" if report.fail_on == "newest" else f"{len(report.points)} points"
-    spikes = sum(p.spike for p in report.points)
-    earlier = f"; {spikes} earlier spike(s)" if spikes and report.fail_on == "newest" else ""
-    return f"OK: no spike or non-finite norm at {scope}{earlier} (exit 0)"
+    return f"OK: no spike or non-finite norm at {scope}{_earlier(report)} (exit 0)"
+
+
+def _steps(points: list[TrendPoint]) -> str:
+    where = [str(p.step) if p.step is not None else visible(p.source) for p in points[:5]]
+    more = f" and {len(points) - 5} more" if len(points) > 5 else ""
+    return ("step " if len(points) == 1 else "steps ") + ", ".join(where) + more
+
+
+def _earlier(report: TrendReport) -> str:
+    """Under ``--fail-on newest``: the earlier spikes and non-finite points, which do not
+    fail the run but must not go unsaid (a NaN step a run recovered from, say)."""
+    if report.fail_on != "newest":
+        return ""
+    earlier = report.points[:-1]
+    nonfinite = [p for p in earlier if p.is_nonfinite]
+    spikes = [p for p in earlier if p.spike and not p.is_nonfinite]
+    parts = [f"{len(nonfinite)} non-finite ({_steps(nonfinite)})" if nonfinite else "",
+             f"{len(spikes)} spike(s) ({_steps(spikes)})" if spikes else ""]
+    said = [part for part in parts if part]
+    return f"; earlier: {', '.join(said)}" if said else ""
 
 
 def render_trend(report: TrendReport, out: TextIO) -> None:
     console = _console(out)
-    console.print(Text(
-        f"{len(report.points)} points, {report.what}, p={fmt_p(report.norm_type)}, groups by "
-        f"{visible(report.group_by)}; spike: z > {report.z_threshold:g} (alpha "
-        f"{report.alpha:g}, warmup {report.warmup})"
-    ))  # fmt: skip
+    width = console.width
+    _print_prose(console,
+                 f"{len(report.points)} points, {report.what}, p={fmt_p(report.norm_type)}, "
+                 f"groups by {visible(report.group_by)}; spike: z > {report.z_threshold:g} "
+                 f"(alpha {report.alpha:g}, warmup {report.warmup})")
+    for note in report.notes:  # where each series of a run folder came from
+        _print_prose(console, visible(note))
     shown = points_to_show(report)
-    table = Table(title="points (oldest first)", title_justify="left")
-    for col, just in (("step", "right"), ("source", "left"), ("total norm", "right"),
-                      ("z", "right"), ("", "left"), ("spiking groups", "left")):
-        table.add_column(col, justify=just, overflow="fold")
-    for p in shown:
-        table.add_row("-" if p.step is None else str(p.step), Text(visible(p.source)),
-                      fmt(p.total_norm), z_text(p.z), _point_verdict(p),
-                      Text(", ".join(visible(g) for g in p.spike_groups + p.nonfinite_groups)))
+    columns = [
+        Column("step", ["-" if p.step is None else str(p.step) for p in shown]),
+        Column("source", [visible(p.source) for p in shown], justify="left", name=True),
+        Column("total norm", [fmt(p.total_norm) for p in shown]),
+        Column("z", [z_text(p.z) for p in shown]),
+        Column("", [_point_verdict(p) for p in shown], justify="left"),
+        Column("spiking groups", [_point_groups(p) for p in shown], justify="left", name=True,
+               drop=1),
+    ]
+    _print_table(console, _fit_table("points (oldest first)", columns, width,
+                                     shorten_first=True))
+    if columns[-1] not in shown_columns(columns, width, shorten_first=True):
+        # Too narrow for the column: each point's groups on a line of their own.
+        for p in shown:
+            if _point_groups(p):
+                where = f"step {p.step}" if p.step is not None else visible(p.source)
+                _print_prose(console, f"{where}: {_point_groups(p)}")
     if len(shown) < len(report.points):
-        table.add_section()
-        table.add_row("", Text(f"... {len(report.points) - len(shown):,} unremarkable points "
-                               "not shown (--format json lists all)", style="dim"),
-                      "", "", "", "")
-    console.print(table)
+        _print_prose(console, f"... {len(report.points) - len(shown):,} unremarkable points "
+                              "not shown (--format json lists all)", style="dim")
 
-    series = [("total", [p.total_norm for p in report.points])]
     groups = report.groups
     ranked = sorted(groups, key=lambda g: -largest_norm(report, g))[:MAX_SPARK_GROUPS]
+    series = [("total", [p.total_norm for p in report.points])]
     series += [(g, [p.groups.get(g) for p in report.points]) for g in groups if g in ranked]
     if report.points:
-        lines = Table(title="norms over time (log scale; ! non-finite)", title_justify="left")
-        for col, just in (("series", "left"), ("min", "right"), ("max", "right"),
-                          ("", "left")):
-            lines.add_column(col, justify=just, no_wrap=col == "")
-        for name, values in series:
-            finite = [v for v in values if v is not None and math.isfinite(v)]
-            lines.add_row(Text(visible(name)), fmt(min(finite, default=None)),
-                          fmt(max(finite, default=None)), sparkline(values))
+        finite = [[v for v in values if v is not None and math.isfinite(v)]
+                  for _, values in series]
+        names = [visible(name) for name, _ in series]
+        lows = [fmt(min(f, default=None)) for f in finite]
+        highs = [fmt(max(f, default=None)) for f in finite]
+        # The sparkline takes the room the other columns leave (4 columns: 13 cells
+        # of borders and padding), so a narrow terminal folds the series further.
+        room = (width - 13 - max(map(cell_len, ["series", *names]))
+                - max(map(cell_len, ["min", *lows])) - max(map(cell_len, ["max", *highs])))
+        spark_width = max(8, min(SPARK_WIDTH, room))
+        columns = [
+            Column("series", names, justify="left", name=True),
+            Column("min", lows),
+            Column("max", highs),
+            Column("", [sparkline(values, spark_width) for _, values in series],
+                   justify="left"),
+        ]
+        _print_table(console, _fit_table("norms over time (log scale; ! non-finite)", columns,
+                                         width, shorten_first=True))
         if len(groups) > len(ranked):
-            lines.add_row(Text(f"... {len(groups) - len(ranked)} smaller groups", style="dim"),
-                          "", "", "")
-        console.print(lines)
+            _print_prose(console, f"... {len(groups) - len(ranked)} smaller groups", style="dim")
     failed = report.status in (NONFINITE, SPIKE)
     # One line whatever its length: scripts and people grep for it.
     console.print(Text(trend_verdict(report), style="bold red" if failed else "bold green"),
@@ -640,38 +707,88 @@ def fmt_ratio(ratio: float | None) -> str:
     return fmt(ratio) + "x" if math.isfinite(ratio) else fmt(ratio)
 
 
+def ratio_cell(row: CompareRow) -> str:
+    """The B / A cell: the ratio, or which side alone holds the group."""
+    if row.only is not None:
+        return f"only in {row.only.upper()}"
+    return fmt_ratio(row.ratio)
+
+
+def _names(rows: list[CompareRow], label=lambda g: visible(g.name)) -> str:
+    more = f" and {len(rows) - 5} more" if len(rows) > 5 else ""
+    return ", ".join(label(g) for g in rows[:5]) + more
+
+
 def compare_verdict(report: CompareReport) -> str:
     if report.status == NONFINITE:
         return "FAIL: a norm in A or B is NaN or inf (exit 1)"
     if report.status == EXCEEDED:
-        names = ", ".join(visible(g.name) for g in report.beyond[:5])
-        more = f" and {len(report.beyond) - 5} more" if len(report.beyond) > 5 else ""
-        return (f"FAIL: {len(report.beyond)} group(s) changed by more than "
-                f"{report.fail_above:g}x: {names}{more} (exit 1)")
+        limit = f"{report.fail_above:g}x"
+        parts = []
+        if report.total_beyond:
+            parts.append(f"the total changed {fmt_ratio(report.total.ratio)}, beyond {limit}")
+        if report.beyond:
+            parts.append(f"{len(report.beyond)} group(s) changed by more than {limit}: "
+                         f"{_names(report.beyond)}")
+        if report.one_sided:
+            parts.append(f"{len(report.one_sided)} group(s) on one side only: "
+                         + _names(report.one_sided,
+                                  lambda g: f"{visible(g.name)} ({g.only.upper()} only)"))
+        return f"FAIL: {'; '.join(parts)} (exit 1)"
     limit = f" within {report.fail_above:g}x" if report.fail_above is not None else ""
-    return f"OK: total ratio {fmt_ratio(report.total.ratio)}{limit} (exit 0)"
+    alone = (f"; {len(report.one_sided)} group(s) on one side only"
+             if report.one_sided else "")
+    return f"OK: total ratio {fmt_ratio(report.total.ratio)}{limit}{alone} (exit 0)"
 
 
 def render_compare(report: CompareReport, out: TextIO) -> None:
     console = _console(out)
-    console.print(Text(f"A: {visible(report.a)}\nB: {visible(report.b)}\n{report.what}, "
-                       f"p={fmt_p(report.norm_type)}, groups by {visible(report.group_by)}; "
-                       "largest change first"))
-    table = Table(title="B / A per group", title_justify="left")
-    for col, just in (("group", "left"), ("A", "right"), ("B", "right"), ("B / A", "right")):
-        table.add_column(col, justify=just, overflow="fold")
-    rows = report.groups[:MAX_GROUPS]
-    for g in rows:
-        flagged = report.fail_above is not None and g in report.beyond
-        table.add_row(Text(visible(g.name)), fmt(g.a), fmt(g.b),
-                      Text(fmt_ratio(g.ratio), style="bold red" if flagged else ""))
-    if len(rows) < len(report.groups):
-        table.add_row(Text(f"... {len(report.groups) - len(rows):,} groups that changed "
-                           "less (--format json lists all)", style="dim"), "", "", "")
-    table.add_section()
-    t = report.total
-    table.add_row(Text("total", style="bold"), fmt(t.a), fmt(t.b), fmt_ratio(t.ratio))
-    console.print(table)
+    width = console.width
+    for side, path in (("A", report.a), ("B", report.b)):
+        console.print(Text(f"{side}: {shorten(visible(path), max(width - 3, MIN_NAME_WIDTH))}"))
+    _print_prose(console, f"{report.what}, p={fmt_p(report.norm_type)}, groups by "
+                          f"{visible(report.group_by)}; largest change first")
+    rows = [*report.groups[:MAX_GROUPS], report.total]
+
+    def flagged(g: CompareRow) -> bool:
+        if g is report.total:
+            return report.total_beyond
+        return report.fail_above is not None and (g in report.beyond or g.only is not None)
+
+    names: list[str | Text] = [visible(g.name) for g in rows[:-1]]
+    names.append(Text("total", style="bold"))
+    columns = [
+        Column("group", names, justify="left", name=True),
+        Column("A", [fmt(g.a) for g in rows]),
+        Column("B", [fmt(g.b) for g in rows]),
+        Column("B / A", [Text(ratio_cell(g), style="bold red" if flagged(g) else "")
+                         for g in rows]),
+    ]
+    _print_table(console, _fit_table("B / A per group", columns, width,
+                                     footer=(len(rows) - 2,), shorten_first=True))
+    if len(report.groups) > MAX_GROUPS:
+        _print_prose(console, f"... {len(report.groups) - MAX_GROUPS:,} groups that changed "
+                              "less (--format json lists all)", style="dim")
     failed = report.status != "ok"
     console.print(Text(compare_verdict(report), style="bold red" if failed else "bold green"),
                   soft_wrap=True)
+
+
+def _print_quiet(verdict: str, failed: bool, found: list, out: TextIO, err: TextIO | None
+                 ) -> None:
+    if err is not None:
+        for f in found:
+            if f.severity == F.ERROR:
+                err.write(f"gradclip: {visible(f.message)}\n")
+    console = _console(out)
+    console.print(Text(verdict, style="bold red" if failed else "bold green"), soft_wrap=True)
+
+
+def print_trend_verdict(report: TrendReport, out: TextIO, err: TextIO | None) -> None:
+    _print_quiet(trend_verdict(report), report.status in (NONFINITE, SPIKE),
+                 F.trend_findings(report), out, err)
+
+
+def print_compare_verdict(report: CompareReport, out: TextIO, err: TextIO | None) -> None:
+    _print_quiet(compare_verdict(report), report.status != "ok", F.compare_findings(report),
+                 out, err)

@@ -11,6 +11,10 @@ the backward passes of every accumulated batch, after AMP has unscaled the
 gradients and before it clips them (``gradient_clip_val``): the monitor sees
 the true, unclipped gradients. Steps are ``trainer.global_step`` (optimizer
 steps taken before this one), the step Lightning's own loggers use there.
+
+With ``clip_spikes=True`` the monitor clips a spike's gradients there, to the
+history's ``mean + z * std`` (ZClip), before Lightning's own clipping and the
+optimizer step; ``gradient_clip_val`` then still applies to every step.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ class GradMonitorCallback(Callback):
     Args:
         log, dump_dir, **options: as :class:`~gradclip_cli.monitor.GradMonitor`
             (``every``, ``norm_type``, ``group_by``, ``z``, ``alpha``,
-            ``warmup``, ``max_dumps``). Under DDP only global rank 0 writes.
+            ``warmup``, ``max_dumps``, ``clip_spikes``). Under DDP only
+            global rank 0 writes.
     """
 
     def __init__(

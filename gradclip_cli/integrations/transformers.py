@@ -16,6 +16,12 @@ clipping is turned off (``max_grad_norm=0``) and the callback clips with
 :meth:`GradMonitor.clip_grad_norm_` does. Training with ``max_grad_norm > 0``
 is refused before the first step rather than logged wrong.
 
+With ``clip_spikes=True`` the callback also clips a spike there, to the
+history's ``mean + z * std`` (ZClip): the hook runs after the Trainer's
+clipping and before ``optimizer.step()``, so gradients changed in it are the
+ones the optimizer uses. With ``max_norm`` too, a spike is clipped to the
+smaller of the two limits.
+
 Steps are ``state.global_step + 1``: the number the Trainer gives this
 update in ``trainer_state.json``'s ``log_history`` and in ``checkpoint-N``.
 
@@ -47,7 +53,8 @@ class GradMonitorCallback(TrainerCallback):
     Args:
         log, dump_dir, **options: as :class:`~gradclip_cli.monitor.GradMonitor`
             (``every``, ``norm_type``, ``group_by``, ``z``, ``alpha``,
-            ``warmup``, ``max_dumps``). Under DDP only global rank 0 writes.
+            ``warmup``, ``max_dumps``, ``clip_spikes``). Under DDP only
+            global rank 0 writes.
         max_norm: clip the gradients to this total norm after measuring them
             (the Trainer's ``max_grad_norm``, which must then be 0); None to
             only watch.

@@ -81,6 +81,7 @@ def build_inspect_report(
     what: str = "grads",
     step: int | None = None,
     description: Sequence[str] = (),
+    measured: dict[str, str] | None = None,
     weight_sums: PowerSums | None = None,
     owned: PowerSums | None = None,
     counts: Sequence[int] | None = None,
@@ -185,6 +186,7 @@ def build_inspect_report(
         what=what,
         step=step,
         description=list(description),
+        measured=dict(measured or {}),
         overflow=overflow,
         total_norm_log10=float(total.log2_norm[0]) * math.log10(2.0) if overflow else None,
     )

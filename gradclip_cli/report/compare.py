@@ -21,6 +21,15 @@ class CompareRow:
     ratio: float | None  # None when either side is absent
 
     @property
+    def only(self) -> str | None:
+        """``"a"`` or ``"b"``: the one side that holds the group; None when both do."""
+        if self.a is None:
+            return "b"
+        if self.b is None:
+            return "a"
+        return None
+
+    @property
     def change(self) -> float:
         """``|log ratio|``: how far the group moved, either way (inf for 0 -> x, nan unknown)."""
         if self.ratio is None:
@@ -50,6 +59,25 @@ class CompareReport:
         if self.fail_above is None:
             return []
         return [g for g in self.groups if ratio_beyond(g.ratio, self.fail_above)]
+
+    @property
+    def one_sided(self) -> list[CompareRow]:
+        """Groups present in A only or in B only: a finding under ``fail_above``
+        (a layer that appears or vanishes changed more than any ratio says)."""
+        return [g for g in self.groups if g.only is not None]
+
+    @property
+    def total_beyond(self) -> bool:
+        """The total's ratio is checked against ``fail_above`` too: two checkpoints
+        with no group in common have no ratio but the total's (CONTRACT.md)."""
+        return self.fail_above is not None and ratio_beyond(self.total.ratio, self.fail_above)
+
+    @property
+    def findings(self) -> int:
+        """How many things ``fail_above`` flags: the total, groups beyond, one-sided groups."""
+        if self.fail_above is None:
+            return 0
+        return int(self.total_beyond) + len(self.beyond) + len(self.one_sided)
 
 
 def norm_ratio(a: float, b: float) -> float:
@@ -103,7 +131,7 @@ def build_compare_report(
     )  # fmt: skip
     if nonfinite:
         status = NONFINITE
-    elif report.beyond:
+    elif report.findings:
         status = EXCEEDED
     else:
         status = OK

@@ -45,6 +45,8 @@ class GroupRow:
 
 # What a report concludes; the CLI maps each to an exit code.
 OK, EXCEEDED, NONFINITE, OVERFLOW = "ok", "exceeded", "nonfinite", "overflow"
+# What a trend concludes besides those (report/trend.py).
+SPIKE, INSUFFICIENT_HISTORY = "spike", "insufficient_history"
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class InspectReport:
     what: str = "grads"  # what was measured (--what, resolved)
     step: int | None = None  # the training step, when the checkpoint records it
     description: list[str] = field(default_factory=list)  # lines for the header
+    # What was measured and the evidence for each role (source/roles.py), for scripts:
+    # {"what": ..., "evidence": "a state_dict: torch's _metadata"}.
+    measured: dict[str, str] = field(default_factory=dict)
     # A finite total beyond float64's range: total_norm is inf, log10 says how far.
     overflow: bool = False
     total_norm_log10: float | None = None
@@ -100,3 +105,27 @@ class ClipReport:
     # non-gradient entries that shared storage with a gradient: given their own
     # copy before scaling, so they keep their values
     unshared: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """A run that ended with exit 2 (usage) or 3 (unreadable input, unwritable output).
+
+    Every format renders it, so CI that reads a report file still learns why
+    there is no report (CONTRACT.md, "Options both commands take").
+    ``message`` is the one line printed on stderr, already made ``visible``;
+    ``source`` is PATH as given, None when the failure came before one was known.
+    """
+
+    command: str  # "inspect", "clip", "trend", "compare"; "gradclip" before one was chosen
+    message: str
+    exit_code: int
+    source: str | None
+
+    @property
+    def kind(self) -> str:
+        return "usage error" if self.exit_code == 2 else "input unreadable or output unwritable"
+
+    @property
+    def title(self) -> str:
+        return f"{self.kind} (exit {self.exit_code})"

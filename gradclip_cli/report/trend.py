@@ -15,10 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..core.spikes import SpikeDetector
-from .model import NONFINITE, OK, NonFinite
-
-SPIKE = "spike"
-INSUFFICIENT_HISTORY = "insufficient_history"
+from .model import INSUFFICIENT_HISTORY, NONFINITE, OK, SPIKE, NonFinite
 
 FAIL_ON_NEWEST, FAIL_ON_ANY = "newest", "any"
 
@@ -65,6 +62,28 @@ class TrendPoint:
 
 
 @dataclass(frozen=True)
+class SeriesFound:
+    """A series of norms found in a run folder: where it came from, and whether it was
+    the one judged (a run folder keeps the same steps at several grains)."""
+
+    source: str
+    kind: str  # "gradclip-monitor", "trainer-state" or "checkpoints"
+    points: int
+    per_group: bool
+    judged: bool
+    why_not: str | None = None  # why it was not judged
+
+
+@dataclass(frozen=True)
+class ClippingFound:
+    """Whether the Trainer clipped (``max_grad_norm`` > 0), None when unknown."""
+
+    max_grad_norm: float | None
+    source: str | None
+    note: str
+
+
+@dataclass(frozen=True)
 class TrendReport:
     what: str
     norm_type: float
@@ -75,6 +94,11 @@ class TrendReport:
     fail_on: str
     points: list[TrendPoint]
     status: str
+    # What run folders held and which series was judged; each note one line for
+    # people (where each series came from, whether the Trainer clipped).
+    series: tuple[SeriesFound, ...] = ()
+    clipping: tuple[ClippingFound, ...] = ()
+    notes: tuple[str, ...] = ()
 
     @property
     def groups(self) -> list[str]:
@@ -106,6 +130,9 @@ def build_trend_report(
     alpha: float,
     warmup: int,
     fail_on: str,
+    series: Sequence[SeriesFound] = (),
+    clipping: Sequence[ClippingFound] = (),
+    notes: Sequence[str] = (),
 ) -> TrendReport:
     """Judge ``observations`` (already in step order) point by point.
 
@@ -141,6 +168,7 @@ def build_trend_report(
     return TrendReport(
         what=what, norm_type=norm_type, group_by=group_by, z_threshold=z, alpha=alpha,
         warmup=warmup, fail_on=fail_on, points=points, status=_status(points, fail_on),
+        series=tuple(series), clipping=tuple(clipping), notes=tuple(notes),
     )  # fmt: skip
 
 

@@ -256,6 +256,13 @@ class Contents:
     held_pieces: dict[str, Any] = field(default_factory=dict)  # DCP HF: pieces held for clip
     trusted_pickle: bool = False
     gradient_error: str | None = None  # why no gradients were found, for --what grads
+    # A model's buffers (running statistics, counters): never weights or gradients.
+    buffers: dict[str, StoredTensor] | None = None
+    # role ("gradient", "weight", "optimizer state") -> the evidence for it, for the report
+    # (``source/roles.py``): "a state_dict: torch's _metadata", "a 'grads' key".
+    evidence: dict[str, str] = field(default_factory=dict)
+    # The role ``--key`` named ("weight", "optimizer state"), which ``auto`` then measures.
+    keyed: str | None = None
     # Weights under the optimizer's name for a parameter the model stores split (ratio only).
     fused_weights: dict[str, StoredTensor] = field(default_factory=dict)
 

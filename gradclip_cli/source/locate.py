@@ -17,8 +17,8 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.source.interface import GradientSelection
+from gradclip_cli.source.vocabulary import GRADIENT_KEYS, WEIGHT_KEYS
 
-GRADIENT_KEYS = ("grads", "gradients", "grad")
 _MAX_CANDIDATES = 8
 _MAX_DEPTH = 6  # how deep to look for candidate keys in an error message
 
@@ -59,6 +59,12 @@ def select_gradients(
             f"({len(skipped)} entries, none a floating-point tensor)"
         )
     return GradientSelection(key_path=key_path, tensors=tensors, skipped=skipped)
+
+
+def at_key(root: Any, key: str, *, path: Path | str | None = None) -> Any:
+    """What the dotted ``key`` names in ``root`` (the ``--key`` rule); ``InputError`` if none."""
+    where = f"{path}: " if path is not None else ""
+    return _at(root, _follow(root, key, where))
 
 
 def _follow(root: Any, key: str, where: str) -> tuple[str, ...]:
@@ -219,7 +225,7 @@ def _survey(root: Any) -> tuple[list[str], list[str]]:
             optimizers.append(".".join(prefix) or "the top level")
             continue
         children = list(_children(node))
-        if prefix and any(_gradient_shaped(v) for _, v in children):
+        if prefix and any(_gradient_shaped(v) for _, v in children) and not _weights(node, prefix):
             candidates.append(".".join(prefix))
         stack.extend(
             (value, (*prefix, str(entry)))
@@ -229,10 +235,21 @@ def _survey(root: Any) -> tuple[list[str], list[str]]:
     return candidates, optimizers
 
 
+def _weights(node: Any, prefix: tuple[str, ...]) -> bool:
+    """A model's weights (never a gradient candidate): a weight key at the top level, or
+    what ``roles.weight_evidence`` recognises."""
+    from gradclip_cli.source.roles import weight_evidence
+
+    if len(prefix) == 1 and prefix[0] in WEIGHT_KEYS:
+        return True
+    return isinstance(node, Mapping) and weight_evidence(node) is not None
+
+
 def candidate_keys(root: Any) -> list[str]:
     """Dotted paths of the containers in ``root`` that directly hold gradient-shaped tensors.
 
-    Optimizer state is never a candidate: its tensors are moments and counters.
+    Optimizer state and a model's weights are never candidates: their tensors are
+    moments, counters and parameters.
     """
     return _survey(root)[0]
 
@@ -247,15 +264,11 @@ def _candidate_text(root: Any) -> str:
 
 
 def _hint(root: Any) -> str:
-    """What to try instead: the candidate keys, and the optimizer's moments when present."""
-    keys, optimizers = _survey(root)
-    text = f"candidates for --key: {_candidate_text(root)}"
-    if optimizers:
-        text += (
-            f"; optimizer state at {optimizers[0]!r} holds moments, not gradients: "
-            "--what exp_avg measures its first moment"
-        )
-    return text
+    """What to try instead: the keys that may hold gradients. What else the file holds
+    (weights, optimizer state) the command says, as the ``--what`` it can measure."""
+    if not candidate_keys(root):
+        return "no mapping in the file holds gradient-shaped tensors"
+    return f"candidates for --key: {_candidate_text(root)}"
 
 
 def _shown_key(key_path: tuple[str, ...]) -> str:

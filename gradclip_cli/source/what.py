@@ -27,7 +27,6 @@ when stored, else from the model's order group by group (``map_names``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,27 +34,17 @@ import torch
 
 from gradclip_cli.core import Elements, PowerSums, concat, distinct_elements, tensor_power_sums
 from gradclip_cli.errors import InputError, UsageError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
+from gradclip_cli.source import optimizers, roles
 from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor
 
 WHATS = ("auto", "grads", "exp_avg", "grad_rms", "update", "weights")
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 EXPLAIN = {
     "grads": "saved gradients",
-    "exp_avg": "Adam first moment exp_avg / (1 - beta1^step), each parameter's own step",
-    "grad_rms": "gradient RMS sqrt(exp_avg_sq / (1 - beta2^step))",
-    "update": "Adam's last update lr * m_hat / (sqrt(v_hat) + eps), weight decay excluded",
+    "exp_avg": "first moment exp_avg / (1 - beta1^step), each parameter's own step",
+    "grad_rms": "gradient RMS, the square root of its debiased second moment",
+    "update": "last update, as its own update rule gives it, weight decay excluded",
     "weights": "model weights",
-}
-# What well-known optimizers keep per parameter, to say what a checkpoint holds.
-KNOWN_STATE = {
-    "momentum_buffer": "SGD momentum",
-    "exp_avg_sq_row": "Adafactor factored second moment",
-    "exp_avg_sq_col": "Adafactor factored second moment",
-    "sum": "Adagrad",
-    "square_avg": "RMSprop",
-    "acc_delta": "Adadelta",
-    "mu_product": "NAdam",
 }
 _BATCH_BYTES = 64 << 20
 
@@ -68,10 +57,14 @@ Measure = Callable[[float, torch.device, Callable | None, int, list[int] | None]
 class Selection:
     """The named tensors chosen by ``--what``, in report order, without tie duplicates.
 
-    ``tensors`` are the stored tensors described in the report (for
-    ``update``, the ``exp_avg`` each update is computed from);
-    ``weights[i]`` is the weight of ``names[i]`` for ``ratio`` (None when
-    the checkpoint lacks it or ``what`` is ``weights``).
+    ``tensors`` describe the measured tensors in the report (shape, dtype,
+    elements): the stored tensors for grads, weights and ``exp_avg``, the
+    state a quantity is derived from where it has the parameter's shape, else
+    a description of the parameter's shape. ``reads[i]``: every stored tensor
+    measuring ``names[i]`` reads (optimizer quantities). ``weights[i]`` is the
+    weight of ``names[i]`` for ``ratio`` (None when the checkpoint lacks it or
+    ``what`` is ``weights``). ``evidence``: why these tensors are what is
+    measured (``source/roles.py``).
     """
 
     what: str
@@ -83,20 +76,25 @@ class Selection:
     explain: str
     measure: Measure
     weights: list[StoredTensor | None] | None = None
-    extra_reads: list[StoredTensor] | None = None  # also read, aligned with ``tensors``
+    reads: list[tuple[StoredTensor, ...]] | None = None
     # The distinct storage elements of ``tensors``, when every one is held and
     # finding the ties already computed them (so loading need not again).
     elements: Elements | None = None
+    evidence: str = ""
 
     def read_sizes(self) -> list[int]:
         """Bytes measuring each tensor reads (for progress and for sharing work)."""
-        sizes = [t.nbytes for t in self.tensors]
-        if self.extra_reads is not None:
-            sizes = [a + b.nbytes for a, b in zip(sizes, self.extra_reads)]
-        return sizes
+        if self.reads is not None:
+            return [sum(t.nbytes for t in r) for r in self.reads]
+        return [t.nbytes for t in self.tensors]
 
     def bytes_to_read(self, only: list[int] | None = None) -> int:
         return sum(_pick(self.read_sizes(), only))
+
+    @property
+    def measured(self) -> str:
+        """What was measured and the evidence: ``model weights (a state_dict: ...)``."""
+        return f"{self.explain} ({self.evidence})" if self.evidence else self.explain
 
 
 def select(contents: Contents, what: str, *, gradients_only: bool = False) -> Selection:
@@ -106,24 +104,46 @@ def select(contents: Contents, what: str, *, gradients_only: bool = False) -> Se
     if gradients_only and what not in ("auto", "grads"):
         raise UsageError(f"clip changes gradients only: --what grads, got {what!r}")
     if what == "auto":
-        if contents.gradients or gradients_only or not _has_adam(contents):
-            what = "grads"
-        else:
-            what = "exp_avg"
+        what = _auto(contents, gradients_only)
     if what == "grads":
-        return _raw(contents, "grads")
-    if what == "weights":
-        return _raw(contents, "weights")
-    return _from_optimizer(contents, what)
+        selection = _raw(contents, "grads", gradients_only)
+    elif what == "weights":
+        selection = _raw(contents, "weights")
+    else:
+        selection = _from_optimizer(contents, what)
+    return selection
+
+
+def _auto(contents: Contents, gradients_only: bool) -> str:
+    """The contract's default: gradients, else Adam-family moments, else the weights."""
+    if contents.gradients or gradients_only:
+        return "grads"
+    if contents.keyed == roles.WEIGHT:
+        return "weights"
+    if contents.keyed == roles.OPTIMIZER_STATE:
+        return next((q for q in optimizers.QUANTITIES if _gives(contents, q)), "exp_avg")
+    if _gives(contents, "exp_avg"):
+        return "exp_avg"
+    return "weights" if contents.weights else "grads"
+
+
+def _gives(contents: Contents, what: str) -> bool:
+    opt = contents.optimizer
+    return opt is not None and optimizers.identify(opt).gives(what)
 
 
 def available(contents: Contents) -> list[str]:
-    """The ``--what`` choices this checkpoint can answer."""
+    """The ``--what`` choices that succeed on this checkpoint (each one is tried)."""
     found = []
     if contents.gradients:
         found.append("grads")
-    if _has_adam(contents):
-        found += ["exp_avg", "grad_rms", "update"]
+    for what in optimizers.QUANTITIES:
+        if _gives(contents, what):
+            try:
+                _from_optimizer(contents, what)
+            except InputError:
+                continue
+            found.append(what)
     if contents.weights:
         found.append("weights")
     return found
@@ -131,54 +151,58 @@ def available(contents: Contents) -> list[str]:
 
 def holdings(contents: Contents) -> str:
     """What the optimizer state holds per parameter, named for people."""
-    keys: dict[str, None] = {}
-    for opt in contents.optimizers:
-        for entry in opt.state.values():
-            keys.update(dict.fromkeys(k for k, v in entry.items() if isinstance(v, StoredTensor)))
-    if not keys:
+    if not contents.optimizers:
         return "no optimizer state"
-    return "optimizer state " + ", ".join(
-        f"{visible(k)} ({KNOWN_STATE[k]})" if k in KNOWN_STATE else visible(k) for k in keys)
+    return "; ".join(optimizers.holds(optimizers.identify(o)) for o in contents.optimizers)
 
 
-def _unavailable(contents: Contents, what: str, why: str) -> InputError:
-    offer = available(contents)
+def _unavailable(contents: Contents, what: str, why: str, gradients_only: bool = False
+                 ) -> InputError:
+    path = contents.path
+    if gradients_only:
+        # clip changes gradients only: never offer weights or optimizer state.
+        return InputError(f"{path}: {why}; clip changes saved gradients only")
+    offer = [w for w in available(contents) if w != what]
     options = ", ".join(f"--what {w}" for w in offer) if offer else "nothing gradclip measures"
     held = holdings(contents)
-    held = "" if held in why else f"it holds {held}; "  # said once, not twice
-    return InputError(f"{contents.path}: --what {what}: {why}; {held}available: {options}")
-
-
-def _has_adam(contents: Contents) -> bool:
-    opt = contents.optimizer
-    return opt is not None and any(all(k in s for k in ADAM_KEYS) for s in opt.state.values())
+    keys = held[held.find("("):] if "(" in held else held
+    held = "" if not contents.optimizers or keys in why else f"it holds {held}; "
+    return InputError(f"{path}: --what {what}: {why}; {held}available: {options}")
 
 
 # ----------------------------------------------------------------- grads, weights
 
 
-def _raw(contents: Contents, what: str) -> Selection:
+def _raw(contents: Contents, what: str, gradients_only: bool = False) -> Selection:
     source = contents.gradients if what == "grads" else contents.weights
     if not source:
-        if what == "grads" and contents.gradient_error and not contents.optimizers \
-                and not contents.weights:
-            raise InputError(contents.gradient_error)
+        error = contents.gradient_error
+        nothing_else = not contents.optimizers and not contents.weights
+        if what == "grads" and error and (nothing_else or gradients_only):
+            # The reason alone (with its --key candidates): there is nothing else to offer.
+            raise InputError(error if nothing_else else
+                             f"{error}; clip changes saved gradients only")
         why = "the checkpoint holds no gradients" if what == "grads" else \
             "the checkpoint holds no model weights"
-        if what == "grads" and contents.gradient_error:
-            why = contents.gradient_error.removeprefix(f"{contents.path}: ")
-        raise _unavailable(contents, what, why)
+        if what == "grads" and error:
+            why = error.removeprefix(f"{contents.path}: ")
+        raise _unavailable(contents, what, why, gradients_only)
     names, tensors, ties, elements = _untied(source)
     weights = None
     if what == "grads" and contents.weights and contents.weights is not contents.gradients:
         weights = [contents.weights.get(n) for n in names]
+    role = roles.GRADIENT if what == "grads" else roles.WEIGHT
+    explain = EXPLAIN[what]
+    if what == "weights" and contents.buffers:
+        explain += f", {len(contents.buffers)} buffers apart"
     return Selection(
         what=what, names=names, tensors=tensors, ties=ties,
         skipped=list(contents.skipped) if what == "grads" else [],
-        key=contents.gradient_key if what == "grads" else "", explain=EXPLAIN[what],
+        key=contents.gradient_key if what == "grads" else "", explain=explain,
         measure=lambda p, dev, on_batch, workers, only=None: stored_power_sums(
             _pick(tensors, only), p, dev, on_batch, workers),
         weights=weights, elements=elements,
+        evidence=contents.evidence.get(role, f"the {contents.kind} layout"),
     )
 
 
@@ -264,64 +288,61 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
     opt = contents.optimizer
     if opt is None:
         raise _unavailable(contents, what, "the checkpoint holds no optimizer state")
-    if not _has_adam(contents):
-        raise _unavailable(contents, what, "it needs Adam's exp_avg and exp_avg_sq")
+    kind = optimizers.identify(opt)
+    if not kind.gives(what):
+        raise _unavailable(contents, what, f"{kind.name}: {kind.why_not(what)}")
     names = map_names(contents, opt)
     group_of = {pid: group for group in opt.param_groups for pid in group["params"]}
     params = []
     for pid, name in names.items():
         entry = opt.state.get(pid)
-        if entry is None:
+        if not entry:
             continue  # never stepped (no gradient yet): nothing to measure
-        if not all(k in entry for k in ADAM_KEYS):
-            raise InputError(f"{opt.file}: parameter {visible(name)} has no exp_avg/exp_avg_sq "
-                             "while others do")
         params.append(_Param(name, entry, group_of[pid]))
     order = _report_order(contents, [p.name for p in params])
     params.sort(key=lambda p: order.get(p.name, len(order)))
-    corrections = [_corrections(p, opt) for p in params]
-    moments = [p.state["exp_avg"] for p in params]
-    squares = [p.state["exp_avg_sq"] for p in params]
-    for p, m, v in zip(params, moments, squares):
-        if m.shape != v.shape:
-            raise InputError(f"{opt.file}: parameter {visible(p.name)}: exp_avg {list(m.shape)} "
-                             f"and exp_avg_sq {list(v.shape)} differ in shape")
+    derived = []
+    for p in params:
+        try:
+            d = optimizers.derive(kind, what, opt, p.name, p.state, p.group)
+        except optimizers.Refusal as refusal:
+            raise _unavailable(contents, what, f"{kind.name}: {refusal}") from None
+        for t in d.reads[1:]:
+            if tuple(d.reads[0].shape) == d.shape and tuple(t.shape) != d.shape:
+                raise InputError(
+                    f"{opt.file}: parameter {visible(p.name)}: {visible(_key_of(d.reads[0]))} "
+                    f"{list(d.shape)} and {visible(_key_of(t))} {list(t.shape)} differ in "
+                    "shape")
         weight = contents.weights.get(p.name) if contents.weights else None
-        if weight is not None and weight.shape != m.shape:
-            raise InputError(f"{opt.file}: parameter {visible(p.name)}: exp_avg "
-                             f"{list(m.shape)} does not fit the weight's shape "
-                             f"{list(weight.shape)}")
+        if weight is not None and tuple(weight.shape) != d.shape:
+            raise InputError(f"{opt.file}: parameter {visible(p.name)}: "
+                             f"{visible(_key_of(d.reads[0]))} implies shape {list(d.shape)}, "
+                             f"which does not fit the weight's shape {list(weight.shape)}")
+        derived.append(d)
+    described = [d.reads[0] if d.scale is not None or tuple(d.reads[0].shape) == d.shape
+                 else StoredTensor(p.name, d.shape, d.reads[0].dtype, ())
+                 for p, d in zip(params, derived)]
 
-    if what == "exp_avg":
-        def measure(p, dev, on_batch, workers, only=None):
-            sums = stored_power_sums(_pick(moments, only), p, dev, on_batch, workers)
-            factor = torch.tensor([1.0 / c1 for c1, _ in _pick(corrections, only)],
-                                  dtype=torch.float64)
-            return _scaled(sums, factor)
-        described = moments
-    elif what == "grad_rms":
-        def measure(p, dev, on_batch, workers, only=None):
-            half = p / 2 if math.isfinite(p) else p
-            sums = stored_power_sums(_pick(squares, only), half, dev, on_batch, workers)
-            c2 = torch.tensor([c for _, c in _pick(corrections, only)], dtype=torch.float64)
-            return _square_rooted(sums, c2, p)
-        described = squares
-    else:
-        hyper = [_update_hyper(p, opt) for p in params]
+    def measure(p, dev, on_batch, workers, only=None):
+        chosen = _pick(derived, only)
+        if chosen and all(d.scale is not None for d in chosen):
+            sums = stored_power_sums([d.reads[0] for d in chosen], p, dev, on_batch, workers)
+            return _scaled(sums, torch.tensor([d.scale for d in chosen], dtype=torch.float64))
+        return _derived_power_sums(chosen, p, dev, on_batch, workers)
 
-        def measure(p, dev, on_batch, workers, only=None):
-            return _update_power_sums(_pick(moments, only), _pick(squares, only),
-                                      _pick(corrections, only), _pick(hyper, only), p, dev,
-                                      on_batch, workers)
-        described = moments
     weights = None
     if contents.weights:
         weights = [contents.weights.get(p.name, contents.fused_weights.get(p.name)) for p in params]
     return Selection(
         what=what, names=[p.name for p in params], tensors=described, ties={}, skipped=[],
-        key="", explain=EXPLAIN[what], measure=measure, weights=weights,
-        extra_reads=squares if what == "update" else None,
+        key="", explain=f"{kind.name} {EXPLAIN[what]}", measure=measure, weights=weights,
+        reads=[d.reads for d in derived],
+        evidence=contents.evidence.get(roles.OPTIMIZER_STATE, f"the {contents.kind} layout"),
     )
+
+
+def _key_of(t: StoredTensor) -> str:
+    return t.name.split(".", 1)[1] if "." in t.name else t.name
 
 
 def _report_order(contents: Contents, names: list[str]) -> dict[str, int]:
@@ -332,101 +353,40 @@ def _report_order(contents: Contents, names: list[str]) -> dict[str, int]:
     return {n: i for i, n in enumerate(names)}
 
 
-def _number(value, what: str, p: _Param, opt: OptimizerState) -> float:
-    if isinstance(value, StoredTensor):
-        value = value.read()
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise InputError(f"{opt.file}: parameter {visible(p.name)}: {what} is a tensor of "
-                             f"{value.numel()} values, not a number")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InputError(f"{opt.file}: parameter {visible(p.name)}: {what} is "
-                         f"{visible(repr(value))}, not a finite number")
-    return float(value)
-
-
-def _betas(p: _Param, opt: OptimizerState) -> tuple[float, float]:
-    betas = p.group.get("betas")
-    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-        raise InputError(f"{opt.file}: the param group of {visible(p.name)} has no betas "
-                         "(beta1, beta2); is this Adam's state?")
-    return _number(betas[0], "beta1", p, opt), _number(betas[1], "beta2", p, opt)
-
-
-def _corrections(p: _Param, opt: OptimizerState) -> tuple[float, float]:
-    """``(1 - beta1^t, 1 - beta2^t)`` with the parameter's own step ``t``."""
-    step = _number(p.state.get("step"), "step", p, opt)
-    if step < 1:
-        raise InputError(f"{opt.file}: parameter {visible(p.name)}: step {step:g}: the moments "
-                         "are not an average of anything yet")
-    beta1, beta2 = _betas(p, opt)
-    if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
-        raise InputError(f"{opt.file}: the param group of {visible(p.name)} has betas "
-                         f"({beta1}, {beta2}) outside [0, 1)")
-    # -expm1(t * log(beta)) is 1 - beta^t without cancellation when beta^t is near 1.
-    return (_one_minus_power(beta1, step), _one_minus_power(beta2, step))
-
-
-def _one_minus_power(beta: float, step: float) -> float:
-    return 1.0 if beta == 0 else -math.expm1(step * math.log(beta))
-
-
-def _update_hyper(p: _Param, opt: OptimizerState) -> tuple[float, float]:
-    lr = _number(p.group.get("lr"), "lr", p, opt)
-    eps = _number(p.group.get("eps"), "eps", p, opt)
-    return lr, eps
-
-
 def _scaled(sums: PowerSums, factor: torch.Tensor) -> PowerSums:
     """Summaries of ``factor[i] * x_i``: scale and max move, the power sum does not."""
     return PowerSums(sums.norm_type, sums.scale * factor, sums.power_sum,
                      sums.max_abs * factor, sums.nan, sums.posinf, sums.neginf)
 
 
-def _square_rooted(sums: PowerSums, divisor: torch.Tensor, p: float) -> PowerSums:
-    """From summaries of ``v`` at p/2 to those of ``sqrt(|v| / c)`` at p.
-
-    ``(sqrt(v / c) / sqrt(s / c)) ** p == (v / s) ** (p / 2)``: the power sum
-    carries over, the scale becomes ``sqrt(s / c)``.
-    """
-    return PowerSums(p, torch.sqrt(sums.scale / divisor), sums.power_sum,
-                     torch.sqrt(sums.max_abs.abs() / divisor), sums.nan, sums.posinf,
-                     sums.neginf)
-
-
 @torch.no_grad()
-def _update_power_sums(moments, squares, corrections, hyper, p, device, on_batch, workers):
-    """Power sums of ``lr * m_hat / (sqrt(v_hat) + eps)``, a batch of parameters at a time."""
+def _derived_power_sums(derived, p, device, on_batch, workers):
+    """Power sums of each derivation's tensor, computed a batch of parameters at a time:
+    memory stays bounded by a batch whatever the checkpoint's size."""
     parts = []
-    batch: list[int] = []
+    batch: list = []
     size = 0
 
     def flush():
         nonlocal batch, size
         if not batch:
             return
-        updates = []
-        for i in batch:
-            m, v = moments[i].read(), squares[i].read()
-            (c1, c2), (lr, eps) = corrections[i], hyper[i]
-            dtype = torch.promote_types(torch.promote_types(m.dtype, v.dtype), torch.float32)
-            denom = (v.to(dtype) / c2).sqrt_().add_(eps)
-            updates.append(m.to(dtype).mul(lr / c1).div_(denom))
-        parts.append(tensor_power_sums(updates, p, device=device, workers=workers))
+        values = [d.compute(*(t.read() for t in d.reads)) for d in batch]
+        parts.append(tensor_power_sums(values, p, device=device, workers=workers))
         if on_batch is not None:
             # The pieces as stored (mapped views), not read()'s assembled copy of a
             # tensor stored in several pieces: their pages are the ones to give back.
-            on_batch([piece.read() for t in (moments, squares) for i in batch
-                      for piece in t[i].pieces])
+            on_batch([piece.read() for d in batch for t in d.reads for piece in t.pieces])
         batch, size = [], 0
 
-    for i, m in enumerate(moments):
-        batch.append(i)
-        size += m.nbytes
+    for d in derived:
+        batch.append(d)
+        size += sum(t.nbytes for t in d.reads)
         if size >= _BATCH_BYTES:
             flush()
     flush()
+    if not parts:
+        return tensor_power_sums([], p, device=device, workers=workers)
     return concat(p, parts)
 
 
@@ -444,6 +404,10 @@ def map_names(contents: Contents, opt: OptimizerState) -> dict[int, str]:
     """
     if opt.param_names is not None:
         return dict(sorted(opt.param_names.items()))
+    if not contents.weights and not contents.model_order_names:
+        # No model at all (an optimizer's state dict saved alone): its ids are the only
+        # names there are, and the total does not depend on them.
+        return {pid: f"state.{pid}" for g in opt.param_groups for pid in sorted(g["params"])}
     order = _model_order(contents, opt)
     shapes = {n: tuple(contents.weights[n].shape) if contents.weights and n in contents.weights
               else None for n in order}
@@ -482,13 +446,24 @@ def _model_order(contents: Contents, opt: OptimizerState) -> list[str]:
         f"param_names and the model's parameter order is unknown ({where})")
 
 
+_FULL_SHAPED = ("exp_avg", "exp_avg_sq", "momentum_buffer", "square_avg", "sum", "exp_inf",
+                "variance", "max_exp_avg_sq", "grad_avg", "acc_delta")
+
+
 def _state_shape(entry: dict | None) -> tuple[int, ...] | None:
+    """The parameter's shape as its state implies it (None: unknown, fits any)."""
     if not entry:
         return None
-    for key in ("exp_avg", "momentum_buffer", *entry):
+    for key in _FULL_SHAPED:
         value = entry.get(key)
         if isinstance(value, StoredTensor):
             return tuple(value.shape)
+    row, col = entry.get("row_var"), entry.get("col_var")  # torch's Adafactor: (n, 1), (1, m)
+    if isinstance(row, StoredTensor) and isinstance(col, StoredTensor) and row.shape:
+        return (*row.shape[:-1], col.shape[-1])
+    row, col = entry.get("exp_avg_sq_row"), entry.get("exp_avg_sq_col")  # transformers'
+    if isinstance(row, StoredTensor) and isinstance(col, StoredTensor) and col.shape:
+        return (*row.shape, col.shape[-1])
     return None
 
 

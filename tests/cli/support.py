@@ -52,6 +52,37 @@ class Result:
         return [line for line in self.err.splitlines() if line.strip()]
 
 
+# The table's prose (header details, notes, the verdict) wraps between words
+# to the width, continuing with this indent (format/table_layout.py ``wrap``).
+WRAP_INDENT = "  "
+
+
+def logical_lines(text: str) -> list[str]:
+    """The table's lines as written before wrapping: a continuation (a line that starts with
+    the wrap indent) is joined to the line above with one space.
+
+    Where a line breaks depends on the width and on what else it holds (a
+    temporary path's length), never on what it says: assert on these lines.
+    """
+    lines: list[str] = []
+    for line in text.splitlines():
+        if line.startswith(WRAP_INDENT) and lines:
+            lines[-1] = f"{lines[-1]} {line.strip()}"
+        else:
+            lines.append(line)
+    return lines
+
+
+def unwrapped(text: str) -> str:
+    """``text`` with every wrapped line joined back (``logical_lines``)."""
+    return "\n".join(logical_lines(text))
+
+
+def verdict(text: str) -> str:
+    """The table's last line, the verdict, unwrapped."""
+    return [line for line in logical_lines(text) if line.strip()][-1]
+
+
 def run_process(*args: object, cwd: Path | None = None, env: dict | None = None) -> Result:
     """``python -m gradclip_cli ARGS`` in a real process, stdout and stderr piped."""
     full_env = {**os.environ, **(env or {})}

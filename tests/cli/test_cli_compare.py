@@ -9,7 +9,7 @@ import torch
 
 from tests.schemas import validate
 
-from .support import as_float, assert_no_report, ref_norm, rel_err
+from .support import as_float, assert_no_report, logical_lines, ref_norm, rel_err
 from .test_cli_trend import LAYERS, layer_grads
 
 
@@ -52,7 +52,7 @@ def test_fail_above_flags_ratios_beyond_r_or_below_its_inverse(gradclip, tmp_pat
     pair(tmp_path, {"transformer.h.1": 8.0, "transformer.h.2": 0.5})
     r = gradclip("compare", tmp_path / "a.pt", tmp_path / "b.pt", "--fail-above", limit)
     assert r.code == code, r.out
-    last = r.out.splitlines()[-1]
+    last = logical_lines(r.out)[-1]
     assert last.endswith(f"(exit {code})")
     if code:
         assert "transformer.h.1" in last and "transformer.h.2" not in last
@@ -114,3 +114,83 @@ def test_unreadable_b_is_exit_3_naming_it(gradclip, tmp_path):
     r = gradclip("compare", tmp_path / "a.pt", tmp_path / "b.pt", "--format", "json")
     assert r.code == 3 and str(tmp_path / "b.pt") in r.err and len(r.err_lines) == 1
     assert_no_report(r)
+
+
+def disjoint(tmp_path):
+    """A holds only ``enc`` (norm 2), B only ``dec`` (norm 2000): no group in common."""
+    torch.save({"grads": {"enc.w": torch.tensor([1.2, 1.6])}}, tmp_path / "a.pt")
+    torch.save({"grads": {"dec.w": torch.tensor([1200.0, 1600.0])}}, tmp_path / "b.pt")
+    return tmp_path / "a.pt", tmp_path / "b.pt"
+
+
+def test_disjoint_groups_fail_above_on_the_total_and_each_one_sided_group(gradclip, tmp_path):
+    a, b = disjoint(tmp_path)
+    r = gradclip("compare", a, b, "--fail-above", "10", "--format", "json")
+    assert r.code == 1, r.out
+    doc = r.json()
+    validate(doc, "compare-1")
+    assert doc["status"] == "exceeded"
+    by_name = {g["name"]: g for g in doc["groups"]}
+    assert by_name["enc"]["b"] is None and by_name["enc"]["ratio"] is None
+    assert by_name["dec"]["a"] is None and by_name["dec"]["ratio"] is None
+    assert rel_err(by_name["enc"]["a"], math.hypot(1.2, 1.6)) <= 1e-6
+    assert rel_err(by_name["dec"]["b"], math.hypot(1200, 1600)) <= 1e-6
+    assert rel_err(doc["total"]["ratio"], 1000.0) <= 1e-6
+
+
+def test_disjoint_groups_in_the_table_and_markdown(gradclip, tmp_path):
+    a, b = disjoint(tmp_path)
+    r = gradclip("compare", a, b, "--fail-above", "10")
+    assert r.code == 1
+    rows = {line.split()[1]: line for line in r.out.splitlines() if line.startswith("│")}
+    assert "only in A" in rows["enc"] and "only in B" in rows["dec"]
+    verdict = r.out.splitlines()[-1]
+    assert verdict.startswith("FAIL: the total changed 1000x, beyond 10x")
+    assert "2 group(s) on one side only: enc (A only), dec (B only)" in verdict
+    md = gradclip("compare", a, b, "--fail-above", "10", "--format", "markdown")
+    assert md.code == 1
+    assert "| enc | 2 | - | **only in A** |" in md.out
+    assert "| dec | - | 2000 | **only in B** |" in md.out
+
+
+def test_disjoint_groups_are_findings_in_github_and_junit(gradclip, tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from tests.format.test_ci_formats import parse_workflow_command
+
+    a, b = disjoint(tmp_path)
+    gh = gradclip("compare", a, b, "--fail-above", "10", "--format", "github")
+    assert gh.code == 1
+    parsed = [parse_workflow_command(line) for line in gh.out.splitlines()]
+    titles = sorted(props["title"] for name, props, _ in parsed if name == "error")
+    assert titles == ["gradclip: group in A only", "gradclip: group in B only",
+                      "gradclip: total norm changed 1000x"]
+    junit = gradclip("compare", a, b, "--fail-above", "10", "--format", "junit")
+    root = ET.fromstring(junit.out.encode())
+    failed = {c.get("name") for c in root.iter("testcase") if c.find("failure") is not None}
+    assert failed == {"(total)", "enc", "dec"}
+
+
+def test_without_fail_above_one_sided_groups_are_listed_not_failed(gradclip, tmp_path):
+    from tests.format.test_ci_formats import parse_workflow_command
+
+    a, b = disjoint(tmp_path)
+    r = gradclip("compare", a, b)
+    assert r.code == 0
+    assert r.out.splitlines()[-1] == "OK: total ratio 1000x; 2 group(s) on one side only (exit 0)"
+    gh = gradclip("compare", a, b, "--format", "github")
+    assert gh.code == 0
+    kinds = sorted(name for name, _, _ in map(parse_workflow_command, gh.out.splitlines()))
+    assert kinds == ["notice", "warning", "warning"]
+
+
+def test_the_total_ratio_alone_is_checked(gradclip, tmp_path):
+    # Every group (and so the total) grows 4x: within 5x; beyond 3x, the total is named.
+    a = {f"{layer}.w": torch.ones(4) for layer in LAYERS}
+    torch.save({"grads": a}, tmp_path / "a.pt")
+    torch.save({"grads": {k: v * 4 for k, v in a.items()}}, tmp_path / "b.pt")
+    ok = gradclip("compare", tmp_path / "a.pt", tmp_path / "b.pt", "--fail-above", "5")
+    assert ok.code == 0
+    bad = gradclip("compare", tmp_path / "a.pt", tmp_path / "b.pt", "--fail-above", "3")
+    assert bad.code == 1 and bad.out.splitlines()[-1].startswith(
+        "FAIL: the total changed 4x, beyond 3x; 3 group(s) changed by more than 3x")

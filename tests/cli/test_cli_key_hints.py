@@ -75,11 +75,13 @@ def test_no_gradients_never_suggests_optimizer_state(gradclip, tmp_path, grads):
     # contract's default); asking for gradients gets the hints.
     assert gradclip("inspect", path, "--format", "json").json()["what"] == "exp_avg"
     err = assert_one_error_line(gradclip("inspect", path, "--what", "grads"), path)
-    candidates = err.split("candidates for --key: ", 1)[1]
-    assert candidates.startswith("model;")
-    assert "state" not in candidates.split(";")[0]
-    assert "optimizer state at 'optimizer' holds moments, not gradients" in err
-    assert "--what exp_avg" in err
+    # Neither the weights nor the moments are offered as gradients (--key); each is
+    # offered as what it is, as a --what this command measures.
+    assert "candidates for --key" not in err
+    assert "; no mapping in the file holds gradient-shaped tensors;" in err
+    assert "it holds AdamW state (exp_avg, exp_avg_sq)" in err
+    assert err.rstrip().endswith("available: --what exp_avg, --what grad_rms, --what update, "
+                                 "--what weights")
 
 
 def test_candidates_are_mappings_of_gradient_shaped_tensors(gradclip, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .support import SAMPLES, assert_no_report, ref_norm, rel_err, run_process
+from .support import SAMPLES, assert_no_report, ref_norm, rel_err, run_process, verdict
 
 
 def test_inspect_json_streams(tmp_path, grads):
@@ -38,7 +38,7 @@ def test_table_in_a_pipe_is_plain(tmp_path):
     )
     assert result.code == 1
     assert "\x1b[" not in result.out and "\x1b[" not in result.err
-    assert result.out.strip().splitlines()[-1].startswith("FAIL")
+    assert verdict(result.out).startswith("FAIL")
     assert result.err == ""
 
 

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from .support import SAMPLES, load_safetensors, ref_norm, rel_err
+from .support import SAMPLES, load_safetensors, ref_norm, rel_err, verdict
 
 ROW = re.compile(r"^\|\s*`(?P<file>[^`]+)`\s*\|.*\|\s*(?P<claim>[^|]*?)\s*\|\s*$")
 VARIANT = re.compile(r"(?:(?P<code>\d+) with|also with) `(?P<flags>[^`]+)`")
@@ -53,7 +53,7 @@ def test_sample_exit_code(gradclip, file, flags, code):
     assert json_result.code == code
     doc = json_result.json()
     assert doc["status"] == ("ok" if code == 0 else doc["status"])
-    assert result.out.strip().splitlines()[-1].startswith("OK" if code == 0 else "FAIL")
+    assert verdict(result.out).startswith("OK" if code == 0 else "FAIL")
 
 
 def sample_grads(file: str) -> dict[str, torch.Tensor]:

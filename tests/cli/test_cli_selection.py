@@ -50,9 +50,15 @@ def test_ambiguous_gradient_entries_exit_3_listing_candidates(gradclip, tmp_path
 def test_nested_without_gradient_key_lists_candidates(gradclip, tmp_path, grads):
     path = tmp_path / "nested.pt"
     torch.save({"state": {"g": grads}, "model": {"w": torch.ones(3)}}, path)
-    result = gradclip("inspect", path)
+    # No gradients found: auto measures the model's weights and says so (the contract).
+    doc = gradclip("inspect", path, "--format", "json").json()
+    assert doc["what"] == "weights" and doc["measured"]["evidence"] == "the 'model' entry"
+    assert doc["total_norm"] == pytest.approx(math.sqrt(3), rel=1e-6)
+    result = gradclip("inspect", path, "--what", "grads")
     assert result.code == 3
-    assert "state.g" in result.err and "model" in result.err
+    # The weights are offered as --what weights, never as a --key of "gradients".
+    assert "candidates for --key: state.g;" in result.err
+    assert "available: --what weights" in result.err
     assert str(path) in result.err
     assert "Traceback" not in result.err and len(result.err_lines) <= 2
 

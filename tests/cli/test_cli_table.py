@@ -12,12 +12,9 @@ import gradclip_cli.cli as cli_module
 import gradclip_cli.commands.common as common_module
 import gradclip_cli.progress as progress_module
 
+from .support import verdict
+
 ANSI = "\x1b["
-
-
-def verdict(out: str) -> str:
-    lines = [line for line in out.splitlines() if line.strip()]
-    return lines[-1]
 
 
 def test_groups_and_ok_verdict(gradclip, grads_file, grads):
@@ -90,7 +87,8 @@ def test_no_ansi_when_stdout_is_not_a_terminal(gradclip, tmp_path, grads, monkey
     assert ANSI not in result.out and ANSI not in result.err
 
 
-def test_long_names_are_not_cut_in_pipes(gradclip, tmp_path):
+def test_long_names_are_not_cut_in_pipes(gradclip, tmp_path, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)  # a pipe's width: 120
     name = "model.encoder.layers.17.self_attention.query_key_value_projection.weight"
     path = tmp_path / "g.pt"
     torch.save({name: torch.ones(3)}, path)

@@ -13,7 +13,7 @@ import torch
 from tests.schemas import validate
 from tests.trainer_runs import SPIKE_STEP, STEPS, train_checkpointed_with_spike, train_with_spike
 
-from .support import as_float, assert_no_report, ref_norm, rel_err
+from .support import as_float, assert_no_report, logical_lines, ref_norm, rel_err, unwrapped
 
 LAYERS = ("transformer.h.0", "transformer.h.1", "transformer.h.2")
 
@@ -87,7 +87,7 @@ def test_table_names_the_spiking_group_and_the_verdict_matches_the_exit_code(gra
     save_run(tmp_path / "run", range(12), spikes={11: {"transformer.h.2": 100}})
     r = gradclip("trend", tmp_path / "run")
     assert r.code == 1
-    lines = r.out.splitlines()
+    lines = logical_lines(r.out)
     assert lines[-1].startswith("FAIL: gradient spike at the newest point (step 11")
     assert "transformer.h.2" in lines[-1] and lines[-1].endswith("(exit 1)")
     assert any("SPIKE" in line and "transformer.h.2" in line for line in lines)
@@ -221,7 +221,7 @@ def test_trainer_state_of_a_real_run_finds_the_injected_spike(gradclip, trainer_
     assert [p["step"] for p in doc["points"] if p["spike"]] == [SPIKE_STEP]
     # The newest point is healthy: the default --fail-on newest passes.
     r = gradclip("trend", trainer_state)
-    assert r.code == 0 and "1 earlier spike(s)" in r.out
+    assert r.code == 0 and f"; earlier: 1 spike(s) (step {SPIKE_STEP})" in unwrapped(r.out)
 
 
 def test_trainer_state_and_checkpoints_mix_in_step_order(gradclip, tmp_path):
@@ -297,7 +297,7 @@ def test_trainer_checkpoints_exp_avg_finds_the_injected_spike(gradclip, checkpoi
     assert doc["points"][-1]["z"] > 2.5 and not any(p["spike"] for p in doc["points"][:-1])
     assert "transformer.h.0" in doc["points"][-1]["spike_groups"]
     table = gradclip("trend", *upto, "--what", "exp_avg")  # the verdict names what spiked
-    assert table.out.splitlines()[-1].startswith(
+    assert logical_lines(table.out)[-1].startswith(
         f"FAIL: exp_avg spike at the newest point (step {run.spike_step}")
     r = gradclip("trend", *upto[:-1], "--what", "exp_avg", "--format", "json")
     assert (r.code, r.json()["status"]) == (0, "ok")
@@ -323,12 +323,25 @@ def test_trainer_checkpoints_other_moments_match_float64(gradclip, checkpointed_
         assert r.code == 1 and doc["points"][-1]["spike"]
 
 
-def test_trainer_checkpoints_auto_measures_exp_avg_and_says_so(gradclip, checkpointed_run):
-    last = checkpointed_run.output_dir / f"checkpoint-{checkpointed_run.steps}"
+def test_trainer_checkpoints_auto_measures_exp_avg_and_the_output_dir_its_log(
+        gradclip, checkpointed_run):
+    run = checkpointed_run
+    last = run.output_dir / f"checkpoint-{run.steps}"
     doc = gradclip("trend", last, "--format", "json").json()
     assert doc["what"] == "exp_avg" and doc["points"][0]["what"] == "exp_avg"
-    r = gradclip("trend", checkpointed_run.output_dir)
-    assert r.out.splitlines()[0].startswith(f"{checkpointed_run.steps} points, exp_avg, p=2")
+    r = gradclip("trend", *sorted(run.output_dir.glob("checkpoint-*")))
+    assert r.out.splitlines()[0].startswith(f"{run.steps} points, exp_avg, p=2")
+    # The output_dir holds as many steps of log_history as checkpoints: the log, which
+    # holds the gradients' own norms, is judged, and the checkpoints are named.
+    lines = logical_lines(gradclip("trend", run.output_dir).out)
+    assert lines[0].startswith(f"{run.steps} points, grads, p=2")
+    assert lines[1].startswith(f"judged: {run.output_dir / 'trainer_state.json'} (Trainer "
+                               "log_history grad_norm")
+    assert any(line.startswith("not judged: ") and "--what exp_avg trends the checkpoints"
+               in line for line in lines)
+    # This run trained with max_grad_norm=0: its moments saw every gradient.
+    assert any(line.startswith("clipping: the Trainer did not clip (max_grad_norm 0 ")
+               for line in lines)
 
 
 def test_trainer_run_state_finds_the_same_spike(gradclip, checkpointed_run):
@@ -348,7 +361,8 @@ def test_checkpoints_and_logs_of_different_kinds_are_refused(gradclip, checkpoin
                                                              tmp_path):
     run = checkpointed_run
     state = run.output_dir / "trainer_state.json"
-    r = gradclip("trend", run.output_dir, state, "--format", "json")
+    checkpoints = sorted(run.output_dir.glob("checkpoint-*"))
+    r = gradclip("trend", *checkpoints, state, "--format", "json")
     assert r.code == 2 and len(r.err_lines) == 1
     assert "measures exp_avg" in r.err and "measures grads" in r.err and str(state) in r.err
     assert_no_report(r)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradclip_cli.core import tensor_power_sums
-from gradclip_cli.core.kernels import CHUNK, ROW, SMALL
+from gradclip_cli.core.kernels import CHUNK, SMALL
 
 from .reference import max_abs, norm, rel_err
 
@@ -45,7 +45,7 @@ def gradients(draw, dtypes=DTYPES):
     lo, hi = MAG_RANGE[dtype]
     log10_mag = draw(st.floats(lo, hi))
     sizes = draw(st.lists(
-        st.one_of(st.integers(0, 40), st.integers(ROW - 2, ROW + 2), st.integers(1, 3 * ROW),
+        st.one_of(st.integers(0, 40), st.integers(4094, 4098), st.integers(1, 12288),
                   st.integers(SMALL - 2, SMALL + 2), st.sampled_from([CHUNK, CHUNK + 1])),
         min_size=1, max_size=6,
     ))
@@ -202,3 +202,52 @@ def test_small_tensors_of_equal_size_but_different_shapes():
     for t, got in zip(ts, sums.norm.tolist()):
         assert rel_err(got, norm([t], 2)) <= TOL
     assert sums.max_abs.tolist() == [max_abs([t]) for t in ts]
+
+
+# -- without the max (the drop-ins and the monitor): certified from the sums ----
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ts=gradients(), p=st.sampled_from([0.5, 1.0, 2.0, 3.0, 8.0]),
+       foreach=st.sampled_from([None, True]))
+def test_norms_without_the_max_match_float64(ts, p, foreach):
+    # float64 with foreach=True and p = 8 take the scaled kernel: every tensor
+    # divided by the group's largest |x|, rows far below it recomputed exactly.
+    sums = tensor_power_sums(ts, p, foreach=foreach, with_max=False)
+    assert rel_err(float(sums.total().norm[0]), norm(ts, p)) <= TOL
+    for t, got in zip(ts, sums.norm.tolist()):
+        assert rel_err(got, norm([t], p)) <= TOL
+    assert sums.nonfinite.tolist() == [0] * len(ts)
+
+
+@pytest.mark.parametrize("foreach", [None, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tensors_far_below_the_group_are_recomputed(foreach, dtype):
+    info = torch.finfo(dtype)
+    ts = [torch.full((300,), info.max / 100, dtype=dtype), torch.full((5,), info.tiny, dtype=dtype),
+          torch.zeros(4, dtype=dtype)]
+    for p in (2.0, 8.0):
+        sums = tensor_power_sums(ts, p, foreach=foreach, with_max=False)
+        for t, got in zip(ts, sums.norm.tolist()):
+            assert rel_err(got, norm([t], p)) <= TOL
+
+
+@settings(max_examples=25, deadline=None)
+@given(ts=gradients(), data=st.data(), foreach=st.sampled_from([None, True]))
+def test_nonfinite_counts_without_the_max(ts, data, foreach):
+    ts = [t for t in ts if t.numel()] or [torch.ones(3)]
+    for t in ts:
+        flat = t.view(-1)
+        for i in data.draw(st.lists(st.integers(0, flat.numel() - 1), max_size=3, unique=True)):
+            flat[i] = float(data.draw(st.sampled_from(["nan", "inf", "-inf"])))
+    sums = tensor_power_sums(ts, 2.0, foreach=foreach, with_max=False)
+    want = [(int(torch.isnan(t).sum()), int(torch.isposinf(t).sum()),
+             int(torch.isneginf(t).sum())) for t in ts]
+    assert list(zip(sums.nan.tolist(), sums.posinf.tolist(), sums.neginf.tolist())) == want
+    for (nan, pos, neg), n, t in zip(want, sums.norm.tolist(), ts):
+        if nan:
+            assert math.isnan(n)
+        elif pos or neg:
+            assert n == math.inf
+        else:
+            assert rel_err(n, norm([t], 2.0)) <= TOL

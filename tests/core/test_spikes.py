@@ -1,4 +1,4 @@
-"""The spike rule against a plain re-statement of the contract's definition."""
+"""The spike rule against a plain re-statement of it (README, "Over time")."""
 
 from __future__ import annotations
 
@@ -7,56 +7,38 @@ import random
 
 import pytest
 
-from gradclip_cli.core.spikes import MIN_HISTORY, SpikeDetector
+from gradclip_cli.core.spikes import MIN_RELATIVE_STD, SpikeDetector
+
+from .spike_reference import reference
 
 
-def reference(series, z=2.5, alpha=0.97, warmup=25):
-    """The contract's rule written out directly: (z or None, spike) per point."""
-    accepted: list[float] = []
-    mean = var = 0.0
-    out = []
-    for i, x in enumerate(series):
-        if not math.isfinite(x):
-            out.append((None, False))
-            continue
-        if i < MIN_HISTORY or not accepted:
-            out.append((None, False))
-            spike = False
-        else:
-            score = (x - mean) / max(math.sqrt(var), 1e-12 * max(abs(mean), 5e-324))
-            spike = score > z
-            out.append((score, spike))
-        if not spike:
-            accepted.append(x)
-            if len(accepted) <= warmup:
-                mean = sum(accepted) / len(accepted)
-                var = sum((v - mean) ** 2 for v in accepted) / len(accepted)
-            else:
-                mean = alpha * mean + (1 - alpha) * x
-                var = alpha * var + (1 - alpha) * (x - mean) ** 2
-    return out
+def noisy(seed, n=200, spread=0.9):
+    """Norm-like noise: positive, right-skewed, between 1 and ``1 + spread``."""
+    rng = random.Random(seed)
+    return [1.0 + spread * rng.random() ** 3 for _ in range(n)]
 
 
 @pytest.mark.parametrize("warmup", [1, 3, 25])
-def test_matches_the_definition_on_noisy_series_with_spikes(warmup):
-    rng = random.Random(warmup)
-    # Uniform noise: |z| stays below sqrt(3) < 2.5, so only the injected points spike.
-    series = [1.0 + rng.uniform(-0.1, 0.1) for _ in range(200)]
+@pytest.mark.parametrize("z", [1.5, 2.5])
+def test_matches_the_definition_on_noisy_series_with_spikes(warmup, z):
+    series = noisy(warmup)
     for at in (40, 41, 90, 150):
-        series[at] *= 8
+        series[at] *= 10
     series[120] = math.nan
-    detector = SpikeDetector(warmup=warmup)
+    detector = SpikeDetector(z=z, warmup=warmup)
     got = [detector.update(x) for x in series]
-    want = reference(series, warmup=warmup)
-    for i, (judged, (z, spike)) in enumerate(zip(got, want)):
+    want = reference(series, z=z, warmup=warmup)
+    for i, (judged, (score, spike, limit)) in enumerate(zip(got, want)):
         assert judged.spike == spike, i
-        assert (judged.z is None) == (z is None), i
-        if z is not None:
-            assert judged.z == pytest.approx(z, rel=1e-9, abs=1e-9), i
+        assert (judged.z is None) == (score is None) and (judged.limit is None) == (limit is None)
+        if score is not None:
+            assert judged.z == pytest.approx(score, rel=1e-9, abs=1e-9), i
+            assert judged.limit == pytest.approx(limit, rel=1e-9), i
     spikes = [i for i, j in enumerate(got) if j.spike]
-    assert {40, 41, 90, 150} <= set(spikes)
-    if warmup == 25:  # a short seed underestimates the variance; a full one does not
+    if z == 2.5:  # noise stays below 2.25x the running mean: only the injected points
         assert spikes == [40, 41, 90, 150]
+    else:
+        assert {40, 41, 90, 150} <= set(spikes)
     assert got[120].nonfinite and not got[120].spike
 
 
@@ -70,14 +52,48 @@ def test_first_points_are_never_judged():
     assert fresh.update(1000.0).spike  # the sixth point is the first judged
 
 
-def test_a_spike_stays_out_of_the_history():
-    detector = SpikeDetector()
-    for x in [1.0, 1.1, 0.9, 1.0, 1.05, 0.95]:
+def test_a_calm_history_does_not_make_noise_a_spike():
+    # Five nearly equal points: their std is 0.001, so 1.5 would be z 500 without
+    # the floor; with it, std is half the mean.
+    def calm():
+        detector = SpikeDetector()
+        for x in [1.0, 1.001, 0.999, 1.0, 1.0]:
+            detector.update(x)
+        return detector
+
+    judged = calm().update(1.5)
+    assert not judged.spike and judged.z == pytest.approx(0.5 / (MIN_RELATIVE_STD * 1.0))
+    assert judged.limit == pytest.approx(1.0 + 2.5 * 0.5)
+    assert calm().update(2.3).spike  # above 2.25x the running mean
+
+
+def test_a_spike_enters_the_history_at_its_limit():
+    detector = SpikeDetector(warmup=3)
+    for x in [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]:
         detector.update(x)
-    mean = detector.mean
-    assert detector.update(50.0).spike
-    assert detector.mean == mean
+    mean, var = detector.mean, detector.var
+    judged = detector.update(50.0)
+    assert judged.spike and judged.limit == pytest.approx(2.25)
+    # The exponential averages took in 2.25, not 50 (and not nothing).
+    assert detector.mean == pytest.approx(0.97 * mean + 0.03 * 2.25)
+    assert detector.var == pytest.approx(0.97 * var + 0.03 * (2.25 - detector.mean) ** 2)
     assert not detector.update(1.02).spike
+
+
+def test_a_lasting_rise_is_taken_in():
+    # A level that triples and stays: flagged at first, then part of the history.
+    detector = SpikeDetector()
+    flags = [detector.update(x).spike for x in [1.0] * 30 + [3.0] * 100]
+    assert flags[30] and not any(flags[:30])
+    assert not any(flags[-50:])
+
+
+def test_a_history_of_zeros_makes_any_rise_infinite():
+    detector = SpikeDetector()
+    for _ in range(6):
+        assert not detector.update(0.0).spike
+    judged = detector.update(1e-30)
+    assert judged.spike and judged.z == math.inf and judged.limit == 0.0
 
 
 @pytest.mark.parametrize("bad", [{"z": 0}, {"z": math.inf}, {"alpha": 1.0}, {"warmup": 0}])

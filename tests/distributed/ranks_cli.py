@@ -14,7 +14,10 @@ file), which is how the tests see an error on one rank only. ``die_rank``:
 that rank's process ends there, without a word (``os._exit``), as a killed
 or crashed rank would. ``full_disk_rank``: on that rank, writing a shard of
 a set (a shard, or a copied file of a DCP set) fails as a full disk makes
-it fail (``ENOSPC``).
+it fail (``ENOSPC``). ``rank_args``: ``{"R": [...]}``, the arguments rank R
+runs instead of ``args``; ``rank_cwd``: ``{"R": folder}``, the folder rank R
+runs the job in (a relative path then names another file on each rank, as
+node-local disks make it).
 """
 
 from __future__ import annotations
@@ -66,12 +69,16 @@ def main() -> None:
         if job.get("die_rank") == rank:
             for module in modules:
                 module.tensor_power_sums = lambda *args, **kwargs: os._exit(9)
+        args = job.get("rank_args", {}).get(str(rank), job["args"])
+        home = os.getcwd()
+        os.chdir(job.get("rank_cwd", {}).get(str(rank), home))
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                cli.main(job["args"])
+                cli.main(args)
             except SystemExit as exit_:
                 code = exit_.code
+        os.chdir(home)
         for module in modules:
             module.tensor_power_sums = real
         sharded_set._write_shard, sharded_set._copy = real_write_shard, real_copy

@@ -7,6 +7,7 @@ import math
 
 from gradclip_cli.format import markdown, table, table_layout
 from gradclip_cli.report.trend import Observation, build_trend_report
+from tests.cli.support import logical_lines, unwrapped
 
 
 def long_run(n=500, spike_at=123):
@@ -26,8 +27,8 @@ def test_long_runs_keep_the_spikes_and_the_newest_rows():
     out = io.StringIO()
     table.render_trend(report, out)
     text = out.getvalue()
-    assert f"{500 - table_layout.MAX_POINTS} unremarkable points not shown" in text
-    assert text.splitlines()[-1].startswith("OK:")
+    assert f"{500 - table_layout.MAX_POINTS} unremarkable points not shown" in unwrapped(text)
+    assert logical_lines(text)[-1].startswith("OK:")
 
 
 def test_sparkline_folds_long_series_and_keeps_a_one_point_spike():

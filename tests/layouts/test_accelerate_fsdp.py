@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli.support import load_dcp, rel_err
+from tests.cli.support import load_dcp, rel_err, unwrapped
 
 from .accelerate_fsdp_ranks import STEPS
 from .test_dcp import adam_measured
@@ -89,8 +89,9 @@ def test_table_names_the_layout_and_its_folders(gradclip, accelerate_fsdp_run):
     folder = accelerate_fsdp_run / f"checkpoint-{STEPS}"
     result = gradclip("inspect", folder, "--no-progress")
     assert result.code == 0, result.err
-    assert "accelerate-fsdp, step 2, 4 tensors, 103 elements" in result.out
-    assert "what: exp_avg" in result.out
+    shown = unwrapped(result.out)
+    assert "accelerate-fsdp, step 2, 4 tensors, 103 elements" in shown
+    assert "what: exp_avg" in shown
     assert (f"accelerate FSDP checkpoint at global_step {STEPS}: pytorch_model_fsdp_0/ "
             "(4 weights), optimizer_0/ (optimizer state)") in result.out
 
@@ -100,10 +101,9 @@ def test_no_gradients_says_what_to_measure(gradclip, accelerate_fsdp_run):
     result = gradclip("inspect", folder, "--what", "grads")
     assert result.code == 3
     assert result.err_lines == [
-        f"gradclip: {folder}: --what grads: an accelerate FSDP checkpoint holds no gradients "
-        "(the optimizer's moments stand in for them: --what exp_avg); it holds optimizer state "
-        "exp_avg, exp_avg_sq; available: --what exp_avg, --what grad_rms, --what update, "
-        "--what weights"]
+        f"gradclip: {folder}: --what grads: an accelerate FSDP checkpoint holds no gradients; "
+        "it holds AdamW state (exp_avg, exp_avg_sq); available: --what exp_avg, "
+        "--what grad_rms, --what update, --what weights"]
     result = gradclip("clip", folder, "--max-norm", "1")
     assert result.code == 3 and len(result.err_lines) == 1
     assert sorted(os.listdir(folder.parent)) == ["checkpoint-1", "checkpoint-2"]

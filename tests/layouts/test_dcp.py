@@ -290,6 +290,35 @@ def test_inconsistent_metadata(gradclip, dcp_checkpoint, tmp_path, change, phras
     _fails(gradclip, folder, folder / ".metadata", *phrases)
 
 
+def _many_chunks(count: int, keep):
+    """``grads.0.weight`` as a [1, count] tensor in ``count`` one-element chunks (``keep``
+    chooses which are listed), none of them stored anywhere."""
+    def change(meta):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        entry = meta.state_dict_metadata["grads.0.weight"]
+        entry.size = torch.Size([1, count])
+        entry.chunks = [ChunkStorageMetadata(torch.Size([0, i]), torch.Size([1, 1]))
+                        for i in range(count) if keep(i)]
+        meta.storage_data = {k: v for k, v in meta.storage_data.items()
+                             if k.fqn != "grads.0.weight"}
+    return change
+
+
+@pytest.mark.parametrize("keep, phrases", [
+    (lambda i: True, ["'grads.0.weight'", "at [0, 0] but not where it is stored"]),
+    (lambda i: i != 12_345, ["'grads.0.weight'", "cover 15999 of its 16000 elements"]),
+])
+def test_sixteen_thousand_chunks_sharing_the_first_dimension(gradclip, dcp_checkpoint, tmp_path,
+                                                            keep, phrases):
+    """16,000 one-element chunks that all share the first dimension (the pairwise check
+    took 276 s): the tiling is judged, then the first chunk is found stored nowhere; one
+    chunk missing is the gap."""
+    folder = _copy(dcp_checkpoint, tmp_path)
+    _edit_metadata(folder, _many_chunks(16_000, keep))
+    _fails(gradclip, folder, folder / ".metadata", *phrases)
+
+
 def test_chunk_past_its_files_end(gradclip, dcp_checkpoint, tmp_path):
     folder = _copy(dcp_checkpoint, tmp_path)
     _edit_metadata(folder, _past_file_end)

@@ -95,6 +95,10 @@ def _offsets(name: str, offsets):
     (_offsets("0.weight", [5]), "dimensions"),
     (_offsets("0.weight", [-5, 0]), "offsets >= 0"),
     (lambda m, t: m.update(DCP_SHARDING_INFO="{not json"), "not JSON"),
+    (lambda m, t: m.update(DCP_SHARDING_INFO="[" * 100_000 + "]" * 100_000),
+     "DCP_SHARDING_INFO: not JSON: nested too deeply"),
+    (lambda m, t: m.update(DCP_SHARDING_INFO='{"0.weight": {"saved_offsets": [' + "9" * 5000
+                           + ', 0]}}'), "an integer of 5000 digits"),
     (lambda m, t: m.pop("DCP_SHARDING_INFO"), "no DCP_SHARDING_INFO"),
     (lambda m, t: t.update(extra=torch.ones(2)), "disagree"),
     (lambda m, t: t.update({"0.bias": t["0.bias"].double()}), "float64 here"),

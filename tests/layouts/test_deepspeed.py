@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from gradclip_cli.source.interface import Piece, StoredTensor
+from tests.cli.support import unwrapped
 from tests.hardening.support import assert_refused, run_cli
 from tests.layouts.deepspeed_runs import BETAS, EPS, LR, STEPS
 
@@ -153,7 +154,8 @@ def test_auto_reports_exp_avg_by_name_and_step(deepspeed_runs, stage):
     assert step_folder["total_norm"] == doc["total_norm"]
     table = run_cli("inspect", deepspeed_runs / f"zero{stage}", "--no-progress")
     assert table.code == 0, table.err
-    assert f"DeepSpeed ZeRO stage {stage} checkpoint at global step {STEPS}" in table.out
+    assert f"DeepSpeed ZeRO stage {stage} checkpoint at global step {STEPS}" in unwrapped(
+        table.out)
 
 
 def test_grads_explains_what_is_there(deepspeed_runs):

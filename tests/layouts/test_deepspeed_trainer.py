@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cli.support import unwrapped
 from tests.hardening.support import assert_refused, run_cli
 from tests.layouts.deepspeed_trainer_run import BETAS, EPS, FROZEN, LR, STEPS
 from tests.schemas import validate
@@ -124,8 +125,9 @@ def test_trend_over_the_output_dir(deepspeed_trainer_run):
 def test_the_table_names_the_trainer_and_deepspeed(deepspeed_trainer_run):
     r = run_cli("inspect", deepspeed_trainer_run / f"checkpoint-{STEPS}", "--no-progress")
     assert r.code == 0, r.err
-    assert f"Hugging Face Trainer checkpoint at global_step {STEPS}" in r.out
-    assert "DeepSpeed ZeRO stage 2 checkpoint" in r.out
+    shown = unwrapped(r.out)
+    assert f"Hugging Face Trainer checkpoint at global_step {STEPS}" in shown
+    assert "DeepSpeed ZeRO stage 2 checkpoint" in shown
 
 
 def test_the_trainers_step_is_the_step(deepspeed_trainer_run, tmp_path):

@@ -231,8 +231,12 @@ def looks_like_dcp_metadata(head: bytes) -> bool:
     return pickle_protocol(head) is not None and _METADATA_MODULE.encode() in head[:256]
 
 
-def read_dcp_metadata(path: Path, *, trust_pickle: bool = False) -> DcpMetadata:
+def read_dcp_metadata(path: Path, folder: Path | None = None, *,
+                      trust_pickle: bool = False) -> DcpMetadata:
     """Read and check ``path`` (a ``.metadata`` file); ``InputError`` naming it otherwise.
+
+    ``folder``: the checkpoint's folder when the layout found the file in it (its
+    real path must stay inside, ``small_file``'s rule); None for a file the user named.
 
     A pickle that imports anything outside the records above is refused
     (``UnsafeCheckpointError``) before anything it names is called, unless
@@ -242,7 +246,7 @@ def read_dcp_metadata(path: Path, *, trust_pickle: bool = False) -> DcpMetadata:
     """
     if os.path.isdir(path):
         raise InputError(f"{path}: is a directory, not DCP metadata")
-    data = read_small_file(path, limit=MAX_METADATA_BYTES, what="DCP metadata")
+    data = read_small_file(path, limit=MAX_METADATA_BYTES, what="DCP metadata", folder=folder)
     if pickle_protocol(data) is None:
         raise InputError(f"{path}: not DCP metadata: not a pickle")
     try:

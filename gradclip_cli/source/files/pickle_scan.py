@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 
 # A trainer's state pickle is a few KB; its tensors live in other zip entries.
 MAX_PICKLE_BYTES = 16 << 20

@@ -9,7 +9,6 @@ never an allocation beyond what the file holds.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -20,6 +19,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from gradclip_cli.errors import InputError
+from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.json_text import parse_json
+from gradclip_cli.source.files.small_file import open_regular
 from gradclip_cli.source.interface import Checkpoint
 
 # The safetensors library refuses headers above 100 MB; so do we, before reading one.
@@ -63,7 +65,7 @@ def is_safetensors(head: bytes) -> bool:
 def read_header(path: Path) -> SafetensorsHeader:
     """Parse and check the header; ``InputError`` when it is not JSON or lies about sizes."""
     try:
-        with open(path, "rb") as file:
+        with open_regular(path, "a safetensors file") as file:
             file_size = os.fstat(file.fileno()).st_size
             if file_size < 8:
                 raise InputError(f"{path}: truncated safetensors file ({file_size} bytes)")
@@ -76,10 +78,8 @@ def read_header(path: Path) -> SafetensorsHeader:
             raw = file.read(header_size)
     except OSError as error:
         raise InputError(f"{path}: cannot read: {error.strerror or error}") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise InputError(f"{path}: corrupt safetensors header: not valid JSON") from None
+    header = parse_json(raw, where=f"{visible(str(path))}: corrupt safetensors header",
+                        what="JSON")
     if not isinstance(header, dict):
         raise InputError(f"{path}: corrupt safetensors header: not a JSON object")
     buffer_size = file_size - 8 - header_size

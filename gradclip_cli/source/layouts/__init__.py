@@ -7,9 +7,9 @@ the first layout that recognises a path opens it, so a framework folder
 (which may hold a sharded index) comes before the bare index.
 
 ``open_checkpoint`` is the one entry point the commands use: folders and
-indexes go to the layouts, single files to ``single_file`` (the file
-readers, plus what a file's content says: a Lightning ``.ckpt``, a shard of
-an indexed set).
+indexes go to the layouts, single files to ``open_file`` (the file readers,
+then what a file's content says: a Lightning ``.ckpt``, else ``single_file``,
+which also says when the file is a shard of an indexed set).
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import os
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
+from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.interface import Contents, Layout
+from gradclip_cli.source.roles import settle
 
 from . import (
     accelerate_fsdp,
@@ -60,7 +62,7 @@ def open_checkpoint(
     path = Path(path)
     for layout in LAYOUTS:
         if layout.recognises(path):
-            return layout.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
+            return settle(layout.open(path, key=key, trust_pickle=trust_pickle, verify=verify))
     if os.path.isdir(path):
         indexes = sorted(n for n in os.listdir(path) if n.endswith(hf_sharded.INDEX_SUFFIX))
         if len(indexes) > 1:
@@ -72,4 +74,13 @@ def open_checkpoint(
             "global_stepN/ folder or its parent with 'latest', an accelerate FSDP folder "
             "(pytorch_model_fsdp_0/), or a torch.distributed.checkpoint "
             "folder: .metadata, or safetensors shards with DCP_SHARDING_INFO)")
-    return single_file.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
+    return open_file(path, key=key, trust_pickle=trust_pickle, verify=verify)
+
+
+def open_file(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    """One checkpoint file: a framework's own file (a Lightning ``.ckpt``, recognised by its
+    keys) or a plain one (``single_file``), its roles settled."""
+    ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
+    if lightning.claims(ckpt.root):
+        return settle(lightning.contents(ckpt, key=key))
+    return settle(single_file.contents_of(ckpt, key=key))

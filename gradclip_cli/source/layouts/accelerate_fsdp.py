@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.interface import Contents
 
@@ -72,9 +72,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         contents.gradients, contents.gradient_key = model.gradients, model.gradient_key
         contents.skipped, contents.gradient_error = model.skipped, model.gradient_error
     else:
-        contents.gradient_error = (
-            f"{path}: an accelerate FSDP checkpoint holds no gradients (the optimizer's "
-            "moments stand in for them: --what exp_avg)")
+        contents.gradient_error = f"{path}: an accelerate FSDP checkpoint holds no gradients"
     if os.path.exists(path / hf_trainer.STATE):
         contents.files.append(path / hf_trainer.STATE)
     step = f" at global_step {contents.step}" if contents.step is not None else ""

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError, UnsafeCheckpointError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.dcp_metadata import (
     METADATA_NAME,
     Chunk,
@@ -56,12 +56,13 @@ from gradclip_cli.source.files.verify import verify_torch_zip
 from gradclip_cli.source.files.weights_pickle import Outside
 from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
 from gradclip_cli.source.locate import GRADIENT_KEYS
+from gradclip_cli.source.vocabulary import OPTIMIZER_KEYS, STEP_KEYS, WEIGHT_KEYS
 
+from . import tiling
 from .paths import inside
-from .single_file import OPTIMIZER_KEYS, WEIGHT_KEYS
 
 KIND = "dcp"
-_STEP_KEYS = ("step", "global_step")
+_STEP_KEYS = STEP_KEYS
 _LIGHTNING_OPTIMIZER = re.compile(r"optimizer_\d+")
 
 
@@ -80,7 +81,8 @@ def recognises(path: Path) -> bool:
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     meta_file = path / METADATA_NAME if os.path.isdir(path) else path
     folder = meta_file.parent
-    meta = read_dcp_metadata(meta_file, trust_pickle=trust_pickle)
+    meta = read_dcp_metadata(meta_file, folder if os.path.isdir(path) else None,
+                             trust_pickle=trust_pickle)
     files = _files(meta, folder)
     _check_byte_ranges(meta, files)
     if verify:
@@ -175,20 +177,19 @@ def check_tiling(where: Path, key: str, size, boxes) -> None:
         if any(o + s > n for o, s, n in zip(offsets, sizes, size)):
             raise InputError(f"{where}: a chunk of {shown} at {list(offsets)} "
                              f"reaches past the tensor's size {list(size)}")
-    live = sorted((tuple(o), tuple(s)) for o, s in boxes if math.prod(s))
-    # Sweep along the first dimension: only chunks that start before one ends can meet it.
-    for i, (a_off, a_size) in enumerate(live):
-        for b_off, b_size in live[i + 1:]:
-            if a_off and b_off[0] >= a_off[0] + a_size[0]:
-                break
-            if all(max(ao, bo) < min(ao + asz, bo + bsz) for ao, asz, bo, bsz
-                   in zip(a_off, a_size, b_off, b_size)):
-                raise InputError(f"{where}: chunks of {shown} at {list(a_off)} and "
-                                 f"{list(b_off)} overlap")
-    covered = sum(math.prod(s) for _, s in live)
-    if covered != math.prod(size):
-        raise InputError(f"{where}: the chunks of {shown} cover {covered} of its "
-                         f"{math.prod(size)} elements (a gap)")
+    try:
+        tiling.check(size, boxes)  # O(n log n): see layouts/tiling.py
+    except tiling.Overlap as overlap:
+        if overlap.pair is None:
+            raise InputError(f"{where}: chunks of {shown} overlap (they hold "
+                             f"{sum(math.prod(s) for _, s in boxes)} elements of its "
+                             f"{math.prod(size)})") from None
+        (a_off, _), (b_off, _) = overlap.pair
+        raise InputError(f"{where}: chunks of {shown} at {list(a_off)} and "
+                         f"{list(b_off)} overlap") from None
+    except tiling.Gap as gap:
+        raise InputError(f"{where}: the chunks of {shown} cover {gap.covered} of its "
+                         f"{math.prod(size)} elements (a gap)") from None
 
 
 # --------------------------------------------------------------------- reading

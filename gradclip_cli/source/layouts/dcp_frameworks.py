@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.dcp_metadata import (
     MAX_METADATA_BYTES,
     METADATA_NAME,
@@ -66,10 +66,10 @@ def metadata(meta_file: Path, *, trust_pickle: bool = False) -> DcpMetadata:
         info = os.stat(meta_file)
         stamp = (os.path.realpath(meta_file), info.st_size, info.st_mtime_ns, info.st_ino)
     except OSError:
-        return read_dcp_metadata(meta_file, trust_pickle=trust_pickle)
+        return read_dcp_metadata(meta_file, meta_file.parent, trust_pickle=trust_pickle)
     cached = _CACHE.get(stamp)
     if cached is None or (cached.trusted and not trust_pickle):  # never bypass a refusal
-        cached = read_dcp_metadata(meta_file, trust_pickle=trust_pickle)
+        cached = read_dcp_metadata(meta_file, meta_file.parent, trust_pickle=trust_pickle)
         _CACHE.clear()  # one folder at a time is all recognition and opening need
         _CACHE[stamp] = cached
     return cached

@@ -30,7 +30,6 @@ bytes, as the layout requires.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +37,9 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.safetensors_file import read_header
 from gradclip_cli.source.interface import Checkpoint, Contents, Piece, StoredTensor
 
@@ -181,10 +181,7 @@ def _sharding_info(file: Path, metadata: dict[str, str] | None) -> dict[str, lis
     if text is None:
         raise InputError(f"{file}: no {SHARDING_KEY} in its metadata, as the folder's other "
                          "shards have")
-    try:
-        info = json.loads(text)
-    except ValueError:
-        raise InputError(f"{file}: {SHARDING_KEY} is not JSON") from None
+    info = parse_json(text, where=f"{visible(str(file))}: {SHARDING_KEY}", what="JSON")
     if not isinstance(info, dict):
         raise InputError(f"{file}: {SHARDING_KEY} is not a JSON object")
     out = {}

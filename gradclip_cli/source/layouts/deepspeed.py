@@ -65,9 +65,10 @@ from typing import Any
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.deepspeed_pickle import GLOBALS
+from gradclip_cli.source.files.small_file import excerpt, read_small_file
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import (
     Checkpoint,
@@ -160,23 +161,17 @@ def _trainer_step(contents: Contents, path: Path) -> None:
 def _follow_latest(parent: Path) -> Path:
     """The folder ``parent/latest`` names; its content is data, checked like any name."""
     latest = parent / LATEST
-    try:
-        size = os.stat(latest).st_size
-        if size > _MAX_LATEST_BYTES:
-            raise InputError(f"{latest}: {size} bytes is too large for a checkpoint tag")
-        with latest.open("rb") as file:
-            raw = file.read(_MAX_LATEST_BYTES + 1)
-    except OSError as error:
-        raise InputError(f"{latest}: cannot read: {error.strerror or error}") from None
+    raw = read_small_file(latest, limit=_MAX_LATEST_BYTES, what="a checkpoint tag",
+                          folder=parent)
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise InputError(f"{latest}: not a checkpoint tag: not UTF-8 text") from None
     folder = inside(parent, tag, named_by=latest)
     if not os.path.isdir(folder):
-        raise InputError(f"{latest}: names {visible(repr(tag))}, which is not a folder here")
+        raise InputError(f"{latest}: names {excerpt(tag)}, which is not a folder here")
     if not _is_step_folder(folder):
-        raise InputError(f"{latest}: names {visible(repr(tag))}, which holds no DeepSpeed "
+        raise InputError(f"{latest}: names {excerpt(tag)}, which holds no DeepSpeed "
                          "model and optimizer state files")
     return folder
 
@@ -270,8 +265,7 @@ class _Reader:
         step = model.root.get("global_steps")
         if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
             contents.step = step
-        contents.gradient_error = (f"{given}: a DeepSpeed checkpoint holds no gradients "
-                                   "(the optimizer's moments stand in for them: --what exp_avg)")
+        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
         version = model.root.get("ds_version")
         version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
         at = f" at global step {contents.step}" if contents.step is not None else ""

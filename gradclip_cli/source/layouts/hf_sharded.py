@@ -21,8 +21,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
-from gradclip_cli.source import load_checkpoint
+from gradclip_cli.escaping import visible
+from gradclip_cli.source import load_checkpoint, roles
+from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.interface import Checkpoint, Contents, StoredTensor
 
 from .paths import MAX_JSON_BYTES, inside, json_head_keys, read_json
@@ -61,7 +62,8 @@ def _looks_like_index(path: Path) -> bool:
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     index = find_index(path)
     assert index is not None  # recognises() said so
-    shards, tensors = read_set(index, trust_pickle=trust_pickle, verify=verify)
+    shards, tensors = read_set(index, trust_pickle=trust_pickle, verify=verify,
+                               folder=path if os.path.isdir(path) else None)
     contents = Contents(path=path, kind=KIND, files=[index, *(s.path for s in shards)],
                         shards=shards, index=index, folder=index.parent,
                         model_order=False,
@@ -74,21 +76,35 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     # A set is one flat name -> tensor mapping: its tensors are what the
     # --key rule calls the whole file (gradients, when saved as such).
     floating = {n: t for n, t in tensors.items() if t.is_floating_point()}
-    contents.gradients = floating or None
     contents.skipped = [n for n in tensors if n not in floating]
+    # A model folder (save_pretrained: config.json beside the index) or a model's
+    # buffers say weights; else the set is gradients, as a flat file would be.
+    evidence = roles.weight_evidence(tensors, folder=index.parent)
+    if evidence is not None:
+        contents.weights = floating or None
+        contents.evidence[roles.WEIGHT] = evidence
+        contents.gradient_error = f"{index}: the set is a model's weights ({evidence}), " \
+            "not gradients"
+        return contents
+    contents.gradients = floating or None
+    contents.evidence[roles.GRADIENT] = "a set of name -> tensor shards that nothing marks " \
+        "as weights"
     if not floating:
         contents.gradient_error = f"{index}: no floating-point tensors in the set"
-    # The same tensors are the weights when the set is a model (save_pretrained):
-    # --what weights measures them; no ratio of a tensor to itself.
+    # The same tensors are the weights should the set be a model saved without its
+    # config: --what weights measures them; no ratio of a tensor to itself.
     contents.weights = contents.gradients
     return contents
 
 
 def read_set(
-    index: Path, *, trust_pickle: bool, verify: bool
+    index: Path, *, trust_pickle: bool, verify: bool, folder: Path | None = None
 ) -> tuple[list[Checkpoint], dict[str, StoredTensor]]:
-    """Open every shard ``index`` names; the tensors in the index's order, checked."""
-    weight_map = _weight_map(index)
+    """Open every shard ``index`` names; the tensors in the index's order, checked.
+
+    ``folder``: the checkpoint's folder when the layout found the index in it (the
+    index's real path must stay inside); None for an index the user named."""
+    weight_map = _weight_map(index, folder)
     folder = index.parent
     by_shard: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
@@ -127,13 +143,13 @@ def read_set(
     return shards, {name: found[name] for name in weight_map}
 
 
-def _weight_map(index: Path) -> dict[str, str]:
-    document = read_json(index, what="a sharded checkpoint's index")
+def _weight_map(index: Path, folder: Path | None) -> dict[str, str]:
+    document = read_json(index, what="a sharded checkpoint's index", folder=folder)
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise InputError(f"{index}: not a sharded checkpoint's index: no 'weight_map' object")
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
-            raise InputError(f"{index}: weight_map maps {visible(repr(name))} to "
-                             f"{visible(repr(shard))}, not a file name")
+            raise InputError(f"{index}: weight_map maps {excerpt(name)} to "
+                             f"a {type(shard).__name__}, not a file name")
     return weight_map

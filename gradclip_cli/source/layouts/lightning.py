@@ -33,6 +33,8 @@ from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.interface import Checkpoint, Contents, stored
 
 from . import dcp
+from .paths import member
+from .single_file import fill_from_root
 from .torch_optim import optimizer_state
 
 KIND = "lightning"
@@ -48,7 +50,7 @@ def recognises(path: Path) -> bool:
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     """A sharded ``.ckpt`` folder: the DCP checkpoint, with the step from ``meta.pt``."""
     out = dcp.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
-    meta_file = path / META
+    meta_file = member(path, META)
     meta = load_checkpoint(meta_file, trust_pickle=trust_pickle, verify=verify)
     if not isinstance(meta.root, Mapping):
         raise InputError(f"{meta_file}: not Lightning's checkpoint metadata: holds a "
@@ -79,8 +81,6 @@ def claims(root: Any) -> bool:
 
 
 def contents(ckpt: Checkpoint, *, key: str | None) -> Contents:
-    from .single_file import fill_from_root
-
     root = ckpt.root
     path = ckpt.path
     out = Contents(path=path, kind=KIND, files=[path], checkpoint=ckpt,

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
+from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.files.pickle_scan import top_level_int
 from gradclip_cli.source.interface import Contents

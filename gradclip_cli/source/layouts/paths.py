@@ -8,14 +8,19 @@ every such name goes through ``inside`` first.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
-from gradclip_cli.source.files.small_file import read_small_file
+from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.json_text import parse_json
+from gradclip_cli.source.files.small_file import (
+    check_inside,
+    excerpt,
+    read_head,
+    read_small_file,
+)
 
 # An index or trainer_state.json larger than this is not one (a 70B model's
 # index is about 100 KB): refuse it before parsing rather than read gigabytes.
@@ -32,34 +37,42 @@ def inside(folder: Path, name: object, *, named_by: Path) -> Path:
     # Control characters have no place in a shard's name, and would break the
     # one-line message that names the file.
     if not isinstance(name, str) or not name or not name.isprintable():
-        raise InputError(f"{named_by}: names a file {visible(repr(name))}, not a relative path")
+        shown = excerpt(name) if isinstance(name, str) else f"a {type(name).__name__}"
+        raise InputError(f"{named_by}: names a file {shown}, not a relative path")
     parts = PurePosixPath(name).parts
     if name.startswith(("/", "\\")) or os.path.isabs(name) or ".." in parts or "\\" in name:
         raise InputError(
-            f"{named_by}: names {visible(repr(name))}, outside its folder; refused")
+            f"{named_by}: names {excerpt(name)}, outside its folder; refused")
     candidate = folder.joinpath(*parts)
     real_folder = Path(os.path.realpath(folder))
     real = Path(os.path.realpath(candidate))
     if real != real_folder and real_folder not in real.parents:
         raise InputError(
-            f"{named_by}: {visible(repr(name))} leads outside its folder "
+            f"{named_by}: {excerpt(name)} leads outside its folder "
             f"(to {visible(str(real))}); refused")
     return candidate
 
 
-def read_json(path: Path, *, what: str) -> Any:
-    """Parse a small JSON file; ``InputError`` naming it when it is missing, huge or not JSON."""
-    raw = read_small_file(path, limit=MAX_JSON_BYTES, what=what)
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise InputError(f"{path}: not {what}: not valid JSON") from None
+def read_json(path: Path, *, what: str, folder: Path | None = None) -> Any:
+    """Parse a small JSON file (``files.small_file``'s rule: a regular file, bounded, its
+    real path inside ``folder`` when given); ``InputError`` naming it when it is missing,
+    huge, special or not JSON (``files.json_text``)."""
+    raw = read_small_file(path, limit=MAX_JSON_BYTES, what=what, folder=folder)
+    return parse_json(raw, where=visible(str(path)), what=what)
+
+
+def member(folder: Path, name: str) -> Path:
+    """``folder/name``, a file a layout opens by its fixed name (``optimizer.pt``,
+    ``meta.pt``): ``InputError`` when its real path leaves the folder."""
+    path = folder / name
+    check_inside(path, folder, what=name)
+    return path
 
 
 def json_head_keys(path: Path, limit: int = 4096) -> str:
-    """The file's first bytes as text (for cheap recognition), or '' when unreadable."""
+    """The file's first bytes as text (for cheap recognition), or '' when unreadable or
+    not a regular file (a FIFO is never opened)."""
     try:
-        with open(path, "rb") as file:
-            return file.read(limit).decode("utf-8", errors="replace")
-    except OSError:
+        return read_head(path, limit).decode("utf-8", errors="replace")
+    except InputError:
         return ""

@@ -2,14 +2,13 @@
 
 A plain file gives its gradients (the ``--key`` rule of ``source/locate.py``)
 and, when it holds them next to the gradients, the model's weights and the
-optimizer's state. A Lightning ``.ckpt`` is recognised by its keys and opened
-by ``lightning``. A file that an index beside it lists as one of its shards is
+optimizer's state (``fill_from_root``, which a framework's own file, such as a
+Lightning ``.ckpt``, uses too). A file that an index beside it lists as one of its shards is
 opened alone, and the report says that it covers that shard only.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,26 +17,21 @@ from typing import Any
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.format.text import visible
-from gradclip_cli.source import load_checkpoint, select_gradients
-from gradclip_cli.source.interface import Contents, stored
+from gradclip_cli.escaping import visible
+from gradclip_cli.source import locate, roles, select_gradients
+from gradclip_cli.source.interface import Checkpoint, Contents, stored
+from gradclip_cli.source.vocabulary import OPTIMIZER_KEYS, WEIGHT_KEYS, step_of
 
-from . import lightning
-from .paths import MAX_JSON_BYTES
+from .paths import read_json
 from .torch_optim import is_optimizer_state, optimizer_state
 
-# Top-level keys under which training scripts keep the model and the optimizer.
-WEIGHT_KEYS = ("model", "model_state_dict", "state_dict", "module")
-OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "optimizer_state")
 
-
-def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
-    ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
-    if lightning.claims(ckpt.root):
-        return lightning.contents(ckpt, key=key)
+def contents_of(ckpt: Checkpoint, *, key: str | None) -> Contents:
+    """A loaded file that is no framework's own (``layouts.open_file`` asks them first)."""
+    path = ckpt.path
     contents = Contents(path=path, kind=ckpt.format, files=[path], checkpoint=ckpt,
                         trusted_pickle=ckpt.trusted_pickle)
-    fill_from_root(contents, ckpt.root, path, key)
+    fill_from_root(contents, ckpt.root, path, key, metadata=ckpt.metadata)
     index = _index_listing(path)
     if index is not None:
         contents.description.append(
@@ -47,8 +41,25 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     return contents
 
 
-def fill_from_root(contents: Contents, root: Any, path: Path, key: str | None) -> None:
-    """Gradients, weights and optimizer state of a loaded file's ``root``, where it holds them."""
+def fill_from_root(contents: Contents, root: Any, path: Path, key: str | None,
+                   metadata: Mapping[str, str] | None = None) -> None:
+    """Gradients, weights and optimizer state of a loaded file's ``root``, each by its
+    evidence (``source/roles.py``): a ``--key`` that names optimizer state or a model's
+    weights measures them as such, and a flat mapping is gradients only when nothing
+    marks it as something else."""
+    if key is not None and _named(contents, root, path, key):
+        if contents.keyed == roles.WEIGHT:
+            contents.step = step_of(root)  # the weights alone: nothing else is measured
+        else:
+            _others(contents, root, path, skip=key)
+        return
+    if key is None and is_optimizer_state(root):
+        # torch.save(optimizer.state_dict()): accelerate's optimizer.bin, a script's opt.pt.
+        contents.optimizers.append(optimizer_state(root, path, "the file"))
+        contents.evidence[roles.OPTIMIZER_STATE] = "a state dict with state and param_groups"
+        contents.gradient_error = (f"{path}: the file is an optimizer's state dict "
+                                   "(state and param_groups), not gradients")
+        return
     try:
         selection = select_gradients(root, key, path=path)
     except InputError as error:
@@ -56,24 +67,85 @@ def fill_from_root(contents: Contents, root: Any, path: Path, key: str | None) -
             raise
         contents.gradient_error = str(error)
     else:
-        contents.gradients = stored(selection.tensors, path)
-        contents.gradient_key = selection.key
-        contents.skipped = list(selection.skipped)
+        _gradients(contents, root, path, key, selection, metadata)
+    _others(contents, root, path)
+
+
+def _gradients(contents, root, path, key, selection, metadata) -> None:
+    marked = roles.marked_as_gradients(root, metadata)
+    if selection.key_path == () and key is None:
+        evidence = roles.weight_evidence(root, file=path, folder=path.parent)
+        if marked:
+            roles.contradiction(root, f"{path}: gradclip's mark")
+            contents.evidence[roles.GRADIENT] = "gradclip's mark (save_grads)"
+        elif evidence is not None:
+            contents.weights, contents.buffers = roles.split_buffers(
+                stored({str(k): v for k, v in root.items() if hasattr(v, "dtype")}, path))
+            contents.evidence[roles.WEIGHT] = evidence
+            contents.gradient_error = (f"{path}: the file is a model's weights ({evidence}), "
+                                       "not gradients")
+            return
+        else:
+            contents.evidence[roles.GRADIENT] = (
+                "a flat name -> tensor mapping that nothing marks as weights")
+    else:
+        shown = selection.key
+        roles.contradiction(selection.tensors, f"{path}: the key {visible(repr(shown))}")
+        contents.evidence[roles.GRADIENT] = (
+            "gradclip's mark (save_grads)" if marked else
+            f"--key {visible(shown)}" if key is not None else f"a {visible(repr(shown))} key")
+    contents.gradients = stored(selection.tensors, path)
+    contents.gradient_key = selection.key
+    contents.skipped = list(selection.skipped)
+
+
+def _named(contents: Contents, root: Any, path: Path, key: str) -> bool:
+    """``--key`` naming optimizer state or a model's weights: taken as such (True)."""
+    node = locate.at_key(root, key, path=path)
+    shown = visible(key)
+    if is_optimizer_state(node):
+        contents.optimizers.append(optimizer_state(node, path, repr(key)))
+        contents.keyed = roles.OPTIMIZER_STATE
+        contents.evidence[roles.OPTIMIZER_STATE] = f"--key {shown}: state and param_groups"
+        contents.gradient_error = (f"{path}: --key {shown} holds an optimizer's state dict "
+                                   "(state and param_groups), not gradients")
+        return True
+    if not isinstance(node, Mapping) or not node:
+        return False
+    evidence = roles.weight_evidence(node)
+    if evidence is None and key in WEIGHT_KEYS:
+        evidence = f"the {shown!r} entry, where scripts keep the model"
+    if evidence is None:
+        return False
+    tensors = {str(k): v for k, v in node.items() if isinstance(v, torch.Tensor)}
+    contents.weights, contents.buffers = roles.split_buffers(stored(tensors, path))
+    contents.evidence[roles.WEIGHT] = f"--key {shown}: {evidence}"
+    contents.keyed = roles.WEIGHT
+    contents.gradient_error = (f"{path}: --key {shown} holds a model's weights ({evidence}), "
+                               "not gradients")
+    return True
+
+
+def _others(contents: Contents, root: Any, path: Path, skip: str | None = None) -> None:
+    """The weights, optimizer state and step a file keeps beside what was chosen."""
     if not isinstance(root, Mapping):
         return
-    for name in WEIGHT_KEYS:
-        weights = root.get(name)
-        if isinstance(weights, Mapping) and weights and all(
-                isinstance(v, torch.Tensor) for v in weights.values()):
-            contents.weights = stored({str(k): v for k, v in weights.items()}, path)
-            break
-    for name in OPTIMIZER_KEYS:
-        if is_optimizer_state(root.get(name)):
-            contents.optimizers.append(optimizer_state(root[name], path, repr(name)))
-            break
-    step = root.get("step", root.get("global_step"))
-    if isinstance(step, int) and not isinstance(step, bool):
-        contents.step = step
+    if contents.weights is None:
+        for name in WEIGHT_KEYS:
+            weights = root.get(name)
+            if name != skip and isinstance(weights, Mapping) and weights and all(
+                    isinstance(v, torch.Tensor) for v in weights.values()):
+                contents.weights = stored({str(k): v for k, v in weights.items()}, path)
+                contents.evidence.setdefault(roles.WEIGHT, f"the {visible(repr(name))} entry")
+                break
+    if not contents.optimizers:
+        for name in OPTIMIZER_KEYS:
+            if name != skip and is_optimizer_state(root.get(name)):
+                contents.optimizers.append(optimizer_state(root[name], path, repr(name)))
+                contents.evidence.setdefault(roles.OPTIMIZER_STATE,
+                                             f"the {visible(repr(name))} entry")
+                break
+    contents.step = step_of(root)
 
 
 def _index_listing(path: Path) -> Path | None:
@@ -86,11 +158,8 @@ def _index_listing(path: Path) -> Path | None:
     for name in sorted(names):
         candidate = folder / name
         try:
-            if os.path.getsize(candidate) > MAX_JSON_BYTES:
-                continue
-            with candidate.open("rb") as file:
-                index = json.loads(file.read().decode("utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            index = read_json(candidate, what="an index", folder=folder)
+        except InputError:
             continue
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if isinstance(weight_map, dict) and path.name in weight_map.values():

@@ -3,7 +3,8 @@
 Two kinds, each one module, recognised by content: a Hugging Face Trainer's
 ``trainer_state.json`` (``log_history`` entries with ``grad_norm``) and the
 JSON Lines log of gradclip's own training-loop monitor (``gradclip.monitor/1``).
-Each yields ``LoggedNorms``, one per logged step, numbers as written.
+Each yields ``LoggedNorms``, one per logged step, numbers as written;
+``recognise.log_kind`` tells which kind a file is.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
+from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.small_file import read_small_file
 
 
 @dataclass(frozen=True)
@@ -34,34 +37,15 @@ class LogKind:
     read: Callable[[Path], list[LoggedNorms]]
 
 
-# Enough for a monitor log's first line or the keys a trainer_state.json puts
-# before its log_history.
-_HEAD_BYTES = 1 << 16
+# A log is read whole; a million monitor steps are some 300 MB.
+MAX_LOG_BYTES = 1 << 30
 
 
-def log_kind(path: Path) -> LogKind | None:
-    """The kind of norm log ``path`` is, or None when it is not one (a checkpoint, say)."""
-    from gradclip_cli.source.logs import monitor_log, trainer_state
-
+def read_text(path: Path, what: str) -> str:
+    """A log's text, read by the one small-file reader (a regular file, bounded)."""
+    data = read_small_file(path, limit=MAX_LOG_BYTES, what=what)
     try:
-        with open(path, "rb") as file:
-            head = file.read(_HEAD_BYTES)
-    except OSError:
-        return None  # the checkpoint loader reports unreadable files
-    if not head.lstrip().startswith(b"{"):
-        return None
-    text = head.decode("utf-8", errors="replace").lstrip()
-    for kind in (monitor_log.KIND, trainer_state.KIND):
-        if kind.recognises(text):
-            return kind
-    return None
-
-
-def read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise InputError(f"{path}: not UTF-8 text (byte {error.start})") from None
-    except OSError as error:
-        raise InputError(f"{path}: cannot read: {error.strerror or error}") from None
+        raise InputError(f"{visible(str(path))}: not UTF-8 text (byte {error.start})") from None
 

@@ -10,12 +10,14 @@ mid-write): it is skipped with a warning, never guessed at.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
+from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.json_text import parse_json
+from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.logs import LoggedNorms, LogKind, read_text
 
 SCHEMA = "gradclip.monitor/1"
@@ -25,8 +27,8 @@ _NONFINITE_WORDS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 def recognises(head: str) -> bool:
     first = head.split("\n", 1)[0]
     try:
-        obj = json.loads(first)
-    except ValueError:
+        obj = parse_json(first, where="")
+    except InputError:
         return False
     return isinstance(obj, dict) and obj.get("schema") == SCHEMA
 
@@ -37,7 +39,16 @@ def _norm(value: object, where: str) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     raise InputError(f"{where}: a norm must be a number or \"nan\"/\"inf\"/\"-inf\", "
-                     f"got {json.dumps(value)[:40]}")
+                     f"got {_shown(value)}")
+
+
+def _shown(value: object) -> str:
+    """A JSON value for a message: a short excerpt of a string or number, else its kind
+    (a nested value is never serialised: it may be nested deeply)."""
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return excerpt(value)
+    return {dict: "an object", list: "a list", bool: "true/false",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _count(value: object, where: str) -> int:
@@ -71,24 +82,24 @@ def _entry(obj: object, where: str) -> LoggedNorms:
 
 
 def read(path: Path) -> list[LoggedNorms]:
-    text = read_text(path)
+    text = read_text(path, f"a {SCHEMA} log")
     lines = text.split("\n")
     unfinished = lines.pop()  # "" when the file ends with a newline
     entries = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        where = f"{path}:{number}"
-        try:
-            obj = json.loads(line)
-        except ValueError as error:
-            raise InputError(f"{where}: not a JSON object ({error.msg})") from None
+        where = f"{visible(str(path))}:{number}"
+        obj = parse_json(line, where=where, what="a JSON object", line=True)
         entries.append(_entry(obj, where))
+    shown = visible(str(path))
+    if not entries:  # one line: the error says what the warning would have
+        unended = " (its last line has no newline: a write in progress?)" \
+            if unfinished.strip() else ""
+        raise InputError(f"{shown}: a {SCHEMA} log with no complete entries{unended}")
     if unfinished.strip():
-        print(f"gradclip: warning: {path}:{len(lines) + 1}: last line has no newline "
+        print(f"gradclip: warning: {shown}:{len(lines) + 1}: last line has no newline "
               "(a write in progress?); skipped", file=sys.stderr)
-    if not entries:
-        raise InputError(f"{path}: a {SCHEMA} log with no complete entries")
     return entries
 
 

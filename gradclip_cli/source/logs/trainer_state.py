@@ -9,10 +9,11 @@ as ``NaN``, which ``json.loads`` reads back. Entries without ``grad_norm``
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
+from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.logs import LoggedNorms, LogKind, read_text
 
 # accelerate's clip_grad_norm_, which the Trainer calls, uses norm_type=2.
@@ -24,26 +25,24 @@ def recognises(head: str) -> bool:
 
 
 def read(path: Path) -> list[LoggedNorms]:
-    try:
-        state = json.loads(read_text(path))
-    except ValueError as error:
-        raise InputError(f"{path}: not valid JSON ({error})") from None
+    shown = visible(str(path))
+    state = parse_json(read_text(path, "a Trainer state"), where=shown, what="a Trainer state")
     history = state.get("log_history") if isinstance(state, dict) else None
     if not isinstance(history, list):
-        raise InputError(f"{path}: \"log_history\" must be a list of log entries")
+        raise InputError(f"{shown}: \"log_history\" must be a list of log entries")
     entries = []
     for i, entry in enumerate(history):
         if not isinstance(entry, dict) or "grad_norm" not in entry:
             continue
         norm, step = entry["grad_norm"], entry.get("step")
         if not isinstance(norm, (int, float)) or isinstance(norm, bool):
-            raise InputError(f"{path}: log_history[{i}]: grad_norm must be a number")
+            raise InputError(f"{shown}: log_history[{i}]: grad_norm must be a number")
         if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-            raise InputError(f"{path}: log_history[{i}]: step must be a whole number")
+            raise InputError(f"{shown}: log_history[{i}]: step must be a whole number")
         entries.append(LoggedNorms(step=step, total_norm=float(norm),
                                    norm_type=TRAINER_NORM_TYPE))
     if not entries:
-        raise InputError(f"{path}: no log_history entry has a grad_norm "
+        raise InputError(f"{shown}: no log_history entry has a grad_norm "
                          "(transformers >= 4.38 logs it every logging_steps)")
     return entries
 

@@ -1,0 +1,159 @@
+"""What an optimizer's saved state says about the gradient and the last step.
+
+Small pure functions, one rule each, written from each optimizer's own
+update rule (torch.optim's ``_single_tensor_*`` functions, transformers'
+``Adafactor.step``). ``t`` is the parameter's own step count after its last
+update, as the state stores it. Elementwise results are computed in the
+state's dtype promoted to float32 at least (float64 state stays float64);
+square roots are taken before dividing, so a large second moment never
+overflows.
+
+Three quantities (the contract's ``--what``):
+
+* the first moment ``exp_avg``: the gradient's exponential average,
+  debiased, ``m / (1 - beta^t)``, where a state holds ``m`` updated as
+  ``m <- beta * m + (1 - beta) * g`` (Adam and every optimizer that keeps
+  Adam's ``exp_avg``: its weights on past gradients sum to one);
+* the gradient's RMS ``grad_rms``: the square root of the debiased second
+  moment (or the optimizer's own second-moment estimate, for Adafactor's
+  factored one);
+* the last ``update``: the step the optimizer took, where the state alone
+  determines it (not where it needs the last gradient itself), without
+  decoupled weight decay ``lr * wd * w``.
+
+A negative second moment is corrupt state: its square root is NaN, so every
+quantity that reads it reports a non-finite finding (never ``|v|``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def one_minus_power(beta: float, step: float) -> float:
+    """``1 - beta ** step``, without cancellation when ``beta ** step`` is near 1."""
+    return 1.0 if beta == 0 else -math.expm1(step * math.log(beta))
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def debiased_rms(second: torch.Tensor, beta: float, step: float) -> torch.Tensor:
+    """``sqrt(v / (1 - beta^t))``: the gradient's RMS from an exponential second moment.
+
+    References:
+        Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015,
+        Algorithm 1 (``v_hat``); torch.optim.Adam, NAdam, RAdam.
+    """
+    return _wide(second).sqrt().div_(math.sqrt(one_minus_power(beta, step)))
+
+
+def adam_update(exp_avg: torch.Tensor, second: torch.Tensor, *, lr: float, beta1: float,
+                beta2: float, eps: float, step: float) -> torch.Tensor:
+    """``lr * m_hat / (sqrt(v_hat) + eps)``: Adam's and AdamW's step (AdamW's decay aside).
+
+    ``second`` is ``exp_avg_sq``, or ``max_exp_avg_sq`` under AMSGrad (torch
+    keeps the running maximum and divides by it).
+
+    References:
+        Kingma & Ba 2015, Algorithm 1; Reddi et al., "On the Convergence of
+        Adam and Beyond", ICLR 2018 (AMSGrad); torch.optim.Adam.
+    """
+    m = _wide(exp_avg)
+    denom = debiased_rms(second.to(m.dtype), beta2, step).add_(eps)
+    return m.mul(lr / one_minus_power(beta1, step)).div_(denom)
+
+
+def radam_rectification(beta2: float, step: float) -> float | None:
+    """RAdam's variance rectification ``r_t``, or None while ``rho_t <= 5`` (no adaptive step).
+
+    References:
+        Liu et al., "On the Variance of the Adaptive Learning Rate and
+        Beyond", ICLR 2020, Algorithm 2; torch.optim.RAdam.
+    """
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * step * beta2**step / one_minus_power(beta2, step)
+    if rho_t <= 5.0:
+        return None
+    return math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf
+                     / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+
+
+def radam_update(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: float, beta1: float,
+                 beta2: float, eps: float, step: float) -> torch.Tensor:
+    """RAdam's step: ``lr * m_hat * r_t * sqrt(1 - beta2^t) / (sqrt(v) + eps)`` once
+    rectified, else ``lr * m_hat`` (note: eps is added to ``sqrt(v)``, not ``sqrt(v_hat)``).
+
+    References: Liu et al. 2020, Algorithm 2; torch.optim.RAdam.
+    """
+    m_hat = _wide(exp_avg).mul(lr / one_minus_power(beta1, step))
+    rect = radam_rectification(beta2, step)
+    if rect is None:
+        return m_hat  # the early steps are SGD with momentum: v is not read
+    adaptive = _wide(exp_avg_sq).to(m_hat.dtype).sqrt().add_(eps)
+    return m_hat.mul_(rect * math.sqrt(one_minus_power(beta2, step))).div_(adaptive)
+
+
+def adamax_update(exp_avg: torch.Tensor, exp_inf: torch.Tensor, *, lr: float, beta1: float,
+                  step: float) -> torch.Tensor:
+    """Adamax's step ``lr / (1 - beta1^t) * m / u``, ``u`` the weighted infinity norm.
+
+    References: Kingma & Ba 2015, Algorithm 2 (AdaMax); torch.optim.Adamax.
+    """
+    m = _wide(exp_avg)
+    return m.mul(lr / one_minus_power(beta1, step)).div_(exp_inf.to(m.dtype))
+
+
+def momentum_update(momentum_buffer: torch.Tensor, *, lr: float) -> torch.Tensor:
+    """``lr * buf``: SGD's step with (non-Nesterov) momentum, and RMSprop's with momentum.
+
+    References: torch.optim.SGD (``param -= lr * buf``), torch.optim.RMSprop.
+    """
+    return _wide(momentum_buffer).mul(lr)
+
+
+def accumulated_rms(total: torch.Tensor, initial: float, step: float) -> torch.Tensor:
+    """``sqrt((sum - initial) / t)``: the RMS of every gradient so far, from Adagrad's sum.
+
+    References: Duchi et al., "Adaptive Subgradient Methods", JMLR 2011;
+    torch.optim.Adagrad (``sum <- sum + g^2``, started at
+    ``initial_accumulator_value``).
+    """
+    return _wide(total).sub(initial).div_(step).sqrt_()
+
+
+def adafactor_rms(row_var: torch.Tensor, col_var: torch.Tensor) -> torch.Tensor:
+    """torch.optim.Adafactor's factored estimate ``sqrt(R C / mean(R))``, before its eps clamp.
+
+    ``row_var`` has shape ``(..., n, 1)`` and ``col_var`` ``(..., 1, m)``.
+
+    References: Shazeer & Stern, "Adafactor: Adaptive Learning Rates with
+    Sublinear Memory Cost", ICML 2018, Algorithm 4; torch.optim.Adafactor.
+    """
+    r, c = _wide(row_var), _wide(col_var)
+    return (r / r.mean(dim=-2, keepdim=True)).sqrt_().mul(c.sqrt())
+
+
+def hf_adafactor_rms(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """transformers' Adafactor estimate ``sqrt(r / mean(r)) * sqrt(c)`` (``_approx_sq_grad``).
+
+    ``row`` has shape ``(..., n)`` and ``col`` ``(..., m)``.
+
+    References: Shazeer & Stern 2018; transformers.optimization.Adafactor.
+    """
+    r, c = _wide(row), _wide(col)
+    return (r / r.mean(dim=-1, keepdim=True)).sqrt_().unsqueeze(-1).mul(c.sqrt().unsqueeze(-2))
+
+
+def stored_rms(second: torch.Tensor) -> torch.Tensor:
+    """``sqrt(v)`` of a second moment that needs no debiasing (Adafactor's ``variance``)."""
+    return _wide(second).sqrt()
+
+
+def as_update(update: torch.Tensor) -> torch.Tensor:
+    """A stored tensor that is the step itself (transformers' Adafactor with ``beta1``:
+    ``exp_avg`` averages the scaled updates and ``param -= exp_avg``)."""
+    return _wide(update)

@@ -1,0 +1,319 @@
+"""Which optimizer wrote a state dict, and which of its quantities the state determines.
+
+An optimizer is recognised by what it keeps per parameter (its state keys)
+and by its ``param_groups`` hyperparameters, as torch.optim and transformers
+write them. For each ``--what`` quantity (``exp_avg``, ``grad_rms``,
+``update``) a kind either says how one parameter's value follows from its
+state (a ``Derivation``: the state tensors read and a function of
+``core.optimizer_math``) or why the state does not determine it. The math
+lives in the core; this module only matches keys and hyperparameters.
+
+| optimizer | exp_avg | grad_rms | update |
+| --- | --- | --- | --- |
+| Adam, AdamW | yes | yes | yes |
+| Adam/AdamW amsgrad | yes | yes (max_exp_avg_sq) | yes (max_exp_avg_sq) |
+| NAdam | yes | yes | no: needs the last gradient |
+| RAdam | yes | yes | yes (rectified) |
+| Adamax | yes | no: exp_inf is an infinity norm | yes |
+| Adagrad | no | yes (over all steps) | no: needs the last gradient |
+| RMSprop | centered only (grad_avg) | yes | with momentum only |
+| SGD | no | no | momentum, not Nesterov |
+| Adafactor (torch) | no | yes (factored) | no: needs the last gradient |
+| Adafactor (transformers) | no | yes (factored) | with beta1 only |
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from gradclip_cli.core import optimizer_math as om
+from gradclip_cli.errors import InputError
+from gradclip_cli.escaping import visible
+from gradclip_cli.source.interface import OptimizerState, StoredTensor
+
+QUANTITIES = ("exp_avg", "grad_rms", "update")
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """One parameter's quantity: ``compute(*tensors read from reads)``, of ``shape``.
+
+    ``scale``: the quantity is ``scale * reads[0]`` exactly, so its norm is the
+    stored tensor's norm scaled (no copy is made).
+    """
+
+    reads: tuple[StoredTensor, ...]
+    compute: Callable[..., torch.Tensor]
+    shape: tuple[int, ...]
+    scale: float | None = None
+
+
+class Refusal(Exception):
+    """The state does not determine this quantity; the message says why."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One optimizer: its name, what it keeps, and how each quantity follows from it."""
+
+    name: str
+    keys: tuple[str, ...]  # what it keeps per parameter, for people
+    # quantity -> None when given for every group, else why not
+    refusals: Mapping[str, str | None]
+    derive: Callable[[str, dict, dict, _Numbers], Derivation] | None
+
+    def gives(self, what: str) -> bool:
+        return self.derive is not None and self.refusals.get(what, "") is None
+
+    def why_not(self, what: str) -> str:
+        return self.refusals.get(what) or f"{self.name} gives no {what}"
+
+
+class _Numbers:
+    """Reads hyperparameters and per-parameter scalars as finite floats, or says where not."""
+
+    def __init__(self, opt: OptimizerState, name: str):
+        self.opt, self.name = opt, name
+
+    def __call__(self, value: Any, what: str) -> float:
+        if isinstance(value, StoredTensor):
+            value = value.read()
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise InputError(f"{self.opt.file}: parameter {visible(self.name)}: {what} is "
+                                 f"a tensor of {value.numel()} values, not a number")
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value):
+            raise InputError(f"{self.opt.file}: parameter {visible(self.name)}: {what} is "
+                             f"{visible(repr(value))}, not a finite number")
+        return float(value)
+
+    def step(self, entry: dict) -> float:
+        step = self(entry.get("step"), "step")
+        if step < 1:
+            raise InputError(f"{self.opt.file}: parameter {visible(self.name)}: step "
+                             f"{step:g}: the state is not an average of anything yet")
+        return step
+
+    def betas(self, group: dict) -> tuple[float, float]:
+        betas = group.get("betas")
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise InputError(f"{self.opt.file}: the param group of {visible(self.name)} has "
+                             "no betas (beta1, beta2)")
+        b1, b2 = self(betas[0], "beta1"), self(betas[1], "beta2")
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise InputError(f"{self.opt.file}: the param group of {visible(self.name)} has "
+                             f"betas ({b1}, {b2}) outside [0, 1)")
+        return b1, b2
+
+    def tensor(self, entry: dict, key: str) -> StoredTensor:
+        value = entry.get(key)
+        if not isinstance(value, StoredTensor):
+            raise InputError(f"{self.opt.file}: parameter {visible(self.name)} has no "
+                             f"{visible(key)} while its optimizer keeps one")
+        return value
+
+
+# ----------------------------------------------------------------- the kinds
+
+
+def _first_moment(entry, group, num, key="exp_avg", beta=None) -> Derivation:
+    m = num.tensor(entry, key)
+    b1 = num.betas(group)[0] if beta is None else beta
+    scale = 1.0 / om.one_minus_power(b1, num.step(entry))
+    return Derivation((m,), lambda t: t.to(torch.promote_types(t.dtype, torch.float32)) * scale,
+                      tuple(m.shape), scale)
+
+
+def _rms(entry, group, num, key="exp_avg_sq", beta=None) -> Derivation:
+    v = num.tensor(entry, key)
+    b2 = num.betas(group)[1] if beta is None else beta
+    return Derivation((v,), partial(om.debiased_rms, beta=b2, step=num.step(entry)),
+                      tuple(v.shape))
+
+
+def _adam(amsgrad: bool):
+    second = "max_exp_avg_sq" if amsgrad else "exp_avg_sq"
+
+    def derive(what, entry, group, num):
+        if what == "exp_avg":
+            return _first_moment(entry, group, num)
+        if what == "grad_rms":
+            return _rms(entry, group, num, second)
+        b1, b2 = num.betas(group)
+        m, v = num.tensor(entry, "exp_avg"), num.tensor(entry, second)
+        return Derivation((m, v), partial(om.adam_update, lr=num(group.get("lr"), "lr"),
+                                          beta1=b1, beta2=b2, eps=num(group.get("eps"), "eps"),
+                                          step=num.step(entry)), tuple(m.shape))
+    return derive
+
+
+def _nadam(what, entry, group, num):
+    if what == "exp_avg":
+        return _first_moment(entry, group, num)
+    return _rms(entry, group, num)
+
+
+def _radam(what, entry, group, num):
+    if what == "exp_avg":
+        return _first_moment(entry, group, num)
+    if what == "grad_rms":
+        return _rms(entry, group, num)
+    b1, b2 = num.betas(group)
+    m, v = num.tensor(entry, "exp_avg"), num.tensor(entry, "exp_avg_sq")
+    return Derivation((m, v), partial(om.radam_update, lr=num(group.get("lr"), "lr"), beta1=b1,
+                                      beta2=b2, eps=num(group.get("eps"), "eps"),
+                                      step=num.step(entry)), tuple(m.shape))
+
+
+def _adamax(what, entry, group, num):
+    if what == "exp_avg":
+        return _first_moment(entry, group, num)
+    m, u = num.tensor(entry, "exp_avg"), num.tensor(entry, "exp_inf")
+    return Derivation((m, u), partial(om.adamax_update, lr=num(group.get("lr"), "lr"),
+                                      beta1=num.betas(group)[0], step=num.step(entry)),
+                      tuple(m.shape))
+
+
+def _adagrad(what, entry, group, num):
+    s = num.tensor(entry, "sum")
+    initial = num(group.get("initial_accumulator_value", 0.0), "initial_accumulator_value")
+    return Derivation((s,), partial(om.accumulated_rms, initial=initial, step=num.step(entry)),
+                      tuple(s.shape))
+
+
+def _rmsprop(what, entry, group, num):
+    alpha = num(group.get("alpha"), "alpha")
+    if what == "exp_avg":
+        return _first_moment(entry, group, num, "grad_avg", alpha)
+    if what == "grad_rms":
+        return _rms(entry, group, num, "square_avg", alpha)
+    buf = num.tensor(entry, "momentum_buffer")
+    return Derivation((buf,), partial(om.momentum_update, lr=num(group.get("lr"), "lr")),
+                      tuple(buf.shape))
+
+
+def _sgd(what, entry, group, num):
+    buf = num.tensor(entry, "momentum_buffer")
+    return Derivation((buf,), partial(om.momentum_update, lr=num(group.get("lr"), "lr")),
+                      tuple(buf.shape))
+
+
+def _adafactor(what, entry, group, num):
+    if isinstance(entry.get("row_var"), StoredTensor):
+        r, c = num.tensor(entry, "row_var"), num.tensor(entry, "col_var")
+        return Derivation((r, c), om.adafactor_rms, (*r.shape[:-1], c.shape[-1]))
+    v = num.tensor(entry, "variance")
+    return Derivation((v,), om.stored_rms, tuple(v.shape))
+
+
+def _hf_adafactor(what, entry, group, num):
+    if what == "update":
+        m = num.tensor(entry, "exp_avg")
+        return Derivation((m,), om.as_update, tuple(m.shape))
+    if isinstance(entry.get("exp_avg_sq_row"), StoredTensor):
+        r, c = num.tensor(entry, "exp_avg_sq_row"), num.tensor(entry, "exp_avg_sq_col")
+        return Derivation((r, c), om.hf_adafactor_rms, (*r.shape, c.shape[-1]))
+    v = num.tensor(entry, "exp_avg_sq")
+    return Derivation((v,), om.stored_rms, tuple(v.shape))
+
+
+_NEEDS_GRAD = "its last step needs the last gradient itself, which the state does not hold"
+
+
+def identify(opt: OptimizerState) -> Kind:
+    """The optimizer that wrote ``opt``, from its state keys and its groups' hyperparameters."""
+    keys: dict[str, None] = {}
+    for entry in opt.state.values():
+        keys.update(dict.fromkeys(entry))
+    tensor_keys = tuple(k for k in keys if k != "step")
+    hyper: set[str] = set()
+    for group in opt.param_groups:
+        hyper.update(group)
+    groups = opt.param_groups
+
+    def every(test) -> bool:
+        return bool(groups) and all(test(g) for g in groups)
+
+    def kind(name, refusals, derive):
+        return Kind(name, tensor_keys, refusals, derive)
+
+    if keys.keys() & {"exp_avg_sq_row", "exp_avg_sq"} and "exp_avg" not in keys \
+            or {"scale_parameter", "relative_step"} <= hyper:
+        beta1 = every(lambda g: g.get("beta1") is not None)
+        return kind("Adafactor (transformers)", {
+            "exp_avg": "its exp_avg averages the scaled updates, not the gradients",
+            "grad_rms": None,
+            "update": None if beta1 else "without beta1 " + _NEEDS_GRAD}, _hf_adafactor)
+    if keys.keys() & {"row_var", "col_var", "variance"} or "beta2_decay" in hyper:
+        return kind("Adafactor", {"exp_avg": "it keeps no first moment", "grad_rms": None,
+                                  "update": _NEEDS_GRAD}, _adafactor)
+    if "mu_product" in keys or "momentum_decay" in hyper:
+        return kind("NAdam", {"exp_avg": None, "grad_rms": None, "update": _NEEDS_GRAD},
+                    _nadam)
+    if "exp_inf" in keys:
+        return kind("Adamax", {"exp_avg": None, "update": None,
+                               "grad_rms": "its exp_inf is an infinity norm, not a second "
+                                           "moment"}, _adamax)
+    if "sum" in keys or "lr_decay" in hyper:
+        return kind("Adagrad", {"exp_avg": "it keeps no first moment", "grad_rms": None,
+                                "update": _NEEDS_GRAD}, _adagrad)
+    if "acc_delta" in keys or "rho" in hyper:
+        return kind("Adadelta", {q: _NEEDS_GRAD for q in QUANTITIES}, None)
+    if "square_avg" in keys or {"alpha", "centered"} <= hyper:
+        centered = every(lambda g: bool(g.get("centered")))
+        momentum = every(lambda g: _positive(g.get("momentum")))
+        return kind("RMSprop", {
+            "exp_avg": None if centered else "uncentered, it keeps no first moment",
+            "grad_rms": None,
+            "update": None if momentum else "without momentum " + _NEEDS_GRAD}, _rmsprop)
+    if "momentum_buffer" in keys or {"nesterov", "dampening"} <= hyper:
+        if every(lambda g: not _positive(g.get("momentum"))):
+            why = "without momentum SGD keeps no state"
+        elif every(lambda g: bool(g.get("nesterov"))):
+            why = "with Nesterov momentum " + _NEEDS_GRAD
+        elif every(lambda g: not g.get("nesterov")):
+            why = None
+        else:
+            why = "some groups use Nesterov momentum, whose step needs the last gradient"
+        return kind("SGD", {"exp_avg": "its momentum buffer is a sum, not an average",
+                            "grad_rms": "it keeps no second moment", "update": why}, _sgd)
+    if {"exp_avg", "exp_avg_sq"} <= keys.keys():
+        if "amsgrad" not in hyper and "decoupled_weight_decay" in hyper:
+            return kind("RAdam", dict.fromkeys(QUANTITIES), _radam)
+        amsgrad = every(lambda g: bool(g.get("amsgrad")))
+        if not amsgrad and any(g.get("amsgrad") for g in groups):
+            return kind("Adam", {q: "some groups use AMSGrad and some do not"
+                                 for q in QUANTITIES}, None)
+        decoupled = every(lambda g: bool(g.get("decoupled_weight_decay")))
+        name = ("AdamW" if decoupled else "Adam") + (" (AMSGrad)" if amsgrad else "")
+        return kind(name, dict.fromkeys(QUANTITIES), _adam(amsgrad))
+    held = ", ".join(visible(k) for k in tensor_keys) or "none"
+    return kind("an unknown optimizer", {q: f"gradclip knows no rule for its state keys ({held})"
+                                         for q in QUANTITIES}, None)
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def derive(kind: Kind, what: str, opt: OptimizerState, name: str, entry: dict,
+           group: dict) -> Derivation:
+    """Parameter ``name``'s ``what`` under ``kind``; ``Refusal`` where its group's settings
+    leave it undetermined (an SGD group with Nesterov momentum among plain ones)."""
+    if not kind.gives(what):
+        raise Refusal(kind.why_not(what))
+    return kind.derive(what, entry, group, _Numbers(opt, name))
+
+
+def holds(kind: Kind) -> str:
+    """What ``kind`` keeps per parameter, for people: ``AdamW (exp_avg, exp_avg_sq)``."""
+    keys = ", ".join(visible(k) for k in kind.keys) or "empty"
+    return f"{kind.name} state ({keys})"

@@ -1,0 +1,276 @@
+"""A training run's folder (an HF ``output_dir``): every series of norms it holds.
+
+A run folder keeps the same run several times over, at different grains:
+
+* the monitor's JSON Lines log (``gradclip.monitor/1``, any name): every
+  logged step, the total and every group;
+* a Trainer's ``trainer_state.json``: ``log_history``'s ``grad_norm``, every
+  ``logging_steps``, the total only. Each ``checkpoint-N/`` keeps a copy as it
+  was then; the newest (the folder's own, written by ``save_state``, or the
+  last checkpoint's) holds the most steps, and it alone is read;
+* the numbered checkpoints themselves (``checkpoint-N/``, ``global_stepN/``):
+  one point each, every ``save_steps``, measured as ``inspect`` measures them
+  (a Trainer checkpoint holds Adam's moments, not gradients).
+
+``discover`` lists them all and chooses the one a trend judges: the finest
+grained (most points), then one that logs gradients themselves over
+checkpoints (whose ``auto`` may be a moment), then one with per-group norms
+(the layer that spiked) over the total alone. Judging several series at once
+would count each step twice. The others are named with the reason they
+were not judged.
+
+A Trainer's ``training_args.bin`` says whether it clipped (``max_grad_norm``):
+when it did, the optimizer only ever saw clipped gradients, so the moments
+that checkpoints keep barely move at a spike, while the logs (taken before
+clipping) show it whole.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.source.files import training_args
+from gradclip_cli.source.logs import LoggedNorms, LogKind, monitor_log, trainer_state
+from gradclip_cli.source.logs.recognise import log_kind
+
+MONITOR, TRAINER_STATE, CHECKPOINTS = "gradclip-monitor", "trainer-state", "checkpoints"
+TRAINER_STATE_FILE = "trainer_state.json"
+_LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
+
+
+@dataclass(frozen=True)
+class Series:
+    """One series of the run: a log file (``log`` its kind, ``entries`` as read) or
+    the numbered checkpoints (``paths`` in step order, ``steps`` their numbers)."""
+
+    kind: str
+    paths: tuple[Path, ...]
+    steps: tuple[int | None, ...]
+    per_group: bool
+    log: LogKind | None = None
+    entries: tuple[LoggedNorms, ...] = ()
+
+    @property
+    def points(self) -> int:
+        return len(self.steps)
+
+    @property
+    def source(self) -> str:
+        """The file, or the first and last checkpoint folder."""
+        if self.kind != CHECKPOINTS or len(self.paths) == 1:
+            return str(self.paths[0])
+        return f"{self.paths[0]} .. {self.paths[-1]}"
+
+    def describe(self) -> str:
+        steps = [s for s in self.steps if s is not None]
+        span = f", steps {min(steps)}-{max(steps)}" if steps else ""
+        if self.kind == MONITOR:
+            what = "gradclip monitor log, gradient norms"
+        elif self.kind == TRAINER_STATE:
+            what = "Trainer log_history grad_norm"
+        else:
+            what = "checkpoints"
+        groups = "per group" if self.per_group else "total only"
+        return f"{self.source} ({what}, {self.points} points{span}, {groups})"
+
+
+@dataclass(frozen=True)
+class Clipping:
+    """Whether the Trainer clipped: ``max_grad_norm`` (> 0: clipped to it; 0: never),
+    None when unknown, with the file read (or why it could not be)."""
+
+    max_grad_norm: float | None
+    source: Path | None
+    why_unknown: str | None = None
+
+    @property
+    def clipped(self) -> bool | None:
+        return None if self.max_grad_norm is None else self.max_grad_norm > 0
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    path: Path
+    series: tuple[Series, ...]  # every series found; ``judged`` among them
+    judged: Series
+    why_not: dict[int, str]  # index in ``series`` -> why it was not judged
+    clipping: Clipping | None  # None: no Trainer arguments in the folder
+    unread: tuple[str, ...] = ()  # logs found but not read as a series, and why
+
+    def notes(self) -> list[str]:
+        """What was found and chosen, one line each: where every series came from."""
+        lines = [f"judged: {self.judged.describe()}"]
+        for i, series in enumerate(self.series):
+            if series is not self.judged:
+                lines.append(f"not judged: {series.describe()}: {self.why_not[i]}")
+        lines += [f"not read: {why}" for why in self.unread]
+        if self.judged.kind == TRAINER_STATE:
+            monitors = [s for s in self.series if s.kind == MONITOR]
+            where = (
+                f"{monitors[0].source}, coarser, has every layer's: trend it alone"
+                if monitors
+                else "a GradMonitor log beside it would give every layer's norm"
+            )
+            lines.append(
+                "layer: log_history holds the total norm only, so a spike cannot "
+                f"be placed in a layer; {where}"
+            )
+        if self.clipping is not None:
+            lines.append(self.clipping_note())
+        return lines
+
+    def clipping_note(self) -> str:
+        clip = self.clipping
+        where = str(clip.source) if clip.source is not None else ""
+        if clip.max_grad_norm is None:
+            return f"clipping: unknown ({clip.why_unknown})"
+        if clip.max_grad_norm <= 0:
+            return (
+                f"clipping: the Trainer did not clip (max_grad_norm "
+                f"{clip.max_grad_norm:g} in {where}): the optimizer saw every gradient "
+                "as logged"
+            )
+        return (
+            f"clipping: the Trainer clipped gradients to max_grad_norm "
+            f"{clip.max_grad_norm:g} ({where}); the logged norms are from before "
+            "clipping, but the Adam moments in the checkpoints only saw clipped "
+            "gradients, so a spike barely shows in exp_avg"
+        )
+
+
+def numbered_folders(path: Path) -> list[tuple[int, Path]]:
+    """``(number, folder)`` of the numbered subfolders (``checkpoint-N``,
+    ``global_stepN``), in step order; empty when there are none."""
+    children = _children(path)
+    numbered = [
+        (int(m.group(1)), c) for c in children if (m := _LAST_NUMBER.search(c.name)) and c.is_dir()
+    ]
+    return sorted(numbered, key=lambda nc: nc[0])
+
+
+def discover(path: Path, what: str) -> RunFolder | None:
+    """The series in run folder ``path`` and the one to judge for ``--what what``;
+    None when ``path`` holds numbered checkpoints and nothing else to choose from
+    (then the checkpoints are the series, as before)."""
+    folders = numbered_folders(path)
+    if not folders:
+        return None
+    series: list[Series] = [
+        Series(CHECKPOINTS, tuple(f for _, f in folders), tuple(n for n, _ in folders), True)
+    ]
+    logs = _monitor_logs(path)
+    unread: list[str] = []
+    state = _newest_trainer_state(path, folders, unread)
+    if state is not None:
+        logs.append(state)
+    series += logs
+    clipping = _clipping(path, folders)
+    if not logs and clipping is None and not unread:
+        return None
+    judged, why_not = _choose(series, what)
+    return RunFolder(path, tuple(series), judged, why_not, clipping, tuple(unread))
+
+
+def _children(path: Path) -> list[Path]:
+    try:
+        return sorted(c for c in path.iterdir() if not c.name.startswith("."))
+    except OSError as error:
+        raise InputError(f"{path}: cannot list the folder: {error.strerror or error}") from None
+
+
+def _log_series(kind: str, log: LogKind, path: Path) -> Series:
+    entries = tuple(log.read(path))
+    return Series(
+        kind, (path,), tuple(e.step for e in entries), any(e.groups for e in entries), log, entries
+    )
+
+
+def _monitor_logs(path: Path) -> list[Series]:
+    found = []
+    for child in _children(path):
+        if child.is_file() and log_kind(child) is monitor_log.KIND:
+            found.append(_log_series(MONITOR, monitor_log.KIND, child))
+    return found
+
+
+def _newest_trainer_state(
+    path: Path, folders: list[tuple[int, Path]], unread: list[str]
+) -> Series | None:
+    """The folder's own ``trainer_state.json``, or the last checkpoint's when that one
+    logs later steps (the run went on after ``save_state``, or never called it).
+    One that cannot be read as a series is added to ``unread`` with why."""
+    candidates = [path / TRAINER_STATE_FILE]
+    if folders:
+        candidates.append(folders[-1][1] / TRAINER_STATE_FILE)
+    read = []
+    for file in candidates:
+        if not os.path.isfile(file) or log_kind(file) is not trainer_state.KIND:
+            continue
+        try:
+            read.append(_log_series(TRAINER_STATE, trainer_state.KIND, file))
+        except InputError as error:
+            # A Trainer state with no grad_norm (older transformers, or a
+            # logging_steps past the run's end) holds no series; a damaged one
+            # is no series either: the checkpoints still are, and the notes say why.
+            unread.append(str(error))
+    if not read:
+        return None
+    return max(
+        read,
+        key=lambda s: (
+            max((x for x in s.steps if x is not None), default=-1),
+            s.points,
+            s.paths[0].parent == path,
+        ),
+    )
+
+
+def _clipping(path: Path, folders: list[tuple[int, Path]]) -> Clipping | None:
+    """From the folder's own ``training_args.bin`` (``save_model`` writes one), else the
+    newest checkpoint's; None when the folder holds neither (not a Trainer run)."""
+    candidates = [
+        path / training_args.FILE_NAME,
+        *(f / training_args.FILE_NAME for _, f in reversed(folders)),
+    ]
+    file = next((c for c in candidates if os.path.isfile(c)), None)
+    if file is None:
+        return None
+    try:
+        return Clipping(training_args.max_grad_norm(file), file)
+    except InputError as error:
+        return Clipping(None, file, str(error))
+
+
+def _choose(series: list[Series], what: str) -> tuple[Series, dict[int, str]]:
+    """The finest-grained series ``what`` allows; why each other one is not judged."""
+    logs_allowed = what in ("auto", "grads")
+
+    def rank(s: Series) -> tuple:
+        return (s.points, s.kind != CHECKPOINTS, s.per_group, s.kind == MONITOR)
+
+    allowed = [s for s in series if logs_allowed or s.kind == CHECKPOINTS]
+    judged = max(allowed, key=rank)
+    why_not = {}
+    for i, s in enumerate(series):
+        if s is judged:
+            continue
+        if s not in allowed:
+            why_not[i] = f"a log of gradient norms, not {what}"
+        elif s.points < judged.points:
+            why_not[i] = f"fewer points than the judged series ({s.points} < {judged.points})"
+        elif s.kind == CHECKPOINTS:
+            why_not[i] = (
+                "as many points, but the logs hold the gradients themselves "
+                "(--what exp_avg trends the checkpoints)"
+            )
+        elif judged.per_group and not s.per_group:
+            why_not[i] = "as many points, total only"
+        else:
+            why_not[i] = "as many points as the judged series"
+        if s.kind == CHECKPOINTS and judged.kind != CHECKPOINTS and s.points < judged.points:
+            why_not[i] += "; --what exp_avg trends them"
+    return judged, why_not

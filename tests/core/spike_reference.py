@@ -1,0 +1,44 @@
+"""The spike rule written out plainly, for tests to judge gradclip's against.
+
+Written from the README's statement of the rule ("Over time"), not from
+``gradclip_cli.core.spikes``: only the minimum history is shared.
+"""
+
+from __future__ import annotations
+
+import math
+
+MIN_HISTORY = 5  # README: "a point with fewer than 5 earlier points is not judged"
+
+
+def reference(series, z=2.5, alpha=0.97, warmup=25):
+    """The rule written out directly: (z or None, spike, limit or None) per point.
+
+    mean and var: plain over the first ``warmup`` finite points, exponential
+    after; std floored at half of |mean|; a spike enters the history as
+    mean + z * std.
+    """
+    history: list[float] = []
+    mean = var = 0.0
+    out = []
+    for i, x in enumerate(series):
+        if not math.isfinite(x):
+            out.append((None, False, None))
+            continue
+        if i < MIN_HISTORY or not history:
+            out.append((None, False, None))
+            kept = x
+        else:
+            std = max(math.sqrt(var), 0.5 * abs(mean))
+            score = (x - mean) / std
+            limit = mean + z * std
+            out.append((score, score > z, limit))
+            kept = limit if score > z else x
+        history.append(kept)
+        if len(history) <= warmup:
+            mean = sum(history) / len(history)
+            var = sum((v - mean) ** 2 for v in history) / len(history)
+        else:
+            mean = alpha * mean + (1 - alpha) * kept
+            var = alpha * var + (1 - alpha) * (kept - mean) ** 2
+    return out

@@ -1,0 +1,126 @@
+"""A run that cannot report (exit 2 or 3) still carries its failure in every CI format.
+
+Each document is read back with its consumer's rules (ElementTree, the
+Actions runner's command parser, a CommonMark parser) and must say what the
+one line on stderr says, with a hostile path kept as inert data.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+from markdown_it import MarkdownIt
+
+from gradclip_cli.format.text import visible
+from tests.cli.conftest import gradclip  # noqa: F401 (fixture)
+from tests.schemas import validate
+
+from .test_ci_formats import markup_in, parse_workflow_command
+
+HOSTILE_NAME = "a|b <x> *y* [l](https://e.example) %0A::error::forged.pt"
+
+
+def stderr_message(result) -> str:
+    (line,) = result.err_lines
+    assert line.startswith("gradclip: ")
+    return line.removeprefix("gradclip: ")
+
+
+def failures(tmp_path):
+    """Each command failing: unreadable input (3) and a bad flag value (2)."""
+    good = tmp_path / "good.pt"
+    torch.save({"grads": {"w": torch.ones(3)}}, good)
+    missing = tmp_path / HOSTILE_NAME
+    return {
+        "inspect-3": (3, ["inspect", missing]),
+        "clip-3": (3, ["clip", missing, "--max-norm", "1", "-o", tmp_path / "o.pt"]),
+        "trend-3": (3, ["trend", missing]),
+        "compare-3": (3, ["compare", good, missing]),
+        "inspect-2": (2, ["inspect", good, "--norm-type", "abc"]),
+        "trend-2": (2, ["trend", good, "--z", "nan"]),
+        "compare-2": (2, ["compare", good, good, "--fail-above", "0.5"]),
+    }
+
+
+CASES = ["inspect-3", "clip-3", "trend-3", "compare-3", "inspect-2", "trend-2", "compare-2"]
+
+
+def check_junit(text: str, message: str, code: int) -> None:
+    root = ET.fromstring(text.encode("utf-8"))
+    assert root.tag == "testsuites" and root.get("errors") == "1"
+    assert root.get("failures") == "0"
+    (suite,) = root.findall("testsuite")
+    (case,) = suite.findall("testcase")
+    assert suite.get("errors") == "1" and suite.get("tests") == "1"
+    (error,) = case.findall("error")
+    assert error.text == message
+    assert f"(exit {code})" in error.get("message")
+
+
+def check_github(text: str, message: str, code: int, source: str | None) -> None:
+    (line,) = text.splitlines()
+    name, props, data = parse_workflow_command(line)
+    assert name == "error" and data == message
+    assert props["title"].startswith("gradclip: ") and f"(exit {code})" in props["title"]
+    assert set(props) <= {"file", "title"}
+    if source is not None:
+        assert props["file"] == visible(source)
+
+
+def check_markdown(text: str, message: str, code: int) -> None:
+    assert markup_in(text) == {"heading_open"}  # the heading, then plain (bold) text
+    md = MarkdownIt("commonmark")
+    tokens = md.parse(text)
+    inline = [t for t in tokens if t.type == "inline"]
+    shown = "".join(c.content for c in inline[-1].children if c.type == "text")
+    assert shown.startswith("❌ FAIL: ") and shown.endswith(f"{message} (exit {code})")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("fmt", ["json", "junit", "github", "markdown"])
+def test_every_format_carries_the_failure(gradclip, tmp_path, fmt, case):  # noqa: F811
+    code, args = failures(tmp_path)[case]
+    r = gradclip(*args, "--format", fmt)
+    assert r.code == code, (r.out, r.err)
+    message = stderr_message(r)
+    source = str(args[1]) if case.startswith(("inspect", "clip", "trend")) else None
+    if fmt == "json":
+        doc = r.json()
+        validate(doc, "error-1")
+        assert doc["error"] == message and doc["exit_code"] == code
+    elif fmt == "junit":
+        check_junit(r.out, message, code)
+    elif fmt == "github":
+        check_github(r.out, message, code, source)
+    else:
+        check_markdown(r.out, message, code)
+
+
+@pytest.mark.parametrize("fmt", ["json", "junit", "github", "markdown"])
+def test_the_failure_goes_to_the_output_file(gradclip, tmp_path, fmt):  # noqa: F811
+    report = tmp_path / "report.out"
+    r = gradclip("inspect", tmp_path / "missing.pt", "--format", fmt, "--output-file", report)
+    assert r.code == 3 and r.out == ""
+    message = stderr_message(r)
+    text = report.read_text(encoding="utf-8")
+    if fmt == "json":
+        assert json.loads(text)["error"] == message
+    elif fmt == "junit":
+        check_junit(text, message, 3)
+    elif fmt == "github":
+        check_github(text, message, 3, str(tmp_path / "missing.pt"))
+    else:
+        check_markdown(text, message, 3)
+
+
+def test_a_table_carries_the_failure_on_stderr_alone(gradclip, tmp_path):  # noqa: F811
+    r = gradclip("inspect", tmp_path / "missing.pt")
+    assert r.code == 3 and r.out == "" and len(r.err_lines) == 1
+
+
+def test_an_unknown_format_is_a_usage_error_with_no_document(gradclip, tmp_path):  # noqa: F811
+    r = gradclip("inspect", tmp_path / "missing.pt", "--format", "xml")
+    assert r.code == 2 and r.out == "" and "--format" in stderr_message(r)

@@ -1,0 +1,60 @@
+"""The README's "In your training loop" output blocks are what the plain loop prints.
+
+The loop trains 60 float32 steps, whose last digits differ between CPU kinds,
+so numbers compare within 1e-5 relative (the tables print 6 digits).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.cli.support import REPO
+from tests.test_readme import NUMBER
+
+
+def close(expected: str, actual: str, rel: float = 1e-5) -> bool:
+    def parts(text: str):
+        text = re.sub(r"[ \t]+", " ", text.strip())
+        return NUMBER.split(text), [float(x) for x in NUMBER.findall(text)]
+
+    (words_a, numbers_a), (words_b, numbers_b) = parts(expected), parts(actual)
+    return (
+        words_a == words_b
+        and len(numbers_a) == len(numbers_b)
+        and all(math.isclose(a, b, rel_tol=rel) for a, b in zip(numbers_a, numbers_b))
+    )
+
+
+def shell(command: str, cwd: Path) -> str:
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1", "PYTHONIOENCODING": "utf-8",
+           "PATH": bin_dir + os.pathsep + os.environ["PATH"]}  # fmt: skip
+    for var in ("FORCE_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE"):
+        env.pop(var, None)
+    done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return "\n".join(line.rstrip() for line in done.stdout.rstrip("\n").splitlines())
+
+
+def test_the_plain_loop_blocks_show_what_it_prints(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## In your training loop") :]
+    code = section[section.index("```python\n") + len("```python\n") :]
+    (tmp_path / "train.py").write_text(code[: code.index("```")])
+    shown = section[section.index("```console\n") + len("```console\n") :]
+    shown = shown[: shown.index("\n```")]
+    # "$ command" lines, each followed by its output
+    blocks = re.split(r"^\$ (.*)$", shown, flags=re.MULTILINE)[1:]
+    commands, outputs = blocks[0::2], blocks[1::2]
+    assert commands[0].startswith("python train.py") and commands[1].startswith("gradclip inspect")
+    for command, output in zip(commands, outputs):
+        actual = shell(command, tmp_path)
+        assert close(output.strip("\n"), actual), (
+            f"README block for `{command}` is stale:\n{actual}"
+        )
