@@ -63,6 +63,25 @@ def llama_3b_shapes() -> list[tuple[str, tuple[int, ...]]]:
     return shapes + [("model.norm.weight", (d,))]
 
 
+def llama2_7b_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    """Llama-2-7B: 32 layers, d=4096, ffn 11008, untied 32000-token embedding and head.
+
+    291 tensors, 6.74e9 elements (13.5 GB in bf16).
+    """
+    d, ffn, vocab, layers = 4096, 11008, 32000, 32
+    shapes = [("model.embed_tokens.weight", (vocab, d))]
+    for i in range(layers):
+        h = f"model.layers.{i}."
+        shapes += [
+            (h + "self_attn.q_proj.weight", (d, d)), (h + "self_attn.k_proj.weight", (d, d)),
+            (h + "self_attn.v_proj.weight", (d, d)), (h + "self_attn.o_proj.weight", (d, d)),
+            (h + "mlp.gate_proj.weight", (ffn, d)), (h + "mlp.up_proj.weight", (ffn, d)),
+            (h + "mlp.down_proj.weight", (d, ffn)),
+            (h + "input_layernorm.weight", (d,)), (h + "post_attention_layernorm.weight", (d,)),
+        ]  # fmt: skip
+    return shapes + [("model.norm.weight", (d,)), ("lm_head.weight", (vocab, d))]
+
+
 def small_shapes(count: int = 20_000, size: int = 1024) -> list[tuple[str, tuple[int, ...]]]:
     return [(f"p{i}", (size,)) for i in range(count)]
 

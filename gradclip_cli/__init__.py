@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 # import-time "Failed to initialize NumPy" warning before torch loads.
 _EXPORTS = {
     "GradMonitor": "monitor",
+    "adaptive_clip_grad_": "api",
     "clip_grad_norm_": "api",
     "clip_grad_value_": "api",
     "clip_grads_with_norm_": "api",

@@ -31,6 +31,7 @@ from .core import (
     scale_elements_,
     tensor_power_sums,
 )
+from .core.adaptive import adaptive_clip_
 from .core.kernels import FLOAT64_SAFE_P, total_on_device
 from .distributed import dtensor
 
@@ -95,8 +96,13 @@ def get_total_norm(
     tensors = _as_list(tensors)
     norm_type = float(norm_type)
     if dtensor.has_dtensor(tensors):
-        total = dtensor.get_total_norm(tensors, norm_type, foreach, _sync_free_ok)
-        return _checked(total, norm_type, error_if_nonfinite)
+        if norm_type > 0:
+            total = dtensor.get_total_norm(tensors, norm_type, foreach, _sync_free_ok)
+        else:  # torch's own definition, on the whole gradients (gathered: rare orders)
+            total = _torch_defined_norm([dtensor.as_plain(t) for t in tensors], norm_type)
+            total = total.to(dtype=torch.float64 if any(_wide(t) for t in tensors)
+                             else torch.float32)
+        return dtensor.replicated(_checked(total, norm_type, error_if_nonfinite), tensors)
     if len(tensors) == 0:
         return torch.tensor(0.0)
     total, _ = _total_norm(distinct_elements(tensors), tensors, norm_type, foreach)
@@ -106,17 +112,34 @@ def get_total_norm(
 def _torch_defined_norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """torch's total for p <= 0 and -inf: the p-"norm" of the per-tensor norms.
 
-    These are not norms (p = 0 counts nonzero elements, so the total counts
-    tensors that have one), and torch defines the total this way; each
-    per-tensor value is accumulated in float64.
+    These are not norms, and torch defines the total this way: p = 0 counts
+    nonzero elements, so the total counts the tensors that have one; -inf is
+    the smallest ``|x|``; p < 0 is ``(sum |x|^p)^(1/p)``, which a zero makes 0.
+    No host read; p < 0 is scaled so that nothing overflows or underflows.
     """
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float64)
     first = tensors[0].device
-    norms = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float64).to(first)
-             for t in tensors]
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if norm_type == 0 or math.isinf(norm_type):
+        norms = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float64).to(first)
+                 for t in tensors]
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    norms = torch.stack([_negative_order_norm(t, norm_type).to(first) for t in tensors])
+    return _negative_order_norm(norms, norm_type)
+
+
+def _negative_order_norm(x: torch.Tensor, norm_type: float) -> torch.Tensor:
+    r"""``(sum |x|^p)^(1/p)`` for p < 0, in float64, as ``m (sum (|x|/m)^p)^(1/p)``.
+
+    With ``m = min |x|`` every term ``(|x|/m)^p`` is at most 1 and the
+    smallest element's is 1, so the sum neither overflows nor underflows
+    (torch's own underflows for ``|x| = 1e200`` at p = -2 and returns inf).
+    """
+    x = x.to(torch.float64)
+    low = torch.linalg.vector_norm(x, -math.inf)
+    unit = torch.where((low > 0) & torch.isfinite(low), low, 1.0)
+    return unit * torch.linalg.vector_norm(x / unit, norm_type)
 
 
 def _checked(total: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
@@ -218,3 +241,31 @@ def clip_grad_value_(
     """Clamp every gradient element of ``parameters`` to ``[-clip_value, clip_value]``, in place."""
     clamp_elements_(distinct_elements(dtensor.local_tensors(_grads(parameters))), clip_value,
                     foreach)
+
+
+def adaptive_clip_grad_(
+    parameters: TensorOrTensors,
+    clip_factor: float = 0.01,
+    eps: float = 1e-3,
+) -> None:
+    r"""Unit-wise adaptive gradient clipping (AGC, Brock et al. 2021), in place.
+
+    For each output unit ``i`` of each parameter (dimension 0: a row of a
+    linear weight, a convolution filter; a vector parameter is one unit)
+
+    .. math:: G_i \leftarrow G_i \cdot \min\Big(1, \lambda
+              \frac{\max(\|W_i\|, \epsilon)}{\|G_i\|}\Big)
+
+    as timm's ``adaptive_clip_grad`` and optax's ``adaptive_grad_clip``
+    define it, with unit norms accumulated in float64 (exact in every dtype)
+    and no host-device read (core/adaptive.py).
+
+    Args:
+        parameters: a tensor or an iterable of tensors with ``.grad``.
+        clip_factor: ``lambda``, the largest ratio of a unit's gradient norm
+            to its weight norm. Default 0.01.
+        eps: the floor of a unit's weight norm, so that units whose weights
+            start at zero can still move. Default 1e-3.
+    """
+    pairs = [(p, p.grad) for p in _parameters(parameters) if p.grad is not None]
+    adaptive_clip_(pairs, float(clip_factor), float(eps))

@@ -67,38 +67,34 @@ def app() -> None:
     pass
 
 
-# Options, each declared once. A decorator makes a new click.Option for each
-# command it is applied to; options that differ between commands (defaults,
-# help) are declared apart and named for what differs.
-def _option(*names: str, **kwargs):
-    return click.option(*names, **kwargs)
-
-
-key_option = _option("--key", metavar="K", help="Dotted path to the gradients "
+# Options, each declared once. ``click.option`` makes a new Option for each
+# command it decorates; options that differ between commands (defaults, help)
+# are declared apart, where the command is.
+key_option = click.option("--key", metavar="K", help="Dotted path to the gradients "
                      "(grads, state.grads); an integer indexes a list.")
-norm_type_option = _option("--norm-type", type=V.NORM_TYPE, default="2", metavar="P",
+norm_type_option = click.option("--norm-type", type=V.NORM_TYPE, default="2", metavar="P",
                            help="p of the p-norm: any number > 0, or inf.")
-device_option = _option("--device", type=V.DEVICE, default="cpu", metavar="DEVICE",
+device_option = click.option("--device", type=V.DEVICE, default="cpu", metavar="DEVICE",
                         help=f"{V.DEVICES}.")
-format_option = _option("--format", "format", type=V.FORMAT, default="table",
+format_option = click.option("--format", "format", type=V.FORMAT, default="table",
                         metavar="FORMAT", help="table (for people), json (for scripts), "
                         "markdown (a PR comment or $GITHUB_STEP_SUMMARY), github (GitHub "
                         "Actions annotations) or junit (JUnit XML).")
-output_file_option = _option("--output-file", metavar="FILE",
+output_file_option = click.option("--output-file", metavar="FILE",
                              help="Write the report to FILE (atomically) instead of stdout.")
-trust_option = _option("--trust-pickle", is_flag=True, help="Allow full unpickling: runs "
+trust_option = click.option("--trust-pickle", is_flag=True, help="Allow full unpickling: runs "
                        "code from the file. Trusted files only.")
-quiet_option = _option("--quiet", "-q", is_flag=True, help="Print only the verdict line "
+quiet_option = click.option("--quiet", "-q", is_flag=True, help="Print only the verdict line "
                        "(findings also on stderr); the exit code is unchanged.")
-no_progress_option = _option("--no-progress", is_flag=True,
+no_progress_option = click.option("--no-progress", is_flag=True,
                              help="No progress display on stderr.")
-debug_option = _option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
-verify_option = _option("--verify", is_flag=True,
+debug_option = click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
+verify_option = click.option("--verify", is_flag=True,
                         help="Check every stored checksum before trusting the data.")
-what_option = _option("--what", type=V.WHAT, default="auto", metavar="WHAT",
+what_option = click.option("--what", type=V.WHAT, default="auto", metavar="WHAT",
                       help="What is measured: grads, exp_avg, grad_rms, update, weights or "
                       "auto (grads if saved, else exp_avg, else weights).")
-group_by_option = _option("--group-by", type=V.GROUP_BY, default="layer", metavar="RULE",
+group_by_option = click.option("--group-by", type=V.GROUP_BY, default="layer", metavar="RULE",
                           help="layer, module, tensor, depth:N or regex:PATTERN.")
 path_argument = click.argument("path", metavar="PATH")
 
@@ -118,7 +114,8 @@ FAILURE_FORMATS = ("json", "junit", "github", "markdown")
 
 
 def _report_error(message: str, code: int, *, format: str | None, source: object,
-                  command: str = "gradclip", output_file: Path | None = None) -> None:
+                  command: str = "gradclip", output_file: Path | None = None,
+                  inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = ()) -> None:
     """One line on stderr; with a CI format also that format's failure document.
 
     ``--format json`` prints the contract's ``gradclip.error/1`` object,
@@ -143,12 +140,15 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
     from .report.model import FailureReport
 
     failure = FailureReport(command=command, message=message, exit_code=code,
-                            source=None if source is None else str(source))
+                            source=None if source is None else str(source),
+                            file=inputs[0] if len(inputs) == 1 else None)
     buffer = io.StringIO()
     FORMATS[format].render_error(failure, buffer)
     document = buffer.getvalue()
-    if output_file is not None and not message.startswith(REPORT_FILE_FLAG):
-        # (an error about --output-file itself is never written there: stdout)
+    # An error about --output-file itself is never written there, nor is any failure
+    # written onto an input: stdout instead.
+    if (output_file is not None and not message.startswith(REPORT_FILE_FLAG)
+            and _may_hold_the_failure(output_file, (*inputs, *outputs))):
         from .sink.atomic import atomic_write
 
         try:
@@ -159,6 +159,30 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
                 print(f"gradclip: {error}", file=sys.stderr)
     sys.stdout.write(document)
     sys.stdout.flush()
+
+
+def _may_hold_the_failure(output_file: Path, inputs: tuple[str, ...]) -> bool:
+    """Whether a failed run's document may go to ``--output-file``: never onto a file the
+    command reads or writes, nor into an input folder (by identity, links included);
+    the document goes to stdout instead. A run can fail *because* ``--output-file``
+    names its input, and a failure must not do the damage the check prevents."""
+    target = os.path.realpath(output_file)
+    try:
+        identity = os.stat(output_file)
+    except OSError:
+        identity = None
+    for given in inputs:
+        real = os.path.realpath(given)
+        if target == real or target.startswith(real.rstrip(os.sep) + os.sep):
+            return False
+        try:
+            other = os.stat(given)
+        except OSError:
+            continue
+        if identity is not None and (other.st_dev, other.st_ino) == (identity.st_dev,
+                                                                       identity.st_ino):
+            return False
+    return True
 
 
 def _command(name: str):
@@ -185,7 +209,8 @@ def _command(name: str):
 
 
 def _run(body, *, command: str, debug: bool, format: str | None = None, source: object = None,
-         output_file: Path | None = None) -> None:
+         output_file: Path | None = None, inputs: tuple[str, ...] = (),
+         outputs: tuple[str, ...] = ()) -> None:
     """Run a command body, turning every error into one line and an exit code.
 
     Under a launcher every rank ends with the same code and rank 0 alone
@@ -195,7 +220,7 @@ def _run(body, *, command: str, debug: bool, format: str | None = None, source: 
     code, message, speaks = _settle(failed, code, message)
     if message is not None and speaks:
         _report_error(message, code, format=format, source=source, command=command,
-                      output_file=output_file)
+                      output_file=output_file, inputs=inputs, outputs=outputs)
     raise click.exceptions.Exit(code)
 
 
@@ -249,12 +274,12 @@ def _output_file(value: str | None) -> Path | None:
              "non-finite values. Never writes PATH.\n\n" + PATH_HELP)
 @path_argument
 @norm_type_option
-@_option("--max-norm", type=V.positive("--max-norm", allow_zero=True), metavar="FLOAT",
+@click.option("--max-norm", type=V.positive("--max-norm", allow_zero=True), metavar="FLOAT",
          help="Threshold: a total norm above it is a finding (exit 1).")
-@_option("--allow-nonfinite", is_flag=True,
+@click.option("--allow-nonfinite", is_flag=True,
          help="Report NaN/inf gradients without treating them as a finding.")
 @group_by_option
-@_option("--top", type=V.count("--top", 0), default="5", metavar="N",
+@click.option("--top", type=V.count("--top", 0), default="5", metavar="N",
          help="Show the N largest tensors by norm.")
 @what_option
 @_shared
@@ -270,23 +295,23 @@ def inspect(path, key, norm_type, device, format, output_file, max_norm, allow_n
         )
 
     _run(body, command="inspect", debug=debug, format=format, source=path,
-         output_file=_output_file(output_file))
+         output_file=_output_file(output_file), inputs=(path,))
 
 
 @app.command(context_settings=CONTEXT, help="Write a copy of PATH with clipped gradients; "
              "everything else is kept as it was.\n\n" + PATH_HELP)
 @path_argument
-@_option("--max-norm", type=V.positive("--max-norm"), metavar="FLOAT",
+@click.option("--max-norm", type=V.positive("--max-norm"), metavar="FLOAT",
          help="Scale gradients so the total norm is at most FLOAT.")
-@_option("--clip-value", type=V.positive("--clip-value"), metavar="FLOAT",
+@click.option("--clip-value", type=V.positive("--clip-value"), metavar="FLOAT",
          help="Instead: clamp every element to [-FLOAT, FLOAT].")
-@_option("--output", "-o", metavar="FILE",
+@click.option("--output", "-o", metavar="FILE",
          help="Where to write (default: <stem>.clipped<suffix> beside PATH).")
-@_option("--in-place", is_flag=True, help="Replace PATH itself, atomically.")
+@click.option("--in-place", is_flag=True, help="Replace PATH itself, atomically.")
 @norm_type_option
-@_option("--allow-nonfinite", is_flag=True, help="Clip even when gradients hold NaN/inf "
+@click.option("--allow-nonfinite", is_flag=True, help="Clip even when gradients hold NaN/inf "
          "(as torch with error_if_nonfinite=False).")
-@_option("--what", type=V.CLIP_WHAT, default="grads", metavar="WHAT",
+@click.option("--what", type=V.CLIP_WHAT, default="grads", metavar="WHAT",
          help="Only grads: clip changes gradients.")
 @_shared
 def clip(path, max_norm, clip_value, output, in_place, key, norm_type, device, format,
@@ -302,7 +327,8 @@ def clip(path, max_norm, clip_value, output, in_place, key, norm_type, device, f
         )
 
     _run(body, command="clip", debug=debug, format=format, source=path,
-         output_file=_output_file(output_file))
+         output_file=_output_file(output_file), inputs=(path,),
+         outputs=(output,) if output else ())
 
 
 @app.command(context_settings=CONTEXT, help="Norms over a run, oldest to newest; flags "
@@ -311,18 +337,18 @@ def clip(path, max_norm, clip_value, output, in_place, key, norm_type, device, f
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...")
 @what_option
 @group_by_option
-@_option("--z", type=V.positive("--z"), metavar="Z", help="A point is a spike when its "
+@click.option("--z", type=V.positive("--z"), metavar="Z", help="A point is a spike when its "
          "z-score exceeds Z (default 2.5).")
-@_option("--alpha", type=V.between_0_and_1("--alpha"), metavar="A",
+@click.option("--alpha", type=V.between_0_and_1("--alpha"), metavar="A",
          help="Factor of the exponential averages of mean and variance (default 0.97).")
-@_option("--warmup", type=V.count("--warmup", 1), metavar="N",
+@click.option("--warmup", type=V.count("--warmup", 1), metavar="N",
          help="Points that seed the averages (default 25).")
-@_option("--fail-on", type=V.FAIL_ON_TYPE, default="newest", metavar="WHEN",
+@click.option("--fail-on", type=V.FAIL_ON_TYPE, default="newest", metavar="WHEN",
          help="newest: exit 1 when the newest point spikes or is non-finite; any: when any "
          "point does.")
-@_option("--plot", type=V.PLOT, metavar="FILE",
+@click.option("--plot", type=V.PLOT, metavar="FILE",
          help="Also draw the norms to FILE.png or FILE.svg (needs gradclip[plot]).")
-@_option("--norm-type", type=V.NORM_TYPE, metavar="P",
+@click.option("--norm-type", type=V.NORM_TYPE, metavar="P",
          help="p of the p-norm (default: the logs' own, else 2).")
 @_shared
 def trend(paths, what, group_by, z, alpha, warmup, fail_on, plot, key, norm_type, device,
@@ -337,7 +363,8 @@ def trend(paths, what, group_by, z, alpha, warmup, fail_on, plot, key, norm_type
         )
 
     _run(body, command="trend", debug=debug, format=format, source=" ".join(paths),
-         output_file=_output_file(output_file))
+         output_file=_output_file(output_file), inputs=tuple(paths),
+         outputs=(plot,) if plot else ())
 
 
 @app.command(context_settings=CONTEXT, help="Per-group norms of A and B side by side with "
@@ -345,7 +372,7 @@ def trend(paths, what, group_by, z, alpha, warmup, fail_on, plot, key, norm_type
              "B the later (the first bad one).")
 @click.argument("a", metavar="A")
 @click.argument("b", metavar="B")
-@_option("--fail-above", type=V.RATIO, metavar="R", help="Exit 1 when the total's or some "
+@click.option("--fail-above", type=V.RATIO, metavar="R", help="Exit 1 when the total's or some "
          "group's ratio B/A exceeds R or falls below 1/R, or a group is on one side only.")
 @what_option
 @group_by_option
@@ -362,7 +389,7 @@ def compare(a, b, fail_above, what, group_by, key, norm_type, device, format, ou
         )
 
     _run(body, command="compare", debug=debug, format=format, source=f"{a} {b}",
-         output_file=_output_file(output_file))
+         output_file=_output_file(output_file), inputs=(a, b))
 
 
 def _requested_format(argv: list[str]) -> str | None:
@@ -376,7 +403,7 @@ def _requested_format(argv: list[str]) -> str | None:
     return found
 
 
-def _given_source(ctx: click.Context, args: list[str]) -> str | None:
+def _given_inputs(ctx: click.Context, args: list[str]) -> tuple[str, ...]:
     """The PATH (or paths) of a command line that failed to parse, for the error document.
 
     click reads arguments after options, so a bad option value stops it before
@@ -387,15 +414,15 @@ def _given_source(ctx: click.Context, args: list[str]) -> str | None:
         probe = ctx.command.make_context(ctx.info_name, rest, parent=ctx.parent,
                                          resilient_parsing=True)
     except Exception:  # noqa: BLE001 (best effort: the error itself is what is reported)
-        return None
+        return ()
     params = probe.params
     if params.get("path"):
-        return params["path"]
+        return (params["path"],)
     if params.get("paths"):
-        return " ".join(params["paths"])
+        return tuple(params["paths"])
     if params.get("a") and params.get("b"):
-        return f"{params['a']} {params['b']}"
-    return None
+        return (params["a"], params["b"])
+    return ()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -438,9 +465,10 @@ def _main(argv: list[str] | None) -> None:
             sys.exit(2)
         where = ctx.command_path if ctx is not None else PROG
         command = ctx.info_name if ctx is not None and ctx.parent is not None else PROG
-        source = _given_source(ctx, args) if command != PROG else None
+        inputs = _given_inputs(ctx, args) if command != PROG else ()
         _report_error(f"{error.format_message()} (see '{where} --help')", 2,
-                      format=_requested_format(args), source=source, command=command)
+                      format=_requested_format(args), source=" ".join(inputs) or None,
+                      command=command, inputs=inputs)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 

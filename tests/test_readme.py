@@ -126,7 +126,7 @@ def _shell(command: str, cwd: Path, scratch: str) -> str:
         env.pop(var, None)
     proc = subprocess.run(
         ["bash", "-c", command.replace("/tmp/", scratch + "/")], cwd=cwd, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
     )  # fmt: skip
     output = proc.stdout.replace(scratch + "/", "/tmp/")
     return "\n".join(line.rstrip() for line in output.rstrip("\n").splitlines())

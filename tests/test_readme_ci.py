@@ -79,7 +79,7 @@ def shell(script: str, cwd: Path, env: dict, flags: list[str]) -> subprocess.Com
         env=full,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
     )
 
 

@@ -119,7 +119,7 @@ def blocked_modules() -> set[str]:
     # dependency (numpy, under torch) stays importable.
     needed_by_base = {
         _name(r)
-        for d in ("torch", "typer", "rich", "safetensors")
+        for d in ("torch", "click", "rich", "safetensors")
         for r in importlib.metadata.requires(d) or []
         if ";" not in r
     }

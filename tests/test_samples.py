@@ -39,7 +39,7 @@ def load(path: Path):
 @pytest.fixture(scope="module")
 def regenerated(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("samples")
-    subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], check=True, timeout=300)
+    subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], check=True, timeout=900)
     return out
 
 

@@ -22,12 +22,11 @@ from ..core import (
     unit_roundoff,
 )
 from ..distributed import launcher
-from ..errors import UsageError
+from ..errors import OutputError, UsageError
 from ..format.text import visible
 from ..progress import progress_steps
 from ..report import ClipReport, NonFinite
-from ..sink import WRITERS, write_contents
-from ..source.layouts.dcp import is_dcp_set
+from ..source.layouts import write_back
 from ..source.what import select
 from .common import Loaded, emit, load, measure, output_format, speaks, tensor_writers
 
@@ -56,7 +55,7 @@ def run(
     options.report_file(output_file, reads=[path], writes=[target])
 
     def load_for_writing(steps) -> tuple[Loaded, list[str]]:
-        loaded = _held_pieces(load(path, key, trust_pickle, verify, steps, what,
+        loaded = _for_writing(load(path, key, trust_pickle, verify, steps, what,
                                    gradients_only=True))
         loaded.held_tensors()  # clip changes tensors in place: each must be one piece
         return loaded, _unshare_other_entries(loaded)
@@ -66,9 +65,9 @@ def run(
         dev = session.device
     with progress_steps(not progress or not speaks()) as steps:
         loaded, unshared = load_for_writing(steps)
-        if loaded.contents.checkpoint is None and loaded.contents.folder is not None:
+        if loaded.write_back is not None and loaded.write_back.folder is not None:
             # A set of files (HF sharded, DCP, DCP's HF layout) is written as a folder.
-            target = str(_set_target(loaded.contents.folder, output, in_place))
+            target = str(_set_target(loaded.write_back.folder, output, in_place))
         options.report_file(output_file, reads=[*loaded.contents.files, loaded.contents.path],
                             writes=[target])
         if value is not None and any(t.is_complex() for t in loaded.held_tensors()):
@@ -76,12 +75,13 @@ def run(
                              "have no order); use --max-norm")
         # Under a launcher the ranks share the reading for this first norm; for a
         # set, by shards: each rank goes on to clip and write the shards it read.
-        by_shard = session is not None and bool(loaded.contents.shards or loaded.contents.chunks)
+        by_shard = session is not None and loaded.write_back is not None \
+            and bool(loaded.write_back.files)
         files = None
         if by_shard:
-            from ..distributed.sets import shard_owners, write_set_by_ranks
+            from ..distributed.sets import shard_owners
 
-            files = shard_owners(loaded.contents, session.world_size)
+            files = shard_owners(loaded.write_back.files, session.world_size)
         _, owned = measure(loaded, p, dev, steps, "computing norms", session=session,
                            files=files)
         before = owned.total()
@@ -147,15 +147,11 @@ def run(
             clipped = float(before.max_abs[0]) > value
             after = check(loaded)
         steps.begin("writing")
-        if by_shard:
-            from ..sink.dcp_set import chunk_patcher
-
-            patch = chunk_patcher(loaded.contents.chunks) if loaded.contents.chunks else None
-            write_set_by_ranks(session, loaded.contents, Path(target), WRITERS,
-                               in_place=in_place, owners=files, patch=patch)
-            other_links = 0
-        else:
-            other_links = write_contents(loaded.contents, target, in_place=in_place)
+        if loaded.write_back is None:
+            raise OutputError(f"{target}: cannot write a {loaded.contents.kind} checkpoint")
+        other_links = loaded.write_back.write(target, in_place=in_place,
+                                              session=session if by_shard else None,
+                                              owners=files)
     if not speaks():
         return 0
     lowered = coef is not torch_coef
@@ -166,8 +162,7 @@ def run(
         total_norm_after=after, clipped=clipped,
         # A DCP set is clipped chunk by chunk (its HF layout piece by piece); the report
         # counts its tensors.
-        num_tensors=len({c.name for c in loaded.contents.chunks})
-        or len({p.name for p in loaded.contents.held_pieces.values()}) or len(loaded.tensors),
+        num_tensors=loaded.write_back.tensor_count or len(loaded.tensors),
         nonfinite=nonfinite, overflow=overflow,
         clip_coef_log2=None if coef is None else coef.log2,
         clip_coef_torch=torch_coef.value if lowered else None, coef_lowered=lowered,
@@ -183,22 +178,21 @@ def run(
     return 0
 
 
-def _held_pieces(loaded: Loaded) -> Loaded:
-    """A DCP set's gradients held chunk by chunk (its Hugging Face layout's piece by
-    piece), each a gradient of its own: clip scales tensors in place, and the sink
-    writes each chunk or piece back where it was. Other checkpoints as they are."""
-    from ..source.layouts import dcp_hf
-    from ..source.layouts.dcp import hold_gradient_chunks
+def _for_writing(loaded: Loaded) -> Loaded:
+    """``loaded`` with how its layout writes it back (``layouts.write_back``).
 
-    if is_dcp_set(loaded.contents):
-        hold_gradient_chunks(loaded.contents)
-    elif loaded.contents.kind == dcp_hf.KIND:
-        dcp_hf.hold_gradient_pieces(loaded.contents)
-    else:
-        return loaded
-    selection = select(loaded.contents, "grads", gradients_only=True)
-    return Loaded(loaded.contents, selection,
-                  distinct_elements([t.held for t in selection.tensors]))
+    A layout may hold its gradients anew for clip, each a gradient of its own
+    that clip scales in place and the sink writes back where it was (a DCP
+    set's chunk by chunk, its Hugging Face layout's piece by piece): then
+    they are chosen again. Other checkpoints keep what ``load`` chose."""
+    chosen = loaded.contents.gradients
+    back = write_back(loaded.contents)
+    if loaded.contents.gradients is not chosen:
+        selection = select(loaded.contents, "grads", gradients_only=True)
+        loaded = Loaded(loaded.contents, selection,
+                        distinct_elements([t.held for t in selection.tensors]))
+    loaded.write_back = back
+    return loaded
 
 
 def _set_target(folder: Path, output: str | None, in_place: bool) -> Path:

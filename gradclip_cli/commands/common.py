@@ -21,7 +21,7 @@ from ..progress import Steps
 from ..sink import atomic_write
 from ..source import Checkpoint
 from ..source.files.pages import PageReleaser
-from ..source.interface import Contents
+from ..source.interface import Contents, WriteBack
 from ..source.layouts import open_checkpoint
 from ..source.what import Selection, select, stored_power_sums
 
@@ -43,6 +43,7 @@ class Loaded:
     contents: Contents
     selection: Selection
     elements: Elements | None = None
+    write_back: WriteBack | None = None  # clip: how the layout writes it back
 
     @property
     def checkpoint(self) -> Checkpoint | None:
@@ -224,12 +225,11 @@ def tensor_owners(loaded: Loaded, files: dict[str, int]) -> list[int]:
 
 def tensor_writers(loaded: Loaded, files: dict[str, int]) -> list[set[int]]:
     """The ranks that write each tensor of ``loaded`` (``files``): its own file's, and
-    for a piece that other files hold too (``Contents.held_pieces``), theirs."""
+    for a piece that other files hold too (``WriteBack.copies``), theirs."""
     writers = []
-    held = loaded.contents.held_pieces
+    back = loaded.write_back
     for t, rank in zip(loaded.tensors, tensor_owners(loaded, files)):
-        piece = held.get(t.name)
-        copies = piece.copies if piece is not None else ()
+        copies = back.copies(t.name) if back is not None else ()
         writers.append({rank, *(files[Path(c).name] for c in copies)})
     return writers
 

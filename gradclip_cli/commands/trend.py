@@ -336,10 +336,11 @@ def _folder_of_files(path: Path, reason: str, folder_step: int | None) -> list[I
 
 
 def _is_checkpoint_file(path: Path) -> bool:
-    try:
-        with open(path, "rb") as file:
-            head = file.read(64)
-    except OSError:
+    from ..source.files.small_file import read_head
+
+    try:  # never blocks: a path swapped for a FIFO after is_file() is refused
+        head = read_head(path, 64, what="a checkpoint file")
+    except InputError:
         return False
     return any(reader.recognises(head) for reader in READERS)
 

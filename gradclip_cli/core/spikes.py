@@ -71,7 +71,7 @@ class SpikeDetector:
         self.seen = 0  # earlier points, judged or not
         self.accepted = 0  # earlier points that entered the averages (the finite ones)
         self.mean = 0.0
-        self.var = 0.0
+        self.spread = 0.0  # the history's standard deviation, before the floor
         self._seed: list[float] = []
 
     def update(self, x: float) -> Judgement:
@@ -93,20 +93,36 @@ class SpikeDetector:
 
     def std(self) -> float:
         """The history's standard deviation, floored at ``MIN_RELATIVE_STD * |mean|``."""
-        return max(math.sqrt(max(self.var, 0.0)), MIN_RELATIVE_STD * abs(self.mean))
+        return max(self.spread, MIN_RELATIVE_STD * abs(self.mean))
+
+    @property
+    def var(self) -> float:
+        return self.spread * self.spread
 
     def _accept(self, x: float) -> None:
+        # The spread is kept as a standard deviation, each square taken relative to
+        # the largest term: a finite norm anywhere in float's range (1e154 squared,
+        # 1e308 summed) keeps a finite mean and spread, never an OverflowError or an
+        # infinite std that would hide every later spike.
         self.accepted += 1
         if self.accepted <= self.warmup:
             self._seed.append(x)
             n = len(self._seed)
-            self.mean = math.fsum(self._seed) / n
-            self.var = math.fsum((v - self.mean) ** 2 for v in self._seed) / n
+            self.mean = math.fsum(v / n for v in self._seed)
+            self.spread = _rms([v - self.mean for v in self._seed], [1 / n] * n)
             if self.accepted == self.warmup:
                 self._seed = []
             return
         self.mean = self.alpha * self.mean + (1 - self.alpha) * x
-        self.var = self.alpha * self.var + (1 - self.alpha) * (x - self.mean) ** 2
+        self.spread = _rms([self.spread, x - self.mean], [self.alpha, 1 - self.alpha])
+
+
+def _rms(values: list[float], weights: list[float]) -> float:
+    """``sqrt(sum(w * v**2))`` without overflow or underflow: squares of ``v / max|v|``."""
+    top = max(abs(v) for v in values)
+    if top == 0 or not math.isfinite(top):
+        return top
+    return top * math.sqrt(math.fsum(w * (v / top) ** 2 for v, w in zip(values, weights)))
 
 
 def _ratio(rise: float, std: float) -> float:

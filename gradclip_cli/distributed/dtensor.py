@@ -14,9 +14,10 @@ dimension. Its p-norm is combined from the local tensors' scaled power sums:
 
 Gradients on different meshes (pytorch/pytorch#180346, where torch's
 ``clip_grad_norm_`` fails stacking norms across meshes) are combined per mesh
-and then added as plain numbers: the result is an ordinary 0-dim tensor,
-equal on every rank, not a DTensor (torch returns one whose placement can be
-``Partial``, pytorch/pytorch#170862).
+and then added as plain numbers. The result is equal on every rank and is
+returned as a DTensor replicated on the first gradient's mesh (``replicated``),
+as torch returns one (whose placement can be ``Partial``,
+pytorch/pytorch#170862).
 
 Two ways to combine, as for plain tensors in api.py:
 
@@ -62,6 +63,21 @@ def local_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
     with torch.no_grad():
         return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def replicated(total: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The total as torch returns it for DTensor gradients: a DTensor, ``Replicate`` on
+    the first DTensor gradient's mesh (every rank holds the same value).
+
+    torch's own total is a DTensor too, whose placement can be ``Partial``
+    (pytorch/pytorch#170862); replicated, ``float(total)``,
+    ``total.full_tensor()`` and ``total.placements`` work as code written for
+    torch expects, and ``full_tensor()`` needs no communication.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = next(t.device_mesh for t in tensors if isinstance(t, DTensor))
+    return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def as_plain(total_norm: torch.Tensor) -> torch.Tensor:

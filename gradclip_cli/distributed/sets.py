@@ -27,15 +27,12 @@ from .launcher import Session
 from .pieces import assign
 
 
-def shard_owners(contents: Contents, world_size: int) -> dict[str, int]:
-    """The rank that reads, clips and writes each file of a set (by name): the shards of
-    an HF set, the ``.distcp`` files holding a DCP set's gradient chunks; contiguous
-    runs of files of about equal bytes (``pieces.assign``). Other files of the folder
-    (the index, ``.metadata``) are rank 0's to copy."""
-    if contents.shards:
-        files = [Path(s.path) for s in contents.shards]
-    else:
-        files = sorted({Path(c.file) for c in contents.chunks})
+def shard_owners(files: list[Path], world_size: int) -> dict[str, int]:
+    """The rank that reads, clips and writes each file of a set (by name): the files that
+    hold its gradients (``WriteBack.files``: the shards of an HF set, the ``.distcp``
+    files holding a DCP set's gradient chunks); contiguous runs of files of about equal
+    bytes (``pieces.assign``). Other files of the folder (the index, ``.metadata``) are
+    rank 0's to copy."""
     owners = assign([os.stat(f).st_size for f in files], world_size)
     return {f.name: r for f, r in zip(files, owners)}
 

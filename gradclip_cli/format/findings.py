@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..report.model import NONFINITE
+from .words import fmt as number
+from .words import z_text
 
 if TYPE_CHECKING:
     from ..report import ClipReport, InspectReport
@@ -35,20 +37,6 @@ class Finding:
     title: str
     message: str
     source: str | None = None  # the file it concerns, when not the report's own
-
-
-def number(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.6g}" if math.isfinite(x) else str(x)
-
-
-def z_text(z: float | None) -> str:
-    """A z-score for people: two decimals, or three digits once it is huge (a flat
-    history makes any rise millions of standard deviations)."""
-    if z is None:
-        return "-"
-    return f"{z:.2f}" if abs(z) < 1e4 else f"{z:.3g}"
 
 
 def _counts(n) -> str:

@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, TextIO
 
 from . import findings as F
-from .table_layout import compare_verdict, fmt, fmt_p, trend_verdict, verdict_line
 from .text import visible
+from .words import compare_verdict, fmt, fmt_p, trend_verdict, verdict_line
 
 if TYPE_CHECKING:
     from ..report import ClipReport, FailureReport, InspectReport
@@ -50,7 +50,7 @@ def _write(out: TextIO, source: str, found: list[F.Finding], verdict: str) -> No
 
 
 def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
-    _write(out, report.source, F.inspect_findings(report), verdict_line(report).plain)
+    _write(out, report.source, F.inspect_findings(report), verdict_line(report))
 
 
 def render_clip(report: ClipReport, out: TextIO) -> None:
@@ -74,5 +74,5 @@ def render_compare(report: CompareReport, out: TextIO) -> None:
 def render_error(failure: FailureReport, out: TextIO) -> None:
     """One ``::error`` naming the input (when known), so the job's annotations say why
     it has no report."""
-    file = {"file": failure.source} if failure.source else {}
+    file = {"file": failure.file} if failure.file else {}
     out.write(command("error", failure.message, **file, title=f"gradclip: {failure.title}"))

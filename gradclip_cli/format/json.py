@@ -12,6 +12,8 @@ import math
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, TextIO
 
+from .words import nonfinite_name
+
 if TYPE_CHECKING:  # the report package imports torch; help and usage errors must not
     from ..report import ClipReport, FailureReport, InspectReport, NonFinite
     from ..report.compare import CompareReport, CompareRow
@@ -25,11 +27,10 @@ ERROR_SCHEMA = "gradclip.error/1"
 
 
 def number(x: float | None) -> float | str | None:
+    """A JSON number, or the contract's string for NaN and the infinities."""
     if x is None or math.isfinite(x):
         return x
-    if math.isnan(x):
-        return "nan"
-    return "inf" if x > 0 else "-inf"
+    return nonfinite_name(x)
 
 
 def _nonfinite(n: NonFinite) -> dict[str, int]:

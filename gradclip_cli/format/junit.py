@@ -22,15 +22,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, TextIO
 
 from . import findings as F
-from .table_layout import (
-    compare_verdict,
-    fmt,
-    fmt_p,
-    fmt_ratio,
-    trend_verdict,
-    verdict_line,
-)
 from .text import visible
+from .words import compare_verdict, fmt, fmt_p, fmt_ratio, trend_verdict, verdict_line
 
 if TYPE_CHECKING:
     from ..report import ClipReport, FailureReport, InspectReport
@@ -87,7 +80,7 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
                for g in report.groups}
     details[F.TOTAL] = f"{report.what}: total norm {fmt(report.total_norm)} (p={p})"
     _write(_suite(f"gradclip inspect {report.source}", cases, F.inspect_findings(report),
-                  verdict_line(report).plain, details), out)
+                  verdict_line(report), details), out)
 
 
 def render_clip(report: ClipReport, out: TextIO) -> None:

@@ -17,23 +17,25 @@ import re
 from typing import TYPE_CHECKING, TextIO
 
 from ..report.model import NONFINITE, SPIKE
-from .findings import z_text
-from .table_layout import (
+from .shown import (
     MAX_GROUPS,
     MAX_SPARK_GROUPS,
-    _groups_to_show,
+    groups_to_show,
+    largest_norm,
+    points_to_show,
+    sparkline,
+)
+from .text import visible
+from .words import (
     compare_verdict,
     fmt,
     fmt_p,
     fmt_ratio,
-    largest_norm,
-    points_to_show,
     ratio_cell,
-    sparkline,
     trend_verdict,
     verdict_line,
+    z_text,
 )
-from .text import visible
 
 if TYPE_CHECKING:
     from ..report import ClipReport, FailureReport, InspectReport, NonFinite
@@ -76,12 +78,12 @@ def _verdict(text: str, failed: bool) -> str:
 
 def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
     out.write(f"### gradclip inspect: {escape(report.source)}\n\n")
-    out.write(_verdict(verdict_line(report).plain, report.status != "ok"))
+    out.write(_verdict(verdict_line(report), report.status != "ok"))
     step = "" if report.step is None else f" at step {report.step}"
     out.write(f"{escape(report.what)}{step}: {report.num_tensors} tensors, "
               f"{report.num_elements:,} elements, p={escape(fmt_p(report.norm_type))}, "
               f"groups by {escape(report.group_by)}\n\n")
-    shown = _groups_to_show(report)
+    shown = groups_to_show(report)
     # ratio: each norm over the norm of the same parameters' weights, where the
     # checkpoint holds them (the update-to-weight ratio, for --what update).
     ratio = any(g.ratio is not None for g in report.groups)
@@ -157,7 +159,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
         out.write("\n" + _table(
             ["series", "min", "max", "over time \\(log scale\\)"],
             [[escape(name), _num(min(_finite(v), default=None)),
-              _num(max(_finite(v), default=None)), escape(sparkline(v).plain)]
+              _num(max(_finite(v), default=None)), escape(sparkline(v))]
              for name, v in series], ["left", "right", "right", "left"]))
 
 

@@ -114,13 +114,16 @@ class FailureReport:
     Every format renders it, so CI that reads a report file still learns why
     there is no report (CONTRACT.md, "Options both commands take").
     ``message`` is the one line printed on stderr, already made ``visible``;
-    ``source`` is PATH as given, None when the failure came before one was known.
+    ``source`` is PATH as given (several joined by spaces), None when the
+    failure came before one was known; ``file`` the one input it concerns,
+    None when there are several (an annotation names one file).
     """
 
     command: str  # "inspect", "clip", "trend", "compare"; "gradclip" before one was chosen
     message: str
     exit_code: int
     source: str | None
+    file: str | None = None
 
     @property
     def kind(self) -> str:

@@ -1,6 +1,8 @@
 """Where the clipped checkpoint goes: one writer per input format, behind an atomic replace.
 
-Adding a format is one new module and one line in ``WRITERS``.
+Adding a format is one new module and one line in ``WRITERS``. Which files
+a checkpoint is written back as is its layout's to say (``write_back``,
+returning one of ``write_back.py``'s: one file, or a set as a folder).
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from gradclip_cli.errors import OutputError
 from gradclip_cli.sink.atomic import atomic_write, check_target
 from gradclip_cli.sink.safetensors_file import write_safetensors
 from gradclip_cli.sink.torch_file import write_torch_legacy, write_torch_zip
-from gradclip_cli.source.interface import Checkpoint, Contents
+from gradclip_cli.source.interface import Checkpoint
 
-__all__ = ["WRITERS", "atomic_write", "check_target", "write_checkpoint", "write_contents"]
+__all__ = ["WRITERS", "atomic_write", "check_target", "write_checkpoint"]
 
 WRITERS: dict[str, Callable[[Checkpoint, BinaryIO], None]] = {
     "torch-zip": write_torch_zip,
@@ -49,23 +51,3 @@ def write_checkpoint(ckpt: Checkpoint, output: Path | str) -> int:
     replaced = check_target(target)
     atomic_write(target, lambda file: writer(ckpt, file), mode_from=ckpt.path)
     return 0 if replaced is None else replaced.st_nlink - 1
-
-
-def write_contents(contents: Contents, output: Path | str, *, in_place: bool = False) -> int:
-    """Write what ``contents`` was opened from: one file, or a sharded set as a set.
-
-    Returns what ``write_checkpoint`` does for one file (0 for a set).
-    """
-    if contents.checkpoint is not None:
-        return write_checkpoint(contents.checkpoint, output)
-    if contents.chunks and contents.folder is not None:  # a DCP set's gradient chunks
-        from gradclip_cli.sink.dcp_set import write_dcp_set
-
-        write_dcp_set(contents, Path(output), in_place=in_place)
-        return 0
-    if contents.shards and contents.folder is not None:  # HF sharded, DCP's HF layout
-        from gradclip_cli.sink.sharded_set import write_set
-
-        write_set(contents, Path(output), WRITERS, in_place=in_place)
-        return 0
-    raise OutputError(f"{output}: cannot write a {contents.kind} checkpoint")

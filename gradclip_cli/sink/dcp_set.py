@@ -7,9 +7,10 @@ bytes and the CRC32 the zip keeps of them (central directory, data
 descriptor, local header where set). The ranges stay where ``.metadata``
 says, so it is copied byte for byte and gradclip never writes DCP's pickle.
 
-The folder is written and switched as a sharded set is (``sharded_set``):
-a new folder beside the target, one rename; a crash leaves the old set or
-the new one, never a mix.
+The folder is written and switched as a sharded set is (``sharded_set``,
+through the DCP layout's ``write_back``, which passes ``chunk_patcher`` as
+the copy's patch): a new folder beside the target, one rename; a crash
+leaves the old set or the new one, never a mix.
 """
 
 from __future__ import annotations
@@ -19,14 +20,6 @@ import struct
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-
-from gradclip_cli.sink.sharded_set import write_set
-from gradclip_cli.source.interface import Contents
-
-
-def write_dcp_set(contents: Contents, target: Path, *, in_place: bool) -> None:
-    """Write the DCP folder of ``contents`` (its chunks already clipped in memory) to ``target``."""
-    write_set(contents, target, {}, in_place=in_place, patch=chunk_patcher(contents.chunks))
 
 
 def chunk_patcher(chunks) -> Callable[[str, Path], None]:

@@ -227,13 +227,6 @@ class Contents:
         folder: for a set of files, the folder that holds them, which clip
             writes back as a folder (an index's folder; DCP's Hugging Face
             layout has no index).
-        chunks: for a DCP set being clipped, each gradient chunk held in memory
-            with where its blob lies (``layouts.dcp.HeldChunk``), for clip to
-            write back.
-        held_pieces: for a DCP Hugging Face set being clipped, each gradient
-            piece held as a gradient of its own, by its name
-            (``layouts.dcp_hf.HeldPiece``: its tensor, and the other files
-            holding the same piece).
     """
 
     path: Path
@@ -252,8 +245,6 @@ class Contents:
     shards: list[Checkpoint] = field(default_factory=list)
     index: Path | None = None
     folder: Path | None = None
-    chunks: list[Any] = field(default_factory=list)  # DCP: gradient chunks held for clip
-    held_pieces: dict[str, Any] = field(default_factory=dict)  # DCP HF: pieces held for clip
     trusted_pickle: bool = False
     gradient_error: str | None = None  # why no gradients were found, for --what grads
     # A model's buffers (running statistics, counters): never weights or gradients.
@@ -307,6 +298,41 @@ class Layout(Protocol):
 
     def open(self, path: Path, *, key: str | None, trust_pickle: bool,
              verify: bool) -> Contents: ...
+
+    # A layout that ``clip`` can write also has
+    # ``write_back(contents) -> WriteBack`` (see there).
+
+
+class WriteBack(Protocol):
+    """How ``clip`` writes a checkpoint back: the other half of a layout's ``open``, as
+    pip-audit pairs a dependency source's ``collect()`` with its ``fix()``.
+
+    A layout that can be written gives one from ``write_back(contents)``
+    (``layouts.write_back`` finds the layout; a single file needs none). By
+    then ``contents.gradients`` are the tensors clip changes in place, held in
+    memory (a DCP folder's gradient chunks, a DCP Hugging Face set's pieces,
+    each a gradient of its own; otherwise the layout's own, already held).
+    The concrete write-backs are ``sink/write_back.py``'s.
+
+    ``folder``: a set is written back as a folder (None: one file).
+    ``files``: for a set, the files that hold gradients, which ranks under a
+    launcher share (each writes the files it read); empty for one file.
+    ``tensor_count``: the tensors the report counts where held gradients are
+    pieces of them (None: one each). ``copies(name)``: other files holding
+    the held gradient ``name`` too, written from it. ``write(...)`` writes
+    everything to ``target`` and returns how many other hard links of a
+    replaced file keep the old bytes; ``session`` and ``owners`` (file name ->
+    rank): under a launcher, each rank writes its own files.
+    """
+
+    folder: Path | None
+    files: list[Path]
+    tensor_count: int | None
+
+    def copies(self, name: str) -> tuple[Path, ...]: ...
+
+    def write(self, target: Path | str, *, in_place: bool, session: Any = None,
+              owners: dict[str, int] | None = None) -> int: ...
 
 
 def stored(

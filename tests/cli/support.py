@@ -53,7 +53,7 @@ class Result:
 
 
 # The table's prose (header details, notes, the verdict) wraps between words
-# to the width, continuing with this indent (format/table_layout.py ``wrap``).
+# to the width, continuing with this indent (format/fitting.py ``wrap``).
 WRAP_INDENT = "  "
 
 
@@ -90,7 +90,7 @@ def run_process(*args: object, cwd: Path | None = None, env: dict | None = None)
         full_env.pop(var, None)
     proc = subprocess.run(
         [sys.executable, "-m", "gradclip_cli", *map(str, args)],
-        capture_output=True, text=True, cwd=cwd, env=full_env, timeout=120,
+        capture_output=True, text=True, cwd=cwd, env=full_env, timeout=600,
     )  # fmt: skip
     return Result(proc.returncode, proc.stdout, proc.stderr)
 

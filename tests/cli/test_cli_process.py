@@ -88,7 +88,7 @@ def test_console_script_is_the_same_command(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert proc.returncode == 1
     assert json.loads(proc.stdout)["status"] == "exceeded"
@@ -123,7 +123,7 @@ def test_reader_closing_the_pipe_is_not_a_finding(tmp_path, fmt):
     proc.stdout.read(16)  # like `| head -c 16`: the output is far larger than a pipe holds
     proc.stdout.close()
     err = proc.stderr.read().decode()
-    proc.wait(timeout=120)
+    proc.wait(timeout=600)
     proc.stderr.close()
     assert "Traceback" not in err and "BrokenPipe" not in err
     assert proc.returncode not in (1, 2, 3), (proc.returncode, err)

@@ -34,6 +34,8 @@ def norm(tensors, p: float) -> float:
 
 
 def rel_err(got: float, want: float) -> float:
+    if got == want:  # also both inf: a total beyond float64's range, reported as such
+        return 0.0
     if want == 0.0:
         return abs(got)
     return abs(got - want) / want

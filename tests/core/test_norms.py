@@ -251,3 +251,38 @@ def test_nonfinite_counts_without_the_max(ts, data, foreach):
             assert n == math.inf
         else:
             assert rel_err(n, norm([t], 2.0)) <= TOL
+
+
+# -- the accelerator drop-ins' total, on the device, no read (kernels.total_on_device) --
+# Device-agnostic: run here on CPU tensors with the fused (foreach) kernels.
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ts=gradients(), p=st.sampled_from([0.5, 1.0, 2.0, 3.0, 8.0, math.inf]),
+       foreach=st.sampled_from([None, False]))
+def test_total_on_device_matches_float64(ts, p, foreach):
+    from gradclip_cli.core.kernels import total_on_device
+
+    got = total_on_device(ts, p, foreach)
+    assert got.dtype == torch.float64 and got.dim() == 0
+    want = norm(ts, p)
+    if math.isinf(want):  # beyond float64 (float64 inputs near 1e300, p < 1)
+        assert math.isinf(float(got))
+    else:
+        assert rel_err(float(got), want) <= TOL
+
+
+def test_total_on_device_mixed_dtypes_and_nonfinite():
+    from gradclip_cli.core.kernels import total_on_device
+
+    ts = [torch.full((100,), 1e300, dtype=torch.float64), torch.full((10,), 3e38),
+          torch.ones(7, dtype=torch.bfloat16), torch.empty(0)]
+    for p in (1.0, 2.0, 7.0, math.inf):
+        assert rel_err(float(total_on_device(ts, p)), norm(ts, p)) <= TOL
+    with_inf = [*ts, torch.tensor([math.inf, 1.0])]
+    with_nan = [*with_inf, torch.tensor([math.nan], dtype=torch.float16)]
+    for p in (2.0, 8.0, math.inf):
+        assert float(total_on_device(with_inf, p)) == math.inf
+        assert math.isnan(float(total_on_device(with_nan, p)))
+    assert float(total_on_device([torch.empty(0)], 2.0)) == 0.0
+    assert float(total_on_device([torch.zeros(3, dtype=torch.float64)], 8.0)) == 0.0

@@ -100,3 +100,18 @@ def test_a_history_of_zeros_makes_any_rise_infinite():
 def test_bad_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         SpikeDetector(**bad)
+
+
+@pytest.mark.parametrize("scale", [1e154, 1e200, 1e307])
+def test_norms_near_floats_range_are_judged_without_overflow(scale):
+    """A finite norm whose square (or whose sum with others) is past float's range is
+    still judged: a flat history stays calm, and a 10x rise from 1e-3 of the range is a
+    spike (squares of 1e154 raised OverflowError before)."""
+    detector = SpikeDetector()
+    calm = [detector.update(scale * (1 + 0.01 * (i % 3))) for i in range(30)]
+    assert not any(j.spike for j in calm)
+    detector = SpikeDetector()
+    for i in range(30):
+        detector.update(scale * 1e-3 * (1 + 0.01 * (i % 3)))
+    jump = detector.update(scale * 1e-2)
+    assert jump.spike and math.isfinite(jump.z)

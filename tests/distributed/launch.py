@@ -3,6 +3,11 @@
 ``run_jobs`` runs a list of commands twice: once in one process (no
 launcher), once under ``torchrun`` with 2 gloo ranks, each through
 ``ranks_cli.py`` so that torch and the process group start once per launch.
+
+Timeouts are sized for a loaded machine (a load average of 10 on 2 cores
+makes a launch of many jobs take minutes): each collective may wait
+``COLLECTIVE_TIMEOUT_S`` for the other rank (a rank that hangs or dies is
+caught there), and a whole launch ``LAUNCH_TIMEOUT_S``, a last resort only.
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ HARNESS = Path(__file__).with_name("ranks_cli.py")
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 Result = tuple[int, str, str]  # exit code, stdout, stderr
+COLLECTIVE_TIMEOUT_S = 600
+LAUNCH_TIMEOUT_S = 3600
 
 
 def env() -> dict[str, str]:
     """This environment without a launcher's variables, and a collective timeout."""
     out = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    out["GRADCLIP_DIST_TIMEOUT"] = "120"
+    out["GRADCLIP_DIST_TIMEOUT"] = str(COLLECTIVE_TIMEOUT_S)
     return out
 
 
@@ -31,12 +38,13 @@ def torchrun(*args: object, ranks: int = 2) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={ranks}", *map(str, args)]
     return subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True,
-                          timeout=600)
+                          timeout=LAUNCH_TIMEOUT_S)
 
 
 def one_process(jobs_file: Path, outdir: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(HARNESS), str(jobs_file), str(outdir)],
-                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
 
 
 def results(outdir: Path, rank: int, count: int) -> list[Result]:

@@ -39,7 +39,7 @@ def main() -> None:
     if "RANK" in os.environ:
         import torch.distributed as dist
 
-        timeout = float(os.environ.get("GRADCLIP_DIST_TIMEOUT", "120"))
+        timeout = float(os.environ.get("GRADCLIP_DIST_TIMEOUT", "600"))
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     # Held gradients are measured in commands/common.py, everything else in
     # source/what.py; both call the core's tensor_power_sums.

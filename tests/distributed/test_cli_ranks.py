@@ -163,11 +163,11 @@ def test_any_launcher_and_a_rank_that_dies(runs, tmp_path):
     for rank in range(2):
         rank_env = {**env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                    "GRADCLIP_DIST_TIMEOUT": "60"}
+                    "GRADCLIP_DIST_TIMEOUT": "300"}
         procs.append(subprocess.Popen([sys.executable, str(HARNESS), str(jobs), str(tmp_path)],
                                       cwd=REPO, env=rank_env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE))
-    codes = [p.wait(timeout=300) for p in procs]
+    codes = [p.wait(timeout=900) for p in procs]
     assert codes[1] == 9
     (code, out, err), = results(tmp_path, 0, 1)
     assert code == 3 and out == ""

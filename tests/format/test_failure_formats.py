@@ -61,13 +61,13 @@ def check_junit(text: str, message: str, code: int) -> None:
 
 
 def check_github(text: str, message: str, code: int, source: str | None) -> None:
+    """``source``: the one input the annotation names; None where there are two (compare)."""
     (line,) = text.splitlines()
     name, props, data = parse_workflow_command(line)
     assert name == "error" and data == message
     assert props["title"].startswith("gradclip: ") and f"(exit {code})" in props["title"]
     assert set(props) <= {"file", "title"}
-    if source is not None:
-        assert props["file"] == visible(source)
+    assert props.get("file") == (None if source is None else visible(source))
 
 
 def check_markdown(text: str, message: str, code: int) -> None:
@@ -124,3 +124,28 @@ def test_a_table_carries_the_failure_on_stderr_alone(gradclip, tmp_path):  # noq
 def test_an_unknown_format_is_a_usage_error_with_no_document(gradclip, tmp_path):  # noqa: F811
     r = gradclip("inspect", tmp_path / "missing.pt", "--format", "xml")
     assert r.code == 2 and r.out == "" and "--format" in stderr_message(r)
+
+
+@pytest.mark.parametrize("fmt", ["json", "junit", "github", "markdown"])
+@pytest.mark.parametrize("target", ["itself", "hard link", "inside"])
+def test_a_failure_never_lands_on_the_input(gradclip, tmp_path, fmt, target):  # noqa: F811
+    """A run can fail because --output-file names its input: the failure must not then
+    do what the check prevents. The document goes to stdout; the input keeps its bytes."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    damaged = folder / "g.pt"
+    damaged.write_bytes(b"PK\x03\x04 truncated")
+    before = damaged.read_bytes()
+    path, report = damaged, damaged
+    if target == "hard link":
+        report = tmp_path / "link.pt"
+        report.hardlink_to(damaged)
+    elif target == "inside":
+        path, report = folder, folder / "report.out"
+    r = gradclip("inspect", path, "--format", fmt, "--output-file", report)
+    assert r.code in (2, 3), r.err
+    assert damaged.read_bytes() == before
+    assert not (folder / "report.out").exists()
+    assert r.out  # the failure, on stdout instead
+    if fmt == "json":
+        assert r.json()["exit_code"] == r.code

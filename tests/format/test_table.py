@@ -7,7 +7,7 @@ import io
 import torch
 
 from gradclip_cli.core import tensor_power_sums
-from gradclip_cli.format import table, table_layout
+from gradclip_cli.format import shown, table
 from gradclip_cli.report import build_inspect_report, parse_group_by
 from tests.cli.support import unwrapped
 
@@ -30,9 +30,9 @@ def test_many_groups_show_the_largest_and_the_nonfinite_in_order():
     text = out.getvalue()
     assert "h.150 " in text and "h.7 " in text
     assert text.index("h.7 ") < text.index("h.150 ")  # checkpoint order kept
-    shown = sum(1 for line in text.splitlines() if line.startswith("│ h."))
-    assert shown == table_layout.MAX_GROUPS
-    assert f"{200 - table_layout.MAX_GROUPS:,} smaller groups not shown" in unwrapped(text)
+    rows = sum(1 for line in text.splitlines() if line.startswith("│ h."))
+    assert rows == shown.MAX_GROUPS
+    assert f"{200 - shown.MAX_GROUPS:,} smaller groups not shown" in unwrapped(text)
 
 
 def test_few_groups_are_all_shown():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import math
 
-from gradclip_cli.format import markdown, table, table_layout
+from gradclip_cli.format import markdown, shown, table
 from gradclip_cli.report.trend import Observation, build_trend_report
 from tests.cli.support import logical_lines, unwrapped
 
@@ -20,28 +20,28 @@ def long_run(n=500, spike_at=123):
 
 def test_long_runs_keep_the_spikes_and_the_newest_rows():
     report = long_run()
-    shown = table_layout.points_to_show(report)
-    assert len(shown) == table_layout.MAX_POINTS
-    steps = [p.step for p in shown]
+    rows = shown.points_to_show(report)
+    assert len(rows) == shown.MAX_POINTS
+    steps = [p.step for p in rows]
     assert 123 in steps and steps[-1] == 499 and steps == sorted(steps)
     out = io.StringIO()
     table.render_trend(report, out)
     text = out.getvalue()
-    assert f"{500 - table_layout.MAX_POINTS} unremarkable points not shown" in unwrapped(text)
+    assert f"{500 - shown.MAX_POINTS} unremarkable points not shown" in unwrapped(text)
     assert logical_lines(text)[-1].startswith("OK:")
 
 
 def test_sparkline_folds_long_series_and_keeps_a_one_point_spike():
     values = [1.0] * 1000
     values[777] = 1000.0
-    line = table_layout.sparkline(values).plain
-    assert len(line) == table_layout.SPARK_WIDTH
+    line = shown.sparkline(values)
+    assert len(line) == shown.SPARK_WIDTH
     assert line.count("█") == 1 and set(line) == {"▁", "█"}
-    assert line.index("█") == int(777 / (1000 / table_layout.SPARK_WIDTH))
+    assert line.index("█") == int(777 / (1000 / shown.SPARK_WIDTH))
 
 
 def test_sparkline_marks_nonfinite_and_absent_points():
-    line = table_layout.sparkline([1.0, None, math.nan, 10.0, math.inf]).plain
+    line = shown.sparkline([1.0, None, math.nan, 10.0, math.inf])
     assert line == "▁ !█!"
 
 

@@ -188,6 +188,16 @@ def test_tracker_naming_no_folder_inside(gradclip, save, text):
     one_line_exit_3(gradclip("inspect", save), TRACKER)
 
 
+def test_tracker_linked_from_outside_is_refused(gradclip, save, tmp_path):
+    """A tracker that names a real iteration, but lives outside the folder: small files
+    are read only inside it (CONTRACT.md, "Safety")."""
+    outside = tmp_path / "tracker-elsewhere"
+    outside.write_text((save / TRACKER).read_text())
+    (save / TRACKER).unlink()
+    (save / TRACKER).symlink_to(outside)
+    one_line_exit_3(gradclip("inspect", save), TRACKER, "outside")
+
+
 def test_common_that_runs_code_is_refused(gradclip, save, tmp_path):
     marker = tmp_path / "ran"
     common = save / "iter_0000003" / "common.pt"

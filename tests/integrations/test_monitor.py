@@ -264,7 +264,7 @@ def test_under_ddp_ranks_agree_rank_0_alone_writes_and_a_crash_leaves_whole_line
     ]
     outs = []
     for proc in procs:
-        out, err = proc.communicate(timeout=180)
+        out, err = proc.communicate(timeout=900)
         assert proc.returncode == 9, err
         outs.append(json.loads(out.splitlines()[-1]))
     # All-reduced gradients: both ranks measure the same totals and clip alike.

@@ -131,7 +131,7 @@ def lightning_sharded(tmp_path_factory) -> Path:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     run = subprocess.run([sys.executable, os.fspath(Path(__file__).with_name(
         "lightning_sharded_run.py")), os.fspath(out)], env={**env, "OMP_NUM_THREADS": "1"},
-        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+        capture_output=True, text=True, timeout=3600, cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stderr[-4000:]
     return out / "last.ckpt"
 
@@ -180,7 +180,7 @@ def dcp_hf_checkpoint(tmp_path_factory) -> Path:
     return outdir / "checkpoint"
 
 
-def _deepspeed_run(module: str, out: Path, *args: str, timeout: int = 600) -> None:
+def _deepspeed_run(module: str, out: Path, *args: str, timeout: int = 3600) -> None:
     """``python -m tests.layouts.<module> OUT ARGS``: a real DeepSpeed CPU run (gloo, two
     processes it spawns itself), away from any launcher's variables."""
     import importlib.util
@@ -215,7 +215,7 @@ def deepspeed_cpu_adam(tmp_path_factory) -> Path:
     if not os.environ.get("GRADCLIP_SLOW"):
         pytest.skip("set GRADCLIP_SLOW=1 (DeepSpeedCPUAdam is compiled on first use)")
     out = tmp_path_factory.mktemp("deepspeed_cpu_adam")
-    _deepspeed_run("deepspeed_runs", out, "--cpu-adam", timeout=1800)
+    _deepspeed_run("deepspeed_runs", out, "--cpu-adam", timeout=7200)
     return out
 
 

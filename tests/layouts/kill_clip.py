@@ -50,7 +50,7 @@ def kill_during_clip(folder: Path, total_norm: Callable[[Path], float], *,
                 time.sleep(0.002)
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=120)
+        proc.wait(timeout=600)
         now = digests(folder)
         assert set(now) == set(original)
         if now == original:

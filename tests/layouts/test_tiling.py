@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.source.layouts import tiling
-from gradclip_cli.source.layouts.dcp import check_tiling
+from gradclip_cli.source.layouts.dcp_folder import check_tiling
 
 WHERE = Path("ckpt/.metadata")
 
@@ -153,3 +153,23 @@ def test_a_large_overlap_among_many_chunks_in_three_dimensions():
         check_tiling(WHERE, "w", shape, [*boxes, extra])
     with pytest.raises(InputError, match="a gap"):
         check_tiling(WHERE, "w", shape, boxes[1:])
+
+
+def test_more_cut_dimensions_than_corners_pay_for():
+    """Eleven cut dimensions (2^11 corners a piece): the complete pairwise check decides.
+    A staircase: piece j holds the half of dimension j where the earlier pieces end."""
+    dims = 11
+    assert tiling.MAX_CORNER_DIMENSIONS < dims
+    shape = (2,) * dims
+    boxes = [
+        (
+            tuple(1 if d < j else 0 for d in range(dims)),
+            tuple(1 if d <= j else 2 for d in range(dims)),
+        )
+        for j in range(dims)
+    ]
+    boxes.append(((1,) * dims, (1,) * dims))
+    assert _verdict(shape, boxes) == _reference(shape, boxes) == "ok"
+    assert _verdict(shape, boxes[:-1]) == "gap"
+    grown = [((0,) * dims, (2,) + (1,) + (2,) * (dims - 2)), *boxes[1:]]
+    assert _verdict(shape, grown) == _reference(shape, grown) == "overlap"

@@ -35,13 +35,19 @@ from gradclip_cli.source.files.special import special_kind
 EXCERPT_CHARS = 80  # what a message may quote of a file's content (a long shard name fits)
 
 
-def excerpt(text: object, limit: int = EXCERPT_CHARS) -> str:
-    """A short, escaped, quoted cut of ``text`` (content from a file) for a message."""
-    if isinstance(text, bytes):
-        text = text.decode("utf-8", errors="replace")
-    text = str(text)
-    cut = text[:limit]
-    return visible(repr(cut)) + ("..." if len(text) > limit else "")
+def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
+    """A short, escaped cut of ``value`` (content from a file) for a message: text quoted,
+    a number or constant as written, a container by its kind alone (it may be nested
+    too deeply to write out)."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", errors="replace")
+    if isinstance(value, str):
+        return visible(repr(value[:limit])) + ("..." if len(value) > limit else "")
+    if value is None or isinstance(value, (bool, int, float)):
+        text = repr(value)
+        return visible(text[:limit]) + ("..." if len(text) > limit else "")
+    kinds = {dict: "an object", list: "a list", tuple: "a tuple"}
+    return kinds.get(type(value), f"a {type(value).__name__}")
 
 
 def check_inside(path: Path, folder: Path, *, what: str) -> None:

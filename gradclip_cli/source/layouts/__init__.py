@@ -20,7 +20,7 @@ from pathlib import Path
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
-from gradclip_cli.source.interface import Contents, Layout
+from gradclip_cli.source.interface import Contents, Layout, WriteBack
 from gradclip_cli.source.roles import settle
 
 from . import (
@@ -75,6 +75,19 @@ def open_checkpoint(
             "(pytorch_model_fsdp_0/), or a torch.distributed.checkpoint "
             "folder: .metadata, or safetensors shards with DCP_SHARDING_INFO)")
     return open_file(path, key=key, trust_pickle=trust_pickle, verify=verify)
+
+
+def write_back(contents: Contents) -> WriteBack | None:
+    """How clip writes ``contents`` back (``WriteBack``), from the layout that opened it;
+    None where it cannot be written. A single file (any layout's) is written whole."""
+    if contents.checkpoint is not None:
+        from gradclip_cli.sink.write_back import FileWriteBack
+
+        return FileWriteBack(contents.checkpoint)
+    for layout in LAYOUTS:
+        if layout.KIND == contents.kind and hasattr(layout, "write_back"):
+            return layout.write_back(contents)
+    return None
 
 
 def open_file(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:

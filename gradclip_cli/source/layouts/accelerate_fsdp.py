@@ -10,8 +10,9 @@ each writes one DCP folder inside the checkpoint folder,
 ``trainer_state.json`` beside them, read for the step.
 
 Recognised by content: a folder holding ``pytorch_model_fsdp_<i>/.metadata``.
-Each DCP folder is read by the ``dcp`` layout (the allow-list metadata
-reader, the layout checks, chunks read on demand); this module only puts the
+Each DCP folder is read by the DCP folder reader (``dcp_folder``: the
+allow-list metadata reader, the layout checks, chunks read on demand), its
+keys named as the ``dcp`` layout names them; this module only puts the
 model's weights and every optimizer's state together. Each subfolder is
 also a checkpoint on its own, for gradclip given it directly.
 """
@@ -28,6 +29,7 @@ from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.interface import Contents
 
 from . import dcp, hf_trainer
+from .dcp_folder import DcpFolder, read_folder
 from .paths import inside
 
 KIND = "accelerate-fsdp"
@@ -58,19 +60,19 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             "give the folder of the one to read")
     contents = Contents(path=path, kind=KIND)
     contents.step = hf_trainer.global_step(path)
-    model = _read_part(path, models[0], key=key, trust_pickle=trust_pickle, verify=verify)
-    contents.weights = model.weights
+    model = _read_part(path, models[0], verify=verify, trust_pickle=trust_pickle)
+    contents.weights = dcp.model_weights(model)
     contents.files += model.files
     optimizers = _parts(path, _OPTIMIZER)
     for name in optimizers:
-        part = _read_part(path, name, key=None, trust_pickle=trust_pickle, verify=verify)
-        if not part.optimizers:
+        part = _read_part(path, name, verify=verify, trust_pickle=trust_pickle)
+        tops = dcp.optimizer_tops(part)
+        if not tops:
             raise InputError(f"{path / name / METADATA_NAME}: holds no optimizer state")
-        contents.optimizers += part.optimizers
+        contents.optimizers += [part.optimizer(top) for top in tops]
         contents.files += part.files
     if key is not None:
-        contents.gradients, contents.gradient_key = model.gradients, model.gradient_key
-        contents.skipped, contents.gradient_error = model.skipped, model.gradient_error
+        dcp.fill_gradients(contents, model, key)
     else:
         contents.gradient_error = f"{path}: an accelerate FSDP checkpoint holds no gradients"
     if os.path.exists(path / hf_trainer.STATE):
@@ -79,13 +81,12 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     held = ", ".join(f"{visible(n)}/" for n in optimizers)
     contents.description.append(
         f"accelerate FSDP checkpoint{step}: {visible(models[0])}/ "
-        f"({len(model.weights or {})} weights), "
+        f"({len(contents.weights or {})} weights), "
         + (f"{held} (optimizer state)" if held else "no optimizer state"))
     return contents
 
 
-def _read_part(path: Path, name: str, *, key: str | None, trust_pickle: bool,
-               verify: bool) -> Contents:
-    """One of the checkpoint's DCP folders (checked to stay inside it), as ``dcp`` reads it."""
-    folder = inside(path, name, named_by=path)
-    return dcp.open(folder, key=key, trust_pickle=trust_pickle, verify=verify)
+def _read_part(path: Path, name: str, *, verify: bool, trust_pickle: bool) -> DcpFolder:
+    """One of the checkpoint's DCP folders (checked to stay inside it), read and checked."""
+    return read_folder(inside(path, name, named_by=path), verify=verify,
+                       trust_pickle=trust_pickle)

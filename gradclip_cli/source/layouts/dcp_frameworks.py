@@ -3,7 +3,7 @@
 Each of them saves with ``torch.distributed.checkpoint`` but lays its state
 dict out its own way; the layouts ``torchtitan``, ``olmo_core`` and
 ``megatron`` read the folder through ``read_folder`` (the DCP folder reader
-of ``layouts/dcp.py``: every file inside the folder, byte ranges checked,
+of ``layouts/dcp_folder.py``: every file inside the folder, byte ranges checked,
 chunks tiling their tensors) and name what the keys hold with the helpers
 here:
 
@@ -38,7 +38,7 @@ from gradclip_cli.source.files.small_file import read_small_file
 from gradclip_cli.source.files.verify import verify_torch_zip
 from gradclip_cli.source.interface import OptimizerState, Piece, StoredTensor
 
-from . import dcp
+from . import dcp_folder
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Folder:
 
     def value(self, key: str):
         """A small entry's value: a bytes value unpickled (restricted), or a tensor read."""
-        return dcp._value(self.meta, key, self.tensors, self.files)
+        return dcp_folder._value(self.meta, key, self.tensors, self.files)
 
     def all_files(self) -> list[Path]:
         return [self.meta_file, *sorted(set(self.files.values()))]
@@ -92,13 +92,15 @@ def read_folder(folder: Path, *, verify: bool, trust_pickle: bool = False) -> Fo
     """Open the DCP folder ``folder`` (its ``.metadata`` and the files it names), checked."""
     meta_file = folder / METADATA_NAME
     meta = metadata(meta_file, trust_pickle=trust_pickle)
-    files = dcp._files(meta, folder)
-    dcp._check_byte_ranges(meta, files)
+    files = dcp_folder._files(meta, folder)
+    dcp_folder._check_byte_ranges(meta, files)
     if verify:
         for location in meta.locations.values():
             verify_torch_zip(files[location.relative_path], (location.offset, location.length))
     tensors = {
-        k: dcp._stored(meta, k, e, files) for k, e in meta.entries.items() if not isinstance(e, str)
+        k: dcp_folder._stored(meta, k, e, files)
+        for k, e in meta.entries.items()
+        if not isinstance(e, str)
     }
     paths = {k: tuple(meta.paths.get(k, (k,))) for k in meta.entries}
     return Folder(meta_file, meta, files, tensors, paths)

@@ -11,7 +11,7 @@ carries ``DCP_SHARDING_INFO`` (a header read, never the data).
 
 Every file is read by the safetensors reader (header checks, mapped data);
 a tensor becomes a ``StoredTensor`` whose pieces are its pieces in the
-files, checked to tile it exactly (``dcp.check_tiling``); a piece stored
+files, checked to tile it exactly (``dcp_folder.check_tiling``); a piece stored
 twice at the same place (replicated) counts once, and must hold the same
 bytes both times: with no ``.metadata`` to give the full size, a piece that
 claimed another's place would otherwise hide a part of the tensor. What the files hold is a
@@ -19,7 +19,7 @@ flat ``name -> tensor`` state dict: the model's weights, or gradients saved
 that way (the ``--key`` rule's whole file), as for a flat DCP folder.
 
 ``clip`` holds each piece as a gradient of its own (``hold_gradient_pieces``,
-as ``dcp.hold_gradient_chunks`` holds a DCP folder's chunks) and writes every
+as ``dcp_folder.hold_gradient_chunks`` holds a DCP folder's chunks) and writes every
 file back as a safetensors file, the set switched in whole
 (``sink/sharded_set.py``): the same tensors in the same order, the same
 header metadata, ``DCP_SHARDING_INFO`` included, so the pieces stay where
@@ -43,7 +43,7 @@ from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.safetensors_file import read_header
 from gradclip_cli.source.interface import Checkpoint, Contents, Piece, StoredTensor
 
-from .dcp import check_tiling
+from .dcp_folder import check_tiling
 from .paths import inside
 
 KIND = "dcp-hf"
@@ -140,7 +140,7 @@ class HeldPiece:
     copies: tuple[Path, ...] = ()
 
 
-def hold_gradient_pieces(contents: Contents) -> None:
+def hold_gradient_pieces(contents: Contents) -> dict[str, HeldPiece]:
     """Make every gradient piece a gradient of its own, for clip.
 
     ``contents.gradients`` becomes one held tensor per piece (a tensor in one
@@ -149,8 +149,7 @@ def hold_gradient_pieces(contents: Contents) -> None:
     mappings, so scaling in place changes what the sink writes and never the
     files. A piece that another file holds too becomes that file's tensor as
     well (its bytes are the same, checked at open), so it is scaled once and
-    written to both. ``contents.held_pieces`` records each piece's tensor and
-    copies.
+    written to both. Returns each held piece's tensor and copies, by its name.
     """
     shards = {Path(s.path): s for s in contents.shards}
     held: dict[str, StoredTensor] = {}
@@ -165,7 +164,18 @@ def hold_gradient_pieces(contents: Contents) -> None:
                 shards[copy].root[name] = piece.held
             records[label] = HeldPiece(name, piece.copies)
     contents.gradients = held
-    contents.held_pieces = records
+    return records
+
+
+def write_back(contents: Contents):
+    """For clip: every gradient piece held as a gradient of its own
+    (``hold_gradient_pieces``), every shard written back as safetensors."""
+    from gradclip_cli.sink.write_back import SetWriteBack
+
+    pieces = hold_gradient_pieces(contents)
+    return SetWriteBack(contents, files=[Path(s.path) for s in contents.shards],
+                        tensor_count=len({p.name for p in pieces.values()}),
+                        pieces={label: p.copies for label, p in pieces.items()})
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -59,6 +59,14 @@ def _looks_like_index(path: Path) -> bool:
     return head.startswith("{") and '"weight_map"' in head
 
 
+def write_back(contents: Contents):
+    """For clip: the shards (their tensors held, mapped privately) written back as a set,
+    the index and the folder's other files copied."""
+    from gradclip_cli.sink.write_back import SetWriteBack
+
+    return SetWriteBack(contents, files=[Path(s.path) for s in contents.shards])
+
+
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     index = find_index(path)
     assert index is not None  # recognises() said so

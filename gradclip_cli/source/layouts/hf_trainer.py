@@ -84,7 +84,7 @@ def global_step(folder: Path) -> int | None:
     step = state.get("global_step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise InputError(f"{state_file}: not a Trainer state: global_step is "
-                         f"{visible(repr(step))}, not a step count")
+                         f"{excerpt(step)}, not a step count")
     named = _CHECKPOINT_NAME.fullmatch(folder.resolve().name)
     if named and int(named.group(1)) != step:
         raise InputError(f"{state_file}: says global_step {step}, but the folder is "

@@ -30,6 +30,7 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.interface import Checkpoint, Contents, stored
 
 from . import dcp
@@ -67,10 +68,16 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     return out
 
 
+def write_back(contents: Contents):
+    """For clip: a sharded folder is written back as the DCP folder it is (a ``.ckpt`` file
+    as a file, as ``layouts.write_back`` does for any)."""
+    return dcp.write_back(contents)
+
+
 def _global_step(root: Mapping, path: Path) -> int | None:
     step = root.get("global_step")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise InputError(f"{path}: Lightning 'global_step' is {step!r}, not a step count")
+        raise InputError(f"{path}: Lightning 'global_step' is {excerpt(step)}, not a step count")
     return step
 
 

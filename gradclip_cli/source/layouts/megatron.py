@@ -39,7 +39,7 @@ from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
-from gradclip_cli.source.files.small_file import read_small_file
+from gradclip_cli.source.files.small_file import excerpt, read_small_file
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
 
@@ -126,7 +126,7 @@ def _iteration_folder(path: Path) -> tuple[Path, Path | None]:
     if not os.path.isfile(tracker):
         return path, None
     text = (
-        read_small_file(tracker, limit=64, what="Megatron's tracker file")
+        read_small_file(tracker, limit=64, what="Megatron's tracker file", folder=path)
         .decode("utf-8", errors="replace")
         .strip()
     )
@@ -136,7 +136,7 @@ def _iteration_folder(path: Path) -> tuple[Path, Path | None]:
         name = f"iter_{int(text):07d}"
     else:
         raise InputError(
-            f"{tracker}: names {visible(repr(text))[:40]}, not an iteration number or 'release'"
+            f"{tracker}: names {excerpt(text)}, not an iteration number or 'release'"
         )
     folder = inside(path, name, named_by=tracker)
     if not os.path.isdir(folder) or not _is_iteration(folder):

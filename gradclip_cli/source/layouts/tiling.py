@@ -76,18 +76,20 @@ def check(size: Sequence[int], boxes: Sequence[Box]) -> None:
         if covered != total:
             raise Gap(covered)
         return
-    if len(cut) <= MAX_CORNER_DIMENSIONS and covered == total and _corners_tile(live, cut, size):
+    corners = len(cut) <= MAX_CORNER_DIMENSIONS
+    if corners and covered == total and _corners_tile(live, cut, size):
         return
-    pair, exhausted = _pairwise_overlap(
-        live, cut, None if len(cut) > MAX_CORNER_DIMENSIONS else PAIR_BUDGET
-    )
+    pair, exhausted = _pairwise_overlap(live, cut, PAIR_BUDGET if corners else None)
     if pair is not None:
         raise Overlap(pair)
-    if exhausted and covered >= total:
+    # All elements held (or more) without a tiling is an overlap: the corners said no,
+    # or the budget ran out. Fewer is a gap.
+    if covered > total or (covered == total and (corners or exhausted)):
         raise Overlap(None)
-    if covered != total:
+    if covered < total:
         raise Gap(covered)
-    # Without a budget the pairwise check was complete: no overlap, and every element held.
+    # Past the corners' dimensions the pairwise check was complete: no overlap, every
+    # element held.
 
 
 def _overlaps(a: Box, b: Box) -> bool:

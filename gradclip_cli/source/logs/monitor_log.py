@@ -39,16 +39,7 @@ def _norm(value: object, where: str) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     raise InputError(f"{where}: a norm must be a number or \"nan\"/\"inf\"/\"-inf\", "
-                     f"got {_shown(value)}")
-
-
-def _shown(value: object) -> str:
-    """A JSON value for a message: a short excerpt of a string or number, else its kind
-    (a nested value is never serialised: it may be nested deeply)."""
-    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-        return excerpt(value)
-    return {dict: "an object", list: "a list", bool: "true/false",
-            type(None): "null"}.get(type(value), type(value).__name__)
+                     f"got {excerpt(value)}")
 
 
 def _count(value: object, where: str) -> int:

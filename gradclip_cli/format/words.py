@@ -1,0 +1,236 @@
+"""The words every format uses: numbers, counts and the verdict lines.
+
+One place for how a number is written (six significant digits; ``nan``,
+``inf``, ``-inf``; ``-`` for none), how a ratio and a z-score read, and the
+one-line verdicts that match the exit code, so the table, Markdown, GitHub
+and JUnit reports say the same thing in the same words. Plain strings only:
+nothing here imports rich (only the table draws with it) or torch.
+
+Names that came from a file pass through ``visible`` here; each format
+escapes the line further as its own data (Markdown, XML, workflow commands).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from ..report.model import EXCEEDED, INSUFFICIENT_HISTORY, NONFINITE, OVERFLOW
+from .text import visible
+
+if TYPE_CHECKING:
+    from ..report import ClipReport, InspectReport, NonFinite
+    from ..report.compare import CompareReport, CompareRow
+    from ..report.trend import TrendPoint, TrendReport
+
+
+# -- numbers -------------------------------------------------------------------
+
+def nonfinite_name(x: float) -> str:
+    """How NaN and the infinities are written everywhere, JSON's strings included."""
+    if math.isnan(x):
+        return "nan"
+    return "inf" if x > 0 else "-inf"
+
+
+def fmt(x: float | None) -> str:
+    """A number for people: six significant digits; ``-`` for none; nan, inf, -inf."""
+    if x is None:
+        return "-"
+    if not math.isfinite(x):
+        return nonfinite_name(x)
+    return f"{x:.6g}"
+
+
+def fmt_p(p: float) -> str:
+    return "inf" if math.isinf(p) else f"{p:g}"
+
+
+def fmt_ratio(ratio: float | None) -> str:
+    if ratio is None:
+        return "-"
+    return fmt(ratio) + "x" if math.isfinite(ratio) else fmt(ratio)
+
+
+def z_text(z: float | None) -> str:
+    """A z-score for people: two decimals, or three digits once it is huge (a flat
+    history makes any rise millions of standard deviations)."""
+    if z is None:
+        return "-"
+    return f"{z:.2f}" if abs(z) < 1e4 else f"{z:.3g}"
+
+
+def plural(count: int, singular: str, many: str | None = None) -> str:
+    """``1 tensor``, ``2 tensors``, ``1,000 entries``."""
+    word = singular if count == 1 else (many or singular + "s")
+    return f"{count:,} {word}"
+
+
+def nonfinite_text(n: NonFinite) -> str:
+    """``1 nan, 2 +inf``: the non-zero counts."""
+    parts = [f"{c} {label}" for c, label in ((n.nan, "nan"), (n.posinf, "+inf"),
+                                             (n.neginf, "-inf")) if c]
+    return ", ".join(parts)
+
+# How a total beyond float64's range is shown (its float64 rounding is inf).
+BEYOND_FLOAT64 = "> 1.8e308"
+
+
+def fmt_total(report: InspectReport) -> str:
+    return BEYOND_FLOAT64 if report.overflow else fmt(report.total_norm)
+
+
+# -- inspect and clip -----------------------------------------------------------
+
+def verdict_line(report: InspectReport) -> str:
+    """The one line that matches the exit code: FAIL (exit 1) unless the status is ok."""
+    p = fmt_p(report.norm_type)
+    if report.status == NONFINITE and report.allow_nonfinite:
+        return (
+            f"FAIL: total norm {fmt(report.total_norm)} (p={p}): --max-norm "
+            f"{fmt(report.max_norm)} could not be checked; non-finite values allowed by "
+            "--allow-nonfinite (exit 1)"
+        )
+    if report.status == OVERFLOW:
+        about = report.total_norm_log10
+        about = f"about 10^{about:.6g}, " if about is not None and math.isfinite(about) else ""
+        return (
+            f"FAIL: total norm {BEYOND_FLOAT64} ({about}p={p}) is beyond float64's range "
+            "(exit 1)"
+        )
+    if report.status == NONFINITE:
+        n = report.nonfinite
+        tensors = sum(1 for t in report.tensors if t.nonfinite.total)
+        return (
+            f"FAIL: non-finite gradients: {n.nan} NaN, {n.posinf} +inf, {n.neginf} -inf "
+            f"in {plural(tensors, 'tensor')}; total norm {fmt(report.total_norm)} (exit 1)"
+        )
+    if report.status == EXCEEDED:
+        return (
+            f"FAIL: total norm {fmt(report.total_norm)} (p={p}) exceeds --max-norm "
+            f"{fmt(report.max_norm)} (exit 1)"
+        )
+    note = ""
+    if report.nonfinite.total:
+        note = (f"; {plural(report.nonfinite.total, 'non-finite value')} allowed by "
+                "--allow-nonfinite")
+    limit = f" <= --max-norm {fmt(report.max_norm)}" if report.max_norm is not None else ""
+    return f"OK: total norm {fmt(report.total_norm)} (p={p}){limit}{note} (exit 0)"
+
+
+def clip_summary(report: ClipReport) -> str:
+    """What clip did, in one line: the totals before and after, and how."""
+    if report.clip_value is not None:
+        what = f"clamped every element to [-{fmt(report.clip_value)}, {fmt(report.clip_value)}]"
+    elif report.clip_coef is not None and math.isnan(report.clip_coef):
+        what = "scaled by nan: every gradient element is now NaN, as torch's clip_grad_norm_ does"
+    elif report.clipped:
+        what = f"scaled by {_fmt_coef(report)}"
+    else:
+        what = "unchanged: the total norm is within --max-norm"
+    before = BEYOND_FLOAT64 if report.overflow else fmt(report.total_norm_before)
+    return (f"total norm (p={fmt_p(report.norm_type)}): {before} -> "
+            f"{fmt(report.total_norm_after)}; {plural(report.num_tensors, 'tensor')} {what}")
+
+
+def _fmt_coef(report: ClipReport) -> str:
+    # A coefficient below float64's range still scaled exactly (as factors).
+    if report.clip_coef == 0.0 and report.clip_coef_log2 is not None \
+            and math.isfinite(report.clip_coef_log2):
+        return f"2^{report.clip_coef_log2:.6g}"
+    return fmt(report.clip_coef)
+
+
+# -- trend ----------------------------------------------------------------------
+
+def point_state(p: TrendPoint) -> str:
+    """A trend row's one word: non-finite, SPIKE, (history) before it is judged, or ok."""
+    if p.is_nonfinite:
+        return "non-finite"
+    if p.spike:
+        return "SPIKE"
+    if p.z is None and not any(v is not None for v in p.group_z.values()):
+        return "(history)"
+    return "ok"
+
+
+def point_groups(p: TrendPoint) -> str:
+    return ", ".join(visible(g) for g in p.spike_groups + p.nonfinite_groups)
+
+
+def trend_verdict(report: TrendReport) -> str:
+    """The last line of the table and Markdown reports, matching the exit code."""
+    failing = report.failing
+    if failing:
+        measured = "gradients" if report.what == "grads" else report.what
+        kind = (f"non-finite {measured}" if report.status == NONFINITE
+                else "gradient spike" if report.what == "grads" else f"{report.what} spike")
+        last = failing[-1]
+        where = f"step {last.step}" if last.step is not None else visible(last.source)
+        groups = ", ".join(visible(g) for g in (last.nonfinite_groups + last.spike_groups))
+        detail = (f"{where}: total norm {fmt(last.total_norm)}, z {z_text(last.z)}"
+                  + (f"; groups {groups}" if groups else ""))
+        if report.fail_on == "newest":
+            return f"FAIL: {kind} at the newest point ({detail}){_earlier(report)} (exit 1)"
+        return (f"FAIL: {kind} at {len(failing)} point(s); the last at {detail} (exit 1)")
+    if report.status == INSUFFICIENT_HISTORY:
+        return ("OK: too little history to judge (a point needs 5 earlier points)"
+                f"{_earlier(report)} (exit 0)")
+    scope = "the newest point" if report.fail_on == "newest" else f"{len(report.points)} points"
+    return f"OK: no spike or non-finite norm at {scope}{_earlier(report)} (exit 0)"
+
+
+def _steps(points: list[TrendPoint]) -> str:
+    where = [str(p.step) if p.step is not None else visible(p.source) for p in points[:5]]
+    more = f" and {len(points) - 5} more" if len(points) > 5 else ""
+    return ("step " if len(points) == 1 else "steps ") + ", ".join(where) + more
+
+
+def _earlier(report: TrendReport) -> str:
+    """Under ``--fail-on newest``: the earlier spikes and non-finite points, which do not
+    fail the run but must not go unsaid (a NaN step a run recovered from, say)."""
+    if report.fail_on != "newest":
+        return ""
+    earlier = report.points[:-1]
+    nonfinite = [p for p in earlier if p.is_nonfinite]
+    spikes = [p for p in earlier if p.spike and not p.is_nonfinite]
+    parts = [f"{len(nonfinite)} non-finite ({_steps(nonfinite)})" if nonfinite else "",
+             f"{len(spikes)} spike(s) ({_steps(spikes)})" if spikes else ""]
+    said = [part for part in parts if part]
+    return f"; earlier: {', '.join(said)}" if said else ""
+
+
+# -- compare --------------------------------------------------------------------
+
+def ratio_cell(row: CompareRow) -> str:
+    """The B / A cell: the ratio, or which side alone holds the group."""
+    if row.only is not None:
+        return f"only in {row.only.upper()}"
+    return fmt_ratio(row.ratio)
+
+
+def _names(rows: list[CompareRow], label=lambda g: visible(g.name)) -> str:
+    more = f" and {len(rows) - 5} more" if len(rows) > 5 else ""
+    return ", ".join(label(g) for g in rows[:5]) + more
+
+
+def compare_verdict(report: CompareReport) -> str:
+    if report.status == NONFINITE:
+        return "FAIL: a norm in A or B is NaN or inf (exit 1)"
+    if report.status == EXCEEDED:
+        limit = f"{report.fail_above:g}x"
+        parts = []
+        if report.total_beyond:
+            parts.append(f"the total changed {fmt_ratio(report.total.ratio)}, beyond {limit}")
+        if report.beyond:
+            parts.append(f"{len(report.beyond)} group(s) changed by more than {limit}: "
+                         f"{_names(report.beyond)}")
+        if report.one_sided:
+            parts.append(f"{len(report.one_sided)} group(s) on one side only: "
+                         + _names(report.one_sided,
+                                  lambda g: f"{visible(g.name)} ({g.only.upper()} only)"))
+        return f"FAIL: {'; '.join(parts)} (exit 1)"
+    limit = f" within {report.fail_above:g}x" if report.fail_above is not None else ""
+    alone = (f"; {len(report.one_sided)} group(s) on one side only"
+             if report.one_sided else "")
+    return f"OK: total ratio {fmt_ratio(report.total.ratio)}{limit}{alone} (exit 0)"
