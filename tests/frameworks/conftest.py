@@ -65,7 +65,7 @@ def run_generator(python: str, script: str, out: Path, ranks: int, *extra: str) 
     ]
     for _attempt in range(2):  # a gloo rank may abort at exit once in a while (seen in CI)
         done = subprocess.run(
-            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=420
         )
         if done.returncode == 0:
             return out
@@ -103,12 +103,17 @@ def olmo_core_runs(framework_python, tmp_path_factory) -> dict[int, Path]:
 
 
 @pytest.fixture(scope="session")
-def megatron_runs(framework_python, tmp_path_factory) -> dict[int, Path]:
-    """Megatron-core runs on 1 rank and on 2 (data parallel): ``run/iter_000000{1,2,3}``,
-    ``run/latest_checkpointed_iteration.txt`` and ``reference/``."""
-    return {
+def megatron_runs(framework_python, tmp_path_factory) -> dict:
+    """Megatron-core runs on 1 rank, on 2 data-parallel ranks and on 2 tensor-parallel ranks
+    (``"tp2"``): ``run/iter_000000{1,2,3}``, ``run/latest_checkpointed_iteration.txt`` and
+    ``reference/``."""
+    runs: dict = {
         ranks: run_generator(
             framework_python, "megatron_run.py", tmp_path_factory.mktemp(f"megatron{ranks}"), ranks
         )
         for ranks in (1, 2)
     }
+    runs["tp2"] = run_generator(
+        framework_python, "megatron_run.py", tmp_path_factory.mktemp("megatron_tp2"), 2, "tp"
+    )
+    return runs

@@ -23,16 +23,22 @@ nothing (no dropout), and its attention's scratch buffer asks for
 ``torch.cuda.current_device()`` (the CPU here) and the ``torch_dist`` writer
 calls ``torch.cuda.synchronize()`` (nothing to wait for here).
 
+With ``tp`` after OUT the ranks are tensor parallel instead (Megatron splits
+the attention and MLP matrices across them; every rank sees the same batch).
+
 Then Megatron's own ``dist_checkpointing.load`` reads each step back into
 the sharded state dict of a freshly built model and optimizer, saved as
 ``OUT/reference/iter_N.pt`` (plain tensors, by Megatron's names; the moments
 by parameter id, with ``param_names`` naming each id by Megatron's own id-to-sharded-tensor map).
+Tensor parallel, each rank saves ``iter_N.rankR.pt``: its own shards, and a
+replicated tensor only where it is Megatron's main replica.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 VOCAB, SEQUENCE, STEPS, LAYERS = 64, 8, 3, 2
+TP = 1  # tensor-parallel ranks: ``tp`` after OUT makes every rank one (argv)
 
 
 def build():
@@ -49,7 +56,7 @@ def build():
     from megatron.core.transformer import TransformerConfig
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(TP, 1)
         # No dropout here, and no CUDA RNG to fork: Megatron's tracker forks nothing.
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *_, **__: contextlib.nullcontext()
     config = TransformerConfig(
@@ -118,7 +125,7 @@ def main(out: Path) -> None:
 
     model = build()
     optimizer = optimizer_for(model)
-    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    g = torch.Generator().manual_seed(1 + dist.get_rank() // TP)  # TP ranks: one batch
     run = out / "run"
     run.mkdir(parents=True, exist_ok=True)
     for iteration in range(1, STEPS + 1):
@@ -128,7 +135,7 @@ def main(out: Path) -> None:
         loss = model(tokens[:, :-1], position_ids, causal, labels=tokens[:, 1:]).float().mean()
         loss.backward()
         for p in model.parameters():
-            if p.grad is not None and dist.get_world_size() > 1:
+            if p.grad is not None and dist.get_world_size() > TP:  # data parallel
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()
         optimizer.step()
@@ -159,9 +166,13 @@ def reference(out: Path) -> None:
             p.grad = torch.zeros_like(p)
         optimizer.step()
         wanted = state_dict(model, optimizer, iteration)
+        main: dict = {}
+        _main_replicas(wanted, "", main)
         loaded = dist_checkpointing.load(wanted, str(out / "run" / f"iter_{iteration:07d}"))
         flat: dict = {}
         _flatten(loaded, "", flat)
+        if TP > 1:  # each rank's own shards, a replicated tensor from its main replica alone
+            flat = {k: v for k, v in flat.items() if main.get(k, True)}
         # The optimizer's state is keyed by parameter id: Megatron's own map from ids to its
         # sharded tensors names each, a stacked one by its layer (its prepended offset).
         model_sd = model.sharded_state_dict()
@@ -171,7 +182,9 @@ def reference(out: Path) -> None:
         flat["model_names"] = {
             k: _layer_name(v) for k, v in model_sd.items() if isinstance(v, ShardedTensor)
         }
-        if dist.get_rank() == 0:
+        if TP > 1:
+            torch.save(flat, out / "reference" / f"iter_{iteration}.rank{dist.get_rank()}.pt")
+        elif dist.get_rank() == 0:
             torch.save(flat, out / "reference" / f"iter_{iteration}.pt")
         dist.barrier()
 
@@ -181,6 +194,20 @@ def _layer_name(sharded) -> str:
     if not sharded.prepend_axis_num:
         return sharded.key
     return sharded.key.replace("layers.", f"layers.{sharded.global_offset[0]}.", 1)
+
+
+def _main_replicas(value, prefix: str, out: dict) -> None:
+    """``{dotted name: whether this rank holds the main replica}`` of each sharded tensor."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _main_replicas(v, f"{prefix}{k}.", out)
+    elif isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        for i, v in enumerate(value):
+            _main_replicas(v, f"{prefix}{i}.", out)
+    elif isinstance(value, ShardedTensor):
+        out[prefix[:-1]] = is_main_replica(value.replica_id)
 
 
 def _flatten(value, prefix: str, flat: dict) -> None:
@@ -203,6 +230,8 @@ def _flatten(value, prefix: str, flat: dict) -> None:
 
 if __name__ == "__main__":
     target = Path(sys.argv[1])
+    if sys.argv[2:] == ["tp"]:
+        TP = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     try:
         main(target)

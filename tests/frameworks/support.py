@@ -7,11 +7,26 @@ import os
 import pickle
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.distributed.launch import HARNESS, one_process, results, torchrun, write_jobs
 
 TOL = 1e-6  # the contract's accuracy; the references are float64
+VARIABLE = "GRADCLIP_FRAMEWORKS_PYTHON"
+
+
+def skip_without_frameworks() -> None:
+    """Skip the calling test module, once, when no frameworks venv is named."""
+    python = os.environ.get(VARIABLE)
+    if not python or not os.access(python, os.X_OK):
+        pytest.skip(
+            f"{VARIABLE} does not name a python: it names the python of a venv with "
+            "torchtitan, ai2-olmo-core and megatron-core (.ci/run builds one)",
+            allow_module_level=True,
+        )
+
+
 QUANTITIES = ("exp_avg", "grad_rms", "update")
 
 

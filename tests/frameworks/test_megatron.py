@@ -18,7 +18,17 @@ import torch
 
 from tests.cli.support import rel_err
 
-from .support import QUANTITIES, TOL, RunsCode, norm, one_line_exit_3, same_under_torchrun
+from .support import (
+    QUANTITIES,
+    TOL,
+    RunsCode,
+    norm,
+    one_line_exit_3,
+    same_under_torchrun,
+    skip_without_frameworks,
+)
+
+skip_without_frameworks()
 
 STEPS = (1, 2, 3)
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -119,6 +129,47 @@ def test_trend_over_the_save_folder(gradclip, run):
     for point, step in zip(points, STEPS):
         expected = _measured(_reference(run, step), "grad_rms")
         assert rel_err(point["total_norm"], norm(expected.values())) <= TOL
+
+
+@pytest.mark.parametrize("what", QUANTITIES)
+def test_tensor_parallel_shards_against_megatrons_load(gradclip, megatron_runs, what):
+    """TP=2: Megatron splits the matrices across the ranks' files; each rank's reference holds
+    its own shards (a replicated tensor on its main replica only), so the full tensor's norm
+    is the norm of the ranks' pieces together."""
+    run = megatron_runs["tp2"]
+    pieces: dict[str, list[torch.Tensor]] = {}
+    weights: dict[str, list[torch.Tensor]] = {}
+    for rank in (0, 1):
+        ref = torch.load(run / "reference" / f"iter_3.rank{rank}.pt", weights_only=True)
+        present = [
+            i for i, _ in enumerate(ref["param_names"]) if f"optimizer.state.{i}.exp_avg" in ref
+        ]
+        names = [ref["param_names"][i] for i in present]
+        sub = {
+            k: v
+            for k, v in ref.items()
+            if not k.startswith("optimizer.state.") or k == "optimizer.state.common_step"
+        }
+        for j, i in enumerate(present):
+            for moment in ("exp_avg", "exp_avg_sq"):
+                sub[f"optimizer.state.{j}.{moment}"] = ref[f"optimizer.state.{i}.{moment}"]
+        sub["param_names"] = names
+        for name, value in _measured(sub, what).items():
+            pieces.setdefault(name, []).append(value)
+        for key, name in ref["model_names"].items():
+            if f"model.{key}" in ref:
+                weights.setdefault(name, []).append(ref[f"model.{key}"])
+    result = gradclip("inspect", run / "run", "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(pieces)
+    split = [n for n, p in pieces.items() if len(p) == 2]
+    assert any("linear_fc1.weight" in n for n in split)  # the fixture is tensor parallel
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm(pieces[name])) <= TOL, name
+        assert rel_err(row["ratio"], norm(pieces[name]) / norm(weights[name])) <= TOL, name
+    assert rel_err(doc["total_norm"], norm(t for p in pieces.values() for t in p)) <= TOL
 
 
 # --------------------------------------------------------------------- hostile copies

@@ -26,7 +26,10 @@ from .support import (
     norm,
     one_line_exit_3,
     same_under_torchrun,
+    skip_without_frameworks,
 )
+
+skip_without_frameworks()
 
 STEPS = (1, 2, 3)
 

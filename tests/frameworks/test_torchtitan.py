@@ -25,7 +25,10 @@ from .support import (
     one_line_exit_3,
     rewrite_metadata,
     same_under_torchrun,
+    skip_without_frameworks,
 )
+
+skip_without_frameworks()
 
 
 def _reference(run: Path, step: int) -> dict:
