@@ -309,7 +309,9 @@ def map_names(contents: Contents, opt: OptimizerState) -> dict[int, str]:
     if opt.param_names is not None:
         if contents.weights:
             # Evidence against evidence: names the model does not have.
-            held = set(contents.weights) | set(contents.buffers or ())
+            # (a layout's fused parameters, torchtitan's wqkv, are held under the
+            # optimizer's name: ``Contents.fused_weights``)
+            held = set(contents.weights) | set(contents.buffers or ()) | set(contents.fused_weights)
             strangers = [n for n in opt.param_names.values() if n not in held]
             if strangers:
                 more = f" and {len(strangers) - 1} more" if len(strangers) > 1 else ""
