@@ -193,8 +193,14 @@ class OneKind:
             return
         if logged or self.logs:
             fix = "a log holds gradient norms only: trend the logs and the checkpoints apart"
+        elif "weights" in (what0, what):
+            # The one that measures weights by default holds nothing else to measure;
+            # the other holds optimizer state or gradients, and a model's weights too
+            # wherever its layout keeps them.
+            fix = "give --what weights to measure every checkpoint alike, or trend them apart"
         else:
-            fix = f"give --what {what0} or --what {what} to measure every checkpoint alike"
+            # Neither holds for sure what the other measures: no flag makes them one series.
+            fix = "trend them apart"
         raise UsageError(f"{visible(source)} measures {what} ({EXPLAIN[what]}) but "
                          f"{visible(source0)} measures {what0}; one trend judges one "
                          f"quantity: {fix}")

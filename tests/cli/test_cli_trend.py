@@ -373,7 +373,8 @@ def test_checkpoints_and_logs_of_different_kinds_are_refused(gradclip, checkpoin
     save_run(tmp_path, (1,), name="grads-{step}.pt")
     r = gradclip("trend", tmp_path / "grads-1.pt", run.output_dir / "checkpoint-2")
     assert r.code == 2 and len(r.err_lines) == 1
-    assert "--what grads or --what exp_avg" in r.err and "grads-1.pt" in r.err
+    # Neither holds what the other measures: no --what would work, so none is offered.
+    assert "trend them apart" in r.err and "--what" not in r.err and "grads-1.pt" in r.err
     assert_no_report(r)
 
 
@@ -452,3 +453,22 @@ def test_bad_inputs_are_exit_3_naming_the_file(gradclip, tmp_path, make, words):
     assert r.code == 3, (r.code, r.err)
     assert words in r.err and str(path) in r.err and len(r.err_lines) == 1
     assert_no_report(r)
+
+
+def test_mixed_kinds_suggest_only_what_every_checkpoint_holds(gradclip, tmp_path):
+    """Adam's state beside a weights-only save (torchtitan's last save is one): the
+    refusal offers --what weights alone, and following it measures both."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 1},
+               tmp_path / "ckpt-1.pt")
+    torch.save(model.state_dict(), tmp_path / "ckpt-2.pt")
+    paths = [tmp_path / "ckpt-1.pt", tmp_path / "ckpt-2.pt"]
+    r = gradclip("trend", *paths)
+    assert r.code == 2 and "--what weights" in r.err and "--what exp_avg" not in r.err, r.err
+    doc = gradclip("trend", *paths, "--what", "weights", "--format", "json").json()
+    want = float(torch.cat([p.detach().double().flatten() for p in model.parameters()]).norm())
+    assert [p["total_norm"] for p in doc["points"]] == pytest.approx([want, want], rel=1e-6)
