@@ -86,14 +86,7 @@ def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
         dataloader_num_workers=0, **saving,
     )  # fmt: skip
     trainer = SpikeTrainer(model=model, args=args, train_dataset=dataset)
-    # One thread: on a shared 2-core machine, intra-op threads over such tiny
-    # matrices made the run 15x slower (80 s instead of 6 s).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        trainer.train()
-    finally:
-        torch.set_num_threads(threads)
+    _train_on_one_thread(trainer)
     trainer.save_state()
     name_of = {id(p): n for n, p in model.named_parameters()}
     groups = [[name_of[id(p)] for p in g["params"]] for g in trainer.optimizer.param_groups]
@@ -179,16 +172,26 @@ def train_run_folder(output_dir: Path) -> RunFolder:
         save_steps=RUN_FOLDER_SAVE_STEPS,
     )  # fmt: skip
     trainer = MonitoredTrainer(model=model, args=args, train_dataset=dataset)
+    try:
+        _train_on_one_thread(trainer)
+    finally:
+        monitor.close()
+    trainer.save_state()
+    return RunFolder(output_dir, RUN_FOLDER_STEPS, RUN_FOLDER_SAVE_STEPS, RUN_FOLDER_SPIKE_STEP,
+                     RUN_FOLDER_SPIKE_LAYER, args.max_grad_norm, reference)
+
+
+def _train_on_one_thread(trainer) -> None:
+    import torch
+
+    # One thread: on a shared 2-core machine, intra-op threads over such tiny
+    # matrices made the run 15x slower (80 s instead of 6 s).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         trainer.train()
     finally:
         torch.set_num_threads(threads)
-        monitor.close()
-    trainer.save_state()
-    return RunFolder(output_dir, RUN_FOLDER_STEPS, RUN_FOLDER_SAVE_STEPS, RUN_FOLDER_SPIKE_STEP,
-                     RUN_FOLDER_SPIKE_LAYER, args.max_grad_norm, reference)
 
 
 def _float64_norms(model) -> dict[str, float]:

@@ -6,7 +6,6 @@ so numbers compare within 1e-5 relative (the tables print 6 digits).
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import subprocess
@@ -14,20 +13,7 @@ import sys
 from pathlib import Path
 
 from tests.cli.support import REPO
-from tests.test_readme import NUMBER
-
-
-def close(expected: str, actual: str, rel: float = 1e-5) -> bool:
-    def parts(text: str):
-        text = re.sub(r"[ \t]+", " ", text.strip())
-        return NUMBER.split(text), [float(x) for x in NUMBER.findall(text)]
-
-    (words_a, numbers_a), (words_b, numbers_b) = parts(expected), parts(actual)
-    return (
-        words_a == words_b
-        and len(numbers_a) == len(numbers_b)
-        and all(math.isclose(a, b, rel_tol=rel) for a, b in zip(numbers_a, numbers_b))
-    )
+from tests.test_readme import TRAINED_TOLERANCE, same
 
 
 def shell(command: str, cwd: Path) -> str:
@@ -55,6 +41,6 @@ def test_the_plain_loop_blocks_show_what_it_prints(tmp_path):
     assert commands[0].startswith("python train.py") and commands[1].startswith("gradclip inspect")
     for command, output in zip(commands, outputs):
         actual = shell(command, tmp_path)
-        assert close(output.strip("\n"), actual), (
+        assert same(output.strip("\n"), actual, TRAINED_TOLERANCE), (
             f"README block for `{command}` is stale:\n{actual}"
         )
