@@ -114,7 +114,17 @@ class SpikeDetector:
                 self._seed = []
             return
         self.mean = self.alpha * self.mean + (1 - self.alpha) * x
-        self.spread = _rms([self.spread, x - self.mean], [self.alpha, 1 - self.alpha])
+        self.spread = _ema_rms(self.spread, x - self.mean, self.alpha)
+
+
+def _ema_rms(spread: float, d: float, alpha: float) -> float:
+    """``sqrt(alpha * spread**2 + (1 - alpha) * d**2)``, scaled as ``_rms`` is, without its
+    lists: the monitor makes this update for every group on every logged step."""
+    top = max(spread, abs(d))
+    if top == 0 or not math.isfinite(top):
+        return top
+    a, b = spread / top, d / top
+    return top * math.sqrt(alpha * a * a + (1 - alpha) * b * b)
 
 
 def _rms(values: list[float], weights: list[float]) -> float:
