@@ -63,7 +63,6 @@ import torch
 from . import api
 from .core import (
     Coefficient,
-    PowerSums,
     clip_coefficient,
     find_ties,
     scale_,
@@ -73,9 +72,10 @@ from .core.clipping import EPS
 from .core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z, SpikeDetector
 from .distributed import dtensor
 from .errors import OutputError, UsageError
-from .format.json import number
+from .format.json import nonfinite_object, number
 from .producer import save_grads
 from .report.grouping import parse_group_by
+from .report.groups import GroupSums, group_sums, nonfinite_counts
 
 __all__ = ["SCHEMA", "GradMonitor"]
 
@@ -91,9 +91,7 @@ class _Measurement:
     """One step's gradients (tie duplicates dropped) and their norm summaries."""
 
     grads: list[torch.Tensor]
-    group_names: list[str]  # in order of first appearance in named_parameters()
-    groups: PowerSums
-    total: PowerSums
+    sums: GroupSums  # groups in order of first appearance in named_parameters()
 
 
 class GradMonitor:
@@ -256,8 +254,9 @@ class GradMonitor:
         _, spike_coef = self._observe(step, measured, float(max_norm))
         first = measured.grads[0]
         wide = any(g.dtype == torch.float64 for g in measured.grads)
-        total = measured.total.norm[0].to(first.device, torch.float64 if wide else torch.float32)
-        if error_if_nonfinite and not math.isfinite(float(measured.total.norm[0])):
+        total_norm = measured.sums.total.norm[0]
+        total = total_norm.to(first.device, torch.float64 if wide else torch.float32)
+        if error_if_nonfinite and not math.isfinite(float(total_norm)):
             raise RuntimeError(
                 f"The total norm of order {self.norm_type} for gradients from "
                 "`parameters` is non-finite, so it cannot be clipped. To disable "
@@ -311,11 +310,7 @@ class GradMonitor:
             sums = dtensor.tensor_sums(grads, self.norm_type, with_max=False)
         else:
             sums = tensor_power_sums(grads, self.norm_type, with_max=False)
-        members = [self._group(n) for n, _ in named]
-        order = list(dict.fromkeys(members))
-        position = {g: i for i, g in enumerate(order)}
-        index = torch.tensor([position[g] for g in members], dtype=torch.int64)
-        return _Measurement(grads, order, sums.reduce(index, len(order)), sums.total())
+        return _Measurement(grads, group_sums([self._group(n) for n, _ in named], sums))
 
     def _observe(self, step: int, m: _Measurement, max_norm: float | None = None,
                  ) -> tuple[dict[str, Any], Coefficient | None]:
@@ -325,8 +320,8 @@ class GradMonitor:
         coefficient to scale the gradients by (None otherwise); ``max_norm``
         is the fixed limit the caller clips to as well, if any.
         """
-        total_norm = float(m.total.norm[0])
-        group_norms = dict(zip(m.group_names, m.groups.norm.tolist()))
+        total_norm = float(m.sums.total.norm[0])
+        group_norms = dict(zip(m.sums.names, m.sums.groups.norm.tolist()))
         # A spike is worth a dump only once its series has ``warmup`` earlier
         # points: early training moves fast, and a z-score against a handful
         # of points flags steps that are only a trend.
@@ -340,11 +335,7 @@ class GradMonitor:
             if detector.update(norm).spike:
                 spike_groups.append(name)
                 worth_a_dump = worth_a_dump or settled
-        nonfinite = {
-            "nan": int(m.total.nan[0]),
-            "posinf": int(m.total.posinf[0]),
-            "neginf": int(m.total.neginf[0]),
-        }
+        nonfinite = nonfinite_object(nonfinite_counts(m.sums.total)[0])
         spike = judged.spike or bool(spike_groups)
         clipped_to = spike_coef = None
         # A limit of 0 comes from a history of zero gradients: there is no

@@ -25,7 +25,8 @@ from ..distributed import launcher
 from ..errors import OutputError, UsageError
 from ..format.text import visible
 from ..progress import progress_steps
-from ..report import ClipReport, NonFinite
+from ..report import ClipReport
+from ..report.groups import nonfinite_counts
 from ..source.layouts import write_back
 from ..source.what import select
 from .common import Loaded, emit, load, measure, output_format, speaks, tensor_writers
@@ -87,7 +88,7 @@ def run(
         before = owned.total()
         total_before = float(before.norm[0])
         overflow = bool(before.overflow[0])
-        nonfinite = NonFinite(int(before.nan[0]), int(before.posinf[0]), int(before.neginf[0]))
+        nonfinite = nonfinite_counts(before)[0]
         if nonfinite.total and not allow_nonfinite:
             if not speaks():
                 return 1

@@ -29,6 +29,7 @@ from ..errors import InputError, UsageError
 from ..format.text import visible
 from ..progress import Steps, progress_steps
 from ..report import NonFinite, parse_group_by
+from ..report.groups import group_sums, nonfinite_counts
 from ..report.trend import (
     FAIL_ON_ANY,
     FAIL_ON_NEWEST,
@@ -388,24 +389,17 @@ def measure_checkpoint(path: Path, how: Measurement, steps: Steps,
 def measure_loaded(loaded: Loaded, path: Path, how: Measurement, steps: Steps,
                    folder_step: int | None = None) -> Measured:
     """Measure and group one loaded checkpoint; its pages are released as they are read."""
-    import torch
-
     release = Releasers(loaded.contents.files or [path])
     # Groups and the total count each shared element once: the owned sums.
     _, sums = measure(loaded, how.norm_type, how.device, steps, f"measuring {path.name}",
                       release, how.session)
     # Group norms only, not inspect's full report (a row per tensor): that was
     # 0.55 s of 5.2 s over 50 checkpoints (BENCHMARKS.md, "trend").
-    group_names = [how.group_rule(n) for n in loaded.names]
-    order = list(dict.fromkeys(group_names))
-    position = {g: i for i, g in enumerate(order)}
-    index = torch.tensor([position[g] for g in group_names], dtype=torch.int64)
-    group_norms = sums.reduce(index, len(order)).norm.tolist()
-    total = sums.total()
+    grouped = group_sums([how.group_rule(n) for n in loaded.names], sums)
     return Measured(
-        total_norm=float(total.norm[0]),
-        nonfinite=NonFinite(int(total.nan[0]), int(total.posinf[0]), int(total.neginf[0])),
-        groups=dict(zip(order, group_norms)),
+        total_norm=float(grouped.total.norm[0]),
+        nonfinite=nonfinite_counts(grouped.total)[0],
+        groups=dict(zip(grouped.names, grouped.groups.norm.tolist())),
         step=_step_of(loaded.contents.step,
                       None if loaded.checkpoint is None else loaded.checkpoint.root,
                       path, folder_step),

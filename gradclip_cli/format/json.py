@@ -33,7 +33,8 @@ def number(x: float | None) -> float | str | None:
     return nonfinite_name(x)
 
 
-def _nonfinite(n: NonFinite) -> dict[str, int]:
+def nonfinite_object(n: NonFinite) -> dict[str, int]:
+    """Non-finite counts as every gradclip JSON document writes them (the monitor's log too)."""
     return {"nan": n.nan, "posinf": n.posinf, "neginf": n.neginf}
 
 
@@ -55,7 +56,7 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
         "max_norm": number(report.max_norm),
         "num_tensors": report.num_tensors,
         "num_elements": report.num_elements,
-        "nonfinite": _nonfinite(report.nonfinite),
+        "nonfinite": nonfinite_object(report.nonfinite),
         "status": report.status,
         "overflow": report.overflow,
         "total_norm_log10": number(report.total_norm_log10),
@@ -69,7 +70,7 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
                 "max_abs": number(g.max_abs),
                 "num_tensors": g.num_tensors,
                 "num_elements": g.num_elements,
-                "nonfinite": _nonfinite(g.nonfinite),
+                "nonfinite": nonfinite_object(g.nonfinite),
                 **({"ratio": number(g.ratio)} if g.ratio is not None else {}),
             }
             for g in report.groups
@@ -82,7 +83,7 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
                 "dtype": t.dtype,
                 "norm": number(t.norm),
                 "max_abs": number(t.max_abs),
-                "nonfinite": _nonfinite(t.nonfinite),
+                "nonfinite": nonfinite_object(t.nonfinite),
                 "tied": list(t.tied),
                 **({"ratio": number(t.ratio)} if t.ratio is not None else {}),
                 "shares": list(t.shares),
@@ -94,7 +95,7 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
 
 def clip_document(report: ClipReport) -> dict[str, Any]:
     doc = asdict(report)
-    doc["nonfinite"] = _nonfinite(report.nonfinite)
+    doc["nonfinite"] = nonfinite_object(report.nonfinite)
     for k in ("norm_type", "max_norm", "clip_value", "total_norm_before", "clip_coef",
               "total_norm_after", "clip_coef_log2", "clip_coef_torch"):
         doc[k] = number(doc[k])
@@ -118,7 +119,7 @@ def trend_document(report: TrendReport) -> dict[str, Any]:
                 "what": p.what,
                 "total_norm": number(p.total_norm),
                 "groups": {name: number(norm) for name, norm in p.groups.items()},
-                "nonfinite": None if p.nonfinite is None else _nonfinite(p.nonfinite),
+                "nonfinite": None if p.nonfinite is None else nonfinite_object(p.nonfinite),
                 "z": number(p.z),
                 "spike": p.spike,
                 "spike_groups": list(p.spike_groups),

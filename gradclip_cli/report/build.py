@@ -9,6 +9,7 @@ import torch
 
 from ..core import PowerSums
 from .grouping import GroupRule
+from .groups import group_sums, nonfinite_counts
 from .model import (
     EXCEEDED,
     NONFINITE,
@@ -19,11 +20,6 @@ from .model import (
     NonFinite,
     TensorRow,
 )
-
-
-def _nonfinite_all(sums: PowerSums) -> list[NonFinite]:
-    return [NonFinite(*counts) for counts in zip(sums.nan.tolist(), sums.posinf.tolist(),
-                                                 sums.neginf.tolist())]
 
 
 def _share(norm: float, total: float, p: float) -> float:
@@ -106,23 +102,20 @@ def build_inspect_report(
     if owned_counts is None:
         owned_counts = counts
     group_names = [group_rule(n) for n in names]
-    order = list(dict.fromkeys(group_names))  # checkpoint order of first appearance
-    position = {g: i for i, g in enumerate(order)}
-    group_index = torch.tensor([position[g] for g in group_names], dtype=torch.int64)
-    groups = owned.reduce(group_index, len(order))
-    total = owned.total()
+    grouped = group_sums(group_names, owned)  # checkpoint order of first appearance
+    order, groups, total = grouped.names, grouped.groups, grouped.total
     total_norm = float(total.norm[0])
     overflow = bool(total.overflow[0])
     # Whole columns at once: indexing tensors element by element is slow at
     # 20,000 tensors, and ``norm`` is computed on every access.
     norms = sums.norm.tolist()
     maxes = sums.max_abs.tolist()
-    nonfinite_rows = _nonfinite_all(sums)
+    nonfinite_rows = nonfinite_counts(sums)
     ratios: list[float | None] = [None] * len(names)
     group_ratios: list[float | None] = [None] * len(order)
     if weight_sums is not None:
         ratios = [_ratio(a, b) for a, b in zip(norms, weight_sums.norm.tolist())]
-        weight_groups = weight_sums.reduce(group_index, len(order)).norm.tolist()
+        weight_groups = grouped.reduce(weight_sums).norm.tolist()
 
     tensor_rows = [
         TensorRow(
@@ -142,12 +135,12 @@ def build_inspect_report(
     ]
     members = [0] * len(order)
     elements = [0] * len(order)
-    for g, count in zip(group_index.tolist(), owned_counts):
+    for g, count in zip(grouped.index.tolist(), owned_counts):
         members[g] += 1
         elements[g] += count
     group_norms = groups.norm.tolist()
     group_maxes = groups.max_abs.tolist()
-    group_counts = _nonfinite_all(groups)
+    group_counts = nonfinite_counts(groups)
     group_rows = []
     for g, name in enumerate(order):
         norm = group_norms[g]
@@ -165,7 +158,7 @@ def build_inspect_report(
                 ratio=group_ratios[g],
             )
         )
-    nonfinite = _nonfinite_all(total)[0]
+    nonfinite = nonfinite_counts(total)[0]
     return InspectReport(
         source=source,
         format=format,
