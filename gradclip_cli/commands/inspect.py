@@ -78,7 +78,7 @@ def run(
 
 
 # A run's folder holds numbered checkpoints (HF Trainer, DeepSpeed), not one checkpoint.
-_NUMBERED = re.compile(r"(checkpoint-|global_step|step-?)\d+")
+_NUMBERED = re.compile(r"(checkpoint[-_]|global_step|step-?)\d+")
 _SCANNED = 1000  # children looked at for a hint; a refusal never waits on a huge folder
 
 

@@ -274,6 +274,9 @@ class Contents:
     keyed: str | None = None
     # Weights under the optimizer's name for a parameter the model stores split (ratio only).
     fused_weights: dict[str, StoredTensor] = field(default_factory=dict)
+    # Why optimizer state keeps its parameter ids as names although the checkpoint holds
+    # the model (weights stored sorted, no param_names): measured exactly, named by id.
+    unmapped: str | None = None
 
     @property
     def optimizer(self) -> OptimizerState | None:

@@ -319,9 +319,10 @@ def map_names(contents: Contents, opt: OptimizerState) -> dict[int, str]:
                     f"{opt.file}: the optimizer's param_names name {visible(strangers[0])}"
                     f"{more}, which the checkpoint's weights do not hold: the two disagree")
         return dict(sorted(opt.param_names.items()))
-    if not contents.weights and not contents.model_order_names:
-        # No model at all (an optimizer's state dict saved alone): its ids are the only
-        # names there are, and the total does not depend on them.
+    if contents.unmapped or (not contents.weights and not contents.model_order_names):
+        # No model at all (an optimizer's state dict saved alone), or a model whose order
+        # is unknown where the layout says why (``unmapped``): its ids are the only names
+        # there are, and the total does not depend on them.
         return {pid: f"state.{pid}" for g in opt.param_groups for pid in sorted(g["params"])}
     order = _model_order(contents, opt)
     shapes = {n: tuple(contents.weights[n].shape) if contents.weights and n in contents.weights

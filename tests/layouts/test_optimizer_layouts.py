@@ -141,6 +141,8 @@ def accelerate_state(tmp_path_factory) -> Path:
         opt.zero_grad()
     out = tmp_path_factory.mktemp("accelerate") / "state"
     accelerator.save_state(os.fspath(out))
+    # The same state through torch.save (pytorch_model.bin keeps the model's order).
+    accelerator.save_state(os.fspath(out.parent / "state_bin"), safe_serialization=False)
     return out
 
 
@@ -166,6 +168,151 @@ def test_accelerate_optimizer_bin_alone(gradclip, accelerate_state):
         params = [f.get_tensor(k) for k in f.keys() if "running" not in k
                   and "num_batches" not in k]
     assert rel_err(weights["total_norm"], _norm(params)) <= TOL
+
+
+def _adam_expected(optimizer_file: Path, what: str) -> list[torch.Tensor]:
+    """Each parameter's ``what`` in float64 from the raw ``optimizer.bin`` (AdamW, one group)."""
+    saved = torch.load(optimizer_file, weights_only=True)
+    group = saved["param_groups"][0]
+    b1, b2 = group["betas"]
+    out = []
+    for pid in group["params"]:
+        s = saved["state"][pid]
+        t = float(s["step"])
+        m = s["exp_avg"].double() / (1 - b1**t)
+        v = s["exp_avg_sq"].double() / (1 - b2**t)
+        out.append({"exp_avg": m, "grad_rms": v.sqrt(),
+                    "update": group["lr"] * m / (v.sqrt() + group["eps"])}[what])
+    return out
+
+
+def _weights(model_file: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(model_file), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()
+                if "running" not in k and "num_batches" not in k}
+
+
+@pytest.mark.parametrize("what", ["auto", "exp_avg", "grad_rms", "update", "weights"])
+def test_accelerate_save_state_folder_is_one_checkpoint(gradclip, accelerate_state, what):
+    doc = gradclip("inspect", accelerate_state, "--what", what, "--format", "json").json()
+    assert doc["format"] == "accelerate"
+    saved = torch.load(accelerate_state / "optimizer.bin", weights_only=True)
+    assert doc["step"] == int(saved["state"][0]["step"]) == 3
+    if what == "weights":
+        expected = _weights(accelerate_state / "model.safetensors").values()
+        assert doc["measured"]["evidence"] == \
+            "an accelerate save_state folder: model.safetensors"
+    else:
+        expected = _adam_expected(accelerate_state / "optimizer.bin",
+                                  "exp_avg" if what == "auto" else what)
+        assert doc["what"] == ("exp_avg" if what == "auto" else what)
+        assert doc["measured"]["evidence"] == "an accelerate save_state folder: optimizer.bin"
+        # model.safetensors sorts its names and the optimizer was given bare parameters:
+        # measured under the optimizer's ids, and the report says why.
+        assert [t["name"] for t in sorted(doc["tensors"], key=lambda t: t["name"])] == \
+            [f"state.{i}" for i in range(len(expected))]
+        assert any("named by parameter id" in line for line in doc["description"])
+    assert rel_err(doc["total_norm"], _norm(expected)) <= TOL
+    assert "random_states_0.pkl not read" in doc["description"][0]
+
+
+def test_accelerate_pytorch_model_bin_maps_by_model_order(gradclip, accelerate_state):
+    folder = accelerate_state.parent / "state_bin"
+    model = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    params = [n for n in model if "running" not in n and "num_batches" not in n]
+    moments = dict(zip(params, _adam_expected(folder / "optimizer.bin", "update")))
+    doc = gradclip("inspect", folder, "--what", "update", "--format", "json").json()
+    assert doc["step"] == 3 and [t["name"] for t in doc["tensors"]] == params
+    for t in doc["tensors"]:
+        assert rel_err(t["norm"], _norm([moments[t["name"]]])) <= TOL, t["name"]
+        assert rel_err(t["ratio"], t["norm"] / _norm([model[t["name"]]])) <= TOL
+    assert not any("named by parameter id" in line for line in doc["description"])
+
+
+def test_accelerate_several_models_are_refused(gradclip, tmp_path, accelerate_state):
+    import shutil
+
+    copy = tmp_path / "state"
+    shutil.copytree(accelerate_state, copy)
+    shutil.copy(copy / "model.safetensors", copy / "model_1.safetensors")
+    result = gradclip("inspect", copy)
+    assert result.code == 3 and len(result.err_lines) == 1
+    assert "model_1.safetensors" in result.err and "give the file to read" in result.err
+
+
+def test_accelerate_save_state_never_opens_its_pickles(gradclip, tmp_path, accelerate_state):
+    import pickle
+    import shutil
+
+    copy = tmp_path / "state"
+    shutil.copytree(accelerate_state, copy)
+    marker = tmp_path / "ran"
+
+    class Runs:  # what an unpickler would run: a file appears
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (copy / "random_states_0.pkl").write_bytes(pickle.dumps(Runs()))
+    (copy / "sampler.bin").write_bytes(pickle.dumps(Runs()))
+    for flags in ((), ("--trust-pickle",)):
+        result = gradclip("inspect", copy, *flags, "--format", "json")
+        assert result.code == 0, result.err
+        assert not marker.exists()
+    assert gradclip("inspect", copy, "--what", "grads").code == 3
+
+
+@pytest.fixture(scope="session")
+def accelerate_auto_runs(tmp_path_factory) -> Path:
+    """``save_state()`` twice under ``ProjectConfiguration(automatic_checkpoint_naming=True)``
+    (``checkpoints/checkpoint_0``, ``checkpoint_1``), the optimizer given named parameters."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3),
+                                torch.nn.Flatten(), torch.nn.Linear(48, 2))
+    project = tmp_path_factory.mktemp("accelerate_auto")
+    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=os.fspath(project), automatic_checkpoint_naming=True))
+    model, opt = accelerator.prepare(
+        model, torch.optim.AdamW(model.named_parameters(), lr=1e-2))
+    for step in range(4):
+        x = torch.randn(4, 2, 6, 6, generator=torch.Generator().manual_seed(step))
+        accelerator.backward(model(x).square().mean())
+        opt.step()
+        opt.zero_grad()
+        if step % 2:
+            accelerator.save_state()
+    return project / "checkpoints"
+
+
+def test_accelerate_named_state_maps_to_layers(gradclip, accelerate_auto_runs):
+    folder = accelerate_auto_runs / "checkpoint_1"
+    saved = torch.load(folder / "optimizer.bin", weights_only=True)
+    names = saved["param_groups"][0]["param_names"]
+    moments = dict(zip(names, _adam_expected(folder / "optimizer.bin", "exp_avg")))
+    weights = _weights(folder / "model.safetensors")
+    doc = gradclip("inspect", folder, "--format", "json").json()
+    assert doc["what"] == "exp_avg" and doc["step"] == 4
+    assert {t["name"] for t in doc["tensors"]} == set(names)
+    for g in doc["groups"]:
+        members = [n for n in names if n.split(".")[0] == g["name"]]
+        assert rel_err(g["norm"], _norm([moments[n] for n in members])) <= TOL
+        assert rel_err(g["ratio"], g["norm"] / _norm([weights[n] for n in members])) <= TOL
+    assert [g["name"] for g in doc["groups"]] == ["0", "1", "3"]
+
+
+def test_accelerate_automatic_naming_trends_by_step(gradclip, accelerate_auto_runs):
+    doc = gradclip("trend", accelerate_auto_runs, "--format", "json").json()
+    assert doc["what"] == "exp_avg"
+    assert [p["step"] for p in doc["points"]] == [2, 4]
+    for point, name in zip(doc["points"], ("checkpoint_0", "checkpoint_1")):
+        assert point["source"].endswith(name)
+        expected = _adam_expected(accelerate_auto_runs / name / "optimizer.bin", "exp_avg")
+        assert rel_err(point["total_norm"], _norm(expected)) <= TOL
+    # The save folder itself is a run, not a checkpoint: inspect names the command.
+    result = gradclip("inspect", accelerate_auto_runs)
+    assert result.code == 3 and "gradclip trend" in result.err
 
 
 def _timm_checkpoint_saver():
@@ -257,7 +404,8 @@ def test_every_refusal_on_these_layouts_offers_only_what_works(
     from tests.cli.test_cli_roles import walk_refusals
 
     paths = [trainer_run, trainer_adafactor, trainer_sgd, accelerate_state / "optimizer.bin",
-             accelerate_state / "model.safetensors", *timm_saver.values(), sharded_pretrained,
+             accelerate_state / "model.safetensors", accelerate_state, *timm_saver.values(),
+             sharded_pretrained,
              litgpt_run]
     refusals, followed = walk_refusals(gradclip, paths, tmp_path)
     assert refusals >= 2 * len(paths) and followed > len(paths)

@@ -25,6 +25,7 @@ from gradclip_cli.source.roles import settle
 
 from . import (
     accelerate_fsdp,
+    accelerate_state,
     dcp,
     dcp_hf,
     deepspeed,
@@ -41,6 +42,7 @@ LAYOUTS: tuple[Layout, ...] = (
     megatron,  # its folders hold a DCP folder and common.pt: before any flat mapping
     deepspeed,
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
+    accelerate_state,  # model.safetensors beside optimizer.bin, none of the Trainer's files
     hf_trainer,
     hf_sharded,
     olmo_core,
