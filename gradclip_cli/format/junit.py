@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING, TextIO
 
 from . import findings as F
 from .text import visible
-from .words import compare_verdict, fmt, fmt_p, fmt_ratio, trend_verdict, verdict_line
+from .words import (
+    compare_verdict,
+    fmt,
+    fmt_p,
+    fmt_ratio,
+    measured_line,
+    trend_verdict,
+    verdict_line,
+)
 
 if TYPE_CHECKING:
     from ..report import ClipReport, FailureReport, InspectReport
@@ -79,8 +87,9 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
                + ("" if g.ratio is None else f", ratio {fmt_ratio(g.ratio)} to the weights")
                for g in report.groups}
     details[F.TOTAL] = f"{report.what}: total norm {fmt(report.total_norm)} (p={p})"
+    measured = measured_line(report)
     _write(_suite(f"gradclip inspect {report.source}", cases, F.inspect_findings(report),
-                  verdict_line(report), details), out)
+                  verdict_line(report), details, [] if measured is None else [measured]), out)
 
 
 def render_clip(report: ClipReport, out: TextIO) -> None:

@@ -31,6 +31,7 @@ from .words import (
     fmt,
     fmt_p,
     fmt_ratio,
+    measured_line,
     ratio_cell,
     trend_verdict,
     verdict_line,
@@ -83,6 +84,9 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
     out.write(f"{escape(report.what)}{step}: {report.num_tensors} tensors, "
               f"{report.num_elements:,} elements, p={escape(fmt_p(report.norm_type))}, "
               f"groups by {escape(report.group_by)}\n\n")
+    measured = measured_line(report)
+    if measured is not None:
+        out.write(f"{escape(measured)}\n\n")
     shown = groups_to_show(report)
     # ratio: each norm over the norm of the same parameters' weights, where the
     # checkpoint holds them (the update-to-weight ratio, for --what update).

@@ -82,6 +82,15 @@ def fmt_total(report: InspectReport) -> str:
 
 # -- inspect and clip -----------------------------------------------------------
 
+def measured_line(report: InspectReport) -> str | None:
+    """What was measured and the evidence (``measured: model weights (a state_dict: ...)``),
+    as the table's header says it; None for a report that does not say (built by hand)."""
+    explain, evidence = report.measured.get("explain"), report.measured.get("evidence")
+    if not explain:
+        return None
+    return f"measured: {visible(explain)}" + (f" ({visible(evidence)})" if evidence else "")
+
+
 def verdict_line(report: InspectReport) -> str:
     """The one line that matches the exit code: FAIL (exit 1) unless the status is ok."""
     p = fmt_p(report.norm_type)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source import roles
 from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.interface import Contents
 
@@ -62,6 +63,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     contents.step = hf_trainer.global_step(path)
     model = _read_part(path, models[0], verify=verify, trust_pickle=trust_pickle)
     contents.weights = dcp.model_weights(model)
+    said = "an accelerate FSDP checkpoint"
+    contents.evidence[roles.WEIGHT] = f"{said}: {models[0]}/"
     contents.files += model.files
     optimizers = _parts(path, _OPTIMIZER)
     for name in optimizers:
@@ -71,8 +74,11 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             raise InputError(f"{path / name / METADATA_NAME}: holds no optimizer state")
         contents.optimizers += [part.optimizer(top) for top in tops]
         contents.files += part.files
+    if optimizers:
+        contents.evidence[roles.OPTIMIZER_STATE] = \
+            f"{said}: {', '.join(f'{n}/' for n in optimizers)}"
     if key is not None:
-        dcp.fill_gradients(contents, model, key)
+        dcp.fill_gradients(contents, model, key, f"{said} ({models[0]}/)")
     else:
         contents.gradient_error = f"{path}: an accelerate FSDP checkpoint holds no gradients"
     if os.path.exists(path / hf_trainer.STATE):

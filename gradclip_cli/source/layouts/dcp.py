@@ -17,28 +17,47 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source import roles
 from gradclip_cli.source.interface import Contents, StoredTensor
 from gradclip_cli.source.locate import GRADIENT_KEYS
 from gradclip_cli.source.vocabulary import OPTIMIZER_KEYS, STEP_KEYS, WEIGHT_KEYS
 
 from .dcp_folder import DcpFolder, hold_gradient_chunks, read_folder, recognises, renamed
 
-__all__ = ["KIND", "fill_gradients", "first_under", "model_weights", "open",
-           "optimizer_tops", "recognises", "write_back"]
+__all__ = ["KIND", "SAID", "fill_gradients", "first_under", "model_weights", "open",
+           "open_as", "optimizer_tops", "recognises", "write_back"]
 
 KIND = "dcp"
+SAID = "a DCP checkpoint"  # how the report's evidence names the layout
 _STEP_KEYS = STEP_KEYS
 _LIGHTNING_OPTIMIZER = re.compile(r"optimizer_\d+")
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    return open_as(path, SAID, key=key, trust_pickle=trust_pickle, verify=verify)
+
+
+def open_as(path: Path, said: str, *, key: str | None, trust_pickle: bool,
+            verify: bool) -> Contents:
+    """``open``, the evidence naming the layout as ``said`` (a Lightning sharded folder is
+    a DCP folder with ``meta.pt``)."""
     folder = read_folder(path, verify=verify, trust_pickle=trust_pickle)
     contents = Contents(path=path, kind=KIND, files=folder.files, index=folder.metadata_file,
                         folder=folder.folder, trusted_pickle=folder.trusted)
-    contents.weights = first_under(folder, WEIGHT_KEYS)
-    fill_gradients(contents, folder, key)
-    for name in optimizer_tops(folder):
+    for top in WEIGHT_KEYS:
+        contents.weights = folder.under(top) or None
+        if contents.weights:
+            contents.evidence[roles.WEIGHT] = f"{said}: its {top!r} entry"
+            break
+    fill_gradients(contents, folder, key, said)
+    tops = optimizer_tops(folder)
+    for name in tops:
         contents.optimizers.append(folder.optimizer(name))
+    if tops:
+        shown = ", ".join(repr(t) for t in tops)
+        contents.evidence[roles.OPTIMIZER_STATE] = \
+            f"{said}: its {shown} {'entry' if len(tops) == 1 else 'entries'}, state and " \
+            "param_groups"
     for k, p in folder.paths.items():
         if len(p) == 1 and p[0] in _STEP_KEYS:
             contents.step = folder.step(k)
@@ -73,9 +92,11 @@ def model_weights(folder: DcpFolder) -> dict[str, StoredTensor] | None:
     return found
 
 
-def fill_gradients(contents: Contents, folder: DcpFolder, key: str | None) -> None:
+def fill_gradients(contents: Contents, folder: DcpFolder, key: str | None,
+                   said: str = SAID) -> None:
     """The gradients of ``folder`` by the ``--key`` rule: everything under ``--key``, else
-    the one of ``GRADIENT_KEYS`` present, else a flat name -> tensor state dict."""
+    the one of ``GRADIENT_KEYS`` present, else a flat name -> tensor state dict; the
+    evidence names the layout as ``said``."""
     meta_file, paths, tensors = folder.metadata_file, folder.paths, folder.tensors
     if key is not None:
         wanted = [part for part in key.split(".") if part]
@@ -91,17 +112,21 @@ def fill_gradients(contents: Contents, folder: DcpFolder, key: str | None) -> No
             raise InputError(f"{meta_file}: --key {key!r}: no tensors under it "
                              f"(top-level keys: {_tops(paths)})")
         _set_gradients(contents, found, ".".join(wanted), meta_file)
+        contents.evidence[roles.GRADIENT] = f"{said}: --key {visible(key)}"
         return
     present = [g for g in GRADIENT_KEYS if any(p[0] == g and len(p) > 1 for p in paths.values())]
     if len(present) == 1:
         found = {".".join(map(str, p[1:])): tensors[k] for k, p in paths.items()
                  if p[0] == present[0] and len(p) > 1 and k in tensors}
         _set_gradients(contents, found, present[0], meta_file)
+        contents.evidence[roles.GRADIENT] = f"{said}: its {present[0]!r} entry"
         return
     if all(len(p) == 1 for p in paths.values()) and tensors:
         # A flat name -> tensor state dict: the --key rule's "whole file" (and the model).
         _set_gradients(contents, dict(tensors), "", meta_file)
         contents.weights = contents.gradients
+        flat = f"{said}: a flat name -> tensor state dict that nothing marks as something else"
+        contents.evidence[roles.GRADIENT] = contents.evidence[roles.WEIGHT] = flat
         return
     why = "several gradient entries" if present else "no gradients"
     contents.gradient_error = (f"{meta_file}: {why} (top-level keys: {_tops(paths)}); "

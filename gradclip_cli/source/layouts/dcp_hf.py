@@ -38,7 +38,7 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.safetensors_file import read_header
 from gradclip_cli.source.interface import Checkpoint, Contents, Piece, StoredTensor
@@ -117,6 +117,9 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
                         skipped=[n for n in tensors if n not in floating])
     if not floating:
         contents.gradient_error = f"{path}: no floating-point tensors in its shards"
+    contents.evidence[roles.GRADIENT] = contents.evidence[roles.WEIGHT] = (
+        f"DCP's Hugging Face layout: safetensors shards with {SHARDING_KEY}, a flat name -> "
+        "tensor set that nothing marks as something else")
     chunks = sum(len(p) for p in pieces.values())
     contents.description.append(
         f"DCP Hugging Face layout: {len(tensors)} tensors in {chunks} pieces, "

@@ -66,7 +66,7 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.deepspeed_pickle import GLOBALS
 from gradclip_cli.source.files.small_file import excerpt, read_small_file
 from gradclip_cli.source.files.weights_pickle import allowing
@@ -262,6 +262,11 @@ class _Reader:
             contents.model_order = False
         contents.weights = weights
         contents.optimizers = [optimizer]
+        held = first.path.name if world == 1 else \
+            f"{optim_name(0).replace('rank_0_', 'rank_*_', 1)} ({world} ranks)"
+        contents.evidence[roles.WEIGHT] = \
+            f"a DeepSpeed checkpoint: {model.path.name}, fp32 master weights in {held}"
+        contents.evidence[roles.OPTIMIZER_STATE] = f"a DeepSpeed checkpoint: {held}"
         step = model.root.get("global_steps")
         if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
             contents.step = step

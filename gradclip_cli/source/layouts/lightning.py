@@ -50,7 +50,8 @@ def recognises(path: Path) -> bool:
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     """A sharded ``.ckpt`` folder: the DCP checkpoint, with the step from ``meta.pt``."""
-    out = dcp.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
+    out = dcp.open_as(path, f"a Lightning sharded checkpoint ({META} beside DCP's .metadata)",
+                      key=key, trust_pickle=trust_pickle, verify=verify)
     meta_file = member(path, META)
     meta = load_checkpoint(meta_file, trust_pickle=trust_pickle, verify=verify)
     if not isinstance(meta.root, Mapping):

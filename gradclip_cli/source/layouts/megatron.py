@@ -36,7 +36,7 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
 from gradclip_cli.source.files.small_file import excerpt, read_small_file
@@ -102,9 +102,13 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     split = _split_layers(folder)
     weights = {n: t for k, (n, t) in _named(split).items() if not k.startswith("optimizer.")}
     contents.weights = weights or None
+    said = f"a torch_dist checkpoint: {_JSON} sharded_backend torch_dist"
+    contents.evidence[roles.WEIGHT] = said
     optimizer = _optimizer(folder, split, root, common_file)
     if optimizer is not None:
         contents.optimizers.append(optimizer)
+        contents.evidence[roles.OPTIMIZER_STATE] = \
+            f"{said}, optimizer.state entries, {_COMMON}'s step and betas"
     contents.step = _iteration(root, common_file, folder_path)
     contents.gradient_error = (
         f"{path}: a Megatron torch_dist checkpoint saves no gradients "

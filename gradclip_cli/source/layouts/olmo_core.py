@@ -27,6 +27,7 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source import roles
 from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.files.pickle_scan import top_level_int
 from gradclip_cli.source.interface import Contents
@@ -69,11 +70,14 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         if len(p) == 2 and p[0] == "model" and k in folder.tensors
     }
     contents.weights = weights or None
+    said = f"an OLMo-core checkpoint: {_JSON} and {_DCP}/"
+    contents.evidence[roles.WEIGHT] = f"{said}'s model entries"
     optimizer = frameworks.fqn_optimizer(
         folder, {k: str(p[1]) for k, p in folder.paths.items() if len(p) == 2 and p[0] == "optim"}
     )
     if optimizer is not None:
         contents.optimizers.append(optimizer)
+        contents.evidence[roles.OPTIMIZER_STATE] = f"{said}'s optim entries"
     contents.step = _step(path, train)
     contents.gradient_error = (
         f"{path}: an OLMo-core checkpoint saves no gradients "

@@ -28,6 +28,8 @@ import os
 from pathlib import Path
 
 from gradclip_cli.errors import InputError, UnsafeCheckpointError
+from gradclip_cli.escaping import visible
+from gradclip_cli.source import roles
 from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.interface import Contents
 
@@ -96,6 +98,9 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     }
     contents.weights = weights or None
     if kind == "export":
+        contents.evidence[roles.WEIGHT] = (
+            f"a torchtitan weights-only export: {visible(os.path.basename(os.path.normpath(path)))}"
+            "/ of model tensors alone")
         contents.step = frameworks.step_folder_number(path, "step-")
         contents.gradient_error = (
             f"{path}: a torchtitan weights-only export (a step-N/ folder holding only the "
@@ -110,8 +115,11 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         folder,
         {k: str(p[1]) for k, p in folder.paths.items() if len(p) == 2 and p[0] == _OPTIMIZER},
     )
+    said = "a torchtitan checkpoint: .metadata's train_state.step"
+    contents.evidence[roles.WEIGHT] = f"{said}, model keys at the top level"
     if optimizer is not None:
         contents.optimizers.append(optimizer)
+        contents.evidence[roles.OPTIMIZER_STATE] = f"{said}, optimizer.state.<fqn> entries"
     step_key = next(k for k, p in folder.paths.items() if p == (_TRAIN_STATE, "step"))
     contents.step = frameworks.int_value(
         folder.value(step_key), folder.meta_file, "train_state.step"
