@@ -15,6 +15,7 @@ from ..escaping import visible
 from ..progress import progress_steps
 from ..report import OK, build_inspect_report, parse_group_by
 from ..source.roles import role_counts
+from ..source.vocabulary import checkpoint_step
 from .common import Releasers, emit, load, measure, measure_weights, output_format, speaks
 
 
@@ -49,6 +50,10 @@ def run(
         sums, owned = measure(loaded, p, dev, steps, "computing norms", release, session)
         weight_sums = measure_weights(loaded, p, dev, release, session)
     contents, selection = loaded.contents, loaded.selection
+    # One step rule with trend's (source/vocabulary.py): what the checkpoint records,
+    # else a step-numbered name, its own or its folder's.
+    step = checkpoint_step(contents.step,
+                           None if loaded.checkpoint is None else loaded.checkpoint.root, path)
     counts, owned_counts = loaded.counts()
     report = build_inspect_report(
         names=loaded.names, tensors=loaded.tensors, sums=sums, owned=owned,
@@ -57,8 +62,9 @@ def run(
         group_rule=rule, source=path, format=contents.kind,
         key=loaded.key, device=str(dev), max_norm=threshold,
         allow_nonfinite=allow_nonfinite, group_by=group_by, skipped=loaded.skipped,
-        what=selection.what, step=contents.step,
-        description=[*contents.description, *_buffers_apart(contents, selection.what),
+        what=selection.what, step=step.step,
+        description=[*contents.description, *([step.note] if step.note else []),
+                     *_buffers_apart(contents, selection.what),
                      f"measured: {selection.measured}"],
         measured={"what": selection.what, "explain": selection.explain,
                   "evidence": selection.evidence},

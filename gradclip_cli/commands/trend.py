@@ -46,7 +46,7 @@ from ..source.layouts import LAYOUTS, accelerate_fsdp
 from ..source.logs import LogKind
 from ..source.logs.recognise import log_kind
 from ..source.run_folder import RunFolder
-from ..source.vocabulary import step_of
+from ..source.vocabulary import CheckpointStep, checkpoint_step
 from ..source.what import EXPLAIN, WHATS
 from .common import Loaded, Releasers, emit, load, measure, output_format, speaks
 
@@ -124,6 +124,7 @@ def run(
         for path, _ in logs:
             kinds.check(str(path), LOGGED_WHAT, logged=True)
         observations: list[Observation] = []
+        step_notes: list[str] = []
         logged = dict(logs)
         for item in inputs:
             if isinstance(item.kind, LogKind):
@@ -136,12 +137,16 @@ def run(
             kinds.check(str(item.path), loaded.selection.what)  # before measuring it
             m = measure_loaded(loaded, item.path, how, steps, item.folder_step)
             del loaded  # its mapping goes before the next checkpoint is opened
+            if m.step_note is not None:
+                step_notes.append(f"{visible(str(item.path))}: {m.step_note}")
             observations.append(Observation(
                 source=str(item.path), step=m.step, total_norm=m.total_norm,
                 groups=m.groups, nonfinite=m.nonfinite, what=m.what))
+    found = _found(runs)
+    found["notes"] += step_notes
     report = build_trend_report(
         order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
-        alpha=alpha, warmup=warmup, fail_on=fail_on, **_found(runs),
+        alpha=alpha, warmup=warmup, fail_on=fail_on, **found,
     )  # fmt: skip
     if plot is not None and speaks():
         from ..format.plot import write_trend_plot
@@ -353,18 +358,16 @@ def _is_checkpoint_file(path: Path) -> bool:
 
 
 def _step_of(stated: int | None, root: object, path: Path, folder_step: int | None
-             ) -> int | None:
-    """The step the layout read (a Trainer's ``global_step``), else the checkpoint's
-    step entry (``source/vocabulary.py``, the rule inspect follows too), else the last
-    number in its name, else its ``checkpoint-N/`` folder's number."""
-    if stated is not None:
-        return stated
-    recorded = step_of(root)
-    if recorded is not None:
-        return recorded
+             ) -> CheckpointStep:
+    """The step by the rule inspect follows too (``vocabulary.checkpoint_step``: what the
+    checkpoint records, else a step-numbered name, its own or its folder's); else, for
+    the order alone, the last number in its name, else its numbered folder's number."""
+    found = checkpoint_step(stated, root, path)
+    if found.step is not None:
+        return found
     stem = path.name if path.is_dir() else path.name.split(".", 1)[0]
     match = _LAST_NUMBER.search(stem)
-    return int(match.group(1)) if match else folder_step
+    return CheckpointStep(int(match.group(1)) if match else folder_step)
 
 
 @dataclass(frozen=True)
@@ -376,6 +379,7 @@ class Measured:
     groups: dict[str, float]  # in checkpoint order of first appearance
     step: int | None
     what: str = LOGGED_WHAT  # what was measured (``--what auto`` decides per checkpoint)
+    step_note: str | None = None  # where its name gives another step than it records
 
 
 def measure_checkpoint(path: Path, how: Measurement, steps: Steps,
@@ -396,14 +400,16 @@ def measure_loaded(loaded: Loaded, path: Path, how: Measurement, steps: Steps,
     # Group norms only, not inspect's full report (a row per tensor): that was
     # 0.55 s of 5.2 s over 50 checkpoints (BENCHMARKS.md, "trend").
     grouped = group_sums([how.group_rule(n) for n in loaded.names], sums)
+    step = _step_of(loaded.contents.step,
+                    None if loaded.checkpoint is None else loaded.checkpoint.root,
+                    path, folder_step)
     return Measured(
         total_norm=float(grouped.total.norm[0]),
         nonfinite=nonfinite_counts(grouped.total)[0],
         groups=dict(zip(grouped.names, grouped.groups.norm.tolist())),
-        step=_step_of(loaded.contents.step,
-                      None if loaded.checkpoint is None else loaded.checkpoint.root,
-                      path, folder_step),
+        step=step.step,
         what=loaded.selection.what,
+        step_note=step.note,
     )  # fmt: skip
 
 

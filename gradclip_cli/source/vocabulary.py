@@ -6,8 +6,14 @@ Every layout and command reads keys and steps through this module, so
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from gradclip_cli.escaping import visible
 
 # Top-level entries that hold gradients (the contract's --key rule).
 GRADIENT_KEYS = ("grads", "gradients", "grad")
@@ -18,6 +24,12 @@ OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "optimizer_state
 # ... the training step, most specific first: Lightning and HF ``global_step``, a
 # script's ``step``, litgpt's ``step_count`` / ``iter_num``, Megatron's ``iteration``.
 STEP_KEYS = ("global_step", "step", "step_count", "iter_num", "iteration")
+# Folder and file names that number a checkpoint by its training step: the HF Trainer's
+# checkpoint-N, DeepSpeed's global_stepN, torchtitan's and litgpt's step-N, OLMo-core's
+# stepN, Megatron's iter_0000003, GradMonitor's dumps step-N.pt. Not accelerate's
+# checkpoint_N (it counts saves) nor torchtune's epoch_N (epochs): those number a
+# checkpoint, not a step (trend still orders by them, as by any name's last number).
+STEP_NAME = re.compile(r"(?:checkpoint-|global_step|step[-_]?|iter_)(\d+)")
 
 
 def step_value(value: Any) -> int | None:
@@ -45,4 +57,56 @@ def step_of(root: Any) -> int | None:
             step = step_value(root[key])
             if step is not None:
                 return step
+    return None
+
+
+def step_in_name(name: str) -> int | None:
+    """N of a name that numbers a checkpoint by its step (``STEP_NAME``: ``checkpoint-5``,
+    ``global_step5``, ``step-00000005``, ``step5``, ``iter_0000005``; a file's name up to
+    its first dot, ``step-5.pt``), else None."""
+    found = STEP_NAME.fullmatch(name.split(".", 1)[0])
+    return int(found.group(1)) if found else None
+
+
+@dataclass(frozen=True)
+class CheckpointStep:
+    """A checkpoint's step and where it was read; ``note`` when its name says another."""
+
+    step: int | None
+    note: str | None = None
+
+
+def checkpoint_step(stated: int | None, root: Any, path: Path | str) -> CheckpointStep:
+    """The one step rule ``inspect`` and ``trend`` follow, for every layout.
+
+    The step the checkpoint itself records, first: what its layout read
+    (``stated``: a Trainer's ``global_step``, Megatron's ``iteration``, the
+    optimizer's own count), else its top-level step entry (``step_of``). Else
+    the step its name gives (``step_in_name``), else its folder's name (a file
+    saved into ``checkpoint-5/``). Where the checkpoint records one step and
+    its name another, the recorded one is the step (CONTRACT.md: "a
+    step/global_step entry, ..., or the last number in the name") and the
+    note names both.
+    """
+    path = Path(path)
+    named = _named_step(path)
+    recorded = stated if stated is not None else step_of(root)
+    if recorded is None:
+        return CheckpointStep(None if named is None else named[0])
+    if named is not None and named[0] != recorded:
+        return CheckpointStep(recorded, f"step {recorded}, as the checkpoint records it; its "
+                                        f"name {visible(named[1])} says {named[0]}")
+    return CheckpointStep(recorded)
+
+
+def _named_step(path: Path) -> tuple[int, str] | None:
+    """The step ``path``'s name gives, else its folder's (a file's), with the name."""
+    full = os.path.abspath(path)  # "." and "run/" have their folder's name
+    names = [os.path.basename(full)]
+    if not os.path.isdir(path):
+        names.append(os.path.basename(os.path.dirname(full)))
+    for n in names:
+        step = step_in_name(n)
+        if step is not None:
+            return step, n
     return None

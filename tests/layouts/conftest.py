@@ -245,3 +245,50 @@ def accelerate_fsdp_run(tmp_path_factory) -> Path:
 
     outdir = _spawn_two_ranks(save_rank, tmp_path_factory, "accelerate_fsdp")
     return outdir / "run"
+
+
+@pytest.fixture(scope="session")
+def accelerate_state(tmp_path_factory) -> Path:
+    """``Accelerator(cpu=True).save_state`` after 3 AdamW steps of a small CNN."""
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3),
+                                torch.nn.Flatten(), torch.nn.Linear(48, 2))
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for step in range(3):
+        x = torch.randn(4, 2, 6, 6, generator=torch.Generator().manual_seed(step))
+        accelerator.backward(model(x).square().mean())
+        opt.step()
+        opt.zero_grad()
+    out = tmp_path_factory.mktemp("accelerate") / "state"
+    accelerator.save_state(os.fspath(out))
+    # The same state through torch.save (pytorch_model.bin keeps the model's order).
+    accelerator.save_state(os.fspath(out.parent / "state_bin"), safe_serialization=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def accelerate_auto_runs(tmp_path_factory) -> Path:
+    """``save_state()`` twice under ``ProjectConfiguration(automatic_checkpoint_naming=True)``
+    (``checkpoints/checkpoint_0``, ``checkpoint_1``), the optimizer given named parameters."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3),
+                                torch.nn.Flatten(), torch.nn.Linear(48, 2))
+    project = tmp_path_factory.mktemp("accelerate_auto")
+    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=os.fspath(project), automatic_checkpoint_naming=True))
+    model, opt = accelerator.prepare(
+        model, torch.optim.AdamW(model.named_parameters(), lr=1e-2))
+    for step in range(4):
+        x = torch.randn(4, 2, 6, 6, generator=torch.Generator().manual_seed(step))
+        accelerator.backward(model(x).square().mean())
+        opt.step()
+        opt.zero_grad()
+        if step % 2:
+            accelerator.save_state()
+    return project / "checkpoints"
