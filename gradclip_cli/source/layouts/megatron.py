@@ -43,6 +43,7 @@ from gradclip_cli.source.files.small_file import excerpt, read_small_file
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
 
+from . import dcp_folder
 from . import dcp_frameworks as frameworks
 from .paths import inside, json_head_keys, read_json
 
@@ -81,23 +82,23 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             f"{folder_path / _JSON}: sharded_backend is "
             f"{visible(repr(backend))[:40]}; gradclip reads torch_dist"
         )
-    folder = frameworks.read_folder(folder_path, verify=verify, trust_pickle=trust_pickle)
+    folder = dcp_folder.read_folder(folder_path, verify=verify, trust_pickle=trust_pickle)
     common_file = inside(folder_path, _COMMON, named_by=folder_path)
     with allowing(GLOBALS):
         common = load_checkpoint(common_file, trust_pickle=trust_pickle, verify=verify)
     root = common.root
     if not isinstance(root, dict):
         raise InputError(f"{common_file}: not Megatron's common state: not a dict")
-    files = [folder_path / _JSON, common_file, *folder.all_files()]
+    files = [folder_path / _JSON, common_file, *folder.files]
     if tracker is not None:
         files.insert(0, tracker)
     contents = Contents(
         path=path,
         kind=KIND,
         files=files,
-        index=folder.meta_file,
+        index=folder.metadata_file,
         folder=folder_path,
-        trusted_pickle=folder.meta.trusted or common.trusted_pickle,
+        trusted_pickle=folder.trusted or common.trusted_pickle,
     )
     split = _split_layers(folder)
     weights = {n: t for k, (n, t) in _named(split).items() if not k.startswith("optimizer.")}
@@ -147,7 +148,7 @@ def _iteration_folder(path: Path) -> tuple[Path, Path | None]:
     return folder, tracker
 
 
-def _split_layers(folder: frameworks.Folder) -> dict[str, list[tuple[str, StoredTensor]]]:
+def _split_layers(folder: dcp_folder.DcpFolder) -> dict[str, list[tuple[str, StoredTensor]]]:
     """Each tensor of the folder as ``[(name, tensor)]``: one per layer for a stacked one."""
     out: dict[str, list[tuple[str, StoredTensor]]] = {}
     for key, tensor in folder.tensors.items():
@@ -159,7 +160,7 @@ def _split_layers(folder: frameworks.Folder) -> dict[str, list[tuple[str, Stored
             continue
         if any(piece.shape[0] != 1 for piece in tensor.pieces):
             raise InputError(
-                f"{folder.meta_file}: {visible(repr(key))} is stacked by layer "
+                f"{folder.metadata_file}: {visible(repr(key))} is stacked by layer "
                 f"(shape {list(tensor.shape)}) but a chunk holds several layers: "
                 "its layers cannot be told apart"
             )
@@ -198,7 +199,7 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
         if not found:
             continue
         for name, tensor in parts:
-            moments.setdefault(name, {})[found.group(1)] = frameworks.renamed(
+            moments.setdefault(name, {})[found.group(1)] = dcp_folder.renamed(
                 tensor, f"{name}.{found.group(1)}"
             )
     if not moments:
