@@ -102,9 +102,10 @@ def command_line(out: Path, *, step: int | None = None) -> list[str]:
         *("--tensor-model-parallel-size", str(TP), "--transformer-impl", "local"),
         *("--position-embedding-type", "learned_absolute", "--init-method-std", "0.02"),
         *("--tokenizer-type", "NullTokenizer", "--use-cpu-initialization"),
-        *("--ckpt-format", "torch", "--save", str(out / "run"), "--no-gradient-accumulation-fusion"),
-        *("--save-interval", "1"),
-        "--untie-embeddings-and-output-weights", "--no-persist-layer-norm",
+        *("--ckpt-format", "torch", "--save", str(out / "run"), "--save-interval", "1"),
+        "--no-gradient-accumulation-fusion",
+        "--untie-embeddings-and-output-weights",
+        "--no-persist-layer-norm",
     ]
     if BF16:
         line.append("--bf16")
@@ -137,7 +138,10 @@ def megatron_args(out: Path, *, step: int | None = None):
     global_vars.set_args(args)
     calculator.unset_num_microbatches_calculator()
     calculator.init_num_microbatches_calculator(
-        dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
+        dist.get_rank(),
+        None,
+        args.global_batch_size,
+        args.micro_batch_size,
         args.data_parallel_size,
     )
     return args
