@@ -133,6 +133,24 @@ def test_split_and_replicated_as_megatron_counts_them(gradclip, megatron_lm_runs
     assert "fp32 masters" in " ".join(doc["description"])
 
 
+@pytest.mark.parametrize("given", ["file", "folder"])
+@pytest.mark.parametrize("what", [*QUANTITIES, "weights"])
+def test_one_rank_alone(gradclip, megatron_lm_runs, given, what):
+    """One tensor-parallel rank's file (or its mp_rank_XX/ folder): that rank's shards, every
+    one counted, and the report says it covers that rank only."""
+    run = megatron_lm_runs["tp2"]
+    ref = _references(run, 3)[1]
+    expected = _expected([{**ref, "counted": dict.fromkeys(ref["counted"], True)}], what)
+    folder = run / "run" / "iter_0000003" / "mp_rank_01"
+    result = gradclip(
+        "inspect", folder / FILE if given == "file" else folder, "--what", what, "--format", "json"
+    )
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["step"] == 3 and "covers mp_rank_01 only" in " ".join(doc["description"])
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+
+
 def test_weights_and_the_save_folder(gradclip, run):
     expected = _expected(_references(run, 3), "weights")
     result = gradclip("inspect", run / "run", "--what", "weights", "--format", "json")

@@ -74,37 +74,74 @@ _EXTRA = "._extra_state"
 # (weight and bias along axis 0), row-parallel ones their input columns (weight along axis 1;
 # the bias is added after the all-reduce, replicated); the vocabulary-parallel embedding
 # splits its rows.
-_COLUMN = ("linear_qkv", "linear_q", "linear_kv", "linear_fc1", "output_layer",
-           "word_embeddings")
+_COLUMN = ("linear_qkv", "linear_q", "linear_kv", "linear_fc1", "output_layer", "word_embeddings")
 _ROW = ("linear_proj", "linear_fc2")
 # Replicated: the norms (``*layernorm``, Transformer Engine's fused ``layer_norm_*``) and the
 # learned position embeddings (a plain ``torch.nn.Embedding``).
-_REPLICATED = re.compile(r"(^|\.)((\w*layernorm|\w*_norm)\.(weight|bias)|layer_norm_(weight|bias)"
-                         r"|position_embeddings\.weight)$")
+_REPLICATED = re.compile(
+    r"(^|\.)((\w*layernorm|\w*_norm)\.(weight|bias)|layer_norm_(weight|bias)"
+    r"|position_embeddings\.weight)$"
+)
 
 
 def recognises(path: Path) -> bool:
-    """An ``iter_N/`` folder of the legacy format (its save folder is ``megatron``'s)."""
-    return os.path.isdir(path) and is_iteration(path)
+    """An ``iter_N/`` folder of the legacy format (its save folder is ``megatron``'s), one
+    rank's ``mp_rank_XX/`` folder, or its ``model_optim_rng.pt``."""
+    if os.path.isdir(path):
+        return is_iteration(path) or _is_rank(path)
+    return path.name == FILE and _is_rank(path.parent)
+
+
+def _is_rank(folder: Path) -> bool:
+    return _RANK.fullmatch(folder.name) is not None and os.path.isfile(folder / FILE)
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     refuse_key(path, key, "a Megatron legacy checkpoint")
-    return open_iteration(path, path, None, trust_pickle=trust_pickle, verify=verify)
+    if os.path.isdir(path) and is_iteration(path):
+        return open_iteration(path, path, None, trust_pickle=trust_pickle, verify=verify)
+    return _open_rank(
+        path, path if os.path.isdir(path) else path.parent, trust_pickle=trust_pickle, verify=verify
+    )
 
 
 def is_iteration(path: Path) -> bool:
     """A folder of ``mp_rank_XX/model_optim_rng.pt`` (cheap: names only)."""
     try:
-        return any(_RANK.fullmatch(n) and os.path.isfile(path / n / FILE)
-                   for n in os.listdir(path))
+        return any(_RANK.fullmatch(n) and os.path.isfile(path / n / FILE) for n in os.listdir(path))
     except OSError:
         return False
 
 
-def open_iteration(path: Path, folder: Path, tracker: Path | None, *, trust_pickle: bool,
-                   verify: bool) -> Contents:
-    ranks = _read_ranks(folder, trust_pickle=trust_pickle, verify=verify)
+def _open_rank(path: Path, rank_folder: Path, *, trust_pickle: bool, verify: bool) -> Contents:
+    """One tensor-parallel rank alone: its own shards, said to cover that rank only."""
+    contents = open_iteration(
+        path,
+        rank_folder.parent,
+        None,
+        trust_pickle=trust_pickle,
+        verify=verify,
+        only=rank_folder.name,
+    )
+    siblings = [n for n in os.listdir(rank_folder.parent) if _RANK.fullmatch(n)]
+    if len(siblings) > 1:
+        contents.description.append(
+            f"covers {rank_folder.name} only, one of {len(siblings)} tensor-parallel ranks: "
+            f"its shards alone; {visible(rank_folder.parent.name)}/ holds the whole model"
+        )
+    return contents
+
+
+def open_iteration(
+    path: Path,
+    folder: Path,
+    tracker: Path | None,
+    *,
+    trust_pickle: bool,
+    verify: bool,
+    only: str | None = None,
+) -> Contents:
+    ranks = _read_ranks(folder, trust_pickle=trust_pickle, verify=verify, only=only)
     first = ranks[0]
     step = _same(ranks, "iteration", lambda r: r.iteration)
     names, kinds = _tensor_parallel(ranks)
@@ -112,34 +149,46 @@ def open_iteration(path: Path, folder: Path, tracker: Path | None, *, trust_pick
     weights = {n: _merged(n, [r.weights[n] for r in ranks], kinds[n], files) for n in names}
     optimizer, note = _optimizer(ranks, names, kinds)
     contents = Contents(
-        path=path, kind=KIND, files=([tracker] if tracker else []) + [r.file for r in ranks],
-        folder=folder, trusted_pickle=any(r.trusted for r in ranks),
+        path=path,
+        kind=KIND,
+        files=([tracker] if tracker else []) + [r.file for r in ranks],
+        folder=folder,
+        trusted_pickle=any(r.trusted for r in ranks),
     )
     if optimizer is not None and ranks[0].masters:  # the float16 optimizer's fp32 masters
-        weights = {n: _merged(n, [r.masters[n] for r in ranks], kinds[n], files)
-                   for n in names}
-        note = (note or "") + ("the weights are the optimizer's fp32 masters "
-                               "(fp32_from_fp16_params); the model holds them rounded")
+        weights = {n: _merged(n, [r.masters[n] for r in ranks], kinds[n], files) for n in names}
+        note = (note or "") + (
+            "the weights are the optimizer's fp32 masters "
+            "(fp32_from_fp16_params); the model holds them rounded"
+        )
     contents.weights = weights or None
     contents.model_order_names = list(names)
     if optimizer is not None:
         contents.optimizers.append(optimizer)
     contents.step = step
-    contents.gradient_error = (f"{path}: a Megatron legacy checkpoint saves no gradients "
-                               f"(model, optimizer state, {FILE})")
+    contents.gradient_error = (
+        f"{path}: a Megatron legacy checkpoint saves no gradients (model, optimizer state, {FILE})"
+    )
     via = f" ({tracker.name} names {folder.name})" if tracker is not None else ""
     at = f" at iteration {step}" if step is not None else ""
     rank_names = ", ".join(r.file.parent.name for r in ranks)
     contents.description.append(
-        f"Megatron legacy checkpoint{via}{at}: {len(ranks)} tensor-parallel rank(s) "
-        f"({rank_names}), {len(names)} model tensors ({len(first.skipped)} _extra_state "
-        "entries skipped per rank)")
+        f"Megatron legacy checkpoint{via}{at}: "
+        + (
+            f"{len(ranks)} tensor-parallel rank(s) ({rank_names})"
+            if only is None
+            else f"tensor-parallel rank {rank_names}"
+        )
+        + f", {len(names)} model tensors ({len(first.skipped)} _extra_state entries skipped "
+        "per rank)"
+    )
     if len(ranks) > 1:
         split = sum(1 for k in kinds.values() if k is not None)
         contents.description.append(
             f"{split} tensors split across the ranks (measured as their shards together), "
             f"{len(names) - split} replicated (counted once, from mp_rank_00, as Megatron's "
-            "get_grad_norm_fp32 does)")
+            "get_grad_norm_fp32 does)"
+        )
     if note:
         contents.description.append(note)
     return contents
@@ -152,8 +201,7 @@ class _Rank:
         self.file = file
         self.root = root
         self.trusted = trusted
-        self.args = root.get("args").state if isinstance(root.get("args"), NamespaceState) \
-            else {}
+        self.args = root.get("args").state if isinstance(root.get("args"), NamespaceState) else {}
         self.iteration = _iteration(root, self.args, file)
         self.weights: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
@@ -161,13 +209,20 @@ class _Rank:
         model = root.get("model")
         if not isinstance(model, Mapping):
             chunks = sorted(k for k in root if isinstance(k, str) and re.fullmatch(r"model\d+", k))
-            why = (f"holds {len(chunks)} virtual pipeline chunks ({', '.join(chunks)}); "
-                   "gradclip reads one model") if chunks else "holds no 'model' state dict"
+            why = (
+                (
+                    f"holds {len(chunks)} virtual pipeline chunks ({', '.join(chunks)}); "
+                    "gradclip reads one model"
+                )
+                if chunks
+                else "holds no 'model' state dict"
+            )
             raise InputError(f"{file}: {why}")
         for name, value in model.items():
             if not isinstance(name, str):
-                raise InputError(f"{file}: its model is keyed by {visible(repr(name))[:40]}, "
-                                 "not by names")
+                raise InputError(
+                    f"{file}: its model is keyed by {visible(repr(name))[:40]}, not by names"
+                )
             if name.endswith(_EXTRA):
                 self.skipped.append(name)  # Transformer Engine's state (None without it)
             elif isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
@@ -175,24 +230,34 @@ class _Rank:
             elif isinstance(value, torch.Tensor):
                 self.buffers[name] = value
             else:
-                raise InputError(f"{file}: its model entry {visible(name)} is a "
-                                 f"{type(value).__name__}, not a tensor")
+                raise InputError(
+                    f"{file}: its model entry {visible(name)} is a "
+                    f"{type(value).__name__}, not a tensor"
+                )
         self.masters: dict[str, torch.Tensor] = {}
         self.optimizer: OptimizerState | None = None
         self.names: dict[int, str] = {}
 
 
-def _read_ranks(folder: Path, *, trust_pickle: bool, verify: bool) -> list[_Rank]:
+def _read_ranks(
+    folder: Path, *, trust_pickle: bool, verify: bool, only: str | None = None
+) -> list[_Rank]:
     found = sorted(n for n in os.listdir(folder) if _RANK.fullmatch(n))
+    if only is not None:
+        found = [only]
     extra = [n for n in found if _RANK.fullmatch(n).group(2)]
     if extra:
-        raise InputError(f"{folder / extra[0]}: a pipeline- or expert-parallel rank; gradclip "
-                         "reads Megatron legacy checkpoints of tensor-parallel ranks only")
+        raise InputError(
+            f"{folder / extra[0]}: a pipeline- or expert-parallel rank; gradclip "
+            "reads Megatron legacy checkpoints of tensor-parallel ranks only"
+        )
     expected = [f"mp_rank_{r:02d}" for r in range(len(found))]
-    if found != expected:
+    if only is None and found != expected:
         missing = next(e for e in expected if e not in found)
-        raise InputError(f"{folder}: holds {', '.join(found)} but no {missing}: the "
-                         "tensor-parallel ranks are incomplete")
+        raise InputError(
+            f"{folder}: holds {', '.join(found)} but no {missing}: the "
+            "tensor-parallel ranks are incomplete"
+        )
     ranks = []
     for name in found:
         file = inside(folder, f"{name}/{FILE}", named_by=folder)
@@ -205,13 +270,17 @@ def _read_ranks(folder: Path, *, trust_pickle: bool, verify: bool) -> list[_Rank
         ranks.append(_Rank(file, dict(ckpt.root), ckpt.trusted_pickle))
     for rank in ranks:
         size = rank.args.get("tensor_model_parallel_size")
-        if isinstance(size, int) and size != len(ranks):
-            raise InputError(f"{rank.file}: its args say tensor_model_parallel_size {size}, "
-                             f"but {folder.name}/ holds {len(ranks)} mp_rank folder(s)")
+        if only is None and isinstance(size, int) and size != len(ranks):
+            raise InputError(
+                f"{rank.file}: its args say tensor_model_parallel_size {size}, "
+                f"but {folder.name}/ holds {len(ranks)} mp_rank folder(s)"
+            )
         pipeline = rank.args.get("pipeline_model_parallel_size")
         if isinstance(pipeline, int) and pipeline != 1:
-            raise InputError(f"{rank.file}: its args say pipeline_model_parallel_size "
-                             f"{pipeline}; gradclip reads tensor-parallel ranks only")
+            raise InputError(
+                f"{rank.file}: its args say pipeline_model_parallel_size "
+                f"{pipeline}; gradclip reads tensor-parallel ranks only"
+            )
     return ranks
 
 
@@ -228,23 +297,26 @@ def _same(ranks: list[_Rank], what: str, get) -> Any:
     value = get(ranks[0])
     for rank in ranks[1:]:
         if get(rank) != value:
-            raise InputError(f"{rank.file}: {what} {get(rank)}, but "
-                             f"{ranks[0].file.parent.name}'s is {value}: the ranks are not "
-                             "one checkpoint")
+            raise InputError(
+                f"{rank.file}: {what} {get(rank)}, but "
+                f"{ranks[0].file.parent.name}'s is {value}: the ranks are not "
+                "one checkpoint"
+            )
     return value
 
 
 # ----------------------------------------------------------------- tensor parallelism
 
 
-def _split_axis(name: str, shape: tuple[int, ...], hidden: int | None, file: Path
-                ) -> int | None:
+def _split_axis(name: str, shape: tuple[int, ...], hidden: int | None, file: Path) -> int | None:
     """The axis Megatron splits ``name`` along across tensor-parallel ranks; None:
     replicated. Decided by the module's name, checked against the hidden size."""
 
     def unfit(why: str) -> InputError:
-        return InputError(f"{file}: {visible(name)} (shape {list(shape)}) {why}; "
-                          "gradclip cannot tell how it is split across tensor-parallel ranks")
+        return InputError(
+            f"{file}: {visible(name)} (shape {list(shape)}) {why}; "
+            "gradclip cannot tell how it is split across tensor-parallel ranks"
+        )
 
     module, _, kind = name.rpartition(".")
     layer = module.rpartition(".")[2]
@@ -277,20 +349,25 @@ def _tensor_parallel(ranks: list[_Rank]) -> tuple[list[str], dict[str, int | Non
         if list(rank.weights) != names:
             other = next(iter(set(rank.weights) ^ set(names)), None)
             which = f" ({visible(other)} is in one only)" if other is not None else ""
-            raise InputError(f"{rank.file}: its model tensors differ from "
-                             f"{first.file.parent.name}'s{which}: the ranks are not one model")
+            raise InputError(
+                f"{rank.file}: its model tensors differ from "
+                f"{first.file.parent.name}'s{which}: the ranks are not one model"
+            )
         for n in names:
             a, b = first.weights[n], rank.weights[n]
             if a.shape != b.shape or a.dtype != b.dtype:
-                raise InputError(f"{rank.file}: {visible(n)} is {list(b.shape)} {b.dtype}, "
-                                 f"{list(a.shape)} {a.dtype} in {first.file.parent.name}: the "
-                                 "ranks are not one model")
+                raise InputError(
+                    f"{rank.file}: {visible(n)} is {list(b.shape)} {b.dtype}, "
+                    f"{list(a.shape)} {a.dtype} in {first.file.parent.name}: the "
+                    "ranks are not one model"
+                )
     if len(ranks) == 1:
         return names, dict.fromkeys(names)
     hidden = first.args.get("hidden_size")
     hidden = hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None
-    return names, {n: _split_axis(n, tuple(first.weights[n].shape), hidden, first.file)
-                   for n in names}
+    return names, {
+        n: _split_axis(n, tuple(first.weights[n].shape), hidden, first.file) for n in names
+    }
 
 
 def _merged(name: str, shards: list[torch.Tensor], axis: int | None, files=None) -> StoredTensor:
@@ -302,8 +379,15 @@ def _merged(name: str, shards: list[torch.Tensor], axis: int | None, files=None)
     for r, shard in enumerate(shards):
         offsets = [0] * len(shape)
         offsets[axis] = r * shape[axis]
-        pieces.append(Piece(tuple(offsets), tuple(shard.shape), (lambda t=shard: t),
-                            files[r] if files else None, shard))
+        pieces.append(
+            Piece(
+                tuple(offsets),
+                tuple(shard.shape),
+                (lambda t=shard: t),
+                files[r] if files else None,
+                shard,
+            )
+        )
     full = list(shape)
     full[axis] *= len(shards)
     return StoredTensor(name, full, shards[0].dtype, pieces)
@@ -317,8 +401,10 @@ def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | str:
     value = rank.root.get("optimizer")
     if value is None:
         if os.path.isfile(rank.file.parent / DISTRIBUTED):
-            return (f"the optimizer state is in {DISTRIBUTED} (Megatron's distributed "
-                    "optimizer), which gradclip does not read: moments not measured")
+            return (
+                f"the optimizer state is in {DISTRIBUTED} (Megatron's distributed "
+                "optimizer), which gradclip does not read: moments not measured"
+            )
         return "no optimizer state saved (--no-save-optim)"
     chained = value if isinstance(value, list) else [value]
     out = []
@@ -328,15 +414,22 @@ def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | str:
             out.append((one, None, where))
         elif isinstance(one, Mapping) and is_optimizer_state(one.get("optimizer")):
             masters = one.get("fp32_from_fp16_params")
-            if masters is not None and not (isinstance(masters, list) and all(
-                    isinstance(g, list) for g in masters)):
-                raise InputError(f"{rank.file}: {where}.fp32_from_fp16_params is not a list "
-                                 "of groups")
+            if masters is not None and not (
+                isinstance(masters, list) and all(isinstance(g, list) for g in masters)
+            ):
+                raise InputError(
+                    f"{rank.file}: {where}.fp32_from_fp16_params is not a list of groups"
+                )
             out.append((one["optimizer"], masters, f"{where}.optimizer"))
-        elif isinstance(one, Mapping) and not one.get("state") and os.path.isfile(
-                rank.file.parent / DISTRIBUTED):
-            return (f"the optimizer state is in {DISTRIBUTED} (Megatron's distributed "
-                    "optimizer), which gradclip does not read: moments not measured")
+        elif (
+            isinstance(one, Mapping)
+            and not one.get("state")
+            and os.path.isfile(rank.file.parent / DISTRIBUTED)
+        ):
+            return (
+                f"the optimizer state is in {DISTRIBUTED} (Megatron's distributed "
+                "optimizer), which gradclip does not read: moments not measured"
+            )
         else:
             raise InputError(f"{rank.file}: {where} is not a Megatron optimizer state dict")
     return out
@@ -359,8 +452,10 @@ def _rank_optimizer(rank: _Rank) -> str | None:
         renumber = {p: offset + i for i, p in enumerate(ids)}
         offset += len(ids)
         if masters is not None and len(masters) != len(opt.param_groups):
-            raise InputError(f"{rank.file}: {where} has {len(opt.param_groups)} param groups "
-                             f"but fp32_from_fp16_params {len(masters)}")
+            raise InputError(
+                f"{rank.file}: {where} has {len(opt.param_groups)} param groups "
+                f"but fp32_from_fp16_params {len(masters)}"
+            )
         for g, group in enumerate(opt.param_groups):
             members = [renumber[p] for p in group["params"]]
             groups.append({**group, "params": members})
@@ -375,16 +470,26 @@ def _rank_optimizer(rank: _Rank) -> str | None:
     for members, masters, where in group_masters:
         # The float16 optimizer keeps an fp32 master of each 16-bit parameter of a group, in
         # the group's order; an fp32 parameter is its own master.
-        sixteen = [rank.names[p] for p in members if p in rank.names
-                   and rank.weights[rank.names[p]].dtype in (torch.float16, torch.bfloat16)]
+        sixteen = [
+            rank.names[p]
+            for p in members
+            if p in rank.names
+            and rank.weights[rank.names[p]].dtype in (torch.float16, torch.bfloat16)
+        ]
         if len(sixteen) != len(masters):
-            raise InputError(f"{rank.file}: {where} holds {len(masters)} tensors for the "
-                             f"group's {len(sixteen)} 16-bit parameters")
+            raise InputError(
+                f"{rank.file}: {where} holds {len(masters)} tensors for the "
+                f"group's {len(sixteen)} 16-bit parameters"
+            )
         for name, master in zip(sixteen, masters):
-            if not isinstance(master, torch.Tensor) or master.shape != rank.weights[name].shape \
-                    or not master.dtype.is_floating_point:
-                raise InputError(f"{rank.file}: {where} holds no fp32 tensor of "
-                                 f"{visible(name)}'s shape")
+            if (
+                not isinstance(master, torch.Tensor)
+                or master.shape != rank.weights[name].shape
+                or not master.dtype.is_floating_point
+            ):
+                raise InputError(
+                    f"{rank.file}: {where} holds no fp32 tensor of {visible(name)}'s shape"
+                )
             rank.masters[name] = master
     for name, weight in rank.weights.items():
         if rank.masters and name not in rank.masters:
@@ -396,8 +501,9 @@ def _stored_weights(rank: _Rank) -> dict[str, StoredTensor]:
     return {n: StoredTensor.whole(n, t, rank.file) for n, t in rank.weights.items()}
 
 
-def _optimizer(ranks: list[_Rank], names: list[str], kinds: dict[str, int | None]
-               ) -> tuple[OptimizerState | None, str | None]:
+def _optimizer(
+    ranks: list[_Rank], names: list[str], kinds: dict[str, int | None]
+) -> tuple[OptimizerState | None, str | None]:
     notes = {_rank_optimizer(r) for r in ranks}
     if notes != {None}:
         return None, next(n for n in notes if n is not None)
@@ -413,19 +519,28 @@ def _optimizer(ranks: list[_Rank], names: list[str], kinds: dict[str, int | None
             entries = [r.optimizer.state.get(by_name[i].get(name)) for i, r in enumerate(ranks)]
             if any(e is None for e in entries):
                 missing = ranks[next(i for i, e in enumerate(entries) if e is None)]
-                raise InputError(f"{missing.file}: holds no optimizer state for "
-                                 f"{visible(name)}, which {first.file.parent.name} has: the "
-                                 "ranks are not one checkpoint")
+                raise InputError(
+                    f"{missing.file}: holds no optimizer state for "
+                    f"{visible(name)}, which {first.file.parent.name} has: the "
+                    "ranks are not one checkpoint"
+                )
             entry = {}
             for key, value in entries[0].items():
                 if isinstance(value, StoredTensor):
                     shards = [e.get(key) for e in entries]
-                    if not all(isinstance(s, StoredTensor) and s.shape == value.shape
-                               for s in shards):
-                        raise InputError(f"{ranks[-1].file}: its {key} of {visible(name)} "
-                                         "differs in shape from mp_rank_00's")
-                    entry[key] = _merged(f"{name}.{key}", [s.read() for s in shards],
-                                         kinds[name], [r.file for r in ranks])
+                    if not all(
+                        isinstance(s, StoredTensor) and s.shape == value.shape for s in shards
+                    ):
+                        raise InputError(
+                            f"{ranks[-1].file}: its {key} of {visible(name)} "
+                            "differs in shape from mp_rank_00's"
+                        )
+                    entry[key] = _merged(
+                        f"{name}.{key}",
+                        [s.read() for s in shards],
+                        kinds[name],
+                        [r.file for r in ranks],
+                    )
                 else:
                     entry[key] = value
             state[order[name]] = entry
