@@ -251,6 +251,17 @@ def test_a_layer_whose_split_cannot_be_told(gradclip, save, megatron_lm_runs):
     )
 
 
+def test_the_distributed_optimizers_file_is_named_not_read(gradclip, save):
+    """Megatron's distributed optimizer saves its moments apart, in distrib_optim.pt beside
+    each rank's file: the weights are still measured, the moments are said to be unread."""
+    for rank in (0, 1):
+        (_rank_file(save, rank).parent / "distrib_optim.pt").write_bytes(b"")
+    weights = gradclip("inspect", save, "--format", "json")
+    assert weights.code == 0 and weights.json()["what"] == "weights", weights.err
+    assert "distrib_optim.pt" in " ".join(weights.json()["description"])
+    one_line_exit_3(gradclip("inspect", save, "--what", "exp_avg"), "--what weights")
+
+
 def test_a_rank_file_that_runs_code_is_refused(gradclip, save, tmp_path):
     marker = tmp_path / "ran"
     torch.save({"iteration": 3, "args": RunsCode(marker), "model": {}}, _rank_file(save, 1))

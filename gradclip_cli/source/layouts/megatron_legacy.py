@@ -58,6 +58,7 @@ from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
+from gradclip_cli.source.what import map_names
 
 from .dcp_frameworks import refuse_key
 from .paths import inside
@@ -396,23 +397,28 @@ def _merged(name: str, shards: list[torch.Tensor], axis: int | None, files=None)
 # ----------------------------------------------------------------- optimizer
 
 
+_DISTRIBUTED_NOTE = (
+    f"the optimizer state is in {DISTRIBUTED} (Megatron's distributed optimizer: "
+    "flat buffers of the ranks' grad-buffer shards), which gradclip does not read: "
+    "moments not measured"
+)
+
+
 def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | str:
     """``[(torch state dict, fp32 masters per group or None, where)]``, or why there are none."""
     value = rank.root.get("optimizer")
+    if os.path.isfile(rank.file.parent / DISTRIBUTED):
+        return _DISTRIBUTED_NOTE
     if value is None:
-        if os.path.isfile(rank.file.parent / DISTRIBUTED):
-            return (
-                f"the optimizer state is in {DISTRIBUTED} (Megatron's distributed "
-                "optimizer), which gradclip does not read: moments not measured"
-            )
         return "no optimizer state saved (--no-save-optim)"
     chained = value if isinstance(value, list) else [value]
     out = []
     for i, one in enumerate(chained):
         where = f"optimizer[{i}]" if isinstance(value, list) else "optimizer"
+        inner = one.get("optimizer") if isinstance(one, Mapping) else None
         if is_optimizer_state(one):
             out.append((one, None, where))
-        elif isinstance(one, Mapping) and is_optimizer_state(one.get("optimizer")):
+        elif is_optimizer_state(inner):
             masters = one.get("fp32_from_fp16_params")
             if masters is not None and not (
                 isinstance(masters, list) and all(isinstance(g, list) for g in masters)
@@ -420,16 +426,10 @@ def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | str:
                 raise InputError(
                     f"{rank.file}: {where}.fp32_from_fp16_params is not a list of groups"
                 )
-            out.append((one["optimizer"], masters, f"{where}.optimizer"))
-        elif (
-            isinstance(one, Mapping)
-            and not one.get("state")
-            and os.path.isfile(rank.file.parent / DISTRIBUTED)
-        ):
-            return (
-                f"the optimizer state is in {DISTRIBUTED} (Megatron's distributed "
-                "optimizer), which gradclip does not read: moments not measured"
-            )
+            out.append((inner, masters, f"{where}.optimizer"))
+        elif isinstance(inner, Mapping) and "state" not in inner:
+            # The distributed optimizer's state_dict(): param groups without their params.
+            return _DISTRIBUTED_NOTE.replace("is in", "was saved apart, in", 1)
         else:
             raise InputError(f"{rank.file}: {where} is not a Megatron optimizer state dict")
     return out
@@ -437,8 +437,6 @@ def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | str:
 
 def _rank_optimizer(rank: _Rank) -> str | None:
     """Fill ``rank.optimizer`` (ids renumbered across a chain), ``names`` and ``masters``."""
-    from gradclip_cli.source.what import map_names
-
     found = _torch_states(rank)
     if isinstance(found, str):
         return found
