@@ -17,7 +17,8 @@ with fp32 master copies. 3 steps, and after each Megatron-LM's ``save_checkpoint
 ``OUT/run/iter_000000N/mp_rank_0R/model_optim_rng.pt`` and the tracker
 ``latest_checkpointed_iteration.txt``. With ``tp`` the ranks are tensor parallel
 (``mp_rank_00``, ``mp_rank_01``; every rank sees the same batch); without it they are data
-parallel and only the first writes (``mp_rank_00``).
+parallel and only the first writes (``mp_rank_00``). With ``tied`` the output layer
+shares the embedding's weight (Megatron's default; untied otherwise).
 
 CPU shims (the only changes to Megatron's behaviour; Megatron asks for CUDA where a CPU
 run has none):
@@ -58,6 +59,7 @@ sys.path.insert(0, os.environ["MEGATRON_LM_PATH"])
 STEPS, LAYERS, HIDDEN, HEADS, SEQUENCE, VOCAB = 3, 2, 16, 4, 8, 64
 TP = 1
 BF16 = False
+TIED = False  # ``tied``: the output layer shares the embedding's weight (Megatron's default)
 
 
 @contextlib.contextmanager
@@ -104,11 +106,12 @@ def command_line(out: Path, *, step: int | None = None) -> list[str]:
         *("--tokenizer-type", "NullTokenizer", "--use-cpu-initialization"),
         *("--ckpt-format", "torch", "--save", str(out / "run"), "--save-interval", "1"),
         "--no-gradient-accumulation-fusion",
-        "--untie-embeddings-and-output-weights",
         "--no-persist-layer-norm",
     ]
     if BF16:
         line.append("--bf16")
+    if not TIED:
+        line.append("--untie-embeddings-and-output-weights")
     if step is not None:
         line += ["--load", str(out / "run"), "--ckpt-step", str(step), "--no-load-rng"]
     return line
@@ -285,6 +288,7 @@ if __name__ == "__main__":
     target = Path(sys.argv[1])
     TP = int(os.environ["WORLD_SIZE"]) if "tp" in sys.argv[2:] else 1
     BF16 = "bf16" in sys.argv[2:]
+    TIED = "tied" in sys.argv[2:]
     shim_cuda()
     dist.init_process_group("gloo")
     try:

@@ -29,8 +29,10 @@ def test_namespace_and_numpy_rng_state_read_as_data(tmp_path):
     path = tmp_path / "model_optim_rng.pt"
     args = argparse.Namespace(hidden_size=16, exit_signal=signal.SIGTERM, lr=1e-2)
     rng = np.random.RandomState(0).get_state()
-    torch.save({"iteration": 3, "args": args, "rng_state": [{"np_rng_state": rng}],
-                "w": torch.ones(2)}, path)
+    torch.save(
+        {"iteration": 3, "args": args, "rng_state": [{"np_rng_state": rng}], "w": torch.ones(2)},
+        path,
+    )
     root = _load(path)
     assert root["iteration"] == 3 and torch.equal(root["w"], torch.ones(2))
     assert isinstance(root["args"], NamespaceState)

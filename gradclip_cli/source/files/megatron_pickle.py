@@ -83,16 +83,19 @@ class NumpyDtype(Opaque):
     __slots__ = ("code",)
 
     def __new__(cls, *args):
-        if len(args) != 3 or type(args[0]) is not str or len(args[0]) > 8 or any(
-                type(a) is not bool for a in args[1:]):
+        if (
+            len(args) != 3
+            or type(args[0]) is not str
+            or len(args[0]) > 8
+            or any(type(a) is not bool for a in args[1:])
+        ):
             raise Outside("unexpected numpy.dtype arguments")
         self = super().__new__(cls)
         self.code = args[0]
         return self
 
     def __setstate__(self, state):
-        if type(state) is not tuple or len(state) > 9 or any(type(v) not in _PLAIN
-                                                           for v in state):
+        if type(state) is not tuple or len(state) > 9 or any(type(v) not in _PLAIN for v in state):
             raise Outside("numpy.dtype state is not a tuple of plain values")
 
 
@@ -105,16 +108,25 @@ class NumpyArray(Opaque):
         if type(state) is not tuple or len(state) != 5:
             raise Outside("numpy array state is not (version, shape, dtype, fortran, data)")
         version, shape, dtype, fortran, data = state
-        if type(version) is not int or type(shape) is not tuple or any(
-                type(n) is not int or n < 0 for n in shape) or type(dtype) is not NumpyDtype \
-                or type(fortran) is not bool or type(data) is not bytes:
+        if (
+            type(version) is not int
+            or type(shape) is not tuple
+            or any(type(n) is not int or n < 0 for n in shape)
+            or type(dtype) is not NumpyDtype
+            or type(fortran) is not bool
+            or type(data) is not bytes
+        ):
             raise Outside("numpy array state is not (version, shape, dtype, fortran, data)")
         self.shape = shape
 
 
 def _reconstruct(*args) -> NumpyArray:
-    if len(args) != 3 or type(args[0]) is not NumpyArrayType or type(args[1]) is not tuple \
-            or type(args[2]) is not bytes:
+    if (
+        len(args) != 3
+        or type(args[0]) is not NumpyArrayType
+        or type(args[1]) is not tuple
+        or type(args[2]) is not bytes
+    ):
         raise Outside("unexpected numpy _reconstruct arguments")
     array = NumpyArray.__new__(NumpyArray)
     array.shape = None
@@ -128,8 +140,7 @@ def _latin1(*args) -> bytes:
     return args[0].encode("latin1")
 
 
-_ENUMS = ("AttnBackend", "AttnMaskType", "AttnType", "CudaGraphScope", "LayerType",
-          "ModelType")
+_ENUMS = ("AttnBackend", "AttnMaskType", "AttnType", "CudaGraphScope", "LayerType", "ModelType")
 _NDARRAY = NumpyArrayType.__new__(NumpyArrayType)
 
 GLOBALS: dict[tuple[str, str], object] = {
