@@ -164,6 +164,10 @@ def open_iteration(
         )
     contents.weights = weights or None
     contents.model_order_names = list(names)
+    if first.buffers:  # integer tensors: never weights (replicated or not, rank 0's)
+        contents.buffers = {
+            n: StoredTensor.whole(n, t, first.file) for n, t in first.buffers.items()
+        }
     if optimizer is not None:
         contents.optimizers.append(optimizer)
     contents.step = step
