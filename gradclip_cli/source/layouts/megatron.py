@@ -23,6 +23,9 @@ split off as a tensor of its own, ``decoder.layers.3.mlp.linear_fc1.weight``,
 so the report's groups name the layer. A tensor under ``layers`` whose chunks
 do not each hold one layer is refused: its layers cannot be told apart.
 
+A tracker naming a legacy iteration (``iter_N/mp_rank_XX/model_optim_rng.pt``) hands it
+to ``megatron_legacy``.
+
 Recognised by content, before any flat-mapping rule: ``metadata.json`` with
 ``sharded_backend`` beside ``common.pt`` and ``.metadata``, or a folder
 whose tracker names such a folder inside it.
@@ -45,6 +48,7 @@ from gradclip_cli.source.interface import Contents, OptimizerState, Piece, Store
 
 from . import dcp_folder
 from . import dcp_frameworks as frameworks
+from . import megatron_legacy as legacy
 from .paths import inside, json_head_keys, read_json
 
 KIND = "megatron"
@@ -71,8 +75,12 @@ def _is_iteration(path: Path) -> bool:
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
-    frameworks.refuse_key(path, key, "a Megatron torch_dist checkpoint")
+    frameworks.refuse_key(path, key, "a Megatron checkpoint")
     folder_path, tracker = _iteration_folder(path)
+    if legacy.is_iteration(folder_path):  # the tracker names a legacy iteration
+        return legacy.open_iteration(
+            path, folder_path, tracker, trust_pickle=trust_pickle, verify=verify
+        )
     stated = read_json(
         inside(folder_path, _JSON, named_by=folder_path), what="Megatron checkpoint metadata"
     )
@@ -136,14 +144,12 @@ def _iteration_folder(path: Path) -> tuple[Path, Path | None]:
     elif text.isdigit():
         name = f"iter_{int(text):07d}"
     else:
-        raise InputError(
-            f"{tracker}: names {excerpt(text)}, not an iteration number or 'release'"
-        )
+        raise InputError(f"{tracker}: names {excerpt(text)}, not an iteration number or 'release'")
     folder = inside(path, name, named_by=tracker)
-    if not os.path.isdir(folder) or not _is_iteration(folder):
+    if not os.path.isdir(folder) or not (_is_iteration(folder) or legacy.is_iteration(folder)):
         raise InputError(
-            f"{tracker}: names iteration {text}, but {name}/ is not a torch_dist "
-            "checkpoint folder inside it"
+            f"{tracker}: names iteration {text}, but {name}/ is not a Megatron (torch_dist or "
+            "legacy) checkpoint folder inside it"
         )
     return folder, tracker
 
