@@ -33,6 +33,7 @@ from . import (
     hf_trainer,
     lightning,
     megatron,
+    megatron_legacy,
     olmo_core,
     single_file,
     torchtitan,
@@ -40,6 +41,7 @@ from . import (
 
 LAYOUTS: tuple[Layout, ...] = (
     megatron,  # its folders hold a DCP folder and common.pt: before any flat mapping
+    megatron_legacy,  # iter_N/mp_rank_XX/model_optim_rng.pt
     deepspeed,
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     accelerate_state,  # model.safetensors beside optimizer.bin, none of the Trainer's files
