@@ -39,3 +39,14 @@ def test_olmo_core(gradclip, olmo_core_runs, what, evidence):
 def test_megatron_torch_dist(gradclip, megatron_runs, what, evidence):
     folder = megatron_runs[1] / "run" / "iter_0000002"
     assert_evidence_everywhere(gradclip, folder, what, what, evidence)
+
+
+@pytest.mark.parametrize(("kind", "what", "evidence"), [
+    ("fp32", "weights", "model"),
+    ("fp32", "exp_avg", "optimizer"),
+    ("tp2", "weights", "optimizer fp32_from_fp16_params"),
+])  # fmt: skip
+def test_megatron_legacy(gradclip, megatron_lm_runs, kind, what, evidence):
+    folder = megatron_lm_runs[kind] / "run" / "iter_0000002"
+    said = "a Megatron legacy checkpoint: mp_rank_XX/model_optim_rng.pt"
+    assert_evidence_everywhere(gradclip, folder, what, what, f"{said}'s {evidence}")

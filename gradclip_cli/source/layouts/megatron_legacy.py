@@ -54,7 +54,7 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
@@ -163,6 +163,10 @@ def open_iteration(
             "(fp32_from_fp16_params); the model holds them rounded"
         )
     contents.weights = weights or None
+    said = f"a Megatron legacy checkpoint: mp_rank_XX/{FILE}"
+    masters = optimizer is not None and ranks[0].masters
+    contents.evidence[roles.WEIGHT] = \
+        f"{said}'s optimizer fp32_from_fp16_params" if masters else f"{said}'s model"
     contents.model_order_names = list(names)
     if first.buffers:  # integer tensors: never weights (replicated or not, rank 0's)
         contents.buffers = {
@@ -170,6 +174,7 @@ def open_iteration(
         }
     if optimizer is not None:
         contents.optimizers.append(optimizer)
+        contents.evidence[roles.OPTIMIZER_STATE] = f"{said}'s optimizer"
     contents.step = step
     contents.gradient_error = (
         f"{path}: a Megatron legacy checkpoint saves no gradients (model, optimizer state, {FILE})"
