@@ -417,6 +417,115 @@ def row_norms(block: torch.Tensor, norm_type: float) -> torch.Tensor:
     return power_sums(block, norm_type, scratch, dim=1).double().pow(1.0 / norm_type)
 
 
+# Rows of the p = 2 kernel. torch's CPU 2-norm over a last dimension (the
+# vectorised path of ATen's ReduceOpsKernel.cpp) accumulates a row in one
+# vector of L lanes with fused multiply-adds, then adds the lanes in order: an
+# element's square goes through at most ROW / L + L - 1 roundings, 19 for
+# L = 4, 8 or 16 (NEON, AVX2, AVX-512), and the square root one more. A row's
+# norm is then within (19 / 2 + 1) * 2**-24 = 6.3e-7 of exact, and so is every
+# sum of rows, taken in float64. A whole fp32 tensor of 4,096 equal values is
+# 4e-6 off in the same kernel (BENCHMARKS.md, accuracy).
+ROW = 64
+
+
+def squares_on_cpu(tensors: Sequence[torch.Tensor]) -> Rows:
+    """Each tensor's 2-norm (float32 or float64 tensors), from one read of its elements.
+
+    A tensor is cut into rows of ``ROW`` elements, each row's norm taken by
+    torch's own kernel (accurate, see ``ROW``) and the rows' squares summed in
+    float64. A tensor of at least ``SMALL`` elements is one ``vector_norm``
+    over its rows; smaller ones are copied together into cache-sized blocks
+    (``_Packing``), so 1,000 of them cost a few ops, not 1,000. One row per
+    tensor comes back, its norm in float64 (``acc_dtype`` is the rows' type:
+    ``norms._trusted`` certifies each from its own sum).
+    """
+    dtype = tensors[0].dtype
+    sizes = [t.numel() for t in tensors]
+    big = [i for i, n in enumerate(sizes) if n >= SMALL]
+    small = [i for i, n in enumerate(sizes) if 0 < n < SMALL]
+    parts = [torch.stack([_row_squares_norm(_flat(tensors[i])) for i in big])] if big else []
+    if small:
+        members = tensors if len(small) == len(sizes) else [tensors[i] for i in small]
+        parts.append(_packing(tuple(t.shape for t in members), dtype).norms(members))
+    order = torch.tensor(big + small, dtype=torch.int64)
+    norm = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
+    length = torch.tensor(sizes, dtype=torch.int64)[order]
+    return Rows(order, torch.zeros_like(order), length, None, norm, dtype)
+
+
+def _row_squares_norm(flat: torch.Tensor) -> torch.Tensor:
+    """``||flat||`` in float64 from the float norms of its rows (and of its short tail)."""
+    n = flat.numel()
+    main = n - n % ROW
+    rows = torch.empty(main // ROW + (n > main), dtype=flat.dtype)
+    torch.linalg.vector_norm(flat[:main].view(-1, ROW), dim=1, out=rows[: main // ROW])
+    if n > main:
+        torch.linalg.vector_norm(flat[main:], out=rows[-1])
+    return torch.linalg.vector_norm(rows, dtype=torch.float64)
+
+
+class _Packing:
+    """Where small tensors of given shapes go in a block buffer, rows aligned.
+
+    Each tensor starts on a row boundary; the rest of its last row is padding,
+    zeroed on every use (another packing may have written there). Built once
+    per list of shapes and reused: the views it copies into are what would
+    cost a Python call per tensor.
+    """
+
+    def __init__(self, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype):
+        self.buffer = torch.zeros(CHUNK, dtype=dtype)
+        self.blocks: list[tuple[int, int, list[torch.Tensor], torch.Tensor | None, int]] = []
+        owner: list[int] = []
+        start, first, views, pads = 0, 0, [], []
+        for i, shape in enumerate(shapes):
+            n = math.prod(shape)
+            rows = -(-n // ROW)
+            if start + rows * ROW > CHUNK:
+                self._close(first, i, views, pads, start)
+                start, first, views, pads = 0, i, [], []
+            views.append(self.buffer[start : start + n].view(shape))
+            pads.extend(range(start + n, start + rows * ROW))
+            owner.extend([i] * rows)
+            start += rows * ROW
+        self._close(first, len(shapes), views, pads, start)
+        self.owner = torch.tensor(owner, dtype=torch.int64)
+        self.rows = torch.empty(len(owner), dtype=dtype)
+        self.count = len(shapes)
+
+    def _close(self, first, end, views, pads, used) -> None:
+        pad = torch.tensor(pads, dtype=torch.int64) if pads else None
+        self.blocks.append((first, end, views, pad, used))
+
+    def norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Each tensor's 2-norm in float64 (see ``squares_on_cpu``)."""
+        done = 0
+        for first, end, views, pad, used in self.blocks:
+            torch._foreach_copy_(views, tensors[first:end])
+            if pad is not None:
+                self.buffer.index_fill_(0, pad, 0)
+            count = used // ROW
+            torch.linalg.vector_norm(self.buffer[:used].view(-1, ROW), dim=1,
+                                     out=self.rows[done : done + count])
+            done += count
+        squares = self.rows.double().square_()
+        sums = torch.zeros(self.count, dtype=torch.float64).index_add_(0, self.owner, squares)
+        return sums.sqrt_()
+
+
+def _packing(shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype) -> _Packing:
+    """This thread's packing for ``shapes`` (a few kept: a model has one or two lists)."""
+    cache = getattr(_BUFFERS, "packings", None)
+    if cache is None:
+        cache = _BUFFERS.packings = {}
+    key = (shapes, dtype)
+    packing = cache.pop(key, None) or _Packing(shapes, dtype)
+    cache[key] = packing  # most recently used last
+    while len(cache) > 4:
+        cache.pop(next(iter(cache)))
+    return packing
+
+
 def _rows(layout, max_abs, norm, acc, unit=None) -> Rows:
     index = torch.tensor(layout, dtype=torch.int64).reshape(-1, 3)
     return Rows(index[:, 0], index[:, 1], index[:, 2], max_abs, norm, acc, unit)

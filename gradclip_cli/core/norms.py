@@ -29,7 +29,7 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .elements import Elements, measurable, readable
-from .kernels import FLOAT64_SAFE_P, Rows, rows_on_cpu, sums_by_foreach
+from .kernels import FLOAT64_SAFE_P, Rows, rows_on_cpu, squares_on_cpu, sums_by_foreach
 from .power_sums import F64, PowerSums, from_rows, pointwise_pow
 
 # A fast row norm is trusted when its largest term max|x|**p is at least this
@@ -101,7 +101,10 @@ def tensor_power_sums(
             if compute_on != group_device:
                 moved = [t.to(compute_on) for t in originals]
             if compute_on.type == "cpu" and not foreach:
-                rows = rows_on_cpu(moved, norm_type, workers, with_max)
+                if _by_squares(moved, norm_type, workers, with_max):
+                    rows = squares_on_cpu(moved)
+                else:
+                    rows = rows_on_cpu(moved, norm_type, workers, with_max)
             else:
                 rows = sums_by_foreach(moved, norm_type, with_max)
             # Kept on the compute device until every batch is queued: reading
@@ -120,6 +123,17 @@ def tensor_power_sums(
     flagged = torch.zeros(n, dtype=torch.int64).index_add(
         0, row_owner, torch.cat([bad for _, bad in finished]).to(torch.int64))
     return _with_nonfinite_counts(per_tensor, tensors, flagged > 0)
+
+
+def _by_squares(tensors, norm_type: float, workers: int, with_max: bool) -> bool:
+    """Whether the one-read 2-norm kernel serves: float32/float64, no max asked for.
+
+    That is the drop-ins' and the monitor's case, on every step; the CLI asks
+    for the max and keeps ``rows_on_cpu``, whose rows do not depend on how
+    many workers or ranks share a tensor.
+    """
+    return (norm_type == 2.0 and not with_max and workers == 1
+            and tensors[0].dtype in (torch.float32, torch.float64))
 
 
 def read_back(parts: list[Rows]) -> list[Rows]:
@@ -158,6 +172,9 @@ def element_power_sums(
 
 def _batches(items, batch_bytes):
     """Consecutive runs of about ``batch_bytes``: what is on the device at once."""
+    if math.isinf(batch_bytes):
+        yield list(items)
+        return
     batch, size = [], 0
     for item in items:
         nbytes = item[1].nbytes
