@@ -420,12 +420,15 @@ def row_norms(block: torch.Tensor, norm_type: float) -> torch.Tensor:
 # Rows of the p = 2 kernel. torch's CPU 2-norm over a last dimension (the
 # vectorised path of ATen's ReduceOpsKernel.cpp) accumulates a row in one
 # vector of L lanes with fused multiply-adds, then adds the lanes in order: an
-# element's square goes through at most ROW / L + L - 1 roundings, 19 for
-# L = 4, 8 or 16 (NEON, AVX2, AVX-512), and the square root one more. A row's
-# norm is then within (19 / 2 + 1) * 2**-24 = 6.3e-7 of exact, and so is every
-# sum of rows, taken in float64. A whole fp32 tensor of 4,096 equal values is
-# 4e-6 off in the same kernel (BENCHMARKS.md, accuracy).
-ROW = 64
+# element's square goes through at most ROW / L + L - 1 roundings, and the
+# square root one more, so a row's norm, and every float64 sum of rows, is
+# within ((ROW / L + L - 1) / 2 + 1) * 2**-24 of exact. Where torch runs its
+# AVX2 or AVX-512 kernels L is 8 or 16: rows of 128 give 23 roundings, 7.5e-7.
+# Elsewhere (NEON: L = 4) rows of 64 give at most 19, 6.3e-7. Rows of
+# 128 cost 12% less time than rows of 64 on GPT-2's shapes (BENCHMARKS.md,
+# issue 18). A whole fp32 tensor of 4,096 equal values is 4e-6 off in the
+# same kernel.
+ROW = 128 if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else 64
 
 
 def squares_on_cpu(tensors: Sequence[torch.Tensor]) -> Rows:

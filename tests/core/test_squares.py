@@ -19,6 +19,8 @@ from gradclip_cli.core.kernels import CHUNK, ROW, SMALL, squares_on_cpu
 from .reference import norm, rel_err
 
 TOL = 1e-6
+# kernels.ROW's bound: ((ROW / L + L - 1) / 2 + 1) * 2**-24 for the lane counts it is chosen for.
+BOUND = (23 / 2 + 1 if ROW == 128 else 19 / 2 + 1) * 2.0**-24
 SIZES = [1, ROW - 1, ROW, ROW + 1, 4096, SMALL - 1, SMALL, SMALL + ROW + 3, 3 * CHUNK + 5]
 
 
@@ -32,7 +34,7 @@ def test_equal_values_are_accurate_at_every_size(n, dtype):
     for value in (0.1, 1.0 / 3.0, 7.0):
         t = torch.full((n,), value, dtype=dtype)
         got = _norms([t])
-        assert rel_err(float(got.norm[0]), norm([t], 2)) <= TOL
+        assert rel_err(float(got.norm[0]), norm([t], 2)) <= BOUND
         assert rel_err(float(got.total().norm[0]), norm([t], 2)) <= TOL
 
 
@@ -40,7 +42,7 @@ def test_equal_values_are_accurate_at_every_size(n, dtype):
 def test_a_large_first_element_is_carried_accurately(n):
     t = torch.full((n,), 1e-3)
     t.view(-1, ROW)[:, 0] = 1.0  # the first element of every row dominates it
-    assert rel_err(float(_norms([t]).norm[0]), norm([t], 2)) <= TOL
+    assert rel_err(float(_norms([t]).norm[0]), norm([t], 2)) <= BOUND
 
 
 def test_small_tensors_of_several_shapes_and_blocks_keep_input_order():
