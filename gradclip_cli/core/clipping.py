@@ -223,13 +223,18 @@ def _clamp_uncoalesced_(t: torch.Tensor, clip_value: float) -> None:
 @torch.no_grad()
 def _each_element_once(elements: Elements, apply, foreach: bool | None, skip=frozenset()) -> None:
     """``apply`` to the views of owned pieces at once; gathered pieces go out and back."""
-    apply([p.target for p in elements.owned if p.target is not None and id(p) not in skip],
-          foreach)
+    views, gathered = [], []
     for p in elements.owned:
-        if p.index is not None and p.index.numel():
-            values = p.base.index_select(0, p.index)
-            apply([values], False)
-            p.base.index_copy_(0, p.index, values)
+        if p.target is not None:
+            if id(p) not in skip:
+                views.append(p.target)
+        elif p.index is not None and p.index.numel():
+            gathered.append(p)
+    apply(views, foreach)
+    for p in gathered:
+        values = p.base.index_select(0, p.index)
+        apply([values], False)
+        p.base.index_copy_(0, p.index, values)
 
 
 # Half and float32 tensors multiply in float32, where a coefficient below

@@ -167,9 +167,12 @@ def _apart(tensors: list[torch.Tensor]) -> Elements | None:
         return None
     if 0 in starts:
         return None
-    spans = sorted(zip(starts, (t.nbytes for t in tensors)))
-    if any(start + size > after for (start, size), (after, _) in zip(spans, spans[1:])):
-        return None
+    if len(tensors) > 1:
+        starts = torch.tensor(starts, dtype=torch.int64)
+        order = starts.argsort()
+        ends = starts + torch.tensor([t.nbytes for t in tensors], dtype=torch.int64)
+        if bool((ends[order[:-1]] > starts[order[1:]]).any()):
+            return None
     n = len(tensors)
     return Elements([Piece(target=t) for t in tensors], list(range(n)), list(range(n)), [()] * n)
 

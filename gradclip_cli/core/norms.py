@@ -125,6 +125,37 @@ def tensor_power_sums(
     return _with_nonfinite_counts(per_tensor, tensors, flagged > 0)
 
 
+def total_power_sums(tensors: Sequence[torch.Tensor], norm_type: float,
+                     foreach: bool | None = None) -> PowerSums:
+    """The summary of all elements of ``tensors`` as one piece (the drop-ins' total).
+
+    ``tensor_power_sums(...).total()``, with the same accuracy, but where the
+    one-read 2-norm kernel serves (float32 or float64 CPU tensors of one
+    dtype) the total is certified from its own sum: every element's
+    underflow together moves a finite sum of ``n`` elements above
+    ``n * tiny * 2**24`` by under 2**-24 of itself (``_trusted``'s argument
+    over the whole set). Only a total that fails, or holds a NaN or an inf,
+    is measured again per tensor, exactly.
+    """
+    norm_type = float(norm_type)
+    tensors = [measurable(t) for t in tensors]
+    live = [t for t in tensors if t.numel()]
+    if (live and not foreach and live[0].device.type == "cpu"
+            and _by_squares(live, norm_type, 1, False)
+            and all(t.dtype == live[0].dtype and t.device == live[0].device for t in live)):
+        norms = squares_on_cpu(live).norm
+        total = torch.linalg.vector_norm(norms)
+        count = sum(t.numel() for t in live)
+        budget = count * _UNDERFLOW_MARGIN * torch.finfo(live[0].dtype).tiny
+        value = float(total)
+        if math.isfinite(value * value) and value * value >= budget:
+            one = torch.ones(1, dtype=F64)
+            zero = torch.zeros(1, dtype=torch.int64)
+            return PowerSums(norm_type, total.reshape(1), one, torch.full((1,), math.nan,
+                             dtype=F64), zero, zero, zero)
+    return tensor_power_sums(tensors, norm_type, foreach=foreach, with_max=False).total()
+
+
 def _by_squares(tensors, norm_type: float, workers: int, with_max: bool) -> bool:
     """Whether the one-read 2-norm kernel serves: float32/float64, no max asked for.
 
