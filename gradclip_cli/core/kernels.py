@@ -7,18 +7,23 @@ split is what makes the result accurate: torch's single fp32 reduction over
 a whole tensor has relative error 2.7e-3 on 38M normal values, while these
 stay near 1e-7 whatever the data (BENCHMARKS.md, accuracy).
 
-Two kernels give ``Rows`` and differ in speed per device:
+Three kernels give ``Rows`` and differ in speed per device and purpose:
 
 * ``rows_on_cpu``: rows of up to ``CHUNK`` elements (1 MiB of float32), each
   read from memory once, its later passes hitting cache; small tensors are
   stacked, one row each. Half types are widened into a reused float32 buffer
   row by row, many times faster than ``vector_norm(..., dtype=torch.float32)``.
+* ``squares_on_cpu``: the drop-ins' and the monitor's 2-norm (float32 and
+  float64, no max): rows of ``ROW`` elements reduced by torch's own
+  ``vector_norm`` over a last dimension, short enough to be accurate in
+  float32, so every element is read once, as torch's ``clip_grad_norm_``
+  reads it; small tensors are packed into cache-sized blocks first.
 * ``sums_by_foreach``: one row per tensor, a fixed number of fused
   ``torch._foreach_norm`` calls per group accumulated in float64 (fused
   kernels on CUDA, as ``torch.nn.utils.clip_grad`` uses): the host's work
   follows the number of tensors, never their size.
 
-Neither does any I/O or host-device synchronisation.
+None does any I/O or host-device synchronisation.
 """
 
 from __future__ import annotations

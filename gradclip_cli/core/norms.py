@@ -1,12 +1,14 @@
 """Per-tensor norms, maxima and non-finite counts, accurate in every dtype.
 
-``tensor_power_sums`` is the one entry point. It works in three steps:
+``tensor_power_sums`` is the entry point (``total_power_sums``, the drop-ins'
+total, is its certified shortcut). It works in three steps:
 
 1. Group tensors by (device, dtype), as ``torch.nn.utils.clip_grad`` does, and
    run a fast kernel per group (kernels.py): a float32- or float64-accumulated
-   p-norm for every row (a CPU piece of at most 262,144 elements, or a whole
-   tensor on an accelerator), and ``max |x|`` where it is asked for. Results
-   on an accelerator are read back once, together.
+   p-norm for every row (a CPU piece of at most 262,144 elements, a whole
+   tensor when the drop-ins' 2-norm kernel serves or on an accelerator), and
+   ``max |x|`` where it is asked for. Results on an accelerator are read back
+   once, together.
 2. Trust a row's fast norm only where its own power sum proves it accurate
    (``_trusted``): a finite sum did not overflow, and one above
    ``n * tiny * 2**24`` cannot have lost 2**-24 of itself to underflow.
