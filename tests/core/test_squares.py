@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from gradclip_cli.core import tensor_power_sums
+from gradclip_cli.core import tensor_power_sums, total_power_sums
 from gradclip_cli.core.kernels import CHUNK, ROW, SMALL, squares_on_cpu
 
 from .reference import norm, rel_err
@@ -90,3 +90,25 @@ def test_rows_are_one_per_nonempty_tensor():
     assert sorted(rows.tensor.tolist()) == [0, 2]
     assert rows.max_abs is None
     assert sorted(zip(rows.tensor.tolist(), rows.length.tolist())) == [(0, 3), (2, SMALL)]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1.0, 2.0],  # certified from the sum
+        [1e25, 1.0],  # float32 squares overflow: measured again, exactly
+        [1e-30, 1e-31],  # the sum is below its underflow budget: measured again
+    ],
+)
+def test_the_certified_total_matches_float64(values):
+    ts = [torch.full((n,), v) for n, v in zip((5000, SMALL + 3), values)]
+    got = float(total_power_sums(ts, 2.0).norm[0])
+    assert rel_err(got, norm(ts, 2)) <= TOL
+
+
+def test_the_certified_total_propagates_nan_then_inf_as_torch():
+    a, b = torch.ones(100), torch.ones(SMALL)
+    a[3] = math.inf
+    assert float(total_power_sums([a, b], 2.0).norm[0]) == math.inf
+    b[5] = math.nan
+    assert math.isnan(float(total_power_sums([a, b], 2.0).norm[0]))
