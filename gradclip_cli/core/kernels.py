@@ -451,7 +451,7 @@ def squares_on_cpu(tensors: Sequence[torch.Tensor]) -> Rows:
     sizes = [t.numel() for t in tensors]
     big = [i for i, n in enumerate(sizes) if n >= SMALL]
     small = [i for i, n in enumerate(sizes) if 0 < n < SMALL]
-    parts = [torch.stack([_row_squares_norm(_flat(tensors[i])) for i in big])] if big else []
+    parts = [_big_norms([_flat(tensors[i]) for i in big], dtype)] if big else []
     if small:
         members = tensors if len(small) == len(sizes) else [tensors[i] for i in small]
         parts.append(_packing(tuple(t.shape for t in members), dtype).norms(members))
@@ -461,15 +461,30 @@ def squares_on_cpu(tensors: Sequence[torch.Tensor]) -> Rows:
     return Rows(order, torch.zeros_like(order), length, None, norm, dtype)
 
 
-def _row_squares_norm(flat: torch.Tensor) -> torch.Tensor:
-    """``||flat||`` in float64 from the float norms of its rows (and of its short tail)."""
-    n = flat.numel()
-    main = n - n % ROW
-    rows = torch.empty(main // ROW + (n > main), dtype=flat.dtype)
-    torch.linalg.vector_norm(flat[:main].view(-1, ROW), dim=1, out=rows[: main // ROW])
-    if n > main:
-        torch.linalg.vector_norm(flat[main:], out=rows[-1])
-    return torch.linalg.vector_norm(rows, dtype=torch.float64)
+def _big_norms(flats: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Each flat tensor's 2-norm in float64, from the float norms of its rows.
+
+    Every tensor's rows (and its short tail, as one more row) go into one
+    buffer, widened to float64 once; each tensor's slice is then one float64
+    norm. Few ops per tensor: under two threads each is an OpenMP region,
+    and on a loaded machine those are what costs (Findings 2).
+    """
+    counts = [-(-f.numel() // ROW) for f in flats]
+    rows = torch.empty(sum(counts), dtype=dtype)
+    start = 0
+    for flat, count in zip(flats, counts):
+        n = flat.numel()
+        main = n - n % ROW
+        torch.linalg.vector_norm(flat[:main].view(-1, ROW), dim=1,
+                                 out=rows[start : start + main // ROW])
+        if n > main:
+            torch.linalg.vector_norm(flat[main:], out=rows[start + count - 1])
+        start += count
+    wide = rows.double()
+    bounds = [0]
+    for count in counts:
+        bounds.append(bounds[-1] + count)
+    return torch.stack([torch.linalg.vector_norm(wide[a:b]) for a, b in zip(bounds, bounds[1:])])
 
 
 class _Packing:
