@@ -491,9 +491,9 @@ class _Packing:
     """Where small tensors of given shapes go in a block buffer, rows aligned.
 
     Each tensor starts on a row boundary; the rest of its last row is padding,
-    zeroed on every use (another packing may have written there). Built once
-    per list of shapes and reused: the views it copies into are what would
-    cost a Python call per tensor.
+    zeroed on every use (the blocks share one buffer: another block's values
+    may lie there). Built once per list of shapes and reused: the views it
+    copies into are what would cost a Python call per tensor.
     """
 
     def __init__(self, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype):
