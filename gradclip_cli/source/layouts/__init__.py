@@ -32,6 +32,7 @@ from . import (
     hf_trainer,
     lightning,
     megatron,
+    megatron_legacy,
     olmo_core,
     single_file,
     torchtitan,
@@ -39,6 +40,7 @@ from . import (
 
 LAYOUTS: tuple[Layout, ...] = (
     megatron,  # its folders hold a DCP folder and common.pt: before any flat mapping
+    megatron_legacy,  # iter_N/mp_rank_XX/model_optim_rng.pt
     deepspeed,
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     hf_trainer,
