@@ -46,23 +46,21 @@ def framework_python() -> str:
 
 
 def run_generator(python: str, script: str, out: Path, ranks: int, *extra: str) -> Path:
-    """Run ``tests/frameworks/SCRIPT OUT`` under ``torchrun`` with ``ranks`` gloo ranks."""
+    """Run ``tests/frameworks/SCRIPT OUT`` under ``torchrun`` with ``ranks`` gloo ranks
+    (``ranks=0``: in one plain process, for a framework that trains without a process
+    group)."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
-    command = [
-        python,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={ranks}",
-        str(HERE / script),
-        str(out),
-        *extra,
-    ]
+    launch = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        if ranks
+        else []
+    )
+    command = [python, *launch, str(HERE / script), str(out), *extra]
     for _attempt in range(2):  # a gloo rank may abort at exit once in a while (seen in CI)
         done = subprocess.run(
             command, cwd=REPO, env=env, capture_output=True, text=True, timeout=420
@@ -117,3 +115,12 @@ def megatron_runs(framework_python, tmp_path_factory) -> dict:
         framework_python, "megatron_run.py", tmp_path_factory.mktemp("megatron_tp2"), 2, "tp"
     )
     return runs
+
+
+@pytest.fixture(scope="session")
+def torchtune_runs(framework_python, tmp_path_factory) -> Path:
+    """torchtune's ``full_finetune_single_device`` recipe, 3 epochs of 2 AdamW steps:
+    ``run/`` and ``in_bwd/`` (``optimizer_in_bwd``), each ``epoch_{0,1,2}/`` and
+    ``recipe_state/recipe_state.pt``."""
+    out = tmp_path_factory.mktemp("torchtune")
+    return run_generator(framework_python, "torchtune_run.py", out, 0)

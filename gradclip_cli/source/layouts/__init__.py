@@ -35,6 +35,7 @@ from . import (
     olmo_core,
     single_file,
     torchtitan,
+    torchtune,
 )
 
 LAYOUTS: tuple[Layout, ...] = (
@@ -42,6 +43,7 @@ LAYOUTS: tuple[Layout, ...] = (
     deepspeed,
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     hf_trainer,
+    torchtune,  # its epoch_N/ may hold a Hugging Face index: before hf_sharded
     hf_sharded,
     olmo_core,
     torchtitan,  # a DCP folder laid out torchtitan's way: before dcp

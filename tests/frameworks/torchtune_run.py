@@ -1,0 +1,149 @@
+"""Train a tiny Llama 2 with torchtune's own ``full_finetune_single_device`` recipe on CPU.
+
+Run in the frameworks venv, in one process: ``python torchtune_run.py OUT``.
+Everything the recipe reads is made here, offline: a SentencePiece tokenizer
+trained on a generated text, that text as a local ``text`` dataset, and a
+randomly initialised base checkpoint saved as torchtune's checkpointer reads
+it. The recipe (torchtune's file, run through ``tune run``) trains 3 epochs
+of 2 AdamW steps each and saves with ``FullModelTorchTuneCheckpointer``:
+
+* ``OUT/run/epoch_{0,1,2}/model-00001-of-00001.bin``: the model each epoch;
+* ``OUT/run/recipe_state/recipe_state.pt``: the optimizer and the recipe's
+  progress, written at every epoch but the last (so it is epoch 1's).
+
+A second run (``OUT/in_bwd``) sets ``optimizer_in_bwd: True``, where the
+recipe keeps one optimizer per parameter and saves them keyed by name.
+
+The tests read these files as they are: nothing is written beside them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import sentencepiece
+import torch
+from torchtune.models.llama2 import llama2
+
+VOCAB = 64
+MODEL = dict(
+    vocab_size=VOCAB, num_layers=2, num_heads=2, num_kv_heads=1, embed_dim=16, max_seq_len=32
+)
+
+
+def _inputs(out: Path) -> Path:
+    """The tokenizer, the text and the base checkpoint, in ``out/base``."""
+    base = out / "base"
+    base.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    letters = "abcdefghij"
+    lines = []
+    for _ in range(16):
+        words = [
+            "".join(letters[i] for i in torch.randint(0, 10, (int(n),), generator=g))
+            for n in torch.randint(2, 6, (8,), generator=g)
+        ]
+        lines.append(" ".join(words))
+    (out / "data.txt").write_text("\n".join(lines) + "\n")
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(out / "data.txt"),
+        model_prefix=str(base / "tokenizer"),
+        vocab_size=VOCAB,
+        hard_vocab_limit=False,
+        character_coverage=1.0,
+        minloglevel=2,
+    )
+    torch.manual_seed(0)
+    torch.save(llama2(**MODEL).state_dict(), base / "model.pt")
+    return base
+
+
+def _config(out: Path, name: str, base: Path, in_bwd: bool) -> Path:
+    model = "\n".join(f"  {k}: {v}" for k, v in MODEL.items())
+    text = f"""\
+output_dir: {out / name}
+tokenizer:
+  _component_: torchtune.models.llama2.llama2_tokenizer
+  path: {base / "tokenizer.model"}
+  max_seq_len: 16
+dataset:
+  _component_: torchtune.datasets.text_completion_dataset
+  source: text
+  data_files: {out / "data.txt"}
+  column: text
+  split: train
+seed: 0
+shuffle: False
+model:
+  _component_: torchtune.models.llama2.llama2
+{model}
+checkpointer:
+  _component_: torchtune.training.FullModelTorchTuneCheckpointer
+  checkpoint_dir: {base}
+  checkpoint_files: [model.pt]
+  recipe_checkpoint: null
+  output_dir: ${{output_dir}}
+  model_type: LLAMA2
+resume_from_checkpoint: False
+batch_size: 2
+epochs: 3
+optimizer:
+  _component_: torch.optim.AdamW
+  lr: 0.001
+  weight_decay: 0.01
+optimizer_in_bwd: {in_bwd}
+loss:
+  _component_: torchtune.modules.loss.CEWithChunkedOutputLoss
+max_steps_per_epoch: 2
+gradient_accumulation_steps: 1
+clip_grad_norm: null
+compile: False
+device: cpu
+enable_activation_checkpointing: False
+enable_activation_offloading: False
+dtype: fp32
+metric_logger:
+  _component_: torchtune.training.metric_logging.DiskLogger
+  log_dir: ${{output_dir}}/logs
+log_every_n_steps: 1
+log_peak_memory_stats: False
+"""
+    path = out / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def main(out: Path) -> None:
+    base = _inputs(out)
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(out / "hf_home")
+    )
+    for name, in_bwd in (("run", False), ("in_bwd", True)):
+        config = _config(out, name, base, in_bwd)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torchtune._cli.tune",
+                "run",
+                "full_finetune_single_device",
+                "--config",
+                str(config),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+        if done.returncode != 0:
+            sys.exit(
+                f"tune run {name} failed ({done.returncode}):\n"
+                f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+            )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
