@@ -1,11 +1,11 @@
 """Checkpoints written by the pretraining frameworks themselves, once per test session.
 
-torchtitan, OLMo-core and Megatron-core are heavy (and pin their own
-dependencies), so they live in a venv of their own, never in the one the
-tests run in: ``GRADCLIP_FRAMEWORKS_PYTHON`` names its interpreter (``.ci/run``
+torchtitan, OLMo-core, Megatron-core, torchtune, litgpt and timm are heavy (and
+pin their own dependencies), so they live in a venv of their own, never in the
+one the tests run in: ``GRADCLIP_FRAMEWORKS_PYTHON`` names its interpreter (``.ci/run``
 builds it). Each fixture runs one generator script of this folder in that
-interpreter, in a subprocess (under ``torchrun`` for its ranks); the script
-trains a tiny model for a few AdamW steps, saves with the framework's own
+interpreter, in a subprocess (under ``torchrun`` for its ranks, or alone); the
+script trains a tiny model for a few steps, saves with the framework's own
 checkpointing code, and writes beside the checkpoint what the framework's
 (or torch's) own loader reads back: the tests' reference. Without the
 variable every test here is skipped, saying so.
@@ -38,7 +38,7 @@ def framework_python() -> str:
     if not python:
         pytest.skip(
             f"{VARIABLE} is not set: it names the python of a venv with torchtitan, "
-            "ai2-olmo-core and megatron-core (.ci/run builds one)"
+            "ai2-olmo-core, megatron-core, torchtune, litgpt and timm (.ci/run builds one)"
         )
     if not os.access(python, os.X_OK):
         pytest.skip(f"{VARIABLE}={python} is not an executable")
@@ -124,3 +124,19 @@ def torchtune_runs(framework_python, tmp_path_factory) -> Path:
     ``recipe_state/recipe_state.pt``."""
     out = tmp_path_factory.mktemp("torchtune")
     return run_generator(framework_python, "torchtune_run.py", out, 0)
+
+
+@pytest.fixture(scope="session")
+def timm_runs(framework_python, tmp_path_factory) -> Path:
+    """timm's ``CheckpointSaver``, 2 epochs each: ``sgd/``, ``adamw/`` and ``adamw_args/``
+    (saved with ``args``, as timm's ``train.py`` does), each ``checkpoint-{0,1}.pth.tar``."""
+    out = tmp_path_factory.mktemp("timm")
+    return run_generator(framework_python, "timm_run.py", out, 0)
+
+
+@pytest.fixture(scope="session")
+def litgpt_run(framework_python, tmp_path_factory) -> Path:
+    """litgpt's pretraining ``save_checkpoint`` after 2 AdamW steps:
+    ``out/pretrain/step-00000004/lit_model.pth``."""
+    out = tmp_path_factory.mktemp("litgpt")
+    return run_generator(framework_python, "litgpt_run.py", out, 0) / "out" / "pretrain"
