@@ -121,7 +121,8 @@ def megatron_runs(framework_python, tmp_path_factory) -> dict:
 def torchtune_runs(framework_python, tmp_path_factory) -> Path:
     """torchtune's ``full_finetune_single_device`` recipe, 3 epochs of 2 AdamW steps:
     ``run/`` and ``in_bwd/`` (``optimizer_in_bwd``), each ``epoch_{0,1,2}/`` and
-    ``recipe_state/recipe_state.pt``."""
+    ``recipe_state/recipe_state.pt``; ``hf/``, 2 epochs saved by
+    ``FullModelHFCheckpointer``."""
     out = tmp_path_factory.mktemp("torchtune")
     return run_generator(framework_python, "torchtune_run.py", out, 0)
 
@@ -136,7 +137,7 @@ def timm_runs(framework_python, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def litgpt_run(framework_python, tmp_path_factory) -> Path:
-    """litgpt's pretraining ``save_checkpoint`` after 2 AdamW steps:
-    ``out/pretrain/step-00000004/lit_model.pth``."""
+    """litgpt's pretraining ``save_checkpoint`` at each of 2 AdamW steps: the run's
+    ``out/pretrain/``, holding ``step-0000000{1,2}/lit_model.pth``."""
     out = tmp_path_factory.mktemp("litgpt")
     return run_generator(framework_python, "litgpt_run.py", out, 0) / "out" / "pretrain"

@@ -43,6 +43,7 @@ def test_adamw_moments_map_past_batchnorm(gradclip, timm_runs, epoch):
         expected[name] = s["exp_avg"].double() / (1 - group["betas"][0] ** float(s["step"]))
     doc = gradclip("inspect", path, "--format", "json").json()
     assert doc["what"] == "exp_avg"
+    assert doc["step"] is None  # timm counts epochs (``epoch``), not steps
     assert [t["name"] for t in doc["tensors"]] == list(params)
     assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
     for row in doc["tensors"]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from tests.cli.support import rel_err
 
@@ -179,6 +180,41 @@ def test_every_refusal_offers_only_what_works(gradclip, torchtune_runs, tmp_path
     ]
     refusals, followed = walk_refusals(gradclip, paths, tmp_path)
     assert refusals >= 2 * len(paths) and followed > len(paths)
+
+
+# ------------------------------------------------------- FullModelHFCheckpointer
+
+
+def _hf_shard(run: Path, epoch: int) -> dict[str, torch.Tensor]:
+    with safe_open(str(run / f"epoch_{epoch}" / "model-00001-of-00001.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_hugging_face_shards_give_weights_and_step(gradclip, torchtune_runs, epoch):
+    run = torchtune_runs / "hf"
+    weights = _hf_shard(run, epoch)
+    assert "model.layers.0.self_attn.q_proj.weight" in weights  # Hugging Face's names
+    result = gradclip("inspect", run / f"epoch_{epoch}", "--what", "weights", "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["format"], doc["step"]) == ("torchtune", STEPS[epoch])
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(weights)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([weights[name]])) <= TOL, name
+    trend = gradclip("trend", run, "--what", "weights", "--format", "json")
+    assert [p["step"] for p in trend.json()["points"]] == [2, 4]
+
+
+def test_hugging_face_shards_cannot_name_the_optimizers_parameters(gradclip, torchtune_runs):
+    """The optimizer's ids follow torchtune's model, the shards hold Hugging Face's names
+    sorted: no order maps one to the other, and that is said, not guessed."""
+    epoch = torchtune_runs / "hf" / "epoch_0"
+    for args in ((), ("--what", "exp_avg")):
+        one_line_exit_3(
+            gradclip("inspect", epoch, *args), "cannot map optimizer state", "recipe_state.pt"
+        )
 
 
 # --------------------------------------------------------------------- hostile copies

@@ -12,20 +12,28 @@ of 2 AdamW steps each and saves with ``FullModelTorchTuneCheckpointer``:
   progress, written at every epoch but the last (so it is epoch 1's).
 
 A second run (``OUT/in_bwd``) sets ``optimizer_in_bwd: True``, where the
-recipe keeps one optimizer per parameter and saves them keyed by name.
+recipe keeps one optimizer per parameter and saves them keyed by name. A
+third (``OUT/hf``, 2 epochs) starts from the same model converted to Hugging
+Face's names by torchtune's own ``convert_weights.tune_to_hf`` and saves with
+``FullModelHFCheckpointer``: ``epoch_N/`` holds safetensors shards under
+Hugging Face names, their index and the copied ``config.json``.
 
 The tests read these files as they are: nothing is written beside them.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import sentencepiece
 import torch
+from safetensors.torch import save_file
+from torchtune.models import convert_weights
 from torchtune.models.llama2 import llama2
 
 VOCAB = 64
@@ -35,7 +43,8 @@ MODEL = dict(
 
 
 def _inputs(out: Path) -> Path:
-    """The tokenizer, the text and the base checkpoint, in ``out/base``."""
+    """The tokenizer, the text and the base checkpoint, in ``out/base`` (and in Hugging
+    Face's names, with its ``config.json``, in ``out/base_hf``)."""
     base = out / "base"
     base.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
@@ -57,12 +66,41 @@ def _inputs(out: Path) -> Path:
         minloglevel=2,
     )
     torch.manual_seed(0)
-    torch.save(llama2(**MODEL).state_dict(), base / "model.pt")
+    state = llama2(**MODEL).state_dict()
+    torch.save(state, base / "model.pt")
+    hf = out / "base_hf"
+    hf.mkdir()
+    shape = dict(
+        num_heads=MODEL["num_heads"], num_kv_heads=MODEL["num_kv_heads"], dim=MODEL["embed_dim"]
+    )
+    converted = convert_weights.tune_to_hf(state, **shape)
+    save_file(
+        {k: v.contiguous() for k, v in converted.items()},
+        hf / "model-00001-of-00001.safetensors",
+        metadata={"format": "pt"},
+    )
+    (hf / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_attention_heads": shape["num_heads"],
+                "num_key_value_heads": shape["num_kv_heads"],
+                "hidden_size": shape["dim"],
+            }
+        )
+    )
+    shutil.copy(base / "tokenizer.model", hf / "tokenizer.model")
     return base
 
 
-def _config(out: Path, name: str, base: Path, in_bwd: bool) -> Path:
+def _config(out: Path, name: str, base: Path, in_bwd: bool, hf: bool = False) -> Path:
     model = "\n".join(f"  {k}: {v}" for k, v in MODEL.items())
+    if hf:
+        checkpointer = "FullModelHFCheckpointer"
+        checkpoint_dir, checkpoint_file = out / "base_hf", "model-00001-of-00001.safetensors"
+    else:
+        checkpointer = "FullModelTorchTuneCheckpointer"
+        checkpoint_dir, checkpoint_file = base, "model.pt"
     text = f"""\
 output_dir: {out / name}
 tokenizer:
@@ -81,15 +119,15 @@ model:
   _component_: torchtune.models.llama2.llama2
 {model}
 checkpointer:
-  _component_: torchtune.training.FullModelTorchTuneCheckpointer
-  checkpoint_dir: {base}
-  checkpoint_files: [model.pt]
+  _component_: torchtune.training.{checkpointer}
+  checkpoint_dir: {checkpoint_dir}
+  checkpoint_files: [{checkpoint_file}]
   recipe_checkpoint: null
   output_dir: ${{output_dir}}
   model_type: LLAMA2
 resume_from_checkpoint: False
 batch_size: 2
-epochs: 3
+epochs: {2 if hf else 3}
 optimizer:
   _component_: torch.optim.AdamW
   lr: 0.001
@@ -121,8 +159,8 @@ def main(out: Path) -> None:
     env = dict(
         os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(out / "hf_home")
     )
-    for name, in_bwd in (("run", False), ("in_bwd", True)):
-        config = _config(out, name, base, in_bwd)
+    for name, in_bwd, hf in (("run", False, False), ("in_bwd", True, False), ("hf", False, True)):
+        config = _config(out, name, base, in_bwd, hf)
         done = subprocess.run(
             [
                 sys.executable,

@@ -31,6 +31,7 @@ from . import (
     hf_sharded,
     hf_trainer,
     lightning,
+    litgpt,
     megatron,
     olmo_core,
     single_file,
@@ -44,6 +45,7 @@ LAYOUTS: tuple[Layout, ...] = (
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     hf_trainer,
     torchtune,  # its epoch_N/ may hold a Hugging Face index: before hf_sharded
+    litgpt,
     hf_sharded,
     olmo_core,
     torchtitan,  # a DCP folder laid out torchtitan's way: before dcp
