@@ -9,6 +9,7 @@ ids taken in the model's parameter order (torchtune's recipe builds AdamW from
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -180,6 +181,36 @@ def test_every_refusal_offers_only_what_works(gradclip, torchtune_runs, tmp_path
     ]
     refusals, followed = walk_refusals(gradclip, paths, tmp_path)
     assert refusals >= 2 * len(paths) and followed > len(paths)
+
+
+# ------------------------------------------------------------------------ LoRA
+
+
+@pytest.mark.parametrize("what", QUANTITIES)
+def test_lora_adapter_moments_named_by_the_lora_models_order(gradclip, torchtune_runs, what):
+    """The optimizer was given every parameter of the LoRA model (torchtune's
+    ``named_parameters()`` order, ``reference/lora_names.json``); only the adapter's have
+    state. Their names come from that order, their ratio from ``adapter_model.pt``."""
+    run = torchtune_runs / "lora"
+    names = json.loads((torchtune_runs / "reference" / "lora_names.json").read_text())
+    saved = torch.load(run / RECIPE, weights_only=True)["optimizer"]
+    assert len(saved["param_groups"][0]["params"]) == len(names)
+    group = saved["param_groups"][0]
+    state = {names[p]: s for p, s in saved["state"].items()}
+    expected = adam_measured(state, {n: group for n in state}, what)
+    adapter = torch.load(run / "epoch_0" / "adapter_model.pt", weights_only=True)
+    assert set(expected) == set(adapter)  # the trained parameters are the adapter's
+    doc = gradclip("inspect", run / "epoch_0", "--what", what, "--format", "json").json()
+    assert (doc["step"], doc["what"]) == (2, what)
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+        assert rel_err(row["ratio"], norm([expected[name]]) / norm([adapter[name]])) <= TOL, name
+    weights = _shard(run, 0)  # the model with the adapter merged in
+    doc = gradclip("inspect", run / "epoch_0", "--what", "weights", "--format", "json").json()
+    assert rel_err(doc["total_norm"], norm(weights.values())) <= TOL
 
 
 # ------------------------------------------------------- FullModelHFCheckpointer

@@ -18,7 +18,12 @@ Face's names by torchtune's own ``convert_weights.tune_to_hf`` and saves with
 ``FullModelHFCheckpointer``: ``epoch_N/`` holds safetensors shards under
 Hugging Face names, their index and the copied ``config.json``.
 
-The tests read these files as they are: nothing is written beside them.
+A fourth (``OUT/lora``, 2 epochs) runs ``lora_finetune_single_device``:
+``epoch_N/`` also holds ``adapter_model.pt``, and the optimizer was given
+every parameter of the LoRA model (state only for the adapter's). Its
+``named_parameters()`` order, which gives the optimizer's ids their names, is
+written from torchtune's own model as ``OUT/reference/lora_names.json``: the
+tests' reference. The other files are read as the recipe wrote them.
 """
 
 from __future__ import annotations
@@ -34,9 +39,16 @@ import sentencepiece
 import torch
 from safetensors.torch import save_file
 from torchtune.models import convert_weights
-from torchtune.models.llama2 import llama2
+from torchtune.models.llama2 import llama2, lora_llama2
 
 VOCAB = 64
+LORA = dict(
+    lora_attn_modules=["q_proj", "v_proj"],
+    apply_lora_to_mlp=False,
+    apply_lora_to_output=False,
+    lora_rank=4,
+    lora_alpha=8,
+)
 MODEL = dict(
     vocab_size=VOCAB, num_layers=2, num_heads=2, num_kv_heads=1, embed_dim=16, max_seq_len=32
 )
@@ -93,8 +105,13 @@ def _inputs(out: Path) -> Path:
     return base
 
 
-def _config(out: Path, name: str, base: Path, in_bwd: bool, hf: bool = False) -> Path:
+def _config(
+    out: Path, name: str, base: Path, in_bwd: bool, hf: bool = False, lora: bool = False
+) -> Path:
     model = "\n".join(f"  {k}: {v}" for k, v in MODEL.items())
+    builder = "lora_llama2" if lora else "llama2"
+    if lora:
+        model += "".join(f"\n  {k}: {json.dumps(v)}" for k, v in LORA.items())
     if hf:
         checkpointer = "FullModelHFCheckpointer"
         checkpoint_dir, checkpoint_file = out / "base_hf", "model-00001-of-00001.safetensors"
@@ -116,7 +133,7 @@ dataset:
 seed: 0
 shuffle: False
 model:
-  _component_: torchtune.models.llama2.llama2
+  _component_: torchtune.models.llama2.{builder}
 {model}
 checkpointer:
   _component_: torchtune.training.{checkpointer}
@@ -127,7 +144,12 @@ checkpointer:
   model_type: LLAMA2
 resume_from_checkpoint: False
 batch_size: 2
-epochs: {2 if hf else 3}
+epochs: {2 if hf or lora else 3}
+lr_scheduler:
+  _component_: torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup
+  num_warmup_steps: 0
+  num_cycles: 0.0
+save_adapter_weights_only: False
 optimizer:
   _component_: torch.optim.AdamW
   lr: 0.001
@@ -159,15 +181,22 @@ def main(out: Path) -> None:
     env = dict(
         os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(out / "hf_home")
     )
-    for name, in_bwd, hf in (("run", False, False), ("in_bwd", True, False), ("hf", False, True)):
-        config = _config(out, name, base, in_bwd, hf)
+    runs = (
+        ("run", False, False, False),
+        ("in_bwd", True, False, False),
+        ("hf", False, True, False),
+        ("lora", False, False, True),
+    )
+    for name, in_bwd, hf, lora in runs:
+        config = _config(out, name, base, in_bwd, hf, lora)
+        recipe = "lora_finetune_single_device" if lora else "full_finetune_single_device"
         done = subprocess.run(
             [
                 sys.executable,
                 "-m",
                 "torchtune._cli.tune",
                 "run",
-                "full_finetune_single_device",
+                recipe,
                 "--config",
                 str(config),
             ],
@@ -181,6 +210,10 @@ def main(out: Path) -> None:
                 f"tune run {name} failed ({done.returncode}):\n"
                 f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
             )
+    reference = out / "reference"
+    reference.mkdir()
+    names = [n for n, _ in lora_llama2(**MODEL, **LORA).named_parameters()]
+    (reference / "lora_names.json").write_text(json.dumps(names))
 
 
 if __name__ == "__main__":

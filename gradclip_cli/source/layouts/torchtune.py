@@ -25,6 +25,12 @@ alone is read with its output folder's recipe state (the two make one
 checkpoint; both files stay inside the output folder); the output folder
 stands for its largest epoch, as torchtune's resume reads it.
 
+A LoRA recipe's epoch also holds ``adapter_model.pt`` (the adapter's
+weights; the model shard has them merged in), and its optimizer covers every
+parameter of the LoRA model, with state for the adapter's alone: the
+model's order with the adapter's tensors in place names them
+(``_read_adapter``).
+
 The step: torchtune counts ``global_step = epochs_run * steps_per_epoch``
 (``full_finetune_single_device.py``, every epoch the same length), and the
 recipe state says how many optimizer steps ran (``steps_run``, else the
@@ -57,6 +63,7 @@ RECIPE_STATE = "recipe_state/recipe_state.pt"
 _EPOCH = re.compile(r"epoch_(\d+)")
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.(bin|safetensors|pt)")
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+ADAPTER = "adapter_model.pt"
 
 
 def recognises(path: Path) -> bool:
@@ -133,8 +140,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             f"without an optimizer: no {RECIPE_STATE} (torchtune writes one at every "
             "epoch but the last)"
         )
-    if os.path.isfile(epoch / "adapter_model.pt"):
-        lines.append("adapter_model.pt (LoRA adapter weights) not read")
+    if os.path.isfile(epoch / ADAPTER):
+        lines.append(_read_adapter(contents, epoch, trust_pickle=trust_pickle, verify=verify))
     step = f" at step {contents.step}" if contents.step is not None else ""
     contents.description.append(f"{lines[0]}{step} {', '.join(lines[1:])}".rstrip())
     contents.gradient_error = (
@@ -183,6 +190,41 @@ def _read_weights(contents: Contents, epoch: Path, *, trust_pickle: bool, verify
     shown = ", ".join(visible(n) for n in shards)
     contents.evidence[roles.WEIGHT] = f"torchtune's {visible(epoch.name)}/{shown}"
     return ""
+
+
+def _read_adapter(contents: Contents, epoch: Path, *, trust_pickle: bool, verify: bool) -> str:
+    """LoRA's ``adapter_model.pt`` (``get_adapter_state_dict``: the adapter's weights in the
+    model's order): the weights of the parameters LoRA trains, which the model shard holds
+    merged into its own. Its optimizer was given every parameter of the LoRA model, in
+    ``named_parameters()`` order, where a ``LoRALinear``'s ``lora_a`` and ``lora_b`` follow
+    its own ``weight`` (and ``bias``): that order is rebuilt here, so the optimizer's ids
+    map by position, and the adapter's weights give ``ratio``."""
+    file = inside(epoch, ADAPTER, named_by=epoch)
+    ckpt = load_checkpoint(file, trust_pickle=trust_pickle, verify=verify)
+    contents.files.append(file)
+    contents.trusted_pickle |= ckpt.trusted_pickle
+    if not isinstance(ckpt.root, Mapping):
+        raise InputError(f"{file}: not a LoRA adapter: not name -> tensor")
+    adapter = stored({str(k): v for k, v in ckpt.root.items() if hasattr(v, "dtype")}, file)
+    contents.fused_weights = adapter
+    base = list(contents.weights or {})
+    by_module: dict[str, list[str]] = {}
+    for name in adapter:
+        module, found, _ = name.partition(".lora_")
+        if not found:
+            return f"{ADAPTER} ({len(adapter)} adapter tensors, not all lora_a/lora_b: unplaced)"
+        by_module.setdefault(module, []).append(name)
+    last = {n.rsplit(".", 1)[0]: i for i, n in enumerate(base)}
+    if not set(by_module) <= set(last):
+        return f"{ADAPTER} ({len(adapter)} adapter tensors of modules the model lacks)"
+    order: list[str] = []
+    for i, name in enumerate(base):
+        order.append(name)
+        module = name.rsplit(".", 1)[0]
+        if last[module] == i:
+            order += by_module.get(module, [])
+    contents.model_order_names = order
+    return f"{ADAPTER} (LoRA: {len(adapter)} adapter tensors, merged into the model shard)"
 
 
 def _count(recipe: Mapping, key: str, file: Path) -> int:
