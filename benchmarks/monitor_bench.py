@@ -12,6 +12,7 @@ repetition (timing.interleaved); medians are reported.
     .venv/bin/python -m benchmarks.monitor_bench --shapes small   # 1,000 x 4,096
     .venv/bin/python -m benchmarks.monitor_bench --dtype bfloat16 --repeats 9
     python -m benchmarks.monitor_bench --device cuda    # on a GPU machine
+    .venv/bin/python -m benchmarks.monitor_bench --clock cpu   # CPU time, on a loaded machine
 
 On CUDA every contender is followed by ``torch.cuda.synchronize()``, so each
 time includes the work it queued; the monitor's logged steps also
@@ -44,6 +45,7 @@ import math
 import os
 import platform
 import tempfile
+import time
 
 import torch
 
@@ -83,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="GPT-2 124M's 148 tensors, or 1,000 tensors of 4,096 elements")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads (default: torch's own choice)")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="wall time (default), or this process's CPU time, which the "
+                             "load of other processes on a shared machine does not inflate")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -138,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         contenders = {name: checked(name, run) for name, run in contenders.items()}
         if torch.device(args.device).type == "cuda":
             contenders = {name: _synchronised(run) for name, run in contenders.items()}
-        results = interleaved(contenders, repeats=args.repeats)
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        results = interleaved(contenders, repeats=args.repeats, clock=clock)
         lines = sum(1 for _ in open(os.path.join(folder, "a.jsonl")))
         every_step.close()
         rarely.close()
@@ -151,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     floor = per_step["torch"]
     title = "GPT-2 124M shapes" if args.shapes == "gpt2" else "1,000 small tensors"
     print(f"{title}: {len(params)} tensors, {numel(shapes):,} elements, "
-          f"{args.dtype} on {args.device}; {args.repeats} repetitions (+1 warm-up), medians")
+          f"{args.dtype} on {args.device}; {args.repeats} repetitions (+1 warm-up), medians"
+          f"{', CPU time' if args.clock == 'cpu' else ''}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}, load average "
           f"{os.getloadavg()[0]:.2f}; the every-step monitor wrote {lines} lines")

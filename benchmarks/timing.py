@@ -38,21 +38,24 @@ class Result:
 
 
 def interleaved(
-    contenders: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+    contenders: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Result]:
     """Time each callable ``repeats`` times, alternating them; warm-up runs are not kept.
 
     The order rotates every repetition, so no contender always runs first
-    (right after another one's allocations) or last.
+    (right after another one's allocations) or last. ``clock`` is wall time
+    unless given (``time.process_time``: the CPU time of this process's
+    threads, which other processes' load does not add to).
     """
     names = list(contenders)
     results = {n: Result(n) for n in names}
     for r in range(warmup + repeats):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
+            start = clock()
             outcome = contenders[name]()
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             if r >= warmup:
                 results[name].seconds.append(elapsed)
                 if isinstance(outcome, int) and outcome > 0:

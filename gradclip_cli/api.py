@@ -29,7 +29,7 @@ from .core import (
     exact_clip_coefficient,
     readable,
     scale_elements_,
-    tensor_power_sums,
+    total_power_sums,
 )
 from .core.adaptive import adaptive_clip_
 from .core.kernels import FLOAT64_SAFE_P, total_on_device
@@ -165,7 +165,7 @@ def _total_norm(
     if device.type != "cpu":
         # A fixed number of fused ops per (device, dtype) group, nothing read back.
         return total_on_device(pieces, norm_type, foreach).to(device, out_dtype), None
-    sums = tensor_power_sums(pieces, norm_type, foreach=foreach, with_max=False).total()
+    sums = total_power_sums(pieces, norm_type, foreach)
     return sums.norm[0].to(dtype=out_dtype), sums
 
 

@@ -16,6 +16,7 @@ a square root) is computed a batch of parameters at a time.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -92,12 +93,24 @@ def _derived_power_sums(derived, p, device, on_batch, workers):
     parts = []
     batch: list = []
     size = 0
+    # The transforms are elementwise torch ops on whole tensors, several passes each
+    # (an update: a square root, an add, a multiply, a divide) on one torch thread: the
+    # workers compute a batch's parameters side by side (torch releases the GIL), or the
+    # transforms cost more than the reading (BENCHMARKS.md, issue 17). Reading stays in
+    # this thread, in order.
+    pool = ThreadPoolExecutor(workers) if workers > 1 else None
+
+    def compute(d, reads):
+        return d.compute(*reads)
 
     def flush():
         nonlocal batch, size
         if not batch:
             return
-        values = [d.compute(*(t.read() for t in d.reads)) for d in batch]
+        reads = [[t.read() for t in d.reads] for d in batch]
+        values = (list(pool.map(compute, batch, reads)) if pool is not None and len(batch) > 1
+                  else [compute(d, r) for d, r in zip(batch, reads)])
+        del reads
         parts.append(tensor_power_sums(values, p, device=device, workers=workers))
         if on_batch is not None:
             # The pieces as stored (mapped views), not read()'s assembled copy of a
@@ -105,12 +118,16 @@ def _derived_power_sums(derived, p, device, on_batch, workers):
             on_batch([piece.read() for d in batch for t in d.reads for piece in t.pieces])
         batch, size = [], 0
 
-    for d in derived:
-        batch.append(d)
-        size += sum(t.nbytes for t in d.reads)
-        if size >= _BATCH_BYTES:
-            flush()
-    flush()
+    try:
+        for d in derived:
+            batch.append(d)
+            size += sum(t.nbytes for t in d.reads)
+            if size >= _BATCH_BYTES:
+                flush()
+        flush()
+    finally:
+        if pool is not None:
+            pool.shutdown()
     if not parts:
         return tensor_power_sums([], p, device=device, workers=workers)
     return concat(p, parts)

@@ -13,7 +13,7 @@ from .clipping import (
     unit_roundoff,
 )
 from .elements import Elements, distinct_elements, find_ties, readable
-from .norms import element_power_sums, tensor_power_sums
+from .norms import element_power_sums, tensor_power_sums, total_power_sums
 from .power_sums import PowerSums, concat
 
 __all__ = [
@@ -21,5 +21,6 @@ __all__ = [
     "concat", "distinct_elements", "element_power_sums", "exact_clip_coefficient", "find_ties",
     "lowered_coefficient",
     "readable", "rounds_to_zero", "scale_", "scale_elements_", "tensor_power_sums",
+    "total_power_sums",
     "unit_roundoff",
 ]

@@ -223,13 +223,18 @@ def _clamp_uncoalesced_(t: torch.Tensor, clip_value: float) -> None:
 @torch.no_grad()
 def _each_element_once(elements: Elements, apply, foreach: bool | None, skip=frozenset()) -> None:
     """``apply`` to the views of owned pieces at once; gathered pieces go out and back."""
-    apply([p.target for p in elements.owned if p.target is not None and id(p) not in skip],
-          foreach)
+    views, gathered = [], []
     for p in elements.owned:
-        if p.index is not None and p.index.numel():
-            values = p.base.index_select(0, p.index)
-            apply([values], False)
-            p.base.index_copy_(0, p.index, values)
+        if p.target is not None:
+            if id(p) not in skip:
+                views.append(p.target)
+        elif p.index is not None and p.index.numel():
+            gathered.append(p)
+    apply(views, foreach)
+    for p in gathered:
+        values = p.base.index_select(0, p.index)
+        apply([values], False)
+        p.base.index_copy_(0, p.index, values)
 
 
 # Half and float32 tensors multiply in float32, where a coefficient below
@@ -252,17 +257,21 @@ def _factors(coef: torch.Tensor | Coefficient, dtype: torch.dtype) -> list[torch
         if coef.device.type != "cpu":
             return [coef]
         coef = Coefficient.of(float(coef))
-    smallest = _SMALLEST_FACTOR_EXP_F64 if dtype in (torch.float64, torch.complex128) \
-        else _SMALLEST_FACTOR_EXP
+    wide = dtype in (torch.float64, torch.complex128)
+    smallest = _SMALLEST_FACTOR_EXP_F64 if wide else _SMALLEST_FACTOR_EXP
+    # Narrower tensors multiply in float32 whatever the factor's type, and a
+    # float32 factor spares the kernel a cast per tensor (1.4x the time of
+    # torch's _foreach_mul_ on 1,000 small tensors with a float64 one).
+    factor_dtype = torch.float64 if wide else torch.float32
     if not (coef.mantissa > 0) or coef.exponent > smallest:
-        return [torch.tensor(coef.value, dtype=torch.float64)]
+        return [torch.tensor(coef.value, dtype=factor_dtype)]
     factors = [coef.mantissa]
     exponent = coef.exponent
     while exponent < 0:
         step = max(exponent, smallest)
         factors.append(math.ldexp(1.0, step))
         exponent -= step
-    return [torch.tensor(f, dtype=torch.float64) for f in factors]
+    return [torch.tensor(f, dtype=factor_dtype) for f in factors]
 
 
 @torch.no_grad()

@@ -124,15 +124,16 @@ def readable(t: torch.Tensor) -> torch.Tensor:
 def distinct_elements(tensors: Sequence[torch.Tensor]) -> Elements:
     """The disjoint pieces behind ``tensors`` (see the module docstring)."""
     n = len(tensors)
-    tensors = list(tensors)
+    tensors = [t.detach() if t.requires_grad else t for t in tensors]
+    apart = _apart(tensors)
+    if apart is not None:
+        return apart
     owned: list[Piece | None] = [None] * n
     covered: list[int | Piece] = list(range(n))
     tie_of = list(range(n))
     shares: list[tuple[int, ...]] = [()] * n
     by_storage: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
-        if t.requires_grad:
-            t = tensors[i] = t.detach()
         if t.layout != torch.strided:
             owned[i] = _sparse_piece(t)
         elif t.numel() == 0:
@@ -147,6 +148,33 @@ def distinct_elements(tensors: Sequence[torch.Tensor]) -> Elements:
             continue
         _split_storage(tensors, members, owned, covered, tie_of, shares)
     return Elements(owned, covered, tie_of, shares)  # type: ignore[arg-type]
+
+
+def _apart(tensors: list[torch.Tensor]) -> Elements | None:
+    """The pieces when no two tensors can share an element, else None.
+
+    The common case, checked in a few passes over metadata (a gradient per
+    parameter, each its own allocation): every tensor dense, contiguous and
+    nonempty, and their byte ranges ``[data_ptr, data_ptr + nbytes)``
+    pairwise disjoint. Tensors without an address (``meta``, fake) go the
+    general way.
+    """
+    if not all(t.layout == torch.strided and t.is_contiguous() and t.numel() for t in tensors):
+        return None
+    try:
+        starts = [t.data_ptr() for t in tensors]
+    except RuntimeError:
+        return None
+    if 0 in starts:
+        return None
+    if len(tensors) > 1:
+        starts = torch.tensor(starts, dtype=torch.int64)
+        order = starts.argsort()
+        ends = starts + torch.tensor([t.nbytes for t in tensors], dtype=torch.int64)
+        if bool((ends[order[:-1]] > starts[order[1:]]).any()):
+            return None
+    n = len(tensors)
+    return Elements([Piece(target=t) for t in tensors], list(range(n)), list(range(n)), [()] * n)
 
 
 def _storage_key(t: torch.Tensor):

@@ -7,18 +7,23 @@ split is what makes the result accurate: torch's single fp32 reduction over
 a whole tensor has relative error 2.7e-3 on 38M normal values, while these
 stay near 1e-7 whatever the data (BENCHMARKS.md, accuracy).
 
-Two kernels give ``Rows`` and differ in speed per device:
+Three kernels give ``Rows`` and differ in speed per device and purpose:
 
 * ``rows_on_cpu``: rows of up to ``CHUNK`` elements (1 MiB of float32), each
   read from memory once, its later passes hitting cache; small tensors are
   stacked, one row each. Half types are widened into a reused float32 buffer
   row by row, many times faster than ``vector_norm(..., dtype=torch.float32)``.
+* ``squares_on_cpu``: the drop-ins' and the monitor's 2-norm (float32 and
+  float64, no max): rows of ``ROW`` elements reduced by torch's own
+  ``vector_norm`` over a last dimension, short enough to be accurate in
+  float32, so every element is read once, as torch's ``clip_grad_norm_``
+  reads it; small tensors are packed into cache-sized blocks first.
 * ``sums_by_foreach``: one row per tensor, a fixed number of fused
   ``torch._foreach_norm`` calls per group accumulated in float64 (fused
   kernels on CUDA, as ``torch.nn.utils.clip_grad`` uses): the host's work
   follows the number of tensors, never their size.
 
-Neither does any I/O or host-device synchronisation.
+None does any I/O or host-device synchronisation.
 """
 
 from __future__ import annotations
@@ -415,6 +420,133 @@ def row_norms(block: torch.Tensor, norm_type: float) -> torch.Tensor:
     """p-norm of each row of a 2-D block (p finite), as float64 (see power_sums)."""
     scratch = torch.empty(block.numel(), dtype=block.dtype)
     return power_sums(block, norm_type, scratch, dim=1).double().pow(1.0 / norm_type)
+
+
+# Rows of the p = 2 kernel. torch's CPU 2-norm over a last dimension (the
+# vectorised path of ATen's ReduceOpsKernel.cpp) accumulates a row in one
+# vector of L lanes with fused multiply-adds, then adds the lanes in order: an
+# element's square goes through at most ROW / L + L - 1 roundings, and the
+# square root one more, so a row's norm, and every float64 sum of rows, is
+# within ((ROW / L + L - 1) / 2 + 1) * 2**-24 of exact. Where torch runs its
+# AVX2 or AVX-512 kernels L is 8 or 16: rows of 128 give 23 roundings, 7.5e-7.
+# Elsewhere (NEON: L = 4) rows of 64 give at most 19, 6.3e-7. Rows of
+# 128 cost 12% less time than rows of 64 on GPT-2's shapes (BENCHMARKS.md,
+# issue 18). The same kernel over a whole tensor is 2.2e-6 off on 4,096 fp32
+# values 0.1 and 1.0e-5 on 16,448 values 1/3 (tests/core/test_squares.py).
+ROW = 128 if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else 64
+
+
+def squares_on_cpu(tensors: Sequence[torch.Tensor]) -> Rows:
+    """Each tensor's 2-norm (float32 or float64 tensors), from one read of its elements.
+
+    A tensor is cut into rows of ``ROW`` elements, each row's norm taken by
+    torch's own kernel (accurate, see ``ROW``) and the rows' squares summed in
+    float64. A tensor of at least ``SMALL`` elements is one ``vector_norm``
+    over its rows; smaller ones are copied together into cache-sized blocks
+    (``_Packing``), so 1,000 of them cost a few ops, not 1,000. One row per
+    tensor comes back, its norm in float64 (``acc_dtype`` is the rows' type:
+    ``norms._trusted`` certifies each from its own sum).
+    """
+    dtype = tensors[0].dtype
+    sizes = [t.numel() for t in tensors]
+    big = [i for i, n in enumerate(sizes) if n >= SMALL]
+    small = [i for i, n in enumerate(sizes) if 0 < n < SMALL]
+    parts = [_big_norms([_flat(tensors[i]) for i in big], dtype)] if big else []
+    if small:
+        members = tensors if len(small) == len(sizes) else [tensors[i] for i in small]
+        parts.append(_packing(tuple(t.shape for t in members), dtype).norms(members))
+    order = torch.tensor(big + small, dtype=torch.int64)
+    norm = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
+    length = torch.tensor(sizes, dtype=torch.int64)[order]
+    return Rows(order, torch.zeros_like(order), length, None, norm, dtype)
+
+
+def _big_norms(flats: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Each flat tensor's 2-norm in float64, from the float norms of its rows.
+
+    Every tensor's rows (and its short tail, as one more row) go into one
+    buffer, widened to float64 once; each tensor's slice is then one float64
+    norm. Few ops per tensor: under two threads each is an OpenMP region,
+    and on a loaded machine those are what costs (Findings 2).
+    """
+    counts = [-(-f.numel() // ROW) for f in flats]
+    rows = torch.empty(sum(counts), dtype=dtype)
+    start = 0
+    for flat, count in zip(flats, counts):
+        n = flat.numel()
+        main = n - n % ROW
+        torch.linalg.vector_norm(flat[:main].view(-1, ROW), dim=1,
+                                 out=rows[start : start + main // ROW])
+        if n > main:
+            torch.linalg.vector_norm(flat[main:], out=rows[start + count - 1])
+        start += count
+    wide = rows.double()
+    bounds = [0]
+    for count in counts:
+        bounds.append(bounds[-1] + count)
+    return torch.stack([torch.linalg.vector_norm(wide[a:b]) for a, b in zip(bounds, bounds[1:])])
+
+
+class _Packing:
+    """Where small tensors of given shapes go in a block buffer, rows aligned.
+
+    Each tensor starts on a row boundary; the rest of its last row is padding,
+    zeroed on every use (the blocks share one buffer: another block's values
+    may lie there). Built once per list of shapes and reused: the views it
+    copies into are what would cost a Python call per tensor.
+    """
+
+    def __init__(self, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype):
+        self.buffer = torch.zeros(CHUNK, dtype=dtype)
+        self.blocks: list[tuple[int, int, list[torch.Tensor], torch.Tensor | None, int]] = []
+        owner: list[int] = []
+        start, first, views, pads = 0, 0, [], []
+        for i, shape in enumerate(shapes):
+            n = math.prod(shape)
+            rows = -(-n // ROW)
+            if start + rows * ROW > CHUNK:
+                self._close(first, i, views, pads, start)
+                start, first, views, pads = 0, i, [], []
+            views.append(self.buffer[start : start + n].view(shape))
+            pads.extend(range(start + n, start + rows * ROW))
+            owner.extend([i] * rows)
+            start += rows * ROW
+        self._close(first, len(shapes), views, pads, start)
+        self.owner = torch.tensor(owner, dtype=torch.int64)
+        self.rows = torch.empty(len(owner), dtype=dtype)
+        self.count = len(shapes)
+
+    def _close(self, first, end, views, pads, used) -> None:
+        pad = torch.tensor(pads, dtype=torch.int64) if pads else None
+        self.blocks.append((first, end, views, pad, used))
+
+    def norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Each tensor's 2-norm in float64 (see ``squares_on_cpu``)."""
+        done = 0
+        for first, end, views, pad, used in self.blocks:
+            torch._foreach_copy_(views, tensors[first:end])
+            if pad is not None:
+                self.buffer.index_fill_(0, pad, 0)
+            count = used // ROW
+            torch.linalg.vector_norm(self.buffer[:used].view(-1, ROW), dim=1,
+                                     out=self.rows[done : done + count])
+            done += count
+        squares = self.rows.double().square_()
+        sums = torch.zeros(self.count, dtype=torch.float64).index_add_(0, self.owner, squares)
+        return sums.sqrt_()
+
+
+def _packing(shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype) -> _Packing:
+    """This thread's packing for ``shapes`` (a few kept: a model has one or two lists)."""
+    cache = getattr(_BUFFERS, "packings", None)
+    if cache is None:
+        cache = _BUFFERS.packings = {}
+    key = (shapes, dtype)
+    packing = cache.pop(key, None) or _Packing(shapes, dtype)
+    cache[key] = packing  # most recently used last
+    while len(cache) > 4:
+        cache.pop(next(iter(cache)))
+    return packing
 
 
 def _rows(layout, max_abs, norm, acc, unit=None) -> Rows:

@@ -1,12 +1,14 @@
 """Per-tensor norms, maxima and non-finite counts, accurate in every dtype.
 
-``tensor_power_sums`` is the one entry point. It works in three steps:
+``tensor_power_sums`` is the entry point (``total_power_sums``, the drop-ins'
+total, is its certified shortcut). It works in three steps:
 
 1. Group tensors by (device, dtype), as ``torch.nn.utils.clip_grad`` does, and
    run a fast kernel per group (kernels.py): a float32- or float64-accumulated
-   p-norm for every row (a CPU piece of at most 262,144 elements, or a whole
-   tensor on an accelerator), and ``max |x|`` where it is asked for. Results
-   on an accelerator are read back once, together.
+   p-norm for every row (a CPU piece of at most 262,144 elements, a whole
+   tensor when the drop-ins' 2-norm kernel serves or on an accelerator), and
+   ``max |x|`` where it is asked for. Results on an accelerator are read back
+   once, together.
 2. Trust a row's fast norm only where its own power sum proves it accurate
    (``_trusted``): a finite sum did not overflow, and one above
    ``n * tiny * 2**24`` cannot have lost 2**-24 of itself to underflow.
@@ -29,7 +31,7 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .elements import Elements, measurable, readable
-from .kernels import FLOAT64_SAFE_P, Rows, rows_on_cpu, sums_by_foreach
+from .kernels import FLOAT64_SAFE_P, Rows, rows_on_cpu, squares_on_cpu, sums_by_foreach
 from .power_sums import F64, PowerSums, from_rows, pointwise_pow
 
 # A fast row norm is trusted when its largest term max|x|**p is at least this
@@ -101,7 +103,10 @@ def tensor_power_sums(
             if compute_on != group_device:
                 moved = [t.to(compute_on) for t in originals]
             if compute_on.type == "cpu" and not foreach:
-                rows = rows_on_cpu(moved, norm_type, workers, with_max)
+                if _by_squares(moved, norm_type, workers, with_max):
+                    rows = squares_on_cpu(moved)
+                else:
+                    rows = rows_on_cpu(moved, norm_type, workers, with_max)
             else:
                 rows = sums_by_foreach(moved, norm_type, with_max)
             # Kept on the compute device until every batch is queued: reading
@@ -120,6 +125,48 @@ def tensor_power_sums(
     flagged = torch.zeros(n, dtype=torch.int64).index_add(
         0, row_owner, torch.cat([bad for _, bad in finished]).to(torch.int64))
     return _with_nonfinite_counts(per_tensor, tensors, flagged > 0)
+
+
+def total_power_sums(tensors: Sequence[torch.Tensor], norm_type: float,
+                     foreach: bool | None = None) -> PowerSums:
+    """The summary of all elements of ``tensors`` as one piece (the drop-ins' total).
+
+    ``tensor_power_sums(...).total()``, with the same accuracy, but where the
+    one-read 2-norm kernel serves (float32 or float64 CPU tensors of one
+    dtype) the total is certified from its own sum: every element's
+    underflow together moves a finite sum of ``n`` elements above
+    ``n * tiny * 2**24`` by under 2**-24 of itself (``_trusted``'s argument
+    over the whole set). Only a total that fails, or holds a NaN or an inf,
+    is measured again per tensor, exactly.
+    """
+    norm_type = float(norm_type)
+    tensors = [measurable(t) for t in tensors]
+    live = [t for t in tensors if t.numel()]
+    if (live and not foreach and live[0].device.type == "cpu"
+            and _by_squares(live, norm_type, 1, False)
+            and all(t.dtype == live[0].dtype and t.device == live[0].device for t in live)):
+        norms = squares_on_cpu(live).norm
+        total = torch.linalg.vector_norm(norms)
+        count = sum(t.numel() for t in live)
+        budget = count * _UNDERFLOW_MARGIN * torch.finfo(live[0].dtype).tiny
+        value = float(total)
+        if math.isfinite(value * value) and value * value >= budget:
+            one = torch.ones(1, dtype=F64)
+            zero = torch.zeros(1, dtype=torch.int64)
+            return PowerSums(norm_type, total.reshape(1), one, torch.full((1,), math.nan,
+                             dtype=F64), zero, zero, zero)
+    return tensor_power_sums(tensors, norm_type, foreach=foreach, with_max=False).total()
+
+
+def _by_squares(tensors, norm_type: float, workers: int, with_max: bool) -> bool:
+    """Whether the one-read 2-norm kernel serves: float32/float64, no max asked for.
+
+    That is the drop-ins' and the monitor's case, on every step; the CLI asks
+    for the max and keeps ``rows_on_cpu``, whose rows do not depend on how
+    many workers or ranks share a tensor.
+    """
+    return (norm_type == 2.0 and not with_max and workers == 1
+            and tensors[0].dtype in (torch.float32, torch.float64))
 
 
 def read_back(parts: list[Rows]) -> list[Rows]:
@@ -158,6 +205,9 @@ def element_power_sums(
 
 def _batches(items, batch_bytes):
     """Consecutive runs of about ``batch_bytes``: what is on the device at once."""
+    if math.isinf(batch_bytes):
+        yield list(items)
+        return
     batch, size = [], 0
     for item in items:
         nbytes = item[1].nbytes

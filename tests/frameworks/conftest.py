@@ -118,11 +118,41 @@ def megatron_runs(framework_python, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def megatron_lm_runs(framework_python, tmp_path_factory) -> dict:
+    """Megatron-LM's own ``save_checkpoint`` in its legacy format (``megatron_lm_run.py``):
+    1 rank in fp32 with the output layer tied to the embedding, Megatron's default
+    (``"fp32"``), and 2 tensor-parallel ranks in bf16 with fp32 masters, untied
+    (``"tp2"``): ``run/iter_000000{1,2,3}/mp_rank_XX/`` and ``reference/``. Needs a
+    Megatron-LM checkout at tag core_v0.16.1 named by ``MEGATRON_LM_PATH`` (CI has none:
+    skipped there); ``MEGATRON_LM_PYTHON`` may name a python other than the frameworks
+    venv's (Megatron-LM's tokenizer module also imports ``regex``)."""
+    checkout = os.environ.get("MEGATRON_LM_PATH")
+    if not checkout or not os.path.isfile(Path(checkout) / "megatron/training/checkpointing.py"):
+        pytest.skip("MEGATRON_LM_PATH does not name a Megatron-LM checkout (tag core_v0.16.1)")
+    python = os.environ.get("MEGATRON_LM_PYTHON", framework_python)
+    return {
+        "python": python,
+        "fp32": run_generator(
+            python, "megatron_lm_run.py", tmp_path_factory.mktemp("megatron_lm"), 1, "tied"
+        ),
+        "tp2": run_generator(
+            python,
+            "megatron_lm_run.py",
+            tmp_path_factory.mktemp("megatron_lm_tp2"),
+            2,
+            "tp",
+            "bf16",
+        ),
+    }
+
+
+@pytest.fixture(scope="session")
 def torchtune_runs(framework_python, tmp_path_factory) -> Path:
     """torchtune's ``full_finetune_single_device`` recipe, 3 epochs of 2 AdamW steps:
     ``run/`` and ``in_bwd/`` (``optimizer_in_bwd``), each ``epoch_{0,1,2}/`` and
     ``recipe_state/recipe_state.pt``; ``hf/``, 2 epochs saved by
-    ``FullModelHFCheckpointer``."""
+    ``FullModelHFCheckpointer``; ``lora/``, 2 epochs of ``lora_finetune_single_device``;
+    ``reference/lora_names.json``."""
     out = tmp_path_factory.mktemp("torchtune")
     return run_generator(framework_python, "torchtune_run.py", out, 0)
 

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-VOCAB, SEQUENCE, STEPS, LAYERS = 64, 8, 3, 2
+VOCAB, SEQUENCE, STEPS, LAYERS, HIDDEN, HEADS = 64, 8, 3, 2, 16, 4  # a caller may enlarge them
 TP = 1  # tensor-parallel ranks: ``tp`` after OUT makes every rank one (argv)
 
 
@@ -61,8 +61,8 @@ def build():
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *_, **__: contextlib.nullcontext()
     config = TransformerConfig(
         num_layers=LAYERS,
-        hidden_size=16,
-        num_attention_heads=4,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
         use_cpu_initialization=True,
         init_method_std=0.02,
         attention_dropout=0.0,
@@ -101,7 +101,7 @@ def state_dict(model, optimizer, iteration: int) -> dict:
     model_sd = model.sharded_state_dict()
     args = argparse.Namespace(
         num_layers=LAYERS,
-        hidden_size=16,
+        hidden_size=HIDDEN,
         lr=1e-2,
         adam_beta1=0.9,
         adam_beta2=0.95,
@@ -117,7 +117,7 @@ def state_dict(model, optimizer, iteration: int) -> dict:
     }
 
 
-def main(out: Path) -> None:
+def main(out: Path, *, with_reference: bool = True) -> None:
     from megatron.core import dist_checkpointing
 
     torch.cuda.current_device = lambda: torch.device("cpu")  # the attention's scratch buffer
@@ -148,7 +148,8 @@ def main(out: Path) -> None:
         if dist.get_rank() == 0:
             (run / "latest_checkpointed_iteration.txt").write_text(str(iteration))
         dist.barrier()
-    reference(out)
+    if with_reference:
+        reference(out)
 
 
 def reference(out: Path) -> None:

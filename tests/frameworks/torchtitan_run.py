@@ -35,20 +35,27 @@ import torch.distributed as dist
 sys.modules["torchao"] = None
 
 
-def tiny_llama3():
+def tiny_llama3(
+    dim: int = 32,
+    n_layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    hidden: int = 64,
+    vocab: int = 64,
+):
+    """torchtitan's Llama 3 at the given sizes (the tests' tiny one by default)."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import _build_llama3_layers
     from torchtitan.models.llama3.model import Llama3Model
 
-    dim, heads, kv_heads, vocab = 32, 4, 2, 64
     layers = _build_llama3_layers(
         fuse_qkv=True,
-        n_layers=2,
+        n_layers=n_layers,
         dim=dim,
         n_heads=heads,
         n_kv_heads=kv_heads,
-        hidden_dim=64,
+        hidden_dim=hidden,
         attn_backend="flex",
         rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=64, theta=500000, scaling="llama"),
     )
@@ -73,21 +80,27 @@ def tiny_llama3():
     return model, vocab
 
 
-def main(out: Path) -> None:
+def main(out: Path, *, steps: int = 3, sizes: dict | None = None, reference: bool = True) -> None:
+    """Train ``steps`` steps of a Llama 3 of ``sizes`` (``tiny_llama3``'s arguments), saving each;
+    with ``reference``, the last save is the weights-only export and each step is converted."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
-    model, vocab = tiny_llama3()
+    model, vocab = tiny_llama3(**(sizes or {}))
     config = default_adamw(lr=1e-2)
     config.implementation = "for-loop"  # fused AdamW is CUDA only
     optimizers = config.build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(
-        optimizers=optimizers, training_steps=3
+        optimizers=optimizers, training_steps=steps
     )
     train_state = train_state_factory()
     manager = CheckpointManager(
         CheckpointManager.Config(
-            enable=True, folder="checkpoint", interval=1, keep_latest_k=0, last_save_model_only=True
+            enable=True,
+            folder="checkpoint",
+            interval=1,
+            keep_latest_k=0,
+            last_save_model_only=reference,
         ),
         dataloader=None,
         model_parts=[model],
@@ -98,7 +111,7 @@ def main(out: Path) -> None:
         base_folder=os.fspath(out / "run"),
     )
     g = torch.Generator().manual_seed(1)
-    for step in range(1, 4):
+    for step in range(1, steps + 1):
         tokens = torch.randint(0, vocab, (2, 9), generator=g)
         logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(
@@ -110,13 +123,13 @@ def main(out: Path) -> None:
         optimizers.zero_grad()
         train_state.step = step
         train_state.ntokens_seen += tokens.numel()
-        manager.save(step, last_step=step == 3)
+        manager.save(step, last_step=step == steps)
     manager.close()
-    if dist.get_rank() == 0:
+    if reference and dist.get_rank() == 0:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         (out / "reference").mkdir(exist_ok=True)
-        for step in range(1, 4):
+        for step in range(1, steps + 1):
             dcp_to_torch_save(
                 out / "run" / "checkpoint" / f"step-{step}", out / "reference" / f"step-{step}.pt"
             )

@@ -290,6 +290,19 @@ def test_inconsistent_metadata(gradclip, dcp_checkpoint, tmp_path, change, phras
     _fails(gradclip, folder, folder / ".metadata", *phrases)
 
 
+def test_metadata_rewritten_in_place_is_read_again(gradclip, dcp_checkpoint, tmp_path):
+    # The metadata is remembered between recognising and opening a folder: a copy rewritten
+    # in place with the same size and mtime (a rewrite within the clock's granularity) must
+    # be read again, not taken for the one read before.
+    folder = _copy(dcp_checkpoint, tmp_path)
+    assert gradclip("inspect", folder, "--format", "json").code == 0
+    before = os.stat(folder / ".metadata")
+    _edit_metadata(folder, _past_tensor)
+    assert os.stat(folder / ".metadata").st_size == before.st_size  # the case this tests
+    os.utime(folder / ".metadata", ns=(before.st_atime_ns, before.st_mtime_ns))
+    _fails(gradclip, folder, folder / ".metadata", "'grads.0.bias'", "past the tensor's size")
+
+
 def _many_chunks(count: int, keep):
     """``grads.0.weight`` as a [1, count] tensor in ``count`` one-element chunks (``keep``
     chooses which are listed), none of them stored anywhere."""

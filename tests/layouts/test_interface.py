@@ -54,6 +54,25 @@ def test_pieces_batched_beyond_one_read(monkeypatch):
     assert rel_err(float(sums.norm[0]), ref_norm([full], 2.0)) <= 1e-12
 
 
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_derived_values_computed_by_workers_keep_each_name(monkeypatch, workers):
+    # Transforms (an update, a square root) are computed by the workers side by side, a
+    # batch at a time: each name's power sum is still its own value's, in order.
+    from gradclip_cli import measuring
+    from gradclip_cli.source.interface import Derivation
+
+    monkeypatch.setattr(measuring, "_BATCH_BYTES", 2000)
+    torch.manual_seed(2)
+    fulls = [torch.randn(10 + i, 6, dtype=torch.float64).abs() for i in range(9)]
+    stored = [_pieces(f, [3, f.shape[0] - 3]) for f in fulls]
+    derived = [Derivation((s, s), lambda a, b, k=k: a.sqrt() * (k + 1) + b, tuple(s.shape))
+               for k, s in enumerate(stored)]
+    sums = measuring.power_sums(derived, 2.0, workers=workers)
+    for k, f in enumerate(fulls):
+        expected = ref_norm([f.sqrt() * (k + 1) + f], 2.0)
+        assert rel_err(float(sums.norm[k]), expected) <= 1e-12
+
+
 def test_sharded_set_is_one_total_and_a_shard_alone_says_so(tmp_path):
     from huggingface_hub import save_torch_state_dict
 

@@ -33,6 +33,7 @@ from . import (
     lightning,
     litgpt,
     megatron,
+    megatron_legacy,
     olmo_core,
     single_file,
     torchtitan,
@@ -41,6 +42,7 @@ from . import (
 
 LAYOUTS: tuple[Layout, ...] = (
     megatron,  # its folders hold a DCP folder and common.pt: before any flat mapping
+    megatron_legacy,  # iter_N/mp_rank_XX/model_optim_rng.pt
     deepspeed,
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     hf_trainer,

@@ -1,14 +1,17 @@
 """The DCP folder reader: one ``torch.distributed.checkpoint`` folder, checked, its
 tensors read chunk by chunk when measured.
 
-A building block for every layout that ``dcp.save`` writes: the ``dcp``
-layout itself, Lightning's sharded checkpoints (``lightning``), accelerate's
-FSDP folders (``accelerate_fsdp``), and later Megatron's ``torch_dist``,
-torchtitan and OLMo-core. This module knows DCP's own format only; what the
-keys of the saved state dict *mean* (which top-level key is the model, the
-optimizer, the gradients) is each layout's to say. The interface::
+The one building block for every layout that ``dcp.save`` writes: the
+``dcp`` layout itself, Lightning's sharded checkpoints (``lightning``),
+accelerate's FSDP folders (``accelerate_fsdp``), Megatron's ``torch_dist``
+(``megatron``), ``torchtitan`` and ``olmo_core`` (the last three with the
+helpers of ``dcp_frameworks`` for their flattened optimizer layout). This
+module knows DCP's own format only; what the keys of the saved state dict
+*mean* (which top-level key is the model, the optimizer, the gradients) is
+each layout's to say. The interface::
 
     folder = read_folder(path, verify=False)   # a folder, or its .metadata
+    folder.meta           # the checked metadata (files/dcp_metadata's DcpMetadata)
     folder.tensors        # flattened key -> StoredTensor (its chunks, read on demand)
     folder.paths          # flattened key -> its path in the saved nested state dict
     folder.tops()         # the top-level keys, in order
@@ -17,6 +20,10 @@ optimizer, the gradients) is each layout's to say. The interface::
     folder.value(key)     # a small entry (a bytes value unpickled, or a tensor read whole)
     folder.step(key)      # an entry that holds a step count
     folder.files          # every file read: .metadata, then the data files
+    folder.data_files     # the data files by the name .metadata gives them
+
+    read_metadata(file)   # the checked metadata alone, remembered for read_folder
+    names_all(file, marks)  # whether a (refused) metadata file's bytes name every mark
 
 ``dcp.save`` (FSDP2, torchtitan, accelerate) writes one ``.metadata`` pickle
 listing every flattened state-dict key: a tensor's dtype, full size and
@@ -53,6 +60,7 @@ import torch
 from gradclip_cli.errors import InputError, UnsafeCheckpointError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.dcp_metadata import (
+    MAX_METADATA_BYTES,
     METADATA_NAME,
     Chunk,
     DcpMetadata,
@@ -61,6 +69,7 @@ from gradclip_cli.source.files.dcp_metadata import (
     looks_like_dcp_metadata,
     read_dcp_metadata,
 )
+from gradclip_cli.source.files.small_file import read_small_file
 from gradclip_cli.source.files.torch_zip_reader import (
     StoragePatch,
     restricted_read,
@@ -74,7 +83,7 @@ from . import tiling
 from .paths import inside
 
 __all__ = ["DcpFolder", "HeldChunk", "METADATA_NAME", "check_tiling", "hold_gradient_chunks",
-           "read_folder", "recognises", "renamed"]
+           "names_all", "read_folder", "read_metadata", "recognises", "renamed"]
 
 
 def recognises(path: Path) -> bool:
@@ -151,8 +160,7 @@ def read_folder(path: Path, *, verify: bool = False, trust_pickle: bool = False)
     ``InputError`` naming the file.
     """
     meta_file = path / METADATA_NAME if os.path.isdir(path) else path
-    meta = read_dcp_metadata(meta_file, meta_file.parent if os.path.isdir(path) else None,
-                             trust_pickle=trust_pickle)
+    meta = read_metadata(meta_file, in_folder=os.path.isdir(path), trust_pickle=trust_pickle)
     files = _files(meta, meta_file.parent)
     _check_byte_ranges(meta, files)
     if verify:
@@ -161,13 +169,53 @@ def read_folder(path: Path, *, verify: bool = False, trust_pickle: bool = False)
                              (location.offset, location.length))
     tensors = {k: _stored(meta, k, e, files) for k, e in meta.entries.items()
                if isinstance(e, TensorEntry)}
-    paths = {k: meta.paths.get(k, (k,)) for k in meta.entries}
+    paths = {k: tuple(meta.paths.get(k, (k,))) for k in meta.entries}
     return DcpFolder(meta_file, meta_file.parent, meta, files, tensors, paths, meta.trusted)
+
+
+def read_metadata(meta_file: Path, *, in_folder: bool = True,
+                  trust_pickle: bool = False) -> DcpMetadata:
+    """``read_dcp_metadata`` of ``meta_file``, remembered while the file's bytes stay the
+    same: a layout that recognises a folder by its planner records (``torchtitan``) reads
+    the metadata once, not once to recognise and again in ``read_folder``.
+
+    ``in_folder``: the file was found in its checkpoint's folder (its real path must stay
+    inside, ``read_dcp_metadata``'s ``folder``), not named by the user.
+    """
+    folder = meta_file.parent if in_folder else None
+    try:
+        # Compared by content, not by size and mtime: a file rewritten within the
+        # filesystem's timestamp granularity would otherwise be taken for the old one.
+        data = read_small_file(meta_file, limit=MAX_METADATA_BYTES, what="DCP metadata",
+                               folder=folder)
+    except InputError:
+        return read_dcp_metadata(meta_file, folder, trust_pickle=trust_pickle)
+    key = (os.path.realpath(meta_file), in_folder)
+    cached = _METADATA.get(key)
+    if cached is None or cached[0] != data or (cached[1].trusted and not trust_pickle):
+        meta = read_dcp_metadata(meta_file, folder, trust_pickle=trust_pickle)
+        _METADATA.clear()  # one folder at a time is all recognition and opening need
+        _METADATA[key] = (data, meta)  # never bypasses a refusal: a refused read raised
+        return meta
+    return cached[1]
+
+
+_METADATA: dict[tuple, tuple[bytes, DcpMetadata]] = {}
+
+
+def names_all(meta_file: Path, marks: tuple[bytes, ...]) -> bool:
+    """Whether the metadata's bytes hold every one of ``marks`` (key names, for recognising a
+    metadata file the restricted reader refuses), bounded as the reader is."""
+    try:
+        data = read_small_file(meta_file, limit=MAX_METADATA_BYTES, what="DCP metadata")
+    except InputError:
+        return False
+    return all(mark in data for mark in marks)
 
 
 def renamed(tensor: StoredTensor, name: str) -> StoredTensor:
     """``tensor`` under another name, the same chunks."""
-    return StoredTensor(name, tensor.shape, tensor.dtype, tensor.pieces)
+    return StoredTensor(name, tensor.shape, tensor.dtype, tensor.pieces, flat=tensor.flat)
 
 
 # --------------------------------------------------------------------- checks

@@ -2,10 +2,10 @@
 
 Each of them saves with ``torch.distributed.checkpoint`` but lays its state
 dict out its own way; the layouts ``torchtitan``, ``olmo_core`` and
-``megatron`` read the folder through ``read_folder`` (the DCP folder reader
-of ``layouts/dcp_folder.py``: every file inside the folder, byte ranges checked,
-chunks tiling their tensors) and name what the keys hold with the helpers
-here:
+``megatron`` read the folder with ``dcp_folder.read_folder`` (the one DCP
+folder reader, which the ``dcp``, ``lightning`` and ``accelerate_fsdp``
+layouts use too: every file inside the folder, byte ranges checked, chunks
+tiling their tensors) and name what the keys hold with the helpers here:
 
 * ``fqn_optimizer``: an optimizer state flattened by parameter name, as
   torchtitan's ``get_flat_optim_state_dict`` writes it
@@ -21,96 +21,18 @@ here:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source.files.dcp_metadata import (
-    MAX_METADATA_BYTES,
-    METADATA_NAME,
-    DcpMetadata,
-    read_dcp_metadata,
-)
-from gradclip_cli.source.files.small_file import read_small_file
-from gradclip_cli.source.files.verify import verify_torch_zip
 from gradclip_cli.source.interface import OptimizerState, Piece, StoredTensor
 
-from . import dcp_folder
+from .dcp_folder import DcpFolder, renamed
 
 
-@dataclass
-class Folder:
-    """A DCP folder, checked: its metadata, files, tensors and each key's path."""
-
-    meta_file: Path
-    meta: DcpMetadata
-    files: dict[str, Path]
-    tensors: dict[str, StoredTensor]
-    paths: dict[str, tuple]
-
-    def value(self, key: str):
-        """A small entry's value: a bytes value unpickled (restricted), or a tensor read."""
-        return dcp_folder._value(self.meta, key, self.tensors, self.files)
-
-    def all_files(self) -> list[Path]:
-        return [self.meta_file, *sorted(set(self.files.values()))]
-
-
-def metadata(meta_file: Path, *, trust_pickle: bool = False) -> DcpMetadata:
-    """``read_dcp_metadata``, remembered for the file as it is now (size, mtime): a layout
-    that recognises a folder by its planner records reads the metadata once, not twice."""
-    try:
-        info = os.stat(meta_file)
-        stamp = (os.path.realpath(meta_file), info.st_size, info.st_mtime_ns, info.st_ino)
-    except OSError:
-        return read_dcp_metadata(meta_file, meta_file.parent, trust_pickle=trust_pickle)
-    cached = _CACHE.get(stamp)
-    if cached is None or (cached.trusted and not trust_pickle):  # never bypass a refusal
-        cached = read_dcp_metadata(meta_file, meta_file.parent, trust_pickle=trust_pickle)
-        _CACHE.clear()  # one folder at a time is all recognition and opening need
-        _CACHE[stamp] = cached
-    return cached
-
-
-_CACHE: dict[tuple, DcpMetadata] = {}
-
-
-def names_all(meta_file: Path, marks: tuple[bytes, ...]) -> bool:
-    """Whether the metadata's bytes hold every one of ``marks`` (key names, for recognising a
-    metadata file the restricted reader refuses), bounded as the reader is."""
-    try:
-        data = read_small_file(meta_file, limit=MAX_METADATA_BYTES, what="DCP metadata")
-    except InputError:
-        return False
-    return all(mark in data for mark in marks)
-
-
-def read_folder(folder: Path, *, verify: bool, trust_pickle: bool = False) -> Folder:
-    """Open the DCP folder ``folder`` (its ``.metadata`` and the files it names), checked."""
-    meta_file = folder / METADATA_NAME
-    meta = metadata(meta_file, trust_pickle=trust_pickle)
-    files = dcp_folder._files(meta, folder)
-    dcp_folder._check_byte_ranges(meta, files)
-    if verify:
-        for location in meta.locations.values():
-            verify_torch_zip(files[location.relative_path], (location.offset, location.length))
-    tensors = {
-        k: dcp_folder._stored(meta, k, e, files)
-        for k, e in meta.entries.items()
-        if not isinstance(e, str)
-    }
-    paths = {k: tuple(meta.paths.get(k, (k,))) for k in meta.entries}
-    return Folder(meta_file, meta, files, tensors, paths)
-
-
-def renamed(tensor: StoredTensor, name: str) -> StoredTensor:
-    return StoredTensor(name, tensor.shape, tensor.dtype, tensor.pieces, flat=tensor.flat)
-
-
-def fqn_optimizer(folder: Folder, entries: dict[str, str]) -> OptimizerState | None:
+def fqn_optimizer(folder: DcpFolder, entries: dict[str, str]) -> OptimizerState | None:
     """An optimizer state flattened by parameter name.
 
     ``entries`` maps each DCP key of the optimizer to its name inside the
@@ -119,7 +41,7 @@ def fqn_optimizer(folder: Folder, entries: dict[str, str]) -> OptimizerState | N
     (the state key or hyperparameter, which hold no dots). Parameters whose
     hyperparameters are equal form one param group, in the order they appear.
     """
-    where = folder.meta_file
+    where = folder.metadata_file
     state: dict[str, dict] = {}
     hyper: dict[str, dict] = {}
     for key, inner in entries.items():

@@ -23,6 +23,9 @@ split off as a tensor of its own, ``decoder.layers.3.mlp.linear_fc1.weight``,
 so the report's groups name the layer. A tensor under ``layers`` whose chunks
 do not each hold one layer is refused: its layers cannot be told apart.
 
+A tracker naming a legacy iteration (``iter_N/mp_rank_XX/model_optim_rng.pt``) hands it
+to ``megatron_legacy``.
+
 Recognised by content, before any flat-mapping rule: ``metadata.json`` with
 ``sharded_backend`` beside ``common.pt`` and ``.metadata``, or a folder
 whose tracker names such a folder inside it.
@@ -43,7 +46,9 @@ from gradclip_cli.source.files.small_file import excerpt, read_small_file
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
 
+from . import dcp_folder
 from . import dcp_frameworks as frameworks
+from . import megatron_legacy as legacy
 from .paths import inside, json_head_keys, read_json
 
 KIND = "megatron"
@@ -70,8 +75,12 @@ def _is_iteration(path: Path) -> bool:
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
-    frameworks.refuse_key(path, key, "a Megatron torch_dist checkpoint")
+    frameworks.refuse_key(path, key, "a Megatron checkpoint")
     folder_path, tracker = _iteration_folder(path)
+    if legacy.is_iteration(folder_path):  # the tracker names a legacy iteration
+        return legacy.open_iteration(
+            path, folder_path, tracker, trust_pickle=trust_pickle, verify=verify
+        )
     stated = read_json(
         inside(folder_path, _JSON, named_by=folder_path), what="Megatron checkpoint metadata"
     )
@@ -81,23 +90,23 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             f"{folder_path / _JSON}: sharded_backend is "
             f"{visible(repr(backend))[:40]}; gradclip reads torch_dist"
         )
-    folder = frameworks.read_folder(folder_path, verify=verify, trust_pickle=trust_pickle)
+    folder = dcp_folder.read_folder(folder_path, verify=verify, trust_pickle=trust_pickle)
     common_file = inside(folder_path, _COMMON, named_by=folder_path)
     with allowing(GLOBALS):
         common = load_checkpoint(common_file, trust_pickle=trust_pickle, verify=verify)
     root = common.root
     if not isinstance(root, dict):
         raise InputError(f"{common_file}: not Megatron's common state: not a dict")
-    files = [folder_path / _JSON, common_file, *folder.all_files()]
+    files = [folder_path / _JSON, common_file, *folder.files]
     if tracker is not None:
         files.insert(0, tracker)
     contents = Contents(
         path=path,
         kind=KIND,
         files=files,
-        index=folder.meta_file,
+        index=folder.metadata_file,
         folder=folder_path,
-        trusted_pickle=folder.meta.trusted or common.trusted_pickle,
+        trusted_pickle=folder.trusted or common.trusted_pickle,
     )
     split = _split_layers(folder)
     weights = {n: t for k, (n, t) in _named(split).items() if not k.startswith("optimizer.")}
@@ -135,19 +144,17 @@ def _iteration_folder(path: Path) -> tuple[Path, Path | None]:
     elif text.isdigit():
         name = f"iter_{int(text):07d}"
     else:
-        raise InputError(
-            f"{tracker}: names {excerpt(text)}, not an iteration number or 'release'"
-        )
+        raise InputError(f"{tracker}: names {excerpt(text)}, not an iteration number or 'release'")
     folder = inside(path, name, named_by=tracker)
-    if not os.path.isdir(folder) or not _is_iteration(folder):
+    if not os.path.isdir(folder) or not (_is_iteration(folder) or legacy.is_iteration(folder)):
         raise InputError(
-            f"{tracker}: names iteration {text}, but {name}/ is not a torch_dist "
-            "checkpoint folder inside it"
+            f"{tracker}: names iteration {text}, but {name}/ is not a Megatron (torch_dist or "
+            "legacy) checkpoint folder inside it"
         )
     return folder, tracker
 
 
-def _split_layers(folder: frameworks.Folder) -> dict[str, list[tuple[str, StoredTensor]]]:
+def _split_layers(folder: dcp_folder.DcpFolder) -> dict[str, list[tuple[str, StoredTensor]]]:
     """Each tensor of the folder as ``[(name, tensor)]``: one per layer for a stacked one."""
     out: dict[str, list[tuple[str, StoredTensor]]] = {}
     for key, tensor in folder.tensors.items():
@@ -159,7 +166,7 @@ def _split_layers(folder: frameworks.Folder) -> dict[str, list[tuple[str, Stored
             continue
         if any(piece.shape[0] != 1 for piece in tensor.pieces):
             raise InputError(
-                f"{folder.meta_file}: {visible(repr(key))} is stacked by layer "
+                f"{folder.metadata_file}: {visible(repr(key))} is stacked by layer "
                 f"(shape {list(tensor.shape)}) but a chunk holds several layers: "
                 "its layers cannot be told apart"
             )
@@ -198,7 +205,7 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
         if not found:
             continue
         for name, tensor in parts:
-            moments.setdefault(name, {})[found.group(1)] = frameworks.renamed(
+            moments.setdefault(name, {})[found.group(1)] = dcp_folder.renamed(
                 tensor, f"{name}.{found.group(1)}"
             )
     if not moments:

@@ -31,6 +31,7 @@ from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.files.pickle_scan import top_level_int
 from gradclip_cli.source.interface import Contents
 
+from . import dcp_folder
 from . import dcp_frameworks as frameworks
 from .paths import inside, read_json
 
@@ -52,19 +53,19 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     stated = read_json(inside(path, _JSON, named_by=path), what="OLMo-core checkpoint metadata")
     if not isinstance(stated, dict):
         raise InputError(f"{path / _JSON}: not OLMo-core checkpoint metadata: not an object")
-    dcp_folder = inside(path, _DCP, named_by=path)
-    folder = frameworks.read_folder(dcp_folder, verify=verify, trust_pickle=trust_pickle)
+    dcp_path = inside(path, _DCP, named_by=path)
+    folder = dcp_folder.read_folder(dcp_path, verify=verify, trust_pickle=trust_pickle)
     train = inside(path, f"{_TRAIN}/rank0.pt", named_by=path)
     contents = Contents(
         path=path,
         kind=KIND,
-        files=[path / _JSON, train, *folder.all_files()],
-        index=folder.meta_file,
-        folder=dcp_folder,
-        trusted_pickle=folder.meta.trusted,
+        files=[path / _JSON, train, *folder.files],
+        index=folder.metadata_file,
+        folder=dcp_path,
+        trusted_pickle=folder.trusted,
     )
     weights = {
-        str(p[1]): frameworks.renamed(folder.tensors[k], str(p[1]))
+        str(p[1]): dcp_folder.renamed(folder.tensors[k], str(p[1]))
         for k, p in folder.paths.items()
         if len(p) == 2 and p[0] == "model" and k in folder.tensors
     }
@@ -84,7 +85,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     contents.description.append(
         f"OLMo-core checkpoint{made} at step {contents.step}: {len(weights)} model tensors, "
         f"optimizer state for {len(optimizer.state) if optimizer else 0} parameters; "
-        f"{len(set(folder.files.values()))} DCP files"
+        f"{len(folder.files) - 1} DCP files"
     )
     return contents
 

@@ -31,6 +31,7 @@ from gradclip_cli.errors import InputError, UnsafeCheckpointError
 from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.interface import Contents
 
+from . import dcp_folder
 from . import dcp_frameworks as frameworks
 
 KIND = "torchtitan"
@@ -47,11 +48,11 @@ def _kind(path: Path) -> str | None:
     if not os.path.isdir(path) or not os.path.isfile(path / METADATA_NAME):
         return None
     try:
-        meta = frameworks.metadata(path / METADATA_NAME)
+        meta = dcp_folder.read_metadata(path / METADATA_NAME)
     except UnsafeCheckpointError:
         # Refused as it stands: say so (or open it under --trust-pickle) here when its
         # records name torchtitan's state, rather than as a plain DCP folder.
-        return "full" if frameworks.names_all(path / METADATA_NAME, _MARKS) else None
+        return "full" if dcp_folder.names_all(path / METADATA_NAME, _MARKS) else None
     except InputError:
         return None
     return _kind_of(path, meta)
@@ -76,23 +77,23 @@ def _kind_of(path: Path, meta) -> str | None:
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     frameworks.refuse_key(path, key, "a torchtitan checkpoint")
-    folder = frameworks.read_folder(path, verify=verify, trust_pickle=trust_pickle)
+    folder = dcp_folder.read_folder(path, verify=verify, trust_pickle=trust_pickle)
     kind = _kind_of(path, folder.meta)
     if kind is None:
         raise InputError(
-            f"{folder.meta_file}: not a torchtitan checkpoint: no train_state.step "
+            f"{folder.metadata_file}: not a torchtitan checkpoint: no train_state.step "
             "and optimizer state, nor a step-N/ folder of model tensors alone"
         )
     contents = Contents(
         path=path,
         kind=KIND,
-        files=folder.all_files(),
-        index=folder.meta_file,
+        files=folder.files,
+        index=folder.metadata_file,
         folder=path,
-        trusted_pickle=folder.meta.trusted,
+        trusted_pickle=folder.trusted,
     )
     weights = {
-        k: frameworks.renamed(t, k) for k, t in folder.tensors.items() if len(folder.paths[k]) == 1
+        k: dcp_folder.renamed(t, k) for k, t in folder.tensors.items() if len(folder.paths[k]) == 1
     }
     contents.weights = weights or None
     if kind == "export":
@@ -114,7 +115,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         contents.optimizers.append(optimizer)
     step_key = next(k for k, p in folder.paths.items() if p == (_TRAIN_STATE, "step"))
     contents.step = frameworks.int_value(
-        folder.value(step_key), folder.meta_file, "train_state.step"
+        folder.value(step_key), folder.metadata_file, "train_state.step"
     )
     contents.gradient_error = (
         f"{path}: a torchtitan checkpoint saves no gradients (model, optimizer, lr_scheduler, "
@@ -123,11 +124,10 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     fused, notes = frameworks.fused_weights(optimizer, weights)
     contents.fused_weights = fused
     contents.model_order_names = _model_order(list(weights), fused)
-    chunks = sum(len(t.pieces) for t in folder.tensors.values())
     contents.description.append(
         f"torchtitan checkpoint at step {contents.step}: {len(weights)} model tensors, "
         f"optimizer state for {len(optimizer.state) if optimizer else 0} parameters; "
-        f"{chunks} chunks in {len(set(folder.files.values()))} files"
+        f"{folder.chunk_count} chunks in {len(folder.files) - 1} files"
     )
     if fused:
         contents.description.append(

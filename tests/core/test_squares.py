@@ -1,0 +1,113 @@
+"""The drop-ins' and the monitor's CPU 2-norm kernel (kernels.squares_on_cpu).
+
+Judged against float64 (tests/core/reference.py) where a float32 lane sum is
+at its worst: equal values, where every rounding of a long lane falls the
+same way (torch's whole-tensor fp32 norm of 4,096 values 0.1 is 2.2e-6 off), and
+one large element first, which every later rounding carries.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradclip_cli.core import tensor_power_sums, total_power_sums
+from gradclip_cli.core.kernels import CHUNK, ROW, SMALL, squares_on_cpu
+
+from .reference import norm, rel_err
+
+TOL = 1e-6
+# kernels.ROW's bound: ((ROW / L + L - 1) / 2 + 1) * 2**-24 for the lane counts it is chosen for.
+BOUND = (23 / 2 + 1 if ROW == 128 else 19 / 2 + 1) * 2.0**-24
+SIZES = [1, ROW - 1, ROW, ROW + 1, 4096, SMALL - 1, SMALL, SMALL + ROW + 3, 3 * CHUNK + 5]
+
+
+def _norms(tensors):
+    return tensor_power_sums(tensors, 2.0, with_max=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", SIZES)
+def test_equal_values_are_accurate_at_every_size(n, dtype):
+    for value in (0.1, 1.0 / 3.0, 7.0):
+        t = torch.full((n,), value, dtype=dtype)
+        got = _norms([t])
+        assert rel_err(float(got.norm[0]), norm([t], 2)) <= BOUND
+        assert rel_err(float(got.total().norm[0]), norm([t], 2)) <= TOL
+
+
+@pytest.mark.parametrize("n", [4096, SMALL + ROW, CHUNK])
+def test_a_large_first_element_is_carried_accurately(n):
+    t = torch.full((n,), 1e-3)
+    t.view(-1, ROW)[:, 0] = 1.0  # the first element of every row dominates it
+    assert rel_err(float(_norms([t]).norm[0]), norm([t], 2)) <= BOUND
+
+
+def test_small_tensors_of_several_shapes_and_blocks_keep_input_order():
+    # Padding inside rows, 2-D and 0-d shapes, more than one block, big ones between.
+    g = torch.Generator().manual_seed(1)
+    shapes = [(3, 5), (ROW + 7,), (), (40, 40), (SMALL + 9,), (1,), (7, 3, 2)] * 40
+    ts = [torch.randn(s, generator=g) * 10.0 ** (i % 7 - 3) for i, s in enumerate(shapes)]
+    got = _norms(ts)
+    assert [rel_err(x, norm([t], 2)) <= TOL for x, t in zip(got.norm.tolist(), ts)] == [True] * len(
+        ts
+    )
+    assert rel_err(float(got.total().norm[0]), norm(ts, 2)) <= TOL
+
+
+def test_padding_holds_no_other_block_values():
+    # Two blocks: the second one's padding is where the first one's values were.
+    per_block = CHUNK // (2 * ROW)
+    ts = [torch.full((2 * ROW,), 1e3) for _ in range(per_block)] + [torch.ones(ROW + 1)] * 5
+    for _ in range(2):
+        got = _norms(ts)
+        assert got.norm.tolist() == pytest.approx([norm([t], 2) for t in ts], rel=TOL)
+
+
+def test_strided_tensors_are_read_as_they_are():
+    g = torch.Generator().manual_seed(2)
+    ts = [torch.randn(50, 30, generator=g).t(), torch.randn(400, 300, generator=g).t()[::2]]
+    got = _norms(ts)
+    for x, t in zip(got.norm.tolist(), ts):
+        assert rel_err(x, norm([t], 2)) <= TOL
+
+
+def test_sums_that_overflow_or_underflow_float32_are_recomputed():
+    # 1e25 squared overflows float32, 1e-30 squared underflows it: both are
+    # recomputed exactly, not reported as inf or 0.
+    ts = [torch.full((5000,), 1e25), torch.full((300,), 1e-30), torch.full((SMALL,), 3e-23)]
+    got = _norms(ts)
+    for x, t in zip(got.norm.tolist(), ts):
+        assert math.isfinite(x) and rel_err(x, norm([t], 2)) <= TOL
+
+
+def test_rows_are_one_per_nonempty_tensor():
+    ts = [torch.ones(3), torch.empty(0), torch.ones(SMALL)]
+    rows = squares_on_cpu(ts)
+    assert sorted(rows.tensor.tolist()) == [0, 2]
+    assert rows.max_abs is None
+    assert sorted(zip(rows.tensor.tolist(), rows.length.tolist())) == [(0, 3), (2, SMALL)]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1.0, 2.0],  # certified from the sum
+        [1e25, 1.0],  # float32 squares overflow: measured again, exactly
+        [1e-30, 1e-31],  # the sum is below its underflow budget: measured again
+    ],
+)
+def test_the_certified_total_matches_float64(values):
+    ts = [torch.full((n,), v) for n, v in zip((5000, SMALL + 3), values)]
+    got = float(total_power_sums(ts, 2.0).norm[0])
+    assert rel_err(got, norm(ts, 2)) <= TOL
+
+
+def test_the_certified_total_propagates_nan_then_inf_as_torch():
+    a, b = torch.ones(100), torch.ones(SMALL)
+    a[3] = math.inf
+    assert float(total_power_sums([a, b], 2.0).norm[0]) == math.inf
+    b[5] = math.nan
+    assert math.isnan(float(total_power_sums([a, b], 2.0).norm[0]))

@@ -1,0 +1,301 @@
+"""A real Megatron-LM run on the CPU, saved in its legacy format by Megatron-LM's own
+``save_checkpoint``, and Megatron-LM's own ``load_checkpoint`` of it.
+
+Run with the python of a venv holding megatron-core 0.16.1 and ``regex`` (Megatron-LM's
+tokenizer module imports it), from a Megatron-LM checkout at tag ``core_v0.16.1``::
+
+    MEGATRON_LM_PATH=/path/to/Megatron-LM \
+        torchrun --nproc-per-node N tests/frameworks/megatron_lm_run.py OUT [tp] [bf16]
+
+Megatron-LM's ``parse_args`` and ``validate_args`` read a command line (2 layers, hidden
+16, ``--ckpt-format torch``, ``--save OUT/run``); ``core_transformer_config_from_args``
+configures Megatron-core's ``GPTModel`` (its local layer spec: no Transformer Engine), and
+Megatron-core builds the optimizer from its own two param groups (decayed, and biases
+with the norms not decayed): ``FP32Optimizer`` over torch's AdamW, or with ``bf16``
+(the model wrapped in Megatron's ``Float16Module``) ``Float16OptimizerWithFloat16Params``
+with fp32 master copies. 3 steps, and after each Megatron-LM's ``save_checkpoint`` writes
+``OUT/run/iter_000000N/mp_rank_0R/model_optim_rng.pt`` and the tracker
+``latest_checkpointed_iteration.txt``. With ``tp`` the ranks are tensor parallel
+(``mp_rank_00``, ``mp_rank_01``; every rank sees the same batch); without it they are data
+parallel and only the first writes (``mp_rank_00``). With ``tied`` the output layer
+shares the embedding's weight (Megatron's default; untied otherwise).
+
+CPU shims (the only changes to Megatron's behaviour; Megatron asks for CUDA where a CPU
+run has none):
+
+* ``torch.tensor(..., device='cuda')`` makes the tensor on the CPU while the optimizer is
+  built (its loss-scale and overflow buffers) and while the tracker is read on load, and
+  ``Tensor.type()`` names a CPU tensor as ``torch.cuda.*`` while the optimizer is built
+  (the float16 optimizer sorts its parameters by those names);
+* ``torch.cuda.get_rng_state`` returns the CPU generator's state, and
+  ``torch.cuda.set_rng_state`` does nothing (``get_rng_state`` and the load's RNG restore);
+* ``torch.cuda.synchronize``/``empty_cache`` do nothing, ``torch.cuda.current_device`` is
+  the CPU (the attention's scratch buffer), ``torch.cuda.get_device_properties`` says a
+  Hopper GPU (``validate_args`` asks, under tensor parallelism, for advice only);
+* Megatron's CUDA RNG tracker forks nothing (no dropout here).
+
+Then, per step, Megatron-LM's ``load_checkpoint`` reads the step back into a freshly built
+model and optimizer (``--load OUT/run --ckpt-step N``), and each rank saves
+``OUT/reference/iter_N.rankR.pt``: the loaded model's parameters by name, torch's AdamW
+state per parameter (found through the parameter objects the optimizer holds, never
+through ids), the fp32 masters with ``bf16``, and Megatron's own
+``param_is_not_tensor_parallel_duplicate`` for each parameter (what ``get_grad_norm_fp32``
+counts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.environ["MEGATRON_LM_PATH"])
+
+STEPS, LAYERS, HIDDEN, HEADS, SEQUENCE, VOCAB = 3, 2, 16, 4, 8, 64
+TP = 1
+BF16 = False
+TIED = False  # ``tied``: the output layer shares the embedding's weight (Megatron's default)
+
+
+@contextlib.contextmanager
+def cuda_tensors_on_cpu():
+    real, real_type = torch.tensor, torch.Tensor.type
+
+    def on_cpu(*args, device=None, **kwargs):
+        return real(*args, **kwargs)
+
+    def cuda_type(self, *args, **kwargs):  # the float16 optimizer sorts by 'torch.cuda.*'
+        name = real_type(self, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
+
+    torch.tensor, torch.Tensor.type = on_cpu, cuda_type
+    try:
+        yield
+    finally:
+        torch.tensor, torch.Tensor.type = real, real_type
+
+
+def shim_cuda() -> None:
+    torch.cuda.get_rng_state = lambda *_, **__: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda *_, **__: None
+    torch.cuda.synchronize = lambda *_, **__: None
+    torch.cuda.empty_cache = lambda *_, **__: None
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # as Megatron's launch scripts set it
+
+
+def command_line(out: Path, *, step: int | None = None) -> list[str]:
+    world = int(os.environ["WORLD_SIZE"])
+    line = [
+        "pretrain_gpt.py",
+        *("--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN)),
+        *("--num-attention-heads", str(HEADS), "--seq-length", str(SEQUENCE)),
+        *("--max-position-embeddings", str(SEQUENCE), "--vocab-size", str(VOCAB)),
+        *("--micro-batch-size", "2", "--global-batch-size", str(2 * world // TP)),
+        *("--train-iters", str(STEPS), "--lr", "1e-2", "--min-lr", "1e-2"),
+        *("--lr-decay-style", "constant", "--weight-decay", "0.1"),
+        *("--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8"),
+        *("--attention-dropout", "0", "--hidden-dropout", "0", "--clip-grad", "0"),
+        *("--tensor-model-parallel-size", str(TP), "--transformer-impl", "local"),
+        *("--position-embedding-type", "learned_absolute", "--init-method-std", "0.02"),
+        *("--tokenizer-type", "NullTokenizer", "--use-cpu-initialization"),
+        *("--ckpt-format", "torch", "--save", str(out / "run"), "--save-interval", "1"),
+        "--no-gradient-accumulation-fusion",
+        "--no-persist-layer-norm",
+    ]
+    if BF16:
+        line.append("--bf16")
+    if not TIED:
+        line.append("--untie-embeddings-and-output-weights")
+    if step is not None:
+        line += ["--load", str(out / "run"), "--ckpt-step", str(step), "--no-load-rng"]
+    return line
+
+
+def megatron_args(out: Path, *, step: int | None = None):
+    from megatron.core import num_microbatches_calculator as calculator
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.tokenizer import build_tokenizer
+
+    saved = sys.argv
+    sys.argv = command_line(out, step=step)
+    try:
+        args = parse_args()
+    finally:
+        sys.argv = saved
+    # validate_args asks the GPU's architecture under tensor parallelism (for advice only)
+    real = torch.cuda.get_device_properties
+    torch.cuda.get_device_properties = lambda *_: SimpleNamespace(major=9)
+    try:
+        validate_args(args)
+    finally:
+        torch.cuda.get_device_properties = real
+    build_tokenizer(args)  # sets args.padded_vocab_size, as Megatron-LM's initialisation does
+    global_vars._GLOBAL_ARGS = None
+    global_vars.set_args(args)
+    calculator.unset_num_microbatches_calculator()
+    calculator.init_num_microbatches_calculator(
+        dist.get_rank(),
+        None,
+        args.global_batch_size,
+        args.micro_batch_size,
+        args.data_parallel_size,
+    )
+    return args
+
+
+def build(args):
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(TP, 1)
+        tensor_parallel.get_cuda_rng_tracker().fork = lambda *_, **__: contextlib.nullcontext()
+    config = core_transformer_config_from_args(args)
+    torch.manual_seed(0)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+    )
+    if BF16:
+        model = Float16Module(config, model)
+    return model
+
+
+def optimizer_for(args, model):
+    from megatron.core.optimizer import (
+        OptimizerConfig,
+        _get_megatron_optimizer_based_on_param_groups,
+        _get_param_groups,
+    )
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        bf16=args.bf16,
+        params_dtype=args.params_dtype,
+        clip_grad=args.clip_grad,
+    )
+    with cuda_tensors_on_cpu():
+        groups = _get_param_groups([model], config, None)
+        optimizer = _get_megatron_optimizer_based_on_param_groups(config, [model], groups)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=0,
+        lr_decay_steps=STEPS,
+        lr_decay_style="constant",
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=STEPS,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def inner(model):
+    return model.module if BF16 else model
+
+
+def train(out: Path) -> None:
+    from megatron.training.checkpointing import save_checkpoint
+
+    args = megatron_args(out)
+    model = build(args)
+    optimizer, scheduler = optimizer_for(args, model)
+    g = torch.Generator().manual_seed(1 + dist.get_rank() // TP)  # TP ranks: one batch
+    for iteration in range(1, STEPS + 1):
+        tokens = torch.randint(0, VOCAB, (2, SEQUENCE + 1), generator=g)
+        position_ids = torch.arange(SEQUENCE).expand(2, SEQUENCE)
+        causal = torch.ones(SEQUENCE, SEQUENCE, dtype=torch.bool).triu(1)[None, None]
+        loss = model(tokens[:, :-1], position_ids, causal, labels=tokens[:, 1:]).float().mean()
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is not None and dist.get_world_size() > TP:  # data parallel
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size() // TP
+        optimizer.step()
+        scheduler.step(1)
+        optimizer.zero_grad()
+        save_checkpoint(iteration, [model], optimizer, scheduler, 0)
+
+
+def reference(out: Path) -> None:
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.training.checkpointing import load_checkpoint
+
+    (out / "reference").mkdir(exist_ok=True)
+    for step in range(1, STEPS + 1):
+        args = megatron_args(out, step=step)
+        model = build(args)
+        optimizer, scheduler = optimizer_for(args, model)
+        with cuda_tensors_on_cpu():
+            loaded = load_checkpoint([model], optimizer, scheduler, strict=True)
+        assert loaded[0] == step, loaded
+        adam = optimizer.optimizer
+        masters = {}
+        if BF16:  # the fp32 master copy of each model parameter, in the same group order
+            for model_group, main_group in zip(
+                optimizer.float16_groups, optimizer.fp32_from_float16_groups
+            ):
+                for p, main in zip(model_group, main_group):
+                    masters[id(p)] = main
+        record: dict = {"step": step, "weights": {}, "state": {}, "hyper": {}, "counted": {}}
+        for name, p in inner(model).named_parameters():
+            held = masters.get(id(p), p)
+            record["weights"][name] = p.detach().clone()
+            if BF16:
+                record.setdefault("masters", {})[name] = held.detach().clone()
+            state = adam.state[held]
+            record["state"][name] = {
+                "exp_avg": state["exp_avg"].clone(),
+                "exp_avg_sq": state["exp_avg_sq"].clone(),
+                "step": float(state["step"]),
+            }
+            group = next(g for g in adam.param_groups if any(q is held for q in g["params"]))
+            record["hyper"][name] = {
+                "lr": group["lr"],
+                "betas": tuple(group["betas"]),
+                "eps": group["eps"],
+            }
+            record["counted"][name] = bool(param_is_not_tensor_parallel_duplicate(p))
+        torch.save(record, out / "reference" / f"iter_{step}.rank{dist.get_rank()}.pt")
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1])
+    TP = int(os.environ["WORLD_SIZE"]) if "tp" in sys.argv[2:] else 1
+    BF16 = "bf16" in sys.argv[2:]
+    TIED = "tied" in sys.argv[2:]
+    shim_cuda()
+    dist.init_process_group("gloo")
+    try:
+        from megatron.core import parallel_state
+
+        train(target)
+        reference(target)
+    finally:
+        parallel_state.destroy_model_parallel() if "parallel_state" in dir() else None
+        dist.destroy_process_group()

@@ -1,0 +1,283 @@
+"""Megatron legacy format: Megatron-LM's own ``save_checkpoint`` (``--ckpt-format torch``) on
+1 rank and on 2 tensor-parallel ranks (``megatron_lm_run.py``).
+
+References never go through gradclip: Megatron-LM's own ``load_checkpoint`` reads each step
+back into a fresh model and optimizer (in the generator's venv), which records each
+parameter's weights (the fp32 masters under bf16), torch's AdamW state found through the
+parameter objects, and Megatron's ``param_is_not_tensor_parallel_duplicate``: the
+parameters its ``get_grad_norm_fp32`` counts on each rank. The moments' bias corrections
+and updates are computed here in float64.
+
+Needs ``MEGATRON_LM_PATH`` (a Megatron-LM checkout at tag core_v0.16.1); skipped without.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cli.support import rel_err
+
+from .support import (
+    QUANTITIES,
+    TOL,
+    RunsCode,
+    norm,
+    one_line_exit_3,
+    same_under_torchrun,
+    skip_without_frameworks,
+)
+
+skip_without_frameworks()
+
+STEPS = (1, 2, 3)
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+
+
+def _references(run: Path, step: int) -> list[dict]:
+    found = sorted((run / "reference").glob(f"iter_{step}.rank*.pt"))
+    return [torch.load(f, weights_only=True) for f in found]
+
+
+def _expected(refs: list[dict], what: str) -> dict[str, torch.Tensor]:
+    """Name -> the float64 quantity over the elements Megatron counts: each rank's shard of a
+    split parameter, a replicated one on the first rank only (every rank counts it)."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for r, ref in enumerate(refs):
+        for name, counted in ref["counted"].items():
+            if not counted and r > 0:
+                continue
+            if what == "weights":
+                value = ref.get("masters", ref["weights"])[name].double()
+            else:
+                s, h = ref["state"][name], ref["hyper"][name]
+                (beta1, beta2), step = h["betas"], s["step"]
+                m = s["exp_avg"].double() / (1 - beta1**step)
+                v = s["exp_avg_sq"].double() / (1 - beta2**step)
+                value = {
+                    "exp_avg": m,
+                    "grad_rms": v.sqrt(),
+                    "update": h["lr"] * m / (v.sqrt() + h["eps"]),
+                }[what]
+            out.setdefault(name, []).append(value.reshape(-1))
+    return {n: torch.cat(v) for n, v in out.items()}
+
+
+@pytest.fixture(scope="module", params=["fp32", "tp2"])
+def run(request, megatron_lm_runs) -> Path:
+    return megatron_lm_runs[request.param]
+
+
+def test_the_fixture_is_megatrons_legacy_layout(run):
+    save = run / "run"
+    assert (save / TRACKER).read_text() == "3"
+    ranks = sorted(p.name for p in (save / "iter_0000003").iterdir())
+    references = len(list((run / "reference").glob("iter_3.rank*.pt")))
+    assert ranks == [f"mp_rank_{r:02d}" for r in range(references)]
+    with pytest.raises(Exception, match="Namespace"):  # args: not weights-only loadable
+        torch.load(save / "iter_0000003" / "mp_rank_00" / FILE, weights_only=True)
+    assert b"_extra_state" in (save / "iter_0000003" / "mp_rank_00" / FILE).read_bytes()
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", QUANTITIES)
+def test_every_quantity_against_megatrons_load(gradclip, run, step, what):
+    refs = _references(run, step)
+    expected, weights = _expected(refs, what), _expected(refs, "weights")
+    result = gradclip(
+        "inspect", run / "run" / f"iter_{step:07d}", "--what", what, "--format", "json"
+    )
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["format"], doc["step"], doc["what"]) == ("megatron-legacy", step, what)
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+        assert rel_err(row["ratio"], norm([expected[name]]) / norm([weights[name]])) <= TOL
+    groups = {g["name"]: g for g in doc["groups"]}
+    for layer in (0, 1):  # each layer a group of its own
+        members = [n for n in expected if n.startswith(f"decoder.layers.{layer}.")]
+        assert members
+        assert (
+            rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(expected[n] for n in members))
+            <= TOL
+        )
+
+
+def test_split_and_replicated_as_megatron_counts_them(gradclip, megatron_lm_runs):
+    """The full shape of a split parameter is its shards side by side; a replicated one keeps
+    its own: the same parameters Megatron's param_is_not_tensor_parallel_duplicate says."""
+    run = megatron_lm_runs["tp2"]
+    refs = _references(run, 3)
+    result = gradclip("inspect", run / "run", "--what", "weights", "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    for row in doc["tensors"]:
+        shard = list(refs[1]["weights"][row["name"]].shape)
+        if refs[1]["counted"][row["name"]]:  # split: twice the shard along one axis
+            assert row["shape"] != shard and sorted(
+                a // b for a, b in zip(row["shape"], shard)
+            ) == [1] * (len(shard) - 1) + [2]
+        else:
+            assert row["shape"] == shard, row["name"]
+    assert any(not c for c in refs[1]["counted"].values())  # the fixture replicates some
+    assert "replicated (counted once" in " ".join(doc["description"])
+    assert "fp32 masters" in " ".join(doc["description"])
+
+
+@pytest.mark.parametrize("given", ["file", "folder"])
+@pytest.mark.parametrize("what", [*QUANTITIES, "weights"])
+def test_one_rank_alone(gradclip, megatron_lm_runs, given, what):
+    """One tensor-parallel rank's file (or its mp_rank_XX/ folder): that rank's shards, every
+    one counted, and the report says it covers that rank only."""
+    run = megatron_lm_runs["tp2"]
+    ref = _references(run, 3)[1]
+    expected = _expected([{**ref, "counted": dict.fromkeys(ref["counted"], True)}], what)
+    folder = run / "run" / "iter_0000003" / "mp_rank_01"
+    result = gradclip(
+        "inspect", folder / FILE if given == "file" else folder, "--what", what, "--format", "json"
+    )
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["step"] == 3 and "covers mp_rank_01 only" in " ".join(doc["description"])
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+
+
+def test_weights_and_the_save_folder(gradclip, run):
+    expected = _expected(_references(run, 3), "weights")
+    result = gradclip("inspect", run / "run", "--what", "weights", "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["step"] == 3 and TRACKER in " ".join(doc["description"])
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected) and not any("_extra_state" in n for n in rows)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+
+
+def test_never_reports_weights_or_moments_as_gradients(gradclip, run):
+    auto = gradclip("inspect", run / "run", "--format", "json")
+    assert auto.code == 0 and auto.json()["what"] == "exp_avg", auto.err
+    grads = gradclip("inspect", run / "run" / "iter_0000002", "--what", "grads")
+    one_line_exit_3(grads, "saves no gradients", "--what exp_avg")
+    one_line_exit_3(gradclip("inspect", run / "run", "--key", "optimizer"), "--key")
+
+
+def test_trend_over_the_save_folder(gradclip, run):
+    result = gradclip("trend", run / "run", "--what", "grad_rms", "--format", "json")
+    assert result.code == 0, result.err
+    points = result.json()["points"]
+    assert [p["step"] for p in points] == list(STEPS)
+    for point, step in zip(points, STEPS):
+        expected = _expected(_references(run, step), "grad_rms")
+        assert rel_err(point["total_norm"], norm(expected.values())) <= TOL
+
+
+# --------------------------------------------------------------------- hostile copies
+
+
+@pytest.fixture
+def save(megatron_lm_runs, tmp_path) -> Path:
+    target = tmp_path / "save"
+    shutil.copytree(megatron_lm_runs["tp2"] / "run", target)
+    return target
+
+
+def _rank_file(save: Path, rank: int, step: int = 3) -> Path:
+    return save / f"iter_{step:07d}" / f"mp_rank_{rank:02d}" / FILE
+
+
+@pytest.mark.parametrize("text", ["../../elsewhere", "7", "iter_0000003", "\x00"])
+def test_tracker_naming_no_folder_inside(gradclip, save, text):
+    (save / TRACKER).write_text(text)
+    one_line_exit_3(gradclip("inspect", save), TRACKER)
+
+
+def test_truncated_rank_file(gradclip, save):
+    file = _rank_file(save, 1)
+    file.write_bytes(file.read_bytes()[:1000])
+    one_line_exit_3(gradclip("inspect", save, "--what", "weights"), "mp_rank_01", FILE)
+
+
+def test_a_missing_rank(gradclip, save):
+    shutil.rmtree(save / "iter_0000003" / "mp_rank_01")
+    one_line_exit_3(gradclip("inspect", save), "tensor_model_parallel_size 2", "mp_rank_00")
+
+
+def test_a_gap_in_the_ranks(gradclip, save):
+    folder = save / "iter_0000003"
+    (folder / "mp_rank_01").rename(folder / "mp_rank_02")
+    one_line_exit_3(gradclip("inspect", save), "mp_rank_01", "incomplete")
+
+
+def test_a_rank_from_another_iteration(gradclip, save):
+    shutil.copy(_rank_file(save, 1, 2), _rank_file(save, 1))
+    one_line_exit_3(gradclip("inspect", save), "mp_rank_01", "iteration 2", "not one checkpoint")
+
+
+def test_a_rank_of_another_model(gradclip, save, megatron_lm_runs):
+    shutil.copy(_rank_file(megatron_lm_runs["fp32"] / "run", 0), _rank_file(save, 1))
+    one_line_exit_3(gradclip("inspect", save), "mp_rank_01")
+
+
+def test_a_layer_whose_split_cannot_be_told(gradclip, save, megatron_lm_runs):
+    """A tensor-parallel model tensor under a name Megatron-core's layers do not use: its
+    shards may be split or replicated, so no norm is given."""
+    for rank in (0, 1):
+        file = _rank_file(save, rank)
+        code = (
+            "import sys, torch; sys.path.insert(0, sys.argv[2]); "
+            "sd = torch.load(sys.argv[1], weights_only=False); "
+            "sd['model']['decoder.layers.0.mlp.adapter.weight'] = "
+            "sd['model']['decoder.layers.0.mlp.linear_fc1.weight'].clone(); "
+            "torch.save(sd, sys.argv[1])"
+        )
+        done = subprocess.run(
+            [megatron_lm_runs["python"], "-c", code, str(file), os.environ["MEGATRON_LM_PATH"]],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+    one_line_exit_3(
+        gradclip("inspect", save), "mp_rank_00", "adapter.weight", "cannot tell how it is split"
+    )
+
+
+def test_the_distributed_optimizers_file_is_named_not_read(gradclip, save):
+    """Megatron's distributed optimizer saves its moments apart, in distrib_optim.pt beside
+    each rank's file: the weights are still measured, the moments are said to be unread."""
+    for rank in (0, 1):
+        (_rank_file(save, rank).parent / "distrib_optim.pt").write_bytes(b"")
+    weights = gradclip("inspect", save, "--format", "json")
+    assert weights.code == 0 and weights.json()["what"] == "weights", weights.err
+    assert "distrib_optim.pt" in " ".join(weights.json()["description"])
+    one_line_exit_3(gradclip("inspect", save, "--what", "exp_avg"), "--what weights")
+
+
+def test_a_rank_file_that_runs_code_is_refused(gradclip, save, tmp_path):
+    marker = tmp_path / "ran"
+    torch.save({"iteration": 3, "args": RunsCode(marker), "model": {}}, _rank_file(save, 1))
+    one_line_exit_3(gradclip("inspect", save), "mp_rank_01", "--trust-pickle")
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------- under torchrun
+
+
+def test_two_ranks_print_the_one_process_report(megatron_lm_runs, tmp_path):
+    run = megatron_lm_runs["tp2"]
+    jobs = [
+        {"args": ["inspect", str(run / "run"), "--what", what, "--format", fmt, "--no-progress"]}
+        for what in (*QUANTITIES, "weights")
+        for fmt in ("table", "json")
+    ]
+    jobs.append({"args": ["trend", str(run / "run"), "--what", "exp_avg", "--format", "json"]})
+    same_under_torchrun(jobs, tmp_path)
