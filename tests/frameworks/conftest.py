@@ -1,11 +1,11 @@
 """Checkpoints written by the pretraining frameworks themselves, once per test session.
 
-torchtitan, OLMo-core and Megatron-core are heavy (and pin their own
-dependencies), so they live in a venv of their own, never in the one the
-tests run in: ``GRADCLIP_FRAMEWORKS_PYTHON`` names its interpreter (``.ci/run``
+torchtitan, OLMo-core, Megatron-core, torchtune, litgpt and timm are heavy (and
+pin their own dependencies), so they live in a venv of their own, never in the
+one the tests run in: ``GRADCLIP_FRAMEWORKS_PYTHON`` names its interpreter (``.ci/run``
 builds it). Each fixture runs one generator script of this folder in that
-interpreter, in a subprocess (under ``torchrun`` for its ranks); the script
-trains a tiny model for a few AdamW steps, saves with the framework's own
+interpreter, in a subprocess (under ``torchrun`` for its ranks, or alone); the
+script trains a tiny model for a few steps, saves with the framework's own
 checkpointing code, and writes beside the checkpoint what the framework's
 (or torch's) own loader reads back: the tests' reference. Without the
 variable every test here is skipped, saying so.
@@ -38,7 +38,7 @@ def framework_python() -> str:
     if not python:
         pytest.skip(
             f"{VARIABLE} is not set: it names the python of a venv with torchtitan, "
-            "ai2-olmo-core and megatron-core (.ci/run builds one)"
+            "ai2-olmo-core, megatron-core, torchtune, litgpt and timm (.ci/run builds one)"
         )
     if not os.access(python, os.X_OK):
         pytest.skip(f"{VARIABLE}={python} is not an executable")
@@ -46,23 +46,21 @@ def framework_python() -> str:
 
 
 def run_generator(python: str, script: str, out: Path, ranks: int, *extra: str) -> Path:
-    """Run ``tests/frameworks/SCRIPT OUT`` under ``torchrun`` with ``ranks`` gloo ranks."""
+    """Run ``tests/frameworks/SCRIPT OUT`` under ``torchrun`` with ``ranks`` gloo ranks
+    (``ranks=0``: in one plain process, for a framework that trains without a process
+    group)."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
-    command = [
-        python,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={ranks}",
-        str(HERE / script),
-        str(out),
-        *extra,
-    ]
+    launch = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        if ranks
+        else []
+    )
+    command = [python, *launch, str(HERE / script), str(out), *extra]
     for _attempt in range(2):  # a gloo rank may abort at exit once in a while (seen in CI)
         done = subprocess.run(
             command, cwd=REPO, env=env, capture_output=True, text=True, timeout=420
@@ -146,3 +144,30 @@ def megatron_lm_runs(framework_python, tmp_path_factory) -> dict:
             "bf16",
         ),
     }
+
+
+@pytest.fixture(scope="session")
+def torchtune_runs(framework_python, tmp_path_factory) -> Path:
+    """torchtune's ``full_finetune_single_device`` recipe, 3 epochs of 2 AdamW steps:
+    ``run/`` and ``in_bwd/`` (``optimizer_in_bwd``), each ``epoch_{0,1,2}/`` and
+    ``recipe_state/recipe_state.pt``; ``hf/``, 2 epochs saved by
+    ``FullModelHFCheckpointer``; ``lora/``, 2 epochs of ``lora_finetune_single_device``;
+    ``reference/lora_names.json``."""
+    out = tmp_path_factory.mktemp("torchtune")
+    return run_generator(framework_python, "torchtune_run.py", out, 0)
+
+
+@pytest.fixture(scope="session")
+def timm_runs(framework_python, tmp_path_factory) -> Path:
+    """timm's ``CheckpointSaver``, 2 epochs each: ``sgd/``, ``adamw/`` and ``adamw_args/``
+    (saved with ``args``, as timm's ``train.py`` does), each ``checkpoint-{0,1}.pth.tar``."""
+    out = tmp_path_factory.mktemp("timm")
+    return run_generator(framework_python, "timm_run.py", out, 0)
+
+
+@pytest.fixture(scope="session")
+def litgpt_run(framework_python, tmp_path_factory) -> Path:
+    """litgpt's pretraining ``save_checkpoint`` at each of 2 AdamW steps: the run's
+    ``out/pretrain/``, holding ``step-0000000{1,2}/lit_model.pth``."""
+    out = tmp_path_factory.mktemp("litgpt")
+    return run_generator(framework_python, "litgpt_run.py", out, 0) / "out" / "pretrain"

@@ -22,7 +22,8 @@ def skip_without_frameworks() -> None:
     if not python or not os.access(python, os.X_OK):
         pytest.skip(
             f"{VARIABLE} does not name a python: it names the python of a venv with "
-            "torchtitan, ai2-olmo-core and megatron-core (.ci/run builds one)",
+            "torchtitan, ai2-olmo-core, megatron-core, torchtune, litgpt and timm "
+            "(.ci/run builds one)",
             allow_module_level=True,
         )
 

@@ -27,6 +27,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+# torchtitan imports torchao's float8 and MX kernels when torchao imports, and
+# falls back without them on an ImportError. The frameworks venv has torchao
+# 0.14.1 for torchtune, whose MoE kernels fail to import beside triton 3.9
+# (a ValueError from triton's autotuner, not an ImportError): this run uses
+# none of them, so torchtitan is given the ImportError it expects.
+sys.modules["torchao"] = None
+
 
 def tiny_llama3(
     dim: int = 32,

@@ -1,19 +1,16 @@
 """Optimizer state as the libraries write it: each optimizer's own quantities, or a refusal.
 
 Fixtures run the real writers once per session: transformers' ``Trainer``
-with Adafactor and with SGD (momentum), accelerate's ``save_state`` (CPU, no
-FSDP), and timm's ``CheckpointSaver`` (its file loaded alone: importing
-timm needs torchvision, which breaks beside CPU torch). Every number is
+with Adafactor and with SGD (momentum) and accelerate's ``save_state`` (CPU,
+no FSDP). timm's and litgpt's real checkpoints are made in the frameworks
+venv (``tests/frameworks/test_timm.py``, ``test_litgpt.py``). Every number is
 checked against float64 computed here from the raw files (``torch.load``,
 ``safe_open``), never through gradclip.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-import types
 import warnings
 from pathlib import Path
 
@@ -268,146 +265,12 @@ def test_accelerate_automatic_naming_trends_by_step(gradclip, accelerate_auto_ru
     assert result.code == 3 and "gradclip trend" in result.err
 
 
-def _timm_checkpoint_saver():
-    """timm's ``CheckpointSaver`` from its own file. Its package import pulls torchvision,
-    so the one module it imports (``.model``: ``unwrap_model``, ``get_state_dict``) is
-    given as timm defines it for a plain module: unwrap is the identity."""
-    spec = importlib.util.find_spec("timm")
-    if spec is None:
-        pytest.skip("timm is not installed")
-    source = Path(spec.submodule_search_locations[0]) / "utils" / "checkpoint_saver.py"
-    package = types.ModuleType("_timm_utils")
-    package.__path__ = []
-    helpers = types.ModuleType("_timm_utils.model")
-    helpers.unwrap_model = lambda model: model
-    helpers.get_state_dict = lambda model, unwrap_fn=helpers.unwrap_model: \
-        unwrap_fn(model).state_dict()
-    sys.modules.setdefault("_timm_utils", package)
-    sys.modules.setdefault("_timm_utils.model", helpers)
-    module_spec = importlib.util.spec_from_file_location("_timm_utils.checkpoint_saver", source)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.CheckpointSaver
-
-
-@pytest.fixture(scope="session")
-def timm_saver(tmp_path_factory) -> tuple[Path, dict]:
-    """timm's CheckpointSaver after 2 epochs of a BatchNorm CNN with SGD + Nesterov (timm's
-    default optimizer) and an AdamW run; checkpoint-1.pth.tar of each."""
-    saver_class = _timm_checkpoint_saver()
-    out = tmp_path_factory.mktemp("timm")
-    runs = {}
-    for name, make in (("sgd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9,
-                                                          nesterov=True)),
-                       ("adamw", lambda p: torch.optim.AdamW(p, lr=1e-2))):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3),
-                                    torch.nn.Flatten(), torch.nn.Linear(48, 2))
-        opt = make(model.parameters())
-        folder = out / name
-        folder.mkdir()
-        saver = saver_class(model, opt, checkpoint_dir=os.fspath(folder),
-                            recovery_dir=os.fspath(folder), max_history=2)
-        for epoch in range(2):
-            x = torch.randn(4, 2, 6, 6, generator=torch.Generator().manual_seed(epoch))
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            saver.save_checkpoint(epoch, metric=float(epoch))
-        runs[name] = folder / "checkpoint-1.pth.tar"
-    return runs
-
-
-def test_timm_checkpoint_adamw_moments_map_past_batchnorm(gradclip, timm_saver):
-    path = timm_saver["adamw"]
-    saved = torch.load(path, weights_only=False)  # ours; timm saves its args too
-    names = [n for n, t in saved["state_dict"].items() if "running" not in n
-             and "num_batches" not in n]
-    group = saved["optimizer"]["param_groups"][0]
-    expected = {}
-    for pid, name in enumerate(names):
-        s = saved["optimizer"]["state"][pid]
-        expected[name] = s["exp_avg"].double() / (1 - group["betas"][0] ** float(s["step"]))
-    doc = gradclip("inspect", path, "--format", "json").json()
-    assert doc["what"] == "exp_avg"
-    assert [t["name"] for t in doc["tensors"]] == names
-    assert rel_err(doc["total_norm"], _norm(expected.values())) <= TOL
-    for row in doc["tensors"]:
-        ratio = _norm([expected[row["name"]]]) / _norm([saved["state_dict"][row["name"]]])
-        assert rel_err(row["ratio"], ratio) <= TOL
-
-
-def test_timm_checkpoint_sgd_nesterov_gives_weights_only(gradclip, timm_saver):
-    path = timm_saver["sgd"]
-    saved = torch.load(path, weights_only=False)
-    params = [t for n, t in saved["state_dict"].items() if t.is_floating_point()
-              and "running" not in n]
-    doc = gradclip("inspect", path, "--format", "json").json()
-    assert doc["what"] == "weights"
-    assert rel_err(doc["total_norm"], _norm(params)) <= TOL
-    result = gradclip("inspect", path, "--what", "update")
-    assert result.code == 3
-    assert "SGD: with Nesterov momentum its last step needs the last gradient" in result.err
-    assert result.err_lines[0].endswith("available: --what weights")
-
-
 def test_every_refusal_on_these_layouts_offers_only_what_works(
         gradclip, tmp_path, trainer_run, trainer_adafactor, trainer_sgd, accelerate_state,
-        timm_saver, sharded_pretrained, litgpt_run):
+        sharded_pretrained):
     from tests.cli.test_cli_roles import walk_refusals
 
     paths = [trainer_run, trainer_adafactor, trainer_sgd, accelerate_state / "optimizer.bin",
-             accelerate_state / "model.safetensors", accelerate_state, *timm_saver.values(),
-             sharded_pretrained,
-             litgpt_run]
+             accelerate_state / "model.safetensors", accelerate_state, sharded_pretrained]
     refusals, followed = walk_refusals(gradclip, paths, tmp_path)
     assert refusals >= 2 * len(paths) and followed > len(paths)
-
-
-@pytest.fixture(scope="session")
-def litgpt_run(tmp_path_factory) -> Path:
-    """litgpt's pretrain ``save_checkpoint`` (``fabric.save`` of its state: model,
-    optimizer, ``iter_num``, ``step_count``) after 2 AdamW steps of a tiny litgpt GPT."""
-    pytest.importorskip("litgpt.pretrain")
-    import lightning
-    from litgpt.model import GPT, Config
-    from litgpt.pretrain import save_checkpoint
-
-    torch.manual_seed(0)
-    fabric = lightning.Fabric(accelerator="cpu", devices=1)
-    model = GPT(Config(block_size=8, vocab_size=32, padded_vocab_size=32, n_layer=2,
-                       n_head=2, n_embd=8))
-    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    for i in range(2):
-        x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(i))
-        fabric.backward(model(x).logsumexp(-1).mean())
-        opt.step()
-        opt.zero_grad()
-    path = tmp_path_factory.mktemp("litgpt") / "step-00000004" / "lit_model.pth"
-    state = {"model": model, "optimizer": opt, "iter_num": 4, "step_count": 2}
-    try:
-        save_checkpoint(fabric, state, None, path)
-    except Exception:  # its hyperparameter dump needs a CLI entry point; the file is saved
-        assert path.exists()
-    return path
-
-
-def test_litgpt_checkpoint(gradclip, litgpt_run):
-    saved = torch.load(litgpt_run, weights_only=True)
-    names = list(saved["model"])
-    group = saved["optimizer"]["param_groups"][0]
-    expected = {}
-    for pid, name in enumerate(names):
-        s = saved["optimizer"]["state"][pid]
-        expected[name] = s["exp_avg"].double() / (1 - group["betas"][0] ** float(s["step"]))
-    doc = gradclip("inspect", litgpt_run, "--format", "json").json()
-    assert doc["what"] == "exp_avg" and doc["step"] == saved["step_count"] == 2
-    assert rel_err(doc["total_norm"], _norm(expected.values())) <= TOL
-    # litgpt's weight export (merge_lora, convert_hf_checkpoint): torch.save(state_dict).
-    export = litgpt_run.parent / "final" / "lit_model.pth"
-    export.parent.mkdir()
-    torch.save(saved["model"], export)
-    doc = gradclip("inspect", export, "--format", "json").json()
-    assert doc["what"] == "weights"
-    assert rel_err(doc["total_norm"], _norm(saved["model"].values())) <= TOL
-    assert gradclip("inspect", export, "--what", "grads").code == 3

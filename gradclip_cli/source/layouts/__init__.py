@@ -32,11 +32,13 @@ from . import (
     hf_sharded,
     hf_trainer,
     lightning,
+    litgpt,
     megatron,
     megatron_legacy,
     olmo_core,
     single_file,
     torchtitan,
+    torchtune,
 )
 
 LAYOUTS: tuple[Layout, ...] = (
@@ -46,6 +48,8 @@ LAYOUTS: tuple[Layout, ...] = (
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     accelerate_state,  # model.safetensors beside optimizer.bin, none of the Trainer's files
     hf_trainer,
+    torchtune,  # its epoch_N/ may hold a Hugging Face index: before hf_sharded
+    litgpt,
     hf_sharded,
     olmo_core,
     torchtitan,  # a DCP folder laid out torchtitan's way: before dcp

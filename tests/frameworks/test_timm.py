@@ -1,0 +1,97 @@
+"""timm ``checkpoint-N.pth.tar``: real saves of timm's ``CheckpointSaver`` (``timm_run.py``).
+
+Every number is checked against float64 computed here from the raw file
+(``torch.load``), never through gradclip; the optimizer's ids are the model's
+parameters in order (timm's optimizers are built from ``model.parameters()``),
+BatchNorm's running statistics and counter set apart.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.cli.support import rel_err
+
+from .support import TOL, norm, one_line_exit_3, skip_without_frameworks
+
+skip_without_frameworks()
+
+_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _params(saved: dict) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in saved["state_dict"].items() if n.rsplit(".", 1)[-1] not in _BUFFERS}
+
+
+def test_the_fixture_is_timms_layout(timm_runs):
+    saved = torch.load(timm_runs / "adamw" / "checkpoint-1.pth.tar", weights_only=True)
+    assert {"epoch", "arch", "optimizer", "state_dict", "version"} <= set(saved)
+    assert saved["epoch"] == 1 and "1.running_mean" in saved["state_dict"]
+    assert len(saved["optimizer"]["state"]) == len(_params(saved)) == 6
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_adamw_moments_map_past_batchnorm(gradclip, timm_runs, epoch):
+    path = timm_runs / "adamw" / f"checkpoint-{epoch}.pth.tar"
+    saved = torch.load(path, weights_only=True)
+    params = _params(saved)
+    group = saved["optimizer"]["param_groups"][0]
+    expected = {}
+    for pid, name in enumerate(params):
+        s = saved["optimizer"]["state"][pid]
+        expected[name] = s["exp_avg"].double() / (1 - group["betas"][0] ** float(s["step"]))
+    doc = gradclip("inspect", path, "--format", "json").json()
+    assert doc["what"] == "exp_avg"
+    assert doc["step"] is None  # timm counts epochs (``epoch``), not steps
+    assert [t["name"] for t in doc["tensors"]] == list(params)
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    for row in doc["tensors"]:
+        ratio = norm([expected[row["name"]]]) / norm([params[row["name"]]])
+        assert rel_err(row["norm"], norm([expected[row["name"]]])) <= TOL, row["name"]
+        assert rel_err(row["ratio"], ratio) <= TOL, row["name"]
+
+
+def test_weights_are_the_parameters_without_buffers(gradclip, timm_runs):
+    path = timm_runs / "adamw" / "checkpoint-1.pth.tar"
+    params = _params(torch.load(path, weights_only=True))
+    doc = gradclip("inspect", path, "--what", "weights", "--format", "json").json()
+    assert [t["name"] for t in doc["tensors"]] == list(params)
+    assert rel_err(doc["total_norm"], norm(params.values())) <= TOL
+
+
+def test_sgd_nesterov_gives_weights_only(gradclip, timm_runs):
+    path = timm_runs / "sgd" / "checkpoint-1.pth.tar"
+    params = _params(torch.load(path, weights_only=True))
+    doc = gradclip("inspect", path, "--format", "json").json()
+    assert doc["what"] == "weights"
+    assert rel_err(doc["total_norm"], norm(params.values())) <= TOL
+    result = gradclip("inspect", path, "--what", "update")
+    assert result.code == 3
+    assert "SGD: with Nesterov momentum its last step needs the last gradient" in result.err
+    assert result.err_lines[0].endswith("available: --what weights")
+
+
+def test_train_py_args_need_trust_pickle(gradclip, timm_runs):
+    """timm's ``train.py`` saves its ``args`` (an ``argparse.Namespace``): the weights-only
+    loader refuses the file, naming --trust-pickle; with it the numbers are the same."""
+    path = timm_runs / "adamw_args" / "checkpoint-1.pth.tar"
+    one_line_exit_3(gradclip("inspect", path), "argparse.Namespace", "--trust-pickle")
+    saved = torch.load(path, weights_only=False)  # written by the fixture: trusted here
+    params = _params(saved)
+    group = saved["optimizer"]["param_groups"][0]
+    expected = [
+        s["exp_avg"].double() / (1 - group["betas"][0] ** float(s["step"]))
+        for s in saved["optimizer"]["state"].values()
+    ]
+    doc = gradclip("inspect", path, "--trust-pickle", "--format", "json").json()
+    assert doc["what"] == "exp_avg" and len(doc["tensors"]) == len(params)
+    assert rel_err(doc["total_norm"], norm(expected)) <= TOL
+
+
+def test_every_refusal_offers_only_what_works(gradclip, timm_runs, tmp_path):
+    from tests.cli.test_cli_roles import walk_refusals
+
+    paths = [timm_runs / run / "checkpoint-1.pth.tar" for run in ("sgd", "adamw")]
+    refusals, followed = walk_refusals(gradclip, paths, tmp_path)
+    assert refusals >= 2 * len(paths) and followed > len(paths)
