@@ -92,11 +92,20 @@ def checkpoint_step(stated: int | None, root: Any, path: Path | str) -> Checkpoi
     named = _named_step(path)
     recorded = stated if stated is not None else step_of(root)
     if recorded is None:
-        return CheckpointStep(None if named is None else named[0])
+        if named is None or _epoch_of(root) == named[0]:
+            # timm's CheckpointSaver names checkpoint-N.pth.tar by its epoch N:
+            # a number the checkpoint records as its epoch counts epochs, not steps.
+            return CheckpointStep(None)
+        return CheckpointStep(named[0])
     if named is not None and named[0] != recorded:
         return CheckpointStep(recorded, f"step {recorded}, as the checkpoint records it; its "
                                         f"name {visible(named[1])} says {named[0]}")
     return CheckpointStep(recorded)
+
+
+def _epoch_of(root: Any) -> int | None:
+    """The epoch a checkpoint's top level records (an ``epoch`` entry), or None."""
+    return step_value(root["epoch"]) if isinstance(root, Mapping) and "epoch" in root else None
 
 
 def _named_step(path: Path) -> tuple[int, str] | None:

@@ -56,6 +56,16 @@ def test_names_that_are_not_steps(gradclip, tmp_path, folder):
     assert _steps(gradclip, path) == (None, None)
 
 
+@pytest.mark.parametrize(("epoch", "step"), [(11, None), (2, 11)])
+def test_a_name_numbered_by_the_recorded_epoch_is_no_step(gradclip, tmp_path, epoch, step):
+    """timm's CheckpointSaver names ``checkpoint-N.pth.tar`` by its epoch: a number the
+    file records as its ``epoch`` counts epochs; any other number in the name is a step.
+    trend still orders by the name's last number (the contract's last resort)."""
+    path = tmp_path / "checkpoint-11.pth.tar"
+    torch.save({**GRADS, "epoch": epoch}, path)
+    assert _steps(gradclip, path) == (step, 11)
+
+
 @pytest.mark.parametrize("key", ["step", "global_step", "iteration", "iter_num"])
 def test_the_recorded_step_wins_and_both_are_named(gradclip, tmp_path, key):
     path = tmp_path / "step-3" / "grads.pt"

@@ -20,6 +20,8 @@ from pathlib import Path
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source.files.megatron_pickle import NamespaceState
+from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, Layout, WriteBack
 from gradclip_cli.source.roles import settle
 
@@ -98,10 +100,18 @@ def write_back(contents: Contents) -> WriteBack | None:
     return None
 
 
+# A training script's command line, saved beside its state (timm's train.py,
+# Megatron, many scripts' ``args``): an ``argparse.Namespace`` is read as its
+# attributes (``NamespaceState``), inert data, never constructed; what the
+# attributes hold goes through the restricted reader like the rest of the file.
+_INERT = {("argparse", "Namespace"): NamespaceState}
+
+
 def open_file(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     """One checkpoint file: a framework's own file (a Lightning ``.ckpt``, recognised by its
     keys) or a plain one (``single_file``), its roles settled."""
-    ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
+    with allowing(_INERT):
+        ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
     if lightning.claims(ckpt.root):
         return settle(lightning.contents(ckpt, key=key))
     return settle(single_file.contents_of(ckpt, key=key))
