@@ -144,6 +144,16 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         lines.append(_read_adapter(contents, epoch, trust_pickle=trust_pickle, verify=verify))
     step = f" at step {contents.step}" if contents.step is not None else ""
     contents.description.append(f"{lines[0]}{step} {', '.join(lines[1:])}".rstrip())
+    held = contents.optimizers[0] if contents.optimizers else None
+    if held is not None and held.param_names is None and not contents.model_order \
+            and not contents.model_order_names:
+        # FullModelHFCheckpointer: Hugging Face's names, sorted, beside an optimizer of
+        # torchtune's own model order: measured exactly under its ids, said why.
+        contents.unmapped = (
+            f"optimizer state named by parameter id: {visible(epoch.name)}'s Hugging Face "
+            f"shards sort their names and {RECIPE_STATE} stored no param_names"
+        )
+        contents.description.append(contents.unmapped)
     contents.gradient_error = (
         f"{path}: a torchtune checkpoint saves no gradients (the model's weights, and "
         f"the optimizer in {RECIPE_STATE})"
