@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 
@@ -226,12 +227,29 @@ def unsafe_file(tmp_path, grads):
 
 
 def test_pickle_needing_full_unpickling_is_refused(gradclip, tmp_path, grads):
-    path = unsafe_file(tmp_path, grads)
+    path = tmp_path / "unsafe.pt"
+    torch.save({"grads": grads, "hook": collections.OrderedDict.fromkeys}, path)
     for command, extra in (("inspect", []), ("clip", ["--max-norm", "1"])):
         result = gradclip(command, path, *extra)
         assert result.code == 3
         assert "Traceback" not in result.err and 1 <= len(result.err_lines) <= 2
         assert str(path) in result.err and "--trust-pickle" in result.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["unsafe.pt"]
+
+
+def test_args_read_as_data_are_measured_but_not_written_back(gradclip, tmp_path, grads):
+    """A script's ``args`` (argparse.Namespace) is read as inert data: inspect needs no
+    --trust-pickle, but clip cannot write the record back in the object's place: it
+    refuses naming --trust-pickle, writing nothing; with it the object is kept."""
+    from .support import ref_norm, rel_err
+
+    path = unsafe_file(tmp_path, grads)
+    doc = gradclip("inspect", path, "--format", "json")
+    assert doc.code == 0, doc.err
+    assert rel_err(doc.json()["total_norm"], ref_norm(grads.values(), 2)) <= 1e-6
+    result = gradclip("clip", path, "--max-norm", "1")
+    assert result.code == 3 and len(result.err_lines) == 1
+    assert "argparse.Namespace" in result.err and "--trust-pickle" in result.err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unsafe.pt"]
 
 

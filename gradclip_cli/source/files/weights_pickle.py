@@ -134,6 +134,13 @@ class Opaque(_Inert):
 
     __slots__ = ()
 
+    def __reduce__(self):
+        # A stand-in is what was read, not the object: writing it back would
+        # replace the file's object with gradclip's record of it.
+        raise Outside("the checkpoint holds objects read only as inert data (such as an "
+                      "argparse.Namespace); writing them back needs the objects themselves: "
+                      "pass --trust-pickle only if you trust the file's source")
+
 
 # (module, name) -> stand-in: widened for the duration of ``allowing``.
 _ALLOWED: contextvars.ContextVar[Mapping[tuple[str, str], object] | None] = \

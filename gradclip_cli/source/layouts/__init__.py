@@ -81,9 +81,12 @@ def open_checkpoint(
         raise InputError(
             f"{path}: is a directory, but not a checkpoint gradclip knows (expected a sharded "
             "checkpoint's index, a Hugging Face Trainer checkpoint-N/ folder, a DeepSpeed "
-            "global_stepN/ folder or its parent with 'latest', an accelerate FSDP folder "
-            "(pytorch_model_fsdp_0/), or a torch.distributed.checkpoint "
-            "folder: .metadata, or safetensors shards with DCP_SHARDING_INFO)")
+            "global_stepN/ folder or its parent with 'latest', an accelerate save_state or "
+            "FSDP folder, a Megatron iter_N/ folder or its save folder with "
+            "latest_checkpointed_iteration.txt, a torchtitan step-N/, an OLMo-core stepN/, "
+            "a litgpt step-N/, a torchtune output or epoch_N/ folder, or a "
+            "torch.distributed.checkpoint folder: .metadata, or safetensors shards with "
+            "DCP_SHARDING_INFO)")
     return open_file(path, key=key, trust_pickle=trust_pickle, verify=verify)
 
 
