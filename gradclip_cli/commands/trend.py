@@ -299,13 +299,18 @@ def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None, *,
 
 
 def _once(inputs: list[Input]) -> list[Input]:
-    """Each file or folder once (a run folder and its own trainer_state.json, given
-    together, are one series, not two)."""
+    """Each file or folder once, the first name it has (a run folder and its own
+    trainer_state.json, given together, are one series, not two; timm's ``last.pth.tar``
+    and ``model_best.pth.tar`` are hard links to a ``checkpoint-N.pth.tar``, one point)."""
     seen, kept = set(), []
     for item in inputs:
-        real = os.path.realpath(item.path)
-        if real not in seen:
-            seen.add(real)
+        try:
+            st = os.stat(item.path)
+            same = (st.st_dev, st.st_ino)
+        except OSError:  # read later, where the error names the file
+            same = os.path.realpath(item.path)
+        if same not in seen:
+            seen.add(same)
             kept.append(item)
     return kept
 

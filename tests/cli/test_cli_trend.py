@@ -128,6 +128,17 @@ def test_without_steps_points_keep_the_order_given(gradclip, tmp_path):
     assert doc["status"] == "insufficient_history"
 
 
+def test_a_file_under_several_names_is_one_point(gradclip, tmp_path):
+    # timm's CheckpointSaver hard-links last.pth.tar and model_best.pth.tar to a
+    # checkpoint-N.pth.tar: one checkpoint, one point, under its first name.
+    save_run(tmp_path, (1, 2, 3), name="checkpoint-{step}.pth.tar")
+    (tmp_path / "last.pth.tar").hardlink_to(tmp_path / "checkpoint-3.pth.tar")
+    (tmp_path / "model_best.pth.tar").hardlink_to(tmp_path / "checkpoint-2.pth.tar")
+    doc = gradclip("trend", tmp_path, "--format", "json").json()
+    assert [p["source"] for p in doc["points"]] == [
+        str(tmp_path / f"checkpoint-{n}.pth.tar") for n in (1, 2, 3)]
+
+
 def test_hf_output_dir_of_numbered_checkpoint_folders_is_a_series(gradclip, tmp_path):
     # checkpoint-N/ folders in step order; a folder that is no checkpoint layout
     # is read as a folder of files.

@@ -100,3 +100,13 @@ def test_every_refusal_offers_only_what_works(gradclip, timm_runs, tmp_path):
     paths = [timm_runs / run / "checkpoint-1.pth.tar" for run in ("sgd", "adamw")]
     refusals, followed = walk_refusals(gradclip, paths, tmp_path)
     assert refusals >= 2 * len(paths) and followed > len(paths)
+
+
+def test_trend_counts_last_and_best_once(gradclip, timm_runs):
+    """The saver hard-links ``last.pth.tar`` and ``model_best.pth.tar`` to a numbered
+    checkpoint: trend has one point per epoch, in epoch order."""
+    folder = timm_runs / "adamw"
+    assert (folder / "last.pth.tar").exists()
+    doc = gradclip("trend", folder, "--format", "json").json()
+    assert [p["source"] for p in doc["points"]] == [
+        str(folder / f"checkpoint-{n}.pth.tar") for n in (0, 1)]
