@@ -60,24 +60,60 @@ STEPS, LAYERS, HIDDEN, HEADS, SEQUENCE, VOCAB = 3, 2, 16, 4, 8, 64
 TP = 1
 BF16 = False
 TIED = False  # ``tied``: the output layer shares the embedding's weight (Megatron's default)
+DISTOPT = False  # ``distopt``: Megatron's distributed optimizer, its state in distrib_optim.pt
 
 
 @contextlib.contextmanager
 def cuda_tensors_on_cpu():
-    real, real_type = torch.tensor, torch.Tensor.type
+    real, real_type, real_zeros = torch.tensor, torch.Tensor.type, torch.zeros
 
     def on_cpu(*args, device=None, **kwargs):
         return real(*args, **kwargs)
+
+    def zeros_on_cpu(*args, device=None, **kwargs):
+        return real_zeros(*args, **kwargs)
 
     def cuda_type(self, *args, **kwargs):  # the float16 optimizer sorts by 'torch.cuda.*'
         name = real_type(self, *args, **kwargs)
         return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
 
-    torch.tensor, torch.Tensor.type = on_cpu, cuda_type
+    torch.tensor, torch.Tensor.type, torch.zeros = on_cpu, cuda_type, zeros_on_cpu
     try:
         yield
     finally:
-        torch.tensor, torch.Tensor.type = real, real_type
+        torch.tensor, torch.Tensor.type, torch.zeros = real, real_type, real_zeros
+
+
+@contextlib.contextmanager
+def without_per_parameter_step():
+    """torch's AdamW (the CPU's fallback for Transformer Engine's FusedAdam) keeps ``step``
+    per parameter, FusedAdam in its param groups; the distributed optimizer's load copies
+    every per-parameter key from distrib_optim.pt, which holds no ``step``: skip it there, as
+    on a GPU."""
+    if not DISTOPT:
+        yield
+        return
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    real = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def without_step(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[
+            self.optimizer.param_groups[group_index]["params"][group_order]
+        ]
+        step = state.pop("step", None)
+        try:
+            real(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = without_step
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = real
 
 
 def shim_cuda() -> None:
@@ -112,6 +148,9 @@ def command_line(out: Path, *, step: int | None = None) -> list[str]:
         line.append("--bf16")
     if not TIED:
         line.append("--untie-embeddings-and-output-weights")
+    if DISTOPT:  # three buckets of at least 3000 elements in the grad buffer
+        line += ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+        line += ["--ddp-bucket-size", "3000"]
     if step is not None:
         line += ["--load", str(out / "run"), "--ckpt-step", str(step), "--no-load-rng"]
     return line
@@ -172,6 +211,16 @@ def build(args):
     )
     if BF16:
         model = Float16Module(config, model)
+    if DISTOPT:  # the distributed optimizer works on Megatron's DDP's grad buffers
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp = DistributedDataParallelConfig(  # as Megatron-LM's get_model configures it
+            grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            bucket_size=args.ddp_bucket_size,
+        )
+        model = DistributedDataParallel(config, ddp, model)
     return model
 
 
@@ -195,9 +244,16 @@ def optimizer_for(args, model):
         params_dtype=args.params_dtype,
         clip_grad=args.clip_grad,
     )
-    with cuda_tensors_on_cpu():
-        groups = _get_param_groups([model], config, None)
-        optimizer = _get_megatron_optimizer_based_on_param_groups(config, [model], groups)
+    if DISTOPT:
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        config.use_distributed_optimizer = True
+        with cuda_tensors_on_cpu():
+            optimizer = get_megatron_optimizer(config, [model])
+    else:
+        with cuda_tensors_on_cpu():
+            groups = _get_param_groups([model], config, None)
+            optimizer = _get_megatron_optimizer_based_on_param_groups(config, [model], groups)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr,
@@ -215,6 +271,8 @@ def optimizer_for(args, model):
 
 
 def inner(model):
+    if DISTOPT:
+        model = model.module
     return model.module if BF16 else model
 
 
@@ -231,13 +289,18 @@ def train(out: Path) -> None:
         causal = torch.ones(SEQUENCE, SEQUENCE, dtype=torch.bool).triu(1)[None, None]
         loss = model(tokens[:, :-1], position_ids, causal, labels=tokens[:, 1:]).float().mean()
         loss.backward()
+        if DISTOPT:
+            model.finish_grad_sync()
         for p in model.parameters():
             if p.grad is not None and dist.get_world_size() > TP:  # data parallel
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size() // TP
-        optimizer.step()
+        with cuda_tensors_on_cpu() if DISTOPT else contextlib.nullcontext():
+            optimizer.step()
         scheduler.step(1)
         optimizer.zero_grad()
+        if DISTOPT:
+            model.zero_grad_buffer()
         save_checkpoint(iteration, [model], optimizer, scheduler, 0)
 
 
@@ -246,31 +309,60 @@ def reference(out: Path) -> None:
     from megatron.training.checkpointing import load_checkpoint
 
     (out / "reference").mkdir(exist_ok=True)
+    tracker = out / "run" / "latest_checkpointed_iteration.txt"
     for step in range(1, STEPS + 1):
+        if DISTOPT and dist.get_rank() == 0:
+            # load_checkpoint reads distrib_optim.pt at the tracker's iteration, not at
+            # --ckpt-step's (core_v0.16.1): the tracker names each step while it is loaded
+            tracker.write_text(str(step))
+        dist.barrier()
         args = megatron_args(out, step=step)
         model = build(args)
         optimizer, scheduler = optimizer_for(args, model)
-        with cuda_tensors_on_cpu():
+        with cuda_tensors_on_cpu(), without_per_parameter_step():
             loaded = load_checkpoint([model], optimizer, scheduler, strict=True)
         assert loaded[0] == step, loaded
+        if DISTOPT:  # get_megatron_optimizer chains one DistributedOptimizer
+            (optimizer,) = optimizer.chained_optimizers
         adam = optimizer.optimizer
         masters = {}
-        if BF16:  # the fp32 master copy of each model parameter, in the same group order
+        if (
+            BF16 and not DISTOPT
+        ):  # the fp32 master copy of each model parameter, in the same group order
             for model_group, main_group in zip(
                 optimizer.float16_groups, optimizer.fp32_from_float16_groups
             ):
                 for p, main in zip(model_group, main_group):
                     masters[id(p)] = main
         record: dict = {"step": step, "weights": {}, "state": {}, "hyper": {}, "counted": {}}
+        if DISTOPT:  # Megatron's own grad-buffer layout: buckets per buffer, padding
+            record["buckets"] = [len(b.buckets) for b in model.buffers]
+            record["buffer_numel"] = [b.numel for b in model.buffers]
+            (buffer,) = model.buffers
+            by_param = {p: n for n, p in inner(model).named_parameters()}
+            # each parameter's (start, end) in distrib_optim.pt's flat tensors: its place in
+            # the grad buffer less the padding ending the buckets before it
+            dropped = [
+                start - sum(b.numel_unpadded for b in buffer.buckets[:i])
+                for i, (start, _) in enumerate(buffer.bucket_indices)
+            ]
+            record["places"] = {
+                by_param[p]: (start - dropped[bucket], end - dropped[bucket])
+                for p, (start, end, bucket) in buffer.param_index_map.items()
+            }
         for name, p in inner(model).named_parameters():
             held = masters.get(id(p), p)
+            if DISTOPT:  # the main (fp32) shard the distributed optimizer steps for p
+                group_index, group_order = optimizer.model_param_group_index_map[p]
+                held = adam.param_groups[group_index]["params"][group_order]
+                assert held.numel() == p.numel()  # one data-parallel rank: the whole parameter
             record["weights"][name] = p.detach().clone()
-            if BF16:
-                record.setdefault("masters", {})[name] = held.detach().clone()
+            if BF16 or DISTOPT:
+                record.setdefault("masters", {})[name] = held.detach().clone().view(p.shape)
             state = adam.state[held]
             record["state"][name] = {
-                "exp_avg": state["exp_avg"].clone(),
-                "exp_avg_sq": state["exp_avg_sq"].clone(),
+                "exp_avg": state["exp_avg"].clone().view(p.shape),
+                "exp_avg_sq": state["exp_avg_sq"].clone().view(p.shape),
                 "step": float(state["step"]),
             }
             group = next(g for g in adam.param_groups if any(q is held for q in g["params"]))
@@ -282,6 +374,8 @@ def reference(out: Path) -> None:
             record["counted"][name] = bool(param_is_not_tensor_parallel_duplicate(p))
         torch.save(record, out / "reference" / f"iter_{step}.rank{dist.get_rank()}.pt")
         dist.barrier()
+    if DISTOPT and dist.get_rank() == 0:
+        tracker.write_text(str(STEPS))
 
 
 if __name__ == "__main__":
@@ -289,6 +383,7 @@ if __name__ == "__main__":
     TP = int(os.environ["WORLD_SIZE"]) if "tp" in sys.argv[2:] else 1
     BF16 = "bf16" in sys.argv[2:]
     TIED = "tied" in sys.argv[2:]
+    DISTOPT = "distopt" in sys.argv[2:]
     shim_cuda()
     dist.init_process_group("gloo")
     try:

@@ -1,5 +1,7 @@
 """Megatron legacy format: Megatron-LM's own ``save_checkpoint`` (``--ckpt-format torch``) on
-1 rank and on 2 tensor-parallel ranks (``megatron_lm_run.py``).
+1 rank and on 2 tensor-parallel ranks (``megatron_lm_run.py``), each also with Megatron's
+distributed optimizer (``--use-distributed-optimizer``: ``distrib_optim.pt`` beside each
+rank's file; bf16, grad buffers of 3000-element buckets).
 
 References never go through gradclip: Megatron-LM's own ``load_checkpoint`` reads each step
 back into a fresh model and optimizer (in the generator's venv), which records each
@@ -23,6 +25,7 @@ import torch
 
 from tests.cli.support import rel_err
 
+from .conftest import run_generator
 from .support import (
     QUANTITIES,
     TOL,
@@ -69,8 +72,24 @@ def _expected(refs: list[dict], what: str) -> dict[str, torch.Tensor]:
     return {n: torch.cat(v) for n, v in out.items()}
 
 
-@pytest.fixture(scope="module", params=["fp32", "tp2"])
+@pytest.fixture(scope="module")
+def distopt_runs(megatron_lm_runs, tmp_path_factory) -> dict[str, Path]:
+    """Megatron's distributed optimizer, on 1 rank (its output layer tied, Megatron's
+    default) and on 2 tensor-parallel ranks (untied); bf16, as large runs train."""
+    python = megatron_lm_runs["python"]
+    out = {}
+    for name, ranks, extra in (("distopt", 1, ("tied",)), ("distopt_tp2", 2, ("tp",))):
+        folder = tmp_path_factory.mktemp(f"megatron_lm_{name}")
+        out[name] = run_generator(
+            python, "megatron_lm_run.py", folder, ranks, *extra, "bf16", "distopt"
+        )
+    return out
+
+
+@pytest.fixture(scope="module", params=["fp32", "tp2", "distopt", "distopt_tp2"])
 def run(request, megatron_lm_runs) -> Path:
+    if request.param.startswith("distopt"):
+        return request.getfixturevalue("distopt_runs")[request.param]
     return megatron_lm_runs[request.param]
 
 
@@ -251,15 +270,11 @@ def test_a_layer_whose_split_cannot_be_told(gradclip, save, megatron_lm_runs):
     )
 
 
-def test_the_distributed_optimizers_file_is_named_not_read(gradclip, save):
-    """Megatron's distributed optimizer saves its moments apart, in distrib_optim.pt beside
-    each rank's file: the weights are still measured, the moments are said to be unread."""
-    for rank in (0, 1):
-        (_rank_file(save, rank).parent / "distrib_optim.pt").write_bytes(b"")
-    weights = gradclip("inspect", save, "--format", "json")
-    assert weights.code == 0 and weights.json()["what"] == "weights", weights.err
-    assert "distrib_optim.pt" in " ".join(weights.json()["description"])
-    one_line_exit_3(gradclip("inspect", save, "--what", "exp_avg"), "--what weights")
+def test_a_distributed_optimizers_file_beside_another_optimizer(gradclip, save):
+    """A distrib_optim.pt beside a rank file whose optimizer is not the distributed one's
+    (here empty): refused, naming it, never half read."""
+    (_rank_file(save, 1).parent / "distrib_optim.pt").write_bytes(b"")
+    one_line_exit_3(gradclip("inspect", save, "--what", "exp_avg"), "mp_rank_01", "distrib_optim")
 
 
 def test_a_rank_file_that_runs_code_is_refused(gradclip, save, tmp_path):
@@ -267,6 +282,109 @@ def test_a_rank_file_that_runs_code_is_refused(gradclip, save, tmp_path):
     torch.save({"iteration": 3, "args": RunsCode(marker), "model": {}}, _rank_file(save, 1))
     one_line_exit_3(gradclip("inspect", save), "mp_rank_01", "--trust-pickle")
     assert not marker.exists()
+
+
+# --------------------------------------------------------------------- distributed optimizer
+
+DISTRIB = "distrib_optim.pt"
+
+
+def test_the_distributed_optimizer_fixture(distopt_runs):
+    """Megatron's own layout in the fixture: several buckets, one distrib_optim.pt per rank,
+    and on 1 rank padding between parameters and at the buckets' ends (the 2 ranks' shards
+    happen to fall on 64-element boundaries)."""
+    for name, run in distopt_runs.items():
+        refs = _references(run, 3)
+        assert all(ref["buckets"][0] >= 3 for ref in refs), name
+        for r, ref in enumerate(refs):
+            folder = run / "run" / "iter_0000003" / f"mp_rank_{r:02d}"
+            state = torch.load(folder / DISTRIB, weights_only=True)
+            assert state["buckets_coalesced"] is True and set(state) == {"buckets_coalesced", 0}
+            ((dtypes, flat),) = state[0].items()
+            assert dtypes == (torch.bfloat16, torch.float32)
+            numel = sum(t.numel() for t in ref["weights"].values())
+            assert numel <= flat["numel_unpadded"] <= ref["buffer_numel"][0]
+            if name == "distopt":  # padding both inside and at the end of the buckets
+                assert numel < flat["numel_unpadded"] < ref["buffer_numel"][0]
+
+
+def test_the_distributed_optimizer_says_where_its_state_is(gradclip, distopt_runs):
+    result = gradclip("inspect", distopt_runs["distopt"] / "run", "--format", "json")
+    assert result.code == 0 and result.json()["what"] == "exp_avg", result.err
+    doc = result.json()
+    assert DISTRIB in doc["measured"]["evidence"]
+    assert "checked against the model's tensors" in " ".join(doc["description"])
+
+
+@pytest.fixture
+def distopt_save(distopt_runs, tmp_path) -> Path:
+    target = tmp_path / "save"
+    shutil.copytree(distopt_runs["distopt_tp2"] / "run", target)
+    return target
+
+
+def _distrib(save: Path, rank: int, step: int = 3) -> Path:
+    return _rank_file(save, rank, step).parent / DISTRIB
+
+
+def test_truncated_distrib_optim(gradclip, distopt_save):
+    file = _distrib(distopt_save, 1)
+    file.write_bytes(file.read_bytes()[:2000])
+    one_line_exit_3(gradclip("inspect", distopt_save), "mp_rank_01", DISTRIB)
+
+
+def test_a_distrib_optim_of_another_step(gradclip, distopt_save):
+    """Moments of iteration 2 beside iteration 3's model: its params are not the model's."""
+    shutil.copy(_distrib(distopt_save, 0, 2), _distrib(distopt_save, 0))
+    one_line_exit_3(gradclip("inspect", distopt_save), "mp_rank_00", DISTRIB, "whose")
+
+
+def test_the_ranks_distrib_optims_swapped(gradclip, distopt_save):
+    """Tensor-parallel ranks' states swapped: every shard must be its own rank's (the
+    replicated ones alone would fit), else refused, never double counted."""
+    a, b = _distrib(distopt_save, 0), _distrib(distopt_save, 1)
+    data = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(data)
+    one_line_exit_3(gradclip("inspect", distopt_save), DISTRIB, "whose")
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "param"])
+def test_a_non_zero_padding_element(gradclip, distopt_runs, tmp_path, key):
+    """The elements between parameters (Megatron's own places, from its grad buffer) hold 0;
+    one that does not means the layout is not the one Megatron wrote: refused."""
+    distopt_save = tmp_path / "save"
+    shutil.copytree(distopt_runs["distopt"] / "run", distopt_save)
+    ref = _references(distopt_runs["distopt"], 3)[0]
+    file = _distrib(distopt_save, 0)
+    state = torch.load(file, weights_only=True)
+    ((_, flat),) = state[0].items()
+    padding = torch.ones(flat["numel_unpadded"], dtype=torch.bool)
+    for start, end in ref["places"].values():
+        padding[start:end] = False
+    assert padding.any()
+    for tensor in ("param", "exp_avg", "exp_avg_sq"):  # as Megatron wrote it: zeros
+        assert not flat[tensor][padding].any()
+    flat[key][int(padding.nonzero()[-1])] = 1.0
+    torch.save(state, file)
+    one_line_exit_3(gradclip("inspect", distopt_save), "mp_rank_00", DISTRIB, "padding")
+
+
+def test_megatrons_places_are_the_moments(distopt_runs):
+    """The fixture's flat tensors hold each parameter's state at Megatron's own places (the
+    reference that the per-parameter checks above rest on)."""
+    for run in distopt_runs.values():
+        _same_places(run)
+
+
+def _same_places(run: Path) -> None:
+    for r, ref in enumerate(_references(run, 3)):
+        folder = run / "run" / "iter_0000003" / f"mp_rank_{r:02d}"
+        ((_, flat),) = torch.load(folder / DISTRIB, weights_only=True)[0].items()
+        for name, (start, end) in ref["places"].items():
+            assert torch.equal(
+                flat["exp_avg"][start:end], ref["state"][name]["exp_avg"].reshape(-1)
+            )
 
 
 # --------------------------------------------------------------------- under torchrun

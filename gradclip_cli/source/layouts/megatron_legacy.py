@@ -20,9 +20,22 @@ with ``*._extra_state`` entries for Transformer Engine's state, skipped here),
   each group's fp32 master copies of its 16-bit parameters, in group order.
   These masters are the weights reported (the model's own copy is rounded);
 * ``ChainedOptimizer`` of several: a list of the above, one per optimizer;
-* the distributed optimizer keeps its state in ``distrib_optim.pt`` beside the
-  file, which is not read: the moments are then not measured, and the
-  description says so.
+* the distributed optimizer (``--use-distributed-optimizer``) saves only its param
+  groups there, and the state in ``distrib_optim.pt`` beside the file
+  (``DistributedOptimizer.save_parameter_state``, ``get_parameter_state_dp_zero``):
+  ``{"buckets_coalesced": True, <buffer index>: {(param dtype, grad dtype): {"param",
+  "exp_avg", "exp_avg_sq": flat fp32 tensors, "numel_unpadded": n}}}``, one flat tensor
+  per grad buffer of Megatron's DDP (``_ParamAndGradBuffer``): its parameters in reverse
+  model order, each starting at a multiple of 64 elements within its bucket, the buckets
+  side by side with their end padding dropped (a bucket closes once it holds
+  ``bucket_size`` elements: ``--ddp-bucket-size``, ``--ddp-num-buckets``, or
+  ``max(40M, 1M x data-parallel size)``; one bucket without ``--overlap-grad-reduce``).
+  That layout is rebuilt here and checked before any moment is read: the buffer's
+  length is ``numel_unpadded``, every padding element is 0 in all three tensors (the
+  shards start zeroed), and each parameter's ``param`` slice rounded to the model's
+  dtype is the model's tensor, bit for bit; else the file is refused. The ``param``
+  slices are the fp32 masters, the weights reported. Adam's ``step`` is the param
+  groups' (``DistributedOptimizer.state_dict`` puts the one step of every parameter there).
 
 Recognised by content: an ``iter_N/`` folder holding ``mp_rank_XX/model_optim_rng.pt``;
 the save folder, by its tracker (``megatron.py``, which hands a legacy iteration here).
@@ -152,21 +165,36 @@ def open_iteration(
     contents = Contents(
         path=path,
         kind=KIND,
-        files=([tracker] if tracker else []) + [r.file for r in ranks],
+        files=([tracker] if tracker else [])
+        + [
+            f
+            for r in ranks
+            for f in (r.file, r.file.parent / DISTRIBUTED)
+            if r.distributed or f == r.file
+        ],
         folder=folder,
         trusted_pickle=any(r.trusted for r in ranks),
     )
     if optimizer is not None and ranks[0].masters:  # the float16 optimizer's fp32 masters
         weights = {n: _merged(n, [r.masters[n] for r in ranks], kinds[n], files) for n in names}
         note = (note or "") + (
-            "the weights are the optimizer's fp32 masters "
+            f"the optimizer state and the weights (its fp32 params) are {DISTRIBUTED}'s: "
+            "the distributed optimizer's flat grad buffers, each parameter's slice placed by "
+            "Megatron's bucket layout and checked against the model's tensors"
+            if ranks[0].distributed
+            else "the weights are the optimizer's fp32 masters "
             "(fp32_from_fp16_params); the model holds them rounded"
         )
     contents.weights = weights or None
     said = f"a Megatron legacy checkpoint: mp_rank_XX/{FILE}"
     masters = optimizer is not None and ranks[0].masters
-    contents.evidence[roles.WEIGHT] = \
-        f"{said}'s optimizer fp32_from_fp16_params" if masters else f"{said}'s model"
+    contents.evidence[roles.WEIGHT] = (
+        f"a Megatron legacy checkpoint: mp_rank_XX/{DISTRIBUTED}'s param"
+        if masters and first.distributed
+        else f"{said}'s optimizer fp32_from_fp16_params"
+        if masters
+        else f"{said}'s model"
+    )
     contents.model_order_names = list(names)
     if first.buffers:  # integer tensors: never weights (replicated or not, rank 0's)
         contents.buffers = {
@@ -174,7 +202,11 @@ def open_iteration(
         }
     if optimizer is not None:
         contents.optimizers.append(optimizer)
-        contents.evidence[roles.OPTIMIZER_STATE] = f"{said}'s optimizer"
+        contents.evidence[roles.OPTIMIZER_STATE] = (
+            f"a Megatron legacy checkpoint: mp_rank_XX/{DISTRIBUTED}"
+            if first.distributed
+            else f"{said}'s optimizer"
+        )
     contents.step = step
     contents.gradient_error = (
         f"{path}: a Megatron legacy checkpoint saves no gradients (model, optimizer state, {FILE})"
@@ -247,6 +279,8 @@ class _Rank:
         self.masters: dict[str, torch.Tensor] = {}
         self.optimizer: OptimizerState | None = None
         self.names: dict[int, str] = {}
+        self.distributed = False
+        self.reading: dict[str, bool] = {"trust_pickle": False, "verify": False}
 
 
 def _read_ranks(
@@ -278,6 +312,7 @@ def _read_ranks(
         if not isinstance(ckpt.root, Mapping):
             raise InputError(f"{file}: not a Megatron checkpoint: not a dict")
         ranks.append(_Rank(file, dict(ckpt.root), ckpt.trusted_pickle))
+        ranks[-1].reading = {"trust_pickle": trust_pickle, "verify": verify}
     for rank in ranks:
         size = rank.args.get("tensor_model_parallel_size")
         if only is None and isinstance(size, int) and size != len(ranks):
@@ -416,8 +451,6 @@ _DISTRIBUTED_NOTE = (
 def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | str:
     """``[(torch state dict, fp32 masters per group or None, where)]``, or why there are none."""
     value = rank.root.get("optimizer")
-    if os.path.isfile(rank.file.parent / DISTRIBUTED):
-        return _DISTRIBUTED_NOTE
     if value is None:
         return "no optimizer state saved (--no-save-optim)"
     chained = value if isinstance(value, list) else [value]
@@ -446,6 +479,8 @@ def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | str:
 
 def _rank_optimizer(rank: _Rank) -> str | None:
     """Fill ``rank.optimizer`` (ids renumbered across a chain), ``names`` and ``masters``."""
+    if os.path.isfile(rank.file.parent / DISTRIBUTED):
+        return _distributed(rank)
     found = _torch_states(rank)
     if isinstance(found, str):
         return found
@@ -554,3 +589,163 @@ def _optimizer(
             param_names[order[name]] = name
         groups.append({**group, "params": [order[n] for n in members]})
     return OptimizerState(groups, state, param_names, first.file), None
+
+
+# ----------------------------------------------------------------- distributed optimizer
+
+_ALIGN = 64  # a parameter starts at a multiple of 64 elements of its bucket (core_v0.16.1)
+_HYPER = ("lr", "betas", "eps", "amsgrad")
+
+
+def _distributed(rank: _Rank) -> str | None:
+    """The distributed optimizer's state: ``distrib_optim.pt``'s flat buffers, each
+    parameter's slice found by Megatron's grad-buffer layout and checked (module doc)."""
+    file = rank.file.parent / DISTRIBUTED
+    value = rank.root.get("optimizer")
+    inner = value.get("optimizer") if isinstance(value, Mapping) else None
+    groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+    if (
+        not isinstance(groups, list)
+        or not groups
+        or not all(isinstance(g, Mapping) for g in groups)
+    ):
+        raise InputError(
+            f"{rank.file}: beside {DISTRIBUTED}, its optimizer is not one distributed "
+            "optimizer's param groups (several optimizers, or none): gradclip reads one"
+        )
+    hyper = {k: groups[0].get(k) for k in _HYPER}
+    if any({k: g.get(k) for k in _HYPER} != hyper for g in groups):
+        raise InputError(
+            f"{rank.file}: its param groups differ in lr, betas or eps, and {DISTRIBUTED} "
+            "does not say which parameter is in which group"
+        )
+    steps = {g.get("step") for g in groups}
+    if len(steps) != 1 or steps == {None}:
+        raise InputError(
+            f"{rank.file}: its param groups give no one Adam step (the distributed "
+            f"optimizer saves it there; {DISTRIBUTED} holds none)"
+        )
+    (step,) = steps
+    buffers = _buffers(rank, file)
+    order = list(rank.weights)
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name in order:  # Megatron's DDP: one grad buffer per parameter dtype, model order
+        by_dtype.setdefault(rank.weights[name].dtype, []).append(name)
+    if [d for d, _ in buffers] != list(by_dtype):
+        raise InputError(
+            f"{file}: holds grad buffers of {[str(d) for d, _ in buffers]}, the model's "
+            f"parameters are {[str(d) for d in by_dtype]}: gradclip cannot tell which "
+            "elements are whose"
+        )
+    bucket = _bucket_size(rank, file)
+    state: dict[int, dict] = {}
+    for (dtype, tensors), names in zip(buffers, by_dtype.values()):
+        places = _places(names, rank.weights, bucket)
+        _check_layout(file, dtype, tensors, places, rank.weights)
+        for name, (start, end) in places.items():
+            shape = rank.weights[name].shape
+            pid = order.index(name)
+            state[pid] = {
+                key: StoredTensor.whole(f"{name}.{key}", tensors[key][start:end].view(shape), file)
+                for key in ("exp_avg", "exp_avg_sq")
+            }
+            state[pid]["step"] = step
+            rank.masters[name] = tensors["param"][start:end].view(shape)
+            rank.names[pid] = name
+    group = {**{k: v for k, v in groups[0].items() if k != "params"}, "params": sorted(state)}
+    rank.optimizer = OptimizerState([group], state, None, rank.file)
+    rank.distributed = True
+    return None
+
+
+def _buffers(rank: _Rank, file: Path) -> list[tuple[torch.dtype, dict]]:
+    """``[(param dtype, {"param", "exp_avg", "exp_avg_sq": flat tensor, "numel_unpadded"})]``
+    by buffer index, as get_parameter_state_dp_zero saves them."""
+    with allowing(GLOBALS):
+        root = load_checkpoint(file, **rank.reading).root
+    if not isinstance(root, Mapping) or root.get("buckets_coalesced") is not True:
+        raise InputError(
+            f"{file}: not a distributed optimizer's parameter state of coalesced buckets "
+            "(get_parameter_state_dp_zero, core_v0.16.1)"
+        )
+    indices = sorted(k for k in root if k != "buckets_coalesced")
+    if indices != list(range(len(indices))) or not indices:
+        raise InputError(f"{file}: its grad buffers are not numbered 0, 1, ...")
+    out = []
+    for index in indices:
+        entry = root[index]
+        if not isinstance(entry, Mapping) or len(entry) != 1:
+            raise InputError(f"{file}: grad buffer {index} is not one (param, grad) dtype's")
+        ((dtypes, tensors),) = entry.items()
+        n = tensors.get("numel_unpadded") if isinstance(tensors, Mapping) else None
+        if (
+            not isinstance(dtypes, tuple)
+            or len(dtypes) != 2
+            or not all(isinstance(d, torch.dtype) for d in dtypes)
+            or not isinstance(n, int)
+            or not all(
+                isinstance(tensors.get(k), torch.Tensor)
+                and tensors[k].dtype == torch.float32
+                and tuple(tensors[k].shape) == (n,)
+                for k in ("param", "exp_avg", "exp_avg_sq")
+            )
+        ):
+            raise InputError(
+                f"{file}: grad buffer {index} is not flat fp32 param, exp_avg and "
+                "exp_avg_sq of numel_unpadded elements"
+            )
+        out.append((dtypes[0], tensors))
+    return out
+
+
+def _bucket_size(rank: _Rank, file: Path) -> int | None:
+    """When a bucket closes, as Megatron-LM's ``get_model`` and Megatron's DDP decide it."""
+    args = rank.args
+    if not args.get("overlap_grad_reduce"):
+        return None
+    if args.get("ddp_num_buckets") is not None:
+        total = sum(t.numel() for t in rank.weights.values())
+        return total // args["ddp_num_buckets"]
+    if args.get("ddp_bucket_size") is not None:
+        return args["ddp_bucket_size"]
+    dp = args.get("data_parallel_size")
+    if not isinstance(dp, int):
+        raise InputError(f"{rank.file}: its args give no data_parallel_size for {file.name}")
+    return max(40000000, 1000000 * dp)
+
+
+def _places(names: list[str], weights: dict, bucket: int | None) -> dict[str, tuple[int, int]]:
+    """Each parameter's ``(start, end)`` in the buffer's flat tensors, bucket padding dropped:
+    reverse order, 64-aligned within a bucket, a new bucket once one holds ``bucket``."""
+    places, cursor, bucket_start, fresh = {}, 0, 0, True
+    for name in reversed(names):
+        start = cursor if fresh else -(-cursor // _ALIGN) * _ALIGN
+        end = start + weights[name].numel()
+        places[name] = (start, end)
+        fresh = bucket is not None and end - bucket_start >= bucket
+        if fresh:
+            bucket_start = end
+        cursor = end
+    return places
+
+
+def _check_layout(file: Path, dtype, tensors: dict, places: dict, weights: dict) -> None:
+    def unfit(why: str) -> InputError:
+        return InputError(
+            f"{file}: its {dtype} grad buffer does not fit Megatron's layout of the model's "
+            f"parameters ({why}): gradclip cannot tell which elements are whose"
+        )
+
+    n = tensors["numel_unpadded"]
+    end = max(e for _, e in places.values())
+    if end != n:
+        raise unfit(f"{end} elements laid out, numel_unpadded {n}")
+    padding = torch.ones(n, dtype=torch.bool)
+    for name, (start, stop) in places.items():
+        padding[start:stop] = False
+        rounded = tensors["param"][start:stop].to(dtype)
+        if not torch.equal(rounded, weights[name].reshape(-1).to(dtype)):
+            raise unfit(f"{visible(name)}'s slice of param is not the model's tensor")
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        if torch.count_nonzero(tensors[key][padding]):
+            raise unfit(f"a padding element of {key} is not 0")
