@@ -627,7 +627,7 @@ def _distributed(rank: _Rank) -> str | None:
         )
     (step,) = steps
     buffers = _buffers(rank, file)
-    order = list(rank.weights)
+    order = {name: pid for pid, name in enumerate(rank.weights)}
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name in order:  # Megatron's DDP: one grad buffer per parameter dtype, model order
         by_dtype.setdefault(rank.weights[name].dtype, []).append(name)
@@ -644,7 +644,7 @@ def _distributed(rank: _Rank) -> str | None:
         _check_layout(file, dtype, tensors, places, rank.weights)
         for name, (start, end) in places.items():
             shape = rank.weights[name].shape
-            pid = order.index(name)
+            pid = order[name]
             state[pid] = {
                 key: StoredTensor.whole(f"{name}.{key}", tensors[key][start:end].view(shape), file)
                 for key in ("exp_avg", "exp_avg_sq")
@@ -740,12 +740,12 @@ def _check_layout(file: Path, dtype, tensors: dict, places: dict, weights: dict)
     end = max(e for _, e in places.values())
     if end != n:
         raise unfit(f"{end} elements laid out, numel_unpadded {n}")
-    padding = torch.ones(n, dtype=torch.bool)
-    for name, (start, stop) in places.items():
-        padding[start:stop] = False
+    cursor = 0  # the padding is the gaps between the parameters, in buffer order
+    for name, (start, stop) in sorted(places.items(), key=lambda item: item[1]):
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            if torch.count_nonzero(tensors[key][cursor:start]):
+                raise unfit(f"a padding element of {key} is not 0")
         rounded = tensors["param"][start:stop].to(dtype)
         if not torch.equal(rounded, weights[name].reshape(-1).to(dtype)):
             raise unfit(f"{visible(name)}'s slice of param is not the model's tensor")
-    for key in ("param", "exp_avg", "exp_avg_sq"):
-        if torch.count_nonzero(tensors[key][padding]):
-            raise unfit(f"a padding element of {key} is not 0")
+        cursor = stop
