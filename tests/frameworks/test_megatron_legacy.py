@@ -327,6 +327,23 @@ def _distrib(save: Path, rank: int, step: int = 3) -> Path:
     return _rank_file(save, rank, step).parent / DISTRIB
 
 
+@pytest.mark.parametrize("what", [*QUANTITIES, "weights"])
+def test_one_distributed_optimizer_rank_alone(gradclip, distopt_runs, what):
+    """mp_rank_01/ alone with its distrib_optim.pt: its shards and its replicas, each once."""
+    run = distopt_runs["distopt_tp2"]
+    ref = _references(run, 3)[1]
+    expected = _expected([{**ref, "counted": dict.fromkeys(ref["counted"], True)}], what)
+    folder = run / "run" / "iter_0000003" / "mp_rank_01"
+    result = gradclip("inspect", folder, "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["step"] == 3 and "covers mp_rank_01 only" in " ".join(doc["description"])
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+
+
 def test_truncated_distrib_optim(gradclip, distopt_save):
     file = _distrib(distopt_save, 1)
     file.write_bytes(file.read_bytes()[:2000])
