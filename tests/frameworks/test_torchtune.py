@@ -97,9 +97,9 @@ def test_every_quantity_of_the_epoch_with_the_recipe_state(gradclip, run, what):
     )
 
 
-@pytest.mark.parametrize("epoch", [0, 1, 2])
-def test_weights_and_step_of_every_epoch(gradclip, run, epoch):
-    weights = _shard(run, epoch)
+def _weights_of_epoch(gradclip, run: Path, epoch: int, weights: dict) -> dict:
+    """inspect --what weights of ``epoch_N``: torchtune's step, and each tensor's norm
+    against float64 of ``weights`` (the raw shard); the JSON report."""
     result = gradclip("inspect", run / f"epoch_{epoch}", "--what", "weights", "--format", "json")
     assert result.code == 0, result.err
     doc = result.json()
@@ -108,6 +108,13 @@ def test_weights_and_step_of_every_epoch(gradclip, run, epoch):
     assert set(rows) == set(weights)
     for name, row in rows.items():
         assert rel_err(row["norm"], norm([weights[name]])) <= TOL, name
+    return doc
+
+
+@pytest.mark.parametrize("epoch", [0, 1, 2])
+def test_weights_and_step_of_every_epoch(gradclip, run, epoch):
+    weights = _shard(run, epoch)
+    doc = _weights_of_epoch(gradclip, run, epoch, weights)
     assert rel_err(doc["total_norm"], norm(weights.values())) <= TOL
 
 
@@ -226,14 +233,7 @@ def test_hugging_face_shards_give_weights_and_step(gradclip, torchtune_runs, epo
     run = torchtune_runs / "hf"
     weights = _hf_shard(run, epoch)
     assert "model.layers.0.self_attn.q_proj.weight" in weights  # Hugging Face's names
-    result = gradclip("inspect", run / f"epoch_{epoch}", "--what", "weights", "--format", "json")
-    assert result.code == 0, result.err
-    doc = result.json()
-    assert (doc["format"], doc["step"]) == ("torchtune", STEPS[epoch])
-    rows = {t["name"]: t for t in doc["tensors"]}
-    assert set(rows) == set(weights)
-    for name, row in rows.items():
-        assert rel_err(row["norm"], norm([weights[name]])) <= TOL, name
+    _weights_of_epoch(gradclip, run, epoch, weights)
     trend = gradclip("trend", run, "--what", "weights", "--format", "json")
     assert [p["step"] for p in trend.json()["points"]] == [2, 4]
 
