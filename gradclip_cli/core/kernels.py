@@ -427,13 +427,17 @@ def row_norms(block: torch.Tensor, norm_type: float) -> torch.Tensor:
 # vector of L lanes with fused multiply-adds, then adds the lanes in order: an
 # element's square goes through at most ROW / L + L - 1 roundings, and the
 # square root one more, so a row's norm, and every float64 sum of rows, is
-# within ((ROW / L + L - 1) / 2 + 1) * 2**-24 of exact. Where torch runs its
-# AVX2 or AVX-512 kernels L is 8 or 16: rows of 128 give 23 roundings, 7.5e-7.
-# Elsewhere (NEON: L = 4) rows of 64 give at most 19, 6.3e-7. Rows of
-# 128 cost 12% less time than rows of 64 on GPT-2's shapes (BENCHMARKS.md,
-# issue 18). The same kernel over a whole tensor is 2.2e-6 off on 4,096 fp32
-# values 0.1 and 1.0e-5 on 16,448 values 1/3 (tests/core/test_squares.py).
-ROW = 128 if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else 64
+# within ((ROW / L + L - 1) / 2 + 1) * 2**-24 of exact. ROW is the longest
+# power of two that keeps this under 1e-6 for the lanes torch runs here: with
+# AVX-512 (L = 16) rows of 256 allow 31 roundings, 9.8e-7; with AVX2 (L = 8)
+# rows of 128 allow 23, 7.5e-7; elsewhere (NEON: L = 4; generic code: 8)
+# rows of 64 allow at most 19, 6.3e-7. Longer rows cost less: on GPT-2's
+# shapes rows of 256 take the time of torch's one-accumulator kernel over the
+# whole tensor, rows of 128 1.1x, rows of 64 1.3x (BENCHMARKS.md, issue 18).
+# That whole-tensor kernel is 2.2e-6 off on 4,096 fp32 values 0.1 and 1.0e-5
+# on 16,448 values 1/3 (tests/core/test_squares.py).
+ROW = {"AVX512": 256, "AVX2": 128}.get(torch.backends.cpu.get_cpu_capability(), 64)
+LANES = {256: 16, 128: 8, 64: 4}[ROW]
 
 
 def squares_on_cpu(tensors: Sequence[torch.Tensor]) -> Rows:
@@ -449,8 +453,12 @@ def squares_on_cpu(tensors: Sequence[torch.Tensor]) -> Rows:
     """
     dtype = tensors[0].dtype
     sizes = [t.numel() for t in tensors]
-    big = [i for i, n in enumerate(sizes) if n >= SMALL]
-    small = [i for i, n in enumerate(sizes) if 0 < n < SMALL]
+    big, small = [], []
+    for i, n in enumerate(sizes):
+        if n >= SMALL:
+            big.append(i)
+        elif n:
+            small.append(i)
     parts = [_big_norms([_flat(tensors[i]) for i in big], dtype)] if big else []
     if small:
         members = tensors if len(small) == len(sizes) else [tensors[i] for i in small]
@@ -470,7 +478,7 @@ def _big_norms(flats: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     and on a loaded machine those are what costs (Findings 2).
     """
     counts = [-(-f.numel() // ROW) for f in flats]
-    rows = torch.empty(sum(counts), dtype=dtype)
+    rows = _rows_buffer(sum(counts), dtype)
     start = 0
     for flat, count in zip(flats, counts):
         n = flat.numel()
@@ -485,6 +493,24 @@ def _big_norms(flats: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     for count in counts:
         bounds.append(bounds[-1] + count)
     return torch.stack([torch.linalg.vector_norm(wide[a:b]) for a, b in zip(bounds, bounds[1:])])
+
+
+# Row norms of up to this many elements go into a buffer each thread keeps
+# (GPT-2 124M has 486,093 rows of 256): a fresh one is a fresh mapping, whose
+# first touch page-faults on every call.
+_KEPT_ROWS = 1 << 22
+
+
+def _rows_buffer(count: int, dtype: torch.dtype) -> torch.Tensor:
+    if count > _KEPT_ROWS:
+        return torch.empty(count, dtype=dtype)
+    cache = getattr(_BUFFERS, "rows", None)
+    if cache is None:
+        cache = _BUFFERS.rows = {}
+    kept = cache.get(dtype)
+    if kept is None or kept.numel() < count:
+        kept = cache[dtype] = torch.empty(max(count, 1 << 16), dtype=dtype)
+    return kept[:count]
 
 
 class _Packing:

@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from gradclip_cli.core import tensor_power_sums, total_power_sums
-from gradclip_cli.core.kernels import CHUNK, ROW, SMALL, squares_on_cpu
+from gradclip_cli.core.kernels import CHUNK, LANES, ROW, SMALL, squares_on_cpu
 
 from .reference import norm, rel_err
 
 TOL = 1e-6
 # kernels.ROW's bound: ((ROW / L + L - 1) / 2 + 1) * 2**-24 for the lane counts it is chosen for.
-BOUND = (23 / 2 + 1 if ROW == 128 else 19 / 2 + 1) * 2.0**-24
+BOUND = ((ROW // LANES + LANES - 1) / 2 + 1) * 2.0**-24
+assert BOUND <= 1e-6
 SIZES = [1, ROW - 1, ROW, ROW + 1, 4096, SMALL - 1, SMALL, SMALL + ROW + 3, 3 * CHUNK + 5]
 
 
