@@ -519,38 +519,65 @@ class _Packing:
     Each tensor starts on a row boundary; the rest of its last row is padding,
     zeroed on every use (the blocks share one buffer: another block's values
     may lie there). Built once per list of shapes and reused: the views it
-    copies into are what would cost a Python call per tensor.
+    copies into are what would cost a Python call per tensor. A run of
+    tensors of one shape that fills whole rows (a model's repeated layers)
+    is one ``torch.stack`` into its place, cheaper than a copy per tensor.
     """
 
     def __init__(self, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype):
         self.buffer = torch.zeros(CHUNK, dtype=dtype)
-        self.blocks: list[tuple[int, int, list[torch.Tensor], torch.Tensor | None, int]] = []
+        # Per block: its copies ((first, end, destination) runs), padding, length used.
+        self.blocks: list[tuple[list[tuple[int, int, object]], torch.Tensor | None, int]] = []
         owner: list[int] = []
-        start, first, views, pads = 0, 0, [], []
+        start, runs, pads = 0, [], []
         for i, shape in enumerate(shapes):
             n = math.prod(shape)
             rows = -(-n // ROW)
             if start + rows * ROW > CHUNK:
-                self._close(first, i, views, pads, start)
-                start, first, views, pads = 0, i, [], []
-            views.append(self.buffer[start : start + n].view(shape))
+                self._close(runs, pads, start)
+                start, runs, pads = 0, [], []
+            place = self.buffer[start : start + n].view(shape)
+            last = runs[-1] if runs else None
+            if (last is not None and n % ROW == 0 and last[3] == tuple(shape)
+                    and last[1] == i):
+                runs[-1] = (last[0], i + 1, last[2] + [place], last[3])
+            else:
+                runs.append((i, i + 1, [place], tuple(shape) if n % ROW == 0 else None))
             pads.extend(range(start + n, start + rows * ROW))
             owner.extend([i] * rows)
             start += rows * ROW
-        self._close(first, len(shapes), views, pads, start)
+        self._close(runs, pads, start)
         self.owner = torch.tensor(owner, dtype=torch.int64)
         self.rows = torch.empty(len(owner), dtype=dtype)
         self.count = len(shapes)
 
-    def _close(self, first, end, views, pads, used) -> None:
+    def _close(self, runs, pads, used) -> None:
         pad = torch.tensor(pads, dtype=torch.int64) if pads else None
-        self.blocks.append((first, end, views, pad, used))
+        copies, singles = [], None
+        for first, end, places, shape in runs:
+            if end - first > 1:
+                whole = places[0].numel() * (end - first)
+                offset = places[0].storage_offset()
+                copies.append((first, end, self.buffer[offset : offset + whole].view(
+                    end - first, *shape)))
+                singles = None
+            elif singles is not None and singles[1] == first:
+                singles[1] = end
+                singles[2].append(places[0])
+            else:
+                singles = [first, end, [places[0]]]
+                copies.append(singles)
+        self.blocks.append(([tuple(c) for c in copies], pad, used))
 
     def norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Each tensor's 2-norm in float64 (see ``squares_on_cpu``)."""
         done = 0
-        for first, end, views, pad, used in self.blocks:
-            torch._foreach_copy_(views, tensors[first:end])
+        for copies, pad, used in self.blocks:
+            for first, end, place in copies:
+                if isinstance(place, list):
+                    torch._foreach_copy_(place, tensors[first:end])
+                else:
+                    torch.stack(tensors[first:end], out=place)
             if pad is not None:
                 self.buffer.index_fill_(0, pad, 0)
             count = used // ROW

@@ -58,6 +58,18 @@ def test_small_tensors_of_several_shapes_and_blocks_keep_input_order():
     assert rel_err(float(got.total().norm[0]), norm(ts, 2)) <= TOL
 
 
+def test_runs_of_one_shape_are_stacked_beside_single_copies():
+    # Runs of a shape that fills whole rows (stacked at once) between odd
+    # shapes (copied one by one, padded), crossing block boundaries.
+    g = torch.Generator().manual_seed(3)
+    shapes = ([(4, ROW)] * 5 + [(ROW + 3,)] + [(2, ROW // 2)] * 3 + [(7,)]) * 40 + [(ROW,)] * 300
+    ts = [torch.randn(s, generator=g) * 10.0 ** (i % 5 - 2) for i, s in enumerate(shapes)]
+    for _ in range(2):  # the second call reuses the packing built by the first
+        got = _norms(ts)
+        assert got.norm.tolist() == pytest.approx([norm([t], 2) for t in ts], rel=TOL)
+        assert rel_err(float(got.total().norm[0]), norm(ts, 2)) <= TOL
+
+
 def test_padding_holds_no_other_block_values():
     # Two blocks: the second one's padding is where the first one's values were.
     per_block = CHUNK // (2 * ROW)
