@@ -61,6 +61,8 @@ TP = 1
 BF16 = False
 TIED = False  # ``tied``: the output layer shares the embedding's weight (Megatron's default)
 DISTOPT = False  # ``distopt``: Megatron's distributed optimizer, its state in distrib_optim.pt
+PP = 1  # ``pp``: every rank a pipeline stage (``mp_rank_00_00S``), 4 layers, 2 a stage
+UNEVEN = False  # ``uneven``: with ``pp``, 3 layers, 1 on the first stage (2 on the last)
 
 
 @contextlib.contextmanager
@@ -132,12 +134,13 @@ def command_line(out: Path, *, step: int | None = None) -> list[str]:
         *("--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN)),
         *("--num-attention-heads", str(HEADS), "--seq-length", str(SEQUENCE)),
         *("--max-position-embeddings", str(SEQUENCE), "--vocab-size", str(VOCAB)),
-        *("--micro-batch-size", "2", "--global-batch-size", str(2 * world // TP)),
+        *("--micro-batch-size", "2", "--global-batch-size", str(2 * world // (TP * PP))),
         *("--train-iters", str(STEPS), "--lr", "1e-2", "--min-lr", "1e-2"),
         *("--lr-decay-style", "constant", "--weight-decay", "0.1"),
         *("--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8"),
         *("--attention-dropout", "0", "--hidden-dropout", "0", "--clip-grad", "0"),
         *("--tensor-model-parallel-size", str(TP), "--transformer-impl", "local"),
+        *("--pipeline-model-parallel-size", str(PP)),
         *("--position-embedding-type", "learned_absolute", "--init-method-std", "0.02"),
         *("--tokenizer-type", "NullTokenizer", "--use-cpu-initialization"),
         *("--ckpt-format", "torch", "--save", str(out / "run"), "--save-interval", "1"),
@@ -146,6 +149,8 @@ def command_line(out: Path, *, step: int | None = None) -> list[str]:
     ]
     if BF16:
         line.append("--bf16")
+    if UNEVEN:
+        line += ["--decoder-first-pipeline-num-layers", "1"]
     if not TIED:
         line.append("--untie-embeddings-and-output-weights")
     if DISTOPT:  # three buckets of at least 3000 elements in the grad buffer
@@ -197,26 +202,34 @@ def build(args):
     from megatron.training.arguments import core_transformer_config_from_args
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(TP, 1)
+        parallel_state.initialize_model_parallel(TP, PP)
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *_, **__: contextlib.nullcontext()
     config = core_transformer_config_from_args(args)
     torch.manual_seed(0)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-    )
+    real_cuda = torch.Tensor.cuda
+    # a tied last stage all-reduces its embedding copy from the first stage's (.cuda() first)
+    torch.Tensor.cuda = lambda self, *_, **__: self
+    try:
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            pre_process=parallel_state.is_pipeline_first_stage(),  # as model_provider does
+            post_process=parallel_state.is_pipeline_last_stage(),
+        )
+    finally:
+        torch.Tensor.cuda = real_cuda
     if BF16:
         model = Float16Module(config, model)
-    if DISTOPT:  # the distributed optimizer works on Megatron's DDP's grad buffers
+    if DISTOPT or PP > 1:  # the distributed optimizer, and finalize_model_grads, work on DDP
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         ddp = DistributedDataParallelConfig(  # as Megatron-LM's get_model configures it
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-            use_distributed_optimizer=True,
+            use_distributed_optimizer=DISTOPT,
             overlap_grad_reduce=args.overlap_grad_reduce,
             bucket_size=args.ddp_bucket_size,
         )
@@ -244,10 +257,10 @@ def optimizer_for(args, model):
         params_dtype=args.params_dtype,
         clip_grad=args.clip_grad,
     )
-    if DISTOPT:
+    if DISTOPT or PP > 1:
         from megatron.core.optimizer import get_megatron_optimizer
 
-        config.use_distributed_optimizer = True
+        config.use_distributed_optimizer = DISTOPT
         with cuda_tensors_on_cpu():
             optimizer = get_megatron_optimizer(config, [model])
     else:
@@ -271,7 +284,7 @@ def optimizer_for(args, model):
 
 
 def inner(model):
-    if DISTOPT:
+    if DISTOPT or PP > 1:
         model = model.module
     return model.module if BF16 else model
 
@@ -283,10 +296,17 @@ def train(out: Path) -> None:
     model = build(args)
     optimizer, scheduler = optimizer_for(args, model)
     g = torch.Generator().manual_seed(1 + dist.get_rank() // TP)  # TP ranks: one batch
+    if PP > 1:  # g: each stage sees the batch; the first reads its tokens, the last its labels
+        g = torch.Generator().manual_seed(1)
     for iteration in range(1, STEPS + 1):
         tokens = torch.randint(0, VOCAB, (2, SEQUENCE + 1), generator=g)
         position_ids = torch.arange(SEQUENCE).expand(2, SEQUENCE)
         causal = torch.ones(SEQUENCE, SEQUENCE, dtype=torch.bool).triu(1)[None, None]
+        if PP > 1:
+            pipelined_step(args, model, optimizer, (tokens, position_ids, causal))
+            scheduler.step(1)
+            save_checkpoint(iteration, [model], optimizer, scheduler, 0)
+            continue
         loss = model(tokens[:, :-1], position_ids, causal, labels=tokens[:, 1:]).float().mean()
         loss.backward()
         if DISTOPT:
@@ -304,8 +324,42 @@ def train(out: Path) -> None:
         save_checkpoint(iteration, [model], optimizer, scheduler, 0)
 
 
+def pipelined_step(args, model, optimizer, batch) -> None:
+    """One step through Megatron-core's own 1F1B schedule (activations and their gradients
+    sent between the stages over gloo), its ``finalize_model_grads`` (the DDP grad sync and,
+    tied, the first and last stages' embedding gradients all-reduced), then the optimizer."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    tokens, position_ids, causal = batch
+
+    def forward_step(data_iterator, model):
+        next(data_iterator)
+        output = model(tokens[:, :-1], position_ids, causal, labels=tokens[:, 1:])
+        return output, lambda output: (output.float().mean(), {})
+
+    config = inner(model).config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    with cuda_tensors_on_cpu():
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([None]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=SEQUENCE,
+            micro_batch_size=2,
+            forward_only=False,
+        )
+        optimizer.step()
+    optimizer.zero_grad()
+    model.zero_grad_buffer()
+
+
 def reference(out: Path) -> None:
+    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
     from megatron.training.checkpointing import load_checkpoint
 
     (out / "reference").mkdir(exist_ok=True)
@@ -322,7 +376,7 @@ def reference(out: Path) -> None:
         with cuda_tensors_on_cpu(), without_per_parameter_step():
             loaded = load_checkpoint([model], optimizer, scheduler, strict=True)
         assert loaded[0] == step, loaded
-        if DISTOPT:  # get_megatron_optimizer chains one DistributedOptimizer
+        if DISTOPT or PP > 1:  # get_megatron_optimizer chains one optimizer
             (optimizer,) = optimizer.chained_optimizers
         adam = optimizer.optimizer
         masters = {}
@@ -371,7 +425,13 @@ def reference(out: Path) -> None:
                 "betas": tuple(group["betas"]),
                 "eps": group["eps"],
             }
-            record["counted"][name] = bool(param_is_not_tensor_parallel_duplicate(p))
+            record["counted"][name] = bool(param_is_not_tensor_parallel_duplicate(p)) and (
+                param_is_not_shared(p)  # a tied last stage's embedding copy: not counted
+            )
+        # each stage's layers under their global numbers, as Megatron's layers know them
+        layers = inner(model).decoder.layers
+        record["layer_numbers"] = [layer.layer_number - 1 for layer in layers]
+        record["stage"] = parallel_state.get_pipeline_model_parallel_rank()
         torch.save(record, out / "reference" / f"iter_{step}.rank{dist.get_rank()}.pt")
         dist.barrier()
     if DISTOPT and dist.get_rank() == 0:
@@ -384,6 +444,9 @@ if __name__ == "__main__":
     BF16 = "bf16" in sys.argv[2:]
     TIED = "tied" in sys.argv[2:]
     DISTOPT = "distopt" in sys.argv[2:]
+    PP = int(os.environ["WORLD_SIZE"]) if "pp" in sys.argv[2:] else 1
+    UNEVEN = "uneven" in sys.argv[2:]
+    LAYERS = (3 if UNEVEN else 4) if PP > 1 else LAYERS
     shim_cuda()
     dist.init_process_group("gloo")
     try:

@@ -155,55 +155,84 @@ def open_iteration(
     verify: bool,
     only: str | None = None,
 ) -> Contents:
-    ranks = _read_ranks(folder, trust_pickle=trust_pickle, verify=verify, only=only)
-    first = ranks[0]
-    step = _same(ranks, "iteration", lambda r: r.iteration)
-    names, kinds = _tensor_parallel(ranks)
-    files = [r.file for r in ranks]
-    weights = {n: _merged(n, [r.weights[n] for r in ranks], kinds[n], files) for n in names}
-    optimizer, note = _optimizer(ranks, names, kinds)
+    stages = _read_stages(folder, trust_pickle=trust_pickle, verify=verify, only=only)
+    every = [r for stage in stages for r in stage]
+    first = every[0]
+    step = _same(every, "iteration", lambda r: r.iteration)
+    pipelined = first.stage is not None
+    layers = _pipeline(stages) if pipelined else None
+    names: list[str] = []
+    weights: dict[str, StoredTensor] = {}
+    kinds: dict[str, int | None] = {}
+    parts: list[tuple[OptimizerState | None, str | None, dict[str, str]]] = []
+    tied: list[str] = []
+    for ranks in stages:
+        local, local_kinds = _tensor_parallel(ranks)
+        files = [r.file for r in ranks]
+        rename, copies = _global_names(ranks[0], local, layers) if layers else ({}, [])
+        tied += [rename.get(n, n) for n in copies]
+        optimizer, note = _optimizer(ranks, local, local_kinds)
+        masters = optimizer is not None and ranks[0].masters  # the float16 optimizer's fp32
+        for n in local:
+            if n in copies:
+                continue
+            g = rename.get(n, n)
+            if g in weights:
+                raise InputError(
+                    f"{ranks[0].file}: holds {visible(g)}, which an earlier pipeline stage "
+                    "holds too: the stages are not one model"
+                )
+            names.append(g)
+            kinds[g] = local_kinds[n]
+            weights[g] = _merged(
+                g, [(r.masters if masters else r.weights)[n] for r in ranks], local_kinds[n], files
+            )
+        parts.append((optimizer, note, {n: rename.get(n, n) for n in local if n not in copies}))
+    optimizer, note = _stages_optimizer(parts, names)
     contents = Contents(
         path=path,
         kind=KIND,
         files=([tracker] if tracker else [])
         + [
             f
-            for r in ranks
+            for r in every
             for f in (r.file, r.file.parent / DISTRIBUTED)
             if r.distributed or f == r.file
         ],
         folder=folder,
-        trusted_pickle=any(r.trusted for r in ranks),
+        trusted_pickle=any(r.trusted for r in every),
     )
-    if optimizer is not None and ranks[0].masters:  # the float16 optimizer's fp32 masters
-        weights = {n: _merged(n, [r.masters[n] for r in ranks], kinds[n], files) for n in names}
+    masters = optimizer is not None and first.masters
+    if masters:
         note = (note or "") + (
             f"the optimizer state and the weights (its fp32 params) are {DISTRIBUTED}'s: "
             "the distributed optimizer's flat grad buffers, each parameter's slice placed by "
             "Megatron's bucket layout and checked against the model's tensors"
-            if ranks[0].distributed
+            if first.distributed
             else "the weights are the optimizer's fp32 masters "
             "(fp32_from_fp16_params); the model holds them rounded"
         )
     contents.weights = weights or None
-    said = f"a Megatron legacy checkpoint: mp_rank_XX/{FILE}"
-    masters = optimizer is not None and ranks[0].masters
+    said = f"a Megatron legacy checkpoint: {_pattern(pipelined)}/{FILE}"
     contents.evidence[roles.WEIGHT] = (
-        f"a Megatron legacy checkpoint: mp_rank_XX/{DISTRIBUTED}'s param"
+        f"a Megatron legacy checkpoint: {_pattern(pipelined)}/{DISTRIBUTED}'s param"
         if masters and first.distributed
         else f"{said}'s optimizer fp32_from_fp16_params"
         if masters
         else f"{said}'s model"
     )
     contents.model_order_names = list(names)
-    if first.buffers:  # integer tensors: never weights (replicated or not, rank 0's)
-        contents.buffers = {
-            n: StoredTensor.whole(n, t, first.file) for n, t in first.buffers.items()
-        }
+    buffers = {}
+    for ranks in stages:  # integer tensors: never weights (replicated or not, rank 0's)
+        rename = _global_names(ranks[0], list(ranks[0].buffers), layers)[0] if layers else {}
+        for n, t in ranks[0].buffers.items():
+            buffers[rename.get(n, n)] = StoredTensor.whole(rename.get(n, n), t, ranks[0].file)
+    if buffers:
+        contents.buffers = buffers
     if optimizer is not None:
         contents.optimizers.append(optimizer)
         contents.evidence[roles.OPTIMIZER_STATE] = (
-            f"a Megatron legacy checkpoint: mp_rank_XX/{DISTRIBUTED}"
+            f"a Megatron legacy checkpoint: {_pattern(pipelined)}/{DISTRIBUTED}"
             if first.distributed
             else f"{said}'s optimizer"
         )
@@ -213,18 +242,27 @@ def open_iteration(
     )
     via = f" ({tracker.name} names {folder.name})" if tracker is not None else ""
     at = f" at iteration {step}" if step is not None else ""
-    rank_names = ", ".join(r.file.parent.name for r in ranks)
-    contents.description.append(
-        f"Megatron legacy checkpoint{via}{at}: "
-        + (
-            f"{len(ranks)} tensor-parallel rank(s) ({rank_names})"
+    rank_names = ", ".join(r.file.parent.name for r in every)
+    if not pipelined:
+        held = (
+            f"{len(every)} tensor-parallel rank(s) ({rank_names})"
             if only is None
             else f"tensor-parallel rank {rank_names}"
         )
-        + f", {len(names)} model tensors ({len(first.skipped)} _extra_state entries skipped "
-        "per rank)"
+    elif only is None:
+        held = (
+            f"{len(stages)} pipeline stages of {len(stages[0])} tensor-parallel rank(s) "
+            f"({rank_names})"
+        )
+    else:
+        held = f"pipeline stage {first.stage}, tensor-parallel rank {rank_names}"
+    contents.description.append(
+        f"Megatron legacy checkpoint{via}{at}: {held}, {len(names)} model tensors "
+        f"({len(first.skipped)} _extra_state entries skipped per rank)"
     )
-    if len(ranks) > 1:
+    if layers:
+        contents.description.append(_pipeline_line(stages, layers, tied))
+    if any(len(ranks) > 1 for ranks in stages):
         split = sum(1 for k in kinds.values() if k is not None)
         contents.description.append(
             f"{split} tensors split across the ranks (measured as their shards together), "
@@ -234,6 +272,10 @@ def open_iteration(
     if note:
         contents.description.append(note)
     return contents
+
+
+def _pattern(pipelined: bool) -> str:
+    return "mp_rank_XX_YYY" if pipelined else "mp_rank_XX"
 
 
 class _Rank:
@@ -281,20 +323,100 @@ class _Rank:
         self.names: dict[int, str] = {}
         self.distributed = False
         self.reading: dict[str, bool] = {"trust_pickle": False, "verify": False}
+        self.stage: int | None = None  # the pipeline stage of an mp_rank_XX_YYY folder
+        self.tensor_rank: int | None = None
 
 
-def _read_ranks(
+def _read_stages(
     folder: Path, *, trust_pickle: bool, verify: bool, only: str | None = None
-) -> list[_Rank]:
+) -> list[list[_Rank]]:
+    """The ranks by pipeline stage, each stage's by tensor-parallel rank: ``mp_rank_XX``
+    folders are one stage; ``mp_rank_XX_YYY`` ones are stage YYY's, when the args say
+    pipeline parallelism (``get_checkpoint_name``: without it, ``_YYY`` is an expert rank)."""
     found = sorted(n for n in os.listdir(folder) if _RANK.fullmatch(n))
     if only is not None:
         found = [only]
-    extra = [n for n in found if _RANK.fullmatch(n).group(2)]
-    if extra:
+    suffixed = [n for n in found if _RANK.fullmatch(n).group(2)]
+    if not suffixed:
+        return [_read_ranks(folder, found, only=only, trust_pickle=trust_pickle, verify=verify)]
+    plain = next((n for n in found if n not in suffixed), None)
+    if plain is not None:
         raise InputError(
-            f"{folder / extra[0]}: a pipeline- or expert-parallel rank; gradclip "
-            "reads Megatron legacy checkpoints of tensor-parallel ranks only"
+            f"{folder}: holds both {plain} and {suffixed[0]}: not one checkpoint's ranks"
         )
+    expert = next((n for n in found if _RANK.fullmatch(n).group(2).count("_") != 1), None)
+    if expert is not None:
+        raise InputError(
+            f"{folder / expert}: an expert-parallel rank (mp_rank_XX_YYY_ZZZ); gradclip reads "
+            "Megatron legacy checkpoints of tensor- and pipeline-parallel ranks only"
+        )
+    ranks = [_load_rank(folder, n, trust_pickle=trust_pickle, verify=verify) for n in found]
+    sizes = {}
+    for rank in ranks:
+        match = _RANK.fullmatch(rank.file.parent.name)
+        rank.tensor_rank, rank.stage = int(match.group(1)), int(match.group(2)[1:])
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            size = rank.args.get(key)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise InputError(
+                    f"{rank.file}: its args give no {key}, so its folder's _YYY cannot be "
+                    "told a pipeline stage"
+                )
+        expert_size = rank.args.get("expert_model_parallel_size")
+        pipeline = rank.args["pipeline_model_parallel_size"]
+        if pipeline == 1 or expert_size not in (None, 1):
+            raise InputError(
+                f"{rank.file}: its args say pipeline_model_parallel_size {pipeline}, "
+                f"expert_model_parallel_size {expert_size}: an expert-parallel rank; "
+                "gradclip reads tensor- and pipeline-parallel ranks only"
+            )
+        if rank.stage >= pipeline or rank.tensor_rank >= rank.args["tensor_model_parallel_size"]:
+            raise InputError(
+                f"{rank.file}: its folder names stage {rank.stage}, tensor-parallel rank "
+                f"{rank.tensor_rank}, but its args say pipeline_model_parallel_size "
+                f"{pipeline}, tensor_model_parallel_size "
+                f"{rank.args['tensor_model_parallel_size']}"
+            )
+        sizes.setdefault((rank.args["tensor_model_parallel_size"], pipeline), rank)
+    if len(sizes) > 1:
+        (a, first), (b, other) = list(sizes.items())[:2]
+        raise InputError(
+            f"{other.file}: its args say {b[0]} tensor- x {b[1]} pipeline-parallel ranks, "
+            f"{first.file.parent.name}'s {a[0]} x {a[1]}: the ranks are not one checkpoint"
+        )
+    ((tensor, pipeline),) = sizes
+    if only is not None:
+        return [ranks]
+    expected = [f"mp_rank_{t:02d}_{s:03d}" for s in range(pipeline) for t in range(tensor)]
+    if sorted(expected) != found:
+        missing = next((e for e in expected if e not in found), None)
+        raise InputError(
+            f"{folder}: holds {', '.join(found)}"
+            + (f" but no {missing}" if missing else "")
+            + f": its args say {tensor} tensor- x {pipeline} pipeline-parallel ranks; "
+            "the ranks are incomplete"
+        )
+    by_name = {r.file.parent.name: r for r in ranks}
+    return [[by_name[f"mp_rank_{t:02d}_{s:03d}"] for t in range(tensor)] for s in range(pipeline)]
+
+
+def _load_rank(folder: Path, name: str, *, trust_pickle: bool, verify: bool) -> _Rank:
+    file = inside(folder, f"{name}/{FILE}", named_by=folder)
+    if not os.path.isfile(file):
+        raise InputError(f"{file}: missing (its rank folder {name}/ has no {FILE})")
+    with allowing(GLOBALS):
+        ckpt = load_checkpoint(file, trust_pickle=trust_pickle, verify=verify)
+    if not isinstance(ckpt.root, Mapping):
+        raise InputError(f"{file}: not a Megatron checkpoint: not a dict")
+    rank = _Rank(file, dict(ckpt.root), ckpt.trusted_pickle)
+    rank.reading = {"trust_pickle": trust_pickle, "verify": verify}
+    return rank
+
+
+def _read_ranks(
+    folder: Path, found: list[str], *, only: str | None, trust_pickle: bool, verify: bool
+) -> list[_Rank]:
+    """One stage's tensor-parallel ranks, ``mp_rank_00``, ``mp_rank_01``..."""
     expected = [f"mp_rank_{r:02d}" for r in range(len(found))]
     if only is None and found != expected:
         missing = next(e for e in expected if e not in found)
@@ -302,17 +424,7 @@ def _read_ranks(
             f"{folder}: holds {', '.join(found)} but no {missing}: the "
             "tensor-parallel ranks are incomplete"
         )
-    ranks = []
-    for name in found:
-        file = inside(folder, f"{name}/{FILE}", named_by=folder)
-        if not os.path.isfile(file):
-            raise InputError(f"{file}: missing (its rank folder {name}/ has no {FILE})")
-        with allowing(GLOBALS):
-            ckpt = load_checkpoint(file, trust_pickle=trust_pickle, verify=verify)
-        if not isinstance(ckpt.root, Mapping):
-            raise InputError(f"{file}: not a Megatron checkpoint: not a dict")
-        ranks.append(_Rank(file, dict(ckpt.root), ckpt.trusted_pickle))
-        ranks[-1].reading = {"trust_pickle": trust_pickle, "verify": verify}
+    ranks = [_load_rank(folder, n, trust_pickle=trust_pickle, verify=verify) for n in found]
     for rank in ranks:
         size = rank.args.get("tensor_model_parallel_size")
         if only is None and isinstance(size, int) and size != len(ranks):
@@ -324,9 +436,159 @@ def _read_ranks(
         if isinstance(pipeline, int) and pipeline != 1:
             raise InputError(
                 f"{rank.file}: its args say pipeline_model_parallel_size "
-                f"{pipeline}; gradclip reads tensor-parallel ranks only"
+                f"{pipeline}, but its folder's name gives no pipeline stage (mp_rank_XX_YYY)"
             )
     return ranks
+
+
+# ----------------------------------------------------------------- pipeline parallelism
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_ANY_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
+_COPY = "output_layer.weight"  # a tied last stage's copy of embedding.word_embeddings.weight
+
+
+def _pipeline(stages: list[list[_Rank]]) -> dict:
+    """Each stage's first global layer and layer count, and whether the last stage's
+    output layer is the first stage's embedding (tied), from the args, as Megatron-core
+    builds them (core_v0.16.1 ``get_num_layers_to_build``, ``get_transformer_layer_offset``,
+    ``LanguageModule.setup_embeddings_and_output_layer``); what they do not decide exactly
+    is refused, naming the file."""
+    rank = stages[0][0]
+    args = rank.args
+
+    def refuse(why: str) -> InputError:
+        return InputError(
+            f"{rank.file}: {why}; gradclip cannot tell which global layer each stage holds"
+        )
+
+    size = args["pipeline_model_parallel_size"]
+    layers = args.get("num_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise refuse("its args give no num_layers")
+    for key in ("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout"):
+        if args.get(key) is not None:
+            raise refuse(f"its args set {key} {visible(repr(args[key]))[:40]} (virtual stages)")
+    for key in ("mtp_num_layers", "standalone_embedding_stage"):
+        if args.get(key):
+            raise refuse(f"its args set {key} {visible(repr(args[key]))[:40]}")
+    first = args.get("decoder_first_pipeline_num_layers")
+    last = args.get("decoder_last_pipeline_num_layers")
+    embedding = bool(args.get("account_for_embedding_in_pipeline_split"))
+    loss = bool(args.get("account_for_loss_in_pipeline_split"))
+    if first is not None or last is not None:
+        if embedding or loss:
+            raise refuse("its args set both an uneven first or last stage and account_for_*")
+        rest = layers - (first or 0) - (last or 0)
+        middle = size - (first is not None) - (last is not None)
+        if middle > 0 and rest % middle:
+            raise refuse(f"{rest} layers do not split evenly over {middle} middle stages")
+        counts = [rest // middle if middle > 0 else 0] * size
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+    else:
+        total = layers + embedding + loss
+        if total % size:
+            raise refuse(f"{total} layers do not split evenly over {size} stages")
+        counts = [total // size] * size
+        counts[0] -= embedding
+        counts[-1] -= loss
+    if sum(counts) != layers or min(counts) < 0:
+        raise refuse(f"its args' stages hold {counts} layers, not num_layers {layers}")
+    untie = args.get("untie_embeddings_and_output_weights")
+    if not isinstance(untie, bool):
+        raise InputError(
+            f"{rank.file}: its args do not say untie_embeddings_and_output_weights: gradclip "
+            f"cannot tell whether the last stage's {_COPY} is the embedding's copy"
+        )
+    offsets = [sum(counts[:s]) for s in range(size)]
+    for ranks in stages:  # each stage holds exactly the layers its args give it
+        held = {int(m.group(1)) for n in ranks[0].weights if (m := _LAYER.fullmatch(n))}
+        stage = ranks[0].stage
+        if held != set(range(counts[stage])):
+            raise InputError(
+                f"{ranks[0].file}: holds decoder layers {sorted(held)}, but its args give "
+                f"pipeline stage {stage} {counts[stage]} layer(s) of {layers}: gradclip "
+                "cannot tell which global layer each stage holds"
+            )
+        if not untie and stage == size - 1 and _COPY not in ranks[0].weights:
+            raise InputError(
+                f"{ranks[0].file}: its args say the output layer is tied to the embedding, "
+                f"but the last stage holds no {_COPY}"
+            )
+    return {"offsets": offsets, "counts": counts, "tied": not untie, "size": size}
+
+
+def _global_names(rank: _Rank, local: list[str], layers: dict) -> tuple[dict, list[str]]:
+    """``decoder.layers.N`` of a stage renamed by its global layer (each stage numbers its
+    own from 0: a ``state_dict`` of its ``TransformerBlock``'s ``ModuleList``), and the
+    names that are the tied embedding's copy (a tied last stage's output layer, which
+    Megatron's grad norm skips as ``shared``)."""
+    offset = layers["offsets"][rank.stage]
+    rename = {}
+    for name in local:
+        match = _LAYER.fullmatch(name)
+        if match:
+            rename[name] = f"decoder.layers.{offset + int(match.group(1))}.{match.group(2)}"
+        elif _ANY_LAYER.search(name):
+            raise InputError(
+                f"{rank.file}: {visible(name)} is a layer outside decoder.layers: gradclip "
+                "cannot tell which global layer it is"
+            )
+    last = rank.stage == layers["size"] - 1
+    copies = [_COPY] if layers["tied"] and last and _COPY in local else []
+    return rename, copies
+
+
+def _pipeline_line(stages: list[list[_Rank]], layers: dict, tied: list[str]) -> str:
+    held = ", ".join(
+        f"{_span(layers['offsets'][r[0].stage], layers['counts'][r[0].stage])} in "
+        f"{r[0].file.parent.name}"
+        for r in stages
+    )
+    line = (
+        f"decoder layers {held}: each stage numbers its own from 0, named here by the "
+        "global layer (the args' num_layers and pipeline split)"
+    )
+    if tied:
+        line += (
+            f"; the last stage's {_COPY} is its copy of embedding.word_embeddings.weight "
+            "(tied): not counted, as Megatron's grad norm skips the shared copy"
+        )
+    return line
+
+
+def _span(offset: int, count: int) -> str:
+    if count == 0:
+        return "none"
+    return str(offset) if count == 1 else f"{offset}-{offset + count - 1}"
+
+
+def _stages_optimizer(
+    parts: list[tuple[OptimizerState | None, str | None, dict[str, str]]], names: list[str]
+) -> tuple[OptimizerState | None, str | None]:
+    """The stages' optimizers as one, by global names (a tied copy's state left out)."""
+    if len(parts) == 1:
+        return parts[0][0], parts[0][1]
+    notes = [note for optimizer, note, _ in parts if optimizer is None]
+    if notes:
+        return None, notes[0]
+    order = {n: i for i, n in enumerate(names)}
+    groups, state, param_names = [], {}, {}
+    for optimizer, _, rename in parts:
+        for group in optimizer.param_groups:
+            members = []
+            for pid in group["params"]:
+                name = rename.get(optimizer.param_names.get(pid))
+                if name is None:
+                    continue  # the tied embedding's copy
+                members.append(order[name])
+                state[order[name]] = optimizer.state[pid]
+                param_names[order[name]] = name
+            groups.append({**group, "params": members})
+    return OptimizerState(groups, state, param_names, parts[0][0].file), None
 
 
 def _iteration(root: Mapping, args: Mapping, file: Path) -> int | None:
