@@ -416,3 +416,231 @@ def test_two_ranks_print_the_one_process_report(megatron_lm_runs, tmp_path):
     ]
     jobs.append({"args": ["trend", str(run / "run"), "--what", "exp_avg", "--format", "json"]})
     same_under_torchrun(jobs, tmp_path)
+
+
+# --------------------------------------------------------------------- pipeline stages
+
+STAGE = "mp_rank_00_{:03d}"
+
+
+@pytest.fixture(scope="module")
+def pp_runs(megatron_lm_runs, tmp_path_factory) -> dict[str, Path]:
+    """2 pipeline stages on 2 gloo ranks, trained through Megatron-core's own 1F1B schedule:
+    fp32, 4 layers 2 a stage, the output layer untied (``"pp2"``); bf16, 3 layers, 1 on the
+    first stage (``--decoder-first-pipeline-num-layers 1``), tied, so the last stage holds a
+    copy of the embedding (``"pp2_tied"``); bf16, tied, with the distributed optimizer
+    (``"pp2_distopt"``)."""
+    python = megatron_lm_runs["python"]
+    out = {}
+    for name, extra in (
+        ("pp2", ()),
+        ("pp2_tied", ("tied", "bf16", "uneven")),
+        ("pp2_distopt", ("tied", "bf16", "distopt")),
+    ):
+        folder = tmp_path_factory.mktemp(f"megatron_lm_{name}")
+        out[name] = run_generator(python, "megatron_lm_run.py", folder, 2, "pp", *extra)
+    return out
+
+
+@pytest.fixture(scope="module", params=["pp2", "pp2_tied", "pp2_distopt"])
+def pp_run(request, pp_runs) -> Path:
+    return pp_runs[request.param]
+
+
+def _global(ref: dict) -> dict:
+    """A stage's reference under global layer names: Megatron's own layer objects give each
+    local ``decoder.layers.i`` its ``layer_number`` (``layer_numbers[i]``, from 0)."""
+
+    def name(local: str) -> str:
+        head, _, rest = local.partition("decoder.layers.")
+        if head or not rest:
+            return local
+        index, _, tail = rest.partition(".")
+        return f"decoder.layers.{ref['layer_numbers'][int(index)]}.{tail}"
+
+    out = dict(ref)
+    for key in ("weights", "masters", "state", "hyper", "counted"):
+        if key in ref:
+            out[key] = {name(n): v for n, v in ref[key].items()}
+    return out
+
+
+def _stage_refs(run: Path, step: int) -> list[dict]:
+    refs = [_global(ref) for ref in _references(run, step)]
+    assert [ref["stage"] for ref in refs] == [0, 1]
+    return refs
+
+
+def test_the_pipeline_fixture_numbers_layers_per_stage(pp_run):
+    """Megatron's own files: one mp_rank_00_00S folder a stage, each numbering its layers
+    from 0, while Megatron's layer objects know them by their global number."""
+    folder = pp_run / "run" / "iter_0000003"
+    assert sorted(p.name for p in folder.iterdir()) == [STAGE.format(0), STAGE.format(1)]
+    refs = _references(pp_run, 3)
+    first, last = refs[0]["layer_numbers"], refs[1]["layer_numbers"]
+    assert first == list(range(len(first))) and last == list(range(len(first), len(first) + 2))
+    assert "decoder.layers.0.input_layernorm.weight" in refs[1]["weights"]
+    assert f"decoder.layers.{len(last)}.input_layernorm.weight" not in refs[1]["weights"]
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", [*QUANTITIES, "weights"])
+def test_every_quantity_of_the_stages_against_megatrons_load(gradclip, pp_run, step, what):
+    refs = _stage_refs(pp_run, step)
+    expected, weights = _expected(refs, what), _expected(refs, "weights")
+    result = gradclip(
+        "inspect", pp_run / "run" / f"iter_{step:07d}", "--what", what, "--format", "json"
+    )
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["format"], doc["step"], doc["what"]) == ("megatron-legacy", step, what)
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+        if what != "weights":
+            assert rel_err(row["ratio"], norm([expected[name]]) / norm([weights[name]])) <= TOL
+    groups = {g["name"]: g for g in doc["groups"]}
+    layers = [n for ref in refs for n in ref["layer_numbers"]]
+    assert layers == list(range(len(layers)))
+    for layer in layers:  # each global layer a group of its own, whichever stage holds it
+        members = [n for n in expected if n.startswith(f"decoder.layers.{layer}.")]
+        assert members
+        assert (
+            rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(expected[n] for n in members))
+            <= TOL
+        )
+
+
+def test_the_tied_copy_counts_once(gradclip, pp_runs):
+    """Tied: the last stage's output_layer.weight is Megatron's shared copy of the embedding
+    (not counted by its grad norm); untied, it is a parameter of its own."""
+    for name, tied in (("pp2", False), ("pp2_tied", True), ("pp2_distopt", True)):
+        ref = _references(pp_runs[name], 3)[1]
+        assert ref["counted"]["output_layer.weight"] is not tied
+        result = gradclip("inspect", pp_runs[name] / "run", "--format", "json")
+        assert result.code == 0, result.err
+        doc = result.json()
+        names = {t["name"] for t in doc["tensors"]}
+        assert ("output_layer.weight" in names) is not tied, name
+        assert ("(tied): not counted" in " ".join(doc["description"])) is tied
+
+
+@pytest.mark.parametrize("what", [*QUANTITIES, "weights"])
+def test_one_stage_alone(gradclip, pp_runs, what):
+    """The last stage's folder alone: its layers under their global numbers, and the report
+    says it covers that stage only."""
+    run = pp_runs["pp2_tied"]
+    ref = _stage_refs(run, 3)[1]
+    expected = _expected([ref], what)
+    del expected["output_layer.weight"]  # the tied copy, which Megatron's norm skips
+    result = gradclip(
+        "inspect",
+        run / "run" / "iter_0000003" / STAGE.format(1),
+        "--what",
+        what,
+        "--format",
+        "json",
+    )
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["step"] == 3 and "covers mp_rank_00_001 only" in " ".join(doc["description"])
+    assert {t["name"] for t in doc["tensors"]} == set(expected)
+    assert {g["name"] for g in doc["groups"]} >= {"decoder.layers.1", "decoder.layers.2"}
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+
+
+def test_trend_over_the_pipelined_save_folder(gradclip, pp_runs):
+    run = pp_runs["pp2"]
+    result = gradclip("trend", run / "run", "--what", "update", "--format", "json")
+    assert result.code == 0, result.err
+    points = result.json()["points"]
+    assert [p["step"] for p in points] == list(STEPS)
+    for point, step in zip(points, STEPS):
+        expected = _expected(_stage_refs(run, step), "update")
+        assert rel_err(point["total_norm"], norm(expected.values())) <= TOL
+        assert (
+            rel_err(
+                point["groups"]["decoder.layers.3"],
+                norm(v for n, v in expected.items() if n.startswith("decoder.layers.3.")),
+            )
+            <= TOL
+        )
+
+
+@pytest.fixture
+def pp_save(pp_runs, tmp_path) -> Path:
+    target = tmp_path / "save"
+    shutil.copytree(pp_runs["pp2"] / "run", target)
+    return target
+
+
+def _stage_file(save: Path, stage: int, step: int = 3) -> Path:
+    return save / f"iter_{step:07d}" / STAGE.format(stage) / FILE
+
+
+def _rewrite_args(megatron_lm_runs, file: Path, change: str) -> None:
+    """Change a real stage file's args with Megatron's own classes (in its venv)."""
+    code = (
+        "import sys, torch; sys.path.insert(0, sys.argv[2]); "
+        "sd = torch.load(sys.argv[1], weights_only=False); a = sd['args']; "
+        f"{change}; torch.save(sd, sys.argv[1])"
+    )
+    done = subprocess.run(
+        [megatron_lm_runs["python"], "-c", code, str(file), os.environ["MEGATRON_LM_PATH"]],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_missing_stage(gradclip, pp_save):
+    shutil.rmtree(pp_save / "iter_0000003" / STAGE.format(1))
+    one_line_exit_3(gradclip("inspect", pp_save), "no mp_rank_00_001", "pipeline")
+
+
+def test_a_stage_from_another_iteration(gradclip, pp_save):
+    shutil.copy(_stage_file(pp_save, 1, 2), _stage_file(pp_save, 1))
+    one_line_exit_3(
+        gradclip("inspect", pp_save), "mp_rank_00_001", "iteration 2", "not one checkpoint"
+    )
+
+
+def test_a_truncated_stage_file(gradclip, pp_save):
+    file = _stage_file(pp_save, 1)
+    file.write_bytes(file.read_bytes()[:1000])
+    one_line_exit_3(gradclip("inspect", pp_save, "--what", "weights"), "mp_rank_00_001", FILE)
+
+
+def test_stages_that_disagree_on_the_pipeline_size(gradclip, pp_save, megatron_lm_runs):
+    _rewrite_args(megatron_lm_runs, _stage_file(pp_save, 1), "a.pipeline_model_parallel_size = 3")
+    one_line_exit_3(
+        gradclip("inspect", pp_save), "mp_rank_00_001", "3 pipeline-parallel ranks"
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ("a.virtual_pipeline_model_parallel_size = 2", ("virtual_pipeline_model_parallel_size",)),
+        ("a.decoder_first_pipeline_num_layers = 1", ("decoder layers [0, 1]", "1 layer(s)")),
+        ("a.num_layers = 5", ("5 layers do not split evenly",)),
+        ("del a.untie_embeddings_and_output_weights", ("untie_embeddings_and_output_weights",)),
+    ],
+)
+def test_a_split_the_args_do_not_decide(gradclip, pp_save, megatron_lm_runs, change, words):
+    """Virtual stages, an uneven split the files do not hold, a layer count the stages
+    cannot share, no word on tying: refused, naming the file, never guessed."""
+    for stage in (0, 1):
+        _rewrite_args(megatron_lm_runs, _stage_file(pp_save, stage), change)
+    one_line_exit_3(gradclip("inspect", pp_save), "mp_rank_00_00", *words)
+
+
+def test_two_processes_print_the_one_process_pipelined_report(pp_runs, tmp_path):
+    jobs = [
+        {"args": ["inspect", str(pp_runs[n] / "run"), "--what", w, "--format", f, "--no-progress"]}
+        for n, w, f in (("pp2", "exp_avg", "table"), ("pp2_tied", "update", "json"))
+    ]
+    jobs.append({"args": ["trend", str(pp_runs["pp2"] / "run"), "--what", "grad_rms"]})
+    same_under_torchrun(jobs, tmp_path)

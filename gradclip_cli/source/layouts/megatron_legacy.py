@@ -188,7 +188,7 @@ def open_iteration(
                 g, [(r.masters if masters else r.weights)[n] for r in ranks], local_kinds[n], files
             )
         parts.append((optimizer, note, {n: rename.get(n, n) for n in local if n not in copies}))
-    optimizer, note = _stages_optimizer(parts, names)
+    optimizer, note = _stages_optimizer(parts, names) if layers else parts[0][:2]
     contents = Contents(
         path=path,
         kind=KIND,
@@ -570,8 +570,6 @@ def _stages_optimizer(
     parts: list[tuple[OptimizerState | None, str | None, dict[str, str]]], names: list[str]
 ) -> tuple[OptimizerState | None, str | None]:
     """The stages' optimizers as one, by global names (a tied copy's state left out)."""
-    if len(parts) == 1:
-        return parts[0][0], parts[0][1]
     notes = [note for optimizer, note, _ in parts if optimizer is None]
     if notes:
         return None, notes[0]
