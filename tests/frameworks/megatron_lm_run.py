@@ -18,7 +18,13 @@ with fp32 master copies. 3 steps, and after each Megatron-LM's ``save_checkpoint
 ``latest_checkpointed_iteration.txt``. With ``tp`` the ranks are tensor parallel
 (``mp_rank_00``, ``mp_rank_01``; every rank sees the same batch); without it they are data
 parallel and only the first writes (``mp_rank_00``). With ``tied`` the output layer
-shares the embedding's weight (Megatron's default; untied otherwise).
+shares the embedding's weight (Megatron's default; untied otherwise). With ``pp`` every rank
+is a pipeline stage (``mp_rank_00_00S``, 4 layers; ``uneven``: 3 layers, 1 on the first
+stage): each stage builds its part (``pre_process``/``post_process`` as Megatron-LM's
+``model_provider`` sets them) wrapped in Megatron's DDP, and a step is Megatron-core's own
+1F1B schedule (``get_forward_backward_func``: activations and their gradients sent between
+the stages over gloo), its ``finalize_model_grads`` (the tied embedding's gradients
+all-reduced between the first and last stages), then the optimizer's step.
 
 CPU shims (the only changes to Megatron's behaviour; Megatron asks for CUDA where a CPU
 run has none):
@@ -32,7 +38,9 @@ run has none):
 * ``torch.cuda.synchronize``/``empty_cache`` do nothing, ``torch.cuda.current_device`` is
   the CPU (the attention's scratch buffer), ``torch.cuda.get_device_properties`` says a
   Hopper GPU (``validate_args`` asks, under tensor parallelism, for advice only);
-* Megatron's CUDA RNG tracker forks nothing (no dropout here).
+* Megatron's CUDA RNG tracker forks nothing (no dropout here);
+* ``Tensor.cuda()`` returns the tensor while the model is built (a tied last stage moves its
+  embedding copy there before the all-reduce from the first stage).
 
 Then, per step, Megatron-LM's ``load_checkpoint`` reads the step back into a freshly built
 model and optimizer (``--load OUT/run --ckpt-step N``), and each rank saves
@@ -40,7 +48,8 @@ model and optimizer (``--load OUT/run --ckpt-step N``), and each rank saves
 state per parameter (found through the parameter objects the optimizer holds, never
 through ids), the fp32 masters with ``bf16``, and Megatron's own
 ``param_is_not_tensor_parallel_duplicate`` for each parameter (what ``get_grad_norm_fp32``
-counts).
+counts, and with ``pp`` not ``shared``), and with ``pp`` each local layer's global number
+from Megatron's own ``layer_number``.
 """
 
 from __future__ import annotations

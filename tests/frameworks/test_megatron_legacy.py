@@ -1,13 +1,15 @@
 """Megatron legacy format: Megatron-LM's own ``save_checkpoint`` (``--ckpt-format torch``) on
 1 rank and on 2 tensor-parallel ranks (``megatron_lm_run.py``), each also with Megatron's
 distributed optimizer (``--use-distributed-optimizer``: ``distrib_optim.pt`` beside each
-rank's file; bf16, grad buffers of 3000-element buckets).
+rank's file; bf16, grad buffers of 3000-element buckets), and on 2 pipeline stages
+(``mp_rank_00_000``, ``mp_rank_00_001``) trained through Megatron-core's own 1F1B schedule.
 
 References never go through gradclip: Megatron-LM's own ``load_checkpoint`` reads each step
 back into a fresh model and optimizer (in the generator's venv), which records each
 parameter's weights (the fp32 masters under bf16), torch's AdamW state found through the
 parameter objects, and Megatron's ``param_is_not_tensor_parallel_duplicate``: the
-parameters its ``get_grad_norm_fp32`` counts on each rank. The moments' bias corrections
+parameters its ``get_grad_norm_fp32`` counts on each rank (with pipeline stages, also not
+``shared``), and each stage's layers' own ``layer_number``. The moments' bias corrections
 and updates are computed here in float64.
 
 Needs ``MEGATRON_LM_PATH`` (a Megatron-LM checkout at tag core_v0.16.1); skipped without.
@@ -517,8 +519,12 @@ def test_the_tied_copy_counts_once(gradclip, pp_runs):
     """Tied: the last stage's output_layer.weight is Megatron's shared copy of the embedding
     (not counted by its grad norm); untied, it is a parameter of its own."""
     for name, tied in (("pp2", False), ("pp2_tied", True), ("pp2_distopt", True)):
-        ref = _references(pp_runs[name], 3)[1]
+        first, ref = _references(pp_runs[name], 3)
         assert ref["counted"]["output_layer.weight"] is not tied
+        if tied:  # the copy: the same weights, masters and moments as the embedding's
+            embedding, copy = "embedding.word_embeddings.weight", "output_layer.weight"
+            assert torch.equal(first["masters"][embedding], ref["masters"][copy])
+            assert torch.equal(first["state"][embedding]["exp_avg"], ref["state"][copy]["exp_avg"])
         result = gradclip("inspect", pp_runs[name] / "run", "--format", "json")
         assert result.code == 0, result.err
         doc = result.json()
@@ -615,9 +621,7 @@ def test_a_truncated_stage_file(gradclip, pp_save):
 
 def test_stages_that_disagree_on_the_pipeline_size(gradclip, pp_save, megatron_lm_runs):
     _rewrite_args(megatron_lm_runs, _stage_file(pp_save, 1), "a.pipeline_model_parallel_size = 3")
-    one_line_exit_3(
-        gradclip("inspect", pp_save), "mp_rank_00_001", "3 pipeline-parallel ranks"
-    )
+    one_line_exit_3(gradclip("inspect", pp_save), "mp_rank_00_001", "3 pipeline-parallel ranks")
 
 
 @pytest.mark.parametrize(
@@ -627,11 +631,16 @@ def test_stages_that_disagree_on_the_pipeline_size(gradclip, pp_save, megatron_l
         ("a.decoder_first_pipeline_num_layers = 1", ("decoder layers [0, 1]", "1 layer(s)")),
         ("a.num_layers = 5", ("5 layers do not split evenly",)),
         ("del a.untie_embeddings_and_output_weights", ("untie_embeddings_and_output_weights",)),
+        (
+            "sd['model0'] = sd.pop('model'); sd['model1'] = dict(sd['model0'])",
+            ("2 virtual pipeline chunks (model0, model1)",),
+        ),
     ],
 )
 def test_a_split_the_args_do_not_decide(gradclip, pp_save, megatron_lm_runs, change, words):
-    """Virtual stages, an uneven split the files do not hold, a layer count the stages
-    cannot share, no word on tying: refused, naming the file, never guessed."""
+    """Virtual stages (in the args, or as Megatron saves them: model0, model1...), an uneven
+    split the files do not hold, a layer count the stages cannot share, no word on tying:
+    refused, naming the file, never guessed."""
     for stage in (0, 1):
         _rewrite_args(megatron_lm_runs, _stage_file(pp_save, stage), change)
     one_line_exit_3(gradclip("inspect", pp_save), "mp_rank_00_00", *words)

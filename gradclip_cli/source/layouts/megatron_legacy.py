@@ -53,6 +53,18 @@ Megatron's ``get_grad_norm_fp32`` counts a parameter only where
 attribute, set by the parallel layers and saved nowhere). So replication is
 decided from Megatron-core's module names (``_split_axis``) and checked against
 ``args.hidden_size``; a name the rules do not know is refused, naming the file.
+
+Pipeline parallelism (``mp_rank_XX_YYY``: stage YYY, when ``args.pipeline_model_parallel_size``
+is above 1; ``get_checkpoint_name`` gives an expert rank the same suffix without it): each
+stage saves its own layers as its ``TransformerBlock``'s ``ModuleList`` numbers them, from
+0 (only the ``torch_dist`` format renames them by ``layer_number``). The global number is
+the stage's offset, computed from the args as ``get_num_layers_to_build`` and
+``get_transformer_layer_offset`` do (an even split, ``decoder_first/last_pipeline_num_layers``,
+``account_for_embedding/loss_in_pipeline_split``), and each stage must hold exactly its
+count of layers; virtual stages, a custom layout and multi-token prediction are refused.
+Tied (``untie_embeddings_and_output_weights`` False), the last stage's ``output_layer.weight``
+is a copy of the first stage's word embeddings, marked ``shared``, which
+``get_main_grads_for_grad_norm`` skips: it is left out, with its optimizer state.
 """
 
 from __future__ import annotations
@@ -128,7 +140,8 @@ def is_iteration(path: Path) -> bool:
 
 
 def _open_rank(path: Path, rank_folder: Path, *, trust_pickle: bool, verify: bool) -> Contents:
-    """One tensor-parallel rank alone: its own shards, said to cover that rank only."""
+    """One rank alone (a tensor-parallel rank, or a pipeline stage's): its own shards and
+    layers, said to cover that rank only."""
     contents = open_iteration(
         path,
         rank_folder.parent,
@@ -139,9 +152,15 @@ def _open_rank(path: Path, rank_folder: Path, *, trust_pickle: bool, verify: boo
     )
     siblings = [n for n in os.listdir(rank_folder.parent) if _RANK.fullmatch(n)]
     if len(siblings) > 1:
+        stage = _RANK.fullmatch(rank_folder.name).group(2)
         contents.description.append(
-            f"covers {rank_folder.name} only, one of {len(siblings)} tensor-parallel ranks: "
-            f"its shards alone; {visible(rank_folder.parent.name)}/ holds the whole model"
+            f"covers {rank_folder.name} only, one of {len(siblings)} "
+            + (
+                "ranks of the pipeline stages: its layers and shards"
+                if stage
+                else "tensor-parallel ranks: its shards"
+            )
+            + f" alone; {visible(rank_folder.parent.name)}/ holds the whole model"
         )
     return contents
 
@@ -255,7 +274,8 @@ def open_iteration(
             f"({rank_names})"
         )
     else:
-        held = f"pipeline stage {first.stage}, tensor-parallel rank {rank_names}"
+        held = f"pipeline stage {first.stage}'s tensor-parallel rank {first.tensor_rank}"
+        held += f" ({rank_names})"
     contents.description.append(
         f"Megatron legacy checkpoint{via}{at}: {held}, {len(names)} model tensors "
         f"({len(first.skipped)} _extra_state entries skipped per rank)"
