@@ -653,3 +653,37 @@ def test_two_processes_print_the_one_process_pipelined_report(pp_runs, tmp_path)
     ]
     jobs.append({"args": ["trend", str(pp_runs["pp2"] / "run"), "--what", "grad_rms"]})
     same_under_torchrun(jobs, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "a.decoder_first_pipeline_num_layers = None; a.decoder_last_pipeline_num_layers = 2",
+        "a.decoder_first_pipeline_num_layers = None; "
+        "a.account_for_embedding_in_pipeline_split = True",
+    ],
+)
+def test_other_args_that_give_the_same_split(gradclip, pp_runs, megatron_lm_runs, tmp_path, change):
+    """1 + 2 layers said another way Megatron-core builds the same stages by (the last
+    stage's count, or the embedding counted as a layer of the first): the same report."""
+    save = tmp_path / "save"
+    shutil.copytree(pp_runs["pp2_tied"] / "run", save)
+    for stage in (0, 1):
+        _rewrite_args(megatron_lm_runs, _stage_file(save, stage), change)
+    before = gradclip("inspect", pp_runs["pp2_tied"] / "run", "--format", "json")
+    after = gradclip("inspect", save, "--format", "json")
+    assert after.code == 0, after.err
+    assert after.json()["groups"] == before.json()["groups"]
+    assert after.json()["total_norm"] == before.json()["total_norm"]
+
+
+def test_a_split_the_files_do_not_hold(gradclip, pp_runs, megatron_lm_runs, tmp_path):
+    """The loss counted as a layer of the last stage: 2 + 1 layers, but the files hold 1 + 2."""
+    save = tmp_path / "save"
+    shutil.copytree(pp_runs["pp2_tied"] / "run", save)
+    change = (
+        "a.decoder_first_pipeline_num_layers = None; a.account_for_loss_in_pipeline_split = True"
+    )
+    for stage in (0, 1):
+        _rewrite_args(megatron_lm_runs, _stage_file(save, stage), change)
+    one_line_exit_3(gradclip("inspect", save), "mp_rank_00_000", "decoder layers [0]", "2 layer")
