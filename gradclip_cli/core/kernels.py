@@ -209,8 +209,9 @@ def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float, workers: int 
 
     A tensor of at least ``SMALL`` elements is cut into runs of ``CHUNK``
     elements, each one row: ``aminmax`` reads it into cache, and the power
-    sum's passes then hit cache (at p = 2 one pass: ``row_norms_into``). Smaller tensors of equal size are stacked into
-    blocks, one row per tensor, so 20,000 small tensors cost a few hundred
+    sum's passes then hit cache (at p = 2 one pass: ``row_norms_into``).
+    Smaller tensors of equal size are stacked into blocks, one row per
+    tensor, so 20,000 small tensors cost a few hundred
     reductions. ``workers`` > 1 spreads the pieces over that many threads
     (torch releases the GIL in each op). ``with_max=False`` skips the
     ``aminmax`` pass (p finite): the power sum alone certifies a norm.
