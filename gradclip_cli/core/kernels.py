@@ -474,9 +474,13 @@ def squares_on_cpu(tensors: Sequence[torch.Tensor]) -> Rows:
     if small:
         members = tensors if len(small) == len(sizes) else [tensors[i] for i in small]
         parts.append(_packing(tuple(t.shape for t in members), dtype).norms(members))
-    order = torch.tensor(big + small, dtype=torch.int64)
-    norm = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
-    length = torch.tensor(sizes, dtype=torch.int64)[order]
+    length = torch.tensor(sizes, dtype=torch.int64)
+    if len(parts) == 1 and len(sizes) in (len(big), len(small)):  # one kind, none empty
+        order, norm = torch.arange(len(sizes)), parts[0]
+    else:
+        order = torch.tensor(big + small, dtype=torch.int64)
+        norm = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
+        length = length[order]
     return Rows(order, torch.zeros_like(order), length, None, norm, dtype)
 
 
