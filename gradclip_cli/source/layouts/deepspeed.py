@@ -59,6 +59,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,9 @@ import torch
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, roles
+from gradclip_cli.source.files import megatron_pickle
 from gradclip_cli.source.files.deepspeed_pickle import GLOBALS
+from gradclip_cli.source.files.megatron_pickle import NamespaceState
 from gradclip_cli.source.files.small_file import excerpt, read_small_file
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import (
@@ -80,6 +83,7 @@ from gradclip_cli.source.interface import (
 
 from . import hf_trainer
 from .paths import inside
+from .tensor_parallel import hidden_size, merged, split_axis
 
 KIND = "deepspeed"
 LATEST = "latest"
@@ -87,6 +91,10 @@ _MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 # bf16 mixed precision (DeepSpeed's BF16_Optimizer) names its rank files bf16_zero_pp_rank_*,
 # with the same content.
 _OPTIM = re.compile(r"(?:(bf16_))?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+# Megatron-DeepSpeed passes Megatron's client state (``args``, an ``argparse.Namespace``;
+# numpy RNG state) to ``save_checkpoint``, which keeps it in the model state files: read as
+# inert data, as Megatron's own checkpoints are.
+_PICKLED = {**megatron_pickle.GLOBALS, **GLOBALS}
 _MAX_LATEST_BYTES = 4096  # a tag is a folder name
 _MAX_RANKS = 1 << 16
 
@@ -190,7 +198,7 @@ class _Reader:
         file = inside(self.folder, name, named_by=self.folder)
         if not os.path.exists(file):
             raise InputError(f"{file}: missing (the checkpoint's other files expect it)")
-        with allowing(GLOBALS):
+        with allowing(_PICKLED):
             ckpt = load_checkpoint(file, trust_pickle=self.trust_pickle, verify=self.verify)
         if not isinstance(ckpt.root, Mapping):
             raise InputError(f"{file}: not a DeepSpeed state file: not a dict")
@@ -201,30 +209,86 @@ class _Reader:
     def contents(self, given: Path) -> Contents:
         names = os.listdir(self.folder)
         found = [m for n in names if (m := _MODEL.fullmatch(n) or _OPTIM.fullmatch(n))]
-        mp_ranks = sorted({m.group(m.lastindex) for m in found})
-        if mp_ranks != ["00"]:
-            raise InputError(f"{self.folder}: holds model-parallel ranks "
-                             f"{visible(', '.join(mp_ranks))}; gradclip reads DeepSpeed "
-                             "checkpoints of one model-parallel rank (mp_rank_00)")
+        mp_ranks = sorted({int(m.group(m.lastindex)) for m in found})
         optim = [m for n in names if (m := _OPTIM.fullmatch(n))]
         prefixes = sorted({m.group(1) or "" for m in optim})
         if len(prefixes) > 1:
             raise InputError(f"{self.folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* "
                              "optimizer files; which set belongs to this checkpoint is unclear")
-        prefix = prefixes[0]
+        if mp_ranks != list(range(len(mp_ranks))):
+            missing = next(r for r in range(len(mp_ranks)) if r not in mp_ranks)
+            raise InputError(f"{self.folder}: holds model-parallel ranks "
+                             f"{', '.join(_mp(r) for r in mp_ranks)} but no {_mp(missing)}: "
+                             "the model-parallel ranks are incomplete")
+        parts = [self.part(mp, prefixes[0]) for mp in mp_ranks]
+        first = parts[0]
+        _check_model_parallel(parts, self.folder)
+        contents = Contents(path=given, kind=KIND, files=list(self.files),
+                            trusted_pickle=self.trusted)
+        split = 0
+        if len(parts) == 1:
+            weights, optimizer = first.weights, first.optimizer
+        else:
+            weights, optimizer, split = _tensor_parallel(parts)
+        # param_shapes lists parameters group by group; the module's state dict
+        # (placeholders under ZeRO 3) keeps the model's order, which the report follows.
+        module = first.model.root.get("module")
+        order = [k for k in module if k in weights] if isinstance(module, Mapping) else []
+        if len(order) == len(weights):
+            weights = {n: weights[n] for n in order}
+            contents.model_order_names = order
+        else:
+            contents.model_order = False
+        contents.weights = weights
+        contents.optimizers = [optimizer]
+        models = _span([p.model.path.name for p in parts])
+        held = _span([p.held for p in parts])
+        ranks = f" of {len(parts)} model-parallel ranks" if len(parts) > 1 else ""
+        contents.evidence[roles.WEIGHT] = \
+            f"a DeepSpeed checkpoint{ranks}: {models}, fp32 master weights in {held}"
+        contents.evidence[roles.OPTIMIZER_STATE] = f"a DeepSpeed checkpoint{ranks}: {held}"
+        step = first.model.root.get("global_steps")
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            contents.step = step
+        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
+        version = first.model.root.get("ds_version")
+        version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
+        at = f" at global step {contents.step}" if contents.step is not None else ""
+        contents.description.append(
+            f"DeepSpeed ZeRO stage {first.stage} checkpoint{at}: {visible(self.folder.name)}/")
+        mp = f"{len(parts)} model-parallel ranks ({_span([_mp(r) for r in mp_ranks])}) x " \
+            if len(parts) > 1 else ""
+        contents.description.append(
+            f"{mp}{first.world} data-parallel rank(s){version}: fp32 master weights and Adam "
+            f"moments of {len(first.trainable)} parameters")
+        if len(parts) > 1:
+            contents.description.append(
+                f"{split} tensors split across the model-parallel ranks (measured as their "
+                f"shards together), {len(weights) - split} replicated (counted once, from "
+                f"{_mp(0)}, as Megatron's get_grad_norm_fp32 does), by Megatron's layer names")
+        if first.frozen:
+            contents.description.append(
+                f"{len(first.frozen)} frozen parameter(s): weights without Adam moments "
+                "(measured by --what weights)")
+        return contents
 
+    def part(self, mp: int, prefix: str) -> _Part:
+        """One model-parallel rank's files: its model states and every data-parallel rank's
+        optimizer partition, read as one ZeRO checkpoint of its own."""
         def optim_name(rank: int) -> str:
-            return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+            return f"{prefix}zero_pp_rank_{rank}_{_mp(mp)}_optim_states.pt"
 
-        optim_ranks = sorted(int(m.group(2)) for m in optim)
+        listed = os.listdir(self.folder)
+        optim_ranks = sorted(int(m.group(2)) for n in listed if (m := _OPTIM.fullmatch(n))
+                             and int(m.group(3)) == mp)
         first = self.load(optim_name(0))
         stage, world = _stage_and_world(first)
         beyond = [r for r in optim_ranks if r >= world]
         if beyond:
             raise InputError(f"{self.folder / optim_name(beyond[0])}: a rank beyond the "
                              f"{world} that {first.path.name} names (partition_count)")
-        model = self.load("mp_rank_00_model_states.pt" if stage <= 2
-                          else "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        model = self.load(f"{_mp(mp)}_model_states.pt" if stage <= 2
+                          else f"zero_pp_rank_0_{_mp(mp)}_model_states.pt")
         shapes = _param_shapes(model)
         optims = [first] + [self.load(optim_name(r)) for r in range(1, world)]
         for ckpt in optims[1:]:
@@ -246,46 +310,14 @@ class _Reader:
             places = _zero3_places(shapes, flats, world, first)
         flat_shapes = shapes_flat(shapes)
         weights = {n: _stored(n, flat_shapes[n], places[n], flats, files) for n in flat_shapes}
-        frozen = self.frozen(model, stage, world, flat_shapes)
+        frozen = self.frozen(model, stage, world, flat_shapes, mp)
         weights.update(frozen)
         optimizer = _optimizer(shapes, places, flats, padded, states, optims)
-        contents = Contents(path=given, kind=KIND, files=list(self.files),
-                            trusted_pickle=self.trusted)
-        # param_shapes lists parameters group by group; the module's state dict
-        # (placeholders under ZeRO 3) keeps the model's order, which the report follows.
-        module = model.root.get("module")
-        order = [k for k in module if k in weights] if isinstance(module, Mapping) else []
-        if len(order) == len(weights):
-            weights = {n: weights[n] for n in order}
-            contents.model_order_names = order
-        else:
-            contents.model_order = False
-        contents.weights = weights
-        contents.optimizers = [optimizer]
         held = first.path.name if world == 1 else \
             f"{optim_name(0).replace('rank_0_', 'rank_*_', 1)} ({world} ranks)"
-        contents.evidence[roles.WEIGHT] = \
-            f"a DeepSpeed checkpoint: {model.path.name}, fp32 master weights in {held}"
-        contents.evidence[roles.OPTIMIZER_STATE] = f"a DeepSpeed checkpoint: {held}"
-        step = model.root.get("global_steps")
-        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
-            contents.step = step
-        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
-        version = model.root.get("ds_version")
-        version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
-        at = f" at global step {contents.step}" if contents.step is not None else ""
-        contents.description.append(
-            f"DeepSpeed ZeRO stage {stage} checkpoint{at}: {visible(self.folder.name)}/")
-        contents.description.append(
-            f"{world} data-parallel rank(s){version}: fp32 master weights and Adam moments "
-            f"of {len(flat_shapes)} parameters")
-        if frozen:
-            contents.description.append(
-                f"{len(frozen)} frozen parameter(s): weights without Adam moments (measured by "
-                "--what weights)")
-        return contents
+        return _Part(mp, model, stage, world, flat_shapes, weights, frozen, optimizer, held)
 
-    def frozen(self, model: Checkpoint, stage: int, world: int, trainable: Mapping
+    def frozen(self, model: Checkpoint, stage: int, world: int, trainable: Mapping, mp: int
                ) -> dict[str, StoredTensor]:
         """Frozen parameters: weights without optimizer state, as ``zero_to_fp32`` reads them.
 
@@ -306,7 +338,7 @@ class _Reader:
         shapes = _shape_group(raw, model, "frozen_param_shapes", set(trainable))
         models = [model]
         if stage == 3:
-            models += [self.load(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+            models += [self.load(f"zero_pp_rank_{r}_{_mp(mp)}_model_states.pt")
                        for r in range(1, world)]
         fragments = []
         for ckpt in models:
@@ -346,6 +378,113 @@ class _Reader:
                     place.append((r, i, 0, keep, r * part))
             out[name] = _stored(name, shape, place, fragments, files)
         return out
+
+
+def _mp(rank: int) -> str:
+    return f"mp_rank_{rank:02d}"
+
+
+def _span(names: list[str]) -> str:
+    """Names for a message: all of two, the first and last of more."""
+    return ", ".join(names) if len(names) <= 2 else f"{names[0]} .. {names[-1]}"
+
+
+@dataclass
+class _Part:
+    """One model-parallel rank's ZeRO checkpoint: its parameters (shards, under tensor
+    parallelism) and their optimizer state, as one rank alone would be read."""
+
+    mp: int
+    model: Checkpoint
+    stage: int
+    world: int
+    trainable: dict[str, tuple[int, ...]]
+    weights: dict[str, StoredTensor]
+    frozen: dict[str, StoredTensor]
+    optimizer: OptimizerState
+    held: str  # the optimizer files, for the evidence
+
+
+def _args(model: Checkpoint) -> Mapping:
+    """Megatron's ``args`` where Megatron-DeepSpeed saved them (its ``client_state``)."""
+    args = model.root.get("args")
+    return args.state if isinstance(args, NamespaceState) else {}
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_model_parallel(parts: list[_Part], folder: Path) -> None:
+    """The model-parallel ranks are one checkpoint: each says how many there are (DeepSpeed's
+    ``mp_world_size`` and ``checkpoint_parallel_dimensions``, Megatron's args), and they agree
+    on the ZeRO layout, the step and every parameter's name and shape."""
+    n = len(parts)
+    held = f"{folder.name}/ holds {n} model-parallel rank(s)"
+    for part in parts:
+        root, file = part.model.root, part.model.path
+        dims = root.get("checkpoint_parallel_dimensions")
+        dims = dims if isinstance(dims, Mapping) else {}
+        args = _args(part.model)
+        for key, size in (("mp_world_size", root.get("mp_world_size")),
+                          ("tp_degree", dims.get("tp_degree")),
+                          ("args.tensor_model_parallel_size",
+                           args.get("tensor_model_parallel_size"))):
+            if size is not None and (not _count(size) or size != n):
+                raise InputError(f"{file}: {key} is {visible(repr(size))[:40]}, but {held}")
+        for key, size in (("pp_degree", dims.get("pp_degree")),
+                          ("args.pipeline_model_parallel_size",
+                           args.get("pipeline_model_parallel_size"))):
+            if size is not None and size != 1:
+                raise InputError(f"{file}: {key} is {visible(repr(size))[:40]}; gradclip "
+                                 "reads DeepSpeed checkpoints of tensor-parallel ranks only")
+    first = parts[0]
+    for part in parts[1:]:
+        file = part.model.path
+        if (part.stage, part.world) != (first.stage, first.world):
+            raise InputError(f"{file}: ZeRO stage {part.stage} over {part.world} data-parallel "
+                             f"ranks, {first.model.path.name} stage {first.stage} over "
+                             f"{first.world}: the ranks are not one checkpoint")
+        for key in ("global_steps", "ds_version"):
+            if part.model.root.get(key) != first.model.root.get(key):
+                raise InputError(f"{file}: its {key} differs from {first.model.path.name}'s: "
+                                 "the ranks are not one checkpoint")
+        mine = {n: tuple(t.shape) for n, t in part.weights.items()}
+        theirs = {n: tuple(t.shape) for n, t in first.weights.items()}
+        if mine != theirs or list(part.trainable) != list(first.trainable):
+            other = next((n for n in mine.keys() ^ theirs.keys()), None) or next(
+                (n for n in mine if mine[n] != theirs.get(n)), None)
+            which = f" ({visible(other)})" if other is not None else ""
+            raise InputError(f"{file}: its parameters differ from {first.model.path.name}'s"
+                             f"{which}: the ranks are not one model")
+
+
+def _tensor_parallel(parts: list[_Part]
+                     ) -> tuple[dict[str, StoredTensor], OptimizerState, int]:
+    """The model-parallel ranks' shards as whole parameters, and their moments alike: split
+    or replicated as Megatron's layer names say (``tensor_parallel``); and how many are
+    split."""
+    first = parts[0]
+    shapes = {n: tuple(t.shape) for n, t in first.weights.items()}
+    hidden = hidden_size(_args(first.model), shapes)
+    axes = {n: split_axis(n, s, hidden, first.model.path) for n, s in shapes.items()}
+    weights = {n: merged(n, [p.weights[n] for p in parts], axes[n]) for n in shapes}
+    names = first.optimizer.param_names or {}
+    state = {}
+    for pid, entry in first.optimizer.state.items():
+        name = names[pid]
+        entry = dict(entry)
+        for part in parts[1:]:
+            if part.optimizer.state[pid].get("step") != entry.get("step"):
+                raise InputError(f"{part.held}: Adam's step of {visible(name)} differs from "
+                                 f"{first.held}'s: the ranks are not one checkpoint")
+        for key, value in entry.items():
+            if isinstance(value, StoredTensor):
+                shards = [p.optimizer.state[pid][key] for p in parts]
+                entry[key] = merged(value.name, shards, axes[name])
+        state[pid] = entry
+    optimizer = OptimizerState(first.optimizer.param_groups, state, names, first.optimizer.file)
+    return weights, optimizer, sum(axis is not None for axis in axes.values())
 
 
 def _frozen_in_module(model: Checkpoint, trainable: Mapping) -> dict[str, StoredTensor]:
