@@ -18,7 +18,9 @@ norms, position embeddings and row-parallel biases. Runs (``RUNS``):
   .query_key_value``...), with Megatron-DeepSpeed's ``client_state`` (``args`` an
   ``argparse.Namespace``, ``iteration``);
 * ``zero1_plain/``: ZeRO 1, the same model under names that say nothing of how
-  tensor parallelism splits it (``blocks.0.attn.qkv``...).
+  tensor parallelism splits it (``blocks.0.attn.qkv``...);
+* ``zero3_core/``: ZeRO 3 (``zero_pp_rank_0_mp_rank_0X_model_states.pt``), Megatron-core's
+  names.
 
 Beside each, ``<run>.reference.pt`` holds the tests' references, rank 0's:
 ``exact``, every parameter's full fp32 master weight, ``exp_avg`` and ``exp_avg_sq``
@@ -36,31 +38,64 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import socket
 import sys
 from pathlib import Path
+
+from tests.layouts.deepspeed_runs import spawn
 
 WORLD = TP = 2
 VOCAB, HIDDEN, HEADS, FFN, CONTEXT, LAYERS = 32, 8, 2, 16, 6, 2
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.8, 0.95), 1e-6, 0.1
 # (folder, ZeRO stage, naming, steps saved)
-RUNS = (("zero1_core", 1, "core", (2, 3)), ("zero2_legacy", 2, "legacy", (2,)),
-        ("zero1_plain", 1, "plain", (2,)))
+RUNS = (
+    ("zero1_core", 1, "core", (2, 3)),
+    ("zero2_legacy", 2, "legacy", (2,)),
+    ("zero1_plain", 1, "plain", (2,)),
+    ("zero3_core", 3, "core", (2,)),
+)
 # Each naming's module names: embedding, position embedding, the layers' prefix, the
 # attention's qkv and proj, the MLP's fc1 and fc2, the two layer norms, the final norm,
 # the output layer.
 NAMES = {
-    "core": ("embedding.word_embeddings", "embedding.position_embeddings", "decoder.layers",
-             "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-             "mlp.linear_fc2", "input_layernorm", "pre_mlp_layernorm",
-             "decoder.final_layernorm", "output_layer"),
-    "legacy": ("language_model.embedding.word_embeddings",
-               "language_model.embedding.position_embeddings", "language_model.encoder.layers",
-               "self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h",
-               "mlp.dense_4h_to_h", "input_layernorm", "post_attention_layernorm",
-               "language_model.encoder.final_layernorm", "language_model.output_layer"),
-    "plain": ("wte", "wpe", "blocks", "attn.qkv", "attn.proj", "ffn.up", "ffn.down", "ln_1",
-              "ln_2", "ln_f", "head"),
+    "core": (
+        "embedding.word_embeddings",
+        "embedding.position_embeddings",
+        "decoder.layers",
+        "self_attention.linear_qkv",
+        "self_attention.linear_proj",
+        "mlp.linear_fc1",
+        "mlp.linear_fc2",
+        "input_layernorm",
+        "pre_mlp_layernorm",
+        "decoder.final_layernorm",
+        "output_layer",
+    ),
+    "legacy": (
+        "language_model.embedding.word_embeddings",
+        "language_model.embedding.position_embeddings",
+        "language_model.encoder.layers",
+        "self_attention.query_key_value",
+        "self_attention.dense",
+        "mlp.dense_h_to_4h",
+        "mlp.dense_4h_to_h",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "language_model.encoder.final_layernorm",
+        "language_model.output_layer",
+    ),
+    "plain": (
+        "wte",
+        "wpe",
+        "blocks",
+        "attn.qkv",
+        "attn.proj",
+        "ffn.up",
+        "ffn.down",
+        "ln_1",
+        "ln_2",
+        "ln_f",
+        "head",
+    ),
 }
 
 
@@ -220,7 +255,8 @@ def _model(tp: int, rank: int, naming: str, group):
             # ranks' rows side by side are the whole layer's.
             q, k, v = get(self, qkv)(get(self, ln1)(x)).view(b, t, heads, 3, -1).unbind(3)
             a = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )
             x = x + get(self, proj)(a.transpose(1, 2).reshape(b, t, -1))
             h = torch.nn.functional.gelu(get(self, fc1)(get(self, ln2)(x)))
             return x + get(self, fc2)(h)
@@ -263,8 +299,14 @@ def _axis(name: str, naming: str) -> int | None:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_SIZE=str(WORLD))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank),
+        LOCAL_SIZE=str(WORLD),
+    )
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -280,8 +322,11 @@ def _worker(rank: int, port: int, out: str) -> None:
         with torch.no_grad():
             for name, p in mirror.named_parameters():
                 # Away from LayerNorm's ones and zeros, so that every tensor has a norm of its own.
-                torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 and name.endswith("weight")
-                                      else 0.0, std=0.3 if p.dim() == 2 else 0.1)
+                torch.nn.init.normal_(
+                    p,
+                    mean=1.0 if p.dim() == 1 and name.endswith("weight") else 0.0,
+                    std=0.3 if p.dim() == 2 else 0.1,
+                )
         model = _model(TP, rank, naming, mpu.tp_group)
         full = dict(mirror.named_parameters())
         split = {}
@@ -295,22 +340,33 @@ def _worker(rank: int, port: int, out: str) -> None:
             named = list(module.named_parameters())
             decayed = [p for n, p in named if n.endswith("weight") and p.dim() == 2]
             ids = {id(p) for p in decayed}
-            return [{"params": decayed},
-                    {"params": [p for _, p in named if id(p) not in ids], "weight_decay": 0.0}]
+            return [
+                {"params": decayed},
+                {"params": [p for _, p in named if id(p) not in ids], "weight_decay": 0.0},
+            ]
 
-        plain = torch.optim.AdamW(groups(mirror), lr=LR, betas=BETAS, eps=EPS,
-                                  weight_decay=WEIGHT_DECAY)
+        plain = torch.optim.AdamW(
+            groups(mirror), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
+        )
         config = {
             "train_micro_batch_size_per_gpu": 3,
             "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {
-                "lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY,
-                "torch_adam": True}},
+            "optimizer": {
+                "type": "AdamW",
+                "params": {
+                    "lr": LR,
+                    "betas": list(BETAS),
+                    "eps": EPS,
+                    "weight_decay": WEIGHT_DECAY,
+                    "torch_adam": True,
+                },
+            },
             "gradient_clipping": 0.0,
             "zero_optimization": {"stage": stage},
         }
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups(model),
-                                          config=config, mpu=mpu)
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=groups(model), config=config, mpu=mpu
+        )
         assert type(engine.optimizer.optimizer).__name__ == "AdamW"
         g = torch.Generator().manual_seed(stage)  # the same batches on both ranks
         for step in range(1, max(saves) + 1):
@@ -318,8 +374,10 @@ def _worker(rank: int, port: int, out: str) -> None:
             target = torch.randint(0, VOCAB, (3, CONTEXT), generator=g)
 
             def loss(logits, target=target):
-                return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
-                                                         target.reshape(-1))
+                return torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, VOCAB), target.reshape(-1)
+                )
+
             engine.backward(loss(engine(ids)))
             engine.step()
             plain.zero_grad()
@@ -329,21 +387,32 @@ def _worker(rank: int, port: int, out: str) -> None:
                 continue
             client = {}
             if naming == "legacy":  # as Megatron-DeepSpeed's save_checkpoint passes it
-                client = {"args": argparse.Namespace(
-                    hidden_size=HIDDEN, num_attention_heads=HEADS, num_layers=LAYERS,
-                    ffn_hidden_size=FFN, tensor_model_parallel_size=TP,
-                    pipeline_model_parallel_size=1, iteration=step), "iteration": step}
+                client = {
+                    "args": argparse.Namespace(
+                        hidden_size=HIDDEN,
+                        num_attention_heads=HEADS,
+                        num_layers=LAYERS,
+                        ffn_hidden_size=FFN,
+                        tensor_model_parallel_size=TP,
+                        pipeline_model_parallel_size=1,
+                        iteration=step,
+                    ),
+                    "iteration": step,
+                }
             engine.save_checkpoint(os.path.join(out, folder_name), client_state=client)
             # DeepSpeed links each parameter to its optimizer state once, after the first
             # param group's first step (stage_1_and_2.py ``_optimizer_step``), when the
             # second group has no state yet: linked again now that every group has one.
-            engine.optimizer._hp_optimizer_states_linked = False
-            engine.optimizer._lazy_init_hp_params_optimizer_state()
+            # (ZeRO 3 finds the state at each call.)
+            if stage <= 2:
+                engine.optimizer._hp_optimizer_states_linked = False
+                engine.optimizer._lazy_init_hp_params_optimizer_state()
             exact = {}
             for name, p in engine.module.named_parameters():
-                entry = {"weight": safe_get_full_fp32_param(p),
-                         **{k: safe_get_full_optimizer_state(p, k)
-                            for k in ("exp_avg", "exp_avg_sq")}}
+                entry = {
+                    "weight": safe_get_full_fp32_param(p),
+                    **{k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")},
+                }
                 axis = split[name]
                 for key, value in entry.items():
                     parts = [torch.empty_like(value) for _ in range(TP)]
@@ -358,9 +427,13 @@ def _worker(rank: int, port: int, out: str) -> None:
                 exact[name] = entry
             reference = {
                 "exact": exact,
-                "mirror": {name: {"weight": p.detach().clone(), **{
-                    k: v.clone() for k, v in plain.state[p].items()}}
-                    for name, p in mirror.named_parameters()},
+                "mirror": {
+                    name: {
+                        "weight": p.detach().clone(),
+                        **{k: v.clone() for k, v in plain.state[p].items()},
+                    }
+                    for name, p in mirror.named_parameters()
+                },
                 "split": split,
                 "order": [n for n, _ in model.named_parameters()],
             }
@@ -372,12 +445,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def build(out: Path) -> None:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, os.fspath(out)), nprocs=WORLD)
+    spawn(_worker, out)
 
 
 if __name__ == "__main__":

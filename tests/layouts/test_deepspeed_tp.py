@@ -33,6 +33,7 @@ from tests.distributed.launch import (
 )
 from tests.hardening.support import assert_refused, run_cli
 from tests.layouts.deepspeed_tp_run import BETAS, EPS, LR
+from tests.layouts.test_deepspeed import _rewrite
 
 QUANTITIES = ("exp_avg", "grad_rms", "update", "weights")
 # The reader's arithmetic against float64 of the same stored float32 values.
@@ -40,11 +41,12 @@ TOL = 1e-6
 MODEL = "mp_rank_{:02d}_model_states.pt"
 OPTIM = "zero_pp_rank_0_mp_rank_{:02d}_optim_states.pt"
 # (fixture path under the run folder, reference, step): the save folder (``latest``)
-# and a tag folder, ZeRO 1 and 2, Megatron-core's and legacy Megatron's names.
+# and a tag folder, ZeRO 1, 2 and 3, Megatron-core's and legacy Megatron's names.
 CASES = {
     "zero1_core": ("zero1_core", "zero1_core.step3", 3),
     "zero1_core-step2": ("zero1_core/global_step2", "zero1_core.step2", 2),
     "zero2_legacy": ("zero2_legacy", "zero2_legacy.step2", 2),
+    "zero3_core": ("zero3_core", "zero3_core.step2", 2),
 }
 
 
@@ -62,8 +64,7 @@ def _expected(reference: dict, what: str) -> dict[str, torch.Tensor]:
         step = entry["step"]
         m = entry["exp_avg"].double() / (1 - BETAS[0] ** step)
         v = entry["exp_avg_sq"].double() / (1 - BETAS[1] ** step)
-        out[name] = {"exp_avg": m, "grad_rms": v.sqrt(), "update": LR * m / (v.sqrt() + EPS)}[
-            what]
+        out[name] = {"exp_avg": m, "grad_rms": v.sqrt(), "update": LR * m / (v.sqrt() + EPS)}[what]
     return out
 
 
@@ -85,19 +86,29 @@ def test_the_fixture_is_tensor_parallelism_of_one_model(deepspeed_tp_runs):
     for run, (path, ref, step) in CASES.items():
         folder = deepspeed_tp_runs / path
         tag = folder if folder.name.startswith("global_step") else folder / f"global_step{step}"
+        model = ("zero_pp_rank_0_" + MODEL) if run.startswith("zero3") else MODEL
         assert sorted(os.listdir(tag)) == sorted(
-            [MODEL.format(r) for r in (0, 1)] + [OPTIM.format(r) for r in (0, 1)]), run
+            [model.format(r) for r in (0, 1)] + [OPTIM.format(r) for r in (0, 1)]
+        ), run
         reference = _reference(deepspeed_tp_runs, ref)
         for name, entry in reference["exact"].items():
             mirror = reference["mirror"][name]
             assert entry["step"] == float(mirror["step"]) == step
             for key in ("exp_avg", "exp_avg_sq"):
-                assert rel_err(entry[key].double().norm().item(),
-                               mirror[key].double().norm().item()) <= 1e-4, (run, name, key)
+                assert (
+                    rel_err(entry[key].double().norm().item(), mirror[key].double().norm().item())
+                    <= 1e-4
+                ), (run, name, key)
         split = reference["split"]
         assert sum(axis is not None for axis in split.values()) == 14  # 6 a layer, 2 more
-        assert split["decoder.layers.0.self_attention.linear_proj.bias" if "core" in run else
-                     "language_model.encoder.layers.0.self_attention.dense.bias"] is None
+        assert (
+            split[
+                "decoder.layers.0.self_attention.linear_proj.bias"
+                if "core" in run
+                else "language_model.encoder.layers.0.self_attention.dense.bias"
+            ]
+            is None
+        )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -116,8 +127,9 @@ def test_every_quantity_against_deepspeeds_own_values(deepspeed_tp_runs, case, w
         assert rel_err(row["norm"], value.norm().item()) <= TOL, name
         assert rel_err(row["max_abs"], value.abs().max().item()) <= TOL, name
         if what != "weights":
-            assert rel_err(row["ratio"], value.norm().item() / weights[name].norm().item()) \
-                <= TOL, name
+            assert (
+                rel_err(row["ratio"], value.norm().item() / weights[name].norm().item()) <= TOL
+            ), name
     assert rel_err(doc["total_norm"], _norm(expected.values())) <= TOL
     assert doc["num_elements"] == sum(v.numel() for v in expected.values())
     groups = {g["name"]: g for g in doc["groups"]}
@@ -132,11 +144,13 @@ def test_the_report_names_the_model_parallel_rank_files(deepspeed_tp_runs):
     doc = _inspect(deepspeed_tp_runs / "zero1_core")
     assert doc["what"] == "exp_avg"
     assert doc["measured"]["evidence"] == (
-        f"a DeepSpeed checkpoint of 2 model-parallel ranks: {OPTIM.format(0)}, {OPTIM.format(1)}")
+        f"a DeepSpeed checkpoint of 2 model-parallel ranks: {OPTIM.format(0)}, {OPTIM.format(1)}"
+    )
     weights = _inspect(deepspeed_tp_runs / "zero1_core", "--what", "weights")
     assert weights["measured"]["evidence"] == (
         f"a DeepSpeed checkpoint of 2 model-parallel ranks: {MODEL.format(0)}, "
-        f"{MODEL.format(1)}, fp32 master weights in {OPTIM.format(0)}, {OPTIM.format(1)}")
+        f"{MODEL.format(1)}, fp32 master weights in {OPTIM.format(0)}, {OPTIM.format(1)}"
+    )
     table = run_cli("inspect", deepspeed_tp_runs / "zero2_legacy", "--no-progress")
     assert table.code == 0, table.err
     text = unwrapped(table.out)
@@ -165,10 +179,13 @@ def test_a_model_without_megatrons_names_is_refused(deepspeed_tp_runs):
     a replicated one would count twice: no norm at all rather than a wrong one."""
     folder = deepspeed_tp_runs / "zero1_plain"
     for what in ("auto", "weights"):
-        assert_refused(run_cli("inspect", folder, "--what", what, "--no-progress"),
-                       folder / "global_step2" / MODEL.format(0), "wte.weight",
-                       "is not a layer Megatron's naming says how to split",
-                       "cannot tell how it is split")
+        assert_refused(
+            run_cli("inspect", folder, "--what", what, "--no-progress"),
+            folder / "global_step2" / MODEL.format(0),
+            "wte.weight",
+            "is not a layer Megatron's naming says how to split",
+            "cannot tell how it is split",
+        )
 
 
 def test_clip_refuses_and_writes_nothing(deepspeed_tp_runs, tmp_path):
@@ -179,8 +196,9 @@ def test_clip_refuses_and_writes_nothing(deepspeed_tp_runs, tmp_path):
 
 
 def test_trend_over_the_save_folder(deepspeed_tp_runs):
-    result = run_cli("trend", deepspeed_tp_runs / "zero1_core", "--what", "exp_avg",
-                     "--format", "json")
+    result = run_cli(
+        "trend", deepspeed_tp_runs / "zero1_core", "--what", "exp_avg", "--format", "json"
+    )
     assert result.code == 0, result.err
     points = json.loads(result.out)["points"]
     assert [p["step"] for p in points] == [2, 3]
@@ -190,22 +208,49 @@ def test_trend_over_the_save_folder(deepspeed_tp_runs):
 
 
 def test_reading_never_imports_deepspeed(deepspeed_tp_runs):
-    code = ("import sys; from gradclip_cli.cli import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
-            "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'\n"
-            "sys.exit(code)\n")
-    run = subprocess.run([sys.executable, "-c", code, "inspect",
-                          os.fspath(deepspeed_tp_runs / "zero2_legacy"), "--what", "update",
-                          "--format", "json", "--no-progress"],
-                         capture_output=True, text=True, timeout=600)
+    code = (
+        "import sys; from gradclip_cli.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+        "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'\n"
+        "sys.exit(code)\n"
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "inspect",
+            os.fspath(deepspeed_tp_runs / "zero2_legacy"),
+            "--what",
+            "update",
+            "--format",
+            "json",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["what"] == "update"
 
 
 def test_two_ranks_print_the_one_process_report(deepspeed_tp_runs, tmp_path):
-    jobs = [{"args": ["inspect", str(deepspeed_tp_runs / "zero1_core"), "--what", what,
-                      "--format", fmt, "--no-progress"]}
-            for what in ("auto", "update") for fmt in ("table", "json")]
+    jobs = [
+        {
+            "args": [
+                "inspect",
+                str(deepspeed_tp_runs / "zero1_core"),
+                "--what",
+                what,
+                "--format",
+                fmt,
+                "--no-progress",
+            ]
+        }
+        for what in ("auto", "update")
+        for fmt in ("table", "json")
+    ]
     jobs_file = write_jobs(tmp_path, jobs)
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
@@ -220,7 +265,8 @@ def test_two_ranks_print_the_one_process_report(deepspeed_tp_runs, tmp_path):
     assert launched.returncode == 0, launched.stderr[-3000:]
     alone = results(one, 0, len(jobs))
     for (code, out, _), (code0, out0, _), (code1, out1, _) in zip(
-            alone, results(two, 0, len(jobs)), results(two, 1, len(jobs))):
+        alone, results(two, 0, len(jobs)), results(two, 1, len(jobs))
+    ):
         assert code == code0 == code1 == 0
         assert out0 == out
         assert out1 == ""
@@ -235,14 +281,6 @@ def copy(deepspeed_tp_runs, tmp_path) -> Path:
     target = tmp_path / "run"
     shutil.copytree(deepspeed_tp_runs / "zero2_legacy", target)
     return target / "global_step2"
-
-
-def _rewrite(file: Path, edit) -> None:
-    """Load a DeepSpeed file with its classes (the test may), edit, save back."""
-    pytest.importorskip("deepspeed")
-    root = torch.load(file, weights_only=False)
-    edit(root)
-    torch.save(root, file)
 
 
 def test_a_truncated_second_rank_file(copy):
@@ -261,8 +299,11 @@ def test_the_second_rank_missing_altogether(copy):
     """mp_rank_00's files alone: they say there are two ranks."""
     for file in (MODEL.format(1), OPTIM.format(1)):
         (copy / file).unlink()
-    assert_refused(run_cli("inspect", copy), copy / MODEL.format(0),
-                   "mp_world_size is 2, but global_step2/ holds 1 model-parallel rank(s)")
+    assert_refused(
+        run_cli("inspect", copy),
+        copy / MODEL.format(0),
+        "mp_world_size is 2, but global_step2/ holds 1 model-parallel rank(s)",
+    )
 
 
 def test_a_gap_in_the_ranks(copy):
@@ -283,10 +324,10 @@ def test_ranks_that_disagree_on_the_world_size(copy, key):
             root["checkpoint_parallel_dimensions"]["tp_degree"] = 4
         else:
             root["args"].tensor_model_parallel_size = 4
+
     _rewrite(file, edit)
     said = {"args": "args.tensor_model_parallel_size"}.get(key, key)
-    assert_refused(run_cli("inspect", copy), file, f"{said} is 4",
-                   "holds 2 model-parallel rank(s)")
+    assert_refused(run_cli("inspect", copy), file, f"{said} is 4", "holds 2 model-parallel rank(s)")
 
 
 def test_a_rank_of_another_step(copy):
@@ -301,9 +342,14 @@ def test_shapes_that_contradict_the_names(copy):
 
     def edit(root):
         root["args"].hidden_size = 16
+
     _rewrite(file, edit)
-    assert_refused(run_cli("inspect", copy), file, "word_embeddings.weight (shape [16, 8])",
-                   "is not a column-parallel weight of input size 16")
+    assert_refused(
+        run_cli("inspect", copy),
+        file,
+        "word_embeddings.weight (shape [16, 8])",
+        "is not a column-parallel weight of input size 16",
+    )
 
 
 def test_the_hidden_size_from_the_norms_without_args(copy, deepspeed_tp_runs):
@@ -321,7 +367,31 @@ def test_ranks_of_different_models(copy):
 
     def edit(root):
         shapes = root["param_shapes"][0]
-        root["param_shapes"][0] = {("language_model.output_layer.w" if "output_layer" in k
-                                    else k): v for k, v in shapes.items()}
+        root["param_shapes"][0] = {
+            ("language_model.output_layer.w" if "output_layer" in k else k): v
+            for k, v in shapes.items()
+        }
+
     _rewrite(file, edit)
     assert_refused(run_cli("inspect", copy), file, "parameters differ", "not one model")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_damaged_second_rank_files_are_a_report_or_one_line(deepspeed_tp_runs, tmp_path, seed):
+    """Bytes flipped anywhere in an mp_rank_01 file (the pickle, the directory, the data)."""
+    import random
+
+    from tests.hardening.support import assert_clean_inspect
+
+    rng = random.Random(seed)
+    target = tmp_path / "run"
+    shutil.copytree(
+        deepspeed_tp_runs / ("zero1_core", "zero2_legacy", "zero3_core")[seed % 3], target
+    )
+    tag = target / (target / "latest").read_text().strip()
+    file = rng.choice(sorted(tag.glob("*mp_rank_01_*.pt")))
+    data = bytearray(file.read_bytes())
+    for _ in range(rng.randint(1, 8)):
+        data[rng.randrange(len(data))] = rng.randrange(256)
+    file.write_bytes(bytes(data))
+    assert_clean_inspect(run_cli("inspect", target, "--format", "json", "--no-progress"), target)

@@ -80,6 +80,7 @@ DISTRIBUTED = "distrib_optim.pt"
 _RANK = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){1,2})?")
 _EXTRA = "._extra_state"
 
+
 def recognises(path: Path) -> bool:
     """An ``iter_N/`` folder of the legacy format (its save folder is ``megatron``'s), one
     rank's ``mp_rank_XX/`` folder, or its ``model_optim_rng.pt``."""

@@ -125,7 +125,8 @@ def merged(name: str, shards: Sequence[StoredTensor], axis: int | None) -> Store
     return StoredTensor(name, full, first.dtype, pieces)
 
 
-def whole_shards(name: str, tensors: Sequence[torch.Tensor], files: Sequence[Path]
-                 ) -> list[StoredTensor]:
+def whole_shards(
+    name: str, tensors: Sequence[torch.Tensor], files: Sequence[Path]
+) -> list[StoredTensor]:
     """Each rank's tensor of ``name``, at hand, as a shard for ``merged``."""
     return [StoredTensor.whole(name, t, f) for t, f in zip(tensors, files)]
