@@ -119,15 +119,15 @@ def _worker(rank: int, port: int, out: str, runs: tuple = RUNS) -> None:
         engine.destroy()
 
 
-def spawn(worker, out: Path, *args) -> None:
-    """``worker(rank, port, out, *args)`` in ``WORLD`` spawned processes, ``port`` a free one
+def spawn(worker, out: Path, *args, nprocs: int = WORLD) -> None:
+    """``worker(rank, port, out, *args)`` in ``nprocs`` spawned processes, ``port`` a free one
     for their process group (the DeepSpeed run scripts of this folder share it)."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, os.fspath(out), *args), nprocs=WORLD)
+    mp.spawn(worker, args=(port, os.fspath(out), *args), nprocs=nprocs)
 
 
 def build(out: Path, runs: tuple = RUNS) -> None:

@@ -1,7 +1,7 @@
 """Real DeepSpeed checkpoints of two tensor-parallel ranks, written by DeepSpeed's own CPU run.
 
 ``python -m tests.layouts.deepspeed_tp_run OUT`` starts 2 processes (gloo, the
-CPU accelerator): one tensor-parallel group of both, data parallelism 1, given
+CPU accelerator), then 4: tensor-parallel groups of 2, data parallelism 1 then 2, given
 to ``deepspeed.initialize(mpu=...)`` as a model-parallel unit with DeepSpeed's
 interface (``ModelParallelUnit``), so that ``engine.save_checkpoint`` writes
 ``mp_rank_00_*`` and ``mp_rank_01_*`` files. The model is the user's code, as
@@ -20,7 +20,10 @@ norms, position embeddings and row-parallel biases. Runs (``RUNS``):
 * ``zero1_plain/``: ZeRO 1, the same model under names that say nothing of how
   tensor parallelism splits it (``blocks.0.attn.qkv``...);
 * ``zero3_core/``: ZeRO 3 (``zero_pp_rank_0_mp_rank_0X_model_states.pt``), Megatron-core's
-  names.
+  names;
+* ``zero2_dp2/``: ZeRO 2 on 4 processes, tensor parallelism 2 x data parallelism 2
+  (``zero_pp_rank_{0,1}_mp_rank_{00,01}_optim_states.pt``): each model-parallel rank's
+  partitions cut ``decoder.layers.0.mlp.linear_fc2.weight``'s shard in two.
 
 Beside each, ``<run>.reference.pt`` holds the tests' references, rank 0's:
 ``exact``, every parameter's full fp32 master weight, ``exp_avg`` and ``exp_avg_sq``
@@ -43,7 +46,7 @@ from pathlib import Path
 
 from tests.layouts.deepspeed_runs import spawn
 
-WORLD = TP = 2
+TP = 2
 VOCAB, HIDDEN, HEADS, FFN, CONTEXT, LAYERS = 32, 8, 2, 16, 6, 2
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.8, 0.95), 1e-6, 0.1
 # (folder, ZeRO stage, naming, steps saved)
@@ -53,6 +56,9 @@ RUNS = (
     ("zero1_plain", 1, "plain", (2,)),
     ("zero3_core", 3, "core", (2,)),
 )
+# On 4 processes: tensor parallelism 2 x data parallelism 2, so that ZeRO cuts each
+# model-parallel rank's flat partition inside a parameter's shard.
+DP_RUNS = (("zero2_dp2", 2, "core", (2,)),)
 # Each naming's module names: embedding, position embedding, the layers' prefix, the
 # attention's qkv and proj, the MLP's fc1 and fc2, the two layer norms, the final norm,
 # the output layer.
@@ -100,17 +106,19 @@ NAMES = {
 
 
 class ModelParallelUnit:
-    """DeepSpeed's ``mpu`` interface over one tensor-parallel group and the data-parallel
-    group of each rank (here every rank alone: data parallelism 1)."""
+    """DeepSpeed's ``mpu`` interface over ``world`` ranks, Megatron's order: tensor-parallel
+    groups of ``TP`` consecutive ranks, data-parallel groups of the ranks ``TP`` apart."""
 
-    def __init__(self, dist):
-        self.rank = dist.get_rank()
-        self.tp_group = dist.new_group(list(range(WORLD)))
-        dp = [dist.new_group([r]) for r in range(WORLD)]
-        self.dp_group = dp[self.rank]
+    def __init__(self, dist, world: int):
+        rank = dist.get_rank()
+        self.tp_rank, self.dp_rank, self.dp = rank % TP, rank // TP, world // TP
+        # Every rank creates every group, in the same order (torch.distributed.new_group).
+        tp = [dist.new_group(list(range(s, s + TP))) for s in range(0, world, TP)]
+        dp = [dist.new_group(list(range(t, world, TP))) for t in range(TP)]
+        self.tp_group, self.dp_group = tp[self.dp_rank], dp[self.tp_rank]
 
     def get_model_parallel_rank(self):
-        return self.rank
+        return self.tp_rank
 
     def get_model_parallel_world_size(self):
         return TP
@@ -126,10 +134,10 @@ class ModelParallelUnit:
         return 0
 
     def get_data_parallel_rank(self):
-        return 0
+        return self.dp_rank
 
     def get_data_parallel_world_size(self):
-        return 1
+        return self.dp
 
     def get_data_parallel_group(self):
         return self.dp_group
@@ -298,14 +306,14 @@ def _axis(name: str, naming: str) -> int | None:
     return None
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str, world: int, runs: tuple) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
+        WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
-        LOCAL_SIZE=str(WORLD),
+        LOCAL_SIZE=str(world),
     )
     import deepspeed
     import torch
@@ -315,8 +323,9 @@ def _worker(rank: int, port: int, out: str) -> None:
     # As deepspeed_runs.py: gloo alone, no JIT-compiled shared-memory collective.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
-    mpu = ModelParallelUnit(dist)
-    for folder_name, stage, naming, saves in RUNS:
+    mpu = ModelParallelUnit(dist, world)
+    tp_rank = mpu.tp_rank
+    for folder_name, stage, naming, saves in runs:
         torch.manual_seed(0)
         mirror = _model(1, 0, naming, None)
         with torch.no_grad():
@@ -327,14 +336,14 @@ def _worker(rank: int, port: int, out: str) -> None:
                     mean=1.0 if p.dim() == 1 and name.endswith("weight") else 0.0,
                     std=0.3 if p.dim() == 2 else 0.1,
                 )
-        model = _model(TP, rank, naming, mpu.tp_group)
+        model = _model(TP, tp_rank, naming, mpu.tp_group)
         full = dict(mirror.named_parameters())
         split = {}
         with torch.no_grad():
             for name, p in model.named_parameters():
                 axis = split[name] = _axis(name, naming)
                 whole = full[name]
-                p.copy_(whole if axis is None else whole.chunk(TP, dim=axis)[rank])
+                p.copy_(whole if axis is None else whole.chunk(TP, dim=axis)[tp_rank])
 
         def groups(module):
             named = list(module.named_parameters())
@@ -368,7 +377,8 @@ def _worker(rank: int, port: int, out: str) -> None:
             model=model, model_parameters=groups(model), config=config, mpu=mpu
         )
         assert type(engine.optimizer.optimizer).__name__ == "AdamW"
-        g = torch.Generator().manual_seed(stage)  # the same batches on both ranks
+        # Each data-parallel rank its own batches, the same on its tensor-parallel ranks.
+        g = torch.Generator().manual_seed(stage + 100 * mpu.dp_rank)
         for step in range(1, max(saves) + 1):
             ids = torch.randint(0, VOCAB, (3, CONTEXT), generator=g)
             target = torch.randint(0, VOCAB, (3, CONTEXT), generator=g)
@@ -382,6 +392,10 @@ def _worker(rank: int, port: int, out: str) -> None:
             engine.step()
             plain.zero_grad()
             loss(mirror(ids)).backward()
+            if mpu.dp > 1:  # what data parallelism computes: the ranks' gradients averaged
+                for p in mirror.parameters():
+                    dist.all_reduce(p.grad, group=mpu.dp_group)
+                    p.grad /= mpu.dp
             plain.step()
             if step not in saves:
                 continue
@@ -416,7 +430,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                 axis = split[name]
                 for key, value in entry.items():
                     parts = [torch.empty_like(value) for _ in range(TP)]
-                    dist.all_gather(parts, value.contiguous())
+                    dist.all_gather(parts, value.contiguous(), group=mpu.tp_group)
                     if axis is None:
                         assert all(torch.equal(parts[0], q) for q in parts), (name, key)
                         entry[key] = parts[0]
@@ -445,7 +459,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def build(out: Path) -> None:
-    spawn(_worker, out)
+    spawn(_worker, out, TP, RUNS)
+    spawn(_worker, out, 2 * TP, DP_RUNS, nprocs=2 * TP)
 
 
 if __name__ == "__main__":

@@ -41,12 +41,14 @@ TOL = 1e-6
 MODEL = "mp_rank_{:02d}_model_states.pt"
 OPTIM = "zero_pp_rank_0_mp_rank_{:02d}_optim_states.pt"
 # (fixture path under the run folder, reference, step): the save folder (``latest``)
-# and a tag folder, ZeRO 1, 2 and 3, Megatron-core's and legacy Megatron's names.
+# and a tag folder, ZeRO 1, 2 and 3, Megatron-core's and legacy Megatron's names, and
+# ZeRO 2 over two data-parallel ranks per model-parallel rank.
 CASES = {
     "zero1_core": ("zero1_core", "zero1_core.step3", 3),
     "zero1_core-step2": ("zero1_core/global_step2", "zero1_core.step2", 2),
     "zero2_legacy": ("zero2_legacy", "zero2_legacy.step2", 2),
     "zero3_core": ("zero3_core", "zero3_core.step2", 2),
+    "zero2_dp2": ("zero2_dp2", "zero2_dp2.step2", 2),  # and data parallelism 2
 }
 
 
@@ -87,9 +89,9 @@ def test_the_fixture_is_tensor_parallelism_of_one_model(deepspeed_tp_runs):
         folder = deepspeed_tp_runs / path
         tag = folder if folder.name.startswith("global_step") else folder / f"global_step{step}"
         model = ("zero_pp_rank_0_" + MODEL) if run.startswith("zero3") else MODEL
-        assert sorted(os.listdir(tag)) == sorted(
-            [model.format(r) for r in (0, 1)] + [OPTIM.format(r) for r in (0, 1)]
-        ), run
+        dp = (0, 1) if run.endswith("dp2") else (0,)
+        optim = [OPTIM.format(r).replace("rank_0_", f"rank_{d}_", 1) for r in (0, 1) for d in dp]
+        assert sorted(os.listdir(tag)) == sorted([model.format(r) for r in (0, 1)] + optim), run
         reference = _reference(deepspeed_tp_runs, ref)
         for name, entry in reference["exact"].items():
             mirror = reference["mirror"][name]
@@ -104,7 +106,7 @@ def test_the_fixture_is_tensor_parallelism_of_one_model(deepspeed_tp_runs):
         assert (
             split[
                 "decoder.layers.0.self_attention.linear_proj.bias"
-                if "core" in run
+                if "legacy" not in run
                 else "language_model.encoder.layers.0.self_attention.dense.bias"
             ]
             is None
@@ -133,7 +135,7 @@ def test_every_quantity_against_deepspeeds_own_values(deepspeed_tp_runs, case, w
     assert rel_err(doc["total_norm"], _norm(expected.values())) <= TOL
     assert doc["num_elements"] == sum(v.numel() for v in expected.values())
     groups = {g["name"]: g for g in doc["groups"]}
-    prefix = "decoder.layers" if "core" in case else "language_model.encoder.layers"
+    prefix = "decoder.layers" if "legacy" not in case else "language_model.encoder.layers"
     for layer in (0, 1):  # each layer a group of its own
         members = [v for n, v in expected.items() if n.startswith(f"{prefix}.{layer}.")]
         assert len(members) == 12
@@ -160,18 +162,21 @@ def test_the_report_names_the_model_parallel_rank_files(deepspeed_tp_runs):
     assert "15 replicated (counted once, from mp_rank_00" in text
 
 
-def test_a_split_parameter_is_its_shards_side_by_side(deepspeed_tp_runs):
-    """The whole tensor a reader rebuilds is DeepSpeed's own, gathered along its split axis."""
+@pytest.mark.parametrize("case", ["zero1_core", "zero2_dp2"])
+def test_a_split_parameter_is_its_shards_side_by_side(deepspeed_tp_runs, case):
+    """The whole tensor a reader rebuilds is DeepSpeed's own, gathered along its split axis:
+    from both model-parallel ranks' files where it is split, mp_rank_00's where replicated.
+    Over two data-parallel ranks, ZeRO cuts linear_fc2's shard between two files."""
     from gradclip_cli.source.layouts import open_checkpoint
 
-    reference = _reference(deepspeed_tp_runs, "zero1_core.step3")
-    contents = open_checkpoint(deepspeed_tp_runs / "zero1_core")
+    path, ref, _ = CASES[case]
+    reference = _reference(deepspeed_tp_runs, ref)
+    contents = open_checkpoint(deepspeed_tp_runs / path)
     for name, entry in reference["exact"].items():
         stored = contents.weights[name]
         assert torch.equal(stored.read(), entry["weight"]), name
-        files = {p.file.name for p in stored.pieces}
-        split = reference["split"][name] is not None
-        assert files == ({OPTIM.format(0), OPTIM.format(1)} if split else {OPTIM.format(0)})
+        ranks = {p.file.name.rpartition("mp_rank_")[2][:2] for p in stored.pieces}
+        assert ranks == ({"00", "01"} if reference["split"][name] is not None else {"00"}), name
 
 
 def test_a_model_without_megatrons_names_is_refused(deepspeed_tp_runs):
