@@ -400,3 +400,20 @@ def test_damaged_second_rank_files_are_a_report_or_one_line(deepspeed_tp_runs, t
         data[rng.randrange(len(data))] = rng.randrange(256)
     file.write_bytes(bytes(data))
     assert_clean_inspect(run_cli("inspect", target, "--format", "json", "--no-progress"), target)
+
+
+@pytest.mark.parametrize("what", ["step", "lr"])
+def test_ranks_whose_optimizers_disagree(copy, what):
+    file = copy / OPTIM.format(1)
+
+    def edit(root):
+        base = root["optimizer_state_dict"]["base_optimizer_state"]
+        if what == "step":
+            for entry in base["state"].values():
+                entry["step"] = entry["step"] + 1
+        else:
+            base["param_groups"][0]["lr"] = 1.0
+
+    _rewrite(file, edit)
+    said = "Adam's step" if what == "step" else "lr, betas, eps"
+    assert_refused(run_cli("inspect", copy), file, said, "not one checkpoint")

@@ -524,6 +524,10 @@ def _check_model_parallel(parts: list[_Part], folder: Path) -> None:
             )
 
 
+# The hyperparameters the moments are read with: the same on every model-parallel rank.
+_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+
+
 def _tensor_parallel(parts: list[_Part]) -> tuple[dict[str, StoredTensor], OptimizerState, int]:
     """The model-parallel ranks' shards as whole parameters, and their moments alike: split
     or replicated as Megatron's layer names say (``tensor_parallel``); and how many are
@@ -534,6 +538,16 @@ def _tensor_parallel(parts: list[_Part]) -> tuple[dict[str, StoredTensor], Optim
     axes = {n: split_axis(n, s, hidden, first.model.path) for n, s in shapes.items()}
     weights = {n: merged(n, [p.weights[n] for p in parts], axes[n]) for n in shapes}
     names = first.optimizer.param_names or {}
+
+    def hyper(part: _Part) -> list[tuple]:
+        return [tuple(g.get(k) for k in _HYPER) for g in part.optimizer.param_groups]
+
+    for part in parts[1:]:
+        if hyper(part) != hyper(first):
+            raise InputError(
+                f"{part.optimizer.file}: its param groups' {', '.join(_HYPER)} differ from "
+                f"{first.optimizer.file.name}'s: the ranks are not one checkpoint"
+            )
     state = {}
     for pid, entry in first.optimizer.state.items():
         name = names[pid]
@@ -541,8 +555,8 @@ def _tensor_parallel(parts: list[_Part]) -> tuple[dict[str, StoredTensor], Optim
         for part in parts[1:]:
             if part.optimizer.state[pid].get("step") != entry.get("step"):
                 raise InputError(
-                    f"{part.held}: Adam's step of {visible(name)} differs from "
-                    f"{first.held}'s: the ranks are not one checkpoint"
+                    f"{part.optimizer.file}: Adam's step of {visible(name)} differs from "
+                    f"{first.optimizer.file.name}'s: the ranks are not one checkpoint"
                 )
         for key, value in entry.items():
             if isinstance(value, StoredTensor):
