@@ -200,6 +200,15 @@ def test_clip_refuses_and_writes_nothing(deepspeed_tp_runs, tmp_path):
     assert not out.exists()
 
 
+def test_grads_are_refused_offering_what_is_there(deepspeed_tp_runs):
+    folder = deepspeed_tp_runs / "zero2_legacy"
+    result = run_cli("inspect", folder, "--what", "grads", "--no-progress")
+    line = assert_refused(result, folder, "no gradients")
+    assert "--what exp_avg" in line
+    offered = run_cli("inspect", folder, "--what", "exp_avg", "--no-progress")
+    assert offered.code == 0, offered.err
+
+
 def test_trend_over_the_save_folder(deepspeed_tp_runs):
     result = run_cli(
         "trend", deepspeed_tp_runs / "zero1_core", "--what", "exp_avg", "--format", "json"
