@@ -47,8 +47,8 @@ Tensor parallelism (``mp_rank_00``, ``mp_rank_01``...): each rank saves its own
 shards under the same names; a split parameter is measured as its shards together,
 a replicated one once, from ``mp_rank_00``, as Megatron's ``get_grad_norm_fp32``
 counts them: decided from Megatron's module names and checked against
-``args.hidden_size`` (``tensor_parallel``, which DeepSpeed's ``mp_rank_XX`` files
-share); a name the rules do not know is refused, naming the file.
+``args.hidden_size``, else the norms' size (``tensor_parallel``, which DeepSpeed's
+``mp_rank_XX`` files share); a name the rules do not know is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -364,6 +364,7 @@ def _tensor_parallel(ranks: list[_Rank]) -> tuple[list[str], dict[str, int | Non
 
 
 def _merged(name: str, tensors: list[torch.Tensor], axis: int | None, files) -> StoredTensor:
+    """The ranks' tensors of ``name`` (one per rank, from ``files``) as one stored tensor."""
     return merged(name, whole_shards(name, tensors, files), axis)
 
 
