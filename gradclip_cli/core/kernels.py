@@ -209,8 +209,9 @@ def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float, workers: int 
 
     A tensor of at least ``SMALL`` elements is cut into runs of ``CHUNK``
     elements, each one row: ``aminmax`` reads it into cache, and the power
-    sum's passes then hit cache (at p = 2 one pass: ``row_norms_into``). Smaller tensors of equal size are stacked into
-    blocks, one row per tensor, so 20,000 small tensors cost a few hundred
+    sum's passes then hit cache (at p = 2 one pass: ``row_norms_into``).
+    Smaller tensors of equal size are stacked into blocks, one row per
+    tensor, so 20,000 small tensors cost a few hundred
     reductions. ``workers`` > 1 spreads the pieces over that many threads
     (torch releases the GIL in each op). ``with_max=False`` skips the
     ``aminmax`` pass (p finite): the power sum alone certifies a norm.
@@ -473,9 +474,13 @@ def squares_on_cpu(tensors: Sequence[torch.Tensor]) -> Rows:
     if small:
         members = tensors if len(small) == len(sizes) else [tensors[i] for i in small]
         parts.append(_packing(tuple(t.shape for t in members), dtype).norms(members))
-    order = torch.tensor(big + small, dtype=torch.int64)
-    norm = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
-    length = torch.tensor(sizes, dtype=torch.int64)[order]
+    length = torch.tensor(sizes, dtype=torch.int64)
+    if len(parts) == 1 and len(sizes) in (len(big), len(small)):  # one kind, none empty
+        order, norm = torch.arange(len(sizes)), parts[0]
+    else:
+        order = torch.tensor(big + small, dtype=torch.int64)
+        norm = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
+        length = length[order]
     return Rows(order, torch.zeros_like(order), length, None, norm, dtype)
 
 
