@@ -26,13 +26,18 @@ References:
     ``var_t = alpha var + (1 - alpha) (g_t - mu_t)^2`` with ``g_t`` the
     clipped norm, z-score threshold 2.5, alpha 0.97, a warm-up of 25 steps.
 
-Pure float arithmetic: no tensors, no I/O.
+``SpikeDetector`` judges one series in plain float arithmetic;
+``SpikeDetectors`` judges many at once (the monitor's 1,000 groups) in
+float64 tensor arithmetic, with the same decisions, z-scores and limits bit
+for bit. No I/O.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import torch
 
 MIN_HISTORY = 5
 MIN_RELATIVE_STD = 0.5
@@ -141,3 +146,245 @@ def _ratio(rise: float, std: float) -> float:
     if std == 0:
         return 0.0 if rise == 0 else math.copysign(math.inf, rise)
     return rise / std
+
+
+# -- many series at once -------------------------------------------------------
+
+F64 = torch.float64
+_SPLIT = 134217729.0  # 2**27 + 1: Veltkamp's split of a float64 into two halves
+# A square r * r is taken for Python's r ** 2 (the C library's pow) only where
+# the exact square is further than 0.45 ulp from a rounding midpoint: a pow
+# within 0.55 ulp of exact (glibc's is within 0.52) rounds it the same way.
+# The others, about one in ten, are squared by Python itself.
+_SAFE_SQUARE_ERROR = 0.45
+_TINY_RATIO = 2.0**-450  # below it Dekker's exact product can underflow
+
+
+@dataclass(frozen=True)
+class Judgements:
+    """What the rule says of one point of each series (float64 and bool tensors).
+
+    ``z`` and ``limit`` hold a value only where ``judged`` (NaN elsewhere).
+    """
+
+    judged: torch.Tensor
+    z: torch.Tensor
+    spike: torch.Tensor
+    nonfinite: torch.Tensor
+    limit: torch.Tensor
+
+
+class SpikeDetectors:
+    """``SpikeDetector``'s rule over many series at once, in float64 tensors.
+
+    Series are numbered in the order ``add`` makes them; ``update`` judges one point of each
+    series it is given. Every result and every piece of state is what one
+    ``SpikeDetector`` per series computes, bit for bit: the averages are the
+    same float64 operations in the same order, and the warm-up's ``fsum``
+    (a correctly rounded sum) is an error-free pairwise sum whose rounding is
+    certified against its own error bound. A row the tensors cannot certify
+    (a sum too near a rounding midpoint, an overflowing or non-finite
+    history) is updated by a ``SpikeDetector`` built from its state.
+    """
+
+    def __init__(self, z: float = DEFAULT_Z, alpha: float = DEFAULT_ALPHA,
+                 warmup: int = DEFAULT_WARMUP):
+        SpikeDetector(z, alpha, warmup)  # the same checks and messages
+        self.threshold, self.alpha, self.warmup = z, alpha, int(warmup)
+        self.seen = torch.zeros(0, dtype=torch.int64)
+        self.accepted = torch.zeros(0, dtype=torch.int64)
+        self.mean = torch.zeros(0, dtype=F64)
+        self.spread = torch.zeros(0, dtype=F64)
+        # The warm-up points of each series, one row per point (row k: each
+        # series' k-th accepted point; series i has accepted[i] of them), as
+        # many rows as the longest warm-up so far, dropped once all are past it.
+        self.seed = torch.zeros((0, 0), dtype=F64)
+
+    def __len__(self) -> int:
+        return self.seen.numel()
+
+    def add(self, count: int) -> None:
+        """``count`` new series, with no history, after the existing ones."""
+        self.seen = torch.cat([self.seen, torch.zeros(count, dtype=torch.int64)])
+        self.accepted = torch.cat([self.accepted, torch.zeros(count, dtype=torch.int64)])
+        self.mean = torch.cat([self.mean, torch.zeros(count, dtype=F64)])
+        self.spread = torch.cat([self.spread, torch.zeros(count, dtype=F64)])
+        self.seed = torch.cat([self.seed, torch.zeros((self.seed.shape[0], count), dtype=F64)],
+                              dim=1)
+
+    def detector(self, series: int) -> SpikeDetector:
+        """A ``SpikeDetector`` in the state of ``series``."""
+        d = SpikeDetector(self.threshold, self.alpha, self.warmup)
+        d.seen, d.accepted = int(self.seen[series]), int(self.accepted[series])
+        d.mean, d.spread = float(self.mean[series]), float(self.spread[series])
+        if d.accepted < self.warmup:
+            d._seed = self.seed[:d.accepted, series].tolist()
+        return d
+
+    def update(self, x: torch.Tensor, series: torch.Tensor | None = None) -> Judgements:
+        """Judge ``x[i]`` as the next point of series ``series[i]`` (of series i when
+        ``series`` is None), then let it into that history, as ``SpikeDetector.update``."""
+        x = x.to(F64)
+        if series is None:
+            state = (self.seen, self.accepted, self.mean, self.spread)
+        else:
+            state = tuple(t[series] for t in (self.seen, self.accepted, self.mean, self.spread))
+        seen, accepted, mean, spread = state
+        finite = torch.isfinite(x)
+        judged = finite & (seen >= MIN_HISTORY) & (accepted > 0)
+        std = torch.maximum(spread, mean.abs() * MIN_RELATIVE_STD)
+        rise = x - mean
+        z = torch.where(std == 0, torch.where(rise == 0, 0.0, torch.copysign(
+            torch.full_like(rise, math.inf), rise)), rise / std)
+        limit = mean + std * self.threshold
+        spike = judged & (z > self.threshold)
+        nan = torch.full_like(x, math.nan)
+        z, limit = torch.where(judged, z, nan), torch.where(judged, limit, nan)
+        value = torch.where(spike, limit, x)  # what enters the history
+
+        new_accepted = accepted + finite
+        new_seen = seen + 1
+        # A series the tensors cannot vouch for goes to a SpikeDetector: a
+        # history gone infinite (norms near float64's limit), a limit that overflowed.
+        odd = ~(torch.isfinite(mean) & torch.isfinite(spread)) | (finite & ~torch.isfinite(value))
+        warming = finite & ~odd & (new_accepted <= self.warmup)
+        settled = finite & ~odd & (new_accepted > self.warmup)
+        new_mean, new_spread = mean.clone(), spread.clone()
+        if bool(settled.any()):
+            # Past the warm-up: the exponential averages, as ``_accept`` and ``_ema_rms``.
+            ema_mean = mean * self.alpha + value * (1 - self.alpha)
+            ema_spread = _ema_rms_series(spread, value - ema_mean, self.alpha)
+            new_mean = torch.where(settled, ema_mean, new_mean)
+            new_spread = torch.where(settled, ema_spread, new_spread)
+        index = series if series is not None else torch.arange(len(x))
+        if bool(warming.any()):
+            warm = warming.nonzero().flatten()
+            counts = new_accepted[warm]
+            width = int(counts.max())
+            self._widen(width)
+            if warm.numel() == len(self) and series is None and bool((counts == width).all()):
+                self.seed[width - 1] = value  # every series, in step: no gathering
+                points = self.seed[:width]
+            else:
+                self.seed[counts - 1, index[warm]] = value[warm]
+                points = self.seed[:width, index[warm]]
+            new_mean[warm], new_spread[warm] = _warmup_series(points, counts, width)
+        odd |= finite & ~(torch.isfinite(new_mean) & torch.isfinite(new_spread))
+
+        for i in odd.nonzero().flatten().tolist():
+            k = int(index[i])
+            d = self.detector(k)
+            j = d.update(float(x[i]))
+            judged[i], spike[i] = j.z is not None, j.spike
+            z[i] = math.nan if j.z is None else j.z
+            limit[i] = math.nan if j.limit is None else j.limit
+            new_seen[i], new_accepted[i] = d.seen, d.accepted
+            new_mean[i], new_spread[i] = d.mean, d.spread
+            if d._seed:
+                self._widen(len(d._seed))
+                self.seed[:len(d._seed), k] = torch.tensor(d._seed, dtype=F64)
+        if series is None:
+            self.seen, self.accepted, self.mean, self.spread = (
+                new_seen, new_accepted, new_mean, new_spread)
+        else:
+            for t, new in zip((self.seen, self.accepted, self.mean, self.spread),
+                              (new_seen, new_accepted, new_mean, new_spread)):
+                t[series] = new
+        if self.seed.numel() and bool((self.accepted >= self.warmup).all()):
+            self.seed = torch.zeros((0, len(self)), dtype=F64)
+        return Judgements(judged, z, spike, ~finite, limit)
+
+    def _widen(self, width: int) -> None:
+        if width > self.seed.shape[0]:
+            width = min(self.warmup, max(width, 2 * self.seed.shape[0]))
+            wider = torch.zeros((width, len(self)), dtype=F64)
+            wider[:self.seed.shape[0]] = self.seed
+            self.seed = wider
+
+
+def _ema_rms_series(spread: torch.Tensor, d: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``_ema_rms`` of each series, the same operations in the same order."""
+    top = torch.maximum(spread, d.abs())
+    a, b = spread / top, d / top
+    out = top * _sqrt(a * alpha * a + b * (1 - alpha) * b)
+    return torch.where((top == 0) | ~torch.isfinite(top), top, out)
+
+
+def _warmup_series(points: torch.Tensor, counts: torch.Tensor, width: int):
+    """The warm-up ``mean`` and ``spread`` of series (columns) whose first
+    ``counts[i]`` points are ``points[:, i]``, as ``_accept`` computes them."""
+    n = counts.to(F64)
+    used = None if bool((counts == width).all()) else torch.arange(width)[:, None] < counts
+    terms = points / n
+    mean = _fsum_columns(terms if used is None else torch.where(used, terms, 0.0))
+    values = points - mean
+    if used is not None:
+        values = torch.where(used, values, 0.0)
+    top = values.abs().amax(dim=0)
+    ratio = values / torch.where(top == 0, 1.0, top)
+    sums = _fsum_columns(_python_squares(ratio) * (1 / n))
+    return mean, torch.where((top == 0) | ~torch.isfinite(top), top, top * _sqrt(sums))
+
+
+def _sqrt(t: torch.Tensor) -> torch.Tensor:
+    """``math.sqrt`` of each element: torch's float64 ``sqrt`` on the CPU is not
+    always correctly rounded (SLEEF's, within 0.5001 ulp: 662 of 100,000 random
+    inputs differ from ``math.sqrt`` in the last bit)."""
+    return torch.tensor(list(map(math.sqrt, t.tolist())), dtype=F64)
+
+
+def _fsum_columns(terms: torch.Tensor) -> torch.Tensor:
+    """``math.fsum`` of each column (a correctly rounded sum), in tensor arithmetic.
+
+    A pairwise tree of TwoSums (Knuth) leaves ``s`` and errors ``e`` with
+    ``s + sum(e)`` exactly the row's sum. ``sum(e)`` in float64 is off by at
+    most ``(m - 1) u sum|e|`` (Higham, "Accuracy and Stability of Numerical
+    Algorithms", 4.2); the correctly rounded result is ``r = s + sum(e)``
+    rounded, certain when what is left over, bound included, stays inside
+    half of the gap to ``r``'s neighbour on its side. The columns it leaves in
+    doubt (about one in a hundred: most are exact ties, as when the last
+    addition drops one bit) are summed by ``math.fsum`` itself.
+    """
+    s, errors = terms, []
+    while s.shape[0] > 1:
+        if s.shape[0] % 2:
+            s = torch.cat([s, torch.zeros_like(s[:1])])
+        a, b = s[0::2], s[1::2]
+        s = a + b
+        bb = s - a
+        errors.append((a - (s - bb)) + (b - bb))
+    if not errors:
+        return (s[0] if s.shape[0] else torch.zeros(s.shape[1], dtype=F64)) + 0.0
+    s = s[0]
+    e = torch.cat(errors)
+    rest, bound = e.sum(dim=0), e.abs().sum(dim=0) * (e.shape[0] * 2.0**-52)
+    r = s + rest
+    rb = r - s
+    left = (s - (r - rb)) + (rest - rb)  # r + left == s + rest exactly
+    toward = torch.where(left >= 0, math.inf, -math.inf)
+    half = (torch.nextafter(r, toward) - r).abs() * 0.5
+    doubt = ~(((left.abs() + bound) < half * (1 - 2.0**-40)) & torch.isfinite(r + bound))
+    doubt = doubt.nonzero().flatten()
+    if doubt.numel():
+        columns = terms[:, doubt].T.tolist()
+        r[doubt] = torch.tensor([math.fsum(c) for c in columns], dtype=F64)
+    return r
+
+
+def _python_squares(r: torch.Tensor) -> torch.Tensor:
+    """``r ** 2`` elementwise as Python computes it (the C library's ``pow``, which is
+    not always ``r * r``: about one square in a thousand differs in its last bit)."""
+    p = r * r
+    c = r * _SPLIT
+    hi = c - (c - r)
+    lo = r - hi
+    err = ((hi * hi - p) + hi * lo * 2) + lo * lo  # Dekker: p + err == r * r exactly
+    gap = p - torch.nextafter(p, torch.zeros_like(p))
+    # |r| >= 2**-450 keeps Dekker's products clear of underflow (r == 0 is asked of Python).
+    sure = (err.abs() < gap * _SAFE_SQUARE_ERROR) & (p >= _TINY_RATIO * _TINY_RATIO)
+    unsure = (~sure).view(-1).nonzero().flatten()
+    if unsure.numel():
+        flat = p.view(-1)
+        squares = [v**2 for v in r.reshape(-1).index_select(0, unsure).tolist()]
+        flat.index_copy_(0, unsure, torch.tensor(squares, dtype=F64))
+    return p
