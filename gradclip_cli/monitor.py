@@ -198,8 +198,9 @@ class GradMonitor:
 
         self.model = model
         self.log_path = None if log is None else _checked_path(log, "log", folder=False)
-        self.dump_dir = None if dump_dir is None else _checked_path(dump_dir, "dump_dir",
-                                                                    folder=True)
+        self.dump_dir = (
+            None if dump_dir is None else _checked_path(dump_dir, "dump_dir", folder=True)
+        )
         self.clip_spikes = clip_spikes
         self.every = every
         self.norm_type = norm_type
@@ -327,8 +328,9 @@ class GradMonitor:
             grads = [grads[i] for i in present]
         sharded = dtensor.has_dtensor(grads)
         owner = find_ties(dtensor.local_tensors(grads) if sharded else grads)
-        kept = None if owner == list(range(len(owner))) else [
-            i for i, o in enumerate(owner) if o == i]
+        kept = (
+            None if owner == list(range(len(owner))) else [i for i, o in enumerate(owner) if o == i]
+        )
         if kept is not None:
             grads = [grads[i] for i in kept]
         # No max |g|: the record does not report it, and the power sums certify
@@ -340,8 +342,9 @@ class GradMonitor:
         plan = self._plan_for(names, present, kept)
         return _Measurement(grads, plan.grouping.sums(sums), plan)
 
-    def _plan_for(self, names: list[str], present: list[int] | None,
-                  kept: list[int] | None) -> _Plan:
+    def _plan_for(
+        self, names: list[str], present: list[int] | None, kept: list[int] | None
+    ) -> _Plan:
         """The groups of the measured names (``names`` with a gradient, ties once)."""
         key = (self._parameters.version, present, kept)
         if key == self._plan_key:
@@ -362,8 +365,12 @@ class GradMonitor:
         self._plan_key, self._plan = key, plan
         return plan
 
-    def _observe(self, step: int, m: _Measurement, max_norm: float | None = None,
-                 ) -> tuple[dict[str, Any], Coefficient | None]:
+    def _observe(
+        self,
+        step: int,
+        m: _Measurement,
+        max_norm: float | None = None,
+    ) -> tuple[dict[str, Any], Coefficient | None]:
         """Judge one measurement, dump if needed, log it.
 
         Returns the record and, when ``clip_spikes`` clips this step, the
@@ -423,8 +430,13 @@ class GradMonitor:
             # writes them (json's float format), NaN and inf as json writes strings.
             texts = map(float.__repr__, values) if finite else map(json.dumps, values)
             groups_text = "{" + ", ".join(map(str.__add__, m.plan.keys, texts)) + "}"
-            line = (json.dumps(head, allow_nan=False)[:-1] + ', "groups": ' + groups_text
-                    + ", " + json.dumps(tail, allow_nan=False)[1:])
+            line = (
+                json.dumps(head, allow_nan=False)[:-1]
+                + ', "groups": '
+                + groups_text
+                + ", "
+                + json.dumps(tail, allow_nan=False)[1:]
+            )
             self._write_line(line)
         return record, None if spike_coef is None else Coefficient.of(spike_coef)
 
@@ -433,8 +445,9 @@ class GradMonitor:
             return None
         # Every rank sees the same norms, so all of them reach here together:
         # DTensor gradients are gathered whole by all ranks for rank 0 to write.
-        sharded = dtensor.has_dtensor([p.grad for p in self.model.parameters()
-                                       if p.grad is not None])
+        sharded = dtensor.has_dtensor(
+            [p.grad for p in self.model.parameters() if p.grad is not None]
+        )
         if not sharded and not _is_writer():
             return None
         if len(self.dumps) >= self.max_dumps:
@@ -454,8 +467,11 @@ class GradMonitor:
         except (OSError, OutputError) as e:
             # Every rank has gathered its part by now, so rank 0 alone failing
             # leaves no collective waiting.
-            self._report("dump", f"GradMonitor: cannot write {path}: {e}; training goes "
-                                 "on, this step is logged without its dump")
+            self._report(
+                "dump",
+                f"GradMonitor: cannot write {path}: {e}; training goes "
+                "on, this step is logged without its dump",
+            )
             return None
         self.dumps.append(path)
         return path
@@ -470,7 +486,7 @@ class GradMonitor:
                 # (no Python buffer to lose in a crash), at the end of the file.
                 self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115
             while view:
-                view = view[self._log_file.write(view):]
+                view = view[self._log_file.write(view) :]
         except OSError as e:
             if len(view) < len(line):
                 # Part of the line is in the file: a line appended after it would
@@ -478,12 +494,18 @@ class GradMonitor:
                 # unfinished last line with a warning).
                 self._log_broken = True
                 self.close()
-                self._report("log", f"GradMonitor: cannot write {self.log_path}: {e}; "
-                                    "training goes on, the log stops at this step")
+                self._report(
+                    "log",
+                    f"GradMonitor: cannot write {self.log_path}: {e}; "
+                    "training goes on, the log stops at this step",
+                )
             else:  # nothing of the line was written: later steps try again
-                self._report("log", f"GradMonitor: cannot write {self.log_path}: {e}; "
-                                    "training goes on, lines that cannot be written are "
-                                    "dropped")
+                self._report(
+                    "log",
+                    f"GradMonitor: cannot write {self.log_path}: {e}; "
+                    "training goes on, lines that cannot be written are "
+                    "dropped",
+                )
 
     def _report(self, what: str, message: str) -> None:
         """Say on stderr, once per kind of write, that a write failed.
@@ -521,8 +543,11 @@ class _Parameters:
 
     def named(self, model: torch.nn.Module) -> tuple[list[str], list[torch.nn.Parameter]]:
         """The names and parameters ``model.named_parameters()`` gives now."""
-        if model is self._model and self._seen is not None and (
-                _structure(self._modules) == self._seen):
+        if (
+            model is self._model
+            and self._seen is not None
+            and (_structure(self._modules) == self._seen)
+        ):
             return self._names, self._params
         self.version += 1
         named = list(model.named_parameters())
@@ -543,12 +568,14 @@ def _cacheable(module: object) -> bool:
     """Whether ``named_parameters`` of ``module`` is ``torch.nn.Module``'s own, reading
     plain dicts (a class with its own listing is asked every time)."""
     kind = type(module)
-    return (isinstance(module, _MODULE)
-            and kind.named_parameters is _MODULE.named_parameters
-            and kind.named_modules is _MODULE.named_modules
-            and kind._named_members is _MODULE._named_members
-            and type(module.__dict__.get("_parameters")) is dict
-            and type(module.__dict__.get("_modules")) is dict)
+    return (
+        isinstance(module, _MODULE)
+        and kind.named_parameters is _MODULE.named_parameters
+        and kind.named_modules is _MODULE.named_modules
+        and kind._named_members is _MODULE._named_members
+        and type(module.__dict__.get("_parameters")) is dict
+        and type(module.__dict__.get("_modules")) is dict
+    )
 
 
 def _structure(modules: list[torch.nn.Module]) -> tuple | None:
@@ -558,11 +585,13 @@ def _structure(modules: list[torch.nn.Module]) -> tuple | None:
     children = list(map(_CHILDREN, modules))
     if not all(type(d) is dict for d in chain(params, children)):
         return None
-    return (list(map(type, modules)),
-            list(chain.from_iterable(params)),
-            list(map(id, chain.from_iterable(map(dict.values, params)))),
-            list(chain.from_iterable(children)),
-            list(map(id, chain.from_iterable(map(dict.values, children)))))
+    return (
+        list(map(type, modules)),
+        list(chain.from_iterable(params)),
+        list(map(id, chain.from_iterable(map(dict.values, params)))),
+        list(chain.from_iterable(children)),
+        list(map(id, chain.from_iterable(map(dict.values, children)))),
+    )
 
 
 _PARAMETERS = attrgetter("_parameters")
@@ -583,8 +612,9 @@ def _checked_path(path: str | os.PathLike[str], what: str, *, folder: bool) -> P
     except FileNotFoundError:
         mode = None
     except OSError as e:  # a part of the path is a file, a loop of links, ...
-        raise ValueError(f"GradMonitor: {what}={str(path)!r} cannot be used: {e.strerror}") \
-            from None
+        raise ValueError(
+            f"GradMonitor: {what}={str(path)!r} cannot be used: {e.strerror}"
+        ) from None
     if mode is not None:
         if folder and not stat.S_ISDIR(mode):
             raise ValueError(f"GradMonitor: {what}={str(path)!r} is not a folder")
@@ -598,11 +628,13 @@ def _checked_path(path: str | os.PathLike[str], what: str, *, folder: bool) -> P
     while not above.exists():
         above = above.parent
     if not above.is_dir():
-        raise ValueError(f"GradMonitor: {what}={str(path)!r} cannot be made: {str(above)!r} "
-                         "is not a folder")
+        raise ValueError(
+            f"GradMonitor: {what}={str(path)!r} cannot be made: {str(above)!r} is not a folder"
+        )
     if not os.access(above, os.W_OK | os.X_OK):
-        raise ValueError(f"GradMonitor: {what}={str(path)!r} cannot be made: {str(above)!r} "
-                         "cannot be written to")
+        raise ValueError(
+            f"GradMonitor: {what}={str(path)!r} cannot be made: {str(above)!r} cannot be written to"
+        )
     return path
 
 

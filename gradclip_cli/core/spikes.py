@@ -64,8 +64,9 @@ class Judgement:
 class SpikeDetector:
     """Judges one series point by point (one detector per series: total, each group)."""
 
-    def __init__(self, z: float = DEFAULT_Z, alpha: float = DEFAULT_ALPHA,
-                 warmup: int = DEFAULT_WARMUP):
+    def __init__(
+        self, z: float = DEFAULT_Z, alpha: float = DEFAULT_ALPHA, warmup: int = DEFAULT_WARMUP
+    ):
         if not (z > 0 and math.isfinite(z)):
             raise ValueError(f"z must be a finite number > 0, got {z}")
         if not 0 < alpha < 1:
@@ -187,8 +188,9 @@ class SpikeDetectors:
     history) is updated by a ``SpikeDetector`` built from its state.
     """
 
-    def __init__(self, z: float = DEFAULT_Z, alpha: float = DEFAULT_ALPHA,
-                 warmup: int = DEFAULT_WARMUP):
+    def __init__(
+        self, z: float = DEFAULT_Z, alpha: float = DEFAULT_ALPHA, warmup: int = DEFAULT_WARMUP
+    ):
         SpikeDetector(z, alpha, warmup)  # the same checks and messages
         self.threshold, self.alpha, self.warmup = z, alpha, int(warmup)
         self.seen = torch.zeros(0, dtype=torch.int64)
@@ -209,8 +211,9 @@ class SpikeDetectors:
         self.accepted = torch.cat([self.accepted, torch.zeros(count, dtype=torch.int64)])
         self.mean = torch.cat([self.mean, torch.zeros(count, dtype=F64)])
         self.spread = torch.cat([self.spread, torch.zeros(count, dtype=F64)])
-        self.seed = torch.cat([self.seed, torch.zeros((self.seed.shape[0], count), dtype=F64)],
-                              dim=1)
+        self.seed = torch.cat(
+            [self.seed, torch.zeros((self.seed.shape[0], count), dtype=F64)], dim=1
+        )
 
     def detector(self, series: int) -> SpikeDetector:
         """A ``SpikeDetector`` in the state of ``series``."""
@@ -218,7 +221,7 @@ class SpikeDetectors:
         d.seen, d.accepted = int(self.seen[series]), int(self.accepted[series])
         d.mean, d.spread = float(self.mean[series]), float(self.spread[series])
         if d.accepted < self.warmup:
-            d._seed = self.seed[:d.accepted, series].tolist()
+            d._seed = self.seed[: d.accepted, series].tolist()
         return d
 
     def update(self, x: torch.Tensor, series: torch.Tensor | None = None) -> Judgements:
@@ -234,8 +237,11 @@ class SpikeDetectors:
         judged = finite & (seen >= MIN_HISTORY) & (accepted > 0)
         std = torch.maximum(spread, mean.abs() * MIN_RELATIVE_STD)
         rise = x - mean
-        z = torch.where(std == 0, torch.where(rise == 0, 0.0, torch.copysign(
-            torch.full_like(rise, math.inf), rise)), rise / std)
+        z = torch.where(
+            std == 0,
+            torch.where(rise == 0, 0.0, torch.copysign(torch.full_like(rise, math.inf), rise)),
+            rise / std,
+        )
         limit = mean + std * self.threshold
         spike = judged & (z > self.threshold)
         nan = torch.full_like(x, math.nan)
@@ -282,13 +288,19 @@ class SpikeDetectors:
             new_mean[i], new_spread[i] = d.mean, d.spread
             if d._seed:
                 self._widen(len(d._seed))
-                self.seed[:len(d._seed), k] = torch.tensor(d._seed, dtype=F64)
+                self.seed[: len(d._seed), k] = torch.tensor(d._seed, dtype=F64)
         if series is None:
             self.seen, self.accepted, self.mean, self.spread = (
-                new_seen, new_accepted, new_mean, new_spread)
+                new_seen,
+                new_accepted,
+                new_mean,
+                new_spread,
+            )
         else:
-            for t, new in zip((self.seen, self.accepted, self.mean, self.spread),
-                              (new_seen, new_accepted, new_mean, new_spread)):
+            for t, new in zip(
+                (self.seen, self.accepted, self.mean, self.spread),
+                (new_seen, new_accepted, new_mean, new_spread),
+            ):
                 t[series] = new
         if self.seed.numel() and bool((self.accepted >= self.warmup).all()):
             self.seed = torch.zeros((0, len(self)), dtype=F64)
@@ -298,7 +310,7 @@ class SpikeDetectors:
         if width > self.seed.shape[0]:
             width = min(self.warmup, max(width, 2 * self.seed.shape[0]))
             wider = torch.zeros((width, len(self)), dtype=F64)
-            wider[:self.seed.shape[0]] = self.seed
+            wider[: self.seed.shape[0]] = self.seed
             self.seed = wider
 
 

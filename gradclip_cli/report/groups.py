@@ -64,8 +64,9 @@ class Grouping:
         The total is reduced from the pieces themselves, not from the groups:
         one rounding step fewer, and the same total whatever the grouping.
         """
-        return GroupSums(self.names, self.index, sums.reduce(self.index, len(self.names)),
-                         sums.total())
+        return GroupSums(
+            self.names, self.index, sums.reduce(self.index, len(self.names)), sums.total()
+        )
 
 
 def group_sums(members: Sequence[str], sums: PowerSums) -> GroupSums:

@@ -1,0 +1,134 @@
+"""``SpikeDetectors`` (many series in tensors) against one ``SpikeDetector`` per series.
+
+The monitor judges its 1,000 groups with ``SpikeDetectors``; the contract is
+that every decision, z-score, limit and piece of state is the scalar rule's
+bit for bit, whatever the series: warm-up, NaN and inf, zeros, huge and tiny
+norms, series that start late or skip steps.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import struct
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradclip_cli.core.spikes import SpikeDetector, SpikeDetectors, _fsum_columns, _python_squares
+
+
+def bits(x: float) -> bytes:
+    return struct.pack("<d", x)
+
+
+def same(a: float | None, b: float) -> bool:
+    """``a`` (the scalar's, None when not judged) is ``b`` bit for bit (NaN for None)."""
+    return bits(math.nan if a is None else a) == bits(b) or (
+        (a is None or math.isnan(a)) and math.isnan(b)
+    )
+
+
+def check_against_scalar(steps, z=2.5, alpha=0.97, warmup=25):
+    """Run both on ``steps``: a list of {series: value} per step; compare everything."""
+    count = 1 + max((k for step in steps for k in step), default=0)
+    scalar = [SpikeDetector(z, alpha, warmup) for _ in range(count)]
+    vector = SpikeDetectors(z, alpha, warmup)
+    vector.add(count)
+    for t, step in enumerate(steps):
+        order = sorted(step)
+        values = [step[k] for k in order]
+        every = order == list(range(count))
+        got = vector.update(
+            torch.tensor(values, dtype=torch.float64),
+            None if every else torch.tensor(order, dtype=torch.int64),
+        )
+        for i, (k, x) in enumerate(zip(order, values)):
+            want = scalar[k].update(x)
+            where = (t, k, x)
+            assert bool(got.spike[i]) == want.spike, where
+            assert bool(got.judged[i]) == (want.z is not None), where
+            assert bool(got.nonfinite[i]) == want.nonfinite, where
+            assert same(want.z, float(got.z[i])), (where, want.z, float(got.z[i]))
+            assert same(want.limit, float(got.limit[i])), (where, want.limit, float(got.limit[i]))
+        for k, d in enumerate(scalar):
+            assert int(vector.seen[k]) == d.seen and int(vector.accepted[k]) == d.accepted
+            assert same(d.mean, float(vector.mean[k])), (t, k, d.mean, float(vector.mean[k]))
+            assert same(d.spread, float(vector.spread[k])), (t, k, d.spread)
+            again = vector.detector(k)
+            assert again._seed == d._seed, (t, k)
+
+
+norms = st.one_of(
+    st.floats(min_value=0.0, max_value=1e6),
+    st.floats(min_value=0.0, max_value=1.0),
+    st.sampled_from([0.0, math.nan, math.inf, -math.inf, 1e-300, 5e-324, 1e154, 1e300, 1.0]),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.lists(norms, min_size=3, max_size=3), min_size=1, max_size=40),
+    st.sampled_from([1, 2, 5, 25]),
+    st.sampled_from([1.5, 2.5]),
+)
+def test_every_series_is_judged_as_its_own_detector_would(rows, warmup, z):
+    check_against_scalar([dict(enumerate(r)) for r in rows], z=z, warmup=warmup)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.dictionaries(st.integers(0, 4), norms, max_size=5), min_size=1, max_size=40))
+def test_series_that_skip_steps_or_start_late_keep_their_own_history(steps):
+    check_against_scalar(steps, warmup=4)
+
+
+def test_many_real_looking_series_through_warmup_and_after():
+    # Norm-like noise with injected spikes over 200 series: the warm-up sums
+    # meet exact ties and near-midpoint squares by the hundred.
+    rng = random.Random(7)
+    base = [rng.uniform(0.01, 10) for _ in range(200)]
+    steps = []
+    for t in range(60):
+        step = {
+            k: b * rng.lognormvariate(0, 0.3) * (10 if rng.random() < 0.02 else 1)
+            for k, b in enumerate(base)
+        }
+        step[3] = 0.0  # a layer whose gradient is always zero
+        if t == 20:
+            step[4] = math.nan
+        steps.append(step)
+    check_against_scalar(steps)
+    check_against_scalar(steps, warmup=7, alpha=0.9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=-1e300, max_value=1e300), min_size=1, max_size=30))
+def test_the_warm_up_sum_is_fsum(values):
+    column = torch.tensor(values, dtype=torch.float64)[:, None]
+    assert bits(float(_fsum_columns(column)[0])) == bits(math.fsum(values))
+
+
+def test_the_warm_up_sum_is_fsum_at_ties():
+    # 1 + 2**-53 is a tie between 1 and its neighbour: fsum rounds it to even.
+    for values in (
+        [1.0, 2.0**-53],
+        [1.0, 2.0**-53, 2.0**-106],
+        [1.0 + 2.0**-52, 2.0**-53],
+        [0.1] * 10,
+        [1e16, 1.0, -1e16],
+        [0.0, -0.0],
+    ):
+        column = torch.tensor(values, dtype=torch.float64)[:, None]
+        assert bits(float(_fsum_columns(column)[0])) == bits(math.fsum(values)), values
+
+
+def test_squares_are_pythons_even_where_pow_is_not_r_times_r():
+    rng = random.Random(3)
+    values = [rng.uniform(-1, 1) for _ in range(200_000)] + [0.0, -0.0, 1.0, -1.0, 1e-200]
+    differ = [v for v in values if v**2 != v * v]
+    got = _python_squares(torch.tensor(values, dtype=torch.float64)).tolist()
+    assert [bits(g) for g in got] == [bits(v**2) for v in values]
+    # On a C library whose pow is correctly rounded there is nothing to catch here.
+    assert len(differ) < len(values) / 100
