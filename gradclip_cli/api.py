@@ -57,8 +57,11 @@ def _grads(parameters: TensorOrTensors) -> list[torch.Tensor]:
     return [p.grad for p in _as_list(parameters) if p.grad is not None]
 
 
+_WIDE = (torch.float64, torch.complex128)
+
+
 def _wide(t: torch.Tensor) -> bool:
-    return t.dtype in (torch.float64, torch.complex128)
+    return t.dtype in _WIDE
 
 
 def get_total_norm(
@@ -158,8 +161,8 @@ def _total_norm(
 ) -> tuple[torch.Tensor, PowerSums | None]:
     """The total as the 0-dim result tensor, and its exact summary when it was read back."""
     device = tensors[0].device
-    out_dtype = torch.float64 if any(_wide(t) for t in tensors) else torch.float32
-    pieces = [p.measure for p in elements.owned]
+    out_dtype = torch.float64 if any(t.dtype in _WIDE for t in tensors) else torch.float32
+    pieces = elements.whole or [p.measure for p in elements.owned]
     if not norm_type > 0:
         return _torch_defined_norm(pieces, norm_type).to(device, out_dtype), None
     if device.type != "cpu":

@@ -223,6 +223,9 @@ def _clamp_uncoalesced_(t: torch.Tensor, clip_value: float) -> None:
 @torch.no_grad()
 def _each_element_once(elements: Elements, apply, foreach: bool | None, skip=frozenset()) -> None:
     """``apply`` to the views of owned pieces at once; gathered pieces go out and back."""
+    if elements.whole is not None and not skip:
+        apply(elements.whole, foreach)
+        return
     views, gathered = [], []
     for p in elements.owned:
         if p.target is not None:

@@ -78,12 +78,18 @@ class Piece:
 
 @dataclass
 class Elements:
-    """Disjoint pieces of ``n`` tensors' elements (see the module docstring)."""
+    """Disjoint pieces of ``n`` tensors' elements (see the module docstring).
 
-    owned: list[Piece]
-    covered: list[int | Piece]
-    tie_of: list[int]
-    shares: list[tuple[int, ...]]  # other tensors sharing at least one element
+    ``whole`` is set when every tensor is real and its own piece (``owned[i]``
+    is all of tensor ``i``): the common case, which the drop-ins read and
+    scale as the tensors themselves, without a piece object per tensor.
+    """
+
+    owned: Sequence[Piece]
+    covered: Sequence[int | Piece]
+    tie_of: Sequence[int]
+    shares: Sequence[tuple[int, ...]]  # other tensors sharing at least one element
+    whole: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.owned)
@@ -123,11 +129,11 @@ def readable(t: torch.Tensor) -> torch.Tensor:
 
 def distinct_elements(tensors: Sequence[torch.Tensor]) -> Elements:
     """The disjoint pieces behind ``tensors`` (see the module docstring)."""
-    n = len(tensors)
-    tensors = [t.detach() if t.requires_grad else t for t in tensors]
     apart = _apart(tensors)
     if apart is not None:
         return apart
+    n = len(tensors)
+    tensors = [t.detach() if t.requires_grad else t for t in tensors]
     owned: list[Piece | None] = [None] * n
     covered: list[int | Piece] = list(range(n))
     tie_of = list(range(n))
@@ -150,31 +156,54 @@ def distinct_elements(tensors: Sequence[torch.Tensor]) -> Elements:
     return Elements(owned, covered, tie_of, shares)  # type: ignore[arg-type]
 
 
-def _apart(tensors: list[torch.Tensor]) -> Elements | None:
+def _apart(tensors: Sequence[torch.Tensor]) -> Elements | None:
     """The pieces when no two tensors can share an element, else None.
 
-    The common case, checked in a few passes over metadata (a gradient per
+    The common case, checked in one pass over metadata (a gradient per
     parameter, each its own allocation): every tensor dense, contiguous and
     nonempty, and their byte ranges ``[data_ptr, data_ptr + nbytes)``
     pairwise disjoint. Tensors without an address (``meta``, fake) go the
     general way.
     """
-    if not all(t.layout == torch.strided and t.is_contiguous() and t.numel() for t in tensors):
-        return None
+    whole, starts, ends = [], [], []
+    strided, real = torch.strided, True
     try:
-        starts = [t.data_ptr() for t in tensors]
-    except RuntimeError:
+        for t in tensors:
+            n = t.numel()
+            if not n or t.layout != strided or not t.is_contiguous():
+                return None
+            start = t.data_ptr()
+            if not start:
+                return None
+            starts.append(start)
+            ends.append(start + n * t.element_size())
+            whole.append(t.detach() if t.requires_grad else t)
+            real = real and not t.is_complex()
+    except RuntimeError:  # a tensor whose data_ptr() refuses (fake, functional)
         return None
-    if 0 in starts:
-        return None
-    if len(tensors) > 1:
-        starts = torch.tensor(starts, dtype=torch.int64)
-        order = starts.argsort()
-        ends = starts + torch.tensor([t.nbytes for t in tensors], dtype=torch.int64)
-        if bool((ends[order[:-1]] > starts[order[1:]]).any()):
+    if len(whole) > 1:
+        begin = torch.tensor(starts, dtype=torch.int64)
+        order = begin.argsort()
+        end = torch.tensor(ends, dtype=torch.int64)
+        if bool((end[order[:-1]] > begin[order[1:]]).any()):
             return None
-    n = len(tensors)
-    return Elements([Piece(target=t) for t in tensors], list(range(n)), list(range(n)), [()] * n)
+    n = len(whole)
+    return Elements(_WholePieces(whole), range(n), range(n), ((),) * n, whole if real else None)
+
+
+class _WholePieces(Sequence):
+    """``Piece(target=t)`` for each tensor, made when asked for."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self._tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [Piece(target=t) for t in self._tensors[i]]
+        return Piece(target=self._tensors[i])
 
 
 def _storage_key(t: torch.Tensor):
@@ -359,4 +388,4 @@ def _sparse_piece(t: torch.Tensor) -> Piece:
 
 def find_ties(tensors: Sequence[torch.Tensor]) -> list[int]:
     """For each tensor, the first tensor holding exactly the same elements (itself if none)."""
-    return distinct_elements(tensors).tie_of
+    return list(distinct_elements(tensors).tie_of)

@@ -427,13 +427,17 @@ def row_norms(block: torch.Tensor, norm_type: float) -> torch.Tensor:
 # vector of L lanes with fused multiply-adds, then adds the lanes in order: an
 # element's square goes through at most ROW / L + L - 1 roundings, and the
 # square root one more, so a row's norm, and every float64 sum of rows, is
-# within ((ROW / L + L - 1) / 2 + 1) * 2**-24 of exact. Where torch runs its
-# AVX2 or AVX-512 kernels L is 8 or 16: rows of 128 give 23 roundings, 7.5e-7.
-# Elsewhere (NEON: L = 4) rows of 64 give at most 19, 6.3e-7. Rows of
-# 128 cost 12% less time than rows of 64 on GPT-2's shapes (BENCHMARKS.md,
-# issue 18). The same kernel over a whole tensor is 2.2e-6 off on 4,096 fp32
-# values 0.1 and 1.0e-5 on 16,448 values 1/3 (tests/core/test_squares.py).
-ROW = 128 if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else 64
+# within ((ROW / L + L - 1) / 2 + 1) * 2**-24 of exact. ROW is the longest
+# power of two that keeps this under 1e-6 for the lanes torch runs here: with
+# AVX-512 (L = 16) rows of 256 allow 31 roundings, 9.8e-7; with AVX2 (L = 8)
+# rows of 128 allow 23, 7.5e-7; elsewhere (NEON: L = 4; generic code: 8)
+# rows of 64 allow at most 19, 6.3e-7. Longer rows cost less: on GPT-2's
+# shapes rows of 256 take the time of torch's one-accumulator kernel over the
+# whole tensor, rows of 128 1.1x, rows of 64 1.3x (BENCHMARKS.md, issue 18).
+# That whole-tensor kernel is 2.2e-6 off on 4,096 fp32 values 0.1 and 1.0e-5
+# on 16,448 values 1/3 (tests/core/test_squares.py).
+ROW = {"AVX512": 256, "AVX2": 128}.get(torch.backends.cpu.get_cpu_capability(), 64)
+LANES = {256: 16, 128: 8, 64: 4}[ROW]
 
 
 def squares_on_cpu(tensors: Sequence[torch.Tensor]) -> Rows:
@@ -449,8 +453,12 @@ def squares_on_cpu(tensors: Sequence[torch.Tensor]) -> Rows:
     """
     dtype = tensors[0].dtype
     sizes = [t.numel() for t in tensors]
-    big = [i for i, n in enumerate(sizes) if n >= SMALL]
-    small = [i for i, n in enumerate(sizes) if 0 < n < SMALL]
+    big, small = [], []
+    for i, n in enumerate(sizes):
+        if n >= SMALL:
+            big.append(i)
+        elif n:
+            small.append(i)
     parts = [_big_norms([_flat(tensors[i]) for i in big], dtype)] if big else []
     if small:
         members = tensors if len(small) == len(sizes) else [tensors[i] for i in small]
@@ -470,7 +478,7 @@ def _big_norms(flats: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     and on a loaded machine those are what costs (Findings 2).
     """
     counts = [-(-f.numel() // ROW) for f in flats]
-    rows = torch.empty(sum(counts), dtype=dtype)
+    rows = _rows_buffer(sum(counts), dtype)
     start = 0
     for flat, count in zip(flats, counts):
         n = flat.numel()
@@ -487,44 +495,89 @@ def _big_norms(flats: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.stack([torch.linalg.vector_norm(wide[a:b]) for a, b in zip(bounds, bounds[1:])])
 
 
+# Row norms of up to this many elements go into a buffer each thread keeps
+# (GPT-2 124M has 486,093 rows of 256): a fresh one is a fresh mapping, whose
+# first touch page-faults on every call.
+_KEPT_ROWS = 1 << 22
+
+
+def _rows_buffer(count: int, dtype: torch.dtype) -> torch.Tensor:
+    if count > _KEPT_ROWS:
+        return torch.empty(count, dtype=dtype)
+    cache = getattr(_BUFFERS, "rows", None)
+    if cache is None:
+        cache = _BUFFERS.rows = {}
+    kept = cache.get(dtype)
+    if kept is None or kept.numel() < count:
+        kept = cache[dtype] = torch.empty(max(count, 1 << 16), dtype=dtype)
+    return kept[:count]
+
+
 class _Packing:
     """Where small tensors of given shapes go in a block buffer, rows aligned.
 
     Each tensor starts on a row boundary; the rest of its last row is padding,
     zeroed on every use (the blocks share one buffer: another block's values
     may lie there). Built once per list of shapes and reused: the views it
-    copies into are what would cost a Python call per tensor.
+    copies into are what would cost a Python call per tensor. A run of
+    tensors of one shape that fills whole rows (a model's repeated layers)
+    is one ``torch.stack`` into its place, cheaper than a copy per tensor.
     """
 
     def __init__(self, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype):
         self.buffer = torch.zeros(CHUNK, dtype=dtype)
-        self.blocks: list[tuple[int, int, list[torch.Tensor], torch.Tensor | None, int]] = []
+        # Per block: its copies ((first, end, destination) runs), padding, length used.
+        self.blocks: list[tuple[list[tuple[int, int, object]], torch.Tensor | None, int]] = []
         owner: list[int] = []
-        start, first, views, pads = 0, 0, [], []
+        start, runs, pads = 0, [], []
         for i, shape in enumerate(shapes):
             n = math.prod(shape)
             rows = -(-n // ROW)
             if start + rows * ROW > CHUNK:
-                self._close(first, i, views, pads, start)
-                start, first, views, pads = 0, i, [], []
-            views.append(self.buffer[start : start + n].view(shape))
+                self._close(runs, pads, start)
+                start, runs, pads = 0, [], []
+            place = self.buffer[start : start + n].view(shape)
+            last = runs[-1] if runs else None
+            if (last is not None and n % ROW == 0 and last[3] == tuple(shape)
+                    and last[1] == i):
+                runs[-1] = (last[0], i + 1, last[2] + [place], last[3])
+            else:
+                runs.append((i, i + 1, [place], tuple(shape) if n % ROW == 0 else None))
             pads.extend(range(start + n, start + rows * ROW))
             owner.extend([i] * rows)
             start += rows * ROW
-        self._close(first, len(shapes), views, pads, start)
+        self._close(runs, pads, start)
         self.owner = torch.tensor(owner, dtype=torch.int64)
         self.rows = torch.empty(len(owner), dtype=dtype)
         self.count = len(shapes)
 
-    def _close(self, first, end, views, pads, used) -> None:
+    def _close(self, runs, pads, used) -> None:
         pad = torch.tensor(pads, dtype=torch.int64) if pads else None
-        self.blocks.append((first, end, views, pad, used))
+        copies, singles = [], None
+        for first, end, places, shape in runs:
+            if end - first > 1:
+                whole = places[0].numel() * (end - first)
+                offset = places[0].storage_offset()
+                copies.append((first, end, self.buffer[offset : offset + whole].view(
+                    end - first, *shape)))
+                singles = None
+            elif singles is not None and singles[1] == first:
+                singles[1] = end
+                singles[2].append(places[0])
+            else:
+                singles = [first, end, [places[0]]]
+                copies.append(singles)
+        self.blocks.append(([tuple(c) for c in copies], pad, used))
 
     def norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Each tensor's 2-norm in float64 (see ``squares_on_cpu``)."""
         done = 0
-        for first, end, views, pad, used in self.blocks:
-            torch._foreach_copy_(views, tensors[first:end])
+        for copies, pad, used in self.blocks:
+            for first, end, place in copies:
+                if isinstance(place, list):
+                    torch._foreach_copy_(place, tensors[first:end])
+                else:
+                    torch.stack(tensors[first:end], out=place)
             if pad is not None:
                 self.buffer.index_fill_(0, pad, 0)
             count = used // ROW

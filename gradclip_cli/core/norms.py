@@ -140,22 +140,31 @@ def total_power_sums(tensors: Sequence[torch.Tensor], norm_type: float,
     is measured again per tensor, exactly.
     """
     norm_type = float(norm_type)
-    tensors = [measurable(t) for t in tensors]
-    live = [t for t in tensors if t.numel()]
-    if (live and not foreach and live[0].device.type == "cpu"
-            and _by_squares(live, norm_type, 1, False)
-            and all(t.dtype == live[0].dtype and t.device == live[0].device for t in live)):
-        norms = squares_on_cpu(live).norm
-        total = torch.linalg.vector_norm(norms)
-        count = sum(t.numel() for t in live)
-        budget = count * _UNDERFLOW_MARGIN * torch.finfo(live[0].dtype).tiny
+    count = _squares_count(tensors) if norm_type == 2.0 and not foreach else 0
+    if count:
+        total = torch.linalg.vector_norm(squares_on_cpu(tensors).norm)
+        budget = count * _UNDERFLOW_MARGIN * torch.finfo(tensors[0].dtype).tiny
         value = float(total)
         if math.isfinite(value * value) and value * value >= budget:
             one = torch.ones(1, dtype=F64)
             zero = torch.zeros(1, dtype=torch.int64)
             return PowerSums(norm_type, total.reshape(1), one, torch.full((1,), math.nan,
                              dtype=F64), zero, zero, zero)
+    tensors = [measurable(t) for t in tensors]
     return tensor_power_sums(tensors, norm_type, foreach=foreach, with_max=False).total()
+
+
+def _squares_count(tensors: Sequence[torch.Tensor]) -> int:
+    """How many elements ``tensors`` hold when they are CPU tensors of one type that
+    ``squares_on_cpu`` reads, else 0 (one pass: the drop-ins ask on every step)."""
+    if not tensors or tensors[0].dtype not in (torch.float32, torch.float64):
+        return 0
+    dtype, count = tensors[0].dtype, 0
+    for t in tensors:
+        if t.dtype != dtype or not t.is_cpu:
+            return 0
+        count += t.numel()
+    return count
 
 
 def _by_squares(tensors, norm_type: float, workers: int, with_max: bool) -> bool:

@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from gradclip_cli.core import tensor_power_sums, total_power_sums
-from gradclip_cli.core.kernels import CHUNK, ROW, SMALL, squares_on_cpu
+from gradclip_cli.core.kernels import CHUNK, LANES, ROW, SMALL, squares_on_cpu
 
 from .reference import norm, rel_err
 
 TOL = 1e-6
 # kernels.ROW's bound: ((ROW / L + L - 1) / 2 + 1) * 2**-24 for the lane counts it is chosen for.
-BOUND = (23 / 2 + 1 if ROW == 128 else 19 / 2 + 1) * 2.0**-24
+BOUND = ((ROW // LANES + LANES - 1) / 2 + 1) * 2.0**-24
+assert BOUND <= 1e-6
 SIZES = [1, ROW - 1, ROW, ROW + 1, 4096, SMALL - 1, SMALL, SMALL + ROW + 3, 3 * CHUNK + 5]
 
 
@@ -55,6 +56,18 @@ def test_small_tensors_of_several_shapes_and_blocks_keep_input_order():
         ts
     )
     assert rel_err(float(got.total().norm[0]), norm(ts, 2)) <= TOL
+
+
+def test_runs_of_one_shape_are_stacked_beside_single_copies():
+    # Runs of a shape that fills whole rows (stacked at once) between odd
+    # shapes (copied one by one, padded), crossing block boundaries.
+    g = torch.Generator().manual_seed(3)
+    shapes = ([(4, ROW)] * 5 + [(ROW + 3,)] + [(2, ROW // 2)] * 3 + [(7,)]) * 40 + [(ROW,)] * 300
+    ts = [torch.randn(s, generator=g) * 10.0 ** (i % 5 - 2) for i, s in enumerate(shapes)]
+    for _ in range(2):  # the second call reuses the packing built by the first
+        got = _norms(ts)
+        assert got.norm.tolist() == pytest.approx([norm([t], 2) for t in ts], rel=TOL)
+        assert rel_err(float(got.total().norm[0]), norm(ts, 2)) <= TOL
 
 
 def test_padding_holds_no_other_block_values():
