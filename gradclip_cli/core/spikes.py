@@ -349,26 +349,19 @@ def _fsum_columns(terms: torch.Tensor) -> torch.Tensor:
     """``math.fsum`` of each column (a correctly rounded sum), in tensor arithmetic.
 
     A pairwise tree of TwoSums (Knuth) leaves ``s`` and errors ``e`` with
-    ``s + sum(e)`` exactly the row's sum. ``sum(e)`` in float64 is off by at
-    most ``(m - 1) u sum|e|`` (Higham, "Accuracy and Stability of Numerical
-    Algorithms", 4.2); the correctly rounded result is ``r = s + sum(e)``
-    rounded, certain when what is left over, bound included, stays inside
-    half of the gap to ``r``'s neighbour on its side. The columns it leaves in
-    doubt (about one in a hundred: most are exact ties, as when the last
-    addition drops one bit) are summed by ``math.fsum`` itself.
+    ``s + sum(e)`` exactly the column's sum. ``sum(e)`` in float64 is off by
+    at most ``(m - 1) u sum|e|`` (Higham, "Accuracy and Stability of
+    Numerical Algorithms", 4.2); the correctly rounded result is
+    ``r = s + sum(e)`` rounded, certain when what is left over, bound
+    included, stays inside half of the gap to ``r``'s neighbour on its side.
+    The columns left in doubt are mostly exact ties (a sum of equal norms,
+    a last addition that drops one bit): there a second tree over ``e``
+    finds ``sum(e)`` exactly, and one rounded addition gives fsum's
+    round-half-even answer. Only what is still in doubt asks ``math.fsum``.
     """
-    s, errors = terms, []
-    while s.shape[0] > 1:
-        if s.shape[0] % 2:
-            s = torch.cat([s, torch.zeros_like(s[:1])])
-        a, b = s[0::2], s[1::2]
-        s = a + b
-        bb = s - a
-        errors.append((a - (s - bb)) + (b - bb))
-    if not errors:
-        return (s[0] if s.shape[0] else torch.zeros(s.shape[1], dtype=F64)) + 0.0
-    s = s[0]
-    e = torch.cat(errors)
+    s, e = _two_sum_tree(terms)
+    if e is None:
+        return s + 0.0
     rest, bound = e.sum(dim=0), e.abs().sum(dim=0) * (e.shape[0] * 2.0**-52)
     r = s + rest
     rb = r - s
@@ -377,10 +370,32 @@ def _fsum_columns(terms: torch.Tensor) -> torch.Tensor:
     half = (torch.nextafter(r, toward) - r).abs() * 0.5
     doubt = ~(((left.abs() + bound) < half * (1 - 2.0**-40)) & torch.isfinite(r + bound))
     doubt = doubt.nonzero().flatten()
-    if doubt.numel():
-        columns = terms[:, doubt].T.tolist()
-        r[doubt] = torch.tensor([math.fsum(c) for c in columns], dtype=F64)
+    if not doubt.numel():
+        return r
+    s2, e2 = _two_sum_tree(e.index_select(1, doubt))
+    exact = torch.ones_like(s2, dtype=torch.bool) if e2 is None else (e2 == 0).all(dim=0)
+    # Where the errors summed exactly, s + s2 is the exact sum: its one rounding is fsum's.
+    r[doubt] = torch.where(exact, s.index_select(0, doubt) + s2, r.index_select(0, doubt))
+    still = doubt[~(exact & torch.isfinite(r.index_select(0, doubt)))]
+    if still.numel():
+        columns = terms.index_select(1, still).T.contiguous().tolist()
+        r[still] = torch.tensor([math.fsum(c) for c in columns], dtype=F64)
     return r
+
+
+def _two_sum_tree(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each column of ``x`` as ``s + sum(e)`` exactly: the pairwise float sum ``s``
+    and every addition's rounding error (TwoSum, error-free without overflow)."""
+    s, errors = x, []
+    while s.shape[0] > 1:
+        if s.shape[0] % 2:
+            s = torch.cat([s, torch.zeros_like(s[:1])])
+        a, b = s[0::2], s[1::2]
+        s = a + b
+        bb = s - a
+        errors.append((a - (s - bb)) + (b - bb))
+    top = s[0] if s.shape[0] else torch.zeros(s.shape[1], dtype=F64)
+    return top, torch.cat(errors) if errors else None
 
 
 def _python_squares(r: torch.Tensor) -> torch.Tensor:
@@ -392,8 +407,8 @@ def _python_squares(r: torch.Tensor) -> torch.Tensor:
     lo = r - hi
     err = ((hi * hi - p) + hi * lo * 2) + lo * lo  # Dekker: p + err == r * r exactly
     gap = p - torch.nextafter(p, torch.zeros_like(p))
-    # |r| >= 2**-450 keeps Dekker's products clear of underflow (r == 0 is asked of Python).
-    sure = (err.abs() < gap * _SAFE_SQUARE_ERROR) & (p >= _TINY_RATIO * _TINY_RATIO)
+    # |r| >= 2**-450 keeps Dekker's products clear of underflow; 0 ** 2 is 0 * 0.
+    sure = ((err.abs() < gap * _SAFE_SQUARE_ERROR) & (p >= _TINY_RATIO * _TINY_RATIO)) | (r == 0)
     unsure = (~sure).view(-1).nonzero().flatten()
     if unsure.numel():
         flat = p.view(-1)
