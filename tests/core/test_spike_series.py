@@ -132,3 +132,16 @@ def test_squares_are_pythons_even_where_pow_is_not_r_times_r():
     assert [bits(g) for g in got] == [bits(v**2) for v in values]
     # On a C library whose pow is correctly rounded there is nothing to catch here.
     assert len(differ) < len(values) / 100
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(min_value=0.0, max_value=1e300), st.integers(1, 30))
+def test_the_warm_up_sum_of_equal_norms_is_fsum(value, n):
+    # A steady series: n equal terms, where most sums end in an exact tie.
+    values = [value / n] * n
+    column = torch.tensor(values, dtype=torch.float64)[:, None]
+    assert bits(float(_fsum_columns(column)[0])) == bits(math.fsum(values))
+
+
+def test_a_steady_series_is_judged_as_its_own_detector_would():
+    check_against_scalar([{k: 0.1 * (k + 1) for k in range(50)}] * 40)
