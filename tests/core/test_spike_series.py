@@ -11,11 +11,13 @@ from __future__ import annotations
 import math
 import random
 import struct
+from unittest import mock
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gradclip_cli.core import spikes
 from gradclip_cli.core.spikes import SpikeDetector, SpikeDetectors, _fsum_columns, _python_squares
 
 
@@ -137,11 +139,30 @@ def test_squares_are_pythons_even_where_pow_is_not_r_times_r():
 @settings(max_examples=200, deadline=None)
 @given(st.floats(min_value=0.0, max_value=1e300), st.integers(1, 30))
 def test_the_warm_up_sum_of_equal_norms_is_fsum(value, n):
-    # A steady series: n equal terms, where most sums end in an exact tie.
+    # A steady series: n equal terms, where most sums end in an exact tie;
+    # settled by the second tree (none left to math.fsum) and by math.fsum.
     values = [value / n] * n
     column = torch.tensor(values, dtype=torch.float64)[:, None]
-    assert bits(float(_fsum_columns(column)[0])) == bits(math.fsum(values))
+    for few in (0, spikes._FEW_IN_DOUBT):
+        with mock.patch.object(spikes, "_FEW_IN_DOUBT", few):
+            assert bits(float(_fsum_columns(column)[0])) == bits(math.fsum(values))
+
+
+def test_many_sums_in_doubt_at_once_are_fsum():
+    # 1 + k 2**-52 (k odd) plus 1 is an exact tie; a tiny third term can tip it.
+    rng = random.Random(5)
+    columns = []
+    for _ in range(400):
+        k = 2 * rng.randrange(1 << 20) + 1
+        tip = rng.choice([0.0, 2.0**-60, 2.0**-53 * 3, 1e-300])
+        columns.append([1 + k * 2.0**-52, 1.0, tip, rng.choice([0.0, 0.25])])
+    terms = torch.tensor(columns, dtype=torch.float64).T.contiguous()
+    with mock.patch.object(spikes, "_two_sum_tree", wraps=spikes._two_sum_tree) as tree:
+        got = _fsum_columns(terms).tolist()
+        trees = tree.call_count
+    assert [bits(g) for g in got] == [bits(math.fsum(c)) for c in columns]
+    assert trees == 2  # more in doubt than math.fsum is asked for: the second tree ran
 
 
 def test_a_steady_series_is_judged_as_its_own_detector_would():
-    check_against_scalar([{k: 0.1 * (k + 1) for k in range(50)}] * 40)
+    check_against_scalar([{k: 0.1 * (k + 1) for k in range(200)}] * 40)
