@@ -239,11 +239,9 @@ class SpikeDetectors:
         judged = finite & (seen >= MIN_HISTORY) & (accepted > 0)
         std = torch.maximum(spread, mean.abs() * MIN_RELATIVE_STD)
         rise = x - mean
-        z = torch.where(
-            std == 0,
-            torch.where(rise == 0, 0.0, torch.copysign(torch.full_like(rise, math.inf), rise)),
-            rise / std,
-        )
+        # _ratio: std is 0 only for a history of zeros, where 0 / 0 is 0 and any
+        # rise is infinite (IEEE's x / +0 is inf with the sign of x).
+        z = torch.nan_to_num(rise / std, nan=0.0, posinf=math.inf, neginf=-math.inf)
         limit = mean + std * self.threshold
         spike = judged & (z > self.threshold)
         nan = torch.full_like(x, math.nan)
@@ -372,7 +370,8 @@ def _fsum_columns(terms: torch.Tensor) -> torch.Tensor:
     left = (s - (r - rb)) + (rest - rb)  # r + left == s + rest exactly
     toward = torch.where(left >= 0, math.inf, -math.inf)
     half = (torch.nextafter(r, toward) - r).abs() * 0.5
-    doubt = ~(((left.abs() + bound) < half * (1 - 2.0**-40)) & torch.isfinite(r + bound))
+    # An overflow anywhere makes a NaN here, and NaN compares false: in doubt.
+    doubt = ~((left.abs() + bound) < half * (1 - 2.0**-40))
     doubt = doubt.nonzero().flatten()
     if doubt.numel() <= _FEW_IN_DOUBT:
         return _fsum_in_python(r, terms, doubt)
