@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import repeat
 
 import torch
 
@@ -159,7 +160,8 @@ _SPLIT = 134217729.0  # 2**27 + 1: Veltkamp's split of a float64 into two halves
 # The others, about one in ten, are squared by Python itself.
 _SAFE_SQUARE_ERROR = 0.45
 _TINY_RATIO = 2.0**-450  # below it Dekker's exact product can underflow
-# Columns whose sum is in doubt that math.fsum sums faster than a second tree would.
+_ZERO = torch.zeros((), dtype=torch.float64)
+# Columns in doubt that math.fsum sums faster than a second pass of TwoSums would.
 _FEW_IN_DOUBT = 48
 
 
@@ -203,12 +205,17 @@ class SpikeDetectors:
         # series' k-th accepted point; series i has accepted[i] of them), as
         # many rows as the longest warm-up so far, dropped once all are past it.
         self.seed = torch.zeros((0, 0), dtype=F64)
+        # (seen, accepted) while every series has the same counts and a finite
+        # history (the monitor's groups, step after step): no masks needed.
+        self._in_step: tuple[int, int] | None = (0, 0)
 
     def __len__(self) -> int:
         return self.seen.numel()
 
     def add(self, count: int) -> None:
         """``count`` new series, with no history, after the existing ones."""
+        if count and len(self) and self._in_step != (0, 0):
+            self._in_step = None
         self.seen = torch.cat([self.seen, torch.zeros(count, dtype=torch.int64)])
         self.accepted = torch.cat([self.accepted, torch.zeros(count, dtype=torch.int64)])
         self.mean = torch.cat([self.mean, torch.zeros(count, dtype=F64)])
@@ -230,6 +237,59 @@ class SpikeDetectors:
         """Judge ``x[i]`` as the next point of series ``series[i]`` (of series i when
         ``series`` is None), then let it into that history, as ``SpikeDetector.update``."""
         x = x.to(F64)
+        if series is None and self._in_step is not None and len(x):
+            judged = self._update_in_step(x)
+            if judged is not None:
+                return judged
+        self._in_step = None
+        judged = self._update(x, series)
+        if len(self) and bool(
+            (self.seen == self.seen[0]).all()
+            & (self.accepted == self.accepted[0]).all()
+            & torch.isfinite(self.mean).all()
+            & torch.isfinite(self.spread).all()
+        ):
+            self._in_step = (int(self.seen[0]), int(self.accepted[0]))
+        return judged
+
+    def _update_in_step(self, x: torch.Tensor) -> Judgements | None:
+        """``update`` of every series when all have the same counts and a finite
+        history, and every ``x`` is finite; None (nothing changed) otherwise."""
+        seen, accepted = self._in_step
+        if not bool(torch.isfinite(x).all()):
+            return None
+        nan = torch.full_like(x, math.nan)
+        judged = seen >= MIN_HISTORY and accepted > 0
+        if judged:
+            std = torch.maximum(self.spread, self.mean.abs() * MIN_RELATIVE_STD)
+            z = torch.nan_to_num((x - self.mean) / std, nan=0.0, posinf=math.inf, neginf=-math.inf)
+            limit = self.mean + std * self.threshold
+            spike = z > self.threshold
+            value = torch.where(spike, limit, x)
+            if not bool(torch.isfinite(value).all()):
+                return None
+        else:
+            z, limit, spike, value = nan, nan, torch.zeros_like(x, dtype=torch.bool), x
+        accepted += 1
+        if accepted <= self.warmup:
+            self._widen(accepted)
+            self.seed[accepted - 1] = value
+            mean, spread = _warmup_series(self.seed[:accepted], accepted)
+        else:
+            mean = self.mean * self.alpha + value * (1 - self.alpha)
+            spread = _ema_rms_series(self.spread, value - mean, self.alpha)
+        if not bool(torch.isfinite(mean).all() & torch.isfinite(spread).all()):
+            return None  # the seed row written is past what the counts say
+        self.mean, self.spread = mean, spread
+        self.seen = self.seen + 1
+        self.accepted = self.accepted + 1
+        self._in_step = (seen + 1, accepted)
+        if accepted >= self.warmup and self.seed.numel():
+            self.seed = torch.zeros((0, len(self)), dtype=F64)
+        every = torch.full_like(spike, judged)
+        return Judgements(every, z, spike, torch.zeros_like(spike), limit)
+
+    def _update(self, x: torch.Tensor, series: torch.Tensor | None) -> Judgements:
         if series is None:
             state = (self.seen, self.accepted, self.mean, self.spread)
         else:
@@ -274,7 +334,7 @@ class SpikeDetectors:
             else:
                 self.seed[counts - 1, index[warm]] = value[warm]
                 points = self.seed[:width, index[warm]]
-            new_mean[warm], new_spread[warm] = _warmup_series(points, counts, width)
+            new_mean[warm], new_spread[warm] = _warmup_series(points, counts)
         odd |= finite & ~(torch.isfinite(new_mean) & torch.isfinite(new_spread))
 
         for i in odd.nonzero().flatten().tolist():
@@ -322,11 +382,15 @@ def _ema_rms_series(spread: torch.Tensor, d: torch.Tensor, alpha: float) -> torc
     return torch.where((top == 0) | ~torch.isfinite(top), top, out)
 
 
-def _warmup_series(points: torch.Tensor, counts: torch.Tensor, width: int):
+def _warmup_series(points: torch.Tensor, counts: torch.Tensor | int):
     """The warm-up ``mean`` and ``spread`` of series (columns) whose first
-    ``counts[i]`` points are ``points[:, i]``, as ``_accept`` computes them."""
-    n = counts.to(F64)
-    used = None if bool((counts == width).all()) else torch.arange(width)[:, None] < counts
+    ``counts[i]`` points (``counts`` of each, if a number) are ``points[:, i]``,
+    as ``_accept`` computes them."""
+    width = points.shape[0]
+    if isinstance(counts, int) or bool((counts == width).all()):
+        n, used = float(width), None
+    else:
+        n, used = counts.to(F64), torch.arange(width)[:, None] < counts
     terms = points / n
     mean = _fsum_columns(terms if used is None else torch.where(used, terms, 0.0))
     values = points - mean
@@ -348,7 +412,7 @@ def _sqrt(t: torch.Tensor) -> torch.Tensor:
 def _fsum_columns(terms: torch.Tensor) -> torch.Tensor:
     """``math.fsum`` of each column (a correctly rounded sum), in tensor arithmetic.
 
-    A pairwise tree of TwoSums (Knuth) leaves ``s`` and errors ``e`` with
+    TwoSums (``_two_sums``) leave ``s`` and errors ``e`` with
     ``s + sum(e)`` exactly the column's sum. ``sum(e)`` in float64 is off by
     at most ``(m - 1) u sum|e|`` (Higham, "Accuracy and Stability of
     Numerical Algorithms", 4.2); the correctly rounded result is
@@ -357,11 +421,11 @@ def _fsum_columns(terms: torch.Tensor) -> torch.Tensor:
     The columns left in doubt (about 1 in 100 of random norms, half of a
     steady series' sums) are mostly exact ties: a sum of equal norms, a last
     addition that drops one bit. A few are summed by ``math.fsum``; many, by
-    a second tree over ``e`` that finds ``sum(e)`` exactly, after which one
+    the same TwoSums over ``e``, which find ``sum(e)`` exactly, after which one
     rounded addition gives fsum's round-half-even answer (what is still in
     doubt then asks ``math.fsum``).
     """
-    s, e = _two_sum_tree(terms)
+    s, e = _two_sums(terms)
     if e is None:
         return s + 0.0
     rest, bound = e.sum(dim=0), e.abs().sum(dim=0) * (e.shape[0] * 2.0**-52)
@@ -375,7 +439,7 @@ def _fsum_columns(terms: torch.Tensor) -> torch.Tensor:
     doubt = doubt.nonzero().flatten()
     if doubt.numel() <= _FEW_IN_DOUBT:
         return _fsum_in_python(r, terms, doubt)
-    s2, e2 = _two_sum_tree(e.index_select(1, doubt))
+    s2, e2 = _two_sums(e.index_select(1, doubt))
     exact = torch.ones_like(s2, dtype=torch.bool) if e2 is None else (e2 == 0).all(dim=0)
     # Where the errors summed exactly, s + s2 is the exact sum: its one rounding is fsum's.
     r[doubt] = torch.where(exact, s.index_select(0, doubt) + s2, r.index_select(0, doubt))
@@ -390,9 +454,22 @@ def _fsum_in_python(r: torch.Tensor, terms: torch.Tensor, columns: torch.Tensor)
     return r
 
 
-def _two_sum_tree(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each column of ``x`` as ``s + sum(e)`` exactly: the pairwise float sum ``s``
-    and every addition's rounding error (TwoSum, error-free without overflow)."""
+def _two_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each column of ``x`` as ``s + sum(e)`` exactly: a float sum ``s`` and every
+    addition's rounding error (TwoSum, Knuth; error-free without overflow).
+
+    The additions are ``cumsum``'s, one rounded addition per row, which is
+    checked (``s_k == s_(k-1) + x_k``, so each error is that addition's): a
+    handful of ops whatever the number of rows. Should torch ever sum in
+    another order, a pairwise tree of TwoSums does it instead.
+    """
+    if x.shape[0] < 2:
+        return (x[0] if x.shape[0] else torch.zeros(x.shape[1], dtype=F64)), None
+    sums = torch.cumsum(x, dim=0)
+    before, after, added = sums[:-1], sums[1:], x[1:]
+    if bool((after == before + added).all()):
+        bb = after - before
+        return sums[-1], (before - (after - bb)) + (added - bb)
     s, errors = x, []
     while s.shape[0] > 1:
         if s.shape[0] % 2:
@@ -401,8 +478,7 @@ def _two_sum_tree(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         s = a + b
         bb = s - a
         errors.append((a - (s - bb)) + (b - bb))
-    top = s[0] if s.shape[0] else torch.zeros(s.shape[1], dtype=F64)
-    return top, torch.cat(errors) if errors else None
+    return s[0], torch.cat(errors)
 
 
 def _python_squares(r: torch.Tensor) -> torch.Tensor:
@@ -413,12 +489,13 @@ def _python_squares(r: torch.Tensor) -> torch.Tensor:
     hi = c - (c - r)
     lo = r - hi
     err = ((hi * hi - p) + hi * lo * 2) + lo * lo  # Dekker: p + err == r * r exactly
-    gap = p - torch.nextafter(p, torch.zeros_like(p))
+    gap = p - torch.nextafter(p, _ZERO)
     # |r| >= 2**-450 keeps Dekker's products clear of underflow; 0 ** 2 is 0 * 0.
     sure = ((err.abs() < gap * _SAFE_SQUARE_ERROR) & (p >= _TINY_RATIO * _TINY_RATIO)) | (r == 0)
-    unsure = (~sure).view(-1).nonzero().flatten()
-    if unsure.numel():
-        flat = p.view(-1)
-        squares = [v**2 for v in r.reshape(-1).index_select(0, unsure).tolist()]
-        flat.index_copy_(0, unsure, torch.tensor(squares, dtype=F64))
+    unsure = ~sure
+    ask = r.masked_select(unsure).tolist()
+    if ask:
+        p.masked_scatter_(
+            unsure, torch.tensor(list(map(float.__pow__, ask, repeat(2.0))), dtype=F64)
+        )
     return p

@@ -157,12 +157,26 @@ def test_many_sums_in_doubt_at_once_are_fsum():
         tip = rng.choice([0.0, 2.0**-60, 2.0**-53 * 3, 1e-300])
         columns.append([1 + k * 2.0**-52, 1.0, tip, rng.choice([0.0, 0.25])])
     terms = torch.tensor(columns, dtype=torch.float64).T.contiguous()
-    with mock.patch.object(spikes, "_two_sum_tree", wraps=spikes._two_sum_tree) as tree:
+    with mock.patch.object(spikes, "_two_sums", wraps=spikes._two_sums) as tree:
         got = _fsum_columns(terms).tolist()
         trees = tree.call_count
     assert [bits(g) for g in got] == [bits(math.fsum(c)) for c in columns]
-    assert trees == 2  # more in doubt than math.fsum is asked for: the second tree ran
+    assert trees == 2  # more in doubt than math.fsum is asked for: the second pass ran
 
 
 def test_a_steady_series_is_judged_as_its_own_detector_would():
     check_against_scalar([{k: 0.1 * (k + 1) for k in range(200)}] * 40)
+
+
+def test_sums_in_another_order_than_cumsums_are_still_fsum():
+    # Should torch's cumsum ever add in another order, the pairwise tree sums.
+    rng = random.Random(9)
+    terms = torch.tensor(
+        [[rng.uniform(0, 1) for _ in range(300)] for _ in range(13)], dtype=torch.float64
+    )
+    terms[:, :150] = terms[:, :1]  # half of them steady: exact ties
+    columns = terms.T.tolist()
+    real = torch.cumsum
+    with mock.patch.object(spikes.torch, "cumsum", lambda x, dim: real(x.flip(dim), dim).flip(dim)):
+        got = _fsum_columns(terms).tolist()
+    assert [bits(g) for g in got] == [bits(math.fsum(c)) for c in columns]
