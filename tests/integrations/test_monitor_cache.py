@@ -150,3 +150,24 @@ def test_steps_not_logged_clip_the_parameters_the_model_has_now(tmp_path):
         assert math.isclose(float(total), want, rel_tol=1e-6)
         after = math.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
         assert math.isclose(after, 1.0, rel_tol=1e-5)
+
+
+def test_a_model_that_lists_its_own_parameters_is_asked_every_step(tmp_path):
+    class Chosen(Tiny):
+        """Lists only the parameters whose names hold ``self.chosen``."""
+
+        chosen = "h."
+
+        def named_parameters(self, *args, **kwargs):
+            for name, p in super().named_parameters(*args, **kwargs):
+                if self.chosen in name:
+                    yield name, p
+
+    model = Chosen()
+    with GradMonitor(model, tmp_path / "grads.jsonl", None) as monitor:
+        for step, chosen in enumerate(["h.", "h.", "wte", "h.1"]):
+            model.chosen = chosen
+            fill_grads(model, step)
+            record = monitor.step(step)
+            assert_norms_match(record, *reference_norms(model))
+            assert all(chosen in name for name, _ in model.named_parameters())
