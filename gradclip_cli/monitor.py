@@ -581,16 +581,15 @@ def _cacheable(module: object) -> bool:
 def _structure(modules: list[torch.nn.Module]) -> tuple | None:
     """Everything of ``modules`` that ``named_parameters`` reads (None: something
     that is no longer a dict, which is never taken for unchanged)."""
-    params = list(map(_PARAMETERS, modules))
-    children = list(map(_CHILDREN, modules))
-    if not all(type(d) is dict for d in chain(params, children)):
+    dicts = list(map(_PARAMETERS, modules))
+    dicts += map(_CHILDREN, modules)
+    if set(map(type, dicts)) != {dict}:
         return None
     return (
         list(map(type, modules)),
-        list(chain.from_iterable(params)),
-        list(map(id, chain.from_iterable(map(dict.values, params)))),
-        list(chain.from_iterable(children)),
-        list(map(id, chain.from_iterable(map(dict.values, children)))),
+        list(map(len, dicts)),
+        list(chain.from_iterable(dicts)),
+        list(map(id, chain.from_iterable(map(dict.values, dicts)))),
     )
 
 
