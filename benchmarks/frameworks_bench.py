@@ -1,6 +1,7 @@
 """Issue 17: ``gradclip inspect`` of >= 1 GB torchtitan and Megatron checkpoints against the floor.
 
     python -m benchmarks.frameworks_bench --gb 1.2 --repeats 5
+    python -m benchmarks.frameworks_bench --gb 1.2 --repeats 5 --clock cpu   # a loaded machine
 
 Each checkpoint is written on this CPU by the framework's own saving code
 (``benchmarks/framework_checkpoints.py``, run in the frameworks venv that
@@ -90,7 +91,15 @@ def _contender(argv: list[str], folder: Path, cold: bool):
     return run
 
 
-def bench(framework: str, given: Path, folder: Path, repeats: int) -> str:
+def children_cpu_time() -> float:
+    """CPU time (user + system) of every finished child process and its own children:
+    what a contender costs, which the load of other processes on a shared machine
+    adds little to (wall time does not hold still there)."""
+    times = os.times()
+    return times.children_user + times.children_system
+
+
+def bench(framework: str, given: Path, folder: Path, repeats: int, clock=None) -> str:
     files = files_of(folder)
     size = sum(f.stat().st_size for f in files)
     gradclip = [PYTHON, "-m", "gradclip_cli", "inspect", str(given), "--format", "json", "-q"]
@@ -107,7 +116,8 @@ def bench(framework: str, given: Path, folder: Path, repeats: int) -> str:
     rows = []
     for cache in ("warm", "cold"):
         results = interleaved(
-            {n: _contender(a, folder, cache == "cold") for n, a in argvs.items()}, repeats
+            {n: _contender(a, folder, cache == "cold") for n, a in argvs.items()}, repeats,
+            **({"clock": clock} if clock else {}),
         )
         floor = results[next(iter(argvs))].median
         for name, result in results.items():
@@ -125,7 +135,7 @@ def bench(framework: str, given: Path, folder: Path, repeats: int) -> str:
     return (
         f"{framework}: `{given.relative_to(inputs.DATA)}`, {size / 1e9:.2f} GB "
         f"({fmt_bytes(size)}) in {len(files)} files ({len(distcp)} .distcp); "
-        f"median of {repeats}\n\n"
+        f"median of {repeats}{', CPU time' if clock else ''}\n\n"
         + markdown_table(
             ["page cache", "contender", "median", "GB/s", "time / floor", "peak RSS"], rows
         )
@@ -139,6 +149,9 @@ def main() -> None:
     parser.add_argument("--only", choices=FRAMEWORKS, action="append")
     parser.add_argument("--frameworks-python", default=os.environ.get("GRADCLIP_FRAMEWORKS_PYTHON"))
     parser.add_argument("--keep-data", action="store_true")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="wall time (default), or the contenders' CPU time (user + "
+                             "system, every thread), for a loaded machine")
     args = parser.parse_args()
     if not args.frameworks_python:
         parser.error(
@@ -160,7 +173,8 @@ def main() -> None:
         for framework in frameworks:
             made.append(inputs.DATA / f"{framework}_{args.gb:g}GB")
             given, folder = checkpoint(args.frameworks_python, framework, args.gb)
-            print(bench(framework, given, folder, args.repeats), "\n", flush=True)
+            clock = children_cpu_time if args.clock == "cpu" else None
+            print(bench(framework, given, folder, args.repeats, clock), "\n", flush=True)
     finally:
         if not args.keep_data:
             for out in made:

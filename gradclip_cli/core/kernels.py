@@ -2,7 +2,9 @@
 
 A *row* is a run of consecutive elements of one flattened tensor. Its power
 sum is accumulated in float32 (float64 for float64 tensors) with ``sum``'s
-cascade summation, then rows are combined in float64 (power_sums.py). That
+cascade summation, or for p = 2 from the norms of its runs of ``ROW``
+elements (one read, no ``x * x`` written), then rows are combined in float64
+(power_sums.py). That
 split is what makes the result accurate: torch's single fp32 reduction over
 a whole tensor has relative error 2.7e-3 on 38M normal values, while these
 stay near 1e-7 whatever the data (BENCHMARKS.md, accuracy).
@@ -207,8 +209,9 @@ def rows_on_cpu(tensors: Sequence[torch.Tensor], norm_type: float, workers: int 
 
     A tensor of at least ``SMALL`` elements is cut into runs of ``CHUNK``
     elements, each one row: ``aminmax`` reads it into cache, and the power
-    sum's passes then hit cache. Smaller tensors of equal size are stacked into
-    blocks, one row per tensor, so 20,000 small tensors cost a few hundred
+    sum's passes then hit cache (at p = 2 one pass: ``row_norms_into``).
+    Smaller tensors of equal size are stacked into blocks, one row per
+    tensor, so 20,000 small tensors cost a few hundred
     reductions. ``workers`` > 1 spreads the pieces over that many threads
     (torch releases the GIL in each op). ``with_max=False`` skips the
     ``aminmax`` pass (p finite): the power sum alone certifies a norm.
@@ -341,6 +344,7 @@ class _Pieces:
         self.stacks_started = False
         self.widen = dtype != acc
         self.wide, self.stacked, self.scratch = _buffers(dtype, acc, self.widen)
+        self.rows = self.scratch[: -(-CHUNK // ROW)]
         self.layout: list[tuple[int, int, int]] = []
         # Chunks come before stacks (rows_on_cpu's job order): a chunk's results
         # are 0-dim and stacked once at the end, sparing two small ops a chunk.
@@ -378,7 +382,14 @@ class _Pieces:
             self.highs.append(high)
             self.lows.append(low)
         if self.with_norm:
-            self.chunk_sums.append(power_sums(x, self.norm_type, self.scratch))
+            if self.norm_type == 2.0:
+                # One read of the cached chunk, no |x|^2 written: its rows'
+                # norms (see ROW), their squares summed in float64.
+                rows = row_norms_into(x, self.rows[: -(-x.numel() // ROW)])
+                self.chunk_sums.append(torch.linalg.vector_norm(rows, dtype=torch.float64)
+                                       .square_())
+            else:
+                self.chunk_sums.append(power_sums(x, self.norm_type, self.scratch))
         self.layout.append(where)
 
     def stack(self, xs, length: int, where) -> None:
@@ -463,10 +474,25 @@ def squares_on_cpu(tensors: Sequence[torch.Tensor]) -> Rows:
     if small:
         members = tensors if len(small) == len(sizes) else [tensors[i] for i in small]
         parts.append(_packing(tuple(t.shape for t in members), dtype).norms(members))
-    order = torch.tensor(big + small, dtype=torch.int64)
-    norm = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
-    length = torch.tensor(sizes, dtype=torch.int64)[order]
+    length = torch.tensor(sizes, dtype=torch.int64)
+    if len(parts) == 1 and len(sizes) in (len(big), len(small)):  # one kind, none empty
+        order, norm = torch.arange(len(sizes)), parts[0]
+    else:
+        order = torch.tensor(big + small, dtype=torch.int64)
+        norm = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
+        length = length[order]
     return Rows(order, torch.zeros_like(order), length, None, norm, dtype)
+
+
+def row_norms_into(flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The norms of ``flat``'s rows of ``ROW`` elements (its short tail one more
+    row) into ``out``, ``ceil(n / ROW)`` of them in ``flat``'s type (see ``ROW``)."""
+    n = flat.numel()
+    main = n - n % ROW
+    torch.linalg.vector_norm(flat[:main].view(-1, ROW), dim=1, out=out[: main // ROW])
+    if n > main:
+        torch.linalg.vector_norm(flat[main:], out=out[main // ROW])
+    return out
 
 
 def _big_norms(flats: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -481,12 +507,7 @@ def _big_norms(flats: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     rows = _rows_buffer(sum(counts), dtype)
     start = 0
     for flat, count in zip(flats, counts):
-        n = flat.numel()
-        main = n - n % ROW
-        torch.linalg.vector_norm(flat[:main].view(-1, ROW), dim=1,
-                                 out=rows[start : start + main // ROW])
-        if n > main:
-            torch.linalg.vector_norm(flat[main:], out=rows[start + count - 1])
+        row_norms_into(flat, rows[start : start + count])
         start += count
     wide = rows.double()
     bounds = [0]

@@ -174,6 +174,10 @@ class Derivation:
     """How one measured tensor's value follows from stored tensors: ``compute(*reads read)``,
     of ``shape``. ``scale``: the value is exactly ``scale * reads[0]``, so its norm is the
     stored tensor's norm scaled and nothing is copied (the identity: ``scale == 1``).
+    Where every read has ``shape``, ``compute`` is elementwise (element ``i`` of the
+    value depends on element ``i`` of each read alone): the measuring step may apply
+    it to pieces. A transform that mixes elements reads tensors of other shapes
+    (Adafactor's factored rows and columns).
     """
 
     reads: tuple[StoredTensor, ...]

@@ -183,3 +183,30 @@ def test_total_beyond_float64_keeps_an_exact_coefficient():
     assert rel_err(coef.log2, -1 - math.log2(1e308)) <= 1e-12
     scale_elements_(distinct_elements([x]), coef)
     torch.testing.assert_close(x, torch.full((4,), 0.5, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_tensors_apart_are_their_own_pieces_and_the_rest_go_the_general_way():
+    # The drop-ins' common case (each gradient its own allocation) carries the
+    # tensors themselves; anything that may share, is complex, sparse, or has
+    # no address takes the general pieces, which measure the same total.
+    a, b = torch.randn(3, 4), torch.randn(7)
+    w = torch.randn(5, requires_grad=True)
+    apart = distinct_elements([a, b, w])
+    assert apart.whole is not None and [t.data_ptr() for t in apart.whole] == [
+        a.data_ptr(), b.data_ptr(), w.data_ptr()]
+    assert not any(t.requires_grad for t in apart.whole)
+    assert [p.target.data_ptr() for p in apart.owned] == [t.data_ptr() for t in apart.whole]
+    base = torch.randn(10)
+    cases = {
+        "overlapping": [base[:6], base[4:]],
+        "tied": [a, a],
+        "transposed": [a, a.t()],
+        "complex": [torch.randn(4, dtype=torch.complex64), b],
+        "sparse": [torch.randn(3, 3).to_sparse(), b],
+        "meta": [torch.empty(4, device="meta")],
+        "empty": [torch.empty(0), b],
+    }
+    for name, tensors in cases.items():
+        elements = distinct_elements(tensors)
+        assert elements.whole is None, name
+        assert len(elements.owned) == len(tensors), name

@@ -234,3 +234,43 @@ def test_a_negative_second_moment_is_nan_not_its_absolute_value():
     update = optimizers.om.adam_update(torch.ones(2), v, lr=1e-3, beta1=0.9, beta2=0.999,
                                        eps=1e-8, step=10)
     assert math.isnan(update[1])
+
+
+PIECES = {
+    **ADAM_LIKE,
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.01, initial_accumulator_value=0.1),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=0.01, alpha=0.9),
+}
+
+
+@pytest.mark.parametrize("name", list(PIECES))
+def test_transforms_computed_by_pieces_are_the_same_bits(name):
+    # The measuring step computes elementwise transforms a cache-sized piece at
+    # a time (measuring._by_pieces); every element must be the bits the whole
+    # tensor gives, in float32 and for a tensor spanning several pieces and a tail.
+    from gradclip_cli import measuring
+
+    torch.manual_seed(1)
+    big = torch.nn.Linear(700, 3 * measuring._PIECE // 700 + 1)  # > 2 pieces, with a tail
+    opt = PIECES[name](big.parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        big(torch.randn(4, 700)).square().sum().backward()
+        opt.step()
+    state = optimizer_state(opt.state_dict(), None, "test")
+    kind = optimizers.identify(state)
+    compared = 0
+    for what in ("exp_avg", "grad_rms", "update"):
+        if not kind.gives(what):
+            continue
+        for group in state.param_groups:
+            for pid in group["params"]:
+                d = optimizers.derive(kind, what, state, str(pid), state.state[pid], group)
+                reads = [t.read() for t in d.reads]
+                assert all(tuple(r.shape) == d.shape for r in reads)
+                whole = d.compute(*reads)
+                pieces = measuring._by_pieces(d.compute, reads)
+                assert pieces.dtype == whole.dtype and pieces.shape == whole.shape
+                assert torch.equal(pieces, whole), (what, pid)
+                compared += whole.numel() > 2 * measuring._PIECE
+    assert compared
