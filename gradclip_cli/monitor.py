@@ -354,10 +354,9 @@ class GradMonitor:
         if kept is not None:
             names = [names[i] for i in kept]
         grouping = Grouping.of([self._group(n) for n in names])
-        for group in grouping.names:
-            if group not in self._series_of:
-                self._series_of[group] = len(self._series_of)
-                self._group_detectors.add(1)
+        for group in grouping.names:  # a group seen for the first time: a new series
+            self._series_of.setdefault(group, len(self._series_of))
+        self._group_detectors.add(len(self._series_of) - len(self._group_detectors))
         series = [self._series_of[g] for g in grouping.names]
         every = series == list(range(len(self._series_of)))
         keys = [json.dumps(g) + ": " for g in grouping.names]
