@@ -387,7 +387,8 @@ class GradMonitor:
         worth_a_dump = judged.spike and settled
         groups, series = self._group_detectors, m.plan.series
         seen = groups.seen if series is None else groups.seen[series]
-        group_judged = groups.update(norms, series)
+        # Only the groups' decisions are logged (not their z-scores): scores=False.
+        group_judged = groups.update(norms, series, scores=False)
         spiked = group_judged.spike
         names = m.sums.names
         spike_groups = [names[i] for i in spiked.nonzero().flatten().tolist()]

@@ -208,12 +208,44 @@ class SpikeDetectors:
         # (seen, accepted) while every series has the same counts and a finite
         # history (the monitor's groups, step after step): no masks needed.
         self._in_step: tuple[int, int] | None = (0, 0)
+        # While the series warm up in step and only decisions are asked for
+        # (``scores=False``), mean and spread are worked out from the seed only
+        # when something needs them (see ``_decide_from_seed``): the number of
+        # points they are behind the seed's, or None when up to date.
+        self._stale: int | None = None
 
     def __len__(self) -> int:
         return self.seen.numel()
 
+    @property
+    def mean(self) -> torch.Tensor:
+        """Each series' running mean (``SpikeDetector.mean``)."""
+        self._settle()
+        return self._mean
+
+    @mean.setter
+    def mean(self, value: torch.Tensor) -> None:
+        self._mean = value
+
+    @property
+    def spread(self) -> torch.Tensor:
+        """Each series' standard deviation before the floor (``SpikeDetector.spread``)."""
+        self._settle()
+        return self._spread
+
+    @spread.setter
+    def spread(self, value: torch.Tensor) -> None:
+        self._spread = value
+
+    def _settle(self) -> None:
+        """Mean and spread of the seed as ``_accept`` leaves them, if they are behind."""
+        if self._stale is not None:
+            n, self._stale = self._stale, None
+            self._mean, self._spread = _warmup_series(self.seed[:n], n)
+
     def add(self, count: int) -> None:
         """``count`` new series, with no history, after the existing ones."""
+        self._settle()
         if count and len(self) and self._in_step != (0, 0):
             self._in_step = None
         self.seen = torch.cat([self.seen, torch.zeros(count, dtype=torch.int64)])
@@ -233,14 +265,22 @@ class SpikeDetectors:
             d._seed = self.seed[: d.accepted, series].tolist()
         return d
 
-    def update(self, x: torch.Tensor, series: torch.Tensor | None = None) -> Judgements:
+    def update(
+        self, x: torch.Tensor, series: torch.Tensor | None = None, *, scores: bool = True
+    ) -> Judgements:
         """Judge ``x[i]`` as the next point of series ``series[i]`` (of series i when
-        ``series`` is None), then let it into that history, as ``SpikeDetector.update``."""
+        ``series`` is None), then let it into that history, as ``SpikeDetector.update``.
+
+        With ``scores=False`` only the decisions are certain to be given: ``z``
+        and ``limit`` may be NaN where a point is not a spike (the monitor's
+        groups, whose z-scores are not logged). Decisions and state are the same.
+        """
         x = x.to(F64)
         if series is None and self._in_step is not None and len(x):
-            judged = self._update_in_step(x)
+            judged = self._update_in_step(x, scores)
             if judged is not None:
                 return judged
+        self._settle()
         self._in_step = None
         judged = self._update(x, series)
         if len(self) and bool(
@@ -252,7 +292,7 @@ class SpikeDetectors:
             self._in_step = (int(self.seen[0]), int(self.accepted[0]))
         return judged
 
-    def _update_in_step(self, x: torch.Tensor) -> Judgements | None:
+    def _update_in_step(self, x: torch.Tensor, scores: bool) -> Judgements | None:
         """``update`` of every series when all have the same counts and a finite
         history, and every ``x`` is finite; None (nothing changed) otherwise."""
         seen, accepted = self._in_step
@@ -260,27 +300,43 @@ class SpikeDetectors:
             return None
         nan = torch.full_like(x, math.nan)
         judged = seen >= MIN_HISTORY and accepted > 0
-        if judged:
-            std = torch.maximum(self.spread, self.mean.abs() * MIN_RELATIVE_STD)
-            z = torch.nan_to_num((x - self.mean) / std, nan=0.0, posinf=math.inf, neginf=-math.inf)
-            limit = self.mean + std * self.threshold
-            spike = z > self.threshold
-            value = torch.where(spike, limit, x)
-            if not bool(torch.isfinite(value).all()):
+        if judged and self._stale is not None and not scores:
+            decided = self._decide_from_seed(x, accepted)
+            if decided is None:
                 return None
+            z, limit, spike = decided
+        elif judged:
+            self._settle()
+            mean, spread = self._mean, self._spread
+            if not bool(torch.isfinite(mean).all() & torch.isfinite(spread).all()):
+                return None
+            std = torch.maximum(spread, mean.abs() * MIN_RELATIVE_STD)
+            z = torch.nan_to_num((x - mean) / std, nan=0.0, posinf=math.inf, neginf=-math.inf)
+            limit = mean + std * self.threshold
+            spike = z > self.threshold
         else:
-            z, limit, spike, value = nan, nan, torch.zeros_like(x, dtype=torch.bool), x
+            z, limit, spike = nan, nan, torch.zeros_like(x, dtype=torch.bool)
+        value = torch.where(spike, limit, x) if judged else x
+        if not bool(torch.isfinite(value).all()):
+            return None
         accepted += 1
         if accepted <= self.warmup:
             self._widen(accepted)
             self.seed[accepted - 1] = value
-            mean, spread = _warmup_series(self.seed[:accepted], accepted)
+            if scores or accepted == self.warmup:
+                self._stale = None
+                mean, spread = _warmup_series(self.seed[:accepted], accepted)
+            else:  # worked out when needed, from the seed
+                self._stale = accepted
+                mean, spread = self._mean, self._spread
         else:
-            mean = self.mean * self.alpha + value * (1 - self.alpha)
-            spread = _ema_rms_series(self.spread, value - mean, self.alpha)
-        if not bool(torch.isfinite(mean).all() & torch.isfinite(spread).all()):
+            mean = self._mean * self.alpha + value * (1 - self.alpha)
+            spread = _ema_rms_series(self._spread, value - mean, self.alpha)
+        if self._stale is None and not bool(
+            torch.isfinite(mean).all() & torch.isfinite(spread).all()
+        ):
             return None  # the seed row written is past what the counts say
-        self.mean, self.spread = mean, spread
+        self._mean, self._spread = mean, spread
         self.seen = self.seen + 1
         self.accepted = self.accepted + 1
         self._in_step = (seen + 1, accepted)
@@ -288,6 +344,52 @@ class SpikeDetectors:
             self.seed = torch.zeros((0, len(self)), dtype=F64)
         every = torch.full_like(spike, judged)
         return Judgements(every, z, spike, torch.zeros_like(spike), limit)
+
+    def _decide_from_seed(self, x: torch.Tensor, n: int):
+        """Spike decisions of every series from its ``n`` warm-up points, without
+        their exact mean and spread where a bound shows it needs none.
+
+        A plain float64 mean ``a`` and root mean square ``r`` of the points are
+        within ``em`` and ``es`` of ``_accept``'s (the sums' rounding, Higham
+        4.2, and that of each step of ``_rms``, bounded generously), so the
+        z-score from them is within ``bz`` of the rule's. A series whose score
+        is further than that from the threshold is decided; the others, and
+        every spike (whose limit enters the history), get the exact rule.
+        Returns (z, limit, spike), z and limit NaN where decided so; None if
+        something is not finite.
+        """
+        u = 2.0**-53
+        points = self.seed[:n]
+        a = points.sum(dim=0) / n
+        em = points.abs().sum(dim=0) * ((n + 3) * u / n)
+        d = points - a
+        r = ((d * d).sum(dim=0) / n).sqrt()
+        es = em + (r + em) * (2 * (n + 20) * u)
+        std = torch.maximum(r, a.abs() * MIN_RELATIVE_STD)
+        est = es + em
+        rise = x - a
+        z = rise / std
+        bz = 2 * (
+            (z.abs() + 1) * (4 * u) + em / std + (rise.abs() + em) * est / (std * (std - est))
+        )
+        # NaN anywhere (an overflow) compares false: not decided here.
+        decided = (std > 2 * est) & ((z - self.threshold).abs() > 2 * bz)
+        spike = decided & (z > self.threshold)
+        exact = (~decided | spike).nonzero().flatten()
+        nan = torch.full_like(x, math.nan)
+        z, limit = nan, nan.clone()
+        if exact.numel():
+            mean, spread = _warmup_series(points.index_select(1, exact), n)
+            if not bool(torch.isfinite(mean).all() & torch.isfinite(spread).all()):
+                return None
+            std = torch.maximum(spread, mean.abs() * MIN_RELATIVE_STD)
+            xs = x.index_select(0, exact)
+            z[exact] = torch.nan_to_num(
+                (xs - mean) / std, nan=0.0, posinf=math.inf, neginf=-math.inf
+            )
+            limit[exact] = mean + std * self.threshold
+            spike[exact] = z[exact] > self.threshold
+        return z, limit, spike
 
     def _update(self, x: torch.Tensor, series: torch.Tensor | None) -> Judgements:
         if series is None:
