@@ -182,14 +182,24 @@ class Judgements:
 class SpikeDetectors:
     """``SpikeDetector``'s rule over many series at once, in float64 tensors.
 
-    Series are numbered in the order ``add`` makes them; ``update`` judges one point of each
-    series it is given. Every result and every piece of state is what one
-    ``SpikeDetector`` per series computes, bit for bit: the averages are the
-    same float64 operations in the same order, and the warm-up's ``fsum``
-    (a correctly rounded sum) is an error-free pairwise sum whose rounding is
-    certified against its own error bound. A row the tensors cannot certify
-    (a sum too near a rounding midpoint, an overflowing or non-finite
-    history) is updated by a ``SpikeDetector`` built from its state.
+    Series are numbered in the order ``add`` makes them; ``update`` judges one
+    point of each series it is given. Every decision, z-score, limit and piece
+    of state is what one ``SpikeDetector`` per series computes, bit for bit
+    (``tests/core/test_spike_series.py`` holds it to that): the averages are
+    the same float64 operations in the same order; the warm-up's ``fsum`` (a
+    correctly rounded sum) is an error-free sum whose rounding is certified
+    (``_fsum_columns``); Python's squares are ``r * r`` where that is
+    certainly what ``pow`` gives (``_python_squares``); square roots are
+    ``math.sqrt``'s. A series whose history overflows or is not finite is
+    updated by a ``SpikeDetector`` built from its state.
+
+    The monitor asks only for decisions (``scores=False``): then a warm-up
+    point far enough from the threshold, by a proven bound, is decided from
+    plain sums of the seed, and the exact warm-up mean and spread are worked
+    out only when needed (a point near the threshold, a spike, the end of the
+    warm-up, a read of ``mean`` or ``spread``). Measured on 1,000 groups: 0.1
+    to 0.4 ms a warm-up step, against 1.2 to 3.4 ms with scores and 3 to 5 ms
+    for 1,000 ``SpikeDetector`` objects.
     """
 
     def __init__(
@@ -197,6 +207,7 @@ class SpikeDetectors:
     ):
         SpikeDetector(z, alpha, warmup)  # the same checks and messages
         self.threshold, self.alpha, self.warmup = z, alpha, int(warmup)
+        self._stale: int | None = None  # see below
         self.seen = torch.zeros(0, dtype=torch.int64)
         self.accepted = torch.zeros(0, dtype=torch.int64)
         self.mean = torch.zeros(0, dtype=F64)
@@ -210,9 +221,9 @@ class SpikeDetectors:
         self._in_step: tuple[int, int] | None = (0, 0)
         # While the series warm up in step and only decisions are asked for
         # (``scores=False``), mean and spread are worked out from the seed only
-        # when something needs them (see ``_decide_from_seed``): the number of
-        # points they are behind the seed's, or None when up to date.
-        self._stale: int | None = None
+        # when something needs them (see ``_decide_from_seed``): how many seed
+        # points they are to be worked out from, or None when up to date.
+        self._stale = None
 
     def __len__(self) -> int:
         return self.seen.numel()
