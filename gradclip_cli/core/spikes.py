@@ -335,19 +335,18 @@ class SpikeDetectors:
             self._widen(accepted)
             self.seed[accepted - 1] = value
             if scores or accepted == self.warmup:
-                self._stale = None
+                stale = None
                 mean, spread = _warmup_series(self.seed[:accepted], accepted)
             else:  # worked out when needed, from the seed
-                self._stale = accepted
-                mean, spread = self._mean, self._spread
+                stale, mean, spread = accepted, self._mean, self._spread
         else:
+            self._settle()  # up to date already: the warm-up's end settles it
+            stale = None
             mean = self._mean * self.alpha + value * (1 - self.alpha)
             spread = _ema_rms_series(self._spread, value - mean, self.alpha)
-        if self._stale is None and not bool(
-            torch.isfinite(mean).all() & torch.isfinite(spread).all()
-        ):
-            return None  # the seed row written is past what the counts say
-        self._mean, self._spread = mean, spread
+        if stale is None and not bool(torch.isfinite(mean).all() & torch.isfinite(spread).all()):
+            return None  # nothing changed: the seed row written is past what the counts say
+        self._mean, self._spread, self._stale = mean, spread, stale
         self.seen = self.seen + 1
         self.accepted = self.accepted + 1
         self._in_step = (seen + 1, accepted)
