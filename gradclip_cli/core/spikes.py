@@ -26,13 +26,19 @@ References:
     ``var_t = alpha var + (1 - alpha) (g_t - mu_t)^2`` with ``g_t`` the
     clipped norm, z-score threshold 2.5, alpha 0.97, a warm-up of 25 steps.
 
-Pure float arithmetic: no tensors, no I/O.
+``SpikeDetector`` judges one series in plain float arithmetic;
+``SpikeDetectors`` judges many at once (the monitor's 1,000 groups) in
+float64 tensor arithmetic, with the same decisions, z-scores and limits bit
+for bit. No I/O.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import repeat
+
+import torch
 
 MIN_HISTORY = 5
 MIN_RELATIVE_STD = 0.5
@@ -59,8 +65,9 @@ class Judgement:
 class SpikeDetector:
     """Judges one series point by point (one detector per series: total, each group)."""
 
-    def __init__(self, z: float = DEFAULT_Z, alpha: float = DEFAULT_ALPHA,
-                 warmup: int = DEFAULT_WARMUP):
+    def __init__(
+        self, z: float = DEFAULT_Z, alpha: float = DEFAULT_ALPHA, warmup: int = DEFAULT_WARMUP
+    ):
         if not (z > 0 and math.isfinite(z)):
             raise ValueError(f"z must be a finite number > 0, got {z}")
         if not 0 < alpha < 1:
@@ -141,3 +148,466 @@ def _ratio(rise: float, std: float) -> float:
     if std == 0:
         return 0.0 if rise == 0 else math.copysign(math.inf, rise)
     return rise / std
+
+
+# -- many series at once -------------------------------------------------------
+
+F64 = torch.float64
+_SPLIT = 134217729.0  # 2**27 + 1: Veltkamp's split of a float64 into two halves
+# A square r * r is taken for Python's r ** 2 (the C library's pow) only where
+# the exact square is further than 0.45 ulp from a rounding midpoint: a pow
+# within 0.55 ulp of exact (glibc's is within 0.52) rounds it the same way.
+# The others, about one in ten, are squared by Python itself.
+_SAFE_SQUARE_ERROR = 0.45
+_TINY_RATIO = 2.0**-450  # below it Dekker's exact product can underflow
+_ZERO = torch.zeros((), dtype=torch.float64)
+# Columns in doubt that math.fsum sums faster than a second pass of TwoSums would.
+_FEW_IN_DOUBT = 48
+
+
+@dataclass(frozen=True)
+class Judgements:
+    """What the rule says of one point of each series (float64 and bool tensors).
+
+    ``z`` and ``limit`` hold a value only where ``judged`` (NaN elsewhere).
+    """
+
+    judged: torch.Tensor
+    z: torch.Tensor
+    spike: torch.Tensor
+    nonfinite: torch.Tensor
+    limit: torch.Tensor
+
+
+class SpikeDetectors:
+    """``SpikeDetector``'s rule over many series at once, in float64 tensors.
+
+    Series are numbered in the order ``add`` makes them; ``update`` judges one
+    point of each series it is given. Every decision, z-score, limit and piece
+    of state is what one ``SpikeDetector`` per series computes, bit for bit
+    (``tests/core/test_spike_series.py`` holds it to that): the averages are
+    the same float64 operations in the same order; the warm-up's ``fsum`` (a
+    correctly rounded sum) is an error-free sum whose rounding is certified
+    (``_fsum_columns``); Python's squares are ``r * r`` where that is
+    certainly what ``pow`` gives (``_python_squares``); square roots are
+    ``math.sqrt``'s. A series whose history overflows or is not finite is
+    updated by a ``SpikeDetector`` built from its state.
+
+    The monitor asks only for decisions (``scores=False``): then a warm-up
+    point far enough from the threshold, by a proven bound, is decided from
+    plain sums of the seed, and the exact warm-up mean and spread are worked
+    out only when needed (a point near the threshold, a spike, the end of the
+    warm-up, a read of ``mean`` or ``spread``). Measured on 1,000 groups: 0.1
+    to 0.4 ms a warm-up step, against 1.2 to 3.4 ms with scores and 3 to 5 ms
+    for 1,000 ``SpikeDetector`` objects.
+    """
+
+    def __init__(
+        self, z: float = DEFAULT_Z, alpha: float = DEFAULT_ALPHA, warmup: int = DEFAULT_WARMUP
+    ):
+        SpikeDetector(z, alpha, warmup)  # the same checks and messages
+        self.threshold, self.alpha, self.warmup = z, alpha, int(warmup)
+        self._stale: int | None = None  # see below
+        self.seen = torch.zeros(0, dtype=torch.int64)
+        self.accepted = torch.zeros(0, dtype=torch.int64)
+        self.mean = torch.zeros(0, dtype=F64)
+        self.spread = torch.zeros(0, dtype=F64)
+        # The warm-up points of each series, one row per point (row k: each
+        # series' k-th accepted point; series i has accepted[i] of them), as
+        # many rows as the longest warm-up so far, dropped once all are past it.
+        self.seed = torch.zeros((0, 0), dtype=F64)
+        # (seen, accepted) while every series has the same counts and a finite
+        # history (the monitor's groups, step after step): no masks needed.
+        self._in_step: tuple[int, int] | None = (0, 0)
+        # While the series warm up in step and only decisions are asked for
+        # (``scores=False``), mean and spread are worked out from the seed only
+        # when something needs them (see ``_decide_from_seed``): how many seed
+        # points they are to be worked out from, or None when up to date.
+        self._stale = None
+
+    def __len__(self) -> int:
+        return self.seen.numel()
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """Each series' running mean (``SpikeDetector.mean``)."""
+        self._settle()
+        return self._mean
+
+    @mean.setter
+    def mean(self, value: torch.Tensor) -> None:
+        self._mean = value
+
+    @property
+    def spread(self) -> torch.Tensor:
+        """Each series' standard deviation before the floor (``SpikeDetector.spread``)."""
+        self._settle()
+        return self._spread
+
+    @spread.setter
+    def spread(self, value: torch.Tensor) -> None:
+        self._spread = value
+
+    def _settle(self) -> None:
+        """Mean and spread of the seed as ``_accept`` leaves them, if they are behind."""
+        if self._stale is not None:
+            n, self._stale = self._stale, None
+            self._mean, self._spread = _warmup_series(self.seed[:n], n)
+
+    def add(self, count: int) -> None:
+        """``count`` new series, with no history, after the existing ones."""
+        self._settle()
+        if count and len(self) and self._in_step != (0, 0):
+            self._in_step = None
+        self.seen = torch.cat([self.seen, torch.zeros(count, dtype=torch.int64)])
+        self.accepted = torch.cat([self.accepted, torch.zeros(count, dtype=torch.int64)])
+        self.mean = torch.cat([self.mean, torch.zeros(count, dtype=F64)])
+        self.spread = torch.cat([self.spread, torch.zeros(count, dtype=F64)])
+        self.seed = torch.cat(
+            [self.seed, torch.zeros((self.seed.shape[0], count), dtype=F64)], dim=1
+        )
+
+    def detector(self, series: int) -> SpikeDetector:
+        """A ``SpikeDetector`` in the state of ``series``."""
+        d = SpikeDetector(self.threshold, self.alpha, self.warmup)
+        d.seen, d.accepted = int(self.seen[series]), int(self.accepted[series])
+        d.mean, d.spread = float(self.mean[series]), float(self.spread[series])
+        if d.accepted < self.warmup:
+            d._seed = self.seed[: d.accepted, series].tolist()
+        return d
+
+    def update(
+        self, x: torch.Tensor, series: torch.Tensor | None = None, *, scores: bool = True
+    ) -> Judgements:
+        """Judge ``x[i]`` as the next point of series ``series[i]`` (of series i when
+        ``series`` is None), then let it into that history, as ``SpikeDetector.update``.
+
+        With ``scores=False`` only the decisions are certain to be given: ``z``
+        and ``limit`` may be NaN where a point is not a spike (the monitor's
+        groups, whose z-scores are not logged). Decisions and state are the same.
+        """
+        x = x.to(F64)
+        if series is None and self._in_step is not None and len(x):
+            judged = self._update_in_step(x, scores)
+            if judged is not None:
+                return judged
+        self._settle()
+        self._in_step = None
+        judged = self._update(x, series)
+        if len(self) and bool(
+            (self.seen == self.seen[0]).all()
+            & (self.accepted == self.accepted[0]).all()
+            & torch.isfinite(self.mean).all()
+            & torch.isfinite(self.spread).all()
+        ):
+            self._in_step = (int(self.seen[0]), int(self.accepted[0]))
+        return judged
+
+    def _update_in_step(self, x: torch.Tensor, scores: bool) -> Judgements | None:
+        """``update`` of every series when all have the same counts and a finite
+        history, and every ``x`` is finite; None (nothing changed) otherwise."""
+        seen, accepted = self._in_step
+        if not bool(torch.isfinite(x).all()):
+            return None
+        nan = torch.full_like(x, math.nan)
+        judged = seen >= MIN_HISTORY and accepted > 0
+        if judged and self._stale is not None and not scores:
+            decided = self._decide_from_seed(x, accepted)
+            if decided is None:
+                return None
+            z, limit, spike = decided
+        elif judged:
+            self._settle()
+            mean, spread = self._mean, self._spread
+            if not bool(torch.isfinite(mean).all() & torch.isfinite(spread).all()):
+                return None
+            std = torch.maximum(spread, mean.abs() * MIN_RELATIVE_STD)
+            z = torch.nan_to_num((x - mean) / std, nan=0.0, posinf=math.inf, neginf=-math.inf)
+            limit = mean + std * self.threshold
+            spike = z > self.threshold
+        else:
+            z, limit, spike = nan, nan, torch.zeros_like(x, dtype=torch.bool)
+        value = torch.where(spike, limit, x) if judged else x
+        if not bool(torch.isfinite(value).all()):
+            return None
+        accepted += 1
+        if accepted <= self.warmup:
+            self._widen(accepted)
+            self.seed[accepted - 1] = value
+            if scores or accepted == self.warmup:
+                stale = None
+                mean, spread = _warmup_series(self.seed[:accepted], accepted)
+            else:  # worked out when needed, from the seed
+                stale, mean, spread = accepted, self._mean, self._spread
+        else:
+            self._settle()  # up to date already: the warm-up's end settles it
+            stale = None
+            mean = self._mean * self.alpha + value * (1 - self.alpha)
+            spread = _ema_rms_series(self._spread, value - mean, self.alpha)
+        if stale is None and not bool(torch.isfinite(mean).all() & torch.isfinite(spread).all()):
+            return None  # nothing changed: the seed row written is past what the counts say
+        self._mean, self._spread, self._stale = mean, spread, stale
+        self.seen = self.seen + 1
+        self.accepted = self.accepted + 1
+        self._in_step = (seen + 1, accepted)
+        if accepted >= self.warmup and self.seed.numel():
+            self.seed = torch.zeros((0, len(self)), dtype=F64)
+        every = torch.full_like(spike, judged)
+        return Judgements(every, z, spike, torch.zeros_like(spike), limit)
+
+    def _decide_from_seed(self, x: torch.Tensor, n: int):
+        """Spike decisions of every series from its ``n`` warm-up points, without
+        their exact mean and spread where a bound shows it needs none.
+
+        A plain float64 mean ``a`` and root mean square ``r`` of the points are
+        within ``em`` and ``es`` of ``_accept``'s (the sums' rounding, Higham
+        4.2, and that of each step of ``_rms``, bounded generously), so the
+        z-score from them is within ``bz`` of the rule's. A series whose score
+        is further than that from the threshold is decided; the others, and
+        every spike (whose limit enters the history), get the exact rule.
+        Returns (z, limit, spike), z and limit NaN where decided so; None if
+        something is not finite.
+        """
+        u = 2.0**-53
+        points = self.seed[:n]
+        a = points.sum(dim=0) / n
+        em = points.abs().sum(dim=0) * ((n + 3) * u / n)
+        d = points - a
+        r = ((d * d).sum(dim=0) / n).sqrt()
+        es = em + (r + em) * (2 * (n + 20) * u)
+        std = torch.maximum(r, a.abs() * MIN_RELATIVE_STD)
+        est = es + em
+        rise = x - a
+        z = rise / std
+        bz = 2 * (
+            (z.abs() + 1) * (4 * u) + em / std + (rise.abs() + em) * est / (std * (std - est))
+        )
+        # NaN anywhere (an overflow) compares false: not decided here.
+        decided = (std > 2 * est) & ((z - self.threshold).abs() > 2 * bz)
+        spike = decided & (z > self.threshold)
+        exact = (~decided | spike).nonzero().flatten()
+        nan = torch.full_like(x, math.nan)
+        z, limit = nan, nan.clone()
+        if exact.numel():
+            mean, spread = _warmup_series(points.index_select(1, exact), n)
+            if not bool(torch.isfinite(mean).all() & torch.isfinite(spread).all()):
+                return None
+            std = torch.maximum(spread, mean.abs() * MIN_RELATIVE_STD)
+            xs = x.index_select(0, exact)
+            z[exact] = torch.nan_to_num(
+                (xs - mean) / std, nan=0.0, posinf=math.inf, neginf=-math.inf
+            )
+            limit[exact] = mean + std * self.threshold
+            spike[exact] = z[exact] > self.threshold
+        return z, limit, spike
+
+    def _update(self, x: torch.Tensor, series: torch.Tensor | None) -> Judgements:
+        if series is None:
+            state = (self.seen, self.accepted, self.mean, self.spread)
+        else:
+            state = tuple(t[series] for t in (self.seen, self.accepted, self.mean, self.spread))
+        seen, accepted, mean, spread = state
+        finite = torch.isfinite(x)
+        judged = finite & (seen >= MIN_HISTORY) & (accepted > 0)
+        std = torch.maximum(spread, mean.abs() * MIN_RELATIVE_STD)
+        rise = x - mean
+        # _ratio: std is 0 only for a history of zeros, where 0 / 0 is 0 and any
+        # rise is infinite (IEEE's x / +0 is inf with the sign of x).
+        z = torch.nan_to_num(rise / std, nan=0.0, posinf=math.inf, neginf=-math.inf)
+        limit = mean + std * self.threshold
+        spike = judged & (z > self.threshold)
+        nan = torch.full_like(x, math.nan)
+        z, limit = torch.where(judged, z, nan), torch.where(judged, limit, nan)
+        value = torch.where(spike, limit, x)  # what enters the history
+
+        new_accepted = accepted + finite
+        new_seen = seen + 1
+        # A series the tensors cannot vouch for goes to a SpikeDetector: a
+        # history gone infinite (norms near float64's limit), a limit that overflowed.
+        odd = ~(torch.isfinite(mean) & torch.isfinite(spread)) | (finite & ~torch.isfinite(value))
+        warming = finite & ~odd & (new_accepted <= self.warmup)
+        settled = finite & ~odd & (new_accepted > self.warmup)
+        new_mean, new_spread = mean.clone(), spread.clone()
+        if bool(settled.any()):
+            # Past the warm-up: the exponential averages, as ``_accept`` and ``_ema_rms``.
+            ema_mean = mean * self.alpha + value * (1 - self.alpha)
+            ema_spread = _ema_rms_series(spread, value - ema_mean, self.alpha)
+            new_mean = torch.where(settled, ema_mean, new_mean)
+            new_spread = torch.where(settled, ema_spread, new_spread)
+        index = series if series is not None else torch.arange(len(x))
+        if bool(warming.any()):
+            warm = warming.nonzero().flatten()
+            counts = new_accepted[warm]
+            width = int(counts.max())
+            self._widen(width)
+            if warm.numel() == len(self) and series is None and bool((counts == width).all()):
+                self.seed[width - 1] = value  # every series, in step: no gathering
+                points = self.seed[:width]
+            else:
+                self.seed[counts - 1, index[warm]] = value[warm]
+                points = self.seed[:width, index[warm]]
+            new_mean[warm], new_spread[warm] = _warmup_series(points, counts)
+        odd |= finite & ~(torch.isfinite(new_mean) & torch.isfinite(new_spread))
+
+        for i in odd.nonzero().flatten().tolist():
+            k = int(index[i])
+            d = self.detector(k)
+            j = d.update(float(x[i]))
+            judged[i], spike[i] = j.z is not None, j.spike
+            z[i] = math.nan if j.z is None else j.z
+            limit[i] = math.nan if j.limit is None else j.limit
+            new_seen[i], new_accepted[i] = d.seen, d.accepted
+            new_mean[i], new_spread[i] = d.mean, d.spread
+            if d._seed:
+                self._widen(len(d._seed))
+                self.seed[: len(d._seed), k] = torch.tensor(d._seed, dtype=F64)
+        if series is None:
+            self.seen, self.accepted, self.mean, self.spread = (
+                new_seen,
+                new_accepted,
+                new_mean,
+                new_spread,
+            )
+        else:
+            for t, new in zip(
+                (self.seen, self.accepted, self.mean, self.spread),
+                (new_seen, new_accepted, new_mean, new_spread),
+            ):
+                t[series] = new
+        if self.seed.numel() and bool((self.accepted >= self.warmup).all()):
+            self.seed = torch.zeros((0, len(self)), dtype=F64)
+        return Judgements(judged, z, spike, ~finite, limit)
+
+    def _widen(self, width: int) -> None:
+        if width > self.seed.shape[0]:
+            width = min(self.warmup, max(width, 2 * self.seed.shape[0]))
+            wider = torch.zeros((width, len(self)), dtype=F64)
+            wider[: self.seed.shape[0]] = self.seed
+            self.seed = wider
+
+
+def _ema_rms_series(spread: torch.Tensor, d: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``_ema_rms`` of each series, the same operations in the same order."""
+    top = torch.maximum(spread, d.abs())
+    a, b = spread / top, d / top
+    out = top * _sqrt(a * alpha * a + b * (1 - alpha) * b)
+    return torch.where((top == 0) | ~torch.isfinite(top), top, out)
+
+
+def _warmup_series(points: torch.Tensor, counts: torch.Tensor | int):
+    """The warm-up ``mean`` and ``spread`` of series (columns) whose first
+    ``counts[i]`` points (``counts`` of each, if a number) are ``points[:, i]``,
+    as ``_accept`` computes them."""
+    width = points.shape[0]
+    if isinstance(counts, int) or bool((counts == width).all()):
+        n, used = float(width), None
+    else:
+        n, used = counts.to(F64), torch.arange(width)[:, None] < counts
+    terms = points / n
+    mean = _fsum_columns(terms if used is None else torch.where(used, terms, 0.0))
+    values = points - mean
+    if used is not None:
+        values = torch.where(used, values, 0.0)
+    top = values.abs().amax(dim=0)
+    ratio = values / torch.where(top == 0, 1.0, top)
+    sums = _fsum_columns(_python_squares(ratio) * (1 / n))
+    return mean, torch.where((top == 0) | ~torch.isfinite(top), top, top * _sqrt(sums))
+
+
+def _sqrt(t: torch.Tensor) -> torch.Tensor:
+    """``math.sqrt`` of each element: torch's float64 ``sqrt`` on the CPU is not
+    always correctly rounded (SLEEF's, within 0.5001 ulp: 662 of 100,000 random
+    inputs differ from ``math.sqrt`` in the last bit)."""
+    return torch.tensor(list(map(math.sqrt, t.tolist())), dtype=F64)
+
+
+def _fsum_columns(terms: torch.Tensor) -> torch.Tensor:
+    """``math.fsum`` of each column (a correctly rounded sum), in tensor arithmetic.
+
+    TwoSums (``_two_sums``) leave ``s`` and errors ``e`` with
+    ``s + sum(e)`` exactly the column's sum. ``sum(e)`` in float64 is off by
+    at most ``(m - 1) u sum|e|`` (Higham, "Accuracy and Stability of
+    Numerical Algorithms", 4.2); the correctly rounded result is
+    ``r = s + sum(e)`` rounded, certain when what is left over, bound
+    included, stays inside half of the gap to ``r``'s neighbour on its side.
+    The columns left in doubt (about 1 in 100 of random norms, half of a
+    steady series' sums) are mostly exact ties: a sum of equal norms, a last
+    addition that drops one bit. A few are summed by ``math.fsum``; many, by
+    the same TwoSums over ``e``, which find ``sum(e)`` exactly, after which one
+    rounded addition gives fsum's round-half-even answer (what is still in
+    doubt then asks ``math.fsum``).
+    """
+    s, e = _two_sums(terms)
+    if e is None:
+        return s + 0.0
+    rest, bound = e.sum(dim=0), e.abs().sum(dim=0) * (e.shape[0] * 2.0**-52)
+    r = s + rest
+    rb = r - s
+    left = (s - (r - rb)) + (rest - rb)  # r + left == s + rest exactly
+    toward = torch.where(left >= 0, math.inf, -math.inf)
+    half = (torch.nextafter(r, toward) - r).abs() * 0.5
+    # An overflow anywhere makes a NaN here, and NaN compares false: in doubt.
+    doubt = ~((left.abs() + bound) < half * (1 - 2.0**-40))
+    doubt = doubt.nonzero().flatten()
+    if doubt.numel() <= _FEW_IN_DOUBT:
+        return _fsum_in_python(r, terms, doubt)
+    s2, e2 = _two_sums(e.index_select(1, doubt))
+    exact = torch.ones_like(s2, dtype=torch.bool) if e2 is None else (e2 == 0).all(dim=0)
+    # Where the errors summed exactly, s + s2 is the exact sum: its one rounding is fsum's.
+    r[doubt] = torch.where(exact, s.index_select(0, doubt) + s2, r.index_select(0, doubt))
+    return _fsum_in_python(r, terms, doubt[~(exact & torch.isfinite(r.index_select(0, doubt)))])
+
+
+def _fsum_in_python(r: torch.Tensor, terms: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``r`` with ``columns`` summed by ``math.fsum`` itself."""
+    if columns.numel():
+        values = terms.index_select(1, columns).T.contiguous().tolist()
+        r[columns] = torch.tensor([math.fsum(c) for c in values], dtype=F64)
+    return r
+
+
+def _two_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each column of ``x`` as ``s + sum(e)`` exactly: a float sum ``s`` and every
+    addition's rounding error (TwoSum, Knuth; error-free without overflow).
+
+    The additions are ``cumsum``'s, one rounded addition per row, which is
+    checked (``s_k == s_(k-1) + x_k``, so each error is that addition's): a
+    handful of ops whatever the number of rows. Should torch ever sum in
+    another order, a pairwise tree of TwoSums does it instead.
+    """
+    if x.shape[0] < 2:
+        return (x[0] if x.shape[0] else torch.zeros(x.shape[1], dtype=F64)), None
+    sums = torch.cumsum(x, dim=0)
+    before, after, added = sums[:-1], sums[1:], x[1:]
+    if bool((after == before + added).all()):
+        bb = after - before
+        return sums[-1], (before - (after - bb)) + (added - bb)
+    s, errors = x, []
+    while s.shape[0] > 1:
+        if s.shape[0] % 2:
+            s = torch.cat([s, torch.zeros_like(s[:1])])
+        a, b = s[0::2], s[1::2]
+        s = a + b
+        bb = s - a
+        errors.append((a - (s - bb)) + (b - bb))
+    return s[0], torch.cat(errors)
+
+
+def _python_squares(r: torch.Tensor) -> torch.Tensor:
+    """``r ** 2`` elementwise as Python computes it (the C library's ``pow``, which is
+    not always ``r * r``: about one square in a thousand differs in its last bit)."""
+    p = r * r
+    c = r * _SPLIT
+    hi = c - (c - r)
+    lo = r - hi
+    err = ((hi * hi - p) + hi * lo * 2) + lo * lo  # Dekker: p + err == r * r exactly
+    gap = p - torch.nextafter(p, _ZERO)
+    # |r| >= 2**-450 keeps Dekker's products clear of underflow; 0 ** 2 is 0 * 0.
+    sure = ((err.abs() < gap * _SAFE_SQUARE_ERROR) & (p >= _TINY_RATIO * _TINY_RATIO)) | (r == 0)
+    unsure = ~sure
+    ask = r.masked_select(unsure).tolist()
+    if ask:
+        p.masked_scatter_(
+            unsure, torch.tensor(list(map(float.__pow__, ask, repeat(2.0))), dtype=F64)
+        )
+    return p

@@ -39,16 +39,39 @@ class GroupSums:
         return sums.reduce(self.index, len(self.names))
 
 
-def group_sums(members: Sequence[str], sums: PowerSums) -> GroupSums:
-    """Reduce ``sums`` (one piece per name) into groups; ``members[i]`` is piece i's group.
+@dataclass(frozen=True)
+class Grouping:
+    """Which group each piece belongs to, worked out once for a list of group names.
 
-    The total is reduced from the pieces themselves, not from the groups: one
-    rounding step fewer, and the same total whatever the grouping.
+    What ``group_sums`` computes before it reduces: the training-loop monitor
+    keeps one for as long as its model's parameters stay the same, instead of
+    mapping 1,000 names to positions on every step.
     """
-    names = list(dict.fromkeys(members))
-    position = {g: i for i, g in enumerate(names)}
-    index = torch.tensor([position[g] for g in members], dtype=torch.int64)
-    return GroupSums(names, index, sums.reduce(index, len(names)), sums.total())
+
+    names: list[str]
+    index: torch.Tensor
+
+    @classmethod
+    def of(cls, members: Sequence[str]) -> Grouping:
+        """``members[i]`` is piece i's group; groups in order of their first member."""
+        names = list(dict.fromkeys(members))
+        position = {g: i for i, g in enumerate(names)}
+        return cls(names, torch.tensor([position[g] for g in members], dtype=torch.int64))
+
+    def sums(self, sums: PowerSums) -> GroupSums:
+        """``sums`` (one piece per member) reduced into the groups, and their total.
+
+        The total is reduced from the pieces themselves, not from the groups:
+        one rounding step fewer, and the same total whatever the grouping.
+        """
+        return GroupSums(
+            self.names, self.index, sums.reduce(self.index, len(self.names)), sums.total()
+        )
+
+
+def group_sums(members: Sequence[str], sums: PowerSums) -> GroupSums:
+    """Reduce ``sums`` (one piece per name) into groups; ``members[i]`` is piece i's group."""
+    return Grouping.of(members).sums(sums)
 
 
 def nonfinite_counts(sums: PowerSums) -> list[NonFinite]:

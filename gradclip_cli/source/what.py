@@ -36,7 +36,10 @@ EXPLAIN = {
     "grads": "saved gradients",
     "exp_avg": "first moment exp_avg / (1 - beta1^step), each parameter's own step",
     "grad_rms": "gradient RMS, the square root of its debiased second moment",
-    "update": "last update, as its own update rule gives it, weight decay excluded",
+    # The lr is the one stored: a scheduler that stepped after the optimizer has set
+    # it for the next step, and the files rarely say what the last step used.
+    "update": "last update, as its own update rule gives it, weight decay excluded, at the "
+              "stored lr, which a scheduler sets for the next step",
     "weights": "model weights",
 }
 

@@ -208,6 +208,16 @@ def deepspeed_runs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def deepspeed_tp_runs(tmp_path_factory) -> Path:
+    """Real DeepSpeed checkpoints of two tensor-parallel ranks (``deepspeed_tp_run.py``):
+    ``zero1_core/``, ``zero2_legacy/``, ``zero1_plain/``, each with
+    ``<run>.step<N>.reference.pt`` beside. One 2-process CPU run builds them all."""
+    out = tmp_path_factory.mktemp("deepspeed_tp")
+    _deepspeed_run("deepspeed_tp_run", out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def deepspeed_cpu_adam(tmp_path_factory) -> Path:
     """ZeRO 2 with the optimizer offloaded: DeepSpeed's own ``DeepSpeedCPUAdam``
     (``deepspeed_runs.py --cpu-adam``): ``zero2_cpu_adam/`` and its reference. Compiling

@@ -119,13 +119,19 @@ def _worker(rank: int, port: int, out: str, runs: tuple = RUNS) -> None:
         engine.destroy()
 
 
-def build(out: Path, runs: tuple = RUNS) -> None:
+def spawn(worker, out: Path, *args, nprocs: int = WORLD) -> None:
+    """``worker(rank, port, out, *args)`` in ``nprocs`` spawned processes, ``port`` a free one
+    for their process group (the DeepSpeed run scripts of this folder share it)."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, os.fspath(out), runs), nprocs=WORLD)
+    mp.spawn(worker, args=(port, os.fspath(out), *args), nprocs=nprocs)
+
+
+def build(out: Path, runs: tuple = RUNS) -> None:
+    spawn(_worker, out, runs)
 
 
 if __name__ == "__main__":

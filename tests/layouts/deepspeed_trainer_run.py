@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import sys
 import warnings
 from pathlib import Path
+
+from tests.layouts.deepspeed_runs import spawn
 
 WORLD = 2
 STEPS = 3
@@ -93,12 +94,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def build(out: Path) -> None:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, os.fspath(out)), nprocs=WORLD)
+    spawn(_worker, out)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,14 @@ CASES = [
         "a DeepSpeed checkpoint: zero_pp_rank_0_mp_rank_00_model_states.pt, fp32 master weights "
         f"in {_DS_OPTIM}",
     ),
+    (
+        "deepspeed_tp_runs",
+        "zero2_legacy",
+        "grad_rms",
+        "grad_rms",
+        "a DeepSpeed checkpoint of 2 model-parallel ranks: "
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt, zero_pp_rank_0_mp_rank_01_optim_states.pt",
+    ),
 ]
 
 

@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO checkpoints: a ``global_stepN/`` folder, or its parent with ``latest``.
 
 ``engine.save_checkpoint(dir)`` writes ``dir/latest`` (the tag, a folder
-name) and ``dir/<tag>/`` holding, with ``mp_rank_00`` for one model-parallel
-rank:
+name) and ``dir/<tag>/`` holding, for model-parallel rank ``mp_rank_00`` (the only
+one without model parallelism):
 
 * ``mp_rank_00_model_states.pt`` (ZeRO 1 and 2) or one
   ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per data-parallel rank
@@ -48,9 +48,22 @@ state: ZeRO 2 and 3 save them apart (``frozen_param_shapes``,
 module state dict. They are measured by ``--what weights`` and absent from the
 moments, which the description says.
 
+Model parallelism (``deepspeed.initialize(mpu=...)``, as Megatron-DeepSpeed runs
+tensor parallelism): each model-parallel rank ``XX`` writes the same files with
+``mp_rank_XX``, its own ZeRO checkpoint of its shards under the model's names, and
+says how many ranks there are (``mp_world_size``, ``checkpoint_parallel_dimensions``,
+Megatron's ``args`` in the client state). Each rank is read as above; the ranks must
+be ``mp_rank_00`` on without a gap and agree on those counts, the ZeRO layout, the
+step and every parameter's name and shape. A split parameter is then its shards side
+by side and a replicated one counts once, from ``mp_rank_00``, decided from Megatron's
+layer names as Megatron legacy checkpoints are (``tensor_parallel``); a name the rule
+cannot place is refused, naming ``mp_rank_00``'s model state file.
+
 Every file goes through the restricted reader, with DeepSpeed's own pickled
-classes mapped to inert stand-ins (``files/deepspeed_pickle.py``); DeepSpeed
-is never imported.
+classes mapped to inert stand-ins (``files/deepspeed_pickle.py``), and the
+``argparse.Namespace`` (and numpy RNG state) of Megatron's client state read as
+Megatron's checkpoints are (``files/megatron_pickle.py``); DeepSpeed is never
+imported.
 """
 
 from __future__ import annotations
@@ -59,6 +72,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +81,9 @@ import torch
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, roles
+from gradclip_cli.source.files import megatron_pickle
 from gradclip_cli.source.files.deepspeed_pickle import GLOBALS
+from gradclip_cli.source.files.megatron_pickle import NamespaceState
 from gradclip_cli.source.files.small_file import excerpt, read_small_file
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import (
@@ -80,6 +96,7 @@ from gradclip_cli.source.interface import (
 
 from . import hf_trainer
 from .paths import inside
+from .tensor_parallel import hidden_size, merged, split_axis
 
 KIND = "deepspeed"
 LATEST = "latest"
@@ -87,6 +104,10 @@ _MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 # bf16 mixed precision (DeepSpeed's BF16_Optimizer) names its rank files bf16_zero_pp_rank_*,
 # with the same content.
 _OPTIM = re.compile(r"(?:(bf16_))?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+# Megatron-DeepSpeed passes Megatron's client state (``args``, an ``argparse.Namespace``;
+# numpy RNG state) to ``save_checkpoint``, which keeps it in the model state files: read as
+# inert data, as Megatron's own checkpoints are.
+_PICKLED = {**megatron_pickle.GLOBALS, **GLOBALS}
 _MAX_LATEST_BYTES = 4096  # a tag is a folder name
 _MAX_RANKS = 1 << 16
 
@@ -149,20 +170,22 @@ def _trainer_step(contents: Contents, path: Path) -> None:
     if step is None:
         return
     contents.description.insert(
-        0, f"Hugging Face Trainer checkpoint at global_step {step} ({hf_trainer.STATE}), "
-        "with DeepSpeed")
+        0,
+        f"Hugging Face Trainer checkpoint at global_step {step} ({hf_trainer.STATE}), "
+        "with DeepSpeed",
+    )
     if contents.step is not None and contents.step != step:
         contents.description.append(
             f"DeepSpeed counts {contents.step} steps (global_steps), the Trainer {step}: "
-            "the Trainer's global_step is the step reported")
+            "the Trainer's global_step is the step reported"
+        )
     contents.step = step
 
 
 def _follow_latest(parent: Path) -> Path:
     """The folder ``parent/latest`` names; its content is data, checked like any name."""
     latest = parent / LATEST
-    raw = read_small_file(latest, limit=_MAX_LATEST_BYTES, what="a checkpoint tag",
-                          folder=parent)
+    raw = read_small_file(latest, limit=_MAX_LATEST_BYTES, what="a checkpoint tag", folder=parent)
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
@@ -171,8 +194,10 @@ def _follow_latest(parent: Path) -> Path:
     if not os.path.isdir(folder):
         raise InputError(f"{latest}: names {excerpt(tag)}, which is not a folder here")
     if not _is_step_folder(folder):
-        raise InputError(f"{latest}: names {excerpt(tag)}, which holds no DeepSpeed "
-                         "model and optimizer state files")
+        raise InputError(
+            f"{latest}: names {excerpt(tag)}, which holds no DeepSpeed "
+            "model and optimizer state files"
+        )
     return folder
 
 
@@ -190,7 +215,7 @@ class _Reader:
         file = inside(self.folder, name, named_by=self.folder)
         if not os.path.exists(file):
             raise InputError(f"{file}: missing (the checkpoint's other files expect it)")
-        with allowing(GLOBALS):
+        with allowing(_PICKLED):
             ckpt = load_checkpoint(file, trust_pickle=self.trust_pickle, verify=self.verify)
         if not isinstance(ckpt.root, Mapping):
             raise InputError(f"{file}: not a DeepSpeed state file: not a dict")
@@ -201,41 +226,121 @@ class _Reader:
     def contents(self, given: Path) -> Contents:
         names = os.listdir(self.folder)
         found = [m for n in names if (m := _MODEL.fullmatch(n) or _OPTIM.fullmatch(n))]
-        mp_ranks = sorted({m.group(m.lastindex) for m in found})
-        if mp_ranks != ["00"]:
-            raise InputError(f"{self.folder}: holds model-parallel ranks "
-                             f"{visible(', '.join(mp_ranks))}; gradclip reads DeepSpeed "
-                             "checkpoints of one model-parallel rank (mp_rank_00)")
+        mp_ranks = sorted({int(m.group(m.lastindex)) for m in found})
         optim = [m for n in names if (m := _OPTIM.fullmatch(n))]
         prefixes = sorted({m.group(1) or "" for m in optim})
         if len(prefixes) > 1:
-            raise InputError(f"{self.folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* "
-                             "optimizer files; which set belongs to this checkpoint is unclear")
-        prefix = prefixes[0]
+            raise InputError(
+                f"{self.folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* "
+                "optimizer files; which set belongs to this checkpoint is unclear"
+            )
+        if mp_ranks != list(range(len(mp_ranks))):
+            missing = next(r for r in range(len(mp_ranks)) if r not in mp_ranks)
+            raise InputError(
+                f"{self.folder}: holds model-parallel ranks "
+                f"{', '.join(_mp(r) for r in mp_ranks)} but no {_mp(missing)}: "
+                "the model-parallel ranks are incomplete"
+            )
+        parts = [self.part(mp, prefixes[0]) for mp in mp_ranks]
+        first = parts[0]
+        _check_model_parallel(parts, self.folder)
+        contents = Contents(
+            path=given, kind=KIND, files=list(self.files), trusted_pickle=self.trusted
+        )
+        split = 0
+        if len(parts) == 1:
+            weights, optimizer = first.weights, first.optimizer
+        else:
+            weights, optimizer, split = _tensor_parallel(parts)
+        # param_shapes lists parameters group by group; the module's state dict
+        # (placeholders under ZeRO 3) keeps the model's order, which the report follows.
+        module = first.model.root.get("module")
+        order = [k for k in module if k in weights] if isinstance(module, Mapping) else []
+        if len(order) == len(weights):
+            weights = {n: weights[n] for n in order}
+            contents.model_order_names = order
+        else:
+            contents.model_order = False
+        contents.weights = weights
+        contents.optimizers = [optimizer]
+        models = _span([p.model.path.name for p in parts])
+        held = _span([p.held for p in parts])
+        ranks = f" of {len(parts)} model-parallel ranks" if len(parts) > 1 else ""
+        contents.evidence[roles.WEIGHT] = (
+            f"a DeepSpeed checkpoint{ranks}: {models}, fp32 master weights in {held}"
+        )
+        contents.evidence[roles.OPTIMIZER_STATE] = f"a DeepSpeed checkpoint{ranks}: {held}"
+        step = first.model.root.get("global_steps")
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            contents.step = step
+        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
+        version = first.model.root.get("ds_version")
+        version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
+        at = f" at global step {contents.step}" if contents.step is not None else ""
+        contents.description.append(
+            f"DeepSpeed ZeRO stage {first.stage} checkpoint{at}: {visible(self.folder.name)}/"
+        )
+        mp = (
+            f"{len(parts)} model-parallel ranks ({_span([_mp(r) for r in mp_ranks])}) x "
+            if len(parts) > 1
+            else ""
+        )
+        contents.description.append(
+            f"{mp}{first.world} data-parallel rank(s){version}: fp32 master weights and Adam "
+            f"moments of {len(first.trainable)} parameters"
+        )
+        if len(parts) > 1:
+            contents.description.append(
+                f"{split} tensors split across the model-parallel ranks (measured as their "
+                f"shards together), {len(weights) - split} replicated (counted once, from "
+                f"{_mp(0)}, as Megatron's get_grad_norm_fp32 does), by Megatron's layer names"
+            )
+        if first.frozen:
+            contents.description.append(
+                f"{len(first.frozen)} frozen parameter(s): weights without Adam moments "
+                "(measured by --what weights)"
+            )
+        return contents
+
+    def part(self, mp: int, prefix: str) -> _Part:
+        """One model-parallel rank's files: its model states and every data-parallel rank's
+        optimizer partition, read as one ZeRO checkpoint of its own."""
 
         def optim_name(rank: int) -> str:
-            return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+            return f"{prefix}zero_pp_rank_{rank}_{_mp(mp)}_optim_states.pt"
 
-        optim_ranks = sorted(int(m.group(2)) for m in optim)
+        listed = os.listdir(self.folder)
+        optim_ranks = sorted(
+            int(m.group(2)) for n in listed if (m := _OPTIM.fullmatch(n)) and int(m.group(3)) == mp
+        )
         first = self.load(optim_name(0))
         stage, world = _stage_and_world(first)
         beyond = [r for r in optim_ranks if r >= world]
         if beyond:
-            raise InputError(f"{self.folder / optim_name(beyond[0])}: a rank beyond the "
-                             f"{world} that {first.path.name} names (partition_count)")
-        model = self.load("mp_rank_00_model_states.pt" if stage <= 2
-                          else "zero_pp_rank_0_mp_rank_00_model_states.pt")
+            raise InputError(
+                f"{self.folder / optim_name(beyond[0])}: a rank beyond the "
+                f"{world} that {first.path.name} names (partition_count)"
+            )
+        model = self.load(
+            f"{_mp(mp)}_model_states.pt"
+            if stage <= 2
+            else f"zero_pp_rank_0_{_mp(mp)}_model_states.pt"
+        )
         shapes = _param_shapes(model)
         optims = [first] + [self.load(optim_name(r)) for r in range(1, world)]
         for ckpt in optims[1:]:
             other_stage, other_world = _stage_and_world(ckpt)
             if (other_stage, other_world) != (stage, world):
-                raise InputError(f"{ckpt.path}: ZeRO stage {other_stage} over {other_world} "
-                                 f"ranks, but {first.path.name} says stage {stage} over {world}")
+                raise InputError(
+                    f"{ckpt.path}: ZeRO stage {other_stage} over {other_world} "
+                    f"ranks, but {first.path.name} says stage {stage} over {world}"
+                )
         dp = model.root.get("dp_world_size")
         if isinstance(dp, int) and dp != world:
-            raise InputError(f"{model.path}: dp_world_size {dp}, but the optimizer states are "
-                             f"partitioned over {world} ranks")
+            raise InputError(
+                f"{model.path}: dp_world_size {dp}, but the optimizer states are "
+                f"partitioned over {world} ranks"
+            )
         flats = [_flat_groups(c, stage, len(shapes)) for c in optims]
         states = [_base_state(c, stage) for c in optims]
         files = [c.path for c in optims]
@@ -246,47 +351,19 @@ class _Reader:
             places = _zero3_places(shapes, flats, world, first)
         flat_shapes = shapes_flat(shapes)
         weights = {n: _stored(n, flat_shapes[n], places[n], flats, files) for n in flat_shapes}
-        frozen = self.frozen(model, stage, world, flat_shapes)
+        frozen = self.frozen(model, stage, world, flat_shapes, mp)
         weights.update(frozen)
         optimizer = _optimizer(shapes, places, flats, padded, states, optims)
-        contents = Contents(path=given, kind=KIND, files=list(self.files),
-                            trusted_pickle=self.trusted)
-        # param_shapes lists parameters group by group; the module's state dict
-        # (placeholders under ZeRO 3) keeps the model's order, which the report follows.
-        module = model.root.get("module")
-        order = [k for k in module if k in weights] if isinstance(module, Mapping) else []
-        if len(order) == len(weights):
-            weights = {n: weights[n] for n in order}
-            contents.model_order_names = order
-        else:
-            contents.model_order = False
-        contents.weights = weights
-        contents.optimizers = [optimizer]
-        held = first.path.name if world == 1 else \
-            f"{optim_name(0).replace('rank_0_', 'rank_*_', 1)} ({world} ranks)"
-        contents.evidence[roles.WEIGHT] = \
-            f"a DeepSpeed checkpoint: {model.path.name}, fp32 master weights in {held}"
-        contents.evidence[roles.OPTIMIZER_STATE] = f"a DeepSpeed checkpoint: {held}"
-        step = model.root.get("global_steps")
-        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
-            contents.step = step
-        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
-        version = model.root.get("ds_version")
-        version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
-        at = f" at global step {contents.step}" if contents.step is not None else ""
-        contents.description.append(
-            f"DeepSpeed ZeRO stage {stage} checkpoint{at}: {visible(self.folder.name)}/")
-        contents.description.append(
-            f"{world} data-parallel rank(s){version}: fp32 master weights and Adam moments "
-            f"of {len(flat_shapes)} parameters")
-        if frozen:
-            contents.description.append(
-                f"{len(frozen)} frozen parameter(s): weights without Adam moments (measured by "
-                "--what weights)")
-        return contents
+        held = (
+            first.path.name
+            if world == 1
+            else f"{optim_name(0).replace('rank_0_', 'rank_*_', 1)} ({world} ranks)"
+        )
+        return _Part(mp, model, stage, world, flat_shapes, weights, frozen, optimizer, held)
 
-    def frozen(self, model: Checkpoint, stage: int, world: int, trainable: Mapping
-               ) -> dict[str, StoredTensor]:
+    def frozen(
+        self, model: Checkpoint, stage: int, world: int, trainable: Mapping, mp: int
+    ) -> dict[str, StoredTensor]:
         """Frozen parameters: weights without optimizer state, as ``zero_to_fp32`` reads them.
 
         ZeRO 2 and 3 save ``frozen_param_shapes`` and ``frozen_param_fragments`` in
@@ -306,20 +383,25 @@ class _Reader:
         shapes = _shape_group(raw, model, "frozen_param_shapes", set(trainable))
         models = [model]
         if stage == 3:
-            models += [self.load(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
-                       for r in range(1, world)]
+            models += [
+                self.load(f"zero_pp_rank_{r}_{_mp(mp)}_model_states.pt") for r in range(1, world)
+            ]
         fragments = []
         for ckpt in models:
             held = ckpt.root.get("frozen_param_fragments")
             if not isinstance(held, Mapping):
-                raise InputError(f"{ckpt.path}: frozen_param_shapes names {len(shapes)} "
-                                 "parameter(s), but there are no frozen_param_fragments")
+                raise InputError(
+                    f"{ckpt.path}: frozen_param_shapes names {len(shapes)} "
+                    "parameter(s), but there are no frozen_param_fragments"
+                )
             row = []
             for name in shapes:
                 tensor = held.get(name)
                 if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
-                    raise InputError(f"{ckpt.path}: frozen_param_fragments holds no "
-                                     f"floating-point tensor for {visible(name)}")
+                    raise InputError(
+                        f"{ckpt.path}: frozen_param_fragments holds no "
+                        f"floating-point tensor for {visible(name)}"
+                    )
                 row.append(tensor)
             fragments.append(row)
         files = [c.path for c in models]
@@ -329,8 +411,10 @@ class _Reader:
             if stage <= 2:
                 tensor = fragments[0][i]
                 if tensor.numel() != numel:
-                    raise InputError(f"{files[0]}: frozen_param_fragments gives {visible(name)} "
-                                     f"{tensor.numel()} elements, its shape {list(shape)}")
+                    raise InputError(
+                        f"{files[0]}: frozen_param_fragments gives {visible(name)} "
+                        f"{tensor.numel()} elements, its shape {list(shape)}"
+                    )
                 out[name] = StoredTensor.whole(name, tensor.reshape(shape), files[0])
                 continue
             part = math.ceil(numel / world)
@@ -338,9 +422,11 @@ class _Reader:
             for r in range(world):
                 tensor = fragments[r][i]
                 if tensor.dim() != 1 or tensor.numel() != part:
-                    raise InputError(f"{files[r]}: frozen_param_fragments gives {visible(name)} "
-                                     f"{tensor.numel()} elements, not a flat part of {part} "
-                                     f"({numel} over {world} ranks)")
+                    raise InputError(
+                        f"{files[r]}: frozen_param_fragments gives {visible(name)} "
+                        f"{tensor.numel()} elements, not a flat part of {part} "
+                        f"({numel} over {world} ranks)"
+                    )
                 keep = max(0, min(part, numel - r * part))  # the last parts are padding
                 if keep:
                     place.append((r, i, 0, keep, r * part))
@@ -348,26 +434,168 @@ class _Reader:
         return out
 
 
+def _mp(rank: int) -> str:
+    return f"mp_rank_{rank:02d}"
+
+
+def _span(names: list[str]) -> str:
+    """Names for a message: all of two, the first and last of more."""
+    return ", ".join(names) if len(names) <= 2 else f"{names[0]} .. {names[-1]}"
+
+
+@dataclass
+class _Part:
+    """One model-parallel rank's ZeRO checkpoint: its parameters (shards, under tensor
+    parallelism) and their optimizer state, as one rank alone would be read."""
+
+    mp: int
+    model: Checkpoint
+    stage: int
+    world: int
+    trainable: dict[str, tuple[int, ...]]
+    weights: dict[str, StoredTensor]
+    frozen: dict[str, StoredTensor]
+    optimizer: OptimizerState
+    held: str  # the optimizer files, for the evidence
+
+
+def _args(model: Checkpoint) -> Mapping:
+    """Megatron's ``args`` where Megatron-DeepSpeed saved them (its ``client_state``)."""
+    args = model.root.get("args")
+    return args.state if isinstance(args, NamespaceState) else {}
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_model_parallel(parts: list[_Part], folder: Path) -> None:
+    """The model-parallel ranks are one checkpoint: each says how many there are (DeepSpeed's
+    ``mp_world_size`` and ``checkpoint_parallel_dimensions``, Megatron's args), and they agree
+    on the ZeRO layout, the step and every parameter's name and shape."""
+    n = len(parts)
+    held = f"{folder.name}/ holds {n} model-parallel rank(s)"
+    for part in parts:
+        root, file = part.model.root, part.model.path
+        dims = root.get("checkpoint_parallel_dimensions")
+        dims = dims if isinstance(dims, Mapping) else {}
+        args = _args(part.model)
+        for key, size in (
+            ("mp_world_size", root.get("mp_world_size")),
+            ("tp_degree", dims.get("tp_degree")),
+            ("args.tensor_model_parallel_size", args.get("tensor_model_parallel_size")),
+        ):
+            if size is not None and (not _count(size) or size != n):
+                raise InputError(f"{file}: {key} is {visible(repr(size))[:40]}, but {held}")
+        for key, size in (
+            ("pp_degree", dims.get("pp_degree")),
+            ("args.pipeline_model_parallel_size", args.get("pipeline_model_parallel_size")),
+        ):
+            if size is not None and size != 1:
+                raise InputError(
+                    f"{file}: {key} is {visible(repr(size))[:40]}; gradclip "
+                    "reads DeepSpeed checkpoints of tensor-parallel ranks only"
+                )
+    first = parts[0]
+    for part in parts[1:]:
+        file = part.model.path
+        if (part.stage, part.world) != (first.stage, first.world):
+            raise InputError(
+                f"{file}: ZeRO stage {part.stage} over {part.world} data-parallel "
+                f"ranks, {first.model.path.name} stage {first.stage} over "
+                f"{first.world}: the ranks are not one checkpoint"
+            )
+        for key in ("global_steps", "ds_version"):
+            if part.model.root.get(key) != first.model.root.get(key):
+                raise InputError(
+                    f"{file}: its {key} differs from {first.model.path.name}'s: "
+                    "the ranks are not one checkpoint"
+                )
+        mine = {n: tuple(t.shape) for n, t in part.weights.items()}
+        theirs = {n: tuple(t.shape) for n, t in first.weights.items()}
+        if mine != theirs or list(part.trainable) != list(first.trainable):
+            other = next((n for n in mine.keys() ^ theirs.keys()), None) or next(
+                (n for n in mine if mine[n] != theirs.get(n)), None
+            )
+            which = f" ({visible(other)})" if other is not None else ""
+            raise InputError(
+                f"{file}: its parameters differ from {first.model.path.name}'s"
+                f"{which}: the ranks are not one model"
+            )
+
+
+# The hyperparameters the moments are read with: the same on every model-parallel rank.
+_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+
+
+def _tensor_parallel(parts: list[_Part]) -> tuple[dict[str, StoredTensor], OptimizerState, int]:
+    """The model-parallel ranks' shards as whole parameters, and their moments alike: split
+    or replicated as Megatron's layer names say (``tensor_parallel``); and how many are
+    split."""
+    first = parts[0]
+    shapes = {n: tuple(t.shape) for n, t in first.weights.items()}
+    hidden = hidden_size(_args(first.model), shapes)
+    axes = {n: split_axis(n, s, hidden, first.model.path) for n, s in shapes.items()}
+    weights = {n: merged(n, [p.weights[n] for p in parts], axes[n]) for n in shapes}
+    names = first.optimizer.param_names or {}
+
+    def hyper(part: _Part) -> list[tuple]:
+        return [tuple(g.get(k) for k in _HYPER) for g in part.optimizer.param_groups]
+
+    for part in parts[1:]:
+        if hyper(part) != hyper(first):
+            raise InputError(
+                f"{part.optimizer.file}: its param groups' {', '.join(_HYPER)} differ from "
+                f"{first.optimizer.file.name}'s: the ranks are not one checkpoint"
+            )
+    state = {}
+    for pid, entry in first.optimizer.state.items():
+        name = names[pid]
+        entry = dict(entry)
+        for part in parts[1:]:
+            if part.optimizer.state[pid].get("step") != entry.get("step"):
+                raise InputError(
+                    f"{part.optimizer.file}: Adam's step of {visible(name)} differs from "
+                    f"{first.optimizer.file.name}'s: the ranks are not one checkpoint"
+                )
+        for key, value in entry.items():
+            if isinstance(value, StoredTensor):
+                shards = [p.optimizer.state[pid][key] for p in parts]
+                entry[key] = merged(value.name, shards, axes[name])
+        state[pid] = entry
+    optimizer = OptimizerState(first.optimizer.param_groups, state, names, first.optimizer.file)
+    return weights, optimizer, sum(axis is not None for axis in axes.values())
+
+
 def _frozen_in_module(model: Checkpoint, trainable: Mapping) -> dict[str, StoredTensor]:
     module = model.root.get("module")
     buffers = model.root.get("buffer_names")
     shared = model.root.get("shared_params")
-    if not (isinstance(module, Mapping) and isinstance(buffers, (list, tuple))
-            and isinstance(shared, Mapping)):
+    if not (
+        isinstance(module, Mapping)
+        and isinstance(buffers, (list, tuple))
+        and isinstance(shared, Mapping)
+    ):
         return {}  # what is a parameter cannot be told: none is taken for one
-    others = set(trainable) | {b for b in buffers if isinstance(b, str)} | \
-        {n for n in shared if isinstance(n, str)}
-    return {name: StoredTensor.whole(name, value, model.path)
-            for name, value in module.items()
-            if isinstance(name, str) and name not in others
-            and isinstance(value, torch.Tensor) and value.dtype.is_floating_point}
+    others = (
+        set(trainable)
+        | {b for b in buffers if isinstance(b, str)}
+        | {n for n in shared if isinstance(n, str)}
+    )
+    return {
+        name: StoredTensor.whole(name, value, model.path)
+        for name, value in module.items()
+        if isinstance(name, str)
+        and name not in others
+        and isinstance(value, torch.Tensor)
+        and value.dtype.is_floating_point
+    }
 
 
 def _osd(ckpt: Checkpoint) -> Mapping:
     osd = ckpt.root.get("optimizer_state_dict")
     if not isinstance(osd, Mapping):
-        raise InputError(f"{ckpt.path}: not a DeepSpeed optimizer state: no "
-                         "'optimizer_state_dict'")
+        raise InputError(f"{ckpt.path}: not a DeepSpeed optimizer state: no 'optimizer_state_dict'")
     return osd
 
 
@@ -375,8 +603,9 @@ def _stage_and_world(ckpt: Checkpoint) -> tuple[int, int]:
     osd = _osd(ckpt)
     stage = osd.get("zero_stage")
     if not isinstance(stage, int) or isinstance(stage, bool) or not 1 <= stage <= 3:
-        raise InputError(f"{ckpt.path}: not a ZeRO optimizer state: zero_stage is "
-                         f"{visible(repr(stage))}")
+        raise InputError(
+            f"{ckpt.path}: not a ZeRO optimizer state: zero_stage is {visible(repr(stage))}"
+        )
     count = osd.get("partition_count")
     if isinstance(count, (list, tuple)) and count:
         # ZeRO 1/2 store one count per group (expert groups may differ); zero_to_fp32 takes
@@ -384,10 +613,12 @@ def _stage_and_world(ckpt: Checkpoint) -> tuple[int, int]:
         counts = list(count)
     else:
         counts = [count]
-    if not all(isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= _MAX_RANKS
-               for c in counts):
-        raise InputError(f"{ckpt.path}: partition_count is {visible(repr(count))}, not a "
-                         "number of ranks")
+    if not all(
+        isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= _MAX_RANKS for c in counts
+    ):
+        raise InputError(
+            f"{ckpt.path}: partition_count is {visible(repr(count))}, not a number of ranks"
+        )
     return stage, max(counts)
 
 
@@ -401,21 +632,24 @@ def _param_shapes(model: Checkpoint) -> list[dict[str, tuple[int, ...]]]:
     return [_shape_group(group, model, "param_shapes", seen) for group in raw]
 
 
-def _shape_group(group: Any, model: Checkpoint, key: str, seen: set[str]
-                 ) -> dict[str, tuple[int, ...]]:
+def _shape_group(
+    group: Any, model: Checkpoint, key: str, seen: set[str]
+) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` of one group of ``key``, each name new to ``seen`` (then added)."""
     if not isinstance(group, Mapping):
         raise InputError(f"{model.path}: {key} holds a group that is not a mapping")
     shapes = {}
     for name, shape in group.items():
         if not isinstance(name, str) or name in seen:
-            raise InputError(f"{model.path}: {key} names {visible(repr(name))} "
-                             "twice or not as a string")
+            raise InputError(
+                f"{model.path}: {key} names {visible(repr(name))} twice or not as a string"
+            )
         if not isinstance(shape, (tuple, list)) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62
-                for d in shape):
-            raise InputError(f"{model.path}: {key} gives {visible(name)} the shape "
-                             f"{visible(repr(shape))}")
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62 for d in shape
+        ):
+            raise InputError(
+                f"{model.path}: {key} gives {visible(name)} the shape {visible(repr(shape))}"
+            )
         seen.add(name)
         shapes[name] = tuple(shape)
     return shapes
@@ -426,8 +660,7 @@ def shapes_flat(shapes: list[dict[str, tuple[int, ...]]]) -> dict[str, tuple[int
 
 
 def _flat_tensor(value: Any, ckpt: Checkpoint, what: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dim() != 1 \
-            or not value.dtype.is_floating_point:
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.dtype.is_floating_point:
         raise InputError(f"{ckpt.path}: {what} is not a flat floating-point tensor")
     return value
 
@@ -438,8 +671,9 @@ def _flat_groups(ckpt: Checkpoint, stage: int, groups: int) -> list[torch.Tensor
     if isinstance(flats, torch.Tensor):
         flats = [flats]
     if not isinstance(flats, (list, tuple)) or (stage <= 2 and len(flats) != groups):
-        raise InputError(f"{ckpt.path}: {key} should list one flat partition per param "
-                         f"group ({groups})")
+        raise InputError(
+            f"{ckpt.path}: {key} should list one flat partition per param group ({groups})"
+        )
     return [_flat_tensor(f, ckpt, f"{key}[{i}]") for i, f in enumerate(flats)]
 
 
@@ -448,16 +682,18 @@ def _base_state(ckpt: Checkpoint, stage: int) -> tuple[list[dict], list[dict]]:
     osd = _osd(ckpt)
     key = "base_optimizer_state" if stage <= 2 else "optimizer_state_dict"
     base = osd.get(key)
-    if not (isinstance(base, Mapping) and isinstance(base.get("state"), Mapping)
-            and isinstance(base.get("param_groups"), (list, tuple))):
+    if not (
+        isinstance(base, Mapping)
+        and isinstance(base.get("state"), Mapping)
+        and isinstance(base.get("param_groups"), (list, tuple))
+    ):
         raise InputError(f"{ckpt.path}: {key} is not an optimizer state dict")
     param_groups = list(base["param_groups"])
     states = []
     for g, group in enumerate(param_groups):
         params = group.get("params") if isinstance(group, Mapping) else None
         if not isinstance(params, (list, tuple)) or len(params) != 1:
-            raise InputError(f"{ckpt.path}: {key} param group {g} should hold one flat "
-                             "parameter")
+            raise InputError(f"{ckpt.path}: {key} param group {g} should hold one flat parameter")
         entry = base["state"].get(params[0], {})
         if not isinstance(entry, Mapping):
             raise InputError(f"{ckpt.path}: {key} state of group {g} is not a mapping")
@@ -472,23 +708,31 @@ def _check_partition_sizes(optims: list[Checkpoint], flats, stage: int) -> list[
     padding at the end of the fp32 partition (``group_paddings``) but keep it in the
     optimizer's moments, which are over the padded partition.
     """
+
     def sizes(r: int) -> list[int]:
         stored = [t.numel() for t in flats[r]]
         if stage <= 2:
             pads = _osd(optims[r]).get("group_paddings")
-            if not isinstance(pads, (list, tuple)) or len(pads) != len(stored) or not all(
-                    isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pads):
-                raise InputError(f"{optims[r].path}: group_paddings is "
-                                 f"{visible(repr(pads))}, not one padding per group")
+            if (
+                not isinstance(pads, (list, tuple))
+                or len(pads) != len(stored)
+                or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pads)
+            ):
+                raise InputError(
+                    f"{optims[r].path}: group_paddings is "
+                    f"{visible(repr(pads))}, not one padding per group"
+                )
             stored = [n + p for n, p in zip(stored, pads)]
         return stored
 
     expected = sizes(0)
     for r in range(1, len(optims)):
         if sizes(r) != expected:
-            raise InputError(f"{optims[r].path}: its flat partitions (with padding) hold "
-                             f"{sizes(r)} elements, rank 0's {expected}; DeepSpeed "
-                             "partitions every group equally")
+            raise InputError(
+                f"{optims[r].path}: its flat partitions (with padding) hold "
+                f"{sizes(r)} elements, rank 0's {expected}; DeepSpeed "
+                "partitions every group equally"
+            )
     return expected
 
 
@@ -518,10 +762,15 @@ def _zero2_places(shapes, flats, world: int, first: Checkpoint) -> dict[str, Pla
         pads = None
         if isinstance(paddings, (list, tuple)) and g < len(paddings):
             pads = paddings[g]
-            if not isinstance(pads, (list, tuple)) or len(pads) != len(group) or not all(
-                    isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pads):
-                raise InputError(f"{first.path}: param_alignment_paddings of group {g} do not "
-                                 f"match its {len(group)} parameters")
+            if (
+                not isinstance(pads, (list, tuple))
+                or len(pads) != len(group)
+                or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pads)
+            ):
+                raise InputError(
+                    f"{first.path}: param_alignment_paddings of group {g} do not "
+                    f"match its {len(group)} parameters"
+                )
         offset = 0
         avail = sum(sizes)
         for i, (name, shape) in enumerate(group.items()):
@@ -530,7 +779,8 @@ def _zero2_places(shapes, flats, world: int, first: Checkpoint) -> dict[str, Pla
                 raise InputError(
                     f"{first.path}: the partitions of group {g} hold {avail} elements over "
                     f"{world} ranks, fewer than param_shapes needs ({visible(name)} ends at "
-                    f"{offset + numel})")
+                    f"{offset + numel})"
+                )
             at = 0
             place = []
             for r, start, n in _runs(sizes, offset, numel):
@@ -542,7 +792,8 @@ def _zero2_places(shapes, flats, world: int, first: Checkpoint) -> dict[str, Pla
         if _align(offset, align) != _align(avail, align):
             raise InputError(
                 f"{first.path}: the partitions of group {g} hold {avail} elements over {world} "
-                f"ranks, but param_shapes accounts for {offset}")
+                f"ranks, but param_shapes accounts for {offset}"
+            )
     return places
 
 
@@ -559,9 +810,11 @@ def _zero3_places(shapes, flats, world: int, first: Checkpoint) -> dict[str, Pla
         numel = math.prod(shape)
         part = math.ceil(numel / world)
         if offset + part > avail:
-            raise InputError(f"{first.path}: the flat buffers hold {avail} elements per rank, "
-                             f"fewer than param_shapes needs ({visible(name)} ends at "
-                             f"{offset + part})")
+            raise InputError(
+                f"{first.path}: the flat buffers hold {avail} elements per rank, "
+                f"fewer than param_shapes needs ({visible(name)} ends at "
+                f"{offset + part})"
+            )
         place = []
         for r in range(world):
             at = r * part
@@ -572,13 +825,14 @@ def _zero3_places(shapes, flats, world: int, first: Checkpoint) -> dict[str, Pla
         places[name] = place
         offset += part
     if offset != avail:
-        raise InputError(f"{first.path}: the flat buffers hold {avail} elements per rank, but "
-                         f"param_shapes accounts for {offset}")
+        raise InputError(
+            f"{first.path}: the flat buffers hold {avail} elements per rank, but "
+            f"param_shapes accounts for {offset}"
+        )
     return places
 
 
-def _stored(name: str, shape: tuple[int, ...], place: Place, tensors, files
-            ) -> StoredTensor:
+def _stored(name: str, shape: tuple[int, ...], place: Place, tensors, files) -> StoredTensor:
     """``name`` as pieces of the flat tensors ``tensors[rank][group]`` (from ``files[rank]``)."""
     first = tensors[place[0][0]][place[0][1]] if place else None
     dtype = first.dtype if first is not None else torch.float32
@@ -587,11 +841,11 @@ def _stored(name: str, shape: tuple[int, ...], place: Place, tensors, files
         return StoredTensor.whole(name, torch.empty(shape, dtype=dtype))
     if len(place) == 1:
         r, g, start, n, _ = place[0]
-        view = tensors[r][g][start:start + n].view(shape)
+        view = tensors[r][g][start : start + n].view(shape)
         return StoredTensor.whole(name, view, files[r])
     pieces = []
     for r, g, start, n, at in place:
-        part = tensors[r][g][start:start + n]
+        part = tensors[r][g][start : start + n]
         pieces.append(Piece((at,), (n,), (lambda part=part: part), files[r]))
     if sum(n for *_, n, _ in place) != numel:
         raise AssertionError("pieces do not tile the parameter")  # _places guarantees it
@@ -608,19 +862,25 @@ def _optimizer(shapes, places, flats, padded, states, optims) -> OptimizerState:
         for r in range(world):
             _, group_states = states[r]
             if len(group_states) != len(flats[r]):
-                raise InputError(f"{optims[r].path}: {len(group_states)} optimizer param "
-                                 f"groups for {len(flats[r])} flat groups")
+                raise InputError(
+                    f"{optims[r].path}: {len(group_states)} optimizer param "
+                    f"groups for {len(flats[r])} flat groups"
+                )
             row = []
             for g, entry in enumerate(group_states):
                 value = entry.get(key)
                 if value is None:
-                    raise InputError(f"{optims[r].path}: group {g} has no {key}; gradclip "
-                                     "reads Adam's state from DeepSpeed checkpoints")
+                    raise InputError(
+                        f"{optims[r].path}: group {g} has no {key}; gradclip "
+                        "reads Adam's state from DeepSpeed checkpoints"
+                    )
                 value = _flat_tensor(value, optims[r], f"group {g} {key}")
                 if value.numel() not in (flats[r][g].numel(), padded[g]):
-                    raise InputError(f"{optims[r].path}: group {g} {key} holds "
-                                     f"{value.numel()} elements, its fp32 partition "
-                                     f"{flats[r][g].numel()} ({padded[g]} with padding)")
+                    raise InputError(
+                        f"{optims[r].path}: group {g} {key} holds "
+                        f"{value.numel()} elements, its fp32 partition "
+                        f"{flats[r][g].numel()} ({padded[g]} with padding)"
+                    )
                 row.append(value)
             per_rank.append(row)
         moments[key] = per_rank
@@ -643,15 +903,18 @@ def _optimizer(shapes, places, flats, padded, states, optims) -> OptimizerState:
                 step = hyper.get("step")
             state[pid] = {
                 "step": step,
-                "exp_avg": _stored(f"{name}.exp_avg", flat_shapes[name], place,
-                                   moments["exp_avg"], files),
-                "exp_avg_sq": _stored(f"{name}.exp_avg_sq", flat_shapes[name], place,
-                                      moments["exp_avg_sq"], files),
+                "exp_avg": _stored(
+                    f"{name}.exp_avg", flat_shapes[name], place, moments["exp_avg"], files
+                ),
+                "exp_avg_sq": _stored(
+                    f"{name}.exp_avg_sq", flat_shapes[name], place, moments["exp_avg_sq"], files
+                ),
             }
             names[pid] = name
             ids.append(pid)
             pid += 1
         hyper = groups0[g] if g < len(groups0) else groups0[-1]
-        param_groups.append({**{str(k): v for k, v in hyper.items() if k != "params"},
-                             "params": ids})
+        param_groups.append(
+            {**{str(k): v for k, v in hyper.items() if k != "params"}, "params": ids}
+        )
     return OptimizerState(param_groups, state, names, optims[0].path)

@@ -44,15 +44,11 @@ Parameter ids map to names by the model's order group by group
 (``what.map_names``, the contract's one interleaving that fits every shape).
 
 Tensor parallelism (``mp_rank_00``, ``mp_rank_01``...): each rank saves its own
-shards under the same names, and a norm needs no merge: a split parameter's
-norm is the norm of its shards, so it becomes one tensor of its full shape whose
-pieces are the ranks' shards; a replicated one (norms, the row-parallel layers'
-biases, learned position embeddings) counts once, from ``mp_rank_00``, as
-Megatron's ``get_grad_norm_fp32`` counts a parameter only where
-``param_is_not_tensor_parallel_duplicate`` (its ``tensor_model_parallel``
-attribute, set by the parallel layers and saved nowhere). So replication is
-decided from Megatron-core's module names (``_split_axis``) and checked against
-``args.hidden_size``; a name the rules do not know is refused, naming the file.
+shards under the same names; a split parameter is measured as its shards together,
+a replicated one once, from ``mp_rank_00``, as Megatron's ``get_grad_norm_fp32``
+counts them: decided from Megatron's module names and checked against
+``args.hidden_size``, else the norms' size (``tensor_parallel``, which DeepSpeed's
+``mp_rank_XX`` files share); a name the rules do not know is refused, naming the file.
 
 Pipeline parallelism (``mp_rank_XX_YYY``: stage YYY, when ``args.pipeline_model_parallel_size``
 is above 1; ``get_checkpoint_name`` gives an expert rank the same suffix without it): each
@@ -82,11 +78,12 @@ from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
 from gradclip_cli.source.files.weights_pickle import allowing
-from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
+from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor
 from gradclip_cli.source.what import map_names
 
 from .dcp_frameworks import refuse_key
 from .paths import inside
+from .tensor_parallel import hidden_size, merged, split_axis, whole_shards
 from .torch_optim import is_optimizer_state, optimizer_state
 
 KIND = "megatron-legacy"
@@ -94,20 +91,6 @@ FILE = "model_optim_rng.pt"
 DISTRIBUTED = "distrib_optim.pt"
 _RANK = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){1,2})?")
 _EXTRA = "._extra_state"
-
-# Megatron-core's tensor-parallel layers (core_v0.16.1 ``tensor_parallel/layers.py``) by the
-# names its GPT, BERT and T5 specs give them: column-parallel layers split their output rows
-# (weight and bias along axis 0), row-parallel ones their input columns (weight along axis 1;
-# the bias is added after the all-reduce, replicated); the vocabulary-parallel embedding
-# splits its rows.
-_COLUMN = ("linear_qkv", "linear_q", "linear_kv", "linear_fc1", "output_layer", "word_embeddings")
-_ROW = ("linear_proj", "linear_fc2")
-# Replicated: the norms (``*layernorm``, Transformer Engine's fused ``layer_norm_*``) and the
-# learned position embeddings (a plain ``torch.nn.Embedding``).
-_REPLICATED = re.compile(
-    r"(^|\.)((\w*layernorm|\w*_norm)\.(weight|bias)|layer_norm_(weight|bias)"
-    r"|position_embeddings\.weight)$"
-)
 
 
 def recognises(path: Path) -> bool:
@@ -633,39 +616,6 @@ def _same(ranks: list[_Rank], what: str, get) -> Any:
 # ----------------------------------------------------------------- tensor parallelism
 
 
-def _split_axis(name: str, shape: tuple[int, ...], hidden: int | None, file: Path) -> int | None:
-    """The axis Megatron splits ``name`` along across tensor-parallel ranks; None:
-    replicated. Decided by the module's name, checked against the hidden size."""
-
-    def unfit(why: str) -> InputError:
-        return InputError(
-            f"{file}: {visible(name)} (shape {list(shape)}) {why}; "
-            "gradclip cannot tell how it is split across tensor-parallel ranks"
-        )
-
-    module, _, kind = name.rpartition(".")
-    layer = module.rpartition(".")[2]
-    if _REPLICATED.search(name):
-        return None
-    if hidden is None:
-        raise unfit("is not a norm, and the args give no hidden_size to check a split by")
-    if layer in _COLUMN and kind in ("weight", "bias"):
-        if kind == "weight" and (len(shape) != 2 or shape[1] != hidden):
-            raise unfit(f"is not a column-parallel weight of input size {hidden}")
-        if kind == "bias" and len(shape) != 1:
-            raise unfit("is not a column-parallel bias")
-        return 0
-    if layer in _ROW and kind == "weight":
-        if len(shape) != 2 or shape[0] != hidden:
-            raise unfit(f"is not a row-parallel weight of output size {hidden}")
-        return 1
-    if layer in _ROW and kind == "bias":
-        if shape != (hidden,):
-            raise unfit(f"is not a row-parallel bias of size {hidden}")
-        return None
-    raise unfit("is not a layer Megatron-core's naming says how to split")
-
-
 def _tensor_parallel(ranks: list[_Rank]) -> tuple[list[str], dict[str, int | None]]:
     """The model's names (rank 0's order), and each one's split axis (None: replicated)."""
     first = ranks[0]
@@ -688,34 +638,14 @@ def _tensor_parallel(ranks: list[_Rank]) -> tuple[list[str], dict[str, int | Non
                 )
     if len(ranks) == 1:
         return names, dict.fromkeys(names)
-    hidden = first.args.get("hidden_size")
-    hidden = hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None
-    return names, {
-        n: _split_axis(n, tuple(first.weights[n].shape), hidden, first.file) for n in names
-    }
+    shapes = {n: tuple(t.shape) for n, t in first.weights.items()}
+    hidden = hidden_size(first.args, shapes)
+    return names, {n: split_axis(n, shapes[n], hidden, first.file) for n in names}
 
 
-def _merged(name: str, shards: list[torch.Tensor], axis: int | None, files=None) -> StoredTensor:
-    """One rank's tensor (replicated), or the ranks' shards as one tensor split on ``axis``."""
-    if axis is None or len(shards) == 1:
-        return StoredTensor.whole(name, shards[0], files[0] if files else None)
-    shape = list(shards[0].shape)
-    pieces = []
-    for r, shard in enumerate(shards):
-        offsets = [0] * len(shape)
-        offsets[axis] = r * shape[axis]
-        pieces.append(
-            Piece(
-                tuple(offsets),
-                tuple(shard.shape),
-                (lambda t=shard: t),
-                files[r] if files else None,
-                shard,
-            )
-        )
-    full = list(shape)
-    full[axis] *= len(shards)
-    return StoredTensor(name, full, shards[0].dtype, pieces)
+def _merged(name: str, tensors: list[torch.Tensor], axis: int | None, files) -> StoredTensor:
+    """The ranks' tensors of ``name`` (one per rank, from ``files``) as one stored tensor."""
+    return merged(name, whole_shards(name, tensors, files), axis)
 
 
 # ----------------------------------------------------------------- optimizer

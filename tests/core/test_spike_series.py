@@ -1,0 +1,219 @@
+"""``SpikeDetectors`` (many series in tensors) against one ``SpikeDetector`` per series.
+
+The monitor judges its 1,000 groups with ``SpikeDetectors``; the contract is
+that every decision, z-score, limit and piece of state is the scalar rule's
+bit for bit, whatever the series: warm-up, NaN and inf, zeros, huge and tiny
+norms, series that start late or skip steps.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import struct
+from unittest import mock
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradclip_cli.core import spikes
+from gradclip_cli.core.spikes import SpikeDetector, SpikeDetectors, _fsum_columns, _python_squares
+
+
+def bits(x: float) -> bytes:
+    return struct.pack("<d", x)
+
+
+def same(a: float | None, b: float) -> bool:
+    """``a`` (the scalar's, None when not judged) is ``b`` bit for bit (NaN for None)."""
+    return bits(math.nan if a is None else a) == bits(b) or (
+        (a is None or math.isnan(a)) and math.isnan(b)
+    )
+
+
+def check_against_scalar(steps, z=2.5, alpha=0.97, warmup=25, scores=True):
+    """Run both on ``steps``: a list of {series: value} per step; compare everything.
+
+    With ``scores=False`` (decisions only: z and limit given for spikes) the
+    state is compared at the end, reading it settles what was put off.
+    """
+    count = 1 + max((k for step in steps for k in step), default=0)
+    scalar = [SpikeDetector(z, alpha, warmup) for _ in range(count)]
+    vector = SpikeDetectors(z, alpha, warmup)
+    vector.add(count)
+    for t, step in enumerate(steps):
+        order = sorted(step)
+        values = [step[k] for k in order]
+        every = order == list(range(count))
+        got = vector.update(
+            torch.tensor(values, dtype=torch.float64),
+            None if every else torch.tensor(order, dtype=torch.int64),
+            scores=scores,
+        )
+        for i, (k, x) in enumerate(zip(order, values)):
+            want = scalar[k].update(x)
+            where = (t, k, x)
+            assert bool(got.spike[i]) == want.spike, where
+            assert bool(got.judged[i]) == (want.z is not None), where
+            assert bool(got.nonfinite[i]) == want.nonfinite, where
+            if scores or want.spike:
+                assert same(want.z, float(got.z[i])), (where, want.z, float(got.z[i]))
+                assert same(want.limit, float(got.limit[i])), (where, want.limit)
+        if scores or t == len(steps) - 1:
+            check_state(scalar, vector, t)
+
+
+def check_state(scalar, vector, t):
+    """Every series' counts, mean, spread and warm-up points, bit for bit."""
+    for k, d in enumerate(scalar):
+        assert int(vector.seen[k]) == d.seen and int(vector.accepted[k]) == d.accepted
+        assert same(d.mean, float(vector.mean[k])), (t, k, d.mean, float(vector.mean[k]))
+        assert same(d.spread, float(vector.spread[k])), (t, k, d.spread)
+        again = vector.detector(k)
+        assert again._seed == d._seed, (t, k)
+
+
+norms = st.one_of(
+    st.floats(min_value=0.0, max_value=1e6),
+    st.floats(min_value=0.0, max_value=1.0),
+    st.sampled_from([0.0, math.nan, math.inf, -math.inf, 1e-300, 5e-324, 1e154, 1e300, 1.0]),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.lists(norms, min_size=3, max_size=3), min_size=1, max_size=40),
+    st.sampled_from([1, 2, 5, 25]),
+    st.sampled_from([1.5, 2.5]),
+    st.booleans(),
+)
+def test_every_series_is_judged_as_its_own_detector_would(rows, warmup, z, scores):
+    check_against_scalar([dict(enumerate(r)) for r in rows], z=z, warmup=warmup, scores=scores)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.dictionaries(st.integers(0, 4), norms, max_size=5), min_size=1, max_size=40))
+def test_series_that_skip_steps_or_start_late_keep_their_own_history(steps):
+    check_against_scalar(steps, warmup=4)
+    check_against_scalar(steps, warmup=4, scores=False)
+
+
+def test_many_real_looking_series_through_warmup_and_after():
+    # Norm-like noise with injected spikes over 200 series: the warm-up sums
+    # meet exact ties and near-midpoint squares by the hundred.
+    rng = random.Random(7)
+    base = [rng.uniform(0.01, 10) for _ in range(200)]
+    steps = []
+    for t in range(60):
+        step = {
+            k: b * rng.lognormvariate(0, 0.3) * (10 if rng.random() < 0.02 else 1)
+            for k, b in enumerate(base)
+        }
+        step[3] = 0.0  # a layer whose gradient is always zero
+        if t == 20:
+            step[4] = math.nan
+        steps.append(step)
+    check_against_scalar(steps)
+    check_against_scalar(steps, warmup=7, alpha=0.9)
+    check_against_scalar(steps, scores=False)  # the monitor's way: decisions only
+    check_against_scalar(steps[:20], scores=False)  # its state read mid-warm-up
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=-1e300, max_value=1e300), min_size=1, max_size=30))
+def test_the_warm_up_sum_is_fsum(values):
+    column = torch.tensor(values, dtype=torch.float64)[:, None]
+    assert bits(float(_fsum_columns(column)[0])) == bits(math.fsum(values))
+
+
+def test_the_warm_up_sum_is_fsum_at_ties():
+    # 1 + 2**-53 is a tie between 1 and its neighbour: fsum rounds it to even.
+    for values in (
+        [1.0, 2.0**-53],
+        [1.0, 2.0**-53, 2.0**-106],
+        [1.0 + 2.0**-52, 2.0**-53],
+        [0.1] * 10,
+        [1e16, 1.0, -1e16],
+        [0.0, -0.0],
+    ):
+        column = torch.tensor(values, dtype=torch.float64)[:, None]
+        assert bits(float(_fsum_columns(column)[0])) == bits(math.fsum(values)), values
+
+
+def test_squares_are_pythons_even_where_pow_is_not_r_times_r():
+    rng = random.Random(3)
+    values = [rng.uniform(-1, 1) for _ in range(200_000)] + [0.0, -0.0, 1.0, -1.0, 1e-200]
+    differ = [v for v in values if v**2 != v * v]
+    got = _python_squares(torch.tensor(values, dtype=torch.float64)).tolist()
+    assert [bits(g) for g in got] == [bits(v**2) for v in values]
+    # On a C library whose pow is correctly rounded there is nothing to catch here.
+    assert len(differ) < len(values) / 100
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(min_value=0.0, max_value=1e300), st.integers(1, 30))
+def test_the_warm_up_sum_of_equal_norms_is_fsum(value, n):
+    # A steady series: n equal terms, where most sums end in an exact tie;
+    # settled by the second tree (none left to math.fsum) and by math.fsum.
+    values = [value / n] * n
+    column = torch.tensor(values, dtype=torch.float64)[:, None]
+    for few in (0, spikes._FEW_IN_DOUBT):
+        with mock.patch.object(spikes, "_FEW_IN_DOUBT", few):
+            assert bits(float(_fsum_columns(column)[0])) == bits(math.fsum(values))
+
+
+def test_many_sums_in_doubt_at_once_are_fsum():
+    # 1 + k 2**-52 (k odd) plus 1 is an exact tie; a tiny third term can tip it.
+    rng = random.Random(5)
+    columns = []
+    for _ in range(400):
+        k = 2 * rng.randrange(1 << 20) + 1
+        tip = rng.choice([0.0, 2.0**-60, 2.0**-53 * 3, 1e-300])
+        columns.append([1 + k * 2.0**-52, 1.0, tip, rng.choice([0.0, 0.25])])
+    terms = torch.tensor(columns, dtype=torch.float64).T.contiguous()
+    with mock.patch.object(spikes, "_two_sums", wraps=spikes._two_sums) as tree:
+        got = _fsum_columns(terms).tolist()
+        trees = tree.call_count
+    assert [bits(g) for g in got] == [bits(math.fsum(c)) for c in columns]
+    assert trees == 2  # more in doubt than math.fsum is asked for: the second pass ran
+
+
+def test_a_steady_series_is_judged_as_its_own_detector_would():
+    check_against_scalar([{k: 0.1 * (k + 1) for k in range(200)}] * 40)
+    check_against_scalar([{k: 0.1 * (k + 1) for k in range(200)}] * 40, scores=False)
+
+
+def test_sums_in_another_order_than_cumsums_are_still_fsum():
+    # Should torch's cumsum ever add in another order, the pairwise tree sums.
+    rng = random.Random(9)
+    terms = torch.tensor(
+        [[rng.uniform(0, 1) for _ in range(300)] for _ in range(13)], dtype=torch.float64
+    )
+    terms[:, :150] = terms[:, :1]  # half of them steady: exact ties
+    columns = terms.T.tolist()
+    real = torch.cumsum
+    with mock.patch.object(spikes.torch, "cumsum", lambda x, dim: real(x.flip(dim), dim).flip(dim)):
+        got = _fsum_columns(terms).tolist()
+    assert [bits(g) for g in got] == [bits(math.fsum(c)) for c in columns]
+
+
+def test_points_at_the_threshold_are_decided_as_the_scalar_rule_decides():
+    # Each series' sixth point at its limit, or one float either side of it:
+    # z within rounding of the threshold, where only the exact rule can decide.
+    rng = random.Random(4)
+    history = [[rng.uniform(0.5, 2.0) for _ in range(200)] for _ in range(5)]
+    probes = []
+    for k in range(200):
+        d = SpikeDetector()
+        for row in history:
+            d.update(row[k])
+        limit = d.mean + d.threshold * d.std()
+        probes.append(
+            math.nextafter(limit, (-math.inf, 0.0, math.inf)[k % 3]) if k % 3 != 1 else limit
+        )
+    steps = [dict(enumerate(row)) for row in history] + [dict(enumerate(probes))]
+    steps += [dict(enumerate(row)) for row in history]
+    check_against_scalar(steps, scores=False)
+    check_against_scalar(steps)

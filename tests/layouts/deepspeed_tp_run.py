@@ -1,0 +1,468 @@
+"""Real DeepSpeed checkpoints of two tensor-parallel ranks, written by DeepSpeed's own CPU run.
+
+``python -m tests.layouts.deepspeed_tp_run OUT`` starts 2 processes (gloo, the
+CPU accelerator), then 4: tensor-parallel groups of 2, data parallelism 1 then 2, given
+to ``deepspeed.initialize(mpu=...)`` as a model-parallel unit with DeepSpeed's
+interface (``ModelParallelUnit``), so that ``engine.save_checkpoint`` writes
+``mp_rank_00_*`` and ``mp_rank_01_*`` files. The model is the user's code, as
+Megatron-DeepSpeed's is: a tiny GPT whose linear layers tensor parallelism
+splits as Megatron does (column-parallel qkv and fc1, their outputs' rows;
+row-parallel proj and fc2, their inputs' columns, all-reduced in forward;
+a vocabulary-parallel embedding and output layer) beside replicated layer
+norms, position embeddings and row-parallel biases. Runs (``RUNS``):
+
+* ``zero1_core/``: ZeRO 1, Megatron-core's names (``decoder.layers.0.self_attention
+  .linear_qkv``...), saved at steps 2 and 3 (``global_step2/``, ``global_step3/``);
+* ``zero2_legacy/``: ZeRO 2, legacy Megatron's names as Megatron-DeepSpeed's
+  models carry them (``language_model.encoder.layers.0.self_attention
+  .query_key_value``...), with Megatron-DeepSpeed's ``client_state`` (``args`` an
+  ``argparse.Namespace``, ``iteration``);
+* ``zero1_plain/``: ZeRO 1, the same model under names that say nothing of how
+  tensor parallelism splits it (``blocks.0.attn.qkv``...);
+* ``zero3_core/``: ZeRO 3 (``zero_pp_rank_0_mp_rank_0X_model_states.pt``), Megatron-core's
+  names;
+* ``zero2_dp2/``: ZeRO 2 on 4 processes, tensor parallelism 2 x data parallelism 2
+  (``zero_pp_rank_{0,1}_mp_rank_{00,01}_optim_states.pt``): each model-parallel rank's
+  partitions cut ``decoder.layers.0.mlp.linear_fc2.weight``'s shard in two.
+
+Beside each, ``<run>.reference.pt`` holds the tests' references, rank 0's:
+``exact``, every parameter's full fp32 master weight, ``exp_avg`` and ``exp_avg_sq``
+and Adam's step, as DeepSpeed's own ``safe_get_full_fp32_param`` and
+``safe_get_full_optimizer_state`` give each rank's shard, gathered with
+``all_gather`` along the split axis (replicated ones: rank 0's, checked equal on
+both); ``mirror``, the same model unsplit, trained alongside with plain
+``torch.optim.AdamW`` on the same batches (what tensor parallelism computes, up
+to float32 rounding in the reduction order); ``split``, each name's axis (None:
+replicated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+
+from tests.layouts.deepspeed_runs import spawn
+
+TP = 2
+VOCAB, HIDDEN, HEADS, FFN, CONTEXT, LAYERS = 32, 8, 2, 16, 6, 2
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.8, 0.95), 1e-6, 0.1
+# (folder, ZeRO stage, naming, steps saved)
+RUNS = (
+    ("zero1_core", 1, "core", (2, 3)),
+    ("zero2_legacy", 2, "legacy", (2,)),
+    ("zero1_plain", 1, "plain", (2,)),
+    ("zero3_core", 3, "core", (2,)),
+)
+# On 4 processes: tensor parallelism 2 x data parallelism 2, so that ZeRO cuts each
+# model-parallel rank's flat partition inside a parameter's shard.
+DP_RUNS = (("zero2_dp2", 2, "core", (2,)),)
+# Each naming's module names: embedding, position embedding, the layers' prefix, the
+# attention's qkv and proj, the MLP's fc1 and fc2, the two layer norms, the final norm,
+# the output layer.
+NAMES = {
+    "core": (
+        "embedding.word_embeddings",
+        "embedding.position_embeddings",
+        "decoder.layers",
+        "self_attention.linear_qkv",
+        "self_attention.linear_proj",
+        "mlp.linear_fc1",
+        "mlp.linear_fc2",
+        "input_layernorm",
+        "pre_mlp_layernorm",
+        "decoder.final_layernorm",
+        "output_layer",
+    ),
+    "legacy": (
+        "language_model.embedding.word_embeddings",
+        "language_model.embedding.position_embeddings",
+        "language_model.encoder.layers",
+        "self_attention.query_key_value",
+        "self_attention.dense",
+        "mlp.dense_h_to_4h",
+        "mlp.dense_4h_to_h",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "language_model.encoder.final_layernorm",
+        "language_model.output_layer",
+    ),
+    "plain": (
+        "wte",
+        "wpe",
+        "blocks",
+        "attn.qkv",
+        "attn.proj",
+        "ffn.up",
+        "ffn.down",
+        "ln_1",
+        "ln_2",
+        "ln_f",
+        "head",
+    ),
+}
+
+
+class ModelParallelUnit:
+    """DeepSpeed's ``mpu`` interface over ``world`` ranks, Megatron's order: tensor-parallel
+    groups of ``TP`` consecutive ranks, data-parallel groups of the ranks ``TP`` apart."""
+
+    def __init__(self, dist, world: int):
+        rank = dist.get_rank()
+        self.tp_rank, self.dp_rank, self.dp = rank % TP, rank // TP, world // TP
+        # Every rank creates every group, in the same order (torch.distributed.new_group).
+        tp = [dist.new_group(list(range(s, s + TP))) for s in range(0, world, TP)]
+        dp = [dist.new_group(list(range(t, world, TP))) for t in range(TP)]
+        self.tp_group, self.dp_group = tp[self.dp_rank], dp[self.tp_rank]
+
+    def get_model_parallel_rank(self):
+        return self.tp_rank
+
+    def get_model_parallel_world_size(self):
+        return TP
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self):
+        return 0
+
+    def get_data_parallel_rank(self):
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self):
+        return self.dp
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_pipeline_model_parallel_world_size(self):
+        return 1
+
+    def get_pipeline_model_parallel_rank(self):
+        return 0
+
+
+def _model(tp: int, rank: int, naming: str, group):
+    """The tiny GPT split ``tp`` ways, this rank's part (``tp == 1``: the whole model)."""
+    import torch
+    import torch.distributed as dist
+
+    class CopyToRegion(torch.autograd.Function):
+        """Megatron's ``f``: identity forward, all-reduce of the gradient backward."""
+
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=group)
+            return grad
+
+    class ReduceFromRegion(torch.autograd.Function):
+        """Megatron's ``g``: all-reduce forward, identity backward."""
+
+        @staticmethod
+        def forward(ctx, x):
+            x = x.contiguous()
+            dist.all_reduce(x, group=group)
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    class GatherFromRegion(torch.autograd.Function):
+        """The output layer's logits: gathered on the last axis, each rank's slice back."""
+
+        @staticmethod
+        def forward(ctx, x):
+            parts = [torch.empty_like(x) for _ in range(tp)]
+            dist.all_gather(parts, x.contiguous(), group=group)
+            return torch.cat(parts, dim=-1)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.chunk(tp, dim=-1)[rank].contiguous()
+
+    def copy_in(x):
+        return CopyToRegion.apply(x) if tp > 1 else x
+
+    def reduce_out(x):
+        return ReduceFromRegion.apply(x) if tp > 1 else x
+
+    def mark(param, axis):
+        # Megatron's attributes: DeepSpeed's gradient norm skips duplicates by them.
+        if tp > 1:
+            param.tensor_model_parallel = True
+            param.partition_dim = axis
+            param.partition_stride = 1
+
+    class Column(torch.nn.Module):
+        def __init__(self, out_features, in_features, bias=True):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(out_features // tp, in_features))
+            mark(self.weight, 0)
+            self.bias = torch.nn.Parameter(torch.zeros(out_features // tp)) if bias else None
+            if bias:
+                mark(self.bias, 0)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(copy_in(x), self.weight, self.bias)
+
+    class Row(torch.nn.Module):
+        def __init__(self, out_features, in_features):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(out_features, in_features // tp))
+            mark(self.weight, 1)
+            self.bias = torch.nn.Parameter(torch.zeros(out_features))  # replicated
+
+        def forward(self, x):
+            return reduce_out(torch.nn.functional.linear(x, self.weight)) + self.bias
+
+    class Nest(torch.nn.Module):
+        """A module holding ``child`` under a dotted ``path`` (``mlp.linear_fc1``)."""
+
+    def put(root, path, child):
+        *parents, last = path.split(".")
+        for part in parents:
+            if not hasattr(root, part):
+                root.add_module(part, Nest())
+            root = getattr(root, part)
+        root.add_module(last, child)
+
+    def get(root, path):
+        for part in path.split("."):
+            root = getattr(root, part)
+        return root
+
+    (emb, pos, layers, qkv, proj, fc1, fc2, ln1, ln2, lnf, out) = NAMES[naming]
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            put(self, ln1, torch.nn.LayerNorm(HIDDEN))
+            put(self, qkv, Column(3 * HIDDEN, HIDDEN))
+            put(self, proj, Row(HIDDEN, HIDDEN))
+            put(self, ln2, torch.nn.LayerNorm(HIDDEN))
+            put(self, fc1, Column(FFN, HIDDEN))
+            put(self, fc2, Row(HIDDEN, FFN))
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            heads = HEADS // tp
+            # Megatron's qkv layout: per head, its q, k and v rows together, so that the
+            # ranks' rows side by side are the whole layer's.
+            q, k, v = get(self, qkv)(get(self, ln1)(x)).view(b, t, heads, 3, -1).unbind(3)
+            a = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )
+            x = x + get(self, proj)(a.transpose(1, 2).reshape(b, t, -1))
+            h = torch.nn.functional.gelu(get(self, fc1)(get(self, ln2)(x)))
+            return x + get(self, fc2)(h)
+
+    class GPT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            put(self, emb, torch.nn.Embedding(VOCAB // tp, HIDDEN))
+            mark(get(self, emb).weight, 0)
+            put(self, pos, torch.nn.Embedding(CONTEXT, HIDDEN))
+            stack = torch.nn.ModuleList([Layer() for _ in range(LAYERS)])
+            put(self, layers, stack)
+            put(self, lnf, torch.nn.LayerNorm(HIDDEN))
+            put(self, out, Column(VOCAB, HIDDEN, bias=False))
+
+        def forward(self, ids):
+            # The vocabulary-parallel embedding: each rank looks up its rows, zero elsewhere.
+            part = VOCAB // tp
+            local = ids - rank * part
+            inside = (local >= 0) & (local < part)
+            x = get(self, emb)(local.clamp(0, part - 1)) * inside.unsqueeze(-1)
+            x = reduce_out(x) + get(self, pos)(torch.arange(ids.shape[1]))
+            for layer in get(self, layers):
+                x = layer(x)
+            logits = get(self, out)(get(self, lnf)(x))
+            return GatherFromRegion.apply(logits) if tp > 1 else logits
+
+    return GPT()
+
+
+def _axis(name: str, naming: str) -> int | None:
+    """The axis ``name`` is split along (None: replicated), by the model's construction."""
+    (emb, _, _, qkv, proj, fc1, fc2, *_, out) = NAMES[naming]
+    module, _, kind = name.rpartition(".")
+    if module.endswith((qkv, fc1)) or module == out or module == emb:
+        return 0
+    if module.endswith((proj, fc2)):
+        return 1 if kind == "weight" else None
+    return None
+
+
+def _worker(rank: int, port: int, out: str, world: int, runs: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_SIZE=str(world),
+    )
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    # As deepspeed_runs.py: gloo alone, no JIT-compiled shared-memory collective.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    mpu = ModelParallelUnit(dist, world)
+    tp_rank = mpu.tp_rank
+    for folder_name, stage, naming, saves in runs:
+        torch.manual_seed(0)
+        mirror = _model(1, 0, naming, None)
+        with torch.no_grad():
+            for name, p in mirror.named_parameters():
+                # Away from LayerNorm's ones and zeros, so that every tensor has a norm of its own.
+                torch.nn.init.normal_(
+                    p,
+                    mean=1.0 if p.dim() == 1 and name.endswith("weight") else 0.0,
+                    std=0.3 if p.dim() == 2 else 0.1,
+                )
+        model = _model(TP, tp_rank, naming, mpu.tp_group)
+        full = dict(mirror.named_parameters())
+        split = {}
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                axis = split[name] = _axis(name, naming)
+                whole = full[name]
+                p.copy_(whole if axis is None else whole.chunk(TP, dim=axis)[tp_rank])
+
+        def groups(module):
+            named = list(module.named_parameters())
+            decayed = [p for n, p in named if n.endswith("weight") and p.dim() == 2]
+            ids = {id(p) for p in decayed}
+            return [
+                {"params": decayed},
+                {"params": [p for _, p in named if id(p) not in ids], "weight_decay": 0.0},
+            ]
+
+        plain = torch.optim.AdamW(
+            groups(mirror), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
+        )
+        config = {
+            "train_micro_batch_size_per_gpu": 3,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {
+                "type": "AdamW",
+                "params": {
+                    "lr": LR,
+                    "betas": list(BETAS),
+                    "eps": EPS,
+                    "weight_decay": WEIGHT_DECAY,
+                    "torch_adam": True,
+                },
+            },
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage},
+        }
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=groups(model), config=config, mpu=mpu
+        )
+        assert type(engine.optimizer.optimizer).__name__ == "AdamW"
+        # Each data-parallel rank its own batches, the same on its tensor-parallel ranks.
+        g = torch.Generator().manual_seed(stage + 100 * mpu.dp_rank)
+        for step in range(1, max(saves) + 1):
+            ids = torch.randint(0, VOCAB, (3, CONTEXT), generator=g)
+            target = torch.randint(0, VOCAB, (3, CONTEXT), generator=g)
+
+            def loss(logits, target=target):
+                return torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, VOCAB), target.reshape(-1)
+                )
+
+            engine.backward(loss(engine(ids)))
+            engine.step()
+            plain.zero_grad()
+            loss(mirror(ids)).backward()
+            if mpu.dp > 1:  # what data parallelism computes: the ranks' gradients averaged
+                for p in mirror.parameters():
+                    dist.all_reduce(p.grad, group=mpu.dp_group)
+                    p.grad /= mpu.dp
+            plain.step()
+            if step not in saves:
+                continue
+            client = {}
+            if naming == "legacy":  # as Megatron-DeepSpeed's save_checkpoint passes it
+                client = {
+                    "args": argparse.Namespace(
+                        hidden_size=HIDDEN,
+                        num_attention_heads=HEADS,
+                        num_layers=LAYERS,
+                        ffn_hidden_size=FFN,
+                        tensor_model_parallel_size=TP,
+                        pipeline_model_parallel_size=1,
+                        iteration=step,
+                    ),
+                    "iteration": step,
+                }
+            engine.save_checkpoint(os.path.join(out, folder_name), client_state=client)
+            # DeepSpeed links each parameter to its optimizer state once, after the first
+            # param group's first step (stage_1_and_2.py ``_optimizer_step``), when the
+            # second group has no state yet: linked again now that every group has one.
+            # (ZeRO 3 finds the state at each call.)
+            if stage <= 2:
+                engine.optimizer._hp_optimizer_states_linked = False
+                engine.optimizer._lazy_init_hp_params_optimizer_state()
+            exact = {}
+            for name, p in engine.module.named_parameters():
+                entry = {
+                    "weight": safe_get_full_fp32_param(p),
+                    **{k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")},
+                }
+                axis = split[name]
+                for key, value in entry.items():
+                    parts = [torch.empty_like(value) for _ in range(TP)]
+                    dist.all_gather(parts, value.contiguous(), group=mpu.tp_group)
+                    if axis is None:
+                        assert all(torch.equal(parts[0], q) for q in parts), (name, key)
+                        entry[key] = parts[0]
+                    else:
+                        entry[key] = torch.cat(parts, dim=axis)
+                base = engine.optimizer.optimizer
+                entry["step"] = float(next(iter(base.state.values()))["step"])
+                exact[name] = entry
+            reference = {
+                "exact": exact,
+                "mirror": {
+                    name: {
+                        "weight": p.detach().clone(),
+                        **{k: v.clone() for k, v in plain.state[p].items()},
+                    }
+                    for name, p in mirror.named_parameters()
+                },
+                "split": split,
+                "order": [n for n, _ in model.named_parameters()],
+            }
+            if rank == 0:
+                name = f"{folder_name}.step{step}.reference.pt"
+                torch.save(reference, os.path.join(out, name))
+        engine.destroy()
+    dist.barrier()
+
+
+def build(out: Path) -> None:
+    spawn(_worker, out, TP, RUNS)
+    spawn(_worker, out, 2 * TP, DP_RUNS, nprocs=2 * TP)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    build(Path(sys.argv[1]))
