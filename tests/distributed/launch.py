@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,29 @@ def write_jobs(folder: Path, jobs: list[dict]) -> Path:
     path = folder / "jobs.json"
     path.write_text(json.dumps(jobs))
     return path
+
+
+def same_under_torchrun(jobs: list[dict], tmp_path: Path) -> None:
+    """Each job alone and as 2 gloo ranks: rank 0 prints the one-process output byte for byte,
+    rank 1 nothing, every rank the same exit code (0). A launch whose rank was killed by a
+    signal (``killed_by_signal``) runs once more."""
+    jobs_file = write_jobs(tmp_path, jobs)
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    done = one_process(jobs_file, one)
+    assert done.returncode == 0, done.stderr
+    for attempt in (1, 2):
+        if two.exists():
+            shutil.rmtree(two)
+        two.mkdir()
+        launched = torchrun(HARNESS, jobs_file, two)
+        if attempt == 2 or not killed_by_signal(launched):
+            break
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    single = results(one, 0, len(jobs))
+    ranks = [results(two, r, len(jobs)) for r in range(2)]
+    for job, (code, out, err), (code0, out0, _), (code1, out1, err1) in zip(jobs, single, *ranks):
+        assert code == 0, (job["args"], err)
+        assert (code0, code1) == (code, code), job["args"]
+        assert out0 == out, job["args"]  # byte for byte
+        assert out1 == "" and err1.strip() == "", job["args"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.launch import HARNESS, one_process, results, torchrun, write_jobs
+from tests.distributed.launch import same_under_torchrun  # noqa: F401  (the tests import it here)
 
 TOL = 1e-6  # the contract's accuracy; the references are float64
 VARIABLE = "GRADCLIP_FRAMEWORKS_PYTHON"
@@ -88,22 +88,3 @@ class RunsCode:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
-
-
-def same_under_torchrun(jobs: list[dict], tmp_path: Path) -> None:
-    """Each job alone and as 2 gloo ranks: rank 0 prints the one-process output byte for byte,
-    rank 1 nothing, every rank the same exit code (0)."""
-    jobs_file = write_jobs(tmp_path, jobs)
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir()
-    two.mkdir()
-    assert one_process(jobs_file, one).returncode == 0
-    done = torchrun(HARNESS, jobs_file, two)
-    assert done.returncode == 0, done.stderr[-3000:]
-    single = results(one, 0, len(jobs))
-    ranks = [results(two, r, len(jobs)) for r in range(2)]
-    for job, (code, out, err), (code0, out0, _), (code1, out1, err1) in zip(jobs, single, *ranks):
-        assert code == 0, (job["args"], err)
-        assert (code0, code1) == (code, code), job["args"]
-        assert out0 == out, job["args"]  # byte for byte
-        assert out1 == "" and err1.strip() == "", job["args"]

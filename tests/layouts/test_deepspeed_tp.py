@@ -23,14 +23,7 @@ import pytest
 import torch
 
 from tests.cli.support import rel_err, unwrapped
-from tests.distributed.launch import (
-    HARNESS,
-    killed_by_signal,
-    one_process,
-    results,
-    torchrun,
-    write_jobs,
-)
+from tests.distributed.launch import same_under_torchrun
 from tests.hardening.support import assert_refused, run_cli
 from tests.layouts.deepspeed_tp_run import BETAS, EPS, LR
 from tests.layouts.test_deepspeed import _rewrite
@@ -265,25 +258,7 @@ def test_two_ranks_print_the_one_process_report(deepspeed_tp_runs, tmp_path):
         for what in ("auto", "update")
         for fmt in ("table", "json")
     ]
-    jobs_file = write_jobs(tmp_path, jobs)
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir()
-    two.mkdir()
-    done = one_process(jobs_file, one)
-    assert done.returncode == 0, done.stderr
-    launched = torchrun(HARNESS, jobs_file, two)
-    if killed_by_signal(launched):  # a gloo rank's abort at exit, seen in CI: once more
-        shutil.rmtree(two)
-        two.mkdir()
-        launched = torchrun(HARNESS, jobs_file, two)
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    alone = results(one, 0, len(jobs))
-    for (code, out, _), (code0, out0, _), (code1, out1, _) in zip(
-        alone, results(two, 0, len(jobs)), results(two, 1, len(jobs))
-    ):
-        assert code == code0 == code1 == 0
-        assert out0 == out
-        assert out1 == ""
+    same_under_torchrun(jobs, tmp_path)
 
 
 # ------------------------------------------------------------------ broken and hostile
