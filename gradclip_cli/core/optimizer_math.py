@@ -52,11 +52,13 @@ def debiased_rms(second: torch.Tensor, beta: float, step: float) -> torch.Tensor
 
 
 def adam_update(exp_avg: torch.Tensor, second: torch.Tensor, *, lr: float, beta1: float,
-                beta2: float, eps: float, step: float) -> torch.Tensor:
+                beta2: float, eps: float, step: float, debias: bool = True) -> torch.Tensor:
     """``lr * m_hat / (sqrt(v_hat) + eps)``: Adam's and AdamW's step (AdamW's decay aside).
 
     ``second`` is ``exp_avg_sq``, or ``max_exp_avg_sq`` under AMSGrad (torch
-    keeps the running maximum and divides by it).
+    keeps the running maximum and divides by it). ``debias=False`` is the
+    step without bias correction, ``lr * m / (sqrt(v) + eps)`` (DeepSpeed's
+    and apex's Adam with ``bias_correction=False``).
 
     References:
         Kingma & Ba 2015, Algorithm 1; Reddi et al., "On the Convergence of
@@ -67,9 +69,10 @@ def adam_update(exp_avg: torch.Tensor, second: torch.Tensor, *, lr: float, beta1
     # b2' = 1 - b2^t: one division an element instead of two (0.75x the time), and
     # one rounding fewer. The factor (below 1 where lr is) comes first, so m times it
     # cannot overflow where the update itself does not.
-    root = math.sqrt(one_minus_power(beta2, step))
+    root = math.sqrt(one_minus_power(beta2, step)) if debias else 1.0
+    first = one_minus_power(beta1, step) if debias else 1.0
     denom = second.to(m.dtype).sqrt().add_(eps * root)
-    return m.mul(lr * root / one_minus_power(beta1, step)).div_(denom)
+    return m.mul(lr * root / first).div_(denom)
 
 
 def radam_rectification(beta2: float, step: float) -> float | None:

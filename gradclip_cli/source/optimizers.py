@@ -17,7 +17,9 @@ lives in the core; this module only matches keys and hyperparameters.
 | Adamax | yes | no: exp_inf is an infinity norm | yes |
 | Adagrad | no | yes (over all steps) | no: needs the last gradient |
 | RMSprop | centered only (grad_avg) | yes | with momentum only |
-| SGD | no | no | momentum, not Nesterov |
+| SGD, LARS | no | no | momentum, not Nesterov |
+| LAMB | no | no | no: a trust ratio of the weights before the step |
+| Muon | no | no | no: an orthogonalisation of the momentum |
 | Adafactor (torch) | no | yes (factored) | no: needs the last gradient |
 | Adafactor (transformers) | no | yes (factored) | with beta1 only |
 """
@@ -135,9 +137,13 @@ def _adam(amsgrad: bool):
             return _rms(entry, group, num, second)
         b1, b2 = num.betas(group)
         m, v = num.tensor(entry, "exp_avg"), num.tensor(entry, second)
+        # DeepSpeed's and apex's Adam (bias_correction) and transformers' old AdamW
+        # (correct_bias) may step without debiasing the moments.
+        debias = not any(_off(group.get(k, True)) for k in ("bias_correction", "correct_bias"))
         return Derivation((m, v), partial(om.adam_update, lr=num(group.get("lr"), "lr"),
                                           beta1=b1, beta2=b2, eps=num(group.get("eps"), "eps"),
-                                          step=num.step(entry)), tuple(m.shape))
+                                          step=num.step(entry), debias=debias),
+                          tuple(m.shape))
     return derive
 
 
@@ -260,7 +266,25 @@ def identify(opt: OptimizerState) -> Kind:
             "exp_avg": None if centered else "uncentered, it keeps no first moment",
             "grad_rms": None,
             "update": None if momentum else "without momentum " + _NEEDS_GRAD}, _rmsprop)
-    if "momentum_buffer" in keys or {"nesterov", "dampening"} <= hyper:
+    trust = bool(hyper & _TRUST_RATIO)
+    if {"exp_avg", "exp_avg_sq"} <= keys.keys() and trust:
+        # LAMB (DeepSpeed's, apex's, timm's, torch-optimizer's) keeps Adam's moments but
+        # scales Adam's step by a layer's trust ratio |w| / |step|, taken from the
+        # weights before the step: the saved weights are those after it.
+        return kind("LAMB", {
+            "exp_avg": "its moments' averaging and step count are its own",
+            "grad_rms": "its moments' averaging and step count are its own",
+            "update": "its step is Adam's scaled by a trust ratio of the weights before the "
+                      "step, which the checkpoint does not hold"}, None)
+    if hyper & {"ns_coefficients", "ns_steps"}:
+        # torch.optim.Muon keeps SGD's momentum_buffer, but steps by its orthogonalisation.
+        return kind("Muon", {
+            "exp_avg": "its momentum is an average kept without a step count to debias it",
+            "grad_rms": "it keeps no second moment",
+            "update": "its step orthogonalises the momentum (Newton-Schulz iterations in "
+                      "bfloat16), which gradclip does not recompute"}, None)
+    if {"nesterov", "dampening"} <= hyper or ("momentum_buffer" in keys
+                                              and not hyper - _TORCH_GROUP):
         if every(lambda g: not _positive(g.get("momentum"))):
             why = "without momentum SGD keeps no state"
         elif every(lambda g: bool(g.get("nesterov"))):
@@ -269,8 +293,11 @@ def identify(opt: OptimizerState) -> Kind:
             why = None
         else:
             why = "some groups use Nesterov momentum, whose step needs the last gradient"
-        return kind("SGD", {"exp_avg": "its momentum buffer is a sum, not an average",
-                            "grad_rms": "it keeps no second moment", "update": why}, _sgd)
+        # LARS (timm's; apex's LARC and torchlars wrap SGD alike) scales the gradient by
+        # its trust ratio before SGD's momentum: its step is still lr * buffer.
+        return kind("LARS" if trust else "SGD", {
+            "exp_avg": "its momentum buffer is a sum, not an average",
+            "grad_rms": "it keeps no second moment", "update": why}, _sgd)
     if {"exp_avg", "exp_avg_sq"} <= keys.keys():
         if "amsgrad" not in hyper and "decoupled_weight_decay" in hyper:
             return kind("RAdam", dict.fromkeys(QUANTITIES), _radam)
@@ -284,6 +311,23 @@ def identify(opt: OptimizerState) -> Kind:
     held = ", ".join(visible(k) for k in tensor_keys) or "none"
     return kind("an unknown optimizer", {q: f"gradclip knows no rule for its state keys ({held})"
                                          for q in QUANTITIES}, None)
+
+
+# Hyperparameters of trust-ratio optimizers: DeepSpeed's LAMB (max_coeff, min_coeff),
+# apex's (use_nvlamb), timm's LAMB and LARS (trust_clip, always_adapt), torch-optimizer's
+# (clamp_value).
+_TRUST_RATIO = {"max_coeff", "min_coeff", "use_nvlamb", "trust_clip", "always_adapt",
+                "clamp_value"}
+
+# What every torch.optim param group holds besides an optimizer's own settings
+# (schedulers add initial_lr): a momentum_buffer beside only these is SGD's.
+_TORCH_GROUP = {"params", "lr", "initial_lr", "momentum", "weight_decay", "maximize", "foreach",
+                "differentiable", "fused", "param_names"}
+
+
+def _off(value) -> bool:
+    """A switch stored as False (or 0)."""
+    return isinstance(value, (bool, int)) and not value
 
 
 def _positive(value) -> bool:

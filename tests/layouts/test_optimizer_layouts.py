@@ -274,3 +274,35 @@ def test_every_refusal_on_these_layouts_offers_only_what_works(
              accelerate_state / "model.safetensors", accelerate_state, sharded_pretrained]
     refusals, followed = walk_refusals(gradclip, paths, tmp_path)
     assert refusals >= 2 * len(paths) and followed > len(paths)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_muon_is_never_measured_as_sgd(gradclip, tmp_path, nesterov):
+    """torch.optim.Muon keeps SGD's ``momentum_buffer``, but its step orthogonalises
+    the momentum: no ``lr * buffer`` (SGD's step) is reported for it, with or without
+    Nesterov, and the default measures the weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    muon = torch.optim.Muon([p for p in model.parameters() if p.dim() == 2], lr=0.02,
+                            nesterov=nesterov)
+    for step in range(2):
+        muon.zero_grad()
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        muon.step()
+    path = tmp_path / "muon.pt"
+    torch.save({"model": model.state_dict(), "optimizer": muon.state_dict()}, path)
+    doc = gradclip("inspect", path, "--format", "json").json()
+    assert doc["what"] == "weights"
+    assert rel_err(doc["total_norm"], _norm(model.state_dict().values())) <= TOL
+    for what, why in (("update", "its step orthogonalises the momentum (Newton-Schulz"),
+                      ("exp_avg", "its momentum is an average kept without a step count")):
+        result = gradclip("inspect", path, "--what", what)
+        assert result.code == 3
+        line = result.err_lines[0]
+        assert f"--what {what}: Muon: {why}" in line, line
+        assert line.endswith("available: --what weights"), line
+    from tests.cli.test_cli_roles import walk_refusals
+
+    refusals, followed = walk_refusals(gradclip, [path], tmp_path)
+    assert refusals >= 3 and followed >= 3

@@ -15,6 +15,7 @@ few steps in float64 and keeps every gradient it was given. Then:
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import pytest
@@ -211,7 +212,20 @@ REFUSED = [
     ("Adadelta", lambda p: torch.optim.Adadelta(p), "grad_rms", "needs the last gradient"),
     ("an unknown optimizer", lambda p: torch.optim.Rprop(p), "update",
      r"state keys \(prev, step_size\)"),
+    # Muon keeps SGD's momentum_buffer (an average, without a step count), but its
+    # step is an orthogonalisation of it: never SGD's lr * buffer.
+    ("Muon", lambda p: torch.optim.Muon(_matrices(p), lr=0.01, nesterov=False), "update",
+     "Newton-Schulz"),
+    ("Muon", lambda p: torch.optim.Muon(_matrices(p), lr=0.01), "update", "Newton-Schulz"),
+    ("Muon", lambda p: torch.optim.Muon(_matrices(p), lr=0.01), "exp_avg",
+     "without a step count"),
+    ("Muon", lambda p: torch.optim.Muon(_matrices(p), lr=0.01), "grad_rms", "no second moment"),
 ]
+
+
+def _matrices(params):
+    """Muon steps 2-D parameters only."""
+    return [p for p in params if p.dim() == 2]
 
 
 @pytest.mark.parametrize(("name", "make", "what", "why"), REFUSED,
@@ -274,3 +288,29 @@ def test_transforms_computed_by_pieces_are_the_same_bits(name):
                 assert torch.equal(pieces, whole), (what, pid)
                 compared += whole.numel() > 2 * measuring._PIECE
     assert compared
+
+
+def test_deepspeed_cpu_adam_without_bias_correction_steps_undebiased():
+    # DeepSpeed's own CPU Adam (a C++ op, compiled on first use) with
+    # bias_correction=False steps by lr * m / (sqrt(v) + eps): Adam's debiased
+    # step would be 3x to 16x off here, far beyond float32 rounding of the change.
+    if not os.environ.get("GRADCLIP_SLOW"):
+        pytest.skip("set GRADCLIP_SLOW=1 (DeepSpeedCPUAdam is compiled on first use)")
+    adam = pytest.importorskip("deepspeed.ops.adam")
+    for debias in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+        opt = adam.DeepSpeedCPUAdam(model.parameters(), lr=0.01, betas=(0.8, 0.9),
+                                    bias_correction=debias, adamw_mode=True, weight_decay=0.0)
+        for step in range(STEPS):
+            opt.zero_grad()
+            x = torch.randn(8, 5, generator=torch.Generator().manual_seed(step))
+            model(x).square().sum().backward()
+            before = [p.detach().double() for p in model.parameters()]
+            opt.step()
+        taken = [b - p.detach().double() for b, p in zip(before, model.parameters())]
+        state = optimizer_state(opt.state_dict(), None, "test")
+        assert state.param_groups[0]["bias_correction"] is debias
+        for got, want in zip(_derived(state, "update"), taken, strict=True):
+            # float32 parameters: their change is exact to about 2**-24 of the weights.
+            assert float((got - want).abs().max()) <= 1e-6 + 1e-4 * float(want.abs().max())
