@@ -159,8 +159,9 @@ def torchtune_runs(framework_python, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def timm_runs(framework_python, tmp_path_factory) -> Path:
-    """timm's ``CheckpointSaver``, 2 epochs each: ``sgd/``, ``adamw/`` and ``adamw_args/``
-    (saved with ``args``, as timm's ``train.py`` does), each ``checkpoint-{0,1}.pth.tar``."""
+    """timm's ``CheckpointSaver``, 2 epochs each: ``sgd/``, ``adamw/``, ``adamw_args/``
+    (saved with ``args``, as timm's ``train.py`` does), and timm's own ``lamb/`` and
+    ``lars/``, each ``checkpoint-{0,1}.pth.tar``."""
     out = tmp_path_factory.mktemp("timm")
     return run_generator(framework_python, "timm_run.py", out, 0)
 

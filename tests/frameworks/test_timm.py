@@ -74,6 +74,46 @@ def test_sgd_nesterov_gives_weights_only(gradclip, timm_runs):
     assert result.err_lines[0].endswith("available: --what weights")
 
 
+def test_lars_update_is_the_change_it_made(gradclip, timm_runs):
+    """timm's LARS scales each gradient by its trust ratio before SGD's momentum, so its
+    step is ``lr * momentum_buffer``: exactly the change between the two epochs' weights
+    (its weight decay is folded into the buffer)."""
+    first, last = (torch.load(timm_runs / "lars" / f"checkpoint-{e}.pth.tar", weights_only=True)
+                   for e in (0, 1))
+    group = last["optimizer"]["param_groups"][0]
+    assert {"trust_clip", "always_adapt", "nesterov", "dampening"} <= set(group)
+    before, after = _params(first), _params(last)
+    changes = {n: before[n].double() - after[n].double() for n in after}
+    buffers = {n: group["lr"] * last["optimizer"]["state"][i]["momentum_buffer"].double()
+               for i, n in enumerate(after)}
+    doc = gradclip("inspect", timm_runs / "lars" / "checkpoint-1.pth.tar", "--what", "update",
+                   "--format", "json").json()
+    assert doc["measured"]["explain"].startswith("LARS last update")
+    assert rel_err(doc["total_norm"], norm(buffers.values())) <= TOL
+    # float32 weights: their difference is exact to about 2**-24 of the weights.
+    assert rel_err(doc["total_norm"], norm(changes.values())) <= 1e-4
+    for row in doc["tensors"]:
+        assert rel_err(row["norm"], norm([buffers[row["name"]]])) <= TOL, row["name"]
+
+
+def test_lamb_refuses_what_its_trust_ratio_hides(gradclip, timm_runs):
+    """timm's LAMB keeps Adam's moments (a step count per group, not per parameter) and
+    scales Adam's step by a trust ratio of the weights before the step: no quantity of
+    Adam's applies, and nothing is measured as if it were Adam."""
+    path = timm_runs / "lamb" / "checkpoint-1.pth.tar"
+    params = _params(torch.load(path, weights_only=True))
+    doc = gradclip("inspect", path, "--format", "json").json()
+    assert doc["what"] == "weights"
+    assert rel_err(doc["total_norm"], norm(params.values())) <= TOL
+    for what, why in (("update", "its step is Adam's scaled by a trust ratio of the weights"),
+                      ("exp_avg", "its moments' averaging and step count are its own")):
+        result = gradclip("inspect", path, "--what", what)
+        assert result.code == 3
+        line = result.err_lines[0]
+        assert f"--what {what}: LAMB: {why}" in line, line
+        assert line.endswith("available: --what weights"), line
+
+
 def test_train_py_args_read_as_inert_data(gradclip, timm_runs):
     """timm's ``train.py`` saves its ``args`` (an ``argparse.Namespace``): read as its
     attributes, never constructed, so no --trust-pickle is needed and the numbers are
@@ -97,7 +137,7 @@ def test_train_py_args_read_as_inert_data(gradclip, timm_runs):
 def test_every_refusal_offers_only_what_works(gradclip, timm_runs, tmp_path):
     from tests.cli.test_cli_roles import walk_refusals
 
-    paths = [timm_runs / run / "checkpoint-1.pth.tar" for run in ("sgd", "adamw")]
+    paths = [timm_runs / run / "checkpoint-1.pth.tar" for run in ("sgd", "adamw", "lamb", "lars")]
     refusals, followed = walk_refusals(gradclip, paths, tmp_path)
     assert refusals >= 2 * len(paths) and followed > len(paths)
 

@@ -9,8 +9,10 @@ given as timm defines it for a plain module: unwrapping is the identity.
 
 Writes ``OUT/{sgd,adamw}/checkpoint-{0,1}.pth.tar`` (and ``last.pth.tar``):
 SGD with Nesterov momentum (timm's default optimizer) and AdamW, no ``args``;
-and ``OUT/adamw_args/``, AdamW saved with ``args`` as timm's ``train.py`` does
-(an ``argparse.Namespace``).
+``OUT/adamw_args/``, AdamW saved with ``args`` as timm's ``train.py`` does
+(an ``argparse.Namespace``); and ``OUT/{lamb,lars}/``, timm's own LAMB and
+LARS (trust-ratio optimizers keeping Adam's and SGD's state), loaded from
+their files as the saver is.
 """
 
 from __future__ import annotations
@@ -43,8 +45,29 @@ def checkpoint_saver():
     return module.CheckpointSaver
 
 
+def timm_optimizers():
+    """timm's ``Lamb`` and ``Lars``, from ``timm/optim/lamb.py`` and ``lars.py``: their
+    package is given its real folder, so their own imports (``._helpers``, ``._types``)
+    are timm's files, without the package's ``__init__``."""
+    spec = importlib.util.find_spec("timm")
+    folder = Path(spec.submodule_search_locations[0]) / "optim"
+    package = types.ModuleType("_timm_optim")
+    package.__path__ = [os.fspath(folder)]
+    sys.modules["_timm_optim"] = package
+    classes = []
+    for name, cls in (("lamb", "Lamb"), ("lars", "Lars")):
+        module_spec = importlib.util.spec_from_file_location(
+            f"_timm_optim.{name}", folder / f"{name}.py")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_spec.name] = module
+        module_spec.loader.exec_module(module)
+        classes.append(getattr(module, cls))
+    return classes
+
+
 def main(out: Path) -> None:
     saver_class = checkpoint_saver()
+    lamb, lars = timm_optimizers()
     runs = (
         ("sgd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True), None),
         ("adamw", lambda p: torch.optim.AdamW(p, lr=1e-2), None),
@@ -53,6 +76,8 @@ def main(out: Path) -> None:
             lambda p: torch.optim.AdamW(p, lr=1e-2),
             argparse.Namespace(model="tiny_cnn", lr=1e-2, epochs=2, opt="adamw"),
         ),
+        ("lamb", lambda p: lamb(p, lr=1e-2, weight_decay=0.01), None),
+        ("lars", lambda p: lars(p, lr=0.1, momentum=0.9, weight_decay=0.01), None),
     )
     for name, make, args in runs:
         torch.manual_seed(0)
