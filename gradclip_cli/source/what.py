@@ -38,8 +38,10 @@ EXPLAIN = {
     "grad_rms": "gradient RMS, the square root of its debiased second moment",
     # The lr is the one stored: a scheduler that stepped after the optimizer has set
     # it for the next step, and the files rarely say what the last step used.
-    "update": "last update, as its own update rule gives it, weight decay excluded, at the "
-              "stored lr, which a scheduler sets for the next step",
+    # Decoupled decay (AdamW's lr * wd * w) is not part of it; an L2 weight_decay
+    # enters the moments (or SGD's buffer), so it is in the step they give.
+    "update": "last update, as its own update rule gives it, decoupled weight decay excluded, "
+              "at the stored lr, which a scheduler sets for the next step",
     "weights": "model weights",
 }
 
