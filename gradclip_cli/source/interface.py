@@ -213,6 +213,33 @@ class OptimizerState:
     file: Path | None = None
 
 
+def chained(states: list[OptimizerState], file: Path | None) -> tuple[OptimizerState,
+                                                                      list[dict[int, int]]]:
+    """Several optimizers' states as one, each one's ids renumbered after the last's.
+
+    Their param groups follow one another, so the model's order maps them all
+    at once (``source/what.interleave``); ``param_names`` are kept where every
+    state has them. Returns the state and, per input, its id -> new id.
+    """
+    groups: list[dict[str, Any]] = []
+    state: dict[int, dict[str, Any]] = {}
+    names: dict[int, str] | None = {}
+    renumbered = []
+    offset = 0
+    for opt in states:
+        ids = sorted({p for g in opt.param_groups for p in g["params"]})
+        renumber = {p: offset + i for i, p in enumerate(ids)}
+        offset += len(ids)
+        groups += [{**g, "params": [renumber[p] for p in g["params"]]} for g in opt.param_groups]
+        state.update((renumber[p], entry) for p, entry in opt.state.items())
+        if names is not None and opt.param_names is not None:
+            names.update((renumber[p], n) for p, n in opt.param_names.items())
+        else:
+            names = None
+        renumbered.append(renumber)
+    return OptimizerState(groups, state, names or None, file), renumbered
+
+
 @dataclass
 class Contents:
     """What a layout found in a checkpoint; every field a layout cannot fill stays empty.

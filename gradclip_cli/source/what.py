@@ -29,7 +29,13 @@ from gradclip_cli.core import Elements, distinct_elements
 from gradclip_cli.errors import InputError, UsageError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import optimizers, roles
-from gradclip_cli.source.interface import Contents, Derivation, OptimizerState, StoredTensor
+from gradclip_cli.source.interface import (
+    Contents,
+    Derivation,
+    OptimizerState,
+    StoredTensor,
+    chained,
+)
 
 WHATS = ("auto", "grads", "exp_avg", "grad_rms", "update", "weights")
 EXPLAIN = {
@@ -124,8 +130,22 @@ def _auto(contents: Contents, gradients_only: bool) -> str:
 
 
 def _gives(contents: Contents, what: str) -> bool:
-    opt = contents.optimizer
-    return opt is not None and optimizers.identify(opt).gives(what)
+    opt = _optimizer(contents)
+    return isinstance(opt, OptimizerState) and optimizers.identify(opt).gives(what)
+
+
+def _optimizer(contents: Contents) -> OptimizerState | str | None:
+    """The optimizer state to measure; several (Lightning's list, a file's ``optimizer_g``
+    and ``optimizer_d``) are one, their ids chained in order, when one rule serves them
+    all; else why not. Measuring the first alone would report a part as the total."""
+    opts = contents.optimizers
+    if len(opts) <= 1:
+        return contents.optimizer
+    kinds = [optimizers.identify(o).name for o in opts]
+    if len(set(kinds)) > 1:
+        return (f"it holds {len(opts)} optimizers of different kinds ({', '.join(kinds)}), "
+                "whose parameters no one rule measures together")
+    return chained(opts, opts[0].file)[0]
 
 
 def available(contents: Contents) -> list[str]:
@@ -239,13 +259,19 @@ class _Param:
 
 
 def _from_optimizer(contents: Contents, what: str) -> Selection:
-    opt = contents.optimizer
+    opt = _optimizer(contents)
     if opt is None:
         raise _unavailable(contents, what, "the checkpoint holds no optimizer state")
+    if isinstance(opt, str):
+        raise _unavailable(contents, what, opt)
     kind = optimizers.identify(opt)
     if not kind.gives(what):
         raise _unavailable(contents, what, f"{kind.name}: {kind.why_not(what)}")
     names = map_names(contents, opt)
+    if len(set(names.values())) < len(names):
+        twice = next(n for n in names.values() if list(names.values()).count(n) > 1)
+        raise InputError(f"{contents.path}: two of its {len(contents.optimizers)} optimizers "
+                         f"hold parameter {visible(twice)}: they are not one training's parts")
     group_of = {pid: group for group in opt.param_groups for pid in group["params"]}
     params = []
     for pid, name in names.items():

@@ -149,13 +149,15 @@ def _others(contents: Contents, root: Any, path: Path, skip: str | None = None) 
     if not contents.optimizers:
         # The usual names first, then any top-level entry shaped as one (state and
         # param_groups): the structure is the evidence, whatever the script named it.
+        # Every one is kept (a GAN's optimizer_g and optimizer_d): one alone is a part.
         names = [*OPTIMIZER_KEYS, *(str(k) for k in root if str(k) not in OPTIMIZER_KEYS)]
-        for name in names:
-            if name != skip and is_optimizer_state(root.get(name)):
-                contents.optimizers.append(optimizer_state(root[name], path, repr(name)))
-                contents.evidence.setdefault(roles.OPTIMIZER_STATE,
-                                             f"the {visible(repr(name))} entry")
-                break
+        found = [n for n in names if n != skip and is_optimizer_state(root.get(n))]
+        for name in found:
+            contents.optimizers.append(optimizer_state(root[name], path, repr(name)))
+        if found:
+            entries = " and ".join(visible(repr(n)) for n in found)
+            contents.evidence.setdefault(
+                roles.OPTIMIZER_STATE, f"the {entries} {'entries' if len(found) > 1 else 'entry'}")
     contents.step = step_of(root)
 
 
