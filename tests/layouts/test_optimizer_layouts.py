@@ -306,3 +306,42 @@ def test_muon_is_never_measured_as_sgd(gradclip, tmp_path, nesterov):
 
     refusals, followed = walk_refusals(gradclip, [path], tmp_path)
     assert refusals >= 3 and followed >= 3
+
+
+def test_optimizer_state_keyed_by_names(gradclip, tmp_path):
+    """torch's own ``get_state_dict`` (``torch.distributed.checkpoint.state_dict``, also
+    what FSDP's ``optim_state_dict`` gives) keys the optimizer state by parameter name:
+    read as named state, the numbers those of the names it gives, saved with or without
+    the model."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.9))
+    for step in range(2):
+        adamw.zero_grad()
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        adamw.step()
+    weights, optim = get_state_dict(model, adamw)
+    assert set(optim["state"]) == set(weights)  # keyed by name, not by id
+    expected = {n: s["exp_avg"].double() / (1 - 0.8 ** float(s["step"]))
+                for n, s in optim["state"].items()}
+    both, alone = tmp_path / "both.pt", tmp_path / "optim.pt"
+    torch.save({"model": weights, "optim": optim}, both)
+    torch.save(optim, alone)
+    for path in (both, alone):
+        doc = gradclip("inspect", path, "--format", "json").json()
+        assert doc["what"] == "exp_avg"
+        assert sorted(t["name"] for t in doc["tensors"]) == sorted(expected)
+        assert rel_err(doc["total_norm"], _norm(expected.values())) <= TOL
+        for row in doc["tensors"]:
+            assert rel_err(row["norm"], _norm([expected[row["name"]]])) <= TOL, row["name"]
+    stray = {"state": {**optim["state"], "ghost.weight": optim["state"]["0.weight"]},
+             "param_groups": optim["param_groups"]}
+    torch.save({"model": weights, "optim": stray}, alone)
+    result = gradclip("inspect", alone)
+    assert result.code == 3
+    assert result.err_lines == [
+        f"gradclip: {alone}: 'optim' is not an optimizer state dict: state holds "
+        "'ghost.weight', which no param group names"]

@@ -33,6 +33,7 @@ def optimizer_state(value: Any, file: Path, where: str) -> OptimizerState:
 
     if not is_optimizer_state(value):
         raise bad("it needs 'state' and 'param_groups'")
+    value = _by_id(value, bad)
     groups: list[dict[str, Any]] = []
     names: dict[int, str] = {}
     seen: set[int] = set()
@@ -67,3 +68,25 @@ def optimizer_state(value: Any, file: Path, where: str) -> OptimizerState:
         }
     complete = len(names) == len(seen)
     return OptimizerState(groups, state, names if complete and names else None, file)
+
+
+def _by_id(value: Mapping, bad) -> Mapping:
+    """A state dict keyed by parameter names, as torch's own ``get_optimizer_state_dict``
+    (``torch.distributed.checkpoint.state_dict``) and FSDP's ``optim_state_dict`` give
+    it, as the usual one: ids in group order, the names kept as ``param_names``."""
+    groups = value["param_groups"]
+    listed = [p for g in groups if isinstance(g, Mapping)
+              for p in (g.get("params") if isinstance(g.get("params"), (list, tuple)) else ())]
+    if not listed or not all(isinstance(p, str) for p in listed):
+        return value
+    ids = {name: i for i, name in enumerate(dict.fromkeys(listed))}
+    if len(ids) < len(listed):
+        raise bad("its param groups name a parameter twice")
+    strangers = [k for k in value["state"] if k not in ids]
+    if strangers:
+        raise bad(f"state holds {visible(repr(strangers[0]))}, which no param group names")
+    return {
+        "state": {ids[k]: v for k, v in value["state"].items()},
+        "param_groups": [{**g, "params": [ids[p] for p in g["params"]],
+                          "param_names": list(g["params"])} for g in groups],
+    }
