@@ -182,3 +182,15 @@ def assert_no_report(result) -> None:
     assert doc["schema"] == "gradclip.error/1", doc
     assert doc["exit_code"] == result.code, (doc, result.code)
     assert doc["error"] and "\n" not in doc["error"], doc
+
+
+def assert_quantities_refused(gradclip, path, kind: str, reasons: dict[str, str],
+                              available: str = "--what weights") -> None:
+    """``inspect --what W`` on ``path`` is exit 3 with one line naming ``kind`` and the
+    reason for each W, offering ``available``."""
+    for what, why in reasons.items():
+        result = gradclip("inspect", path, "--what", what)
+        assert result.code == 3
+        line = result.err_lines[0]
+        assert f"--what {what}: {kind}: {why}" in line, line
+        assert line.endswith(f"available: {available}"), line
