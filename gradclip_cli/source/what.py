@@ -332,7 +332,11 @@ def map_names(contents: Contents, opt: OptimizerState) -> dict[int, str]:
               else None for n in order}
     groups = [[(pid, _state_shape(opt.state.get(pid))) for pid in g["params"]]
               for g in opt.param_groups]
-    placed = interleave([shapes[n] for n in order], [[s for _, s in g] for g in groups])
+    model_shapes = [shapes[n] for n in order]
+    group_shapes = [[s for _, s in g] for g in groups]
+    placed = interleave(model_shapes, group_shapes)
+    if placed == "ambiguous":
+        placed = _unique_where_stateful(model_shapes, group_shapes)
     if placed is None:
         sizes = ", ".join(str(len(g)) for g in groups)
         raise InputError(
@@ -386,14 +390,37 @@ def _state_shape(entry: dict | None) -> tuple[int, ...] | None:
     return None
 
 
-def interleave(model: list, groups: list[list]):
+def _unique_where_stateful(model: list, groups: list[list]):
+    """A placement of the groups' items on the model (``interleave``'s form) whose items
+    with state (a shape) no other placement puts elsewhere, with the items without state
+    (None: a parameter the optimizer holds but never stepped, a frozen one) left unplaced,
+    since the placements differ there; ``"ambiguous"`` when the items with state can be
+    placed in more than one way.
+
+    Each item with state is tested in turn: forbidden its place in one placement, can the
+    groups still be placed? (``interleave``'s dynamic programming once per such item.)
+    """
+    placed = interleave(model, groups, first=True)
+    if placed is None:
+        return None
+    for i, spot in enumerate(placed):
+        if spot is not None and groups[spot[0]][spot[1]] is not None:
+            if interleave(model, groups, forbid=(i, *spot)) is not None:
+                return "ambiguous"
+    return [spot if spot is not None and groups[spot[0]][spot[1]] is not None else None
+            for spot in placed]
+
+
+def interleave(model: list, groups: list[list], *, first: bool = False,
+               forbid: tuple[int, int, int] | None = None):
     """Place each group's items, in order, onto the model's sequence by matching shape.
 
     Returns, per model position, ``(group, index)`` or None (a model
     parameter no group holds: frozen); None when no placement exists;
-    ``"ambiguous"`` when several do. A shape of None (no state stored) fits
-    anything. Dynamic programming over the groups' positions, counting
-    placements up to two.
+    ``"ambiguous"`` when several do (with ``first``, the first placement found
+    instead). A shape of None (no state stored) fits anything; ``forbid``,
+    ``(position, group, index)``, rules that one choice out. Dynamic
+    programming over the groups' positions, counting placements up to two.
     """
     total = sum(len(g) for g in groups)
     spare = len(model) - total  # model parameters no group holds
@@ -411,7 +438,7 @@ def interleave(model: list, groups: list[list]):
                 _arrive(nxt, pos, count, (pos, None))
             for g, group in enumerate(groups):
                 j = pos[g]
-                if j < len(group) and _fits(shape, group[j]):
+                if j < len(group) and _fits(shape, group[j]) and forbid != (i, g, j):
                     _arrive(nxt, pos[:g] + (j + 1,) + pos[g + 1:], count, (pos, (g, j)))
         layer = nxt
         history.append(layer)
@@ -420,7 +447,7 @@ def interleave(model: list, groups: list[list]):
     end = tuple(len(g) for g in groups)
     if end not in layer:
         return None
-    if layer[end][0] > 1:
+    if layer[end][0] > 1 and not first:
         return "ambiguous"
     placed: list = []
     state = end

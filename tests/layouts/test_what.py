@@ -36,6 +36,19 @@ def test_frozen_parameters_are_skipped_only_when_there_are_spare_ones():
     assert interleave([A, A, B], [[A, B]]) == "ambiguous"  # which A is frozen?
 
 
+def test_ambiguity_among_stateless_parameters_alone_is_not_ambiguous():
+    """torch.optim keeps a frozen parameter in its group without state (shape None): where
+    only such parameters could swap places, the ones with state are placed once."""
+    from gradclip_cli.source.what import _unique_where_stateful
+
+    model = [C, B, A, (3,), (2, 2), (2,)]  # the last two frozen, in both groups, no state
+    groups = [[C, A, None], [B, (3,), None]]
+    assert interleave(model, groups) == "ambiguous"
+    assert _unique_where_stateful(model, groups) == [(0, 0), (1, 0), (0, 1), (1, 1), None, None]
+    # Where a parameter with state could sit in two places, it stays ambiguous.
+    assert _unique_where_stateful([A, A, None], [[A, None], [A]]) == "ambiguous"
+
+
 def test_unknown_shapes_fit_anything():
     assert interleave([A, None], [[A], [B]]) == [(0, 0), (1, 0)]
 

@@ -93,10 +93,12 @@ from gradclip_cli.source.interface import (
     Piece,
     StoredTensor,
 )
+from gradclip_cli.source.what import map_names
 
 from . import hf_trainer
 from .paths import inside
 from .tensor_parallel import hidden_size, merged, split_axis
+from .torch_optim import is_optimizer_state, optimizer_state
 
 KIND = "deepspeed"
 LATEST = "latest"
@@ -104,6 +106,10 @@ _MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 # bf16 mixed precision (DeepSpeed's BF16_Optimizer) names its rank files bf16_zero_pp_rank_*,
 # with the same content.
 _OPTIM = re.compile(r"(?:(bf16_))?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+# Without ZeRO (stage 0) a model-parallel rank's one file holds the module and the optimizer.
+_PLAIN = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+# Pipeline parallelism (deepspeed.pipe.PipelineModule) saves each layer's weights apart.
+_PIPELINE_LAYER = re.compile(r"layer_\d+-model_\d+-model_states\.pt")
 # Megatron-DeepSpeed passes Megatron's client state (``args``, an ``argparse.Namespace``;
 # numpy RNG state) to ``save_checkpoint``, which keeps it in the model state files: read as
 # inert data, as Megatron's own checkpoints are.
@@ -115,23 +121,40 @@ _MAX_RANKS = 1 << 16
 # --------------------------------------------------------------------- recognition
 
 
-def _rank_files(names) -> tuple[bool, bool]:
-    model = optim = False
+ZERO, PLAIN = "zero", "plain"
+
+
+def _folder_kind(names) -> str | None:
+    """``ZERO`` (model state and ZeRO optimizer rank files), ``PLAIN`` (without ZeRO:
+    ``mp_rank_XX_model_states.pt`` and no ZeRO rank file at all), else None."""
+    model = optim = plain = False
     for name in names:
+        plain = plain or _PLAIN.fullmatch(name) is not None
+        if _MODEL.fullmatch(name) and not _PLAIN.fullmatch(name):
+            return ZERO if any(_OPTIM.fullmatch(n) for n in names) else None  # ZeRO 3's
         model = model or _MODEL.fullmatch(name) is not None
         optim = optim or _OPTIM.fullmatch(name) is not None
-    return model, optim
+    if optim:
+        return ZERO if model else None
+    return PLAIN if plain else None
+
+
+def _kind_of(path: Path) -> str | None:
+    try:
+        return _folder_kind(os.listdir(path))
+    except OSError:
+        return None
 
 
 def _is_step_folder(path: Path) -> bool:
-    try:
-        return all(_rank_files(os.listdir(path)))
-    except OSError:
-        return False
+    return _kind_of(path) is not None
 
 
 def recognises(path: Path) -> bool:
-    """A folder of rank files, or one holding ``latest`` beside such a folder."""
+    """A folder of rank files, or one holding ``latest`` beside such a folder; or, without
+    ZeRO, the one model state file of such a folder."""
+    if _PLAIN.fullmatch(path.name) and os.path.isfile(path):
+        return _kind_of(path.parent) == PLAIN
     if not os.path.isdir(path):
         return False
     if _is_step_folder(path):
@@ -151,11 +174,17 @@ def recognises(path: Path) -> bool:
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     tag_note = ""
     folder = path
-    if not _is_step_folder(path):
+    if os.path.isfile(path):
+        folder = path.parent
+    elif not _is_step_folder(path):
         folder = _follow_latest(path)
         tag_note = f" (named by {LATEST})"
     reader = _Reader(folder, trust_pickle=trust_pickle, verify=verify)
-    contents = reader.contents(path)
+    _refuse_pipeline(folder)
+    if _kind_of(folder) == PLAIN:
+        contents = reader.plain(path)
+    else:
+        contents = reader.contents(path)
     contents.description[0] += tag_note
     if folder != path:
         _trainer_step(contents, path)
@@ -432,6 +461,256 @@ class _Reader:
                     place.append((r, i, 0, keep, r * part))
             out[name] = _stored(name, shape, place, fragments, files)
         return out
+
+    def plain(self, given: Path) -> Contents:
+        """Without ZeRO (stage 0): ``mp_rank_00_model_states.pt`` alone, its ``module`` the
+        model's state dict (parameters and the buffers ``buffer_names`` lists) and its
+        ``optimizer`` torch's optimizer state dict, or, under fp16/bf16 mixed precision,
+        DeepSpeed's ``FP16_UnfusedOptimizer`` state: that state dict as
+        ``optimizer_state_dict`` and the fp32 master weights as ``fp32_groups``, one list
+        per param group in the group's order. The optimizer stores no names: they come from
+        the module's parameter order (``what.map_names``, the contract's one interleaving
+        that fits every shape), as for any optimizer saved beside its model."""
+        ranks = sorted(
+            int(m.group(1)) for n in os.listdir(self.folder) if (m := _PLAIN.fullmatch(n))
+        )
+        if ranks != [0]:
+            raise InputError(
+                f"{self.folder}: holds {', '.join(_mp(r) for r in ranks)} model state files "
+                "without ZeRO; gradclip reads a DeepSpeed checkpoint without ZeRO of one "
+                f"model-parallel rank ({_mp(0)}) only"
+            )
+        model = self.load(f"{_mp(0)}_model_states.pt")
+        root, file = model.root, model.path
+        _check_saved_without_zero(model)
+        params, buffers = _module(model)
+        contents = Contents(
+            path=given, kind=KIND, files=list(self.files), trusted_pickle=self.trusted
+        )
+        contents.weights = dict(params)
+        contents.model_order_names = list(params)
+        contents.buffers = buffers or None
+        held = f"{file.name}'s 'optimizer'"
+        optimizer, masters = _plain_optimizer(model, params)
+        precision = ""
+        if optimizer is not None:
+            contents.optimizers = [optimizer]
+            contents.evidence[roles.OPTIMIZER_STATE] = (
+                f"a DeepSpeed checkpoint without ZeRO: {held}"
+            )
+        weights = f"a DeepSpeed checkpoint without ZeRO: {file.name}'s module"
+        if masters:
+            contents.weights.update(masters)
+            low = sorted({str(params[n].dtype).removeprefix("torch.") for n in masters})
+            precision = f"{'/'.join(low)} module, "
+            weights += f", fp32 master weights of {len(masters)} in {held} (fp32_groups)"
+        contents.evidence[roles.WEIGHT] = weights
+        step = root.get("global_steps")
+        if _count(step) and step >= 0:
+            contents.step = step
+        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
+        version = root.get("ds_version")
+        version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
+        at = f" at global step {contents.step}" if contents.step is not None else ""
+        contents.description.append(
+            f"DeepSpeed checkpoint without ZeRO (stage 0){at}: {visible(self.folder.name)}/"
+        )
+        dp = root.get("dp_world_size")
+        ranks_note = f"{dp} data-parallel rank(s)" if _count(dp) else "one file"
+        if optimizer is None:
+            contents.description.append(
+                f"{ranks_note}{version}: the module's weights; no optimizer state was saved"
+            )
+            return contents
+        with_state = [
+            p for g in optimizer.param_groups for p in g["params"] if optimizer.state.get(p)
+        ]
+        master_note = "fp32 master weights and " if masters else ""
+        contents.description.append(
+            f"{ranks_note}{version}: {precision}{master_note}Adam moments of "
+            f"{len(with_state)} parameters"
+        )
+        frozen = len(params) - len(with_state)
+        if frozen > 0:
+            contents.description.append(
+                f"{frozen} parameter(s) without optimizer state (frozen): weights only "
+                "(measured by --what weights)"
+            )
+        steps = {_plain_number(optimizer.state[p].get("step")) for p in with_state}
+        if masters and contents.step is not None and steps == {contents.step + 1}:
+            # FP16_UnfusedOptimizer.initialize_optimizer_states steps once with zero gradients.
+            contents.description.append(
+                f"Adam's step is {contents.step + 1}: DeepSpeed's fp16/bf16 optimizer took one "
+                "step with zero gradients to create its state, and bias-corrects with that count"
+            )
+        return contents
+
+
+def _plain_number(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _check_saved_without_zero(model: Checkpoint) -> None:
+    """A ZeRO checkpoint whose optimizer files are gone is not one saved without ZeRO."""
+    config = model.root.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
+    stage = zero.get("stage") if isinstance(zero, Mapping) else 0
+    if model.root.get("param_shapes") is not None or stage not in (0, None, False):
+        raise InputError(
+            f"{model.path}: saved by ZeRO (stage {visible(repr(stage))[:20]}, or param_shapes "
+            "recorded), but the folder holds no zero_pp_rank_*_optim_states.pt: the "
+            "optimizer's files are missing"
+        )
+    dims = model.root.get("checkpoint_parallel_dimensions")
+    dims = dims if isinstance(dims, Mapping) else {}
+    for key, size in (
+        ("mp_world_size", model.root.get("mp_world_size")),
+        ("pp_degree", dims.get("pp_degree")),
+        ("tp_degree", dims.get("tp_degree")),
+    ):
+        if size is not None and size != 1:
+            raise InputError(
+                f"{model.path}: {key} is {visible(repr(size))[:40]}, but the folder holds "
+                f"{_mp(0)} alone; gradclip reads a DeepSpeed checkpoint without ZeRO of one "
+                "model-parallel rank only"
+            )
+
+
+def _module(model: Checkpoint) -> tuple[dict[str, StoredTensor], dict[str, StoredTensor]]:
+    """The ``module`` state dict as ``(parameters, buffers)``, each in the model's order:
+    buffers are what ``buffer_names`` lists (and any integer tensor)."""
+    module = model.root.get("module")
+    names = model.root.get("buffer_names")
+    if not isinstance(module, Mapping) or not module:
+        raise InputError(f"{model.path}: not a DeepSpeed model state: no 'module' state dict")
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise InputError(
+            f"{model.path}: no buffer_names: which of the module's entries are buffers, "
+            "not parameters, cannot be told"
+        )
+    listed = set(names)
+    params, buffers = {}, {}
+    for name, value in module.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise InputError(
+                f"{model.path}: 'module' holds {visible(repr(name))[:60]}, which is not a "
+                "named tensor"
+            )
+        tensor = StoredTensor.whole(name, value, model.path)
+        if name in listed or not value.dtype.is_floating_point:
+            buffers[name] = tensor
+        else:
+            params[name] = tensor
+    return params, buffers
+
+
+def _plain_optimizer(
+    model: Checkpoint, params: dict[str, StoredTensor]
+) -> tuple[OptimizerState | None, dict[str, StoredTensor]]:
+    """The ``optimizer`` entry of a checkpoint without ZeRO, and the fp32 master weights by
+    name where mixed precision keeps them."""
+    value, file = model.root.get("optimizer"), model.path
+    if value is None:
+        return None, {}
+    if is_optimizer_state(value):
+        return optimizer_state(value, file, "'optimizer'"), {}
+    if not isinstance(value, Mapping) or not is_optimizer_state(value.get("optimizer_state_dict")):
+        raise InputError(
+            f"{file}: 'optimizer' is neither torch's optimizer state dict nor DeepSpeed's "
+            "fp16/bf16 optimizer state around one (optimizer_state_dict)"
+        )
+    if "fp32_groups_flat" in value:
+        # FP16_Optimizer (DeepSpeed's fused fp16 optimizer) steps flat buffers, one per group,
+        # whose cut into parameters no file records.
+        raise InputError(
+            f"{file}: 'optimizer' is DeepSpeed's fused FP16_Optimizer state (fp32_groups_flat, "
+            "one flat buffer per param group); gradclip does not read it"
+        )
+    where = "'optimizer'.optimizer_state_dict"
+    optimizer = optimizer_state(value["optimizer_state_dict"], file, where)
+    groups = value.get("fp32_groups")
+    if not isinstance(groups, (list, tuple)) or len(groups) != len(optimizer.param_groups):
+        raise InputError(
+            f"{file}: 'optimizer'.fp32_groups should list the fp32 master weights of each of "
+            f"the {len(optimizer.param_groups)} param groups"
+        )
+    for g, (group, held) in enumerate(zip(optimizer.param_groups, groups)):
+        if (
+            not isinstance(held, (list, tuple))
+            or len(held) != len(group["params"])
+            or not all(isinstance(m, torch.Tensor) and m.dtype == torch.float32 for m in held)
+        ):
+            raise InputError(
+                f"{file}: 'optimizer'.fp32_groups[{g}] does not hold one fp32 master weight "
+                f"per parameter of param group {g} ({len(group['params'])})"
+            )
+    # The groups hold the trained parameters only (FP16_UnfusedOptimizer leaves out the
+    # frozen ones), and after every step DeepSpeed copies each master into its 16-bit
+    # parameter: a parameter that no master rounds to is frozen. That evidence, beside the
+    # shapes, tells apart a frozen parameter from a trained one of the same shape.
+    trained = _rounded_from(params, [m for held in groups for m in held])
+    probe = {n: t for n, t in params.items() if n in trained}
+    count = sum(len(held) for held in groups)
+    if len(probe) < count:
+        raise InputError(
+            f"{file}: 'optimizer'.fp32_groups holds {count} fp32 master weights, but only "
+            f"{len(probe)} of the module's parameters are a master rounded to their dtype: "
+            "the masters and the module disagree"
+        )
+    names = map_names(Contents(path=file, kind=KIND, weights=probe), optimizer)
+    optimizer.param_names = names
+    masters = {}
+    for g, (group, held) in enumerate(zip(optimizer.param_groups, groups)):
+        for pid, master in zip(group["params"], held):
+            name = names.get(pid)
+            if (
+                name is None
+                or not isinstance(master, torch.Tensor)
+                or master.dtype != torch.float32
+                or tuple(master.shape) != tuple(params[name].shape)
+            ):
+                shown = visible(name) if name is not None else f"parameter {pid}"
+                raise InputError(
+                    f"{file}: 'optimizer'.fp32_groups[{g}] holds no fp32 tensor of {shown}'s shape"
+                )
+            masters[name] = StoredTensor.whole(name, master, file)
+    return optimizer, masters
+
+
+def _rounded_from(params: dict[str, StoredTensor], masters: list[torch.Tensor]) -> set[str]:
+    """The parameters that some fp32 master, rounded to the parameter's dtype, equals."""
+    head = 64  # elements compared first, to find the candidates cheaply
+
+    def key(t: torch.Tensor) -> tuple:
+        return (tuple(t.shape), t.dtype, tuple(t.flatten()[:head].tolist()))
+
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    dtypes = {p.dtype for p in params.values()}
+    for master in masters:
+        for dtype in dtypes:
+            rounded = master.to(dtype)
+            by_key.setdefault(key(rounded), []).append(rounded)
+    found = set()
+    for name, stored in params.items():
+        value = stored.read()
+        if any(torch.equal(value, m) for m in by_key.get(key(value), ())):
+            found.add(name)
+    return found
+
+
+def _refuse_pipeline(folder: Path) -> None:
+    try:
+        layers = sorted(n for n in os.listdir(folder) if _PIPELINE_LAYER.fullmatch(n))
+    except OSError:
+        return
+    if layers:
+        raise InputError(
+            f"{folder}: a DeepSpeed pipeline-parallel checkpoint ({visible(layers[0])} and "
+            f"{len(layers) - 1} more layer file(s)); gradclip does not read DeepSpeed "
+            "pipeline parallelism"
+        )
 
 
 def _mp(rank: int) -> str:
