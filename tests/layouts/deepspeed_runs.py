@@ -7,9 +7,10 @@ CPU accelerator) that train a tiny MLP with ZeRO stages 1, 2 and 3 in turn,
 precision into ``OUT/zero2_bf16/``, then without ZeRO (stage 0) in fp32, bf16
 and fp16 into ``OUT/zero0/``, ``OUT/zero0_bf16/`` and ``OUT/zero0_fp16/``
 (their model also holds a buffer, ``scale``; each saves ``global_step1/`` too, a
-run folder for ``trend``). The model's sizes are chosen so that
-the flat partitions cut parameters: ``0.weight`` (35 elements) spans both
-ranks' partitions under ZeRO 1/2, and every parameter is split under ZeRO 3.
+run folder for ``trend``), then two pipeline-parallel runs (``PIPELINES``). The
+model's sizes are chosen so that the flat partitions cut parameters:
+``0.weight`` (35 elements) spans both ranks' partitions under ZeRO 1/2, and
+every parameter is split under ZeRO 3.
 Two param groups (decayed weights, undecayed biases) exercise the group
 layout. The last layer (``4.weight``, ``4.bias``) is frozen
 (``requires_grad=False``): ZeRO 2 and 3 save it as frozen parameters
@@ -139,6 +140,38 @@ def _worker(rank: int, port: int, out: str, runs: tuple = RUNS) -> None:
         }
         if rank == 0 and precision is None:  # the fp32 mirror is no reference for bf16/fp16
             torch.save(reference, os.path.join(out, f"{folder_name}.reference.pt"))
+        engine.destroy()
+    if runs == RUNS:
+        _pipelines(out)
+
+
+# Pipeline parallelism (deepspeed.pipe.PipelineModule): (folder, stages, ZeRO stage).
+PIPELINES = (("pipe2_zero1", 2, 1), ("pipe1_zero0", 1, 0))
+
+
+def _pipelines(out: str) -> None:
+    """``layer_XX-model_states.pt`` beside the rank files: 2 stages under ZeRO 1 (one
+    ``mp_rank_XX`` per stage), and 1 stage without ZeRO (weights in the layer files)."""
+    import deepspeed
+    import torch
+    from deepspeed.pipe import PipelineModule
+
+    for folder_name, stages, stage in PIPELINES:
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)]
+        net = PipelineModule(layers=layers, num_stages=stages, loss_fn=torch.nn.MSELoss(),
+                             partition_method="uniform")
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                  "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+                  "zero_optimization": {"stage": stage}}
+        engine, *_ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()),
+                                          config=config)
+        g = torch.Generator().manual_seed(7)
+        data = iter([(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g))
+                     for _ in range(STEPS)])
+        for _ in range(STEPS):
+            engine.train_batch(data_iter=data)
+        engine.save_checkpoint(os.path.join(out, folder_name))
         engine.destroy()
 
 

@@ -109,7 +109,7 @@ _OPTIM = re.compile(r"(?:(bf16_))?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\
 # Without ZeRO (stage 0) a model-parallel rank's one file holds the module and the optimizer.
 _PLAIN = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 # Pipeline parallelism (deepspeed.pipe.PipelineModule) saves each layer's weights apart.
-_PIPELINE_LAYER = re.compile(r"layer_\d+-model_\d+-model_states\.pt")
+_PIPELINE_LAYER = re.compile(r"layer_\d+(?:-model_\d+)?-model_states\.pt")
 # Megatron-DeepSpeed passes Megatron's client state (``args``, an ``argparse.Namespace``;
 # numpy RNG state) to ``save_checkpoint``, which keeps it in the model state files: read as
 # inert data, as Megatron's own checkpoints are.
@@ -701,15 +701,24 @@ def _rounded_from(params: dict[str, StoredTensor], masters: list[torch.Tensor]) 
 
 
 def _refuse_pipeline(folder: Path) -> None:
+    """Pipeline parallelism (``layer_XX-model_states.pt`` files) is read only where one
+    pipeline stage holds the whole model under ZeRO: its optimizer files then hold every
+    parameter's fp32 master weights and moments. Several stages (their ``mp_rank_XX``
+    files are stages, not tensor-parallel ranks) and a pipeline without ZeRO (whose
+    weights are in the layer files alone) are refused."""
     try:
-        layers = sorted(n for n in os.listdir(folder) if _PIPELINE_LAYER.fullmatch(n))
+        names = os.listdir(folder)
     except OSError:
         return
-    if layers:
+    layers = sorted(n for n in names if _PIPELINE_LAYER.fullmatch(n))
+    ranks = {
+        m.group(m.lastindex) for n in names if (m := _MODEL.fullmatch(n) or _OPTIM.fullmatch(n))
+    }
+    if layers and (_folder_kind(names) == PLAIN or len(ranks) > 1):
         raise InputError(
             f"{folder}: a DeepSpeed pipeline-parallel checkpoint ({visible(layers[0])} and "
             f"{len(layers) - 1} more layer file(s)); gradclip does not read DeepSpeed "
-            "pipeline parallelism"
+            "pipeline parallelism over several stages, nor without ZeRO"
         )
 
 
