@@ -252,3 +252,18 @@ def test_pipeline_parallel_checkpoints_are_refused(deepspeed_runs, run):
         result = run_cli("inspect", path, "--no-progress")
         assert_refused(result, deepspeed_runs / run / TAG, "pipeline-parallel",
                        "layer_00-model_states.pt", "does not read DeepSpeed pipeline")
+
+
+def test_a_folder_with_deepspeeds_marks_says_what_is_missing(deepspeed_runs, tmp_path):
+    """Not the list of every kind a folder could be (DeepSpeed's among them), but what this
+    DeepSpeed folder lacks."""
+    target = tmp_path / "run"
+    shutil.copytree(deepspeed_runs / "zero2", target)
+    (target / TAG / MODEL).unlink()  # the ZeRO optimizer files alone
+    for path in (target / TAG, target):
+        line = assert_refused(run_cli("inspect", path), path)
+        assert "expected" not in line and "gradclip knows" not in line, line
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in assert_refused(
+        run_cli("inspect", target / TAG), target / TAG, "not a checkpoint's set of rank files")
+    assert_refused(run_cli("inspect", target), target / "latest", "'global_step2'",
+                   "holds no DeepSpeed rank files")

@@ -168,6 +168,33 @@ def recognises(path: Path) -> bool:
         return False
 
 
+def near_miss(path: Path) -> str | None:
+    """Why a folder that bears DeepSpeed's marks (``latest``, rank files) and that no layout
+    recognises is not a DeepSpeed checkpoint: one line naming what is missing, instead of
+    the list of every kind a folder could be; None for a folder without such marks."""
+    try:
+        if os.path.isfile(path / LATEST):
+            _follow_latest(path)
+            return None
+        names = os.listdir(path)
+    except InputError as error:
+        return str(error)
+    except OSError:
+        return None
+    marked = sorted(
+        n
+        for n in names
+        if _MODEL.fullmatch(n) or _OPTIM.fullmatch(n) or _PIPELINE_LAYER.fullmatch(n)
+    )
+    if not marked:
+        return None
+    return (
+        f"{path}: holds DeepSpeed's {visible(marked[0])}, but not a checkpoint's set of "
+        "rank files (mp_rank_XX_model_states.pt, or ZeRO's model state files beside "
+        "zero_pp_rank_R_mp_rank_XX_optim_states.pt)"
+    )
+
+
 # --------------------------------------------------------------------- opening
 
 
@@ -224,8 +251,8 @@ def _follow_latest(parent: Path) -> Path:
         raise InputError(f"{latest}: names {excerpt(tag)}, which is not a folder here")
     if not _is_step_folder(folder):
         raise InputError(
-            f"{latest}: names {excerpt(tag)}, which holds no DeepSpeed "
-            "model and optimizer state files"
+            f"{latest}: names {excerpt(tag)}, which holds no DeepSpeed rank files "
+            "(mp_rank_XX_model_states.pt, with ZeRO's optimizer files beside it under ZeRO)"
         )
     return folder
 
