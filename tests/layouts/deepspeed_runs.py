@@ -151,27 +151,47 @@ PIPELINES = (("pipe2_zero1", 2, 1), ("pipe1_zero0", 1, 0))
 
 def _pipelines(out: str) -> None:
     """``layer_XX-model_states.pt`` beside the rank files: 2 stages under ZeRO 1 (one
-    ``mp_rank_XX`` per stage), and 1 stage without ZeRO (weights in the layer files)."""
+    ``mp_rank_XX`` per stage, ``OUT/pipe2_zero1.reference.pt`` beside: the same layers
+    trained with plain AdamW on the same batches), and 1 stage without ZeRO (weights in
+    the layer files alone)."""
+    import copy
+
     import deepspeed
     import torch
+    import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
 
     for folder_name, stages, stage in PIPELINES:
         torch.manual_seed(0)
         layers = [torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)]
+        mirror = torch.nn.Sequential(*copy.deepcopy(layers))
+        plain = torch.optim.AdamW(mirror.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                  weight_decay=WEIGHT_DECAY)
         net = PipelineModule(layers=layers, num_stages=stages, loss_fn=torch.nn.MSELoss(),
                              partition_method="uniform")
         config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-                  "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+                  "optimizer": {"type": "AdamW", "params": {
+                      "lr": LR, "betas": list(BETAS), "eps": EPS,
+                      "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
+                  "gradient_clipping": 0.0,
                   "zero_optimization": {"stage": stage}}
         engine, *_ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()),
                                           config=config)
         g = torch.Generator().manual_seed(7)
-        data = iter([(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g))
-                     for _ in range(STEPS)])
-        for _ in range(STEPS):
+        batches = [(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g))
+                   for _ in range(STEPS)]
+        data = iter(batches)
+        for x, y in batches:
             engine.train_batch(data_iter=data)
+            plain.zero_grad()
+            torch.nn.functional.mse_loss(mirror(x), y).backward()
+            plain.step()
         engine.save_checkpoint(os.path.join(out, folder_name))
+        if dist.get_rank() == 0 and stage > 0:
+            reference = {name: {"weight": p.detach().clone(), **{
+                k: v.clone() for k, v in plain.state[p].items()}}
+                for name, p in mirror.named_parameters()}
+            torch.save(reference, os.path.join(out, f"{folder_name}.reference.pt"))
         engine.destroy()
 
 

@@ -243,17 +243,6 @@ def test_damaged_files_are_a_report_or_one_line(deepspeed_runs, tmp_path, seed):
                          target)
 
 
-@pytest.mark.parametrize("run", ["pipe2_zero1", "pipe1_zero0"])
-def test_pipeline_parallel_checkpoints_are_refused(deepspeed_runs, run):
-    """Two pipeline stages are two mp_rank_XX files that are not tensor-parallel shards;
-    without ZeRO the weights are in the layer files alone: neither is read, and the one
-    line says so (not a message about tensor parallelism, nor a list of expected kinds)."""
-    for path in (deepspeed_runs / run, deepspeed_runs / run / TAG):
-        result = run_cli("inspect", path, "--no-progress")
-        assert_refused(result, deepspeed_runs / run / TAG, "pipeline-parallel",
-                       "layer_00-model_states.pt", "does not read DeepSpeed pipeline")
-
-
 def test_a_folder_with_deepspeeds_marks_says_what_is_missing(deepspeed_runs, tmp_path):
     """Not the list of every kind a folder could be (DeepSpeed's among them), but what this
     DeepSpeed folder lacks."""

@@ -299,13 +299,16 @@ class _Reader:
             )
         parts = [self.part(mp, prefixes[0]) for mp in mp_ranks]
         first = parts[0]
-        _check_model_parallel(parts, self.folder)
+        pipeline = any(_PIPELINE_LAYER.fullmatch(n) for n in names)
+        stages = _check_model_parallel(parts, self.folder, pipeline)
         contents = Contents(
             path=given, kind=KIND, files=list(self.files), trusted_pickle=self.trusted
         )
         split = 0
         if len(parts) == 1:
             weights, optimizer = first.weights, first.optimizer
+        elif stages:
+            weights, optimizer = _pipeline_stages(parts)
         else:
             weights, optimizer, split = _tensor_parallel(parts)
         # param_shapes lists parameters group by group; the module's state dict
@@ -321,7 +324,8 @@ class _Reader:
         contents.optimizers = [optimizer]
         models = _span([p.model.path.name for p in parts])
         held = _span([p.held for p in parts])
-        ranks = f" of {len(parts)} model-parallel ranks" if len(parts) > 1 else ""
+        ranks = f" of {len(parts)} {'pipeline stages' if stages else 'model-parallel ranks'}"
+        ranks = ranks if len(parts) > 1 else ""
         contents.evidence[roles.WEIGHT] = (
             f"a DeepSpeed checkpoint{ranks}: {models}, fp32 master weights in {held}"
         )
@@ -336,16 +340,25 @@ class _Reader:
         contents.description.append(
             f"DeepSpeed ZeRO stage {first.stage} checkpoint{at}: {visible(self.folder.name)}/"
         )
+        ranks_of = "pipeline stages" if stages else "model-parallel ranks"
         mp = (
-            f"{len(parts)} model-parallel ranks ({_span([_mp(r) for r in mp_ranks])}) x "
+            f"{len(parts)} {ranks_of} ({_span([_mp(r) for r in mp_ranks])}) x "
             if len(parts) > 1
             else ""
         )
+        trainable = sum(len(p.trainable) for p in parts) if stages else len(first.trainable)
         contents.description.append(
             f"{mp}{first.world} data-parallel rank(s){version}: fp32 master weights and Adam "
-            f"moments of {len(first.trainable)} parameters"
+            f"moments of {trainable} parameters"
         )
-        if len(parts) > 1:
+        if pipeline and not isinstance(module, Mapping) and first.stage <= 1:
+            # ZeRO 1 records frozen parameters only in the module's state dict, which a
+            # PipelineModule saves in its layer files instead.
+            contents.description.append(
+                "a PipelineModule checkpoint: its layer_XX-model_states.pt files are not read, "
+                "so parameters without optimizer state (frozen), if any, are left out"
+            )
+        if len(parts) > 1 and not stages:
             contents.description.append(
                 f"{split} tensors split across the model-parallel ranks (measured as their "
                 f"shards together), {len(weights) - split} replicated (counted once, from "
@@ -728,24 +741,20 @@ def _rounded_from(params: dict[str, StoredTensor], masters: list[torch.Tensor]) 
 
 
 def _refuse_pipeline(folder: Path) -> None:
-    """Pipeline parallelism (``layer_XX-model_states.pt`` files) is read only where one
-    pipeline stage holds the whole model under ZeRO: its optimizer files then hold every
-    parameter's fp32 master weights and moments. Several stages (their ``mp_rank_XX``
-    files are stages, not tensor-parallel ranks) and a pipeline without ZeRO (whose
-    weights are in the layer files alone) are refused."""
+    """Pipeline parallelism (``layer_XX-model_states.pt`` files) without ZeRO is refused: its
+    weights are in the layer files alone. Under ZeRO the optimizer files hold every
+    parameter's fp32 master weights and moments, each stage's as a rank of its own
+    (``_check_stages``)."""
     try:
         names = os.listdir(folder)
     except OSError:
         return
     layers = sorted(n for n in names if _PIPELINE_LAYER.fullmatch(n))
-    ranks = {
-        m.group(m.lastindex) for n in names if (m := _MODEL.fullmatch(n) or _OPTIM.fullmatch(n))
-    }
-    if layers and (_folder_kind(names) == PLAIN or len(ranks) > 1):
+    if layers and _folder_kind(names) == PLAIN:
         raise InputError(
-            f"{folder}: a DeepSpeed pipeline-parallel checkpoint ({visible(layers[0])} and "
-            f"{len(layers) - 1} more layer file(s)); gradclip does not read DeepSpeed "
-            "pipeline parallelism over several stages, nor without ZeRO"
+            f"{folder}: a DeepSpeed pipeline-parallel checkpoint without ZeRO "
+            f"({visible(layers[0])} and {len(layers) - 1} more layer file(s)); gradclip "
+            "does not read DeepSpeed pipeline parallelism without ZeRO"
         )
 
 
@@ -784,11 +793,25 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_model_parallel(parts: list[_Part], folder: Path) -> None:
+def _check_model_parallel(parts: list[_Part], folder: Path, pipeline: bool) -> bool:
     """The model-parallel ranks are one checkpoint: each says how many there are (DeepSpeed's
     ``mp_world_size`` and ``checkpoint_parallel_dimensions``, Megatron's args), and they agree
-    on the ZeRO layout, the step and every parameter's name and shape."""
+    on the ZeRO layout, the step and every parameter's name and shape.
+
+    Or (True) they are the stages of a pipeline (``pipeline``: layer files beside them,
+    ``pp_degree`` the number of ranks, ``tp_degree`` 1), each holding other parameters."""
     n = len(parts)
+    dims = parts[0].model.root.get("checkpoint_parallel_dimensions")
+    dims = dims if isinstance(dims, Mapping) else {}
+    if pipeline and n > 1:
+        if dims.get("pp_degree") != n or dims.get("tp_degree") != 1:
+            raise InputError(
+                f"{parts[0].model.path}: a pipeline checkpoint whose "
+                f"checkpoint_parallel_dimensions are {visible(repr(dims))[:80]}, for {n} rank "
+                "files; gradclip reads DeepSpeed pipeline stages without tensor parallelism"
+            )
+        _check_stages(parts)
+        return True
     held = f"{folder.name}/ holds {n} model-parallel rank(s)"
     for part in parts:
         root, file = part.model.root, part.model.path
@@ -837,6 +860,65 @@ def _check_model_parallel(parts: list[_Part], folder: Path) -> None:
                 f"{file}: its parameters differ from {first.model.path.name}'s"
                 f"{which}: the ranks are not one model"
             )
+    return False
+
+
+def _check_stages(parts: list[_Part]) -> None:
+    """Pipeline stages are one checkpoint: the same counts, ZeRO layout and step on every
+    stage, and each parameter on one stage only (a layer tied across stages, whose copies
+    the stages keep alike, is refused rather than counted twice or guessed once)."""
+    first = parts[0]
+    seen: dict[str, Path] = {}
+    for part in parts:
+        file = part.model.path
+        dims = part.model.root.get("checkpoint_parallel_dimensions")
+        if dims != first.model.root.get("checkpoint_parallel_dimensions") or (
+            part.model.root.get("mp_world_size") != len(parts)
+        ):
+            raise InputError(
+                f"{file}: its mp_world_size or checkpoint_parallel_dimensions differ from "
+                f"the {len(parts)} stages' files: the stages are not one checkpoint"
+            )
+        if (part.stage, part.world) != (first.stage, first.world):
+            raise InputError(
+                f"{file}: ZeRO stage {part.stage} over {part.world} data-parallel ranks, "
+                f"{first.model.path.name} stage {first.stage} over {first.world}: the "
+                "stages are not one checkpoint"
+            )
+        for key in ("global_steps", "ds_version"):
+            if part.model.root.get(key) != first.model.root.get(key):
+                raise InputError(
+                    f"{file}: its {key} differs from {first.model.path.name}'s: the stages "
+                    "are not one checkpoint"
+                )
+        for name in part.weights:
+            if name in seen:
+                raise InputError(
+                    f"{file}: holds {visible(name)}, which {seen[name].name} holds too (a "
+                    "layer tied across pipeline stages); gradclip does not read tied stages"
+                )
+            seen[name] = file
+
+
+def _pipeline_stages(parts: list[_Part]) -> tuple[dict[str, StoredTensor], OptimizerState]:
+    """The stages' parameters side by side, in stage order, and their optimizer states as
+    one: each stage's param groups kept (their hyperparameters), its ids renumbered."""
+    weights: dict[str, StoredTensor] = {}
+    groups: list[dict[str, Any]] = []
+    state: dict[int, dict[str, Any]] = {}
+    names: dict[int, str] = {}
+    for part in parts:
+        weights.update(part.weights)
+        own = part.optimizer
+        for group in own.param_groups:
+            ids = []
+            for pid in group["params"]:
+                new = len(names)
+                names[new] = (own.param_names or {})[pid]
+                state[new] = own.state[pid]
+                ids.append(new)
+            groups.append({**group, "params": ids})
+    return weights, OptimizerState(groups, state, names, parts[0].optimizer.file)
 
 
 # The hyperparameters the moments are read with: the same on every model-parallel rank.
