@@ -391,24 +391,55 @@ def _state_shape(entry: dict | None) -> tuple[int, ...] | None:
 
 
 def _unique_where_stateful(model: list, groups: list[list]):
-    """A placement of the groups' items on the model (``interleave``'s form) whose items
-    with state (a shape) no other placement puts elsewhere, with the items without state
-    (None: a parameter the optimizer holds but never stepped, a frozen one) left unplaced,
-    since the placements differ there; ``"ambiguous"`` when the items with state can be
-    placed in more than one way.
+    """A placement of the groups' items on the model (``interleave``'s form) in which every
+    item with state (a shape) has the one place that any placement gives it, the items
+    without state (None: a parameter the optimizer holds but never stepped, a frozen one)
+    left unplaced, since placements differ there; ``"ambiguous"`` when an item with state
+    can sit in two places; None when there is no placement.
 
-    Each item with state is tested in turn: forbidden its place in one placement, can the
-    groups still be placed? (``interleave``'s dynamic programming once per such item.)
+    One pass forward (the group positions reachable after each model parameter) and one
+    backward (those from which every group can still be finished): an item can sit at a
+    model parameter when a step between the two passes places it there.
     """
-    placed = interleave(model, groups, first=True)
-    if placed is None:
+    n = len(model)
+    spare = n - sum(len(g) for g in groups)
+    end = tuple(len(g) for g in groups)
+    if spare < 0:
         return None
-    for i, spot in enumerate(placed):
-        if spot is not None and groups[spot[0]][spot[1]] is not None:
-            if interleave(model, groups, forbid=(i, *spot)) is not None:
-                return "ambiguous"
-    return [spot if spot is not None and groups[spot[0]][spot[1]] is not None else None
-            for spot in placed]
+
+    def moves(i: int, pos: tuple):
+        """(next positions, the item placed or None) from ``pos`` at model parameter i."""
+        if i - sum(pos) < spare:
+            yield pos, None
+        for g, group in enumerate(groups):
+            j = pos[g]
+            if j < len(group) and _fits(model[i], group[j]):
+                yield pos[:g] + (j + 1,) + pos[g + 1:], (g, j)
+
+    forward = [{(0,) * len(groups)}]
+    for i in range(n):
+        forward.append({nxt for pos in forward[i] for nxt, _ in moves(i, pos)})
+    if end not in forward[n]:
+        return None
+    backward: list[set] = [set() for _ in range(n + 1)]
+    backward[n] = {end}
+    for i in range(n - 1, -1, -1):
+        backward[i] = {pos for pos in forward[i]
+                       if any(nxt in backward[i + 1] for nxt, _ in moves(i, pos))}
+    places: dict[tuple[int, int], set[int]] = {}
+    for i in range(n):
+        for pos in forward[i] & backward[i]:
+            for nxt, item in moves(i, pos):
+                if item is not None and nxt in backward[i + 1]:
+                    places.setdefault(item, set()).add(i)
+    placed: list = [None] * n
+    for (g, j), at in places.items():
+        if groups[g][j] is None:
+            continue
+        if len(at) > 1:
+            return "ambiguous"
+        placed[next(iter(at))] = (g, j)
+    return placed
 
 
 def interleave(model: list, groups: list[list], *, first: bool = False,

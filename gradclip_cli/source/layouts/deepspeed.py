@@ -720,22 +720,24 @@ def _plain_optimizer(
 
 
 def _rounded_from(params: dict[str, StoredTensor], masters: list[torch.Tensor]) -> set[str]:
-    """The parameters that some fp32 master, rounded to the parameter's dtype, equals."""
-    head = 64  # elements compared first, to find the candidates cheaply
+    """The parameters that some fp32 master, rounded to the parameter's dtype, equals.
+    Candidates are found by shape and the first elements, then compared whole, one
+    rounded master at a time."""
+    head = 64
 
-    def key(t: torch.Tensor) -> tuple:
-        return (tuple(t.shape), t.dtype, tuple(t.flatten()[:head].tolist()))
+    def key(t: torch.Tensor, dtype: torch.dtype) -> tuple:
+        return (tuple(t.shape), dtype, tuple(t.flatten()[:head].to(dtype).tolist()))
 
-    by_key: dict[tuple, list[torch.Tensor]] = {}
     dtypes = {p.dtype for p in params.values()}
+    by_key: dict[tuple, list[torch.Tensor]] = {}
     for master in masters:
         for dtype in dtypes:
-            rounded = master.to(dtype)
-            by_key.setdefault(key(rounded), []).append(rounded)
+            by_key.setdefault(key(master, dtype), []).append(master)
     found = set()
     for name, stored in params.items():
         value = stored.read()
-        if any(torch.equal(value, m) for m in by_key.get(key(value), ())):
+        candidates = by_key.get(key(value, value.dtype), ())
+        if any(torch.equal(value, m.to(value.dtype)) for m in candidates):
             found.add(name)
     return found
 
