@@ -13,8 +13,8 @@ import torch
 
 from tests.distributed.launch import same_under_torchrun
 from tests.hardening.support import assert_refused, run_cli
-from tests.layouts.test_deepspeed import RTOL, _expected, _inspect
-from tests.layouts.test_deepspeed_zero0 import TAG, WHATS, _rewrite
+from tests.layouts.test_deepspeed import RTOL, _expected, _inspect, _rewrite
+from tests.layouts.test_deepspeed_zero0 import TAG, WHATS
 
 
 @pytest.mark.parametrize("what", WHATS)

@@ -21,7 +21,7 @@ import torch
 from tests.distributed.launch import same_under_torchrun
 from tests.hardening.support import assert_clean_inspect, assert_refused, run_cli
 from tests.layouts.deepspeed_runs import BETAS, EPS, LR, STEPS
-from tests.layouts.test_deepspeed import FROZEN, RTOL, _expected, _inspect
+from tests.layouts.test_deepspeed import FROZEN, RTOL, _expected, _inspect, _rewrite
 
 TAG = "global_step2"
 MODEL = "mp_rank_00_model_states.pt"
@@ -166,13 +166,6 @@ def copy(deepspeed_runs, tmp_path) -> Path:
     target = tmp_path / "run"
     shutil.copytree(deepspeed_runs / "zero0_bf16", target)
     return target
-
-
-def _rewrite(file: Path, edit) -> None:
-    pytest.importorskip("deepspeed")
-    root = torch.load(file, weights_only=False)
-    edit(root)
-    torch.save(root, file)
 
 
 def test_no_buffer_names(copy):
