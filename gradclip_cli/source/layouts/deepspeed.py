@@ -127,16 +127,12 @@ ZERO, PLAIN = "zero", "plain"
 def _folder_kind(names) -> str | None:
     """``ZERO`` (model state and ZeRO optimizer rank files), ``PLAIN`` (without ZeRO:
     ``mp_rank_XX_model_states.pt`` and no ZeRO rank file at all), else None."""
-    model = optim = plain = False
-    for name in names:
-        plain = plain or _PLAIN.fullmatch(name) is not None
-        if _MODEL.fullmatch(name) and not _PLAIN.fullmatch(name):
-            return ZERO if any(_OPTIM.fullmatch(n) for n in names) else None  # ZeRO 3's
-        model = model or _MODEL.fullmatch(name) is not None
-        optim = optim or _OPTIM.fullmatch(name) is not None
-    if optim:
-        return ZERO if model else None
-    return PLAIN if plain else None
+    names = list(names)
+    plain = any(_PLAIN.fullmatch(n) for n in names)
+    zero_model = any(_MODEL.fullmatch(n) and not _PLAIN.fullmatch(n) for n in names)  # ZeRO 3
+    if any(_OPTIM.fullmatch(n) for n in names):
+        return ZERO if plain or zero_model else None
+    return PLAIN if plain and not zero_model else None
 
 
 def _kind_of(path: Path) -> str | None:
@@ -805,8 +801,11 @@ def _check_model_parallel(parts: list[_Part], folder: Path, pipeline: bool) -> b
     n = len(parts)
     dims = parts[0].model.root.get("checkpoint_parallel_dimensions")
     dims = dims if isinstance(dims, Mapping) else {}
-    if pipeline and n > 1:
-        if dims.get("pp_degree") != n or dims.get("tp_degree") != 1:
+    pp = dims.get("pp_degree")
+    # One stage (pp_degree 1) of a PipelineModule, as Megatron-DeepSpeed's GPTModelPipe runs
+    # without pipeline parallelism, is read as any model-parallel set.
+    if pipeline and n > 1 and _count(pp) and pp > 1:
+        if pp != n or dims.get("tp_degree") != 1:
             raise InputError(
                 f"{parts[0].model.path}: a pipeline checkpoint whose "
                 f"checkpoint_parallel_dimensions are {visible(repr(dims))[:80]}, for {n} rank "
