@@ -360,7 +360,11 @@ def map_names(contents: Contents, opt: OptimizerState) -> dict[int, str]:
               else None for n in order}
     groups = [[(pid, _state_shape(opt.state.get(pid))) for pid in g["params"]]
               for g in opt.param_groups]
-    placed = interleave([shapes[n] for n in order], [[s for _, s in g] for g in groups])
+    model_shapes = [shapes[n] for n in order]
+    group_shapes = [[s for _, s in g] for g in groups]
+    placed = interleave(model_shapes, group_shapes)
+    if placed == "ambiguous":
+        placed = _unique_where_stateful(model_shapes, group_shapes)
     if placed is None:
         sizes = ", ".join(str(len(g)) for g in groups)
         raise InputError(
@@ -414,14 +418,68 @@ def _state_shape(entry: dict | None) -> tuple[int, ...] | None:
     return None
 
 
-def interleave(model: list, groups: list[list]):
+def _unique_where_stateful(model: list, groups: list[list]):
+    """A placement of the groups' items on the model (``interleave``'s form) in which every
+    item with state (a shape) has the one place that any placement gives it, the items
+    without state (None: a parameter the optimizer holds but never stepped, a frozen one)
+    left unplaced, since placements differ there; ``"ambiguous"`` when an item with state
+    can sit in two places; None when there is no placement.
+
+    One pass forward (the group positions reachable after each model parameter) and one
+    backward (those from which every group can still be finished): an item can sit at a
+    model parameter when a step between the two passes places it there.
+    """
+    n = len(model)
+    spare = n - sum(len(g) for g in groups)
+    end = tuple(len(g) for g in groups)
+    if spare < 0:
+        return None
+
+    def moves(i: int, pos: tuple):
+        """(next positions, the item placed or None) from ``pos`` at model parameter i."""
+        if i - sum(pos) < spare:
+            yield pos, None
+        for g, group in enumerate(groups):
+            j = pos[g]
+            if j < len(group) and _fits(model[i], group[j]):
+                yield pos[:g] + (j + 1,) + pos[g + 1:], (g, j)
+
+    forward = [{(0,) * len(groups)}]
+    for i in range(n):
+        forward.append({nxt for pos in forward[i] for nxt, _ in moves(i, pos)})
+    if end not in forward[n]:
+        return None
+    backward: list[set] = [set() for _ in range(n + 1)]
+    backward[n] = {end}
+    for i in range(n - 1, -1, -1):
+        backward[i] = {pos for pos in forward[i]
+                       if any(nxt in backward[i + 1] for nxt, _ in moves(i, pos))}
+    places: dict[tuple[int, int], set[int]] = {}
+    for i in range(n):
+        for pos in forward[i] & backward[i]:
+            for nxt, item in moves(i, pos):
+                if item is not None and nxt in backward[i + 1]:
+                    places.setdefault(item, set()).add(i)
+    placed: list = [None] * n
+    for (g, j), at in places.items():
+        if groups[g][j] is None:
+            continue
+        if len(at) > 1:
+            return "ambiguous"
+        placed[next(iter(at))] = (g, j)
+    return placed
+
+
+def interleave(model: list, groups: list[list], *, first: bool = False,
+               forbid: tuple[int, int, int] | None = None):
     """Place each group's items, in order, onto the model's sequence by matching shape.
 
     Returns, per model position, ``(group, index)`` or None (a model
     parameter no group holds: frozen); None when no placement exists;
-    ``"ambiguous"`` when several do. A shape of None (no state stored) fits
-    anything. Dynamic programming over the groups' positions, counting
-    placements up to two.
+    ``"ambiguous"`` when several do (with ``first``, the first placement found
+    instead). A shape of None (no state stored) fits anything; ``forbid``,
+    ``(position, group, index)``, rules that one choice out. Dynamic
+    programming over the groups' positions, counting placements up to two.
     """
     total = sum(len(g) for g in groups)
     spare = len(model) - total  # model parameters no group holds
@@ -439,7 +497,7 @@ def interleave(model: list, groups: list[list]):
                 _arrive(nxt, pos, count, (pos, None))
             for g, group in enumerate(groups):
                 j = pos[g]
-                if j < len(group) and _fits(shape, group[j]):
+                if j < len(group) and _fits(shape, group[j]) and forbid != (i, g, j):
                     _arrive(nxt, pos[:g] + (j + 1,) + pos[g + 1:], count, (pos, (g, j)))
         layer = nxt
         history.append(layer)
@@ -448,7 +506,7 @@ def interleave(model: list, groups: list[list]):
     end = tuple(len(g) for g in groups)
     if end not in layer:
         return None
-    if layer[end][0] > 1:
+    if layer[end][0] > 1 and not first:
         return "ambiguous"
     placed: list = []
     state = end

@@ -36,6 +36,19 @@ def test_frozen_parameters_are_skipped_only_when_there_are_spare_ones():
     assert interleave([A, A, B], [[A, B]]) == "ambiguous"  # which A is frozen?
 
 
+def test_ambiguity_among_stateless_parameters_alone_is_not_ambiguous():
+    """torch.optim keeps a frozen parameter in its group without state (shape None): where
+    only such parameters could swap places, the ones with state are placed once."""
+    from gradclip_cli.source.what import _unique_where_stateful
+
+    model = [C, B, A, (3,), (2, 2), (2,)]  # the last two frozen, in both groups, no state
+    groups = [[C, A, None], [B, (3,), None]]
+    assert interleave(model, groups) == "ambiguous"
+    assert _unique_where_stateful(model, groups) == [(0, 0), (1, 0), (0, 1), (1, 1), None, None]
+    # Where a parameter with state could sit in two places, it stays ambiguous.
+    assert _unique_where_stateful([A, A, None], [[A, None], [A]]) == "ambiguous"
+
+
 def test_unknown_shapes_fit_anything():
     assert interleave([A, None], [[A], [B]]) == [(0, 0), (1, 0)]
 
@@ -85,3 +98,41 @@ def test_clip_takes_grads_only(gradclip, tmp_path, what):
     result = gradclip("clip", tmp_path / "g.pt", "--max-norm", "1", "--what", what)
     assert result.code == 2
     assert f"clip changes gradients only: --what grads, got '{what}'" in result.err
+
+
+def test_unique_where_stateful_agrees_with_every_placement_enumerated():
+    """Against brute force: all placements of small random cases, projected onto the items
+    with state."""
+    import itertools
+    import random
+
+    from gradclip_cli.source.what import _fits, _unique_where_stateful
+
+    def placements(model, groups):
+        items = [(g, j) for g, group in enumerate(groups) for j in range(len(group))]
+        for spots in itertools.permutations(range(len(model)), len(items)):
+            at = dict(zip(items, spots))
+            if all(at[(g, j)] < at[(g, j + 1)] for g, group in enumerate(groups)
+                   for j in range(len(group) - 1)) and all(
+                    _fits(model[at[item]], groups[item[0]][item[1]]) for item in items):
+                yield at
+
+    rng = random.Random(0)
+    shapes = [(2,), (3,), (2, 2)]
+    for _ in range(300):
+        model = [rng.choice(shapes) for _ in range(rng.randint(1, 5))]
+        groups = [[rng.choice(shapes + [None]) for _ in range(rng.randint(0, 2))]
+                  for _ in range(rng.randint(1, 2))]
+        stateful = {(g, j) for g, group in enumerate(groups)
+                    for j, s in enumerate(group) if s is not None}
+        found = {tuple(sorted((item, at[item]) for item in stateful))
+                 for at in placements(model, groups)}
+        got = _unique_where_stateful(model, groups)
+        if not found:
+            assert got is None, (model, groups)
+        elif len(found) > 1:
+            assert got == "ambiguous", (model, groups)
+        else:
+            (only,) = found
+            assert got == [next(((item) for item, i in only if i == k), None)
+                           for k in range(len(model))], (model, groups)

@@ -78,6 +78,9 @@ def open_checkpoint(
         if len(indexes) > 1:
             raise InputError(f"{path}: holds several indexes ({visible(', '.join(indexes))}); "
                              "give the one to read")
+        hint = deepspeed.near_miss(path)
+        if hint is not None:
+            raise InputError(hint)
         raise InputError(
             f"{path}: is a directory, but not a checkpoint gradclip knows (expected a sharded "
             "checkpoint's index, a Hugging Face Trainer checkpoint-N/ folder, a DeepSpeed "

@@ -93,10 +93,12 @@ from gradclip_cli.source.interface import (
     Piece,
     StoredTensor,
 )
+from gradclip_cli.source.what import map_names
 
 from . import hf_trainer
 from .paths import inside
 from .tensor_parallel import hidden_size, merged, split_axis
+from .torch_optim import is_optimizer_state, optimizer_state
 
 KIND = "deepspeed"
 LATEST = "latest"
@@ -104,6 +106,10 @@ _MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 # bf16 mixed precision (DeepSpeed's BF16_Optimizer) names its rank files bf16_zero_pp_rank_*,
 # with the same content.
 _OPTIM = re.compile(r"(?:(bf16_))?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+# Without ZeRO (stage 0) a model-parallel rank's one file holds the module and the optimizer.
+_PLAIN = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+# Pipeline parallelism (deepspeed.pipe.PipelineModule) saves each layer's weights apart.
+_PIPELINE_LAYER = re.compile(r"layer_\d+(?:-model_\d+)?-model_states\.pt")
 # Megatron-DeepSpeed passes Megatron's client state (``args``, an ``argparse.Namespace``;
 # numpy RNG state) to ``save_checkpoint``, which keeps it in the model state files: read as
 # inert data, as Megatron's own checkpoints are.
@@ -115,23 +121,36 @@ _MAX_RANKS = 1 << 16
 # --------------------------------------------------------------------- recognition
 
 
-def _rank_files(names) -> tuple[bool, bool]:
-    model = optim = False
-    for name in names:
-        model = model or _MODEL.fullmatch(name) is not None
-        optim = optim or _OPTIM.fullmatch(name) is not None
-    return model, optim
+ZERO, PLAIN = "zero", "plain"
+
+
+def _folder_kind(names) -> str | None:
+    """``ZERO`` (model state and ZeRO optimizer rank files), ``PLAIN`` (without ZeRO:
+    ``mp_rank_XX_model_states.pt`` and no ZeRO rank file at all), else None."""
+    names = list(names)
+    plain = any(_PLAIN.fullmatch(n) for n in names)
+    zero_model = any(_MODEL.fullmatch(n) and not _PLAIN.fullmatch(n) for n in names)  # ZeRO 3
+    if any(_OPTIM.fullmatch(n) for n in names):
+        return ZERO if plain or zero_model else None
+    return PLAIN if plain and not zero_model else None
+
+
+def _kind_of(path: Path) -> str | None:
+    try:
+        return _folder_kind(os.listdir(path))
+    except OSError:
+        return None
 
 
 def _is_step_folder(path: Path) -> bool:
-    try:
-        return all(_rank_files(os.listdir(path)))
-    except OSError:
-        return False
+    return _kind_of(path) is not None
 
 
 def recognises(path: Path) -> bool:
-    """A folder of rank files, or one holding ``latest`` beside such a folder."""
+    """A folder of rank files, or one holding ``latest`` beside such a folder; or, without
+    ZeRO, the one model state file of such a folder."""
+    if _PLAIN.fullmatch(path.name) and os.path.isfile(path):
+        return _kind_of(path.parent) == PLAIN
     if not os.path.isdir(path):
         return False
     if _is_step_folder(path):
@@ -145,17 +164,50 @@ def recognises(path: Path) -> bool:
         return False
 
 
+def near_miss(path: Path) -> str | None:
+    """Why a folder that bears DeepSpeed's marks (``latest``, rank files) and that no layout
+    recognises is not a DeepSpeed checkpoint: one line naming what is missing, instead of
+    the list of every kind a folder could be; None for a folder without such marks."""
+    try:
+        if os.path.isfile(path / LATEST):
+            _follow_latest(path)
+            return None
+        names = os.listdir(path)
+    except InputError as error:
+        return str(error)
+    except OSError:
+        return None
+    marked = sorted(
+        n
+        for n in names
+        if _MODEL.fullmatch(n) or _OPTIM.fullmatch(n) or _PIPELINE_LAYER.fullmatch(n)
+    )
+    if not marked:
+        return None
+    return (
+        f"{path}: holds DeepSpeed's {visible(marked[0])}, but not a checkpoint's set of "
+        "rank files (mp_rank_XX_model_states.pt, or ZeRO's model state files beside "
+        "zero_pp_rank_R_mp_rank_XX_optim_states.pt)"
+    )
+
+
 # --------------------------------------------------------------------- opening
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     tag_note = ""
     folder = path
-    if not _is_step_folder(path):
+    if os.path.isfile(path):
+        folder = path.parent
+    elif not _is_step_folder(path):
         folder = _follow_latest(path)
         tag_note = f" (named by {LATEST})"
     reader = _Reader(folder, trust_pickle=trust_pickle, verify=verify)
-    contents = reader.contents(path)
+    _refuse_pipeline(folder)
+    if _kind_of(folder) == PLAIN:
+        contents = reader.plain(path)
+    else:
+        contents = reader.contents(path)
     contents.description[0] += tag_note
     if folder != path:
         _trainer_step(contents, path)
@@ -195,8 +247,8 @@ def _follow_latest(parent: Path) -> Path:
         raise InputError(f"{latest}: names {excerpt(tag)}, which is not a folder here")
     if not _is_step_folder(folder):
         raise InputError(
-            f"{latest}: names {excerpt(tag)}, which holds no DeepSpeed "
-            "model and optimizer state files"
+            f"{latest}: names {excerpt(tag)}, which holds no DeepSpeed rank files "
+            "(mp_rank_XX_model_states.pt, with ZeRO's optimizer files beside it under ZeRO)"
         )
     return folder
 
@@ -243,13 +295,16 @@ class _Reader:
             )
         parts = [self.part(mp, prefixes[0]) for mp in mp_ranks]
         first = parts[0]
-        _check_model_parallel(parts, self.folder)
+        pipeline = any(_PIPELINE_LAYER.fullmatch(n) for n in names)
+        stages = _check_model_parallel(parts, self.folder, pipeline)
         contents = Contents(
             path=given, kind=KIND, files=list(self.files), trusted_pickle=self.trusted
         )
         split = 0
         if len(parts) == 1:
             weights, optimizer = first.weights, first.optimizer
+        elif stages:
+            weights, optimizer = _pipeline_stages(parts)
         else:
             weights, optimizer, split = _tensor_parallel(parts)
         # param_shapes lists parameters group by group; the module's state dict
@@ -265,7 +320,8 @@ class _Reader:
         contents.optimizers = [optimizer]
         models = _span([p.model.path.name for p in parts])
         held = _span([p.held for p in parts])
-        ranks = f" of {len(parts)} model-parallel ranks" if len(parts) > 1 else ""
+        ranks = f" of {len(parts)} {'pipeline stages' if stages else 'model-parallel ranks'}"
+        ranks = ranks if len(parts) > 1 else ""
         contents.evidence[roles.WEIGHT] = (
             f"a DeepSpeed checkpoint{ranks}: {models}, fp32 master weights in {held}"
         )
@@ -280,16 +336,25 @@ class _Reader:
         contents.description.append(
             f"DeepSpeed ZeRO stage {first.stage} checkpoint{at}: {visible(self.folder.name)}/"
         )
+        ranks_of = "pipeline stages" if stages else "model-parallel ranks"
         mp = (
-            f"{len(parts)} model-parallel ranks ({_span([_mp(r) for r in mp_ranks])}) x "
+            f"{len(parts)} {ranks_of} ({_span([_mp(r) for r in mp_ranks])}) x "
             if len(parts) > 1
             else ""
         )
+        trainable = sum(len(p.trainable) for p in parts) if stages else len(first.trainable)
         contents.description.append(
             f"{mp}{first.world} data-parallel rank(s){version}: fp32 master weights and Adam "
-            f"moments of {len(first.trainable)} parameters"
+            f"moments of {trainable} parameters"
         )
-        if len(parts) > 1:
+        if pipeline and not isinstance(module, Mapping) and first.stage <= 1:
+            # ZeRO 1 records frozen parameters only in the module's state dict, which a
+            # PipelineModule saves in its layer files instead.
+            contents.description.append(
+                "a PipelineModule checkpoint: its layer_XX-model_states.pt files are not read, "
+                "so parameters without optimizer state (frozen), if any, are left out"
+            )
+        if len(parts) > 1 and not stages:
             contents.description.append(
                 f"{split} tensors split across the model-parallel ranks (measured as their "
                 f"shards together), {len(weights) - split} replicated (counted once, from "
@@ -433,6 +498,263 @@ class _Reader:
             out[name] = _stored(name, shape, place, fragments, files)
         return out
 
+    def plain(self, given: Path) -> Contents:
+        """Without ZeRO (stage 0): ``mp_rank_00_model_states.pt`` alone, its ``module`` the
+        model's state dict (parameters and the buffers ``buffer_names`` lists) and its
+        ``optimizer`` torch's optimizer state dict, or, under fp16/bf16 mixed precision,
+        DeepSpeed's ``FP16_UnfusedOptimizer`` state: that state dict as
+        ``optimizer_state_dict`` and the fp32 master weights as ``fp32_groups``, one list
+        per param group in the group's order. The optimizer stores no names: they come from
+        the module's parameter order (``what.map_names``, the contract's one interleaving
+        that fits every shape), as for any optimizer saved beside its model."""
+        ranks = sorted(
+            int(m.group(1)) for n in os.listdir(self.folder) if (m := _PLAIN.fullmatch(n))
+        )
+        if ranks != [0]:
+            raise InputError(
+                f"{self.folder}: holds {', '.join(_mp(r) for r in ranks)} model state files "
+                "without ZeRO; gradclip reads a DeepSpeed checkpoint without ZeRO of one "
+                f"model-parallel rank ({_mp(0)}) only"
+            )
+        model = self.load(f"{_mp(0)}_model_states.pt")
+        root, file = model.root, model.path
+        _check_saved_without_zero(model)
+        params, buffers = _module(model)
+        contents = Contents(
+            path=given, kind=KIND, files=list(self.files), trusted_pickle=self.trusted
+        )
+        contents.weights = dict(params)
+        contents.model_order_names = list(params)
+        contents.buffers = buffers or None
+        held = f"{file.name}'s 'optimizer'"
+        optimizer, masters = _plain_optimizer(model, params)
+        precision = ""
+        if optimizer is not None:
+            contents.optimizers = [optimizer]
+            contents.evidence[roles.OPTIMIZER_STATE] = (
+                f"a DeepSpeed checkpoint without ZeRO: {held}"
+            )
+        weights = f"a DeepSpeed checkpoint without ZeRO: {file.name}'s module"
+        if masters:
+            contents.weights.update(masters)
+            low = sorted({str(params[n].dtype).removeprefix("torch.") for n in masters})
+            precision = f"{'/'.join(low)} module, "
+            weights += f", fp32 master weights of {len(masters)} in {held} (fp32_groups)"
+        contents.evidence[roles.WEIGHT] = weights
+        step = root.get("global_steps")
+        if _count(step) and step >= 0:
+            contents.step = step
+        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
+        version = root.get("ds_version")
+        version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
+        at = f" at global step {contents.step}" if contents.step is not None else ""
+        contents.description.append(
+            f"DeepSpeed checkpoint without ZeRO (stage 0){at}: {visible(self.folder.name)}/"
+        )
+        dp = root.get("dp_world_size")
+        ranks_note = f"{dp} data-parallel rank(s)" if _count(dp) else "one file"
+        if optimizer is None:
+            contents.description.append(
+                f"{ranks_note}{version}: the module's weights; no optimizer state was saved"
+            )
+            return contents
+        with_state = [
+            p for g in optimizer.param_groups for p in g["params"] if optimizer.state.get(p)
+        ]
+        master_note = "fp32 master weights and " if masters else ""
+        contents.description.append(
+            f"{ranks_note}{version}: {precision}{master_note}Adam moments of "
+            f"{len(with_state)} parameters"
+        )
+        frozen = len(params) - len(with_state)
+        if frozen > 0:
+            contents.description.append(
+                f"{frozen} parameter(s) without optimizer state (frozen): weights only "
+                "(measured by --what weights)"
+            )
+        steps = {_plain_number(optimizer.state[p].get("step")) for p in with_state}
+        if masters and contents.step is not None and steps == {contents.step + 1}:
+            # FP16_UnfusedOptimizer.initialize_optimizer_states steps once with zero gradients.
+            contents.description.append(
+                f"Adam's step is {contents.step + 1}: DeepSpeed's fp16/bf16 optimizer took one "
+                "step with zero gradients to create its state, and bias-corrects with that count"
+            )
+        return contents
+
+
+def _plain_number(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _check_saved_without_zero(model: Checkpoint) -> None:
+    """A ZeRO checkpoint whose optimizer files are gone is not one saved without ZeRO."""
+    config = model.root.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
+    stage = zero.get("stage") if isinstance(zero, Mapping) else 0
+    if model.root.get("param_shapes") is not None or stage not in (0, None, False):
+        raise InputError(
+            f"{model.path}: saved by ZeRO (stage {visible(repr(stage))[:20]}, or param_shapes "
+            "recorded), but the folder holds no zero_pp_rank_*_optim_states.pt: the "
+            "optimizer's files are missing"
+        )
+    dims = model.root.get("checkpoint_parallel_dimensions")
+    dims = dims if isinstance(dims, Mapping) else {}
+    for key, size in (
+        ("mp_world_size", model.root.get("mp_world_size")),
+        ("pp_degree", dims.get("pp_degree")),
+        ("tp_degree", dims.get("tp_degree")),
+    ):
+        if size is not None and size != 1:
+            raise InputError(
+                f"{model.path}: {key} is {visible(repr(size))[:40]}, but the folder holds "
+                f"{_mp(0)} alone; gradclip reads a DeepSpeed checkpoint without ZeRO of one "
+                "model-parallel rank only"
+            )
+
+
+def _module(model: Checkpoint) -> tuple[dict[str, StoredTensor], dict[str, StoredTensor]]:
+    """The ``module`` state dict as ``(parameters, buffers)``, each in the model's order:
+    buffers are what ``buffer_names`` lists (and any integer tensor)."""
+    module = model.root.get("module")
+    names = model.root.get("buffer_names")
+    if not isinstance(module, Mapping) or not module:
+        raise InputError(f"{model.path}: not a DeepSpeed model state: no 'module' state dict")
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise InputError(
+            f"{model.path}: no buffer_names: which of the module's entries are buffers, "
+            "not parameters, cannot be told"
+        )
+    listed = set(names)
+    params, buffers = {}, {}
+    for name, value in module.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise InputError(
+                f"{model.path}: 'module' holds {visible(repr(name))[:60]}, which is not a "
+                "named tensor"
+            )
+        tensor = StoredTensor.whole(name, value, model.path)
+        if name in listed or not value.dtype.is_floating_point:
+            buffers[name] = tensor
+        else:
+            params[name] = tensor
+    return params, buffers
+
+
+def _plain_optimizer(
+    model: Checkpoint, params: dict[str, StoredTensor]
+) -> tuple[OptimizerState | None, dict[str, StoredTensor]]:
+    """The ``optimizer`` entry of a checkpoint without ZeRO, and the fp32 master weights by
+    name where mixed precision keeps them."""
+    value, file = model.root.get("optimizer"), model.path
+    if value is None:
+        return None, {}
+    if is_optimizer_state(value):
+        return optimizer_state(value, file, "'optimizer'"), {}
+    if not isinstance(value, Mapping) or not is_optimizer_state(value.get("optimizer_state_dict")):
+        raise InputError(
+            f"{file}: 'optimizer' is neither torch's optimizer state dict nor DeepSpeed's "
+            "fp16/bf16 optimizer state around one (optimizer_state_dict)"
+        )
+    if "fp32_groups_flat" in value:
+        # FP16_Optimizer (DeepSpeed's fused fp16 optimizer) steps flat buffers, one per group,
+        # whose cut into parameters no file records.
+        raise InputError(
+            f"{file}: 'optimizer' is DeepSpeed's fused FP16_Optimizer state (fp32_groups_flat, "
+            "one flat buffer per param group); gradclip does not read it"
+        )
+    where = "'optimizer'.optimizer_state_dict"
+    optimizer = optimizer_state(value["optimizer_state_dict"], file, where)
+    groups = value.get("fp32_groups")
+    if not isinstance(groups, (list, tuple)) or len(groups) != len(optimizer.param_groups):
+        raise InputError(
+            f"{file}: 'optimizer'.fp32_groups should list the fp32 master weights of each of "
+            f"the {len(optimizer.param_groups)} param groups"
+        )
+    for g, (group, held) in enumerate(zip(optimizer.param_groups, groups)):
+        if (
+            not isinstance(held, (list, tuple))
+            or len(held) != len(group["params"])
+            or not all(isinstance(m, torch.Tensor) and m.dtype == torch.float32 for m in held)
+        ):
+            raise InputError(
+                f"{file}: 'optimizer'.fp32_groups[{g}] does not hold one fp32 master weight "
+                f"per parameter of param group {g} ({len(group['params'])})"
+            )
+    # The groups hold the trained parameters only (FP16_UnfusedOptimizer leaves out the
+    # frozen ones), and after every step DeepSpeed copies each master into its 16-bit
+    # parameter: a parameter that no master rounds to is frozen. That evidence, beside the
+    # shapes, tells apart a frozen parameter from a trained one of the same shape.
+    trained = _rounded_from(params, [m for held in groups for m in held])
+    probe = {n: t for n, t in params.items() if n in trained}
+    count = sum(len(held) for held in groups)
+    if len(probe) < count:
+        raise InputError(
+            f"{file}: 'optimizer'.fp32_groups holds {count} fp32 master weights, but only "
+            f"{len(probe)} of the module's parameters are a master rounded to their dtype: "
+            "the masters and the module disagree"
+        )
+    names = map_names(Contents(path=file, kind=KIND, weights=probe), optimizer)
+    optimizer.param_names = names
+    masters = {}
+    for g, (group, held) in enumerate(zip(optimizer.param_groups, groups)):
+        for pid, master in zip(group["params"], held):
+            name = names.get(pid)
+            if (
+                name is None
+                or not isinstance(master, torch.Tensor)
+                or master.dtype != torch.float32
+                or tuple(master.shape) != tuple(params[name].shape)
+            ):
+                shown = visible(name) if name is not None else f"parameter {pid}"
+                raise InputError(
+                    f"{file}: 'optimizer'.fp32_groups[{g}] holds no fp32 tensor of {shown}'s shape"
+                )
+            masters[name] = StoredTensor.whole(name, master, file)
+    return optimizer, masters
+
+
+def _rounded_from(params: dict[str, StoredTensor], masters: list[torch.Tensor]) -> set[str]:
+    """The parameters that some fp32 master, rounded to the parameter's dtype, equals.
+    Candidates are found by shape and the first elements, then compared whole, one
+    rounded master at a time."""
+    head = 64
+
+    def key(t: torch.Tensor, dtype: torch.dtype) -> tuple:
+        return (tuple(t.shape), dtype, tuple(t.flatten()[:head].to(dtype).tolist()))
+
+    dtypes = {p.dtype for p in params.values()}
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for master in masters:
+        for dtype in dtypes:
+            by_key.setdefault(key(master, dtype), []).append(master)
+    found = set()
+    for name, stored in params.items():
+        value = stored.read()
+        candidates = by_key.get(key(value, value.dtype), ())
+        if any(torch.equal(value, m.to(value.dtype)) for m in candidates):
+            found.add(name)
+    return found
+
+
+def _refuse_pipeline(folder: Path) -> None:
+    """Pipeline parallelism (``layer_XX-model_states.pt`` files) without ZeRO is refused: its
+    weights are in the layer files alone. Under ZeRO the optimizer files hold every
+    parameter's fp32 master weights and moments, each stage's as a rank of its own
+    (``_check_stages``)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    layers = sorted(n for n in names if _PIPELINE_LAYER.fullmatch(n))
+    if layers and _folder_kind(names) == PLAIN:
+        raise InputError(
+            f"{folder}: a DeepSpeed pipeline-parallel checkpoint without ZeRO "
+            f"({visible(layers[0])} and {len(layers) - 1} more layer file(s)); gradclip "
+            "does not read DeepSpeed pipeline parallelism without ZeRO"
+        )
+
 
 def _mp(rank: int) -> str:
     return f"mp_rank_{rank:02d}"
@@ -469,11 +791,28 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_model_parallel(parts: list[_Part], folder: Path) -> None:
+def _check_model_parallel(parts: list[_Part], folder: Path, pipeline: bool) -> bool:
     """The model-parallel ranks are one checkpoint: each says how many there are (DeepSpeed's
     ``mp_world_size`` and ``checkpoint_parallel_dimensions``, Megatron's args), and they agree
-    on the ZeRO layout, the step and every parameter's name and shape."""
+    on the ZeRO layout, the step and every parameter's name and shape.
+
+    Or (True) they are the stages of a pipeline (``pipeline``: layer files beside them,
+    ``pp_degree`` the number of ranks, ``tp_degree`` 1), each holding other parameters."""
     n = len(parts)
+    dims = parts[0].model.root.get("checkpoint_parallel_dimensions")
+    dims = dims if isinstance(dims, Mapping) else {}
+    pp = dims.get("pp_degree")
+    # One stage (pp_degree 1) of a PipelineModule, as Megatron-DeepSpeed's GPTModelPipe runs
+    # without pipeline parallelism, is read as any model-parallel set.
+    if pipeline and n > 1 and _count(pp) and pp > 1:
+        if pp != n or dims.get("tp_degree") != 1:
+            raise InputError(
+                f"{parts[0].model.path}: a pipeline checkpoint whose "
+                f"checkpoint_parallel_dimensions are {visible(repr(dims))[:80]}, for {n} rank "
+                "files; gradclip reads DeepSpeed pipeline stages without tensor parallelism"
+            )
+        _check_stages(parts)
+        return True
     held = f"{folder.name}/ holds {n} model-parallel rank(s)"
     for part in parts:
         root, file = part.model.root, part.model.path
@@ -522,6 +861,65 @@ def _check_model_parallel(parts: list[_Part], folder: Path) -> None:
                 f"{file}: its parameters differ from {first.model.path.name}'s"
                 f"{which}: the ranks are not one model"
             )
+    return False
+
+
+def _check_stages(parts: list[_Part]) -> None:
+    """Pipeline stages are one checkpoint: the same counts, ZeRO layout and step on every
+    stage, and each parameter on one stage only (a layer tied across stages, whose copies
+    the stages keep alike, is refused rather than counted twice or guessed once)."""
+    first = parts[0]
+    seen: dict[str, Path] = {}
+    for part in parts:
+        file = part.model.path
+        dims = part.model.root.get("checkpoint_parallel_dimensions")
+        if dims != first.model.root.get("checkpoint_parallel_dimensions") or (
+            part.model.root.get("mp_world_size") != len(parts)
+        ):
+            raise InputError(
+                f"{file}: its mp_world_size or checkpoint_parallel_dimensions differ from "
+                f"the {len(parts)} stages' files: the stages are not one checkpoint"
+            )
+        if (part.stage, part.world) != (first.stage, first.world):
+            raise InputError(
+                f"{file}: ZeRO stage {part.stage} over {part.world} data-parallel ranks, "
+                f"{first.model.path.name} stage {first.stage} over {first.world}: the "
+                "stages are not one checkpoint"
+            )
+        for key in ("global_steps", "ds_version"):
+            if part.model.root.get(key) != first.model.root.get(key):
+                raise InputError(
+                    f"{file}: its {key} differs from {first.model.path.name}'s: the stages "
+                    "are not one checkpoint"
+                )
+        for name in part.weights:
+            if name in seen:
+                raise InputError(
+                    f"{file}: holds {visible(name)}, which {seen[name].name} holds too (a "
+                    "layer tied across pipeline stages); gradclip does not read tied stages"
+                )
+            seen[name] = file
+
+
+def _pipeline_stages(parts: list[_Part]) -> tuple[dict[str, StoredTensor], OptimizerState]:
+    """The stages' parameters side by side, in stage order, and their optimizer states as
+    one: each stage's param groups kept (their hyperparameters), its ids renumbered."""
+    weights: dict[str, StoredTensor] = {}
+    groups: list[dict[str, Any]] = []
+    state: dict[int, dict[str, Any]] = {}
+    names: dict[int, str] = {}
+    for part in parts:
+        weights.update(part.weights)
+        own = part.optimizer
+        for group in own.param_groups:
+            ids = []
+            for pid in group["params"]:
+                new = len(names)
+                names[new] = (own.param_names or {})[pid]
+                state[new] = own.state[pid]
+                ids.append(new)
+            groups.append({**group, "params": ids})
+    return weights, OptimizerState(groups, state, names, parts[0].optimizer.file)
 
 
 # The hyperparameters the moments are read with: the same on every model-parallel rank.
