@@ -30,7 +30,8 @@ all-reduced between the first and last stages), then the optimizer's step. With 
 the model-parallel ranks are half the ranks, twice over: 2 data-parallel replicas (each
 sees its own batch), of which the first writes. With ``distopt``, Megatron's distributed
 optimizer (``--use-distributed-optimizer``: ``distrib_optim.pt`` beside each file, buckets
-of 3000 elements); over several data-parallel ranks each steps its share of every bucket.
+of 3000 elements, or ``bucket=N``); over several data-parallel ranks each steps its share
+of every bucket.
 
 CPU shims (the only changes to Megatron's behaviour; Megatron asks for CUDA where a CPU
 run has none):
@@ -80,6 +81,7 @@ TIED = False  # ``tied``: the output layer shares the embedding's weight (Megatr
 DISTOPT = False  # ``distopt``: Megatron's distributed optimizer, its state in distrib_optim.pt
 PP = 1  # ``pp``: every rank a pipeline stage (``mp_rank_00_00S``), 4 layers, 2 a stage
 UNEVEN = False  # ``uneven``: with ``pp``, 3 layers, 1 on the first stage (2 on the last)
+BUCKET = 3000  # ``bucket=N``: with ``distopt``, a grad-buffer bucket closes at N elements
 
 
 @contextlib.contextmanager
@@ -172,7 +174,7 @@ def command_line(out: Path, *, step: int | None = None) -> list[str]:
         line.append("--untie-embeddings-and-output-weights")
     if DISTOPT:  # three buckets of at least 3000 elements in the grad buffer
         line += ["--use-distributed-optimizer", "--overlap-grad-reduce"]
-        line += ["--ddp-bucket-size", "3000"]
+        line += ["--ddp-bucket-size", str(BUCKET)]
     if step is not None:
         line += ["--load", str(out / "run"), "--ckpt-step", str(step), "--no-load-rng"]
     return line
@@ -518,6 +520,7 @@ if __name__ == "__main__":
     TIED = "tied" in flags
     DISTOPT = "distopt" in flags
     UNEVEN = "uneven" in flags
+    BUCKET = next((int(f[len("bucket=") :]) for f in flags if f.startswith("bucket=")), BUCKET)
     LAYERS = (3 if UNEVEN else 4) if PP > 1 else LAYERS
     shim_cuda()
     dist.init_process_group("gloo")

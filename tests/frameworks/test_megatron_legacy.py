@@ -704,10 +704,12 @@ def tp_pp_runs(megatron_lm_runs, tmp_path_factory) -> dict[str, Path]:
     ``mp_rank_0T_00S`` folders), trained through the 1F1B schedule as ``pp_runs``; bf16,
     4 layers, tied (the last stage's copy of the embedding is split across its two ranks as
     the embedding is): with the float16 optimizer (``"tp2_pp2"``) and the distributed one
-    (``"tp2_pp2_distopt"``)."""
+    (``"tp2_pp2_distopt"``), its buckets closing at 2100 elements on the first stage, where
+    a bucketed last stage (Megatron's DDP buckets none after the first) would be laid out
+    otherwise."""
     python = megatron_lm_runs["python"]
     out = {}
-    for name, extra in (("tp2_pp2", ()), ("tp2_pp2_distopt", ("distopt",))):
+    for name, extra in (("tp2_pp2", ()), ("tp2_pp2_distopt", ("distopt", "bucket=2100"))):
         folder = tmp_path_factory.mktemp(f"megatron_lm_{name}")
         out[name] = run_generator(
             python, "megatron_lm_run.py", folder, 4, "tp", "pp", "tied", "bf16", *extra
@@ -732,6 +734,8 @@ def test_the_tensor_and_pipeline_fixture(tp_pp_run):
         assert stage[0]["weights"].keys() == stage[1]["weights"].keys()
         assert any(not c for c in stage[1]["counted"].values())  # replicated ones
         assert any(c for c in stage[1]["counted"].values())  # split ones
+    if "buckets" in refs[0]:  # the first stage bucketed, the last not (its copy apart)
+        assert [r["buckets"] for r in refs] == [[3], [3], [2], [2]]
     copy = refs[2]["weights"]["output_layer.weight"]  # the tied copy, split as the embedding
     assert copy.shape == refs[0]["weights"]["embedding.word_embeddings.weight"].shape
     assert not refs[2]["counted"]["output_layer.weight"]
