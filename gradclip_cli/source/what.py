@@ -239,7 +239,9 @@ class _Param:
 def _from_optimizer(contents: Contents, what: str) -> Selection:
     opt = contents.optimizer
     if opt is None:
-        raise _unavailable(contents, what, "the checkpoint holds no optimizer state")
+        raise _unavailable(
+            contents, what, contents.optimizer_error or "the checkpoint holds no optimizer state"
+        )
     kind = optimizers.identify(opt)
     if not kind.gives(what):
         raise _unavailable(contents, what, f"{kind.name}: {kind.why_not(what)}")
