@@ -273,8 +273,9 @@ def open_iteration(
         split = sum(1 for k in kinds.values() if k is not None)
         contents.description.append(
             f"{split} tensors split across the ranks (measured as their shards together), "
-            f"{len(names) - split} replicated (counted once, from mp_rank_00, as Megatron's "
-            "get_grad_norm_fp32 does)"
+            f"{len(names) - split} replicated (counted once, from "
+            + ("each stage's mp_rank_00_YYY" if pipelined else "mp_rank_00")
+            + ", as Megatron's get_grad_norm_fp32 does)"
         )
     if note:
         contents.description.append(note)
