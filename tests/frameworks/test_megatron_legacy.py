@@ -367,6 +367,20 @@ def test_one_distributed_optimizer_rank_alone(gradclip, distopt_runs, what):
         assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
 
 
+def test_a_missing_distrib_optim(gradclip, distopt_save):
+    """A rank whose distrib_optim.pt is gone: the weights are still measured, saying why the
+    moments are not; asked for, they are exit 3 naming the file."""
+    _distrib(distopt_save, 1).unlink()
+    auto = gradclip("inspect", distopt_save, "--format", "json")
+    assert auto.code == 0 and auto.json()["what"] == "weights", auto.err
+    assert "mp_rank_01/: its optimizer is Megatron's distributed optimizer" in " ".join(
+        auto.json()["description"]
+    )
+    for what in QUANTITIES:
+        result = gradclip("inspect", distopt_save, "--what", what)
+        one_line_exit_3(result, "mp_rank_01/", DISTRIB, "there is none", "--what weights")
+
+
 def test_truncated_distrib_optim(gradclip, distopt_save):
     file = _distrib(distopt_save, 1)
     file.write_bytes(file.read_bytes()[:2000])

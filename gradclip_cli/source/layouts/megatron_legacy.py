@@ -235,6 +235,8 @@ def open_iteration(
             buffers[rename.get(n, n)] = StoredTensor.whole(rename.get(n, n), t, ranks[0].file)
     if buffers:
         contents.buffers = buffers
+    if optimizer is None and note:
+        contents.optimizer_error = note
     if optimizer is not None:
         contents.optimizers.append(optimizer)
         contents.evidence[roles.OPTIMIZER_STATE] = (
@@ -657,9 +659,8 @@ def _merged(name: str, tensors: list[torch.Tensor], axis: int | None, files) -> 
 
 
 _DISTRIBUTED_NOTE = (
-    f"the optimizer state is in {DISTRIBUTED} (Megatron's distributed optimizer: "
-    "flat buffers of the ranks' grad-buffer shards), which gradclip does not read: "
-    "moments not measured"
+    "its optimizer is Megatron's distributed optimizer, whose state save_checkpoint writes "
+    f"to {DISTRIBUTED} beside {FILE}, and there is none: moments not measured"
 )
 
 
@@ -686,7 +687,7 @@ def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | str:
             out.append((inner, masters, f"{where}.optimizer"))
         elif isinstance(inner, Mapping) and "state" not in inner:
             # The distributed optimizer's state_dict(): param groups without their params.
-            return _DISTRIBUTED_NOTE.replace("is in", "was saved apart, in", 1)
+            return f"{rank.file.parent.name}/: {_DISTRIBUTED_NOTE}"
         else:
             raise InputError(f"{rank.file}: {where} is not a Megatron optimizer state dict")
     return out
