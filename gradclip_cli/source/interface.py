@@ -296,6 +296,8 @@ class Contents:
     folder: Path | None = None
     trusted_pickle: bool = False
     gradient_error: str | None = None  # why no gradients were found, for --what grads
+    # Why optimizer state the checkpoint holds is not read, for --what exp_avg and the rest.
+    optimizer_error: str | None = None
     # A model's buffers (running statistics, counters): never weights or gradients.
     buffers: dict[str, StoredTensor] | None = None
     # role ("gradient", "weight", "optimizer state") -> the evidence for it, for the report

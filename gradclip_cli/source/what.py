@@ -261,7 +261,9 @@ class _Param:
 def _from_optimizer(contents: Contents, what: str) -> Selection:
     opt = _optimizer(contents)
     if opt is None:
-        raise _unavailable(contents, what, "the checkpoint holds no optimizer state")
+        raise _unavailable(
+            contents, what, contents.optimizer_error or "the checkpoint holds no optimizer state"
+        )
     if isinstance(opt, str):
         raise _unavailable(contents, what, opt)
     kind = optimizers.identify(opt)

@@ -118,6 +118,16 @@ def megatron_runs(framework_python, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def megatron_distopt_run(framework_python, tmp_path_factory) -> Path:
+    """Megatron-core's DDP and distributed optimizer on 2 data-parallel ranks, saved as
+    ``torch_dist`` the way Megatron-LM's ``save_checkpoint`` does by default (the optimizer's
+    state as ``dp_reshardable`` grad-buffer buckets): ``run/iter_000000{1,2,3}`` and
+    ``reference/`` (the weights Megatron loads)."""
+    out = tmp_path_factory.mktemp("megatron_distopt")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "distopt")
+
+
+@pytest.fixture(scope="session")
 def megatron_lm_runs(framework_python, tmp_path_factory) -> dict:
     """Megatron-LM's own ``save_checkpoint`` in its legacy format (``megatron_lm_run.py``):
     1 rank in fp32 with the output layer tied to the embedding, Megatron's default

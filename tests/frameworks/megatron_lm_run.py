@@ -5,7 +5,8 @@ Run with the python of a venv holding megatron-core 0.16.1 and ``regex`` (Megatr
 tokenizer module imports it), from a Megatron-LM checkout at tag ``core_v0.16.1``::
 
     MEGATRON_LM_PATH=/path/to/Megatron-LM \
-        torchrun --nproc-per-node N tests/frameworks/megatron_lm_run.py OUT [tp] [bf16]
+        torchrun --nproc-per-node N tests/frameworks/megatron_lm_run.py OUT [tp] [pp] [dp2] \
+            [bf16] [tied] [distopt] [uneven]
 
 Megatron-LM's ``parse_args`` and ``validate_args`` read a command line (2 layers, hidden
 16, ``--ckpt-format torch``, ``--save OUT/run``); ``core_transformer_config_from_args``
@@ -24,7 +25,13 @@ stage): each stage builds its part (``pre_process``/``post_process`` as Megatron
 ``model_provider`` sets them) wrapped in Megatron's DDP, and a step is Megatron-core's own
 1F1B schedule (``get_forward_backward_func``: activations and their gradients sent between
 the stages over gloo), its ``finalize_model_grads`` (the tied embedding's gradients
-all-reduced between the first and last stages), then the optimizer's step.
+all-reduced between the first and last stages), then the optimizer's step. With both
+``tp`` and ``pp`` each stage has 2 tensor-parallel ranks (``mp_rank_0T_00S``). With ``dp2``
+the model-parallel ranks are half the ranks, twice over: 2 data-parallel replicas (each
+sees its own batch), of which the first writes. With ``distopt``, Megatron's distributed
+optimizer (``--use-distributed-optimizer``: ``distrib_optim.pt`` beside each file, buckets
+of 3000 elements, or ``bucket=N``); over several data-parallel ranks each steps its share
+of every bucket.
 
 CPU shims (the only changes to Megatron's behaviour; Megatron asks for CUDA where a CPU
 run has none):
@@ -46,7 +53,9 @@ Then, per step, Megatron-LM's ``load_checkpoint`` reads the step back into a fre
 model and optimizer (``--load OUT/run --ckpt-step N``), and each rank saves
 ``OUT/reference/iter_N.rankR.pt``: the loaded model's parameters by name, torch's AdamW
 state per parameter (found through the parameter objects the optimizer holds, never
-through ids), the fp32 masters with ``bf16``, and Megatron's own
+through ids; with ``distopt`` each data-parallel rank's piece of each parameter, placed by
+the optimizer's own range map and put together: the first data-parallel rank saves), the
+fp32 masters with ``bf16``, and Megatron's own
 ``param_is_not_tensor_parallel_duplicate`` for each parameter (what ``get_grad_norm_fp32``
 counts, and with ``pp`` not ``shared``), and with ``pp`` each local layer's global number
 from Megatron's own ``layer_number``.
@@ -72,6 +81,7 @@ TIED = False  # ``tied``: the output layer shares the embedding's weight (Megatr
 DISTOPT = False  # ``distopt``: Megatron's distributed optimizer, its state in distrib_optim.pt
 PP = 1  # ``pp``: every rank a pipeline stage (``mp_rank_00_00S``), 4 layers, 2 a stage
 UNEVEN = False  # ``uneven``: with ``pp``, 3 layers, 1 on the first stage (2 on the last)
+BUCKET = 3000  # ``bucket=N``: with ``distopt``, a grad-buffer bucket closes at N elements
 
 
 @contextlib.contextmanager
@@ -164,7 +174,7 @@ def command_line(out: Path, *, step: int | None = None) -> list[str]:
         line.append("--untie-embeddings-and-output-weights")
     if DISTOPT:  # three buckets of at least 3000 elements in the grad buffer
         line += ["--use-distributed-optimizer", "--overlap-grad-reduce"]
-        line += ["--ddp-bucket-size", "3000"]
+        line += ["--ddp-bucket-size", str(BUCKET)]
     if step is not None:
         line += ["--load", str(out / "run"), "--ckpt-step", str(step), "--no-load-rng"]
     return line
@@ -413,27 +423,30 @@ def reference(out: Path) -> None:
                 by_param[p]: (start - dropped[bucket], end - dropped[bucket])
                 for p, (start, end, bucket) in buffer.param_index_map.items()
             }
+        pieces = _distributed_pieces(model, optimizer, adam) if DISTOPT else {}
         for name, p in inner(model).named_parameters():
             held = masters.get(id(p), p)
-            if DISTOPT:  # the main (fp32) shard the distributed optimizer steps for p
-                group_index, group_order = optimizer.model_param_group_index_map[p]
-                held = adam.param_groups[group_index]["params"][group_order]
-                assert held.numel() == p.numel()  # one data-parallel rank: the whole parameter
             record["weights"][name] = p.detach().clone()
-            if BF16 or DISTOPT:
-                record.setdefault("masters", {})[name] = held.detach().clone().view(p.shape)
-            state = adam.state[held]
-            record["state"][name] = {
-                "exp_avg": state["exp_avg"].clone().view(p.shape),
-                "exp_avg_sq": state["exp_avg_sq"].clone().view(p.shape),
-                "step": float(state["step"]),
-            }
-            group = next(g for g in adam.param_groups if any(q is held for q in g["params"]))
-            record["hyper"][name] = {
-                "lr": group["lr"],
-                "betas": tuple(group["betas"]),
-                "eps": group["eps"],
-            }
+            if DISTOPT:  # the main (fp32) shards the data-parallel ranks step, put together
+                whole, hyper = _whole(pieces[name], p.numel())
+                record.setdefault("masters", {})[name] = whole["param"].view(p.shape)
+                record["state"][name] = {
+                    "exp_avg": whole["exp_avg"].view(p.shape),
+                    "exp_avg_sq": whole["exp_avg_sq"].view(p.shape),
+                    "step": hyper.pop("step"),
+                }
+                record["hyper"][name] = hyper
+            else:
+                if BF16:
+                    record.setdefault("masters", {})[name] = held.detach().clone().view(p.shape)
+                state = adam.state[held]
+                record["state"][name] = {
+                    "exp_avg": state["exp_avg"].clone().view(p.shape),
+                    "exp_avg_sq": state["exp_avg_sq"].clone().view(p.shape),
+                    "step": float(state["step"]),
+                }
+                group = next(g for g in adam.param_groups if any(q is held for q in g["params"]))
+                record["hyper"][name] = _hyper(group)
             record["counted"][name] = bool(param_is_not_tensor_parallel_duplicate(p)) and (
                 param_is_not_shared(p)  # a tied last stage's embedding copy: not counted
             )
@@ -441,20 +454,73 @@ def reference(out: Path) -> None:
         layers = inner(model).decoder.layers
         record["layer_numbers"] = [layer.layer_number - 1 for layer in layers]
         record["stage"] = parallel_state.get_pipeline_model_parallel_rank()
-        torch.save(record, out / "reference" / f"iter_{step}.rank{dist.get_rank()}.pt")
+        record["data_parallel"] = parallel_state.get_data_parallel_world_size()
+        if parallel_state.get_data_parallel_rank() == 0:  # one record a model-parallel rank
+            torch.save(record, out / "reference" / f"iter_{step}.rank{dist.get_rank()}.pt")
         dist.barrier()
     if DISTOPT and dist.get_rank() == 0:
         tracker.write_text(str(STEPS))
 
 
+_TENSORS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _hyper(group: dict) -> dict:
+    return {"lr": group["lr"], "betas": tuple(group["betas"]), "eps": group["eps"]}
+
+
+def _distributed_pieces(model, optimizer, adam) -> dict[str, list]:
+    """Every data-parallel rank's shard of each parameter, gathered over the data-parallel
+    group: ``{name: [(start, end, {"param", "exp_avg", "exp_avg_sq"}, hyper)]}``, each piece
+    placed within its parameter by Megatron's own range map (``_get_model_param_range_map``)
+    and read through its own ``_get_main_param_and_optimizer_states``."""
+    from megatron.core import parallel_state
+
+    names = {p: n for n, p in inner(model).named_parameters()}
+    mine = {}
+    for p, name in names.items():
+        if p not in optimizer.model_param_gbuf_map:  # no element of p on this rank
+            continue
+        where = optimizer._get_model_param_range_map(p)["param"]
+        tensors = optimizer._get_main_param_and_optimizer_states(p)
+        group_index, group_order = optimizer.model_param_group_index_map[p]
+        group = adam.param_groups[group_index]
+        step = adam.state[group["params"][group_order]]["step"]
+        piece = {k: tensors[k].detach().clone().reshape(-1) for k in _TENSORS}
+        mine[name] = (where.start, where.end, piece, {**_hyper(group), "step": float(step)})
+    gathered = [None] * parallel_state.get_data_parallel_world_size()
+    dist.all_gather_object(gathered, mine, group=parallel_state.get_data_parallel_group_gloo())
+    out: dict[str, list] = {}
+    for one in gathered:
+        for name, piece in one.items():
+            out.setdefault(name, []).append(piece)
+    return out
+
+
+def _whole(pieces: list, numel: int) -> tuple[dict, dict]:
+    """A parameter's pieces side by side: each element from exactly one rank, one step and
+    hyperparameters."""
+    pieces = sorted(pieces, key=lambda piece: piece[0])
+    assert [p[0] for p in pieces] == [0] + [p[1] for p in pieces[:-1]], pieces
+    assert pieces[-1][1] == numel and len({repr(p[3]) for p in pieces}) == 1
+    whole = {k: torch.cat([p[2][k] for p in pieces]) for k in _TENSORS}
+    return whole, dict(pieces[0][3])
+
+
 if __name__ == "__main__":
     target = Path(sys.argv[1])
-    TP = int(os.environ["WORLD_SIZE"]) if "tp" in sys.argv[2:] else 1
-    BF16 = "bf16" in sys.argv[2:]
-    TIED = "tied" in sys.argv[2:]
-    DISTOPT = "distopt" in sys.argv[2:]
-    PP = int(os.environ["WORLD_SIZE"]) if "pp" in sys.argv[2:] else 1
-    UNEVEN = "uneven" in sys.argv[2:]
+    world, flags = int(os.environ["WORLD_SIZE"]), sys.argv[2:]
+    # tp (or pp): every model-parallel rank a tensor-parallel rank (a pipeline stage); both:
+    # 2 tensor-parallel ranks a stage; dp2: two data-parallel replicas (without tp and pp
+    # every rank is a data-parallel one)
+    parallel = world // 2 if "dp2" in flags else world
+    TP = (2 if "pp" in flags else parallel) if "tp" in flags else 1
+    PP = parallel // TP if "pp" in flags else 1
+    BF16 = "bf16" in flags
+    TIED = "tied" in flags
+    DISTOPT = "distopt" in flags
+    UNEVEN = "uneven" in flags
+    BUCKET = next((int(f[len("bucket=") :]) for f in flags if f.startswith("bucket=")), BUCKET)
     LAYERS = (3 if UNEVEN else 4) if PP > 1 else LAYERS
     shim_cuda()
     dist.init_process_group("gloo")

@@ -25,6 +25,15 @@ calls ``torch.cuda.synchronize()`` (nothing to wait for here).
 
 With ``tp`` after OUT the ranks are tensor parallel instead (Megatron splits
 the attention and MLP matrices across them; every rank sees the same batch).
+With ``distopt`` they are data parallel through Megatron's own DDP (its grad
+buffers, buckets of 3000 elements) and distributed optimizer
+(``get_megatron_optimizer``, each rank stepping its share of every bucket; the
+shims also make its ``device='cuda'`` buffers on the CPU and name CPU tensors
+``torch.cuda.*`` as it sorts them), saved as Megatron-LM's ``save_checkpoint``
+asks for them by default (the unwrapped model's sharded dict; the optimizer's
+with ``distrib_optim_sharding_type`` ``dp_reshardable``: each bucket's flat
+state under ``optimizer.distributed.``); the reference is then the model's
+weights alone.
 
 Then Megatron's own ``dist_checkpointing.load`` reads each step back into
 the sharded state dict of a freshly built model and optimizer, saved as
@@ -47,6 +56,14 @@ import torch.distributed as dist
 
 VOCAB, SEQUENCE, STEPS, LAYERS, HIDDEN, HEADS = 64, 8, 3, 2, 16, 4  # a caller may enlarge them
 TP = 1  # tensor-parallel ranks: ``tp`` after OUT makes every rank one (argv)
+DISTOPT = False  # ``distopt`` after OUT: Megatron's distributed optimizer over the ranks
+# Megatron-LM's default for the distributed optimizer under torch_dist (checkpointing.py's
+# _build_sharded_state_dict_metadata, without --dist-ckpt-optim-fully-reshardable)
+SHARDING = {
+    "distrib_optim_sharding_type": "dp_reshardable",
+    "singleton_local_shards": False,
+    "chained_optim_avoid_prefix": True,
+}
 
 
 def build():
@@ -69,17 +86,68 @@ def build():
         hidden_dropout=0.0,
     )
     torch.manual_seed(0)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQUENCE,
     )
+    if DISTOPT:  # the distributed optimizer works on Megatron's DDP (its grad buffers)
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=True,
+            bucket_size=3000,  # several buckets
+        )
+        model = DistributedDataParallel(config, ddp, model)
+    return model
+
+
+@contextlib.contextmanager
+def cuda_tensors_on_cpu():
+    """The distributed optimizer's buffers (and its grad norm's) ask for ``device='cuda'``,
+    and it sorts its parameters by ``Tensor.type()`` names (``torch.cuda.*``): made and named
+    here as on a GPU, on the CPU."""
+    real, real_type, real_zeros = torch.tensor, torch.Tensor.type, torch.zeros
+
+    def on_cpu(*args, device=None, **kwargs):
+        return real(*args, **kwargs)
+
+    def zeros_on_cpu(*args, device=None, **kwargs):  # the grad norm's overflow buffer
+        return real_zeros(*args, **kwargs)
+
+    def cuda_type(self, *args, **kwargs):
+        name = real_type(self, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
+
+    torch.tensor, torch.Tensor.type, torch.zeros = on_cpu, cuda_type, zeros_on_cpu
+    try:
+        yield
+    finally:
+        torch.tensor, torch.Tensor.type, torch.zeros = real, real_type, real_zeros
 
 
 def optimizer_for(model):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    if DISTOPT:
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=1e-2,
+            weight_decay=0.1,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            adam_eps=1e-8,
+            clip_grad=0.0,
+            use_distributed_optimizer=True,
+        )
+        with cuda_tensors_on_cpu():
+            return get_megatron_optimizer(config, [model])
 
     adamw = torch.optim.AdamW(
         model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
@@ -98,7 +166,22 @@ def optimizer_for(model):
 
 
 def state_dict(model, optimizer, iteration: int) -> dict:
-    model_sd = model.sharded_state_dict()
+    if DISTOPT:  # as Megatron-LM's save_checkpoint asks for them (checkpointing.py)
+        from megatron.core import parallel_state
+
+        metadata = {
+            **SHARDING,
+            "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+        }
+        model_sd = model.module.sharded_state_dict(metadata=metadata)  # unwrapped, as saved
+        if optimizer is None:
+            optimizer_sd = None
+        else:
+            with cuda_tensors_on_cpu():
+                optimizer_sd = optimizer.sharded_state_dict({"model": model_sd}, metadata=metadata)
+    else:
+        model_sd = model.sharded_state_dict()
+        optimizer_sd = optimizer.sharded_state_dict(model_sd)
     args = argparse.Namespace(
         num_layers=LAYERS,
         hidden_size=HIDDEN,
@@ -110,7 +193,7 @@ def state_dict(model, optimizer, iteration: int) -> dict:
     )
     return {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd),
+        **({"optimizer": optimizer_sd} if optimizer_sd is not None else {}),
         "iteration": iteration,
         "args": args,
         "checkpoint_version": 3.0,
@@ -134,12 +217,17 @@ def main(out: Path, *, with_reference: bool = True) -> None:
         causal = torch.ones(SEQUENCE, SEQUENCE, dtype=torch.bool).triu(1)[None, None]
         loss = model(tokens[:, :-1], position_ids, causal, labels=tokens[:, 1:]).float().mean()
         loss.backward()
+        if DISTOPT:  # Megatron's DDP reduce-scatters each bucket's gradients
+            model.finish_grad_sync()
         for p in model.parameters():
             if p.grad is not None and dist.get_world_size() > TP:  # data parallel
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()
-        optimizer.step()
+        with cuda_tensors_on_cpu() if DISTOPT else contextlib.nullcontext():
+            optimizer.step()
         optimizer.zero_grad()
+        if DISTOPT:
+            model.zero_grad_buffer()
         folder = run / f"iter_{iteration:07d}"
         if dist.get_rank() == 0:
             folder.mkdir()
@@ -161,12 +249,16 @@ def reference(out: Path) -> None:
     (out / "reference").mkdir(exist_ok=True)
     for iteration in range(1, STEPS + 1):
         model = build()
-        optimizer = optimizer_for(model)
-        # Fill the optimizer's state so that its sharded dict lists every moment to load.
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        wanted = state_dict(model, optimizer, iteration)
+        if DISTOPT:  # the model alone: gradclip reads no distributed optimizer's buckets
+            wanted = state_dict(model, None, iteration)
+            model = model.module
+        else:
+            optimizer = optimizer_for(model)
+            # Fill the optimizer's state so that its sharded dict lists every moment to load.
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            wanted = state_dict(model, optimizer, iteration)
         main: dict = {}
         _main_replicas(wanted, "", main)
         loaded = dist_checkpointing.load(wanted, str(out / "run" / f"iter_{iteration:07d}"))
@@ -177,8 +269,9 @@ def reference(out: Path) -> None:
         # The optimizer's state is keyed by parameter id: Megatron's own map from ids to its
         # sharded tensors names each, a stacked one by its layer (its prepended offset).
         model_sd = model.sharded_state_dict()
-        ids = get_param_id_to_sharded_param_map(model_sd, optimizer.get_parameters())
-        flat["param_names"] = [_layer_name(ids[i]) for i in range(len(ids))]
+        if not DISTOPT:
+            ids = get_param_id_to_sharded_param_map(model_sd, optimizer.get_parameters())
+            flat["param_names"] = [_layer_name(ids[i]) for i in range(len(ids))]
         # The model's state-dict names (the loaded dict's keys) by their sharded tensors' too.
         flat["model_names"] = {
             k: _layer_name(v) for k, v in model_sd.items() if isinstance(v, ShardedTensor)
@@ -233,6 +326,7 @@ if __name__ == "__main__":
     target = Path(sys.argv[1])
     if sys.argv[2:] == ["tp"]:
         TP = int(os.environ["WORLD_SIZE"])
+    DISTOPT = sys.argv[2:] == ["distopt"]
     dist.init_process_group("gloo")
     try:
         main(target)

@@ -239,3 +239,80 @@ def test_two_ranks_print_the_one_process_report(megatron_runs, tmp_path):
     ]
     jobs.append({"args": ["trend", str(run / "run"), "--what", "exp_avg", "--format", "json"]})
     same_under_torchrun(jobs, tmp_path)
+
+
+# --------------------------------------------------------------------- distributed optimizer
+
+
+def test_the_distributed_optimizer_fixture(megatron_distopt_run):
+    """Megatron-LM's default for the distributed optimizer under torch_dist: the state as
+    flat grad-buffer buckets (several here), not by parameter."""
+    folder = megatron_distopt_run / "run" / "iter_0000003"
+    assert _reference(megatron_distopt_run, 3)["optimizer.param_state_sharding_type"] == (
+        "dp_reshardable"
+    )
+    metadata = (folder / ".metadata").read_bytes()
+    assert b"optimizer.distributed.dp_group_idx_0.gbuf_idx_0" in metadata
+    assert b"bucket_idx_2.exp_avg" in metadata and b"optimizer.state.exp_avg" not in metadata
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_the_distributed_optimizers_weights_against_megatrons_load(
+    gradclip, megatron_distopt_run, step
+):
+    weights = _weights(_reference(megatron_distopt_run, step))
+    result = gradclip(
+        "inspect", megatron_distopt_run / "run" / f"iter_{step:07d}", "--format", "json"
+    )
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["step"], doc["what"]) == (step, "weights")  # auto: the moments are not read
+    assert "distributed optimizer's ('dp_reshardable'" in " ".join(doc["description"])
+    assert rel_err(doc["total_norm"], norm(weights.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(weights)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([weights[name]])) <= TOL, name
+    groups = {g["name"]: g for g in doc["groups"]}
+    for layer in (0, 1):
+        members = [w for n, w in weights.items() if n.startswith(f"decoder.layers.{layer}.")]
+        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
+
+
+@pytest.mark.parametrize("what", QUANTITIES)
+def test_the_distributed_optimizers_moments_are_refused(gradclip, megatron_distopt_run, what):
+    """Its buckets are not read: each moment is exit 3, saying why, and offers the weights."""
+    result = gradclip("inspect", megatron_distopt_run / "run", "--what", what)
+    one_line_exit_3(result, "distributed optimizer", "dp_reshardable", "--what weights")
+
+
+def test_trend_over_the_distributed_optimizers_save_folder(gradclip, megatron_distopt_run):
+    result = gradclip("trend", megatron_distopt_run / "run", "--format", "json")
+    assert result.code == 0, result.err
+    points = result.json()["points"]
+    assert [p["step"] for p in points] == list(STEPS)
+    for point, step in zip(points, STEPS):
+        weights = _weights(_reference(megatron_distopt_run, step))
+        assert rel_err(point["total_norm"], norm(weights.values())) <= TOL
+
+
+def test_a_truncated_chunk_of_the_distributed_optimizers_save(
+    gradclip, megatron_distopt_run, tmp_path
+):
+    save = tmp_path / "save"
+    shutil.copytree(megatron_distopt_run / "run", save)
+    shard = sorted((save / "iter_0000003").glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[:100])
+    one_line_exit_3(gradclip("inspect", save, "--what", "weights"), shard.name)
+
+
+def test_two_ranks_print_the_one_process_distributed_optimizer_report(
+    megatron_distopt_run, tmp_path
+):
+    run = megatron_distopt_run / "run"
+    jobs = [
+        {"args": ["inspect", str(run), "--format", fmt, "--no-progress"]}
+        for fmt in ("table", "json")
+    ]
+    jobs.append({"args": ["trend", str(run), "--format", "json"]})
+    same_under_torchrun(jobs, tmp_path)

@@ -1,8 +1,12 @@
 """Megatron legacy format: Megatron-LM's own ``save_checkpoint`` (``--ckpt-format torch``) on
 1 rank and on 2 tensor-parallel ranks (``megatron_lm_run.py``), each also with Megatron's
 distributed optimizer (``--use-distributed-optimizer``: ``distrib_optim.pt`` beside each
-rank's file; bf16, grad buffers of 3000-element buckets), and on 2 pipeline stages
-(``mp_rank_00_000``, ``mp_rank_00_001``) trained through Megatron-core's own 1F1B schedule.
+rank's file; bf16, grad buffers of 3000-element buckets), which also runs on 2
+data-parallel ranks and on 2 tensor- x 2 data-parallel ranks (each data-parallel rank
+steps its share of every bucket; the first gathers them into distrib_optim.pt), on 2
+pipeline stages (``mp_rank_00_000``, ``mp_rank_00_001``) trained through Megatron-core's
+own 1F1B schedule, and on 2 tensor-parallel ranks of each of 2 stages (4 ranks,
+``mp_rank_0T_00S``).
 
 References never go through gradclip: Megatron-LM's own ``load_checkpoint`` reads each step
 back into a fresh model and optimizer (in the generator's venv), which records each
@@ -77,10 +81,17 @@ def _expected(refs: list[dict], what: str) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def distopt_runs(megatron_lm_runs, tmp_path_factory) -> dict[str, Path]:
     """Megatron's distributed optimizer, on 1 rank (its output layer tied, Megatron's
-    default) and on 2 tensor-parallel ranks (untied); bf16, as large runs train."""
+    default), on 2 tensor-parallel ranks (untied), on 2 data-parallel ranks (tied: each
+    steps half of every bucket, which distrib_optim.pt gathers), and on 2 tensor- x 2
+    data-parallel ranks (untied); bf16, as large runs train."""
     python = megatron_lm_runs["python"]
     out = {}
-    for name, ranks, extra in (("distopt", 1, ("tied",)), ("distopt_tp2", 2, ("tp",))):
+    for name, ranks, extra in (
+        ("distopt", 1, ("tied",)),
+        ("distopt_tp2", 2, ("tp",)),
+        ("distopt_dp2", 2, ("tied",)),
+        ("distopt_tp2_dp2", 4, ("tp", "dp2")),
+    ):
         folder = tmp_path_factory.mktemp(f"megatron_lm_{name}")
         out[name] = run_generator(
             python, "megatron_lm_run.py", folder, ranks, *extra, "bf16", "distopt"
@@ -88,7 +99,10 @@ def distopt_runs(megatron_lm_runs, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture(scope="module", params=["fp32", "tp2", "distopt", "distopt_tp2"])
+@pytest.fixture(
+    scope="module",
+    params=["fp32", "tp2", "distopt", "distopt_tp2", "distopt_dp2", "distopt_tp2_dp2"],
+)
 def run(request, megatron_lm_runs) -> Path:
     if request.param.startswith("distopt"):
         return request.getfixturevalue("distopt_runs")[request.param]
@@ -304,6 +318,7 @@ def test_the_distributed_optimizer_fixture(distopt_runs):
     for name, run in distopt_runs.items():
         refs = _references(run, 3)
         assert all(ref["buckets"][0] >= 3 for ref in refs), name
+        assert {ref["data_parallel"] for ref in refs} == {2 if "dp2" in name else 1}, name
         for r, ref in enumerate(refs):
             folder = run / "run" / "iter_0000003" / f"mp_rank_{r:02d}"
             state = torch.load(folder / DISTRIB, weights_only=True)
@@ -350,6 +365,20 @@ def test_one_distributed_optimizer_rank_alone(gradclip, distopt_runs, what):
     rows = {t["name"]: t for t in doc["tensors"]}
     for name, row in rows.items():
         assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+
+
+def test_a_missing_distrib_optim(gradclip, distopt_save):
+    """A rank whose distrib_optim.pt is gone: the weights are still measured, saying why the
+    moments are not; asked for, they are exit 3 naming the file."""
+    _distrib(distopt_save, 1).unlink()
+    auto = gradclip("inspect", distopt_save, "--format", "json")
+    assert auto.code == 0 and auto.json()["what"] == "weights", auto.err
+    assert "mp_rank_01/: its optimizer is Megatron's distributed optimizer" in " ".join(
+        auto.json()["description"]
+    )
+    for what in QUANTITIES:
+        result = gradclip("inspect", distopt_save, "--what", what)
+        one_line_exit_3(result, "mp_rank_01/", DISTRIB, "there is none", "--what weights")
 
 
 def test_truncated_distrib_optim(gradclip, distopt_save):
@@ -474,8 +503,12 @@ def _global(ref: dict) -> dict:
 
 
 def _stage_refs(run: Path, step: int) -> list[dict]:
+    """The ranks' references under global layer names, stage by stage (each stage's
+    tensor-parallel ranks in order: Megatron's global ranks run tensor-parallel first)."""
     refs = [_global(ref) for ref in _references(run, step)]
-    assert [ref["stage"] for ref in refs] == [0, 1]
+    stages = [ref["stage"] for ref in refs]
+    assert stages == sorted(stages) and set(stages) == {0, 1}
+    assert stages.count(0) == stages.count(1)
     return refs
 
 
@@ -672,3 +705,184 @@ def test_a_split_the_files_do_not_hold(gradclip, pp_runs, megatron_lm_runs, tmp_
     for stage in (0, 1):
         _rewrite_args(megatron_lm_runs, _stage_file(save, stage), change)
     one_line_exit_3(gradclip("inspect", save), "mp_rank_00_000", "decoder layers [0]", "2 layer")
+
+
+# --------------------------------------------------------------------- tensor x pipeline parallel
+
+TP_PP = [f"mp_rank_{t:02d}_{s:03d}" for s in (0, 1) for t in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def tp_pp_runs(megatron_lm_runs, tmp_path_factory) -> dict[str, Path]:
+    """2 tensor-parallel ranks on each of 2 pipeline stages (4 gloo ranks, Megatron's
+    ``mp_rank_0T_00S`` folders), trained through the 1F1B schedule as ``pp_runs``; bf16,
+    4 layers, tied (the last stage's copy of the embedding is split across its two ranks as
+    the embedding is): with the float16 optimizer (``"tp2_pp2"``) and the distributed one
+    (``"tp2_pp2_distopt"``), its buckets closing at 2100 elements on the first stage, where
+    a bucketed last stage (Megatron's DDP buckets none after the first) would be laid out
+    otherwise."""
+    python = megatron_lm_runs["python"]
+    out = {}
+    for name, extra in (("tp2_pp2", ()), ("tp2_pp2_distopt", ("distopt", "bucket=2100"))):
+        folder = tmp_path_factory.mktemp(f"megatron_lm_{name}")
+        out[name] = run_generator(
+            python, "megatron_lm_run.py", folder, 4, "tp", "pp", "tied", "bf16", *extra
+        )
+    return out
+
+
+@pytest.fixture(scope="module", params=["tp2_pp2", "tp2_pp2_distopt"])
+def tp_pp_run(request, tp_pp_runs) -> Path:
+    return tp_pp_runs[request.param]
+
+
+def test_the_tensor_and_pipeline_fixture(tp_pp_run):
+    """Megatron's own files: one folder a (tensor-parallel rank, stage), each stage's layers
+    numbered from 0, its split tensors halved on each of its ranks."""
+    folder = tp_pp_run / "run" / "iter_0000003"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(TP_PP)
+    refs = _references(tp_pp_run, 3)
+    assert [r["stage"] for r in refs] == [0, 0, 1, 1]
+    assert [r["layer_numbers"] for r in refs] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for stage in (refs[:2], refs[2:]):
+        assert stage[0]["weights"].keys() == stage[1]["weights"].keys()
+        assert any(not c for c in stage[1]["counted"].values())  # replicated ones
+        assert any(c for c in stage[1]["counted"].values())  # split ones
+    if "buckets" in refs[0]:  # the first stage bucketed, the last not (its copy apart)
+        assert [r["buckets"] for r in refs] == [[3], [3], [2], [2]]
+    copy = refs[2]["weights"]["output_layer.weight"]  # the tied copy, split as the embedding
+    assert copy.shape == refs[0]["weights"]["embedding.word_embeddings.weight"].shape
+    assert not refs[2]["counted"]["output_layer.weight"]
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", [*QUANTITIES, "weights"])
+def test_every_quantity_of_the_tensor_and_pipeline_ranks(gradclip, tp_pp_run, step, what):
+    refs = _stage_refs(tp_pp_run, step)
+    _inspected_as_loaded(gradclip, tp_pp_run, step, what, refs, layers=(0, 1, 2, 3))
+
+
+def test_the_tensor_and_pipeline_report_says_what_it_holds(gradclip, tp_pp_runs):
+    result = gradclip("inspect", tp_pp_runs["tp2_pp2"] / "run", "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    said = " ".join(doc["description"])
+    assert f"2 pipeline stages of 2 tensor-parallel rank(s) ({', '.join(TP_PP)})" in said
+    assert "decoder layers 0-1 in mp_rank_00_000, 2-3 in mp_rank_00_001" in said
+    assert "(tied): not counted" in said
+    assert "replicated (counted once, from each stage's mp_rank_00_YYY" in said
+    assert "output_layer.weight" not in {t["name"] for t in doc["tensors"]}
+    assert [g["name"] for g in doc["groups"] if g["name"].startswith("decoder.layers.")] == [
+        f"decoder.layers.{n}" for n in range(4)
+    ]
+
+
+@pytest.mark.parametrize("what", [*QUANTITIES, "weights"])
+def test_one_tensor_parallel_rank_of_a_stage_alone(gradclip, tp_pp_runs, what):
+    """mp_rank_01_001 alone: its own shards of the last stage's layers (global 2 and 3),
+    every one counted but the tied copy, and said to cover that folder only."""
+    run = tp_pp_runs["tp2_pp2"]
+    ref = _stage_refs(run, 3)[3]
+    expected = _expected([{**ref, "counted": dict.fromkeys(ref["counted"], True)}], what)
+    del expected["output_layer.weight"]
+    result = gradclip(
+        "inspect",
+        run / "run" / "iter_0000003" / "mp_rank_01_001",
+        "--what",
+        what,
+        "--format",
+        "json",
+    )
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["step"] == 3 and "covers mp_rank_01_001 only" in " ".join(doc["description"])
+    assert {t["name"] for t in doc["tensors"]} == set(expected)
+    assert {g["name"] for g in doc["groups"]} >= {"decoder.layers.2", "decoder.layers.3"}
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+
+
+def test_trend_over_the_tensor_and_pipeline_save_folder(gradclip, tp_pp_run):
+    result = gradclip("trend", tp_pp_run / "run", "--what", "grad_rms", "--format", "json")
+    assert result.code == 0, result.err
+    points = result.json()["points"]
+    assert [p["step"] for p in points] == list(STEPS)
+    for point, step in zip(points, STEPS):
+        expected = _expected(_stage_refs(tp_pp_run, step), "grad_rms")
+        assert rel_err(point["total_norm"], norm(expected.values())) <= TOL
+        layer = norm(v for n, v in expected.items() if n.startswith("decoder.layers.2."))
+        assert rel_err(point["groups"]["decoder.layers.2"], layer) <= TOL
+
+
+def test_two_processes_print_the_one_process_tensor_and_pipeline_report(tp_pp_runs, tmp_path):
+    jobs = [
+        {
+            "args": [
+                "inspect",
+                str(tp_pp_runs[n] / "run"),
+                "--what",
+                w,
+                "--format",
+                f,
+                "--no-progress",
+            ]
+        }
+        for n, w, f in (
+            ("tp2_pp2", "exp_avg", "table"),
+            ("tp2_pp2", "weights", "json"),
+            ("tp2_pp2_distopt", "update", "json"),
+        )
+    ]
+    jobs.append(
+        {"args": ["trend", str(tp_pp_runs["tp2_pp2_distopt"] / "run"), "--what", "grad_rms"]}
+    )
+    same_under_torchrun(jobs, tmp_path)
+
+
+@pytest.fixture
+def tp_pp_save(tp_pp_runs, tmp_path) -> Path:
+    target = tmp_path / "save"
+    shutil.copytree(tp_pp_runs["tp2_pp2"] / "run", target)
+    return target
+
+
+def _tp_pp_file(save: Path, folder: str, step: int = 3) -> Path:
+    return save / f"iter_{step:07d}" / folder / FILE
+
+
+def test_a_missing_tensor_parallel_rank_of_a_stage(gradclip, tp_pp_save):
+    shutil.rmtree(tp_pp_save / "iter_0000003" / "mp_rank_01_001")
+    one_line_exit_3(
+        gradclip("inspect", tp_pp_save), "no mp_rank_01_001", "2 tensor- x 2 pipeline-parallel"
+    )
+
+
+def test_a_stage_rank_from_another_iteration(gradclip, tp_pp_save):
+    shutil.copy(
+        _tp_pp_file(tp_pp_save, "mp_rank_01_001", 2), _tp_pp_file(tp_pp_save, "mp_rank_01_001")
+    )
+    one_line_exit_3(
+        gradclip("inspect", tp_pp_save), "mp_rank_01_001", "iteration 2", "not one checkpoint"
+    )
+
+
+def test_a_rank_of_the_other_stage_in_its_place(gradclip, tp_pp_save):
+    """mp_rank_01_000 holding the last stage's rank 1: not the first stage's tensors."""
+    shutil.copy(
+        _tp_pp_file(tp_pp_save, "mp_rank_01_001"), _tp_pp_file(tp_pp_save, "mp_rank_01_000")
+    )
+    one_line_exit_3(gradclip("inspect", tp_pp_save), "mp_rank_01_000", "not one model")
+
+
+def test_a_truncated_rank_of_a_stage(gradclip, tp_pp_save):
+    file = _tp_pp_file(tp_pp_save, "mp_rank_01_001")
+    file.write_bytes(file.read_bytes()[:1000])
+    one_line_exit_3(gradclip("inspect", tp_pp_save, "--what", "weights"), "mp_rank_01_001", FILE)
+
+
+def test_ranks_that_disagree_on_the_tensor_parallel_size(gradclip, tp_pp_save, megatron_lm_runs):
+    _rewrite_args(
+        megatron_lm_runs,
+        _tp_pp_file(tp_pp_save, "mp_rank_01_001"),
+        "a.tensor_model_parallel_size = 4",
+    )
+    one_line_exit_3(gradclip("inspect", tp_pp_save), "mp_rank_01_001", "4 tensor-")

@@ -118,6 +118,15 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         contents.optimizers.append(optimizer)
         contents.evidence[roles.OPTIMIZER_STATE] = \
             f"{said}, optimizer.state entries, {_COMMON}'s step and betas"
+    held = f"optimizer state for {len(optimizer.state) if optimizer else 0} parameters"
+    sharding = _distributed_sharding(folder, root) if optimizer is None else None
+    if sharding is not None:
+        held = (
+            "the optimizer state is Megatron's distributed optimizer's "
+            f"({visible(sharding)}: flat grad-buffer buckets, optimizer.distributed.*), "
+            "which gradclip does not read: moments not measured"
+        )
+        contents.optimizer_error = held.replace("the optimizer state is", "its optimizer state is")
     contents.step = _iteration(root, common_file, folder_path)
     contents.gradient_error = (
         f"{path}: a Megatron torch_dist checkpoint saves no gradients "
@@ -127,10 +136,21 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     via = f" ({TRACKER} names {folder_path.name})" if tracker is not None else ""
     contents.description.append(
         f"Megatron torch_dist checkpoint{via} at iteration {contents.step}: {len(weights)} "
-        f"model tensors ({len(layers)} stacked layers split per layer), optimizer state for "
-        f"{len(optimizer.state) if optimizer else 0} parameters"
+        f"model tensors ({len(layers)} stacked layers split per layer), {held}"
     )
     return contents
+
+
+def _distributed_sharding(folder: dcp_folder.DcpFolder, root: dict) -> str | None:
+    """The distributed optimizer's ``param_state_sharding_type`` when its state is what the
+    folder holds (``DistributedOptimizer.sharded_state_dict``: ``dp_reshardable``, Megatron-LM's
+    default, saves each grad-buffer bucket as flat tensors under ``optimizer.distributed.``),
+    else None."""
+    optim = root.get("optimizer")
+    sharding = optim.get("param_state_sharding_type") if isinstance(optim, dict) else None
+    if sharding is None and not any(k.startswith("optimizer.distributed.") for k in folder.tensors):
+        return None
+    return repr(sharding) if sharding is not None else "its buckets"
 
 
 def _iteration_folder(path: Path) -> tuple[Path, Path | None]:

@@ -29,7 +29,11 @@ with ``*._extra_state`` entries for Transformer Engine's state, skipped here),
   model order, each starting at a multiple of 64 elements within its bucket, the buckets
   side by side with their end padding dropped (a bucket closes once it holds
   ``bucket_size`` elements: ``--ddp-bucket-size``, ``--ddp-num-buckets``, or
-  ``max(40M, 1M x data-parallel size)``; one bucket without ``--overlap-grad-reduce``).
+  ``max(40M, 1M x data-parallel size)``; one bucket without ``--overlap-grad-reduce``
+  and on every pipeline stage after the first; tied over pipeline stages, the first
+  stage's word embeddings and the last stage's copy each in a bucket of their own).
+  Several data-parallel ranks each step their share of every bucket, which
+  ``get_parameter_state_dp_zero`` gathers in the first's file: the same layout.
   That layout is rebuilt here and checked before any moment is read: the buffer's
   length is ``numel_unpadded``, every padding element is 0 in all three tensors (the
   shards start zeroed), and each parameter's ``param`` slice rounded to the model's
@@ -231,6 +235,8 @@ def open_iteration(
             buffers[rename.get(n, n)] = StoredTensor.whole(rename.get(n, n), t, ranks[0].file)
     if buffers:
         contents.buffers = buffers
+    if optimizer is None and note:
+        contents.optimizer_error = note
     if optimizer is not None:
         contents.optimizers.append(optimizer)
         contents.evidence[roles.OPTIMIZER_STATE] = (
@@ -269,8 +275,9 @@ def open_iteration(
         split = sum(1 for k in kinds.values() if k is not None)
         contents.description.append(
             f"{split} tensors split across the ranks (measured as their shards together), "
-            f"{len(names) - split} replicated (counted once, from mp_rank_00, as Megatron's "
-            "get_grad_norm_fp32 does)"
+            f"{len(names) - split} replicated (counted once, from "
+            + ("each stage's mp_rank_00_YYY" if pipelined else "mp_rank_00")
+            + ", as Megatron's get_grad_norm_fp32 does)"
         )
     if note:
         contents.description.append(note)
@@ -652,9 +659,8 @@ def _merged(name: str, tensors: list[torch.Tensor], axis: int | None, files) -> 
 
 
 _DISTRIBUTED_NOTE = (
-    f"the optimizer state is in {DISTRIBUTED} (Megatron's distributed optimizer: "
-    "flat buffers of the ranks' grad-buffer shards), which gradclip does not read: "
-    "moments not measured"
+    "its optimizer is Megatron's distributed optimizer, whose state save_checkpoint writes "
+    f"to {DISTRIBUTED} beside {FILE}, and there is none: moments not measured"
 )
 
 
@@ -681,7 +687,7 @@ def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | str:
             out.append((inner, masters, f"{where}.optimizer"))
         elif isinstance(inner, Mapping) and "state" not in inner:
             # The distributed optimizer's state_dict(): param groups without their params.
-            return _DISTRIBUTED_NOTE.replace("is in", "was saved apart, in", 1)
+            return f"{rank.file.parent.name}/: {_DISTRIBUTED_NOTE}"
         else:
             raise InputError(f"{rank.file}: {where} is not a Megatron optimizer state dict")
     return out
@@ -848,9 +854,10 @@ def _distributed(rank: _Rank) -> str | None:
             "elements are whose"
         )
     bucket = _bucket_size(rank, file)
+    own = _own_bucket(rank)
     state: dict[int, dict] = {}
     for (dtype, tensors), names in zip(buffers, by_dtype.values()):
-        places = _places(names, rank.weights, bucket)
+        places = _places(names, rank.weights, bucket, own)
         _check_layout(file, dtype, tensors, places, rank.weights)
         for name, (start, end) in places.items():
             shape = rank.weights[name].shape
@@ -911,8 +918,8 @@ def _buffers(rank: _Rank, file: Path) -> list[tuple[torch.dtype, dict]]:
 def _bucket_size(rank: _Rank, file: Path) -> int | None:
     """When a bucket closes, as Megatron-LM's ``get_model`` and Megatron's DDP decide it."""
     args = rank.args
-    if not args.get("overlap_grad_reduce"):
-        return None
+    if not args.get("overlap_grad_reduce") or rank.stage:
+        return None  # one bucket; Megatron's DDP never buckets a stage after the first
     if args.get("ddp_num_buckets") is not None:
         total = sum(t.numel() for t in rank.weights.values())
         return total // args["ddp_num_buckets"]
@@ -924,15 +931,36 @@ def _bucket_size(rank: _Rank, file: Path) -> int | None:
     return max(40000000, 1000000 * dp)
 
 
-def _places(names: list[str], weights: dict, bucket: int | None) -> dict[str, tuple[int, int]]:
+def _own_bucket(rank: _Rank) -> set[str]:
+    """The parameters that Megatron's DDP puts in a bucket of their own: with pipeline stages
+    and a tied output layer, the first stage's word embeddings and the last stage's copy
+    (``shared_embedding``: ``LanguageModule.setup_embeddings_and_output_layer``,
+    ``_ParamAndGradBuffer``'s ``_does_param_require_new_bucket``)."""
+    size = rank.args.get("pipeline_model_parallel_size")
+    if rank.stage is None or not isinstance(size, int) or size < 2:
+        return set()
+    if rank.args.get("untie_embeddings_and_output_weights") is not False:
+        return set()
+    if rank.stage == 0:
+        return {"embedding.word_embeddings.weight"}
+    return {_COPY} if rank.stage == size - 1 else set()
+
+
+def _places(
+    names: list[str], weights: dict, bucket: int | None, own: set[str] = frozenset()
+) -> dict[str, tuple[int, int]]:
     """Each parameter's ``(start, end)`` in the buffer's flat tensors, bucket padding dropped:
-    reverse order, 64-aligned within a bucket, a new bucket once one holds ``bucket``."""
+    reverse order, 64-aligned within a bucket, a new bucket once one holds ``bucket``; one of
+    ``own`` closes the bucket before it (its 64-alignment padding kept there, as Megatron
+    pads the start first) and its own after it."""
     places, cursor, bucket_start, fresh = {}, 0, 0, True
     for name in reversed(names):
         start = cursor if fresh else -(-cursor // _ALIGN) * _ALIGN
+        if name in own:
+            bucket_start = start
         end = start + weights[name].numel()
         places[name] = (start, end)
-        fresh = bucket is not None and end - bucket_start >= bucket
+        fresh = name in own or (bucket is not None and end - bucket_start >= bucket)
         if fresh:
             bucket_start = end
         cursor = end
