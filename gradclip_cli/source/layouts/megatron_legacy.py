@@ -82,7 +82,7 @@ from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
 from gradclip_cli.source.files.weights_pickle import allowing
-from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor
+from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor, chained
 from gradclip_cli.source.what import map_names
 
 from .dcp_frameworks import refuse_key
@@ -700,28 +700,21 @@ def _rank_optimizer(rank: _Rank) -> str | None:
     found = _torch_states(rank)
     if isinstance(found, str):
         return found
-    groups: list[dict] = []
-    state: dict[int, dict] = {}
+    states = [optimizer_state(value, rank.file, where) for value, _, where in found]
+    merged, renumbered = chained(states, rank.file)
+    merged.param_names = None  # Megatron's ids map through the model's order
     group_masters: list[tuple[list[int], list, str]] = []
-    offset = 0
-    for value, masters, where in found:
-        opt = optimizer_state(value, rank.file, where)
-        ids = sorted({p for g in opt.param_groups for p in g["params"]})
-        renumber = {p: offset + i for i, p in enumerate(ids)}
-        offset += len(ids)
-        if masters is not None and len(masters) != len(opt.param_groups):
+    for opt, renumber, (_, masters, where) in zip(states, renumbered, found):
+        if masters is None:
+            continue
+        if len(masters) != len(opt.param_groups):
             raise InputError(
                 f"{rank.file}: {where} has {len(opt.param_groups)} param groups "
                 f"but fp32_from_fp16_params {len(masters)}"
             )
         for g, group in enumerate(opt.param_groups):
             members = [renumber[p] for p in group["params"]]
-            groups.append({**group, "params": members})
-            if masters is not None:
-                group_masters.append((members, masters[g], f"{where}: fp32_from_fp16_params[{g}]"))
-        for p, entry in opt.state.items():
-            state[renumber[p]] = entry
-    merged = OptimizerState(groups, state, None, rank.file)
+            group_masters.append((members, masters[g], f"{where}: fp32_from_fp16_params[{g}]"))
     probe = Contents(path=rank.file, kind=KIND, weights=_stored_weights(rank))
     rank.names = map_names(probe, merged)
     rank.optimizer = merged
