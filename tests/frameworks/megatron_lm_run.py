@@ -71,6 +71,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from megatron_run import cuda_tensors_on_cpu  # the script beside this one
 
 sys.path.insert(0, os.environ["MEGATRON_LM_PATH"])
 
@@ -82,27 +83,6 @@ DISTOPT = False  # ``distopt``: Megatron's distributed optimizer, its state in d
 PP = 1  # ``pp``: every rank a pipeline stage (``mp_rank_00_00S``), 4 layers, 2 a stage
 UNEVEN = False  # ``uneven``: with ``pp``, 3 layers, 1 on the first stage (2 on the last)
 BUCKET = 3000  # ``bucket=N``: with ``distopt``, a grad-buffer bucket closes at N elements
-
-
-@contextlib.contextmanager
-def cuda_tensors_on_cpu():
-    real, real_type, real_zeros = torch.tensor, torch.Tensor.type, torch.zeros
-
-    def on_cpu(*args, device=None, **kwargs):
-        return real(*args, **kwargs)
-
-    def zeros_on_cpu(*args, device=None, **kwargs):
-        return real_zeros(*args, **kwargs)
-
-    def cuda_type(self, *args, **kwargs):  # the float16 optimizer sorts by 'torch.cuda.*'
-        name = real_type(self, *args, **kwargs)
-        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
-
-    torch.tensor, torch.Tensor.type, torch.zeros = on_cpu, cuda_type, zeros_on_cpu
-    try:
-        yield
-    finally:
-        torch.tensor, torch.Tensor.type, torch.zeros = real, real_type, real_zeros
 
 
 @contextlib.contextmanager

@@ -559,19 +559,19 @@ def test_one_stage_alone(gradclip, pp_runs, what):
     ref = _stage_refs(run, 3)[1]
     expected = _expected([ref], what)
     del expected["output_layer.weight"]  # the tied copy, which Megatron's norm skips
-    result = gradclip(
-        "inspect",
-        run / "run" / "iter_0000003" / STAGE.format(1),
-        "--what",
-        what,
-        "--format",
-        "json",
-    )
+    _folder_alone(gradclip, run / "run" / "iter_0000003" / STAGE.format(1), what, expected,
+                  {"decoder.layers.1", "decoder.layers.2"})
+
+
+def _folder_alone(gradclip, folder: Path, what: str, expected: dict, layers: set[str]) -> None:
+    """One rank's folder of step 3 inspected alone: ``expected`` (name -> float64 tensor),
+    those layers' groups, and the report saying it covers that folder only."""
+    result = gradclip("inspect", folder, "--what", what, "--format", "json")
     assert result.code == 0, result.err
     doc = result.json()
-    assert doc["step"] == 3 and "covers mp_rank_00_001 only" in " ".join(doc["description"])
+    assert doc["step"] == 3 and f"covers {folder.name} only" in " ".join(doc["description"])
     assert {t["name"] for t in doc["tensors"]} == set(expected)
-    assert {g["name"] for g in doc["groups"]} >= {"decoder.layers.1", "decoder.layers.2"}
+    assert {g["name"] for g in doc["groups"]} >= layers
     assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
 
 
@@ -785,20 +785,8 @@ def test_one_tensor_parallel_rank_of_a_stage_alone(gradclip, tp_pp_runs, what):
     ref = _stage_refs(run, 3)[3]
     expected = _expected([{**ref, "counted": dict.fromkeys(ref["counted"], True)}], what)
     del expected["output_layer.weight"]
-    result = gradclip(
-        "inspect",
-        run / "run" / "iter_0000003" / "mp_rank_01_001",
-        "--what",
-        what,
-        "--format",
-        "json",
-    )
-    assert result.code == 0, result.err
-    doc = result.json()
-    assert doc["step"] == 3 and "covers mp_rank_01_001 only" in " ".join(doc["description"])
-    assert {t["name"] for t in doc["tensors"]} == set(expected)
-    assert {g["name"] for g in doc["groups"]} >= {"decoder.layers.2", "decoder.layers.3"}
-    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    _folder_alone(gradclip, run / "run" / "iter_0000003" / "mp_rank_01_001", what, expected,
+                  {"decoder.layers.2", "decoder.layers.3"})
 
 
 def test_trend_over_the_tensor_and_pipeline_save_folder(gradclip, tp_pp_run):
