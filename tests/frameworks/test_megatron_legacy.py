@@ -213,13 +213,20 @@ def test_never_reports_weights_or_moments_as_gradients(gradclip, run):
 
 
 def test_trend_over_the_save_folder(gradclip, run):
-    result = gradclip("trend", run / "run", "--what", "grad_rms", "--format", "json")
+    assert len(list(_trended(gradclip, run, "grad_rms", _references))) == len(STEPS)
+
+
+def _trended(gradclip, run: Path, what: str, references):
+    """``trend`` over the run's save folder: one point a step, in order, each total that of
+    ``references(run, step)``; yields (point, expected) for a test's further checks."""
+    result = gradclip("trend", run / "run", "--what", what, "--format", "json")
     assert result.code == 0, result.err
     points = result.json()["points"]
     assert [p["step"] for p in points] == list(STEPS)
     for point, step in zip(points, STEPS):
-        expected = _expected(_references(run, step), "grad_rms")
+        expected = _expected(references(run, step), what)
         assert rel_err(point["total_norm"], norm(expected.values())) <= TOL
+        yield point, expected
 
 
 # --------------------------------------------------------------------- hostile copies
@@ -576,14 +583,7 @@ def _folder_alone(gradclip, folder: Path, what: str, expected: dict, layers: set
 
 
 def test_trend_over_the_pipelined_save_folder(gradclip, pp_runs):
-    run = pp_runs["pp2"]
-    result = gradclip("trend", run / "run", "--what", "update", "--format", "json")
-    assert result.code == 0, result.err
-    points = result.json()["points"]
-    assert [p["step"] for p in points] == list(STEPS)
-    for point, step in zip(points, STEPS):
-        expected = _expected(_stage_refs(run, step), "update")
-        assert rel_err(point["total_norm"], norm(expected.values())) <= TOL
+    for point, expected in _trended(gradclip, pp_runs["pp2"], "update", _stage_refs):
         assert (
             rel_err(
                 point["groups"]["decoder.layers.3"],
@@ -790,13 +790,7 @@ def test_one_tensor_parallel_rank_of_a_stage_alone(gradclip, tp_pp_runs, what):
 
 
 def test_trend_over_the_tensor_and_pipeline_save_folder(gradclip, tp_pp_run):
-    result = gradclip("trend", tp_pp_run / "run", "--what", "grad_rms", "--format", "json")
-    assert result.code == 0, result.err
-    points = result.json()["points"]
-    assert [p["step"] for p in points] == list(STEPS)
-    for point, step in zip(points, STEPS):
-        expected = _expected(_stage_refs(tp_pp_run, step), "grad_rms")
-        assert rel_err(point["total_norm"], norm(expected.values())) <= TOL
+    for point, expected in _trended(gradclip, tp_pp_run, "grad_rms", _stage_refs):
         layer = norm(v for n, v in expected.items() if n.startswith("decoder.layers.2."))
         assert rel_err(point["groups"]["decoder.layers.2"], layer) <= TOL
 
