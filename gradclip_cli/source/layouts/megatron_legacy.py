@@ -86,6 +86,7 @@ from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor
 from gradclip_cli.source.what import map_names
 
 from .dcp_frameworks import refuse_key
+from .megatron_buckets import buckets, concatenated
 from .paths import inside
 from .tensor_parallel import hidden_size, merged, split_axis, whole_shards
 from .torch_optim import is_optimizer_state, optimizer_state
@@ -802,7 +803,6 @@ def _optimizer(
 
 # ----------------------------------------------------------------- distributed optimizer
 
-_ALIGN = 64  # a parameter starts at a multiple of 64 elements of its bucket (core_v0.16.1)
 _HYPER = ("lr", "betas", "eps", "amsgrad")
 
 
@@ -942,22 +942,10 @@ def _own_bucket(rank: _Rank) -> set[str]:
 def _places(
     names: list[str], weights: dict, bucket: int | None, own: set[str] = frozenset()
 ) -> dict[str, tuple[int, int]]:
-    """Each parameter's ``(start, end)`` in the buffer's flat tensors, bucket padding dropped:
-    reverse order, 64-aligned within a bucket, a new bucket once one holds ``bucket``; one of
-    ``own`` closes the bucket before it (its 64-alignment padding kept there, as Megatron
-    pads the start first) and its own after it."""
-    places, cursor, bucket_start, fresh = {}, 0, 0, True
-    for name in reversed(names):
-        start = cursor if fresh else -(-cursor // _ALIGN) * _ALIGN
-        if name in own:
-            bucket_start = start
-        end = start + weights[name].numel()
-        places[name] = (start, end)
-        fresh = name in own or (bucket is not None and end - bucket_start >= bucket)
-        if fresh:
-            bucket_start = end
-        cursor = end
-    return places
+    """Each parameter's ``(start, end)`` in the buffer's flat tensors: Megatron's buckets
+    (``megatron_buckets``) side by side, their end padding dropped."""
+    numels = {n: weights[n].numel() for n in names}
+    return concatenated(buckets(names, numels, bucket_size=bucket, own=own))
 
 
 def _check_layout(file: Path, dtype, tensors: dict, places: dict, weights: dict) -> None:
