@@ -32,8 +32,11 @@ shims also make its ``device='cuda'`` buffers on the CPU and name CPU tensors
 ``torch.cuda.*`` as it sorts them), saved as Megatron-LM's ``save_checkpoint``
 asks for them by default (the unwrapped model's sharded dict; the optimizer's
 with ``distrib_optim_sharding_type`` ``dp_reshardable``: each bucket's flat
-state under ``optimizer.distributed.``); the reference is then the model's
-weights alone.
+state under ``optimizer.distributed.``). Its reference adds the moments as the
+distributed optimizer holds them once its own ``load_state_dict`` has read the
+loaded buckets: each rank's range of every parameter, gathered whole
+(``distopt.<name>.exp_avg``, ``.exp_avg_sq``), and the param groups' step,
+betas, lr and eps (``distopt.step``...).
 
 Then Megatron's own ``dist_checkpointing.load`` reads each step back into
 the sharded state dict of a freshly built model and optimizer, saved as
@@ -165,7 +168,7 @@ def optimizer_for(model):
         torch.tensor = real_tensor
 
 
-def state_dict(model, optimizer, iteration: int) -> dict:
+def state_dict(model, optimizer, iteration: int, *, is_loading: bool = False) -> dict:
     if DISTOPT:  # as Megatron-LM's save_checkpoint asks for them (checkpointing.py)
         from megatron.core import parallel_state
 
@@ -178,7 +181,9 @@ def state_dict(model, optimizer, iteration: int) -> dict:
             optimizer_sd = None
         else:
             with cuda_tensors_on_cpu():
-                optimizer_sd = optimizer.sharded_state_dict({"model": model_sd}, metadata=metadata)
+                optimizer_sd = optimizer.sharded_state_dict(
+                    {"model": model_sd}, is_loading=is_loading, metadata=metadata
+                )
     else:
         model_sd = model.sharded_state_dict()
         optimizer_sd = optimizer.sharded_state_dict(model_sd)
@@ -249,8 +254,12 @@ def reference(out: Path) -> None:
     (out / "reference").mkdir(exist_ok=True)
     for iteration in range(1, STEPS + 1):
         model = build()
-        if DISTOPT:  # the model alone: gradclip reads no distributed optimizer's buckets
-            wanted = state_dict(model, None, iteration)
+        if DISTOPT:  # loaded as Megatron-LM loads it: the sharded dict asked for loading
+            ddp = model
+            optimizer = optimizer_for(model)
+            with cuda_tensors_on_cpu():  # a step on zero gradients makes the state to load into
+                optimizer.step()
+            wanted = state_dict(model, optimizer, iteration, is_loading=True)
             model = model.module
         else:
             optimizer = optimizer_for(model)
@@ -263,6 +272,12 @@ def reference(out: Path) -> None:
         _main_replicas(wanted, "", main)
         loaded = dist_checkpointing.load(wanted, str(out / "run" / f"iter_{iteration:07d}"))
         flat: dict = {}
+        if DISTOPT:  # the optimizer's own state once it has loaded its buckets
+            optimizer_sd = loaded.pop("optimizer")
+            flat["optimizer.param_state_sharding_type"] = optimizer_sd["param_state_sharding_type"]
+            with cuda_tensors_on_cpu(), torch.no_grad():  # it copies into the main params
+                optimizer.load_state_dict(optimizer_sd)
+            flat.update(_distributed_moments(ddp, optimizer))
         _flatten(loaded, "", flat)
         if TP > 1:  # each rank's own shards, a replicated tensor from its main replica alone
             flat = {k: v for k, v in flat.items() if main.get(k, True)}
@@ -281,6 +296,55 @@ def reference(out: Path) -> None:
         elif dist.get_rank() == 0:
             torch.save(flat, out / "reference" / f"iter_{iteration}.pt")
         dist.barrier()
+
+
+def _distributed_moments(ddp, optimizer) -> dict:
+    """Each parameter's moments as the distributed optimizer holds them after its own load,
+    gathered over the data-parallel ranks (each holds a range of every bucket):
+    ``distopt.<name>.{exp_avg,exp_avg_sq}`` whole, by Megatron's sharded names, and the
+    param groups' ``step``, ``betas``, ``lr`` and ``eps``."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    names = {
+        v.data.data_ptr(): _layer_name(v)
+        for v in ddp.module.sharded_state_dict().values()
+        if isinstance(v, ShardedTensor)
+    }
+    (optimizer,) = optimizer.chained_optimizers  # get_megatron_optimizer's one
+    mine = []  # (name, start in the flattened parameter, exp_avg, exp_avg_sq)
+    for ranges in optimizer.gbuf_ranges:
+        for per_bucket in ranges.values():
+            for bucket in per_bucket:
+                for param, where in bucket["param_map"].items():
+                    state = optimizer._get_main_param_and_optimizer_states(param)
+                    mine.append(
+                        (
+                            names[param.data_ptr()],
+                            where["param"].start,
+                            state["exp_avg"].detach().clone(),
+                            state["exp_avg_sq"].detach().clone(),
+                        )
+                    )
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    out: dict = {}
+    shapes = {
+        _layer_name(v): torch.Size(v.local_shape)
+        for v in ddp.module.sharded_state_dict().values()
+        if isinstance(v, ShardedTensor)
+    }
+    for name, shape in shapes.items():
+        pieces = sorted((s, a, b) for rank in every for n, s, a, b in rank if n == name)
+        for i, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
+            whole = torch.cat([p[i] for p in pieces])
+            assert [p[0] for p in pieces][0] == 0 and whole.numel() == shape.numel()
+            out[f"distopt.{name}.{key}"] = whole.view(shape)
+    # One step and one set of hyperparameters over the groups (else the reference is wrong).
+    (hyper,) = {(g["step"], *g["betas"], g["lr"], g["eps"]) for g in optimizer.param_groups}
+    out.update(
+        zip(("distopt.step", "distopt.beta1", "distopt.beta2", "distopt.lr", "distopt.eps"), hyper)
+    )
+    return out
 
 
 def _layer_name(sharded) -> str:
