@@ -256,18 +256,32 @@ def test_the_distributed_optimizer_fixture(megatron_distopt_run):
     assert b"bucket_idx_2.exp_avg" in metadata and b"optimizer.state.exp_avg" not in metadata
 
 
+def _distributed_measured(ref: dict, what: str) -> dict[str, torch.Tensor]:
+    """Each parameter's quantity from the moments the distributed optimizer holds after its
+    own load of the buckets (``megatron_run.py``'s ``distopt.*``), in float64."""
+    beta1, beta2 = ref["distopt.beta1"], ref["distopt.beta2"]
+    lr, eps, step = ref["distopt.lr"], ref["distopt.eps"], float(ref["distopt.step"])
+    out = {}
+    for key in ref:
+        if key.startswith("distopt.") and key.endswith(".exp_avg"):
+            name = key[len("distopt.") : -len(".exp_avg")]
+            m = ref[key].double() / (1 - beta1**step)
+            v = ref[f"distopt.{name}.exp_avg_sq"].double() / (1 - beta2**step)
+            quantities = {"exp_avg": m, "grad_rms": v.sqrt(), "update": lr * m / (v.sqrt() + eps)}
+            out[name] = quantities[what]
+    return out
+
+
 @pytest.mark.parametrize("step", STEPS)
 def test_the_distributed_optimizers_weights_against_megatrons_load(
     gradclip, megatron_distopt_run, step
 ):
     weights = _weights(_reference(megatron_distopt_run, step))
-    result = gradclip(
-        "inspect", megatron_distopt_run / "run" / f"iter_{step:07d}", "--format", "json"
-    )
+    folder = megatron_distopt_run / "run" / f"iter_{step:07d}"
+    result = gradclip("inspect", folder, "--what", "weights", "--format", "json")
     assert result.code == 0, result.err
     doc = result.json()
-    assert (doc["step"], doc["what"]) == (step, "weights")  # auto: the moments are not read
-    assert "distributed optimizer's ('dp_reshardable'" in " ".join(doc["description"])
+    assert (doc["step"], doc["what"]) == (step, "weights")
     assert rel_err(doc["total_norm"], norm(weights.values())) <= TOL
     rows = {t["name"]: t for t in doc["tensors"]}
     assert set(rows) == set(weights)
@@ -279,31 +293,110 @@ def test_the_distributed_optimizers_weights_against_megatrons_load(
         assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
 
 
+@pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("what", QUANTITIES)
-def test_the_distributed_optimizers_moments_are_refused(gradclip, megatron_distopt_run, what):
-    """Its buckets are not read: each moment is exit 3, saying why, and offers the weights."""
-    result = gradclip("inspect", megatron_distopt_run / "run", "--what", what)
-    one_line_exit_3(result, "distributed optimizer", "dp_reshardable", "--what weights")
+def test_the_distributed_optimizers_moments_against_megatrons_load(
+    gradclip, megatron_distopt_run, step, what
+):
+    """Each parameter's moments cut out of the buckets, against the state Megatron's own
+    distributed optimizer holds once it has loaded them."""
+    ref = _reference(megatron_distopt_run, step)
+    expected = _distributed_measured(ref, what)
+    weights = _weights(ref)
+    folder = megatron_distopt_run / "run" / f"iter_{step:07d}"
+    result = gradclip("inspect", folder, "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["step"], doc["what"]) == (step, what)
+    assert "dp_reshardable buckets" in " ".join(doc["description"])
+    assert set(expected) == set(weights)  # every parameter has its moments
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert row["shape"] == list(weights[name].shape)
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+        assert rel_err(row["ratio"], norm([expected[name]]) / norm([weights[name]])) <= TOL
+    groups = {g["name"]: g for g in doc["groups"]}
+    for layer in (0, 1):  # each stacked layer a group of its own
+        members = [t for n, t in expected.items() if n.startswith(f"decoder.layers.{layer}.")]
+        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
+
+
+def test_auto_measures_the_distributed_optimizers_first_moment(gradclip, megatron_distopt_run):
+    result = gradclip("inspect", megatron_distopt_run / "run", "--format", "json")
+    assert result.code == 0, result.err
+    assert result.json()["what"] == "exp_avg"
 
 
 def test_trend_over_the_distributed_optimizers_save_folder(gradclip, megatron_distopt_run):
-    result = gradclip("trend", megatron_distopt_run / "run", "--format", "json")
+    run = megatron_distopt_run / "run"
+    result = gradclip("trend", run, "--what", "grad_rms", "--format", "json")
     assert result.code == 0, result.err
     points = result.json()["points"]
     assert [p["step"] for p in points] == list(STEPS)
     for point, step in zip(points, STEPS):
-        weights = _weights(_reference(megatron_distopt_run, step))
-        assert rel_err(point["total_norm"], norm(weights.values())) <= TOL
+        expected = _distributed_measured(_reference(megatron_distopt_run, step), "grad_rms")
+        assert rel_err(point["total_norm"], norm(expected.values())) <= TOL
 
 
-def test_a_truncated_chunk_of_the_distributed_optimizers_save(
-    gradclip, megatron_distopt_run, tmp_path
-):
-    save = tmp_path / "save"
-    shutil.copytree(megatron_distopt_run / "run", save)
-    shard = sorted((save / "iter_0000003").glob("*.distcp"))[-1]
+@pytest.fixture
+def distopt_save(megatron_distopt_run, tmp_path) -> Path:
+    target = tmp_path / "save"
+    shutil.copytree(megatron_distopt_run / "run", target)
+    return target
+
+
+def _rewrite_metadata(folder: Path, rename) -> None:
+    """Rewrite a real ``.metadata``: each key through ``rename`` (None drops it)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    meta = pickle.loads((folder / ".metadata").read_bytes())  # the fixture's own: trusted
+    meta.state_dict_metadata = {
+        rename(k): v for k, v in meta.state_dict_metadata.items() if rename(k) is not None
+    }
+    meta.storage_data = {
+        MetadataIndex(rename(i.fqn), i.offset, i.index): v
+        for i, v in meta.storage_data.items()
+        if rename(i.fqn) is not None
+    }
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+def test_a_missing_bucket(gradclip, distopt_save):
+    _rewrite_metadata(distopt_save / "iter_0000003", lambda k: None if ".bucket_idx_2." in k else k)
+    result = gradclip("inspect", distopt_save, "--what", "exp_avg")
+    one_line_exit_3(result, ".metadata", "buckets", "laid out")
+
+
+def test_buckets_whose_sizes_do_not_fit_the_layout(gradclip, distopt_save):
+    swap = {".bucket_idx_0.": ".bucket_idx_1.", ".bucket_idx_1.": ".bucket_idx_0."}
+
+    def rename(key):
+        for a, b in swap.items():
+            if a in key:
+                return key.replace(a, b)
+        return key
+
+    _rewrite_metadata(distopt_save / "iter_0000003", rename)
+    result = gradclip("inspect", distopt_save, "--what", "update")
+    one_line_exit_3(result, ".metadata", "Megatron's layout")
+
+
+def test_a_bucket_of_another_step(gradclip, distopt_save):
+    """Step 2's bucket chunks in step 3's files: their params are not the weights."""
+    new, old = distopt_save / "iter_0000003", distopt_save / "iter_0000002"
+    for shard in sorted(new.glob("__1_*.distcp")):  # the second rank's: buckets only
+        shutil.copy(old / shard.name, shard)
+    result = gradclip("inspect", distopt_save, "--what", "grad_rms")
+    one_line_exit_3(result, "__1_", ".distcp", "is not its weight")
+
+
+@pytest.mark.parametrize("what", ["weights", "exp_avg"])
+def test_a_truncated_bucket_file(gradclip, distopt_save, what):
+    shard = sorted((distopt_save / "iter_0000003").glob("__1_*.distcp"))[-1]  # buckets only
     shard.write_bytes(shard.read_bytes()[:100])
-    one_line_exit_3(gradclip("inspect", save, "--what", "weights"), shard.name)
+    one_line_exit_3(gradclip("inspect", distopt_save, "--what", what), shard.name, "truncated")
 
 
 def test_two_ranks_print_the_one_process_distributed_optimizer_report(
@@ -311,8 +404,9 @@ def test_two_ranks_print_the_one_process_distributed_optimizer_report(
 ):
     run = megatron_distopt_run / "run"
     jobs = [
-        {"args": ["inspect", str(run), "--format", fmt, "--no-progress"]}
+        {"args": ["inspect", str(run), "--what", what, "--format", fmt, "--no-progress"]}
+        for what in (*QUANTITIES, "weights")
         for fmt in ("table", "json")
     ]
-    jobs.append({"args": ["trend", str(run), "--format", "json"]})
+    jobs.append({"args": ["trend", str(run), "--what", "update", "--format", "json"]})
     same_under_torchrun(jobs, tmp_path)

@@ -23,6 +23,14 @@ split off as a tensor of its own, ``decoder.layers.3.mlp.linear_fc1.weight``,
 so the report's groups name the layer. A tensor under ``layers`` whose chunks
 do not each hold one layer is refused: its layers cannot be told apart.
 
+With Megatron's distributed optimizer, saved as Megatron-LM saves it by default
+(``common.pt``'s ``optimizer.param_state_sharding_type`` ``dp_reshardable``), the
+moments are not per parameter: each grad-buffer bucket is flat tensors under
+``optimizer.distributed.`` and the step is in its param groups' object there;
+``_bucketed`` cuts each parameter's moments out of them by Megatron's bucket
+layout (``megatron_buckets``, shared with the legacy ``distrib_optim.pt``), checked
+against the model's tensors. Another sharding type is refused, saying so.
+
 A tracker naming a legacy iteration (``iter_N/mp_rank_XX/model_optim_rng.pt``) hands it
 to ``megatron_legacy``.
 
@@ -33,9 +41,12 @@ whose tracker names such a folder inside it.
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 from pathlib import Path
+
+import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
@@ -49,6 +60,7 @@ from gradclip_cli.source.interface import Contents, OptimizerState, Piece, Store
 from . import dcp_folder
 from . import dcp_frameworks as frameworks
 from . import megatron_legacy as legacy
+from .megatron_buckets import buckets, fits_one_bucket_size
 from .paths import inside, json_head_keys, read_json
 
 KIND = "megatron"
@@ -120,7 +132,14 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             f"{said}, optimizer.state entries, {_COMMON}'s step and betas"
     held = f"optimizer state for {len(optimizer.state) if optimizer else 0} parameters"
     sharding = _distributed_sharding(folder, root) if optimizer is None else None
-    if sharding is not None:
+    if sharding == repr("dp_reshardable"):
+        optimizer, held = _bucketed(folder, split, weights)
+        contents.optimizers.append(optimizer)
+        contents.evidence[roles.OPTIMIZER_STATE] = (
+            f"{said}, the distributed optimizer's dp_reshardable buckets "
+            "(optimizer.distributed.*), their param groups' step and betas"
+        )
+    elif sharding is not None:
         held = (
             "the optimizer state is Megatron's distributed optimizer's "
             f"({visible(sharding)}: flat grad-buffer buckets, optimizer.distributed.*), "
@@ -276,3 +295,200 @@ def _iteration(root: dict, common_file: Path, folder: Path) -> int | None:
         found = re.fullmatch(r"iter_(\d+)", folder.name)
         return int(found.group(1)) if found else None
     return frameworks.int_value(value, common_file, "iteration")
+
+
+# ----------------------------------------------------------------- distributed optimizer
+
+_BUCKET = re.compile(
+    r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)"
+    r"\.dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)"
+)
+_GROUPS = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+_HYPER = ("lr", "betas", "eps", "amsgrad")
+
+
+def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerState, str]:
+    """The distributed optimizer's ``dp_reshardable`` state as per-parameter moments.
+
+    ``DistributedOptimizer.sharded_param_state_dp_reshardable`` (core_v0.16.1) saves each
+    bucket of each grad buffer as flat tensors of its ``numel_unpadded`` elements,
+    ``optimizer.distributed.dp_group_idx_0.gbuf_idx_G.dtype_(param, grad).bucket_idx_K.
+    {param,exp_avg,exp_avg_sq}``, one chunk per parameter's range (or padding's, its
+    elements left unset) on each data-parallel rank, and the param groups (their ``step``)
+    as ``optimizer.distributed.dp_group_idx_0.optimizer``. The parameters' places are
+    rebuilt as Megatron's DDP lays them out (``megatron_buckets``), from the model's order
+    (the metadata's, each stacked layer in turn), the buffers by parameter dtype, each
+    bucket closing at its saved length; then checked before any moment is read: one bucket
+    size closes them all so, every chunk lies within one parameter or between two, and
+    each parameter's ``param`` (its fp32 main copy) rounded to the model's dtype is the
+    model's tensor, bit for bit. Else the checkpoint is refused, naming ``.metadata``."""
+    where = folder.metadata_file
+
+    def unfit(why: str, file: Path = where) -> InputError:
+        return InputError(
+            f"{file}: the distributed optimizer's buckets do not fit Megatron's layout of "
+            f"the model's parameters ({why}): gradclip cannot tell which elements are whose"
+        )
+
+    found: dict[int, tuple[str, dict[int, dict[str, StoredTensor]]]] = {}
+    for key, tensor in folder.tensors.items():
+        if not key.startswith("optimizer.distributed."):
+            continue
+        part = _BUCKET.fullmatch(key)
+        if part is None:
+            raise InputError(
+                f"{where}: holds {visible(repr(key))[:120]}, not a bucket's param, exp_avg or "
+                "exp_avg_sq of Megatron's dp_reshardable distributed optimizer"
+            )
+        if part.group(1) != "0":
+            raise InputError(
+                f"{where}: holds the distributed optimizer's buckets of several model-parallel "
+                f"groups (dp_group_idx_{part.group(1)}); gradclip reads those of one "
+                "(no tensor or pipeline parallelism)"
+            )
+        dtype, entry = found.setdefault(int(part.group(2)), (part.group(3), {}))
+        if dtype != part.group(3):
+            raise unfit(f"grad buffer {part.group(2)} holds buckets of two dtypes")
+        if tensor.dtype != torch.float32 or len(tensor.shape) != 1:
+            raise unfit(f"{visible(repr(key))[:120]} is not a flat fp32 tensor")
+        entry.setdefault(int(part.group(5)), {})[part.group(6)] = tensor
+    order = _model_order(split)
+    by_dtype: dict[str, list[str]] = {}
+    for name in order:  # Megatron's DDP: one grad buffer per parameter dtype, model order
+        by_dtype.setdefault(str(weights[name].dtype), []).append(name)
+    buffer_dtypes = [found[g][0] for g in sorted(found)]
+    if sorted(found) != list(range(len(found))) or buffer_dtypes != list(by_dtype):
+        raise unfit(
+            f"grad buffers of {buffer_dtypes}, the model's parameters are {list(by_dtype)}"
+        )
+    step, group = _bucket_groups(folder)
+    index = {name: i for i, name in enumerate(order)}
+    state: dict[int, dict] = {}
+    count = 0
+    for g, names in zip(sorted(found), by_dtype.values()):
+        dtype, per_bucket = found[g]
+        if sorted(per_bucket) != list(range(len(per_bucket))):
+            raise unfit(f"grad buffer {g}'s buckets are not numbered 0, 1, ...")
+        tensors = []
+        for k in sorted(per_bucket):
+            entry = per_bucket[k]
+            if (
+                set(entry) != {"param", "exp_avg", "exp_avg_sq"}
+                or len({t.shape for t in entry.values()}) != 1
+            ):
+                raise unfit(
+                    f"bucket {k} of grad buffer {g} is not param, exp_avg and exp_avg_sq "
+                    "of one length"
+                )
+            tensors.append(entry)
+        sizes = [t["param"].shape[0] for t in tensors]
+        numels = {n: weights[n].numel() for n in names}
+        layout = buckets(names, numels, sizes=sizes)
+        laid = [b.numel_unpadded for b in layout]
+        if laid != sizes:
+            raise unfit(f"buckets of {laid} elements laid out, grad buffer {g} holds {sizes}")
+        if not fits_one_bucket_size(layout):
+            raise unfit(f"grad buffer {g}'s buckets close where no one bucket size closes them")
+        count += len(layout)
+        for k, (bucket, entry) in enumerate(zip(layout, tensors)):
+            _check_chunks(entry, bucket, unfit, f"bucket {k}")
+            for name, (start, end) in bucket.places.items():
+                shape = weights[name].shape
+                moments = {
+                    key: _flat_range(f"{name}.{key}", shape, entry[key], start, end)
+                    for key in ("param", "exp_avg", "exp_avg_sq")
+                }
+                weight = weights[name].read().reshape(-1)
+                for piece in moments.pop("param").pieces:  # each rank's part, from its file
+                    lo, hi = piece.offsets[0], piece.offsets[0] + piece.shape[0]
+                    if not torch.equal(piece.read().to(weight.dtype), weight[lo:hi]):
+                        raise unfit(
+                            f"{visible(name)}'s slice of bucket {k}'s param is not its weight",
+                            piece.file or where,
+                        )
+                state[index[name]] = {**moments, "step": step}
+    group = {**group, "params": sorted(state)}
+    held = (
+        f"optimizer state for {len(state)} parameters from the distributed optimizer's "
+        f"{count} dp_reshardable buckets (optimizer.distributed.*), each parameter's slice "
+        "placed by Megatron's bucket layout and checked against the model's tensors"
+    )
+    return OptimizerState([group], state, {i: order[i] for i in state}, where), held
+
+
+def _model_order(split) -> list[str]:
+    """The model's parameters in Megatron's order: the metadata's, each stacked block's
+    layers in turn (layer 0's tensors, then layer 1's...)."""
+    out: list[str] = []
+    done: set[str] = set()
+    keys = [k for k in split if not k.startswith("optimizer.")]
+    for key in keys:
+        if key in done:
+            continue
+        stacked = _LAYERS.match(key)
+        if not stacked:
+            out.append(split[key][0][0])
+            continue
+        block = [k for k in keys if (m := _LAYERS.match(k)) and m.group(0) == stacked.group(0)]
+        done.update(block)
+        for layer in range(max(len(split[k]) for k in block)):
+            out += [split[k][layer][0] for k in block if layer < len(split[k])]
+    return out
+
+
+def _bucket_groups(folder: dcp_folder.DcpFolder) -> tuple[int | float, dict]:
+    """The distributed optimizer's param groups (``DistributedOptimizer.state_dict``'s, saved
+    as one object): the one Adam step of every parameter, and the hyperparameters."""
+    where = folder.metadata_file
+    if _GROUPS not in folder.meta.entries:
+        raise InputError(
+            f"{where}: holds no {_GROUPS} (the distributed optimizer's param groups: "
+            "its step, betas, lr and eps)"
+        )
+    value = folder.value(_GROUPS)
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]  # the object as Megatron's torch_dist saves it: in a list
+    groups = value.get("param_groups") if isinstance(value, dict) else None
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        raise InputError(f"{where}: {_GROUPS} is not the distributed optimizer's param groups")
+    hyper = {k: groups[0].get(k) for k in _HYPER}
+    if any({k: g.get(k) for k in _HYPER} != hyper for g in groups):
+        raise InputError(
+            f"{where}: the distributed optimizer's param groups differ in lr, betas or eps, "
+            "and Megatron does not save which parameters each holds"
+        )
+    steps = {g.get("step") for g in groups}
+    step = next(iter(steps))
+    if len(steps) != 1 or isinstance(step, bool) or not isinstance(step, (int, float)):
+        raise InputError(f"{where}: the distributed optimizer's param groups give no one step")
+    if isinstance(step, float) and step.is_integer():
+        step = int(step)
+    return step, {k: v for k, v in groups[0].items() if k not in ("params", "step")}
+
+
+def _check_chunks(entry: dict, bucket, unfit, which: str) -> None:
+    """Every saved chunk lies within one parameter's range or between two (Megatron saves
+    each rank's range of each parameter, and each padding, as a chunk of its own)."""
+    edges = sorted({e for place in bucket.places.values() for e in place})
+    for key, tensor in entry.items():
+        for piece in tensor.pieces:
+            lo, hi = piece.offsets[0], piece.offsets[0] + piece.shape[0]
+            inside_edges = bisect.bisect_right(edges, lo) != bisect.bisect_left(edges, hi)
+            if inside_edges:
+                raise unfit(f"{which}'s {key} has a chunk {lo}..{hi} across a parameter's edge")
+
+
+def _flat_range(name: str, shape, tensor: StoredTensor, start: int, end: int) -> StoredTensor:
+    """Elements ``start..end`` of a flat stored tensor, as a tensor of ``shape``."""
+    pieces = []
+    for piece in tensor.pieces:
+        lo = max(start, piece.offsets[0])
+        hi = min(end, piece.offsets[0] + piece.shape[0])
+        if lo < hi:
+            cut = (lo - piece.offsets[0], hi - piece.offsets[0])
+            pieces.append(Piece((lo - start,), (hi - lo,), _cut(piece.read, *cut), piece.file))
+    return StoredTensor(name, shape, tensor.dtype, pieces, flat=True)
+
+
+def _cut(read, lo: int, hi: int):
+    return lambda: read()[lo:hi]
