@@ -122,9 +122,19 @@ def megatron_distopt_run(framework_python, tmp_path_factory) -> Path:
     """Megatron-core's DDP and distributed optimizer on 2 data-parallel ranks, saved as
     ``torch_dist`` the way Megatron-LM's ``save_checkpoint`` does by default (the optimizer's
     state as ``dp_reshardable`` grad-buffer buckets): ``run/iter_000000{1,2,3}`` and
-    ``reference/`` (the weights Megatron loads)."""
+    ``reference/`` (the weights Megatron loads, and the moments its optimizer holds once it
+    has loaded the buckets)."""
     out = tmp_path_factory.mktemp("megatron_distopt")
     return run_generator(framework_python, "megatron_run.py", out, 2, "distopt")
+
+
+@pytest.fixture(scope="session")
+def megatron_distopt_odd_run(framework_python, tmp_path_factory) -> Path:
+    """As ``megatron_distopt_run``, with buckets of 1100 elements: the first bucket closes
+    on a layer norm's 16 elements, so the next bucket's start is no multiple of 64 in the
+    buckets laid side by side."""
+    out = tmp_path_factory.mktemp("megatron_distopt_odd")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "distopt", "bucket=1100")
 
 
 @pytest.fixture(scope="session")

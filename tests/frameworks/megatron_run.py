@@ -26,7 +26,7 @@ calls ``torch.cuda.synchronize()`` (nothing to wait for here).
 With ``tp`` after OUT the ranks are tensor parallel instead (Megatron splits
 the attention and MLP matrices across them; every rank sees the same batch).
 With ``distopt`` they are data parallel through Megatron's own DDP (its grad
-buffers, buckets of 3000 elements) and distributed optimizer
+buffers, buckets of 3000 elements, or N with ``bucket=N``) and distributed optimizer
 (``get_megatron_optimizer``, each rank stepping its share of every bucket; the
 shims also make its ``device='cuda'`` buffers on the CPU and name CPU tensors
 ``torch.cuda.*`` as it sorts them), saved as Megatron-LM's ``save_checkpoint``
@@ -60,6 +60,7 @@ import torch.distributed as dist
 VOCAB, SEQUENCE, STEPS, LAYERS, HIDDEN, HEADS = 64, 8, 3, 2, 16, 4  # a caller may enlarge them
 TP = 1  # tensor-parallel ranks: ``tp`` after OUT makes every rank one (argv)
 DISTOPT = False  # ``distopt`` after OUT: Megatron's distributed optimizer over the ranks
+BUCKET = 3000  # ``bucket=N`` after ``distopt``: a grad-buffer bucket closes at N elements
 # Megatron-LM's default for the distributed optimizer under torch_dist (checkpointing.py's
 # _build_sharded_state_dict_metadata, without --dist-ckpt-optim-fully-reshardable)
 SHARDING = {
@@ -102,7 +103,7 @@ def build():
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=True,
             overlap_grad_reduce=True,
-            bucket_size=3000,  # several buckets
+            bucket_size=BUCKET,  # several buckets
         )
         model = DistributedDataParallel(config, ddp, model)
     return model
@@ -390,7 +391,9 @@ if __name__ == "__main__":
     target = Path(sys.argv[1])
     if sys.argv[2:] == ["tp"]:
         TP = int(os.environ["WORLD_SIZE"])
-    DISTOPT = sys.argv[2:] == ["distopt"]
+    DISTOPT = sys.argv[2:3] == ["distopt"]
+    for flag in sys.argv[3:]:
+        BUCKET = int(flag.removeprefix("bucket="))
     dist.init_process_group("gloo")
     try:
         main(target)

@@ -323,6 +323,28 @@ def test_the_distributed_optimizers_moments_against_megatrons_load(
         assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
 
 
+@pytest.mark.parametrize("what", QUANTITIES)
+def test_buckets_whose_lengths_are_off_the_64_element_grid(
+    gradclip, megatron_distopt_odd_run, what
+):
+    """Buckets of 1100 elements close on a layer norm: their lengths are no multiple of 64,
+    and each bucket's parameters are 64-aligned from its own start (Megatron pads the
+    bucket's end), not from the buckets' lengths summed."""
+    run = megatron_distopt_odd_run
+    meta = pickle.loads((run / "run" / "iter_0000003" / ".metadata").read_bytes())
+    sizes = [v.size[0] for k, v in meta.state_dict_metadata.items() if k.endswith(".param")]
+    assert len(sizes) > 3 and any(n % 64 for n in sizes[:-1])
+    expected = _distributed_measured(_reference(run, 3), what)
+    result = gradclip("inspect", run / "run", "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+
+
 def test_auto_measures_the_distributed_optimizers_first_moment(gradclip, megatron_distopt_run):
     result = gradclip("inspect", megatron_distopt_run / "run", "--format", "json")
     assert result.code == 0, result.err
