@@ -431,6 +431,33 @@ def test_a_non_zero_padding_element(gradclip, distopt_runs, tmp_path, key):
     one_line_exit_3(gradclip("inspect", distopt_save), "mp_rank_00", DISTRIB, "padding")
 
 
+@pytest.fixture(scope="module")
+def distopt_odd_run(megatron_lm_runs, tmp_path_factory) -> Path:
+    """The distributed optimizer on 2 data-parallel ranks (bf16, tied) in buckets of 1100
+    elements: a bucket closes on a layer norm, so its length is no multiple of 64 and the
+    next bucket starts off the 64-element grid in distrib_optim.pt's buckets side by side."""
+    folder = tmp_path_factory.mktemp("megatron_lm_distopt_odd")
+    return run_generator(
+        megatron_lm_runs["python"],
+        "megatron_lm_run.py",
+        folder,
+        2,
+        "tied",
+        "bf16",
+        "distopt",
+        "bucket=1100",
+    )
+
+
+@pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+def test_buckets_whose_lengths_are_off_the_64_element_grid(gradclip, distopt_odd_run, what):
+    """Each bucket's parameters are 64-aligned from the bucket's own start (Megatron pads
+    each bucket's end), not from the buckets' lengths summed."""
+    _same_places(distopt_odd_run)
+    refs = _references(distopt_odd_run, 3)
+    _inspected_as_loaded(gradclip, distopt_odd_run, 3, what, refs, layers=(0, 1))
+
+
 def test_megatrons_places_are_the_moments(distopt_runs):
     """The fixture's flat tensors hold each parameter's state at Megatron's own places (the
     reference that the per-parameter checks above rest on)."""
@@ -566,8 +593,13 @@ def test_one_stage_alone(gradclip, pp_runs, what):
     ref = _stage_refs(run, 3)[1]
     expected = _expected([ref], what)
     del expected["output_layer.weight"]  # the tied copy, which Megatron's norm skips
-    _folder_alone(gradclip, run / "run" / "iter_0000003" / STAGE.format(1), what, expected,
-                  {"decoder.layers.1", "decoder.layers.2"})
+    _folder_alone(
+        gradclip,
+        run / "run" / "iter_0000003" / STAGE.format(1),
+        what,
+        expected,
+        {"decoder.layers.1", "decoder.layers.2"},
+    )
 
 
 def _folder_alone(gradclip, folder: Path, what: str, expected: dict, layers: set[str]) -> None:
@@ -785,8 +817,13 @@ def test_one_tensor_parallel_rank_of_a_stage_alone(gradclip, tp_pp_runs, what):
     ref = _stage_refs(run, 3)[3]
     expected = _expected([{**ref, "counted": dict.fromkeys(ref["counted"], True)}], what)
     del expected["output_layer.weight"]
-    _folder_alone(gradclip, run / "run" / "iter_0000003" / "mp_rank_01_001", what, expected,
-                  {"decoder.layers.2", "decoder.layers.3"})
+    _folder_alone(
+        gradclip,
+        run / "run" / "iter_0000003" / "mp_rank_01_001",
+        what,
+        expected,
+        {"decoder.layers.2", "decoder.layers.3"},
+    )
 
 
 def test_trend_over_the_tensor_and_pipeline_save_folder(gradclip, tp_pp_run):
