@@ -1111,11 +1111,7 @@ def _check_partition_sizes(optims: list[Checkpoint], flats, stage: int) -> list[
         stored = [t.numel() for t in flats[r]]
         if stage <= 2:
             pads = _osd(optims[r]).get("group_paddings")
-            if (
-                not isinstance(pads, (list, tuple))
-                or len(pads) != len(stored)
-                or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pads)
-            ):
+            if not _counts(pads, len(stored)):
                 raise InputError(
                     f"{optims[r].path}: group_paddings is "
                     f"{visible(repr(pads))}, not one padding per group"
@@ -1132,6 +1128,12 @@ def _check_partition_sizes(optims: list[Checkpoint], flats, stage: int) -> list[
                 "partitions every group equally"
             )
     return expected
+
+
+def _counts(value, n: int) -> bool:
+    """Whether ``value`` is a list of ``n`` whole numbers >= 0 (DeepSpeed's paddings)."""
+    return (isinstance(value, (list, tuple)) and len(value) == n
+            and all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in value))
 
 
 # A place: where one parameter's elements lie, as (rank, group, start, length, at) runs:
@@ -1160,11 +1162,7 @@ def _zero2_places(shapes, flats, world: int, first: Checkpoint) -> dict[str, Pla
         pads = None
         if isinstance(paddings, (list, tuple)) and g < len(paddings):
             pads = paddings[g]
-            if (
-                not isinstance(pads, (list, tuple))
-                or len(pads) != len(group)
-                or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pads)
-            ):
+            if not _counts(pads, len(group)):
                 raise InputError(
                     f"{first.path}: param_alignment_paddings of group {g} do not "
                     f"match its {len(group)} parameters"

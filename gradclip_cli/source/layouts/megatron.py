@@ -60,7 +60,7 @@ from gradclip_cli.source.interface import Contents, OptimizerState, Piece, Store
 from . import dcp_folder
 from . import dcp_frameworks as frameworks
 from . import megatron_legacy as legacy
-from .megatron_buckets import buckets, fits_one_bucket_size
+from .megatron_buckets import buckets, fits_one_bucket_size, one_setting
 from .paths import inside, json_head_keys, read_json
 
 KIND = "megatron"
@@ -304,7 +304,6 @@ _BUCKET = re.compile(
     r"\.dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)"
 )
 _GROUPS = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
-_HYPER = ("lr", "betas", "eps", "amsgrad")
 
 
 def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerState, str]:
@@ -451,8 +450,7 @@ def _bucket_groups(folder: dcp_folder.DcpFolder) -> tuple[int | float, dict]:
     groups = value.get("param_groups") if isinstance(value, dict) else None
     if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
         raise InputError(f"{where}: {_GROUPS} is not the distributed optimizer's param groups")
-    hyper = {k: groups[0].get(k) for k in _HYPER}
-    if any({k: g.get(k) for k in _HYPER} != hyper for g in groups):
+    if not one_setting(groups):
         raise InputError(
             f"{where}: the distributed optimizer's param groups differ in lr, betas or eps, "
             "and Megatron does not save which parameters each holds"

@@ -98,3 +98,14 @@ def concatenated(layout: Sequence[Bucket]) -> dict[str, tuple[int, int]]:
             out[name] = (offset + start, offset + end)
         offset += bucket.numel_unpadded
     return out
+
+
+# What every param group of one distributed optimizer must share: its buckets (and
+# distrib_optim.pt) do not say which parameters each group holds.
+HYPER = ("lr", "betas", "eps", "amsgrad")
+
+
+def one_setting(groups: Sequence[Mapping]) -> bool:
+    """Whether every param group has the first one's lr, betas, eps and amsgrad."""
+    first = {k: groups[0].get(k) for k in HYPER}
+    return all({k: g.get(k) for k in HYPER} == first for g in groups)

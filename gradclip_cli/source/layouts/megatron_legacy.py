@@ -86,7 +86,7 @@ from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor
 from gradclip_cli.source.what import map_names
 
 from .dcp_frameworks import refuse_key
-from .megatron_buckets import buckets, concatenated
+from .megatron_buckets import buckets, concatenated, one_setting
 from .paths import inside
 from .tensor_parallel import hidden_size, merged, split_axis, whole_shards
 from .torch_optim import is_optimizer_state, optimizer_state
@@ -803,8 +803,6 @@ def _optimizer(
 
 # ----------------------------------------------------------------- distributed optimizer
 
-_HYPER = ("lr", "betas", "eps", "amsgrad")
-
 
 def _distributed(rank: _Rank) -> str | None:
     """The distributed optimizer's state: ``distrib_optim.pt``'s flat buffers, each
@@ -822,8 +820,7 @@ def _distributed(rank: _Rank) -> str | None:
             f"{rank.file}: beside {DISTRIBUTED}, its optimizer is not one distributed "
             "optimizer's param groups (several optimizers, or none): gradclip reads one"
         )
-    hyper = {k: groups[0].get(k) for k in _HYPER}
-    if any({k: g.get(k) for k in _HYPER} != hyper for g in groups):
+    if not one_setting(groups):
         raise InputError(
             f"{rank.file}: its param groups differ in lr, betas or eps, and {DISTRIBUTED} "
             "does not say which parameter is in which group"
