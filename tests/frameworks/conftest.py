@@ -129,6 +129,15 @@ def megatron_distopt_run(framework_python, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def megatron_distopt_tp_run(framework_python, tmp_path_factory) -> Path:
+    """As ``megatron_distopt_run``, the 2 ranks tensor parallel: each rank's buckets are
+    ``dp_group_idx_<its tensor-parallel rank>`` and hold its shards (and whole copies of the
+    replicated tensors); ``reference/iter_N.rankR.pt`` per rank."""
+    out = tmp_path_factory.mktemp("megatron_distopt_tp")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "distopt", "tp")
+
+
+@pytest.fixture(scope="session")
 def megatron_distopt_odd_run(framework_python, tmp_path_factory) -> Path:
     """As ``megatron_distopt_run``, with buckets of 1100 elements: the first bucket closes
     on a layer norm's 16 elements, so the next bucket's start is no multiple of 64 in the

@@ -36,7 +36,9 @@ state under ``optimizer.distributed.``). Its reference adds the moments as the
 distributed optimizer holds them once its own ``load_state_dict`` has read the
 loaded buckets: each rank's range of every parameter, gathered whole
 (``distopt.<name>.exp_avg``, ``.exp_avg_sq``), and the param groups' step,
-betas, lr and eps (``distopt.step``...).
+betas, lr and eps (``distopt.step``...). ``distopt tp`` makes the ranks tensor parallel
+with the distributed optimizer (each rank's buckets its own, ``dp_group_idx_<tp rank>``;
+its reference its own shards' moments, gathered over its data-parallel group).
 
 Then Megatron's own ``dist_checkpointing.load`` reads each step back into
 the sharded state dict of a freshly built model and optimizer, saved as
@@ -301,9 +303,11 @@ def reference(out: Path) -> None:
 
 def _distributed_moments(ddp, optimizer) -> dict:
     """Each parameter's moments as the distributed optimizer holds them after its own load,
-    gathered over the data-parallel ranks (each holds a range of every bucket):
-    ``distopt.<name>.{exp_avg,exp_avg_sq}`` whole, by Megatron's sharded names, and the
-    param groups' ``step``, ``betas``, ``lr`` and ``eps``."""
+    gathered over this rank's data-parallel group (each of its ranks holds a range of every
+    bucket): ``distopt.<name>.{exp_avg,exp_avg_sq}`` whole (tensor parallel: this rank's
+    shard of it, as its buckets hold it), by Megatron's sharded names, and the param
+    groups' ``step``, ``betas``, ``lr`` and ``eps``."""
+    from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     names = {
@@ -326,8 +330,9 @@ def _distributed_moments(ddp, optimizer) -> dict:
                             state["exp_avg_sq"].detach().clone(),
                         )
                     )
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    group = parallel_state.get_data_parallel_group()
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
     out: dict = {}
     shapes = {
         _layer_name(v): torch.Size(v.local_shape)
@@ -389,11 +394,13 @@ def _flatten(value, prefix: str, flat: dict) -> None:
 
 if __name__ == "__main__":
     target = Path(sys.argv[1])
-    if sys.argv[2:] == ["tp"]:
-        TP = int(os.environ["WORLD_SIZE"])
-    DISTOPT = sys.argv[2:3] == ["distopt"]
-    for flag in sys.argv[3:]:
-        BUCKET = int(flag.removeprefix("bucket="))
+    for flag in sys.argv[2:]:
+        if flag == "tp":
+            TP = int(os.environ["WORLD_SIZE"])
+        elif flag == "distopt":
+            DISTOPT = True
+        else:
+            BUCKET = int(flag.removeprefix("bucket="))
     dist.init_process_group("gloo")
     try:
         main(target)

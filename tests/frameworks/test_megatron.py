@@ -9,6 +9,7 @@ corrections and updates computed in float64.
 
 from __future__ import annotations
 
+import math
 import pickle
 import shutil
 from pathlib import Path
@@ -432,3 +433,112 @@ def test_two_ranks_print_the_one_process_distributed_optimizer_report(
     ]
     jobs.append({"args": ["trend", str(run), "--what", "update", "--format", "json"]})
     same_under_torchrun(jobs, tmp_path)
+
+
+# ------------------------------------------------ distributed optimizer, tensor parallel
+
+
+def _tensor_parallel_distributed(run: Path, step: int, what: str) -> tuple[dict, dict]:
+    """Per parameter, the pieces of its quantity and of its weight from the 2 ranks'
+    references: each rank's moments as its distributed optimizer holds them after its own
+    load (its shards), a tensor taken from a rank only where that rank holds its main
+    replica (a replicated one from rank 0 alone), in float64."""
+    pieces: dict[str, list[torch.Tensor]] = {}
+    weights: dict[str, list[torch.Tensor]] = {}
+    for rank in (0, 1):
+        ref = torch.load(run / "reference" / f"iter_{step}.rank{rank}.pt", weights_only=True)
+        measured = _distributed_measured(ref, what)
+        for key, name in ref["model_names"].items():
+            if f"model.{key}" in ref:
+                pieces.setdefault(name, []).append(measured[name])
+                weights.setdefault(name, []).append(ref[f"model.{key}"])
+    return pieces, weights
+
+
+def test_the_tensor_parallel_distributed_optimizer_fixture(megatron_distopt_tp_run):
+    meta = pickle.loads(
+        (megatron_distopt_tp_run / "run" / "iter_0000003" / ".metadata").read_bytes()
+    )
+    keys = list(meta.state_dict_metadata)
+    assert any(k.startswith("optimizer.distributed.dp_group_idx_1.gbuf_idx_0") for k in keys)
+    assert len(meta.state_dict_metadata["decoder.layers.mlp.linear_fc2.weight"].chunks) == 4
+    ref = torch.load(
+        megatron_distopt_tp_run / "reference" / "iter_3.rank1.pt", weights_only=True
+    )
+    assert ref["distopt.decoder.layers.0.mlp.linear_fc2.weight.exp_avg"].shape == (16, 32)
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", QUANTITIES)
+def test_the_tensor_parallel_distributed_optimizers_moments_against_megatrons_load(
+    gradclip, megatron_distopt_tp_run, step, what
+):
+    """TP=2 with the distributed optimizer: each model-parallel rank's buckets
+    (``dp_group_idx_0``, ``dp_group_idx_1``) cut into its shards, against the state each
+    rank's own distributed optimizer holds once it has loaded them."""
+    pieces, weights = _tensor_parallel_distributed(megatron_distopt_tp_run, step, what)
+    folder = megatron_distopt_tp_run / "run" / f"iter_{step:07d}"
+    result = gradclip("inspect", folder, "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["format"], doc["step"], doc["what"]) == ("megatron", step, what)
+    assert "over 2 model-parallel ranks" in " ".join(doc["description"])
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(pieces)
+    assert any(len(p) == 2 for p in pieces.values())  # split tensors: a shard per rank
+    assert any(len(p) == 1 for p in pieces.values())  # replicated ones, counted once
+    for name, row in rows.items():
+        assert math.prod(row["shape"]) == sum(w.numel() for w in weights[name]), name
+        assert rel_err(row["norm"], norm(pieces[name])) <= TOL, name
+        assert rel_err(row["ratio"], norm(pieces[name]) / norm(weights[name])) <= TOL, name
+    assert rel_err(doc["total_norm"], norm(t for p in pieces.values() for t in p)) <= TOL
+    groups = {g["name"]: g for g in doc["groups"]}
+    for layer in (0, 1):  # each stacked layer a group of its own
+        members = [
+            t for n, p in pieces.items() if n.startswith(f"decoder.layers.{layer}.") for t in p
+        ]
+        assert members
+        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
+
+
+@pytest.fixture
+def distopt_tp_save(megatron_distopt_tp_run, tmp_path) -> Path:
+    target = tmp_path / "save"
+    shutil.copytree(megatron_distopt_tp_run / "run", target)
+    return target
+
+
+def test_model_parallel_groups_swapped(gradclip, distopt_tp_save):
+    """Each tensor-parallel rank's buckets under the other's index: every shard's param is
+    the other shard's, and the check against the model's chunks refuses."""
+    swap = {"dp_group_idx_0.": "dp_group_idx_1.", "dp_group_idx_1.": "dp_group_idx_0."}
+
+    def rename(key):
+        for a, b in swap.items():
+            if a in key:
+                return key.replace(a, b)
+        return key
+
+    _rewrite_metadata(distopt_tp_save / "iter_0000003", rename)
+    result = gradclip("inspect", distopt_tp_save, "--what", "update")
+    one_line_exit_3(result, ".distcp", "model-parallel group 0's bucket", "is not its weight")
+
+
+def test_a_missing_model_parallel_group(gradclip, distopt_tp_save):
+    """Rank 1's buckets gone: rank 0's alone hold half of each split tensor, not the whole
+    tensor a single group's buckets would."""
+    _rewrite_metadata(
+        distopt_tp_save / "iter_0000003", lambda k: None if "dp_group_idx_1." in k else k
+    )
+    result = gradclip("inspect", distopt_tp_save, "--what", "exp_avg")
+    one_line_exit_3(result, ".metadata", "laid out")
+
+
+def test_a_model_parallel_groups_step_of_another_iteration(gradclip, distopt_tp_save):
+    """Rank 1's files of step 2 in step 3's folder: its shards and its buckets agree with
+    each other, but its param groups give step 2 against rank 0's 3."""
+    new, old = distopt_tp_save / "iter_0000003", distopt_tp_save / "iter_0000002"
+    for shard in sorted(new.glob("__1_*.distcp")):
+        shutil.copy(old / shard.name, shard)
+    result = gradclip("inspect", distopt_tp_save, "--what", "grad_rms")
+    one_line_exit_3(result, ".metadata", "no one step")

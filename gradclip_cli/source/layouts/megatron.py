@@ -29,7 +29,8 @@ moments are not per parameter: each grad-buffer bucket is flat tensors under
 ``optimizer.distributed.`` and the step is in its param groups' object there;
 ``_bucketed`` cuts each parameter's moments out of them by Megatron's bucket
 layout (``megatron_buckets``, shared with the legacy ``distrib_optim.pt``), checked
-against the model's tensors. Another sharding type is refused, saying so.
+against the model's tensors; with tensor parallelism, each model-parallel rank's buckets
+(``dp_group_idx_N``) hold its shards. Another sharding type is refused, saying so.
 
 A tracker naming a legacy iteration (``iter_N/mp_rank_XX/model_optim_rng.pt``) hands it
 to ``megatron_legacy``.
@@ -303,7 +304,7 @@ _BUCKET = re.compile(
     r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)"
     r"\.dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)"
 )
-_GROUPS = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+_GROUPS = "optimizer.distributed.dp_group_idx_{}.optimizer/shard_0_1"
 
 
 def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerState, str]:
@@ -311,16 +312,24 @@ def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerSt
 
     ``DistributedOptimizer.sharded_param_state_dp_reshardable`` (core_v0.16.1) saves each
     bucket of each grad buffer as flat tensors of its ``numel_unpadded`` elements,
-    ``optimizer.distributed.dp_group_idx_0.gbuf_idx_G.dtype_(param, grad).bucket_idx_K.
+    ``optimizer.distributed.dp_group_idx_N.gbuf_idx_G.dtype_(param, grad).bucket_idx_K.
     {param,exp_avg,exp_avg_sq}``, one chunk per parameter's range (or padding's, its
     elements left unset) on each data-parallel rank, and the param groups (their ``step``)
-    as ``optimizer.distributed.dp_group_idx_0.optimizer``. The parameters' places are
-    rebuilt as Megatron's DDP lays them out (``megatron_buckets``), from the model's order
-    (the metadata's, each stacked layer in turn), the buffers by parameter dtype, each
-    bucket closing at its saved length; then checked before any moment is read: one bucket
-    size closes them all so, every chunk lies within one parameter or between two, and
-    each parameter's ``param`` (its fp32 main copy) rounded to the model's dtype is the
-    model's tensor, bit for bit. Else the checkpoint is refused, naming ``.metadata``."""
+    as ``optimizer.distributed.dp_group_idx_N.optimizer``. ``N`` is the rank in the
+    model-parallel group (``get_megatron_optimizer``'s ``data_parallel_group_idx``: the
+    rank in ``parallel_state.get_model_parallel_group()``, tensor-parallel rank fastest),
+    and group N's buckets hold that rank's own parameters: with tensor parallelism its
+    shard of each split tensor (the model's chunks in order of their offsets, Megatron's
+    shard ``tp_rank``) and a whole copy of each replicated one (layer norms: measured
+    once, from group 0, Megatron's main replica). The parameters' places are rebuilt as
+    Megatron's DDP lays them out (``megatron_buckets``), from the model's order (the
+    metadata's, each stacked layer in turn), the buffers by parameter dtype, each bucket
+    closing at its saved length; then checked before any moment is read: one bucket size
+    closes them all so, every chunk lies within one parameter or between two, and each
+    parameter's ``param`` (its fp32 main copy) rounded to the model's dtype is the model's
+    tensor (its shard), bit for bit, in every group. Else the checkpoint is refused,
+    naming ``.metadata`` or the file. Pipeline parallelism (a group holding some layers
+    only) does not fit and is refused."""
     where = folder.metadata_file
 
     def unfit(why: str, file: Path = where) -> InputError:
@@ -329,7 +338,7 @@ def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerSt
             f"the model's parameters ({why}): gradclip cannot tell which elements are whose"
         )
 
-    found: dict[int, tuple[str, dict[int, dict[str, StoredTensor]]]] = {}
+    found: dict[int, dict[int, tuple[str, dict[int, dict[str, StoredTensor]]]]] = {}
     for key, tensor in folder.tensors.items():
         if not key.startswith("optimizer.distributed."):
             continue
@@ -339,80 +348,135 @@ def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerSt
                 f"{where}: holds {visible(repr(key))[:120]}, not a bucket's param, exp_avg or "
                 "exp_avg_sq of Megatron's dp_reshardable distributed optimizer"
             )
-        if part.group(1) != "0":
-            raise InputError(
-                f"{where}: holds the distributed optimizer's buckets of several model-parallel "
-                f"groups (dp_group_idx_{part.group(1)}); gradclip reads those of one "
-                "(no tensor or pipeline parallelism)"
-            )
-        dtype, entry = found.setdefault(int(part.group(2)), (part.group(3), {}))
+        per_buffer = found.setdefault(int(part.group(1)), {})
+        dtype, entry = per_buffer.setdefault(int(part.group(2)), (part.group(3), {}))
         if dtype != part.group(3):
             raise unfit(f"grad buffer {part.group(2)} holds buckets of two dtypes")
         if tensor.dtype != torch.float32 or len(tensor.shape) != 1:
             raise unfit(f"{visible(repr(key))[:120]} is not a flat fp32 tensor")
         entry.setdefault(int(part.group(5)), {})[part.group(6)] = tensor
+    ranks = len(found)
+    if sorted(found) != list(range(ranks)):
+        raise unfit(f"model-parallel groups {sorted(found)}, not numbered 0, 1, ...")
     order = _model_order(split)
+    shards = {name: _shards(name, weights[name], ranks, unfit) for name in order}
     by_dtype: dict[str, list[str]] = {}
     for name in order:  # Megatron's DDP: one grad buffer per parameter dtype, model order
         by_dtype.setdefault(str(weights[name].dtype), []).append(name)
-    buffer_dtypes = [found[g][0] for g in sorted(found)]
-    if sorted(found) != list(range(len(found))) or buffer_dtypes != list(by_dtype):
-        raise unfit(
-            f"grad buffers of {buffer_dtypes}, the model's parameters are {list(by_dtype)}"
-        )
-    step, group = _bucket_groups(folder)
+    step, group = _bucket_groups(folder, ranks)
     index = {name: i for i, name in enumerate(order)}
-    state: dict[int, dict] = {}
+    # Each parameter's moments: per model-parallel rank, its shard and flat moments.
+    parts: dict[str, list[tuple[Piece | None, dict[str, StoredTensor]]]] = {}
     count = 0
-    for g, names in zip(sorted(found), by_dtype.values()):
-        dtype, per_bucket = found[g]
-        if sorted(per_bucket) != list(range(len(per_bucket))):
-            raise unfit(f"grad buffer {g}'s buckets are not numbered 0, 1, ...")
-        tensors = []
-        for k in sorted(per_bucket):
-            entry = per_bucket[k]
-            if (
-                set(entry) != {"param", "exp_avg", "exp_avg_sq"}
-                or len({t.shape for t in entry.values()}) != 1
-            ):
+    for rank in range(ranks):
+        which = f"model-parallel group {rank}'s " if ranks > 1 else ""
+        buffer_dtypes = [found[rank][g][0] for g in sorted(found[rank])]
+        if sorted(found[rank]) != list(range(len(found[rank]))) or buffer_dtypes != list(by_dtype):
+            raise unfit(
+                f"{which}grad buffers of {buffer_dtypes}, the model's parameters are "
+                f"{list(by_dtype)}"
+            )
+        for g, names in zip(sorted(found[rank]), by_dtype.values()):
+            dtype, per_bucket = found[rank][g]
+            if sorted(per_bucket) != list(range(len(per_bucket))):
+                raise unfit(f"{which}grad buffer {g}'s buckets are not numbered 0, 1, ...")
+            tensors = []
+            for k in sorted(per_bucket):
+                entry = per_bucket[k]
+                if (
+                    set(entry) != {"param", "exp_avg", "exp_avg_sq"}
+                    or len({t.shape for t in entry.values()}) != 1
+                ):
+                    raise unfit(
+                        f"{which}bucket {k} of grad buffer {g} is not param, exp_avg and "
+                        "exp_avg_sq of one length"
+                    )
+                tensors.append(entry)
+            sizes = [t["param"].shape[0] for t in tensors]
+            numels = {n: _numel(shards[n][rank], weights[n]) for n in names}
+            layout = buckets(names, numels, sizes=sizes)
+            laid = [b.numel_unpadded for b in layout]
+            if laid != sizes:
                 raise unfit(
-                    f"bucket {k} of grad buffer {g} is not param, exp_avg and exp_avg_sq "
-                    "of one length"
+                    f"buckets of {laid} elements laid out, {which}grad buffer {g} holds {sizes}"
                 )
-            tensors.append(entry)
-        sizes = [t["param"].shape[0] for t in tensors]
-        numels = {n: weights[n].numel() for n in names}
-        layout = buckets(names, numels, sizes=sizes)
-        laid = [b.numel_unpadded for b in layout]
-        if laid != sizes:
-            raise unfit(f"buckets of {laid} elements laid out, grad buffer {g} holds {sizes}")
-        if not fits_one_bucket_size(layout):
-            raise unfit(f"grad buffer {g}'s buckets close where no one bucket size closes them")
-        count += len(layout)
-        for k, (bucket, entry) in enumerate(zip(layout, tensors)):
-            _check_chunks(entry, bucket, unfit, f"bucket {k}")
-            for name, (start, end) in bucket.places.items():
-                shape = weights[name].shape
-                moments = {
-                    key: _flat_range(f"{name}.{key}", shape, entry[key], start, end)
-                    for key in ("param", "exp_avg", "exp_avg_sq")
-                }
-                weight = weights[name].read().reshape(-1)
-                for piece in moments.pop("param").pieces:  # each rank's part, from its file
-                    lo, hi = piece.offsets[0], piece.offsets[0] + piece.shape[0]
-                    if not torch.equal(piece.read().to(weight.dtype), weight[lo:hi]):
-                        raise unfit(
-                            f"{visible(name)}'s slice of bucket {k}'s param is not its weight",
-                            piece.file or where,
-                        )
-                state[index[name]] = {**moments, "step": step}
+            if not fits_one_bucket_size(layout):
+                raise unfit(
+                    f"{which}grad buffer {g}'s buckets close where no one bucket size closes them"
+                )
+            count += len(layout)
+            for k, (bucket, entry) in enumerate(zip(layout, tensors)):
+                _check_chunks(entry, bucket, unfit, f"{which}bucket {k}")
+                for name, (start, end) in bucket.places.items():
+                    shard = shards[name][rank]
+                    shape = weights[name].shape if shard is None else shard.shape
+                    moments = {
+                        key: _flat_range(f"{name}.{key}", shape, entry[key], start, end)
+                        for key in ("param", "exp_avg", "exp_avg_sq")
+                    }
+                    weight = (weights[name] if shard is None else shard).read().reshape(-1)
+                    for piece in moments.pop("param").pieces:  # each rank's part, its file
+                        lo, hi = piece.offsets[0], piece.offsets[0] + piece.shape[0]
+                        if not torch.equal(piece.read().to(weight.dtype), weight[lo:hi]):
+                            raise unfit(
+                                f"{visible(name)}'s slice of {which}bucket {k}'s param is not "
+                                "its weight",
+                                piece.file or where,
+                            )
+                    parts.setdefault(name, []).append((shard, moments))
+    state: dict[int, dict] = {}
+    for name, held_by in parts.items():
+        if held_by[0][0] is None:  # whole in every group: group 0's (the main replica)
+            moments = held_by[0][1]
+        else:  # one shard per group, at the model's chunk
+            moments = {
+                key: StoredTensor(
+                    f"{name}.{key}",
+                    weights[name].shape,
+                    torch.float32,
+                    [_assembled(shard, m[key]) for shard, m in held_by],
+                )
+                for key in ("exp_avg", "exp_avg_sq")
+            }
+        state[index[name]] = {**moments, "step": step}
     group = {**group, "params": sorted(state)}
+    groups = f" over {ranks} model-parallel ranks" if ranks > 1 else ""
     held = (
         f"optimizer state for {len(state)} parameters from the distributed optimizer's "
-        f"{count} dp_reshardable buckets (optimizer.distributed.*), each parameter's slice "
-        "placed by Megatron's bucket layout and checked against the model's tensors"
+        f"{count} dp_reshardable buckets{groups} (optimizer.distributed.*), each parameter's "
+        "slice placed by Megatron's bucket layout and checked against the model's tensors"
     )
     return OptimizerState([group], state, {i: order[i] for i in state}, where), held
+
+
+def _shards(name: str, weight: StoredTensor, ranks: int, unfit) -> list[Piece | None]:
+    """The part of ``weight`` each model-parallel rank's buckets hold: None for the whole
+    tensor (one group, or a tensor saved in one chunk: replicated), else the model's
+    chunks in order of their offsets, one per rank (Megatron's tensor-parallel shards)."""
+    if ranks == 1 or len(weight.pieces) == 1:
+        return [None] * ranks
+    if len(weight.pieces) != ranks or weight.flat:
+        raise unfit(
+            f"{visible(name)} is saved in {len(weight.pieces)} chunks, the buckets are of "
+            f"{ranks} model-parallel ranks: gradclip reads tensor parallelism alone"
+        )
+    return sorted(weight.pieces, key=lambda piece: tuple(piece.offsets))
+
+
+def _numel(shard: Piece | None, weight: StoredTensor) -> int:
+    return weight.numel() if shard is None else shard.numel
+
+
+def _assembled(shard: Piece, flat: StoredTensor) -> Piece:
+    """A shard's moment (flat, in its buckets' ranges) as the piece of the full tensor at
+    the shard's place."""
+
+    def read() -> torch.Tensor:
+        return torch.cat([p.read() for p in flat.pieces]).view(shard.shape)
+
+    files = {p.file for p in flat.pieces}
+    file = files.pop() if len(files) == 1 else None
+    return Piece(tuple(shard.offsets), tuple(shard.shape), read, file)
 
 
 def _model_order(split) -> list[str]:
@@ -435,21 +499,26 @@ def _model_order(split) -> list[str]:
     return out
 
 
-def _bucket_groups(folder: dcp_folder.DcpFolder) -> tuple[int | float, dict]:
+def _bucket_groups(folder: dcp_folder.DcpFolder, ranks: int) -> tuple[int | float, dict]:
     """The distributed optimizer's param groups (``DistributedOptimizer.state_dict``'s, saved
-    as one object): the one Adam step of every parameter, and the hyperparameters."""
+    as one object per model-parallel rank): the one Adam step of every parameter, and the
+    hyperparameters."""
     where = folder.metadata_file
-    if _GROUPS not in folder.meta.entries:
-        raise InputError(
-            f"{where}: holds no {_GROUPS} (the distributed optimizer's param groups: "
-            "its step, betas, lr and eps)"
-        )
-    value = folder.value(_GROUPS)
-    if isinstance(value, list) and len(value) == 1:
-        value = value[0]  # the object as Megatron's torch_dist saves it: in a list
-    groups = value.get("param_groups") if isinstance(value, dict) else None
-    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
-        raise InputError(f"{where}: {_GROUPS} is not the distributed optimizer's param groups")
+    groups: list = []
+    for rank in range(ranks):
+        name = _GROUPS.format(rank)
+        if name not in folder.meta.entries:
+            raise InputError(
+                f"{where}: holds no {name} (the distributed optimizer's param groups: "
+                "its step, betas, lr and eps)"
+            )
+        value = folder.value(name)
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]  # the object as Megatron's torch_dist saves it: in a list
+        mine = value.get("param_groups") if isinstance(value, dict) else None
+        if not isinstance(mine, list) or not mine or not all(isinstance(g, dict) for g in mine):
+            raise InputError(f"{where}: {name} is not the distributed optimizer's param groups")
+        groups += mine
     if not one_setting(groups):
         raise InputError(
             f"{where}: the distributed optimizer's param groups differ in lr, betas or eps, "
