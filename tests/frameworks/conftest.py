@@ -138,6 +138,15 @@ def megatron_distopt_tp_run(framework_python, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def megatron_distopt_pp_run(framework_python, tmp_path_factory) -> Path:
+    """As ``megatron_distopt_run``, the 2 ranks 2 pipeline stages (a layer each, the
+    embeddings on the first, the final norm and output layer on the second): each rank's
+    buckets are ``dp_group_idx_<its stage>``; ``reference/iter_N.rankR.pt`` per rank."""
+    out = tmp_path_factory.mktemp("megatron_distopt_pp")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "distopt", "pp")
+
+
+@pytest.fixture(scope="session")
 def megatron_distopt_odd_run(framework_python, tmp_path_factory) -> Path:
     """As ``megatron_distopt_run``, with buckets of 1100 elements: the first bucket closes
     on a layer norm's 16 elements, so the next bucket's start is no multiple of 64 in the

@@ -38,7 +38,10 @@ loaded buckets: each rank's range of every parameter, gathered whole
 (``distopt.<name>.exp_avg``, ``.exp_avg_sq``), and the param groups' step,
 betas, lr and eps (``distopt.step``...). ``distopt tp`` makes the ranks tensor parallel
 with the distributed optimizer (each rank's buckets its own, ``dp_group_idx_<tp rank>``;
-its reference its own shards' moments, gathered over its data-parallel group).
+its reference its own shards' moments, gathered over its data-parallel group); ``pp``
+makes them 2 pipeline stages (a layer each, the micro-batch's activations and their
+gradients sent between them by hand, as Megatron's schedules set a stage's input with
+``set_input_tensor``), each rank's reference its own stage's.
 
 Then Megatron's own ``dist_checkpointing.load`` reads each step back into
 the sharded state dict of a freshly built model and optimizer, saved as
@@ -61,6 +64,7 @@ import torch.distributed as dist
 
 VOCAB, SEQUENCE, STEPS, LAYERS, HIDDEN, HEADS = 64, 8, 3, 2, 16, 4  # a caller may enlarge them
 TP = 1  # tensor-parallel ranks: ``tp`` after OUT makes every rank one (argv)
+PP = 1  # pipeline stages: ``pp`` after OUT makes every rank one (argv)
 DISTOPT = False  # ``distopt`` after OUT: Megatron's distributed optimizer over the ranks
 BUCKET = 3000  # ``bucket=N`` after ``distopt``: a grad-buffer bucket closes at N elements
 # Megatron-LM's default for the distributed optimizer under torch_dist (checkpointing.py's
@@ -79,7 +83,7 @@ def build():
     from megatron.core.transformer import TransformerConfig
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(TP, 1)
+        parallel_state.initialize_model_parallel(TP, PP)
         # No dropout here, and no CUDA RNG to fork: Megatron's tracker forks nothing.
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *_, **__: contextlib.nullcontext()
     config = TransformerConfig(
@@ -90,6 +94,8 @@ def build():
         init_method_std=0.02,
         attention_dropout=0.0,
         hidden_dropout=0.0,
+        pipeline_model_parallel_size=PP,
+        pipeline_dtype=torch.float32,
     )
     torch.manual_seed(0)
     model = GPTModel(
@@ -97,6 +103,8 @@ def build():
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQUENCE,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
     if DISTOPT:  # the distributed optimizer works on Megatron's DDP (its grad buffers)
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -214,21 +222,27 @@ def main(out: Path, *, with_reference: bool = True) -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")  # the attention's scratch buffer
     torch.cuda.synchronize = lambda *_: None  # the torch_dist writer's preload
 
+    from megatron.core import parallel_state
+
     model = build()
     optimizer = optimizer_for(model)
-    g = torch.Generator().manual_seed(1 + dist.get_rank() // TP)  # TP ranks: one batch
+    # Model-parallel ranks see one batch, data-parallel ones their own.
+    g = torch.Generator().manual_seed(1 + parallel_state.get_data_parallel_rank())
     run = out / "run"
     run.mkdir(parents=True, exist_ok=True)
     for iteration in range(1, STEPS + 1):
         tokens = torch.randint(0, VOCAB, (2, SEQUENCE + 1), generator=g)
         position_ids = torch.arange(SEQUENCE).expand(2, SEQUENCE)
         causal = torch.ones(SEQUENCE, SEQUENCE, dtype=torch.bool).triu(1)[None, None]
-        loss = model(tokens[:, :-1], position_ids, causal, labels=tokens[:, 1:]).float().mean()
-        loss.backward()
+        if PP > 1:
+            _pipelined(model, tokens, position_ids, causal)
+        else:
+            loss = model(tokens[:, :-1], position_ids, causal, labels=tokens[:, 1:]).float().mean()
+            loss.backward()
         if DISTOPT:  # Megatron's DDP reduce-scatters each bucket's gradients
             model.finish_grad_sync()
         for p in model.parameters():
-            if p.grad is not None and dist.get_world_size() > TP:  # data parallel
+            if p.grad is not None and dist.get_world_size() > TP * PP:  # data parallel
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()
         with cuda_tensors_on_cpu() if DISTOPT else contextlib.nullcontext():
@@ -246,6 +260,30 @@ def main(out: Path, *, with_reference: bool = True) -> None:
         dist.barrier()
     if with_reference:
         reference(out)
+
+
+def _pipelined(model, tokens, position_ids, causal) -> None:
+    """One micro-batch through 2 pipeline stages by hand (gloo send and receive): the first
+    stage's output is the second's input (``set_input_tensor``, as Megatron's schedules set
+    it), the loss on the last, its gradient sent back."""
+    from megatron.core import parallel_state
+
+    inner = model.module if DISTOPT else model
+    shape = (SEQUENCE, tokens.shape[0], HIDDEN)  # Megatron's [sequence, batch, hidden]
+    if parallel_state.is_pipeline_first_stage():
+        hidden = model(tokens[:, :-1], position_ids, causal)
+        dist.send(hidden.detach().contiguous(), dist.get_rank() + 1)
+        grad = torch.empty(shape)
+        dist.recv(grad, dist.get_rank() + 1)
+        hidden.backward(grad)
+    else:
+        received = torch.empty(shape)
+        dist.recv(received, dist.get_rank() - 1)
+        received.requires_grad_()
+        inner.set_input_tensor(received)
+        loss = model(None, position_ids, causal, labels=tokens[:, 1:]).float().mean()
+        loss.backward()
+        dist.send(received.grad.contiguous(), dist.get_rank() - 1)
 
 
 def reference(out: Path) -> None:
@@ -282,7 +320,7 @@ def reference(out: Path) -> None:
                 optimizer.load_state_dict(optimizer_sd)
             flat.update(_distributed_moments(ddp, optimizer))
         _flatten(loaded, "", flat)
-        if TP > 1:  # each rank's own shards, a replicated tensor from its main replica alone
+        if TP * PP > 1:  # each rank's own shards, a replicated one from its main replica alone
             flat = {k: v for k, v in flat.items() if main.get(k, True)}
         # The optimizer's state is keyed by parameter id: Megatron's own map from ids to its
         # sharded tensors names each, a stacked one by its layer (its prepended offset).
@@ -294,7 +332,7 @@ def reference(out: Path) -> None:
         flat["model_names"] = {
             k: _layer_name(v) for k, v in model_sd.items() if isinstance(v, ShardedTensor)
         }
-        if TP > 1:
+        if TP * PP > 1:
             torch.save(flat, out / "reference" / f"iter_{iteration}.rank{dist.get_rank()}.pt")
         elif dist.get_rank() == 0:
             torch.save(flat, out / "reference" / f"iter_{iteration}.pt")
@@ -397,6 +435,8 @@ if __name__ == "__main__":
     for flag in sys.argv[2:]:
         if flag == "tp":
             TP = int(os.environ["WORLD_SIZE"])
+        elif flag == "pp":
+            PP = int(os.environ["WORLD_SIZE"])
         elif flag == "distopt":
             DISTOPT = True
         else:

@@ -501,6 +501,38 @@ def test_the_tensor_parallel_distributed_optimizers_moments_against_megatrons_lo
         assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
 
 
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", QUANTITIES)
+def test_the_pipeline_parallel_distributed_optimizers_moments_against_megatrons_load(
+    gradclip, megatron_distopt_pp_run, step, what
+):
+    """PP=2 with the distributed optimizer: each stage's buckets (``dp_group_idx_0``: the
+    embeddings and layer 0; ``dp_group_idx_1``: layer 1, the final norm and the output
+    layer), against the state each stage's own distributed optimizer holds after its load."""
+    pieces, weights = _tensor_parallel_distributed(megatron_distopt_pp_run, step, what)
+    assert all(len(p) == 1 for p in pieces.values())  # each tensor on one stage
+    folder = megatron_distopt_pp_run / "run" / f"iter_{step:07d}"
+    result = gradclip("inspect", folder, "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["step"], doc["what"]) == (step, what)
+    assert "over 2 model-parallel ranks" in " ".join(doc["description"])
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(pieces)
+    for name, row in rows.items():
+        assert row["shape"] == list(weights[name][0].shape), name
+        assert rel_err(row["norm"], norm(pieces[name])) <= TOL, name
+        assert rel_err(row["ratio"], norm(pieces[name]) / norm(weights[name])) <= TOL, name
+    assert rel_err(doc["total_norm"], norm(t for p in pieces.values() for t in p)) <= TOL
+    groups = {g["name"]: g for g in doc["groups"]}
+    for layer in (0, 1):  # a layer on each stage, a group of its own
+        members = [
+            t for n, p in pieces.items() if n.startswith(f"decoder.layers.{layer}.") for t in p
+        ]
+        assert members
+        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
+
+
 @pytest.fixture
 def distopt_tp_save(megatron_distopt_tp_run, tmp_path) -> Path:
     target = tmp_path / "save"
@@ -509,8 +541,9 @@ def distopt_tp_save(megatron_distopt_tp_run, tmp_path) -> Path:
 
 
 def test_model_parallel_groups_swapped(gradclip, distopt_tp_save):
-    """Each tensor-parallel rank's buckets under the other's index: every shard's param is
-    the other shard's, and the check against the model's chunks refuses."""
+    """Each tensor-parallel rank's buckets under the other's index: the processes that
+    wrote the model's chunks in offset order are then model-parallel ranks 1, 0, not
+    Megatron's tensor-parallel order, and the checkpoint is refused."""
     swap = {"dp_group_idx_0.": "dp_group_idx_1.", "dp_group_idx_1.": "dp_group_idx_0."}
 
     def rename(key):
@@ -521,7 +554,7 @@ def test_model_parallel_groups_swapped(gradclip, distopt_tp_save):
 
     _rewrite_metadata(distopt_tp_save / "iter_0000003", rename)
     result = gradclip("inspect", distopt_tp_save, "--what", "update")
-    one_line_exit_3(result, ".distcp", "model-parallel group 0's bucket", "is not its weight")
+    one_line_exit_3(result, ".metadata", "not one per tensor-parallel rank", "[1, 0]")
 
 
 def test_a_missing_model_parallel_group(gradclip, distopt_tp_save):

@@ -29,8 +29,9 @@ moments are not per parameter: each grad-buffer bucket is flat tensors under
 ``optimizer.distributed.`` and the step is in its param groups' object there;
 ``_bucketed`` cuts each parameter's moments out of them by Megatron's bucket
 layout (``megatron_buckets``, shared with the legacy ``distrib_optim.pt``), checked
-against the model's tensors; with tensor parallelism, each model-parallel rank's buckets
-(``dp_group_idx_N``) hold its shards. Another sharding type is refused, saying so.
+against the model's tensors; with tensor or pipeline parallelism, each model-parallel
+rank's buckets (``dp_group_idx_N``) hold its stage's parameters, its shards of them.
+Another sharding type is refused, saying so.
 
 A tracker naming a legacy iteration (``iter_N/mp_rank_XX/model_optim_rng.pt``) hands it
 to ``megatron_legacy``.
@@ -318,18 +319,17 @@ def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerSt
     as ``optimizer.distributed.dp_group_idx_N.optimizer``. ``N`` is the rank in the
     model-parallel group (``get_megatron_optimizer``'s ``data_parallel_group_idx``: the
     rank in ``parallel_state.get_model_parallel_group()``, tensor-parallel rank fastest),
-    and group N's buckets hold that rank's own parameters: with tensor parallelism its
-    shard of each split tensor (the model's chunks in order of their offsets, Megatron's
-    shard ``tp_rank``) and a whole copy of each replicated one (layer norms: measured
-    once, from group 0, Megatron's main replica). The parameters' places are rebuilt as
+    and group N's buckets hold that rank's own parameters (``_holdings``): its pipeline
+    stage's, with tensor parallelism its shard of each split tensor and a whole copy of
+    each replicated one (layer norms: measured once, from Megatron's main replica). The
+    parameters' places are rebuilt as
     Megatron's DDP lays them out (``megatron_buckets``), from the model's order (the
     metadata's, each stacked layer in turn), the buffers by parameter dtype, each bucket
     closing at its saved length; then checked before any moment is read: one bucket size
     closes them all so, every chunk lies within one parameter or between two, and each
     parameter's ``param`` (its fp32 main copy) rounded to the model's dtype is the model's
     tensor (its shard), bit for bit, in every group. Else the checkpoint is refused,
-    naming ``.metadata`` or the file. Pipeline parallelism (a group holding some layers
-    only) does not fit and is refused."""
+    naming ``.metadata`` or the file."""
     where = folder.metadata_file
 
     def unfit(why: str, file: Path = where) -> InputError:
@@ -359,17 +359,18 @@ def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerSt
     if sorted(found) != list(range(ranks)):
         raise unfit(f"model-parallel groups {sorted(found)}, not numbered 0, 1, ...")
     order = _model_order(split)
-    shards = {name: _shards(name, weights[name], ranks, unfit) for name in order}
-    by_dtype: dict[str, list[str]] = {}
-    for name in order:  # Megatron's DDP: one grad buffer per parameter dtype, model order
-        by_dtype.setdefault(str(weights[name].dtype), []).append(name)
+    held, main = _holdings(order, weights, found, unfit)
     step, group = _bucket_groups(folder, ranks)
     index = {name: i for i, name in enumerate(order)}
-    # Each parameter's moments: per model-parallel rank, its shard and flat moments.
-    parts: dict[str, list[tuple[Piece | None, dict[str, StoredTensor]]]] = {}
+    # Each parameter's moments: per model-parallel rank holding it, its shard and moments.
+    parts: dict[str, dict[int, tuple[Piece | None, dict[str, StoredTensor]]]] = {}
     count = 0
     for rank in range(ranks):
         which = f"model-parallel group {rank}'s " if ranks > 1 else ""
+        shards = held[rank]
+        by_dtype: dict[str, list[str]] = {}
+        for name in shards:  # Megatron's DDP: one grad buffer per parameter dtype, model order
+            by_dtype.setdefault(str(weights[name].dtype), []).append(name)
         buffer_dtypes = [found[rank][g][0] for g in sorted(found[rank])]
         if sorted(found[rank]) != list(range(len(found[rank]))) or buffer_dtypes != list(by_dtype):
             raise unfit(
@@ -393,7 +394,7 @@ def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerSt
                     )
                 tensors.append(entry)
             sizes = [t["param"].shape[0] for t in tensors]
-            numels = {n: _numel(shards[n][rank], weights[n]) for n in names}
+            numels = {n: _numel(shards[n], weights[n]) for n in names}
             layout = buckets(names, numels, sizes=sizes)
             laid = [b.numel_unpadded for b in layout]
             if laid != sizes:
@@ -408,7 +409,7 @@ def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerSt
             for k, (bucket, entry) in enumerate(zip(layout, tensors)):
                 _check_chunks(entry, bucket, unfit, f"{which}bucket {k}")
                 for name, (start, end) in bucket.places.items():
-                    shard = shards[name][rank]
+                    shard = shards[name]
                     shape = weights[name].shape if shard is None else shard.shape
                     moments = {
                         key: _flat_range(f"{name}.{key}", shape, entry[key], start, end)
@@ -423,18 +424,18 @@ def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerSt
                                 "its weight",
                                 piece.file or where,
                             )
-                    parts.setdefault(name, []).append((shard, moments))
+                    parts.setdefault(name, {})[rank] = (shard, moments)
     state: dict[int, dict] = {}
     for name, held_by in parts.items():
-        if held_by[0][0] is None:  # whole in every group: group 0's (the main replica)
-            moments = held_by[0][1]
-        else:  # one shard per group, at the model's chunk
+        if held_by[main[name]][0] is None:  # whole: the main replica's (its chunk's writer)
+            moments = held_by[main[name]][1]
+        else:  # one shard per tensor-parallel rank, at the model's chunk
             moments = {
                 key: StoredTensor(
                     f"{name}.{key}",
                     weights[name].shape,
                     torch.float32,
-                    [_assembled(shard, m[key]) for shard, m in held_by],
+                    [_assembled(shard, m[key]) for shard, m in held_by.values()],
                 )
                 for key in ("exp_avg", "exp_avg_sq")
             }
@@ -449,18 +450,75 @@ def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerSt
     return OptimizerState([group], state, {i: order[i] for i in state}, where), held
 
 
-def _shards(name: str, weight: StoredTensor, ranks: int, unfit) -> list[Piece | None]:
-    """The part of ``weight`` each model-parallel rank's buckets hold: None for the whole
-    tensor (one group, or a tensor saved in one chunk: replicated), else the model's
-    chunks in order of their offsets, one per rank (Megatron's tensor-parallel shards)."""
-    if ranks == 1 or len(weight.pieces) == 1:
-        return [None] * ranks
-    if len(weight.pieces) != ranks or weight.flat:
-        raise unfit(
-            f"{visible(name)} is saved in {len(weight.pieces)} chunks, the buckets are of "
-            f"{ranks} model-parallel ranks: gradclip reads tensor parallelism alone"
-        )
-    return sorted(weight.pieces, key=lambda piece: tuple(piece.offsets))
+_WRITER = re.compile(r"__(\d+)_\d+\.distcp")  # DCP's file of process R: __R_K.distcp
+
+
+def _holdings(order, weights, found, unfit) -> tuple[list[dict[str, Piece | None]], dict]:
+    """Which parameters each model-parallel rank's buckets hold, in model order, each as
+    its shard (None: the whole tensor), and which rank's copy of each is measured.
+
+    One group holds every parameter whole. With several, each process writes its own
+    chunks to its own files (``__R_K.distcp``), the model's (a replicated tensor's main
+    replica alone) and its buckets' ranges: a chunk is the writing process's model-parallel
+    rank's. Megatron numbers that rank with the tensor-parallel rank fastest, ``pp_rank *
+    TP + tp_rank``, ``TP`` the most chunks any parameter is in: a split parameter is held
+    one chunk per tensor-parallel rank of one pipeline stage, in the order of the chunks'
+    offsets, and a parameter in one chunk whole by every rank of its writer's stage (a
+    layer norm under tensor parallelism), measured from its writer (Megatron's main
+    replica). Anything else is refused."""
+    ranks = len(found)
+    if ranks == 1:
+        return [dict.fromkeys(order)], dict.fromkeys(order, 0)
+    owner: dict[int, int] = {}  # writing process -> its model-parallel rank
+    for rank, per_buffer in found.items():
+        for _, per_bucket in per_buffer.values():
+            for entry in per_bucket.values():
+                for tensor in entry.values():
+                    for piece in tensor.pieces:
+                        writer = _writer(piece, unfit)
+                        if owner.setdefault(writer, rank) != rank:
+                            raise unfit(
+                                f"{visible(piece.file.name)} holds buckets of model-parallel "
+                                f"groups {owner[writer]} and {rank}"
+                            )
+    tp = max(len(weights[name].pieces) for name in order)
+    if ranks % tp:
+        raise unfit(f"{ranks} model-parallel groups, parameters in {tp} chunks")
+    held: list[dict[str, Piece | None]] = [{} for _ in range(ranks)]
+    main: dict[str, int] = {}
+    for name in order:
+        weight = weights[name]
+        pieces = sorted(weight.pieces, key=lambda piece: tuple(piece.offsets))
+        groups = []
+        for piece in pieces:
+            writer = _writer(piece, unfit)
+            if writer not in owner:
+                raise unfit(
+                    f"{visible(name)} has a chunk in {visible(piece.file.name)}, which holds "
+                    "no model-parallel group's buckets"
+                )
+            groups.append(owner[writer])
+        stage = groups[0] // tp * tp
+        if len(pieces) == 1 and not weight.flat:
+            for rank in range(stage, stage + tp):
+                held[rank][name] = None
+        elif len(pieces) == tp and not weight.flat and groups == list(range(stage, stage + tp)):
+            for rank, piece in zip(groups, pieces):
+                held[rank][name] = piece
+        else:
+            raise unfit(
+                f"{visible(name)}'s {len(pieces)} chunks are not one per tensor-parallel rank "
+                f"of one pipeline stage (written by model-parallel ranks {groups})"
+            )
+        main[name] = groups[0]
+    return held, main
+
+
+def _writer(piece: Piece, unfit) -> int:
+    found = _WRITER.fullmatch(piece.file.name) if piece.file is not None else None
+    if found is None:
+        raise unfit(f"a chunk in {visible(str(piece.file))}, not a process's __R_K.distcp")
+    return int(found.group(1))
 
 
 def _numel(shard: Piece | None, weight: StoredTensor) -> int:
