@@ -7,7 +7,7 @@ CPU accelerator) that train a tiny MLP with ZeRO stages 1, 2 and 3 in turn,
 precision into ``OUT/zero2_bf16/``, then without ZeRO (stage 0) in fp32, bf16
 and fp16 into ``OUT/zero0/``, ``OUT/zero0_bf16/`` and ``OUT/zero0_fp16/``
 (their model also holds a buffer, ``scale``; each saves ``global_step1/`` too, a
-run folder for ``trend``), then two pipeline-parallel runs (``PIPELINES``). The
+run folder for ``trend``), then three pipeline-parallel runs (``PIPELINES``). The
 model's sizes are chosen so that the flat partitions cut parameters:
 ``0.weight`` (35 elements) spans both ranks' partitions under ZeRO 1/2, and
 every parameter is split under ZeRO 3.
@@ -146,14 +146,17 @@ def _worker(rank: int, port: int, out: str, runs: tuple = RUNS) -> None:
 
 
 # Pipeline parallelism (deepspeed.pipe.PipelineModule): (folder, stages, ZeRO stage).
-PIPELINES = (("pipe2_zero1", 2, 1), ("pipe1_zero0", 1, 0))
+PIPELINES = (("pipe2_zero1", 2, 1), ("pipe1_zero0", 1, 0), ("pipe2_zero0", 2, 0))
 
 
 def _pipelines(out: str) -> None:
     """``layer_XX-model_states.pt`` beside the rank files: 2 stages under ZeRO 1 (one
     ``mp_rank_XX`` per stage, ``OUT/pipe2_zero1.reference.pt`` beside: the same layers
-    trained with plain AdamW on the same batches), and 1 stage without ZeRO (weights in
-    the layer files alone)."""
+    trained with plain AdamW on the same batches), and 1 stage (2 data-parallel ranks)
+    and 2 stages without ZeRO (weights in the layer files alone). Beside those,
+    ``OUT/pipeN_zero0.reference.pt`` is the engine's own state after the last step,
+    gathered from the stages: each parameter under the module's name (``2.weight``), its
+    value and ``engine.optimizer.state`` (the torch AdamW DeepSpeed steps without ZeRO)."""
     import copy
 
     import deepspeed
@@ -187,10 +190,21 @@ def _pipelines(out: str) -> None:
             torch.nn.functional.mse_loss(mirror(x), y).backward()
             plain.step()
         engine.save_checkpoint(os.path.join(out, folder_name))
-        if dist.get_rank() == 0 and stage > 0:
+        if stage > 0:
             reference = {name: {"weight": p.detach().clone(), **{
                 k: v.clone() for k, v in plain.state[p].items()}}
                 for name, p in mirror.named_parameters()}
+        else:
+            assert type(engine.optimizer).__name__ == "AdamW", type(engine.optimizer)
+            own = {name: {"weight": p.detach().clone(), **{
+                k: v.clone() for k, v in engine.optimizer.state[p].items()}}
+                for name, p in engine.module.named_parameters()}
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, own)
+            reference = {}
+            for held in gathered:  # each stage's parameters in order (data-parallel copies)
+                reference.update(held)
+        if dist.get_rank() == 0:
             torch.save(reference, os.path.join(out, f"{folder_name}.reference.pt"))
         engine.destroy()
 

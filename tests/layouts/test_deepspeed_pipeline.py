@@ -1,12 +1,14 @@
 """DeepSpeed pipeline parallelism (``deepspeed.pipe.PipelineModule``), written by
 DeepSpeed's own 2-rank CPU training (``deepspeed_runs.py``): two stages under ZeRO 1,
-checked against the plain ``torch.optim.AdamW`` run beside it, and one stage without ZeRO,
-refused.
+checked against the plain ``torch.optim.AdamW`` run beside it; one stage (two
+data-parallel ranks) and two stages without ZeRO, whose weights are in the layer files,
+checked against the engine's own state gathered from the stages.
 """
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,11 +60,135 @@ def test_a_layer_on_two_stages_is_refused(deepspeed_runs, tmp_path):
     assert_refused(run_cli("inspect", target), file, "holds 0.bias", "tied across pipeline stages")
 
 
-def test_a_pipeline_without_zero_is_refused(deepspeed_runs):
-    """Without ZeRO a PipelineModule's weights are in its layer files alone: refused in one
-    line saying so, not the list of every kind a folder could be."""
-    run = deepspeed_runs / "pipe1_zero0"
-    for path in (run, run / TAG):
-        result = run_cli("inspect", path, "--no-progress")
-        assert_refused(result, run / TAG, "pipeline-parallel checkpoint without ZeRO",
-                       "layer_00-model_states.pt", "does not read DeepSpeed pipeline")
+# Without ZeRO the files hold the engine's own float32 state: what is read is those values,
+# measured in float64 by both sides.
+EXACT = 1e-6
+PLAIN = ("pipe1_zero0", "pipe2_zero0")
+LAYERS = ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+@pytest.mark.parametrize("run_name", PLAIN)
+@pytest.mark.parametrize("what", WHATS)
+def test_a_pipeline_without_zero_matches_the_engine(deepspeed_runs, run_name, what):
+    """Weights from the layer files (``layer_II-model_states.pt``, named by the global layer
+    index), moments from each stage's optimizer, grouped by layer."""
+    run = deepspeed_runs / run_name
+    reference = torch.load(deepspeed_runs / f"{run_name}.reference.pt")
+    assert list(reference) == LAYERS
+    expected = _expected(reference, what)
+    for path in (run, run / TAG, run / TAG / "mp_rank_00_model_states.pt"):
+        doc = _inspect(path, what)
+        assert doc["format"] == "deepspeed" and doc["step"] == 2
+        tensors = {t["name"]: t for t in doc["tensors"]}
+        assert list(tensors) == LAYERS
+        for name, value in expected.items():
+            assert tensors[name]["norm"] == pytest.approx(value.norm().item(), rel=EXACT), name
+            assert tensors[name]["group"] == name.split(".")[0]
+        groups = {g["name"]: g["norm"] for g in doc["groups"]}
+        assert list(groups) == ["0", "2"]
+        for layer in groups:
+            norm = torch.cat([v.flatten() for n, v in expected.items()
+                              if n.startswith(f"{layer}.")]).norm().item()
+            assert groups[layer] == pytest.approx(norm, rel=EXACT)
+        total = torch.cat([v.flatten() for v in expected.values()]).norm().item()
+        assert doc["total_norm"] == pytest.approx(total, rel=EXACT)
+
+
+@pytest.mark.parametrize("run_name", PLAIN)
+def test_a_pipeline_without_zero_says_what_it_read(deepspeed_runs, run_name):
+    stages = "mp_rank_00, mp_rank_01" if run_name == "pipe2_zero0" else "mp_rank_00"
+    dp = 1 if run_name == "pipe2_zero0" else 2
+    result = run_cli("inspect", deepspeed_runs / run_name, "--no-progress", "--top", "0")
+    assert result.code == 0, result.err
+    text = " ".join(result.out.split())
+    assert "DeepSpeed pipeline checkpoint without ZeRO (stage 0) at global step 2" in text
+    assert f"({stages}) x {dp} data-parallel rank(s)" in text
+    assert "weights of 4 parameters in 3 layer files" in text
+    assert "Adam moments of 4" in text
+
+
+@pytest.fixture(params=PLAIN)
+def plain_copy(deepspeed_runs, tmp_path, request) -> Path:
+    target = tmp_path / request.param
+    shutil.copytree(deepspeed_runs / request.param, target)
+    return target
+
+
+def _last_stage(run: Path) -> Path:
+    stage = 1 if run.name == "pipe2_zero0" else 0
+    return run / TAG / f"mp_rank_{stage:02d}_model_states.pt"
+
+
+def test_a_missing_layer_file_is_refused(plain_copy):
+    (plain_copy / TAG / "layer_02-model_states.pt").unlink()
+    assert_refused(run_cli("inspect", plain_copy), _last_stage(plain_copy),
+                   "layer files", "disagree")
+
+
+def test_a_damaged_layer_file_is_refused(plain_copy):
+    file = plain_copy / TAG / "layer_00-model_states.pt"
+    file.write_bytes(file.read_bytes()[:200])
+    assert_refused(run_cli("inspect", plain_copy), file)
+
+
+def test_a_layer_of_another_shape_is_refused(plain_copy):
+    file = plain_copy / TAG / "layer_02-model_states.pt"
+    _rewrite(file, lambda root: root.update(weight=torch.zeros(3, 6)))
+    assert_refused(run_cli("inspect", plain_copy), _last_stage(plain_copy),
+                   "cannot map optimizer state")
+
+
+def test_an_optimizer_of_another_model_is_refused(plain_copy):
+    """A moment whose shape is no parameter's of the stage's layers."""
+    file = _last_stage(plain_copy)
+
+    def edit(root):
+        state = root["optimizer"]["state"]
+        last = max(state)
+        state[last]["exp_avg"] = torch.zeros(5)
+        state[last]["exp_avg_sq"] = torch.zeros(5)
+    _rewrite(file, edit)
+    assert_refused(run_cli("inspect", plain_copy), file, "cannot map optimizer state")
+
+
+@pytest.mark.parametrize("stage, words", [(0, ("cannot map optimizer state",)),
+                                          (1, ("4", "3 parameters", "disagree"))])
+def test_an_optimizer_missing_a_parameter_is_refused(deepspeed_runs, tmp_path, stage, words):
+    """Two stages: one stage's optimizer lists one parameter fewer than its layers hold.
+    The stages then split the layers' parameters elsewhere (the first stage's) or leave one
+    over (the last's): either is refused, never a parameter read as frozen."""
+    target = tmp_path / "run"
+    shutil.copytree(deepspeed_runs / "pipe2_zero0", target)
+
+    def edit(root):
+        groups = root["optimizer"]["param_groups"]
+        dropped = groups[0]["params"].pop()
+        root["optimizer"]["state"].pop(dropped, None)
+    _rewrite(target / TAG / f"mp_rank_{stage:02d}_model_states.pt", edit)
+    assert_refused(run_cli("inspect", target), target / TAG / "mp_rank_01_model_states.pt",
+                   *words)
+
+
+def test_a_layer_saved_twice_is_refused(plain_copy):
+    """A module tied across layers (TiedLayerSpec) is saved by each layer using it: equal
+    weight matrices in two layer files are refused, not counted twice."""
+    first = torch.load(plain_copy / TAG / "layer_00-model_states.pt")
+    file = plain_copy / TAG / "layer_02-model_states.pt"
+    _rewrite(file, lambda root: root.update(weight=first["weight"].clone()))
+    assert_refused(run_cli("inspect", plain_copy), file, "2.weight", "0.weight", "tied")
+
+
+def test_a_stage_missing_is_refused(deepspeed_runs, tmp_path):
+    target = tmp_path / "run"
+    shutil.copytree(deepspeed_runs / "pipe2_zero0", target)
+    (target / TAG / "mp_rank_00_model_states.pt").unlink()
+    assert_refused(run_cli("inspect", target), target / TAG, "no mp_rank_00")
+
+
+def test_a_stage_count_that_disagrees_is_refused(deepspeed_runs, tmp_path):
+    """The last stage's file gone: the first one's pp_degree says there are two."""
+    target = tmp_path / "run"
+    shutil.copytree(deepspeed_runs / "pipe2_zero0", target)
+    (target / TAG / "mp_rank_01_model_states.pt").unlink()
+    assert_refused(run_cli("inspect", target), target / TAG / "mp_rank_00_model_states.pt",
+                   "mp_world_size is 2", "1 pipeline stage file(s)")

@@ -59,6 +59,12 @@ by side and a replicated one counts once, from ``mp_rank_00``, decided from Mega
 layer names as Megatron legacy checkpoints are (``tensor_parallel``); a name the rule
 cannot place is refused, naming ``mp_rank_00``'s model state file.
 
+Pipeline parallelism (``deepspeed.pipe.PipelineModule``) saves each layer's state dict as
+``layer_II-model_states.pt`` (``II`` its global index, which names it: ``II.weight``)
+beside one ``mp_rank_XX`` per stage. Under ZeRO the stages are read from their optimizer
+files (``_check_stages``); without ZeRO the weights are the layer files' and the moments
+each stage's ``optimizer`` (``_Reader.pipeline``).
+
 Every file goes through the restricted reader, with DeepSpeed's own pickled
 classes mapped to inert stand-ins (``files/deepspeed_pickle.py``), and the
 ``argparse.Namespace`` (and numpy RNG state) of Megatron's client state read as
@@ -92,6 +98,7 @@ from gradclip_cli.source.interface import (
     OptimizerState,
     Piece,
     StoredTensor,
+    chained,
 )
 from gradclip_cli.source.what import map_names
 
@@ -110,6 +117,9 @@ _OPTIM = re.compile(r"(?:(bf16_))?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\
 _PLAIN = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 # Pipeline parallelism (deepspeed.pipe.PipelineModule) saves each layer's weights apart.
 _PIPELINE_LAYER = re.compile(r"layer_\d+(?:-model_\d+)?-model_states\.pt")
+# Its layer index (global, as the module names the layer) and the tensor-parallel rank
+# (``-model_XX``, DeepSpeed's topology's rank name) where there is one.
+_LAYER_FILE = re.compile(r"layer_(\d+)(-model_\d+)?-model_states\.pt")
 # Megatron-DeepSpeed passes Megatron's client state (``args``, an ``argparse.Namespace``;
 # numpy RNG state) to ``save_checkpoint``, which keeps it in the model state files: read as
 # inert data, as Megatron's own checkpoints are.
@@ -203,8 +213,9 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         folder = _follow_latest(path)
         tag_note = f" (named by {LATEST})"
     reader = _Reader(folder, trust_pickle=trust_pickle, verify=verify)
-    _refuse_pipeline(folder)
-    if _kind_of(folder) == PLAIN:
+    if _kind_of(folder) == PLAIN and _layer_files(folder):
+        contents = reader.pipeline(path)
+    elif _kind_of(folder) == PLAIN:
         contents = reader.plain(path)
     else:
         contents = reader.contents(path)
@@ -582,14 +593,194 @@ class _Reader:
         return contents
 
 
+    def pipeline(self, given: Path) -> Contents:
+        """Pipeline parallelism (``deepspeed.pipe.PipelineModule``) without ZeRO: each stage
+        ``XX`` saves ``mp_rank_XX_model_states.pt`` (no ``module``; its ``optimizer`` torch's
+        state dict over the stage's parameters) and each of its layers' state dicts as
+        ``layer_II-model_states.pt``, ``II`` the layer's global index, which names the layer
+        as the module does (``II.weight``, as ZeRO's ``param_shapes`` of a PipelineModule).
+
+        Stages hold consecutive layers in order, and DeepSpeed hands each stage's optimizer
+        that stage's parameters: with several stages, stage ``XX``'s optimizer holds the next
+        as many parameters of the layers in index order as its param groups list, mapped to
+        names by shape within them (``what.map_names``); one stage's optimizer may hold fewer
+        (parameters left out of it, frozen). Counts or shapes that disagree are refused. A
+        layer tied across layers (``TiedLayerSpec``) is saved by each layer that uses it:
+        two layer files holding equal weight matrices are refused rather than counted twice.
+        """
+        names = os.listdir(self.folder)
+        stages = sorted(int(m.group(1)) for n in names if (m := _PLAIN.fullmatch(n)))
+        if stages != list(range(len(stages))):
+            missing = next(r for r in range(len(stages) + 1) if r not in stages)
+            raise InputError(
+                f"{self.folder}: holds pipeline stages {', '.join(_mp(r) for r in stages)} "
+                f"but no {_mp(missing)}: the stages are incomplete"
+            )
+        layers: dict[int, str] = {}
+        for n in sorted(names):
+            m = _LAYER_FILE.fullmatch(n)
+            if m is None:
+                continue
+            if m.group(2):
+                raise InputError(
+                    f"{self.folder / n}: a layer file of a tensor-parallel rank "
+                    f"({visible(m.group(2)[1:])}); gradclip reads DeepSpeed pipeline stages "
+                    "without ZeRO and without tensor parallelism"
+                )
+            index = int(m.group(1))
+            if index in layers:
+                raise InputError(
+                    f"{self.folder / n}: layer {index} is also saved as {layers[index]}"
+                )
+            layers[index] = n
+        models = [self.load(f"{_mp(s)}_model_states.pt") for s in stages]
+        first = models[0]
+        for model in models:
+            _check_saved_without_zero(model, len(stages))
+            for key in ("global_steps", "ds_version"):
+                if model.root.get(key) != first.root.get(key):
+                    raise InputError(
+                        f"{model.path}: its {key} differs from {first.path.name}'s: the "
+                        "stages are not one checkpoint"
+                    )
+        buffer_names: set[str] = set()
+        for model in models:
+            listed = model.root.get("buffer_names")
+            if not isinstance(listed, (list, tuple)) or not all(isinstance(n, str) for n in listed):
+                raise InputError(
+                    f"{model.path}: no buffer_names: which of the layers' entries are buffers, "
+                    "not parameters, cannot be told"
+                )
+            buffer_names.update(listed)
+        params: dict[str, StoredTensor] = {}
+        buffers: dict[str, StoredTensor] = {}
+        for index in sorted(layers):
+            layer = self.load(layers[index])
+            for key, value in layer.root.items():
+                if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+                    raise InputError(
+                        f"{layer.path}: holds {visible(repr(key))[:60]}, which is not a named "
+                        "tensor of the layer's state dict"
+                    )
+                name = f"{index}.{key}"
+                tensor = StoredTensor.whole(name, value, layer.path)
+                if name in buffer_names or not value.dtype.is_floating_point:
+                    buffers[name] = tensor
+                else:
+                    params[name] = tensor
+        _refuse_tied_layers(params)
+        order = list(params)
+        optimizers = []
+        taken = 0
+        for model in models:
+            value, file = model.root.get("optimizer"), model.path
+            if not is_optimizer_state(value):
+                raise InputError(
+                    f"{file}: 'optimizer' is not torch's optimizer state dict "
+                    f"({type(value).__name__}); gradclip reads DeepSpeed pipeline stages "
+                    "without ZeRO trained in fp32"
+                )
+            optimizer = optimizer_state(value, file, "'optimizer'")
+            count = sum(len(g["params"]) for g in optimizer.param_groups)
+            if len(models) == 1:
+                own = order
+            else:
+                own = order[taken : taken + count]
+            taken += count
+            if count > len(own):
+                raise InputError(
+                    f"{file}: the optimizer lists {count} parameters, but the layer files "
+                    f"hold {len(own)} for this stage: the layer files and the optimizer "
+                    "disagree (a layer file missing?)"
+                )
+            stage_weights = {n: params[n] for n in own}
+            optimizer.param_names = map_names(
+                Contents(path=file, kind=KIND, weights=stage_weights,
+                         model_order_names=list(own)),
+                optimizer,
+            )
+            optimizers.append(optimizer)
+        if len(models) > 1 and taken != len(order):
+            raise InputError(
+                f"{models[-1].path}: the stages' optimizers list {taken} parameters, but the "
+                f"layer files hold {len(order)}: the layer files and the optimizers disagree"
+            )
+        optimizer, _ = chained(optimizers, first.path)
+        contents = Contents(
+            path=given, kind=KIND, files=list(self.files), trusted_pickle=self.trusted
+        )
+        contents.weights = params
+        contents.model_order_names = order
+        contents.buffers = buffers or None
+        contents.optimizers = [optimizer]
+        files = _span([layers[i] for i in sorted(layers)])
+        held = _span([f"{m.path.name}'s 'optimizer'" for m in models])
+        of = f" of {len(models)} pipeline stages" if len(models) > 1 else ""
+        contents.evidence[roles.WEIGHT] = (
+            f"a DeepSpeed pipeline checkpoint without ZeRO{of}: the layer files ({files})"
+        )
+        contents.evidence[roles.OPTIMIZER_STATE] = (
+            f"a DeepSpeed pipeline checkpoint without ZeRO{of}: {held}"
+        )
+        step = first.root.get("global_steps")
+        if _count(step) and step >= 0:
+            contents.step = step
+        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
+        version = first.root.get("ds_version")
+        version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
+        at = f" at global step {contents.step}" if contents.step is not None else ""
+        contents.description.append(
+            f"DeepSpeed pipeline checkpoint without ZeRO (stage 0){at}: "
+            f"{visible(self.folder.name)}/"
+        )
+        dp = first.root.get("dp_world_size")
+        dp_note = f" x {dp} data-parallel rank(s)" if _count(dp) else ""
+        with_state = [
+            p for g in optimizer.param_groups for p in g["params"] if optimizer.state.get(p)
+        ]
+        contents.description.append(
+            f"{len(models)} pipeline stage(s) ({_span([_mp(s) for s in stages])}){dp_note}"
+            f"{version}: weights of {len(params)} parameters in {len(layers)} layer files "
+            f"({files}), Adam moments of {len(with_state)}"
+        )
+        frozen = len(params) - len(with_state)
+        if frozen > 0:
+            contents.description.append(
+                f"{frozen} parameter(s) without optimizer state (frozen): weights only "
+                "(measured by --what weights)"
+            )
+        return contents
+
+
+def _refuse_tied_layers(params: dict[str, StoredTensor]) -> None:
+    """Two layers' equal weight matrices (2 dimensions or more): one module tied across
+    layers (``TiedLayerSpec``), saved by each; refused rather than counted twice."""
+    seen: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for name, stored in params.items():
+        if len(stored.shape) < 2:
+            continue
+        value = stored.read()
+        key = (tuple(value.shape), value.dtype, tuple(value.flatten()[:64].tolist()))
+        for other, earlier in seen.get(key, ()):
+            if torch.equal(value, earlier):
+                raise InputError(
+                    f"{stored.pieces[0].file}: holds {visible(name)}, equal to "
+                    f"{visible(other)} (a layer tied across layers, saved by each); "
+                    "gradclip does not read tied pipeline layers"
+                )
+        seen.setdefault(key, []).append((name, value))
+
+
 def _plain_number(value: Any) -> float | None:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _check_saved_without_zero(model: Checkpoint) -> None:
-    """A ZeRO checkpoint whose optimizer files are gone is not one saved without ZeRO."""
+def _check_saved_without_zero(model: Checkpoint, stages: int = 0) -> None:
+    """A ZeRO checkpoint whose optimizer files are gone is not one saved without ZeRO; and
+    it has one model-parallel rank, or (``stages``) is one of that many pipeline stages
+    without tensor parallelism."""
     config = model.root.get("ds_config")
     zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
     stage = zero.get("stage") if isinstance(zero, Mapping) else 0
@@ -601,6 +792,20 @@ def _check_saved_without_zero(model: Checkpoint) -> None:
         )
     dims = model.root.get("checkpoint_parallel_dimensions")
     dims = dims if isinstance(dims, Mapping) else {}
+    if stages:
+        for key, size, expected in (
+            ("mp_world_size", model.root.get("mp_world_size"), stages),
+            ("pp_degree", dims.get("pp_degree"), stages),
+            ("tp_degree", dims.get("tp_degree"), 1),
+        ):
+            if not _count(size) or size != expected:
+                raise InputError(
+                    f"{model.path}: {key} is {visible(repr(size))[:40]}, but the folder holds "
+                    f"{stages} pipeline stage file(s) (mp_rank_XX_model_states.pt) beside its "
+                    "layer files; gradclip reads DeepSpeed pipeline stages without ZeRO, all "
+                    "of them and without tensor parallelism"
+                )
+        return
     for key, size in (
         ("mp_world_size", model.root.get("mp_world_size")),
         ("pp_degree", dims.get("pp_degree")),
@@ -738,22 +943,11 @@ def _rounded_from(params: dict[str, StoredTensor], masters: list[torch.Tensor]) 
     return found
 
 
-def _refuse_pipeline(folder: Path) -> None:
-    """Pipeline parallelism (``layer_XX-model_states.pt`` files) without ZeRO is refused: its
-    weights are in the layer files alone. Under ZeRO the optimizer files hold every
-    parameter's fp32 master weights and moments, each stage's as a rank of its own
-    (``_check_stages``)."""
+def _layer_files(folder: Path) -> list[str]:
     try:
-        names = os.listdir(folder)
+        return sorted(n for n in os.listdir(folder) if _PIPELINE_LAYER.fullmatch(n))
     except OSError:
-        return
-    layers = sorted(n for n in names if _PIPELINE_LAYER.fullmatch(n))
-    if layers and _folder_kind(names) == PLAIN:
-        raise InputError(
-            f"{folder}: a DeepSpeed pipeline-parallel checkpoint without ZeRO "
-            f"({visible(layers[0])} and {len(layers) - 1} more layer file(s)); gradclip "
-            "does not read DeepSpeed pipeline parallelism without ZeRO"
-        )
+        return []
 
 
 def _mp(rank: int) -> str:
