@@ -71,6 +71,7 @@ from .core import (
     tensor_power_sums,
 )
 from .core.clipping import EPS
+from .core.norms import certified_group_norms
 from .core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z, SpikeDetector, SpikeDetectors
 from .distributed import dtensor
 from .errors import OutputError, UsageError
@@ -333,14 +334,21 @@ class GradMonitor:
         )
         if kept is not None:
             grads = [grads[i] for i in kept]
+        plan = self._plan_for(names, present, kept)
+        grouping = plan.grouping
+        if not sharded and self.norm_type == 2.0 and _one_cpu_type(grads):
+            # The common CPU step: groups' squares certified as they are summed.
+            certified = certified_group_norms(grads, grouping.index, len(grouping.names))
+            if certified is not None:
+                return _Measurement(grads, GroupSums(grouping.names, grouping.index,
+                                                     *certified), plan)
         # No max |g|: the record does not report it, and the power sums certify
         # the norms by themselves (one pass; on an accelerator, one read).
         if sharded:
             sums = dtensor.tensor_sums(grads, self.norm_type, with_max=False)
         else:
             sums = tensor_power_sums(grads, self.norm_type, with_max=False)
-        plan = self._plan_for(names, present, kept)
-        return _Measurement(grads, plan.grouping.sums(sums), plan)
+        return _Measurement(grads, grouping.sums(sums), plan)
 
     def _plan_for(
         self, names: list[str], present: list[int] | None, kept: list[int] | None
@@ -518,6 +526,15 @@ class GradMonitor:
 
 
 _GRAD = attrgetter("grad")
+_DTYPE = attrgetter("dtype")
+_IS_CPU = attrgetter("is_cpu")
+
+
+def _one_cpu_type(grads: list[torch.Tensor]) -> bool:
+    """Whether ``grads`` are CPU tensors of one type that ``certified_group_norms`` reads."""
+    types = set(map(_DTYPE, grads))
+    return len(types) == 1 and types <= {torch.float32, torch.float64} and all(
+        map(_IS_CPU, grads))
 
 
 class _Parameters:

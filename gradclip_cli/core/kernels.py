@@ -33,9 +33,11 @@ from __future__ import annotations
 import math
 import os
 import threading
+from array import array
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 from torch.utils._foreach_utils import (
@@ -454,34 +456,45 @@ LANES = {256: 16, 128: 8, 64: 4}[ROW]
 def squares_on_cpu(tensors: Sequence[torch.Tensor]) -> Rows:
     """Each tensor's 2-norm (float32 or float64 tensors), from one read of its elements.
 
+    One row per tensor, in input order, its norm from ``square_norms_on_cpu``
+    in float64 (``acc_dtype`` is the rows' type: ``norms._trusted``
+    certifies each from its own sum).
+    """
+    sizes = list(map(torch.Tensor.numel, tensors))
+    order = torch.arange(len(sizes))
+    length = torch.frombuffer(array("q", sizes), dtype=torch.int64) if sizes else order
+    norm = square_norms_on_cpu(tensors, sizes)
+    return Rows(order, torch.zeros_like(order), length, None, norm, tensors[0].dtype)
+
+
+def square_norms_on_cpu(tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
+    """Each tensor's 2-norm in float64, in input order (CPU float32 or float64
+    tensors of one dtype, ``sizes`` their numbers of elements).
+
     A tensor is cut into rows of ``ROW`` elements, each row's norm taken by
     torch's own kernel (accurate, see ``ROW``) and the rows' squares summed in
     float64. A tensor of at least ``SMALL`` elements is one ``vector_norm``
     over its rows; smaller ones are copied together into cache-sized blocks
-    (``_Packing``), so 1,000 of them cost a few ops, not 1,000. One row per
-    tensor comes back, its norm in float64 (``acc_dtype`` is the rows' type:
-    ``norms._trusted`` certifies each from its own sum).
+    (``_Packing``), so 1,000 of them cost a few ops, not 1,000. An empty
+    tensor's norm is 0.
     """
     dtype = tensors[0].dtype
-    sizes = [t.numel() for t in tensors]
-    big, small = [], []
-    for i, n in enumerate(sizes):
-        if n >= SMALL:
-            big.append(i)
-        elif n:
-            small.append(i)
-    parts = [_big_norms([_flat(tensors[i]) for i in big], dtype)] if big else []
+    if min(sizes) >= SMALL:  # GPT-2's shapes: every tensor big
+        return _big_norms(list(map(_flat, tensors)), dtype)
+    if min(sizes) and max(sizes) < SMALL:  # many small tensors: every one packed
+        return _packing(tuple(map(_SHAPE, tensors)), dtype).norms(tensors)
+    big = [i for i, n in enumerate(sizes) if n >= SMALL]
+    small = [i for i, n in enumerate(sizes) if 0 < n < SMALL]
+    norm = torch.zeros(len(sizes), dtype=torch.float64)
+    if big:
+        norm[big] = _big_norms([_flat(tensors[i]) for i in big], dtype)
     if small:
-        members = tensors if len(small) == len(sizes) else [tensors[i] for i in small]
-        parts.append(_packing(tuple(t.shape for t in members), dtype).norms(members))
-    length = torch.tensor(sizes, dtype=torch.int64)
-    if len(parts) == 1 and len(sizes) in (len(big), len(small)):  # one kind, none empty
-        order, norm = torch.arange(len(sizes)), parts[0]
-    else:
-        order = torch.tensor(big + small, dtype=torch.int64)
-        norm = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
-        length = length[order]
-    return Rows(order, torch.zeros_like(order), length, None, norm, dtype)
+        members = [tensors[i] for i in small]
+        norm[small] = _packing(tuple(map(_SHAPE, members)), dtype).norms(members)
+    return norm
+
+
+_SHAPE = attrgetter("shape")
 
 
 def row_norms_into(flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -25,13 +25,21 @@ Rows combine into tensors in float64 (power_sums.py).
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from .elements import Elements, measurable, readable
-from .kernels import FLOAT64_SAFE_P, Rows, rows_on_cpu, squares_on_cpu, sums_by_foreach
+from .kernels import (
+    FLOAT64_SAFE_P,
+    Rows,
+    rows_on_cpu,
+    square_norms_on_cpu,
+    squares_on_cpu,
+    sums_by_foreach,
+)
 from .power_sums import F64, PowerSums, from_rows, pointwise_pow
 
 # A fast row norm is trusted when its largest term max|x|**p is at least this
@@ -152,6 +160,39 @@ def total_power_sums(tensors: Sequence[torch.Tensor], norm_type: float,
                              dtype=F64), zero, zero, zero)
     tensors = [measurable(t) for t in tensors]
     return tensor_power_sums(tensors, norm_type, foreach=foreach, with_max=False).total()
+
+
+def certified_group_norms(
+    tensors: Sequence[torch.Tensor], index: torch.Tensor, size: int
+) -> tuple[PowerSums, PowerSums] | None:
+    """Groups' and the total's 2-norms of CPU float32 or float64 tensors of one dtype,
+    from one read of their elements, or None where they cannot be certified.
+
+    Tensor ``i`` goes to group ``index[i]``. Each tensor's norm comes from
+    ``square_norms_on_cpu``; a group's sum of squares is trusted as
+    ``total_power_sums`` trusts its total: finite, and at least
+    ``n * tiny * 2**24`` for its ``n`` elements, so underflow cannot have
+    cost it 2**-24 of itself. When any group fails (a NaN or an inf, a sum
+    that overflowed, or gradients too small or all zero), the caller
+    measures with ``tensor_power_sums``, which recomputes exactly and counts.
+    """
+    sizes = list(map(torch.Tensor.numel, tensors))
+    squares = square_norms_on_cpu(tensors, sizes).square_()
+    counts = torch.frombuffer(array("q", sizes), dtype=torch.int64).to(F64)
+    group_squares = torch.zeros(size, dtype=F64).index_add_(0, index, squares)
+    budget = torch.zeros(size, dtype=F64).index_add_(0, index, counts)
+    budget *= _UNDERFLOW_MARGIN * torch.finfo(tensors[0].dtype).tiny
+    total = group_squares.sum().reshape(1)
+    if not bool(torch.isfinite(total) & (group_squares >= budget).all()):
+        return None
+    return _certified(group_squares.sqrt_()), _certified(total.sqrt_())
+
+
+def _certified(norm: torch.Tensor) -> PowerSums:
+    """Summaries of pieces whose finite 2-norms are known: scale the norm, sum 1."""
+    zeros = torch.zeros(norm.numel(), dtype=torch.int64)
+    return PowerSums(2.0, norm, torch.ones_like(norm), torch.full_like(norm, math.nan),
+                     zeros, zeros, zeros)
 
 
 def _squares_count(tensors: Sequence[torch.Tensor]) -> int:

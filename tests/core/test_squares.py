@@ -15,6 +15,7 @@ import torch
 
 from gradclip_cli.core import tensor_power_sums, total_power_sums
 from gradclip_cli.core.kernels import CHUNK, LANES, ROW, SMALL, squares_on_cpu
+from gradclip_cli.core.norms import certified_group_norms
 
 from .reference import norm, rel_err
 
@@ -96,12 +97,13 @@ def test_sums_that_overflow_or_underflow_float32_are_recomputed():
         assert math.isfinite(x) and rel_err(x, norm([t], 2)) <= TOL
 
 
-def test_rows_are_one_per_nonempty_tensor():
-    ts = [torch.ones(3), torch.empty(0), torch.ones(SMALL)]
+def test_rows_are_one_per_tensor_in_input_order():
+    ts = [torch.ones(4), torch.empty(0), torch.full((SMALL,), 2.0)]
     rows = squares_on_cpu(ts)
-    assert sorted(rows.tensor.tolist()) == [0, 2]
+    assert rows.tensor.tolist() == [0, 1, 2]
     assert rows.max_abs is None
-    assert sorted(zip(rows.tensor.tolist(), rows.length.tolist())) == [(0, 3), (2, SMALL)]
+    assert rows.length.tolist() == [4, 0, SMALL]
+    assert rows.norm.tolist() == [2.0, 0.0, 2.0 * math.sqrt(SMALL)]  # exact in float32
 
 
 @pytest.mark.parametrize(
@@ -124,3 +126,48 @@ def test_the_certified_total_propagates_nan_then_inf_as_torch():
     assert float(total_power_sums([a, b], 2.0).norm[0]) == math.inf
     b[5] = math.nan
     assert math.isnan(float(total_power_sums([a, b], 2.0).norm[0]))
+
+
+# certified_group_norms: the monitor's CPU step, groups certified from their own sums.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_certified_groups_match_float64(dtype):
+    g = torch.Generator().manual_seed(3)
+    sizes = [4096, 17, SMALL + ROW + 3, 1, ROW * 3, 0, 5000]
+    ts = [torch.randn(n, generator=g, dtype=dtype) * 10.0 ** (i - 3) for i, n in enumerate(sizes)]
+    ts[1].fill_(0.1)  # equal values: a lane sum at its worst
+    index = torch.tensor([0, 0, 1, 2, 1, 2, 0])
+    groups, total = certified_group_norms(ts, index, 3)
+    for k in range(3):
+        members = [t for t, i in zip(ts, index.tolist()) if i == k]
+        assert rel_err(float(groups.norm[k]), norm(members, 2)) <= TOL
+    assert rel_err(float(total.norm[0]), norm(ts, 2)) <= TOL
+    assert total.nonfinite.tolist() == [0] and groups.nonfinite.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda t: t.fill_(0.0),  # a group of zeros: nothing to certify
+        lambda t: t.fill_(1e-30),  # its squares underflow in float32
+        lambda t: t.__setitem__(3, math.nan),
+        lambda t: t.__setitem__(0, -math.inf),
+        lambda t: t.fill_(3e38),  # finite, but its float32 squares overflow
+    ],
+)
+def test_certified_groups_refuse_what_needs_an_exact_measure(spoil):
+    ts = [torch.ones(300), torch.ones(4096)]
+    spoil(ts[1])
+    assert certified_group_norms(ts, torch.tensor([0, 1]), 2) is None
+    # The exact path the monitor then takes gets them right.
+    sums = tensor_power_sums(ts, 2.0, with_max=False)
+    got = float(sums.total().norm[0])
+    # float64 over the elements; NaN and inf propagated as torch propagates them.
+    want = float(torch.linalg.vector_norm(torch.cat(ts).double()))
+    if math.isnan(want):
+        assert math.isnan(got)
+    elif math.isinf(want) or want == 0:
+        assert got == want
+    else:
+        assert rel_err(got, want) <= TOL
