@@ -392,15 +392,19 @@ def test_a_missing_bucket(gradclip, distopt_save):
     one_line_exit_3(result, ".metadata", "buckets", "laid out")
 
 
-def test_buckets_whose_sizes_do_not_fit_the_layout(gradclip, distopt_save):
-    swap = {".bucket_idx_0.": ".bucket_idx_1.", ".bucket_idx_1.": ".bucket_idx_0."}
+def _swapped(a: str, b: str):
+    """A key renaming that swaps the parts ``a`` and ``b``."""
 
     def rename(key):
-        for a, b in swap.items():
-            if a in key:
-                return key.replace(a, b)
-        return key
+        if a in key:
+            return key.replace(a, b)
+        return key.replace(b, a) if b in key else key
 
+    return rename
+
+
+def test_buckets_whose_sizes_do_not_fit_the_layout(gradclip, distopt_save):
+    rename = _swapped(".bucket_idx_0.", ".bucket_idx_1.")
     _rewrite_metadata(distopt_save / "iter_0000003", rename)
     result = gradclip("inspect", distopt_save, "--what", "update")
     one_line_exit_3(result, ".metadata", "Megatron's layout")
@@ -544,14 +548,7 @@ def test_model_parallel_groups_swapped(gradclip, distopt_tp_save):
     """Each tensor-parallel rank's buckets under the other's index: the processes that
     wrote the model's chunks in offset order are then model-parallel ranks 1, 0, not
     Megatron's tensor-parallel order, and the checkpoint is refused."""
-    swap = {"dp_group_idx_0.": "dp_group_idx_1.", "dp_group_idx_1.": "dp_group_idx_0."}
-
-    def rename(key):
-        for a, b in swap.items():
-            if a in key:
-                return key.replace(a, b)
-        return key
-
+    rename = _swapped("dp_group_idx_0.", "dp_group_idx_1.")
     _rewrite_metadata(distopt_tp_save / "iter_0000003", rename)
     result = gradclip("inspect", distopt_tp_save, "--what", "update")
     one_line_exit_3(result, ".metadata", "not one per tensor-parallel rank", "[1, 0]")

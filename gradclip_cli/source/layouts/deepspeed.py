@@ -569,20 +569,13 @@ class _Reader:
                 f"{ranks_note}{version}: the module's weights; no optimizer state was saved"
             )
             return contents
-        with_state = [
-            p for g in optimizer.param_groups for p in g["params"] if optimizer.state.get(p)
-        ]
+        with_state = _with_state(optimizer)
         master_note = "fp32 master weights and " if masters else ""
         contents.description.append(
             f"{ranks_note}{version}: {precision}{master_note}Adam moments of "
             f"{len(with_state)} parameters"
         )
-        frozen = len(params) - len(with_state)
-        if frozen > 0:
-            contents.description.append(
-                f"{frozen} parameter(s) without optimizer state (frozen): weights only "
-                "(measured by --what weights)"
-            )
+        _note_frozen(contents, len(params) - len(with_state))
         steps = {_plain_number(optimizer.state[p].get("step")) for p in with_state}
         if masters and contents.step is not None and steps == {contents.step + 1}:
             # FP16_UnfusedOptimizer.initialize_optimizer_states steps once with zero gradients.
@@ -735,21 +728,27 @@ class _Reader:
         )
         dp = first.root.get("dp_world_size")
         dp_note = f" x {dp} data-parallel rank(s)" if _count(dp) else ""
-        with_state = [
-            p for g in optimizer.param_groups for p in g["params"] if optimizer.state.get(p)
-        ]
+        with_state = _with_state(optimizer)
         contents.description.append(
             f"{len(models)} pipeline stage(s) ({_span([_mp(s) for s in stages])}){dp_note}"
             f"{version}: weights of {len(params)} parameters in {len(layers)} layer files "
             f"({files}), Adam moments of {len(with_state)}"
         )
-        frozen = len(params) - len(with_state)
-        if frozen > 0:
-            contents.description.append(
-                f"{frozen} parameter(s) without optimizer state (frozen): weights only "
-                "(measured by --what weights)"
-            )
+        _note_frozen(contents, len(params) - len(with_state))
         return contents
+
+
+def _with_state(optimizer) -> list:
+    """The parameters of torch's optimizer state dict that hold state, in group order."""
+    return [p for g in optimizer.param_groups for p in g["params"] if optimizer.state.get(p)]
+
+
+def _note_frozen(contents, frozen: int) -> None:
+    if frozen > 0:
+        contents.description.append(
+            f"{frozen} parameter(s) without optimizer state (frozen): weights only "
+            "(measured by --what weights)"
+        )
 
 
 def _refuse_tied_layers(params: dict[str, StoredTensor]) -> None:
