@@ -478,10 +478,10 @@ def square_norms_on_cpu(tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -
     (``_Packing``), so 1,000 of them cost a few ops, not 1,000. An empty
     tensor's norm is 0.
     """
-    dtype = tensors[0].dtype
-    if min(sizes) >= SMALL:  # GPT-2's shapes: every tensor big
+    dtype, least = tensors[0].dtype, min(sizes)
+    if least >= SMALL:  # GPT-2's shapes: every tensor big
         return _big_norms(list(map(_flat, tensors)), dtype)
-    if min(sizes) and max(sizes) < SMALL:  # many small tensors: every one packed
+    if least and max(sizes) < SMALL:  # many small tensors: every one packed
         return _packing(tuple(map(_SHAPE, tensors)), dtype).norms(tensors)
     big = [i for i, n in enumerate(sizes) if n >= SMALL]
     small = [i for i, n in enumerate(sizes) if 0 < n < SMALL]
