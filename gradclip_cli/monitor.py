@@ -106,6 +106,12 @@ class _Measurement:
     grads: list[torch.Tensor]
     sums: GroupSums  # groups in order of first appearance in named_parameters()
     plan: _Plan
+    types: set[torch.dtype]  # the gradients' dtypes
+    sharded: bool  # some gradients are DTensors
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """The gradients to scale in place (a DTensor's local tensor)."""
+        return dtensor.local_tensors(self.grads) if self.sharded else self.grads
 
 
 class GradMonitor:
@@ -237,7 +243,7 @@ class GradMonitor:
             return None
         record, spike_coef = self._observe(step, measured)
         if spike_coef is not None:
-            scale_(dtensor.local_tensors(measured.grads), spike_coef)
+            scale_(measured.local_grads(), spike_coef)
         return record
 
     def clip_grad_norm_(
@@ -275,7 +281,7 @@ class GradMonitor:
             )
         _, spike_coef = self._observe(step, measured, float(max_norm))
         first = measured.grads[0]
-        wide = any(g.dtype == torch.float64 for g in measured.grads)
+        wide = torch.float64 in measured.types
         total_norm = measured.sums.total.norm[0]
         total = total_norm.to(first.device, torch.float64 if wide else torch.float32)
         if error_if_nonfinite and not math.isfinite(float(total_norm)):
@@ -287,7 +293,7 @@ class GradMonitor:
             )
         coef = clip_coefficient(total, float(max_norm)) if spike_coef is None else spike_coef
         # A DTensor is scaled through its local tensor, whatever its placements.
-        scale_(dtensor.local_tensors(measured.grads), coef, foreach=foreach)
+        scale_(measured.local_grads(), coef, foreach=foreach)
         return total
 
     def close(self) -> None:
@@ -336,19 +342,20 @@ class GradMonitor:
             grads = [grads[i] for i in kept]
         plan = self._plan_for(names, present, kept)
         grouping = plan.grouping
-        if not sharded and self.norm_type == 2.0 and _one_cpu_type(grads):
+        types = set(map(_DTYPE, grads))
+        if not sharded and self.norm_type == 2.0 and _one_cpu_type(grads, types):
             # The common CPU step: groups' squares certified as they are summed.
             certified = certified_group_norms(grads, grouping.index, len(grouping.names))
             if certified is not None:
-                return _Measurement(grads, GroupSums(grouping.names, grouping.index,
-                                                     *certified), plan)
+                sums = GroupSums(grouping.names, grouping.index, *certified)
+                return _Measurement(grads, sums, plan, types, sharded)
         # No max |g|: the record does not report it, and the power sums certify
         # the norms by themselves (one pass; on an accelerator, one read).
         if sharded:
             sums = dtensor.tensor_sums(grads, self.norm_type, with_max=False)
         else:
             sums = tensor_power_sums(grads, self.norm_type, with_max=False)
-        return _Measurement(grads, grouping.sums(sums), plan)
+        return _Measurement(grads, grouping.sums(sums), plan, types, sharded)
 
     def _plan_for(
         self, names: list[str], present: list[int] | None, kept: list[int] | None
@@ -530,9 +537,9 @@ _DTYPE = attrgetter("dtype")
 _IS_CPU = attrgetter("is_cpu")
 
 
-def _one_cpu_type(grads: list[torch.Tensor]) -> bool:
-    """Whether ``grads`` are CPU tensors of one type that ``certified_group_norms`` reads."""
-    types = set(map(_DTYPE, grads))
+def _one_cpu_type(grads: list[torch.Tensor], types: set[torch.dtype]) -> bool:
+    """Whether ``grads`` (of dtypes ``types``) are CPU tensors of one type that
+    ``certified_group_norms`` reads."""
     return len(types) == 1 and types <= {torch.float32, torch.float64} and all(
         map(_IS_CPU, grads))
 

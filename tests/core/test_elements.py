@@ -22,6 +22,7 @@ from gradclip_cli.core import (
     scale_elements_,
     tensor_power_sums,
 )
+from gradclip_cli.core.elements import _apart
 
 from .reference import rel_err
 
@@ -203,9 +204,13 @@ def test_tensors_apart_are_their_own_pieces_and_the_rest_go_the_general_way():
         "transposed": [a, a.t()],
         "complex": [torch.randn(4, dtype=torch.complex64), b],
         "sparse": [torch.randn(3, 3).to_sparse(), b],
+        "sparse csr": [torch.randn(3, 3).to_sparse_csr(), b],
+        "sparse bsr": [torch.randn(4, 4).to_sparse_bsr((2, 2)), b],
         "meta": [torch.empty(4, device="meta")],
         "empty": [torch.empty(0), b],
     }
+    # mkldnn tensors are not measured at all; they never pass for tensors apart.
+    assert _apart([torch.randn(3, 3).to_mkldnn(), b]) is None
     for name, tensors in cases.items():
         elements = distinct_elements(tensors)
         assert elements.whole is None, name
