@@ -56,7 +56,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from itertools import chain, repeat
-from operator import attrgetter, is_not
+from operator import attrgetter, is_, is_not
 from pathlib import Path
 from typing import Any
 
@@ -552,8 +552,8 @@ class _Parameters:
     what it was read from: every module's class, the keys and objects of its
     ``_parameters`` and ``_modules``. Those are what ``named_parameters``
     reads; when all are as they were (a few passes over them at C speed),
-    its answer would be the same. The cached lists hold the old objects, so
-    an ``id`` seen again is the same object. A model whose class lists its
+    its answer would be the same. The reading holds the objects themselves,
+    compared by identity. A model whose class lists its
     parameters in its own way is asked every time.
     """
 
@@ -570,7 +570,7 @@ class _Parameters:
         if (
             model is self._model
             and self._seen is not None
-            and (_structure(self._modules) == self._seen)
+            and _unchanged(self._seen, _structure(self._modules))
         ):
             return self._names, self._params
         self.version += 1
@@ -613,7 +613,18 @@ def _structure(modules: list[torch.nn.Module]) -> tuple | None:
         list(map(type, modules)),
         list(map(len, dicts)),
         list(chain.from_iterable(dicts)),
-        list(map(id, chain.from_iterable(map(dict.values, dicts)))),
+        list(chain.from_iterable(map(dict.values, dicts))),
+    )
+
+
+def _unchanged(seen: tuple, now: tuple | None) -> bool:
+    """Whether two ``_structure`` readings agree, the values (modules, parameters)
+    compared as objects: ``==`` on tensors would compare their elements."""
+    return (
+        now is not None
+        and now[:3] == seen[:3]
+        and len(now[3]) == len(seen[3])
+        and all(map(is_, now[3], seen[3]))
     )
 
 
