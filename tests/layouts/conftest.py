@@ -210,8 +210,8 @@ def deepspeed_runs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def deepspeed_tp_runs(tmp_path_factory) -> Path:
     """Real DeepSpeed checkpoints of two tensor-parallel ranks (``deepspeed_tp_run.py``):
-    ``zero1_core/``, ``zero2_legacy/``, ``zero1_plain/``, each with
-    ``<run>.step<N>.reference.pt`` beside. One 2-process CPU run builds them all."""
+    ``zero1_core/``, ``zero2_legacy/``, ``zero1_plain/``, ``zero3_core/``, ``zero0_core/``,
+    each with ``<run>.step<N>.reference.pt`` beside (``zero2_dp2/`` on 4 processes)."""
     out = tmp_path_factory.mktemp("deepspeed_tp")
     _deepspeed_run("deepspeed_tp_run", out)
     return out

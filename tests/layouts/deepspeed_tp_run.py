@@ -21,6 +21,8 @@ norms, position embeddings and row-parallel biases. Runs (``RUNS``):
   tensor parallelism splits it (``blocks.0.attn.qkv``...);
 * ``zero3_core/``: ZeRO 3 (``zero_pp_rank_0_mp_rank_0X_model_states.pt``), Megatron-core's
   names;
+* ``zero0_core/``: without ZeRO (stage 0): each rank's ``mp_rank_0X_model_states.pt``
+  holds its module and torch's AdamW state dict, Megatron-core's names;
 * ``zero2_dp2/``: ZeRO 2 on 4 processes, tensor parallelism 2 x data parallelism 2
   (``zero_pp_rank_{0,1}_mp_rank_{00,01}_optim_states.pt``): each model-parallel rank's
   partitions cut ``decoder.layers.0.mlp.linear_fc2.weight``'s shard in two.
@@ -55,6 +57,7 @@ RUNS = (
     ("zero2_legacy", 2, "legacy", (2,)),
     ("zero1_plain", 1, "plain", (2,)),
     ("zero3_core", 3, "core", (2,)),
+    ("zero0_core", 0, "core", (2,)),
 )
 # On 4 processes: tensor parallelism 2 x data parallelism 2, so that ZeRO cuts each
 # model-parallel rank's flat partition inside a parameter's shard.
@@ -376,7 +379,9 @@ def _worker(rank: int, port: int, out: str, world: int, runs: tuple) -> None:
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=groups(model), config=config, mpu=mpu
         )
-        assert type(engine.optimizer.optimizer).__name__ == "AdamW"
+        # Without ZeRO the engine steps torch's AdamW itself; ZeRO wraps it.
+        base = engine.optimizer if stage == 0 else engine.optimizer.optimizer
+        assert type(base).__name__ == "AdamW"
         # Each data-parallel rank its own batches, the same on its tensor-parallel ranks.
         g = torch.Generator().manual_seed(stage + 100 * mpu.dp_rank)
         for step in range(1, max(saves) + 1):
@@ -418,15 +423,24 @@ def _worker(rank: int, port: int, out: str, world: int, runs: tuple) -> None:
             # param group's first step (stage_1_and_2.py ``_optimizer_step``), when the
             # second group has no state yet: linked again now that every group has one.
             # (ZeRO 3 finds the state at each call.)
-            if stage <= 2:
+            if 1 <= stage <= 2:
                 engine.optimizer._hp_optimizer_states_linked = False
                 engine.optimizer._lazy_init_hp_params_optimizer_state()
             exact = {}
             for name, p in engine.module.named_parameters():
-                entry = {
-                    "weight": safe_get_full_fp32_param(p),
-                    **{k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")},
-                }
+                if stage == 0:  # fp32 parameters, stepped by torch's AdamW as they are
+                    entry = {
+                        "weight": p.detach().clone(),
+                        **{k: base.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")},
+                    }
+                else:
+                    entry = {
+                        "weight": safe_get_full_fp32_param(p),
+                        **{
+                            k: safe_get_full_optimizer_state(p, k)
+                            for k in ("exp_avg", "exp_avg_sq")
+                        },
+                    }
                 axis = split[name]
                 for key, value in entry.items():
                     parts = [torch.empty_like(value) for _ in range(TP)]
@@ -436,7 +450,6 @@ def _worker(rank: int, port: int, out: str, world: int, runs: tuple) -> None:
                         entry[key] = parts[0]
                     else:
                         entry[key] = torch.cat(parts, dim=axis)
-                base = engine.optimizer.optimizer
                 entry["step"] = float(next(iter(base.state.values()))["step"])
                 exact[name] = entry
             reference = {

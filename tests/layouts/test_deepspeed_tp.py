@@ -34,14 +34,15 @@ TOL = 1e-6
 MODEL = "mp_rank_{:02d}_model_states.pt"
 OPTIM = "zero_pp_rank_0_mp_rank_{:02d}_optim_states.pt"
 # (fixture path under the run folder, reference, step): the save folder (``latest``)
-# and a tag folder, ZeRO 1, 2 and 3, Megatron-core's and legacy Megatron's names, and
-# ZeRO 2 over two data-parallel ranks per model-parallel rank.
+# and a tag folder, ZeRO 1, 2 and 3 and no ZeRO, Megatron-core's and legacy Megatron's
+# names, and ZeRO 2 over two data-parallel ranks per model-parallel rank.
 CASES = {
     "zero1_core": ("zero1_core", "zero1_core.step3", 3),
     "zero1_core-step2": ("zero1_core/global_step2", "zero1_core.step2", 2),
     "zero2_legacy": ("zero2_legacy", "zero2_legacy.step2", 2),
     "zero3_core": ("zero3_core", "zero3_core.step2", 2),
     "zero2_dp2": ("zero2_dp2", "zero2_dp2.step2", 2),  # and data parallelism 2
+    "zero0_core": ("zero0_core", "zero0_core.step2", 2),  # without ZeRO: one file a rank
 }
 
 
@@ -84,6 +85,7 @@ def test_the_fixture_is_tensor_parallelism_of_one_model(deepspeed_tp_runs):
         model = ("zero_pp_rank_0_" + MODEL) if run.startswith("zero3") else MODEL
         dp = (0, 1) if run.endswith("dp2") else (0,)
         optim = [OPTIM.format(r).replace("rank_0_", f"rank_{d}_", 1) for r in (0, 1) for d in dp]
+        optim = [] if run.startswith("zero0") else optim  # the optimizer is in the model file
         assert sorted(os.listdir(tag)) == sorted([model.format(r) for r in (0, 1)] + optim), run
         reference = _reference(deepspeed_tp_runs, ref)
         for name, entry in reference["exact"].items():
@@ -155,7 +157,22 @@ def test_the_report_names_the_model_parallel_rank_files(deepspeed_tp_runs):
     assert "15 replicated (counted once, from mp_rank_00" in text
 
 
-@pytest.mark.parametrize("case", ["zero1_core", "zero2_dp2"])
+def test_the_report_without_zero_names_each_ranks_file(deepspeed_tp_runs):
+    doc = _inspect(deepspeed_tp_runs / "zero0_core", "--what", "weights")
+    assert doc["measured"]["evidence"] == (
+        "a DeepSpeed checkpoint without ZeRO of 2 model-parallel ranks: "
+        f"{MODEL.format(0)}, {MODEL.format(1)}' module"
+    )
+    table = run_cli("inspect", deepspeed_tp_runs / "zero0_core", "--no-progress")
+    assert table.code == 0, table.err
+    text = unwrapped(table.out)
+    assert "DeepSpeed checkpoint without ZeRO (stage 0) at global step 2" in text
+    assert "2 model-parallel ranks (mp_rank_00, mp_rank_01) x 1 data-parallel rank(s)" in text
+    assert "Adam moments of 29 parameters" in text
+    assert "14 tensors split across the model-parallel ranks" in text
+
+
+@pytest.mark.parametrize("case", ["zero1_core", "zero2_dp2", "zero0_core"])
 def test_a_split_parameter_is_its_shards_side_by_side(deepspeed_tp_runs, case):
     """The whole tensor a reader rebuilds is DeepSpeed's own, gathered along its split axis:
     from both model-parallel ranks' files where it is split, mp_rank_00's where replicated.
@@ -247,7 +264,7 @@ def test_two_ranks_print_the_one_process_report(deepspeed_tp_runs, tmp_path):
         {
             "args": [
                 "inspect",
-                str(deepspeed_tp_runs / "zero1_core"),
+                str(deepspeed_tp_runs / run),
                 "--what",
                 what,
                 "--format",
@@ -255,6 +272,7 @@ def test_two_ranks_print_the_one_process_report(deepspeed_tp_runs, tmp_path):
                 "--no-progress",
             ]
         }
+        for run in ("zero1_core", "zero0_core")
         for what in ("auto", "update")
         for fmt in ("table", "json")
     ]
@@ -401,3 +419,65 @@ def test_ranks_whose_optimizers_disagree(copy, what):
     _rewrite(file, edit)
     said = "Adam's step" if what == "step" else "lr, betas, eps"
     assert_refused(run_cli("inspect", copy), file, said, "not one checkpoint")
+
+
+# Without ZeRO: each rank's one file holds its module and its optimizer.
+
+
+@pytest.fixture
+def plain_copy(deepspeed_tp_runs, tmp_path) -> Path:
+    """A private copy of the checkpoint without ZeRO (its tag folder)."""
+    target = tmp_path / "run"
+    shutil.copytree(deepspeed_tp_runs / "zero0_core", target)
+    return target / "global_step2"
+
+
+def test_without_zero_the_second_rank_missing(plain_copy):
+    """mp_rank_00's file alone: it says there are two ranks."""
+    (plain_copy / MODEL.format(1)).unlink()
+    assert_refused(
+        run_cli("inspect", plain_copy),
+        plain_copy / MODEL.format(0),
+        "mp_world_size is 2, but the folder holds mp_rank_00 alone",
+        "missing",
+    )
+
+
+def test_without_zero_a_gap_in_the_ranks(plain_copy):
+    (plain_copy / MODEL.format(1)).rename(plain_copy / MODEL.format(2))
+    assert_refused(run_cli("inspect", plain_copy), plain_copy, "but no mp_rank_01", "incomplete")
+
+
+def test_without_zero_a_truncated_second_rank(plain_copy):
+    file = plain_copy / MODEL.format(1)
+    file.write_bytes(file.read_bytes()[:1000])
+    assert_refused(run_cli("inspect", plain_copy), file)
+
+
+@pytest.mark.parametrize("what", ["step", "lr", "shape", "global_steps"])
+def test_without_zero_ranks_that_are_not_one_checkpoint(plain_copy, what):
+    file = plain_copy / MODEL.format(1)
+
+    def edit(root):
+        optimizer = root["optimizer"]
+        if what == "step":
+            for entry in optimizer["state"].values():
+                entry["step"] = entry["step"] + 1
+        elif what == "lr":
+            optimizer["param_groups"][0]["lr"] = 1.0
+        elif what == "global_steps":
+            root["global_steps"] = 7
+        else:
+            name = "decoder.layers.0.mlp.linear_fc1.weight"
+            root["module"][name] = root["module"][name][:4].clone()
+
+    _rewrite(file, edit)
+    said = {"step": "Adam's step", "lr": "lr, betas, eps", "shape": "cannot map optimizer state",
+            "global_steps": "global_steps"}[what]
+    assert_refused(run_cli("inspect", plain_copy), file, said)
+
+
+def test_without_zero_a_rank_without_its_optimizer(plain_copy):
+    file = plain_copy / MODEL.format(1)
+    _rewrite(file, lambda root: root.update(optimizer=None))
+    assert_refused(run_cli("inspect", plain_copy), file, "holds no optimizer state")

@@ -57,7 +57,9 @@ be ``mp_rank_00`` on without a gap and agree on those counts, the ZeRO layout, t
 step and every parameter's name and shape. A split parameter is then its shards side
 by side and a replicated one counts once, from ``mp_rank_00``, decided from Megatron's
 layer names as Megatron legacy checkpoints are (``tensor_parallel``); a name the rule
-cannot place is refused, naming ``mp_rank_00``'s model state file.
+cannot place is refused, naming ``mp_rank_00``'s model state file. Without ZeRO each
+rank's one ``mp_rank_XX_model_states.pt`` is read as a single rank's is, then joined
+alike (``_Reader.plain_ranks``).
 
 Pipeline parallelism (``deepspeed.pipe.PipelineModule``) saves each layer's state dict as
 ``layer_II-model_states.pt`` (``II`` its global index, which names it: ``II.weight``)
@@ -521,12 +523,15 @@ class _Reader:
         ranks = sorted(
             int(m.group(1)) for n in os.listdir(self.folder) if (m := _PLAIN.fullmatch(n))
         )
-        if ranks != [0]:
+        if ranks != list(range(len(ranks))):
+            missing = next(r for r in range(len(ranks)) if r not in ranks)
             raise InputError(
-                f"{self.folder}: holds {', '.join(_mp(r) for r in ranks)} model state files "
-                "without ZeRO; gradclip reads a DeepSpeed checkpoint without ZeRO of one "
-                f"model-parallel rank ({_mp(0)}) only"
+                f"{self.folder}: holds model state files of "
+                f"{', '.join(_mp(r) for r in ranks)} without ZeRO but no {_mp(missing)}: "
+                "the model-parallel ranks are incomplete"
             )
+        if len(ranks) > 1:
+            return self.plain_ranks(given, len(ranks))
         model = self.load(f"{_mp(0)}_model_states.pt")
         root, file = model.root, model.path
         _check_saved_without_zero(model)
@@ -585,6 +590,80 @@ class _Reader:
             )
         return contents
 
+
+    def plain_ranks(self, given: Path, count: int) -> Contents:
+        """Tensor-parallel ranks without ZeRO (stage 0): each ``mp_rank_XX_model_states.pt``
+        read as ``plain`` reads one (its shards, and the moments of its optimizer, named by
+        its module's order), then joined as ZeRO's model-parallel ranks are: a split
+        parameter is its shards side by side, a replicated one counts once, from
+        ``mp_rank_00``, by Megatron's layer names (``_tensor_parallel``)."""
+        parts, mixed = [], False
+        for mp in range(count):
+            model = self.load(f"{_mp(mp)}_model_states.pt")
+            _check_saved_without_zero(model, ranks=count)
+            params, _ = _module(model)
+            optimizer, masters = _plain_optimizer(model, params)
+            if optimizer is None:
+                raise InputError(
+                    f"{model.path}: holds no optimizer state; gradclip joins the "
+                    "tensor-parallel ranks of a checkpoint without ZeRO by their optimizers"
+                )
+            if optimizer.param_names is None:
+                optimizer.param_names = map_names(
+                    Contents(path=model.path, kind=KIND, weights=params,
+                             model_order_names=list(params)),
+                    optimizer,
+                )
+            weights = {**params, **masters}
+            mixed = mixed or bool(masters)
+            named = optimizer.param_names
+            trainable = {named[p]: tuple(weights[named[p]].shape) for p in _with_state(optimizer)}
+            dp = model.root.get("dp_world_size")
+            world = dp if _count(dp) else 1
+            held = f"{model.path.name}'s 'optimizer'"
+            parts.append(_Part(mp, model, 0, world, trainable, weights, {}, optimizer, held))
+        _check_model_parallel(parts, self.folder, pipeline=False)
+        weights, optimizer, split = _tensor_parallel(parts)
+        first = parts[0]
+        contents = Contents(
+            path=given, kind=KIND, files=list(self.files), trusted_pickle=self.trusted
+        )
+        contents.weights = weights
+        contents.model_order_names = list(weights)
+        contents.optimizers = [optimizer]
+        models = _span([p.model.path.name for p in parts])
+        of = f" of {count} model-parallel ranks"
+        contents.evidence[roles.WEIGHT] = (
+            f"a DeepSpeed checkpoint without ZeRO{of}: {models}' module"
+        )
+        contents.evidence[roles.OPTIMIZER_STATE] = (
+            f"a DeepSpeed checkpoint without ZeRO{of}: each file's 'optimizer'"
+        )
+        root = first.model.root
+        step = root.get("global_steps")
+        if _count(step) and step >= 0:
+            contents.step = step
+        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
+        version = root.get("ds_version")
+        version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
+        at = f" at global step {contents.step}" if contents.step is not None else ""
+        contents.description.append(
+            f"DeepSpeed checkpoint without ZeRO (stage 0){at}: {visible(self.folder.name)}/"
+        )
+        with_state = _with_state(optimizer)
+        masters = "fp32 master weights and " if mixed else ""
+        contents.description.append(
+            f"{count} model-parallel ranks ({_span([_mp(r) for r in range(count)])}) x "
+            f"{first.world} data-parallel rank(s){version}: {masters}Adam moments of "
+            f"{len(with_state)} parameters"
+        )
+        contents.description.append(
+            f"{split} tensors split across the model-parallel ranks (measured as their "
+            f"shards together), {len(weights) - split} replicated (counted once, from "
+            f"{_mp(0)}, as Megatron's get_grad_norm_fp32 does), by Megatron's layer names"
+        )
+        _note_frozen(contents, len(weights) - len(with_state))
+        return contents
 
     def pipeline(self, given: Path) -> Contents:
         """Pipeline parallelism (``deepspeed.pipe.PipelineModule``) without ZeRO: each stage
@@ -776,10 +855,11 @@ def _plain_number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _check_saved_without_zero(model: Checkpoint, stages: int = 0) -> None:
+def _check_saved_without_zero(model: Checkpoint, stages: int = 0, ranks: int = 1) -> None:
     """A ZeRO checkpoint whose optimizer files are gone is not one saved without ZeRO; and
     it has one model-parallel rank, or (``stages``) is one of that many pipeline stages
-    without tensor parallelism."""
+    without tensor parallelism, or (``ranks``) one of that many model-parallel ranks,
+    whose counts ``_check_model_parallel`` checks."""
     config = model.root.get("ds_config")
     zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
     stage = zero.get("stage") if isinstance(zero, Mapping) else 0
@@ -805,6 +885,8 @@ def _check_saved_without_zero(model: Checkpoint, stages: int = 0) -> None:
                     "of them and without tensor parallelism"
                 )
         return
+    if ranks > 1:
+        return
     for key, size in (
         ("mp_world_size", model.root.get("mp_world_size")),
         ("pp_degree", dims.get("pp_degree")),
@@ -813,8 +895,7 @@ def _check_saved_without_zero(model: Checkpoint, stages: int = 0) -> None:
         if size is not None and size != 1:
             raise InputError(
                 f"{model.path}: {key} is {visible(repr(size))[:40]}, but the folder holds "
-                f"{_mp(0)} alone; gradclip reads a DeepSpeed checkpoint without ZeRO of one "
-                "model-parallel rank only"
+                f"{_mp(0)} alone: the other ranks' model state files are missing"
             )
 
 
