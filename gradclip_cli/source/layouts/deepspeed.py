@@ -288,6 +288,18 @@ class _Reader:
         self.trusted |= ckpt.trusted_pickle
         return ckpt
 
+    def header(self, contents: Contents, root: Mapping, given: Path, kind: str) -> str:
+        """The step (``global_steps``), the gradients' refusal and the first line of the
+        description, ``kind`` at the step in this folder; returns the version note."""
+        step = root.get("global_steps")
+        if _count(step) and step >= 0:
+            contents.step = step
+        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
+        at = f" at global step {contents.step}" if contents.step is not None else ""
+        contents.description.append(f"{kind}{at}: {visible(self.folder.name)}/")
+        version = root.get("ds_version")
+        return f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
+
     def contents(self, given: Path) -> Contents:
         names = os.listdir(self.folder)
         found = [m for n in names if (m := _MODEL.fullmatch(n) or _OPTIM.fullmatch(n))]
@@ -339,15 +351,8 @@ class _Reader:
             f"a DeepSpeed checkpoint{ranks}: {models}, fp32 master weights in {held}"
         )
         contents.evidence[roles.OPTIMIZER_STATE] = f"a DeepSpeed checkpoint{ranks}: {held}"
-        step = first.model.root.get("global_steps")
-        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
-            contents.step = step
-        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
-        version = first.model.root.get("ds_version")
-        version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
-        at = f" at global step {contents.step}" if contents.step is not None else ""
-        contents.description.append(
-            f"DeepSpeed ZeRO stage {first.stage} checkpoint{at}: {visible(self.folder.name)}/"
+        version = self.header(
+            contents, first.model.root, given, f"DeepSpeed ZeRO stage {first.stage} checkpoint"
         )
         ranks_of = "pipeline stages" if stages else "model-parallel ranks"
         mp = (
@@ -557,16 +562,7 @@ class _Reader:
             precision = f"{'/'.join(low)} module, "
             weights += f", fp32 master weights of {len(masters)} in {held} (fp32_groups)"
         contents.evidence[roles.WEIGHT] = weights
-        step = root.get("global_steps")
-        if _count(step) and step >= 0:
-            contents.step = step
-        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
-        version = root.get("ds_version")
-        version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
-        at = f" at global step {contents.step}" if contents.step is not None else ""
-        contents.description.append(
-            f"DeepSpeed checkpoint without ZeRO (stage 0){at}: {visible(self.folder.name)}/"
-        )
+        version = self.header(contents, root, given, "DeepSpeed checkpoint without ZeRO (stage 0)")
         dp = root.get("dp_world_size")
         ranks_note = f"{dp} data-parallel rank(s)" if _count(dp) else "one file"
         if optimizer is None:
@@ -640,16 +636,7 @@ class _Reader:
             f"a DeepSpeed checkpoint without ZeRO{of}: each file's 'optimizer'"
         )
         root = first.model.root
-        step = root.get("global_steps")
-        if _count(step) and step >= 0:
-            contents.step = step
-        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
-        version = root.get("ds_version")
-        version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
-        at = f" at global step {contents.step}" if contents.step is not None else ""
-        contents.description.append(
-            f"DeepSpeed checkpoint without ZeRO (stage 0){at}: {visible(self.folder.name)}/"
-        )
+        version = self.header(contents, root, given, "DeepSpeed checkpoint without ZeRO (stage 0)")
         with_state = _with_state(optimizer)
         masters = "fp32 master weights and " if mixed else ""
         contents.description.append(
@@ -794,16 +781,8 @@ class _Reader:
         contents.evidence[roles.OPTIMIZER_STATE] = (
             f"a DeepSpeed pipeline checkpoint without ZeRO{of}: {held}"
         )
-        step = first.root.get("global_steps")
-        if _count(step) and step >= 0:
-            contents.step = step
-        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
-        version = first.root.get("ds_version")
-        version = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
-        at = f" at global step {contents.step}" if contents.step is not None else ""
-        contents.description.append(
-            f"DeepSpeed pipeline checkpoint without ZeRO (stage 0){at}: "
-            f"{visible(self.folder.name)}/"
+        version = self.header(
+            contents, first.root, given, "DeepSpeed pipeline checkpoint without ZeRO (stage 0)"
         )
         dp = first.root.get("dp_world_size")
         dp_note = f" x {dp} data-parallel rank(s)" if _count(dp) else ""
