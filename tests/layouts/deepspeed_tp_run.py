@@ -22,7 +22,9 @@ norms, position embeddings and row-parallel biases. Runs (``RUNS``):
 * ``zero3_core/``: ZeRO 3 (``zero_pp_rank_0_mp_rank_0X_model_states.pt``), Megatron-core's
   names;
 * ``zero0_core/``: without ZeRO (stage 0): each rank's ``mp_rank_0X_model_states.pt``
-  holds its module and torch's AdamW state dict, Megatron-core's names;
+  holds its module and torch's AdamW state dict, Megatron-core's names; ``zero0_bf16/``
+  the same in bf16 mixed precision (DeepSpeed's ``FP16_UnfusedOptimizer``: fp32 master
+  weights beside the bf16 module, the reference's weights the masters);
 * ``zero2_dp2/``: ZeRO 2 on 4 processes, tensor parallelism 2 x data parallelism 2
   (``zero_pp_rank_{0,1}_mp_rank_{00,01}_optim_states.pt``): each model-parallel rank's
   partitions cut ``decoder.layers.0.mlp.linear_fc2.weight``'s shard in two.
@@ -58,6 +60,7 @@ RUNS = (
     ("zero1_plain", 1, "plain", (2,)),
     ("zero3_core", 3, "core", (2,)),
     ("zero0_core", 0, "core", (2,)),
+    ("zero0_bf16", 0, "core", (2,)),  # bf16 mixed precision (the name says so)
 )
 # On 4 processes: tensor parallelism 2 x data parallelism 2, so that ZeRO cuts each
 # model-parallel rank's flat partition inside a parameter's shard.
@@ -329,6 +332,7 @@ def _worker(rank: int, port: int, out: str, world: int, runs: tuple) -> None:
     mpu = ModelParallelUnit(dist, world)
     tp_rank = mpu.tp_rank
     for folder_name, stage, naming, saves in runs:
+        bf16 = folder_name.endswith("_bf16")
         torch.manual_seed(0)
         mirror = _model(1, 0, naming, None)
         with torch.no_grad():
@@ -375,12 +379,13 @@ def _worker(rank: int, port: int, out: str, world: int, runs: tuple) -> None:
             },
             "gradient_clipping": 0.0,
             "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": bf16},
         }
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=groups(model), config=config, mpu=mpu
         )
-        # Without ZeRO the engine steps torch's AdamW itself; ZeRO wraps it.
-        base = engine.optimizer if stage == 0 else engine.optimizer.optimizer
+        # Without ZeRO in fp32 the engine steps torch's AdamW itself; else it wraps it.
+        base = engine.optimizer if stage == 0 and not bf16 else engine.optimizer.optimizer
         assert type(base).__name__ == "AdamW"
         # Each data-parallel rank its own batches, the same on its tensor-parallel ranks.
         g = torch.Generator().manual_seed(stage + 100 * mpu.dp_rank)
@@ -427,11 +432,16 @@ def _worker(rank: int, port: int, out: str, world: int, runs: tuple) -> None:
                 engine.optimizer._hp_optimizer_states_linked = False
                 engine.optimizer._lazy_init_hp_params_optimizer_state()
             exact = {}
+            masters = {}
+            if stage == 0 and bf16:  # FP16_UnfusedOptimizer: a master beside each parameter
+                for low, high in zip(engine.optimizer.fp16_groups, engine.optimizer.fp32_groups):
+                    masters.update({id(q): m for q, m in zip(low, high)})
             for name, p in engine.module.named_parameters():
-                if stage == 0:  # fp32 parameters, stepped by torch's AdamW as they are
+                if stage == 0:  # AdamW steps the parameters, or their fp32 masters under bf16
+                    main = masters[id(p)] if bf16 else p
                     entry = {
-                        "weight": p.detach().clone(),
-                        **{k: base.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")},
+                        "weight": main.detach().clone(),
+                        **{k: base.state[main][k].clone() for k in ("exp_avg", "exp_avg_sq")},
                     }
                 else:
                     entry = {

@@ -43,6 +43,7 @@ CASES = {
     "zero3_core": ("zero3_core", "zero3_core.step2", 2),
     "zero2_dp2": ("zero2_dp2", "zero2_dp2.step2", 2),  # and data parallelism 2
     "zero0_core": ("zero0_core", "zero0_core.step2", 2),  # without ZeRO: one file a rank
+    "zero0_bf16": ("zero0_bf16", "zero0_bf16.step2", 2),  # and in bf16 mixed precision
 }
 
 
@@ -88,6 +89,9 @@ def test_the_fixture_is_tensor_parallelism_of_one_model(deepspeed_tp_runs):
         optim = [] if run.startswith("zero0") else optim  # the optimizer is in the model file
         assert sorted(os.listdir(tag)) == sorted([model.format(r) for r in (0, 1)] + optim), run
         reference = _reference(deepspeed_tp_runs, ref)
+        if run.endswith("bf16"):  # bf16 arithmetic is no match for the fp32 mirror
+            assert {e["step"] for e in reference["exact"].values()} == {step + 1}
+            continue
         for name, entry in reference["exact"].items():
             mirror = reference["mirror"][name]
             assert entry["step"] == float(mirror["step"]) == step
@@ -170,6 +174,16 @@ def test_the_report_without_zero_names_each_ranks_file(deepspeed_tp_runs):
     assert "2 model-parallel ranks (mp_rank_00, mp_rank_01) x 1 data-parallel rank(s)" in text
     assert "Adam moments of 29 parameters" in text
     assert "14 tensors split across the model-parallel ranks" in text
+    mixed = _inspect(deepspeed_tp_runs / "zero0_bf16", "--what", "weights")
+    assert mixed["measured"]["evidence"] == (
+        "a DeepSpeed checkpoint without ZeRO of 2 model-parallel ranks: fp32 master weights "
+        "in each file's 'optimizer' (fp32_groups)"
+    )
+    assert {t["dtype"] for t in mixed["tensors"]} == {"float32"}
+    table = run_cli("inspect", deepspeed_tp_runs / "zero0_bf16", "--no-progress")
+    text = unwrapped(table.out)
+    assert "bfloat16 module, fp32 master weights and Adam moments of 29 parameters" in text
+    assert "Adam's step is 3: DeepSpeed's fp16/bf16 optimizer took one step" in text
 
 
 @pytest.mark.parametrize("case", ["zero1_core", "zero2_dp2", "zero0_core"])

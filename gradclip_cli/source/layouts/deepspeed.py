@@ -558,8 +558,7 @@ class _Reader:
         weights = f"a DeepSpeed checkpoint without ZeRO: {file.name}'s module"
         if masters:
             contents.weights.update(masters)
-            low = sorted({str(params[n].dtype).removeprefix("torch.") for n in masters})
-            precision = f"{'/'.join(low)} module, "
+            precision = f"{_dtypes(params, masters)} module, "
             weights += f", fp32 master weights of {len(masters)} in {held} (fp32_groups)"
         contents.evidence[roles.WEIGHT] = weights
         version = self.header(contents, root, given, "DeepSpeed checkpoint without ZeRO (stage 0)")
@@ -577,15 +576,9 @@ class _Reader:
             f"{len(with_state)} parameters"
         )
         _note_frozen(contents, len(params) - len(with_state))
-        steps = {_plain_number(optimizer.state[p].get("step")) for p in with_state}
-        if masters and contents.step is not None and steps == {contents.step + 1}:
-            # FP16_UnfusedOptimizer.initialize_optimizer_states steps once with zero gradients.
-            contents.description.append(
-                f"Adam's step is {contents.step + 1}: DeepSpeed's fp16/bf16 optimizer took one "
-                "step with zero gradients to create its state, and bias-corrects with that count"
-            )
+        if masters:
+            _note_zero_gradient_step(contents, optimizer, with_state)
         return contents
-
 
     def plain_ranks(self, given: Path, count: int) -> Contents:
         """Tensor-parallel ranks without ZeRO (stage 0): each ``mp_rank_XX_model_states.pt``
@@ -593,7 +586,7 @@ class _Reader:
         its module's order), then joined as ZeRO's model-parallel ranks are: a split
         parameter is its shards side by side, a replicated one counts once, from
         ``mp_rank_00``, by Megatron's layer names (``_tensor_parallel``)."""
-        parts, mixed = [], False
+        parts, low = [], set()
         for mp in range(count):
             model = self.load(f"{_mp(mp)}_model_states.pt")
             _check_saved_without_zero(model, ranks=count)
@@ -611,7 +604,7 @@ class _Reader:
                     optimizer,
                 )
             weights = {**params, **masters}
-            mixed = mixed or bool(masters)
+            low.update(_dtypes(params, masters).split("/") if masters else ())
             named = optimizer.param_names
             trainable = {named[p]: tuple(weights[named[p]].shape) for p in _with_state(optimizer)}
             dp = model.root.get("dp_world_size")
@@ -629,8 +622,9 @@ class _Reader:
         contents.optimizers = [optimizer]
         models = _span([p.model.path.name for p in parts])
         of = f" of {count} model-parallel ranks"
-        contents.evidence[roles.WEIGHT] = (
-            f"a DeepSpeed checkpoint without ZeRO{of}: {models}' module"
+        contents.evidence[roles.WEIGHT] = f"a DeepSpeed checkpoint without ZeRO{of}: " + (
+            "fp32 master weights in each file's 'optimizer' (fp32_groups)" if low
+            else f"{models}' module"
         )
         contents.evidence[roles.OPTIMIZER_STATE] = (
             f"a DeepSpeed checkpoint without ZeRO{of}: each file's 'optimizer'"
@@ -638,10 +632,10 @@ class _Reader:
         root = first.model.root
         version = self.header(contents, root, given, "DeepSpeed checkpoint without ZeRO (stage 0)")
         with_state = _with_state(optimizer)
-        masters = "fp32 master weights and " if mixed else ""
+        precision = f"{'/'.join(sorted(low))} module, fp32 master weights and " if low else ""
         contents.description.append(
             f"{count} model-parallel ranks ({_span([_mp(r) for r in range(count)])}) x "
-            f"{first.world} data-parallel rank(s){version}: {masters}Adam moments of "
+            f"{first.world} data-parallel rank(s){version}: {precision}Adam moments of "
             f"{len(with_state)} parameters"
         )
         contents.description.append(
@@ -650,6 +644,8 @@ class _Reader:
             f"{_mp(0)}, as Megatron's get_grad_norm_fp32 does), by Megatron's layer names"
         )
         _note_frozen(contents, len(weights) - len(with_state))
+        if low:
+            _note_zero_gradient_step(contents, optimizer, with_state)
         return contents
 
     def pipeline(self, given: Path) -> Contents:
@@ -799,6 +795,22 @@ class _Reader:
 def _with_state(optimizer) -> list:
     """The parameters of torch's optimizer state dict that hold state, in group order."""
     return [p for g in optimizer.param_groups for p in g["params"] if optimizer.state.get(p)]
+
+
+def _dtypes(params: dict[str, StoredTensor], names) -> str:
+    """The module's dtypes of ``names``, as words (``bfloat16``)."""
+    return "/".join(sorted({str(params[n].dtype).removeprefix("torch.") for n in names}))
+
+
+def _note_zero_gradient_step(contents, optimizer, with_state: list) -> None:
+    """Under fp16/bf16 without ZeRO, Adam's step one past ``global_steps``, said."""
+    steps = {_plain_number(optimizer.state[p].get("step")) for p in with_state}
+    if contents.step is not None and steps == {contents.step + 1}:
+        # FP16_UnfusedOptimizer.initialize_optimizer_states steps once with zero gradients.
+        contents.description.append(
+            f"Adam's step is {contents.step + 1}: DeepSpeed's fp16/bf16 optimizer took one "
+            "step with zero gradients to create its state, and bias-corrects with that count"
+        )
 
 
 def _note_frozen(contents, frozen: int) -> None:
