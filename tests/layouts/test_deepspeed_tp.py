@@ -397,9 +397,10 @@ def test_ranks_of_different_models(copy):
     assert_refused(run_cli("inspect", copy), file, "parameters differ", "not one model")
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_damaged_second_rank_files_are_a_report_or_one_line(deepspeed_tp_runs, tmp_path, seed):
-    """Bytes flipped anywhere in an mp_rank_01 file (the pickle, the directory, the data)."""
+    """Bytes flipped anywhere in an mp_rank_01 file (the pickle, the directory, the data),
+    under ZeRO 1, 2 and 3 and without ZeRO."""
     import random
 
     from tests.hardening.support import assert_clean_inspect
@@ -407,7 +408,8 @@ def test_damaged_second_rank_files_are_a_report_or_one_line(deepspeed_tp_runs, t
     rng = random.Random(seed)
     target = tmp_path / "run"
     shutil.copytree(
-        deepspeed_tp_runs / ("zero1_core", "zero2_legacy", "zero3_core")[seed % 3], target
+        deepspeed_tp_runs / ("zero1_core", "zero2_legacy", "zero3_core", "zero0_core")[seed % 4],
+        target,
     )
     tag = target / (target / "latest").read_text().strip()
     file = rng.choice(sorted(tag.glob("*mp_rank_01_*.pt")))
