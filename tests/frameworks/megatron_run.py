@@ -41,7 +41,13 @@ with the distributed optimizer (each rank's buckets its own, ``dp_group_idx_<tp 
 its reference its own shards' moments, gathered over its data-parallel group); ``pp``
 makes them 2 pipeline stages (a layer each, the micro-batch's activations and their
 gradients sent between them by hand, as Megatron's schedules set a stage's input with
-``set_input_tensor``), each rank's reference its own stage's.
+``set_input_tensor``), each rank's reference its own stage's. ``bf16`` trains in mixed
+precision as Megatron-LM's ``--bf16`` sets it up (``bf16`` and ``params_dtype`` in the
+transformer config, the model wrapped in ``Float16Module`` and Megatron's DDP with fp32
+gradient reduction, ``get_megatron_optimizer`` with ``bf16=True``): bf16 model tensors and
+fp32 main params, saved by the plain optimizer (``Float16OptimizerWithFloat16Params``) as
+``optimizer.state.fp32_param.<name>`` and by the distributed one as its buckets' ``param``;
+the distributed optimizer's reference then has each main param too (``distopt.<name>.param``).
 
 Then Megatron's own ``dist_checkpointing.load`` reads each step back into
 the sharded state dict of a freshly built model and optimizer, saved as
@@ -55,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -67,6 +74,7 @@ TP = 1  # tensor-parallel ranks: ``tp`` after OUT makes every rank one (argv)
 PP = 1  # pipeline stages: ``pp`` after OUT makes every rank one (argv)
 DISTOPT = False  # ``distopt`` after OUT: Megatron's distributed optimizer over the ranks
 BUCKET = 3000  # ``bucket=N`` after ``distopt``: a grad-buffer bucket closes at N elements
+BF16 = False  # ``bf16`` after OUT: mixed precision, bf16 weights and fp32 main params
 # Megatron-LM's default for the distributed optimizer under torch_dist (checkpointing.py's
 # _build_sharded_state_dict_metadata, without --dist-ckpt-optim-fully-reshardable)
 SHARDING = {
@@ -95,7 +103,9 @@ def build():
         attention_dropout=0.0,
         hidden_dropout=0.0,
         pipeline_model_parallel_size=PP,
-        pipeline_dtype=torch.float32,
+        pipeline_dtype=torch.bfloat16 if BF16 else torch.float32,
+        bf16=BF16,  # as Megatron-LM's --bf16 sets it (its params_dtype too)
+        params_dtype=torch.bfloat16 if BF16 else torch.float32,
     )
     torch.manual_seed(0)
     model = GPTModel(
@@ -106,12 +116,16 @@ def build():
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )
-    if DISTOPT:  # the distributed optimizer works on Megatron's DDP (its grad buffers)
+    if BF16:  # as Megatron-LM's get_model wraps it: the module's parameters made bf16
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    if DISTOPT or BF16:  # the distributed and the bf16 optimizer work on Megatron's DDP
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         ddp = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            use_distributed_optimizer=True,
+            grad_reduce_in_fp32=True,  # Megatron-LM's default under --bf16
+            use_distributed_optimizer=DISTOPT,
             overlap_grad_reduce=True,
             bucket_size=BUCKET,  # several buckets
         )
@@ -147,7 +161,7 @@ def optimizer_for(model):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import FP32Optimizer
 
-    if DISTOPT:
+    if DISTOPT or BF16:
         from megatron.core.optimizer import get_megatron_optimizer
 
         config = OptimizerConfig(
@@ -158,7 +172,8 @@ def optimizer_for(model):
             adam_beta2=0.95,
             adam_eps=1e-8,
             clip_grad=0.0,
-            use_distributed_optimizer=True,
+            bf16=BF16,  # Float16OptimizerWithFloat16Params, or the distributed one's fp32 mains
+            use_distributed_optimizer=DISTOPT,
         )
         with cuda_tensors_on_cpu():
             return get_megatron_optimizer(config, [model])
@@ -179,12 +194,19 @@ def optimizer_for(model):
         torch.tensor = real_tensor
 
 
+def wrapped() -> bool:
+    """Whether the model is wrapped in Megatron's DDP (its grad buffers)."""
+    return DISTOPT or BF16
+
+
 def state_dict(model, optimizer, iteration: int, *, is_loading: bool = False) -> dict:
-    if DISTOPT:  # as Megatron-LM's save_checkpoint asks for them (checkpointing.py)
+    if wrapped():  # as Megatron-LM's save_checkpoint asks for them (checkpointing.py)
         from megatron.core import parallel_state
 
+        # the optimizer's sharding type only for the distributed one (Megatron-LM's metadata)
+        sharding = {k: v for k, v in SHARDING.items() if DISTOPT or "distrib" not in k}
         metadata = {
-            **SHARDING,
+            **sharding,
             "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
         }
         model_sd = model.module.sharded_state_dict(metadata=metadata)  # unwrapped, as saved
@@ -239,16 +261,16 @@ def main(out: Path, *, with_reference: bool = True) -> None:
         else:
             loss = model(tokens[:, :-1], position_ids, causal, labels=tokens[:, 1:]).float().mean()
             loss.backward()
-        if DISTOPT:  # Megatron's DDP reduce-scatters each bucket's gradients
+        if wrapped():  # Megatron's DDP reduces (or reduce-scatters) each bucket's gradients
             model.finish_grad_sync()
         for p in model.parameters():
             if p.grad is not None and dist.get_world_size() > TP * PP:  # data parallel
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()
-        with cuda_tensors_on_cpu() if DISTOPT else contextlib.nullcontext():
+        with cuda_tensors_on_cpu() if wrapped() else contextlib.nullcontext():
             optimizer.step()
         optimizer.zero_grad()
-        if DISTOPT:
+        if wrapped():
             model.zero_grad_buffer()
         folder = run / f"iter_{iteration:07d}"
         if dist.get_rank() == 0:
@@ -268,16 +290,17 @@ def _pipelined(model, tokens, position_ids, causal) -> None:
     it), the loss on the last, its gradient sent back."""
     from megatron.core import parallel_state
 
-    inner = model.module if DISTOPT else model
+    inner = model.module if wrapped() else model
     shape = (SEQUENCE, tokens.shape[0], HIDDEN)  # Megatron's [sequence, batch, hidden]
+    dtype = torch.bfloat16 if BF16 else torch.float32
     if parallel_state.is_pipeline_first_stage():
         hidden = model(tokens[:, :-1], position_ids, causal)
         dist.send(hidden.detach().contiguous(), dist.get_rank() + 1)
-        grad = torch.empty(shape)
+        grad = torch.empty(shape, dtype=dtype)
         dist.recv(grad, dist.get_rank() + 1)
         hidden.backward(grad)
     else:
-        received = torch.empty(shape)
+        received = torch.empty(shape, dtype=dtype)
         dist.recv(received, dist.get_rank() - 1)
         received.requires_grad_()
         inner.set_input_tensor(received)
@@ -295,7 +318,7 @@ def reference(out: Path) -> None:
     (out / "reference").mkdir(exist_ok=True)
     for iteration in range(1, STEPS + 1):
         model = build()
-        if DISTOPT:  # loaded as Megatron-LM loads it: the sharded dict asked for loading
+        if wrapped():  # loaded as Megatron-LM loads it: the sharded dict asked for loading
             ddp = model
             optimizer = optimizer_for(model)
             with cuda_tensors_on_cpu():  # a step on zero gradients makes the state to load into
@@ -326,7 +349,14 @@ def reference(out: Path) -> None:
         # sharded tensors names each, a stacked one by its layer (its prepended offset).
         model_sd = model.sharded_state_dict()
         if not DISTOPT:
-            ids = get_param_id_to_sharded_param_map(model_sd, optimizer.get_parameters())
+            # bf16: the ids are the fp32 mains' (torch's optimizer over them), in the order
+            # of the model's bf16 parameters they are made from (float16_groups)
+            params = (
+                itertools.chain.from_iterable(optimizer.chained_optimizers[0].float16_groups)
+                if BF16
+                else optimizer.get_parameters()
+            )
+            ids = get_param_id_to_sharded_param_map(model_sd, params)
             flat["param_names"] = [_layer_name(ids[i]) for i in range(len(ids))]
         # The model's state-dict names (the loaded dict's keys) by their sharded tensors' too.
         flat["model_names"] = {
@@ -342,8 +372,9 @@ def reference(out: Path) -> None:
 def _distributed_moments(ddp, optimizer) -> dict:
     """Each parameter's moments as the distributed optimizer holds them after its own load,
     gathered over this rank's data-parallel group (each of its ranks holds a range of every
-    bucket): ``distopt.<name>.{exp_avg,exp_avg_sq}`` whole (tensor parallel: this rank's
-    shard of it, as its buckets hold it), by Megatron's sharded names, and the param
+    bucket): ``distopt.<name>.{param,exp_avg,exp_avg_sq}`` (its fp32 main param and moments)
+    whole (tensor parallel: this rank's shard of it, as its buckets hold it), by Megatron's
+    sharded names, and the param
     groups' ``step``, ``betas``, ``lr`` and ``eps``."""
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -354,7 +385,7 @@ def _distributed_moments(ddp, optimizer) -> dict:
         if isinstance(v, ShardedTensor)
     }
     (optimizer,) = optimizer.chained_optimizers  # get_megatron_optimizer's one
-    mine = []  # (name, start in the flattened parameter, exp_avg, exp_avg_sq)
+    mine = []  # (name, start in the flattened parameter, main param, exp_avg, exp_avg_sq)
     for ranges in optimizer.gbuf_ranges:
         for per_bucket in ranges.values():
             for bucket in per_bucket:
@@ -364,6 +395,7 @@ def _distributed_moments(ddp, optimizer) -> dict:
                         (
                             names[param.data_ptr()],
                             where["param"].start,
+                            state["param"].detach().clone(),
                             state["exp_avg"].detach().clone(),
                             state["exp_avg_sq"].detach().clone(),
                         )
@@ -378,8 +410,8 @@ def _distributed_moments(ddp, optimizer) -> dict:
         if isinstance(v, ShardedTensor)
     }
     for name, shape in shapes.items():
-        pieces = sorted((s, a, b) for rank in every for n, s, a, b in rank if n == name)
-        for i, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
+        pieces = sorted((s, p, a, b) for rank in every for n, s, p, a, b in rank if n == name)
+        for i, key in ((1, "param"), (2, "exp_avg"), (3, "exp_avg_sq")):
             whole = torch.cat([p[i] for p in pieces])
             assert [p[0] for p in pieces][0] == 0 and whole.numel() == shape.numel()
             out[f"distopt.{name}.{key}"] = whole.view(shape)
@@ -439,6 +471,8 @@ if __name__ == "__main__":
             PP = int(os.environ["WORLD_SIZE"])
         elif flag == "distopt":
             DISTOPT = True
+        elif flag == "bf16":
+            BF16 = True
         else:
             BUCKET = int(flag.removeprefix("bucket="))
     dist.init_process_group("gloo")
