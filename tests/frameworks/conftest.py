@@ -166,6 +166,13 @@ def megatron_bf16_run(framework_python, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def megatron_tp_bf16_run(framework_python, tmp_path_factory) -> Path:
+    """As ``megatron_bf16_run``, on 2 tensor-parallel ranks: ``reference/iter_N.rankR.pt``."""
+    out = tmp_path_factory.mktemp("megatron_tp_bf16")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "tp", "bf16")
+
+
+@pytest.fixture(scope="session")
 def megatron_distopt_bf16_run(framework_python, tmp_path_factory) -> Path:
     """As ``megatron_distopt_run`` (2 data-parallel ranks), in bf16 mixed precision: the
     buckets' ``param`` are the fp32 main params of bf16 model tensors."""

@@ -51,6 +51,8 @@ def _measured(ref: dict, what: str) -> dict[str, torch.Tensor]:
     step = float(ref["optimizer.state.common_step"])
     out = {}
     for i, name in enumerate(ref["param_names"]):
+        if f"optimizer.state.{i}.exp_avg" not in ref:  # tensor parallel: another's replica
+            continue
         m = ref[f"optimizer.state.{i}.exp_avg"].double() / (1 - beta1**step)
         v = ref[f"optimizer.state.{i}.exp_avg_sq"].double() / (1 - beta2**step)
         out[name] = {"exp_avg": m, "grad_rms": v.sqrt(), "update": lr * m / (v.sqrt() + eps)}[what]
@@ -632,7 +634,8 @@ def test_bf16_every_quantity_against_megatrons_load(gradclip, megatron_bf16_run,
     assert result.code == 0, result.err
     doc = result.json()
     assert (doc["format"], doc["step"], doc["what"]) == ("megatron", step, what)
-    assert "fp32 main params of 29 bfloat16 ones" in " ".join(doc["description"])
+    said = " ".join(doc["description"])
+    assert "29 bfloat16 model tensors" in said and "fp32 main params of 29" in said, said
     assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
     rows = {t["name"]: t for t in doc["tensors"]}
     assert set(rows) == set(expected) == set(mains)
@@ -662,6 +665,43 @@ def test_bf16_weights_are_the_fp32_main_params_not_the_model(gradclip, megatron_
     assert auto.code == 0 and auto.json()["what"] == "exp_avg", auto.err
     grads = gradclip("inspect", megatron_bf16_run / "run", "--what", "grads")
     one_line_exit_3(grads, "saves no gradients", "--what exp_avg")
+
+
+@pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+def test_bf16_tensor_parallel_against_megatrons_load(gradclip, megatron_tp_bf16_run, what):
+    """TP=2, bf16, the plain optimizer: each rank's fp32 main params are chunks of the same
+    ``fp32_param`` tensors, paired with the model's chunks; each rank's reference holds its
+    shards (a replicated tensor on its main replica only)."""
+    run = megatron_tp_bf16_run
+    pieces: dict[str, list[torch.Tensor]] = {}
+    mains: dict[str, list[torch.Tensor]] = {}
+    for rank in (0, 1):
+        ref = torch.load(run / "reference" / f"iter_3.rank{rank}.pt", weights_only=True)
+        main = _bf16_reference(ref, "weights")
+        for name, value in _bf16_reference(ref, what).items():
+            pieces.setdefault(name, []).append(value)
+            mains.setdefault(name, []).append(main[name])
+    result = gradclip("inspect", run / "run", "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(pieces)
+    assert any("linear_fc1.weight" in n for n, p in pieces.items() if len(p) == 2)
+    for name, row in rows.items():
+        assert row["dtype"] == "float32", name
+        assert rel_err(row["norm"], norm(pieces[name])) <= TOL, name
+        if what != "weights":
+            assert rel_err(row["ratio"], norm(pieces[name]) / norm(mains[name])) <= TOL, name
+    assert rel_err(doc["total_norm"], norm(t for p in pieces.values() for t in p)) <= TOL
+
+
+def test_bf16_two_ranks_print_the_one_process_report(megatron_bf16_run, tmp_path):
+    run = megatron_bf16_run / "run"
+    jobs = [
+        {"args": ["inspect", str(run), "--what", what, "--format", fmt, "--no-progress"]}
+        for what, fmt in (("weights", "json"), ("weights", "table"), ("update", "json"))
+    ]
+    same_under_torchrun(jobs, tmp_path)
 
 
 @pytest.fixture
@@ -728,7 +768,8 @@ def test_bf16_distributed_optimizer_against_megatrons_load(
     assert result.code == 0, result.err
     doc = result.json()
     assert (doc["step"], doc["what"]) == (step, what)
-    assert "the weights are their fp32 main params" in " ".join(doc["description"])
+    said = " ".join(doc["description"])
+    assert "their param, the fp32 main params of 29, the weights measured" in said, said
     assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
     rows = {t["name"]: t for t in doc["tensors"]}
     assert set(rows) == set(expected)

@@ -145,12 +145,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             f"{said}, optimizer.state entries, {_COMMON}'s step and betas"
     held = f"optimizer state for {len(optimizer.state) if optimizer else 0} parameters"
     if mains:
-        held += f", fp32 main params of {len(mains)} {_dtypes(weights, mains)} ones"
-        contents.evidence[roles.WEIGHT] = (
-            f"{said}, the mixed-precision optimizer's fp32 main params "
-            "(optimizer.state.fp32_param entries: the weights Adam updates; the model's "
-            f"{_dtypes(weights, mains)} tensors are them rounded, checked as read)"
-        )
+        held += f" and the fp32 main params of {len(mains)} (optimizer.state.fp32_param)"
+        whose = "mixed-precision optimizer's fp32 main params (optimizer.state.fp32_param entries"
     sharding = _distributed_sharding(folder, root) if optimizer is None else None
     if sharding == repr("dp_reshardable"):
         optimizer, held, mains = _bucketed(folder, split, weights)
@@ -159,17 +155,11 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             f"{said}, the distributed optimizer's dp_reshardable buckets "
             "(optimizer.distributed.*), their param groups' step and betas"
         )
-        if any(weights[n].dtype in _SIXTEEN for n in mains):
-            contents.evidence[roles.WEIGHT] = (
-                f"{said}, the distributed optimizer's fp32 main params (its buckets' param: "
-                f"the weights Adam updates; the model's {_dtypes(weights, mains)} tensors are "
-                "them rounded, checked)"
-            )
-            held += f"; the weights are their fp32 main params ({_dtypes(weights, mains)} model)"
-        else:
-            mains = {}
-    if mains:
-        contents.weights = {n: mains.get(n, t) for n, t in weights.items()}
+        # The buckets' param is every parameter's fp32 copy; only a 16-bit model's differs.
+        mains = {n: t for n, t in mains.items() if weights[n].dtype in _SIXTEEN}
+        if mains:
+            held += f"; their param, the fp32 main params of {len(mains)}"
+            whose = "distributed optimizer's fp32 main params (its buckets' param"
     elif sharding is not None:
         held = (
             "the optimizer state is Megatron's distributed optimizer's "
@@ -177,6 +167,20 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             "which gradclip does not read: moments not measured"
         )
         contents.optimizer_error = held.replace("the optimizer state is", "its optimizer state is")
+    model = f"{len(weights)} model tensors"
+    if mains:
+        contents.weights = {n: mains.get(n, t) for n, t in weights.items()}
+        sixteen = _dtypes(weights, mains)
+        model = (
+            f"{len(weights)} {sixteen} model tensors"
+            if len(mains) == len(weights)
+            else f"{len(weights)} model tensors, {len(mains)} of them {sixteen},"
+        )
+        held += ", the weights measured"
+        contents.evidence[roles.WEIGHT] = (
+            f"{said}, the {whose}: the weights Adam updates; the model's {sixteen} tensors "
+            "are them rounded, checked)"
+        )
     contents.step = _iteration(root, common_file, folder_path)
     contents.gradient_error = (
         f"{path}: a Megatron torch_dist checkpoint saves no gradients "
@@ -185,8 +189,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     layers = {n.split(".layers.")[1].split(".")[0] for n in weights if ".layers." in n}
     via = f" ({TRACKER} names {folder_path.name})" if tracker is not None else ""
     contents.description.append(
-        f"Megatron torch_dist checkpoint{via} at iteration {contents.step}: {len(weights)} "
-        f"model tensors ({len(layers)} stacked layers split per layer), {held}"
+        f"Megatron torch_dist checkpoint{via} at iteration {contents.step}: {model} "
+        f"({len(layers)} stacked layers split per layer), {held}"
     )
     return contents
 
@@ -536,10 +540,15 @@ def _bucketed(
                     weight = (weights[name] if shard is None else shard).read().reshape(-1)
                     for piece in moments["param"].pieces:  # each rank's part, its file
                         lo, hi = piece.offsets[0], piece.offsets[0] + piece.shape[0]
-                        if not torch.equal(piece.read().to(weight.dtype), weight[lo:hi]):
+                        if not rounds_to(piece.read(), weight[lo:hi]):
+                            rounded = (
+                                f", rounded to {_dtypes(weights, [name])},"
+                                if weight.dtype in _SIXTEEN
+                                else ""
+                            )
                             raise unfit(
-                                f"{visible(name)}'s slice of {which}bucket {k}'s param is not "
-                                "its weight",
+                                f"{visible(name)}'s slice of {which}bucket {k}'s param"
+                                f"{rounded} is not its weight",
                                 piece.file or where,
                             )
                     parts.setdefault(name, {})[rank] = (shard, moments)
