@@ -181,6 +181,16 @@ def megatron_distopt_bf16_run(framework_python, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def megatron_distopt_fully_bf16_run(framework_python, tmp_path_factory) -> Path:
+    """As ``megatron_distopt_bf16_run``, saved as Megatron-LM's
+    ``--dist-ckpt-optim-fully-reshardable`` saves it: each parameter's main param and
+    moments as ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``, the step in
+    ``common.pt``'s param groups."""
+    out = tmp_path_factory.mktemp("megatron_distopt_fully_bf16")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "distopt", "bf16", "fully")
+
+
+@pytest.fixture(scope="session")
 def megatron_distopt_tp_bf16_run(framework_python, tmp_path_factory) -> Path:
     """As ``megatron_distopt_tp_run`` (2 tensor-parallel ranks), in bf16 mixed precision."""
     out = tmp_path_factory.mktemp("megatron_distopt_tp_bf16")

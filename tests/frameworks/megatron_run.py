@@ -48,6 +48,12 @@ gradient reduction, ``get_megatron_optimizer`` with ``bf16=True``): bf16 model t
 fp32 main params, saved by the plain optimizer (``Float16OptimizerWithFloat16Params``) as
 ``optimizer.state.fp32_param.<name>`` and by the distributed one as its buckets' ``param``;
 the distributed optimizer's reference then has each main param too (``distopt.<name>.param``).
+``fully`` saves the distributed optimizer's state as Megatron-LM's
+``--dist-ckpt-optim-fully-reshardable`` does (``distrib_optim_sharding_type``
+``fully_reshardable``: each parameter's ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``
+in the model's shape, gathered over the data-parallel ranks; the shims also keep its
+gather's ``.cuda()`` copies on the CPU); its reference is the state Megatron's
+``dist_checkpointing.load`` gives, under the same ``distopt.*`` names.
 
 Then Megatron's own ``dist_checkpointing.load`` reads each step back into
 the sharded state dict of a freshly built model and optimizer, saved as
@@ -150,11 +156,14 @@ def cuda_tensors_on_cpu():
         name = real_type(self, *args, **kwargs)
         return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
 
+    real_cuda = torch.Tensor.cuda  # fully_reshardable's gather sends "cuda" copies
     torch.tensor, torch.Tensor.type, torch.zeros = on_cpu, cuda_type, zeros_on_cpu
+    torch.Tensor.cuda = lambda self, *_, **__: self
     try:
         yield
     finally:
         torch.tensor, torch.Tensor.type, torch.zeros = real, real_type, real_zeros
+        torch.Tensor.cuda = real_cuda
 
 
 def optimizer_for(model):
@@ -334,14 +343,18 @@ def reference(out: Path) -> None:
             wanted = state_dict(model, optimizer, iteration)
         main: dict = {}
         _main_replicas(wanted, "", main)
+        names = _state_names(wanted)
         loaded = dist_checkpointing.load(wanted, str(out / "run" / f"iter_{iteration:07d}"))
         flat: dict = {}
         if DISTOPT:  # the optimizer's own state once it has loaded its buckets
             optimizer_sd = loaded.pop("optimizer")
             flat["optimizer.param_state_sharding_type"] = optimizer_sd["param_state_sharding_type"]
-            with cuda_tensors_on_cpu(), torch.no_grad():  # it copies into the main params
-                optimizer.load_state_dict(optimizer_sd)
-            flat.update(_distributed_moments(ddp, optimizer))
+            if optimizer_sd["param_state_sharding_type"] == "fully_reshardable":
+                flat.update(_fully_reshardable(names, optimizer_sd))
+            else:
+                with cuda_tensors_on_cpu(), torch.no_grad():  # it copies into the main params
+                    optimizer.load_state_dict(optimizer_sd)
+                flat.update(_distributed_moments(ddp, optimizer))
         _flatten(loaded, "", flat)
         if TP * PP > 1:  # each rank's own shards, a replicated one from its main replica alone
             flat = {k: v for k, v in flat.items() if main.get(k, True)}
@@ -367,6 +380,42 @@ def reference(out: Path) -> None:
         elif dist.get_rank() == 0:
             torch.save(flat, out / "reference" / f"iter_{iteration}.pt")
         dist.barrier()
+
+
+def _state_names(wanted: dict) -> dict:
+    """``{parameter index: {state key: name}}`` of a ``fully_reshardable`` optimizer's
+    sharded dict (``optimizer.state.<key>.<name>`` tensors), a stacked one's by its layer;
+    empty for another."""
+    optimizer = wanted.get("optimizer") or {}
+    if optimizer.get("param_state_sharding_type") != "fully_reshardable":
+        return {}
+    return {
+        index: {
+            key: _layer_name(tensor).removeprefix(f"optimizer.state.{key}.")
+            for key, tensor in tensors.items()
+        }
+        for index, tensors in optimizer["param_state"].items()
+    }
+
+
+def _fully_reshardable(names: dict, optimizer_sd: dict) -> dict:
+    """A ``fully_reshardable`` optimizer's state as Megatron's own ``dist_checkpointing.load``
+    gives it (each parameter's main param and moments in the model's shape, the step in the
+    param groups), as ``_distributed_moments`` names it: ``distopt.<name>.<key>``,
+    ``distopt.step``... (The optimizer's own ``load_state_dict`` of it fails on the CPU:
+    it copies every key of torch AdamW's state, the per-parameter ``step`` among them,
+    from the saved tensors, which hold none.)"""
+    out = {
+        f"distopt.{names[index][key]}.{key}": value.detach().clone()
+        for index, tensors in optimizer_sd["param_state"].items()
+        for key, value in tensors.items()
+    }
+    groups = optimizer_sd["optimizer"]["param_groups"]
+    (hyper,) = {(g["step"], *g["betas"], g["lr"], g["eps"]) for g in groups}
+    out.update(
+        zip(("distopt.step", "distopt.beta1", "distopt.beta2", "distopt.lr", "distopt.eps"), hyper)
+    )
+    return out
 
 
 def _distributed_moments(ddp, optimizer) -> dict:
@@ -473,6 +522,8 @@ if __name__ == "__main__":
             DISTOPT = True
         elif flag == "bf16":
             BF16 = True
+        elif flag == "fully":  # Megatron-LM's --dist-ckpt-optim-fully-reshardable
+            SHARDING["distrib_optim_sharding_type"] = "fully_reshardable"
         else:
             BUCKET = int(flag.removeprefix("bucket="))
     dist.init_process_group("gloo")

@@ -824,6 +824,63 @@ def test_bf16_tensor_parallel_distributed_optimizer_against_megatrons_load(
         assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
 
 
+def test_the_fully_reshardable_fixture(megatron_distopt_fully_bf16_run):
+    folder = megatron_distopt_fully_bf16_run / "run" / "iter_0000003"
+    entries = pickle.loads((folder / ".metadata").read_bytes()).state_dict_metadata
+    fc1 = "decoder.layers.mlp.linear_fc1.weight"
+    assert entries[f"optimizer.state.param.{fc1}"].size == entries[fc1].size
+    assert not any(k.startswith("optimizer.distributed.") for k in entries)
+    common = torch.load(folder / "common.pt", weights_only=False)  # args: a Namespace
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    assert "state" not in common["optimizer"]["optimizer"]  # the step: in the param groups
+    assert {g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]} == {3}
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+def test_bf16_fully_reshardable_against_megatrons_load(
+    gradclip, megatron_distopt_fully_bf16_run, step, what
+):
+    """The distributed optimizer saved fully_reshardable: per parameter, in the model's
+    shape, its fp32 main param (the weights), its moments, and the step from common.pt's
+    param groups, against Megatron's own load of them."""
+    ref = _reference(megatron_distopt_fully_bf16_run, step)
+    mains = _distributed_mains(ref)
+    expected = mains if what == "weights" else _distributed_measured(ref, what)
+    model = _model_tensors(ref)
+    assert set(mains) == set(model) == set(expected)
+    folder = megatron_distopt_fully_bf16_run / "run" / f"iter_{step:07d}"
+    result = gradclip("inspect", folder, "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["step"], doc["what"]) == (step, what)
+    said = " ".join(doc["description"])
+    assert "fully_reshardable" in said and "fp32 main params of 29" in said, said
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert (row["dtype"], row["shape"]) == ("float32", list(model[name].shape)), name
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+        if what != "weights":
+            assert rel_err(row["ratio"], norm([expected[name]]) / norm([mains[name]])) <= TOL
+    groups = {g["name"]: g for g in doc["groups"]}
+    for layer in (0, 1):
+        members = [t for n, t in expected.items() if n.startswith(f"decoder.layers.{layer}.")]
+        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
+
+
+def test_bf16_fully_reshardable_a_missing_param(
+    gradclip, megatron_distopt_fully_bf16_run, tmp_path
+):
+    save = tmp_path / "save"
+    shutil.copytree(megatron_distopt_fully_bf16_run / "run", save)
+    gone = "optimizer.state.param.output_layer.weight"
+    _rewrite_metadata(save / "iter_0000003", lambda k: None if k == gone else k)
+    result = gradclip("inspect", save, "--what", "exp_avg")
+    one_line_exit_3(result, ".metadata", "no optimizer.state.param of output_layer.weight")
+
+
 @pytest.fixture
 def distopt_bf16_save(megatron_distopt_bf16_run, tmp_path) -> Path:
     target = tmp_path / "save"

@@ -40,7 +40,11 @@ layout (``megatron_buckets``, shared with the legacy ``distrib_optim.pt``), chec
 against the model's tensors (their ``param``, fp32 main params, are the weights measured
 under bf16); with tensor or pipeline parallelism, each model-parallel
 rank's buckets (``dp_group_idx_N``) hold its stage's parameters, its shards of them.
-Another sharding type is refused, saying so.
+Saved ``fully_reshardable`` (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``), the
+state is per parameter again, in the model's shape and chunks,
+``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``, and the step is only in
+``common.pt``'s ``optimizer.optimizer.param_groups``: read as the plain optimizer's, the
+``param`` entries as its fp32 main params. Another sharding type is refused, saying so.
 
 A tracker naming a legacy iteration (``iter_N/mp_rank_XX/model_optim_rng.pt``) hands it
 to ``megatron_legacy``.
@@ -77,7 +81,9 @@ from .paths import inside, json_head_keys, read_json
 KIND = "megatron"
 TRACKER = "latest_checkpointed_iteration.txt"
 _COMMON, _JSON = "common.pt", "metadata.json"
-_MOMENT = re.compile(r"optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param)\.(.+)")
+_MOMENT = re.compile(r"optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.(.+)")
+_MAIN = ("fp32_param", "param")  # the fp32 main params: the plain optimizer's, fully_reshardable's
+_FULLY = "fully_reshardable"
 _SIXTEEN = (torch.bfloat16, torch.float16)
 _LAYERS = re.compile(r"(^|.*\.)layers\.(?!\d)")  # a stacked key: ``layers.`` then no number
 
@@ -144,9 +150,22 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         contents.evidence[roles.OPTIMIZER_STATE] = \
             f"{said}, optimizer.state entries, {_COMMON}'s step and betas"
     held = f"optimizer state for {len(optimizer.state) if optimizer else 0} parameters"
+    fully = _sharding(root) == _FULLY and optimizer is not None
+    if fully:
+        held += " from the distributed optimizer's fully_reshardable state (optimizer.state.*)"
+        contents.evidence[roles.OPTIMIZER_STATE] = (
+            f"{said}, the distributed optimizer's fully_reshardable optimizer.state entries, "
+            f"{_COMMON}'s param groups' step and betas"
+        )
+    mains = {n: t for n, t in mains.items() if weights[n].dtype in _SIXTEEN}
     if mains:
-        held += f" and the fp32 main params of {len(mains)} (optimizer.state.fp32_param)"
-        whose = "mixed-precision optimizer's fp32 main params (optimizer.state.fp32_param entries"
+        kind = "optimizer.state.param" if fully else "optimizer.state.fp32_param"
+        held += f" and the fp32 main params of {len(mains)} ({kind})"
+        whose = (
+            f"distributed optimizer's fp32 main params ({kind} entries"
+            if fully
+            else f"mixed-precision optimizer's fp32 main params ({kind} entries"
+        )
     sharding = _distributed_sharding(folder, root) if optimizer is None else None
     if sharding == repr("dp_reshardable"):
         optimizer, held, mains = _bucketed(folder, split, weights)
@@ -193,6 +212,13 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         f"({len(layers)} stacked layers split per layer), {held}"
     )
     return contents
+
+
+def _sharding(root: dict) -> object:
+    """``common.pt``'s ``optimizer.param_state_sharding_type`` (the distributed optimizer's),
+    or None."""
+    optim = root.get("optimizer")
+    return optim.get("param_state_sharding_type") if isinstance(optim, dict) else None
 
 
 def _distributed_sharding(folder: dcp_folder.DcpFolder, root: dict) -> str | None:
@@ -280,7 +306,7 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
     moments: dict[str, dict] = {}
     for key, parts in split.items():
         found = _MOMENT.fullmatch(key)
-        if not found or found.group(1) == "fp32_param":
+        if not found or found.group(1) in _MAIN:
             continue
         for name, tensor in parts:
             moments.setdefault(name, {})[found.group(1)] = dcp_folder.renamed(
@@ -295,12 +321,25 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
         optim, where = optim["optimizer"], "optimizer.optimizer"
     state = optim.get("state") if isinstance(optim, dict) else None
     groups = optim.get("param_groups") if isinstance(optim, dict) else None
-    if not isinstance(state, dict) or "common_step" not in state:
-        raise InputError(f"{common_file}: holds no {where}.state.common_step (the moments' step)")
     if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
         raise InputError(
             f"{common_file}: holds no {where}.param_groups (the moments' betas, lr and eps)"
         )
+    if _sharding(root) == _FULLY:
+        # The distributed optimizer's state_dict keeps the one step of every parameter in its
+        # param groups (DistributedOptimizer.state_dict); fully_reshardable saves them as they are
+        steps = {g.get("step") for g in groups}
+        step = next(iter(steps))
+        if len(steps) != 1 or isinstance(step, bool) or not isinstance(step, (int, float)):
+            raise InputError(
+                f"{common_file}: the distributed optimizer's {where}.param_groups give no one "
+                "step (fully_reshardable keeps the moments' step there)"
+            )
+        step = int(step) if isinstance(step, float) and step.is_integer() else step
+    elif not isinstance(state, dict) or "common_step" not in state:
+        raise InputError(f"{common_file}: holds no {where}.state.common_step (the moments' step)")
+    else:
+        step = state["common_step"]
     # The groups' members are not saved (Megatron drops their ``params``); only lr, betas and
     # eps enter the measured quantities, so any number of groups that agree on them is one.
     used = ("lr", "betas", "eps")
@@ -312,9 +351,8 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
             "holds"
         )
     names = list(moments)
-    step = state["common_step"]
     group = {
-        **{k: v for k, v in groups[0].items() if k != "params"},
+        **{k: v for k, v in groups[0].items() if k not in ("params", "step")},
         "params": list(range(len(names))),
     }
     return OptimizerState(
@@ -326,25 +364,32 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
 
 
 def _fp32_params(folder, split, weights: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
-    """The mixed-precision optimizer's fp32 main params by model name (none: ``{}``).
+    """The optimizer's fp32 main params by model name, where it saves them per parameter
+    (none: ``{}``).
 
     ``Float16OptimizerWithFloat16Params.sharded_state_dict`` (core_v0.16.1) saves each 16-bit
     parameter's fp32 copy, the one Adam updates, as ``optimizer.state.fp32_param.<key>``,
-    chunked as the model's tensor is; after each step Megatron copies it into the model's
-    parameter (``_copy_main_params_to_model_params``: rounded to the parameter's dtype).
-    These are the weights measured. Each chunk, when read, is checked against the model's
-    chunk: rounded, it must be it, bit for bit (NaN for NaN), else the file is refused:
-    the two copies disagree, and neither can be trusted as the weights. A 16-bit
+    chunked as the model's tensor is; the distributed optimizer's ``fully_reshardable``
+    sharding saves every parameter's as ``optimizer.state.param.<key>``
+    (``sharded_param_state_fully_reshardable``: the model's sharded tensor, its data
+    replaced). After each step Megatron copies it into the model's parameter
+    (``_copy_main_params_to_model_params``: rounded to the parameter's dtype). Under mixed
+    precision these are the weights measured. Each chunk, when read, is checked against
+    the model's chunk: rounded, it must be it, bit for bit (NaN for NaN), else the file is
+    refused: the two copies disagree, and neither can be trusted as the weights. A 16-bit
     parameter with moments but no fp32 copy, where others have one, is refused too."""
     where = folder.metadata_file
     out: dict[str, StoredTensor] = {}
     moments: set[str] = set()
+    kinds: set[str] = set()
     for key, parts in split.items():
         found = _MOMENT.fullmatch(key)
-        if found and found.group(1) != "fp32_param":
+        if found and found.group(1) not in _MAIN:
             moments.update(name for name, _ in parts)
-        if not found or found.group(1) != "fp32_param":
+        if not found or found.group(1) not in _MAIN:
             continue
+        kind = f"optimizer.state.{found.group(1)}"
+        kinds.add(kind)
         for name, main in parts:
             model = weights.get(name)
             if model is None:
@@ -365,28 +410,31 @@ def _fp32_params(folder, split, weights: dict[str, StoredTensor]) -> dict[str, S
                 )
             by_place = {(p.offsets, p.shape): p for p in model.pieces}
             pieces = [
-                Piece(p.offsets, p.shape, _checked(name, p, by_place[(p.offsets, p.shape)]), p.file)
+                Piece(p.offsets, p.shape, _checked(name, kind, p, by_place[(p.offsets, p.shape)]),
+                      p.file)
                 for p in main.pieces
             ]
             out[name] = StoredTensor(name, main.shape, torch.float32, pieces)
+    if len(kinds) > 1:
+        raise InputError(f"{where}: holds both {' and '.join(sorted(kinds))} entries")
     missing = [n for n in moments if n not in out and n in weights and weights[n].dtype in _SIXTEEN]
     if out and missing:
         raise InputError(
-            f"{where}: holds no optimizer.state.fp32_param of {visible(missing[0])} "
+            f"{where}: holds no {kinds.pop()} of {visible(missing[0])} "
             f"({weights[missing[0]].dtype}, with moments), where the other 16-bit parameters "
             "have their fp32 main params: the mixed-precision state is incomplete"
         )
     return out
 
 
-def _checked(name: str, main: Piece, model: Piece):
+def _checked(name: str, kind: str, main: Piece, model: Piece):
     """``main.read`` that first checks the chunk rounds to the model's chunk."""
 
     def read() -> torch.Tensor:
         value, rounded = main.read(), model.read()
         if not rounds_to(value, rounded):
             raise InputError(
-                f"{main.file}: {visible(name)}'s fp32 main param (optimizer.state.fp32_param) "
+                f"{main.file}: {visible(name)}'s fp32 main param ({kind}) "
                 f"rounded to {str(rounded.dtype).removeprefix('torch.')} is not the model's "
                 "tensor: the optimizer's weights and the model's disagree"
             )
