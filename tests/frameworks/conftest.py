@@ -156,6 +156,48 @@ def megatron_distopt_odd_run(framework_python, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def megatron_bf16_run(framework_python, tmp_path_factory) -> Path:
+    """A Megatron-core run in bf16 mixed precision, as Megatron-LM's ``--bf16`` sets it up
+    (``Float16Module``, Megatron's DDP, ``get_megatron_optimizer``'s
+    ``Float16OptimizerWithFloat16Params``), on 1 rank: bf16 model tensors, fp32 main params
+    (``optimizer.state.fp32_param.*``) beside the moments; ``reference/``."""
+    out = tmp_path_factory.mktemp("megatron_bf16")
+    return run_generator(framework_python, "megatron_run.py", out, 1, "bf16")
+
+
+@pytest.fixture(scope="session")
+def megatron_tp_bf16_run(framework_python, tmp_path_factory) -> Path:
+    """As ``megatron_bf16_run``, on 2 tensor-parallel ranks: ``reference/iter_N.rankR.pt``."""
+    out = tmp_path_factory.mktemp("megatron_tp_bf16")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "tp", "bf16")
+
+
+@pytest.fixture(scope="session")
+def megatron_distopt_bf16_run(framework_python, tmp_path_factory) -> Path:
+    """As ``megatron_distopt_run`` (2 data-parallel ranks), in bf16 mixed precision: the
+    buckets' ``param`` are the fp32 main params of bf16 model tensors."""
+    out = tmp_path_factory.mktemp("megatron_distopt_bf16")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "distopt", "bf16")
+
+
+@pytest.fixture(scope="session")
+def megatron_distopt_fully_bf16_run(framework_python, tmp_path_factory) -> Path:
+    """As ``megatron_distopt_bf16_run``, saved as Megatron-LM's
+    ``--dist-ckpt-optim-fully-reshardable`` saves it: each parameter's main param and
+    moments as ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``, the step in
+    ``common.pt``'s param groups."""
+    out = tmp_path_factory.mktemp("megatron_distopt_fully_bf16")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "distopt", "bf16", "fully")
+
+
+@pytest.fixture(scope="session")
+def megatron_distopt_tp_bf16_run(framework_python, tmp_path_factory) -> Path:
+    """As ``megatron_distopt_tp_run`` (2 tensor-parallel ranks), in bf16 mixed precision."""
+    out = tmp_path_factory.mktemp("megatron_distopt_tp_bf16")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "distopt", "tp", "bf16")
+
+
+@pytest.fixture(scope="session")
 def megatron_lm_runs(framework_python, tmp_path_factory) -> dict:
     """Megatron-LM's own ``save_checkpoint`` in its legacy format (``megatron_lm_run.py``):
     1 rank in fp32 with the output layer tied to the embedding, Megatron's default

@@ -41,7 +41,19 @@ with the distributed optimizer (each rank's buckets its own, ``dp_group_idx_<tp 
 its reference its own shards' moments, gathered over its data-parallel group); ``pp``
 makes them 2 pipeline stages (a layer each, the micro-batch's activations and their
 gradients sent between them by hand, as Megatron's schedules set a stage's input with
-``set_input_tensor``), each rank's reference its own stage's.
+``set_input_tensor``), each rank's reference its own stage's. ``bf16`` trains in mixed
+precision as Megatron-LM's ``--bf16`` sets it up (``bf16`` and ``params_dtype`` in the
+transformer config, the model wrapped in ``Float16Module`` and Megatron's DDP with fp32
+gradient reduction, ``get_megatron_optimizer`` with ``bf16=True``): bf16 model tensors and
+fp32 main params, saved by the plain optimizer (``Float16OptimizerWithFloat16Params``) as
+``optimizer.state.fp32_param.<name>`` and by the distributed one as its buckets' ``param``;
+the distributed optimizer's reference then has each main param too (``distopt.<name>.param``).
+``fully`` saves the distributed optimizer's state as Megatron-LM's
+``--dist-ckpt-optim-fully-reshardable`` does (``distrib_optim_sharding_type``
+``fully_reshardable``: each parameter's ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``
+in the model's shape, gathered over the data-parallel ranks; the shims also keep its
+gather's ``.cuda()`` copies on the CPU); its reference is the state Megatron's
+``dist_checkpointing.load`` gives, under the same ``distopt.*`` names.
 
 Then Megatron's own ``dist_checkpointing.load`` reads each step back into
 the sharded state dict of a freshly built model and optimizer, saved as
@@ -55,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -67,6 +80,7 @@ TP = 1  # tensor-parallel ranks: ``tp`` after OUT makes every rank one (argv)
 PP = 1  # pipeline stages: ``pp`` after OUT makes every rank one (argv)
 DISTOPT = False  # ``distopt`` after OUT: Megatron's distributed optimizer over the ranks
 BUCKET = 3000  # ``bucket=N`` after ``distopt``: a grad-buffer bucket closes at N elements
+BF16 = False  # ``bf16`` after OUT: mixed precision, bf16 weights and fp32 main params
 # Megatron-LM's default for the distributed optimizer under torch_dist (checkpointing.py's
 # _build_sharded_state_dict_metadata, without --dist-ckpt-optim-fully-reshardable)
 SHARDING = {
@@ -95,7 +109,9 @@ def build():
         attention_dropout=0.0,
         hidden_dropout=0.0,
         pipeline_model_parallel_size=PP,
-        pipeline_dtype=torch.float32,
+        pipeline_dtype=torch.bfloat16 if BF16 else torch.float32,
+        bf16=BF16,  # as Megatron-LM's --bf16 sets it (its params_dtype too)
+        params_dtype=torch.bfloat16 if BF16 else torch.float32,
     )
     torch.manual_seed(0)
     model = GPTModel(
@@ -106,12 +122,16 @@ def build():
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )
-    if DISTOPT:  # the distributed optimizer works on Megatron's DDP (its grad buffers)
+    if BF16:  # as Megatron-LM's get_model wraps it: the module's parameters made bf16
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    if DISTOPT or BF16:  # the distributed and the bf16 optimizer work on Megatron's DDP
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         ddp = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            use_distributed_optimizer=True,
+            grad_reduce_in_fp32=True,  # Megatron-LM's default under --bf16
+            use_distributed_optimizer=DISTOPT,
             overlap_grad_reduce=True,
             bucket_size=BUCKET,  # several buckets
         )
@@ -136,18 +156,21 @@ def cuda_tensors_on_cpu():
         name = real_type(self, *args, **kwargs)
         return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
 
+    real_cuda = torch.Tensor.cuda  # fully_reshardable's gather sends "cuda" copies
     torch.tensor, torch.Tensor.type, torch.zeros = on_cpu, cuda_type, zeros_on_cpu
+    torch.Tensor.cuda = lambda self, *_, **__: self
     try:
         yield
     finally:
         torch.tensor, torch.Tensor.type, torch.zeros = real, real_type, real_zeros
+        torch.Tensor.cuda = real_cuda
 
 
 def optimizer_for(model):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import FP32Optimizer
 
-    if DISTOPT:
+    if DISTOPT or BF16:
         from megatron.core.optimizer import get_megatron_optimizer
 
         config = OptimizerConfig(
@@ -158,7 +181,8 @@ def optimizer_for(model):
             adam_beta2=0.95,
             adam_eps=1e-8,
             clip_grad=0.0,
-            use_distributed_optimizer=True,
+            bf16=BF16,  # Float16OptimizerWithFloat16Params, or the distributed one's fp32 mains
+            use_distributed_optimizer=DISTOPT,
         )
         with cuda_tensors_on_cpu():
             return get_megatron_optimizer(config, [model])
@@ -179,12 +203,19 @@ def optimizer_for(model):
         torch.tensor = real_tensor
 
 
+def wrapped() -> bool:
+    """Whether the model is wrapped in Megatron's DDP (its grad buffers)."""
+    return DISTOPT or BF16
+
+
 def state_dict(model, optimizer, iteration: int, *, is_loading: bool = False) -> dict:
-    if DISTOPT:  # as Megatron-LM's save_checkpoint asks for them (checkpointing.py)
+    if wrapped():  # as Megatron-LM's save_checkpoint asks for them (checkpointing.py)
         from megatron.core import parallel_state
 
+        # the optimizer's sharding type only for the distributed one (Megatron-LM's metadata)
+        sharding = {k: v for k, v in SHARDING.items() if DISTOPT or "distrib" not in k}
         metadata = {
-            **SHARDING,
+            **sharding,
             "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
         }
         model_sd = model.module.sharded_state_dict(metadata=metadata)  # unwrapped, as saved
@@ -239,16 +270,16 @@ def main(out: Path, *, with_reference: bool = True) -> None:
         else:
             loss = model(tokens[:, :-1], position_ids, causal, labels=tokens[:, 1:]).float().mean()
             loss.backward()
-        if DISTOPT:  # Megatron's DDP reduce-scatters each bucket's gradients
+        if wrapped():  # Megatron's DDP reduces (or reduce-scatters) each bucket's gradients
             model.finish_grad_sync()
         for p in model.parameters():
             if p.grad is not None and dist.get_world_size() > TP * PP:  # data parallel
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()
-        with cuda_tensors_on_cpu() if DISTOPT else contextlib.nullcontext():
+        with cuda_tensors_on_cpu() if wrapped() else contextlib.nullcontext():
             optimizer.step()
         optimizer.zero_grad()
-        if DISTOPT:
+        if wrapped():
             model.zero_grad_buffer()
         folder = run / f"iter_{iteration:07d}"
         if dist.get_rank() == 0:
@@ -268,16 +299,17 @@ def _pipelined(model, tokens, position_ids, causal) -> None:
     it), the loss on the last, its gradient sent back."""
     from megatron.core import parallel_state
 
-    inner = model.module if DISTOPT else model
+    inner = model.module if wrapped() else model
     shape = (SEQUENCE, tokens.shape[0], HIDDEN)  # Megatron's [sequence, batch, hidden]
+    dtype = torch.bfloat16 if BF16 else torch.float32
     if parallel_state.is_pipeline_first_stage():
         hidden = model(tokens[:, :-1], position_ids, causal)
         dist.send(hidden.detach().contiguous(), dist.get_rank() + 1)
-        grad = torch.empty(shape)
+        grad = torch.empty(shape, dtype=dtype)
         dist.recv(grad, dist.get_rank() + 1)
         hidden.backward(grad)
     else:
-        received = torch.empty(shape)
+        received = torch.empty(shape, dtype=dtype)
         dist.recv(received, dist.get_rank() - 1)
         received.requires_grad_()
         inner.set_input_tensor(received)
@@ -295,7 +327,7 @@ def reference(out: Path) -> None:
     (out / "reference").mkdir(exist_ok=True)
     for iteration in range(1, STEPS + 1):
         model = build()
-        if DISTOPT:  # loaded as Megatron-LM loads it: the sharded dict asked for loading
+        if wrapped():  # loaded as Megatron-LM loads it: the sharded dict asked for loading
             ddp = model
             optimizer = optimizer_for(model)
             with cuda_tensors_on_cpu():  # a step on zero gradients makes the state to load into
@@ -311,14 +343,18 @@ def reference(out: Path) -> None:
             wanted = state_dict(model, optimizer, iteration)
         main: dict = {}
         _main_replicas(wanted, "", main)
+        names = _state_names(wanted)
         loaded = dist_checkpointing.load(wanted, str(out / "run" / f"iter_{iteration:07d}"))
         flat: dict = {}
         if DISTOPT:  # the optimizer's own state once it has loaded its buckets
             optimizer_sd = loaded.pop("optimizer")
             flat["optimizer.param_state_sharding_type"] = optimizer_sd["param_state_sharding_type"]
-            with cuda_tensors_on_cpu(), torch.no_grad():  # it copies into the main params
-                optimizer.load_state_dict(optimizer_sd)
-            flat.update(_distributed_moments(ddp, optimizer))
+            if optimizer_sd["param_state_sharding_type"] == "fully_reshardable":
+                flat.update(_fully_reshardable(names, optimizer_sd))
+            else:
+                with cuda_tensors_on_cpu(), torch.no_grad():  # it copies into the main params
+                    optimizer.load_state_dict(optimizer_sd)
+                flat.update(_distributed_moments(ddp, optimizer))
         _flatten(loaded, "", flat)
         if TP * PP > 1:  # each rank's own shards, a replicated one from its main replica alone
             flat = {k: v for k, v in flat.items() if main.get(k, True)}
@@ -326,7 +362,14 @@ def reference(out: Path) -> None:
         # sharded tensors names each, a stacked one by its layer (its prepended offset).
         model_sd = model.sharded_state_dict()
         if not DISTOPT:
-            ids = get_param_id_to_sharded_param_map(model_sd, optimizer.get_parameters())
+            # bf16: the ids are the fp32 mains' (torch's optimizer over them), in the order
+            # of the model's bf16 parameters they are made from (float16_groups)
+            params = (
+                itertools.chain.from_iterable(optimizer.chained_optimizers[0].float16_groups)
+                if BF16
+                else optimizer.get_parameters()
+            )
+            ids = get_param_id_to_sharded_param_map(model_sd, params)
             flat["param_names"] = [_layer_name(ids[i]) for i in range(len(ids))]
         # The model's state-dict names (the loaded dict's keys) by their sharded tensors' too.
         flat["model_names"] = {
@@ -339,11 +382,48 @@ def reference(out: Path) -> None:
         dist.barrier()
 
 
+def _state_names(wanted: dict) -> dict:
+    """``{parameter index: {state key: name}}`` of a ``fully_reshardable`` optimizer's
+    sharded dict (``optimizer.state.<key>.<name>`` tensors), a stacked one's by its layer;
+    empty for another."""
+    optimizer = wanted.get("optimizer") or {}
+    if optimizer.get("param_state_sharding_type") != "fully_reshardable":
+        return {}
+    return {
+        index: {
+            key: _layer_name(tensor).removeprefix(f"optimizer.state.{key}.")
+            for key, tensor in tensors.items()
+        }
+        for index, tensors in optimizer["param_state"].items()
+    }
+
+
+def _fully_reshardable(names: dict, optimizer_sd: dict) -> dict:
+    """A ``fully_reshardable`` optimizer's state as Megatron's own ``dist_checkpointing.load``
+    gives it (each parameter's main param and moments in the model's shape, the step in the
+    param groups), as ``_distributed_moments`` names it: ``distopt.<name>.<key>``,
+    ``distopt.step``... (The optimizer's own ``load_state_dict`` of it fails on the CPU:
+    it copies every key of torch AdamW's state, the per-parameter ``step`` among them,
+    from the saved tensors, which hold none.)"""
+    out = {
+        f"distopt.{names[index][key]}.{key}": value.detach().clone()
+        for index, tensors in optimizer_sd["param_state"].items()
+        for key, value in tensors.items()
+    }
+    groups = optimizer_sd["optimizer"]["param_groups"]
+    (hyper,) = {(g["step"], *g["betas"], g["lr"], g["eps"]) for g in groups}
+    out.update(
+        zip(("distopt.step", "distopt.beta1", "distopt.beta2", "distopt.lr", "distopt.eps"), hyper)
+    )
+    return out
+
+
 def _distributed_moments(ddp, optimizer) -> dict:
     """Each parameter's moments as the distributed optimizer holds them after its own load,
     gathered over this rank's data-parallel group (each of its ranks holds a range of every
-    bucket): ``distopt.<name>.{exp_avg,exp_avg_sq}`` whole (tensor parallel: this rank's
-    shard of it, as its buckets hold it), by Megatron's sharded names, and the param
+    bucket): ``distopt.<name>.{param,exp_avg,exp_avg_sq}`` (its fp32 main param and moments)
+    whole (tensor parallel: this rank's shard of it, as its buckets hold it), by Megatron's
+    sharded names, and the param
     groups' ``step``, ``betas``, ``lr`` and ``eps``."""
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -354,7 +434,7 @@ def _distributed_moments(ddp, optimizer) -> dict:
         if isinstance(v, ShardedTensor)
     }
     (optimizer,) = optimizer.chained_optimizers  # get_megatron_optimizer's one
-    mine = []  # (name, start in the flattened parameter, exp_avg, exp_avg_sq)
+    mine = []  # (name, start in the flattened parameter, main param, exp_avg, exp_avg_sq)
     for ranges in optimizer.gbuf_ranges:
         for per_bucket in ranges.values():
             for bucket in per_bucket:
@@ -364,6 +444,7 @@ def _distributed_moments(ddp, optimizer) -> dict:
                         (
                             names[param.data_ptr()],
                             where["param"].start,
+                            state["param"].detach().clone(),
                             state["exp_avg"].detach().clone(),
                             state["exp_avg_sq"].detach().clone(),
                         )
@@ -378,8 +459,8 @@ def _distributed_moments(ddp, optimizer) -> dict:
         if isinstance(v, ShardedTensor)
     }
     for name, shape in shapes.items():
-        pieces = sorted((s, a, b) for rank in every for n, s, a, b in rank if n == name)
-        for i, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
+        pieces = sorted((s, p, a, b) for rank in every for n, s, p, a, b in rank if n == name)
+        for i, key in ((1, "param"), (2, "exp_avg"), (3, "exp_avg_sq")):
             whole = torch.cat([p[i] for p in pieces])
             assert [p[0] for p in pieces][0] == 0 and whole.numel() == shape.numel()
             out[f"distopt.{name}.{key}"] = whole.view(shape)
@@ -439,6 +520,10 @@ if __name__ == "__main__":
             PP = int(os.environ["WORLD_SIZE"])
         elif flag == "distopt":
             DISTOPT = True
+        elif flag == "bf16":
+            BF16 = True
+        elif flag == "fully":  # Megatron-LM's --dist-ckpt-optim-fully-reshardable
+            SHARDING["distrib_optim_sharding_type"] = "fully_reshardable"
         else:
             BUCKET = int(flag.removeprefix("bucket="))
     dist.init_process_group("gloo")

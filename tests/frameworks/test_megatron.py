@@ -51,6 +51,8 @@ def _measured(ref: dict, what: str) -> dict[str, torch.Tensor]:
     step = float(ref["optimizer.state.common_step"])
     out = {}
     for i, name in enumerate(ref["param_names"]):
+        if f"optimizer.state.{i}.exp_avg" not in ref:  # tensor parallel: another's replica
+            continue
         m = ref[f"optimizer.state.{i}.exp_avg"].double() / (1 - beta1**step)
         v = ref[f"optimizer.state.{i}.exp_avg_sq"].double() / (1 - beta2**step)
         out[name] = {"exp_avg": m, "grad_rms": v.sqrt(), "update": lr * m / (v.sqrt() + eps)}[what]
@@ -572,3 +574,334 @@ def test_a_model_parallel_groups_step_of_another_iteration(gradclip, distopt_tp_
         shutil.copy(old / shard.name, shard)
     result = gradclip("inspect", distopt_tp_save, "--what", "grad_rms")
     one_line_exit_3(result, ".metadata", "no one step")
+
+
+# ------------------------------------------------------------- bf16 mixed precision
+
+
+def _bf16_reference(ref: dict, what: str) -> dict[str, torch.Tensor]:
+    """The plain mixed-precision optimizer's quantity per parameter, from Megatron's own load:
+    ``weights`` its fp32 main params (``fp32_from_fp16_params``, each group's in its
+    ``params`` order), the moments torch's AdamW state one level down
+    (``optimizer.optimizer``), in float64."""
+    torch_state = "optimizer.optimizer."
+    if what == "weights":
+        out = {}
+        for key, value in ref.items():
+            if key.startswith("optimizer.fp32_from_fp16_params."):
+                group, index = key.split(".")[-2:]
+                pid = ref[f"{torch_state}param_groups.{group}.params.{index}"]
+                out[ref["param_names"][pid]] = value.double()
+        return out
+    sub = {k.removeprefix("optimizer."): v for k, v in ref.items() if k.startswith(torch_state)}
+    return _measured({**sub, "param_names": ref["param_names"]}, what)
+
+
+def _model_tensors(ref: dict) -> dict[str, torch.Tensor]:
+    """The model's own (bf16) tensors Megatron loaded, by name."""
+    return _weights(ref)
+
+
+def test_the_bf16_fixture_is_megatrons_mixed_precision(megatron_bf16_run):
+    folder = megatron_bf16_run / "run" / "iter_0000003"
+    meta = pickle.loads((folder / ".metadata").read_bytes())  # the fixture's own: trusted
+    entries = meta.state_dict_metadata
+    fc1 = "decoder.layers.mlp.linear_fc1.weight"
+    assert entries[fc1].properties.dtype == torch.bfloat16
+    assert entries[f"optimizer.state.fp32_param.{fc1}"].properties.dtype == torch.float32
+    assert f"optimizer.state.exp_avg.{fc1}" in entries
+    common = torch.load(folder / "common.pt", weights_only=False)  # args: a Namespace
+    assert "param_groups" not in common["optimizer"]  # one level down: torch's state dict
+    assert float(common["optimizer"]["optimizer"]["state"]["common_step"]) == 3
+    ref = _reference(megatron_bf16_run, 3)
+    mains, model = _bf16_reference(ref, "weights"), _model_tensors(ref)
+    assert set(mains) == set(model)
+    for name, main in mains.items():  # the model holds its main param rounded
+        assert torch.equal(main.float().to(torch.bfloat16), model[name]), name
+    assert any(not torch.equal(m.float(), model[n].float()) for n, m in mains.items())
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+def test_bf16_every_quantity_against_megatrons_load(gradclip, megatron_bf16_run, step, what):
+    """bf16 with the plain optimizer: the weights are the fp32 main params, exactly (not the
+    model's bf16 tensors), and every ratio divides by them."""
+    ref = _reference(megatron_bf16_run, step)
+    expected = _bf16_reference(ref, what)
+    mains = _bf16_reference(ref, "weights")
+    folder = megatron_bf16_run / "run" / f"iter_{step:07d}"
+    result = gradclip("inspect", folder, "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["format"], doc["step"], doc["what"]) == ("megatron", step, what)
+    said = " ".join(doc["description"])
+    assert "29 bfloat16 model tensors" in said and "fp32 main params of 29" in said, said
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected) == set(mains)
+    for name, row in rows.items():
+        assert (row["dtype"], row["shape"]) == ("float32", list(mains[name].shape)), name
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+        if what != "weights":
+            assert rel_err(row["ratio"], norm([expected[name]]) / norm([mains[name]])) <= TOL
+    groups = {g["name"]: g for g in doc["groups"]}
+    for layer in (0, 1):  # each stacked layer a group of its own
+        members = [t for n, t in expected.items() if n.startswith(f"decoder.layers.{layer}.")]
+        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
+
+
+def test_bf16_weights_are_the_fp32_main_params_not_the_model(gradclip, megatron_bf16_run):
+    """The bf16 tensors' norm differs from the mains' beyond the tolerance: the report's is
+    the mains', and says where it comes from."""
+    ref = _reference(megatron_bf16_run, 3)
+    mains, model = _bf16_reference(ref, "weights"), _model_tensors(ref)
+    assert rel_err(norm(model.values()), norm(mains.values())) > 100 * TOL
+    doc = gradclip("inspect", megatron_bf16_run / "run", "--what", "weights", "--format", "json")
+    assert doc.code == 0, doc.err
+    assert rel_err(doc.json()["total_norm"], norm(mains.values())) <= TOL
+    evidence = doc.json()["measured"]["evidence"]
+    assert "fp32 main params (optimizer.state.fp32_param entries" in evidence, evidence
+    auto = gradclip("inspect", megatron_bf16_run / "run", "--format", "json")
+    assert auto.code == 0 and auto.json()["what"] == "exp_avg", auto.err
+    grads = gradclip("inspect", megatron_bf16_run / "run", "--what", "grads")
+    one_line_exit_3(grads, "saves no gradients", "--what exp_avg")
+
+
+@pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+def test_bf16_tensor_parallel_against_megatrons_load(gradclip, megatron_tp_bf16_run, what):
+    """TP=2, bf16, the plain optimizer: each rank's fp32 main params are chunks of the same
+    ``fp32_param`` tensors, paired with the model's chunks; each rank's reference holds its
+    shards (a replicated tensor on its main replica only)."""
+    run = megatron_tp_bf16_run
+    pieces: dict[str, list[torch.Tensor]] = {}
+    mains: dict[str, list[torch.Tensor]] = {}
+    for rank in (0, 1):
+        ref = torch.load(run / "reference" / f"iter_3.rank{rank}.pt", weights_only=True)
+        main = _bf16_reference(ref, "weights")
+        for name, value in _bf16_reference(ref, what).items():
+            pieces.setdefault(name, []).append(value)
+            mains.setdefault(name, []).append(main[name])
+    result = gradclip("inspect", run / "run", "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(pieces)
+    assert any("linear_fc1.weight" in n for n, p in pieces.items() if len(p) == 2)
+    for name, row in rows.items():
+        assert row["dtype"] == "float32", name
+        assert rel_err(row["norm"], norm(pieces[name])) <= TOL, name
+        if what != "weights":
+            assert rel_err(row["ratio"], norm(pieces[name]) / norm(mains[name])) <= TOL, name
+    assert rel_err(doc["total_norm"], norm(t for p in pieces.values() for t in p)) <= TOL
+
+
+def test_bf16_two_ranks_print_the_one_process_report(megatron_bf16_run, tmp_path):
+    run = megatron_bf16_run / "run"
+    jobs = [
+        {"args": ["inspect", str(run), "--what", what, "--format", fmt, "--no-progress"]}
+        for what, fmt in (("weights", "json"), ("weights", "table"), ("update", "json"))
+    ]
+    same_under_torchrun(jobs, tmp_path)
+
+
+@pytest.fixture
+def bf16_save(megatron_bf16_run, tmp_path) -> Path:
+    target = tmp_path / "save"
+    shutil.copytree(megatron_bf16_run / "run", target)
+    return target
+
+
+def test_bf16_a_missing_fp32_param(gradclip, bf16_save):
+    fc2 = "optimizer.state.fp32_param.decoder.layers.mlp.linear_fc2.bias"
+    _rewrite_metadata(bf16_save / "iter_0000003", lambda k: None if k == fc2 else k)
+    result = gradclip("inspect", bf16_save, "--what", "weights")
+    one_line_exit_3(result, ".metadata", "no optimizer.state.fp32_param", "linear_fc2.bias")
+
+
+def test_bf16_fp32_params_that_are_not_the_models(gradclip, bf16_save):
+    """Two layer norms' fp32 main params swapped (the same shape): each is read, rounded, and
+    found not to be its model tensor; the file is named, no number reported."""
+    rename = _swapped(
+        "fp32_param.decoder.layers.mlp.linear_fc1.layer_norm_weight",
+        "fp32_param.decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+    )
+    _rewrite_metadata(bf16_save / "iter_0000003", rename)
+    for what in ("weights", "exp_avg"):  # the ratio reads the weights too
+        result = gradclip("inspect", bf16_save, "--what", what)
+        one_line_exit_3(result, ".distcp", "fp32 main param", "disagree")
+
+
+def test_bf16_fp32_param_of_another_shape(gradclip, bf16_save):
+    rename = _swapped(
+        "fp32_param.decoder.layers.mlp.linear_fc1.bias",
+        "fp32_param.decoder.layers.mlp.linear_fc2.bias",
+    )
+    _rewrite_metadata(bf16_save / "iter_0000003", rename)
+    result = gradclip("inspect", bf16_save, "--what", "update")
+    one_line_exit_3(result, ".metadata", "not its fp32 main param")
+
+
+def _distributed_mains(ref: dict) -> dict[str, torch.Tensor]:
+    """Each parameter's fp32 main param as the distributed optimizer holds it after its own
+    load (``megatron_run.py``'s ``distopt.<name>.param``), in float64."""
+    return {
+        k[len("distopt.") : -len(".param")]: v.double()
+        for k, v in ref.items()
+        if k.startswith("distopt.") and k.endswith(".param")
+    }
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+def test_bf16_distributed_optimizer_against_megatrons_load(
+    gradclip, megatron_distopt_bf16_run, step, what
+):
+    """bf16 with the distributed optimizer on 2 data-parallel ranks: the buckets' ``param``
+    (the fp32 main params) are the weights, the moments beside them."""
+    ref = _reference(megatron_distopt_bf16_run, step)
+    mains = _distributed_mains(ref)
+    expected = mains if what == "weights" else _distributed_measured(ref, what)
+    model = _model_tensors(ref)
+    assert set(mains) == set(model) and all(t.dtype == torch.bfloat16 for t in model.values())
+    folder = megatron_distopt_bf16_run / "run" / f"iter_{step:07d}"
+    result = gradclip("inspect", folder, "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["step"], doc["what"]) == (step, what)
+    said = " ".join(doc["description"])
+    assert "their param, the fp32 main params of 29, the weights measured" in said, said
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert (row["dtype"], row["shape"]) == ("float32", list(model[name].shape)), name
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+        if what != "weights":
+            assert rel_err(row["ratio"], norm([expected[name]]) / norm([mains[name]])) <= TOL
+    groups = {g["name"]: g for g in doc["groups"]}
+    for layer in (0, 1):
+        members = [t for n, t in expected.items() if n.startswith(f"decoder.layers.{layer}.")]
+        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
+    if what == "weights":
+        assert "distributed optimizer's fp32 main params" in doc["measured"]["evidence"]
+
+
+@pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+def test_bf16_tensor_parallel_distributed_optimizer_against_megatrons_load(
+    gradclip, megatron_distopt_tp_bf16_run, what
+):
+    """TP=2, bf16, the distributed optimizer: each split parameter's fp32 main param is
+    assembled from both ranks' buckets, as its moments are."""
+    run = megatron_distopt_tp_bf16_run
+    pieces, mains = {}, {}
+    for rank in (0, 1):
+        ref = torch.load(run / "reference" / f"iter_3.rank{rank}.pt", weights_only=True)
+        main = _distributed_mains(ref)
+        measured = main if what == "weights" else _distributed_measured(ref, what)
+        for key, name in ref["model_names"].items():
+            if f"model.{key}" in ref:  # this rank's shard, or the main replica
+                pieces.setdefault(name, []).append(measured[name])
+                mains.setdefault(name, []).append(main[name])
+    result = gradclip("inspect", run / "run", "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["step"] == 3 and "over 2 model-parallel ranks" in " ".join(doc["description"])
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(pieces)
+    assert any(len(p) == 2 for p in pieces.values()) and any(len(p) == 1 for p in pieces.values())
+    for name, row in rows.items():
+        assert row["dtype"] == "float32", name
+        assert math.prod(row["shape"]) == sum(t.numel() for t in mains[name]), name
+        assert rel_err(row["norm"], norm(pieces[name])) <= TOL, name
+        if what != "weights":
+            assert rel_err(row["ratio"], norm(pieces[name]) / norm(mains[name])) <= TOL, name
+    assert rel_err(doc["total_norm"], norm(t for p in pieces.values() for t in p)) <= TOL
+    groups = {g["name"]: g for g in doc["groups"]}
+    for layer in (0, 1):
+        members = [
+            t for n, p in pieces.items() if n.startswith(f"decoder.layers.{layer}.") for t in p
+        ]
+        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
+
+
+def test_the_fully_reshardable_fixture(megatron_distopt_fully_bf16_run):
+    folder = megatron_distopt_fully_bf16_run / "run" / "iter_0000003"
+    entries = pickle.loads((folder / ".metadata").read_bytes()).state_dict_metadata
+    fc1 = "decoder.layers.mlp.linear_fc1.weight"
+    assert entries[f"optimizer.state.param.{fc1}"].size == entries[fc1].size
+    assert not any(k.startswith("optimizer.distributed.") for k in entries)
+    common = torch.load(folder / "common.pt", weights_only=False)  # args: a Namespace
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    assert "state" not in common["optimizer"]["optimizer"]  # the step: in the param groups
+    assert {g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]} == {3}
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+def test_bf16_fully_reshardable_against_megatrons_load(
+    gradclip, megatron_distopt_fully_bf16_run, step, what
+):
+    """The distributed optimizer saved fully_reshardable: per parameter, in the model's
+    shape, its fp32 main param (the weights), its moments, and the step from common.pt's
+    param groups, against Megatron's own load of them."""
+    ref = _reference(megatron_distopt_fully_bf16_run, step)
+    mains = _distributed_mains(ref)
+    expected = mains if what == "weights" else _distributed_measured(ref, what)
+    model = _model_tensors(ref)
+    assert set(mains) == set(model) == set(expected)
+    folder = megatron_distopt_fully_bf16_run / "run" / f"iter_{step:07d}"
+    result = gradclip("inspect", folder, "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["step"], doc["what"]) == (step, what)
+    said = " ".join(doc["description"])
+    assert "fully_reshardable" in said and "fp32 main params of 29" in said, said
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert (row["dtype"], row["shape"]) == ("float32", list(model[name].shape)), name
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+        if what != "weights":
+            assert rel_err(row["ratio"], norm([expected[name]]) / norm([mains[name]])) <= TOL
+    groups = {g["name"]: g for g in doc["groups"]}
+    for layer in (0, 1):
+        members = [t for n, t in expected.items() if n.startswith(f"decoder.layers.{layer}.")]
+        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
+
+
+def test_bf16_fully_reshardable_a_missing_param(
+    gradclip, megatron_distopt_fully_bf16_run, tmp_path
+):
+    save = tmp_path / "save"
+    shutil.copytree(megatron_distopt_fully_bf16_run / "run", save)
+    gone = "optimizer.state.param.output_layer.weight"
+    _rewrite_metadata(save / "iter_0000003", lambda k: None if k == gone else k)
+    result = gradclip("inspect", save, "--what", "exp_avg")
+    one_line_exit_3(result, ".metadata", "no optimizer.state.param of output_layer.weight")
+
+
+@pytest.fixture
+def distopt_bf16_save(megatron_distopt_bf16_run, tmp_path) -> Path:
+    target = tmp_path / "save"
+    shutil.copytree(megatron_distopt_bf16_run / "run", target)
+    return target
+
+
+def test_bf16_a_buckets_param_of_another_length(gradclip, distopt_bf16_save):
+    """Bucket 0's param under bucket 1's name and back: each bucket's param is then not the
+    length of its moments."""
+    rename = _swapped(".bucket_idx_0.param", ".bucket_idx_1.param")
+    _rewrite_metadata(distopt_bf16_save / "iter_0000003", rename)
+    result = gradclip("inspect", distopt_bf16_save, "--what", "weights")
+    one_line_exit_3(result, ".metadata", "param, exp_avg and exp_avg_sq of one length")
+
+
+def test_bf16_a_buckets_param_of_another_step(gradclip, distopt_bf16_save):
+    """Step 2's bucket chunks in step 3's files: their fp32 params do not round to the bf16
+    model tensors."""
+    new, old = distopt_bf16_save / "iter_0000003", distopt_bf16_save / "iter_0000002"
+    for shard in sorted(new.glob("__1_*.distcp")):  # the second rank's: buckets only
+        shutil.copy(old / shard.name, shard)
+    result = gradclip("inspect", distopt_bf16_save, "--what", "weights")
+    one_line_exit_3(result, "__1_", ".distcp", "is not its weight")

@@ -16,6 +16,14 @@ newest iteration (or ``release``). An iteration folder holds:
   holds are not saved) and ``state.common_step``, the step of every moment;
 * ``metadata.json``: ``{"sharded_backend": "torch_dist", ...}``.
 
+In bf16 (or fp16) mixed precision, as Megatron-LM's ``--bf16`` trains (``Float16Module``,
+Megatron's DDP, ``Float16OptimizerWithFloat16Params``), the model's tensors are bf16 and
+the optimizer keeps an fp32 main param of each, the copy Adam updates, saved as
+``optimizer.state.fp32_param.<name>`` beside the moments; ``common.pt`` then holds torch's
+optimizer state one level down (``optimizer.optimizer.param_groups``,
+``optimizer.optimizer.state.common_step``). The fp32 main params are the weights measured
+(``_fp32_params``), each chunk checked, as it is read, to round to the model's chunk.
+
 Transformer layers are stacked: ``decoder.layers.mlp.linear_fc1.weight`` is
 one tensor of shape ``[num_layers, ...]``, each layer a chunk of its own
 (``sharded_offsets`` prepended by the layer's global number). Each layer is
@@ -29,9 +37,14 @@ moments are not per parameter: each grad-buffer bucket is flat tensors under
 ``optimizer.distributed.`` and the step is in its param groups' object there;
 ``_bucketed`` cuts each parameter's moments out of them by Megatron's bucket
 layout (``megatron_buckets``, shared with the legacy ``distrib_optim.pt``), checked
-against the model's tensors; with tensor or pipeline parallelism, each model-parallel
+against the model's tensors (their ``param``, fp32 main params, are the weights measured
+under bf16); with tensor or pipeline parallelism, each model-parallel
 rank's buckets (``dp_group_idx_N``) hold its stage's parameters, its shards of them.
-Another sharding type is refused, saying so.
+Saved ``fully_reshardable`` (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``), the
+state is per parameter again, in the model's shape and chunks,
+``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``, and the step is only in
+``common.pt``'s ``optimizer.optimizer.param_groups``: read as the plain optimizer's, the
+``param`` entries as its fp32 main params. Another sharding type is refused, saying so.
 
 A tracker naming a legacy iteration (``iter_N/mp_rank_XX/model_optim_rng.pt``) hands it
 to ``megatron_legacy``.
@@ -68,7 +81,10 @@ from .paths import inside, json_head_keys, read_json
 KIND = "megatron"
 TRACKER = "latest_checkpointed_iteration.txt"
 _COMMON, _JSON = "common.pt", "metadata.json"
-_MOMENT = re.compile(r"optimizer\.state\.(exp_avg|exp_avg_sq)\.(.+)")
+_MOMENT = re.compile(r"optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.(.+)")
+_MAIN = ("fp32_param", "param")  # the fp32 main params: the plain optimizer's, fully_reshardable's
+_FULLY = "fully_reshardable"
+_SIXTEEN = (torch.bfloat16, torch.float16)
 _LAYERS = re.compile(r"(^|.*\.)layers\.(?!\d)")  # a stacked key: ``layers.`` then no number
 
 
@@ -128,19 +144,41 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     said = f"a torch_dist checkpoint: {_JSON} sharded_backend torch_dist"
     contents.evidence[roles.WEIGHT] = said
     optimizer = _optimizer(folder, split, root, common_file)
+    mains = _fp32_params(folder, split, weights)
     if optimizer is not None:
         contents.optimizers.append(optimizer)
         contents.evidence[roles.OPTIMIZER_STATE] = \
             f"{said}, optimizer.state entries, {_COMMON}'s step and betas"
     held = f"optimizer state for {len(optimizer.state) if optimizer else 0} parameters"
+    fully = _sharding(root) == _FULLY and optimizer is not None
+    if fully:
+        held += " from the distributed optimizer's fully_reshardable state (optimizer.state.*)"
+        contents.evidence[roles.OPTIMIZER_STATE] = (
+            f"{said}, the distributed optimizer's fully_reshardable optimizer.state entries, "
+            f"{_COMMON}'s param groups' step and betas"
+        )
+    mains = {n: t for n, t in mains.items() if weights[n].dtype in _SIXTEEN}
+    if mains:
+        kind = "optimizer.state.param" if fully else "optimizer.state.fp32_param"
+        held += f" and the fp32 main params of {len(mains)} ({kind})"
+        whose = (
+            f"distributed optimizer's fp32 main params ({kind} entries"
+            if fully
+            else f"mixed-precision optimizer's fp32 main params ({kind} entries"
+        )
     sharding = _distributed_sharding(folder, root) if optimizer is None else None
     if sharding == repr("dp_reshardable"):
-        optimizer, held = _bucketed(folder, split, weights)
+        optimizer, held, mains = _bucketed(folder, split, weights)
         contents.optimizers.append(optimizer)
         contents.evidence[roles.OPTIMIZER_STATE] = (
             f"{said}, the distributed optimizer's dp_reshardable buckets "
             "(optimizer.distributed.*), their param groups' step and betas"
         )
+        # The buckets' param is every parameter's fp32 copy; only a 16-bit model's differs.
+        mains = {n: t for n, t in mains.items() if weights[n].dtype in _SIXTEEN}
+        if mains:
+            held += f"; their param, the fp32 main params of {len(mains)}"
+            whose = "distributed optimizer's fp32 main params (its buckets' param"
     elif sharding is not None:
         held = (
             "the optimizer state is Megatron's distributed optimizer's "
@@ -148,6 +186,20 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             "which gradclip does not read: moments not measured"
         )
         contents.optimizer_error = held.replace("the optimizer state is", "its optimizer state is")
+    model = f"{len(weights)} model tensors"
+    if mains:
+        contents.weights = {n: mains.get(n, t) for n, t in weights.items()}
+        sixteen = _dtypes(weights, mains)
+        model = (
+            f"{len(weights)} {sixteen} model tensors"
+            if len(mains) == len(weights)
+            else f"{len(weights)} model tensors, {len(mains)} of them {sixteen},"
+        )
+        held += ", the weights measured"
+        contents.evidence[roles.WEIGHT] = (
+            f"{said}, the {whose}: the weights Adam updates; the model's {sixteen} tensors "
+            "are them rounded, checked)"
+        )
     contents.step = _iteration(root, common_file, folder_path)
     contents.gradient_error = (
         f"{path}: a Megatron torch_dist checkpoint saves no gradients "
@@ -156,10 +208,17 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     layers = {n.split(".layers.")[1].split(".")[0] for n in weights if ".layers." in n}
     via = f" ({TRACKER} names {folder_path.name})" if tracker is not None else ""
     contents.description.append(
-        f"Megatron torch_dist checkpoint{via} at iteration {contents.step}: {len(weights)} "
-        f"model tensors ({len(layers)} stacked layers split per layer), {held}"
+        f"Megatron torch_dist checkpoint{via} at iteration {contents.step}: {model} "
+        f"({len(layers)} stacked layers split per layer), {held}"
     )
     return contents
+
+
+def _sharding(root: dict) -> object:
+    """``common.pt``'s ``optimizer.param_state_sharding_type`` (the distributed optimizer's),
+    or None."""
+    optim = root.get("optimizer")
+    return optim.get("param_state_sharding_type") if isinstance(optim, dict) else None
 
 
 def _distributed_sharding(folder: dcp_folder.DcpFolder, root: dict) -> str | None:
@@ -247,7 +306,7 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
     moments: dict[str, dict] = {}
     for key, parts in split.items():
         found = _MOMENT.fullmatch(key)
-        if not found:
+        if not found or found.group(1) in _MAIN:
             continue
         for name, tensor in parts:
             moments.setdefault(name, {})[found.group(1)] = dcp_folder.renamed(
@@ -255,15 +314,32 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
             )
     if not moments:
         return None
-    optim = root.get("optimizer")
+    optim, where = root.get("optimizer"), "optimizer"
+    if isinstance(optim, dict) and "param_groups" not in optim and "optimizer" in optim:
+        # Mixed precision (Float16OptimizerWithFloat16Params.state_dict): torch's state dict
+        # one level down, beside the fp32 main params (in .metadata: fp32_param entries)
+        optim, where = optim["optimizer"], "optimizer.optimizer"
     state = optim.get("state") if isinstance(optim, dict) else None
     groups = optim.get("param_groups") if isinstance(optim, dict) else None
-    if not isinstance(state, dict) or "common_step" not in state:
-        raise InputError(f"{common_file}: holds no optimizer.state.common_step (the moments' step)")
     if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
         raise InputError(
-            f"{common_file}: holds no optimizer param_groups (the moments' betas, lr and eps)"
+            f"{common_file}: holds no {where}.param_groups (the moments' betas, lr and eps)"
         )
+    if _sharding(root) == _FULLY:
+        # The distributed optimizer's state_dict keeps the one step of every parameter in its
+        # param groups (DistributedOptimizer.state_dict); fully_reshardable saves them as they are
+        steps = {g.get("step") for g in groups}
+        step = next(iter(steps))
+        if len(steps) != 1 or isinstance(step, bool) or not isinstance(step, (int, float)):
+            raise InputError(
+                f"{common_file}: the distributed optimizer's {where}.param_groups give no one "
+                "step (fully_reshardable keeps the moments' step there)"
+            )
+        step = int(step) if isinstance(step, float) and step.is_integer() else step
+    elif not isinstance(state, dict) or "common_step" not in state:
+        raise InputError(f"{common_file}: holds no {where}.state.common_step (the moments' step)")
+    else:
+        step = state["common_step"]
     # The groups' members are not saved (Megatron drops their ``params``); only lr, betas and
     # eps enter the measured quantities, so any number of groups that agree on them is one.
     used = ("lr", "betas", "eps")
@@ -275,9 +351,8 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
             "holds"
         )
     names = list(moments)
-    step = state["common_step"]
     group = {
-        **{k: v for k, v in groups[0].items() if k != "params"},
+        **{k: v for k, v in groups[0].items() if k not in ("params", "step")},
         "params": list(range(len(names))),
     }
     return OptimizerState(
@@ -286,6 +361,97 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
         dict(enumerate(names)),
         common_file,
     )
+
+
+def _fp32_params(folder, split, weights: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
+    """The optimizer's fp32 main params by model name, where it saves them per parameter
+    (none: ``{}``).
+
+    ``Float16OptimizerWithFloat16Params.sharded_state_dict`` (core_v0.16.1) saves each 16-bit
+    parameter's fp32 copy, the one Adam updates, as ``optimizer.state.fp32_param.<key>``,
+    chunked as the model's tensor is; the distributed optimizer's ``fully_reshardable``
+    sharding saves every parameter's as ``optimizer.state.param.<key>``
+    (``sharded_param_state_fully_reshardable``: the model's sharded tensor, its data
+    replaced). After each step Megatron copies it into the model's parameter
+    (``_copy_main_params_to_model_params``: rounded to the parameter's dtype). Under mixed
+    precision these are the weights measured. Each chunk, when read, is checked against
+    the model's chunk: rounded, it must be it, bit for bit (NaN for NaN), else the file is
+    refused: the two copies disagree, and neither can be trusted as the weights. A 16-bit
+    parameter with moments but no fp32 copy, where others have one, is refused too."""
+    where = folder.metadata_file
+    out: dict[str, StoredTensor] = {}
+    moments: set[str] = set()
+    kinds: set[str] = set()
+    for key, parts in split.items():
+        found = _MOMENT.fullmatch(key)
+        if found and found.group(1) not in _MAIN:
+            moments.update(name for name, _ in parts)
+        if not found or found.group(1) not in _MAIN:
+            continue
+        kind = f"optimizer.state.{found.group(1)}"
+        kinds.add(kind)
+        for name, main in parts:
+            model = weights.get(name)
+            if model is None:
+                raise InputError(
+                    f"{where}: holds {visible(repr(key))[:120]}, the fp32 main param of "
+                    f"{visible(name)}, which the model does not hold"
+                )
+            if (
+                main.dtype != torch.float32
+                or main.shape != model.shape
+                or sorted((p.offsets, p.shape) for p in main.pieces)
+                != sorted((p.offsets, p.shape) for p in model.pieces)
+            ):
+                raise InputError(
+                    f"{where}: {visible(repr(key))[:120]} is not an fp32 tensor chunked as the "
+                    f"model's {visible(name)} ({model.dtype}, shape {list(model.shape)}): not "
+                    "its fp32 main param"
+                )
+            by_place = {(p.offsets, p.shape): p for p in model.pieces}
+            pieces = [
+                Piece(p.offsets, p.shape, _checked(name, kind, p, by_place[(p.offsets, p.shape)]),
+                      p.file)
+                for p in main.pieces
+            ]
+            out[name] = StoredTensor(name, main.shape, torch.float32, pieces)
+    if len(kinds) > 1:
+        raise InputError(f"{where}: holds both {' and '.join(sorted(kinds))} entries")
+    missing = [n for n in moments if n not in out and n in weights and weights[n].dtype in _SIXTEEN]
+    if out and missing:
+        raise InputError(
+            f"{where}: holds no {kinds.pop()} of {visible(missing[0])} "
+            f"({weights[missing[0]].dtype}, with moments), where the other 16-bit parameters "
+            "have their fp32 main params: the mixed-precision state is incomplete"
+        )
+    return out
+
+
+def _checked(name: str, kind: str, main: Piece, model: Piece):
+    """``main.read`` that first checks the chunk rounds to the model's chunk."""
+
+    def read() -> torch.Tensor:
+        value, rounded = main.read(), model.read()
+        if not rounds_to(value, rounded):
+            raise InputError(
+                f"{main.file}: {visible(name)}'s fp32 main param ({kind}) "
+                f"rounded to {str(rounded.dtype).removeprefix('torch.')} is not the model's "
+                "tensor: the optimizer's weights and the model's disagree"
+            )
+        return value
+
+    return read
+
+
+def rounds_to(value: torch.Tensor, rounded: torch.Tensor) -> bool:
+    """Whether ``value`` rounded to ``rounded``'s dtype is ``rounded``, NaN for NaN."""
+    cast = value.to(rounded.dtype)
+    return bool(((cast == rounded) | (cast.isnan() & rounded.isnan())).all())
+
+
+def _dtypes(weights: dict[str, StoredTensor], names) -> str:
+    """The model's dtypes of ``names``, as words (``bfloat16``)."""
+    return "/".join(sorted({str(weights[n].dtype).removeprefix("torch.") for n in names}))
 
 
 def _iteration(root: dict, common_file: Path, folder: Path) -> int | None:
@@ -308,7 +474,9 @@ _BUCKET = re.compile(
 _GROUPS = "optimizer.distributed.dp_group_idx_{}.optimizer/shard_0_1"
 
 
-def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerState, str]:
+def _bucketed(
+    folder: dcp_folder.DcpFolder, split, weights
+) -> tuple[OptimizerState, str, dict[str, StoredTensor]]:
     """The distributed optimizer's ``dp_reshardable`` state as per-parameter moments.
 
     ``DistributedOptimizer.sharded_param_state_dp_reshardable`` (core_v0.16.1) saves each
@@ -329,7 +497,9 @@ def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerSt
     closes them all so, every chunk lies within one parameter or between two, and each
     parameter's ``param`` (its fp32 main copy) rounded to the model's dtype is the model's
     tensor (its shard), bit for bit, in every group. Else the checkpoint is refused,
-    naming ``.metadata`` or the file."""
+    naming ``.metadata`` or the file. Also returns each parameter's ``param`` as a tensor
+    of its own (assembled over tensor-parallel ranks as the moments are): under mixed
+    precision the weights Adam updates."""
     where = folder.metadata_file
 
     def unfit(why: str, file: Path = where) -> InputError:
@@ -416,19 +586,25 @@ def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerSt
                         for key in ("param", "exp_avg", "exp_avg_sq")
                     }
                     weight = (weights[name] if shard is None else shard).read().reshape(-1)
-                    for piece in moments.pop("param").pieces:  # each rank's part, its file
+                    for piece in moments["param"].pieces:  # each rank's part, its file
                         lo, hi = piece.offsets[0], piece.offsets[0] + piece.shape[0]
-                        if not torch.equal(piece.read().to(weight.dtype), weight[lo:hi]):
+                        if not rounds_to(piece.read(), weight[lo:hi]):
+                            rounded = (
+                                f", rounded to {_dtypes(weights, [name])},"
+                                if weight.dtype in _SIXTEEN
+                                else ""
+                            )
                             raise unfit(
-                                f"{visible(name)}'s slice of {which}bucket {k}'s param is not "
-                                "its weight",
+                                f"{visible(name)}'s slice of {which}bucket {k}'s param"
+                                f"{rounded} is not its weight",
                                 piece.file or where,
                             )
                     parts.setdefault(name, {})[rank] = (shard, moments)
     state: dict[int, dict] = {}
+    mains: dict[str, StoredTensor] = {}  # each parameter's fp32 main param, as its moments
     for name, held_by in parts.items():
         if held_by[main[name]][0] is None:  # whole: the main replica's (its chunk's writer)
-            moments = held_by[main[name]][1]
+            moments = dict(held_by[main[name]][1])
         else:  # one shard per tensor-parallel rank, at the model's chunk
             moments = {
                 key: StoredTensor(
@@ -437,8 +613,9 @@ def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerSt
                     torch.float32,
                     [_assembled(shard, m[key]) for shard, m in held_by.values()],
                 )
-                for key in ("exp_avg", "exp_avg_sq")
+                for key in ("param", "exp_avg", "exp_avg_sq")
             }
+        mains[name] = dcp_folder.renamed(moments.pop("param"), name)
         state[index[name]] = {**moments, "step": step}
     group = {**group, "params": sorted(state)}
     groups = f" over {ranks} model-parallel ranks" if ranks > 1 else ""
@@ -447,7 +624,7 @@ def _bucketed(folder: dcp_folder.DcpFolder, split, weights) -> tuple[OptimizerSt
         f"{count} dp_reshardable buckets{groups} (optimizer.distributed.*), each parameter's "
         "slice placed by Megatron's bucket layout and checked against the model's tensors"
     )
-    return OptimizerState([group], state, {i: order[i] for i in state}, where), held
+    return OptimizerState([group], state, {i: order[i] for i in state}, where), held, mains
 
 
 _WRITER = re.compile(r"__(\d+)_\d+\.distcp")  # DCP's file of process R: __R_K.distcp
