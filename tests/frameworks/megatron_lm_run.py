@@ -33,7 +33,8 @@ stage as Megatron-LM's ``get_model`` does (``vp_stage``, ``pre_process`` on the 
 stage's first chunk, ``post_process`` on the last stage's last chunk, each chunk in its own
 DDP, bucketing the first only), one optimizer over the chunks (``get_megatron_optimizer``),
 and a step is Megatron-core's interleaved schedule over 2 microbatches; ``save_checkpoint``
-writes the chunks as ``model0``, ``model1``. With ``dp2``
+writes the chunks as ``model0``, ``model1`` (and with ``distopt`` ``distrib_optim.pt`` one
+grad buffer a chunk). With ``dp2``
 the model-parallel ranks are half the ranks, twice over: 2 data-parallel replicas (each
 sees its own batch), of which the first writes. With ``distopt``, Megatron's distributed
 optimizer (``--use-distributed-optimizer``: ``distrib_optim.pt`` beside each file, buckets
@@ -422,7 +423,7 @@ def reference(out: Path) -> None:
                 for p, main in zip(model_group, main_group):
                     masters[id(p)] = main
         record: dict = {"step": step, "weights": {}, "state": {}, "hyper": {}, "counted": {}}
-        if DISTOPT:  # Megatron's own grad-buffer layout: buckets per buffer, padding
+        if DISTOPT and not VP:  # Megatron's own grad-buffer layout: buckets, padding
             (model,) = chunks
             record["buckets"] = [len(b.buckets) for b in model.buffers]
             record["buffer_numel"] = [b.numel for b in model.buffers]
@@ -438,7 +439,6 @@ def reference(out: Path) -> None:
                 by_param[p]: (start - dropped[bucket], end - dropped[bucket])
                 for p, (start, end, bucket) in buffer.param_index_map.items()
             }
-        pieces = _distributed_pieces(model, optimizer, adam) if DISTOPT else {}
         # with vp, each chunk's names under its key in the file (model0, model1...)
         keys = [f"model{i}." for i in range(VP)] if VP else [""]
         named = [
@@ -446,6 +446,7 @@ def reference(out: Path) -> None:
             for key, chunk in zip(keys, chunks)
             for name, p in inner(chunk).named_parameters()
         ]
+        pieces = _distributed_pieces(dict(named), optimizer, adam) if DISTOPT else {}
         for name, p in named:
             held = masters.get(id(p), p)
             record["weights"][name] = p.detach().clone()
@@ -491,14 +492,15 @@ def _hyper(group: dict) -> dict:
     return {"lr": group["lr"], "betas": tuple(group["betas"]), "eps": group["eps"]}
 
 
-def _distributed_pieces(model, optimizer, adam) -> dict[str, list]:
-    """Every data-parallel rank's shard of each parameter, gathered over the data-parallel
-    group: ``{name: [(start, end, {"param", "exp_avg", "exp_avg_sq"}, hyper)]}``, each piece
-    placed within its parameter by Megatron's own range map (``_get_model_param_range_map``)
-    and read through its own ``_get_main_param_and_optimizer_states``."""
+def _distributed_pieces(named: dict, optimizer, adam) -> dict[str, list]:
+    """Every data-parallel rank's shard of each parameter (``named``: name -> parameter),
+    gathered over the data-parallel group: ``{name: [(start, end, {"param", "exp_avg",
+    "exp_avg_sq"}, hyper)]}``, each piece placed within its parameter by Megatron's own range
+    map (``_get_model_param_range_map``) and read through its own
+    ``_get_main_param_and_optimizer_states``."""
     from megatron.core import parallel_state
 
-    names = {p: n for n, p in inner(model).named_parameters()}
+    names = {p: n for n, p in named.items()}
     mine = {}
     for p, name in names.items():
         if p not in optimizer.model_param_gbuf_map:  # no element of p on this rank
@@ -545,7 +547,7 @@ if __name__ == "__main__":
     BUCKET = next((int(f[len("bucket=") :]) for f in flags if f.startswith("bucket=")), BUCKET)
     LAYERS = (3 if UNEVEN else 4) if PP > 1 else LAYERS
     if "vp" in flags:
-        assert PP == 2 and not (UNEVEN or DISTOPT), "vp: 2 stages, an even split, no distopt"
+        assert PP == 2 and not UNEVEN, "vp: 2 stages, an even split"
         VP, MICROBATCHES = 2, 2
     shim_cuda()
     dist.init_process_group("gloo")

@@ -926,16 +926,22 @@ def vp_runs(megatron_lm_runs, tmp_path_factory) -> dict[str, Path]:
     1``, 4 layers; 2 gloo ranks), trained through Megatron-core's interleaved schedule, each
     stage's file holding ``model0`` and ``model1``: fp32, untied (``"vp2"``); bf16 with
     fp32 masters, tied, so the last stage's last chunk holds a copy of the embedding
-    (``"vp2_tied"``)."""
+    (``"vp2_tied"``); as that with the distributed optimizer, buckets closing at 2100
+    elements (``"vp2_distopt"``: distrib_optim.pt holds a grad buffer a chunk, the first
+    stage's first bucketed, the others not)."""
     python = megatron_lm_runs["python"]
     out = {}
-    for name, extra in (("vp2", ()), ("vp2_tied", ("tied", "bf16"))):
+    for name, extra in (
+        ("vp2", ()),
+        ("vp2_tied", ("tied", "bf16")),
+        ("vp2_distopt", ("tied", "bf16", "distopt", "bucket=2100")),
+    ):
         folder = tmp_path_factory.mktemp(f"megatron_lm_{name}")
         out[name] = run_generator(python, "megatron_lm_run.py", folder, 2, "pp", "vp", *extra)
     return out
 
 
-@pytest.fixture(scope="module", params=["vp2", "vp2_tied"])
+@pytest.fixture(scope="module", params=["vp2", "vp2_tied", "vp2_distopt"])
 def vp_run(request, vp_runs) -> Path:
     return vp_runs[request.param]
 
@@ -1000,6 +1006,10 @@ def test_the_virtual_pipeline_fixture(vp_run, megatron_lm_runs):
             assert f"{chunk}.decoder.layers.1.input_layernorm.weight" not in ref["weights"]
     assert "model0.embedding.word_embeddings.weight" in refs[0]["weights"]
     assert "model1.output_layer.weight" in refs[1]["weights"]
+    if "distopt" in vp_run.name:  # distrib_optim.pt: a grad buffer a chunk
+        for stage in (0, 1):
+            state = torch.load(folder / STAGE.format(stage) / DISTRIB, weights_only=True)
+            assert set(state) == {"buckets_coalesced", 0, 1}
 
 
 @pytest.mark.parametrize("step", STEPS)

@@ -61,10 +61,26 @@ stage saves its own layers as its ``TransformerBlock``'s ``ModuleList`` numbers 
 the stage's offset, computed from the args as ``get_num_layers_to_build`` and
 ``get_transformer_layer_offset`` do (an even split, ``decoder_first/last_pipeline_num_layers``,
 ``account_for_embedding/loss_in_pipeline_split``), and each stage must hold exactly its
-count of layers; virtual stages, a custom layout and multi-token prediction are refused.
-Tied (``untie_embeddings_and_output_weights`` False), the last stage's ``output_layer.weight``
-is a copy of the first stage's word embeddings, marked ``shared``, which
-``get_main_grads_for_grad_norm`` skips: it is left out, with its optimizer state.
+count of layers; a custom layout (``pipeline_model_parallel_layout``) and multi-token
+prediction are refused. Tied (``untie_embeddings_and_output_weights`` False), the last
+stage's ``output_layer.weight`` is a copy of the first stage's word embeddings, marked
+``shared``, which ``get_main_grads_for_grad_norm`` skips: it is left out, with its
+optimizer state.
+
+A virtual (interleaved) pipeline (``virtual_pipeline_model_parallel_size`` V in the args):
+each stage builds V model chunks (``get_model``, a ``vp_stage`` each) and its file holds
+them as ``model0`` ... ``model{V-1}`` instead of ``model`` (``generate_state_dict``), each
+numbering its layers from 0; chunk v of every stage comes before chunk v + 1 of any (4
+layers, 2 stages, 2 chunks: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3), each
+chunk's offset and count computed as ``get_transformer_layer_offset`` and
+``get_num_layers_to_build`` do with a ``vp_stage``, and the chunks of all stages must hold
+every layer once. The file's one optimizer covers its chunks: ``_get_param_groups`` lists
+each group's parameters chunk by chunk, each chunk's in its model order, the order read
+here (each chunk's names under its key, ``model1.decoder.layers.0...``, until renamed by
+the global layer). With the distributed optimizer, ``distrib_optim.pt`` holds one grad
+buffer per chunk and dtype, chunk by chunk, only the first chunk's bucketed (``get_model``
+gives the others' DDP ``disable_bucketing``). A chunk missing or left over, a file with
+both ``model`` and chunks, or chunks the args do not say, is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -982,19 +998,21 @@ def _distributed(rank: _Rank) -> str | None:
     (step,) = steps
     buffers = _buffers(rank, file)
     order = {name: pid for pid, name in enumerate(rank.weights)}
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name in order:  # Megatron's DDP: one grad buffer per parameter dtype, model order
-        by_dtype.setdefault(rank.weights[name].dtype, []).append(name)
-    if [d for d, _ in buffers] != list(by_dtype):
+    by_buffer: dict[tuple[str, torch.dtype], list[str]] = {}
+    for name in order:  # Megatron's DDP: one grad buffer per chunk and dtype, model order
+        by_buffer.setdefault((_chunk_of(rank, name), rank.weights[name].dtype), []).append(name)
+    if [d for d, _ in buffers] != [d for _, d in by_buffer]:
+        chunks = f" of {len(rank.chunks)} model chunks" if len(rank.chunks) > 1 else ""
         raise InputError(
             f"{file}: holds grad buffers of {[str(d) for d, _ in buffers]}, the model's "
-            f"parameters are {[str(d) for d in by_dtype]}: gradclip cannot tell which "
-            "elements are whose"
+            f"parameters{chunks} are {[str(d) for _, d in by_buffer]}: gradclip cannot tell "
+            "which elements are whose"
         )
-    bucket = _bucket_size(rank, file)
     own = _own_bucket(rank)
     state: dict[int, dict] = {}
-    for (dtype, tensors), names in zip(buffers, by_dtype.values()):
+    for (dtype, tensors), ((chunk, _), names) in zip(buffers, by_buffer.items()):
+        # get_model's DDP buckets a virtual pipeline's first chunk only (disable_bucketing)
+        bucket = _bucket_size(rank, file) if chunk == rank.chunks[0] else None
         places = _places(names, rank.weights, bucket, own)
         _check_layout(file, dtype, tensors, places, rank.weights)
         for name, (start, end) in places.items():
@@ -1079,9 +1097,15 @@ def _own_bucket(rank: _Rank) -> set[str]:
         return set()
     if rank.args.get("untie_embeddings_and_output_weights") is not False:
         return set()
-    if rank.stage == 0:
-        return {"embedding.word_embeddings.weight"}
-    return {_COPY} if rank.stage == size - 1 else set()
+    if rank.stage == 0:  # in the first chunk
+        prefix = f"{rank.chunks[0]}." if len(rank.chunks) > 1 else ""
+        return {f"{prefix}embedding.word_embeddings.weight"}
+    return {_copy(rank)} if rank.stage == size - 1 else set()
+
+
+def _chunk_of(rank: _Rank, name: str) -> str:
+    """The key of the model chunk that holds ``name`` (``model`` without a virtual pipeline)."""
+    return name.partition(".")[0] if len(rank.chunks) > 1 else rank.chunks[0]
 
 
 def _places(
