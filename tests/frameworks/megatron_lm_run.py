@@ -6,7 +6,7 @@ tokenizer module imports it), from a Megatron-LM checkout at tag ``core_v0.16.1`
 
     MEGATRON_LM_PATH=/path/to/Megatron-LM \
         torchrun --nproc-per-node N tests/frameworks/megatron_lm_run.py OUT [tp] [pp] [dp2] \
-            [bf16] [tied] [distopt] [uneven]
+            [bf16] [tied] [distopt] [uneven] [vp]
 
 Megatron-LM's ``parse_args`` and ``validate_args`` read a command line (2 layers, hidden
 16, ``--ckpt-format torch``, ``--save OUT/run``); ``core_transformer_config_from_args``
@@ -26,7 +26,15 @@ stage): each stage builds its part (``pre_process``/``post_process`` as Megatron
 1F1B schedule (``get_forward_backward_func``: activations and their gradients sent between
 the stages over gloo), its ``finalize_model_grads`` (the tied embedding's gradients
 all-reduced between the first and last stages), then the optimizer's step. With both
-``tp`` and ``pp`` each stage has 2 tensor-parallel ranks (``mp_rank_0T_00S``). With ``dp2``
+``tp`` and ``pp`` each stage has 2 tensor-parallel ranks (``mp_rank_0T_00S``). With ``vp``
+and ``pp`` the pipeline is virtual (``--num-layers-per-virtual-pipeline-stage 1``: 4 layers,
+2 chunks of 1 layer on each of 2 stages): each stage builds one model chunk per virtual
+stage as Megatron-LM's ``get_model`` does (``vp_stage``, ``pre_process`` on the first
+stage's first chunk, ``post_process`` on the last stage's last chunk, each chunk in its own
+DDP, bucketing the first only), one optimizer over the chunks (``get_megatron_optimizer``),
+and a step is Megatron-core's interleaved schedule over 2 microbatches; ``save_checkpoint``
+writes the chunks as ``model0``, ``model1`` (and with ``distopt`` ``distrib_optim.pt`` one
+grad buffer a chunk). With ``dp2``
 the model-parallel ranks are half the ranks, twice over: 2 data-parallel replicas (each
 sees its own batch), of which the first writes. With ``distopt``, Megatron's distributed
 optimizer (``--use-distributed-optimizer``: ``distrib_optim.pt`` beside each file, buckets
@@ -58,7 +66,8 @@ the optimizer's own range map and put together: the first data-parallel rank sav
 fp32 masters with ``bf16``, and Megatron's own
 ``param_is_not_tensor_parallel_duplicate`` for each parameter (what ``get_grad_norm_fp32``
 counts, and with ``pp`` not ``shared``), and with ``pp`` each local layer's global number
-from Megatron's own ``layer_number``.
+from Megatron's own ``layer_number`` (with ``vp``, per chunk, and every name in the record
+under its chunk's key, ``model0.`` ...).
 """
 
 from __future__ import annotations
@@ -83,6 +92,8 @@ DISTOPT = False  # ``distopt``: Megatron's distributed optimizer, its state in d
 PP = 1  # ``pp``: every rank a pipeline stage (``mp_rank_00_00S``), 4 layers, 2 a stage
 UNEVEN = False  # ``uneven``: with ``pp``, 3 layers, 1 on the first stage (2 on the last)
 BUCKET = 3000  # ``bucket=N``: with ``distopt``, a grad-buffer bucket closes at N elements
+VP = None  # ``vp``: with ``pp``, 2 virtual stages (model chunks) of 1 layer on each stage
+MICROBATCHES = 1  # 2 with ``vp``: the interleaved schedule wants one a stage at least
 
 
 @contextlib.contextmanager
@@ -133,7 +144,8 @@ def command_line(out: Path, *, step: int | None = None) -> list[str]:
         *("--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN)),
         *("--num-attention-heads", str(HEADS), "--seq-length", str(SEQUENCE)),
         *("--max-position-embeddings", str(SEQUENCE), "--vocab-size", str(VOCAB)),
-        *("--micro-batch-size", "2", "--global-batch-size", str(2 * world // (TP * PP))),
+        *("--micro-batch-size", "2"),
+        *("--global-batch-size", str(2 * MICROBATCHES * world // (TP * PP))),
         *("--train-iters", str(STEPS), "--lr", "1e-2", "--min-lr", "1e-2"),
         *("--lr-decay-style", "constant", "--weight-decay", "0.1"),
         *("--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8"),
@@ -150,6 +162,8 @@ def command_line(out: Path, *, step: int | None = None) -> list[str]:
         line.append("--bf16")
     if UNEVEN:
         line += ["--decoder-first-pipeline-num-layers", "1"]
+    if VP:
+        line += ["--num-layers-per-virtual-pipeline-stage", "1"]
     if not TIED:
         line.append("--untie-embeddings-and-output-weights")
     if DISTOPT:  # three buckets of at least 3000 elements in the grad buffer
@@ -193,36 +207,47 @@ def megatron_args(out: Path, *, step: int | None = None):
     return args
 
 
-def build(args):
+def build(args) -> list:
+    """The model chunks of this rank: one, or with ``vp`` one per virtual stage, as
+    Megatron-LM's ``get_model`` builds them."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
     from megatron.core.transformer.module import Float16Module
     from megatron.training.arguments import core_transformer_config_from_args
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(TP, PP)
+        parallel_state.initialize_model_parallel(TP, PP, virtual_pipeline_model_parallel_size=VP)
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *_, **__: contextlib.nullcontext()
     config = core_transformer_config_from_args(args)
     torch.manual_seed(0)
     real_cuda = torch.Tensor.cuda
     # a tied last stage all-reduces its embedding copy from the first stage's (.cuda() first)
     torch.Tensor.cuda = lambda self, *_, **__: self
+    chunks = []
     try:
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=args.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            pre_process=parallel_state.is_pipeline_first_stage(),  # as model_provider does
-            post_process=parallel_state.is_pipeline_last_stage(),
-        )
+        for vp_stage in range(VP) if VP else [None]:
+            chunk = GPTModel(
+                config=config,
+                transformer_layer_spec=get_gpt_layer_local_spec(),
+                vocab_size=args.padded_vocab_size,
+                max_sequence_length=args.max_position_embeddings,
+                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                position_embedding_type=args.position_embedding_type,
+                # as get_model and model_provider set them
+                pre_process=parallel_state.is_pipeline_first_stage()
+                and is_vp_first_stage(vp_stage, VP),
+                post_process=parallel_state.is_pipeline_last_stage()
+                and is_vp_last_stage(vp_stage, VP),
+                vp_stage=vp_stage,
+            )
+            chunk.vp_stage = vp_stage
+            chunks.append(chunk)
     finally:
         torch.Tensor.cuda = real_cuda
     if BF16:
-        model = Float16Module(config, model)
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
     if DISTOPT or PP > 1:  # the distributed optimizer, and finalize_model_grads, work on DDP
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -232,11 +257,14 @@ def build(args):
             overlap_grad_reduce=args.overlap_grad_reduce,
             bucket_size=args.ddp_bucket_size,
         )
-        model = DistributedDataParallel(config, ddp, model)
-    return model
+        chunks = [
+            DistributedDataParallel(config, ddp, chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)
+        ]
+    return chunks
 
 
-def optimizer_for(args, model):
+def optimizer_for(args, chunks):
     from megatron.core.optimizer import (
         OptimizerConfig,
         _get_megatron_optimizer_based_on_param_groups,
@@ -261,11 +289,11 @@ def optimizer_for(args, model):
 
         config.use_distributed_optimizer = DISTOPT
         with cuda_tensors_on_cpu():
-            optimizer = get_megatron_optimizer(config, [model])
+            optimizer = get_megatron_optimizer(config, chunks)
     else:
         with cuda_tensors_on_cpu():
-            groups = _get_param_groups([model], config, None)
-            optimizer = _get_megatron_optimizer_based_on_param_groups(config, [model], groups)
+            groups = _get_param_groups(chunks, config, None)
+            optimizer = _get_megatron_optimizer_based_on_param_groups(config, chunks, groups)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr,
@@ -292,8 +320,8 @@ def train(out: Path) -> None:
     from megatron.training.checkpointing import save_checkpoint
 
     args = megatron_args(out)
-    model = build(args)
-    optimizer, scheduler = optimizer_for(args, model)
+    chunks = build(args)
+    optimizer, scheduler = optimizer_for(args, chunks)
     g = torch.Generator().manual_seed(1 + dist.get_rank() // TP)  # TP ranks: one batch
     if PP > 1:  # g: each stage sees the batch; the first reads its tokens, the last its labels
         g = torch.Generator().manual_seed(1)
@@ -302,10 +330,11 @@ def train(out: Path) -> None:
         position_ids = torch.arange(SEQUENCE).expand(2, SEQUENCE)
         causal = torch.ones(SEQUENCE, SEQUENCE, dtype=torch.bool).triu(1)[None, None]
         if PP > 1:
-            pipelined_step(args, model, optimizer, (tokens, position_ids, causal))
+            pipelined_step(args, chunks, optimizer, (tokens, position_ids, causal))
             scheduler.step(1)
-            save_checkpoint(iteration, [model], optimizer, scheduler, 0)
+            save_checkpoint(iteration, chunks, optimizer, scheduler, 0)
             continue
+        (model,) = chunks
         loss = model(tokens[:, :-1], position_ids, causal, labels=tokens[:, 1:]).float().mean()
         loss.backward()
         if DISTOPT:
@@ -323,10 +352,11 @@ def train(out: Path) -> None:
         save_checkpoint(iteration, [model], optimizer, scheduler, 0)
 
 
-def pipelined_step(args, model, optimizer, batch) -> None:
-    """One step through Megatron-core's own 1F1B schedule (activations and their gradients
-    sent between the stages over gloo), its ``finalize_model_grads`` (the DDP grad sync and,
-    tied, the first and last stages' embedding gradients all-reduced), then the optimizer."""
+def pipelined_step(args, chunks, optimizer, batch) -> None:
+    """One step through Megatron-core's own 1F1B schedule (interleaved over the chunks with
+    ``vp``; activations and their gradients sent between the stages over gloo), its
+    ``finalize_model_grads`` (the DDP grad sync and, tied, the first and last stages'
+    embedding gradients all-reduced), then the optimizer."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -337,22 +367,27 @@ def pipelined_step(args, model, optimizer, batch) -> None:
         output = model(tokens[:, :-1], position_ids, causal, labels=tokens[:, 1:])
         return output, lambda output: (output.float().mean(), {})
 
-    config = inner(model).config
+    config = inner(chunks[0]).config
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model.no_sync
+    if VP:  # as Megatron-LM's train does: one no_sync a chunk, one data iterator a chunk
+        config.no_sync_func = [chunk.no_sync for chunk in chunks]
+        data = [iter([None] * MICROBATCHES) for _ in chunks]
+    else:
+        config.no_sync_func, data = chunks[0].no_sync, iter([None] * MICROBATCHES)
     with cuda_tensors_on_cpu():
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter([None]),
-            model=[model],
-            num_microbatches=1,
+            data_iterator=data,
+            model=chunks,
+            num_microbatches=MICROBATCHES,
             seq_length=SEQUENCE,
             micro_batch_size=2,
             forward_only=False,
         )
         optimizer.step()
     optimizer.zero_grad()
-    model.zero_grad_buffer()
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
 
 
 def reference(out: Path) -> None:
@@ -370,10 +405,10 @@ def reference(out: Path) -> None:
             tracker.write_text(str(step))
         dist.barrier()
         args = megatron_args(out, step=step)
-        model = build(args)
-        optimizer, scheduler = optimizer_for(args, model)
+        chunks = build(args)
+        optimizer, scheduler = optimizer_for(args, chunks)
         with cuda_tensors_on_cpu(), without_per_parameter_step():
-            loaded = load_checkpoint([model], optimizer, scheduler, strict=True)
+            loaded = load_checkpoint(chunks, optimizer, scheduler, strict=True)
         assert loaded[0] == step, loaded
         if DISTOPT or PP > 1:  # get_megatron_optimizer chains one optimizer
             (optimizer,) = optimizer.chained_optimizers
@@ -388,7 +423,8 @@ def reference(out: Path) -> None:
                 for p, main in zip(model_group, main_group):
                     masters[id(p)] = main
         record: dict = {"step": step, "weights": {}, "state": {}, "hyper": {}, "counted": {}}
-        if DISTOPT:  # Megatron's own grad-buffer layout: buckets per buffer, padding
+        if DISTOPT and not VP:  # Megatron's own grad-buffer layout: buckets, padding
+            (model,) = chunks
             record["buckets"] = [len(b.buckets) for b in model.buffers]
             record["buffer_numel"] = [b.numel for b in model.buffers]
             (buffer,) = model.buffers
@@ -403,8 +439,15 @@ def reference(out: Path) -> None:
                 by_param[p]: (start - dropped[bucket], end - dropped[bucket])
                 for p, (start, end, bucket) in buffer.param_index_map.items()
             }
-        pieces = _distributed_pieces(model, optimizer, adam) if DISTOPT else {}
-        for name, p in inner(model).named_parameters():
+        # with vp, each chunk's names under its key in the file (model0, model1...)
+        keys = [f"model{i}." for i in range(VP)] if VP else [""]
+        named = [
+            (key + name, p)
+            for key, chunk in zip(keys, chunks)
+            for name, p in inner(chunk).named_parameters()
+        ]
+        pieces = _distributed_pieces(dict(named), optimizer, adam) if DISTOPT else {}
+        for name, p in named:
             held = masters.get(id(p), p)
             record["weights"][name] = p.detach().clone()
             if DISTOPT:  # the main (fp32) shards the data-parallel ranks step, put together
@@ -431,8 +474,8 @@ def reference(out: Path) -> None:
                 param_is_not_shared(p)  # a tied last stage's embedding copy: not counted
             )
         # each stage's layers under their global numbers, as Megatron's layers know them
-        layers = inner(model).decoder.layers
-        record["layer_numbers"] = [layer.layer_number - 1 for layer in layers]
+        numbers = [[layer.layer_number - 1 for layer in inner(c).decoder.layers] for c in chunks]
+        record["layer_numbers"] = numbers if VP else numbers[0]
         record["stage"] = parallel_state.get_pipeline_model_parallel_rank()
         record["data_parallel"] = parallel_state.get_data_parallel_world_size()
         if parallel_state.get_data_parallel_rank() == 0:  # one record a model-parallel rank
@@ -449,14 +492,15 @@ def _hyper(group: dict) -> dict:
     return {"lr": group["lr"], "betas": tuple(group["betas"]), "eps": group["eps"]}
 
 
-def _distributed_pieces(model, optimizer, adam) -> dict[str, list]:
-    """Every data-parallel rank's shard of each parameter, gathered over the data-parallel
-    group: ``{name: [(start, end, {"param", "exp_avg", "exp_avg_sq"}, hyper)]}``, each piece
-    placed within its parameter by Megatron's own range map (``_get_model_param_range_map``)
-    and read through its own ``_get_main_param_and_optimizer_states``."""
+def _distributed_pieces(named: dict, optimizer, adam) -> dict[str, list]:
+    """Every data-parallel rank's shard of each parameter (``named``: name -> parameter),
+    gathered over the data-parallel group: ``{name: [(start, end, {"param", "exp_avg",
+    "exp_avg_sq"}, hyper)]}``, each piece placed within its parameter by Megatron's own range
+    map (``_get_model_param_range_map``) and read through its own
+    ``_get_main_param_and_optimizer_states``."""
     from megatron.core import parallel_state
 
-    names = {p: n for n, p in inner(model).named_parameters()}
+    names = {p: n for n, p in named.items()}
     mine = {}
     for p, name in names.items():
         if p not in optimizer.model_param_gbuf_map:  # no element of p on this rank
@@ -502,6 +546,9 @@ if __name__ == "__main__":
     UNEVEN = "uneven" in flags
     BUCKET = next((int(f[len("bucket=") :]) for f in flags if f.startswith("bucket=")), BUCKET)
     LAYERS = (3 if UNEVEN else 4) if PP > 1 else LAYERS
+    if "vp" in flags:
+        assert PP == 2 and not UNEVEN, "vp: 2 stages, an even split"
+        VP, MICROBATCHES = 2, 2
     shim_cuda()
     dist.init_process_group("gloo")
     try:

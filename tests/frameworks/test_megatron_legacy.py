@@ -21,6 +21,7 @@ Needs ``MEGATRON_LM_PATH`` (a Megatron-LM checkout at tag core_v0.16.1); skipped
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -677,20 +678,27 @@ def test_stages_that_disagree_on_the_pipeline_size(gradclip, pp_save, megatron_l
 @pytest.mark.parametrize(
     ("change", "words"),
     [
-        ("a.virtual_pipeline_model_parallel_size = 2", ("virtual_pipeline_model_parallel_size",)),
+        (
+            "a.virtual_pipeline_model_parallel_size = 2",
+            ("holds one model", "virtual_pipeline_model_parallel_size 2"),
+        ),
         ("a.decoder_first_pipeline_num_layers = 1", ("decoder layers [0, 1]", "1 layer(s)")),
         ("a.num_layers = 5", ("5 layers do not split evenly",)),
         ("del a.untie_embeddings_and_output_weights", ("untie_embeddings_and_output_weights",)),
         (
             "sd['model0'] = sd.pop('model'); sd['model1'] = dict(sd['model0'])",
-            ("2 virtual pipeline chunks (model0, model1)",),
+            (
+                "2 virtual pipeline chunk(s) (model0, model1)",
+                "args set no virtual_pipeline_model_parallel_size",
+            ),
         ),
     ],
 )
 def test_a_split_the_args_do_not_decide(gradclip, pp_save, megatron_lm_runs, change, words):
-    """Virtual stages (in the args, or as Megatron saves them: model0, model1...), an uneven
-    split the files do not hold, a layer count the stages cannot share, no word on tying:
-    refused, naming the file, never guessed."""
+    """Virtual stages the files and args disagree on (the args say 2 a stage, the file holds
+    one model; the file holds model0 and model1, the args say none), an uneven split the
+    files do not hold, a layer count the stages cannot share, no word on tying: refused,
+    naming the file, never guessed."""
     for stage in (0, 1):
         _rewrite_args(megatron_lm_runs, _stage_file(pp_save, stage), change)
     one_line_exit_3(gradclip("inspect", pp_save), "mp_rank_00_00", *words)
@@ -905,3 +913,213 @@ def test_ranks_that_disagree_on_the_tensor_parallel_size(gradclip, tp_pp_save, m
         "a.tensor_model_parallel_size = 4",
     )
     one_line_exit_3(gradclip("inspect", tp_pp_save), "mp_rank_01_001", "4 tensor-")
+
+
+# --------------------------------------------------------------------- virtual pipeline
+
+VP_LAYERS = [[[0], [2]], [[1], [3]]]  # each stage's chunks' layers, as Megatron numbers them
+
+
+@pytest.fixture(scope="module")
+def vp_runs(megatron_lm_runs, tmp_path_factory) -> dict[str, Path]:
+    """2 pipeline stages of 2 virtual stages each (``--num-layers-per-virtual-pipeline-stage
+    1``, 4 layers; 2 gloo ranks), trained through Megatron-core's interleaved schedule, each
+    stage's file holding ``model0`` and ``model1``: fp32, untied (``"vp2"``); bf16 with
+    fp32 masters, tied, so the last stage's last chunk holds a copy of the embedding
+    (``"vp2_tied"``); as that with the distributed optimizer, buckets closing at 2100
+    elements (``"vp2_distopt"``: distrib_optim.pt holds a grad buffer a chunk, the first
+    stage's first bucketed, the others not)."""
+    python = megatron_lm_runs["python"]
+    out = {}
+    for name, extra in (
+        ("vp2", ()),
+        ("vp2_tied", ("tied", "bf16")),
+        ("vp2_distopt", ("tied", "bf16", "distopt", "bucket=2100")),
+    ):
+        folder = tmp_path_factory.mktemp(f"megatron_lm_{name}")
+        out[name] = run_generator(python, "megatron_lm_run.py", folder, 2, "pp", "vp", *extra)
+    return out
+
+
+@pytest.fixture(scope="module", params=["vp2", "vp2_tied", "vp2_distopt"])
+def vp_run(request, vp_runs) -> Path:
+    return vp_runs[request.param]
+
+
+def _chunked(ref: dict) -> dict:
+    """A virtual pipeline stage's reference under global names: each chunk's entries
+    (``model<i>.<name>``, the chunk's key in the file) renamed, ``decoder.layers.j`` by the
+    chunk's own layers' ``layer_number`` (``layer_numbers[i][j]``)."""
+
+    def name(qualified: str) -> str:
+        key, _, local = qualified.partition(".")
+        numbers = ref["layer_numbers"][int(key[len("model") :])]
+        head, _, rest = local.partition("decoder.layers.")
+        if head or not rest:
+            return local
+        index, _, tail = rest.partition(".")
+        return f"decoder.layers.{numbers[int(index)]}.{tail}"
+
+    out = dict(ref)
+    for key in ("weights", "masters", "state", "hyper", "counted"):
+        if key in ref:
+            renamed = {name(n): v for n, v in ref[key].items()}
+            assert len(renamed) == len(ref[key])  # no two chunks' entries under one name
+            out[key] = renamed
+    return out
+
+
+def _chunk_refs(run: Path, step: int) -> list[dict]:
+    refs = [_chunked(ref) for ref in _references(run, step)]
+    assert [ref["stage"] for ref in refs] == [0, 1]
+    return refs
+
+
+def _keys(megatron_lm_runs, file: Path) -> list[str]:
+    """The top-level keys of a real stage file, read with Megatron's own classes."""
+    code = (
+        "import json, sys, torch; sys.path.insert(0, sys.argv[2]); "
+        "print(json.dumps(sorted(torch.load(sys.argv[1], weights_only=False))))"
+    )
+    done = subprocess.run(
+        [megatron_lm_runs["python"], "-c", code, str(file), os.environ["MEGATRON_LM_PATH"]],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def test_the_virtual_pipeline_fixture(vp_run, megatron_lm_runs):
+    """Megatron's own files: one folder a stage, each holding model0 and model1 (no model),
+    each chunk numbering its layer from 0, while Megatron's layer objects know stage 0's
+    chunks as layers 0 and 2 and stage 1's as 1 and 3."""
+    folder = vp_run / "run" / "iter_0000003"
+    assert sorted(p.name for p in folder.iterdir()) == [STAGE.format(0), STAGE.format(1)]
+    refs = _references(vp_run, 3)
+    assert [r["layer_numbers"] for r in refs] == VP_LAYERS
+    for stage, ref in enumerate(refs):
+        keys = _keys(megatron_lm_runs, folder / STAGE.format(stage) / FILE)
+        assert {"model0", "model1"} <= set(keys) and "model" not in keys
+        for chunk in ("model0", "model1"):
+            assert f"{chunk}.decoder.layers.0.input_layernorm.weight" in ref["weights"]
+            assert f"{chunk}.decoder.layers.1.input_layernorm.weight" not in ref["weights"]
+    assert "model0.embedding.word_embeddings.weight" in refs[0]["weights"]
+    assert "model1.output_layer.weight" in refs[1]["weights"]
+    if "distopt" in vp_run.name:  # distrib_optim.pt: a grad buffer a chunk
+        for stage in (0, 1):
+            state = torch.load(folder / STAGE.format(stage) / DISTRIB, weights_only=True)
+            assert set(state) == {"buckets_coalesced", 0, 1}
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", [*QUANTITIES, "weights"])
+def test_every_quantity_of_the_virtual_pipeline(gradclip, vp_run, step, what):
+    """Every quantity, tensor and layer of the interleaved stages against Megatron's own
+    load: the optimizer state mapped over the chunks in its param groups' order."""
+    refs = _chunk_refs(vp_run, step)
+    _inspected_as_loaded(gradclip, vp_run, step, what, refs, layers=(0, 1, 2, 3))
+
+
+def test_the_virtual_pipeline_report_says_what_it_holds(gradclip, vp_runs):
+    for name, tied in (("vp2", False), ("vp2_tied", True)):
+        result = gradclip("inspect", vp_runs[name] / "run", "--format", "json")
+        assert result.code == 0, result.err
+        doc = result.json()
+        said = " ".join(doc["description"])
+        assert (
+            "decoder layers 0 (model0), 2 (model1) in mp_rank_00_000; "
+            "1 (model0), 3 (model1) in mp_rank_00_001: each virtual pipeline chunk" in said
+        )
+        assert "virtual_pipeline_model_parallel_size 2" in said
+        assert ("(tied): not counted" in said) is tied
+        assert ("output_layer.weight" in {t["name"] for t in doc["tensors"]}) is not tied
+        assert [g["name"] for g in doc["groups"] if g["name"].startswith("decoder.layers.")] == [
+            f"decoder.layers.{n}" for n in range(4)
+        ]
+
+
+@pytest.mark.parametrize("what", [*QUANTITIES, "weights"])
+def test_one_virtual_pipeline_stage_alone(gradclip, vp_runs, what):
+    """The last stage's folder alone: its chunks' layers under their global numbers (1 and
+    3), the tied copy in its last chunk left out."""
+    run = vp_runs["vp2_tied"]
+    expected = _expected([_chunk_refs(run, 3)[1]], what)
+    del expected["output_layer.weight"]  # the tied copy, which Megatron's norm skips
+    _folder_alone(
+        gradclip,
+        run / "run" / "iter_0000003" / STAGE.format(1),
+        what,
+        expected,
+        {"decoder.layers.1", "decoder.layers.3"},
+    )
+
+
+def test_trend_over_the_virtual_pipeline_save_folder(gradclip, vp_runs):
+    for point, expected in _trended(gradclip, vp_runs["vp2"], "update", _chunk_refs):
+        layer = norm(v for n, v in expected.items() if n.startswith("decoder.layers.2."))
+        assert rel_err(point["groups"]["decoder.layers.2"], layer) <= TOL
+
+
+def test_other_args_that_give_the_same_virtual_split(gradclip, vp_runs, megatron_lm_runs, tmp_path):
+    """2 layers on the first stage said as an uneven first stage (Megatron-core's other
+    offset rule, which ``--num-virtual-stages-per-pipeline-rank`` allows): the same chunks,
+    the same report."""
+    save = tmp_path / "save"
+    shutil.copytree(vp_runs["vp2"] / "run", save)
+    for stage in (0, 1):
+        _rewrite_args(
+            megatron_lm_runs, _stage_file(save, stage), "a.decoder_first_pipeline_num_layers = 2"
+        )
+    before = gradclip("inspect", vp_runs["vp2"] / "run", "--format", "json")
+    after = gradclip("inspect", save, "--format", "json")
+    assert after.code == 0, after.err
+    assert after.json()["groups"] == before.json()["groups"]
+    assert after.json()["total_norm"] == before.json()["total_norm"]
+
+
+_FC1 = "sd['model1']['decoder.layers.0.mlp.linear_fc1.weight']"
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ("del sd['model1']", ("1 virtual pipeline chunk(s) (model0)", "incomplete")),
+        ("sd['model'] = sd['model0']", ("both a model and 2 virtual pipeline chunk(s)",)),
+        (f"{_FC1} = {_FC1}[:-1].clone()", ("cannot map optimizer state",)),
+        (
+            "sd['model1']['decoder.layers.1.input_layernorm.weight'] = "
+            "sd['model1']['decoder.layers.0.input_layernorm.weight']",
+            ("decoder layers [0, 1] in model1", "pipeline stage 1's chunk model1 1 layer(s)"),
+        ),
+    ],
+)
+def test_a_damaged_virtual_pipeline_stage(
+    gradclip, vp_runs, megatron_lm_runs, tmp_path, change, words
+):
+    """The last stage's file changed with Megatron's own classes: a chunk missing, a model
+    beside the chunks, a model1 tensor of another shape than its optimizer state, a chunk
+    holding a layer too many: refused, one line naming it."""
+    save = tmp_path / "save"
+    shutil.copytree(vp_runs["vp2"] / "run", save)
+    _rewrite_args(megatron_lm_runs, _stage_file(save, 1), change)
+    one_line_exit_3(gradclip("inspect", save, "--what", "weights"), "mp_rank_00_001", *words)
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ("a.virtual_pipeline_model_parallel_size = 4", ("size 4", "incomplete")),
+        ("a.num_layers = 6", ("3 layers do not split into 2 chunks",)),
+    ],
+)
+def test_virtual_pipeline_args_the_files_do_not_fit(
+    gradclip, vp_runs, megatron_lm_runs, tmp_path, change, words
+):
+    """Both stages' args changed: 4 chunks a stage where the files hold 2, 6 layers that 2
+    stages of 2 chunks cannot share: refused, naming the first stage's file."""
+    save = tmp_path / "save"
+    shutil.copytree(vp_runs["vp2"] / "run", save)
+    for stage in (0, 1):
+        _rewrite_args(megatron_lm_runs, _stage_file(save, stage), change)
+    one_line_exit_3(gradclip("inspect", save, "--what", "weights"), "mp_rank_00_000", *words)

@@ -61,10 +61,26 @@ stage saves its own layers as its ``TransformerBlock``'s ``ModuleList`` numbers 
 the stage's offset, computed from the args as ``get_num_layers_to_build`` and
 ``get_transformer_layer_offset`` do (an even split, ``decoder_first/last_pipeline_num_layers``,
 ``account_for_embedding/loss_in_pipeline_split``), and each stage must hold exactly its
-count of layers; virtual stages, a custom layout and multi-token prediction are refused.
-Tied (``untie_embeddings_and_output_weights`` False), the last stage's ``output_layer.weight``
-is a copy of the first stage's word embeddings, marked ``shared``, which
-``get_main_grads_for_grad_norm`` skips: it is left out, with its optimizer state.
+count of layers; a custom layout (``pipeline_model_parallel_layout``) and multi-token
+prediction are refused. Tied (``untie_embeddings_and_output_weights`` False), the last
+stage's ``output_layer.weight`` is a copy of the first stage's word embeddings, marked
+``shared``, which ``get_main_grads_for_grad_norm`` skips: it is left out, with its
+optimizer state.
+
+A virtual (interleaved) pipeline (``virtual_pipeline_model_parallel_size`` V in the args):
+each stage builds V model chunks (``get_model``, a ``vp_stage`` each) and its file holds
+them as ``model0`` ... ``model{V-1}`` instead of ``model`` (``generate_state_dict``), each
+numbering its layers from 0; chunk v of every stage comes before chunk v + 1 of any (4
+layers, 2 stages, 2 chunks: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3), each
+chunk's offset and count computed as ``get_transformer_layer_offset`` and
+``get_num_layers_to_build`` do with a ``vp_stage``, and the chunks of all stages must hold
+every layer once. The file's one optimizer covers its chunks: ``_get_param_groups`` lists
+each group's parameters chunk by chunk, each chunk's in its model order, the order read
+here (each chunk's names under its key, ``model1.decoder.layers.0...``, until renamed by
+the global layer). With the distributed optimizer, ``distrib_optim.pt`` holds one grad
+buffer per chunk and dtype, chunk by chunk, only the first chunk's bucketed (``get_model``
+gives the others' DDP ``disable_bucketing``). A chunk missing or left over, a file with
+both ``model`` and chunks, or chunks the args do not say, is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -72,6 +88,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from math import inf
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +204,7 @@ def open_iteration(
             if g in weights:
                 raise InputError(
                     f"{ranks[0].file}: holds {visible(g)}, which an earlier pipeline stage "
-                    "holds too: the stages are not one model"
+                    "or chunk holds too: the stages are not one model"
                 )
             names.append(g)
             kinds[g] = local_kinds[n]
@@ -195,6 +212,9 @@ def open_iteration(
                 g, [(r.masters if masters else r.weights)[n] for r in ranks], local_kinds[n], files
             )
         parts.append((optimizer, note, {n: rename.get(n, n) for n in local if n not in copies}))
+    if layers:  # the model's order: an interleaved pipeline's stages hold its layers apart
+        names = _by_layer(names)
+        weights = {n: weights[n] for n in names}
     optimizer, note = _stages_optimizer(parts, names) if layers else parts[0][:2]
     contents = Contents(
         path=path,
@@ -301,23 +321,28 @@ class _Rank:
         self.weights: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
         self.skipped: list[str] = []
-        model = root.get("model")
-        if not isinstance(model, Mapping):
-            chunks = sorted(k for k in root if isinstance(k, str) and re.fullmatch(r"model\d+", k))
-            why = (
-                (
-                    f"holds {len(chunks)} virtual pipeline chunks ({', '.join(chunks)}); "
-                    "gradclip reads one model"
-                )
-                if chunks
-                else "holds no 'model' state dict"
-            )
-            raise InputError(f"{file}: {why}")
+        self.chunks = _chunks(root, self.args, file)
+        for key in self.chunks:
+            self._read_model(key, root[key])
+        self.masters: dict[str, torch.Tensor] = {}
+        self.optimizer: OptimizerState | None = None
+        self.names: dict[int, str] = {}
+        self.distributed = False
+        self.reading: dict[str, bool] = {"trust_pickle": False, "verify": False}
+        self.stage: int | None = None  # the pipeline stage of an mp_rank_XX_YYY folder
+        self.tensor_rank: int | None = None
+
+    def _read_model(self, key: str, model: Mapping) -> None:
+        """One model's (one chunk's) tensors, a chunk's names under its key (``model1.``...),
+        in its order: the order Megatron's optimizer lists them in, chunk by chunk."""
+        file = self.file
+        prefix = f"{key}." if len(self.chunks) > 1 else ""
         for name, value in model.items():
             if not isinstance(name, str):
                 raise InputError(
-                    f"{file}: its model is keyed by {visible(repr(name))[:40]}, not by names"
+                    f"{file}: its {key} is keyed by {visible(repr(name))[:40]}, not by names"
                 )
+            name = prefix + name
             if name.endswith(_EXTRA):
                 self.skipped.append(name)  # Transformer Engine's state (None without it)
             elif isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
@@ -329,13 +354,47 @@ class _Rank:
                     f"{file}: its model entry {visible(name)} is a "
                     f"{type(value).__name__}, not a tensor"
                 )
-        self.masters: dict[str, torch.Tensor] = {}
-        self.optimizer: OptimizerState | None = None
-        self.names: dict[int, str] = {}
-        self.distributed = False
-        self.reading: dict[str, bool] = {"trust_pickle": False, "verify": False}
-        self.stage: int | None = None  # the pipeline stage of an mp_rank_XX_YYY folder
-        self.tensor_rank: int | None = None
+
+
+def _chunks(root: Mapping, args: Mapping, file: Path) -> list[str]:
+    """The keys of the file's models: ``model``, or with a virtual pipeline one a chunk,
+    ``model0``, ``model1``... (``generate_state_dict``), as many as the args'
+    ``virtual_pipeline_model_parallel_size``; else refused, naming the file."""
+    found = sorted(
+        (k for k in root if isinstance(k, str) and re.fullmatch(r"model\d+", k)),
+        key=lambda k: int(k[len("model") :]),
+    )
+    virtual = args.get("virtual_pipeline_model_parallel_size")
+    if "model" in root and not found and virtual is None:
+        if not isinstance(root["model"], Mapping):
+            raise InputError(f"{file}: its model is not a state dict")
+        return ["model"]
+    if not found and "model" not in root:
+        raise InputError(f"{file}: holds no 'model' state dict")
+    held = (
+        f"{len(found)} virtual pipeline chunk(s) ({', '.join(found)})"
+        if found
+        else "one model, no virtual pipeline chunks (model0, model1...)"
+    )
+    if "model" in root and found:
+        raise InputError(f"{file}: holds both a model and {held}: gradclip cannot tell which")
+    if virtual is None:
+        raise InputError(
+            f"{file}: holds {held}, but its args set no virtual_pipeline_model_parallel_size"
+        )
+    if (
+        not isinstance(virtual, int)
+        or isinstance(virtual, bool)
+        or found != [f"model{i}" for i in range(virtual)]
+    ):
+        raise InputError(
+            f"{file}: holds {held}, but its args set virtual_pipeline_model_parallel_size "
+            f"{visible(repr(virtual))[:40]}" + (": the chunks are incomplete" if found else "")
+        )
+    bad = next((k for k in found if not isinstance(root[k], Mapping)), None)
+    if bad is not None:
+        raise InputError(f"{file}: its {bad} is not a state dict")
+    return found
 
 
 def _read_stages(
@@ -460,9 +519,10 @@ _COPY = "output_layer.weight"  # a tied last stage's copy of embedding.word_embe
 
 
 def _pipeline(stages: list[list[_Rank]]) -> dict:
-    """Each stage's first global layer and layer count, and whether the last stage's
-    output layer is the first stage's embedding (tied), from the args, as Megatron-core
-    builds them (core_v0.16.1 ``get_num_layers_to_build``, ``get_transformer_layer_offset``,
+    """Each stage's layers, ``(first global layer, count)`` per model chunk (one, or one per
+    virtual stage), and whether the last stage's output layer is the first stage's
+    embedding (tied), from the args, as Megatron-core builds them (core_v0.16.1
+    ``get_num_layers_to_build``, ``get_transformer_layer_offset``,
     ``LanguageModule.setup_embeddings_and_output_layer``); what they do not decide exactly
     is refused, naming the file."""
     rank = stages[0][0]
@@ -477,9 +537,12 @@ def _pipeline(stages: list[list[_Rank]]) -> dict:
     layers = args.get("num_layers")
     if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
         raise refuse("its args give no num_layers")
-    for key in ("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout"):
-        if args.get(key) is not None:
-            raise refuse(f"its args set {key} {visible(repr(args[key]))[:40]} (virtual stages)")
+    layout = args.get("pipeline_model_parallel_layout")
+    if layout is not None:
+        raise refuse(
+            f"its args set pipeline_model_parallel_layout {visible(repr(layout))[:40]} "
+            "(a custom layout)"
+        )
     for key in ("mtp_num_layers", "standalone_embedding_stage"):
         if args.get(key):
             raise refuse(f"its args set {key} {visible(repr(args[key]))[:40]}")
@@ -499,68 +562,169 @@ def _pipeline(stages: list[list[_Rank]]) -> dict:
             counts[0] = first
         if last is not None:
             counts[-1] = last
+        built = list(counts)  # each stage's layers before its chunks take their share
     else:
         total = layers + embedding + loss
         if total % size:
             raise refuse(f"{total} layers do not split evenly over {size} stages")
-        counts = [total // size] * size
+        built = [total // size] * size
+        counts = list(built)
         counts[0] -= embedding
         counts[-1] -= loss
     if sum(counts) != layers or min(counts) < 0:
         raise refuse(f"its args' stages hold {counts} layers, not num_layers {layers}")
+    virtual = len(rank.chunks)  # the args' virtual_pipeline_model_parallel_size (_chunks)
+    if virtual == 1:
+        spans = [[(sum(counts[:s]), counts[s])] for s in range(size)]
+    else:
+        spans = _virtual_spans(args, size, virtual, built, refuse)
+    numbers = sorted(n for stage in spans for o, count in stage for n in range(o, o + count))
+    if numbers != list(range(layers)):  # every layer built once, by one chunk of one stage
+        raise refuse(
+            f"its args' stages and {virtual} virtual stages hold layers {numbers}, not each "
+            f"of num_layers {layers} once"
+        )
     untie = args.get("untie_embeddings_and_output_weights")
     if not isinstance(untie, bool):
         raise InputError(
             f"{rank.file}: its args do not say untie_embeddings_and_output_weights: gradclip "
             f"cannot tell whether the last stage's {_COPY} is the embedding's copy"
         )
-    offsets = [sum(counts[:s]) for s in range(size)]
-    for ranks in stages:  # each stage holds exactly the layers its args give it
-        held = {int(m.group(1)) for n in ranks[0].weights if (m := _LAYER.fullmatch(n))}
+    for ranks in stages:  # each chunk of each stage holds exactly the layers its args give it
         stage = ranks[0].stage
-        if held != set(range(counts[stage])):
-            raise InputError(
-                f"{ranks[0].file}: holds decoder layers {sorted(held)}, but its args give "
-                f"pipeline stage {stage} {counts[stage]} layer(s) of {layers}: gradclip "
-                "cannot tell which global layer each stage holds"
-            )
-        if not untie and stage == size - 1 and _COPY not in ranks[0].weights:
+        for key, (_, count) in zip(ranks[0].chunks, spans[stage]):
+            held = _held_layers(ranks[0], key)
+            if held != set(range(count)):
+                where, chunk = (f" in {key}", f"'s chunk {key}") if virtual > 1 else ("", "")
+                raise InputError(
+                    f"{ranks[0].file}: holds decoder layers {sorted(held)}{where}, but its args "
+                    f"give pipeline stage {stage}{chunk} {count} layer(s) of {layers}: "
+                    "gradclip cannot tell which global layer each stage holds"
+                )
+        if not untie and stage == size - 1 and _copy(ranks[0]) not in ranks[0].weights:
             raise InputError(
                 f"{ranks[0].file}: its args say the output layer is tied to the embedding, "
-                f"but the last stage holds no {_COPY}"
+                f"but the last stage holds no {_copy(ranks[0])}"
             )
-    return {"offsets": offsets, "counts": counts, "tied": not untie, "size": size}
+    return {"spans": spans, "tied": not untie, "size": size}
+
+
+def _virtual_spans(args: Mapping, size: int, virtual: int, built: list[int], refuse) -> list:
+    """``[[(first global layer, count) per chunk] per stage]`` of an interleaved pipeline:
+    each stage's layers in ``virtual`` chunks, chunk ``v`` of every stage before chunk
+    ``v + 1`` of any (with 4 layers, 2 stages and 2 chunks of 1 layer: stage 0 holds layers
+    0 and 2, stage 1 layers 1 and 3), as core_v0.16.1's ``get_num_layers_to_build`` and
+    ``get_transformer_layer_offset`` compute them with a ``vp_stage``."""
+    layers = args["num_layers"]
+    first = args.get("decoder_first_pipeline_num_layers")
+    last = args.get("decoder_last_pipeline_num_layers")
+    embedding = bool(args.get("account_for_embedding_in_pipeline_split"))
+    loss = bool(args.get("account_for_loss_in_pipeline_split"))
+    bad = next((s for s in range(size) if built[s] % virtual), None)
+    if bad is not None:
+        raise refuse(f"stage {bad}'s {built[bad]} layers do not split into {virtual} chunks")
+    spans = []
+    for stage in range(size):
+        chunks = []
+        for v in range(virtual):
+            count = built[stage] // virtual
+            count -= embedding and stage == 0 and v == 0
+            count -= loss and stage == size - 1 and v == virtual - 1
+            if first is not None or last is not None:  # an uneven first or last stage
+                first_chunk = (first or 0) // virtual
+                middle = size - (first is not None) - (last is not None)
+                middle_chunk = (layers - (first or 0) - (last or 0)) // virtual
+                every = first_chunk + middle_chunk + (last or 0) // virtual
+                if stage == 0:
+                    offset = v * every
+                elif middle == 0:  # Megatron-core divides by the middle stages here
+                    raise refuse("its args set an uneven first and last stage, no middle one")
+                else:
+                    rank = stage if first is None else stage - 1
+                    offset = v * every + first_chunk + rank * (middle_chunk // middle)
+            else:
+                total = layers + embedding + loss
+                offset = v * (total // virtual) + stage * (built[stage] // virtual)
+                offset -= embedding and not (stage == 0 and v == 0)
+            if count < 0:
+                raise refuse(f"stage {stage}'s virtual stage {v} holds {count} layers")
+            chunks.append((offset, count))
+        spans.append(chunks)
+    return spans
+
+
+def _held_layers(rank: _Rank, key: str) -> set[int]:
+    """The local numbers of the decoder layers in one model chunk of ``rank``."""
+    prefix = f"{key}." if len(rank.chunks) > 1 else ""
+    return {
+        int(m.group(1))
+        for n in rank.weights
+        if n.startswith(prefix) and (m := _LAYER.fullmatch(n[len(prefix) :]))
+    }
+
+
+def _copy(rank: _Rank) -> str:
+    """The name a tied last stage's copy of the embedding has here: its last chunk's."""
+    return f"{rank.chunks[-1]}.{_COPY}" if len(rank.chunks) > 1 else _COPY
 
 
 def _global_names(rank: _Rank, local: list[str], layers: dict) -> tuple[dict, list[str]]:
-    """``decoder.layers.N`` of a stage renamed by its global layer (each stage numbers its
-    own from 0: a ``state_dict`` of its ``TransformerBlock``'s ``ModuleList``), and the
-    names that are the tied embedding's copy (a tied last stage's output layer, which
-    Megatron's grad norm skips as ``shared``)."""
-    offset = layers["offsets"][rank.stage]
+    """``decoder.layers.N`` of a stage's chunk renamed by its global layer (each chunk
+    numbers its own from 0: a ``state_dict`` of its ``TransformerBlock``'s ``ModuleList``),
+    a chunk's other names without its key, and the names that are the tied embedding's copy
+    (a tied last stage's output layer, which Megatron's grad norm skips as ``shared``)."""
+    spans = layers["spans"][rank.stage]
+    keyed = len(rank.chunks) > 1
     rename = {}
     for name in local:
-        match = _LAYER.fullmatch(name)
+        chunk, plain = 0, name
+        if keyed:  # model1.decoder.layers.0...: _Rank put each chunk's names under its key
+            key, _, plain = name.partition(".")
+            chunk = rank.chunks.index(key)
+        match = _LAYER.fullmatch(plain)
         if match:
-            rename[name] = f"decoder.layers.{offset + int(match.group(1))}.{match.group(2)}"
-        elif _ANY_LAYER.search(name):
+            number = spans[chunk][0] + int(match.group(1))
+            rename[name] = f"decoder.layers.{number}.{match.group(2)}"
+        elif _ANY_LAYER.search(plain):
             raise InputError(
                 f"{rank.file}: {visible(name)} is a layer outside decoder.layers: gradclip "
                 "cannot tell which global layer it is"
             )
+        elif keyed:
+            rename[name] = plain
     last = rank.stage == layers["size"] - 1
-    copies = [_COPY] if layers["tied"] and last and _COPY in local else []
+    copies = [_copy(rank)] if layers["tied"] and last and _copy(rank) in local else []
     return rename, copies
 
 
+def _by_layer(names: list[str]) -> list[str]:
+    """The stages' names with the decoder layers by global number, what comes before the
+    first (the embeddings) first and what comes after them (the final norm, the output
+    layer) last, each otherwise in its stage's order."""
+    numbers = [int(m.group(1)) if (m := _LAYER.fullmatch(n)) else None for n in names]
+    start = next((i for i, n in enumerate(numbers) if n is not None), len(names))
+    keys = [n if n is not None else -1 if i < start else inf for i, n in enumerate(numbers)]
+    return [name for _, name in sorted(zip(keys, names), key=lambda pair: pair[0])]
+
+
 def _pipeline_line(stages: list[list[_Rank]], layers: dict, tied: list[str]) -> str:
-    held = ", ".join(
-        f"{_span(layers['offsets'][r[0].stage], layers['counts'][r[0].stage])} in "
-        f"{r[0].file.parent.name}"
+    virtual = len(stages[0][0].chunks) > 1
+    held = ("; " if virtual else ", ").join(
+        ", ".join(
+            _span(offset, count) + (f" ({key})" if virtual else "")
+            for key, (offset, count) in zip(r[0].chunks, layers["spans"][r[0].stage])
+        )
+        + f" in {r[0].file.parent.name}"
         for r in stages
     )
     line = (
-        f"decoder layers {held}: each stage numbers its own from 0, named here by the "
+        (
+            f"decoder layers {held}: each virtual pipeline chunk numbers its own from 0, "
+            "named here by the global layer (the args' num_layers, pipeline split and "
+            f"virtual_pipeline_model_parallel_size {len(stages[0][0].chunks)})"
+        )
+        if virtual
+        else f"decoder layers {held}: each stage numbers its own from 0, named here by the "
         "global layer (the args' num_layers and pipeline split)"
     )
     if tied:
@@ -834,19 +998,21 @@ def _distributed(rank: _Rank) -> str | None:
     (step,) = steps
     buffers = _buffers(rank, file)
     order = {name: pid for pid, name in enumerate(rank.weights)}
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name in order:  # Megatron's DDP: one grad buffer per parameter dtype, model order
-        by_dtype.setdefault(rank.weights[name].dtype, []).append(name)
-    if [d for d, _ in buffers] != list(by_dtype):
+    by_buffer: dict[tuple[str, torch.dtype], list[str]] = {}
+    for name in order:  # Megatron's DDP: one grad buffer per chunk and dtype, model order
+        by_buffer.setdefault((_chunk_of(rank, name), rank.weights[name].dtype), []).append(name)
+    if [d for d, _ in buffers] != [d for _, d in by_buffer]:
+        chunks = f" of {len(rank.chunks)} model chunks" if len(rank.chunks) > 1 else ""
         raise InputError(
             f"{file}: holds grad buffers of {[str(d) for d, _ in buffers]}, the model's "
-            f"parameters are {[str(d) for d in by_dtype]}: gradclip cannot tell which "
-            "elements are whose"
+            f"parameters{chunks} are {[str(d) for _, d in by_buffer]}: gradclip cannot tell "
+            "which elements are whose"
         )
-    bucket = _bucket_size(rank, file)
     own = _own_bucket(rank)
     state: dict[int, dict] = {}
-    for (dtype, tensors), names in zip(buffers, by_dtype.values()):
+    for (dtype, tensors), ((chunk, _), names) in zip(buffers, by_buffer.items()):
+        # get_model's DDP buckets a virtual pipeline's first chunk only (disable_bucketing)
+        bucket = _bucket_size(rank, file) if chunk == rank.chunks[0] else None
         places = _places(names, rank.weights, bucket, own)
         _check_layout(file, dtype, tensors, places, rank.weights)
         for name, (start, end) in places.items():
@@ -931,9 +1097,15 @@ def _own_bucket(rank: _Rank) -> set[str]:
         return set()
     if rank.args.get("untie_embeddings_and_output_weights") is not False:
         return set()
-    if rank.stage == 0:
-        return {"embedding.word_embeddings.weight"}
-    return {_COPY} if rank.stage == size - 1 else set()
+    if rank.stage == 0:  # in the first chunk
+        prefix = f"{rank.chunks[0]}." if len(rank.chunks) > 1 else ""
+        return {f"{prefix}embedding.word_embeddings.weight"}
+    return {_copy(rank)} if rank.stage == size - 1 else set()
+
+
+def _chunk_of(rank: _Rank, name: str) -> str:
+    """The key of the model chunk that holds ``name`` (``model`` without a virtual pipeline)."""
+    return name.partition(".")[0] if len(rank.chunks) > 1 else rank.chunks[0]
 
 
 def _places(
