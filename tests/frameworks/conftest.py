@@ -102,8 +102,9 @@ def olmo_core_runs(framework_python, tmp_path_factory) -> dict[int, Path]:
 
 @pytest.fixture(scope="session")
 def megatron_runs(framework_python, tmp_path_factory) -> dict:
-    """Megatron-core runs on 1 rank, on 2 data-parallel ranks and on 2 tensor-parallel ranks
-    (``"tp2"``): ``run/iter_000000{1,2,3}``, ``run/latest_checkpointed_iteration.txt`` and
+    """Megatron-core runs on 1 rank, on 2 data-parallel ranks, on 2 tensor-parallel ranks
+    (``"tp2"``) and on 2 pipeline stages of 2 tensor-parallel ranks each (``"tp2pp2"``, 4
+    ranks): ``run/iter_000000{1,2,3}``, ``run/latest_checkpointed_iteration.txt`` and
     ``reference/``."""
     runs: dict = {
         ranks: run_generator(
@@ -113,6 +114,14 @@ def megatron_runs(framework_python, tmp_path_factory) -> dict:
     }
     runs["tp2"] = run_generator(
         framework_python, "megatron_run.py", tmp_path_factory.mktemp("megatron_tp2"), 2, "tp"
+    )
+    runs["tp2pp2"] = run_generator(
+        framework_python,
+        "megatron_run.py",
+        tmp_path_factory.mktemp("megatron_tp2pp2"),
+        4,
+        "tp=2",
+        "pp=2",
     )
     return runs
 
@@ -147,6 +156,14 @@ def megatron_distopt_pp_run(framework_python, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def megatron_distopt_tp_pp_run(framework_python, tmp_path_factory) -> Path:
+    """The distributed optimizer on 2 pipeline stages of 2 tensor-parallel ranks each (4
+    ranks): each model-parallel rank's buckets (``dp_group_idx_0`` .. ``_3``) its own."""
+    out = tmp_path_factory.mktemp("megatron_distopt_tp_pp")
+    return run_generator(framework_python, "megatron_run.py", out, 4, "distopt", "tp=2", "pp=2")
+
+
+@pytest.fixture(scope="session")
 def megatron_distopt_odd_run(framework_python, tmp_path_factory) -> Path:
     """As ``megatron_distopt_run``, with buckets of 1100 elements: the first bucket closes
     on a layer norm's 16 elements, so the next bucket's start is no multiple of 64 in the
@@ -170,6 +187,14 @@ def megatron_tp_bf16_run(framework_python, tmp_path_factory) -> Path:
     """As ``megatron_bf16_run``, on 2 tensor-parallel ranks: ``reference/iter_N.rankR.pt``."""
     out = tmp_path_factory.mktemp("megatron_tp_bf16")
     return run_generator(framework_python, "megatron_run.py", out, 2, "tp", "bf16")
+
+
+@pytest.fixture(scope="session")
+def megatron_pp_bf16_run(framework_python, tmp_path_factory) -> Path:
+    """2 pipeline stages in bf16 mixed precision, the plain optimizer: each stage's fp32 main
+    params its own ``optimizer.state.fp32_param`` chunks."""
+    out = tmp_path_factory.mktemp("megatron_pp_bf16")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "pp", "bf16")
 
 
 @pytest.fixture(scope="session")

@@ -41,19 +41,22 @@ with the distributed optimizer (each rank's buckets its own, ``dp_group_idx_<tp 
 its reference its own shards' moments, gathered over its data-parallel group); ``pp``
 makes them 2 pipeline stages (a layer each, the micro-batch's activations and their
 gradients sent between them by hand, as Megatron's schedules set a stage's input with
-``set_input_tensor``), each rank's reference its own stage's. ``bf16`` trains in mixed
-precision as Megatron-LM's ``--bf16`` sets it up (``bf16`` and ``params_dtype`` in the
-transformer config, the model wrapped in ``Float16Module`` and Megatron's DDP with fp32
-gradient reduction, ``get_megatron_optimizer`` with ``bf16=True``): bf16 model tensors and
-fp32 main params, saved by the plain optimizer (``Float16OptimizerWithFloat16Params``) as
-``optimizer.state.fp32_param.<name>`` and by the distributed one as its buckets' ``param``;
-the distributed optimizer's reference then has each main param too (``distopt.<name>.param``).
-``fully`` saves the distributed optimizer's state as Megatron-LM's
-``--dist-ckpt-optim-fully-reshardable`` does (``distrib_optim_sharding_type``
-``fully_reshardable``: each parameter's ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``
-in the model's shape, gathered over the data-parallel ranks; the shims also keep its
-gather's ``.cuda()`` copies on the CPU); its reference is the state Megatron's
-``dist_checkpointing.load`` gives, under the same ``distopt.*`` names.
+``set_input_tensor``), each rank's reference its own stage's. ``tp=2 pp=2`` on 4 ranks
+makes both: 2 stages of 2 tensor-parallel ranks each (Megatron's rank order, tensor
+parallelism fastest), each rank's reference its own shards of its own stage.
+``bf16`` trains in mixed precision as Megatron-LM's ``--bf16`` sets it up (``bf16`` and
+``params_dtype`` in the transformer config, the model wrapped in ``Float16Module`` and
+Megatron's DDP with fp32 gradient reduction, ``get_megatron_optimizer`` with
+``bf16=True``): bf16 model tensors and fp32 main params, saved by the plain optimizer
+(``Float16OptimizerWithFloat16Params``) as ``optimizer.state.fp32_param.<name>`` and by
+the distributed one as its buckets' ``param``; the distributed optimizer's reference then
+has each main param too (``distopt.<name>.param``). ``fully`` saves the distributed
+optimizer's state as Megatron-LM's ``--dist-ckpt-optim-fully-reshardable`` does
+(``distrib_optim_sharding_type`` ``fully_reshardable``: each parameter's
+``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>`` in the model's shape, gathered over
+the data-parallel ranks; the shims also keep its gather's ``.cuda()`` copies on the CPU);
+its reference is the state Megatron's ``dist_checkpointing.load`` gives, under the same
+``distopt.*`` names.
 
 Then Megatron's own ``dist_checkpointing.load`` reads each step back into
 the sharded state dict of a freshly built model and optimizer, saved as
@@ -303,19 +306,21 @@ def _pipelined(model, tokens, position_ids, causal) -> None:
     shape = (SEQUENCE, tokens.shape[0], HIDDEN)  # Megatron's [sequence, batch, hidden]
     dtype = torch.bfloat16 if BF16 else torch.float32
     if parallel_state.is_pipeline_first_stage():
+        following = parallel_state.get_pipeline_model_parallel_next_rank()
         hidden = model(tokens[:, :-1], position_ids, causal)
-        dist.send(hidden.detach().contiguous(), dist.get_rank() + 1)
+        dist.send(hidden.detach().contiguous(), following)
         grad = torch.empty(shape, dtype=dtype)
-        dist.recv(grad, dist.get_rank() + 1)
+        dist.recv(grad, following)
         hidden.backward(grad)
     else:
+        preceding = parallel_state.get_pipeline_model_parallel_prev_rank()
         received = torch.empty(shape, dtype=dtype)
-        dist.recv(received, dist.get_rank() - 1)
+        dist.recv(received, preceding)
         received.requires_grad_()
         inner.set_input_tensor(received)
         loss = model(None, position_ids, causal, labels=tokens[:, 1:]).float().mean()
         loss.backward()
-        dist.send(received.grad.contiguous(), dist.get_rank() - 1)
+        dist.send(received.grad.contiguous(), preceding)
 
 
 def reference(out: Path) -> None:
@@ -514,10 +519,9 @@ def _flatten(value, prefix: str, flat: dict) -> None:
 if __name__ == "__main__":
     target = Path(sys.argv[1])
     for flag in sys.argv[2:]:
-        if flag == "tp":
-            TP = int(os.environ["WORLD_SIZE"])
-        elif flag == "pp":
-            PP = int(os.environ["WORLD_SIZE"])
+        if flag in ("tp", "pp") or flag.startswith(("tp=", "pp=")):  # tp=2 pp=2: 2 x 2
+            size = int(flag[3:]) if "=" in flag else int(os.environ["WORLD_SIZE"])
+            TP, PP = (size, PP) if flag.startswith("tp") else (TP, size)
         elif flag == "distopt":
             DISTOPT = True
         elif flag == "bf16":

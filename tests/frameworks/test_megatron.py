@@ -135,14 +135,16 @@ def test_trend_over_the_save_folder(gradclip, run):
 
 
 @pytest.mark.parametrize("what", QUANTITIES)
-def test_tensor_parallel_shards_against_megatrons_load(gradclip, megatron_runs, what):
-    """TP=2: Megatron splits the matrices across the ranks' files; each rank's reference holds
-    its own shards (a replicated tensor on its main replica only), so the full tensor's norm
-    is the norm of the ranks' pieces together."""
-    run = megatron_runs["tp2"]
+@pytest.mark.parametrize("name,ranks", [("tp2", 2), ("tp2pp2", 4)])
+def test_tensor_parallel_shards_against_megatrons_load(gradclip, megatron_runs, what, name, ranks):
+    """TP=2, alone and on each of 2 pipeline stages: Megatron splits the matrices across the
+    ranks' files; each rank's reference holds its own shards of its own stage's tensors (a
+    replicated tensor on its main replica only), so the full tensor's norm is the norm of
+    the ranks' pieces together, and every layer is on one stage."""
+    run = megatron_runs[name]
     pieces: dict[str, list[torch.Tensor]] = {}
     weights: dict[str, list[torch.Tensor]] = {}
-    for rank in (0, 1):
+    for rank in range(ranks):
         ref = torch.load(run / "reference" / f"iter_3.rank{rank}.pt", weights_only=True)
         present = [
             i for i, _ in enumerate(ref["param_names"]) if f"optimizer.state.{i}.exp_avg" in ref
@@ -169,6 +171,7 @@ def test_tensor_parallel_shards_against_megatrons_load(gradclip, megatron_runs, 
     assert set(rows) == set(pieces)
     split = [n for n, p in pieces.items() if len(p) == 2]
     assert any("linear_fc1.weight" in n for n in split)  # the fixture is tensor parallel
+    assert {g["name"] for g in doc["groups"]} >= {"decoder.layers.0", "decoder.layers.1"}
     for name, row in rows.items():
         assert rel_err(row["norm"], norm(pieces[name])) <= TOL, name
         assert rel_err(row["ratio"], norm(pieces[name]) / norm(weights[name])) <= TOL, name
@@ -444,14 +447,16 @@ def test_two_ranks_print_the_one_process_distributed_optimizer_report(
 # ------------------------------------------------ distributed optimizer, tensor parallel
 
 
-def _tensor_parallel_distributed(run: Path, step: int, what: str) -> tuple[dict, dict]:
-    """Per parameter, the pieces of its quantity and of its weight from the 2 ranks'
+def _tensor_parallel_distributed(
+    run: Path, step: int, what: str, ranks: int = 2
+) -> tuple[dict, dict]:
+    """Per parameter, the pieces of its quantity and of its weight from the ranks'
     references: each rank's moments as its distributed optimizer holds them after its own
     load (its shards), a tensor taken from a rank only where that rank holds its main
     replica (a replicated one from rank 0 alone), in float64."""
     pieces: dict[str, list[torch.Tensor]] = {}
     weights: dict[str, list[torch.Tensor]] = {}
-    for rank in (0, 1):
+    for rank in range(ranks):
         ref = torch.load(run / "reference" / f"iter_{step}.rank{rank}.pt", weights_only=True)
         measured = _distributed_measured(ref, what)
         for key, name in ref["model_names"].items():
@@ -476,19 +481,24 @@ def test_the_tensor_parallel_distributed_optimizer_fixture(megatron_distopt_tp_r
 
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("what", QUANTITIES)
+@pytest.mark.parametrize(
+    "fixture,ranks", [("megatron_distopt_tp_run", 2), ("megatron_distopt_tp_pp_run", 4)]
+)
 def test_the_tensor_parallel_distributed_optimizers_moments_against_megatrons_load(
-    gradclip, megatron_distopt_tp_run, step, what
+    gradclip, request, fixture, ranks, step, what
 ):
-    """TP=2 with the distributed optimizer: each model-parallel rank's buckets
-    (``dp_group_idx_0``, ``dp_group_idx_1``) cut into its shards, against the state each
-    rank's own distributed optimizer holds once it has loaded them."""
-    pieces, weights = _tensor_parallel_distributed(megatron_distopt_tp_run, step, what)
-    folder = megatron_distopt_tp_run / "run" / f"iter_{step:07d}"
+    """TP=2 with the distributed optimizer, alone and on each of 2 pipeline stages: each
+    model-parallel rank's buckets (``dp_group_idx_N``, N = stage * 2 + tensor-parallel rank)
+    cut into its shards, against the state each rank's own distributed optimizer holds once
+    it has loaded them."""
+    run = request.getfixturevalue(fixture)
+    pieces, weights = _tensor_parallel_distributed(run, step, what, ranks)
+    folder = run / "run" / f"iter_{step:07d}"
     result = gradclip("inspect", folder, "--what", what, "--format", "json")
     assert result.code == 0, result.err
     doc = result.json()
     assert (doc["format"], doc["step"], doc["what"]) == ("megatron", step, what)
-    assert "over 2 model-parallel ranks" in " ".join(doc["description"])
+    assert f"over {ranks} model-parallel ranks" in " ".join(doc["description"])
     rows = {t["name"]: t for t in doc["tensors"]}
     assert set(rows) == set(pieces)
     assert any(len(p) == 2 for p in pieces.values())  # split tensors: a shard per rank
@@ -668,11 +678,12 @@ def test_bf16_weights_are_the_fp32_main_params_not_the_model(gradclip, megatron_
 
 
 @pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
-def test_bf16_tensor_parallel_against_megatrons_load(gradclip, megatron_tp_bf16_run, what):
-    """TP=2, bf16, the plain optimizer: each rank's fp32 main params are chunks of the same
-    ``fp32_param`` tensors, paired with the model's chunks; each rank's reference holds its
-    shards (a replicated tensor on its main replica only)."""
-    run = megatron_tp_bf16_run
+@pytest.mark.parametrize("fixture", ["megatron_tp_bf16_run", "megatron_pp_bf16_run"])
+def test_bf16_tensor_parallel_against_megatrons_load(gradclip, request, fixture, what):
+    """TP=2 or PP=2, bf16, the plain optimizer: each rank's fp32 main params are chunks of
+    the same ``fp32_param`` tensors, paired with the model's chunks; each rank's reference
+    holds its shards of its stage (a replicated tensor on its main replica only)."""
+    run = request.getfixturevalue(fixture)
     pieces: dict[str, list[torch.Tensor]] = {}
     mains: dict[str, list[torch.Tensor]] = {}
     for rank in (0, 1):
@@ -686,7 +697,11 @@ def test_bf16_tensor_parallel_against_megatrons_load(gradclip, megatron_tp_bf16_
     doc = result.json()
     rows = {t["name"]: t for t in doc["tensors"]}
     assert set(rows) == set(pieces)
-    assert any("linear_fc1.weight" in n for n, p in pieces.items() if len(p) == 2)
+    split = [n for n, p in pieces.items() if len(p) == 2]
+    if fixture == "megatron_tp_bf16_run":
+        assert any("linear_fc1.weight" in n for n in split)
+    else:  # each tensor on one stage
+        assert not split
     for name, row in rows.items():
         assert row["dtype"] == "float32", name
         assert rel_err(row["norm"], norm(pieces[name])) <= TOL, name
@@ -751,6 +766,23 @@ def _distributed_mains(ref: dict) -> dict[str, torch.Tensor]:
     }
 
 
+def _against_mains(doc: dict, expected: dict, mains: dict, model: dict, what: str) -> None:
+    """``doc`` reports ``expected`` (float64, by name) for every fp32 tensor of the model's
+    shape, each per-layer group, the total, and ratios over the fp32 main params."""
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert (row["dtype"], row["shape"]) == ("float32", list(model[name].shape)), name
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+        if what != "weights":
+            assert rel_err(row["ratio"], norm([expected[name]]) / norm([mains[name]])) <= TOL
+    groups = {g["name"]: g for g in doc["groups"]}
+    for layer in (0, 1):
+        members = [t for n, t in expected.items() if n.startswith(f"decoder.layers.{layer}.")]
+        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
+
+
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
 def test_bf16_distributed_optimizer_against_megatrons_load(
@@ -770,18 +802,7 @@ def test_bf16_distributed_optimizer_against_megatrons_load(
     assert (doc["step"], doc["what"]) == (step, what)
     said = " ".join(doc["description"])
     assert "their param, the fp32 main params of 29, the weights measured" in said, said
-    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
-    rows = {t["name"]: t for t in doc["tensors"]}
-    assert set(rows) == set(expected)
-    for name, row in rows.items():
-        assert (row["dtype"], row["shape"]) == ("float32", list(model[name].shape)), name
-        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
-        if what != "weights":
-            assert rel_err(row["ratio"], norm([expected[name]]) / norm([mains[name]])) <= TOL
-    groups = {g["name"]: g for g in doc["groups"]}
-    for layer in (0, 1):
-        members = [t for n, t in expected.items() if n.startswith(f"decoder.layers.{layer}.")]
-        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
+    _against_mains(doc, expected, mains, model, what)
     if what == "weights":
         assert "distributed optimizer's fp32 main params" in doc["measured"]["evidence"]
 
@@ -856,18 +877,7 @@ def test_bf16_fully_reshardable_against_megatrons_load(
     assert (doc["step"], doc["what"]) == (step, what)
     said = " ".join(doc["description"])
     assert "fully_reshardable" in said and "fp32 main params of 29" in said, said
-    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
-    rows = {t["name"]: t for t in doc["tensors"]}
-    assert set(rows) == set(expected)
-    for name, row in rows.items():
-        assert (row["dtype"], row["shape"]) == ("float32", list(model[name].shape)), name
-        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
-        if what != "weights":
-            assert rel_err(row["ratio"], norm([expected[name]]) / norm([mains[name]])) <= TOL
-    groups = {g["name"]: g for g in doc["groups"]}
-    for layer in (0, 1):
-        members = [t for n, t in expected.items() if n.startswith(f"decoder.layers.{layer}.")]
-        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
+    _against_mains(doc, expected, mains, model, what)
 
 
 def test_bf16_fully_reshardable_a_missing_param(

@@ -1123,3 +1123,12 @@ def test_virtual_pipeline_args_the_files_do_not_fit(
     for stage in (0, 1):
         _rewrite_args(megatron_lm_runs, _stage_file(save, stage), change)
     one_line_exit_3(gradclip("inspect", save, "--what", "weights"), "mp_rank_00_000", *words)
+
+
+def test_two_processes_print_the_one_process_virtual_pipeline_report(vp_runs, tmp_path):
+    jobs = [
+        {"args": ["inspect", str(vp_runs[n] / "run"), "--what", w, "--format", f, "--no-progress"]}
+        for n, w, f in (("vp2", "exp_avg", "table"), ("vp2_distopt", "update", "json"))
+    ]
+    jobs.append({"args": ["trend", str(vp_runs["vp2_tied"] / "run"), "--what", "grad_rms"]})
+    same_under_torchrun(jobs, tmp_path)
