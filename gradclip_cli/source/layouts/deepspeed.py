@@ -373,11 +373,7 @@ class _Reader:
                 "so parameters without optimizer state (frozen), if any, are left out"
             )
         if len(parts) > 1 and not stages:
-            contents.description.append(
-                f"{split} tensors split across the model-parallel ranks (measured as their "
-                f"shards together), {len(weights) - split} replicated (counted once, from "
-                f"{_mp(0)}, as Megatron's get_grad_norm_fp32 does), by Megatron's layer names"
-            )
+            _note_split(contents, split, len(weights))
         if first.frozen:
             contents.description.append(
                 f"{len(first.frozen)} frozen parameter(s): weights without Adam moments "
@@ -638,11 +634,7 @@ class _Reader:
             f"{first.world} data-parallel rank(s){version}: {precision}Adam moments of "
             f"{len(with_state)} parameters"
         )
-        contents.description.append(
-            f"{split} tensors split across the model-parallel ranks (measured as their "
-            f"shards together), {len(weights) - split} replicated (counted once, from "
-            f"{_mp(0)}, as Megatron's get_grad_norm_fp32 does), by Megatron's layer names"
-        )
+        _note_split(contents, split, len(weights))
         _note_frozen(contents, len(weights) - len(with_state))
         if low:
             _note_zero_gradient_step(contents, optimizer, with_state)
@@ -811,6 +803,15 @@ def _note_zero_gradient_step(contents, optimizer, with_state: list) -> None:
             f"Adam's step is {contents.step + 1}: DeepSpeed's fp16/bf16 optimizer took one "
             "step with zero gradients to create its state, and bias-corrects with that count"
         )
+
+
+def _note_split(contents, split: int, count: int) -> None:
+    """How many of ``count`` tensors the model-parallel ranks split, and how many they copy."""
+    contents.description.append(
+        f"{split} tensors split across the model-parallel ranks (measured as their "
+        f"shards together), {count - split} replicated (counted once, from "
+        f"{_mp(0)}, as Megatron's get_grad_norm_fp32 does), by Megatron's layer names"
+    )
 
 
 def _note_frozen(contents, frozen: int) -> None:
