@@ -523,17 +523,26 @@ def _global(ref: dict) -> dict:
     """A stage's reference under global layer names: Megatron's own layer objects give each
     local ``decoder.layers.i`` its ``layer_number`` (``layer_numbers[i]``, from 0)."""
 
-    def name(local: str) -> str:
-        head, _, rest = local.partition("decoder.layers.")
-        if head or not rest:
-            return local
-        index, _, tail = rest.partition(".")
-        return f"decoder.layers.{ref['layer_numbers'][int(index)]}.{tail}"
+    return _renamed(ref, lambda local: _by_layer_number(local, ref["layer_numbers"]))
 
+
+def _by_layer_number(local: str, numbers: list[int]) -> str:
+    """``decoder.layers.i...`` as ``decoder.layers.<numbers[i]>...``; other names as they are."""
+    head, _, rest = local.partition("decoder.layers.")
+    if head or not rest:
+        return local
+    index, _, tail = rest.partition(".")
+    return f"decoder.layers.{numbers[int(index)]}.{tail}"
+
+
+def _renamed(ref: dict, name) -> dict:
+    """``ref`` with the names of its per-tensor entries given by ``name``, none two alike."""
     out = dict(ref)
     for key in ("weights", "masters", "state", "hyper", "counted"):
         if key in ref:
-            out[key] = {name(n): v for n, v in ref[key].items()}
+            renamed = {name(n): v for n, v in ref[key].items()}
+            assert len(renamed) == len(ref[key])  # no two entries under one name
+            out[key] = renamed
     return out
 
 
@@ -953,25 +962,15 @@ def _chunked(ref: dict) -> dict:
 
     def name(qualified: str) -> str:
         key, _, local = qualified.partition(".")
-        numbers = ref["layer_numbers"][int(key[len("model") :])]
-        head, _, rest = local.partition("decoder.layers.")
-        if head or not rest:
-            return local
-        index, _, tail = rest.partition(".")
-        return f"decoder.layers.{numbers[int(index)]}.{tail}"
+        return _by_layer_number(local, ref["layer_numbers"][int(key[len("model") :])])
 
-    out = dict(ref)
-    for key in ("weights", "masters", "state", "hyper", "counted"):
-        if key in ref:
-            renamed = {name(n): v for n, v in ref[key].items()}
-            assert len(renamed) == len(ref[key])  # no two chunks' entries under one name
-            out[key] = renamed
-    return out
+    return _renamed(ref, name)
 
 
 def _chunk_refs(run: Path, step: int) -> list[dict]:
     refs = [_chunked(ref) for ref in _references(run, step)]
-    assert [ref["stage"] for ref in refs] == [0, 1]
+    stages = [ref["stage"] for ref in refs]  # a rank a stage, or 2 tensor-parallel ranks a stage
+    assert stages in ([0, 1], [0, 0, 1, 1])
     return refs
 
 
@@ -1132,3 +1131,22 @@ def test_two_processes_print_the_one_process_virtual_pipeline_report(vp_runs, tm
     ]
     jobs.append({"args": ["trend", str(vp_runs["vp2_tied"] / "run"), "--what", "grad_rms"]})
     same_under_torchrun(jobs, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def vp_tp_run(megatron_lm_runs, tmp_path_factory) -> Path:
+    """2 tensor-parallel ranks on each of 2 pipeline stages of 2 virtual stages each (4 gloo
+    ranks, ``mp_rank_0T_00S`` folders, each file ``model0`` and ``model1``), fp32."""
+    folder = tmp_path_factory.mktemp("megatron_lm_vp_tp")
+    return run_generator(megatron_lm_runs["python"], "megatron_lm_run.py", folder, 4,
+                         "tp", "pp", "vp")
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", ["exp_avg", "grad_rms", "update", "weights"])
+def test_every_quantity_of_the_tensor_parallel_virtual_pipeline(gradclip, vp_tp_run, step, what):
+    """Virtual stages over tensor-parallel ranks: each chunk's split tensors its ranks'
+    shards side by side, every layer by its global number, against Megatron's own load."""
+    refs = _chunk_refs(vp_tp_run, step)
+    assert [r["stage"] for r in refs] == [0, 0, 1, 1]
+    _inspected_as_loaded(gradclip, vp_tp_run, step, what, refs, layers=(0, 1, 2, 3))
