@@ -181,11 +181,16 @@ def test_tensor_parallel_shards_against_megatrons_load(gradclip, megatron_runs, 
 # --------------------------------------------------------------------- hostile copies
 
 
-@pytest.fixture
-def save(run, tmp_path) -> Path:
+def _copied(run: Path, tmp_path: Path) -> Path:
+    """A private copy of ``run``'s save folder, to damage."""
     target = tmp_path / "save"
     shutil.copytree(run / "run", target)
     return target
+
+
+@pytest.fixture
+def save(run, tmp_path) -> Path:
+    return _copied(run, tmp_path)
 
 
 @pytest.mark.parametrize("text", ["../../elsewhere", "7", "iter_0000003", "\x00"])
@@ -370,9 +375,7 @@ def test_trend_over_the_distributed_optimizers_save_folder(gradclip, megatron_di
 
 @pytest.fixture
 def distopt_save(megatron_distopt_run, tmp_path) -> Path:
-    target = tmp_path / "save"
-    shutil.copytree(megatron_distopt_run / "run", target)
-    return target
+    return _copied(megatron_distopt_run, tmp_path)
 
 
 def _rewrite_metadata(folder: Path, rename) -> None:
@@ -551,9 +554,7 @@ def test_the_pipeline_parallel_distributed_optimizers_moments_against_megatrons_
 
 @pytest.fixture
 def distopt_tp_save(megatron_distopt_tp_run, tmp_path) -> Path:
-    target = tmp_path / "save"
-    shutil.copytree(megatron_distopt_tp_run / "run", target)
-    return target
+    return _copied(megatron_distopt_tp_run, tmp_path)
 
 
 def test_model_parallel_groups_swapped(gradclip, distopt_tp_save):
@@ -721,9 +722,7 @@ def test_bf16_two_ranks_print_the_one_process_report(megatron_bf16_run, tmp_path
 
 @pytest.fixture
 def bf16_save(megatron_bf16_run, tmp_path) -> Path:
-    target = tmp_path / "save"
-    shutil.copytree(megatron_bf16_run / "run", target)
-    return target
+    return _copied(megatron_bf16_run, tmp_path)
 
 
 def test_bf16_a_missing_fp32_param(gradclip, bf16_save):
@@ -893,9 +892,7 @@ def test_bf16_fully_reshardable_a_missing_param(
 
 @pytest.fixture
 def distopt_bf16_save(megatron_distopt_bf16_run, tmp_path) -> Path:
-    target = tmp_path / "save"
-    shutil.copytree(megatron_distopt_bf16_run / "run", target)
-    return target
+    return _copied(megatron_distopt_bf16_run, tmp_path)
 
 
 def test_bf16_a_buckets_param_of_another_length(gradclip, distopt_bf16_save):

@@ -289,12 +289,7 @@ def test_a_layer_whose_split_cannot_be_told(gradclip, save, megatron_lm_runs):
             "sd['model']['decoder.layers.0.mlp.linear_fc1.weight'].clone(); "
             "torch.save(sd, sys.argv[1])"
         )
-        done = subprocess.run(
-            [megatron_lm_runs["python"], "-c", code, str(file), os.environ["MEGATRON_LM_PATH"]],
-            capture_output=True,
-            text=True,
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
+        _with_megatron(megatron_lm_runs, code, file)
     one_line_exit_3(
         gradclip("inspect", save), "mp_rank_00", "adapter.weight", "cannot tell how it is split"
     )
@@ -653,12 +648,19 @@ def _rewrite_args(megatron_lm_runs, file: Path, change: str) -> None:
         "sd = torch.load(sys.argv[1], weights_only=False); a = sd['args']; "
         f"{change}; torch.save(sd, sys.argv[1])"
     )
+    _with_megatron(megatron_lm_runs, code, file)
+
+
+def _with_megatron(megatron_lm_runs, code: str, file: Path) -> str:
+    """Run ``code`` on ``file`` in Megatron-LM's python, its checkout importable (argv 1
+    the file, argv 2 the checkout); what it printed."""
     done = subprocess.run(
         [megatron_lm_runs["python"], "-c", code, str(file), os.environ["MEGATRON_LM_PATH"]],
         capture_output=True,
         text=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
 
 
 def test_a_missing_stage(gradclip, pp_save):
@@ -980,13 +982,7 @@ def _keys(megatron_lm_runs, file: Path) -> list[str]:
         "import json, sys, torch; sys.path.insert(0, sys.argv[2]); "
         "print(json.dumps(sorted(torch.load(sys.argv[1], weights_only=False))))"
     )
-    done = subprocess.run(
-        [megatron_lm_runs["python"], "-c", code, str(file), os.environ["MEGATRON_LM_PATH"]],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout)
+    return json.loads(_with_megatron(megatron_lm_runs, code, file))
 
 
 def test_the_virtual_pipeline_fixture(vp_run, megatron_lm_runs):
