@@ -10,6 +10,7 @@ from torch import nn
 
 from benchmarks import host_ops
 from gradclip_cli import adaptive_clip_grad_
+from tests.devices import DEVICES
 
 
 def reference_agc(weight: torch.Tensor, grad: torch.Tensor, clip_factor: float,
@@ -45,13 +46,13 @@ def timm_agc(parameters, clip_factor: float, eps: float) -> None:
         p.grad.copy_(torch.where(g_norm < limit, p.grad, clipped))
 
 
-def _params(shapes, dtype, grad_scale, seed=0):
+def _params(shapes, dtype, grad_scale, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     params = []
     for k, shape in enumerate(shapes):
-        p = nn.Parameter(torch.randn(shape, generator=g, dtype=torch.float64).to(dtype))
+        p = nn.Parameter(torch.randn(shape, generator=g, dtype=torch.float64).to(device, dtype))
         p.grad = (torch.randn(shape, generator=g, dtype=torch.float64) * grad_scale
-                  * 10.0 ** (k - 1)).to(dtype)
+                  * 10.0 ** (k - 1)).to(device, dtype)
         params.append(p)
     return params
 
@@ -63,13 +64,14 @@ def assert_rounded_from(got: torch.Tensor, want: torch.Tensor) -> None:
     """``got`` is the float64 ``want`` rounded to got's dtype, within one unit in the last place
     (the factor and the reference's are each correct to float64 rounding)."""
     rtol = 1e-12 if got.dtype == torch.float64 else torch.finfo(got.dtype).eps
-    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=0)
+    torch.testing.assert_close(got.double().cpu(), want.cpu(), rtol=rtol, atol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("grad_scale", [1e-3, 1e-1, 10.0])
-def test_matches_float64_reference(dtype, grad_scale):
-    params = _params(SHAPES, dtype, grad_scale)
+def test_matches_float64_reference(dtype, grad_scale, device):
+    params = _params(SHAPES, dtype, grad_scale, device=device)
     want = [reference_agc(p, p.grad, 0.01, 1e-3) for p in params]
     adaptive_clip_grad_(params, clip_factor=0.01, eps=1e-3)
     for p, w in zip(params, want):

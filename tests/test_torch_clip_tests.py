@@ -1,8 +1,9 @@
 """torch's own tests for its clipping functions, run against gradclip's drop-ins.
 
 Rewritten from pytorch's ``test/test_nn.py`` (``test_clip_grad_norm``,
-``test_clip_grad_value``, ``test_clip_grad_norm_error_if_nonfinite``), on the
-CPU with ``foreach`` None, True and False, keeping torch's assertions and its
+``test_clip_grad_value``, ``test_clip_grad_norm_error_if_nonfinite``), on each
+device as torch's device-type tests run them (the CPU, and CUDA where there is
+one) with ``foreach`` None, True and False, keeping torch's assertions and its
 tolerances (``torch.testing.assert_close`` is what torch's ``assertEqual``
 uses for tensors). Where torch's expectation encodes torch's own overflow,
 the expectation comes from a float64 reference instead, and says so.
@@ -20,15 +21,16 @@ from torch import nn
 from torch.testing import assert_close
 
 from gradclip_cli import clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_, get_total_norm
+from tests.devices import DEVICES
 
 FOREACH = [None, True, False]
 
 
-def _linear_with_grads(grads) -> nn.Linear:
+def _linear_with_grads(grads, device) -> nn.Linear:
     torch.manual_seed(0)
-    layer = nn.Linear(10, 10)
+    layer = nn.Linear(10, 10, device=device)
     for p, g in zip(layer.parameters(), grads):
-        p.grad = None if g is None else g.clone().view_as(p)
+        p.grad = None if g is None else g.to(device).view_as(p)
     return layer
 
 
@@ -44,55 +46,58 @@ def _norm_as_torch_tests_it(layer: nn.Module, norm_type) -> torch.Tensor:
 def _common_scale(layer: nn.Module, grads) -> torch.Tensor:
     """Every element scaled by one factor: the ratios have no spread."""
     ratios = torch.cat([p.grad.div(g).view(-1) for p, g in zip(layer.parameters(), grads)])
-    assert_close(ratios.std(), torch.tensor(0.0))
+    assert_close(ratios.std(), torch.tensor(0.0, device=ratios.device))
     return ratios[0]
 
 
-def _large_grads():
-    return torch.arange(1.0, 101).view(10, 10), torch.ones(10).div(1000)
+def _large_grads(device):
+    return (torch.arange(1.0, 101, device=device).view(10, 10),
+            torch.ones(10, device=device).div(1000))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("foreach", FOREACH)
 @pytest.mark.parametrize("norm_type", [0.5, 1.5, 2, 4, "inf"])
-def test_clip_grad_norm(norm_type, foreach):
+def test_clip_grad_norm(norm_type, foreach, device):
     max_norm = 2
-    grads = _large_grads()
-    layer = _linear_with_grads(grads)
+    grads = _large_grads(device)
+    layer = _linear_with_grads(grads, device)
     before = _norm_as_torch_tests_it(layer, norm_type)
     norm = clip_grad_norm_(layer.parameters(), max_norm, norm_type=norm_type, foreach=foreach)
     after = _norm_as_torch_tests_it(layer, norm_type)
     assert_close(norm, before)
-    assert_close(after, torch.tensor(float(max_norm)))
+    assert_close(after, torch.tensor(float(max_norm), device=device))
     assert after <= before
     _common_scale(layer, grads)
 
     # the decomposed functions
-    grads = _large_grads()
-    layer = _linear_with_grads(grads)
+    grads = _large_grads(device)
+    layer = _linear_with_grads(grads, device)
     before = _norm_as_torch_tests_it(layer, norm_type)
     total = get_total_norm([p.grad for p in layer.parameters()], norm_type=norm_type,
                            foreach=foreach)
     clip_grads_with_norm_(layer.parameters(), max_norm, total, foreach=foreach)
     after = _norm_as_torch_tests_it(layer, norm_type)
     assert_close(total, before)
-    assert_close(after, torch.tensor(float(max_norm)))
+    assert_close(after, torch.tensor(float(max_norm), device=device))
     assert after <= before
     _common_scale(layer, grads)
 
     # small gradients are left as they are
-    grads = torch.rand(10, 10).div(10000), torch.ones(10).div(500)
-    layer = _linear_with_grads(grads)
+    grads = (torch.rand(10, 10, device=device).div(10000),
+             torch.ones(10, device=device).div(500))
+    layer = _linear_with_grads(grads, device)
     before = _norm_as_torch_tests_it(layer, norm_type)
     norm = clip_grad_norm_(layer.parameters(), max_norm, norm_type=norm_type, foreach=foreach)
     after = _norm_as_torch_tests_it(layer, norm_type)
     assert_close(norm, before)
     assert_close(before, after)
     assert after <= max_norm
-    assert_close(_common_scale(layer, grads), torch.tensor(1.0))
+    assert_close(_common_scale(layer, grads), torch.tensor(1.0, device=device))
 
     # a single tensor is accepted
-    p1, p2 = torch.randn(10, 10), torch.randn(10, 10)
-    g = torch.arange(1.0, 101).view(10, 10)
+    p1, p2 = torch.randn(10, 10, device=device), torch.randn(10, 10, device=device)
+    g = torch.arange(1.0, 101, device=device).view(10, 10)
     p1.grad, p2.grad = g.clone(), g.clone()
     clip_grad_norm_(p1, max_norm, norm_type=norm_type, foreach=foreach)
     clip_grad_norm_([p2], max_norm, norm_type=norm_type, foreach=foreach)
@@ -109,20 +114,21 @@ def test_clip_grad_norm(norm_type, foreach):
         "`parameters` is an empty generator, no gradient clipping will occur."]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("foreach", FOREACH)
-def test_clip_grad_value(foreach):
+def test_clip_grad_value(foreach, device):
     clip_value = 2.5
-    grad_w = torch.arange(-50.0, 50).view(10, 10).div_(5)
-    grad_b = torch.ones(10).mul_(2)
+    grad_w = torch.arange(-50.0, 50, device=device).view(10, 10).div_(5)
+    grad_b = torch.ones(10, device=device).mul_(2)
     for grads in ([grad_w, grad_b], [grad_w, None]):
-        layer = _linear_with_grads(grads)
+        layer = _linear_with_grads(grads, device)
         clip_grad_value_(layer.parameters(), clip_value, foreach=foreach)
         for p in (p for p in layer.parameters() if p.grad is not None):
             assert p.grad.max() <= clip_value
             assert p.grad.min() >= -clip_value
 
-    p1, p2 = torch.randn(10, 10), torch.randn(10, 10)
-    g = torch.arange(-50.0, 50).view(10, 10).div_(5)
+    p1, p2 = torch.randn(10, 10, device=device), torch.randn(10, 10, device=device)
+    g = torch.arange(-50.0, 50, device=device).view(10, 10).div_(5)
     p1.grad, p2.grad = g.clone(), g.clone()
     clip_grad_value_(p1, clip_value, foreach=foreach)
     clip_grad_value_([p2], clip_value, foreach=foreach)
@@ -162,12 +168,13 @@ CASES = [
 ]
 
 
-def _parameters(scalar: float, one_element: bool, finite_first: bool) -> list[nn.Parameter]:
-    param = torch.ones(10, dtype=torch.float64, requires_grad=True)
+def _parameters(scalar: float, one_element: bool, finite_first: bool,
+                device: str) -> list[nn.Parameter]:
+    param = torch.ones(10, dtype=torch.float64, device=device, requires_grad=True)
     (param[1] if one_element else param).mul(scalar).sum().backward()
     if not finite_first:
         return [param]
-    first = torch.ones(1, dtype=torch.float64, requires_grad=True)
+    first = torch.ones(1, dtype=torch.float64, device=device, requires_grad=True)
     first.mul(1).sum().backward()
     return [first, param]
 
@@ -191,13 +198,14 @@ def _reference(values: list[list[float]], p: float) -> float:
     return one([one(v) for v in values])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_clip_grad_norm_error_if_nonfinite(case):
+def test_clip_grad_norm_error_if_nonfinite(case, device):
     one_element, finite_first, scalars, torch_nonfinite, torch_finite = CASES[case]
     orders = [(p, True) for p in torch_nonfinite] + [(p, False) for p in torch_finite]
     for (norm_type, torch_says_nonfinite), scalar, error_if_nonfinite in product(
             orders, scalars, [False, True]):
-        parameters = _parameters(scalar, one_element, finite_first)
+        parameters = _parameters(scalar, one_element, finite_first, device)
         expected = _reference([p.grad.tolist() for p in parameters], float(norm_type))
         nonfinite = not math.isfinite(expected)
         if abs(scalar) != 2e200:
@@ -218,11 +226,12 @@ def test_clip_grad_norm_error_if_nonfinite(case):
                 assert float(total) == pytest.approx(expected, rel=1e-12), where
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("norm_type", [0, -1, -0.5, -2, -math.inf])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_orders_at_most_zero_match_torch(norm_type, dtype):
+def test_orders_at_most_zero_match_torch(norm_type, dtype, device):
     g = torch.Generator().manual_seed(2)
-    grads = [torch.randn(s, generator=g, dtype=dtype) for s in [(5, 4), (9,), (3, 3)]]
+    grads = [torch.randn(s, generator=g, dtype=dtype).to(device) for s in [(5, 4), (9,), (3, 3)]]
     grads[1][3] = 0.0  # p < 0 of a tensor with a zero is 0
     ours = get_total_norm(grads, norm_type)
     theirs = torch.nn.utils.get_total_norm(grads, norm_type)

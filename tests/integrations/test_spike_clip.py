@@ -21,6 +21,7 @@ import torch
 from gradclip_cli import GradMonitor
 from tests.cli.support import REPO, ref_norm
 from tests.core.spike_reference import reference
+from tests.devices import DEVICES
 
 from .support import read_log
 
@@ -29,7 +30,7 @@ STEPS, SPIKE_AT, FACTOR = 40, 30, 10.0
 
 def grads64(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {
-        n: p.grad.detach().double().clone()
+        n: p.grad.detach().to("cpu", torch.float64, copy=True)
         for n, p in model.named_parameters()
         if p.grad is not None
     }
@@ -78,17 +79,18 @@ def assert_only_the_spike_is_clipped(records, before, after, max_norm=None):
                 assert all(torch.equal(a[n], b[n]) for n in b), i  # untouched
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("max_norm", [None, 1.0, 0.05])
-def test_plain_loop(tmp_path, max_norm, gradclip):
+def test_plain_loop(tmp_path, max_norm, gradclip, device):
     """``step()`` clips only the spike; ``clip_grad_norm_`` takes the smaller of the two."""
     torch.manual_seed(0)
-    model = regressor()
+    model = regressor().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    x, y = rows()
+    x, y = (t.to(device) for t in rows())
     before, after = [], []
     with GradMonitor(model, tmp_path / "grads.jsonl", None, clip_spikes=True) as monitor:
         for step in range(STEPS):
-            batch = torch.arange(step * 16, step * 16 + 32) % len(x)
+            batch = torch.arange(step * 16, step * 16 + 32, device=device) % len(x)
             torch.nn.functional.mse_loss(model(x[batch]), y[batch]).backward()
             if step == SPIKE_AT:
                 spike(model)
