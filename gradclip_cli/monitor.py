@@ -291,7 +291,11 @@ class GradMonitor:
                 "this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`"
             )
-        coef = clip_coefficient(total, float(max_norm)) if spike_coef is None else spike_coef
+        coef = spike_coef
+        if coef is None:
+            # From the total already read back, in the returned total's dtype: the
+            # drop-in's coefficient, known to the host (see core.clipping.scale_).
+            coef = clip_coefficient(total_norm.to(total.dtype), float(max_norm))
         # A DTensor is scaled through its local tensor, whatever its placements.
         scale_(measured.local_grads(), coef, foreach=foreach)
         return total

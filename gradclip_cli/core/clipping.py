@@ -165,13 +165,20 @@ def scale_(
     A coefficient of exactly 1 changes no bit, and where it is known without
     a synchronisation (a ``Coefficient``, or a CPU tensor) the pass is
     skipped: on the CPU, a step that does not clip then costs the norm alone.
+
+    On an accelerator a coefficient known on the host goes to the kernel as a
+    number: torch's fused ``_foreach_mul_`` multiplies half types by a number
+    in float32, but takes a device tensor only of the tensors' own dtype and
+    otherwise launches one unvectorised kernel per tensor, 2.8x the time on
+    an H200 (BENCHMARKS.md, "On a GPU").
     """
     if not tensors or _is_one(coef):
         return
+    host = isinstance(coef, Coefficient) or coef.device.type == "cpu"
     grouped = _group_tensors_by_device_and_dtype([list(tensors)])
     for (device, dtype), ([group], _) in grouped.items():
         for c in _factors(coef, dtype):
-            c = c.to(device)
+            c = float(c) if host and device.type != "cpu" else c.to(device)
             if dtype in _FLOAT8:
                 for t in group:
                     t.copy_(t.float().mul_(c))
