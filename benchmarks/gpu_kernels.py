@@ -8,8 +8,9 @@ bandwidth measured in the same run): the fused ``torch._foreach_norm`` in
 each accumulation type, a loop of ``vector_norm`` (one launch per tensor), and
 for the scale the fused ``torch._foreach_mul_`` with a coefficient of the
 gradients' own dtype (torch's), a float32 device tensor (which torch's fused
-kernel does not take: it falls back to one kernel per tensor), and a host
-float (fused, multiplied in float32). Then the kernels each gradclip call
+kernel does not take: it falls back to one kernel per tensor), a host float
+(fused, multiplied in float32), and torch's AMP unscale kernel with a float32
+device tensor (fused, multiplied in float32). Then the kernels each gradclip call
 launches, from torch's profiler. Medians of CUDA-event times over 10
 repetitions after a warm-up.
 """
@@ -89,13 +90,16 @@ def main() -> int:
         "_foreach_mul_, bf16 device coefficient (torch's)": lambda: torch._foreach_mul_(ts, c16),
         "_foreach_mul_, float32 device coefficient": lambda: torch._foreach_mul_(ts, c32),
         "_foreach_mul_, host float": lambda: torch._foreach_mul_(ts, 0.999),
+        "AMP unscale kernel, float32 device coefficient":
+            lambda: torch._amp_foreach_non_finite_check_and_unscale_(
+                ts, torch.zeros(1, device="cuda"), c32),
         "gradclip get_total_norm": lambda: get_total_norm(ts),
     }
     print("| kernel | median ms | vs floor |")
     print("| --- | ---: | ---: |")
     for name, fn in norm_cases.items():
         ms = median_ms(fn)
-        floor = 2 * read_floor if "mul_" in name else read_floor
+        floor = 2 * read_floor if "mul_" in name or "AMP" in name else read_floor
         print(f"| {name} | {ms:.2f} | {ms / floor:.2f}x |")
     model = torch.nn.Module()
     for i, t in enumerate(ts):

@@ -221,9 +221,14 @@ def test_cuda_drop_ins_never_synchronise_and_match_float64(dtype, p):
     rtol, atol = max(2e-6, info.eps), info.tiny * info.eps  # subnormals' spacing
     start, scaled, unmoved, clamped, agc = snapshots
     coef = (want / 10) / (want + 1e-6)
+    # torch's formula on the returned total, in its dtype (float32 for half types), each
+    # element multiplied by it in that dtype and rounded once: no coefficient of the
+    # gradients' own dtype (torch's fused multiply takes only that) is applied.
+    applied = torch.clamp((want / 10) / (clipped + 1e-6), max=1.0)
     for i, param in enumerate(params):
         torch.testing.assert_close(scaled[i].double().cpu(), start[i].double().cpu() * coef,
                                    rtol=rtol, atol=atol)
+        assert torch.equal(scaled[i], (start[i].to(applied.dtype) * applied).to(dtype))
         assert torch.equal(unmoved[i], scaled[i])
         assert torch.equal(clamped[i], scaled[i].clamp(-bound, bound))
         want_agc = reference_agc(param, clamped[i], 0.01, 1e-3)

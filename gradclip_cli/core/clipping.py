@@ -147,6 +147,7 @@ def _use_foreach(group: list[torch.Tensor], device: torch.device, foreach: bool 
     return foreach
 
 
+_HALF = (torch.float16, torch.bfloat16)
 # torch's CPU kernels cannot multiply float8 tensors; they are scaled in float32.
 _FLOAT8 = {getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                              "float8_e5m2fnuz") if hasattr(torch, name)}
@@ -166,11 +167,13 @@ def scale_(
     a synchronisation (a ``Coefficient``, or a CPU tensor) the pass is
     skipped: on the CPU, a step that does not clip then costs the norm alone.
 
-    On an accelerator a coefficient known on the host goes to the kernel as a
-    number: torch's fused ``_foreach_mul_`` multiplies half types by a number
-    in float32, but takes a device tensor only of the tensors' own dtype and
-    otherwise launches one unvectorised kernel per tensor, 2.8x the time on
-    an H200 (BENCHMARKS.md, "On a GPU").
+    torch's fused ``_foreach_mul_`` takes a device coefficient only of the
+    tensors' own dtype; a float32 one on half tensors falls back to one
+    unvectorised kernel per tensor, 2.7x the time on an H200 (BENCHMARKS.md,
+    "On a GPU"). So on an accelerator a coefficient known on the host goes to
+    it as a number (multiplied in float32 for half types), and on CUDA a
+    device one scales half tensors through torch's AMP unscale kernel
+    (``GradScaler.unscale_``'s): one fused launch, multiplied in float32.
     """
     if not tensors or _is_one(coef):
         return
@@ -183,7 +186,12 @@ def scale_(
                 for t in group:
                     t.copy_(t.float().mul_(c))
             elif _use_foreach(group, device, foreach):
-                torch._foreach_mul_(group, c)
+                if isinstance(c, torch.Tensor) and device.type == "cuda" and dtype in _HALF:
+                    found_nonfinite = torch.zeros(1, device=device)  # not looked at
+                    torch._amp_foreach_non_finite_check_and_unscale_(group, found_nonfinite,
+                                                                     c.float())
+                else:
+                    torch._foreach_mul_(group, c)
             else:
                 for t in group:
                     t.mul_(c)
