@@ -9,8 +9,9 @@ each accumulation type, a loop of ``vector_norm`` (one launch per tensor), and
 for the scale the fused ``torch._foreach_mul_`` with a coefficient of the
 gradients' own dtype (torch's), a float32 device tensor (which torch's fused
 kernel does not take: it falls back to one kernel per tensor), a host float
-(fused, multiplied in float32), and torch's AMP unscale kernel with a float32
-device tensor (fused, multiplied in float32). Then the kernels each gradclip call
+(fused, multiplied in float32), and on float16 copies torch's AMP unscale
+kernel with a float32 device tensor (fused, multiplied in float32; torch has
+it for float16, not bfloat16). Then the kernels each gradclip call
 launches, from torch's profiler. Medians of CUDA-event times over 10
 repetitions after a warm-up.
 """
@@ -74,6 +75,7 @@ def main() -> int:
     print(f"{len(ts)} tensors, {nbytes / 1e9:.2f} GB; device-to-device copy {bandwidth:.2f} TB/s"
           f" (read and written): one read {read_floor:.2f} ms, read and write "
           f"{2 * read_floor:.2f} ms\n")
+    ts16 = [t.half() for t in ts]  # torch's AMP kernel takes float16, not bfloat16
     c32 = torch.tensor(0.999, device="cuda")
     c16 = c32.to(torch.bfloat16)
     norm_cases = {
@@ -90,9 +92,11 @@ def main() -> int:
         "_foreach_mul_, bf16 device coefficient (torch's)": lambda: torch._foreach_mul_(ts, c16),
         "_foreach_mul_, float32 device coefficient": lambda: torch._foreach_mul_(ts, c32),
         "_foreach_mul_, host float": lambda: torch._foreach_mul_(ts, 0.999),
-        "AMP unscale kernel, float32 device coefficient":
+        "float16 copies: _foreach_mul_, float32 device coefficient":
+            lambda: torch._foreach_mul_(ts16, c32),
+        "float16 copies: AMP unscale kernel, float32 device coefficient":
             lambda: torch._amp_foreach_non_finite_check_and_unscale_(
-                ts, torch.zeros(1, device="cuda"), c32),
+                ts16, torch.zeros(1, device="cuda"), c32),
         "gradclip get_total_norm": lambda: get_total_norm(ts),
     }
     print("| kernel | median ms | vs floor |")
