@@ -92,6 +92,8 @@ def main() -> int:
         "_foreach_mul_, bf16 device coefficient (torch's)": lambda: torch._foreach_mul_(ts, c16),
         "_foreach_mul_, float32 device coefficient": lambda: torch._foreach_mul_(ts, c32),
         "_foreach_mul_, host float": lambda: torch._foreach_mul_(ts, 0.999),
+        "mul per tensor, float32 1-element device coefficient (computed in float32)":
+            lambda: [torch.mul(t, c32.reshape(1), out=t) for t in ts],
         "float16 copies: _foreach_mul_, float32 device coefficient":
             lambda: torch._foreach_mul_(ts16, c32),
         "float16 copies: AMP unscale kernel, float32 device coefficient":

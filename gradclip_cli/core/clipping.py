@@ -147,6 +147,7 @@ def _use_foreach(group: list[torch.Tensor], device: torch.device, foreach: bool 
     return foreach
 
 
+_HALF = (torch.float16, torch.bfloat16)
 # torch's CPU kernels cannot multiply float8 tensors; they are scaled in float32.
 _FLOAT8 = {getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                              "float8_e5m2fnuz") if hasattr(torch, name)}
@@ -166,17 +167,17 @@ def scale_(
     a synchronisation (a ``Coefficient``, or a CPU tensor) the pass is
     skipped: on the CPU, a step that does not clip then costs the norm alone.
 
-    torch's fused ``_foreach_mul_`` takes a device coefficient only of the
-    tensors' own dtype; a float32 one on half tensors falls back to one
-    unvectorised kernel per tensor, 2.7x the time on an H200 (BENCHMARKS.md,
-    "On a GPU"). So on an accelerator a coefficient known on the host goes to
-    it as a number (multiplied in float32 for half types), and on CUDA a
-    device one scales float16 tensors through torch's AMP unscale kernel
-    (``GradScaler.unscale_``'s): one fused launch, multiplied in float32.
-    bfloat16 tensors keep the kernel per tensor: torch has no fused kernel
-    that multiplies them by a float32 device value, and rounding the
-    coefficient to bfloat16, as torch's own clip does, would move it by up
-    to 0.4%.
+    Half types are multiplied in float32 by the float32 coefficient, rounded
+    once. On an accelerator torch's fused ``_foreach_mul_`` takes a device
+    coefficient only of the tensors' own dtype, and ``t.mul_(c)`` rounds a
+    0-dim ``c`` to ``t``'s dtype first (up to 0.4% off for bfloat16, seen on
+    an H200). So there a coefficient known on the host goes to the fused
+    kernel as a number (multiplied in float32); a device one scales float16
+    tensors through torch's AMP unscale kernel (``GradScaler.unscale_``'s:
+    one fused launch, in float32), and bfloat16 ones, for which torch has no
+    such kernel, one by one with the coefficient as a 1-element tensor, which
+    makes float32 the computation type (2.7x the fused time on an H200:
+    BENCHMARKS.md, "On a GPU").
     """
     if not tensors or _is_one(coef):
         return
@@ -188,16 +189,24 @@ def scale_(
             if dtype in _FLOAT8:
                 for t in group:
                     t.copy_(t.float().mul_(c))
+            elif isinstance(c, torch.Tensor) and device.type != "cpu" and dtype in _HALF:
+                _scale_half_on_device_(group, c.float(), _use_foreach(group, device, foreach))
             elif _use_foreach(group, device, foreach):
-                if isinstance(c, torch.Tensor) and device.type == "cuda" and dtype == torch.float16:
-                    found_nonfinite = torch.zeros(1, device=device)  # not looked at
-                    torch._amp_foreach_non_finite_check_and_unscale_(group, found_nonfinite,
-                                                                     c.float())
-                else:
-                    torch._foreach_mul_(group, c)
+                torch._foreach_mul_(group, c)
             else:
                 for t in group:
                     t.mul_(c)
+
+
+def _scale_half_on_device_(group: list[torch.Tensor], c: torch.Tensor, fused: bool) -> None:
+    """Half tensors on an accelerator times a float32 device ``c``, in float32, rounded once."""
+    if fused and c.device.type == "cuda" and group[0].dtype == torch.float16:
+        found_nonfinite = torch.zeros(1, device=c.device)  # not looked at
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found_nonfinite, c)
+        return
+    c = c.reshape(1)  # a 1-element tensor takes part in type promotion; a 0-dim one does not
+    for t in group:
+        torch.mul(t, c, out=t)
 
 
 def _is_one(coef: torch.Tensor | Coefficient) -> bool:
