@@ -217,7 +217,20 @@ def spawn(worker, out: Path, *args, nprocs: int = WORLD) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, os.fspath(out), *args), nprocs=nprocs)
+    mp.spawn(_closing, args=(worker, port, os.fspath(out), *args), nprocs=nprocs)
+
+
+def _closing(rank: int, worker, *args) -> None:
+    """``worker(rank, *args)``, then the process group closed by every rank together: left
+    to the interpreter's exit, a gloo group's threads aborted a rank now and then under
+    load ("terminate called without an active exception", SIGABRT) after its files were
+    written, and the run failed."""
+    import torch.distributed as dist
+
+    worker(rank, *args)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def build(out: Path, runs: tuple = RUNS) -> None:
