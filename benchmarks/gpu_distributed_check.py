@@ -9,11 +9,13 @@ Meant for a lent device machine, in one call of a few minutes:
    ``torchrun --nproc-per-node 1`` (world size 1 still takes the nccl
    process-group path: join, pieces, gather, agreement); the two JSON
    reports must be identical byte for byte; both are timed;
-3. with two or more GPUs: the same with one rank per GPU, and the drop-ins
-   on CUDA DTensors (FSDP2 ``fully_shard`` on a 1-D mesh, two separate
-   meshes) against the float64 norm of every ``full_tensor()``, for the
-   sync-free float64 path (bf16, p = 2 and inf) and the exact gathered path
-   (float64 gradients, p = 8).
+3. with two or more GPUs, the same with one rank per GPU; and on every GPU
+   (one rank where there is one) the drop-ins on CUDA DTensors (FSDP2
+   ``fully_shard`` on a 1-D mesh, two separate meshes) against the float64
+   norm of every ``full_tensor()``, for the sync-free float64 path (bf16,
+   p = 2 and inf, under torch's sync debug mode set to raise) and the exact
+   gathered path (float64 gradients, p = 8), each total a DTensor replicated
+   on the mesh.
 
 Exit 0 when every check passes (or there is no CUDA), 1 otherwise.
 """
@@ -98,7 +100,7 @@ def dtensor_rank() -> None:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from gradclip_cli import get_total_norm
 
@@ -115,11 +117,20 @@ def dtensor_rank() -> None:
                         generator=torch.Generator("cuda").manual_seed(rank))
         model(x).float().square().sum().backward()
         grads = [q.grad for q in model.parameters()]
-        ours = float(get_total_norm(grads, p))
+        torch.cuda.synchronize()
+        # The sync-free path (bf16, p <= 6) under torch's sync debug mode, raising on a read.
+        torch.cuda.set_sync_debug_mode("error" if dtype == torch.bfloat16 else 0)
+        try:
+            total = get_total_norm(grads, p)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        # A DTensor total, Replicate on the gradients' mesh, as torch returns one.
+        ok &= isinstance(total, DTensor) and list(total.placements) == [Replicate()]
+        ours = float(total.full_tensor())
         ref = _reference(grads, p)
         err = abs(ours - ref) / ref
         ok &= err <= 1e-6
-        lines.append(f"| FSDP2 {world} GPUs | {dtype} | {p} | {err:.1e} |")
+        lines.append(f"| FSDP2 {world} GPU(s) | {dtype} | {p} | {err:.1e} |")
     flat = init_device_mesh("cuda", (world,), mesh_dim_names=("all",))
     other = init_device_mesh("cuda", (world,), mesh_dim_names=("other",))
     g = torch.Generator().manual_seed(1)
@@ -137,12 +148,10 @@ def dtensor_rank() -> None:
 
 
 def check_dtensor() -> bool:
-    gpus = torch.cuda.device_count()
-    if gpus < 2:
-        print("## DTensor drop-ins: skipped (one GPU)\n")
-        return True
-    print(f"## DTensor drop-ins on {min(gpus, 8)} GPUs\n")
-    seconds, done = _timed(_torchrun(min(gpus, 8), "-m", "benchmarks.gpu_distributed_check",
+    gpus = min(torch.cuda.device_count(), 8)
+    # One GPU still takes the DTensor path: a mesh of one rank, its gradients DTensors.
+    print(f"## DTensor drop-ins on {gpus} GPU(s)\n")
+    seconds, done = _timed(_torchrun(gpus, "-m", "benchmarks.gpu_distributed_check",
                                      "--dtensor-rank"))
     print(done.stdout)
     if done.returncode != 0:
