@@ -38,7 +38,10 @@ of 2 stages x 2 tensor-parallel ranks (DeepSpeed's ``PipeModelDataParallelTopolo
 ``TT``) beside ``mp_rank_00`` .. ``mp_rank_03`` (stage x 2 + tensor-parallel rank):
 
 * ``pipe2_zero0/``: without ZeRO, saved at steps 1 and 2;
-* ``pipe2_zero1/``: ZeRO 1 (the most DeepSpeed's pipeline engine takes), saved at step 2.
+* ``pipe2_zero1/``: ZeRO 1 (the most DeepSpeed's pipeline engine takes), saved at step 2;
+* ``pipe1_dp2_zero0/``: one stage x 2 tensor-parallel ranks x 2 data-parallel ranks (as
+  Megatron-DeepSpeed's ``GPTModelPipe`` runs without pipeline parallelism), without ZeRO:
+  ``mp_rank_00``, ``mp_rank_01`` beside ``layer_II-model_TT`` files.
 
 Beside each, ``<run>.reference.pt`` holds the tests' references, rank 0's:
 ``exact``, every parameter's full fp32 master weight, ``exp_avg`` and ``exp_avg_sq``
@@ -77,10 +80,15 @@ RUNS = (
 # On 4 processes: tensor parallelism 2 x data parallelism 2, so that ZeRO cuts each
 # model-parallel rank's flat partition inside a parameter's shard.
 DP_RUNS = (("zero2_dp2", 2, "core", (2,)),)
-# On 4 processes: a PipelineModule of PP stages x TP tensor-parallel ranks, (folder, ZeRO
-# stage, steps saved); DeepSpeed's pipeline engine takes ZeRO 1 at most.
-PP = 2
-PIPE_RUNS = (("pipe2_zero0", 0, (1, 2)), ("pipe2_zero1", 1, (2,)))
+# On 4 processes: a PipelineModule of stages x TP tensor-parallel ranks x the rest
+# data-parallel ranks, (folder, stages, ZeRO stage, steps saved); DeepSpeed's pipeline engine
+# takes ZeRO 1 at most.
+PIPE_WORLD = 4
+PIPE_RUNS = (
+    ("pipe2_zero0", 2, 0, (1, 2)),
+    ("pipe2_zero1", 2, 1, (2,)),
+    ("pipe1_dp2_zero0", 1, 0, (2,)),  # one stage, two data-parallel ranks
+)
 # Each naming's module names: embedding, position embedding, the layers' prefix, the
 # attention's qkv and proj, the MLP's fc1 and fc2, the two layer norms, the final norm,
 # the output layer.
@@ -577,29 +585,33 @@ def _worker(rank: int, port: int, out: str, world: int, runs: tuple) -> None:
 
 def _pipeline_worker(rank: int, port: int, out: str, runs: tuple) -> None:
     """``PIPE_RUNS``: the tiny GPT's layers (``_model(pipeline=True)``, legacy Megatron's
-    names) in a ``PipelineModule`` of ``PP`` stages over ``TP`` tensor-parallel ranks each,
-    DeepSpeed's own topology (``PipeModelDataParallelTopology``: rank = stage * TP +
-    tensor-parallel rank), one data-parallel rank."""
-    _start(rank, port, PP * TP)
+    names) in a ``PipelineModule`` over DeepSpeed's own topology
+    (``PipeModelDataParallelTopology``: rank = (stage x data-parallel ranks +
+    data-parallel rank) x TP + tensor-parallel rank)."""
+    _start(rank, port, PIPE_WORLD)
     import deepspeed
     import torch
     import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    topology = PipeModelDataParallelTopology(num_pp=PP, num_mp=TP, num_dp=1)
-    tp_rank = topology.get_coord(rank).model
-    # The layers' own tensor-parallel groups, made before the module's (every rank makes
-    # every group, in the same order).
-    tp_ranks = topology.get_axis_comm_lists("model")
-    tp_groups = [dist.new_group(ranks) for ranks in tp_ranks]
-    tp_group = next(g for g, ranks in zip(tp_groups, tp_ranks) if rank in ranks)
-    for folder_name, stage, saves in runs:
+    def own_group(ranks_lists):
+        # Every rank makes every group, in the same order (torch.distributed.new_group).
+        groups = [dist.new_group(ranks) for ranks in ranks_lists]
+        return next(g for g, ranks in zip(groups, ranks_lists) if rank in ranks)
+
+    for folder_name, stages, stage, saves in runs:
+        dp = PIPE_WORLD // (stages * TP)
+        topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=TP, num_dp=dp)
+        coord = topology.get_coord(rank)
+        # The layers' own groups, made before the module's.
+        tp_group = own_group(topology.get_axis_comm_lists("model"))
+        dp_group = own_group(topology.get_axis_comm_lists("data"))
         torch.manual_seed(0)
         mirror = torch.nn.Sequential(*_model(1, 0, "legacy", None, pipeline=True))
         _initialised(mirror)
-        layers = _model(TP, tp_rank, "legacy", tp_group, pipeline=True)
-        split = _sharded(torch.nn.Sequential(*layers), mirror, "legacy", tp_rank)
+        layers = _model(TP, coord.model, "legacy", tp_group, pipeline=True)
+        split = _sharded(torch.nn.Sequential(*layers), mirror, "legacy", coord.model)
         plain = torch.optim.AdamW(
             _groups(mirror), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
         )
@@ -611,13 +623,18 @@ def _pipeline_worker(rank: int, port: int, out: str, runs: tuple) -> None:
         )
         base = engine.optimizer if stage == 0 else engine.optimizer.optimizer
         assert type(base).__name__ == "AdamW"
-        g = torch.Generator().manual_seed(stage)  # every rank the same batches
+        # Each data-parallel rank its own batches, the same on its stages' ranks.
+        g = torch.Generator().manual_seed(stage + 100 * coord.data)
         for step in range(1, max(saves) + 1):
             ids = torch.randint(0, VOCAB, (3, CONTEXT), generator=g)
             target = torch.randint(0, VOCAB, (3, CONTEXT), generator=g)
             engine.train_batch(data_iter=iter([(ids, target)]))
             plain.zero_grad()
             _loss(mirror(ids), target).backward()
+            if dp > 1:  # what data parallelism computes: the ranks' gradients averaged
+                for p in mirror.parameters():
+                    dist.all_reduce(p.grad, group=dp_group)
+                    p.grad /= dp
             plain.step()
             if step not in saves:
                 continue
@@ -626,7 +643,7 @@ def _pipeline_worker(rank: int, port: int, out: str, runs: tuple) -> None:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, own)
             exact = {}
-            for held in gathered:  # each stage's parameters (its tensor-parallel ranks alike)
+            for held in gathered:  # each stage's parameters (its other ranks' alike)
                 exact.update(held)
             reference = {
                 "exact": exact,
@@ -643,7 +660,7 @@ def _pipeline_worker(rank: int, port: int, out: str, runs: tuple) -> None:
 
 def build(out: Path, pipeline: bool = False) -> None:
     if pipeline:
-        spawn(_pipeline_worker, out, PIPE_RUNS, nprocs=PP * TP)
+        spawn(_pipeline_worker, out, PIPE_RUNS, nprocs=PIPE_WORLD)
         return
     spawn(_worker, out, TP, RUNS)
     spawn(_worker, out, 2 * TP, DP_RUNS, nprocs=2 * TP)

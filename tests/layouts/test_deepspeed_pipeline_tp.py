@@ -1,6 +1,7 @@
 """DeepSpeed pipeline parallelism over tensor-parallel ranks: a ``PipelineModule`` of 2
 stages x 2 tensor-parallel ranks, written by DeepSpeed's own 4-process CPU run
-(``deepspeed_tp_run.py --pipeline``), without ZeRO and under ZeRO 1.
+(``deepspeed_tp_run.py --pipeline``), without ZeRO and under ZeRO 1; and one stage x 2
+tensor-parallel ranks x 2 data-parallel ranks without ZeRO.
 
 Every number is checked against float64 of the values the engine itself holds at the
 save (its parameters and ``optimizer.state`` without ZeRO, ``safe_get_full_*`` under
@@ -34,6 +35,7 @@ CASES = {
     "zero0": ("pipe2_zero0", "pipe2_zero0.step2", 2),
     "zero0-step1": ("pipe2_zero0/global_step1", "pipe2_zero0.step1", 1),
     "zero1": ("pipe2_zero1", "pipe2_zero1.step2", 2),
+    "zero0-one-stage": ("pipe1_dp2_zero0", "pipe1_dp2_zero0.step2", 2),
 }
 # Each stage's layers: the embeddings and a transformer layer, a transformer layer and the head.
 LAYERS = ("0", "1", "2", "3")
@@ -46,15 +48,21 @@ def test_the_fixture_is_pipeline_and_tensor_parallelism_of_one_model(deepspeed_p
     for case, (path, ref, step) in CASES.items():
         folder = deepspeed_pp_tp_runs / path
         tag = folder if folder.name.startswith("global_step") else folder / f"global_step{step}"
-        optim = [OPTIM.format(r) for r in range(4)] if case == "zero1" else []
+        stages = 1 if "one-stage" in case else 2
+        ranks = range(2 * stages)  # stage x 2 + tensor-parallel rank
+        optim = [OPTIM.format(r) for r in ranks] if case == "zero1" else []
         layers = [LAYER.format(i, t) for i in range(4) for t in range(2)]
         assert sorted(os.listdir(tag)) == sorted(
-            layers + [MODEL.format(r) for r in range(4)] + optim
+            layers + [MODEL.format(r) for r in ranks] + optim
         ), case
-        for r in range(4):
+        for r in ranks:
             root = torch.load(tag / MODEL.format(r), weights_only=False)
-            assert root["mp_world_size"] == 4 and root["module"] is None
-            assert root["checkpoint_parallel_dimensions"] == {"pp_degree": 2, "tp_degree": 2}
+            assert root["mp_world_size"] == len(ranks) and root["module"] is None
+            assert root["dp_world_size"] == 4 // len(ranks)
+            assert root["checkpoint_parallel_dimensions"] == {
+                "pp_degree": stages,
+                "tp_degree": 2,
+            }
         reference = _reference(deepspeed_pp_tp_runs, ref)
         assert list(reference["exact"]) == reference["order"]
         for name, entry in reference["exact"].items():
@@ -140,6 +148,10 @@ def test_the_report_says_what_it_read(deepspeed_pp_tp_runs):
         "data-parallel rank(s), DeepSpeed" in zero1
     )
     assert "fp32 master weights and Adam moments of 29 parameters" in zero1
+    one = unwrapped(run_cli("inspect", deepspeed_pp_tp_runs / "pipe1_dp2_zero0",
+                            "--no-progress", "--top", "0").out)
+    assert "2 model-parallel ranks (mp_rank_00, mp_rank_01) x 2 data-parallel rank(s)" in one
+    assert "15 replicated (counted once, from mp_rank_00" in one
     assert "14 tensors split across the tensor-parallel ranks" in zero1
     doc = _inspect(deepspeed_pp_tp_runs / "pipe2_zero1")
     assert doc["measured"]["evidence"] == (
