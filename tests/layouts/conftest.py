@@ -218,6 +218,16 @@ def deepspeed_tp_runs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def deepspeed_pp_tp_runs(tmp_path_factory) -> Path:
+    """Real DeepSpeed checkpoints of a ``PipelineModule`` of 2 stages x 2 tensor-parallel
+    ranks on 4 processes (``deepspeed_tp_run.py --pipeline``): ``pipe2_zero0/`` (saved at
+    steps 1 and 2) and ``pipe2_zero1/``, each with ``<run>.step<N>.reference.pt`` beside."""
+    out = tmp_path_factory.mktemp("deepspeed_pp_tp")
+    _deepspeed_run("deepspeed_tp_run", out, "--pipeline")
+    return out
+
+
+@pytest.fixture(scope="session")
 def deepspeed_cpu_adam(tmp_path_factory) -> Path:
     """ZeRO 2 with the optimizer offloaded: DeepSpeed's own ``DeepSpeedCPUAdam``
     (``deepspeed_runs.py --cpu-adam``): ``zero2_cpu_adam/`` and its reference. Compiling

@@ -65,7 +65,15 @@ Pipeline parallelism (``deepspeed.pipe.PipelineModule``) saves each layer's stat
 ``layer_II-model_states.pt`` (``II`` its global index, which names it: ``II.weight``)
 beside one ``mp_rank_XX`` per stage. Under ZeRO the stages are read from their optimizer
 files (``_check_stages``); without ZeRO the weights are the layer files' and the moments
-each stage's ``optimizer`` (``_Reader.pipeline``).
+each stage's ``optimizer`` (``_Reader.pipeline``). With tensor parallelism as well
+(``checkpoint_parallel_dimensions``: ``pp_degree`` x ``tp_degree``, as many as the
+``mp_rank_XX``), DeepSpeed's topology numbers the ranks stage by stage: ``mp_rank_XX`` is
+stage ``XX // tp_degree``'s tensor-parallel rank ``XX % tp_degree``, and layer ``II``'s
+shards of tensor-parallel rank ``TT`` are ``layer_II-model_TT-model_states.pt``. Each
+tensor-parallel rank's stages are joined as above, then the ranks as tensor-parallel ranks
+are: a split parameter its shards side by side, a replicated one once, from its stage's
+tensor-parallel rank 0 (``_tensor_parallel``). DeepSpeed's pipeline engine takes ZeRO 1
+at most.
 
 Every file goes through the restricted reader, with DeepSpeed's own pickled
 classes mapped to inert stand-ins (``files/deepspeed_pickle.py``), and the
@@ -121,7 +129,7 @@ _PLAIN = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 _PIPELINE_LAYER = re.compile(r"layer_\d+(?:-model_\d+)?-model_states\.pt")
 # Its layer index (global, as the module names the layer) and the tensor-parallel rank
 # (``-model_XX``, DeepSpeed's topology's rank name) where there is one.
-_LAYER_FILE = re.compile(r"layer_(\d+)(-model_\d+)?-model_states\.pt")
+_LAYER_FILE = re.compile(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt")
 # Megatron-DeepSpeed passes Megatron's client state (``args``, an ``argparse.Namespace``;
 # numpy RNG state) to ``save_checkpoint``, which keeps it in the model state files: read as
 # inert data, as Megatron's own checkpoints are.
@@ -321,15 +329,23 @@ class _Reader:
         parts = [self.part(mp, prefixes[0]) for mp in mp_ranks]
         first = parts[0]
         pipeline = any(_PIPELINE_LAYER.fullmatch(n) for n in names)
-        stages = _check_model_parallel(parts, self.folder, pipeline)
+        stages, tp = _check_model_parallel(parts, self.folder, pipeline)
         contents = Contents(
             path=given, kind=KIND, files=list(self.files), trusted_pickle=self.trusted
         )
         split = 0
         if len(parts) == 1:
             weights, optimizer = first.weights, first.optimizer
-        elif stages:
-            weights, optimizer = _pipeline_stages(parts)
+        elif stages > 1 and tp == 1:
+            joined = _pipeline_stages(parts)
+            weights, optimizer = joined.weights, joined.optimizer
+        elif stages > 1:
+            # Each tensor-parallel rank's stages joined, then the ranks as without stages.
+            ranks = [_pipeline_stages(parts[t::tp]) for t in range(tp)]
+            _check_alike(ranks)
+            # A name is in its stage's param_shapes (tensor-parallel rank 0's named).
+            where = {n: p.model.path for p in parts[::tp] for n in p.weights}
+            weights, optimizer, split = _tensor_parallel(ranks, where)
         else:
             weights, optimizer, split = _tensor_parallel(parts)
         # param_shapes lists parameters group by group; the module's state dict
@@ -345,8 +361,8 @@ class _Reader:
         contents.optimizers = [optimizer]
         models = _span([p.model.path.name for p in parts])
         held = _span([p.held for p in parts])
-        ranks = f" of {len(parts)} {'pipeline stages' if stages else 'model-parallel ranks'}"
-        ranks = ranks if len(parts) > 1 else ""
+        ranks_of = _ranks_of(stages, tp)
+        ranks = f" of {ranks_of}" if len(parts) > 1 else ""
         contents.evidence[roles.WEIGHT] = (
             f"a DeepSpeed checkpoint{ranks}: {models}, fp32 master weights in {held}"
         )
@@ -354,13 +370,11 @@ class _Reader:
         version = self.header(
             contents, first.model.root, given, f"DeepSpeed ZeRO stage {first.stage} checkpoint"
         )
-        ranks_of = "pipeline stages" if stages else "model-parallel ranks"
-        mp = (
-            f"{len(parts)} {ranks_of} ({_span([_mp(r) for r in mp_ranks])}) x "
-            if len(parts) > 1
-            else ""
+        mp = f"{ranks_of} ({_span([_mp(r) for r in mp_ranks])}) x " if len(parts) > 1 else ""
+        # Each stage's parameters once (from its tensor-parallel rank 0).
+        trainable = sum(len(p.trainable) for p in parts[::tp]) if stages > 1 else len(
+            first.trainable
         )
-        trainable = sum(len(p.trainable) for p in parts) if stages else len(first.trainable)
         contents.description.append(
             f"{mp}{first.world} data-parallel rank(s){version}: fp32 master weights and Adam "
             f"moments of {trainable} parameters"
@@ -372,8 +386,8 @@ class _Reader:
                 "a PipelineModule checkpoint: its layer_XX-model_states.pt files are not read, "
                 "so parameters without optimizer state (frozen), if any, are left out"
             )
-        if len(parts) > 1 and not stages:
-            _note_split(contents, split, len(weights))
+        if len(parts) > 1 and tp > 1:
+            _note_split(contents, split, len(weights), stages)
         if first.frozen:
             contents.description.append(
                 f"{len(first.frozen)} frozen parameter(s): weights without Adam moments "
@@ -647,14 +661,13 @@ class _Reader:
         ``layer_II-model_states.pt``, ``II`` the layer's global index, which names the layer
         as the module does (``II.weight``, as ZeRO's ``param_shapes`` of a PipelineModule).
 
-        Stages hold consecutive layers in order, and DeepSpeed hands each stage's optimizer
-        that stage's parameters: with several stages, stage ``XX``'s optimizer holds the next
-        as many parameters of the layers in index order as its param groups list, mapped to
-        names by shape within them (``what.map_names``); one stage's optimizer may hold fewer
-        (parameters left out of it, frozen). Counts or shapes that disagree are refused. A
-        layer tied across layers (``TiedLayerSpec``) is saved by each layer that uses it:
-        two layer files holding equal weight matrices are refused rather than counted twice.
-        """
+        With tensor parallelism each stage has ``tp_degree`` ranks: layer ``II``'s shards of
+        tensor-parallel rank ``TT`` are ``layer_II-model_TT-model_states.pt``, and DeepSpeed's
+        topology numbers the rank files stage by stage (``mp_rank_XX``: stage
+        ``XX // tp_degree``, tensor-parallel rank ``XX % tp_degree``). Each tensor-parallel
+        rank is read as a pipeline of its own (``pipeline_rank``), then the ranks are joined
+        as without stages: a split parameter its shards side by side, a replicated one once
+        (``_tensor_parallel``), the ranks checked alike (``_check_alike``)."""
         names = os.listdir(self.folder)
         stages = sorted(int(m.group(1)) for n in names if (m := _PLAIN.fullmatch(n)))
         if stages != list(range(len(stages))):
@@ -663,27 +676,12 @@ class _Reader:
                 f"{self.folder}: holds pipeline stages {', '.join(_mp(r) for r in stages)} "
                 f"but no {_mp(missing)}: the stages are incomplete"
             )
-        layers: dict[int, str] = {}
-        for n in sorted(names):
-            m = _LAYER_FILE.fullmatch(n)
-            if m is None:
-                continue
-            if m.group(2):
-                raise InputError(
-                    f"{self.folder / n}: a layer file of a tensor-parallel rank "
-                    f"({visible(m.group(2)[1:])}); gradclip reads DeepSpeed pipeline stages "
-                    "without ZeRO and without tensor parallelism"
-                )
-            index = int(m.group(1))
-            if index in layers:
-                raise InputError(
-                    f"{self.folder / n}: layer {index} is also saved as {layers[index]}"
-                )
-            layers[index] = n
+        layers = _layer_names(self.folder, names)
+        tp = len(layers)
         models = [self.load(f"{_mp(s)}_model_states.pt") for s in stages]
         first = models[0]
         for model in models:
-            _check_saved_without_zero(model, len(stages))
+            _check_saved_without_zero(model, pipeline_files=len(stages), tp=tp)
             for key in ("global_steps", "ds_version"):
                 if model.root.get(key) != first.root.get(key):
                     raise InputError(
@@ -699,6 +697,71 @@ class _Reader:
                     "not parameters, cannot be told"
                 )
             buffer_names.update(listed)
+        read = [self.pipeline_rank(models[t::tp], layers[t], buffer_names) for t in range(tp)]
+        params, buffers, optimizer = read[0]
+        split = 0
+        if tp > 1:
+            parts = []
+            for t, (weights, _, own) in enumerate(read):
+                named = own.param_names or {}
+                trainable = {named[p]: tuple(weights[named[p]].shape) for p in _with_state(own)}
+                dp = models[t].root.get("dp_world_size")
+                world = dp if _count(dp) else 1
+                parts.append(_Part(t, models[t], 0, world, trainable, weights, {}, own, ""))
+            _check_alike(parts)
+            # A name is its layer file's (tensor-parallel rank 0's named).
+            where = {n: t.pieces[0].file for n, t in params.items()}
+            params, optimizer, split = _tensor_parallel(parts, where)
+        contents = Contents(
+            path=given, kind=KIND, files=list(self.files), trusted_pickle=self.trusted
+        )
+        contents.weights = params
+        contents.model_order_names = list(params)
+        contents.buffers = buffers or None
+        contents.optimizers = [optimizer]
+        every = sorted(n for rank in layers for n in rank.values())
+        files = _span(every)
+        held = _span([f"{m.path.name}'s 'optimizer'" for m in models])
+        ranks = _ranks_of(len(models) // tp, tp)
+        of = f" of {ranks}" if len(models) > 1 else ""
+        contents.evidence[roles.WEIGHT] = (
+            f"a DeepSpeed pipeline checkpoint without ZeRO{of}: the layer files ({files})"
+        )
+        contents.evidence[roles.OPTIMIZER_STATE] = (
+            f"a DeepSpeed pipeline checkpoint without ZeRO{of}: {held}"
+        )
+        version = self.header(
+            contents, first.root, given, "DeepSpeed pipeline checkpoint without ZeRO (stage 0)"
+        )
+        dp = first.root.get("dp_world_size")
+        dp_note = f" x {dp} data-parallel rank(s)" if _count(dp) else ""
+        with_state = _with_state(optimizer)
+        ranks = f"{len(models)} pipeline stage(s)" if tp == 1 else ranks
+        contents.description.append(
+            f"{ranks} ({_span([_mp(s) for s in stages])}){dp_note}{version}: weights of "
+            f"{len(params)} parameters in {len(every)} layer files ({files}), Adam moments "
+            f"of {len(with_state)}"
+        )
+        if tp > 1:
+            _note_split(contents, split, len(params), len(models) // tp)
+        _note_frozen(contents, len(params) - len(with_state))
+        return contents
+
+    def pipeline_rank(
+        self, models: list[Checkpoint], layers: dict[int, str], buffer_names: set[str]
+    ) -> tuple[dict[str, StoredTensor], dict[str, StoredTensor], OptimizerState]:
+        """One tensor-parallel rank of a pipeline without ZeRO (the only one without tensor
+        parallelism): its stages' model state files ``models`` and its layer files
+        ``layers`` (by global index), read as ``(parameters, buffers, optimizer state)``.
+
+        Stages hold consecutive layers in order, and DeepSpeed hands each stage's optimizer
+        that stage's parameters: with several stages, stage ``XX``'s optimizer holds the next
+        as many parameters of the layers in index order as its param groups list, mapped to
+        names by shape within them (``what.map_names``); one stage's optimizer may hold fewer
+        (parameters left out of it, frozen). Counts or shapes that disagree are refused. A
+        layer tied across layers (``TiedLayerSpec``) is saved by each layer that uses it:
+        two layer files holding equal weight matrices are refused rather than counted twice.
+        """
         params: dict[str, StoredTensor] = {}
         buffers: dict[str, StoredTensor] = {}
         for index in sorted(layers):
@@ -752,36 +815,8 @@ class _Reader:
                 f"{models[-1].path}: the stages' optimizers list {taken} parameters, but the "
                 f"layer files hold {len(order)}: the layer files and the optimizers disagree"
             )
-        optimizer, _ = chained(optimizers, first.path)
-        contents = Contents(
-            path=given, kind=KIND, files=list(self.files), trusted_pickle=self.trusted
-        )
-        contents.weights = params
-        contents.model_order_names = order
-        contents.buffers = buffers or None
-        contents.optimizers = [optimizer]
-        files = _span([layers[i] for i in sorted(layers)])
-        held = _span([f"{m.path.name}'s 'optimizer'" for m in models])
-        of = f" of {len(models)} pipeline stages" if len(models) > 1 else ""
-        contents.evidence[roles.WEIGHT] = (
-            f"a DeepSpeed pipeline checkpoint without ZeRO{of}: the layer files ({files})"
-        )
-        contents.evidence[roles.OPTIMIZER_STATE] = (
-            f"a DeepSpeed pipeline checkpoint without ZeRO{of}: {held}"
-        )
-        version = self.header(
-            contents, first.root, given, "DeepSpeed pipeline checkpoint without ZeRO (stage 0)"
-        )
-        dp = first.root.get("dp_world_size")
-        dp_note = f" x {dp} data-parallel rank(s)" if _count(dp) else ""
-        with_state = _with_state(optimizer)
-        contents.description.append(
-            f"{len(models)} pipeline stage(s) ({_span([_mp(s) for s in stages])}){dp_note}"
-            f"{version}: weights of {len(params)} parameters in {len(layers)} layer files "
-            f"({files}), Adam moments of {len(with_state)}"
-        )
-        _note_frozen(contents, len(params) - len(with_state))
-        return contents
+        optimizer, _ = chained(optimizers, models[0].path)
+        return params, buffers, optimizer
 
 
 def _with_state(optimizer) -> list:
@@ -805,12 +840,24 @@ def _note_zero_gradient_step(contents, optimizer, with_state: list) -> None:
         )
 
 
-def _note_split(contents, split: int, count: int) -> None:
-    """How many of ``count`` tensors the model-parallel ranks split, and how many they copy."""
+def _ranks_of(stages: int, tp: int) -> str:
+    """The model-parallel ranks, in words: ``2 pipeline stages x 2 tensor-parallel ranks``."""
+    if stages == 1:
+        return f"{tp} model-parallel ranks"
+    if tp == 1:
+        return f"{stages} pipeline stages"
+    return f"{stages} pipeline stages x {tp} tensor-parallel ranks"
+
+
+def _note_split(contents, split: int, count: int, stages: int = 1) -> None:
+    """How many of ``count`` tensors the model-parallel ranks split, and how many they copy
+    (each stage's tensor-parallel rank 0 keeping the copy counted, under pipeline stages)."""
+    ranks = "model-parallel ranks" if stages == 1 else "tensor-parallel ranks"
+    once = _mp(0) if stages == 1 else "each stage's tensor-parallel rank 0"
     contents.description.append(
-        f"{split} tensors split across the model-parallel ranks (measured as their "
-        f"shards together), {count - split} replicated (counted once, from "
-        f"{_mp(0)}, as Megatron's get_grad_norm_fp32 does), by Megatron's layer names"
+        f"{split} tensors split across the {ranks} (measured as their shards together), "
+        f"{count - split} replicated (counted once, from {once}, as Megatron's "
+        "get_grad_norm_fp32 does), by Megatron's layer names"
     )
 
 
@@ -847,10 +894,13 @@ def _plain_number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _check_saved_without_zero(model: Checkpoint, stages: int = 0, ranks: int = 1) -> None:
+def _check_saved_without_zero(
+    model: Checkpoint, pipeline_files: int = 0, ranks: int = 1, tp: int = 1
+) -> None:
     """A ZeRO checkpoint whose optimizer files are gone is not one saved without ZeRO; and
-    it has one model-parallel rank, or (``stages``) is one of that many pipeline stages
-    without tensor parallelism, or (``ranks``) one of that many model-parallel ranks,
+    it has one model-parallel rank, or is one of ``pipeline_files`` model state files of a
+    pipeline whose layer files are those of ``tp`` tensor-parallel ranks (so
+    ``pipeline_files // tp`` stages), or (``ranks``) one of that many model-parallel ranks,
     whose counts ``_check_model_parallel`` checks."""
     config = model.root.get("ds_config")
     zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
@@ -861,20 +911,24 @@ def _check_saved_without_zero(model: Checkpoint, stages: int = 0, ranks: int = 1
             "recorded), but the folder holds no zero_pp_rank_*_optim_states.pt: the "
             "optimizer's files are missing"
         )
-    dims = model.root.get("checkpoint_parallel_dimensions")
-    dims = dims if isinstance(dims, Mapping) else {}
-    if stages:
+    dims = _dims(model)
+    if pipeline_files:
+        files = pipeline_files
+        held = (
+            f"{files} pipeline stage file(s) (mp_rank_XX_model_states.pt) beside its layer files"
+            if tp == 1
+            else f"{files} model state files (mp_rank_XX_model_states.pt) beside the layer "
+            f"files of {tp} tensor-parallel ranks"
+        )
         for key, size, expected in (
-            ("mp_world_size", model.root.get("mp_world_size"), stages),
-            ("pp_degree", dims.get("pp_degree"), stages),
-            ("tp_degree", dims.get("tp_degree"), 1),
+            ("mp_world_size", model.root.get("mp_world_size"), files),
+            ("pp_degree", dims.get("pp_degree"), files // tp if files % tp == 0 else None),
+            ("tp_degree", dims.get("tp_degree"), tp),
         ):
             if not _count(size) or size != expected:
                 raise InputError(
                     f"{model.path}: {key} is {visible(repr(size))[:40]}, but the folder holds "
-                    f"{stages} pipeline stage file(s) (mp_rank_XX_model_states.pt) beside its "
-                    "layer files; gradclip reads DeepSpeed pipeline stages without ZeRO, all "
-                    "of them and without tensor parallelism"
+                    f"{held}; gradclip reads DeepSpeed pipeline stages without ZeRO, all of them"
                 )
         return
     if ranks > 1:
@@ -1022,6 +1076,49 @@ def _layer_files(folder: Path) -> list[str]:
         return []
 
 
+def _layer_names(folder: Path, names: list[str]) -> list[dict[int, str]]:
+    """A pipeline's layer files, ``{global layer index: file name}`` per tensor-parallel rank
+    (``layer_II-model_TT-model_states.pt``; one rank where the names carry none): the ranks
+    ``00`` on without a gap, each with the same layers."""
+    ranks: dict[int | None, dict[int, str]] = {}
+    for n in sorted(names):
+        m = _LAYER_FILE.fullmatch(n)
+        if m is None:
+            continue
+        index = int(m.group(1))
+        held = ranks.setdefault(None if m.group(2) is None else int(m.group(2)), {})
+        if index in held:
+            raise InputError(f"{folder / n}: layer {index} is also saved as {held[index]}")
+        held[index] = n
+    if None in ranks:
+        if len(ranks) > 1:
+            raise InputError(
+                f"{folder}: holds layer files of tensor-parallel ranks (layer_II-model_TT-"
+                "model_states.pt) and without one (layer_II-model_states.pt): which belong to "
+                "this checkpoint is unclear"
+            )
+        return [ranks[None]]
+    tps = sorted(ranks)
+    if tps != list(range(len(tps))):
+        missing = next(t for t in range(len(tps)) if t not in ranks)
+        raise InputError(
+            f"{folder}: holds layer files of tensor-parallel ranks "
+            f"{', '.join(f'model_{t:02d}' for t in tps)} but none of model_{missing:02d}: the "
+            "tensor-parallel ranks are incomplete"
+        )
+    every = sorted(set().union(*ranks.values()))
+    for t in tps:
+        for index in every:
+            if index not in ranks[t]:
+                other = next(ranks[o][index] for o in tps if index in ranks[o])
+                raise InputError(
+                    f"{folder / f'layer_{index:02d}-model_{t:02d}-model_states.pt'}: missing "
+                    f"(the other tensor-parallel ranks' layer files, {other} among them, "
+                    "expect it)"
+                )
+    return [ranks[t] for t in tps]
+
+
 def _mp(rank: int) -> str:
     return f"mp_rank_{rank:02d}"
 
@@ -1057,33 +1154,58 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_model_parallel(parts: list[_Part], folder: Path, pipeline: bool) -> bool:
+def _dims(model: Checkpoint) -> Mapping:
+    dims = model.root.get("checkpoint_parallel_dimensions")
+    return dims if isinstance(dims, Mapping) else {}
+
+
+def _check_model_parallel(parts: list[_Part], folder: Path, pipeline: bool) -> tuple[int, int]:
     """The model-parallel ranks are one checkpoint: each says how many there are (DeepSpeed's
     ``mp_world_size`` and ``checkpoint_parallel_dimensions``, Megatron's args), and they agree
-    on the ZeRO layout, the step and every parameter's name and shape.
+    on the ZeRO layout, the step and every parameter's name and shape. Returns the number of
+    pipeline stages and of tensor-parallel ranks (``(1, len(parts))`` for tensor-parallel
+    ranks alone).
 
-    Or (True) they are the stages of a pipeline (``pipeline``: layer files beside them,
-    ``pp_degree`` the number of ranks, ``tp_degree`` 1), each holding other parameters."""
+    Or they are the ranks of a pipeline (``pipeline``: layer files beside them, ``pp_degree``
+    stages x ``tp_degree`` tensor-parallel ranks, as many as the rank files): DeepSpeed's
+    topology numbers them stage by stage, ``mp_rank_XX`` stage ``XX // tp_degree`` and
+    tensor-parallel rank ``XX % tp_degree``; each tensor-parallel rank's stages hold other
+    parameters (``_check_stages``), and are checked alike once joined (``_check_alike``)."""
     n = len(parts)
-    dims = parts[0].model.root.get("checkpoint_parallel_dimensions")
-    dims = dims if isinstance(dims, Mapping) else {}
-    pp = dims.get("pp_degree")
+    dims = _dims(parts[0].model)
+    pp, tp = dims.get("pp_degree"), dims.get("tp_degree")
     # One stage (pp_degree 1) of a PipelineModule, as Megatron-DeepSpeed's GPTModelPipe runs
     # without pipeline parallelism, is read as any model-parallel set.
     if pipeline and n > 1 and _count(pp) and pp > 1:
-        if pp != n or dims.get("tp_degree") != 1:
+        if not _count(tp) or tp < 1 or pp * tp != n:
             raise InputError(
                 f"{parts[0].model.path}: a pipeline checkpoint whose "
                 f"checkpoint_parallel_dimensions are {visible(repr(dims))[:80]}, for {n} rank "
-                "files; gradclip reads DeepSpeed pipeline stages without tensor parallelism"
+                "files: pp_degree x tp_degree should count them"
             )
-        _check_stages(parts)
-        return True
+        for part in parts:
+            args = _args(part.model)
+            for key, size, expected in (
+                ("mp_world_size", part.model.root.get("mp_world_size"), n),
+                ("checkpoint_parallel_dimensions", _dims(part.model), dims),
+                # Megatron's args, where saved.
+                ("args.tensor_model_parallel_size", args.get("tensor_model_parallel_size", tp), tp),
+                ("args.pipeline_model_parallel_size",
+                 args.get("pipeline_model_parallel_size", pp), pp),
+            ):
+                if size != expected:
+                    raise InputError(
+                        f"{part.model.path}: its {key} is {visible(repr(size))[:80]}, but "
+                        f"{folder.name}/ holds {n} rank files, {pp} pipeline stages x {tp} "
+                        "tensor-parallel rank(s): the ranks are not one checkpoint"
+                    )
+        for t in range(tp):
+            _check_stages(parts[t::tp])
+        return pp, tp
     held = f"{folder.name}/ holds {n} model-parallel rank(s)"
     for part in parts:
         root, file = part.model.root, part.model.path
-        dims = root.get("checkpoint_parallel_dimensions")
-        dims = dims if isinstance(dims, Mapping) else {}
+        dims = _dims(part.model)
         args = _args(part.model)
         for key, size in (
             ("mp_world_size", root.get("mp_world_size")),
@@ -1101,6 +1223,13 @@ def _check_model_parallel(parts: list[_Part], folder: Path, pipeline: bool) -> b
                     f"{file}: {key} is {visible(repr(size))[:40]}; gradclip "
                     "reads DeepSpeed checkpoints of tensor-parallel ranks only"
                 )
+    _check_alike(parts)
+    return 1, n
+
+
+def _check_alike(parts: list[_Part]) -> None:
+    """Tensor-parallel ranks are one checkpoint: the same ZeRO layout, step, DeepSpeed version,
+    and every parameter's name and shape (their shards'), trained ones in the same order."""
     first = parts[0]
     for part in parts[1:]:
         file = part.model.path
@@ -1127,25 +1256,16 @@ def _check_model_parallel(parts: list[_Part], folder: Path, pipeline: bool) -> b
                 f"{file}: its parameters differ from {first.model.path.name}'s"
                 f"{which}: the ranks are not one model"
             )
-    return False
 
 
 def _check_stages(parts: list[_Part]) -> None:
-    """Pipeline stages are one checkpoint: the same counts, ZeRO layout and step on every
-    stage, and each parameter on one stage only (a layer tied across stages, whose copies
-    the stages keep alike, is refused rather than counted twice or guessed once)."""
+    """Pipeline stages are one checkpoint: the same ZeRO layout and step on every stage, and
+    each parameter on one stage only (a layer tied across stages, whose copies the stages
+    keep alike, is refused rather than counted twice or guessed once)."""
     first = parts[0]
     seen: dict[str, Path] = {}
     for part in parts:
         file = part.model.path
-        dims = part.model.root.get("checkpoint_parallel_dimensions")
-        if dims != first.model.root.get("checkpoint_parallel_dimensions") or (
-            part.model.root.get("mp_world_size") != len(parts)
-        ):
-            raise InputError(
-                f"{file}: its mp_world_size or checkpoint_parallel_dimensions differ from "
-                f"the {len(parts)} stages' files: the stages are not one checkpoint"
-            )
         if (part.stage, part.world) != (first.stage, first.world):
             raise InputError(
                 f"{file}: ZeRO stage {part.stage} over {part.world} data-parallel ranks, "
@@ -1167,39 +1287,43 @@ def _check_stages(parts: list[_Part]) -> None:
             seen[name] = file
 
 
-def _pipeline_stages(parts: list[_Part]) -> tuple[dict[str, StoredTensor], OptimizerState]:
-    """The stages' parameters side by side, in stage order, and their optimizer states as
-    one: each stage's param groups kept (their hyperparameters), its ids renumbered."""
-    weights: dict[str, StoredTensor] = {}
-    groups: list[dict[str, Any]] = []
-    state: dict[int, dict[str, Any]] = {}
-    names: dict[int, str] = {}
-    for part in parts:
-        weights.update(part.weights)
-        own = part.optimizer
-        for group in own.param_groups:
-            ids = []
-            for pid in group["params"]:
-                new = len(names)
-                names[new] = (own.param_names or {})[pid]
-                state[new] = own.state[pid]
-                ids.append(new)
-            groups.append({**group, "params": ids})
-    return weights, OptimizerState(groups, state, names, parts[0].optimizer.file)
+def _pipeline_stages(parts: list[_Part]) -> _Part:
+    """One tensor-parallel rank's stages as one part: their parameters side by side, in
+    stage order, and their optimizer states as one (``chained``: each stage's param groups
+    kept, with their hyperparameters)."""
+    first = parts[0]
+    optimizer, _ = chained([p.optimizer for p in parts], first.optimizer.file)
+    return _Part(
+        first.mp,
+        first.model,
+        first.stage,
+        first.world,
+        {n: s for p in parts for n, s in p.trainable.items()},
+        {n: t for p in parts for n, t in p.weights.items()},
+        {n: t for p in parts for n, t in p.frozen.items()},
+        optimizer,
+        first.held,
+    )
 
 
 # The hyperparameters the moments are read with: the same on every model-parallel rank.
 _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad")
 
 
-def _tensor_parallel(parts: list[_Part]) -> tuple[dict[str, StoredTensor], OptimizerState, int]:
+def _tensor_parallel(
+    parts: list[_Part], where: Mapping[str, Path] | None = None
+) -> tuple[dict[str, StoredTensor], OptimizerState, int]:
     """The model-parallel ranks' shards as whole parameters, and their moments alike: split
     or replicated as Megatron's layer names say (``tensor_parallel``); and how many are
-    split."""
+    split. A name the rule cannot place is refused naming the file it was read from
+    (``where``; else the first rank's model state file, whose ``param_shapes`` name it)."""
     first = parts[0]
     shapes = {n: tuple(t.shape) for n, t in first.weights.items()}
     hidden = hidden_size(_args(first.model), shapes)
-    axes = {n: split_axis(n, s, hidden, first.model.path) for n, s in shapes.items()}
+    where = where or {}
+    axes = {
+        n: split_axis(n, s, hidden, where.get(n, first.model.path)) for n, s in shapes.items()
+    }
     weights = {n: merged(n, [p.weights[n] for p in parts], axes[n]) for n in shapes}
     names = first.optimizer.param_names or {}
 
@@ -1208,9 +1332,14 @@ def _tensor_parallel(parts: list[_Part]) -> tuple[dict[str, StoredTensor], Optim
 
     for part in parts[1:]:
         if hyper(part) != hyper(first):
+            # The first group that differs names the file (a pipeline's groups are its
+            # stages' files').
+            g = next((g for g, (a, b) in enumerate(zip(hyper(part), hyper(first))) if a != b), 0)
+            pid = next(iter(part.optimizer.param_groups[g]["params"]), None)
             raise InputError(
-                f"{part.optimizer.file}: its param groups' {', '.join(_HYPER)} differ from "
-                f"{first.optimizer.file.name}'s: the ranks are not one checkpoint"
+                f"{_held_in(part.optimizer, pid)}: its param groups' {', '.join(_HYPER)} "
+                f"differ from {_held_in(first.optimizer, pid).name}'s: the ranks are not one "
+                "checkpoint"
             )
     state = {}
     for pid, entry in first.optimizer.state.items():
@@ -1219,8 +1348,9 @@ def _tensor_parallel(parts: list[_Part]) -> tuple[dict[str, StoredTensor], Optim
         for part in parts[1:]:
             if part.optimizer.state[pid].get("step") != entry.get("step"):
                 raise InputError(
-                    f"{part.optimizer.file}: Adam's step of {visible(name)} differs from "
-                    f"{first.optimizer.file.name}'s: the ranks are not one checkpoint"
+                    f"{_held_in(part.optimizer, pid)}: Adam's step of {visible(name)} differs "
+                    f"from {_held_in(first.optimizer, pid).name}'s: the ranks are not one "
+                    "checkpoint"
                 )
         for key, value in entry.items():
             if isinstance(value, StoredTensor):
@@ -1229,6 +1359,15 @@ def _tensor_parallel(parts: list[_Part]) -> tuple[dict[str, StoredTensor], Optim
         state[pid] = entry
     optimizer = OptimizerState(first.optimizer.param_groups, state, names, first.optimizer.file)
     return weights, optimizer, sum(axis is not None for axis in axes.values())
+
+
+def _held_in(optimizer: OptimizerState, pid: int | None) -> Path:
+    """The file that holds parameter ``pid``'s moments (a pipeline's state spans its stages'
+    files), else the optimizer's."""
+    moment = optimizer.state.get(pid, {}).get("exp_avg") if pid is not None else None
+    if isinstance(moment, StoredTensor) and moment.pieces and moment.pieces[0].file is not None:
+        return moment.pieces[0].file
+    return optimizer.file
 
 
 def _frozen_in_module(model: Checkpoint, trainable: Mapping) -> dict[str, StoredTensor]:
