@@ -57,13 +57,28 @@ optimizer's state as Megatron-LM's ``--dist-ckpt-optim-fully-reshardable`` does
 the data-parallel ranks; the shims also keep its gather's ``.cuda()`` copies on the CPU);
 its reference is the state Megatron's ``dist_checkpointing.load`` gives, under the same
 ``distopt.*`` names.
+``moe`` makes each layer's MLP a Mixture of Experts (``num_moe_experts`` 4, the local
+spec's ``SequentialMLP`` of local MLPs, a top-2 router with its all-gather token dispatcher
+and a load-balancing loss; no biases in the linear layers, as MoE models train); Megatron
+saves each expert stacked by layer and by its global expert index (two prepended axes:
+``decoder.layers.mlp.experts.experts.linear_fc1.weight``, ``[layers, experts, ...]``), the
+router as ``decoder.layers.mlp.router.weight``. A CPU shim more: without Transformer Engine
+megatron-core 0.16.1 leaves the router's ``te_general_gemm`` undefined where it asks
+whether it is None (set to None: its torch.mm path). ``moe ep`` makes the ranks expert
+parallel too (``expert_model_parallel_size`` N: each rank holds 4/N of every layer's
+experts, saved as its chunks of the expert axis, and is data parallel for the rest; an
+expert's gradient is summed over its expert-data-parallel group alone, then scaled by
+1/DP, as Megatron's DDP scales it); each rank's reference is then its own, as under tensor
+parallelism.
 
 Then Megatron's own ``dist_checkpointing.load`` reads each step back into
 the sharded state dict of a freshly built model and optimizer, saved as
 ``OUT/reference/iter_N.pt`` (plain tensors, by Megatron's names; the moments
 by parameter id, with ``param_names`` naming each id by Megatron's own id-to-sharded-tensor map).
-Tensor parallel, each rank saves ``iter_N.rankR.pt``: its own shards, and a
-replicated tensor only where it is Megatron's main replica.
+Tensor (or expert) parallel, each rank saves ``iter_N.rankR.pt``: its own shards, and a
+replicated tensor only where it is Megatron's main replica. An expert is named by its
+layer and its global expert index, as Megatron's ``singleton_local_shards`` keys name it
+(``decoder.layers.0.mlp.experts.experts.3.linear_fc1.weight``).
 """
 
 from __future__ import annotations
@@ -84,6 +99,8 @@ PP = 1  # pipeline stages: ``pp`` after OUT makes every rank one (argv)
 DISTOPT = False  # ``distopt`` after OUT: Megatron's distributed optimizer over the ranks
 BUCKET = 3000  # ``bucket=N`` after ``distopt``: a grad-buffer bucket closes at N elements
 BF16 = False  # ``bf16`` after OUT: mixed precision, bf16 weights and fp32 main params
+EXPERTS = 0  # ``moe`` after OUT: each layer's MLP a router and this many experts (4)
+EP = 1  # expert-parallel ranks: ``ep`` after ``moe`` makes every rank one (argv)
 # Megatron-LM's default for the distributed optimizer under torch_dist (checkpointing.py's
 # _build_sharded_state_dict_metadata, without --dist-ckpt-optim-fully-reshardable)
 SHARDING = {
@@ -99,8 +116,15 @@ def build():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
+    if EXPERTS:
+        from megatron.core.transformer.moe import moe_utils
+
+        # Without Transformer Engine, megatron-core 0.16.1 leaves the router's te_general_gemm
+        # undefined (imported only with TE) where it asks whether it is None: None, its own
+        # torch.mm path.
+        moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(TP, PP)
+        parallel_state.initialize_model_parallel(TP, PP, expert_model_parallel_size=EP)
         # No dropout here, and no CUDA RNG to fork: Megatron's tracker forks nothing.
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *_, **__: contextlib.nullcontext()
     config = TransformerConfig(
@@ -115,11 +139,12 @@ def build():
         pipeline_dtype=torch.bfloat16 if BF16 else torch.float32,
         bf16=BF16,  # as Megatron-LM's --bf16 sets it (its params_dtype too)
         params_dtype=torch.bfloat16 if BF16 else torch.float32,
+        **(_moe() if EXPERTS else {}),
     )
     torch.manual_seed(0)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=EXPERTS or None),
         vocab_size=VOCAB,
         max_sequence_length=SEQUENCE,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -140,6 +165,23 @@ def build():
         )
         model = DistributedDataParallel(config, ddp, model)
     return model
+
+
+def _moe() -> dict:
+    """The transformer config's MoE settings: a top-2 router over the experts (Megatron's
+    SequentialMLP of local MLPs under the local spec), its all-gather token dispatcher, a
+    load-balancing loss that reaches the router's gradient; no biases in the linear layers,
+    as MoE models train (Megatron-LM's Mixtral recipe: ``--disable-bias-linear``)."""
+    return {
+        "add_bias_linear": False,
+        "num_moe_experts": EXPERTS,
+        "moe_router_topk": 2,
+        "moe_ffn_hidden_size": 32,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": 1e-2,
+        "expert_model_parallel_size": EP,
+    }
 
 
 @contextlib.contextmanager
@@ -277,7 +319,10 @@ def main(out: Path, *, with_reference: bool = True) -> None:
             model.finish_grad_sync()
         for p in model.parameters():
             if p.grad is not None and dist.get_world_size() > TP * PP:  # data parallel
-                dist.all_reduce(p.grad)
+                # An expert-parallel rank's experts are its own: summed over the expert
+                # data-parallel group alone, then scaled by 1/DP as Megatron's DDP scales them.
+                expert = not getattr(p, "allreduce", True)
+                dist.all_reduce(p.grad, group=_expert_data_parallel() if expert else None)
                 p.grad /= dist.get_world_size()
         with cuda_tensors_on_cpu() if wrapped() else contextlib.nullcontext():
             optimizer.step()
@@ -294,6 +339,12 @@ def main(out: Path, *, with_reference: bool = True) -> None:
         dist.barrier()
     if with_reference:
         reference(out)
+
+
+def _expert_data_parallel():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_data_parallel_group()
 
 
 def _pipelined(model, tokens, position_ids, causal) -> None:
@@ -361,7 +412,7 @@ def reference(out: Path) -> None:
                     optimizer.load_state_dict(optimizer_sd)
                 flat.update(_distributed_moments(ddp, optimizer))
         _flatten(loaded, "", flat)
-        if TP * PP > 1:  # each rank's own shards, a replicated one from its main replica alone
+        if TP * PP * EP > 1:  # each rank's own shards, a replicated one from its main replica alone
             flat = {k: v for k, v in flat.items() if main.get(k, True)}
         # The optimizer's state is keyed by parameter id: Megatron's own map from ids to its
         # sharded tensors names each, a stacked one by its layer (its prepended offset).
@@ -380,7 +431,7 @@ def reference(out: Path) -> None:
         flat["model_names"] = {
             k: _layer_name(v) for k, v in model_sd.items() if isinstance(v, ShardedTensor)
         }
-        if TP * PP > 1:
+        if TP * PP * EP > 1:
             torch.save(flat, out / "reference" / f"iter_{iteration}.rank{dist.get_rank()}.pt")
         elif dist.get_rank() == 0:
             torch.save(flat, out / "reference" / f"iter_{iteration}.pt")
@@ -478,10 +529,16 @@ def _distributed_moments(ddp, optimizer) -> dict:
 
 
 def _layer_name(sharded) -> str:
-    """A sharded tensor's key, a stacked one's with its layer (the prepended offset) in it."""
-    if not sharded.prepend_axis_num:
-        return sharded.key
-    return sharded.key.replace("layers.", f"layers.{sharded.global_offset[0]}.", 1)
+    """A sharded tensor's key, a stacked one's with its layer (the prepended offset) in it,
+    an expert's (SequentialMLP's second prepended axis) also with its global expert index, as
+    Megatron's ``singleton_local_shards`` keys name it (``...experts.experts.3.linear_fc1``)."""
+    name = sharded.key
+    if sharded.prepend_axis_num:
+        name = name.replace("layers.", f"layers.{sharded.global_offset[0]}.", 1)
+    if sharded.prepend_axis_num > 1:
+        assert sharded.prepend_axis_num == 2 and ".experts.experts." in name, sharded.key
+        name = name.replace(".experts.experts.", f".experts.experts.{sharded.global_offset[1]}.")
+    return name
 
 
 def _main_replicas(value, prefix: str, out: dict) -> None:
@@ -526,6 +583,10 @@ if __name__ == "__main__":
             DISTOPT = True
         elif flag == "bf16":
             BF16 = True
+        elif flag == "moe":
+            EXPERTS = 4
+        elif flag == "ep":  # every rank an expert-parallel rank
+            EP = int(os.environ["WORLD_SIZE"])
         elif flag == "fully":  # Megatron-LM's --dist-ckpt-optim-fully-reshardable
             SHARDING["distrib_optim_sharding_type"] = "fully_reshardable"
         else:
