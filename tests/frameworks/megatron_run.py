@@ -154,7 +154,7 @@ def build():
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
-    if DISTOPT or BF16:  # the distributed and the bf16 optimizer work on Megatron's DDP
+    if wrapped():  # the distributed, bf16 and expert-parallel optimizers work on Megatron's DDP
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         ddp = DistributedDataParallelConfig(
@@ -215,7 +215,7 @@ def optimizer_for(model):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import FP32Optimizer
 
-    if DISTOPT or BF16:
+    if wrapped():
         from megatron.core.optimizer import get_megatron_optimizer
 
         config = OptimizerConfig(
@@ -249,8 +249,10 @@ def optimizer_for(model):
 
 
 def wrapped() -> bool:
-    """Whether the model is wrapped in Megatron's DDP (its grad buffers)."""
-    return DISTOPT or BF16
+    """Whether the model is wrapped in Megatron's DDP (its grad buffers) and optimized by
+    ``get_megatron_optimizer`` (under expert parallelism, as Megatron-LM trains it: a
+    ``ChainedOptimizer`` of the dense parameters' optimizer and the experts')."""
+    return DISTOPT or BF16 or EP > 1
 
 
 def state_dict(model, optimizer, iteration: int, *, is_loading: bool = False) -> dict:
@@ -319,10 +321,7 @@ def main(out: Path, *, with_reference: bool = True) -> None:
             model.finish_grad_sync()
         for p in model.parameters():
             if p.grad is not None and dist.get_world_size() > TP * PP:  # data parallel
-                # An expert-parallel rank's experts are its own: summed over the expert
-                # data-parallel group alone, then scaled by 1/DP as Megatron's DDP scales them.
-                expert = not getattr(p, "allreduce", True)
-                dist.all_reduce(p.grad, group=_expert_data_parallel() if expert else None)
+                dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()
         with cuda_tensors_on_cpu() if wrapped() else contextlib.nullcontext():
             optimizer.step()
@@ -339,12 +338,6 @@ def main(out: Path, *, with_reference: bool = True) -> None:
         dist.barrier()
     if with_reference:
         reference(out)
-
-
-def _expert_data_parallel():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_expert_data_parallel_group()
 
 
 def _pipelined(model, tokens, position_ids, causal) -> None:
@@ -417,7 +410,14 @@ def reference(out: Path) -> None:
         # The optimizer's state is keyed by parameter id: Megatron's own map from ids to its
         # sharded tensors names each, a stacked one by its layer (its prepended offset).
         model_sd = model.sharded_state_dict()
-        if not DISTOPT:
+        chained = getattr(optimizer, "chained_optimizers", [])
+        if not DISTOPT and len(chained) > 1:  # expert parallel: the dense and the experts' own
+            assert not BF16
+            # Each one's state (``optimizer.<k>.state.<id>``) by its own parameters' ids
+            for k, part in enumerate(chained):
+                ids = get_param_id_to_sharded_param_map(model_sd, part.get_parameters())
+                flat[f"param_names.{k}"] = [_layer_name(ids[i]) for i in range(len(ids))]
+        elif not DISTOPT:
             # bf16: the ids are the fp32 mains' (torch's optimizer over them), in the order
             # of the model's bf16 parameters they are made from (float16_groups)
             params = (

@@ -84,8 +84,13 @@ _COMMON, _JSON = "common.pt", "metadata.json"
 _MOMENT = re.compile(r"optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.(.+)")
 _MAIN = ("fp32_param", "param")  # the fp32 main params: the plain optimizer's, fully_reshardable's
 _FULLY = "fully_reshardable"
+_CHAINED = re.compile(r"chained_(\d+)\.optimizer\.distributed\.")
+# The optimizer's keys, a chained one's too (``chained_N.``): never the model's
+_OPTIMIZER = re.compile(r"(chained_\d+\.)?optimizer\.")
 _SIXTEEN = (torch.bfloat16, torch.float16)
 _LAYERS = re.compile(r"(^|.*\.)layers\.(?!\d)")  # a stacked key: ``layers.`` then no number
+_EXPERTS = re.compile(r"(^|.*\.)experts\.experts\.(?!\d)")  # stacked experts: then no number
+_EXPERT = re.compile(r"(?:^|.*\.)experts\.experts\.(\d+)\.")  # one expert, split off
 
 
 def recognises(path: Path) -> bool:
@@ -139,7 +144,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         trusted_pickle=folder.trusted or common.trusted_pickle,
     )
     split = _split_layers(folder)
-    weights = {n: t for k, (n, t) in _named(split).items() if not k.startswith("optimizer.")}
+    weights = {n: t for k, (n, t) in _named(split).items() if not _OPTIMIZER.match(k)}
     contents.weights = weights or None
     said = f"a torch_dist checkpoint: {_JSON} sharded_backend torch_dist"
     contents.evidence[roles.WEIGHT] = said
@@ -167,7 +172,23 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             else f"mixed-precision optimizer's fp32 main params ({kind} entries"
         )
     sharding = _distributed_sharding(folder, root) if optimizer is None else None
-    if sharding == repr("dp_reshardable"):
+    chained = _chained_buckets(folder) if optimizer is None else 0
+    if chained:
+        held = (
+            f"the optimizer state is a ChainedOptimizer's {chained} distributed optimizers' "
+            "(under expert parallelism the dense parameters' and the experts': flat grad-buffer "
+            "buckets, chained_N.optimizer.distributed.*), which gradclip does not read: moments "
+            "not measured"
+        )
+        sixteen = [n for n, t in weights.items() if t.dtype in _SIXTEEN]
+        if sixteen:  # the weights Adam updates are the buckets' fp32 params, unread
+            raise InputError(
+                f"{folder.metadata_file}: {held.removeprefix('the optimizer state is ')}, nor "
+                f"the fp32 main params in them, the weights of its {_dtypes(weights, sixteen)} "
+                "model"
+            )
+        contents.optimizer_error = held.replace("the optimizer state is", "its optimizer state is")
+    elif sharding == repr("dp_reshardable"):
         optimizer, held, mains = _bucketed(folder, split, weights)
         contents.optimizers.append(optimizer)
         contents.evidence[roles.OPTIMIZER_STATE] = (
@@ -233,6 +254,15 @@ def _distributed_sharding(folder: dcp_folder.DcpFolder, root: dict) -> str | Non
     return repr(sharding) if sharding is not None else "its buckets"
 
 
+def _chained_buckets(folder: dcp_folder.DcpFolder) -> int:
+    """How many chained distributed optimizers the folder holds buckets of
+    (``ChainedOptimizer.sharded_state_dict`` prefixes each one's ``chained_N.``, as under
+    expert parallelism, where ``get_megatron_optimizer`` chains the dense parameters'
+    optimizer and the experts'), 0 for none."""
+    found = {m.group(1) for k in folder.tensors if (m := _CHAINED.match(k))}
+    return len(found)
+
+
 def _iteration_folder(path: Path) -> tuple[Path, Path | None]:
     """The iteration folder: ``path`` itself, or the one its tracker names (inside it)."""
     tracker = path / TRACKER
@@ -259,40 +289,62 @@ def _iteration_folder(path: Path) -> tuple[Path, Path | None]:
 
 
 def _split_layers(folder: dcp_folder.DcpFolder) -> dict[str, list[tuple[str, StoredTensor]]]:
-    """Each tensor of the folder as ``[(name, tensor)]``: one per layer for a stacked one."""
+    """Each tensor of the folder as ``[(name, tensor)]``: one per layer for a stacked one,
+    and one per expert (of each layer) for a Mixture of Experts' stacked experts."""
     out: dict[str, list[tuple[str, StoredTensor]]] = {}
     for key, tensor in folder.tensors.items():
         model_key = _MOMENT.fullmatch(key)
         name = model_key.group(2) if model_key else key
-        stacked = _LAYERS.match(name)
-        if not stacked or not tensor.shape:
-            out[key] = [(name, tensor)]
-            continue
-        if any(piece.shape[0] != 1 for piece in tensor.pieces):
-            raise InputError(
-                f"{folder.metadata_file}: {visible(repr(key))} is stacked by layer "
-                f"(shape {list(tensor.shape)}) but a chunk holds several layers: "
-                "its layers cannot be told apart"
-            )
-        head = stacked.group(0)
-        rest = name[len(head) :]
-        per_layer = []
-        for layer in range(tensor.shape[0]):
-            pieces = [
-                Piece(p.offsets[1:], p.shape[1:], _squeezed(p.read), p.file)
-                for p in tensor.pieces
-                if p.offsets[0] == layer
-            ]
-            layer_name = f"{head}{layer}.{rest}"
-            per_layer.append(
-                (layer_name, StoredTensor(layer_name, tensor.shape[1:], tensor.dtype, pieces))
-            )
-        out[key] = per_layer
+        parts = [(name, tensor)]
+        if _LAYERS.match(name) and tensor.shape:
+            if any(piece.shape[0] != 1 for piece in tensor.pieces):
+                raise InputError(
+                    f"{folder.metadata_file}: {visible(repr(key))} is stacked by layer "
+                    f"(shape {list(tensor.shape)}) but a chunk holds several layers: "
+                    "its layers cannot be told apart"
+                )
+            parts = _split_axis(name, tensor, _LAYERS)
+        if _EXPERTS.match(name):
+            parts = [each for n, t in parts for each in _experts(folder, key, n, t)]
+        out[key] = parts
     return out
 
 
-def _squeezed(read):
-    return lambda: read()[0]
+def _experts(folder, key: str, name: str, tensor: StoredTensor) -> list[tuple[str, StoredTensor]]:
+    """A layer's stacked experts (``SequentialMLP.sharded_state_dict``, core_v0.16.1: each
+    local expert's tensors under ``experts.experts.``, the global expert index an axis
+    prepended after the layer's) as one tensor per expert, named as Megatron's
+    ``singleton_local_shards`` keys name it: ``...mlp.experts.experts.3.linear_fc1.weight``.
+    A chunk may hold several experts (``GroupedMLP`` saves a rank's local experts as one):
+    each is cut out of it by its offset."""
+    if len(tensor.shape) < 2:
+        raise InputError(
+            f"{folder.metadata_file}: {visible(repr(key))} is named as a Mixture of Experts' "
+            f"stacked experts (experts.experts.) but has shape {list(tensor.shape)}: "
+            "no expert axis to split"
+        )
+    return _split_axis(name, tensor, _EXPERTS)
+
+
+def _split_axis(name: str, tensor: StoredTensor, stacked: re.Pattern) -> list:
+    """``tensor`` split along its first axis, index ``i`` named ``name`` with ``i`` inserted
+    after ``stacked``'s match; each chunk's slice at ``i`` a piece of its own."""
+    head = stacked.match(name).group(0)
+    rest = name[len(head) :]
+    parts = []
+    for i in range(tensor.shape[0]):
+        pieces = [
+            Piece(p.offsets[1:], p.shape[1:], _sliced(p.read, i - p.offsets[0]), p.file)
+            for p in tensor.pieces
+            if p.offsets[0] <= i < p.offsets[0] + p.shape[0]
+        ]
+        each = f"{head}{i}.{rest}"
+        parts.append((each, StoredTensor(each, tensor.shape[1:], tensor.dtype, pieces)))
+    return parts
+
+
+def _sliced(read, i: int):
+    return lambda: read()[i]
 
 
 def _named(split) -> dict[str, tuple[str, StoredTensor]]:
@@ -314,32 +366,19 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
             )
     if not moments:
         return None
-    optim, where = root.get("optimizer"), "optimizer"
-    if isinstance(optim, dict) and "param_groups" not in optim and "optimizer" in optim:
-        # Mixed precision (Float16OptimizerWithFloat16Params.state_dict): torch's state dict
-        # one level down, beside the fp32 main params (in .metadata: fp32_param entries)
-        optim, where = optim["optimizer"], "optimizer.optimizer"
-    state = optim.get("state") if isinstance(optim, dict) else None
-    groups = optim.get("param_groups") if isinstance(optim, dict) else None
-    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+    groups: list[dict] = []
+    steps = []
+    for where, optim in _chained(root.get("optimizer"), common_file):
+        mine, step = _groups_and_step(optim, where, root, common_file)
+        groups += mine
+        steps.append(step)
+    if len({repr(_step_value(s)) for s in steps}) != 1:
         raise InputError(
-            f"{common_file}: holds no {where}.param_groups (the moments' betas, lr and eps)"
+            f"{common_file}: the chained optimizers' steps differ "
+            f"({', '.join(visible(repr(_step_value(s))) for s in steps)}), and Megatron does not "
+            "save which parameters each holds"
         )
-    if _sharding(root) == _FULLY:
-        # The distributed optimizer's state_dict keeps the one step of every parameter in its
-        # param groups (DistributedOptimizer.state_dict); fully_reshardable saves them as they are
-        steps = {g.get("step") for g in groups}
-        step = next(iter(steps))
-        if len(steps) != 1 or isinstance(step, bool) or not isinstance(step, (int, float)):
-            raise InputError(
-                f"{common_file}: the distributed optimizer's {where}.param_groups give no one "
-                "step (fully_reshardable keeps the moments' step there)"
-            )
-        step = int(step) if isinstance(step, float) and step.is_integer() else step
-    elif not isinstance(state, dict) or "common_step" not in state:
-        raise InputError(f"{common_file}: holds no {where}.state.common_step (the moments' step)")
-    else:
-        step = state["common_step"]
+    step = steps[0]
     # The groups' members are not saved (Megatron drops their ``params``); only lr, betas and
     # eps enter the measured quantities, so any number of groups that agree on them is one.
     used = ("lr", "betas", "eps")
@@ -361,6 +400,63 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
         dict(enumerate(names)),
         common_file,
     )
+
+
+def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
+    """The optimizers of ``common.pt``'s ``optimizer``, each with where it is: the one, or
+    a ``ChainedOptimizer``'s (``{0: ..., 1: ...}``, ``ChainedOptimizer.state_dict``: under
+    expert parallelism ``get_megatron_optimizer`` chains the dense parameters' optimizer and
+    the experts'; their moments are saved per parameter as one optimizer's are, by name)."""
+    if not isinstance(optim, dict) or not optim or not all(type(k) is int for k in optim):
+        return [("optimizer", optim)]
+    if sorted(optim) != list(range(len(optim))):
+        raise InputError(
+            f"{common_file}: the chained optimizers are numbered {sorted(optim)[:8]}, "
+            "not 0, 1, ..."
+        )
+    for k, part in optim.items():
+        if isinstance(part, dict) and "param_state_sharding_type" in part:
+            raise InputError(
+                f"{common_file}: optimizer.{k} is a chained distributed optimizer's "
+                f"({visible(repr(part['param_state_sharding_type']))[:40]}), which gradclip "
+                "does not read: moments not measured"
+            )
+    return [(f"optimizer.{k}", optim[k]) for k in range(len(optim))]
+
+
+def _groups_and_step(optim, where: str, root: dict, common_file: Path) -> tuple[list, object]:
+    """One optimizer's param groups and the step of its moments, from ``common.pt``."""
+    if isinstance(optim, dict) and "param_groups" not in optim and "optimizer" in optim:
+        # Mixed precision (Float16OptimizerWithFloat16Params.state_dict): torch's state dict
+        # one level down, beside the fp32 main params (in .metadata: fp32_param entries)
+        optim, where = optim["optimizer"], f"{where}.optimizer"
+    state = optim.get("state") if isinstance(optim, dict) else None
+    groups = optim.get("param_groups") if isinstance(optim, dict) else None
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        raise InputError(
+            f"{common_file}: holds no {where}.param_groups (the moments' betas, lr and eps)"
+        )
+    if _sharding(root) == _FULLY:
+        # The distributed optimizer's state_dict keeps the one step of every parameter in its
+        # param groups (DistributedOptimizer.state_dict); fully_reshardable saves them as they are
+        steps = {g.get("step") for g in groups}
+        step = next(iter(steps))
+        if len(steps) != 1 or isinstance(step, bool) or not isinstance(step, (int, float)):
+            raise InputError(
+                f"{common_file}: the distributed optimizer's {where}.param_groups give no one "
+                "step (fully_reshardable keeps the moments' step there)"
+            )
+        return groups, int(step) if isinstance(step, float) and step.is_integer() else step
+    if not isinstance(state, dict) or "common_step" not in state:
+        raise InputError(f"{common_file}: holds no {where}.state.common_step (the moments' step)")
+    return groups, state["common_step"]
+
+
+def _step_value(step) -> object:
+    """A step as a plain number to compare (``common_step`` is a 0-dim tensor)."""
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        return step.item()
+    return step
 
 
 def _fp32_params(folder, split, weights: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
@@ -716,22 +812,30 @@ def _assembled(shard: Piece, flat: StoredTensor) -> Piece:
 
 def _model_order(split) -> list[str]:
     """The model's parameters in Megatron's order: the metadata's, each stacked block's
-    layers in turn (layer 0's tensors, then layer 1's...)."""
-    out: list[str] = []
-    done: set[str] = set()
-    keys = [k for k in split if not k.startswith("optimizer.")]
-    for key in keys:
-        if key in done:
-            continue
-        stacked = _LAYERS.match(key)
-        if not stacked:
-            out.append(split[key][0][0])
-            continue
-        block = [k for k in keys if (m := _LAYERS.match(k)) and m.group(0) == stacked.group(0)]
-        done.update(block)
-        for layer in range(max(len(split[k]) for k in block)):
-            out += [split[k][layer][0] for k in block if layer < len(split[k])]
-    return out
+    layers in turn (layer 0's tensors, then layer 1's...), and within a layer a Mixture of
+    Experts' experts in turn (``SequentialMLP``'s ``local_experts``: expert 0's
+    ``linear_fc1`` and ``linear_fc2``, then expert 1's...)."""
+    keys = [k for k in split if not _OPTIMIZER.match(k)]
+    first: dict[tuple[str, str], int] = {}  # a block's head -> the place of its first key
+    for here, key in enumerate(keys):
+        for pattern in (_LAYERS, _EXPERTS):
+            if found := pattern.match(key):
+                first.setdefault((pattern.pattern, found.group(0)), here)
+    places = []
+    for here, key in enumerate(keys):
+        stacked, experts = _LAYERS.match(key), _EXPERTS.match(key)
+        among = first[(_EXPERTS.pattern, experts.group(0))] if experts else here
+        start = first[(_LAYERS.pattern, stacked.group(0))] if stacked else among
+        for name, _ in split[key]:
+            layer = _index(name, stacked.group(0)) if stacked else 0
+            expert = int(_EXPERT.match(name).group(1)) if experts else 0
+            places.append(((start, layer, among, expert, here), name))
+    return [name for _, name in sorted(places)]
+
+
+def _index(name: str, head: str) -> int:
+    """The number that follows ``head`` in a split tensor's name."""
+    return int(name[len(head) :].split(".", 1)[0])
 
 
 def _bucket_groups(folder: dcp_folder.DcpFolder, ranks: int) -> tuple[int | float, dict]:
