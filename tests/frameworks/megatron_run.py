@@ -397,8 +397,12 @@ def reference(out: Path) -> None:
         flat: dict = {}
         if DISTOPT:  # the optimizer's own state once it has loaded its buckets
             optimizer_sd = loaded.pop("optimizer")
-            flat["optimizer.param_state_sharding_type"] = optimizer_sd["param_state_sharding_type"]
-            if optimizer_sd["param_state_sharding_type"] == "fully_reshardable":
+            # expert parallel: a ChainedOptimizer's, {0: the dense one's, 1: the experts'}
+            parts = optimizer_sd if EP > 1 else {0: optimizer_sd}
+            (sharding,) = {part["param_state_sharding_type"] for part in parts.values()}
+            flat["optimizer.param_state_sharding_type"] = sharding
+            if sharding == "fully_reshardable":
+                assert EP == 1
                 flat.update(_fully_reshardable(names, optimizer_sd))
             else:
                 with cuda_tensors_on_cpu(), torch.no_grad():  # it copies into the main params
@@ -476,12 +480,11 @@ def _fully_reshardable(names: dict, optimizer_sd: dict) -> dict:
 
 def _distributed_moments(ddp, optimizer) -> dict:
     """Each parameter's moments as the distributed optimizer holds them after its own load,
-    gathered over this rank's data-parallel group (each of its ranks holds a range of every
-    bucket): ``distopt.<name>.{param,exp_avg,exp_avg_sq}`` (its fp32 main param and moments)
-    whole (tensor parallel: this rank's shard of it, as its buckets hold it), by Megatron's
-    sharded names, and the param
-    groups' ``step``, ``betas``, ``lr`` and ``eps``."""
-    from megatron.core import parallel_state
+    gathered over its data-parallel group (each of its ranks holds a range of every bucket;
+    under expert parallelism the experts' optimizer's group is the expert data-parallel one):
+    ``distopt.<name>.{param,exp_avg,exp_avg_sq}`` (its fp32 main param and moments) whole
+    (tensor parallel: this rank's shard of it, as its buckets hold it), by Megatron's sharded
+    names, and the param groups' ``step``, ``betas``, ``lr`` and ``eps``."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     names = {
@@ -489,39 +492,44 @@ def _distributed_moments(ddp, optimizer) -> dict:
         for v in ddp.module.sharded_state_dict().values()
         if isinstance(v, ShardedTensor)
     }
-    (optimizer,) = optimizer.chained_optimizers  # get_megatron_optimizer's one
-    mine = []  # (name, start in the flattened parameter, main param, exp_avg, exp_avg_sq)
-    for ranges in optimizer.gbuf_ranges:
-        for per_bucket in ranges.values():
-            for bucket in per_bucket:
-                for param, where in bucket["param_map"].items():
-                    state = optimizer._get_main_param_and_optimizer_states(param)
-                    mine.append(
-                        (
-                            names[param.data_ptr()],
-                            where["param"].start,
-                            state["param"].detach().clone(),
-                            state["exp_avg"].detach().clone(),
-                            state["exp_avg_sq"].detach().clone(),
-                        )
-                    )
-    group = parallel_state.get_data_parallel_group()
-    every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    out: dict = {}
     shapes = {
         _layer_name(v): torch.Size(v.local_shape)
         for v in ddp.module.sharded_state_dict().values()
         if isinstance(v, ShardedTensor)
     }
-    for name, shape in shapes.items():
-        pieces = sorted((s, p, a, b) for rank in every for n, s, p, a, b in rank if n == name)
-        for i, key in ((1, "param"), (2, "exp_avg"), (3, "exp_avg_sq")):
-            whole = torch.cat([p[i] for p in pieces])
-            assert [p[0] for p in pieces][0] == 0 and whole.numel() == shape.numel()
-            out[f"distopt.{name}.{key}"] = whole.view(shape)
+    out: dict = {}
+    # get_megatron_optimizer's one, or under expert parallelism the dense parameters' and the
+    # experts' (each over its own data-parallel group: the experts' is the expert one)
+    for part in optimizer.chained_optimizers:
+        mine = []  # (name, start in the flattened parameter, main param, exp_avg, exp_avg_sq)
+        for ranges in part.gbuf_ranges:
+            for per_bucket in ranges.values():
+                for bucket in per_bucket:
+                    for param, where in bucket["param_map"].items():
+                        state = part._get_main_param_and_optimizer_states(param)
+                        mine.append(
+                            (
+                                names[param.data_ptr()],
+                                where["param"].start,
+                                state["param"].detach().clone(),
+                                state["exp_avg"].detach().clone(),
+                                state["exp_avg_sq"].detach().clone(),
+                            )
+                        )
+        group = part.data_parallel_group
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        for name in {n for rank in every for n, *_ in rank}:
+            shape = shapes[name]
+            pieces = sorted((s, p, a, b) for rank in every for n, s, p, a, b in rank if n == name)
+            for i, key in ((1, "param"), (2, "exp_avg"), (3, "exp_avg_sq")):
+                whole = torch.cat([p[i] for p in pieces])
+                assert [p[0] for p in pieces][0] == 0 and whole.numel() == shape.numel()
+                out[f"distopt.{name}.{key}"] = whole.view(shape)
+    assert {k.rsplit(".", 1)[0] for k in out} == {f"distopt.{n}" for n in shapes}
     # One step and one set of hyperparameters over the groups (else the reference is wrong).
-    (hyper,) = {(g["step"], *g["betas"], g["lr"], g["eps"]) for g in optimizer.param_groups}
+    groups = [g for part in optimizer.chained_optimizers for g in part.param_groups]
+    (hyper,) = {(g["step"], *g["betas"], g["lr"], g["eps"]) for g in groups}
     out.update(
         zip(("distopt.step", "distopt.beta1", "distopt.beta2", "distopt.lr", "distopt.eps"), hyper)
     )

@@ -902,3 +902,188 @@ def test_bf16_a_buckets_param_of_another_step(gradclip, distopt_bf16_save):
         shutil.copy(old / shard.name, shard)
     result = gradclip("inspect", distopt_bf16_save, "--what", "weights")
     one_line_exit_3(result, "__1_", ".distcp", "is not its weight")
+
+
+# ------------------------------------------------------------- Mixture of Experts
+
+LAYERS, EXPERTS = (0, 1), (0, 1, 2, 3)
+
+
+def _moe_reference(run: Path, step: int, what: str) -> dict[str, torch.Tensor]:
+    """Each parameter's quantity (``weights`` its weight) by name, from Megatron's own load of
+    every rank (``megatron_run.py moe``), in float64: an expert named by its layer and global
+    index. Each tensor is taken from the one rank that holds its main replica (an expert
+    from its expert-parallel rank, the rest from rank 0), never twice. Under expert
+    parallelism the ChainedOptimizer's two optimizers (``optimizer.0.``: the dense
+    parameters', ``optimizer.1.``: the experts') each key their state by their own ids."""
+    files = sorted((run / "reference").glob(f"iter_{step}.rank*.pt")) or [
+        run / "reference" / f"iter_{step}.pt"
+    ]
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        ref = torch.load(file, weights_only=True)
+        if what == "weights":
+            found = {
+                n: ref[f"model.{k}"] for k, n in ref["model_names"].items() if f"model.{k}" in ref
+            }
+        elif "param_names" in ref:
+            found = _measured(ref, what)
+        else:  # chained: each optimizer's state as one optimizer's, with its own ids
+            found = {}
+            for k in (0, 1):
+                own = {
+                    f"optimizer.{key[len(f'optimizer.{k}.'):]}": value
+                    for key, value in ref.items()
+                    if key.startswith(f"optimizer.{k}.")
+                }
+                own.setdefault("optimizer.state.common_step", ref["optimizer.0.state.common_step"])
+                found.update(_measured({**own, "param_names": ref[f"param_names.{k}"]}, what))
+        assert not set(found) & set(out), set(found) & set(out)  # every tensor counted once
+        out.update(found)
+    return out
+
+
+def _against(doc: dict, expected: dict[str, torch.Tensor], weights: dict | None = None) -> None:
+    """``doc`` reports ``expected`` (float64, by name): every tensor, every layer's group (its
+    experts and router in it), the total, and each ratio over ``weights``."""
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert row["shape"] == list(expected[name].shape), name
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+        if weights is not None:
+            assert rel_err(row["ratio"], norm([expected[name]]) / norm([weights[name]])) <= TOL
+    groups = {g["name"]: g for g in doc["groups"]}
+    for layer in LAYERS:
+        members = [t for n, t in expected.items() if n.startswith(f"decoder.layers.{layer}.")]
+        assert len(members) == 7 + 2 * len(EXPERTS)  # 6 norms and matrices, router, experts
+        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+
+
+def test_the_moe_fixtures_are_megatrons_layout(megatron_moe_runs):
+    """Megatron stacks each expert's tensors by layer and global expert index; with expert
+    parallelism each rank writes its own experts' chunks and the optimizers are chained."""
+    for ranks, name in ((1, "ep1"), (2, "ep2")):
+        folder = megatron_moe_runs[name] / "run" / "iter_0000003"
+        meta = pickle.loads((folder / ".metadata").read_bytes())  # the fixture's own: trusted
+        fc1 = meta.state_dict_metadata["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+        assert list(fc1.size) == [len(LAYERS), len(EXPERTS), 32, 16]
+        assert list(meta.state_dict_metadata["decoder.layers.mlp.router.weight"].size) == [
+            len(LAYERS), len(EXPERTS), 16,
+        ]
+        writers = {
+            (tuple(i.offset)[1], v.relative_path.split("_")[2])
+            for i, v in meta.storage_data.items()
+            if i.fqn == "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+        }
+        assert {e for e, _ in writers} == set(EXPERTS)
+        assert {w for e, w in writers if e >= 2} == ({"1"} if ranks == 2 else {"0"})
+    common = torch.load(
+        megatron_moe_runs["ep2"] / "run" / "iter_0000003" / "common.pt", weights_only=False
+    )
+    assert sorted(common["optimizer"]) == [0, 1]  # ChainedOptimizer: dense, experts
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+@pytest.mark.parametrize("name", ["ep1", "ep2"])
+def test_moe_every_quantity_against_megatrons_load(gradclip, megatron_moe_runs, name, what, step):
+    """Every expert a tensor of its own, named by its layer and global expert index, the
+    router a parameter, each in its layer's group; expert-parallel ranks' experts joined."""
+    run = megatron_moe_runs[name]
+    expected = _moe_reference(run, step, what)
+    weights = _moe_reference(run, step, "weights")
+    assert set(expected) == set(weights)
+    assert {f"decoder.layers.{layer}.mlp.experts.experts.{e}.linear_fc2.weight"
+            for layer in LAYERS for e in EXPERTS} <= set(expected)
+    result = gradclip(
+        "inspect", run / "run" / f"iter_{step:07d}", "--what", what, "--format", "json"
+    )
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["format"], doc["step"], doc["what"]) == ("megatron", step, what)
+    _against(doc, expected, None if what == "weights" else weights)
+
+
+@pytest.mark.parametrize("name", ["ep1", "ep2"])
+def test_moe_trend_over_the_save_folder(gradclip, megatron_moe_runs, name):
+    run = megatron_moe_runs[name]
+    result = gradclip("trend", run / "run", "--what", "update", "--format", "json")
+    assert result.code == 0, result.err
+    points = result.json()["points"]
+    assert [p["step"] for p in points] == list(STEPS)
+    for point, step in zip(points, STEPS):
+        expected = _moe_reference(run, step, "update")
+        assert rel_err(point["total_norm"], norm(expected.values())) <= TOL
+        expert = "decoder.layers.1"
+        members = [t for n, t in expected.items() if n.startswith(f"{expert}.")]
+        assert rel_err(point["groups"][expert], norm(members)) <= TOL
+
+
+def test_moe_two_ranks_print_the_one_process_report(megatron_moe_runs, tmp_path):
+    run = megatron_moe_runs["ep2"] / "run"
+    jobs = [
+        {"args": ["inspect", str(run), "--what", what, "--format", fmt, "--no-progress"]}
+        for what, fmt in (("weights", "table"), ("exp_avg", "json"), ("update", "table"))
+    ]
+    jobs.append({"args": ["trend", str(run), "--what", "grad_rms", "--format", "json"]})
+    same_under_torchrun(jobs, tmp_path)
+
+
+@pytest.fixture
+def moe_save(megatron_moe_runs, tmp_path) -> Path:
+    return _copied(megatron_moe_runs["ep2"], tmp_path)
+
+
+def test_moe_a_truncated_expert_file(gradclip, moe_save):
+    """Rank 1's file of experts 2 and 3 cut short."""
+    folder = moe_save / "iter_0000003"
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    shard = next(
+        folder / v.relative_path
+        for i, v in meta.storage_data.items()
+        if i.fqn == "decoder.layers.mlp.experts.experts.linear_fc1.weight" and i.offset[1] == 3
+    )
+    shard.write_bytes(shard.read_bytes()[:100])
+    one_line_exit_3(gradclip("inspect", moe_save, "--what", "exp_avg"), shard.name)
+
+
+def test_moe_a_missing_expert_shard(gradclip, moe_save):
+    """Expert 3's chunk of layer 1 gone from the metadata: its tensor is not covered."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    folder = moe_save / "iter_0000003"
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    key = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
+    entry = meta.state_dict_metadata[key]
+    entry.chunks = [c for c in entry.chunks if tuple(c.offsets)[:2] != (1, 3)]
+    assert all(isinstance(c, ChunkStorageMetadata) for c in entry.chunks)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    result = gradclip("inspect", moe_save, "--what", "weights")
+    one_line_exit_3(result, ".metadata", "linear_fc2.weight")
+
+
+def test_moe_a_missing_expert_file(gradclip, moe_save):
+    shard = sorted((moe_save / "iter_0000003").glob("__1_*.distcp"))[0]
+    shard.unlink()
+    one_line_exit_3(gradclip("inspect", moe_save, "--what", "update"), shard.name)
+
+
+@pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+def test_moe_distributed_optimizer_against_megatrons_load(
+    gradclip, megatron_moe_distopt_run, what
+):
+    """2 data-parallel ranks, the distributed optimizer: every expert in the grad buffer's
+    buckets, laid out expert by expert as Megatron's DDP lays out ``local_experts``."""
+    ref = _reference(megatron_moe_distopt_run, 3)
+    weights = _weights(ref)
+    expected = weights if what == "weights" else _distributed_measured(ref, what)
+    expected = {n: t.double() for n, t in expected.items()}
+    run = megatron_moe_distopt_run / "run"
+    result = gradclip("inspect", run, "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    if what != "weights":
+        assert "dp_reshardable buckets" in " ".join(doc["description"])
+    _against(doc, expected, None if what == "weights" else weights)
