@@ -1087,3 +1087,76 @@ def test_moe_distributed_optimizer_against_megatrons_load(
     if what != "weights":
         assert "dp_reshardable buckets" in " ".join(doc["description"])
     _against(doc, expected, None if what == "weights" else weights)
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+def test_moe_expert_parallel_distributed_optimizer_against_megatrons_load(
+    gradclip, megatron_moe_ep_distopt_run, what, step
+):
+    """2 expert-parallel ranks, the distributed optimizer: the ChainedOptimizer's dense
+    optimizer's buckets (``chained_0.``, over both data-parallel ranks) and the experts'
+    (``chained_1.``, each rank's own experts in its ``dp_group_idx``), against the moments
+    each rank's optimizers hold once they have loaded them; each tensor from its main
+    replica's rank."""
+    run = megatron_moe_ep_distopt_run
+    moments, weights = _tensor_parallel_distributed(run, step, "exp_avg" if what == "weights"
+                                                    else what)
+    expected = weights if what == "weights" else moments
+    assert all(len(p) == 1 for p in expected.values())  # each tensor from one rank, once
+    expected = {n: p[0].double() for n, p in expected.items()}
+    weights = {n: p[0] for n, p in weights.items()}
+    result = gradclip("inspect", run / "run" / f"iter_{step:07d}", "--what", what,
+                      "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["step"], doc["what"]) == (step, what)
+    said = " ".join(doc["description"])
+    assert "ChainedOptimizer's 2 distributed optimizers" in said, said
+    assert "buckets over 2 expert-parallel ranks (chained_1.optimizer.distributed.*)" in said
+    _against(doc, expected, None if what == "weights" else weights)
+
+
+def test_moe_expert_parallel_distributed_optimizer_under_torchrun(
+    megatron_moe_ep_distopt_run, tmp_path
+):
+    run = megatron_moe_ep_distopt_run / "run"
+    jobs = [
+        {"args": ["inspect", str(run), "--what", what, "--format", "json", "--no-progress"]}
+        for what in ("weights", "grad_rms")
+    ]
+    same_under_torchrun(jobs, tmp_path)
+
+
+@pytest.fixture
+def moe_distopt_save(megatron_moe_ep_distopt_run, tmp_path) -> Path:
+    return _copied(megatron_moe_ep_distopt_run, tmp_path)
+
+
+def test_moe_the_experts_buckets_missing(gradclip, moe_distopt_save):
+    """The experts' optimizer's buckets gone from the metadata: the experts' moments are not
+    there, and the dense optimizer's alone are not the whole state."""
+    _rewrite_metadata(
+        moe_distopt_save / "iter_0000003", lambda k: None if k.startswith("chained_1.") else k
+    )
+    result = gradclip("inspect", moe_distopt_save, "--what", "exp_avg")
+    one_line_exit_3(result, ".metadata", "buckets of 1 chained distributed optimizers")
+
+
+def test_moe_expert_buckets_of_another_step(gradclip, moe_distopt_save):
+    """Rank 1's files of step 2 in step 3's folder: its experts and its buckets agree with
+    each other, but its share of the dense optimizer's buckets is not the dense weights."""
+    new, old = moe_distopt_save / "iter_0000003", moe_distopt_save / "iter_0000002"
+    for shard in sorted(new.glob("__1_*.distcp")):
+        shutil.copy(old / shard.name, shard)
+    result = gradclip("inspect", moe_distopt_save, "--what", "update")
+    one_line_exit_3(result, "__1_", "chained_0.", "is not its weight")
+
+
+def test_moe_chained_optimizers_of_another_sharding(gradclip, moe_distopt_save):
+    common = moe_distopt_save / "iter_0000003" / "common.pt"
+    state = torch.load(common, weights_only=False)  # the fixture's own: args is a Namespace
+    state["optimizer"][1]["param_state_sharding_type"] = "fully_sharded_model_space"
+    torch.save(state, common)
+    result = gradclip("inspect", moe_distopt_save, "--what", "grad_rms")
+    one_line_exit_3(result, "common.pt", "fully_sharded_model_space", "dp_reshardable")

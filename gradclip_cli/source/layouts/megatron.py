@@ -70,7 +70,13 @@ from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
 from gradclip_cli.source.files.small_file import excerpt, read_small_file
 from gradclip_cli.source.files.weights_pickle import allowing
-from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
+from gradclip_cli.source.interface import (
+    Contents,
+    OptimizerState,
+    Piece,
+    StoredTensor,
+    chained,
+)
 
 from . import dcp_folder
 from . import dcp_frameworks as frameworks
@@ -172,28 +178,19 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             else f"mixed-precision optimizer's fp32 main params ({kind} entries"
         )
     sharding = _distributed_sharding(folder, root) if optimizer is None else None
-    chained = _chained_buckets(folder) if optimizer is None else 0
-    if chained:
-        held = (
-            f"the optimizer state is a ChainedOptimizer's {chained} distributed optimizers' "
-            "(under expert parallelism the dense parameters' and the experts': flat grad-buffer "
-            "buckets, chained_N.optimizer.distributed.*), which gradclip does not read: moments "
-            "not measured"
-        )
-        sixteen = [n for n, t in weights.items() if t.dtype in _SIXTEEN]
-        if sixteen:  # the weights Adam updates are the buckets' fp32 params, unread
-            raise InputError(
-                f"{folder.metadata_file}: {held.removeprefix('the optimizer state is ')}, nor "
-                f"the fp32 main params in them, the weights of its {_dtypes(weights, sixteen)} "
-                "model"
-            )
-        contents.optimizer_error = held.replace("the optimizer state is", "its optimizer state is")
-    elif sharding == repr("dp_reshardable"):
-        optimizer, held, mains = _bucketed(folder, split, weights)
+    chain = _chained_buckets(folder) if optimizer is None else 0
+    if chain or sharding == repr("dp_reshardable"):
+        if chain:
+            optimizer, held, mains = _chained_bucketed(folder, split, weights, root, common_file)
+            which = "a ChainedOptimizer's distributed optimizers' dp_reshardable buckets "
+            which += "(chained_N.optimizer.distributed.*)"
+        else:
+            optimizer, held, mains = _bucketed(folder, split, weights)
+            which = "the distributed optimizer's dp_reshardable buckets (optimizer.distributed.*)"
+        held += _PLACED
         contents.optimizers.append(optimizer)
         contents.evidence[roles.OPTIMIZER_STATE] = (
-            f"{said}, the distributed optimizer's dp_reshardable buckets "
-            "(optimizer.distributed.*), their param groups' step and betas"
+            f"{said}, {which}, their param groups' step and betas"
         )
         # The buckets' param is every parameter's fp32 copy; only a 16-bit model's differs.
         mains = {n: t for n, t in mains.items() if weights[n].dtype in _SIXTEEN}
@@ -568,10 +565,83 @@ _BUCKET = re.compile(
     r"\.dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)"
 )
 _GROUPS = "optimizer.distributed.dp_group_idx_{}.optimizer/shard_0_1"
+_PLACED = (
+    ", each parameter's slice placed by Megatron's bucket layout and checked against the "
+    "model's tensors"
+)
+
+
+def _chained_bucketed(
+    folder: dcp_folder.DcpFolder, split, weights, root: dict, common_file: Path
+) -> tuple[OptimizerState, str, dict[str, StoredTensor]]:
+    """A ``ChainedOptimizer``'s distributed optimizers' ``dp_reshardable`` state, each one's
+    under its ``chained_N.`` prefix (``ChainedOptimizer.sharded_state_dict``, core_v0.16.1),
+    as per-parameter moments.
+
+    Under expert parallelism ``get_megatron_optimizer`` chains two: the dense parameters'
+    optimizer, over the data-parallel ranks of each model-parallel rank, and the experts'
+    (its param groups' ``is_expert_parallel`` True), over the expert-data-parallel ranks of
+    each expert-model-parallel rank, whose buckets (``dp_group_idx_N``, N the expert-parallel
+    rank) hold that rank's experts, laid out by its DDP's expert buffers. Each is read as
+    the one distributed optimizer is (``_bucketed``), its layout rebuilt over its own
+    parameters: the experts' the split experts (``experts.experts.<e>``), the dense one's
+    the rest, and checked as there. Any other chain (not one dense and one expert optimizer,
+    or another sharding type in ``common.pt``) is refused."""
+    optim = root.get("optimizer")
+    parts = list(optim.values()) if isinstance(optim, dict) else []
+    shardings = [p.get("param_state_sharding_type") if isinstance(p, dict) else p for p in parts]
+    if shardings != ["dp_reshardable"] * 2:
+        raise InputError(
+            f"{common_file}: the optimizer is a ChainedOptimizer of distributed optimizers "
+            f"saved as {visible(repr(shardings))[:80]}; gradclip reads the two of expert "
+            "parallelism (the dense parameters' and the experts'), each dp_reshardable"
+        )
+    count = _chained_buckets(folder)
+    if count != 2:
+        raise InputError(
+            f"{folder.metadata_file}: holds the buckets of {count} chained distributed "
+            f"optimizers (chained_N.optimizer.distributed.*), where {common_file.name} "
+            "lists 2"
+        )
+    experts = {name for name in weights if _EXPERT.match(name)}
+    flags = [
+        _bucket_groups(folder, 1, f"chained_{k}.")[1].get("is_expert_parallel") for k in (0, 1)
+    ]
+    if sorted(flags, key=repr) != [False, True]:
+        raise InputError(
+            f"{folder.metadata_file}: the chained distributed optimizers' param groups say "
+            f"is_expert_parallel {visible(repr(flags))[:60]}, not one dense and one expert "
+            "optimizer: gradclip cannot tell which parameters each holds"
+        )
+    states, helds, mains = [], [], {}
+    for k, expert in enumerate(flags):
+        state, held, main = _bucketed(
+            folder,
+            split,
+            weights,
+            f"chained_{k}.",
+            experts if expert else set(weights) - experts,
+            "expert-parallel" if expert else "model-parallel",
+        )
+        states.append(state)
+        helds.append(held.replace("the distributed optimizer's", "the experts'" if expert else
+                                  "the dense parameters'"))
+        mains.update(main)
+    optimizer, _ = chained(states, folder.metadata_file)
+    held = (
+        f"optimizer state for {len(optimizer.state)} parameters from a ChainedOptimizer's 2 "
+        f"distributed optimizers: {' and '.join(h.split(' from ', 1)[1] for h in helds)}"
+    )
+    return optimizer, held, mains
 
 
 def _bucketed(
-    folder: dcp_folder.DcpFolder, split, weights
+    folder: dcp_folder.DcpFolder,
+    split,
+    weights,
+    prefix: str = "",
+    only: set[str] | None = None,
+    ranked: str = "model-parallel",
 ) -> tuple[OptimizerState, str, dict[str, StoredTensor]]:
     """The distributed optimizer's ``dp_reshardable`` state as per-parameter moments.
 
@@ -597,18 +667,19 @@ def _bucketed(
     of its own (assembled over tensor-parallel ranks as the moments are): under mixed
     precision the weights Adam updates."""
     where = folder.metadata_file
+    whose = f" ({prefix}*)" if prefix else ""
 
     def unfit(why: str, file: Path = where) -> InputError:
         return InputError(
-            f"{file}: the distributed optimizer's buckets do not fit Megatron's layout of "
-            f"the model's parameters ({why}): gradclip cannot tell which elements are whose"
+            f"{file}: the distributed optimizer's buckets{whose} do not fit Megatron's layout "
+            f"of the model's parameters ({why}): gradclip cannot tell which elements are whose"
         )
 
     found: dict[int, dict[int, tuple[str, dict[int, dict[str, StoredTensor]]]]] = {}
     for key, tensor in folder.tensors.items():
-        if not key.startswith("optimizer.distributed."):
+        if not key.startswith(f"{prefix}optimizer.distributed."):
             continue
-        part = _BUCKET.fullmatch(key)
+        part = _BUCKET.fullmatch(key[len(prefix) :])
         if part is None:
             raise InputError(
                 f"{where}: holds {visible(repr(key))[:120]}, not a bucket's param, exp_avg or "
@@ -624,9 +695,9 @@ def _bucketed(
     ranks = len(found)
     if sorted(found) != list(range(ranks)):
         raise unfit(f"model-parallel groups {sorted(found)}, not numbered 0, 1, ...")
-    order = _model_order(split)
+    order = [name for name in _model_order(split) if only is None or name in only]
     held, main = _holdings(order, weights, found, unfit)
-    step, group = _bucket_groups(folder, ranks)
+    step, group = _bucket_groups(folder, ranks, prefix)
     index = {name: i for i, name in enumerate(order)}
     # Each parameter's moments: per model-parallel rank holding it, its shard and moments.
     parts: dict[str, dict[int, tuple[Piece | None, dict[str, StoredTensor]]]] = {}
@@ -714,11 +785,10 @@ def _bucketed(
         mains[name] = dcp_folder.renamed(moments.pop("param"), name)
         state[index[name]] = {**moments, "step": step}
     group = {**group, "params": sorted(state)}
-    groups = f" over {ranks} model-parallel ranks" if ranks > 1 else ""
+    groups = f" over {ranks} {ranked} ranks" if ranks > 1 else ""
     held = (
         f"optimizer state for {len(state)} parameters from the distributed optimizer's "
-        f"{count} dp_reshardable buckets{groups} (optimizer.distributed.*), each parameter's "
-        "slice placed by Megatron's bucket layout and checked against the model's tensors"
+        f"{count} dp_reshardable buckets{groups} ({prefix}optimizer.distributed.*)"
     )
     return OptimizerState([group], state, {i: order[i] for i in state}, where), held, mains
 
@@ -838,14 +908,16 @@ def _index(name: str, head: str) -> int:
     return int(name[len(head) :].split(".", 1)[0])
 
 
-def _bucket_groups(folder: dcp_folder.DcpFolder, ranks: int) -> tuple[int | float, dict]:
+def _bucket_groups(
+    folder: dcp_folder.DcpFolder, ranks: int, prefix: str = ""
+) -> tuple[int | float, dict]:
     """The distributed optimizer's param groups (``DistributedOptimizer.state_dict``'s, saved
     as one object per model-parallel rank): the one Adam step of every parameter, and the
     hyperparameters."""
     where = folder.metadata_file
     groups: list = []
     for rank in range(ranks):
-        name = _GROUPS.format(rank)
+        name = prefix + _GROUPS.format(rank)
         if name not in folder.meta.entries:
             raise InputError(
                 f"{where}: holds no {name} (the distributed optimizer's param groups: "
