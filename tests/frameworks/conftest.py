@@ -262,6 +262,17 @@ def megatron_moe_ep_distopt_run(framework_python, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def megatron_moe_ep_fully_run(framework_python, tmp_path_factory) -> Path:
+    """As ``megatron_moe_ep_distopt_run``, saved ``fully_reshardable``: both chained
+    optimizers' state per parameter (``optimizer.state.*``, no prefix), the steps in
+    ``common.pt``'s ``optimizer.{0,1}.optimizer.param_groups``."""
+    out = tmp_path_factory.mktemp("megatron_moe_ep_fully")
+    return run_generator(
+        framework_python, "megatron_run.py", out, 2, "moe", "ep", "distopt", "fully"
+    )
+
+
+@pytest.fixture(scope="session")
 def megatron_lm_runs(framework_python, tmp_path_factory) -> dict:
     """Megatron-LM's own ``save_checkpoint`` in its legacy format (``megatron_lm_run.py``):
     1 rank in fp32 with the output layer tied to the embedding, Megatron's default

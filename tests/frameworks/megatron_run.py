@@ -392,18 +392,21 @@ def reference(out: Path) -> None:
             wanted = state_dict(model, optimizer, iteration)
         main: dict = {}
         _main_replicas(wanted, "", main)
-        names = _state_names(wanted)
+        # expert parallel, distributed: a ChainedOptimizer's, {0: the dense one's, 1: the experts'}
+        chain = wanted.get("optimizer") if DISTOPT and EP > 1 else {0: wanted.get("optimizer")}
+        names = {k: _state_names(part or {}) for k, part in chain.items()}
         loaded = dist_checkpointing.load(wanted, str(out / "run" / f"iter_{iteration:07d}"))
         flat: dict = {}
         if DISTOPT:  # the optimizer's own state once it has loaded its buckets
             optimizer_sd = loaded.pop("optimizer")
-            # expert parallel: a ChainedOptimizer's, {0: the dense one's, 1: the experts'}
             parts = optimizer_sd if EP > 1 else {0: optimizer_sd}
             (sharding,) = {part["param_state_sharding_type"] for part in parts.values()}
             flat["optimizer.param_state_sharding_type"] = sharding
             if sharding == "fully_reshardable":
-                assert EP == 1
-                flat.update(_fully_reshardable(names, optimizer_sd))
+                for k, part in parts.items():
+                    found = _fully_reshardable(names[k], part)
+                    assert all(flat[h] == found[h] for h in found if h in flat)  # one step...
+                    flat.update(found)
             else:
                 with cuda_tensors_on_cpu(), torch.no_grad():  # it copies into the main params
                     optimizer.load_state_dict(optimizer_sd)
@@ -442,11 +445,10 @@ def reference(out: Path) -> None:
         dist.barrier()
 
 
-def _state_names(wanted: dict) -> dict:
+def _state_names(optimizer: dict) -> dict:
     """``{parameter index: {state key: name}}`` of a ``fully_reshardable`` optimizer's
     sharded dict (``optimizer.state.<key>.<name>`` tensors), a stacked one's by its layer;
     empty for another."""
-    optimizer = wanted.get("optimizer") or {}
     if optimizer.get("param_state_sharding_type") != "fully_reshardable":
         return {}
     return {

@@ -1091,15 +1091,26 @@ def test_moe_distributed_optimizer_against_megatrons_load(
 
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+@pytest.mark.parametrize(
+    "fixture,said",
+    [
+        (
+            "megatron_moe_ep_distopt_run",
+            "buckets over 2 expert-parallel ranks (chained_1.optimizer.distributed.*)",
+        ),
+        ("megatron_moe_ep_fully_run", "2 distributed optimizers' fully_reshardable state"),
+    ],
+)
 def test_moe_expert_parallel_distributed_optimizer_against_megatrons_load(
-    gradclip, megatron_moe_ep_distopt_run, what, step
+    gradclip, request, fixture, said, what, step
 ):
     """2 expert-parallel ranks, the distributed optimizer: the ChainedOptimizer's dense
     optimizer's buckets (``chained_0.``, over both data-parallel ranks) and the experts'
-    (``chained_1.``, each rank's own experts in its ``dp_group_idx``), against the moments
-    each rank's optimizers hold once they have loaded them; each tensor from its main
-    replica's rank."""
-    run = megatron_moe_ep_distopt_run
+    (``chained_1.``, each rank's own experts in its ``dp_group_idx``), or both saved
+    fully_reshardable (per parameter), against the moments each rank's optimizers hold once
+    they have loaded them (Megatron's own load, fully_reshardable); each tensor from its
+    main replica's rank."""
+    run = request.getfixturevalue(fixture)
     moments, weights = _tensor_parallel_distributed(run, step, "exp_avg" if what == "weights"
                                                     else what)
     expected = weights if what == "weights" else moments
@@ -1111,9 +1122,9 @@ def test_moe_expert_parallel_distributed_optimizer_against_megatrons_load(
     assert result.code == 0, result.err
     doc = result.json()
     assert (doc["step"], doc["what"]) == (step, what)
-    said = " ".join(doc["description"])
-    assert "ChainedOptimizer's 2 distributed optimizers" in said, said
-    assert "buckets over 2 expert-parallel ranks (chained_1.optimizer.distributed.*)" in said
+    description = " ".join(doc["description"])
+    assert "ChainedOptimizer's 2 distributed optimizers" in description, description
+    assert said in description, description
     _against(doc, expected, None if what == "weights" else weights)
 
 

@@ -31,15 +31,33 @@ split off as a tensor of its own, ``decoder.layers.3.mlp.linear_fc1.weight``,
 so the report's groups name the layer. A tensor under ``layers`` whose chunks
 do not each hold one layer is refused: its layers cannot be told apart.
 
+A Mixture of Experts (``num_moe_experts``; the local spec's ``SequentialMLP``) saves each
+layer's router as ``decoder.layers.mlp.router.weight``, a parameter like any, and its
+experts stacked once more: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
+``[num_layers, num_experts, ...]``, the global expert index a second prepended axis (each
+expert-parallel rank saving its own experts' chunks of it). Each expert of each layer is
+split off too, named by its global index as Megatron's ``singleton_local_shards`` keys
+name it, ``decoder.layers.3.mlp.experts.experts.5.linear_fc1.weight``: in its layer's group,
+and a tensor of its own (``--group-by regex:`` makes each expert a group). A chunk holding
+several experts is cut at each. Under expert parallelism Megatron-LM's
+``get_megatron_optimizer`` chains two optimizers, the dense parameters' and the experts'
+(``ChainedOptimizer``): plain, their moments are saved per parameter by name as one
+optimizer's are, and ``common.pt``'s ``optimizer`` is ``{0: ..., 1: ...}``, each with its
+param groups and ``common_step`` (the steps must agree, as must lr, betas and eps);
+distributed (``dp_reshardable``), their buckets are under ``chained_0.`` and
+``chained_1.`` (``_chained_bucketed``); a chain saved otherwise (``fully_reshardable``) is
+refused. Keys under ``chained_N.optimizer.`` are the optimizer's, never the model's weights.
+
 With Megatron's distributed optimizer, saved as Megatron-LM saves it by default
 (``common.pt``'s ``optimizer.param_state_sharding_type`` ``dp_reshardable``), the
 moments are not per parameter: each grad-buffer bucket is flat tensors under
 ``optimizer.distributed.`` and the step is in its param groups' object there;
 ``_bucketed`` cuts each parameter's moments out of them by Megatron's bucket
-layout (``megatron_buckets``, shared with the legacy ``distrib_optim.pt``), checked
-against the model's tensors (their ``param``, fp32 main params, are the weights measured
-under bf16); with tensor or pipeline parallelism, each model-parallel
-rank's buckets (``dp_group_idx_N``) hold its stage's parameters, its shards of them.
+layout (``megatron_buckets``, shared with the legacy ``distrib_optim.pt``; a layer's
+experts in turn, as ``SequentialMLP`` lists them), checked against the model's tensors
+(their ``param``, fp32 main params, are the weights measured under bf16); with tensor or
+pipeline parallelism, each model-parallel rank's buckets (``dp_group_idx_N``) hold its
+stage's parameters, its shards of them.
 Saved ``fully_reshardable`` (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``), the
 state is per parameter again, in the model's shape and chunks,
 ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``, and the step is only in
@@ -163,9 +181,15 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     held = f"optimizer state for {len(optimizer.state) if optimizer else 0} parameters"
     fully = _sharding(root) == _FULLY and optimizer is not None
     if fully:
-        held += " from the distributed optimizer's fully_reshardable state (optimizer.state.*)"
+        optim = root["optimizer"]
+        which = (  # a ChainedOptimizer's under expert parallelism: {0: ..., 1: ...}
+            f"a ChainedOptimizer's {len(optim)} distributed optimizers'"
+            if "param_state_sharding_type" not in optim
+            else "the distributed optimizer's"
+        )
+        held += f" from {which} fully_reshardable state (optimizer.state.*)"
         contents.evidence[roles.OPTIMIZER_STATE] = (
-            f"{said}, the distributed optimizer's fully_reshardable optimizer.state entries, "
+            f"{said}, {which} fully_reshardable optimizer.state entries, "
             f"{_COMMON}'s param groups' step and betas"
         )
     mains = {n: t for n, t in mains.items() if weights[n].dtype in _SIXTEEN}
@@ -233,10 +257,16 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
 
 
 def _sharding(root: dict) -> object:
-    """``common.pt``'s ``optimizer.param_state_sharding_type`` (the distributed optimizer's),
-    or None."""
+    """``common.pt``'s ``optimizer.param_state_sharding_type`` (the distributed optimizer's;
+    a ChainedOptimizer's, ``optimizer.<N>.``, where its optimizers agree), or None."""
     optim = root.get("optimizer")
-    return optim.get("param_state_sharding_type") if isinstance(optim, dict) else None
+    if not isinstance(optim, dict):
+        return None
+    if optim and all(type(k) is int for k in optim):
+        kinds = [p.get("param_state_sharding_type") if isinstance(p, dict) else None
+                 for p in optim.values()]
+        return kinds[0] if all(k == kinds[0] for k in kinds) else None
+    return optim.get("param_state_sharding_type")
 
 
 def _distributed_sharding(folder: dcp_folder.DcpFolder, root: dict) -> str | None:
@@ -366,7 +396,7 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
     groups: list[dict] = []
     steps = []
     for where, optim in _chained(root.get("optimizer"), common_file):
-        mine, step = _groups_and_step(optim, where, root, common_file)
+        mine, step = _groups_and_step(optim, where, common_file)
         groups += mine
         steps.append(step)
     if len({repr(_step_value(s)) for s in steps}) != 1:
@@ -411,18 +441,20 @@ def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
             f"{common_file}: the chained optimizers are numbered {sorted(optim)[:8]}, "
             "not 0, 1, ..."
         )
-    for k, part in optim.items():
-        if isinstance(part, dict) and "param_state_sharding_type" in part:
-            raise InputError(
-                f"{common_file}: optimizer.{k} is a chained distributed optimizer's "
-                f"({visible(repr(part['param_state_sharding_type']))[:40]}), which gradclip "
-                "does not read: moments not measured"
-            )
+    kinds = [p.get("param_state_sharding_type") if isinstance(p, dict) else None
+             for p in optim.values()]
+    if any(k != kinds[0] for k in kinds) or kinds[0] not in (None, _FULLY):
+        raise InputError(
+            f"{common_file}: the chained optimizers are saved as {visible(repr(kinds))[:80]} "
+            "beside moments per parameter (optimizer.state.*); gradclip reads them plain or "
+            "each fully_reshardable"
+        )
     return [(f"optimizer.{k}", optim[k]) for k in range(len(optim))]
 
 
-def _groups_and_step(optim, where: str, root: dict, common_file: Path) -> tuple[list, object]:
+def _groups_and_step(optim, where: str, common_file: Path) -> tuple[list, object]:
     """One optimizer's param groups and the step of its moments, from ``common.pt``."""
+    fully = isinstance(optim, dict) and optim.get("param_state_sharding_type") == _FULLY
     if isinstance(optim, dict) and "param_groups" not in optim and "optimizer" in optim:
         # Mixed precision (Float16OptimizerWithFloat16Params.state_dict): torch's state dict
         # one level down, beside the fp32 main params (in .metadata: fp32_param entries)
@@ -433,7 +465,7 @@ def _groups_and_step(optim, where: str, root: dict, common_file: Path) -> tuple[
         raise InputError(
             f"{common_file}: holds no {where}.param_groups (the moments' betas, lr and eps)"
         )
-    if _sharding(root) == _FULLY:
+    if fully:
         # The distributed optimizer's state_dict keeps the one step of every parameter in its
         # param groups (DistributedOptimizer.state_dict); fully_reshardable saves them as they are
         steps = {g.get("step") for g in groups}
