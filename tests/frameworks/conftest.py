@@ -225,11 +225,20 @@ def megatron_distopt_tp_bf16_run(framework_python, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def megatron_moe_runs(framework_python, tmp_path_factory) -> dict:
     """Megatron-core Mixture-of-Experts runs (4 experts a layer, a top-2 router): on 1 rank
-    (``"ep1"``), and on 2 expert-parallel ranks (``"ep2"``: 2 experts each, data parallel
+    (``"ep1"``), on 2 expert-parallel ranks (``"ep2"``: 2 experts each, data parallel
     for the rest, Megatron's DDP and ``get_megatron_optimizer``'s ChainedOptimizer of the
     dense parameters' and the experts' optimizers; ``reference/iter_N.rankR.pt`` per
-    rank)."""
+    rank), and on 1 rank with layer 0 a dense MLP (``"dense1"``: ``moe_layer_freq``,
+    each layer saved under its number)."""
     return {
+        "dense1": run_generator(
+            framework_python,
+            "megatron_run.py",
+            tmp_path_factory.mktemp("megatron_moe_dense1"),
+            1,
+            "moe",
+            "dense1",
+        ),
         "ep1": run_generator(
             framework_python, "megatron_run.py", tmp_path_factory.mktemp("megatron_moe"), 1, "moe"
         ),

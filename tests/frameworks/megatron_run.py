@@ -66,10 +66,17 @@ router as ``decoder.layers.mlp.router.weight``. A CPU shim more: without Transfo
 megatron-core 0.16.1 leaves the router's ``te_general_gemm`` undefined where it asks
 whether it is None (set to None: its torch.mm path). ``moe ep`` makes the ranks expert
 parallel too (``expert_model_parallel_size`` N: each rank holds 4/N of every layer's
-experts, saved as its chunks of the expert axis, and is data parallel for the rest; an
-expert's gradient is summed over its expert-data-parallel group alone, then scaled by
-1/DP, as Megatron's DDP scales it); each rank's reference is then its own, as under tensor
-parallelism.
+experts, saved as its chunks of the expert axis, and is data parallel for the rest),
+trained as Megatron-LM trains it: Megatron's DDP (the experts' gradients in expert buffers,
+reduced over the expert data-parallel group) and ``get_megatron_optimizer``'s
+``ChainedOptimizer`` of the dense parameters' optimizer and the experts' (``common.pt``'s
+``optimizer`` ``{0: ..., 1: ...}``; with ``distopt`` their buckets under ``chained_0.`` and
+``chained_1.``, with ``fully`` their state per parameter); each rank's reference is then
+its own, as under tensor parallelism, each chained optimizer's state keyed by its own ids
+(``optimizer.<k>.state.<id>``, named by ``param_names.<k>``). ``moe dense1`` makes layer 0
+a dense MLP (``moe_layer_freq`` ``[0, 1]``, the decoder block's local spec per layer):
+Megatron then saves each layer under its number
+(``decoder.layers.1.mlp.experts.experts.linear_fc1.weight``, the expert axis first).
 
 Then Megatron's own ``dist_checkpointing.load`` reads each step back into
 the sharded state dict of a freshly built model and optimizer, saved as
@@ -87,6 +94,7 @@ import argparse
 import contextlib
 import itertools
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -101,6 +109,7 @@ BUCKET = 3000  # ``bucket=N`` after ``distopt``: a grad-buffer bucket closes at 
 BF16 = False  # ``bf16`` after OUT: mixed precision, bf16 weights and fp32 main params
 EXPERTS = 0  # ``moe`` after OUT: each layer's MLP a router and this many experts (4)
 EP = 1  # expert-parallel ranks: ``ep`` after ``moe`` makes every rank one (argv)
+DENSE_FIRST = False  # ``dense1`` after ``moe``: layer 0 a dense MLP, the rest MoE
 # Megatron-LM's default for the distributed optimizer under torch_dist (checkpointing.py's
 # _build_sharded_state_dict_metadata, without --dist-ckpt-optim-fully-reshardable)
 SHARDING = {
@@ -113,7 +122,6 @@ SHARDING = {
 def build():
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     if EXPERTS:
@@ -144,7 +152,7 @@ def build():
     torch.manual_seed(0)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=EXPERTS or None),
+        transformer_layer_spec=_layer_spec(config),
         vocab_size=VOCAB,
         max_sequence_length=SEQUENCE,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -167,6 +175,19 @@ def build():
     return model
 
 
+def _layer_spec(config):
+    """The local spec (no Transformer Engine): every layer's, or with ``dense1`` the decoder
+    block's, a spec per layer (``moe_layer_freq``: layer 0 dense, layer 1 MoE)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+
+    if DENSE_FIRST:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    return get_gpt_layer_local_spec(num_experts=EXPERTS or None)
+
+
 def _moe() -> dict:
     """The transformer config's MoE settings: a top-2 router over the experts (Megatron's
     SequentialMLP of local MLPs under the local spec), its all-gather token dispatcher, a
@@ -181,6 +202,7 @@ def _moe() -> dict:
         "moe_router_load_balancing_type": "aux_loss",
         "moe_aux_loss_coeff": 1e-2,
         "expert_model_parallel_size": EP,
+        **({"moe_layer_freq": [0] + [1] * (LAYERS - 1)} if DENSE_FIRST else {}),
     }
 
 
@@ -542,12 +564,14 @@ def _layer_name(sharded) -> str:
     """A sharded tensor's key, a stacked one's with its layer (the prepended offset) in it,
     an expert's (SequentialMLP's second prepended axis) also with its global expert index, as
     Megatron's ``singleton_local_shards`` keys name it (``...experts.experts.3.linear_fc1``)."""
-    name = sharded.key
-    if sharded.prepend_axis_num:
-        name = name.replace("layers.", f"layers.{sharded.global_offset[0]}.", 1)
-    if sharded.prepend_axis_num > 1:
-        assert sharded.prepend_axis_num == 2 and ".experts.experts." in name, sharded.key
-        name = name.replace(".experts.experts.", f".experts.experts.{sharded.global_offset[1]}.")
+    name, axis = sharded.key, 0
+    if re.match(r"(.*\.)?layers\.(?!\d)", name):  # stacked (layers differing: numbered)
+        name = name.replace("layers.", f"layers.{sharded.global_offset[axis]}.", 1)
+        axis += 1
+    if re.match(r".*\.experts\.experts\.(?!\d)", name):
+        name = name.replace(".experts.experts.", f".experts.experts.{sharded.global_offset[axis]}.")
+        axis += 1
+    assert axis == sharded.prepend_axis_num, sharded.key
     return name
 
 
@@ -595,6 +619,8 @@ if __name__ == "__main__":
             BF16 = True
         elif flag == "moe":
             EXPERTS = 4
+        elif flag == "dense1":
+            DENSE_FIRST = True
         elif flag == "ep":  # every rank an expert-parallel rank
             EP = int(os.environ["WORLD_SIZE"])
         elif flag == "fully":  # Megatron-LM's --dist-ckpt-optim-fully-reshardable

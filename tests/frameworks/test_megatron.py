@@ -907,6 +907,7 @@ def test_bf16_a_buckets_param_of_another_step(gradclip, distopt_bf16_save):
 # ------------------------------------------------------------- Mixture of Experts
 
 LAYERS, EXPERTS = (0, 1), (0, 1, 2, 3)
+MOE_LAYERS = {"ep1": LAYERS, "ep2": LAYERS, "dense1": (1,)}  # dense1: layer 0 a dense MLP
 
 
 def _moe_reference(run: Path, step: int, what: str) -> dict[str, torch.Tensor]:
@@ -943,9 +944,11 @@ def _moe_reference(run: Path, step: int, what: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _against(doc: dict, expected: dict[str, torch.Tensor], weights: dict | None = None) -> None:
-    """``doc`` reports ``expected`` (float64, by name): every tensor, every layer's group (its
-    experts and router in it), the total, and each ratio over ``weights``."""
+def _against(
+    doc: dict, expected: dict[str, torch.Tensor], weights: dict | None = None, moe=LAYERS
+) -> None:
+    """``doc`` reports ``expected`` (float64, by name): every tensor, every layer's group (an
+    MoE layer's experts and router in it), the total, and each ratio over ``weights``."""
     rows = {t["name"]: t for t in doc["tensors"]}
     assert set(rows) == set(expected)
     for name, row in rows.items():
@@ -955,9 +958,13 @@ def _against(doc: dict, expected: dict[str, torch.Tensor], weights: dict | None 
             assert rel_err(row["ratio"], norm([expected[name]]) / norm([weights[name]])) <= TOL
     groups = {g["name"]: g for g in doc["groups"]}
     for layer in LAYERS:
-        members = [t for n, t in expected.items() if n.startswith(f"decoder.layers.{layer}.")]
-        assert len(members) == 7 + 2 * len(EXPERTS)  # 6 norms and matrices, router, experts
-        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members)) <= TOL
+        members = {n: t for n, t in expected.items() if n.startswith(f"decoder.layers.{layer}.")}
+        mlp = f"decoder.layers.{layer}.mlp."
+        if layer in moe:  # the router and every expert, each a tensor of its own
+            assert {f"{mlp}router.weight"} | {
+                f"{mlp}experts.experts.{e}.linear_fc{i}.weight" for e in EXPERTS for i in (1, 2)
+            } <= set(members)
+        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members.values())) <= TOL
     assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
 
 
@@ -987,23 +994,26 @@ def test_the_moe_fixtures_are_megatrons_layout(megatron_moe_runs):
 
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
-@pytest.mark.parametrize("name", ["ep1", "ep2"])
+@pytest.mark.parametrize("name", ["ep1", "ep2", "dense1"])
 def test_moe_every_quantity_against_megatrons_load(gradclip, megatron_moe_runs, name, what, step):
     """Every expert a tensor of its own, named by its layer and global expert index, the
-    router a parameter, each in its layer's group; expert-parallel ranks' experts joined."""
+    router a parameter, each in its layer's group; expert-parallel ranks' experts joined;
+    a dense layer before an MoE one (Megatron then saves each layer under its number)."""
     run = megatron_moe_runs[name]
     expected = _moe_reference(run, step, what)
     weights = _moe_reference(run, step, "weights")
     assert set(expected) == set(weights)
     assert {f"decoder.layers.{layer}.mlp.experts.experts.{e}.linear_fc2.weight"
-            for layer in LAYERS for e in EXPERTS} <= set(expected)
+            for layer in MOE_LAYERS[name] for e in EXPERTS} <= set(expected)
+    assert not any(f"layers.{layer}.mlp.router" in n for n in expected
+                   for layer in set(LAYERS) - set(MOE_LAYERS[name]))
     result = gradclip(
         "inspect", run / "run" / f"iter_{step:07d}", "--what", what, "--format", "json"
     )
     assert result.code == 0, result.err
     doc = result.json()
     assert (doc["format"], doc["step"], doc["what"]) == ("megatron", step, what)
-    _against(doc, expected, None if what == "weights" else weights)
+    _against(doc, expected, None if what == "weights" else weights, MOE_LAYERS[name])
 
 
 @pytest.mark.parametrize("name", ["ep1", "ep2"])

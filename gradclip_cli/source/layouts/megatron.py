@@ -45,8 +45,12 @@ several experts is cut at each. Under expert parallelism Megatron-LM's
 optimizer's are, and ``common.pt``'s ``optimizer`` is ``{0: ..., 1: ...}``, each with its
 param groups and ``common_step`` (the steps must agree, as must lr, betas and eps);
 distributed (``dp_reshardable``), their buckets are under ``chained_0.`` and
-``chained_1.`` (``_chained_bucketed``); a chain saved otherwise (``fully_reshardable``) is
-refused. Keys under ``chained_N.optimizer.`` are the optimizer's, never the model's weights.
+``chained_1.`` (``_chained_bucketed``); distributed ``fully_reshardable``, their state is
+per parameter by name again, each one's step in its own ``optimizer.<N>.optimizer``'s param
+groups. A chain saved otherwise is refused. Keys under ``chained_N.optimizer.`` are the
+optimizer's, never the model's weights. Megatron's per-layer keys (``decoder.layers.0.mlp
+.experts.experts.linear_fc1.weight``, as it saves layers that differ, ``moe_layer_freq``)
+have the expert axis first, split the same way.
 
 With Megatron's distributed optimizer, saved as Megatron-LM saves it by default
 (``common.pt``'s ``optimizer.param_state_sharding_type`` ``dp_reshardable``), the
@@ -433,7 +437,8 @@ def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
     """The optimizers of ``common.pt``'s ``optimizer``, each with where it is: the one, or
     a ``ChainedOptimizer``'s (``{0: ..., 1: ...}``, ``ChainedOptimizer.state_dict``: under
     expert parallelism ``get_megatron_optimizer`` chains the dense parameters' optimizer and
-    the experts'; their moments are saved per parameter as one optimizer's are, by name)."""
+    the experts'; their moments are saved per parameter as one optimizer's are, by name,
+    when they are plain or distributed ``fully_reshardable``)."""
     if not isinstance(optim, dict) or not optim or not all(type(k) is int for k in optim):
         return [("optimizer", optim)]
     if sorted(optim) != list(range(len(optim))):
