@@ -256,9 +256,10 @@ def megatron_moe_runs(framework_python, tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def megatron_moe_distopt_run(framework_python, tmp_path_factory) -> Path:
     """The Mixture-of-Experts model on 2 data-parallel ranks with Megatron's distributed
-    optimizer (dp_reshardable): every expert in the one grad buffer's buckets."""
+    optimizer (dp_reshardable): every expert in the one grad buffer's buckets; its routers
+    with their expert bias, a buffer saved beside their weights (``bias``)."""
     out = tmp_path_factory.mktemp("megatron_moe_distopt")
-    return run_generator(framework_python, "megatron_run.py", out, 2, "moe", "distopt")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "moe", "distopt", "bias")
 
 
 @pytest.fixture(scope="session")

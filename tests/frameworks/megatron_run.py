@@ -73,7 +73,12 @@ reduced over the expert data-parallel group) and ``get_megatron_optimizer``'s
 ``optimizer`` ``{0: ..., 1: ...}``; with ``distopt`` their buckets under ``chained_0.`` and
 ``chained_1.``, with ``fully`` their state per parameter); each rank's reference is then
 its own, as under tensor parallelism, each chained optimizer's state keyed by its own ids
-(``optimizer.<k>.state.<id>``, named by ``param_names.<k>``). ``moe dense1`` makes layer 0
+(``optimizer.<k>.state.<id>``, named by ``param_names.<k>``). ``moe bias`` adds the
+router's expert bias (``moe_router_enable_expert_bias``, sigmoid scores: aux-loss-free
+balancing), a buffer Megatron saves beside the router's weight
+(``decoder.layers.mlp.router.expert_bias``), updated after each backward as Megatron's
+``finalize_model_grads`` updates it; the reference lists the model's buffers
+(``buffer_names``, torch's ``named_buffers``). ``moe dense1`` makes layer 0
 a dense MLP (``moe_layer_freq`` ``[0, 1]``, the decoder block's local spec per layer):
 Megatron then saves each layer under its number
 (``decoder.layers.1.mlp.experts.experts.linear_fc1.weight``, the expert axis first).
@@ -110,6 +115,7 @@ BF16 = False  # ``bf16`` after OUT: mixed precision, bf16 weights and fp32 main 
 EXPERTS = 0  # ``moe`` after OUT: each layer's MLP a router and this many experts (4)
 EP = 1  # expert-parallel ranks: ``ep`` after ``moe`` makes every rank one (argv)
 DENSE_FIRST = False  # ``dense1`` after ``moe``: layer 0 a dense MLP, the rest MoE
+EXPERT_BIAS = False  # ``bias`` after ``moe``: the router's expert bias (a buffer), sigmoid scores
 # Megatron-LM's default for the distributed optimizer under torch_dist (checkpointing.py's
 # _build_sharded_state_dict_metadata, without --dist-ckpt-optim-fully-reshardable)
 SHARDING = {
@@ -203,6 +209,11 @@ def _moe() -> dict:
         "moe_aux_loss_coeff": 1e-2,
         "expert_model_parallel_size": EP,
         **({"moe_layer_freq": [0] + [1] * (LAYERS - 1)} if DENSE_FIRST else {}),
+        **(
+            {"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}
+            if EXPERT_BIAS
+            else {}
+        ),
     }
 
 
@@ -341,6 +352,10 @@ def main(out: Path, *, with_reference: bool = True) -> None:
             loss.backward()
         if wrapped():  # Megatron's DDP reduces (or reduce-scatters) each bucket's gradients
             model.finish_grad_sync()
+        if EXPERT_BIAS:  # as Megatron's finalize_model_grads updates it, from the tokens routed
+            from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+
+            _update_router_expert_bias([model], (model.module if wrapped() else model).config)
         for p in model.parameters():
             if p.grad is not None and dist.get_world_size() > TP * PP:  # data parallel
                 dist.all_reduce(p.grad)
@@ -460,6 +475,10 @@ def reference(out: Path) -> None:
         flat["model_names"] = {
             k: _layer_name(v) for k, v in model_sd.items() if isinstance(v, ShardedTensor)
         }
+        # Those of its buffers (torch's own word: the router's expert bias), never parameters
+        flat["buffer_names"] = [
+            flat["model_names"][k] for k, _ in model.named_buffers() if k in flat["model_names"]
+        ]
         if TP * PP * EP > 1:
             torch.save(flat, out / "reference" / f"iter_{iteration}.rank{dist.get_rank()}.pt")
         elif dist.get_rank() == 0:
@@ -550,7 +569,10 @@ def _distributed_moments(ddp, optimizer) -> dict:
                 whole = torch.cat([p[i] for p in pieces])
                 assert [p[0] for p in pieces][0] == 0 and whole.numel() == shape.numel()
                 out[f"distopt.{name}.{key}"] = whole.view(shape)
-    assert {k.rsplit(".", 1)[0] for k in out} == {f"distopt.{n}" for n in shapes}
+    buffers = {b.data_ptr() for b in ddp.module.buffers()}  # no moments: not parameters
+    assert {k.rsplit(".", 1)[0] for k in out} == {
+        f"distopt.{n}" for ptr, n in names.items() if ptr not in buffers
+    }
     # One step and one set of hyperparameters over the groups (else the reference is wrong).
     groups = [g for part in optimizer.chained_optimizers for g in part.param_groups]
     (hyper,) = {(g["step"], *g["betas"], g["lr"], g["eps"]) for g in groups}
@@ -621,6 +643,8 @@ if __name__ == "__main__":
             EXPERTS = 4
         elif flag == "dense1":
             DENSE_FIRST = True
+        elif flag == "bias":
+            EXPERT_BIAS = True
         elif flag == "ep":  # every rank an expert-parallel rank
             EP = int(os.environ["WORLD_SIZE"])
         elif flag == "fully":  # Megatron-LM's --dist-ckpt-optim-fully-reshardable

@@ -1085,9 +1085,14 @@ def test_moe_distributed_optimizer_against_megatrons_load(
     gradclip, megatron_moe_distopt_run, what
 ):
     """2 data-parallel ranks, the distributed optimizer: every expert in the grad buffer's
-    buckets, laid out expert by expert as Megatron's DDP lays out ``local_experts``."""
+    buckets, laid out expert by expert as Megatron's DDP lays out ``local_experts``. The
+    routers' expert bias (torch's buffers, updated by Megatron's rule, not by Adam) is saved
+    among the model's tensors: never a weight, nor in a bucket's layout."""
     ref = _reference(megatron_moe_distopt_run, 3)
-    weights = _weights(ref)
+    buffers = set(ref["buffer_names"])
+    assert buffers == {f"decoder.layers.{layer}.mlp.router.expert_bias" for layer in LAYERS}
+    assert all(_weights(ref)[n].abs().max() > 0 for n in buffers)  # updated: they would count
+    weights = {n: t for n, t in _weights(ref).items() if n not in buffers}
     expected = weights if what == "weights" else _distributed_measured(ref, what)
     expected = {n: t.double() for n, t in expected.items()}
     run = megatron_moe_distopt_run / "run"
@@ -1096,6 +1101,7 @@ def test_moe_distributed_optimizer_against_megatrons_load(
     doc = result.json()
     if what != "weights":
         assert "dp_reshardable buckets" in " ".join(doc["description"])
+    assert doc["roles"]["buffer"] == len(buffers)
     _against(doc, expected, None if what == "weights" else weights)
 
 

@@ -32,10 +32,12 @@ so the report's groups name the layer. A tensor under ``layers`` whose chunks
 do not each hold one layer is refused: its layers cannot be told apart.
 
 A Mixture of Experts (``num_moe_experts``; the local spec's ``SequentialMLP``) saves each
-layer's router as ``decoder.layers.mlp.router.weight``, a parameter like any, and its
-experts stacked once more: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
-``[num_layers, num_experts, ...]``, the global expert index a second prepended axis (each
-expert-parallel rank saving its own experts' chunks of it). Each expert of each layer is
+layer's router as ``decoder.layers.mlp.router.weight``, a parameter like any (with
+aux-loss-free balancing also its ``expert_bias``, a buffer: never a weight, nor laid out in
+the distributed optimizer's buckets), and its experts stacked once more:
+``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is ``[num_layers, num_experts,
+...]``, the global expert index a second prepended axis (each expert-parallel rank saving
+its own experts' chunks of it). Each expert of each layer is
 split off too, named by its global index as Megatron's ``singleton_local_shards`` keys
 name it, ``decoder.layers.3.mlp.experts.experts.5.linear_fc1.weight``: in its layer's group,
 and a tensor of its own (``--group-by regex:`` makes each expert a group). A chunk holding
@@ -119,6 +121,9 @@ _SIXTEEN = (torch.bfloat16, torch.float16)
 _LAYERS = re.compile(r"(^|.*\.)layers\.(?!\d)")  # a stacked key: ``layers.`` then no number
 _EXPERTS = re.compile(r"(^|.*\.)experts\.experts\.(?!\d)")  # stacked experts: then no number
 _EXPERT = re.compile(r"(?:^|.*\.)experts\.experts\.(\d+)\.")  # one expert, split off
+# A buffer Megatron saves among the model's tensors: the router's expert bias
+# (``TopKRouter``'s ``register_buffer('expert_bias')``, core_v0.16.1), which no optimizer steps
+_BUFFER = re.compile(r"(?:.*\.)?router\.expert_bias")
 
 
 def recognises(path: Path) -> bool:
@@ -173,7 +178,10 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     )
     split = _split_layers(folder)
     weights = {n: t for k, (n, t) in _named(split).items() if not _OPTIMIZER.match(k)}
+    buffers = {n: t for n, t in weights.items() if _BUFFER.fullmatch(n)}
+    weights = {n: t for n, t in weights.items() if n not in buffers}
     contents.weights = weights or None
+    contents.buffers = buffers or None
     said = f"a torch_dist checkpoint: {_JSON} sharded_backend torch_dist"
     contents.evidence[roles.WEIGHT] = said
     optimizer = _optimizer(folder, split, root, common_file)
@@ -922,7 +930,7 @@ def _model_order(split) -> list[str]:
     layers in turn (layer 0's tensors, then layer 1's...), and within a layer a Mixture of
     Experts' experts in turn (``SequentialMLP``'s ``local_experts``: expert 0's
     ``linear_fc1`` and ``linear_fc2``, then expert 1's...)."""
-    keys = [k for k in split if not _OPTIMIZER.match(k)]
+    keys = [k for k in split if not _OPTIMIZER.match(k) and not _BUFFER.fullmatch(k)]
     first: dict[tuple[str, str], int] = {}  # a block's head -> the place of its first key
     for here, key in enumerate(keys):
         for pattern in (_LAYERS, _EXPERTS):
