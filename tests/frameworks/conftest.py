@@ -223,6 +223,66 @@ def megatron_distopt_tp_bf16_run(framework_python, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def megatron_moe_runs(framework_python, tmp_path_factory) -> dict:
+    """Megatron-core Mixture-of-Experts runs (4 experts a layer, a top-2 router): on 1 rank
+    (``"ep1"``), on 2 expert-parallel ranks (``"ep2"``: 2 experts each, data parallel
+    for the rest, Megatron's DDP and ``get_megatron_optimizer``'s ChainedOptimizer of the
+    dense parameters' and the experts' optimizers; ``reference/iter_N.rankR.pt`` per
+    rank), and on 1 rank with layer 0 a dense MLP (``"dense1"``: ``moe_layer_freq``,
+    each layer saved under its number)."""
+    return {
+        "dense1": run_generator(
+            framework_python,
+            "megatron_run.py",
+            tmp_path_factory.mktemp("megatron_moe_dense1"),
+            1,
+            "moe",
+            "dense1",
+        ),
+        "ep1": run_generator(
+            framework_python, "megatron_run.py", tmp_path_factory.mktemp("megatron_moe"), 1, "moe"
+        ),
+        "ep2": run_generator(
+            framework_python,
+            "megatron_run.py",
+            tmp_path_factory.mktemp("megatron_moe_ep2"),
+            2,
+            "moe",
+            "ep",
+        ),
+    }
+
+
+@pytest.fixture(scope="session")
+def megatron_moe_distopt_run(framework_python, tmp_path_factory) -> Path:
+    """The Mixture-of-Experts model on 2 data-parallel ranks with Megatron's distributed
+    optimizer (dp_reshardable): every expert in the one grad buffer's buckets; its routers
+    with their expert bias, a buffer saved beside their weights (``bias``)."""
+    out = tmp_path_factory.mktemp("megatron_moe_distopt")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "moe", "distopt", "bias")
+
+
+@pytest.fixture(scope="session")
+def megatron_moe_ep_distopt_run(framework_python, tmp_path_factory) -> Path:
+    """The Mixture-of-Experts model on 2 expert-parallel ranks with Megatron's distributed
+    optimizer: a ChainedOptimizer's two, their buckets under ``chained_0.`` (the dense
+    parameters', over both ranks) and ``chained_1.`` (each rank's experts')."""
+    out = tmp_path_factory.mktemp("megatron_moe_ep_distopt")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "moe", "ep", "distopt")
+
+
+@pytest.fixture(scope="session")
+def megatron_moe_ep_fully_run(framework_python, tmp_path_factory) -> Path:
+    """As ``megatron_moe_ep_distopt_run``, saved ``fully_reshardable``: both chained
+    optimizers' state per parameter (``optimizer.state.*``, no prefix), the steps in
+    ``common.pt``'s ``optimizer.{0,1}.optimizer.param_groups``."""
+    out = tmp_path_factory.mktemp("megatron_moe_ep_fully")
+    return run_generator(
+        framework_python, "megatron_run.py", out, 2, "moe", "ep", "distopt", "fully"
+    )
+
+
+@pytest.fixture(scope="session")
 def megatron_lm_runs(framework_python, tmp_path_factory) -> dict:
     """Megatron-LM's own ``save_checkpoint`` in its legacy format (``megatron_lm_run.py``):
     1 rank in fp32 with the output layer tied to the embedding, Megatron's default

@@ -57,13 +57,40 @@ optimizer's state as Megatron-LM's ``--dist-ckpt-optim-fully-reshardable`` does
 the data-parallel ranks; the shims also keep its gather's ``.cuda()`` copies on the CPU);
 its reference is the state Megatron's ``dist_checkpointing.load`` gives, under the same
 ``distopt.*`` names.
+``moe`` makes each layer's MLP a Mixture of Experts (``num_moe_experts`` 4, the local
+spec's ``SequentialMLP`` of local MLPs, a top-2 router with its all-gather token dispatcher
+and a load-balancing loss; no biases in the linear layers, as MoE models train); Megatron
+saves each expert stacked by layer and by its global expert index (two prepended axes:
+``decoder.layers.mlp.experts.experts.linear_fc1.weight``, ``[layers, experts, ...]``), the
+router as ``decoder.layers.mlp.router.weight``. A CPU shim more: without Transformer Engine
+megatron-core 0.16.1 leaves the router's ``te_general_gemm`` undefined where it asks
+whether it is None (set to None: its torch.mm path). ``moe ep`` makes the ranks expert
+parallel too (``expert_model_parallel_size`` N: each rank holds 4/N of every layer's
+experts, saved as its chunks of the expert axis, and is data parallel for the rest),
+trained as Megatron-LM trains it: Megatron's DDP (the experts' gradients in expert buffers,
+reduced over the expert data-parallel group) and ``get_megatron_optimizer``'s
+``ChainedOptimizer`` of the dense parameters' optimizer and the experts' (``common.pt``'s
+``optimizer`` ``{0: ..., 1: ...}``; with ``distopt`` their buckets under ``chained_0.`` and
+``chained_1.``, with ``fully`` their state per parameter); each rank's reference is then
+its own, as under tensor parallelism, each chained optimizer's state keyed by its own ids
+(``optimizer.<k>.state.<id>``, named by ``param_names.<k>``). ``moe bias`` adds the
+router's expert bias (``moe_router_enable_expert_bias``, sigmoid scores: aux-loss-free
+balancing), a buffer Megatron saves beside the router's weight
+(``decoder.layers.mlp.router.expert_bias``), updated after each backward as Megatron's
+``finalize_model_grads`` updates it; the reference lists the model's buffers
+(``buffer_names``, torch's ``named_buffers``). ``moe dense1`` makes layer 0
+a dense MLP (``moe_layer_freq`` ``[0, 1]``, the decoder block's local spec per layer):
+Megatron then saves each layer under its number
+(``decoder.layers.1.mlp.experts.experts.linear_fc1.weight``, the expert axis first).
 
 Then Megatron's own ``dist_checkpointing.load`` reads each step back into
 the sharded state dict of a freshly built model and optimizer, saved as
 ``OUT/reference/iter_N.pt`` (plain tensors, by Megatron's names; the moments
 by parameter id, with ``param_names`` naming each id by Megatron's own id-to-sharded-tensor map).
-Tensor parallel, each rank saves ``iter_N.rankR.pt``: its own shards, and a
-replicated tensor only where it is Megatron's main replica.
+Tensor (or expert) parallel, each rank saves ``iter_N.rankR.pt``: its own shards, and a
+replicated tensor only where it is Megatron's main replica. An expert is named by its
+layer and its global expert index, as Megatron's ``singleton_local_shards`` keys name it
+(``decoder.layers.0.mlp.experts.experts.3.linear_fc1.weight``).
 """
 
 from __future__ import annotations
@@ -72,6 +99,7 @@ import argparse
 import contextlib
 import itertools
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -84,6 +112,10 @@ PP = 1  # pipeline stages: ``pp`` after OUT makes every rank one (argv)
 DISTOPT = False  # ``distopt`` after OUT: Megatron's distributed optimizer over the ranks
 BUCKET = 3000  # ``bucket=N`` after ``distopt``: a grad-buffer bucket closes at N elements
 BF16 = False  # ``bf16`` after OUT: mixed precision, bf16 weights and fp32 main params
+EXPERTS = 0  # ``moe`` after OUT: each layer's MLP a router and this many experts (4)
+EP = 1  # expert-parallel ranks: ``ep`` after ``moe`` makes every rank one (argv)
+DENSE_FIRST = False  # ``dense1`` after ``moe``: layer 0 a dense MLP, the rest MoE
+EXPERT_BIAS = False  # ``bias`` after ``moe``: the router's expert bias (a buffer), sigmoid scores
 # Megatron-LM's default for the distributed optimizer under torch_dist (checkpointing.py's
 # _build_sharded_state_dict_metadata, without --dist-ckpt-optim-fully-reshardable)
 SHARDING = {
@@ -96,11 +128,17 @@ SHARDING = {
 def build():
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
+    if EXPERTS:
+        from megatron.core.transformer.moe import moe_utils
+
+        # Without Transformer Engine, megatron-core 0.16.1 leaves the router's te_general_gemm
+        # undefined (imported only with TE) where it asks whether it is None: None, its own
+        # torch.mm path.
+        moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(TP, PP)
+        parallel_state.initialize_model_parallel(TP, PP, expert_model_parallel_size=EP)
         # No dropout here, and no CUDA RNG to fork: Megatron's tracker forks nothing.
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *_, **__: contextlib.nullcontext()
     config = TransformerConfig(
@@ -115,11 +153,12 @@ def build():
         pipeline_dtype=torch.bfloat16 if BF16 else torch.float32,
         bf16=BF16,  # as Megatron-LM's --bf16 sets it (its params_dtype too)
         params_dtype=torch.bfloat16 if BF16 else torch.float32,
+        **(_moe() if EXPERTS else {}),
     )
     torch.manual_seed(0)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=_layer_spec(config),
         vocab_size=VOCAB,
         max_sequence_length=SEQUENCE,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -129,7 +168,7 @@ def build():
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
-    if DISTOPT or BF16:  # the distributed and the bf16 optimizer work on Megatron's DDP
+    if wrapped():  # the distributed, bf16 and expert-parallel optimizers work on Megatron's DDP
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         ddp = DistributedDataParallelConfig(
@@ -140,6 +179,42 @@ def build():
         )
         model = DistributedDataParallel(config, ddp, model)
     return model
+
+
+def _layer_spec(config):
+    """The local spec (no Transformer Engine): every layer's, or with ``dense1`` the decoder
+    block's, a spec per layer (``moe_layer_freq``: layer 0 dense, layer 1 MoE)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+
+    if DENSE_FIRST:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    return get_gpt_layer_local_spec(num_experts=EXPERTS or None)
+
+
+def _moe() -> dict:
+    """The transformer config's MoE settings: a top-2 router over the experts (Megatron's
+    SequentialMLP of local MLPs under the local spec), its all-gather token dispatcher, a
+    load-balancing loss that reaches the router's gradient; no biases in the linear layers,
+    as MoE models train (Megatron-LM's Mixtral recipe: ``--disable-bias-linear``)."""
+    return {
+        "add_bias_linear": False,
+        "num_moe_experts": EXPERTS,
+        "moe_router_topk": 2,
+        "moe_ffn_hidden_size": 32,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": 1e-2,
+        "expert_model_parallel_size": EP,
+        **({"moe_layer_freq": [0] + [1] * (LAYERS - 1)} if DENSE_FIRST else {}),
+        **(
+            {"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}
+            if EXPERT_BIAS
+            else {}
+        ),
+    }
 
 
 @contextlib.contextmanager
@@ -173,7 +248,7 @@ def optimizer_for(model):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import FP32Optimizer
 
-    if DISTOPT or BF16:
+    if wrapped():
         from megatron.core.optimizer import get_megatron_optimizer
 
         config = OptimizerConfig(
@@ -207,8 +282,10 @@ def optimizer_for(model):
 
 
 def wrapped() -> bool:
-    """Whether the model is wrapped in Megatron's DDP (its grad buffers)."""
-    return DISTOPT or BF16
+    """Whether the model is wrapped in Megatron's DDP (its grad buffers) and optimized by
+    ``get_megatron_optimizer`` (under expert parallelism, as Megatron-LM trains it: a
+    ``ChainedOptimizer`` of the dense parameters' optimizer and the experts')."""
+    return DISTOPT or BF16 or EP > 1
 
 
 def state_dict(model, optimizer, iteration: int, *, is_loading: bool = False) -> dict:
@@ -275,6 +352,10 @@ def main(out: Path, *, with_reference: bool = True) -> None:
             loss.backward()
         if wrapped():  # Megatron's DDP reduces (or reduce-scatters) each bucket's gradients
             model.finish_grad_sync()
+        if EXPERT_BIAS:  # as Megatron's finalize_model_grads updates it, from the tokens routed
+            from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+
+            _update_router_expert_bias([model], (model.module if wrapped() else model).config)
         for p in model.parameters():
             if p.grad is not None and dist.get_world_size() > TP * PP:  # data parallel
                 dist.all_reduce(p.grad)
@@ -348,25 +429,39 @@ def reference(out: Path) -> None:
             wanted = state_dict(model, optimizer, iteration)
         main: dict = {}
         _main_replicas(wanted, "", main)
-        names = _state_names(wanted)
+        # expert parallel, distributed: a ChainedOptimizer's, {0: the dense one's, 1: the experts'}
+        chain = wanted.get("optimizer") if DISTOPT and EP > 1 else {0: wanted.get("optimizer")}
+        names = {k: _state_names(part or {}) for k, part in chain.items()}
         loaded = dist_checkpointing.load(wanted, str(out / "run" / f"iter_{iteration:07d}"))
         flat: dict = {}
         if DISTOPT:  # the optimizer's own state once it has loaded its buckets
             optimizer_sd = loaded.pop("optimizer")
-            flat["optimizer.param_state_sharding_type"] = optimizer_sd["param_state_sharding_type"]
-            if optimizer_sd["param_state_sharding_type"] == "fully_reshardable":
-                flat.update(_fully_reshardable(names, optimizer_sd))
+            parts = optimizer_sd if EP > 1 else {0: optimizer_sd}
+            (sharding,) = {part["param_state_sharding_type"] for part in parts.values()}
+            flat["optimizer.param_state_sharding_type"] = sharding
+            if sharding == "fully_reshardable":
+                for k, part in parts.items():
+                    found = _fully_reshardable(names[k], part)
+                    assert all(flat[h] == found[h] for h in found if h in flat)  # one step...
+                    flat.update(found)
             else:
                 with cuda_tensors_on_cpu(), torch.no_grad():  # it copies into the main params
                     optimizer.load_state_dict(optimizer_sd)
                 flat.update(_distributed_moments(ddp, optimizer))
         _flatten(loaded, "", flat)
-        if TP * PP > 1:  # each rank's own shards, a replicated one from its main replica alone
+        if TP * PP * EP > 1:  # each rank's own shards, a replicated one from its main replica alone
             flat = {k: v for k, v in flat.items() if main.get(k, True)}
         # The optimizer's state is keyed by parameter id: Megatron's own map from ids to its
         # sharded tensors names each, a stacked one by its layer (its prepended offset).
         model_sd = model.sharded_state_dict()
-        if not DISTOPT:
+        chained = getattr(optimizer, "chained_optimizers", [])
+        if not DISTOPT and len(chained) > 1:  # expert parallel: the dense and the experts' own
+            assert not BF16
+            # Each one's state (``optimizer.<k>.state.<id>``) by its own parameters' ids
+            for k, part in enumerate(chained):
+                ids = get_param_id_to_sharded_param_map(model_sd, part.get_parameters())
+                flat[f"param_names.{k}"] = [_layer_name(ids[i]) for i in range(len(ids))]
+        elif not DISTOPT:
             # bf16: the ids are the fp32 mains' (torch's optimizer over them), in the order
             # of the model's bf16 parameters they are made from (float16_groups)
             params = (
@@ -380,18 +475,21 @@ def reference(out: Path) -> None:
         flat["model_names"] = {
             k: _layer_name(v) for k, v in model_sd.items() if isinstance(v, ShardedTensor)
         }
-        if TP * PP > 1:
+        # Those of its buffers (torch's own word: the router's expert bias), never parameters
+        flat["buffer_names"] = [
+            flat["model_names"][k] for k, _ in model.named_buffers() if k in flat["model_names"]
+        ]
+        if TP * PP * EP > 1:
             torch.save(flat, out / "reference" / f"iter_{iteration}.rank{dist.get_rank()}.pt")
         elif dist.get_rank() == 0:
             torch.save(flat, out / "reference" / f"iter_{iteration}.pt")
         dist.barrier()
 
 
-def _state_names(wanted: dict) -> dict:
+def _state_names(optimizer: dict) -> dict:
     """``{parameter index: {state key: name}}`` of a ``fully_reshardable`` optimizer's
     sharded dict (``optimizer.state.<key>.<name>`` tensors), a stacked one's by its layer;
     empty for another."""
-    optimizer = wanted.get("optimizer") or {}
     if optimizer.get("param_state_sharding_type") != "fully_reshardable":
         return {}
     return {
@@ -425,12 +523,11 @@ def _fully_reshardable(names: dict, optimizer_sd: dict) -> dict:
 
 def _distributed_moments(ddp, optimizer) -> dict:
     """Each parameter's moments as the distributed optimizer holds them after its own load,
-    gathered over this rank's data-parallel group (each of its ranks holds a range of every
-    bucket): ``distopt.<name>.{param,exp_avg,exp_avg_sq}`` (its fp32 main param and moments)
-    whole (tensor parallel: this rank's shard of it, as its buckets hold it), by Megatron's
-    sharded names, and the param
-    groups' ``step``, ``betas``, ``lr`` and ``eps``."""
-    from megatron.core import parallel_state
+    gathered over its data-parallel group (each of its ranks holds a range of every bucket;
+    under expert parallelism the experts' optimizer's group is the expert data-parallel one):
+    ``distopt.<name>.{param,exp_avg,exp_avg_sq}`` (its fp32 main param and moments) whole
+    (tensor parallel: this rank's shard of it, as its buckets hold it), by Megatron's sharded
+    names, and the param groups' ``step``, ``betas``, ``lr`` and ``eps``."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     names = {
@@ -438,39 +535,47 @@ def _distributed_moments(ddp, optimizer) -> dict:
         for v in ddp.module.sharded_state_dict().values()
         if isinstance(v, ShardedTensor)
     }
-    (optimizer,) = optimizer.chained_optimizers  # get_megatron_optimizer's one
-    mine = []  # (name, start in the flattened parameter, main param, exp_avg, exp_avg_sq)
-    for ranges in optimizer.gbuf_ranges:
-        for per_bucket in ranges.values():
-            for bucket in per_bucket:
-                for param, where in bucket["param_map"].items():
-                    state = optimizer._get_main_param_and_optimizer_states(param)
-                    mine.append(
-                        (
-                            names[param.data_ptr()],
-                            where["param"].start,
-                            state["param"].detach().clone(),
-                            state["exp_avg"].detach().clone(),
-                            state["exp_avg_sq"].detach().clone(),
-                        )
-                    )
-    group = parallel_state.get_data_parallel_group()
-    every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    out: dict = {}
     shapes = {
         _layer_name(v): torch.Size(v.local_shape)
         for v in ddp.module.sharded_state_dict().values()
         if isinstance(v, ShardedTensor)
     }
-    for name, shape in shapes.items():
-        pieces = sorted((s, p, a, b) for rank in every for n, s, p, a, b in rank if n == name)
-        for i, key in ((1, "param"), (2, "exp_avg"), (3, "exp_avg_sq")):
-            whole = torch.cat([p[i] for p in pieces])
-            assert [p[0] for p in pieces][0] == 0 and whole.numel() == shape.numel()
-            out[f"distopt.{name}.{key}"] = whole.view(shape)
+    out: dict = {}
+    # get_megatron_optimizer's one, or under expert parallelism the dense parameters' and the
+    # experts' (each over its own data-parallel group: the experts' is the expert one)
+    for part in optimizer.chained_optimizers:
+        mine = []  # (name, start in the flattened parameter, main param, exp_avg, exp_avg_sq)
+        for ranges in part.gbuf_ranges:
+            for per_bucket in ranges.values():
+                for bucket in per_bucket:
+                    for param, where in bucket["param_map"].items():
+                        state = part._get_main_param_and_optimizer_states(param)
+                        mine.append(
+                            (
+                                names[param.data_ptr()],
+                                where["param"].start,
+                                state["param"].detach().clone(),
+                                state["exp_avg"].detach().clone(),
+                                state["exp_avg_sq"].detach().clone(),
+                            )
+                        )
+        group = part.data_parallel_group
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        for name in {n for rank in every for n, *_ in rank}:
+            shape = shapes[name]
+            pieces = sorted((s, p, a, b) for rank in every for n, s, p, a, b in rank if n == name)
+            for i, key in ((1, "param"), (2, "exp_avg"), (3, "exp_avg_sq")):
+                whole = torch.cat([p[i] for p in pieces])
+                assert [p[0] for p in pieces][0] == 0 and whole.numel() == shape.numel()
+                out[f"distopt.{name}.{key}"] = whole.view(shape)
+    buffers = {b.data_ptr() for b in ddp.module.buffers()}  # no moments: not parameters
+    assert {k.rsplit(".", 1)[0] for k in out} == {
+        f"distopt.{n}" for ptr, n in names.items() if ptr not in buffers
+    }
     # One step and one set of hyperparameters over the groups (else the reference is wrong).
-    (hyper,) = {(g["step"], *g["betas"], g["lr"], g["eps"]) for g in optimizer.param_groups}
+    groups = [g for part in optimizer.chained_optimizers for g in part.param_groups]
+    (hyper,) = {(g["step"], *g["betas"], g["lr"], g["eps"]) for g in groups}
     out.update(
         zip(("distopt.step", "distopt.beta1", "distopt.beta2", "distopt.lr", "distopt.eps"), hyper)
     )
@@ -478,10 +583,18 @@ def _distributed_moments(ddp, optimizer) -> dict:
 
 
 def _layer_name(sharded) -> str:
-    """A sharded tensor's key, a stacked one's with its layer (the prepended offset) in it."""
-    if not sharded.prepend_axis_num:
-        return sharded.key
-    return sharded.key.replace("layers.", f"layers.{sharded.global_offset[0]}.", 1)
+    """A sharded tensor's key, a stacked one's with its layer (the prepended offset) in it,
+    an expert's (SequentialMLP's second prepended axis) also with its global expert index, as
+    Megatron's ``singleton_local_shards`` keys name it (``...experts.experts.3.linear_fc1``)."""
+    name, axis = sharded.key, 0
+    if re.match(r"(.*\.)?layers\.(?!\d)", name):  # stacked (layers differing: numbered)
+        name = name.replace("layers.", f"layers.{sharded.global_offset[axis]}.", 1)
+        axis += 1
+    if re.match(r".*\.experts\.experts\.(?!\d)", name):
+        name = name.replace(".experts.experts.", f".experts.experts.{sharded.global_offset[axis]}.")
+        axis += 1
+    assert axis == sharded.prepend_axis_num, sharded.key
+    return name
 
 
 def _main_replicas(value, prefix: str, out: dict) -> None:
@@ -526,6 +639,14 @@ if __name__ == "__main__":
             DISTOPT = True
         elif flag == "bf16":
             BF16 = True
+        elif flag == "moe":
+            EXPERTS = 4
+        elif flag == "dense1":
+            DENSE_FIRST = True
+        elif flag == "bias":
+            EXPERT_BIAS = True
+        elif flag == "ep":  # every rank an expert-parallel rank
+            EP = int(os.environ["WORLD_SIZE"])
         elif flag == "fully":  # Megatron-LM's --dist-ckpt-optim-fully-reshardable
             SHARDING["distrib_optim_sharding_type"] = "fully_reshardable"
         else:

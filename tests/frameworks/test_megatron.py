@@ -902,3 +902,288 @@ def test_bf16_a_buckets_param_of_another_step(gradclip, distopt_bf16_save):
         shutil.copy(old / shard.name, shard)
     result = gradclip("inspect", distopt_bf16_save, "--what", "weights")
     one_line_exit_3(result, "__1_", ".distcp", "is not its weight")
+
+
+# ------------------------------------------------------------- Mixture of Experts
+
+LAYERS, EXPERTS = (0, 1), (0, 1, 2, 3)
+MOE_LAYERS = {"ep1": LAYERS, "ep2": LAYERS, "dense1": (1,)}  # dense1: layer 0 a dense MLP
+
+
+def _moe_reference(run: Path, step: int, what: str) -> dict[str, torch.Tensor]:
+    """Each parameter's quantity (``weights`` its weight) by name, from Megatron's own load of
+    every rank (``megatron_run.py moe``), in float64: an expert named by its layer and global
+    index. Each tensor is taken from the one rank that holds its main replica (an expert
+    from its expert-parallel rank, the rest from rank 0), never twice. Under expert
+    parallelism the ChainedOptimizer's two optimizers (``optimizer.0.``: the dense
+    parameters', ``optimizer.1.``: the experts') each key their state by their own ids."""
+    files = sorted((run / "reference").glob(f"iter_{step}.rank*.pt")) or [
+        run / "reference" / f"iter_{step}.pt"
+    ]
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        ref = torch.load(file, weights_only=True)
+        if what == "weights":
+            found = {
+                n: ref[f"model.{k}"] for k, n in ref["model_names"].items() if f"model.{k}" in ref
+            }
+        elif "param_names" in ref:
+            found = _measured(ref, what)
+        else:  # chained: each optimizer's state as one optimizer's, with its own ids
+            found = {}
+            for k in (0, 1):
+                own = {
+                    f"optimizer.{key[len(f'optimizer.{k}.'):]}": value
+                    for key, value in ref.items()
+                    if key.startswith(f"optimizer.{k}.")
+                }
+                own.setdefault("optimizer.state.common_step", ref["optimizer.0.state.common_step"])
+                found.update(_measured({**own, "param_names": ref[f"param_names.{k}"]}, what))
+        assert not set(found) & set(out), set(found) & set(out)  # every tensor counted once
+        out.update(found)
+    return out
+
+
+def _against(
+    doc: dict, expected: dict[str, torch.Tensor], weights: dict | None = None, moe=LAYERS
+) -> None:
+    """``doc`` reports ``expected`` (float64, by name): every tensor, every layer's group (an
+    MoE layer's experts and router in it), the total, and each ratio over ``weights``."""
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert row["shape"] == list(expected[name].shape), name
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+        if weights is not None:
+            assert rel_err(row["ratio"], norm([expected[name]]) / norm([weights[name]])) <= TOL
+    groups = {g["name"]: g for g in doc["groups"]}
+    for layer in LAYERS:
+        members = {n: t for n, t in expected.items() if n.startswith(f"decoder.layers.{layer}.")}
+        mlp = f"decoder.layers.{layer}.mlp."
+        if layer in moe:  # the router and every expert, each a tensor of its own
+            assert {f"{mlp}router.weight"} | {
+                f"{mlp}experts.experts.{e}.linear_fc{i}.weight" for e in EXPERTS for i in (1, 2)
+            } <= set(members)
+        assert rel_err(groups[f"decoder.layers.{layer}"]["norm"], norm(members.values())) <= TOL
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+
+
+def test_the_moe_fixtures_are_megatrons_layout(megatron_moe_runs):
+    """Megatron stacks each expert's tensors by layer and global expert index; with expert
+    parallelism each rank writes its own experts' chunks and the optimizers are chained."""
+    for ranks, name in ((1, "ep1"), (2, "ep2")):
+        folder = megatron_moe_runs[name] / "run" / "iter_0000003"
+        meta = pickle.loads((folder / ".metadata").read_bytes())  # the fixture's own: trusted
+        fc1 = meta.state_dict_metadata["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+        assert list(fc1.size) == [len(LAYERS), len(EXPERTS), 32, 16]
+        assert list(meta.state_dict_metadata["decoder.layers.mlp.router.weight"].size) == [
+            len(LAYERS), len(EXPERTS), 16,
+        ]
+        writers = {
+            (tuple(i.offset)[1], v.relative_path.split("_")[2])
+            for i, v in meta.storage_data.items()
+            if i.fqn == "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+        }
+        assert {e for e, _ in writers} == set(EXPERTS)
+        assert {w for e, w in writers if e >= 2} == ({"1"} if ranks == 2 else {"0"})
+    common = torch.load(
+        megatron_moe_runs["ep2"] / "run" / "iter_0000003" / "common.pt", weights_only=False
+    )
+    assert sorted(common["optimizer"]) == [0, 1]  # ChainedOptimizer: dense, experts
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+@pytest.mark.parametrize("name", ["ep1", "ep2", "dense1"])
+def test_moe_every_quantity_against_megatrons_load(gradclip, megatron_moe_runs, name, what, step):
+    """Every expert a tensor of its own, named by its layer and global expert index, the
+    router a parameter, each in its layer's group; expert-parallel ranks' experts joined;
+    a dense layer before an MoE one (Megatron then saves each layer under its number)."""
+    run = megatron_moe_runs[name]
+    expected = _moe_reference(run, step, what)
+    weights = _moe_reference(run, step, "weights")
+    assert set(expected) == set(weights)
+    assert {f"decoder.layers.{layer}.mlp.experts.experts.{e}.linear_fc2.weight"
+            for layer in MOE_LAYERS[name] for e in EXPERTS} <= set(expected)
+    assert not any(f"layers.{layer}.mlp.router" in n for n in expected
+                   for layer in set(LAYERS) - set(MOE_LAYERS[name]))
+    result = gradclip(
+        "inspect", run / "run" / f"iter_{step:07d}", "--what", what, "--format", "json"
+    )
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["format"], doc["step"], doc["what"]) == ("megatron", step, what)
+    _against(doc, expected, None if what == "weights" else weights, MOE_LAYERS[name])
+
+
+@pytest.mark.parametrize("name", ["ep1", "ep2"])
+def test_moe_trend_over_the_save_folder(gradclip, megatron_moe_runs, name):
+    run = megatron_moe_runs[name]
+    result = gradclip("trend", run / "run", "--what", "update", "--format", "json")
+    assert result.code == 0, result.err
+    points = result.json()["points"]
+    assert [p["step"] for p in points] == list(STEPS)
+    for point, step in zip(points, STEPS):
+        expected = _moe_reference(run, step, "update")
+        assert rel_err(point["total_norm"], norm(expected.values())) <= TOL
+        expert = "decoder.layers.1"
+        members = [t for n, t in expected.items() if n.startswith(f"{expert}.")]
+        assert rel_err(point["groups"][expert], norm(members)) <= TOL
+
+
+def test_moe_two_ranks_print_the_one_process_report(megatron_moe_runs, tmp_path):
+    run = megatron_moe_runs["ep2"] / "run"
+    jobs = [
+        {"args": ["inspect", str(run), "--what", what, "--format", fmt, "--no-progress"]}
+        for what, fmt in (("weights", "table"), ("exp_avg", "json"), ("update", "table"))
+    ]
+    jobs.append({"args": ["trend", str(run), "--what", "grad_rms", "--format", "json"]})
+    same_under_torchrun(jobs, tmp_path)
+
+
+@pytest.fixture
+def moe_save(megatron_moe_runs, tmp_path) -> Path:
+    return _copied(megatron_moe_runs["ep2"], tmp_path)
+
+
+def test_moe_a_truncated_expert_file(gradclip, moe_save):
+    """Rank 1's file of experts 2 and 3 cut short."""
+    folder = moe_save / "iter_0000003"
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    shard = next(
+        folder / v.relative_path
+        for i, v in meta.storage_data.items()
+        if i.fqn == "decoder.layers.mlp.experts.experts.linear_fc1.weight" and i.offset[1] == 3
+    )
+    shard.write_bytes(shard.read_bytes()[:100])
+    one_line_exit_3(gradclip("inspect", moe_save, "--what", "exp_avg"), shard.name)
+
+
+def test_moe_a_missing_expert_shard(gradclip, moe_save):
+    """Expert 3's chunk of layer 1 gone from the metadata: its tensor is not covered."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    folder = moe_save / "iter_0000003"
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    key = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
+    entry = meta.state_dict_metadata[key]
+    entry.chunks = [c for c in entry.chunks if tuple(c.offsets)[:2] != (1, 3)]
+    assert all(isinstance(c, ChunkStorageMetadata) for c in entry.chunks)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    result = gradclip("inspect", moe_save, "--what", "weights")
+    one_line_exit_3(result, ".metadata", "linear_fc2.weight")
+
+
+def test_moe_a_missing_expert_file(gradclip, moe_save):
+    shard = sorted((moe_save / "iter_0000003").glob("__1_*.distcp"))[0]
+    shard.unlink()
+    one_line_exit_3(gradclip("inspect", moe_save, "--what", "update"), shard.name)
+
+
+@pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+def test_moe_distributed_optimizer_against_megatrons_load(
+    gradclip, megatron_moe_distopt_run, what
+):
+    """2 data-parallel ranks, the distributed optimizer: every expert in the grad buffer's
+    buckets, laid out expert by expert as Megatron's DDP lays out ``local_experts``. The
+    routers' expert bias (torch's buffers, updated by Megatron's rule, not by Adam) is saved
+    among the model's tensors: never a weight, nor in a bucket's layout."""
+    ref = _reference(megatron_moe_distopt_run, 3)
+    buffers = set(ref["buffer_names"])
+    assert buffers == {f"decoder.layers.{layer}.mlp.router.expert_bias" for layer in LAYERS}
+    assert all(_weights(ref)[n].abs().max() > 0 for n in buffers)  # updated: they would count
+    weights = {n: t for n, t in _weights(ref).items() if n not in buffers}
+    expected = weights if what == "weights" else _distributed_measured(ref, what)
+    expected = {n: t.double() for n, t in expected.items()}
+    run = megatron_moe_distopt_run / "run"
+    result = gradclip("inspect", run, "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    if what != "weights":
+        assert "dp_reshardable buckets" in " ".join(doc["description"])
+    assert doc["roles"]["buffer"] == len(buffers)
+    _against(doc, expected, None if what == "weights" else weights)
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
+@pytest.mark.parametrize(
+    "fixture,said",
+    [
+        (
+            "megatron_moe_ep_distopt_run",
+            "buckets over 2 expert-parallel ranks (chained_1.optimizer.distributed.*)",
+        ),
+        ("megatron_moe_ep_fully_run", "2 distributed optimizers' fully_reshardable state"),
+    ],
+)
+def test_moe_expert_parallel_distributed_optimizer_against_megatrons_load(
+    gradclip, request, fixture, said, what, step
+):
+    """2 expert-parallel ranks, the distributed optimizer: the ChainedOptimizer's dense
+    optimizer's buckets (``chained_0.``, over both data-parallel ranks) and the experts'
+    (``chained_1.``, each rank's own experts in its ``dp_group_idx``), or both saved
+    fully_reshardable (per parameter), against the moments each rank's optimizers hold once
+    they have loaded them (Megatron's own load, fully_reshardable); each tensor from its
+    main replica's rank."""
+    run = request.getfixturevalue(fixture)
+    moments, weights = _tensor_parallel_distributed(run, step, "exp_avg" if what == "weights"
+                                                    else what)
+    expected = weights if what == "weights" else moments
+    assert all(len(p) == 1 for p in expected.values())  # each tensor from one rank, once
+    expected = {n: p[0].double() for n, p in expected.items()}
+    weights = {n: p[0] for n, p in weights.items()}
+    result = gradclip("inspect", run / "run" / f"iter_{step:07d}", "--what", what,
+                      "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["step"], doc["what"]) == (step, what)
+    description = " ".join(doc["description"])
+    assert "ChainedOptimizer's 2 distributed optimizers" in description, description
+    assert said in description, description
+    _against(doc, expected, None if what == "weights" else weights)
+
+
+def test_moe_expert_parallel_distributed_optimizer_under_torchrun(
+    megatron_moe_ep_distopt_run, tmp_path
+):
+    run = megatron_moe_ep_distopt_run / "run"
+    jobs = [
+        {"args": ["inspect", str(run), "--what", what, "--format", "json", "--no-progress"]}
+        for what in ("weights", "grad_rms")
+    ]
+    same_under_torchrun(jobs, tmp_path)
+
+
+@pytest.fixture
+def moe_distopt_save(megatron_moe_ep_distopt_run, tmp_path) -> Path:
+    return _copied(megatron_moe_ep_distopt_run, tmp_path)
+
+
+def test_moe_the_experts_buckets_missing(gradclip, moe_distopt_save):
+    """The experts' optimizer's buckets gone from the metadata: the experts' moments are not
+    there, and the dense optimizer's alone are not the whole state."""
+    _rewrite_metadata(
+        moe_distopt_save / "iter_0000003", lambda k: None if k.startswith("chained_1.") else k
+    )
+    result = gradclip("inspect", moe_distopt_save, "--what", "exp_avg")
+    one_line_exit_3(result, ".metadata", "buckets of 1 chained distributed optimizers")
+
+
+def test_moe_expert_buckets_of_another_step(gradclip, moe_distopt_save):
+    """Rank 1's files of step 2 in step 3's folder: its experts and its buckets agree with
+    each other, but its share of the dense optimizer's buckets is not the dense weights."""
+    new, old = moe_distopt_save / "iter_0000003", moe_distopt_save / "iter_0000002"
+    for shard in sorted(new.glob("__1_*.distcp")):
+        shutil.copy(old / shard.name, shard)
+    result = gradclip("inspect", moe_distopt_save, "--what", "update")
+    one_line_exit_3(result, "__1_", "chained_0.", "is not its weight")
+
+
+def test_moe_chained_optimizers_of_another_sharding(gradclip, moe_distopt_save):
+    common = moe_distopt_save / "iter_0000003" / "common.pt"
+    state = torch.load(common, weights_only=False)  # the fixture's own: args is a Namespace
+    state["optimizer"][1]["param_state_sharding_type"] = "fully_sharded_model_space"
+    torch.save(state, common)
+    result = gradclip("inspect", moe_distopt_save, "--what", "grad_rms")
+    one_line_exit_3(result, "common.pt", "fully_sharded_model_space", "dp_reshardable")

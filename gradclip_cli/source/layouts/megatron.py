@@ -31,15 +31,39 @@ split off as a tensor of its own, ``decoder.layers.3.mlp.linear_fc1.weight``,
 so the report's groups name the layer. A tensor under ``layers`` whose chunks
 do not each hold one layer is refused: its layers cannot be told apart.
 
+A Mixture of Experts (``num_moe_experts``; the local spec's ``SequentialMLP``) saves each
+layer's router as ``decoder.layers.mlp.router.weight``, a parameter like any (with
+aux-loss-free balancing also its ``expert_bias``, a buffer: never a weight, nor laid out in
+the distributed optimizer's buckets), and its experts stacked once more:
+``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is ``[num_layers, num_experts,
+...]``, the global expert index a second prepended axis (each expert-parallel rank saving
+its own experts' chunks of it). Each expert of each layer is
+split off too, named by its global index as Megatron's ``singleton_local_shards`` keys
+name it, ``decoder.layers.3.mlp.experts.experts.5.linear_fc1.weight``: in its layer's group,
+and a tensor of its own (``--group-by regex:`` makes each expert a group). A chunk holding
+several experts is cut at each. Under expert parallelism Megatron-LM's
+``get_megatron_optimizer`` chains two optimizers, the dense parameters' and the experts'
+(``ChainedOptimizer``): plain, their moments are saved per parameter by name as one
+optimizer's are, and ``common.pt``'s ``optimizer`` is ``{0: ..., 1: ...}``, each with its
+param groups and ``common_step`` (the steps must agree, as must lr, betas and eps);
+distributed (``dp_reshardable``), their buckets are under ``chained_0.`` and
+``chained_1.`` (``_chained_bucketed``); distributed ``fully_reshardable``, their state is
+per parameter by name again, each one's step in its own ``optimizer.<N>.optimizer``'s param
+groups. A chain saved otherwise is refused. Keys under ``chained_N.optimizer.`` are the
+optimizer's, never the model's weights. Megatron's per-layer keys (``decoder.layers.0.mlp
+.experts.experts.linear_fc1.weight``, as it saves layers that differ, ``moe_layer_freq``)
+have the expert axis first, split the same way.
+
 With Megatron's distributed optimizer, saved as Megatron-LM saves it by default
 (``common.pt``'s ``optimizer.param_state_sharding_type`` ``dp_reshardable``), the
 moments are not per parameter: each grad-buffer bucket is flat tensors under
 ``optimizer.distributed.`` and the step is in its param groups' object there;
 ``_bucketed`` cuts each parameter's moments out of them by Megatron's bucket
-layout (``megatron_buckets``, shared with the legacy ``distrib_optim.pt``), checked
-against the model's tensors (their ``param``, fp32 main params, are the weights measured
-under bf16); with tensor or pipeline parallelism, each model-parallel
-rank's buckets (``dp_group_idx_N``) hold its stage's parameters, its shards of them.
+layout (``megatron_buckets``, shared with the legacy ``distrib_optim.pt``; a layer's
+experts in turn, as ``SequentialMLP`` lists them), checked against the model's tensors
+(their ``param``, fp32 main params, are the weights measured under bf16); with tensor or
+pipeline parallelism, each model-parallel rank's buckets (``dp_group_idx_N``) hold its
+stage's parameters, its shards of them.
 Saved ``fully_reshardable`` (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``), the
 state is per parameter again, in the model's shape and chunks,
 ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``, and the step is only in
@@ -70,7 +94,13 @@ from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
 from gradclip_cli.source.files.small_file import excerpt, read_small_file
 from gradclip_cli.source.files.weights_pickle import allowing
-from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
+from gradclip_cli.source.interface import (
+    Contents,
+    OptimizerState,
+    Piece,
+    StoredTensor,
+    chained,
+)
 
 from . import dcp_folder
 from . import dcp_frameworks as frameworks
@@ -84,8 +114,16 @@ _COMMON, _JSON = "common.pt", "metadata.json"
 _MOMENT = re.compile(r"optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.(.+)")
 _MAIN = ("fp32_param", "param")  # the fp32 main params: the plain optimizer's, fully_reshardable's
 _FULLY = "fully_reshardable"
+_CHAINED = re.compile(r"chained_(\d+)\.optimizer\.distributed\.")
+# The optimizer's keys, a chained one's too (``chained_N.``): never the model's
+_OPTIMIZER = re.compile(r"(chained_\d+\.)?optimizer\.")
 _SIXTEEN = (torch.bfloat16, torch.float16)
 _LAYERS = re.compile(r"(^|.*\.)layers\.(?!\d)")  # a stacked key: ``layers.`` then no number
+_EXPERTS = re.compile(r"(^|.*\.)experts\.experts\.(?!\d)")  # stacked experts: then no number
+_EXPERT = re.compile(r"(?:^|.*\.)experts\.experts\.(\d+)\.")  # one expert, split off
+# A buffer Megatron saves among the model's tensors: the router's expert bias
+# (``TopKRouter``'s ``register_buffer('expert_bias')``, core_v0.16.1), which no optimizer steps
+_BUFFER = re.compile(r"(?:.*\.)?router\.expert_bias")
 
 
 def recognises(path: Path) -> bool:
@@ -139,8 +177,11 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         trusted_pickle=folder.trusted or common.trusted_pickle,
     )
     split = _split_layers(folder)
-    weights = {n: t for k, (n, t) in _named(split).items() if not k.startswith("optimizer.")}
+    weights = {n: t for k, (n, t) in _named(split).items() if not _OPTIMIZER.match(k)}
+    buffers = {n: t for n, t in weights.items() if _BUFFER.fullmatch(n)}
+    weights = {n: t for n, t in weights.items() if n not in buffers}
     contents.weights = weights or None
+    contents.buffers = buffers or None
     said = f"a torch_dist checkpoint: {_JSON} sharded_backend torch_dist"
     contents.evidence[roles.WEIGHT] = said
     optimizer = _optimizer(folder, split, root, common_file)
@@ -152,9 +193,15 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     held = f"optimizer state for {len(optimizer.state) if optimizer else 0} parameters"
     fully = _sharding(root) == _FULLY and optimizer is not None
     if fully:
-        held += " from the distributed optimizer's fully_reshardable state (optimizer.state.*)"
+        optim = root["optimizer"]
+        which = (  # a ChainedOptimizer's under expert parallelism: {0: ..., 1: ...}
+            f"a ChainedOptimizer's {len(optim)} distributed optimizers'"
+            if "param_state_sharding_type" not in optim
+            else "the distributed optimizer's"
+        )
+        held += f" from {which} fully_reshardable state (optimizer.state.*)"
         contents.evidence[roles.OPTIMIZER_STATE] = (
-            f"{said}, the distributed optimizer's fully_reshardable optimizer.state entries, "
+            f"{said}, {which} fully_reshardable optimizer.state entries, "
             f"{_COMMON}'s param groups' step and betas"
         )
     mains = {n: t for n, t in mains.items() if weights[n].dtype in _SIXTEEN}
@@ -167,12 +214,19 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             else f"mixed-precision optimizer's fp32 main params ({kind} entries"
         )
     sharding = _distributed_sharding(folder, root) if optimizer is None else None
-    if sharding == repr("dp_reshardable"):
-        optimizer, held, mains = _bucketed(folder, split, weights)
+    chain = _chained_buckets(folder) if optimizer is None else 0
+    if chain or sharding == repr("dp_reshardable"):
+        if chain:
+            optimizer, held, mains = _chained_bucketed(folder, split, weights, root, common_file)
+            which = "a ChainedOptimizer's distributed optimizers' dp_reshardable buckets "
+            which += "(chained_N.optimizer.distributed.*)"
+        else:
+            optimizer, held, mains = _bucketed(folder, split, weights)
+            which = "the distributed optimizer's dp_reshardable buckets (optimizer.distributed.*)"
+        held += _PLACED
         contents.optimizers.append(optimizer)
         contents.evidence[roles.OPTIMIZER_STATE] = (
-            f"{said}, the distributed optimizer's dp_reshardable buckets "
-            "(optimizer.distributed.*), their param groups' step and betas"
+            f"{said}, {which}, their param groups' step and betas"
         )
         # The buckets' param is every parameter's fp32 copy; only a 16-bit model's differs.
         mains = {n: t for n, t in mains.items() if weights[n].dtype in _SIXTEEN}
@@ -215,10 +269,16 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
 
 
 def _sharding(root: dict) -> object:
-    """``common.pt``'s ``optimizer.param_state_sharding_type`` (the distributed optimizer's),
-    or None."""
+    """``common.pt``'s ``optimizer.param_state_sharding_type`` (the distributed optimizer's;
+    a ChainedOptimizer's, ``optimizer.<N>.``, where its optimizers agree), or None."""
     optim = root.get("optimizer")
-    return optim.get("param_state_sharding_type") if isinstance(optim, dict) else None
+    if not isinstance(optim, dict):
+        return None
+    if optim and all(type(k) is int for k in optim):
+        kinds = [p.get("param_state_sharding_type") if isinstance(p, dict) else None
+                 for p in optim.values()]
+        return kinds[0] if all(k == kinds[0] for k in kinds) else None
+    return optim.get("param_state_sharding_type")
 
 
 def _distributed_sharding(folder: dcp_folder.DcpFolder, root: dict) -> str | None:
@@ -231,6 +291,15 @@ def _distributed_sharding(folder: dcp_folder.DcpFolder, root: dict) -> str | Non
     if sharding is None and not any(k.startswith("optimizer.distributed.") for k in folder.tensors):
         return None
     return repr(sharding) if sharding is not None else "its buckets"
+
+
+def _chained_buckets(folder: dcp_folder.DcpFolder) -> int:
+    """How many chained distributed optimizers the folder holds buckets of
+    (``ChainedOptimizer.sharded_state_dict`` prefixes each one's ``chained_N.``, as under
+    expert parallelism, where ``get_megatron_optimizer`` chains the dense parameters'
+    optimizer and the experts'), 0 for none."""
+    found = {m.group(1) for k in folder.tensors if (m := _CHAINED.match(k))}
+    return len(found)
 
 
 def _iteration_folder(path: Path) -> tuple[Path, Path | None]:
@@ -259,40 +328,62 @@ def _iteration_folder(path: Path) -> tuple[Path, Path | None]:
 
 
 def _split_layers(folder: dcp_folder.DcpFolder) -> dict[str, list[tuple[str, StoredTensor]]]:
-    """Each tensor of the folder as ``[(name, tensor)]``: one per layer for a stacked one."""
+    """Each tensor of the folder as ``[(name, tensor)]``: one per layer for a stacked one,
+    and one per expert (of each layer) for a Mixture of Experts' stacked experts."""
     out: dict[str, list[tuple[str, StoredTensor]]] = {}
     for key, tensor in folder.tensors.items():
         model_key = _MOMENT.fullmatch(key)
         name = model_key.group(2) if model_key else key
-        stacked = _LAYERS.match(name)
-        if not stacked or not tensor.shape:
-            out[key] = [(name, tensor)]
-            continue
-        if any(piece.shape[0] != 1 for piece in tensor.pieces):
-            raise InputError(
-                f"{folder.metadata_file}: {visible(repr(key))} is stacked by layer "
-                f"(shape {list(tensor.shape)}) but a chunk holds several layers: "
-                "its layers cannot be told apart"
-            )
-        head = stacked.group(0)
-        rest = name[len(head) :]
-        per_layer = []
-        for layer in range(tensor.shape[0]):
-            pieces = [
-                Piece(p.offsets[1:], p.shape[1:], _squeezed(p.read), p.file)
-                for p in tensor.pieces
-                if p.offsets[0] == layer
-            ]
-            layer_name = f"{head}{layer}.{rest}"
-            per_layer.append(
-                (layer_name, StoredTensor(layer_name, tensor.shape[1:], tensor.dtype, pieces))
-            )
-        out[key] = per_layer
+        parts = [(name, tensor)]
+        if _LAYERS.match(name) and tensor.shape:
+            if any(piece.shape[0] != 1 for piece in tensor.pieces):
+                raise InputError(
+                    f"{folder.metadata_file}: {visible(repr(key))} is stacked by layer "
+                    f"(shape {list(tensor.shape)}) but a chunk holds several layers: "
+                    "its layers cannot be told apart"
+                )
+            parts = _split_axis(name, tensor, _LAYERS)
+        if _EXPERTS.match(name):
+            parts = [each for n, t in parts for each in _experts(folder, key, n, t)]
+        out[key] = parts
     return out
 
 
-def _squeezed(read):
-    return lambda: read()[0]
+def _experts(folder, key: str, name: str, tensor: StoredTensor) -> list[tuple[str, StoredTensor]]:
+    """A layer's stacked experts (``SequentialMLP.sharded_state_dict``, core_v0.16.1: each
+    local expert's tensors under ``experts.experts.``, the global expert index an axis
+    prepended after the layer's) as one tensor per expert, named as Megatron's
+    ``singleton_local_shards`` keys name it: ``...mlp.experts.experts.3.linear_fc1.weight``.
+    A chunk may hold several experts (``GroupedMLP`` saves a rank's local experts as one):
+    each is cut out of it by its offset."""
+    if len(tensor.shape) < 2:
+        raise InputError(
+            f"{folder.metadata_file}: {visible(repr(key))} is named as a Mixture of Experts' "
+            f"stacked experts (experts.experts.) but has shape {list(tensor.shape)}: "
+            "no expert axis to split"
+        )
+    return _split_axis(name, tensor, _EXPERTS)
+
+
+def _split_axis(name: str, tensor: StoredTensor, stacked: re.Pattern) -> list:
+    """``tensor`` split along its first axis, index ``i`` named ``name`` with ``i`` inserted
+    after ``stacked``'s match; each chunk's slice at ``i`` a piece of its own."""
+    head = stacked.match(name).group(0)
+    rest = name[len(head) :]
+    parts = []
+    for i in range(tensor.shape[0]):
+        pieces = [
+            Piece(p.offsets[1:], p.shape[1:], _sliced(p.read, i - p.offsets[0]), p.file)
+            for p in tensor.pieces
+            if p.offsets[0] <= i < p.offsets[0] + p.shape[0]
+        ]
+        each = f"{head}{i}.{rest}"
+        parts.append((each, StoredTensor(each, tensor.shape[1:], tensor.dtype, pieces)))
+    return parts
+
+
+def _sliced(read, i: int):
+    return lambda: read()[i]
 
 
 def _named(split) -> dict[str, tuple[str, StoredTensor]]:
@@ -314,32 +405,19 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
             )
     if not moments:
         return None
-    optim, where = root.get("optimizer"), "optimizer"
-    if isinstance(optim, dict) and "param_groups" not in optim and "optimizer" in optim:
-        # Mixed precision (Float16OptimizerWithFloat16Params.state_dict): torch's state dict
-        # one level down, beside the fp32 main params (in .metadata: fp32_param entries)
-        optim, where = optim["optimizer"], "optimizer.optimizer"
-    state = optim.get("state") if isinstance(optim, dict) else None
-    groups = optim.get("param_groups") if isinstance(optim, dict) else None
-    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+    groups: list[dict] = []
+    steps = []
+    for where, optim in _chained(root.get("optimizer"), common_file):
+        mine, step = _groups_and_step(optim, where, common_file)
+        groups += mine
+        steps.append(step)
+    if len({repr(_step_value(s)) for s in steps}) != 1:
         raise InputError(
-            f"{common_file}: holds no {where}.param_groups (the moments' betas, lr and eps)"
+            f"{common_file}: the chained optimizers' steps differ "
+            f"({', '.join(visible(repr(_step_value(s))) for s in steps)}), and Megatron does not "
+            "save which parameters each holds"
         )
-    if _sharding(root) == _FULLY:
-        # The distributed optimizer's state_dict keeps the one step of every parameter in its
-        # param groups (DistributedOptimizer.state_dict); fully_reshardable saves them as they are
-        steps = {g.get("step") for g in groups}
-        step = next(iter(steps))
-        if len(steps) != 1 or isinstance(step, bool) or not isinstance(step, (int, float)):
-            raise InputError(
-                f"{common_file}: the distributed optimizer's {where}.param_groups give no one "
-                "step (fully_reshardable keeps the moments' step there)"
-            )
-        step = int(step) if isinstance(step, float) and step.is_integer() else step
-    elif not isinstance(state, dict) or "common_step" not in state:
-        raise InputError(f"{common_file}: holds no {where}.state.common_step (the moments' step)")
-    else:
-        step = state["common_step"]
+    step = steps[0]
     # The groups' members are not saved (Megatron drops their ``params``); only lr, betas and
     # eps enter the measured quantities, so any number of groups that agree on them is one.
     used = ("lr", "betas", "eps")
@@ -361,6 +439,66 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
         dict(enumerate(names)),
         common_file,
     )
+
+
+def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
+    """The optimizers of ``common.pt``'s ``optimizer``, each with where it is: the one, or
+    a ``ChainedOptimizer``'s (``{0: ..., 1: ...}``, ``ChainedOptimizer.state_dict``: under
+    expert parallelism ``get_megatron_optimizer`` chains the dense parameters' optimizer and
+    the experts'; their moments are saved per parameter as one optimizer's are, by name,
+    when they are plain or distributed ``fully_reshardable``)."""
+    if not isinstance(optim, dict) or not optim or not all(type(k) is int for k in optim):
+        return [("optimizer", optim)]
+    if sorted(optim) != list(range(len(optim))):
+        raise InputError(
+            f"{common_file}: the chained optimizers are numbered {sorted(optim)[:8]}, "
+            "not 0, 1, ..."
+        )
+    kinds = [p.get("param_state_sharding_type") if isinstance(p, dict) else None
+             for p in optim.values()]
+    if any(k != kinds[0] for k in kinds) or kinds[0] not in (None, _FULLY):
+        raise InputError(
+            f"{common_file}: the chained optimizers are saved as {visible(repr(kinds))[:80]} "
+            "beside moments per parameter (optimizer.state.*); gradclip reads them plain or "
+            "each fully_reshardable"
+        )
+    return [(f"optimizer.{k}", optim[k]) for k in range(len(optim))]
+
+
+def _groups_and_step(optim, where: str, common_file: Path) -> tuple[list, object]:
+    """One optimizer's param groups and the step of its moments, from ``common.pt``."""
+    fully = isinstance(optim, dict) and optim.get("param_state_sharding_type") == _FULLY
+    if isinstance(optim, dict) and "param_groups" not in optim and "optimizer" in optim:
+        # Mixed precision (Float16OptimizerWithFloat16Params.state_dict): torch's state dict
+        # one level down, beside the fp32 main params (in .metadata: fp32_param entries)
+        optim, where = optim["optimizer"], f"{where}.optimizer"
+    state = optim.get("state") if isinstance(optim, dict) else None
+    groups = optim.get("param_groups") if isinstance(optim, dict) else None
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        raise InputError(
+            f"{common_file}: holds no {where}.param_groups (the moments' betas, lr and eps)"
+        )
+    if fully:
+        # The distributed optimizer's state_dict keeps the one step of every parameter in its
+        # param groups (DistributedOptimizer.state_dict); fully_reshardable saves them as they are
+        steps = {g.get("step") for g in groups}
+        step = next(iter(steps))
+        if len(steps) != 1 or isinstance(step, bool) or not isinstance(step, (int, float)):
+            raise InputError(
+                f"{common_file}: the distributed optimizer's {where}.param_groups give no one "
+                "step (fully_reshardable keeps the moments' step there)"
+            )
+        return groups, int(step) if isinstance(step, float) and step.is_integer() else step
+    if not isinstance(state, dict) or "common_step" not in state:
+        raise InputError(f"{common_file}: holds no {where}.state.common_step (the moments' step)")
+    return groups, state["common_step"]
+
+
+def _step_value(step) -> object:
+    """A step as a plain number to compare (``common_step`` is a 0-dim tensor)."""
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        return step.item()
+    return step
 
 
 def _fp32_params(folder, split, weights: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
@@ -472,10 +610,83 @@ _BUCKET = re.compile(
     r"\.dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)"
 )
 _GROUPS = "optimizer.distributed.dp_group_idx_{}.optimizer/shard_0_1"
+_PLACED = (
+    ", each parameter's slice placed by Megatron's bucket layout and checked against the "
+    "model's tensors"
+)
+
+
+def _chained_bucketed(
+    folder: dcp_folder.DcpFolder, split, weights, root: dict, common_file: Path
+) -> tuple[OptimizerState, str, dict[str, StoredTensor]]:
+    """A ``ChainedOptimizer``'s distributed optimizers' ``dp_reshardable`` state, each one's
+    under its ``chained_N.`` prefix (``ChainedOptimizer.sharded_state_dict``, core_v0.16.1),
+    as per-parameter moments.
+
+    Under expert parallelism ``get_megatron_optimizer`` chains two: the dense parameters'
+    optimizer, over the data-parallel ranks of each model-parallel rank, and the experts'
+    (its param groups' ``is_expert_parallel`` True), over the expert-data-parallel ranks of
+    each expert-model-parallel rank, whose buckets (``dp_group_idx_N``, N the expert-parallel
+    rank) hold that rank's experts, laid out by its DDP's expert buffers. Each is read as
+    the one distributed optimizer is (``_bucketed``), its layout rebuilt over its own
+    parameters: the experts' the split experts (``experts.experts.<e>``), the dense one's
+    the rest, and checked as there. Any other chain (not one dense and one expert optimizer,
+    or another sharding type in ``common.pt``) is refused."""
+    optim = root.get("optimizer")
+    parts = list(optim.values()) if isinstance(optim, dict) else []
+    shardings = [p.get("param_state_sharding_type") if isinstance(p, dict) else p for p in parts]
+    if shardings != ["dp_reshardable"] * 2:
+        raise InputError(
+            f"{common_file}: the optimizer is a ChainedOptimizer of distributed optimizers "
+            f"saved as {visible(repr(shardings))[:80]}; gradclip reads the two of expert "
+            "parallelism (the dense parameters' and the experts'), each dp_reshardable"
+        )
+    count = _chained_buckets(folder)
+    if count != 2:
+        raise InputError(
+            f"{folder.metadata_file}: holds the buckets of {count} chained distributed "
+            f"optimizers (chained_N.optimizer.distributed.*), where {common_file.name} "
+            "lists 2"
+        )
+    experts = {name for name in weights if _EXPERT.match(name)}
+    flags = [
+        _bucket_groups(folder, 1, f"chained_{k}.")[1].get("is_expert_parallel") for k in (0, 1)
+    ]
+    if sorted(flags, key=repr) != [False, True]:
+        raise InputError(
+            f"{folder.metadata_file}: the chained distributed optimizers' param groups say "
+            f"is_expert_parallel {visible(repr(flags))[:60]}, not one dense and one expert "
+            "optimizer: gradclip cannot tell which parameters each holds"
+        )
+    states, helds, mains = [], [], {}
+    for k, expert in enumerate(flags):
+        state, held, main = _bucketed(
+            folder,
+            split,
+            weights,
+            f"chained_{k}.",
+            experts if expert else set(weights) - experts,
+            "expert-parallel" if expert else "model-parallel",
+        )
+        states.append(state)
+        helds.append(held.replace("the distributed optimizer's", "the experts'" if expert else
+                                  "the dense parameters'"))
+        mains.update(main)
+    optimizer, _ = chained(states, folder.metadata_file)
+    held = (
+        f"optimizer state for {len(optimizer.state)} parameters from a ChainedOptimizer's 2 "
+        f"distributed optimizers: {' and '.join(h.split(' from ', 1)[1] for h in helds)}"
+    )
+    return optimizer, held, mains
 
 
 def _bucketed(
-    folder: dcp_folder.DcpFolder, split, weights
+    folder: dcp_folder.DcpFolder,
+    split,
+    weights,
+    prefix: str = "",
+    only: set[str] | None = None,
+    ranked: str = "model-parallel",
 ) -> tuple[OptimizerState, str, dict[str, StoredTensor]]:
     """The distributed optimizer's ``dp_reshardable`` state as per-parameter moments.
 
@@ -501,18 +712,19 @@ def _bucketed(
     of its own (assembled over tensor-parallel ranks as the moments are): under mixed
     precision the weights Adam updates."""
     where = folder.metadata_file
+    whose = f" ({prefix}*)" if prefix else ""
 
     def unfit(why: str, file: Path = where) -> InputError:
         return InputError(
-            f"{file}: the distributed optimizer's buckets do not fit Megatron's layout of "
-            f"the model's parameters ({why}): gradclip cannot tell which elements are whose"
+            f"{file}: the distributed optimizer's buckets{whose} do not fit Megatron's layout "
+            f"of the model's parameters ({why}): gradclip cannot tell which elements are whose"
         )
 
     found: dict[int, dict[int, tuple[str, dict[int, dict[str, StoredTensor]]]]] = {}
     for key, tensor in folder.tensors.items():
-        if not key.startswith("optimizer.distributed."):
+        if not key.startswith(f"{prefix}optimizer.distributed."):
             continue
-        part = _BUCKET.fullmatch(key)
+        part = _BUCKET.fullmatch(key[len(prefix) :])
         if part is None:
             raise InputError(
                 f"{where}: holds {visible(repr(key))[:120]}, not a bucket's param, exp_avg or "
@@ -528,9 +740,9 @@ def _bucketed(
     ranks = len(found)
     if sorted(found) != list(range(ranks)):
         raise unfit(f"model-parallel groups {sorted(found)}, not numbered 0, 1, ...")
-    order = _model_order(split)
+    order = [name for name in _model_order(split) if only is None or name in only]
     held, main = _holdings(order, weights, found, unfit)
-    step, group = _bucket_groups(folder, ranks)
+    step, group = _bucket_groups(folder, ranks, prefix)
     index = {name: i for i, name in enumerate(order)}
     # Each parameter's moments: per model-parallel rank holding it, its shard and moments.
     parts: dict[str, dict[int, tuple[Piece | None, dict[str, StoredTensor]]]] = {}
@@ -618,11 +830,10 @@ def _bucketed(
         mains[name] = dcp_folder.renamed(moments.pop("param"), name)
         state[index[name]] = {**moments, "step": step}
     group = {**group, "params": sorted(state)}
-    groups = f" over {ranks} model-parallel ranks" if ranks > 1 else ""
+    groups = f" over {ranks} {ranked} ranks" if ranks > 1 else ""
     held = (
         f"optimizer state for {len(state)} parameters from the distributed optimizer's "
-        f"{count} dp_reshardable buckets{groups} (optimizer.distributed.*), each parameter's "
-        "slice placed by Megatron's bucket layout and checked against the model's tensors"
+        f"{count} dp_reshardable buckets{groups} ({prefix}optimizer.distributed.*)"
     )
     return OptimizerState([group], state, {i: order[i] for i in state}, where), held, mains
 
@@ -716,32 +927,42 @@ def _assembled(shard: Piece, flat: StoredTensor) -> Piece:
 
 def _model_order(split) -> list[str]:
     """The model's parameters in Megatron's order: the metadata's, each stacked block's
-    layers in turn (layer 0's tensors, then layer 1's...)."""
-    out: list[str] = []
-    done: set[str] = set()
-    keys = [k for k in split if not k.startswith("optimizer.")]
-    for key in keys:
-        if key in done:
-            continue
-        stacked = _LAYERS.match(key)
-        if not stacked:
-            out.append(split[key][0][0])
-            continue
-        block = [k for k in keys if (m := _LAYERS.match(k)) and m.group(0) == stacked.group(0)]
-        done.update(block)
-        for layer in range(max(len(split[k]) for k in block)):
-            out += [split[k][layer][0] for k in block if layer < len(split[k])]
-    return out
+    layers in turn (layer 0's tensors, then layer 1's...), and within a layer a Mixture of
+    Experts' experts in turn (``SequentialMLP``'s ``local_experts``: expert 0's
+    ``linear_fc1`` and ``linear_fc2``, then expert 1's...)."""
+    keys = [k for k in split if not _OPTIMIZER.match(k) and not _BUFFER.fullmatch(k)]
+    first: dict[tuple[str, str], int] = {}  # a block's head -> the place of its first key
+    for here, key in enumerate(keys):
+        for pattern in (_LAYERS, _EXPERTS):
+            if found := pattern.match(key):
+                first.setdefault((pattern.pattern, found.group(0)), here)
+    places = []
+    for here, key in enumerate(keys):
+        stacked, experts = _LAYERS.match(key), _EXPERTS.match(key)
+        among = first[(_EXPERTS.pattern, experts.group(0))] if experts else here
+        start = first[(_LAYERS.pattern, stacked.group(0))] if stacked else among
+        for name, _ in split[key]:
+            layer = _index(name, stacked.group(0)) if stacked else 0
+            expert = int(_EXPERT.match(name).group(1)) if experts else 0
+            places.append(((start, layer, among, expert, here), name))
+    return [name for _, name in sorted(places)]
 
 
-def _bucket_groups(folder: dcp_folder.DcpFolder, ranks: int) -> tuple[int | float, dict]:
+def _index(name: str, head: str) -> int:
+    """The number that follows ``head`` in a split tensor's name."""
+    return int(name[len(head) :].split(".", 1)[0])
+
+
+def _bucket_groups(
+    folder: dcp_folder.DcpFolder, ranks: int, prefix: str = ""
+) -> tuple[int | float, dict]:
     """The distributed optimizer's param groups (``DistributedOptimizer.state_dict``'s, saved
     as one object per model-parallel rank): the one Adam step of every parameter, and the
     hyperparameters."""
     where = folder.metadata_file
     groups: list = []
     for rank in range(ranks):
-        name = _GROUPS.format(rank)
+        name = prefix + _GROUPS.format(rank)
         if name not in folder.meta.entries:
             raise InputError(
                 f"{where}: holds no {name} (the distributed optimizer's param groups: "
