@@ -796,6 +796,27 @@ def test_bf16_distributed_optimizer_against_megatrons_load(
         assert "distributed optimizer's fp32 main params" in doc["measured"]["evidence"]
 
 
+def test_bf16_distributed_optimizer_of_a_sharding_not_read(
+    gradclip, megatron_distopt_bf16_run, tmp_path
+):
+    """The distributed optimizer's state saved in a sharding gradclip does not read (named
+    in common.pt): the moments are refused, and the weights are the model's bf16 tensors,
+    measured as they are and said to be, not passed off as the fp32 main params."""
+    run = shutil.copytree(megatron_distopt_bf16_run / "run" / "iter_0000003", tmp_path / "it")
+    state = torch.load(run / "common.pt", weights_only=False)  # the fixture's own: a Namespace
+    state["optimizer"]["param_state_sharding_type"] = "fully_sharded_model_space"
+    torch.save(state, run / "common.pt")
+    model = _model_tensors(_reference(megatron_distopt_bf16_run, 3))
+    doc = gradclip("inspect", run, "--what", "weights", "--format", "json")
+    assert doc.code == 0, doc.err
+    assert rel_err(doc.json()["total_norm"], norm(model.values())) <= TOL
+    assert "model's bfloat16 tensors (the fp32 main params" in doc.json()["measured"]["evidence"]
+    said = " ".join(doc.json()["description"])
+    assert "'fully_sharded_model_space'" in said and "weights measured are the model's " \
+        "bfloat16 tensors" in said, said
+    one_line_exit_3(gradclip("inspect", run, "--what", "exp_avg"), "fully_sharded_model_space")
+
+
 @pytest.mark.parametrize("what", (*QUANTITIES, "weights"))
 def test_bf16_tensor_parallel_distributed_optimizer_against_megatrons_load(
     gradclip, megatron_distopt_tp_bf16_run, what

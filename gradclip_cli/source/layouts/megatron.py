@@ -240,6 +240,17 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             "which gradclip does not read: moments not measured"
         )
         contents.optimizer_error = held.replace("the optimizer state is", "its optimizer state is")
+        sixteen = [n for n, t in weights.items() if t.dtype in _SIXTEEN]
+        if sixteen:
+            # The fp32 main params are in that unread state: the weights measured are the
+            # model's 16-bit tensors (their rounding), and the report says so.
+            kinds = _dtypes(weights, sixteen)
+            held += (f"; the weights measured are the model's {kinds} tensors, its fp32 main "
+                     "params being in that state")
+            contents.evidence[roles.WEIGHT] = (
+                f"{said}, the model's {kinds} tensors (the fp32 main params Adam updates are "
+                "in the distributed optimizer's state, not read)"
+            )
     model = f"{len(weights)} model tensors"
     if mains:
         contents.weights = {n: mains.get(n, t) for n, t in weights.items()}
