@@ -121,9 +121,7 @@ _SIXTEEN = (torch.bfloat16, torch.float16)
 _LAYERS = re.compile(r"(^|.*\.)layers\.(?!\d)")  # a stacked key: ``layers.`` then no number
 _EXPERTS = re.compile(r"(^|.*\.)experts\.experts\.(?!\d)")  # stacked experts: then no number
 _EXPERT = re.compile(r"(?:^|.*\.)experts\.experts\.(\d+)\.")  # one expert, split off
-# A buffer Megatron saves among the model's tensors: the router's expert bias
-# (``TopKRouter``'s ``register_buffer('expert_bias')``, core_v0.16.1), which no optimizer steps
-_BUFFER = re.compile(r"(?:.*\.)?router\.expert_bias")
+_BUFFER = legacy.BUFFER
 
 
 def recognises(path: Path) -> bool:

@@ -113,6 +113,10 @@ FILE = "model_optim_rng.pt"
 DISTRIBUTED = "distrib_optim.pt"
 _RANK = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){1,2})?")
 _EXTRA = "._extra_state"
+# A buffer Megatron saves among the model's tensors, in both formats: the router's expert
+# bias (``TopKRouter``'s ``register_buffer('expert_bias')``, core_v0.16.1), which no
+# optimizer steps: never a weight, nor mapped to optimizer state.
+BUFFER = re.compile(r"(?:.*\.)?router\.expert_bias")
 
 
 def recognises(path: Path) -> bool:
@@ -345,7 +349,8 @@ class _Rank:
             name = prefix + name
             if name.endswith(_EXTRA):
                 self.skipped.append(name)  # Transformer Engine's state (None without it)
-            elif isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
+            elif (isinstance(value, torch.Tensor) and value.dtype.is_floating_point
+                  and not BUFFER.fullmatch(name)):
                 self.weights[name] = value
             elif isinstance(value, torch.Tensor):
                 self.buffers[name] = value
