@@ -223,6 +223,15 @@ def megatron_distopt_tp_bf16_run(framework_python, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def megatron_distopt_tp_fully_bf16_run(framework_python, tmp_path_factory) -> Path:
+    """As ``megatron_distopt_tp_bf16_run``, saved ``fully_reshardable``: each parameter's
+    main param and moments in the model's sharding over the 2 tensor-parallel ranks."""
+    out = tmp_path_factory.mktemp("megatron_distopt_tp_fully_bf16")
+    return run_generator(framework_python, "megatron_run.py", out, 2, "distopt", "tp", "bf16",
+                         "fully")
+
+
+@pytest.fixture(scope="session")
 def megatron_moe_runs(framework_python, tmp_path_factory) -> dict:
     """Megatron-core Mixture-of-Experts runs (4 experts a layer, a top-2 router): on 1 rank
     (``"ep1"``), on 2 expert-parallel ranks (``"ep2"``: 2 experts each, data parallel
