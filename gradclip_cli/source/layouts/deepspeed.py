@@ -319,8 +319,7 @@ class _Reader:
                 f"{self.folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* "
                 "optimizer files; which set belongs to this checkpoint is unclear"
             )
-        if mp_ranks != list(range(len(mp_ranks))):
-            missing = next(r for r in range(len(mp_ranks)) if r not in mp_ranks)
+        if (missing := _gap(mp_ranks)) is not None:
             raise InputError(
                 f"{self.folder}: holds model-parallel ranks "
                 f"{', '.join(_mp(r) for r in mp_ranks)} but no {_mp(missing)}: "
@@ -538,8 +537,7 @@ class _Reader:
         ranks = sorted(
             int(m.group(1)) for n in os.listdir(self.folder) if (m := _PLAIN.fullmatch(n))
         )
-        if ranks != list(range(len(ranks))):
-            missing = next(r for r in range(len(ranks)) if r not in ranks)
+        if (missing := _gap(ranks)) is not None:
             raise InputError(
                 f"{self.folder}: holds model state files of "
                 f"{', '.join(_mp(r) for r in ranks)} without ZeRO but no {_mp(missing)}: "
@@ -670,8 +668,7 @@ class _Reader:
         (``_tensor_parallel``), the ranks checked alike (``_check_alike``)."""
         names = os.listdir(self.folder)
         stages = sorted(int(m.group(1)) for n in names if (m := _PLAIN.fullmatch(n)))
-        if stages != list(range(len(stages))):
-            missing = next(r for r in range(len(stages) + 1) if r not in stages)
+        if (missing := _gap(stages)) is not None:
             raise InputError(
                 f"{self.folder}: holds pipeline stages {', '.join(_mp(r) for r in stages)} "
                 f"but no {_mp(missing)}: the stages are incomplete"
@@ -1069,6 +1066,14 @@ def _rounded_from(params: dict[str, StoredTensor], masters: list[torch.Tensor]) 
     return found
 
 
+def _gap(numbers: list[int]) -> int | None:
+    """The first of 0, 1, 2... that the sorted rank or stage ``numbers`` lack, where they
+    are not exactly 0 .. n-1 (a duplicate counts as a gap after it); else None."""
+    if numbers == list(range(len(numbers))):
+        return None
+    return next(r for r in range(len(numbers) + 1) if r not in numbers)
+
+
 def _layer_files(folder: Path) -> list[str]:
     try:
         return sorted(n for n in os.listdir(folder) if _PIPELINE_LAYER.fullmatch(n))
@@ -1099,8 +1104,7 @@ def _layer_names(folder: Path, names: list[str]) -> list[dict[int, str]]:
             )
         return [ranks[None]]
     tps = sorted(ranks)
-    if tps != list(range(len(tps))):
-        missing = next(t for t in range(len(tps)) if t not in ranks)
+    if (missing := _gap(tps)) is not None:
         raise InputError(
             f"{folder}: holds layer files of tensor-parallel ranks "
             f"{', '.join(f'model_{t:02d}' for t in tps)} but none of model_{missing:02d}: the "
