@@ -507,6 +507,19 @@ def _exact(engine, base, stage: int, bf16: bool, split: dict, tp_group) -> dict[
     return exact
 
 
+def _save_reference(out, folder_name, step, exact, mirror, plain, split, named) -> None:
+    """Rank 0 writes ``<folder_name>.step<step>.reference.pt``: the engine's own values
+    (``exact``), the plain mirror's, the split of each parameter, and ``named``'s parameter
+    order."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        reference = {"exact": exact, "mirror": _mirrored(mirror, plain), "split": split,
+                     "order": [n for n, _ in named.named_parameters()]}
+        torch.save(reference, os.path.join(out, f"{folder_name}.step{step}.reference.pt"))
+
+
 def _mirrored(mirror, plain) -> dict[str, dict]:
     """The unsplit run's weights and AdamW state, by name."""
     return {
@@ -570,15 +583,8 @@ def _worker(rank: int, port: int, out: str, world: int, runs: tuple) -> None:
                     "iteration": step,
                 }
             engine.save_checkpoint(os.path.join(out, folder_name), client_state=client)
-            reference = {
-                "exact": _exact(engine, base, stage, bf16, split, mpu.tp_group),
-                "mirror": _mirrored(mirror, plain),
-                "split": split,
-                "order": [n for n, _ in model.named_parameters()],
-            }
-            if rank == 0:
-                name = f"{folder_name}.step{step}.reference.pt"
-                torch.save(reference, os.path.join(out, name))
+            exact = _exact(engine, base, stage, bf16, split, mpu.tp_group)  # every rank's part
+            _save_reference(out, folder_name, step, exact, mirror, plain, split, model)
         engine.destroy()
     dist.barrier()
 
@@ -645,15 +651,7 @@ def _pipeline_worker(rank: int, port: int, out: str, runs: tuple) -> None:
             exact = {}
             for held in gathered:  # each stage's parameters (its other ranks' alike)
                 exact.update(held)
-            reference = {
-                "exact": exact,
-                "mirror": _mirrored(mirror, plain),
-                "split": split,
-                "order": [n for n, _ in mirror.named_parameters()],
-            }
-            if rank == 0:
-                name = f"{folder_name}.step{step}.reference.pt"
-                torch.save(reference, os.path.join(out, name))
+            _save_reference(out, folder_name, step, exact, mirror, plain, split, mirror)
         engine.destroy()
     dist.barrier()
 
