@@ -12,12 +12,13 @@ from .clipping import (
     scale_elements_,
     unit_roundoff,
 )
-from .elements import Elements, distinct_elements, find_ties, readable
+from .elements import Elements, apart, distinct_elements, find_ties, readable
 from .norms import element_power_sums, tensor_power_sums, total_power_sums
 from .power_sums import PowerSums, concat
 
 __all__ = [
-    "Coefficient", "Elements", "PowerSums", "clamp_", "clamp_elements_", "clip_coefficient",
+    "Coefficient", "Elements", "PowerSums", "apart", "clamp_", "clamp_elements_",
+    "clip_coefficient",
     "concat", "distinct_elements", "element_power_sums", "exact_clip_coefficient", "find_ties",
     "lowered_coefficient",
     "readable", "rounds_to_zero", "scale_", "scale_elements_", "tensor_power_sums",

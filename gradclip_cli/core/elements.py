@@ -159,37 +159,53 @@ def distinct_elements(tensors: Sequence[torch.Tensor]) -> Elements:
 
 
 def _apart(tensors: Sequence[torch.Tensor]) -> Elements | None:
-    """The pieces when no two tensors can share an element, else None.
+    """The pieces when no two tensors can share an element (``apart``), else None."""
+    try:
+        if not apart(tensors):
+            return None
+    except RuntimeError:  # no data_ptr() (fake, functional, sparse, mkldnn)
+        return None
+    whole = list(map(readable, tensors)) if any(map(_REQUIRES_GRAD, tensors)) else list(tensors)
+    real = not any(t.is_complex for t in set(map(_DTYPE, tensors)))
+    n = len(whole)
+    return Elements(_WholePieces(whole), range(n), range(n), ((),) * n, whole if real else None)
 
-    The common case, checked in one pass over metadata (a gradient per
-    parameter, each its own allocation): every tensor dense, contiguous and
-    nonempty, and their byte ranges ``[data_ptr, data_ptr + nbytes)``
-    pairwise disjoint. Tensors without an address (``meta``, fake) go the
-    general way.
+
+def apart(tensors: Sequence[torch.Tensor], nbytes: torch.Tensor | None = None) -> bool:
+    """Whether no two of ``tensors`` can share an element, from their metadata alone.
+
+    The common case (a gradient per parameter, each its own allocation):
+    every tensor dense, contiguous and nonempty, and their byte ranges
+    ``[data_ptr, data_ptr + nbytes)`` pairwise disjoint. False says only
+    that this check cannot tell (``distinct_elements`` then looks closer).
+    ``nbytes``: the tensors' sizes in bytes (int64), when the caller has them.
+    A tensor without an address (``meta``, fake) gives False or raises
+    ``RuntimeError``: it has no range to compare.
     """
     # Passes over metadata at C speed (map), not a Python loop: the monitor asks
     # on every step, for 1,000 tensors. No layout but torch.strided gets past
     # them: a sparse COO tensor is not contiguous, CSR, CSC and BSR ones
     # refuse is_contiguous(), and those and mkldnn ones refuse data_ptr().
-    try:
-        if not all(map(torch.Tensor.is_contiguous, tensors)):
-            return None
+    if not all(map(torch.Tensor.is_contiguous, tensors)):
+        return False
+    starts = array("q", map(torch.Tensor.data_ptr, tensors))
+    if not all(starts):
+        return False
+    if nbytes is None:
         sizes = array("q", map(_NBYTES, tensors))
-        starts = array("q", map(torch.Tensor.data_ptr, tensors))
-    except RuntimeError:  # no data_ptr() (fake, functional, sparse, mkldnn)
-        return None
-    if not (all(sizes) and all(starts)):
-        return None
-    if len(starts) > 1:
-        begin = torch.frombuffer(starts, dtype=torch.int64)
-        order = begin.argsort()
-        end = begin + torch.frombuffer(sizes, dtype=torch.int64)
-        if bool((end[order[:-1]] > begin[order[1:]]).any()):
-            return None
-    whole = list(map(readable, tensors)) if any(map(_REQUIRES_GRAD, tensors)) else list(tensors)
-    real = not any(t.is_complex for t in set(map(_DTYPE, tensors)))
-    n = len(whole)
-    return Elements(_WholePieces(whole), range(n), range(n), ((),) * n, whole if real else None)
+        if not all(sizes):
+            return False
+        if len(sizes) < 2:
+            return True
+        nbytes = torch.frombuffer(sizes, dtype=torch.int64)
+    elif not bool(nbytes.all()):
+        return False
+    if len(starts) < 2:
+        return True
+    begin = torch.frombuffer(starts, dtype=torch.int64)
+    order = begin.argsort()
+    end = begin + nbytes
+    return not bool((end[order[:-1]] > begin[order[1:]]).any())
 
 
 _NBYTES = attrgetter("nbytes")

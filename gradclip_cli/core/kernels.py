@@ -482,7 +482,7 @@ def square_norms_on_cpu(tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -
     if least >= SMALL:  # GPT-2's shapes: every tensor big
         return _big_norms(list(map(_flat, tensors)), dtype)
     if least and max(sizes) < SMALL:  # many small tensors: every one packed
-        return _packing(tuple(map(_SHAPE, tensors)), dtype).norms(tensors)
+        return _packing(tensors, sizes, dtype).norms(tensors)
     big = [i for i, n in enumerate(sizes) if n >= SMALL]
     small = [i for i, n in enumerate(sizes) if 0 < n < SMALL]
     norm = torch.zeros(len(sizes), dtype=torch.float64)
@@ -490,11 +490,12 @@ def square_norms_on_cpu(tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -
         norm[big] = _big_norms([_flat(tensors[i]) for i in big], dtype)
     if small:
         members = [tensors[i] for i in small]
-        norm[small] = _packing(tuple(map(_SHAPE, members)), dtype).norms(members)
+        norm[small] = _packing(members, [sizes[i] for i in small], dtype).norms(members)
     return norm
 
 
 _SHAPE = attrgetter("shape")
+_ONE_DIM = {1}
 
 
 def row_norms_into(flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -623,13 +624,22 @@ class _Packing:
         return sums.sqrt_()
 
 
-def _packing(shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype) -> _Packing:
-    """This thread's packing for ``shapes`` (a few kept: a model has one or two lists)."""
+def _packing(tensors: list[torch.Tensor], sizes: list[int], dtype: torch.dtype) -> _Packing:
+    """This thread's packing for the shapes of ``tensors`` (of ``sizes`` elements),
+    a few kept: a model has one or two lists.
+
+    When every tensor is 1-D (biases, norms' weights) the sizes are the shapes,
+    and they are the key: cheaper to read and to hash than ``torch.Size``-s.
+    """
     cache = getattr(_BUFFERS, "packings", None)
     if cache is None:
         cache = _BUFFERS.packings = {}
-    key = (shapes, dtype)
-    packing = cache.pop(key, None) or _Packing(shapes, dtype)
+    flat = set(map(torch.Tensor.dim, tensors)) == _ONE_DIM
+    key = (tuple(sizes), dtype) if flat else (tuple(map(_SHAPE, tensors)), dtype, None)
+    packing = cache.pop(key, None)
+    if packing is None:
+        shapes = tuple((n,) for n in sizes) if flat else key[0]
+        packing = _Packing(shapes, dtype)
     cache[key] = packing  # most recently used last
     while len(cache) > 4:
         cache.pop(next(iter(cache)))

@@ -163,7 +163,10 @@ def total_power_sums(tensors: Sequence[torch.Tensor], norm_type: float,
 
 
 def certified_group_norms(
-    tensors: Sequence[torch.Tensor], index: torch.Tensor, size: int
+    tensors: Sequence[torch.Tensor],
+    index: torch.Tensor,
+    size: int,
+    sizes: list[int] | None = None,
 ) -> tuple[PowerSums, PowerSums] | None:
     """Groups' and the total's 2-norms of CPU float32 or float64 tensors of one dtype,
     from one read of their elements, or None where they cannot be certified.
@@ -175,8 +178,10 @@ def certified_group_norms(
     cost it 2**-24 of itself. When any group fails (a NaN or an inf, a sum
     that overflowed, or gradients too small or all zero), the caller
     measures with ``tensor_power_sums``, which recomputes exactly and counts.
+    ``sizes`` are the tensors' numbers of elements, when the caller has them.
     """
-    sizes = list(map(torch.Tensor.numel, tensors))
+    if sizes is None:
+        sizes = list(map(torch.Tensor.numel, tensors))
     squares = square_norms_on_cpu(tensors, sizes).square_()
     counts = torch.frombuffer(array("q", sizes), dtype=torch.int64).to(F64)
     group_squares = torch.zeros(size, dtype=F64).index_add_(0, index, squares)

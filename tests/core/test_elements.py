@@ -22,7 +22,7 @@ from gradclip_cli.core import (
     scale_elements_,
     tensor_power_sums,
 )
-from gradclip_cli.core.elements import _apart
+from gradclip_cli.core.elements import _apart, apart
 
 from .reference import rel_err
 
@@ -215,3 +215,25 @@ def test_tensors_apart_are_their_own_pieces_and_the_rest_go_the_general_way():
         elements = distinct_elements(tensors)
         assert elements.whole is None, name
         assert len(elements.owned) == len(tensors), name
+
+
+def test_apart_from_given_byte_sizes_agrees_with_the_tensors_own():
+    # The monitor hands over the byte sizes it has (numel * element size):
+    # the answer must be the one the tensors' own nbytes give.
+    base = torch.randn(10)
+    a, b = torch.randn(3, 4), torch.randn(7, dtype=torch.float64)
+    cases = {
+        "apart": ([a, b, torch.randn(1)], True),
+        "one": ([a], True),
+        "none": ([], True),
+        "disjoint views": ([base[:4], base[4:]], True),
+        "touching by one element": ([base[:5], base[4:]], False),
+        "tied": ([a, a], False),
+        "transposed": ([a.t(), b], False),
+        "empty": ([torch.empty(0), b], False),
+        "meta": ([torch.empty(4, device="meta")], False),
+    }
+    for name, (tensors, want) in cases.items():
+        nbytes = torch.tensor([t.numel() * t.element_size() for t in tensors], dtype=torch.int64)
+        assert apart(tensors) is want, name
+        assert apart(tensors, nbytes) is want, name

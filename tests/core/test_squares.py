@@ -9,6 +9,7 @@ one large element first, which every later rounding carries.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -175,3 +176,19 @@ def test_certified_groups_refuse_what_needs_an_exact_measure(spoil):
         assert got == want
     else:
         assert rel_err(got, want) <= TOL
+
+
+def test_the_same_sizes_in_other_shapes_have_their_own_packing():
+    # 1-D tensors are packed by their sizes alone; 2-D ones of the same sizes,
+    # and 1-D ones again, each get the packing of their own shapes.
+    g = torch.Generator().manual_seed(4)
+    lists = [
+        [torch.randn(2 * ROW, generator=g) for _ in range(30)],
+        [torch.randn(2, ROW, generator=g) for _ in range(30)],
+        [torch.randn(ROW, 2, generator=g) for _ in range(30)],
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a packing of other shapes would resize its places
+        for ts in lists + lists:
+            got = _norms(ts)
+            assert got.norm.tolist() == pytest.approx([norm([t], 2) for t in ts], rel=TOL)
