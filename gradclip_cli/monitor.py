@@ -54,6 +54,7 @@ import os
 import stat
 import sys
 import warnings
+from array import array
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import attrgetter, is_, is_not
@@ -65,6 +66,7 @@ import torch
 from . import api
 from .core import (
     Coefficient,
+    apart,
     clip_coefficient,
     find_ties,
     scale_,
@@ -96,7 +98,7 @@ class _Plan:
 
     grouping: Grouping
     series: torch.Tensor | None  # each group's row in the group detectors; None: all, in order
-    keys: list[str]  # '"name": ' as json writes it
+    groups: str  # '{"name": %s, ...}': the groups' object, names as json writes them
 
 
 @dataclass(frozen=True)
@@ -338,18 +340,22 @@ class GradMonitor:
                 return None
             grads = [grads[i] for i in present]
         sharded = dtensor.has_dtensor(grads)
-        owner = find_ties(dtensor.local_tensors(grads) if sharded else grads)
-        kept = (
-            None if owner == list(range(len(owner))) else [i for i, o in enumerate(owner) if o == i]
-        )
+        types = set(map(_DTYPE, grads))  # ties hold one dtype: dropping them keeps these
+        # The common CPU step: groups' squares certified as they are summed.
+        certifiable = not sharded and self.norm_type == 2.0 and _one_cpu_type(grads, types)
+        sizes = list(map(_NUMEL, grads)) if certifiable else None
+        if certifiable and apart(grads, _byte_sizes(sizes, grads[0].element_size())):
+            kept = None
+        else:
+            owner = find_ties(dtensor.local_tensors(grads) if sharded else grads)
+            kept = None if owner == list(range(len(owner))) else [
+                i for i, o in enumerate(owner) if o == i]
         if kept is not None:
-            grads = [grads[i] for i in kept]
+            grads, sizes = [grads[i] for i in kept], None
         plan = self._plan_for(names, present, kept)
         grouping = plan.grouping
-        types = set(map(_DTYPE, grads))
-        if not sharded and self.norm_type == 2.0 and _one_cpu_type(grads, types):
-            # The common CPU step: groups' squares certified as they are summed.
-            certified = certified_group_norms(grads, grouping.index, len(grouping.names))
+        if certifiable:
+            certified = certified_group_norms(grads, grouping.index, len(grouping.names), sizes)
             if certified is not None:
                 sums = GroupSums(grouping.names, grouping.index, *certified)
                 return _Measurement(grads, sums, plan, types, sharded)
@@ -378,8 +384,9 @@ class GradMonitor:
         self._group_detectors.add(len(self._series_of) - len(self._group_detectors))
         series = [self._series_of[g] for g in grouping.names]
         every = series == list(range(len(self._series_of)))
-        keys = [json.dumps(g) + ": " for g in grouping.names]
-        plan = _Plan(grouping, None if every else torch.tensor(series, dtype=torch.int64), keys)
+        keys = (json.dumps(g).replace("%", "%%") + ": %s" for g in grouping.names)
+        groups = "{" + ", ".join(keys) + "}"
+        plan = _Plan(grouping, None if every else torch.tensor(series, dtype=torch.int64), groups)
         self._plan_key, self._plan = key, plan
         return plan
 
@@ -445,10 +452,9 @@ class GradMonitor:
         record = {**head, "groups": dict(zip(names, values)), **tail}
         if self.log_path is not None and not self._log_broken and _is_writer():
             # json.dumps(record) without walking the 1,000 groups in Python: their
-            # keys are encoded once per plan, finite norms are written as repr
+            # keys are encoded once per plan, finite norms are written as %s (repr)
             # writes them (json's float format), NaN and inf as json writes strings.
-            texts = map(float.__repr__, values) if finite else map(json.dumps, values)
-            groups_text = "{" + ", ".join(map(str.__add__, m.plan.keys, texts)) + "}"
+            groups_text = m.plan.groups % tuple(values if finite else map(json.dumps, values))
             line = (
                 json.dumps(head, allow_nan=False)[:-1]
                 + ', "groups": '
@@ -539,6 +545,12 @@ class GradMonitor:
 _GRAD = attrgetter("grad")
 _DTYPE = attrgetter("dtype")
 _IS_CPU = attrgetter("is_cpu")
+_NUMEL = torch.Tensor.numel
+
+
+def _byte_sizes(sizes: list[int], itemsize: int) -> torch.Tensor:
+    """Tensors' sizes in bytes, from their numbers of elements of ``itemsize`` bytes."""
+    return torch.frombuffer(array("q", sizes), dtype=torch.int64) * itemsize
 
 
 def _one_cpu_type(grads: list[torch.Tensor], types: set[torch.dtype]) -> bool:
@@ -565,24 +577,20 @@ class _Parameters:
         self.version = 0  # changes whenever the lists are read again
         self._model: object = None
         self._modules: list[torch.nn.Module] = []
-        self._seen: tuple | None = None
+        self._seen: _Reading | None = None
         self._names: list[str] = []
         self._params: list[torch.nn.Parameter] = []
 
     def named(self, model: torch.nn.Module) -> tuple[list[str], list[torch.nn.Parameter]]:
         """The names and parameters ``model.named_parameters()`` gives now."""
-        if (
-            model is self._model
-            and self._seen is not None
-            and _unchanged(self._seen, _structure(self._modules))
-        ):
+        if model is self._model and self._seen is not None and self._seen.holds(self._modules):
             return self._names, self._params
         self.version += 1
         named = list(model.named_parameters())
         names, params = [n for n, _ in named], [p for _, p in named]
         modules = [m for _, m in model.named_modules()] if _cacheable(model) else None
         if modules is not None and all(_cacheable(m) for m in modules):
-            self._model, self._modules, self._seen = model, modules, _structure(modules)
+            self._model, self._modules, self._seen = model, modules, _Reading(modules)
             self._names, self._params = names, params
         else:
             self._model, self._modules, self._seen = None, [], None
@@ -606,30 +614,39 @@ def _cacheable(module: object) -> bool:
     )
 
 
-def _structure(modules: list[torch.nn.Module]) -> tuple | None:
-    """Everything of ``modules`` that ``named_parameters`` reads (None: something
-    that is no longer a dict, which is never taken for unchanged)."""
+class _Reading:
+    """Everything of some modules that ``named_parameters`` reads: each one's class,
+    and the keys and values of its ``_parameters`` and ``_modules`` dicts (those
+    dict objects themselves, which ``_cacheable`` has found to be plain dicts)."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.dicts = _dicts(modules)
+        self.types = list(map(type, modules))
+        self.lens = list(map(len, self.dicts))
+        # Most dicts are empty (a leaf's _modules, a container's _parameters):
+        # their lengths say all there is, and only the others are walked.
+        self.full = [d for d in self.dicts if d]
+        self.keys = list(chain.from_iterable(self.full))
+        self.values = list(chain.from_iterable(map(dict.values, self.full)))
+
+    def holds(self, modules: list[torch.nn.Module]) -> bool:
+        """Whether ``modules`` (the ones read) are still as read. The values
+        (modules, parameters) are compared as objects: ``==`` on tensors would
+        compare their elements."""
+        dicts = _dicts(modules)
+        return (
+            all(map(is_, dicts, self.dicts))  # the same dicts: the full ones are self.full
+            and list(map(type, modules)) == self.types
+            and list(map(len, dicts)) == self.lens
+            and list(chain.from_iterable(self.full)) == self.keys
+            and all(map(is_, chain.from_iterable(map(dict.values, self.full)), self.values))
+        )
+
+
+def _dicts(modules: list[torch.nn.Module]) -> list[dict]:
     dicts = list(map(_PARAMETERS, modules))
     dicts += map(_CHILDREN, modules)
-    if set(map(type, dicts)) != {dict}:
-        return None
-    return (
-        list(map(type, modules)),
-        list(map(len, dicts)),
-        list(chain.from_iterable(dicts)),
-        list(chain.from_iterable(map(dict.values, dicts))),
-    )
-
-
-def _unchanged(seen: tuple, now: tuple | None) -> bool:
-    """Whether two ``_structure`` readings agree, the values (modules, parameters)
-    compared as objects: ``==`` on tensors would compare their elements."""
-    return (
-        now is not None
-        and now[:3] == seen[:3]
-        and len(now[3]) == len(seen[3])
-        and all(map(is_, now[3], seen[3]))
-    )
+    return dicts
 
 
 _PARAMETERS = attrgetter("_parameters")

@@ -47,10 +47,13 @@ def test_each_line_is_json_dumps_of_its_record_on_a_real_run(tmp_path):
     model = Tiny()
     # A name json escapes (non-ASCII, a quote) as a group of its own.
     model.add_module('caf\u00e9"', torch.nn.Linear(8, 8))
+    # One the line's %-template must keep as it is.
+    model.add_module("100%s %%d", torch.nn.Linear(8, 8))
     log = tmp_path / "grads.jsonl"
     records = []
     with GradMonitor(model, log, None, group_by="module") as monitor:
         for step in train(model, 40):
+            model.get_submodule("100%s %%d").weight.grad = torch.randn(8, 8)
             extra = model.get_submodule('caf\u00e9"')
             extra.weight.grad = torch.randn(8, 8) * (30.0 if step == 33 else 1e-2)
             if step == 36:
@@ -70,6 +73,7 @@ def test_each_line_is_json_dumps_of_its_record_on_a_real_run(tmp_path):
     assert read_log(log)[36]["groups"]['caf\u00e9"'] == "inf"
     assert read_log(log)[38]["groups"]["h.0"] == "nan"
     assert read_log(log)[33]["spike_groups"] == ['caf\u00e9"']
+    assert "100%s %%d" in read_log(log)[0]["groups"]
 
 
 def test_spikes_are_judged_as_one_detector_per_group_would(tmp_path):
@@ -104,6 +108,11 @@ def test_a_changed_model_is_measured_as_it_is_now(tmp_path):
     def untie(m):
         m.lm_head.weight = torch.nn.Parameter(m.wte.weight.detach().clone())
 
+    def rename(m):
+        children = list(m._modules.items())
+        m._modules.clear()
+        m._modules.update(("blocks" if k == "h" else k, v) for k, v in children)
+
     def share(m):  # one parameter under a second name: listed once, under the first
         m.h[1].register_parameter("also", m.h[0].bias)
 
@@ -118,7 +127,13 @@ def test_a_changed_model_is_measured_as_it_is_now(tmp_path):
         lambda m: m.h.__setitem__(0, torch.nn.Linear(8, 8)),  # a submodule replaced
         lambda m: m._parameters.__setitem__("scale", torch.nn.Parameter(torch.ones(2))),
         lambda m: m.h[0]._parameters.pop("bias"),  # straight through the dict
+        # A dict replaced by another with the same content, then that one changed.
+        lambda m: setattr(m.h[1], "_parameters", dict(m.h[1]._parameters)),
+        lambda m: m.h[1]._parameters.__setitem__("weight", torch.nn.Parameter(torch.ones(8, 8))),
+        # A parameter set in a dict that was empty (a leaf's _modules).
+        lambda m: m.h[1]._modules.__setitem__("inner", torch.nn.Linear(2, 2)),
         lambda m: setattr(m, "extra", None),
+        rename,  # the same objects, in the same order, under another name
     ]
     with GradMonitor(model, log, None) as monitor:
         for step, change in enumerate(changes):
