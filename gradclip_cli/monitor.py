@@ -70,6 +70,7 @@ from .core import (
     clip_coefficient,
     find_ties,
     scale_,
+    stored_values,
     tensor_power_sums,
 )
 from .core.clipping import EPS
@@ -344,12 +345,16 @@ class GradMonitor:
         # The common CPU step: groups' squares certified as they are summed.
         certifiable = not sharded and self.norm_type == 2.0 and _one_cpu_type(grads, types)
         sizes = list(map(_NUMEL, grads)) if certifiable else None
-        if certifiable and apart(grads, _byte_sizes(sizes, grads[0].element_size())):
-            kept = None
+        dense = True
+        if certifiable and _apart(grads, _byte_sizes(sizes, grads[0].element_size())):
+            kept = None  # every gradient dense and its own allocation: the common step
         else:
             owner = find_ties(dtensor.local_tensors(grads) if sharded else grads)
             kept = None if owner == list(range(len(owner))) else [
                 i for i, o in enumerate(owner) if o == i]
+            # Sparse gradients (an nn.Embedding(sparse=True)) are measured by their values.
+            dense = sharded or all(map(is_, map(_LAYOUT, grads), repeat(_STRIDED)))
+            certifiable = certifiable and dense
         if kept is not None:
             grads, sizes = [grads[i] for i in kept], None
         plan = self._plan_for(names, present, kept)
@@ -364,7 +369,8 @@ class GradMonitor:
         if sharded:
             sums = dtensor.tensor_sums(grads, self.norm_type, with_max=False)
         else:
-            sums = tensor_power_sums(grads, self.norm_type, with_max=False)
+            values = grads if dense else list(map(stored_values, grads))
+            sums = tensor_power_sums(values, self.norm_type, with_max=False)
         return _Measurement(grads, grouping.sums(sums), plan, types, sharded)
 
     def _plan_for(
@@ -546,6 +552,18 @@ _GRAD = attrgetter("grad")
 _DTYPE = attrgetter("dtype")
 _IS_CPU = attrgetter("is_cpu")
 _NUMEL = torch.Tensor.numel
+
+
+_LAYOUT = attrgetter("layout")
+_STRIDED = torch.strided
+
+
+def _apart(grads: list[torch.Tensor], nbytes: torch.Tensor) -> bool:
+    """``apart``, False for tensors it cannot place (sparse compressed, mkldnn)."""
+    try:
+        return apart(grads, nbytes)
+    except RuntimeError:
+        return False
 
 
 def _byte_sizes(sizes: list[int], itemsize: int) -> torch.Tensor:

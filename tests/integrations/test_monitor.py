@@ -188,6 +188,51 @@ def test_clip_grad_norm_logs_and_clips_as_the_drop_in(tmp_path, dtype, max_norm)
     assert [r["step"] for r in records] == [0, 2]
 
 
+@pytest.mark.parametrize("p", [2.0, 1.0, math.inf])
+def test_sparse_gradients_are_measured_clipped_and_dumped(tmp_path, gradclip, p):
+    # nn.Embedding(sparse=True) on a real run: its gradient is an uncoalesced
+    # sparse COO tensor (a token seen twice is two entries). Logged norms are
+    # its dense values' norms, clipping scales the gradient itself (not a
+    # coalesced copy), on logged steps and on the others, and a NaN in it dumps.
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.emb = torch.nn.Embedding(16, 4, sparse=True)
+    model.head = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = GradMonitor(model, tmp_path / "grads.jsonl", tmp_path / "spikes", norm_type=p,
+                          every=2)
+
+    def dense_norms():
+        grads = {n: q.grad.to_dense().double() for n, q in model.named_parameters()}
+        every = torch.cat([g.flatten() for g in grads.values()])
+        return float(torch.linalg.vector_norm(every, p)), grads
+
+    for step in range(6):
+        opt.zero_grad()
+        tokens = torch.tensor([[1, 5, 5, 9], [2, 2, 2, 7]])
+        model.head(model.emb(tokens)).square().sum().backward()
+        assert model.emb.weight.grad.is_sparse and not model.emb.weight.grad.is_coalesced()
+        if step == 4:
+            model.emb.weight.grad._values()[0, 0] = math.nan
+        total, grads = dense_norms()
+        got = monitor.clip_grad_norm_(0.5, step)
+        if step == 4:
+            assert math.isnan(float(got))
+            continue
+        assert math.isclose(float(got), total, rel_tol=1e-6)
+        coef = min(1.0, 0.5 / (total + 1e-6))
+        for name, q in model.named_parameters():
+            torch.testing.assert_close(q.grad.to_dense().double(), grads[name] * coef,
+                                       rtol=1e-6, atol=0)
+        opt.step()
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == [0, 2, 4]
+    assert records[2]["groups"]["emb"] == "nan" and records[2]["nonfinite"]["nan"] == 1
+    assert records[2]["dump"] is not None
+    result = gradclip("inspect", records[2]["dump"], "--format", "json", "--allow-nonfinite")
+    assert result.code == 0 and result.json()["nonfinite"]["nan"] == 1
+
+
 def test_clip_grad_norm_error_if_nonfinite_logs_first_and_changes_nothing(tmp_path):
     model = Tiny()
     fill_grads(model, 0)
