@@ -66,11 +66,14 @@ import torch
 from . import api
 from .core import (
     Coefficient,
+    Elements,
     apart,
     clip_coefficient,
+    distinct_elements,
+    element_power_sums,
     find_ties,
     scale_,
-    stored_values,
+    scale_elements_,
     tensor_power_sums,
 )
 from .core.clipping import EPS
@@ -111,10 +114,18 @@ class _Measurement:
     plan: _Plan
     types: set[torch.dtype]  # the gradients' dtypes
     sharded: bool  # some gradients are DTensors
+    # The distinct elements of all the gradients, where some share elements
+    # short of a tie, or are sparse: measured and scaled as pieces, once each.
+    elements: Elements | None = None
 
-    def local_grads(self) -> list[torch.Tensor]:
-        """The gradients to scale in place (a DTensor's local tensor)."""
-        return dtensor.local_tensors(self.grads) if self.sharded else self.grads
+    def scale_(self, coef: Coefficient | torch.Tensor, foreach: bool | None = None) -> None:
+        """Multiply every distinct gradient element once, in place, by ``coef``."""
+        if self.elements is not None:
+            scale_elements_(self.elements, coef, foreach)
+        else:
+            # A DTensor is scaled through its local tensor, whatever its placements.
+            scale_(dtensor.local_tensors(self.grads) if self.sharded else self.grads, coef,
+                   foreach=foreach)
 
 
 class GradMonitor:
@@ -246,7 +257,7 @@ class GradMonitor:
             return None
         record, spike_coef = self._observe(step, measured)
         if spike_coef is not None:
-            scale_(measured.local_grads(), spike_coef)
+            measured.scale_(spike_coef)
         return record
 
     def clip_grad_norm_(
@@ -299,8 +310,7 @@ class GradMonitor:
             # From the total already read back, in the returned total's dtype: the
             # drop-in's coefficient, known to the host (see core.clipping.scale_).
             coef = clip_coefficient(total_norm.to(total.dtype), float(max_norm))
-        # A DTensor is scaled through its local tensor, whatever its placements.
-        scale_(measured.local_grads(), coef, foreach=foreach)
+        measured.scale_(coef, foreach=foreach)
         return total
 
     def close(self) -> None:
@@ -345,16 +355,20 @@ class GradMonitor:
         # The common CPU step: groups' squares certified as they are summed.
         certifiable = not sharded and self.norm_type == 2.0 and _one_cpu_type(grads, types)
         sizes = list(map(_NUMEL, grads)) if certifiable else None
-        dense = True
+        elements = None
         if certifiable and _apart(grads, _byte_sizes(sizes, grads[0].element_size())):
-            kept = None  # every gradient dense and its own allocation: the common step
+            owner = None  # every gradient dense and its own allocation: the common step
+        elif sharded:
+            owner = find_ties(dtensor.local_tensors(grads))
         else:
-            owner = find_ties(dtensor.local_tensors(grads) if sharded else grads)
-            kept = None if owner == list(range(len(owner))) else [
-                i for i, o in enumerate(owner) if o == i]
-            # Sparse gradients (an nn.Embedding(sparse=True)) are measured by their values.
-            dense = sharded or all(map(is_, map(_LAYOUT, grads), repeat(_STRIDED)))
-            certifiable = certifiable and dense
+            elements = distinct_elements(grads)
+            owner = list(elements.tie_of)
+            if _as_pieces(elements, grads):
+                certifiable = False
+            else:
+                elements = None  # each its own elements, or a tie: measured as they are
+        kept = None if owner is None or owner == list(range(len(owner))) else [
+            i for i, o in enumerate(owner) if o == i]
         if kept is not None:
             grads, sizes = [grads[i] for i in kept], None
         plan = self._plan_for(names, present, kept)
@@ -368,10 +382,14 @@ class GradMonitor:
         # the norms by themselves (one pass; on an accelerator, one read).
         if sharded:
             sums = dtensor.tensor_sums(grads, self.norm_type, with_max=False)
+        elif elements is not None:
+            # Each tensor's own pieces: a tie owns none, overlaps count in the first.
+            sums = element_power_sums(elements, self.norm_type, with_max=False)[1]
+            if kept is not None:
+                sums = sums.take(torch.tensor(kept, dtype=torch.int64))
         else:
-            values = grads if dense else list(map(stored_values, grads))
-            sums = tensor_power_sums(values, self.norm_type, with_max=False)
-        return _Measurement(grads, grouping.sums(sums), plan, types, sharded)
+            sums = tensor_power_sums(grads, self.norm_type, with_max=False)
+        return _Measurement(grads, grouping.sums(sums), plan, types, sharded, elements)
 
     def _plan_for(
         self, names: list[str], present: list[int] | None, kept: list[int] | None
@@ -554,16 +572,27 @@ _IS_CPU = attrgetter("is_cpu")
 _NUMEL = torch.Tensor.numel
 
 
-_LAYOUT = attrgetter("layout")
-_STRIDED = torch.strided
-
-
 def _apart(grads: list[torch.Tensor], nbytes: torch.Tensor) -> bool:
     """``apart``, False for tensors it cannot place (sparse compressed, mkldnn)."""
     try:
         return apart(grads, nbytes)
     except RuntimeError:
         return False
+
+
+def _as_pieces(elements: Elements, grads: list[torch.Tensor]) -> bool:
+    """Whether some gradient's distinct elements are not simply the tensor (ties
+    aside): it shares some with another short of a tie (overlapping views),
+    repeats its own (an expansion), or is sparse (an nn.Embedding(sparse=True))."""
+    if elements.whole is not None:
+        return False
+    for i, (grad, piece) in enumerate(zip(grads, elements.owned)):
+        if elements.tie_of[i] == i and (
+            grad.layout != torch.strided or piece.target is None or piece.sparse is not None
+            or piece.target.numel() != grad.numel()
+        ):
+            return True
+    return False
 
 
 def _byte_sizes(sizes: list[int], itemsize: int) -> torch.Tensor:

@@ -12,14 +12,7 @@ from .clipping import (
     scale_elements_,
     unit_roundoff,
 )
-from .elements import (
-    Elements,
-    apart,
-    distinct_elements,
-    find_ties,
-    readable,
-    stored_values,
-)
+from .elements import Elements, apart, distinct_elements, find_ties, readable
 from .norms import element_power_sums, tensor_power_sums, total_power_sums
 from .power_sums import PowerSums, concat
 
@@ -28,8 +21,7 @@ __all__ = [
     "clip_coefficient",
     "concat", "distinct_elements", "element_power_sums", "exact_clip_coefficient", "find_ties",
     "lowered_coefficient",
-    "readable", "rounds_to_zero", "scale_", "scale_elements_", "stored_values",
-    "tensor_power_sums",
+    "readable", "rounds_to_zero", "scale_", "scale_elements_", "tensor_power_sums",
     "total_power_sums",
     "unit_roundoff",
 ]

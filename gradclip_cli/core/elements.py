@@ -398,12 +398,6 @@ def measurable(t: torch.Tensor) -> torch.Tensor:
     return (t.to(wide) if wide is not None else t).abs()
 
 
-def stored_values(t: torch.Tensor) -> torch.Tensor:
-    """Values whose p-norm is ``t``'s: ``t`` itself when dense, a sparse
-    tensor's stored values (duplicate COO entries summed first)."""
-    return t if t.layout == torch.strided else _sparse_piece(t).measure
-
-
 def _sparse_piece(t: torch.Tensor) -> Piece:
     if t.layout == torch.sparse_coo:
         # _values() is a view into t; coalescing (a copy, when there are

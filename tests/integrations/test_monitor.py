@@ -233,6 +233,50 @@ def test_sparse_gradients_are_measured_clipped_and_dumped(tmp_path, gradclip, p)
     assert result.code == 0 and result.json()["nonfinite"]["nan"] == 1
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_gradients_sharing_elements_count_and_scale_them_once(tmp_path, every):
+    # Two gradients that are overlapping views of one buffer (not a tie): each
+    # shared element counts once, in the first one's group, and is scaled once,
+    # as the drop-ins do, on logged steps and on the others.
+    def model_and_buffer():
+        model = torch.nn.Module()
+        model.a = torch.nn.Parameter(torch.zeros(6))
+        model.b = torch.nn.Parameter(torch.zeros(6))
+        buffer = torch.arange(1.0, 11.0)
+        model.a.grad, model.b.grad = buffer[:6], buffer[4:]
+        return model, buffer
+
+    model, buffer = model_and_buffer()
+    twin, twin_buffer = model_and_buffer()
+    monitor = GradMonitor(model, tmp_path / "grads.jsonl", None, group_by="tensor", every=every)
+    for step in range(2):
+        want_total = float(buffer.double().norm())
+        got = monitor.clip_grad_norm_(5.0, step)
+        assert math.isclose(float(got), want_total, rel_tol=1e-6)
+        drop_in = gradclip_clip_grad_norm_(twin.parameters(), 5.0)
+        assert math.isclose(float(drop_in), float(got), rel_tol=1e-6)
+        torch.testing.assert_close(buffer, twin_buffer, rtol=1e-6, atol=0)
+        assert math.isclose(float(buffer.double().norm()), 5.0, rel_tol=1e-5)
+    record = read_log(tmp_path / "grads.jsonl")[0]
+    first = torch.arange(1.0, 11.0, dtype=torch.float64)
+    assert math.isclose(record["total_norm"], float(first.norm()), rel_tol=1e-6)
+    assert math.isclose(record["groups"]["a"], float(first[:6].norm()), rel_tol=1e-6)
+    assert math.isclose(record["groups"]["b"], float(first[6:].norm()), rel_tol=1e-6)
+
+
+def test_an_expanded_gradient_counts_and_scales_its_stored_element_once(tmp_path):
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.zeros(6))
+    model.b = torch.nn.Parameter(torch.zeros(2))
+    stored = torch.tensor([3.0])
+    model.a.grad, model.b.grad = stored.expand(6), torch.tensor([4.0, 0.0])
+    monitor = GradMonitor(model, tmp_path / "grads.jsonl", None)
+    assert monitor.step(0)["total_norm"] == 5.0  # sqrt(3**2 + 4**2): 3 is stored once
+    assert float(monitor.clip_grad_norm_(1.0, 1)) == 5.0
+    assert math.isclose(float(stored), 3.0 / (5.0 + 1e-6), rel_tol=1e-6)
+    assert math.isclose(float(model.b.grad[0]), 4.0 / (5.0 + 1e-6), rel_tol=1e-6)
+
+
 def test_clip_grad_norm_error_if_nonfinite_logs_first_and_changes_nothing(tmp_path):
     model = Tiny()
     fill_grads(model, 0)
