@@ -73,8 +73,8 @@ class Piece:
         """How many distinct elements the piece holds."""
         if self.index is not None:
             return self.index.numel()
-        if self.sparse is not None:
-            return self.sparse.coalesce()._nnz()
+        if self.sparse is not None:  # a hybrid tensor's entries are rows of values
+            return self.sparse.coalesce()._values().numel()
         return self.target.numel()
 
 

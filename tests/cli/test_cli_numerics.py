@@ -239,6 +239,10 @@ def test_sparse_gradients_are_measured_and_clipped(gradclip, tmp_path):
     dense = [coo.to_dense(), csr.to_dense()]
     doc = _json(gradclip("inspect", path, "--format", "json"))
     assert rel_err(as_float(doc["total_norm"]), ref_norm(dense, 2.0)) <= 1e-6
+    # Elements are the stored values: the embedding's 3 rows of 4 (row 1 twice,
+    # summed), not its 3 entries; the CSR matrix's 5 values.
+    assert doc["num_elements"] == 3 * 4 + 5
+    assert [g["num_elements"] for g in doc["groups"]] == [12, 5]
     out = tmp_path / "c.pt"
     assert gradclip("clip", path, "--max-norm", "1", "-o", out).code == 0
     clipped = torch.load(out, weights_only=True)["grads"]
