@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import torch
 from gradclip_cli import GradMonitor
 from gradclip_cli import clip_grad_norm_ as gradclip_clip_grad_norm_
 from tests.cli.support import REPO, as_float, ref_norm
+from tests.core.test_elements import layouts, ref_distinct_norm
 
 from .support import assert_norms_match, culprit, inspect_dump, read_log, reference_norms
 
@@ -262,6 +264,37 @@ def test_gradients_sharing_elements_count_and_scale_them_once(tmp_path, every):
     assert math.isclose(record["total_norm"], float(first.norm()), rel_tol=1e-6)
     assert math.isclose(record["groups"]["a"], float(first[:6].norm()), rel_tol=1e-6)
     assert math.isclose(record["groups"]["b"], float(first[6:].norm()), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, 3.0, math.inf])
+@pytest.mark.parametrize("name", [n for n, _ in layouts() if n != "separate storages"])
+def test_every_sharing_layout_is_measured_and_clipped_as_the_drop_in(tmp_path, name, p):
+    # The core's layouts of views that share storage (ties, transposes,
+    # overlaps, expansions, self-overlap), each view a parameter's gradient:
+    # the logged total is the norm of the distinct elements, and a logged
+    # clip leaves the storage as the drop-in leaves a copy of it.
+    def model_of(tensors):
+        model = torch.nn.Module()
+        for i, t in enumerate(tensors):
+            param = torch.nn.Parameter(torch.zeros(t.shape))
+            param.grad = t
+            model.register_parameter(f"p{i}", param)
+        return model
+
+    tensors = dict(layouts())[name]
+    copies = copy.deepcopy(tensors)  # keeps which of them share storage
+    want = ref_distinct_norm(tensors, p)
+    monitor = GradMonitor(model_of(tensors), tmp_path / "grads.jsonl", None, norm_type=p,
+                          group_by="tensor")
+    assert math.isclose(as_float(monitor.step(0)["total_norm"]), want, rel_tol=1e-6)
+    max_norm = want / 3
+    got = monitor.clip_grad_norm_(max_norm, 1)
+    assert math.isclose(float(got), want, rel_tol=1e-6)
+    assert math.isclose(float(gradclip_clip_grad_norm_(model_of(copies).parameters(), max_norm,
+                                                       p)), want, rel_tol=1e-6)
+    for a, b in zip(tensors, copies):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    assert math.isclose(ref_distinct_norm(tensors, p), max_norm, rel_tol=1e-5)
 
 
 def test_an_expanded_gradient_counts_and_scales_its_stored_element_once(tmp_path):
