@@ -356,7 +356,7 @@ class GradMonitor:
         certifiable = not sharded and self.norm_type == 2.0 and _one_cpu_type(grads, types)
         sizes = list(map(_NUMEL, grads)) if certifiable else None
         elements = None
-        if certifiable and _apart(grads, _byte_sizes(sizes, grads[0].element_size())):
+        if certifiable and apart(grads, _byte_sizes(sizes, grads[0].element_size())):
             owner = None  # every gradient dense and its own allocation: the common step
         elif sharded:
             owner = find_ties(dtensor.local_tensors(grads))
@@ -570,14 +570,6 @@ _GRAD = attrgetter("grad")
 _DTYPE = attrgetter("dtype")
 _IS_CPU = attrgetter("is_cpu")
 _NUMEL = torch.Tensor.numel
-
-
-def _apart(grads: list[torch.Tensor], nbytes: torch.Tensor) -> bool:
-    """``apart``, False for tensors it cannot place (sparse compressed, mkldnn)."""
-    try:
-        return apart(grads, nbytes)
-    except RuntimeError:
-        return False
 
 
 def _as_pieces(elements: Elements, grads: list[torch.Tensor]) -> bool:

@@ -160,10 +160,7 @@ def distinct_elements(tensors: Sequence[torch.Tensor]) -> Elements:
 
 def _apart(tensors: Sequence[torch.Tensor]) -> Elements | None:
     """The pieces when no two tensors can share an element (``apart``), else None."""
-    try:
-        if not apart(tensors):
-            return None
-    except RuntimeError:  # no data_ptr() (fake, functional, sparse, mkldnn)
+    if not apart(tensors):
         return None
     whole = list(map(readable, tensors)) if any(map(_REQUIRES_GRAD, tensors)) else list(tensors)
     real = not any(t.is_complex for t in set(map(_DTYPE, tensors)))
@@ -179,16 +176,19 @@ def apart(tensors: Sequence[torch.Tensor], nbytes: torch.Tensor | None = None) -
     ``[data_ptr, data_ptr + nbytes)`` pairwise disjoint. False says only
     that this check cannot tell (``distinct_elements`` then looks closer).
     ``nbytes``: the tensors' sizes in bytes (int64), when the caller has them.
-    A tensor without an address (``meta``, fake) gives False or raises
-    ``RuntimeError``: it has no range to compare.
+    A tensor without an address (``meta``, fake) gives False: it has no
+    range to compare.
     """
     # Passes over metadata at C speed (map), not a Python loop: the monitor asks
     # on every step, for 1,000 tensors. No layout but torch.strided gets past
     # them: a sparse COO tensor is not contiguous, CSR, CSC and BSR ones
     # refuse is_contiguous(), and those and mkldnn ones refuse data_ptr().
-    if not all(map(torch.Tensor.is_contiguous, tensors)):
+    try:
+        if not all(map(torch.Tensor.is_contiguous, tensors)):
+            return False
+        starts = array("q", map(torch.Tensor.data_ptr, tensors))
+    except RuntimeError:  # no data_ptr() (fake, functional, sparse, mkldnn)
         return False
-    starts = array("q", map(torch.Tensor.data_ptr, tensors))
     if not all(starts):
         return False
     if nbytes is None:

@@ -232,6 +232,8 @@ def test_apart_from_given_byte_sizes_agrees_with_the_tensors_own():
         "transposed": ([a.t(), b], False),
         "empty": ([torch.empty(0), b], False),
         "meta": ([torch.empty(4, device="meta")], False),
+        "sparse csr": ([torch.eye(3).to_sparse_csr(), b], False),
+        "mkldnn": ([torch.randn(3, 3).to_mkldnn(), b], False),
     }
     for name, (tensors, want) in cases.items():
         nbytes = torch.tensor([t.numel() * t.element_size() for t in tensors], dtype=torch.int64)
