@@ -27,6 +27,9 @@ class PowerSums:
     ``scale`` and ``power_sum`` describe the finite part; ``max_abs`` is
     ``max |x|`` with torch's propagation (NaN if any NaN, else inf if any inf).
     ``nan``, ``posinf`` and ``neginf`` count non-finite elements.
+    ``certified``: each piece's norm, where the maker has proved every
+    piece finite and knows it (``norms.certified_group_norms``); ``norm``
+    then returns it without working it out. Derived summaries drop it.
     """
 
     norm_type: float
@@ -36,6 +39,7 @@ class PowerSums:
     nan: torch.Tensor
     posinf: torch.Tensor
     neginf: torch.Tensor
+    certified: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.scale.numel()
@@ -48,6 +52,8 @@ class PowerSums:
     @property
     def norm(self) -> torch.Tensor:
         """The p-norm of each piece: NaN if it holds a NaN, inf if it holds an inf."""
+        if self.certified is not None:
+            return self.certified
         if math.isinf(self.norm_type):
             finite = self.scale
         else:

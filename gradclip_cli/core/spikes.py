@@ -298,9 +298,7 @@ class SpikeDetectors:
         if len(self) and bool(
             (self.seen == self.seen[0]).all()
             & (self.accepted == self.accepted[0]).all()
-            & torch.isfinite(self.mean).all()
-            & torch.isfinite(self.spread).all()
-        ):
+        ) and _finite(self.mean, self.spread):
             self._in_step = (int(self.seen[0]), int(self.accepted[0]))
         return judged
 
@@ -308,9 +306,8 @@ class SpikeDetectors:
         """``update`` of every series when all have the same counts and a finite
         history, and every ``x`` is finite; None (nothing changed) otherwise."""
         seen, accepted = self._in_step
-        if not bool(torch.isfinite(x).all()):
+        if not _finite(x):
             return None
-        nan = torch.full_like(x, math.nan)
         judged = seen >= MIN_HISTORY and accepted > 0
         if judged and self._stale is not None and not scores:
             decided = self._decide_from_seed(x, accepted)
@@ -320,16 +317,17 @@ class SpikeDetectors:
         elif judged:
             self._settle()
             mean, spread = self._mean, self._spread
-            if not bool(torch.isfinite(mean).all() & torch.isfinite(spread).all()):
+            if not _finite(mean, spread):
                 return None
             std = torch.maximum(spread, mean.abs() * MIN_RELATIVE_STD)
             z = torch.nan_to_num((x - mean) / std, nan=0.0, posinf=math.inf, neginf=-math.inf)
             limit = mean + std * self.threshold
             spike = z > self.threshold
         else:
+            nan = torch.full_like(x, math.nan)
             z, limit, spike = nan, nan, torch.zeros_like(x, dtype=torch.bool)
         value = torch.where(spike, limit, x) if judged else x
-        if not bool(torch.isfinite(value).all()):
+        if not _finite(value):
             return None
         accepted += 1
         if accepted <= self.warmup:
@@ -345,7 +343,7 @@ class SpikeDetectors:
             stale = None
             mean = self._mean * self.alpha + value * (1 - self.alpha)
             spread = _ema_rms_series(self._spread, value - mean, self.alpha)
-        if stale is None and not bool(torch.isfinite(mean).all() & torch.isfinite(spread).all()):
+        if stale is None and not _finite(mean, spread):
             return None  # nothing changed: the seed row written is past what the counts say
         self._mean, self._spread, self._stale = mean, spread, stale
         self.seen = self.seen + 1
@@ -391,7 +389,7 @@ class SpikeDetectors:
         z, limit = nan, nan.clone()
         if exact.numel():
             mean, spread = _warmup_series(points.index_select(1, exact), n)
-            if not bool(torch.isfinite(mean).all() & torch.isfinite(spread).all()):
+            if not _finite(mean, spread):
                 return None
             std = torch.maximum(spread, mean.abs() * MIN_RELATIVE_STD)
             xs = x.index_select(0, exact)
@@ -492,7 +490,7 @@ def _ema_rms_series(spread: torch.Tensor, d: torch.Tensor, alpha: float) -> torc
     top = torch.maximum(spread, d.abs())
     a, b = spread / top, d / top
     out = top * _sqrt(a * alpha * a + b * (1 - alpha) * b)
-    return torch.where((top == 0) | ~torch.isfinite(top), top, out)
+    return torch.where(_positive_finite(top), out, top)
 
 
 def _warmup_series(points: torch.Tensor, counts: torch.Tensor | int):
@@ -512,7 +510,24 @@ def _warmup_series(points: torch.Tensor, counts: torch.Tensor | int):
     top = values.abs().amax(dim=0)
     ratio = values / torch.where(top == 0, 1.0, top)
     sums = _fsum_columns(_python_squares(ratio) * (1 / n))
-    return mean, torch.where((top == 0) | ~torch.isfinite(top), top, top * _sqrt(sums))
+    return mean, torch.where(_positive_finite(top), top * _sqrt(sums), top)
+
+
+def _positive_finite(top: torch.Tensor) -> torch.Tensor:
+    """Where ``top`` (a maximum of absolute values: >= 0 or NaN) is neither 0, inf
+    nor NaN: NaN compares false. Three ops where ``isfinite`` and ``== 0`` are seven."""
+    return (top > 0) & (top < math.inf)
+
+
+def _finite(*tensors: torch.Tensor) -> bool:
+    """Whether every element of ``tensors`` is finite, judged from their sums.
+
+    A sum is finite only if every term is: NaN and inf carry through, and
+    inf - inf is NaN. A sum of finite values can still overflow and say
+    False; every caller then takes the general path, which is right for any
+    values. Two ops a tensor, where ``isfinite(t).all()`` dispatches six.
+    """
+    return math.isfinite(sum(float(t.sum()) for t in tensors))
 
 
 def _sqrt(t: torch.Tensor) -> torch.Tensor:
