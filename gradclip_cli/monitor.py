@@ -55,7 +55,7 @@ import stat
 import sys
 import warnings
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import attrgetter, is_, is_not
 from pathlib import Path
@@ -77,7 +77,7 @@ from .core import (
     tensor_power_sums,
 )
 from .core.clipping import EPS
-from .core.norms import certified_group_norms
+from .core.norms import certified_group_norms, certified_group_norms_on_device
 from .core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z, SpikeDetector, SpikeDetectors
 from .distributed import dtensor
 from .errors import OutputError, UsageError
@@ -103,6 +103,14 @@ class _Plan:
     grouping: Grouping
     series: torch.Tensor | None  # each group's row in the group detectors; None: all, in order
     groups: str  # '{"name": %s, ...}': the groups' object, names as json writes them
+    on_devices: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    def index_on(self, device: torch.device) -> torch.Tensor:
+        """The grouping's index on ``device`` (an accelerator), copied there once."""
+        index = self.on_devices.get(device)
+        if index is None:
+            index = self.on_devices[device] = self.grouping.index.to(device)
+        return index
 
 
 @dataclass(frozen=True)
@@ -352,8 +360,10 @@ class GradMonitor:
             grads = [grads[i] for i in present]
         sharded = dtensor.has_dtensor(grads)
         types = set(map(_DTYPE, grads))  # ties hold one dtype: dropping them keeps these
-        # The common CPU step: groups' squares certified as they are summed.
-        certifiable = not sharded and self.norm_type == 2.0 and _one_cpu_type(grads, types)
+        # The common step: groups' squares certified as they are summed, on the
+        # CPU or on one accelerator.
+        certifiable = not sharded and self.norm_type == 2.0 and (
+            _one_cpu_type(grads, types) or _one_accelerator_type(grads, types))
         sizes = list(map(_NUMEL, grads)) if certifiable else None
         elements = None
         if certifiable and apart(grads, _byte_sizes(sizes, grads[0].element_size())):
@@ -374,7 +384,12 @@ class GradMonitor:
         plan = self._plan_for(names, present, kept)
         grouping = plan.grouping
         if certifiable:
-            certified = certified_group_norms(grads, grouping.index, len(grouping.names), sizes)
+            if grads[0].is_cpu:
+                certified = certified_group_norms(
+                    grads, grouping.index, len(grouping.names), sizes)
+            else:
+                certified = certified_group_norms_on_device(
+                    grads, plan.index_on(grads[0].device), len(grouping.names))
             if certified is not None:
                 sums = GroupSums(grouping.names, grouping.index, *certified)
                 return _Measurement(grads, sums, plan, types, sharded)
@@ -456,7 +471,8 @@ class GradMonitor:
         dump = None
         if worth_a_dump or any(nonfinite.values()):
             dump = self._dump(step)  # the gradients as they came, before any clip
-        finite = bool(torch.isfinite(norms).all())
+        # A finite sum has finite terms; one that overflows writes them as json does.
+        finite = math.isfinite(sum(group_norms))
         values = group_norms if finite else [number(v) for v in group_norms]
         head = {
             "schema": SCHEMA,
@@ -569,6 +585,7 @@ class GradMonitor:
 _GRAD = attrgetter("grad")
 _DTYPE = attrgetter("dtype")
 _IS_CPU = attrgetter("is_cpu")
+_DEVICE = attrgetter("device")
 _NUMEL = torch.Tensor.numel
 
 
@@ -597,6 +614,13 @@ def _one_cpu_type(grads: list[torch.Tensor], types: set[torch.dtype]) -> bool:
     ``certified_group_norms`` reads."""
     return len(types) == 1 and types <= {torch.float32, torch.float64} and all(
         map(_IS_CPU, grads))
+
+
+def _one_accelerator_type(grads: list[torch.Tensor], types: set[torch.dtype]) -> bool:
+    """Whether ``grads`` (of dtypes ``types``) are tensors of one type on one
+    accelerator that ``certified_group_norms_on_device`` reads."""
+    return (len(types) == 1 and types <= {torch.float16, torch.bfloat16, torch.float32}
+            and not grads[0].is_cpu and len(set(map(_DEVICE, grads))) == 1)
 
 
 class _Parameters:

@@ -467,6 +467,20 @@ def squares_on_cpu(tensors: Sequence[torch.Tensor]) -> Rows:
     return Rows(order, torch.zeros_like(order), length, None, norm, tensors[0].dtype)
 
 
+def norms_by_foreach(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's 2-norm in float64, on their device, in input order: one fused
+    ``_foreach_norm`` accumulating in float64 (a loop where the device has no
+    fused kernels), whatever the tensors' sizes, and no host read.
+
+    For float16, bfloat16 and float32 tensors a float64 sum of squares can
+    neither overflow nor underflow (``FLOAT64_SAFE_P``): a finite norm is
+    accurate to float64's rounding, and a non-finite one means a NaN or an
+    infinity among the elements. An empty tensor's norm is 0.
+    """
+    tensors = list(tensors)
+    return _stacked(_norms(tensors, 2.0, _fused(tensors[0].device, None), torch.float64))
+
+
 def square_norms_on_cpu(tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
     """Each tensor's 2-norm in float64, in input order (CPU float32 or float64
     tensors of one dtype, ``sizes`` their numbers of elements).

@@ -35,6 +35,7 @@ from .elements import Elements, measurable, readable
 from .kernels import (
     FLOAT64_SAFE_P,
     Rows,
+    norms_by_foreach,
     rows_on_cpu,
     square_norms_on_cpu,
     squares_on_cpu,
@@ -193,11 +194,35 @@ def certified_group_norms(
     return _certified(group_squares.sqrt_()), _certified(total.sqrt_())
 
 
+def certified_group_norms_on_device(
+    tensors: Sequence[torch.Tensor], index: torch.Tensor, size: int
+) -> tuple[PowerSums, PowerSums] | None:
+    """``certified_group_norms`` for float16, bfloat16 or float32 tensors of one dtype
+    on one accelerator: a fixed number of fused ops and one read, whatever the
+    tensors' sizes; None where the gradients hold a NaN or an infinity.
+
+    ``index`` (on the tensors' device) puts tensor ``i`` in group ``index[i]``.
+    Each tensor's sum of squares is float64 (``kernels.norms_by_foreach``),
+    which no finite value of these dtypes can overflow or underflow, so a
+    finite total is certified as it stands: no budget, unlike the CPU's
+    float32 rows. A total that is not finite has a NaN or an inf among its
+    elements; the caller measures again to count them (``tensor_power_sums``).
+    """
+    norms = norms_by_foreach(tensors)
+    groups = torch.zeros(size, dtype=F64, device=norms.device).index_add_(0, index, norms.square())
+    squares = torch.cat([groups, groups.sum().reshape(1)]).to("cpu")  # the one read
+    # The total is a sum of non-negative squares: finite only if every group's is.
+    if not math.isfinite(float(squares[size])):
+        return None
+    squares.sqrt_()
+    return _certified(squares[:size]), _certified(squares[size:])
+
+
 def _certified(norm: torch.Tensor) -> PowerSums:
     """Summaries of pieces whose finite 2-norms are known: scale the norm, sum 1."""
     zeros = torch.zeros(norm.numel(), dtype=torch.int64)
     return PowerSums(2.0, norm, torch.ones_like(norm), torch.full_like(norm, math.nan),
-                     zeros, zeros, zeros)
+                     zeros, zeros, zeros, certified=norm)
 
 
 def _squares_count(tensors: Sequence[torch.Tensor]) -> int:

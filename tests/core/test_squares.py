@@ -16,7 +16,7 @@ import torch
 
 from gradclip_cli.core import tensor_power_sums, total_power_sums
 from gradclip_cli.core.kernels import CHUNK, LANES, ROW, SMALL, squares_on_cpu
-from gradclip_cli.core.norms import certified_group_norms
+from gradclip_cli.core.norms import certified_group_norms, certified_group_norms_on_device
 
 from .reference import norm, rel_err
 
@@ -192,3 +192,44 @@ def test_the_same_sizes_in_other_shapes_have_their_own_packing():
         for ts in lists + lists:
             got = _norms(ts)
             assert got.norm.tolist() == pytest.approx([norm([t], 2) for t in ts], rel=TOL)
+
+
+# certified_group_norms_on_device: the monitor's step on an accelerator. Run here
+# on the CPU, where torch has no fused _foreach kernels (one vector_norm per
+# tensor, in float64, as on such a device), and on CUDA when there is one.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# float64 sums of a few thousand squares, a square root and a square again.
+DEVICE_TOL = 1e-12
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_certified_groups_on_device_match_float64_at_each_dtypes_limits(dtype, device):
+    info = torch.finfo(dtype)
+    g = torch.Generator().manual_seed(5)
+    sizes = [4096, 17, 1, 0, 3000, 5, 257]
+    ts = [torch.rand(n, generator=g, dtype=torch.float64).to(dtype) for n in sizes]
+    ts[0].fill_(0.1)  # equal values
+    ts[1].fill_(info.max)  # their squares overflow the dtype, not float64
+    ts[2].fill_(info.smallest_normal * 2.0**-3)  # a subnormal: its square underflows the dtype
+    ts[4].zero_()  # a group of zeros: 0, exactly
+    ts[6].mul_(info.smallest_normal)  # normals and subnormals near the bottom
+    ts = [t.to(device) for t in ts]
+    index = torch.tensor([0, 1, 2, 3, 3, 2, 4], device=device)
+    groups, total = certified_group_norms_on_device(ts, index, 5)
+    for k in range(5):
+        members = [t for t, i in zip(ts, index.tolist()) if i == k]
+        assert rel_err(float(groups.norm[k]), norm(members, 2)) <= DEVICE_TOL, k
+    assert float(groups.norm[3]) == 0.0
+    assert rel_err(float(total.norm[0]), norm(ts, 2)) <= DEVICE_TOL
+    assert total.nonfinite.tolist() == [0] and groups.nonfinite.tolist() == [0] * 5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_certified_groups_on_device_leave_nan_and_inf_to_the_exact_path(bad, device):
+    ts = [torch.ones(300, dtype=torch.bfloat16, device=device),
+          torch.ones(64, dtype=torch.bfloat16, device=device)]
+    ts[1][7] = bad
+    index = torch.tensor([0, 1], device=device)
+    assert certified_group_norms_on_device(ts, index, 2) is None

@@ -437,3 +437,25 @@ def test_on_cuda_only_logged_steps_synchronise(tmp_path):
         for a, b in zip(model.parameters(), twin.parameters()):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
     assert [r["step"] for r in read_log(tmp_path / "grads.jsonl")] == [0, 3]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_on_cuda_lines_hold_the_float64_norms_and_the_nonfinite_counts(tmp_path, dtype):
+    # The accelerator's step: fused float64 norms certified on the device, one
+    # read; a step with a NaN or an inf goes on to the exact path, which counts.
+    model = Tiny(dtype).cuda()
+    log = tmp_path / "grads.jsonl"
+    with GradMonitor(model, log, None) as monitor:
+        for step in range(3):
+            fill_grads(model, step)
+            total, groups = reference_norms(model)
+            assert_norms_match(monitor.step(step), total, groups)
+        model.h[0].bias.grad[1] = math.nan
+        model.h[1].weight.grad[0, 0] = -math.inf
+        record = monitor.step(3)
+    assert record["total_norm"] == "nan"
+    assert record["groups"]["h.0"] == "nan" and record["groups"]["h.1"] == "inf"
+    assert record["nonfinite"] == {"nan": 1, "posinf": 0, "neginf": 1}
+    assert read_log(log)[-1] == record
