@@ -6,8 +6,15 @@ without data, which takes the same non-CPU code path as CUDA. A
 the host issues: kernel launches on a GPU, and the CPU bookkeeping of a
 few numbers per tensor) and every host read (an
 ``item()``/``bool()``/``float()`` of a device tensor, or a copy from the
-device to the CPU, each a host-device synchronisation on a GPU). Reads are
-answered with zeros, so the code after them runs on as it would.
+device to the CPU, each a host-device synchronisation on a GPU). A copy of
+floating-point values is answered with made-up norms, seeded, between 1 and
+2 (a calm run, which never spikes), other reads with zeros, so the code after
+them runs on as it would on real gradients.
+
+The monitor's spike rule works differently as its history fills, so a logged
+step is counted three times in one run: at step 1 (too short a history to
+judge), step 10 (warming up: judged against the first points) and step 30
+(past the ``warmup`` of 25: running averages).
 
 Two sets of shapes: GPT-2 124M (148 tensors) and the same tensors 4x wider
 (their last dimension times 4). Host work that follows the number of tensors,
@@ -55,6 +62,7 @@ class HostOpCounter(TorchDispatchMode):
         self.ops = 0
         self.device_ops = 0
         self.reads = 0
+        self._norms = torch.Generator().manual_seed(0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -66,7 +74,10 @@ class HostOpCounter(TorchDispatchMode):
             return False if args[0].dtype == torch.bool else 0
         if func is aten._to_copy.default and _to_host(args[0], kwargs.get("device")):
             self.reads += 1
-            return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+            dtype = kwargs.get("dtype") or args[0].dtype
+            if not dtype.is_floating_point:
+                return torch.zeros(args[0].shape, dtype=dtype)
+            return 1 + torch.rand(args[0].shape, generator=self._norms, dtype=dtype)
         if (
             func is aten.copy_.default
             and args[0].device.type == "cpu"
@@ -127,27 +138,47 @@ def meta_model(shapes) -> torch.nn.Module:
     return model
 
 
+# The logged steps counted in one run of the monitor, by what its spike rule does.
+LOGGED_STEPS = {1: "step 1, short history", 10: "step 10, warm-up", 30: "step 30, after warm-up"}
+
+
 def counts(shapes, folder: str) -> dict[str, Count]:
     """Every contender's counts on one model of ``shapes``."""
     model = meta_model(shapes)
     params = list(model.parameters())
     grads = [p.grad for p in params]
     total = torch.zeros((), device="meta")
-    logged = GradMonitor(model, os.path.join(folder, "logged.jsonl"), None)
     skipped = GradMonitor(model, os.path.join(folder, "skipped.jsonl"), None, every=10**9)
     count(skipped.step)  # steps 0 (and 1) are logged here; the counted calls are not
-    return {
+    result = {
         "torch clip_grad_norm_": count(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)),
         "torch clip_grad_value_": count(lambda: torch.nn.utils.clip_grad_value_(params, 1.0)),
         "get_total_norm": count(lambda: get_total_norm(grads)),
         "clip_grads_with_norm_": count(lambda: clip_grads_with_norm_(params, 1.0, total)),
         "clip_grad_norm_": count(lambda: clip_grad_norm_(params, 1.0)),
         "clip_grad_value_": count(lambda: clip_grad_value_(params, 1.0)),
-        "GradMonitor.step, logged": count(lambda: logged.step()),
-        "GradMonitor.step, not logged": count(lambda: skipped.step()),
-        "GradMonitor.clip_grad_norm_, logged": count(lambda: logged.clip_grad_norm_(1.0)),
-        "GradMonitor.clip_grad_norm_, not logged": count(lambda: skipped.clip_grad_norm_(1.0)),
     }
+    for method in ("step", "clip_grad_norm_"):
+        path = os.path.join(folder, f"logged-{method}.jsonl")
+        for step, c in logged_steps(GradMonitor(model, path, None), method).items():
+            result[f"GradMonitor.{method}, logged, {LOGGED_STEPS[step]}"] = c
+    result["GradMonitor.step, not logged"] = count(lambda: skipped.step())
+    result["GradMonitor.clip_grad_norm_, not logged"] = count(
+        lambda: skipped.clip_grad_norm_(1.0))
+    return result
+
+
+def logged_steps(monitor: GradMonitor, method: str) -> dict[int, Count]:
+    """The counts of ``monitor``'s ``method`` (``step``, or ``clip_grad_norm_`` to
+    1.0) at the steps of ``LOGGED_STEPS``, every step before them run and logged."""
+    call = monitor.step if method == "step" else lambda: monitor.clip_grad_norm_(1.0)
+    out = {}
+    for step in range(max(LOGGED_STEPS) + 1):
+        with HostOpCounter() as counter:
+            call()
+        if step in LOGGED_STEPS:
+            out[step] = Count(counter.ops, counter.device_ops, counter.reads)
+    return out
 
 
 @contextlib.contextmanager
