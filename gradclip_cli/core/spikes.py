@@ -306,8 +306,6 @@ class SpikeDetectors:
         """``update`` of every series when all have the same counts and a finite
         history, and every ``x`` is finite; None (nothing changed) otherwise."""
         seen, accepted = self._in_step
-        if not _finite(x):
-            return None
         judged = seen >= MIN_HISTORY and accepted > 0
         if judged and self._stale is not None and not scores:
             decided = self._decide_from_seed(x, accepted)
@@ -315,9 +313,12 @@ class SpikeDetectors:
                 return None
             z, limit, spike = decided
         elif judged:
+            # A history in step is finite (see update); one worked out from the
+            # seed just now is checked.
+            settled = self._stale is not None
             self._settle()
             mean, spread = self._mean, self._spread
-            if not _finite(mean, spread):
+            if settled and not _finite(mean, spread):
                 return None
             std = torch.maximum(spread, mean.abs() * MIN_RELATIVE_STD)
             z = torch.nan_to_num((x - mean) / std, nan=0.0, posinf=math.inf, neginf=-math.inf)
@@ -327,7 +328,8 @@ class SpikeDetectors:
             nan = torch.full_like(x, math.nan)
             z, limit, spike = nan, nan, torch.zeros_like(x, dtype=torch.bool)
         value = torch.where(spike, limit, x) if judged else x
-        if not _finite(value):
+        # x itself too: an infinite x is a spike, and its value the finite limit.
+        if not (_finite(x, value) if judged else _finite(x)):
             return None
         accepted += 1
         if accepted <= self.warmup:
@@ -519,15 +521,16 @@ def _positive_finite(top: torch.Tensor) -> torch.Tensor:
     return (top > 0) & (top < math.inf)
 
 
-def _finite(*tensors: torch.Tensor) -> bool:
-    """Whether every element of ``tensors`` is finite, judged from their sums.
+def _finite(first: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether every element of ``first`` and ``others`` (tensors of one shape) is
+    finite, judged from the sum of them all.
 
     A sum is finite only if every term is: NaN and inf carry through, and
     inf - inf is NaN. A sum of finite values can still overflow and say
     False; every caller then takes the general path, which is right for any
-    values. Two ops a tensor, where ``isfinite(t).all()`` dispatches six.
+    values. One op a tensor and two, where ``isfinite(t).all()`` is six a tensor.
     """
-    return math.isfinite(sum(float(t.sum()) for t in tensors))
+    return math.isfinite(float(sum(others, first).sum()))
 
 
 def _sqrt(t: torch.Tensor) -> torch.Tensor:
