@@ -55,7 +55,7 @@ import stat
 import sys
 import warnings
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import attrgetter, is_, is_not
 from pathlib import Path
@@ -103,14 +103,6 @@ class _Plan:
     grouping: Grouping
     series: torch.Tensor | None  # each group's row in the group detectors; None: all, in order
     groups: str  # '{"name": %s, ...}': the groups' object, names as json writes them
-    on_devices: dict[torch.device, torch.Tensor] = field(default_factory=dict)
-
-    def index_on(self, device: torch.device) -> torch.Tensor:
-        """The grouping's index on ``device`` (an accelerator), copied there once."""
-        index = self.on_devices.get(device)
-        if index is None:
-            index = self.on_devices[device] = self.grouping.index.to(device)
-        return index
 
 
 @dataclass(frozen=True)
@@ -389,7 +381,7 @@ class GradMonitor:
                     grads, grouping.index, len(grouping.names), sizes)
             else:
                 certified = certified_group_norms_on_device(
-                    grads, plan.index_on(grads[0].device), len(grouping.names))
+                    grads, grouping.index, len(grouping.names))
             if certified is not None:
                 sums = GroupSums(grouping.names, grouping.index, *certified)
                 return _Measurement(grads, sums, plan, types, sharded)

@@ -185,37 +185,45 @@ def certified_group_norms(
         sizes = list(map(torch.Tensor.numel, tensors))
     squares = square_norms_on_cpu(tensors, sizes).square_()
     counts = torch.frombuffer(array("q", sizes), dtype=torch.int64).to(F64)
-    group_squares = torch.zeros(size, dtype=F64).index_add_(0, index, squares)
     budget = torch.zeros(size, dtype=F64).index_add_(0, index, counts)
     budget *= _UNDERFLOW_MARGIN * torch.finfo(tensors[0].dtype).tiny
-    total = group_squares.sum().reshape(1)
-    if not bool(torch.isfinite(total) & (group_squares >= budget).all()):
-        return None
-    return _certified(group_squares.sqrt_()), _certified(total.sqrt_())
+    return _certified_groups(squares, index, size, budget)
 
 
 def certified_group_norms_on_device(
     tensors: Sequence[torch.Tensor], index: torch.Tensor, size: int
 ) -> tuple[PowerSums, PowerSums] | None:
     """``certified_group_norms`` for float16, bfloat16 or float32 tensors of one dtype
-    on one accelerator: a fixed number of fused ops and one read, whatever the
-    tensors' sizes; None where the gradients hold a NaN or an infinity.
+    on one accelerator: a fixed number of fused ops and one read of a number per
+    tensor, whatever their sizes; None where they hold a NaN or an infinity.
 
-    ``index`` (on the tensors' device) puts tensor ``i`` in group ``index[i]``.
     Each tensor's sum of squares is float64 (``kernels.norms_by_foreach``),
     which no finite value of these dtypes can overflow or underflow, so a
     finite total is certified as it stands: no budget, unlike the CPU's
-    float32 rows. A total that is not finite has a NaN or an inf among its
+    float32 rows. A total that is not finite has a NaN or an inf among the
     elements; the caller measures again to count them (``tensor_power_sums``).
+    The groups are summed on the host (``index`` is a CPU tensor), in a fixed
+    order: a device's atomic adds would change the last bits from run to run.
     """
-    norms = norms_by_foreach(tensors)
-    groups = torch.zeros(size, dtype=F64, device=norms.device).index_add_(0, index, norms.square())
-    squares = torch.cat([groups, groups.sum().reshape(1)]).to("cpu")  # the one read
-    # The total is a sum of non-negative squares: finite only if every group's is.
-    if not math.isfinite(float(squares[size])):
+    squares = norms_by_foreach(tensors).to("cpu").square_()  # the one read
+    return _certified_groups(squares, index, size, None)
+
+
+def _certified_groups(
+    squares: torch.Tensor, index: torch.Tensor, size: int, budget: torch.Tensor | None
+) -> tuple[PowerSums, PowerSums] | None:
+    """Groups and total from each tensor's float64 sum of squares, if each group's
+    sum is finite and at least its ``budget`` (None: finite is enough)."""
+    group_squares = torch.zeros(size, dtype=F64).index_add_(0, index, squares)
+    total = group_squares.sum().reshape(1)
+    if budget is None:
+        # A sum of non-negative squares is finite only if every group's is.
+        certain = math.isfinite(float(total))
+    else:
+        certain = bool(torch.isfinite(total) & (group_squares >= budget).all())
+    if not certain:
         return None
-    squares.sqrt_()
-    return _certified(squares[:size]), _certified(squares[size:])
+    return _certified(group_squares.sqrt_()), _certified(total.sqrt_())
 
 
 def _certified(norm: torch.Tensor) -> PowerSums:

@@ -215,7 +215,7 @@ def test_certified_groups_on_device_match_float64_at_each_dtypes_limits(dtype, d
     ts[4].zero_()  # a group of zeros: 0, exactly
     ts[6].mul_(info.smallest_normal)  # normals and subnormals near the bottom
     ts = [t.to(device) for t in ts]
-    index = torch.tensor([0, 1, 2, 3, 3, 2, 4], device=device)
+    index = torch.tensor([0, 1, 2, 3, 3, 2, 4])
     groups, total = certified_group_norms_on_device(ts, index, 5)
     for k in range(5):
         members = [t for t, i in zip(ts, index.tolist()) if i == k]
@@ -231,5 +231,4 @@ def test_certified_groups_on_device_leave_nan_and_inf_to_the_exact_path(bad, dev
     ts = [torch.ones(300, dtype=torch.bfloat16, device=device),
           torch.ones(64, dtype=torch.bfloat16, device=device)]
     ts[1][7] = bad
-    index = torch.tensor([0, 1], device=device)
-    assert certified_group_norms_on_device(ts, index, 2) is None
+    assert certified_group_norms_on_device(ts, torch.tensor([0, 1]), 2) is None
