@@ -77,7 +77,7 @@ from .core import (
     tensor_power_sums,
 )
 from .core.clipping import EPS
-from .core.norms import certified_group_norms, certified_group_norms_on_device
+from .core.norms import certified_group_norms
 from .core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z, SpikeDetector, SpikeDetectors
 from .distributed import dtensor
 from .errors import OutputError, UsageError
@@ -354,8 +354,7 @@ class GradMonitor:
         types = set(map(_DTYPE, grads))  # ties hold one dtype: dropping them keeps these
         # The common step: groups' squares certified as they are summed, on the
         # CPU or on one accelerator.
-        certifiable = not sharded and self.norm_type == 2.0 and (
-            _one_cpu_type(grads, types) or _one_accelerator_type(grads, types))
+        certifiable = not sharded and self.norm_type == 2.0 and _one_type(grads, types)
         sizes = list(map(_NUMEL, grads)) if certifiable else None
         elements = None
         if certifiable and apart(grads, _byte_sizes(sizes, grads[0].element_size())):
@@ -376,12 +375,7 @@ class GradMonitor:
         plan = self._plan_for(names, present, kept)
         grouping = plan.grouping
         if certifiable:
-            if grads[0].is_cpu:
-                certified = certified_group_norms(
-                    grads, grouping.index, len(grouping.names), sizes)
-            else:
-                certified = certified_group_norms_on_device(
-                    grads, grouping.index, len(grouping.names))
+            certified = certified_group_norms(grads, grouping.index, len(grouping.names), sizes)
             if certified is not None:
                 sums = GroupSums(grouping.names, grouping.index, *certified)
                 return _Measurement(grads, sums, plan, types, sharded)
@@ -601,18 +595,16 @@ def _byte_sizes(sizes: list[int], itemsize: int) -> torch.Tensor:
     return torch.frombuffer(array("q", sizes), dtype=torch.int64) * itemsize
 
 
-def _one_cpu_type(grads: list[torch.Tensor], types: set[torch.dtype]) -> bool:
-    """Whether ``grads`` (of dtypes ``types``) are CPU tensors of one type that
-    ``certified_group_norms`` reads."""
-    return len(types) == 1 and types <= {torch.float32, torch.float64} and all(
-        map(_IS_CPU, grads))
-
-
-def _one_accelerator_type(grads: list[torch.Tensor], types: set[torch.dtype]) -> bool:
-    """Whether ``grads`` (of dtypes ``types``) are tensors of one type on one
-    accelerator that ``certified_group_norms_on_device`` reads."""
-    return (len(types) == 1 and types <= {torch.float16, torch.bfloat16, torch.float32}
-            and not grads[0].is_cpu and len(set(map(_DEVICE, grads))) == 1)
+def _one_type(grads: list[torch.Tensor], types: set[torch.dtype]) -> bool:
+    """Whether ``grads`` (of dtypes ``types``) are of one type that
+    ``certified_group_norms`` reads: float32 or float64 on the CPU, float16,
+    bfloat16 or float32 on one accelerator."""
+    if len(types) != 1:
+        return False
+    if grads[0].is_cpu:
+        return types <= {torch.float32, torch.float64} and all(map(_IS_CPU, grads))
+    return (types <= {torch.float16, torch.bfloat16, torch.float32}
+            and len(set(map(_DEVICE, grads))) == 1)
 
 
 class _Parameters:

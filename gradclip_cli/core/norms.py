@@ -171,6 +171,8 @@ def certified_group_norms(
 ) -> tuple[PowerSums, PowerSums] | None:
     """Groups' and the total's 2-norms of CPU float32 or float64 tensors of one dtype,
     from one read of their elements, or None where they cannot be certified.
+    Tensors on one accelerator (float16, bfloat16 or float32, of one dtype) go to
+    ``certified_group_norms_on_device``.
 
     Tensor ``i`` goes to group ``index[i]``. Each tensor's norm comes from
     ``square_norms_on_cpu``; a group's sum of squares is trusted as
@@ -181,6 +183,8 @@ def certified_group_norms(
     measures with ``tensor_power_sums``, which recomputes exactly and counts.
     ``sizes`` are the tensors' numbers of elements, when the caller has them.
     """
+    if not tensors[0].is_cpu:
+        return certified_group_norms_on_device(tensors, index, size)
     if sizes is None:
         sizes = list(map(torch.Tensor.numel, tensors))
     squares = square_norms_on_cpu(tensors, sizes).square_()
