@@ -14,7 +14,11 @@ them runs on as it would on real gradients.
 The monitor's spike rule works differently as its history fills, so a logged
 step is counted three times in one run: at step 1 (too short a history to
 judge), step 10 (warming up: judged against the first points) and step 30
-(past the ``warmup`` of 25: running averages).
+(past the ``warmup`` of 25: running averages). With its default groups (one
+a layer: 15 here) the rule runs on plain floats, which no count here sees
+(``benchmarks/spike_series_bench.py`` times them); with one group a tensor
+(``group_by="tensor"``: 148, more than ``FEW_SERIES``) it runs in float64
+tensor ops on the host, counted in the "by tensor" rows.
 
 Two sets of shapes: GPT-2 124M (148 tensors) and the same tensors 4x wider
 (their last dimension times 4). Host work that follows the number of tensors,
@@ -162,6 +166,10 @@ def counts(shapes, folder: str) -> dict[str, Count]:
         path = os.path.join(folder, f"logged-{method}.jsonl")
         for step, c in logged_steps(GradMonitor(model, path, None), method).items():
             result[f"GradMonitor.{method}, logged, {LOGGED_STEPS[step]}"] = c
+    # One group a tensor: more groups than FEW_SERIES, judged in tensors.
+    monitor = GradMonitor(model, os.path.join(folder, "by-tensor.jsonl"), None, group_by="tensor")
+    for step, c in logged_steps(monitor, "step").items():
+        result[f"GradMonitor.step by tensor, logged, {LOGGED_STEPS[step]}"] = c
     result["GradMonitor.step, not logged"] = count(lambda: skipped.step())
     result["GradMonitor.clip_grad_norm_, not logged"] = count(
         lambda: skipped.clip_grad_norm_(1.0))

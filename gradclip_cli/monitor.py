@@ -78,7 +78,7 @@ from .core import (
 )
 from .core.clipping import EPS
 from .core.norms import certified_group_norms
-from .core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z, SpikeDetector, SpikeDetectors
+from .core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z, SpikeDetector, SpikeSeries
 from .distributed import dtensor
 from .errors import OutputError, UsageError
 from .format.json import nonfinite_object, number
@@ -101,7 +101,8 @@ class _Plan:
     stay the same: the groups, each group's spike series, and its key in the log line."""
 
     grouping: Grouping
-    series: torch.Tensor | None  # each group's row in the group detectors; None: all, in order
+    series: list[int] | None  # each group's series in the group detectors; None: all, in order
+    rows: torch.Tensor | None  # series as a tensor
     groups: str  # '{"name": %s, ...}': the groups' object, names as json writes them
 
 
@@ -213,8 +214,8 @@ class GradMonitor:
         except UsageError as e:
             raise ValueError(f"GradMonitor: {e}") from None
         self._total_detector = SpikeDetector(z, alpha, warmup)  # validates z, alpha, warmup
-        # Every group's series judged at once, as one SpikeDetector each would.
-        self._group_detectors = SpikeDetectors(z, alpha, warmup)
+        # Every group's series, judged as one SpikeDetector each would judge it.
+        self._group_detectors = SpikeSeries(z, alpha, warmup)
         self._series_of: dict[str, int] = {}
 
         self.model = model
@@ -411,7 +412,10 @@ class GradMonitor:
         every = series == list(range(len(self._series_of)))
         keys = (json.dumps(g).replace("%", "%%") + ": %s" for g in grouping.names)
         groups = "{" + ", ".join(keys) + "}"
-        plan = _Plan(grouping, None if every else torch.tensor(series, dtype=torch.int64), groups)
+        if every:
+            plan = _Plan(grouping, None, None, groups)
+        else:
+            plan = _Plan(grouping, series, torch.tensor(series, dtype=torch.int64), groups)
         self._plan_key, self._plan = key, plan
         return plan
 
@@ -436,15 +440,11 @@ class GradMonitor:
         settled = self._total_detector.seen >= self._total_detector.warmup
         judged = self._total_detector.update(total_norm)
         worth_a_dump = judged.spike and settled
-        groups, series = self._group_detectors, m.plan.series
-        seen = groups.seen if series is None else groups.seen[series]
-        # Only the groups' decisions are logged (not their z-scores): scores=False.
-        group_judged = groups.update(norms, series, scores=False)
-        spiked = group_judged.spike
+        # Only the groups' decisions are logged, not their z-scores.
+        spiked, settled_spike = self._group_detectors.spikes(norms, m.plan.series, m.plan.rows)
+        worth_a_dump = worth_a_dump or settled_spike
         names = m.sums.names
-        spike_groups = [names[i] for i in spiked.nonzero().flatten().tolist()]
-        if spike_groups:
-            worth_a_dump = worth_a_dump or bool((spiked & (seen >= groups.warmup)).any())
+        spike_groups = [names[i] for i in spiked]
         nonfinite = nonfinite_object(nonfinite_counts(m.sums.total)[0])
         spike = judged.spike or bool(spike_groups)
         clipped_to = spike_coef = None

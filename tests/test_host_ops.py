@@ -16,6 +16,7 @@ from benchmarks import host_ops
 from benchmarks.inputs import gpt2_shapes
 from gradclip_cli import clip_grad_norm_, clip_grad_value_, get_total_norm
 from gradclip_cli.core import distinct_elements
+from gradclip_cli.core.spikes import FEW_SERIES
 
 DROP_INS = ("get_total_norm", "clip_grads_with_norm_", "clip_grad_norm_", "clip_grad_value_")
 
@@ -58,7 +59,7 @@ def test_monitor_reads_once_per_logged_step_and_never_otherwise(measured):
     base, _ = measured
     torch_ops = base["torch clip_grad_norm_"]
     logged = _logged(base)
-    assert len(logged) == 2 * len(host_ops.LOGGED_STEPS)
+    assert len(logged) == 3 * len(host_ops.LOGGED_STEPS)
     for name, c in logged.items():
         assert c.reads == 1, name
         assert c.device_ops <= 5 * torch_ops.device_ops, name
@@ -70,14 +71,18 @@ def test_a_logged_step_is_a_few_dozen_ops_whatever_the_model(tmp_path):
     # With fused kernels the host's work does not follow the number of tensors
     # either: the norms are certified on the device, the host handles one
     # number per group. (Reduced row by row, a logged step was 204 to 388 ops.)
+    # 37 tensors make 5 layer groups (plain floats) and 37 tensor groups (more
+    # than FEW_SERIES: tensors), as 148 make 15 and 148.
     shapes = gpt2_shapes()
     with host_ops.foreach_on_meta():
         whole = host_ops.counts(shapes, str(tmp_path))
         part = host_ops.counts(shapes[:37], str(tmp_path))
+    assert 37 > FEW_SERIES
     assert whole == part
     torch_ops = whole["torch clip_grad_norm_"].ops
     for name, c in _logged(whole).items():
-        assert c.ops <= 13 * torch_ops, name
+        # The goal (5x torch's ops) with layer groups; tensors of 148 groups: 13x.
+        assert c.ops <= (13 if "by tensor" in name else 5) * torch_ops, name
 
 
 def test_counter_sees_reads():

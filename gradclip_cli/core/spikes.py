@@ -46,6 +46,13 @@ MIN_RELATIVE_STD = 0.5
 DEFAULT_Z = 2.5
 DEFAULT_ALPHA = 0.97
 DEFAULT_WARMUP = 25
+# Up to this many series, SpikeSeries keeps one SpikeDetector each (plain
+# floats) rather than tensors. One logged step of 15 series, one thread (AMD
+# EPYC): 26 us after the warm-up against 83 us in tensors, 98 us against
+# 126 us during it; at 32 series 51 us against 86 us after, 195 us against
+# 127 us during. Over a run (25 warm-up steps, then the rest) floats cost
+# less up to about 45 series.
+FEW_SERIES = 32
 
 
 @dataclass(frozen=True)
@@ -268,6 +275,23 @@ class SpikeDetectors:
             [self.seed, torch.zeros((self.seed.shape[0], count), dtype=F64)], dim=1
         )
 
+    @classmethod
+    def of(cls, detectors: list[SpikeDetector]) -> SpikeDetectors:
+        """The series of ``detectors`` (one rule), each in its detector's state."""
+        first = detectors[0]
+        many = cls(first.threshold, first.alpha, first.warmup)
+        many.add(len(detectors))
+        many.seen = torch.tensor([d.seen for d in detectors], dtype=torch.int64)
+        many.accepted = torch.tensor([d.accepted for d in detectors], dtype=torch.int64)
+        many.mean = torch.tensor([d.mean for d in detectors], dtype=F64)
+        many.spread = torch.tensor([d.spread for d in detectors], dtype=F64)
+        many._widen(max(len(d._seed) for d in detectors))
+        for i, d in enumerate(detectors):
+            if d._seed:
+                many.seed[: len(d._seed), i] = torch.tensor(d._seed, dtype=F64)
+        many._in_step = None  # worked out again by the next update
+        return many
+
     def detector(self, series: int) -> SpikeDetector:
         """A ``SpikeDetector`` in the state of ``series``."""
         d = SpikeDetector(self.threshold, self.alpha, self.warmup)
@@ -485,6 +509,73 @@ class SpikeDetectors:
             wider = torch.zeros((width, len(self)), dtype=F64)
             wider[: self.seed.shape[0]] = self.seed
             self.seed = wider
+
+
+class SpikeSeries:
+    """The rule's decisions over a growing set of series (the monitor's groups).
+
+    While there are at most ``few`` series, each is one ``SpikeDetector``:
+    plain float arithmetic, no tensor op, a few microseconds a series. Past
+    that they move, state and all, to one ``SpikeDetectors``, whose few dozen
+    tensor ops a step cost the same for 40 series or 1,000. Either way each
+    series is decided as its own ``SpikeDetector`` decides it.
+    """
+
+    def __init__(
+        self,
+        z: float = DEFAULT_Z,
+        alpha: float = DEFAULT_ALPHA,
+        warmup: int = DEFAULT_WARMUP,
+        few: int = FEW_SERIES,
+    ):
+        self._rule = (z, alpha, warmup)
+        SpikeDetector(*self._rule)  # the same checks and messages
+        self.warmup, self.few = int(warmup), few
+        self.detectors: list[SpikeDetector] | None = []  # None once they have moved
+        self.many: SpikeDetectors | None = None
+
+    def __len__(self) -> int:
+        return len(self.detectors) if self.many is None else len(self.many)
+
+    def add(self, count: int) -> None:
+        """``count`` new series, with no history, after the existing ones."""
+        if self.many is None and len(self.detectors) + count <= self.few:
+            self.detectors += [SpikeDetector(*self._rule) for _ in range(count)]
+            return
+        if self.many is None:
+            if self.detectors:
+                self.many = SpikeDetectors.of(self.detectors)
+            else:
+                self.many = SpikeDetectors(*self._rule)
+            self.detectors = None
+        self.many.add(count)
+
+    def spikes(
+        self, x: torch.Tensor, series: list[int] | None, rows: torch.Tensor | None = None
+    ) -> tuple[list[int], bool]:
+        """Judge ``x[i]`` as the next point of series ``series[i]`` (of series i
+        when ``series`` is None) and let it into that history.
+
+        Returns the indexes ``i`` that are spikes, and whether any of them is a
+        spike of a series that had ``warmup`` earlier points. ``rows`` is
+        ``series`` as an int64 tensor, if the caller keeps one.
+        """
+        if self.many is None:
+            picked = self.detectors if series is None else [self.detectors[k] for k in series]
+            spiked, settled = [], False
+            for i, (d, value) in enumerate(zip(picked, x.tolist())):
+                earlier = d.seen
+                if d.update(value).spike:
+                    spiked.append(i)
+                    settled = settled or earlier >= self.warmup
+            return spiked, settled
+        if series is not None and rows is None:
+            rows = torch.tensor(series, dtype=torch.int64)
+        seen = self.many.seen if rows is None else self.many.seen[rows]
+        judged = self.many.update(x, rows, scores=False)
+        spiked = judged.spike.nonzero().flatten().tolist()
+        settled = bool(spiked) and bool((judged.spike & (seen >= self.warmup)).any())
+        return spiked, settled
 
 
 def _ema_rms_series(spread: torch.Tensor, d: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -217,3 +217,91 @@ def test_points_at_the_threshold_are_decided_as_the_scalar_rule_decides():
     steps += [dict(enumerate(row)) for row in history]
     check_against_scalar(steps, scores=False)
     check_against_scalar(steps)
+
+
+def check_series_against_scalar(steps, few, warmup=4):
+    """``SpikeSeries`` with ``few`` on ``steps`` (a list of {series: value} per step,
+    series numbered as they first appear), against one ``SpikeDetector`` each."""
+    scalar: list[SpikeDetector] = []
+    rule = spikes.SpikeSeries(warmup=warmup, few=few)
+    for t, step in enumerate(steps):
+        count = 1 + max(step, default=-1)
+        if count > len(rule):
+            rule.add(count - len(rule))
+            scalar += [SpikeDetector(warmup=warmup) for _ in range(count - len(scalar))]
+        order = sorted(step)
+        every = order == list(range(len(rule)))
+        series = None if every else order
+        rows = None if series is None or t % 2 else torch.tensor(order, dtype=torch.int64)
+        x = torch.tensor([step[k] for k in order], dtype=torch.float64)
+        got, settled = rule.spikes(x, series, rows)
+        want, want_settled = [], False
+        for i, k in enumerate(order):
+            earlier = scalar[k].seen
+            if scalar[k].update(step[k]).spike:
+                want.append(i)
+                want_settled = want_settled or earlier >= warmup
+        assert (got, settled) == (want, want_settled), (t, step)
+    assert (rule.many is None) == (len(rule) <= few)
+    if rule.many is not None:
+        check_state(scalar, rule.many, len(steps))
+
+
+growing_steps = st.lists(
+    st.dictionaries(st.integers(0, 7), norms, max_size=8), min_size=1, max_size=40
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(growing_steps, st.sampled_from([0, 2, 5, 100]))
+def test_series_are_decided_as_their_detectors_whether_few_many_or_moving(steps, few):
+    check_series_against_scalar(steps, few, warmup=7)  # spikes before and after warmup
+
+
+def test_series_move_into_tensors_mid_warm_up_and_after_it_keeping_their_history():
+    # Series appear over time: the first three past their warm-up, the next in
+    # the middle of theirs when the eighth arrives and all move into tensors;
+    # series 4 and 6 spike before their warm-up ends (not settled), 1 and 7 after.
+    rng = random.Random(3)
+    steps = []
+    spiked = {(25, 1), (27, 4), (36, 6), (45, 7)}
+    for t in range(60):
+        live = 3 if t < 20 else 6 if t < 30 else 8
+        step = {k: rng.lognormvariate(0, 0.2) * (10 if (t, k) in spiked else 1)
+                for k in range(live)}
+        if t == 33:
+            step[2] = math.nan
+        steps.append(step)
+    check_series_against_scalar(steps, few=6, warmup=8)
+
+
+def test_tensors_made_of_detectors_hold_their_state_and_go_on_as_they_would():
+    rng = random.Random(5)
+    detectors = [SpikeDetector(warmup=6) for _ in range(5)]
+    for t in range(12):  # series 0 past the warm-up, the others at 11, 8, 3 and 0 points
+        for k, d in enumerate(detectors):
+            if t < (12, 11, 8, 3, 0)[k]:
+                d.update(rng.uniform(1, 2) if t != 4 else math.inf)
+    many = SpikeDetectors.of(detectors)
+    check_state(detectors, many, -1)
+    for t in range(10):
+        x = [rng.uniform(1, 2) * (20 if t == 7 else 1) for _ in detectors]
+        got = many.update(torch.tensor(x, dtype=torch.float64))
+        for k, d in enumerate(detectors):
+            want = d.update(x[k])
+            assert bool(got.spike[k]) == want.spike and same(want.z, float(got.z[k])), (t, k)
+    check_state(detectors, many, 10)
+
+
+def test_the_timing_benchmark_steps_both_ways_to_the_same_decisions():
+    # benchmarks/spike_series_bench.py times floats against tensors; it checks
+    # at every step that both decided alike, which this runs once each side
+    # of FEW_SERIES.
+    import time
+
+    from benchmarks import spike_series_bench
+
+    for count in (3, spikes.FEW_SERIES + 1):
+        seconds = spike_series_bench.one_run(count, 0, time.perf_counter)
+        assert {k: len(v) for k, v in seconds.items()} == {
+            "floats": spike_series_bench.STEPS, "tensors": spike_series_bench.STEPS}

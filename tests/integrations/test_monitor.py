@@ -15,6 +15,7 @@ import torch
 
 from gradclip_cli import GradMonitor
 from gradclip_cli import clip_grad_norm_ as gradclip_clip_grad_norm_
+from gradclip_cli.core.spikes import FEW_SERIES, SpikeDetector
 from tests.cli.support import REPO, as_float, ref_norm
 from tests.core.test_elements import layouts, ref_distinct_norm
 
@@ -130,6 +131,33 @@ def test_the_spike_names_the_layer_and_its_dump_shows_it(tmp_path, gradclip):
     assert culprit(report) == "h.1"
     assert math.isclose(as_float(report["total_norm"]), as_float(spike["total_norm"]),
                         rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("layers", [4, 40])
+def test_spikes_are_named_in_few_or_many_groups_and_in_groups_that_appear_later(
+    tmp_path, layers
+):
+    # Half the layers get gradients from step 8 on: with 40 layers the groups
+    # then outgrow plain floats (FEW_SERIES) and move, history and all, into tensors.
+    model = torch.nn.Module()
+    model.h = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(layers))
+    monitor = GradMonitor(model, tmp_path / "grads.jsonl", None)
+    last = f"h.{layers - 1}"
+    for step in range(40):
+        fill_grads(model, step, {f"{last}.weight": 1e4} if step in (15, 33) else None)
+        if step < 8:
+            for layer in model.h[layers // 2:]:
+                layer.weight.grad = layer.bias.grad = None
+        monitor.step(step)
+    assert (monitor._group_detectors.many is None) == (layers <= FEW_SERIES)
+    detectors: dict[str, SpikeDetector] = {}  # the rule, one series a group, from the log
+    records = read_log(tmp_path / "grads.jsonl")
+    for r in records:
+        want = [g for g, v in r["groups"].items()
+                if detectors.setdefault(g, SpikeDetector()).update(v).spike]
+        assert r["spike_groups"] == want, r["step"]
+    assert records[15]["spike_groups"] == records[33]["spike_groups"] == [last]
+    assert len(records[7]["groups"]) == layers // 2 and len(records[8]["groups"]) == layers
 
 
 def test_nonfinite_gradients_are_counted_and_dumped(tmp_path, gradclip):
