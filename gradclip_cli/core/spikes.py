@@ -47,12 +47,13 @@ DEFAULT_Z = 2.5
 DEFAULT_ALPHA = 0.97
 DEFAULT_WARMUP = 25
 # Up to this many series, SpikeSeries keeps one SpikeDetector each (plain
-# floats) rather than tensors. One logged step of 15 series, one thread (AMD
-# EPYC): 26 us after the warm-up against 83 us in tensors, 98 us against
-# 126 us during it; at 32 series 51 us against 86 us after, 195 us against
-# 127 us during. Over a run (25 warm-up steps, then the rest) floats cost
-# less up to about 45 series.
-FEW_SERIES = 32
+# floats) rather than tensors. CPU time of one logged step, one thread (AMD
+# EPYC; benchmarks/spike_series_bench.py): 16 series 29 us after the warm-up
+# against 90 us in tensors, 48 series 79 us against 98 us; during the warm-up
+# floats cost more from about 20 series on (48: 314 us against 153 us). Over
+# a run of 1,000 logged steps (25 of warm-up) floats cost less up to between
+# 48 and 64 series. Llama-2-7B's layers make 35 groups, GPT-2's 15.
+FEW_SERIES = 48
 
 
 @dataclass(frozen=True)
@@ -517,7 +518,7 @@ class SpikeSeries:
     While there are at most ``few`` series, each is one ``SpikeDetector``:
     plain float arithmetic, no tensor op, a few microseconds a series. Past
     that they move, state and all, to one ``SpikeDetectors``, whose few dozen
-    tensor ops a step cost the same for 40 series or 1,000. Either way each
+    tensor ops a step cost the same for 50 series or 1,000. Either way each
     series is decided as its own ``SpikeDetector`` decides it.
     """
 

@@ -133,11 +133,11 @@ def test_the_spike_names_the_layer_and_its_dump_shows_it(tmp_path, gradclip):
                         rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("layers", [4, 40])
+@pytest.mark.parametrize("layers", [4, 70])
 def test_spikes_are_named_in_few_or_many_groups_and_in_groups_that_appear_later(
     tmp_path, layers
 ):
-    # Half the layers get gradients from step 8 on: with 40 layers the groups
+    # Half the layers get gradients from step 8 on: with 70 layers the groups
     # then outgrow plain floats (FEW_SERIES) and move, history and all, into tensors.
     model = torch.nn.Module()
     model.h = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(layers))
