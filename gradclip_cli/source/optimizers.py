@@ -17,7 +17,7 @@ lives in the core; this module only matches keys and hyperparameters.
 | Adamax | yes | no: exp_inf is an infinity norm | yes |
 | Adagrad | no | yes (over all steps) | no: needs the last gradient |
 | RMSprop | centered only (grad_avg) | yes | with momentum only |
-| SGD, LARS | no | no | momentum, not Nesterov |
+| SGD, LARS | no | no | momentum in every group, not Nesterov |
 | LAMB | no | no | no: a trust ratio of the weights before the step |
 | Muon | no | no | no: an orthogonalisation of the momentum |
 | Adafactor (torch) | no | yes (factored) | no: needs the last gradient |
@@ -287,6 +287,10 @@ def identify(opt: OptimizerState) -> Kind:
                                               and not hyper - _TORCH_GROUP):
         if every(lambda g: not _positive(g.get("momentum"))):
             why = "without momentum SGD keeps no state"
+        elif not every(lambda g: _positive(g.get("momentum"))):
+            # Their parameters stepped by lr * grad and keep no state: leaving them out
+            # would report the other groups' step as the whole.
+            why = "some groups use no momentum, whose step needs the last gradient"
         elif every(lambda g: bool(g.get("nesterov"))):
             why = "with Nesterov momentum " + _NEEDS_GRAD
         elif every(lambda g: not g.get("nesterov")):

@@ -1,0 +1,77 @@
+"""torch.optim checkpoints beyond one plain param group, end to end.
+
+Each case trains a small float64 model a few steps with a real torch.optim
+optimizer (param groups with their own settings, a layer that never gets a
+gradient, sparse gradients) and saves ``{"model", "optimizer"}`` with
+``torch.save``. ``inspect --what Q`` is compared with float64 references
+computed here: the change torch made to the parameters in its last step for
+``update``, the optimizer's documented formula on the saved state (or the
+gradients it was given) for ``exp_avg`` and ``grad_rms``; or it is refused,
+exit 3 naming the optimizer, where the state does not determine ``Q``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .support import ref_norm, rel_err
+
+TOL = 1e-9  # float64 throughout: the only differences are rounding
+
+
+class Net(torch.nn.Module):
+    """Two layers in use and, with ``unused``, one that never gets a gradient."""
+
+    def __init__(self, unused: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(5, 4)
+        self.b = torch.nn.Linear(4, 3)
+        self.unused = torch.nn.Linear(3, 3) if unused else None
+        self.double()
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _train(path, model, make, steps: int = 4, batch=None):
+    """Step ``make(model)`` ``steps`` times; the gradients of each step and the last change."""
+    opt = make(model)
+    named = [(n, p) for n, p in model.named_parameters()]
+    grads: dict[str, list[torch.Tensor]] = {n: [] for n, _ in named}
+    for step in range(steps):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(step)
+        x = batch(g) if batch else torch.randn(8, 5, dtype=torch.float64, generator=g)
+        model(x).square().sum().backward()
+        for n, p in named:
+            if p.grad is not None:
+                grads[n].append(p.grad.detach().clone())
+        before = {n: p.detach().clone() for n, p in named}
+        opt.step()
+    taken = {n: before[n] - p.detach() for n, p in named}
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    return opt.state_dict(), grads, taken
+
+
+def test_sgd_groups_without_momentum_leave_the_update_undetermined(gradclip, tmp_path):
+    # A group with momentum 0 keeps no state: its step was lr * grad, which the
+    # checkpoint does not hold, so the total over the other groups is no total.
+    path = tmp_path / "sgd.pt"
+    _train(path, Net(), lambda m: torch.optim.SGD(
+        [{"params": m.a.parameters(), "momentum": 0.0}, {"params": m.b.parameters()}],
+        lr=0.01, momentum=0.9))
+    result = gradclip("inspect", path, "--what", "update", "--format", "json")
+    assert result.code == 3, result.out
+    assert "SGD" in result.err and "momentum" in result.err
+
+
+def test_sgd_groups_with_their_own_momentum_and_lr(gradclip, tmp_path):
+    path = tmp_path / "sgd.pt"
+    _, _, taken = _train(path, Net(), lambda m: torch.optim.SGD(
+        [{"params": m.a.parameters(), "momentum": 0.5, "lr": 0.1, "dampening": 0.2},
+         {"params": m.b.parameters()}], lr=0.01, momentum=0.9, weight_decay=0.1))
+    doc = gradclip("inspect", path, "--what", "update", "--format", "json").json()
+    assert rel_err(doc["total_norm"], ref_norm(taken.values(), 2)) <= TOL
+    for row in doc["tensors"]:
+        assert rel_err(row["norm"], ref_norm([taken[row["name"]]], 2)) <= TOL, row["name"]
