@@ -13,6 +13,7 @@ lives in the core; this module only matches keys and hyperparameters.
 | Adam, AdamW | yes | yes | yes |
 | Adam/AdamW amsgrad | yes | yes (max_exp_avg_sq) | yes (max_exp_avg_sq) |
 | NAdam | yes | yes | no: needs the last gradient |
+| SparseAdam | yes | yes | no: it steps only the last gradient's rows |
 | RAdam | yes | yes | yes (rectified) |
 | Adamax | yes | no: exp_inf is an infinity norm | yes |
 | Adagrad | no | yes (over all steps) | no: needs the last gradient |
@@ -303,6 +304,15 @@ def identify(opt: OptimizerState) -> Kind:
             "exp_avg": "its momentum buffer is a sum, not an average",
             "grad_rms": "it keeps no second moment", "update": why}, _sgd)
     if {"exp_avg", "exp_avg_sq"} <= keys.keys():
+        if "maximize" in hyper and not hyper & {"weight_decay", "amsgrad"}:
+            # torch.optim.SparseAdam's groups hold lr, betas, eps and maximize alone. Its
+            # moments are Adam's, debiased by the parameter's step, but a step moves only
+            # the rows its sparse gradient holds (by lr * m_hat / (sqrt(v_hat) +
+            # eps / sqrt(1 - beta2^t))), and the state does not record which.
+            return kind("SparseAdam", {
+                "exp_avg": None, "grad_rms": None,
+                "update": "its last step moved only the rows its last (sparse) gradient "
+                          "held, which the state does not record"}, _adam(False))
         if "amsgrad" not in hyper and "decoupled_weight_decay" in hyper:
             return kind("RAdam", dict.fromkeys(QUANTITIES), _radam)
         amsgrad = every(lambda g: bool(g.get("amsgrad")))

@@ -75,3 +75,29 @@ def test_sgd_groups_with_their_own_momentum_and_lr(gradclip, tmp_path):
     assert rel_err(doc["total_norm"], ref_norm(taken.values(), 2)) <= TOL
     for row in doc["tensors"]:
         assert rel_err(row["norm"], ref_norm([taken[row["name"]]], 2)) <= TOL, row["name"]
+
+
+def _sparse_batch(g):
+    return torch.randint(0, 10, (3,), generator=g)
+
+
+def test_sparse_adam_moves_only_the_rows_of_its_last_gradient(gradclip, tmp_path):
+    # SparseAdam steps only the rows the last (sparse) gradient holds, which
+    # its state does not record: Adam's step on the whole table is not its step.
+    path = tmp_path / "sparse.pt"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True)).double()
+    state, _, taken = _train(path, model, lambda m: torch.optim.SparseAdam(m.parameters(),
+                                                                          lr=0.01),
+                             batch=_sparse_batch)
+    result = gradclip("inspect", path, "--what", "update", "--format", "json")
+    assert result.code == 3, result.out
+    assert "SparseAdam" in result.err
+    # Its moments are Adam's, debiased by the parameter's step as its own rule does.
+    entry, (b1, b2) = state["state"][0], state["param_groups"][0]["betas"]
+    t = entry["step"]
+    for what, want in (("exp_avg", entry["exp_avg"] / (1 - b1**t)),
+                       ("grad_rms", (entry["exp_avg_sq"] / (1 - b2**t)).sqrt())):
+        doc = gradclip("inspect", path, "--what", what, "--format", "json").json()
+        assert rel_err(doc["total_norm"], ref_norm([want], 2)) <= TOL, what
+        assert "SparseAdam" in doc["measured"]["explain"]
