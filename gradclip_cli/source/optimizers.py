@@ -56,6 +56,9 @@ class Kind:
     # quantity -> None when given for every group, else why not
     refusals: Mapping[str, str | None]
     derive: Callable[[str, dict, dict, _Numbers], Derivation] | None
+    # Its state is made for every parameter when it is built (Adagrad's, step 0), not at
+    # the parameter's first step with a gradient.
+    state_when_built: bool = False
 
     def gives(self, what: str) -> bool:
         return self.derive is not None and self.refusals.get(what, "") is None
@@ -235,8 +238,8 @@ def identify(opt: OptimizerState) -> Kind:
     def every(test) -> bool:
         return bool(groups) and all(test(g) for g in groups)
 
-    def kind(name, refusals, derive):
-        return Kind(name, tensor_keys, refusals, derive)
+    def kind(name, refusals, derive, **more):
+        return Kind(name, tensor_keys, refusals, derive, **more)
 
     if keys.keys() & {"exp_avg_sq_row", "exp_avg_sq"} and "exp_avg" not in keys \
             or {"scale_parameter", "relative_step"} <= hyper:
@@ -257,7 +260,7 @@ def identify(opt: OptimizerState) -> Kind:
                                            "moment"}, _adamax)
     if "sum" in keys or "lr_decay" in hyper:
         return kind("Adagrad", {"exp_avg": "it keeps no first moment", "grad_rms": None,
-                                "update": _NEEDS_GRAD}, _adagrad)
+                                "update": _NEEDS_GRAD}, _adagrad, state_when_built=True)
     if "acc_delta" in keys or "rho" in hyper:
         return kind("Adadelta", {q: _NEEDS_GRAD for q in QUANTITIES}, None)
     if "square_avg" in keys or {"alpha", "centered"} <= hyper:
@@ -346,6 +349,22 @@ def _off(value) -> bool:
 
 def _positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def stepped(kind: Kind, entry: dict | None) -> bool:
+    """Whether ``kind`` has stepped the parameter whose state is ``entry``: torch.optim makes
+    a parameter's state at its first step with a gradient, Adagrad when it is built (a
+    parameter that never got a gradient keeps step 0)."""
+    if not entry:
+        return False
+    if not kind.state_when_built:
+        return True
+    step = entry.get("step")
+    if isinstance(step, StoredTensor):
+        step = step.read()
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()
+    return not (isinstance(step, (int, float)) and step == 0)
 
 
 def derive(kind: Kind, what: str, opt: OptimizerState, name: str, entry: dict,

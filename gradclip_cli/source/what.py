@@ -276,10 +276,13 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
                          f"hold parameter {visible(twice)}: they are not one training's parts")
     group_of = {pid: group for group in opt.param_groups for pid in group["params"]}
     params = []
+    stepped = {pid for pid in names if optimizers.stepped(kind, opt.state.get(pid))}
     for pid, name in names.items():
         entry = opt.state.get(pid)
-        if not entry:
-            continue  # never stepped (no gradient yet): nothing to measure
+        if pid not in stepped and (stepped or not entry):
+            # Never stepped (no gradient yet): nothing to measure. Where no parameter
+            # has stepped, the state is refused for saying so (step 0).
+            continue
         params.append(_Param(name, entry, group_of[pid]))
     order = _report_order(contents, [p.name for p in params])
     params.sort(key=lambda p: order.get(p.name, len(order)))

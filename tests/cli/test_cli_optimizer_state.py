@@ -101,3 +101,27 @@ def test_sparse_adam_moves_only_the_rows_of_its_last_gradient(gradclip, tmp_path
         doc = gradclip("inspect", path, "--what", what, "--format", "json").json()
         assert rel_err(doc["total_norm"], ref_norm([want], 2)) <= TOL, what
         assert "SparseAdam" in doc["measured"]["explain"]
+
+
+def test_adagrad_parameters_never_stepped_are_left_out(gradclip, tmp_path):
+    # Adagrad makes every parameter's state (step 0) when it is built: a layer
+    # that never got a gradient has had no step, like one without state.
+    path = tmp_path / "adagrad.pt"
+    _, grads, _ = _train(path, Net(unused=True), lambda m: torch.optim.Adagrad(
+        m.parameters(), lr=0.01, initial_accumulator_value=0.1))
+    result = gradclip("inspect", path, "--what", "grad_rms", "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    want = {n: torch.stack([x * x for x in g]).mean(0).sqrt() for n, g in grads.items() if g}
+    assert [row["name"] for row in doc["tensors"]] == list(want)
+    assert rel_err(doc["total_norm"], ref_norm(want.values(), 2)) <= TOL
+
+
+def test_adagrad_before_its_first_step_measures_nothing(gradclip, tmp_path):
+    path = tmp_path / "adagrad.pt"
+    model = Net()
+    torch.save({"model": model.state_dict(),
+                "optimizer": torch.optim.Adagrad(model.parameters()).state_dict()}, path)
+    result = gradclip("inspect", path, "--what", "grad_rms", "--format", "json")
+    assert result.code == 3, result.out
+    assert "step 0" in result.err
