@@ -123,6 +123,21 @@ def momentum_update(momentum_buffer: torch.Tensor, *, lr: float) -> torch.Tensor
     return _wide(momentum_buffer).mul(lr)
 
 
+def rprop_update(prev: torch.Tensor, step_size: torch.Tensor) -> torch.Tensor:
+    """``sign(prev) * step_size``: Rprop's last step.
+
+    torch's Rprop adapts each element's step size, moves the element by
+    ``sign(grad) * step_size`` with the gradient zeroed where its sign flipped,
+    and keeps that gradient as ``prev`` and the adapted sizes as ``step_size``:
+    both of the last step.
+
+    References: Riedmiller & Braun, "A Direct Adaptive Method for Faster
+    Backpropagation Learning: The RPROP Algorithm", ICNN 1993; torch.optim.Rprop.
+    """
+    size = _wide(step_size)
+    return prev.sign().to(size.dtype).mul_(size)
+
+
 def accumulated_rms(total: torch.Tensor, initial: float, step: float) -> torch.Tensor:
     """``sqrt((sum - initial) / t)``: the RMS of every gradient so far, from Adagrad's sum.
 

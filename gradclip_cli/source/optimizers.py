@@ -17,6 +17,7 @@ lives in the core; this module only matches keys and hyperparameters.
 | RAdam | yes | yes | yes (rectified) |
 | Adamax | yes | no: exp_inf is an infinity norm | yes |
 | Adagrad | no | yes (over all steps) | no: needs the last gradient |
+| Rprop | no | no | yes: sign(prev) * step_size |
 | RMSprop | centered only (grad_avg) | yes | with momentum only |
 | SGD, LARS | no | no | momentum in every group, not Nesterov |
 | LAMB | no | no | no: a trust ratio of the weights before the step |
@@ -196,6 +197,11 @@ def _rmsprop(what, entry, group, num):
                       tuple(buf.shape))
 
 
+def _rprop(what, entry, group, num):
+    prev, size = num.tensor(entry, "prev"), num.tensor(entry, "step_size")
+    return Derivation((prev, size), om.rprop_update, tuple(prev.shape))
+
+
 def _sgd(what, entry, group, num):
     buf = num.tensor(entry, "momentum_buffer")
     return Derivation((buf,), partial(om.momentum_update, lr=num(group.get("lr"), "lr")),
@@ -263,6 +269,10 @@ def identify(opt: OptimizerState) -> Kind:
                                 "update": _NEEDS_GRAD}, _adagrad, state_when_built=True)
     if "acc_delta" in keys or "rho" in hyper:
         return kind("Adadelta", {q: _NEEDS_GRAD for q in QUANTITIES}, None)
+    if {"prev", "step_size"} <= keys.keys() or "etas" in hyper:
+        return kind("Rprop", {"exp_avg": "it keeps no first moment (its prev is the last "
+                                         "gradient, zeroed where its sign flipped)",
+                              "grad_rms": "it keeps no second moment", "update": None}, _rprop)
     if "square_avg" in keys or {"alpha", "centered"} <= hyper:
         centered = every(lambda g: bool(g.get("centered")))
         momentum = every(lambda g: _positive(g.get("momentum")))

@@ -403,7 +403,7 @@ def _model_order(contents: Contents, opt: OptimizerState) -> list[str]:
 
 
 _FULL_SHAPED = ("exp_avg", "exp_avg_sq", "momentum_buffer", "square_avg", "sum", "exp_inf",
-                "variance", "max_exp_avg_sq", "grad_avg", "acc_delta")
+                "variance", "max_exp_avg_sq", "grad_avg", "acc_delta", "prev", "step_size")
 
 
 def _state_shape(entry: dict | None) -> tuple[int, ...] | None:

@@ -41,6 +41,7 @@ OPTIMIZERS = {
     "SGD-momentum": lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9),
     "SGD-nesterov": lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9, nesterov=True),
     "Adafactor": lambda p: torch.optim.Adafactor(p, lr=LR),
+    "Rprop": lambda p: torch.optim.Rprop(p, lr=LR),
 }
 # What each gives (the README's table), beside weights.
 GIVES = {
@@ -50,6 +51,7 @@ GIVES = {
     "Adagrad": {"grad_rms"}, "RMSprop": {"grad_rms"},
     "RMSprop-momentum-centered": {"exp_avg", "grad_rms", "update"}, "SGD": set(),
     "SGD-momentum": {"update"}, "SGD-nesterov": set(), "Adafactor": {"grad_rms"},
+    "Rprop": {"update"},
 }
 
 

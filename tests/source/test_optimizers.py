@@ -90,6 +90,8 @@ ADAM_LIKE = {
     "RMSprop (momentum)": lambda p: torch.optim.RMSprop(p, lr=0.01, alpha=0.9, momentum=0.8),
     "RMSprop (centered, momentum)": lambda p: torch.optim.RMSprop(p, lr=0.01, alpha=0.9,
                                                                   momentum=0.8, centered=True),
+    # Its step sizes grow and shrink over the steps; a sign flip zeroes an element's step.
+    "Rprop": lambda p: torch.optim.Rprop(p, lr=0.01, etas=(0.4, 1.3), maximize=True),
 }
 DECOUPLED = {"AdamW": 0.1, "AdamW (AMSGrad)": 0.1}
 
@@ -210,8 +212,8 @@ REFUSED = [
     ("Adafactor", lambda p: torch.optim.Adafactor(p, lr=0.01), "update",
      "needs the last gradient"),
     ("Adadelta", lambda p: torch.optim.Adadelta(p), "grad_rms", "needs the last gradient"),
-    ("an unknown optimizer", lambda p: torch.optim.Rprop(p), "update",
-     r"state keys \(prev, step_size\)"),
+    ("Rprop", lambda p: torch.optim.Rprop(p), "exp_avg", "no first moment"),
+    ("Rprop", lambda p: torch.optim.Rprop(p), "grad_rms", "no second moment"),
     # Muon keeps SGD's momentum_buffer (an average, without a step count), but its
     # step is an orthogonalisation of it: never SGD's lr * buffer.
     ("Muon", lambda p: torch.optim.Muon(_matrices(p), lr=0.01, nesterov=False), "update",
