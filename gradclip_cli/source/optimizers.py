@@ -17,6 +17,7 @@ lives in the core; this module only matches keys and hyperparameters.
 | RAdam | yes | yes | yes (rectified) |
 | Adamax | yes | no: exp_inf is an infinity norm | yes |
 | Adagrad | no | yes (over all steps) | no: needs the last gradient |
+| Adadelta | no | yes (square_avg) | no: needs the last gradient |
 | Rprop | no | no | yes: sign(prev) * step_size |
 | RMSprop | centered only (grad_avg) | yes | with momentum only |
 | SGD, LARS | no | no | momentum in every group, not Nesterov |
@@ -202,6 +203,11 @@ def _rprop(what, entry, group, num):
     return Derivation((prev, size), om.rprop_update, tuple(prev.shape))
 
 
+def _adadelta(what, entry, group, num):
+    # square_avg is RMSprop's, averaged with rho: its debiased root is the gradient's RMS.
+    return _rms(entry, group, num, "square_avg", num(group.get("rho"), "rho"))
+
+
 def _sgd(what, entry, group, num):
     buf = num.tensor(entry, "momentum_buffer")
     return Derivation((buf,), partial(om.momentum_update, lr=num(group.get("lr"), "lr")),
@@ -268,7 +274,9 @@ def identify(opt: OptimizerState) -> Kind:
         return kind("Adagrad", {"exp_avg": "it keeps no first moment", "grad_rms": None,
                                 "update": _NEEDS_GRAD}, _adagrad, state_when_built=True)
     if "acc_delta" in keys or "rho" in hyper:
-        return kind("Adadelta", {q: _NEEDS_GRAD for q in QUANTITIES}, None)
+        return kind("Adadelta", {"exp_avg": "it keeps no first moment (its acc_delta "
+                                            "averages the squared steps)",
+                                 "grad_rms": None, "update": _NEEDS_GRAD}, _adadelta)
     if {"prev", "step_size"} <= keys.keys() or "etas" in hyper:
         return kind("Rprop", {"exp_avg": "it keeps no first moment (its prev is the last "
                                          "gradient, zeroed where its sign flipped)",

@@ -42,6 +42,7 @@ OPTIMIZERS = {
     "SGD-nesterov": lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9, nesterov=True),
     "Adafactor": lambda p: torch.optim.Adafactor(p, lr=LR),
     "Rprop": lambda p: torch.optim.Rprop(p, lr=LR),
+    "Adadelta": lambda p: torch.optim.Adadelta(p, rho=0.95),
 }
 # What each gives (the README's table), beside weights.
 GIVES = {
@@ -51,7 +52,7 @@ GIVES = {
     "Adagrad": {"grad_rms"}, "RMSprop": {"grad_rms"},
     "RMSprop-momentum-centered": {"exp_avg", "grad_rms", "update"}, "SGD": set(),
     "SGD-momentum": {"update"}, "SGD-nesterov": set(), "Adafactor": {"grad_rms"},
-    "Rprop": {"update"},
+    "Rprop": {"update"}, "Adadelta": {"grad_rms"},
 }
 
 
@@ -108,6 +109,8 @@ def _reference(run: Run, name: str, what: str) -> dict[str, torch.Tensor]:
     b1, b2 = (0.9, 0.9) if name == "RAdam" else (0.9, 0.999)
     if name.startswith("RMSprop"):
         b1 = b2 = 0.99
+    if name == "Adadelta":
+        b2 = 0.95
     if what == "exp_avg":
         return {n: _ema(v, b1) for n, v in g.items()}
     if name == "AdamW-amsgrad":  # v_hat is the running maximum of the (biased) v

@@ -123,9 +123,11 @@ def test_exp_avg_is_the_debiased_average_of_the_gradients(name):
     _close(_derived(state, "exp_avg"), [_ema(g, 0.8) for g in grads])
 
 
-@pytest.mark.parametrize("name", ["Adam", "RAdam", "NAdam"])
+@pytest.mark.parametrize("name", ["Adam", "RAdam", "NAdam", "Adadelta"])
 def test_grad_rms_is_the_debiased_rms_of_the_gradients(name):
-    make = ADAM_LIKE.get(name) or (lambda p: torch.optim.NAdam(p, lr=0.01, betas=(0.8, 0.9)))
+    make = ADAM_LIKE.get(name) or {
+        "NAdam": lambda p: torch.optim.NAdam(p, lr=0.01, betas=(0.8, 0.9)),
+        "Adadelta": lambda p: torch.optim.Adadelta(p, rho=0.9)}[name]
     state, _, grads, _, _ = _run(make)
     _close(_derived(state, "grad_rms"), [_ema([x * x for x in g], 0.9).sqrt() for g in grads])
 
@@ -211,7 +213,8 @@ REFUSED = [
     ("SGD", lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), "exp_avg", "a sum"),
     ("Adafactor", lambda p: torch.optim.Adafactor(p, lr=0.01), "update",
      "needs the last gradient"),
-    ("Adadelta", lambda p: torch.optim.Adadelta(p), "grad_rms", "needs the last gradient"),
+    ("Adadelta", lambda p: torch.optim.Adadelta(p), "update", "needs the last gradient"),
+    ("Adadelta", lambda p: torch.optim.Adadelta(p), "exp_avg", "no first moment"),
     ("Rprop", lambda p: torch.optim.Rprop(p), "exp_avg", "no first moment"),
     ("Rprop", lambda p: torch.optim.Rprop(p), "grad_rms", "no second moment"),
     # Muon keeps SGD's momentum_buffer (an average, without a step count), but its
