@@ -277,6 +277,16 @@ def identify(opt: OptimizerState) -> Kind:
         return kind("Adadelta", {"exp_avg": "it keeps no first moment (its acc_delta "
                                             "averages the squared steps)",
                                  "grad_rms": None, "update": _NEEDS_GRAD}, _adadelta)
+    if {"eta", "mu", "ax"} <= keys.keys() or {"lambd", "t0"} <= hyper:
+        return kind("ASGD", {"exp_avg": "it keeps no first moment (its ax averages the weights)",
+                             "grad_rms": "it keeps no second moment", "update": _NEEDS_GRAD},
+                    None)
+    if "old_dirs" in keys or "history_size" in hyper:
+        # Its state is the first parameter's alone: flat vectors over every parameter.
+        return kind("LBFGS", {
+            "exp_avg": "it keeps no first moment", "grad_rms": "it keeps no second moment",
+            "update": "one step() takes up to max_iter iterations, and its state holds the "
+                      "last one's direction alone"}, None)
     if {"prev", "step_size"} <= keys.keys() or "etas" in hyper:
         return kind("Rprop", {"exp_avg": "it keeps no first moment (its prev is the last "
                                          "gradient, zeroed where its sign flipped)",

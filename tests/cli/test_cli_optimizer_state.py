@@ -12,6 +12,7 @@ exit 3 naming the optimizer, where the state does not determine ``Q``.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from .support import ref_norm, rel_err
@@ -125,3 +126,27 @@ def test_adagrad_before_its_first_step_measures_nothing(gradclip, tmp_path):
     result = gradclip("inspect", path, "--what", "grad_rms", "--format", "json")
     assert result.code == 3, result.out
     assert "step 0" in result.err
+
+
+@pytest.mark.parametrize(("name", "make", "closure"), [
+    ("ASGD", lambda m: torch.optim.ASGD(m.parameters(), lr=0.01), False),
+    ("LBFGS", lambda m: torch.optim.LBFGS(m.parameters(), lr=0.1, max_iter=3), True),
+])
+def test_refusals_name_the_optimizer(gradclip, tmp_path, name, make, closure):
+    model = Net()
+    opt = make(model)
+    for step in range(2):
+        x = torch.randn(8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+
+        def loss(x=x):
+            opt.zero_grad()
+            out = model(x).square().sum()
+            out.backward()
+            return out
+        opt.step(loss) if closure else (loss(), opt.step())
+    path = tmp_path / "ck.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    for what in ("exp_avg", "grad_rms", "update"):
+        result = gradclip("inspect", path, "--what", what)
+        assert result.code == 3, (what, result.out)
+        assert f"--what {what}: {name}: " in result.err, result.err
