@@ -228,6 +228,24 @@ REFUSED = [
 ]
 
 
+class _Signum(torch.optim.Optimizer):
+    """An optimizer gradclip has no rule for: its own state key and hyperparameter."""
+
+    def __init__(self, params, lr=0.01, gamma=0.9):
+        super().__init__(params, {"lr": lr, "gamma": gamma})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                trace = self.state[p].setdefault("trace", torch.zeros_like(p))
+                trace.mul_(group["gamma"]).add_(p.grad)
+                p.sub_(trace.sign(), alpha=group["lr"])
+
+
+REFUSED.append(("an unknown optimizer", _Signum, "update", r"state keys \(trace\)"))
+
+
 def _matrices(params):
     """Muon steps 2-D parameters only."""
     return [p for p in params if p.dim() == 2]
