@@ -119,6 +119,24 @@ def test_auto_is_grads_and_key_reaches_any_entry(gradclip, dcp_checkpoint, refer
     assert rel_err(state.json()["total_norm"], _norm(moments.values())) <= TOL
 
 
+@pytest.mark.parametrize(("key", "what"), [("model", "weights"), ("optim", "exp_avg")])
+def test_a_key_naming_the_model_or_the_optimizer_measures_it_as_such(
+        gradclip, dcp_checkpoint, reference, tmp_path, key, what):
+    """The contract's --key rule: a key that names weights or optimizer state measures them
+    as such, never as gradients, and clip refuses it writing nothing."""
+    result = gradclip("inspect", dcp_checkpoint, "--key", key, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["what"] == what
+    assert rel_err(doc["total_norm"], _norm(_expected(reference, what).values())) <= TOL
+    refused = gradclip("inspect", dcp_checkpoint, "--key", key, "--what", "grads")
+    assert refused.code == 3 and "not gradients" in refused.err_lines[0]
+    out = tmp_path / "clipped"
+    clip = gradclip("clip", dcp_checkpoint, "--key", key, "--max-norm", "0.1", "-o", out)
+    assert clip.code == 3 and "clip changes saved gradients only" in clip.err
+    assert not out.exists()
+
+
 def test_metadata_file_given_itself(gradclip, dcp_checkpoint):
     folder = gradclip("inspect", dcp_checkpoint, "--format", "json").json()
     file = gradclip("inspect", dcp_checkpoint / ".metadata", "--format", "json")

@@ -77,6 +77,19 @@ def test_auto_is_exp_avg_and_the_header_names_lightning(gradclip, lightning_shar
     assert grads.code == 3 and "meta.pt" not in grads.err and "optimizer" in grads.err
 
 
+def test_clip_offers_no_key_and_refuses_the_model_and_the_optimizer(gradclip, lightning_sharded,
+                                                                    tmp_path):
+    """The folder's entries are the model and the optimizer: clip's refusal offers no --key
+    (clip never offers weights or optimizer state), and a key naming either is refused."""
+    out = tmp_path / "clipped"
+    result = gradclip("clip", lightning_sharded, "--max-norm", "1", "-o", out)
+    assert result.code == 3 and "--key" not in result.err
+    for key in ("state_dict", "optimizer_0"):
+        keyed = gradclip("clip", lightning_sharded, "--key", key, "--max-norm", "1", "-o", out)
+        assert keyed.code == 3 and "not gradients" in keyed.err, keyed.err
+    assert not out.exists()
+
+
 def _copy(lightning_sharded: Path, tmp_path: Path) -> Path:
     folder = tmp_path / "last.ckpt"
     shutil.copytree(lightning_sharded, folder)

@@ -50,7 +50,8 @@ def open_as(path: Path, said: str, *, key: str | None, trust_pickle: bool,
             contents.evidence[roles.WEIGHT] = f"{said}: its {top!r} entry"
             break
     fill_gradients(contents, folder, key, said)
-    tops = optimizer_tops(folder)
+    # A --key that names the model or an optimizer measures that alone (the --key rule).
+    tops = optimizer_tops(folder) if contents.keyed is None else []
     for name in tops:
         contents.optimizers.append(folder.optimizer(name))
     if tops:
@@ -98,6 +99,8 @@ def fill_gradients(contents: Contents, folder: DcpFolder, key: str | None,
     the one of ``GRADIENT_KEYS`` present, else a flat name -> tensor state dict; the
     evidence names the layout as ``said``."""
     meta_file, paths, tensors = folder.metadata_file, folder.paths, folder.tensors
+    if key is not None and _named(contents, folder, key, said):
+        return
     if key is not None:
         wanted = [part for part in key.split(".") if part]
         found = {}
@@ -129,8 +132,52 @@ def fill_gradients(contents: Contents, folder: DcpFolder, key: str | None,
         contents.evidence[roles.GRADIENT] = contents.evidence[roles.WEIGHT] = flat
         return
     why = "several gradient entries" if present else "no gradients"
-    contents.gradient_error = (f"{meta_file}: {why} (top-level keys: {_tops(paths)}); "
-                               "--key names the one to read")
+    candidates = present or _candidate_tops(folder)
+    hint = (f"; candidates for --key: {', '.join(visible(t) for t in candidates)}"
+            if candidates else "")
+    contents.gradient_error = f"{meta_file}: {why} (top-level keys: {_tops(paths)}){hint}"
+
+
+def _named(contents: Contents, folder: DcpFolder, key: str, said: str) -> bool:
+    """``--key`` naming an optimizer's state or the model's weights: taken as such, never
+    as gradients (True), as ``single_file`` does for one file."""
+    top = ".".join(part for part in key.split(".") if part)
+    shown = visible(key)
+    if folder.holds_optimizer_state(top):
+        contents.optimizers = [folder.optimizer(top)]
+        contents.keyed = roles.OPTIMIZER_STATE
+        contents.evidence[roles.OPTIMIZER_STATE] = f"{said}: --key {shown}: state and " \
+            "param_groups"
+        contents.gradient_error = (f"{folder.metadata_file}: --key {shown} holds an "
+                                   "optimizer's state dict (state and param_groups), not "
+                                   "gradients")
+        return True
+    weights = folder.under(top)
+    evidence = roles.weight_evidence(weights) if weights else None
+    if evidence is None and weights and top in WEIGHT_KEYS:
+        evidence = f"the {shown!r} entry, where scripts keep the model"
+    if evidence is None:
+        return False
+    contents.weights = weights
+    contents.keyed = roles.WEIGHT
+    contents.evidence[roles.WEIGHT] = f"{said}: --key {shown}: {evidence}"
+    contents.gradient_error = (f"{folder.metadata_file}: --key {shown} holds a model's "
+                               f"weights ({evidence}), not gradients")
+    return True
+
+
+def _candidate_tops(folder: DcpFolder) -> list[str]:
+    """Top-level entries that may hold gradients: those holding tensors that are neither
+    the model's weights nor an optimizer's state (``locate.candidate_keys`` in one file)."""
+    out = []
+    for top in folder.tops():
+        held = folder.under(top)
+        if (top in WEIGHT_KEYS or folder.holds_optimizer_state(top) or not held
+                or roles.weight_evidence(held) is not None):
+            continue
+        if any(t.dtype.is_floating_point and len(t.shape) > 0 for t in held.values()):
+            out.append(top)
+    return out
 
 
 def _set_gradients(contents: Contents, found: dict[str, StoredTensor], where: str,
