@@ -194,3 +194,66 @@ def assert_quantities_refused(gradclip, path, kind: str, reasons: dict[str, str]
         line = result.err_lines[0]
         assert f"--what {what}: {kind}: {why}" in line, line
         assert line.endswith(f"available: {available}"), line
+
+
+def suggestions(err: str) -> list[list[str]]:
+    """The flags a refusal offers: ``--what X`` from "available:", ``--key K`` candidates."""
+    out = []
+    if "available: " in err:
+        offered = err.split("available: ", 1)[1].strip()
+        if offered != "nothing gradclip measures":
+            out += [w.split() for w in offered.split(", ")]
+    if "candidates for --key: " in err:
+        listed = err.split("candidates for --key: ", 1)[1].split(";")[0].strip()
+        out += [["--key", k.split(" (")[0]] for k in listed.split(", ")]
+    return out
+
+
+def walk_refusals(gradclip, paths, out) -> tuple[int, int]:
+    """Every refusal of inspect and clip over ``paths`` (each --what): each flag it offers
+    is followed and must succeed and measure what it says; clip never offers weights or
+    optimizer state. ``--what auto`` picks as the contract says: grads where ``--what
+    grads`` works, else exp_avg where it works, else weights. Returns (refusals met,
+    suggestions followed)."""
+    refusals = followed = 0
+    writes = iter(range(1_000_000))
+
+    def output(path) -> Path:  # a fresh one each time: a clip never meets an earlier output
+        folder = Path(out) / f"walk{next(writes)}"
+        folder.mkdir()
+        return folder / f"clipped{Path(path).suffix}"
+
+    for path in paths:
+        for command in ("inspect", "clip"):
+            codes = {}
+            for what in (None, "grads", "exp_avg", "grad_rms", "update", "weights"):
+                if command == "clip" and what not in (None, "grads"):
+                    continue
+                args = [command, path, *(("--what", what) if what else ())]
+                if command == "clip":
+                    args += ["--max-norm", "1", "-o", output(path)]
+                result = gradclip(*args, "--format", "json")
+                codes[what] = result.code
+                if command == "inspect" and result.code in (0, 1):
+                    codes[what] = result.json()["what"]
+                if result.code != 3:
+                    continue
+                refusals += 1
+                assert "Traceback" not in result.err and len(result.err_lines) == 1
+                for flags in suggestions(result.err):
+                    if command == "clip":
+                        assert flags[0] == "--key", result.err  # never --what weights/moments
+                        args[-1] = output(path)
+                    base = args[:2] + args[4:] if flags[0] == "--what" and what else args
+                    done = gradclip(*base, *flags, "--format", "json")
+                    assert done.code in (0, 1), (result.err, flags, done.err)
+                    if command == "inspect":
+                        said = flags[1] if flags[0] == "--what" else what or "grads"
+                        assert done.json()["what"] == said, (path, args, flags)
+                    followed += 1
+            if command == "clip":
+                assert codes[None] == codes["grads"], (path, codes)
+                continue
+            works = [w for w in ("grads", "exp_avg", "weights") if codes[w] == w]
+            assert codes[None] == (works[0] if works else 3), (path, codes)
+    return refusals, followed

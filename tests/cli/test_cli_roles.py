@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .support import ref_norm, rel_err
+from .support import ref_norm, rel_err, walk_refusals
 
 STEPS = 3
 TOL = 1e-6
@@ -283,49 +283,6 @@ def test_one_step_rule_for_inspect_and_trend(gradclip, tmp_path, key):
     assert gradclip("inspect", tmp_path / "g0.pt", "--format", "json").json()["step"] == 7
     doc = gradclip("trend", tmp_path / "g0.pt", tmp_path / "g1.pt", "--format", "json").json()
     assert [p["step"] for p in doc["points"]] == [7, 9]
-
-
-def suggestions(err: str) -> list[list[str]]:
-    """The flags a refusal offers: ``--what X`` from "available:", ``--key K`` candidates."""
-    out = []
-    if "available: " in err:
-        offered = err.split("available: ", 1)[1].strip()
-        if offered != "nothing gradclip measures":
-            out += [w.split() for w in offered.split(", ")]
-    if "candidates for --key: " in err:
-        listed = err.split("candidates for --key: ", 1)[1].split(";")[0].strip()
-        out += [["--key", k.split(" (")[0]] for k in listed.split(", ")]
-    return out
-
-
-def walk_refusals(gradclip, paths, out) -> tuple[int, int]:
-    """Every refusal of inspect and clip over ``paths`` (each --what): each flag it offers
-    is followed and must succeed and measure what it says; clip never offers weights or
-    optimizer state. Returns (refusals met, suggestions followed)."""
-    refusals = followed = 0
-    for path in paths:
-        for command in ("inspect", "clip"):
-            for what in (None, "grads", "exp_avg", "grad_rms", "update", "weights"):
-                if command == "clip" and what not in (None, "grads"):
-                    continue
-                args = [command, path, *(("--what", what) if what else ())]
-                if command == "clip":
-                    args += ["--max-norm", "1", "-o", out / "clipped.pt"]
-                result = gradclip(*args)
-                if result.code != 3:
-                    continue
-                refusals += 1
-                assert "Traceback" not in result.err and len(result.err_lines) == 1
-                for flags in suggestions(result.err):
-                    if command == "clip":
-                        assert flags[0] == "--key", result.err  # never --what weights/moments
-                    base = args[:2] + args[4:] if flags[0] == "--what" and what else args
-                    done = gradclip(*base, *flags, "--format", "json")
-                    assert done.code in (0, 1), (result.err, flags, done.err)
-                    if flags[0] == "--what" and command == "inspect":
-                        assert done.json()["what"] == flags[1]
-                    followed += 1
-    return refusals, followed
 
 
 # ------------------------------------------------------------- every hint works

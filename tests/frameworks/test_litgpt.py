@@ -83,7 +83,7 @@ def test_its_weight_export(gradclip, litgpt_run, tmp_path):
 
 
 def test_every_refusal_offers_only_what_works(gradclip, litgpt_run, tmp_path):
-    from tests.cli.test_cli_roles import walk_refusals
+    from tests.cli.support import walk_refusals
 
     folder = _folder(litgpt_run, 2)
     refusals, followed = walk_refusals(gradclip, [folder, folder / "lit_model.pth"], tmp_path)

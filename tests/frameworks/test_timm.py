@@ -131,7 +131,7 @@ def test_train_py_args_read_as_inert_data(gradclip, timm_runs):
 
 
 def test_every_refusal_offers_only_what_works(gradclip, timm_runs, tmp_path):
-    from tests.cli.test_cli_roles import walk_refusals
+    from tests.cli.support import walk_refusals
 
     paths = [timm_runs / run / "checkpoint-1.pth.tar" for run in ("sgd", "adamw", "lamb", "lars")]
     refusals, followed = walk_refusals(gradclip, paths, tmp_path)

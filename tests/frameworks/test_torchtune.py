@@ -178,7 +178,7 @@ def test_no_gradients_says_what_it_holds(gradclip, run, tmp_path):
 
 
 def test_every_refusal_offers_only_what_works(gradclip, torchtune_runs, tmp_path):
-    from tests.cli.test_cli_roles import walk_refusals
+    from tests.cli.support import walk_refusals
 
     paths = [
         torchtune_runs / "run",

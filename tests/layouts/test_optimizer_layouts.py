@@ -263,7 +263,7 @@ def test_accelerate_automatic_naming_trends_by_step(gradclip, accelerate_auto_ru
 def test_every_refusal_on_these_layouts_offers_only_what_works(
         gradclip, tmp_path, trainer_run, trainer_adafactor, trainer_sgd, accelerate_state,
         sharded_pretrained):
-    from tests.cli.test_cli_roles import walk_refusals
+    from tests.cli.support import walk_refusals
 
     paths = [trainer_run, trainer_adafactor, trainer_sgd, accelerate_state / "optimizer.bin",
              accelerate_state / "model.safetensors", accelerate_state, sharded_pretrained]
@@ -293,7 +293,7 @@ def test_muon_is_never_measured_as_sgd(gradclip, tmp_path, nesterov):
     assert_quantities_refused(gradclip, path, "Muon", {
         "update": "its step orthogonalises the momentum (Newton-Schulz",
         "exp_avg": "its momentum is an average kept without a step count"})
-    from tests.cli.test_cli_roles import walk_refusals
+    from tests.cli.support import walk_refusals
 
     refusals, followed = walk_refusals(gradclip, [path], tmp_path)
     assert refusals >= 3 and followed >= 3
