@@ -1,0 +1,51 @@
+"""Every refusal on the frameworks' own layouts offers only what works (CONTRACT.md, --what).
+
+The checkpoints are the session's fixtures, written by the libraries
+themselves (Lightning, DCP and its Hugging Face layout, accelerate with and
+without FSDP, DeepSpeed alone and under the Trainer, huggingface_hub's
+sharded sets). Each is walked by ``walk_refusals``: inspect and clip with
+each ``--what``, every flag a refusal offers followed. The Trainer's
+folders, accelerate's ``save_state`` folder and a ``save_pretrained`` folder
+are walked in ``test_optimizer_layouts.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cli.support import walk_refusals
+
+
+def _shard(folder):
+    return sorted(folder.glob("*-of-*"))[1]
+
+
+# fixture -> the paths a user may give for it: the checkpoint, and its parts where
+# each is a checkpoint of its own (an index, one shard, DCP's .metadata, a rank folder).
+PATHS = {
+    "lightning_ckpt": lambda p: [p],
+    "lightning_sharded": lambda p: [p],
+    "dcp_checkpoint": lambda p: [p, p / ".metadata"],
+    "dcp_hf_checkpoint": lambda p: [p],
+    "dcp_hf_grads": lambda p: [p],
+    "accelerate_fsdp_run": lambda p: [p / "checkpoint-2", p / "checkpoint-2" / "optimizer_0",
+                                      p / "checkpoint-2" / "pytorch_model_fsdp_0"],
+    "accelerate_state": lambda p: [p.parent / "state_bin"],
+    "accelerate_auto_runs": lambda p: [p / "checkpoint_1"],
+    "sharded_pretrained": lambda p: [p / "model.safetensors.index.json", _shard(p)],
+    "sharded_bin": lambda p: [p, p / "pytorch_model.bin.index.json", _shard(p)],
+    "deepspeed_runs": lambda p: [p / "zero1", p / "zero2", p / "zero3",
+                                 p / "zero2" / "global_step2"],
+    "deepspeed_trainer_run": lambda p: [p / "checkpoint-3", p / "checkpoint-3" / "global_step3"],
+}
+# Each lacks something a command asks for (gradients, optimizer state...), but these two:
+# gradients, weights and Adam state, all of them (the walk checks --what auto there).
+REFUSES_NOTHING = {"dcp_checkpoint", "lightning_ckpt"}
+
+
+@pytest.mark.parametrize("fixture", list(PATHS))
+def test_every_refusal_offers_only_what_works(gradclip, request, tmp_path, fixture):
+    paths = PATHS[fixture](request.getfixturevalue(fixture))
+    refusals, followed = walk_refusals(gradclip, paths, tmp_path)
+    if fixture not in REFUSES_NOTHING:
+        assert refusals >= len(paths) and followed >= 1
