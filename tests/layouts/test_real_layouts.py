@@ -121,6 +121,29 @@ def test_lightning_checkpoint(gradclip, lightning_ckpt):
         assert rel_err(row["ratio"], ratio) <= TOL
 
 
+@pytest.mark.parametrize("what", ["grad_rms", "update", "weights"])
+def test_lightning_checkpoint_other_quantities(gradclip, lightning_ckpt, what):
+    """The rest of what a Lightning .ckpt holds, per parameter, against float64 from the
+    file as torch.load reads it (the moments mapped by module order, as above)."""
+    saved = torch.load(lightning_ckpt, weights_only=True)
+    optimizer = saved["optimizer_states"][0]
+    group = optimizer["param_groups"][0]
+    beta1, beta2 = group["betas"]
+    expected = {}
+    for pid, (name, weight) in enumerate(saved["state_dict"].items()):
+        state = optimizer["state"][pid]
+        m = state["exp_avg"].double() / (1 - beta1 ** float(state["step"]))
+        v = state["exp_avg_sq"].double() / (1 - beta2 ** float(state["step"]))
+        expected[name] = {"grad_rms": v.sqrt(), "weights": weight.double(),
+                          "update": group["lr"] * m / (v.sqrt() + group["eps"])}[what]
+    doc = gradclip("inspect", lightning_ckpt, "--what", what, "--format", "json").json()
+    assert doc["what"] == what
+    assert rel_err(doc["total_norm"], _norm(expected.values())) <= TOL
+    assert {row["name"] for row in doc["tensors"]} == set(expected)
+    for row in doc["tensors"]:
+        assert rel_err(row["norm"], _norm([expected[row["name"]]])) <= TOL, row["name"]
+
+
 @pytest.mark.parametrize("given", ["folder", "index"])
 @pytest.mark.parametrize("fixture", ["sharded_pretrained", "sharded_bin"])
 def test_sharded_set_one_total(gradclip, request, fixture, given):
