@@ -49,3 +49,24 @@ def test_every_refusal_offers_only_what_works(gradclip, request, tmp_path, fixtu
     refusals, followed = walk_refusals(gradclip, paths, tmp_path)
     if fixture not in REFUSES_NOTHING:
         assert refusals >= len(paths) and followed >= 1
+
+
+@pytest.mark.parametrize(("fixture", "sub", "said"), [
+    ("trainer_run", "", "a Trainer checkpoint"),
+    ("accelerate_state", "", "an accelerate save_state folder"),
+    ("deepspeed_runs", "zero2", "a DeepSpeed checkpoint"),
+    ("deepspeed_trainer_run", "checkpoint-3", "a DeepSpeed checkpoint"),
+])
+@pytest.mark.parametrize("key", ["model", "grads"])
+def test_a_key_where_the_layout_names_everything_is_refused(gradclip, request, fixture, sub,
+                                                            said, key):
+    """These layouts save no gradients and name their weights and optimizer state
+    themselves: a --key is refused (as torchtitan's is), never ignored while the default
+    measures something else."""
+    path = request.getfixturevalue(fixture)
+    path = path / sub if sub else path
+    result = gradclip("inspect", path, "--key", key)
+    assert result.code == 3 and result.out == ""
+    assert result.err_lines == [
+        f"gradclip: {path}: --key {key!r}: {said} saves no gradients and gradclip names its "
+        "weights and optimizer state itself: drop --key (--what chooses what is measured)"]

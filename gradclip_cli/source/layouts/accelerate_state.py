@@ -43,6 +43,7 @@ from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.interface import Contents, stored
 from gradclip_cli.source.vocabulary import step_value
 
+from .dcp_frameworks import refuse_key
 from .paths import member
 from .torch_optim import optimizer_state
 
@@ -70,6 +71,7 @@ def recognises(path: Path) -> bool:
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    refuse_key(path, key, "an accelerate save_state folder")
     names = _names(path)
     more = sorted(n for n in names if _NUMBERED.fullmatch(n))
     if more:

@@ -113,6 +113,7 @@ from gradclip_cli.source.interface import (
 from gradclip_cli.source.what import map_names
 
 from . import hf_trainer
+from .dcp_frameworks import refuse_key
 from .paths import inside
 from .tensor_parallel import hidden_size, merged, split_axis
 from .torch_optim import is_optimizer_state, optimizer_state
@@ -215,6 +216,7 @@ def near_miss(path: Path) -> str | None:
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    refuse_key(path, key, "a DeepSpeed checkpoint")
     tag_note = ""
     folder = path
     if os.path.isfile(path):

@@ -29,6 +29,7 @@ from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.interface import Contents, stored
 
 from . import hf_sharded
+from .dcp_frameworks import refuse_key
 from .paths import member, read_json
 from .torch_optim import optimizer_state
 
@@ -52,6 +53,7 @@ def recognises(path: Path) -> bool:
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    refuse_key(path, key, "a Trainer checkpoint")
     contents = Contents(path=path, kind=KIND)
     contents.step = global_step(path)
     _read_weights(contents, path, trust_pickle=trust_pickle, verify=verify)
