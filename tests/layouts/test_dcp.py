@@ -518,3 +518,37 @@ def test_blob_at_an_odd_offset(tmp_path, monkeypatch, unaligned_ok):
         assert read["w"].data_ptr() % 8 == 0
     with pytest.raises(Outside, match="past the end"):
         torch_zip_reader.restricted_read(path, (3, len(data) + 10))
+
+
+def test_a_plain_optimizer_state_dict_saved_by_dcp(gradclip, tmp_path):
+    """``dcp.save`` of ``optimizer.state_dict()`` itself (no ``get_state_dict``): DCP keeps
+    the state's int ids as strings ("0") beside the param groups' int ids; both are the
+    same parameters, mapped to names by the model's order."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    adam = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(2):
+        adam.zero_grad()
+        x = torch.randn(5, 3, generator=torch.Generator().manual_seed(step))
+        model(x).square().sum().backward()
+        adam.step()
+    state = adam.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP saves as one process
+        dcp.save({"model": model.state_dict(), "optimizer": state},
+                 checkpoint_id=str(tmp_path / "ckpt"))
+    expected = {name: state["state"][pid]["exp_avg"].double()
+                / (1 - 0.9 ** float(state["state"][pid]["step"]))
+                for pid, (name, _) in enumerate(model.named_parameters())}
+    result = gradclip("inspect", tmp_path / "ckpt", "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["what"] == "exp_avg"
+    assert rel_err(doc["total_norm"], _norm(expected.values())) <= TOL
+    assert [row["name"] for row in doc["tensors"]] == list(expected)
+    for row in doc["tensors"]:
+        assert rel_err(row["norm"], _norm([expected[row["name"]]])) <= TOL, row["name"]

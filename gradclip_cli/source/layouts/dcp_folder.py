@@ -431,6 +431,7 @@ def _optimizer(meta: DcpMetadata, top: str, paths, tensors, files) -> OptimizerS
                                  "<index>.<key>")
             groups.setdefault(p[2], {})[p[3]] = _value(meta, k, tensors, files)
     ids: dict[object, int] = {}
+    numbered: set[str] = set()  # ids of a plain state_dict(), not names
     param_groups = []
     for g in sorted(groups):
         group = groups[g]
@@ -439,14 +440,19 @@ def _optimizer(meta: DcpMetadata, top: str, paths, tensors, files) -> OptimizerS
                 isinstance(q, (str, int)) and not isinstance(q, bool) for q in params):
             raise InputError(f"{bad}: param group {g} has no 'params' list of names or ids")
         for q in params:
+            if isinstance(q, int):
+                # DCP keeps a dict's keys as strings: a plain state_dict()'s state.0 is
+                # saved as "0", while its param groups' params list keeps the int 0.
+                q = str(q)
+                numbered.add(q)
             if q in ids:
                 raise InputError(f"{bad}: parameter {visible(repr(q))} is in two param groups")
             ids[q] = len(ids)
-        param_groups.append({**group, "params": [ids[q] for q in params]})
+        param_groups.append({**group, "params": [ids[str(q)] for q in params]})
     for q in state:
         if q not in ids:
             raise InputError(f"{bad}: state holds {visible(repr(q))}, which no param group lists")
-    names = {i: q for q, i in ids.items() if isinstance(q, str)}
+    names = {i: q for q, i in ids.items() if isinstance(q, str) and q not in numbered}
     return OptimizerState(param_groups, {ids[q]: e for q, e in state.items()},
                           names if len(names) == len(ids) and names else None, meta.path)
 
