@@ -70,3 +70,28 @@ def test_a_key_where_the_layout_names_everything_is_refused(gradclip, request, f
     assert result.err_lines == [
         f"gradclip: {path}: --key {key!r}: {said} saves no gradients and gradclip names its "
         "weights and optimizer state itself: drop --key (--what chooses what is measured)"]
+
+
+def test_a_dcp_folder_without_gradients_offers_its_other_entries(gradclip, tmp_path):
+    """A DCP folder's refusal lists as --key candidates the entries that may hold
+    gradients, never the model, the optimizer or a scalar; following one works."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Linear(3, 2)
+    adam = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).square().sum().backward()
+    adam.step()
+    accumulated = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP saves as one process
+        dcp.save({"model": model.state_dict(), "optimizer": adam.state_dict(),
+                  "accumulated": accumulated, "step": 1},
+                 checkpoint_id=str(tmp_path / "ckpt"))
+    refused = gradclip("inspect", tmp_path / "ckpt", "--what", "grads")
+    assert refused.code == 3
+    assert "; candidates for --key: accumulated; " in refused.err_lines[0]
+    refusals, followed = walk_refusals(gradclip, [tmp_path / "ckpt"], tmp_path)
+    assert refusals >= 3 and followed >= 3
