@@ -67,6 +67,15 @@ def at_key(root: Any, key: str, *, path: Path | str | None = None) -> Any:
     return _at(root, _follow(root, key, where))
 
 
+def enclosing(root: Any, key: str, *, path: Path | str | None = None
+              ) -> list[tuple[str, Any]]:
+    """The entries the dotted ``key`` passes through on its way, outermost first: each
+    one's dotted key and value (``InputError`` if ``key`` names nothing)."""
+    where = f"{path}: " if path is not None else ""
+    key_path = _follow(root, key, where)
+    return [(_shown_key(key_path[:n]), _at(root, key_path[:n])) for n in range(1, len(key_path))]
+
+
 def _follow(root: Any, key: str, where: str) -> tuple[str, ...]:
     """Resolve a dotted key; a part may itself contain dots (``"model.grads"`` as one key).
 

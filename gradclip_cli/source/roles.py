@@ -115,6 +115,15 @@ def contradiction(gradients: Mapping[str, Any], said: str) -> None:
                          "_metadata): a module's weights, not gradients")
 
 
+def part_of(said: str, key: str, entry: str, whole: str) -> InputError:
+    """A ``--key`` that leads inside ``entry``, a model's weights or an optimizer's state
+    dict (``whole`` says which, and why): part of it is not gradients, and gradclip
+    measures such an entry only whole, as what it is."""
+    return InputError(
+        f"{said}: --key {visible(repr(key))} lies inside {visible(repr(entry))}, {whole}: "
+        f"not gradients; gradclip measures it whole (gradclip inspect --key {visible(entry)})")
+
+
 def describe(contents: Contents) -> list[Role]:
     """Every tensor of ``contents`` with its role, in one list: the checkpoint's description."""
     out: list[Role] = []

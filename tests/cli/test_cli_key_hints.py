@@ -43,13 +43,16 @@ def adamw_state(grads: dict[str, torch.Tensor]) -> dict:
 
 
 def test_integer_components_index_lists(gradclip, tmp_path, grads):
-    # Lightning's layout: a list of optimizer state dicts.
+    # A list of gradient dicts (one per micro-batch); Lightning keeps its optimizer
+    # state dicts in such a list too, and an integer part reaches either.
     path = tmp_path / "lightning_like.ckpt"
-    torch.save({"optimizer_states": [adamw_state(grads)], "state_dict": grads}, path)
-    result = gradclip("inspect", path, "--key", "optimizer_states.0.state", "--format", "json")
+    torch.save({"optimizer_states": [adamw_state(grads)], "micro_grads": [{}, grads]}, path)
+    result = gradclip("inspect", path, "--key", "micro_grads.1", "--format", "json")
     assert result.code == 0, result.err
-    names = [t["name"] for t in result.json()["tensors"]]
-    assert "0.exp_avg" in names and "0.exp_avg_sq" in names
+    assert [t["name"] for t in result.json()["tensors"]] == list(grads)
+    state = gradclip("inspect", path, "--key", "optimizer_states.0", "--format", "json")
+    assert state.code == 0, state.err
+    assert state.json()["what"] == "exp_avg"
     # Out of range: the error says what the list holds.
     err = assert_one_error_line(gradclip("inspect", path, "--key", "optimizer_states.3"), path)
     assert "no entry '3' at optimizer_states (a list of 1: positions 0 to 0)" in err

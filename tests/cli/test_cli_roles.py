@@ -238,6 +238,36 @@ def test_key_naming_optimizer_state_measures_it_as_such(gradclip, runs):
         assert refused.code == 3 and "holds an optimizer's state dict" in refused.err
 
 
+@pytest.mark.parametrize(("key", "entry", "whole"), [
+    ("optimizer.state.0", "optimizer", "an optimizer's state dict"),
+    ("optimizer_states.0.state", "optimizer_states.0", "an optimizer's state dict"),
+    ("nested.model.extra", "nested.model", "a model's weights (a state_dict"),
+])
+def test_a_key_inside_weights_or_optimizer_state_is_refused(gradclip, runs, tmp_path, key,
+                                                           entry, whole):
+    """Part of an optimizer's state (one parameter's moments and step) or of a model's
+    weights is not gradients: exit 3, nothing written, and what it names works whole."""
+    run = runs["AdamW"]
+    path = tmp_path / "ck.pt"
+    weights = torch.nn.BatchNorm1d(3).state_dict()
+    weights["extra"] = {"w": torch.ones(2)}  # a module's extra state may be a mapping
+    torch.save({"optimizer": run.opt, "optimizer_states": [run.opt],
+                "nested": {"model": weights}}, path)
+    before = path.read_bytes()
+    for command in (["inspect"], ["clip", "--max-norm", "1e-9"]):
+        result = gradclip(*command, path, "--key", key)
+        assert result.code == 3 and result.out == ""
+        assert len(result.err_lines) == 1
+        assert result.err_lines[0].startswith(
+            f"gradclip: {path}: --key {key!r} lies inside {entry!r}, {whole}")
+        assert result.err_lines[0].endswith(
+            f": not gradients; gradclip measures it whole (gradclip inspect --key {entry})")
+    assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
+    whole_entry = gradclip("inspect", path, "--key", entry, "--format", "json")
+    assert whole_entry.code == 0, whole_entry.err
+    assert whole_entry.json()["what"] == ("weights" if "weights" in whole else "exp_avg")
+
+
 def test_key_naming_weights_is_never_clipped(gradclip, runs, tmp_path):
     run = runs["SGD"]
     path = tmp_path / "ck.pt"

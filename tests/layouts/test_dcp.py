@@ -103,20 +103,26 @@ def test_other_norms(gradclip, dcp_checkpoint, reference, p):
     assert rel_err(result.json()["total_norm"], float(grads.norm(float(p)))) <= TOL
 
 
-def test_auto_is_grads_and_key_reaches_any_entry(gradclip, dcp_checkpoint, reference):
+def test_auto_is_grads_and_key_reaches_any_entry(gradclip, dcp_checkpoint, reference, tmp_path):
     auto = gradclip("inspect", dcp_checkpoint, "--format", "json").json()
     assert auto["what"] == "grads"
     keyed = gradclip("inspect", dcp_checkpoint, "--key", "model", "--format", "json")
     assert keyed.code == 0, keyed.err
     assert rel_err(keyed.json()["total_norm"], _norm(reference["model"].values())) <= TOL
-    state = gradclip("inspect", dcp_checkpoint, "--key", "optim.state.0.weight",
-                     "--format", "json")
-    assert state.code == 0, state.err
-    # Every floating-point tensor under the key, as --key does in one file: the
-    # moments and the 0-dim float step.
-    moments = reference["optim"]["state"]["0.weight"]
-    assert {t["name"] for t in state.json()["tensors"]} == set(moments)
-    assert rel_err(state.json()["total_norm"], _norm(moments.values())) <= TOL
+    # Part of the optimizer's state (one parameter's moments and its step) or of the
+    # model is not gradients, as in one file: exit 3 for inspect and clip alike.
+    meta = dcp_checkpoint / ".metadata"
+    for key, entry, whole in (
+            ("optim.state.0.weight", "optim", "an optimizer's state dict"),
+            ("model.0", "model", "a model's weights")):
+        for command in (["inspect"], ["clip", "--max-norm", "1e-9", "-o", tmp_path / "o"]):
+            part = gradclip(*command, dcp_checkpoint, "--key", key)
+            assert part.code == 3 and part.out == ""
+            assert part.err_lines[0].startswith(
+                f"gradclip: {meta}: --key {key!r} lies inside {entry!r}, {whole}")
+            assert part.err_lines[0].endswith(
+                f"not gradients; gradclip measures it whole (gradclip inspect --key {entry})")
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize(("key", "what"), [("model", "weights"), ("optim", "exp_avg")])

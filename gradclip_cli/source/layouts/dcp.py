@@ -141,7 +141,21 @@ def fill_gradients(contents: Contents, folder: DcpFolder, key: str | None,
 def _named(contents: Contents, folder: DcpFolder, key: str, said: str) -> bool:
     """``--key`` naming an optimizer's state or the model's weights: taken as such, never
     as gradients (True), as ``single_file`` does for one file."""
-    top = ".".join(part for part in key.split(".") if part)
+    parts = [part for part in key.split(".") if part]
+    for n in range(1, len(parts)):
+        entry = ".".join(parts[:n])
+        if entry not in folder.tops():
+            continue
+        if folder.holds_optimizer_state(entry):
+            raise roles.part_of(str(folder.metadata_file), key, entry,
+                                "an optimizer's state dict (state and param_groups)")
+        evidence = roles.weight_evidence(folder.under(entry))
+        if evidence is None and entry in WEIGHT_KEYS:
+            evidence = f"the {entry!r} entry, where scripts keep the model"
+        if evidence is not None:
+            raise roles.part_of(str(folder.metadata_file), key, entry,
+                                f"a model's weights ({evidence})")
+    top = ".".join(parts)
     shown = visible(key)
     if folder.holds_optimizer_state(top):
         contents.optimizers = [folder.optimizer(top)]

@@ -100,7 +100,15 @@ def _gradients(contents, root, path, key, selection, metadata) -> None:
 
 
 def _named(contents: Contents, root: Any, path: Path, key: str) -> bool:
-    """``--key`` naming optimizer state or a model's weights: taken as such (True)."""
+    """``--key`` naming optimizer state or a model's weights: taken as such (True); one
+    leading inside them is refused."""
+    for entry, value in locate.enclosing(root, key, path=path):
+        if is_optimizer_state(value):
+            raise roles.part_of(str(path), key, entry,
+                                "an optimizer's state dict (state and param_groups)")
+        evidence = roles.weight_evidence(value) if isinstance(value, Mapping) else None
+        if evidence is not None:
+            raise roles.part_of(str(path), key, entry, f"a model's weights ({evidence})")
     node = locate.at_key(root, key, path=path)
     shown = visible(key)
     if key.rsplit(".", 1)[-1] in GRADIENT_KEYS and isinstance(node, Mapping):
