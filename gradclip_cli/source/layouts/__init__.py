@@ -20,6 +20,7 @@ from pathlib import Path
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.files.megatron_pickle import NamespaceState
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, Layout, WriteBack
@@ -60,6 +61,9 @@ LAYOUTS: tuple[Layout, ...] = (
     dcp_hf,
 )
 
+# The layouts whose checkpoint is itself one DCP folder, laid out the framework's way.
+_DCP_FRAMEWORKS: tuple[Layout, ...] = (megatron, torchtitan)
+
 
 def open_checkpoint(
     path: Path | str, *, key: str | None = None, trust_pickle: bool = False,
@@ -70,6 +74,15 @@ def open_checkpoint(
     Every failure is an ``InputError`` with one line naming the file.
     """
     path = Path(path)
+    if path.name == METADATA_NAME and os.path.isfile(path):
+        # A DCP folder's .metadata given itself, in a folder a framework lays out its own
+        # way: read as that folder. Read as a plain DCP folder, Megatron's flat keys
+        # (weights, moments, main params) would be one flat mapping taken for gradients,
+        # and a torchtitan weights-only export would be too.
+        for layout in _DCP_FRAMEWORKS:
+            if layout.recognises(path.parent):
+                return settle(layout.open(path.parent, key=key, trust_pickle=trust_pickle,
+                                          verify=verify))
     for layout in LAYOUTS:
         if layout.recognises(path):
             return settle(layout.open(path, key=key, trust_pickle=trust_pickle, verify=verify))
