@@ -73,3 +73,21 @@ def test_every_refusal_offers_only_what_works(gradclip, request, tmp_path, fixtu
     refusals, followed = walk_refusals(gradclip, paths, tmp_path)
     assert refusals >= 2 * len(paths) and followed >= len(paths)
 
+
+def test_olmo_cores_model_and_optim_folder_holds_its_optimizer(gradclip, olmo_core_runs):
+    """``stepN/model_and_optim/`` alone is a DCP folder whose ``optim`` entry is the optimizer
+    flattened by parameter name: measured as the step folder measures it, never offered as
+    a --key for gradients (it was, and --key optim measured the moments as gradients)."""
+    step = olmo_core_runs[2] / "run" / "step2"
+    part = step / "model_and_optim"
+    for what in ("exp_avg", "update"):
+        whole = gradclip("inspect", step, "--what", what, "--format", "json").json()
+        alone = gradclip("inspect", part, "--what", what, "--format", "json").json()
+        assert rel_err(alone["total_norm"], whole["total_norm"]) <= TOL
+    assert gradclip("inspect", part, "--format", "json").json()["what"] == "exp_avg"
+    refused = gradclip("inspect", part, "--what", "grads")
+    assert refused.code == 3 and "--key" not in refused.err
+    assert gradclip("inspect", part, "--key", "optim", "--format", "json").json()["what"] == \
+        "exp_avg"
+    inside = gradclip("inspect", part, "--key", "optim.state")
+    assert inside.code == 3 and "lies inside 'optim'" in inside.err

@@ -72,7 +72,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         tops = dcp.optimizer_tops(part)
         if not tops:
             raise InputError(f"{path / name / METADATA_NAME}: holds no optimizer state")
-        contents.optimizers += [part.optimizer(top) for top in tops]
+        contents.optimizers += [dcp.optimizer(part, top) for top in tops]
         contents.files += part.files
     if optimizers:
         contents.evidence[roles.OPTIMIZER_STATE] = \

@@ -18,14 +18,16 @@ from pathlib import Path
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import roles
-from gradclip_cli.source.interface import Contents, StoredTensor
+from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor
 from gradclip_cli.source.locate import GRADIENT_KEYS
 from gradclip_cli.source.vocabulary import OPTIMIZER_KEYS, STEP_KEYS, WEIGHT_KEYS
 
 from .dcp_folder import DcpFolder, hold_gradient_chunks, read_folder, recognises, renamed
+from .dcp_frameworks import fqn_optimizer
 
-__all__ = ["KIND", "SAID", "fill_gradients", "first_under", "model_weights", "open",
-           "open_as", "optimizer_tops", "recognises", "write_back"]
+__all__ = ["KIND", "SAID", "fill_gradients", "first_under", "holds_optimizer_state",
+           "model_weights", "open", "open_as", "optimizer", "optimizer_tops", "recognises",
+           "write_back"]
 
 KIND = "dcp"
 SAID = "a DCP checkpoint"  # how the report's evidence names the layout
@@ -53,7 +55,7 @@ def open_as(path: Path, said: str, *, key: str | None, trust_pickle: bool,
     # A --key that names the model or an optimizer measures that alone (the --key rule).
     tops = optimizer_tops(folder) if contents.keyed is None else []
     for name in tops:
-        contents.optimizers.append(folder.optimizer(name))
+        contents.optimizers.append(optimizer(folder, name))
     if tops:
         shown = ", ".join(repr(t) for t in tops)
         contents.evidence[roles.OPTIMIZER_STATE] = \
@@ -146,7 +148,7 @@ def _named(contents: Contents, folder: DcpFolder, key: str, said: str) -> bool:
         entry = ".".join(parts[:n])
         if entry not in folder.tops():
             continue
-        if folder.holds_optimizer_state(entry):
+        if holds_optimizer_state(folder, entry):
             raise roles.part_of(str(folder.metadata_file), key, entry,
                                 "an optimizer's state dict (state and param_groups)")
         evidence = roles.weight_evidence(folder.under(entry))
@@ -157,8 +159,8 @@ def _named(contents: Contents, folder: DcpFolder, key: str, said: str) -> bool:
                                 f"a model's weights ({evidence})")
     top = ".".join(parts)
     shown = visible(key)
-    if folder.holds_optimizer_state(top):
-        contents.optimizers = [folder.optimizer(top)]
+    if holds_optimizer_state(folder, top):
+        contents.optimizers = [optimizer(folder, top)]
         contents.keyed = roles.OPTIMIZER_STATE
         contents.evidence[roles.OPTIMIZER_STATE] = f"{said}: --key {shown}: state and " \
             "param_groups"
@@ -186,7 +188,7 @@ def _candidate_tops(folder: DcpFolder) -> list[str]:
     out = []
     for top in folder.tops():
         held = folder.under(top)
-        if (top in WEIGHT_KEYS or folder.holds_optimizer_state(top) or not held
+        if (top in WEIGHT_KEYS or holds_optimizer_state(folder, top) or not held
                 or roles.weight_evidence(held) is not None):
             continue
         if any(t.dtype.is_floating_point and len(t.shape) > 0 for t in held.values()):
@@ -212,15 +214,36 @@ def _tops(paths) -> str:
     return shown + (f" and {len(tops) - 8} more" if len(tops) > 8 else "")
 
 
+def holds_optimizer_state(folder: DcpFolder, top: str) -> bool:
+    """Whether ``top`` holds an optimizer state dict: ``state`` and ``param_groups`` nested,
+    or flattened by parameter name (``_flattened``)."""
+    return folder.holds_optimizer_state(top) or bool(_flattened(folder, top))
+
+
+def optimizer(folder: DcpFolder, top: str) -> OptimizerState:
+    """The optimizer state dict saved under ``top``, nested or flattened."""
+    flat = _flattened(folder, top)
+    return fqn_optimizer(folder, flat) if flat else folder.optimizer(top)
+
+
+def _flattened(folder: DcpFolder, top: str) -> dict[str, str]:
+    """An optimizer state dict flattened by parameter name under ``top`` (torch's
+    ``get_optimizer_state_dict`` with ``flatten_optimizer_state_dict``, as OLMo-core's
+    ``optim`` and torchtitan's ``optimizer``): each DCP key -> ``state.<fqn>.<key>`` or
+    ``param_groups.<fqn>.<key>``. Its tensors are moments, never gradients."""
+    return {k: str(p[1]) for k, p in folder.paths.items()
+            if len(p) == 2 and p[0] == top and str(p[1]).startswith(("state.", "param_groups."))}
+
+
 def optimizer_tops(folder: DcpFolder) -> list[str]:
     """The top-level keys holding optimizer state: the first of ``OPTIMIZER_KEYS`` that
     does, else Lightning's ``optimizer_0``, ``optimizer_1``... (one per optimizer)."""
     for name in OPTIMIZER_KEYS:
-        if folder.holds_optimizer_state(name):
+        if holds_optimizer_state(folder, name):
             return [name]
     numbered = [t for t in folder.tops() if _LIGHTNING_OPTIMIZER.fullmatch(t)]
     return [t for t in sorted(numbered, key=lambda t: int(t.rsplit("_", 1)[1]))
-            if folder.holds_optimizer_state(t)]
+            if holds_optimizer_state(folder, t)]
 
 
 def write_back(contents: Contents):
