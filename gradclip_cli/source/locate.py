@@ -9,6 +9,7 @@ candidate keys.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,26 @@ def enclosing(root: Any, key: str, *, path: Path | str | None = None
     where = f"{path}: " if path is not None else ""
     key_path = _follow(root, key, where)
     return [(_shown_key(key_path[:n]), _at(root, key_path[:n])) for n in range(1, len(key_path))]
+
+
+def within(root: Any, key: str, *, path: Path | str | None = None
+           ) -> Iterator[tuple[str, Any]]:
+    """Every mapping nested inside what the dotted ``key`` names (not that itself), each
+    with its dotted key, outermost first (``InputError`` if ``key`` names nothing)."""
+    where = f"{path}: " if path is not None else ""
+    start = _follow(root, key, where)
+    seen: set[int] = set()
+    queue = deque([(start, _at(root, start))])
+    while queue:
+        key_path, node = queue.popleft()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for entry, value in _children(node):
+            if isinstance(value, (Mapping, list, tuple)):
+                if isinstance(value, Mapping):
+                    yield _shown_key((*key_path, str(entry))), value
+                queue.append(((*key_path, str(entry)), value))
 
 
 def _follow(root: Any, key: str, where: str) -> tuple[str, ...]:

@@ -124,6 +124,15 @@ def part_of(said: str, key: str, entry: str, whole: str) -> InputError:
         f"not gradients; gradclip measures it whole (gradclip inspect --key {visible(entry)})")
 
 
+def holding(said: str, key: str, entry: str, whole: str) -> InputError:
+    """A ``--key`` whose entry holds ``entry``, a model's weights or an optimizer's state
+    dict (``whole`` says which, and why): what it names is not gradients, and gradclip
+    measures such an entry only whole, as what it is."""
+    return InputError(
+        f"{said}: --key {visible(repr(key))} holds {visible(repr(entry))}, {whole}: "
+        f"not gradients; gradclip measures it whole (gradclip inspect --key {visible(entry)})")
+
+
 def describe(contents: Contents) -> list[Role]:
     """Every tensor of ``contents`` with its role, in one list: the checkpoint's description."""
     out: list[Role] = []

@@ -268,6 +268,35 @@ def test_a_key_inside_weights_or_optimizer_state_is_refused(gradclip, runs, tmp_
     assert whole_entry.json()["what"] == ("weights" if "weights" in whole else "exp_avg")
 
 
+@pytest.mark.parametrize(("key", "entry", "whole"), [
+    ("per_parameter", "per_parameter.w", "an optimizer's state dict"),
+    ("optimizer_states", "optimizer_states.0", "an optimizer's state dict"),
+    ("nested", "nested.model", "a model's weights (a state_dict"),
+])
+def test_a_key_holding_weights_or_optimizer_state_is_refused(gradclip, runs, tmp_path, key,
+                                                            entry, whole):
+    """An entry that holds an optimizer's state dict (torchtune's optimizer_in_bwd keeps one
+    per parameter) or a model's weights is not gradients: exit 3, nothing written, and
+    the entry it names works whole. It was measured, and clipped, as gradients."""
+    run = runs["AdamW"]
+    path = tmp_path / "ck.pt"
+    torch.save({"per_parameter": {"w": run.opt}, "optimizer_states": [run.opt],
+                "nested": {"model": torch.nn.BatchNorm1d(3).state_dict()}}, path)
+    before = path.read_bytes()
+    for command in (["inspect"], ["clip", "--max-norm", "1e-9"]):
+        result = gradclip(*command, path, "--key", key)
+        assert result.code == 3 and result.out == ""
+        assert len(result.err_lines) == 1
+        assert result.err_lines[0].startswith(
+            f"gradclip: {path}: --key {key!r} holds {entry!r}, {whole}")
+        assert result.err_lines[0].endswith(
+            f": not gradients; gradclip measures it whole (gradclip inspect --key {entry})")
+    assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
+    whole_entry = gradclip("inspect", path, "--key", entry, "--format", "json")
+    assert whole_entry.code == 0, whole_entry.err
+    assert whole_entry.json()["what"] == ("weights" if "weights" in whole else "exp_avg")
+
+
 def test_key_naming_weights_is_never_clipped(gradclip, runs, tmp_path):
     run = runs["SGD"]
     path = tmp_path / "ck.pt"

@@ -120,12 +120,11 @@ def _named(contents: Contents, root: Any, path: Path, key: str) -> bool:
         contents.gradient_error = (f"{path}: --key {shown} holds an optimizer's state dict "
                                    "(state and param_groups), not gradients")
         return True
-    if not isinstance(node, Mapping) or not node:
-        return False
-    evidence = roles.weight_evidence(node)
-    if evidence is None and key in WEIGHT_KEYS:
+    evidence = roles.weight_evidence(node) if isinstance(node, Mapping) and node else None
+    if evidence is None and key in WEIGHT_KEYS and isinstance(node, Mapping) and node:
         evidence = f"the {shown!r} entry, where scripts keep the model"
     if evidence is None:
+        _refuse_what_it_holds(root, path, key)
         return False
     tensors = {str(k): v for k, v in node.items() if isinstance(v, torch.Tensor)}
     contents.weights, contents.buffers = roles.split_buffers(stored(tensors, path))
@@ -134,6 +133,22 @@ def _named(contents: Contents, root: Any, path: Path, key: str) -> bool:
     contents.gradient_error = (f"{path}: --key {shown} holds a model's weights ({evidence}), "
                                "not gradients")
     return True
+
+
+def _refuse_what_it_holds(root: Any, path: Path, key: str) -> None:
+    """A ``--key`` whose entry holds an optimizer's state dict or a model's weights
+    (torchtune's ``optimizer_in_bwd`` keeps one optimizer state dict per parameter under
+    ``optimizer``): their tensors are not gradients, so the key is refused, naming the
+    first such entry to measure whole."""
+    if not isinstance(locate.at_key(root, key, path=path), (Mapping, list, tuple)):
+        return
+    for entry, value in locate.within(root, key, path=path):
+        if is_optimizer_state(value):
+            raise roles.holding(str(path), key, entry,
+                                "an optimizer's state dict (state and param_groups)")
+        evidence = roles.weight_evidence(value)
+        if evidence is not None:
+            raise roles.holding(str(path), key, entry, f"a model's weights ({evidence})")
 
 
 def _others(contents: Contents, root: Any, path: Path, skip: str | None = None) -> None:
