@@ -45,7 +45,8 @@ BUFFER_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 _WEIGHT_FILE = re.compile(
     r"(model|pytorch_model|lit_model|consolidated|adapter_model|diffusion_pytorch_model)"
     r"([-.]\d+(-of-\d+)?)?\.(safetensors|bin|pth|pt)|hf_model_\d+_\d+\.pt|"
-    r"model-\d+-of-\d+\.(safetensors|bin|pt)")
+    r"model-\d+-of-\d+\.(safetensors|bin|pt)|"
+    r"layer_\d+(-model_\d+)?-model_states\.pt")  # a DeepSpeed PipelineModule layer's weights
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,25 @@ def test_pipeline_stages_match_a_plain_adamw_run(deepspeed_runs, what):
     assert "layer_XX-model_states.pt files are not read" in text
 
 
+@pytest.mark.parametrize("run_name", ["pipe2_zero1", "pipe2_zero0"])
+def test_a_layer_file_given_alone_is_its_weights(deepspeed_runs, run_name, tmp_path):
+    """``layer_II-model_states.pt`` alone is the layer's ``state_dict()`` (DeepSpeed saves
+    it without torch's _metadata): its name is the evidence, it is measured as weights and
+    never as gradients, nor clipped. It was a flat mapping measured as gradients."""
+    layers = sorted((deepspeed_runs / run_name / TAG).glob("layer_*-model_states.pt"))
+    held = [(path, saved) for path in layers if (saved := torch.load(path, weights_only=True))]
+    assert len(held) == 2  # the two Linear layers; the Tanh between them holds nothing
+    for path, saved in held:
+        doc = _inspect(path, "auto")
+        assert doc["what"] == "weights", path
+        total = torch.cat([t.double().flatten() for t in saved.values()]).norm().item()
+        assert doc["total_norm"] == pytest.approx(total, rel=RTOL)
+        assert_refused(run_cli("inspect", path, "--what", "grads"), path, "weights")
+        out = tmp_path / path.name
+        assert_refused(run_cli("clip", path, "--max-norm", "1e-9", "-o", out), path)
+        assert not out.exists()
+
+
 def test_pipeline_stages_under_torchrun(deepspeed_runs, tmp_path):
     jobs = [{"args": ["inspect", str(deepspeed_runs / "pipe2_zero1"), "--what", what,
                       "--format", "json", "--no-progress"]} for what in ("auto", "weights")]
