@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Iterable
 
 import torch
+from torch.utils._foreach_utils import _device_has_foreach_support
 
 from .core import (
     Elements,
@@ -164,12 +165,25 @@ def _total_norm(
     out_dtype = torch.float64 if any(t.dtype in _WIDE for t in tensors) else torch.float32
     pieces = elements.whole or [p.measure for p in elements.owned]
     if not norm_type > 0:
+        _refuse_foreach_where_unsupported(tensors, foreach)
         return _torch_defined_norm(pieces, norm_type).to(device, out_dtype), None
     if device.type != "cpu":
         # A fixed number of fused ops per (device, dtype) group, nothing read back.
         return total_on_device(pieces, norm_type, foreach).to(device, out_dtype), None
     sums = total_power_sums(pieces, norm_type, foreach)
     return sums.norm[0].to(dtype=out_dtype), sums
+
+
+def _refuse_foreach_where_unsupported(tensors: list[torch.Tensor], foreach: bool | None) -> None:
+    """``foreach=True`` on a device without ``_foreach`` kernels raises, as torch's total does
+    for every order: the p <= 0 totals use no fused kernel, so nothing else would check it."""
+    if not foreach:
+        return
+    for device in {t.device for t in tensors}:
+        if not _device_has_foreach_support(device):
+            raise RuntimeError(
+                f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
+            )
 
 
 def _sync_free_ok(tensors: list[torch.Tensor], norm_type: float) -> bool:

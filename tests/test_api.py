@@ -156,6 +156,28 @@ def test_single_tensor_empty_and_foreach_flags():
     assert float(gc.clip_grad_norm_([p], 1.0)) == 0.0  # no grads at all
 
 
+def _raised(call):
+    try:
+        call()
+    except Exception as error:  # the class and the text are what is compared
+        return type(error), str(error)
+    return None
+
+
+@pytest.mark.parametrize("p", [2.0, math.inf, 0.0, -1.0, -math.inf])
+def test_foreach_true_on_a_device_without_foreach_kernels_raises_as_torch(p):
+    # meta has no _foreach kernels; torch refuses foreach=True there for every order
+    grads = [torch.empty(4, 3, device="meta"), torch.empty(7, device="meta")]
+    theirs = _raised(lambda: torch.nn.utils.get_total_norm(grads, p, foreach=True))
+    assert theirs is not None and theirs[0] is RuntimeError
+    assert _raised(lambda: gc.get_total_norm(grads, p, foreach=True)) == theirs
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    for param, g in zip(params, grads):
+        param.grad = g
+    assert _raised(lambda: gc.clip_grad_norm_(params, 1.0, p, error_if_nonfinite=True,
+                                              foreach=True)) == theirs
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_cuda_total_matches_float64(dtype):
