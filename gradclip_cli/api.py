@@ -208,11 +208,11 @@ def clip_grads_with_norm_(
     that several gradients share (tied weights, views) is scaled once.
     """
     grads = dtensor.local_tensors(_grads(parameters))
+    max_norm = float(max_norm)  # checked with nothing to clip, as torch does
     if not grads:
         return
     total_norm = readable(dtensor.as_plain(total_norm))
-    scale_elements_(distinct_elements(grads), clip_coefficient(total_norm, float(max_norm)),
-                    foreach)
+    scale_elements_(distinct_elements(grads), clip_coefficient(total_norm, max_norm), foreach)
 
 
 def clip_grad_norm_(
@@ -233,15 +233,17 @@ def clip_grad_norm_(
     """
     parameters = _parameters(parameters)
     grads = _grads(parameters)
+    norm_type = float(norm_type)
     if dtensor.has_dtensor(grads):
         total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
         clip_grads_with_norm_(parameters, max_norm, total, foreach)
         return total
     if not grads:
+        float(max_norm)  # checked with nothing to clip, as torch does
         return torch.tensor(0.0)
     elements = distinct_elements(grads)
-    total, sums = _total_norm(elements, grads, float(norm_type), foreach)
-    total = _checked(total, float(norm_type), error_if_nonfinite)
+    total, sums = _total_norm(elements, grads, norm_type, foreach)
+    total = _checked(total, norm_type, error_if_nonfinite)
     if sums is not None:
         coef = exact_clip_coefficient(sums, float(max_norm))
     else:
@@ -256,6 +258,7 @@ def clip_grad_value_(
     foreach: bool | None = None,
 ) -> None:
     """Clamp every gradient element of ``parameters`` to ``[-clip_value, clip_value]``, in place."""
+    clip_value = float(clip_value)  # checked with nothing to clamp, as torch does
     clamp_elements_(distinct_elements(dtensor.local_tensors(_grads(parameters))), clip_value,
                     foreach)
 

@@ -164,6 +164,23 @@ def _raised(call):
     return None
 
 
+NO_GRADS = [torch.nn.Parameter(torch.zeros(3))]
+
+
+@pytest.mark.parametrize(("name", "args"), [
+    ("clip_grad_norm_", (NO_GRADS, 1.0, None)),  # norm_type
+    ("clip_grad_norm_", (NO_GRADS, None)),  # max_norm
+    ("clip_grads_with_norm_", (NO_GRADS, "one", torch.tensor(1.0))),
+    ("clip_grad_value_", (NO_GRADS, None)),
+])
+def test_arguments_are_checked_with_no_gradients_as_torch(name, args):
+    # torch converts norm_type, max_norm and clip_value with float() before it
+    # looks for gradients: a bad value raises even when there is nothing to clip
+    theirs = _raised(lambda: getattr(torch.nn.utils, name)(*args))
+    assert theirs is not None
+    assert _raised(lambda: getattr(gc, name)(*args)) == theirs
+
+
 @pytest.mark.parametrize("p", [2.0, math.inf, 0.0, -1.0, -math.inf])
 def test_foreach_true_on_a_device_without_foreach_kernels_raises_as_torch(p):
     # meta has no _foreach kernels; torch refuses foreach=True there for every order
