@@ -211,7 +211,12 @@ def clip_grads_with_norm_(
     max_norm = float(max_norm)  # checked with nothing to clip, as torch does
     if not grads:
         return
+    if not isinstance(total_norm, torch.Tensor):  # torch's torch.clamp refuses a number
+        raise TypeError(f"total_norm must be a Tensor, as get_total_norm returns, "
+                        f"not {type(total_norm).__name__}")
     total_norm = readable(dtensor.as_plain(total_norm))
+    if total_norm.numel() != 1:
+        raise RuntimeError(f"total_norm must hold one element, not {total_norm.numel()}")
     scale_elements_(distinct_elements(grads), clip_coefficient(total_norm, max_norm), foreach)
 
 

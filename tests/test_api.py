@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -179,6 +180,18 @@ def test_arguments_are_checked_with_no_gradients_as_torch(name, args):
     theirs = _raised(lambda: getattr(torch.nn.utils, name)(*args))
     assert theirs is not None
     assert _raised(lambda: getattr(gc, name)(*args)) == theirs
+
+
+@pytest.mark.parametrize("total", [5.0, 5, np.float32(5.0), torch.tensor([5.0, 6.0])],
+                         ids=["float", "int", "numpy", "two elements"])
+def test_clip_grads_with_norm_refuses_a_total_torch_refuses(total):
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([3.0, 4.0, 0.0])
+    theirs = _raised(lambda: torch.nn.utils.clip_grads_with_norm_([p], 1.0, total))
+    assert theirs is not None and torch.equal(p.grad, torch.tensor([3.0, 4.0, 0.0]))
+    ours = _raised(lambda: gc.clip_grads_with_norm_([p], 1.0, total))
+    assert ours is not None and ours[0] is theirs[0]
+    assert torch.equal(p.grad, torch.tensor([3.0, 4.0, 0.0]))
 
 
 @pytest.mark.parametrize("p", [2.0, math.inf, 0.0, -1.0, -math.inf])
