@@ -53,6 +53,26 @@ def test_complex_gradients_are_clipped():
     torch.testing.assert_close(w.grad, torch.tensor([0.6 + 0.8j, 0, 0], dtype=torch.complex64))
 
 
+@pytest.mark.parametrize("foreach", [None, False])
+def test_complex_gradients_are_not_clamped_as_torch(foreach):
+    # torch's clamp raises NotImplementedError for complex types; the real gradient
+    # listed after the complex one is left as it was, as torch leaves it
+    def params():
+        z = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+        z.grad = torch.tensor([3 + 4j, 1j], dtype=torch.complex64)
+        x = torch.nn.Parameter(torch.zeros(2))
+        x.grad = torch.tensor([5.0, -5.0])
+        return [z, x]
+
+    theirs, ours = params(), params()
+    with pytest.raises(NotImplementedError):
+        torch.nn.utils.clip_grad_value_(theirs, 1.0, foreach=foreach)
+    with pytest.raises(NotImplementedError, match="complex"):
+        clip_grad_value_(ours, 1.0, foreach=foreach)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_sparse_embedding_gradients_are_measured_and_clipped():
     emb = torch.nn.Embedding(10, 3, sparse=True)
     emb(torch.tensor([1, 2, 1, 7])).sum().backward()

@@ -317,7 +317,9 @@ def clamp_(tensors: Sequence[torch.Tensor], clip_value: float, foreach: bool | N
     grouped = _group_tensors_by_device_and_dtype([list(tensors)])
     for (device, dtype), ([group], _) in grouped.items():
         if dtype.is_complex:
-            raise ValueError("complex tensors cannot be clamped: complex numbers have no order")
+            # torch raises NotImplementedError ("clamp is not supported for complex types")
+            raise NotImplementedError(
+                "complex tensors cannot be clamped: complex numbers have no order")
         bound = min(float(clip_value), torch.finfo(dtype).max)
         if dtype in _FLOAT8:
             for t in group:
