@@ -116,22 +116,17 @@ def contradiction(gradients: Mapping[str, Any], said: str) -> None:
                          "_metadata): a module's weights, not gradients")
 
 
-def part_of(said: str, key: str, entry: str, whole: str) -> InputError:
-    """A ``--key`` that leads inside ``entry``, a model's weights or an optimizer's state
-    dict (``whole`` says which, and why): part of it is not gradients, and gradclip
-    measures such an entry only whole, as what it is."""
-    return InputError(
-        f"{said}: --key {visible(repr(key))} lies inside {visible(repr(entry))}, {whole}: "
-        f"not gradients; gradclip measures it whole (gradclip inspect --key {visible(entry)})")
-
-
-def holding(said: str, key: str, entry: str, whole: str) -> InputError:
-    """A ``--key`` whose entry holds ``entry``, a model's weights or an optimizer's state
-    dict (``whole`` says which, and why): what it names is not gradients, and gradclip
-    measures such an entry only whole, as what it is."""
-    return InputError(
-        f"{said}: --key {visible(repr(key))} holds {visible(repr(entry))}, {whole}: "
-        f"not gradients; gradclip measures it whole (gradclip inspect --key {visible(entry)})")
+def not_gradients(said: str, key: str, relation: str, entry: str, whole: str,
+                  measured_whole: bool = True) -> InputError:
+    """A ``--key`` that ``relation`` (lies inside, holds, is) ``entry``, a model's weights or
+    an optimizer's state dict (``whole`` says which, and why): not gradients. gradclip
+    measures such an entry only whole, as what it is, where ``measured_whole``; else
+    (below a DCP folder's top level) not at all."""
+    remedy = (f"gradclip measures it whole (gradclip inspect --key {visible(entry)})"
+              if measured_whole else
+              "gradclip reads a DCP folder's weights and optimizer state at its top level only")
+    return InputError(f"{said}: --key {visible(repr(key))} {relation} {visible(repr(entry))}, "
+                      f"{whole}: not gradients; {remedy}")
 
 
 def describe(contents: Contents) -> list[Role]:

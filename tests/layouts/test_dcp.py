@@ -558,3 +558,39 @@ def test_a_plain_optimizer_state_dict_saved_by_dcp(gradclip, tmp_path):
     assert [row["name"] for row in doc["tensors"]] == list(expected)
     for row in doc["tensors"]:
         assert rel_err(row["norm"], _norm([expected[row["name"]]])) <= TOL, row["name"]
+
+
+def test_a_model_and_optimizer_one_level_down_are_never_gradients(gradclip, tmp_path):
+    """torch's DCP tutorial saves ``{"app": {"model": ..., "optim": ...}}``. gradclip
+    reads weights and optimizer state at a DCP folder's top level only: ``app`` is no
+    --key candidate, and a key that holds, names or lies inside the model or the
+    optimizer is exit 3 for inspect and clip, never their tensors as gradients."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    adam = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).square().sum().backward()
+    adam.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP saves as one process
+        dcp.save({"app": {"model": model.state_dict(), "optim": adam.state_dict()}},
+                 checkpoint_id=str(tmp_path / "ckpt"))
+    folder, meta = tmp_path / "ckpt", tmp_path / "ckpt" / ".metadata"
+    plain = gradclip("inspect", folder)
+    assert plain.code == 3 and plain.err_lines == [
+        f"gradclip: {meta}: no gradients (top-level keys: 'app')"]
+    top_only = "not gradients; gradclip reads a DCP folder's weights and optimizer state " \
+               "at its top level only"
+    for key, relation, entry in (("app", "holds", "app.model"),
+                                 ("app.optim", "names", "app.optim"),
+                                 ("app.optim.state", "lies inside", "app.optim"),
+                                 ("app.model.0.weight", "lies inside", "app.model")):
+        for command in (["inspect"], ["clip", "--max-norm", "1e-9", "-o", tmp_path / "o"]):
+            result = gradclip(*command, folder, "--key", key)
+            assert result.code == 3 and result.out == "" and len(result.err_lines) == 1
+            line = result.err_lines[0]
+            assert line.startswith(f"gradclip: {meta}: --key {key!r} {relation} {entry!r}, ")
+            assert line.endswith(top_only)
+    assert not (tmp_path / "o").exists()

@@ -143,21 +143,15 @@ def fill_gradients(contents: Contents, folder: DcpFolder, key: str | None,
 def _named(contents: Contents, folder: DcpFolder, key: str, said: str) -> bool:
     """``--key`` naming an optimizer's state or the model's weights: taken as such, never
     as gradients (True), as ``single_file`` does for one file."""
-    parts = [part for part in key.split(".") if part]
-    for n in range(1, len(parts)):
-        entry = ".".join(parts[:n])
-        if entry not in folder.tops():
-            continue
-        if holds_optimizer_state(folder, entry):
-            raise roles.part_of(str(folder.metadata_file), key, entry,
-                                "an optimizer's state dict (state and param_groups)")
-        evidence = roles.weight_evidence(folder.under(entry))
-        if evidence is None and entry in WEIGHT_KEYS:
-            evidence = f"the {entry!r} entry, where scripts keep the model"
-        if evidence is not None:
-            raise roles.part_of(str(folder.metadata_file), key, entry,
-                                f"a model's weights ({evidence})")
-    top = ".".join(parts)
+    top = ".".join(part for part in key.split(".") if part)
+    for node, whole in _wholes(folder):
+        entry = ".".join(node)
+        relation = ("lies inside" if top.startswith(entry + ".") else
+                    "holds" if entry.startswith(top + ".") else
+                    "names" if entry == top and len(node) > 1 else None)
+        if relation is not None:
+            raise roles.not_gradients(str(folder.metadata_file), key, relation, entry, whole,
+                                      measured_whole=len(node) == 1)
     shown = visible(key)
     if holds_optimizer_state(folder, top):
         contents.optimizers = [optimizer(folder, top)]
@@ -182,14 +176,44 @@ def _named(contents: Contents, folder: DcpFolder, key: str, said: str) -> bool:
     return True
 
 
+def _wholes(folder: DcpFolder) -> list[tuple[tuple[str, ...], str]]:
+    """The entries a ``--key`` may name only whole, at any depth, outermost first, each
+    with what it is: optimizers' state dicts (``state`` and ``param_groups`` beside each
+    other; flattened ones at the top level) and models' weights (an entry of
+    ``WEIGHT_KEYS``, or a top-level one with evidence). torch's DCP tutorial saves
+    ``{"app": {"model": ..., "optim": ...}}``: one level down."""
+    inner = {tuple(map(str, p[:d])) for p in folder.paths.values() for d in range(1, len(p))}
+    found = {}
+    for node in inner:
+        if (node + ("state",) in inner and node + ("param_groups",) in inner
+                or len(node) == 1 and holds_optimizer_state(folder, node[0])):
+            found[node] = "an optimizer's state dict (state and param_groups)"
+        elif node[-1] in WEIGHT_KEYS and node[0] not in GRADIENT_KEYS:
+            found[node] = f"a model's weights (the {node[-1]!r} entry, where scripts keep " \
+                "the model)"
+    for node in inner:
+        # Evidence in the tensors' names (buffers) speaks for a top-level entry only when
+        # it holds no model or optimizer of its own: else they are what the names show.
+        if len(node) == 1 and node not in found and not any(n[0] == node[0] for n in found):
+            evidence = roles.weight_evidence(folder.under(node[0]))
+            if evidence is not None:
+                found[node] = f"a model's weights ({evidence})"
+    out = []
+    for node in sorted(found, key=lambda n: (len(n), n)):
+        if not any(node[:d] in found for d in range(1, len(node))):  # not inside another
+            out.append((node, found[node]))
+    return out
+
+
 def _candidate_tops(folder: DcpFolder) -> list[str]:
     """Top-level entries that may hold gradients: those holding tensors that are neither
-    the model's weights nor an optimizer's state (``locate.candidate_keys`` in one file)."""
+    the model's weights nor an optimizer's state, nor hold them (``locate.candidate_keys``
+    in one file)."""
     out = []
+    kept_whole = {node[0] for node, _ in _wholes(folder)}
     for top in folder.tops():
         held = folder.under(top)
-        if (top in WEIGHT_KEYS or holds_optimizer_state(folder, top) or not held
-                or roles.weight_evidence(held) is not None):
+        if top in kept_whole or not held:
             continue
         if any(t.dtype.is_floating_point and len(t.shape) > 0 for t in held.values()):
             out.append(top)

@@ -103,12 +103,9 @@ def _named(contents: Contents, root: Any, path: Path, key: str) -> bool:
     """``--key`` naming optimizer state or a model's weights: taken as such (True); one
     leading inside them is refused."""
     for entry, value in locate.enclosing(root, key, path=path):
-        if is_optimizer_state(value):
-            raise roles.part_of(str(path), key, entry,
-                                "an optimizer's state dict (state and param_groups)")
-        evidence = roles.weight_evidence(value) if isinstance(value, Mapping) else None
-        if evidence is not None:
-            raise roles.part_of(str(path), key, entry, f"a model's weights ({evidence})")
+        whole = _whole(value)
+        if whole is not None:
+            raise roles.not_gradients(str(path), key, "lies inside", entry, whole)
     node = locate.at_key(root, key, path=path)
     shown = visible(key)
     if key.rsplit(".", 1)[-1] in GRADIENT_KEYS and isinstance(node, Mapping):
@@ -143,12 +140,18 @@ def _refuse_what_it_holds(root: Any, path: Path, key: str) -> None:
     if not isinstance(locate.at_key(root, key, path=path), (Mapping, list, tuple)):
         return
     for entry, value in locate.within(root, key, path=path):
-        if is_optimizer_state(value):
-            raise roles.holding(str(path), key, entry,
-                                "an optimizer's state dict (state and param_groups)")
-        evidence = roles.weight_evidence(value)
-        if evidence is not None:
-            raise roles.holding(str(path), key, entry, f"a model's weights ({evidence})")
+        whole = _whole(value)
+        if whole is not None:
+            raise roles.not_gradients(str(path), key, "holds", entry, whole)
+
+
+def _whole(value: Any) -> str | None:
+    """What ``value`` is when a ``--key`` may name it only whole: an optimizer's state dict
+    or a model's weights (with the evidence); None for anything else."""
+    if is_optimizer_state(value):
+        return "an optimizer's state dict (state and param_groups)"
+    evidence = roles.weight_evidence(value) if isinstance(value, Mapping) else None
+    return None if evidence is None else f"a model's weights ({evidence})"
 
 
 def _others(contents: Contents, root: Any, path: Path, skip: str | None = None) -> None:
