@@ -8,8 +8,8 @@
                       callbacks=[GradMonitorCallback(max_norm=1.0)])
 
 The Trainer calls ``on_pre_optimizer_step`` once per optimizer step, after
-the backward passes of every accumulated batch and after unscaling (AMP), but
-*after* its own clipping to ``max_grad_norm``: a monitor there would see
+the backward passes of every accumulated batch, but *after* its own clipping
+to ``max_grad_norm``: a monitor there would see
 clipped gradients, in which a spike is already flattened. So the Trainer's
 clipping is turned off (``max_grad_norm=0``) and the callback clips with
 ``max_norm``: one measurement gives the logged norms and the clip, as
@@ -21,6 +21,14 @@ history's ``mean + z * std`` (ZClip): the hook runs after the Trainer's
 clipping and before ``optimizer.step()``, so gradients changed in it are the
 ones the optimizer uses. With ``max_norm`` too, a spike is clipped to the
 smaller of the two limits.
+
+With fp16 AMP (a ``GradScaler``) the gradients reach the hook multiplied by
+the loss scale (65536 at first) unless the Trainer has unscaled them, which
+it does only to clip or, in recent releases, to log ``grad_norm``: with
+``max_grad_norm=0`` transformers 4.46 to 5.0 do not. The callback has the
+scaler unscale them first (``GradScaler.unscale_``, torch's way to work with
+unscaled gradients; the optimizer step then uses them as they are), so the
+monitor measures and clips the true gradients either way.
 
 Steps are ``state.global_step + 1``: the number the Trainer gives this
 update in ``trainer_state.json``'s ``log_history`` and in ``checkpoint-N``.
@@ -41,6 +49,8 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
         "gradclip_cli.integrations.transformers needs transformers: "
         "pip install 'gradclip[transformers]'"
     ) from e
+
+from torch.amp.grad_scaler import OptState
 
 from ..monitor import GradMonitor
 
@@ -86,9 +96,11 @@ class GradMonitorCallback(TrainerCallback):
         if self.monitor is None:
             self.monitor = GradMonitor(model, self.log_path, self.dump_dir, **self.options)
 
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None,
+                              **kwargs: Any) -> None:
         if self.monitor is None:
             return
+        _unscale(optimizer)
         step = state.global_step + 1
         if self.max_norm is None:
             self.monitor.step(step)
@@ -98,3 +110,19 @@ class GradMonitorCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None:
             self.monitor.close()
+
+
+def _unscale(optimizer: Any) -> None:
+    """Have AMP's loss scaler unscale the gradients, unless it has this step.
+
+    ``optimizer`` is the Trainer's accelerate ``AcceleratedOptimizer``, which
+    holds the ``GradScaler`` (None without fp16 AMP). The scaler records per
+    optimizer whether ``unscale_`` ran since its last ``update()``; running it
+    twice is an error, and ``step()`` skips its own unscaling after one.
+    """
+    scaler = getattr(optimizer, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return
+    inner = optimizer.optimizer
+    if scaler._per_optimizer_states[id(inner)]["stage"] is OptState.READY:
+        scaler.unscale_(inner)

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from tests.cli.support import as_float
+
 from .support import assert_norms_match, assert_spike_found, read_log, reference_norms
 
 transformers = pytest.importorskip("transformers")
@@ -113,6 +115,59 @@ def test_trainer_clipping_first_is_refused_before_any_step(tmp_path):
         callback.on_train_begin(args, transformers.TrainerState(), transformers.TrainerControl(),
                                 model=Regressor())
     assert not (tmp_path / "grads.jsonl").exists()
+
+
+def scaled_backward(scale: float, *, unscaled_by_trainer: bool):
+    """A real accelerate ``AcceleratedOptimizer`` over a ``GradScaler``, after a scaled backward.
+
+    As a Trainer with fp16 AMP leaves it at ``on_pre_optimizer_step``: the
+    gradients times the loss scale, or already unscaled where the Trainer
+    clipped or logged ``grad_norm`` first.
+    """
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)  # the process state an AcceleratedOptimizer reads
+    torch.manual_seed(0)
+    model = Regressor()
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    optimizer = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler)
+    rows = Rows(32)
+    scaler.scale(model(rows.x, rows.y)["loss"]).backward()
+    if unscaled_by_trainer:
+        scaler.unscale_(optimizer.optimizer)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("unscaled_by_trainer", [False, True])
+def test_amp_loss_scale_is_taken_out_before_measuring_and_clipping(tmp_path, unscaled_by_trainer):
+    """fp16 AMP: the log and the clip see the true gradients, not the scaled ones.
+
+    transformers 4.46 to 5.0 with ``max_grad_norm=0`` call the hook with the
+    gradients still multiplied by the loss scale; later releases unscale them
+    first. Either way the callback measures the unscaled gradients, and the
+    optimizer then steps with exactly the gradients the callback clipped.
+    """
+    scale = 2.0**16
+    args = training_args(tmp_path)  # before the optimizer: it resets accelerate's process state
+    model, optimizer = scaled_backward(scale, unscaled_by_trainer=unscaled_by_trainer)
+    true_total = reference_norms(model)[0] / (1.0 if unscaled_by_trainer else scale)
+    callback = GradMonitorCallback(tmp_path / "grads.jsonl", None, max_norm=MAX_NORM)
+    state, control = transformers.TrainerState(), transformers.TrainerControl()
+    callback.on_train_begin(args, state, control, model=model)
+    callback.on_pre_optimizer_step(args, state, control, model=model, optimizer=optimizer)
+    callback.on_train_end(args, state, control)
+    [record] = read_log(tmp_path / "grads.jsonl")
+    assert math.isclose(as_float(record["total_norm"]), true_total, rel_tol=1e-6)
+    want = min(true_total, MAX_NORM * true_total / (true_total + 1e-6))
+    assert math.isclose(reference_norms(model)[0], want, rel_tol=1e-5)
+    # The scaler knows the gradients are unscaled: its step neither unscales
+    # them again nor skips the update.
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    for p, was, g in zip(model.parameters(), before, grads):
+        torch.testing.assert_close(p.detach(), was - 0.1 * g)
 
 
 def test_bad_max_norm_is_refused():
