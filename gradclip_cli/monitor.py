@@ -236,6 +236,7 @@ class GradMonitor:
         self._log_file = None
         self._log_broken = False  # a line was cut short: nothing more is appended
         self._warned_full = False
+        self._warned_empty = False
         self._reported: set[str] = set()  # write failures already told on stderr
 
     # -- public --------------------------------------------------------------
@@ -255,6 +256,7 @@ class GradMonitor:
             return None
         measured = self._measure()
         if measured is None:
+            self._warn_no_gradients(step)
             return None
         record, spike_coef = self._observe(step, measured)
         if spike_coef is not None:
@@ -287,6 +289,8 @@ class GradMonitor:
         """
         step = self._step_number(step)
         measured = None if step % self.every else self._measure()
+        if measured is None and not step % self.every:
+            self._warn_no_gradients(step)
         if measured is None:
             # The parameters as model.parameters() lists them; a model without
             # any still passes the generator, for the drop-in's warning about it.
@@ -327,6 +331,18 @@ class GradMonitor:
         self.close()
 
     # -- workers -------------------------------------------------------------
+
+    def _warn_no_gradients(self, step: int) -> None:
+        """Say once that a step to log found no gradient: an empty log is otherwise silent."""
+        if self._warned_empty:
+            return
+        self._warned_empty = True
+        warnings.warn(
+            f"GradMonitor: no parameter of the model has a gradient at step {step}, so "
+            "nothing is logged: call it after backward(). (DeepSpeed keeps the gradients "
+            "in its own buffers, not in the parameters' .grad.)",
+            stacklevel=3,
+        )
 
     def _step_number(self, step: int | None) -> int:
         if step is None:

@@ -103,9 +103,23 @@ def test_every_logs_only_the_steps_it_names_and_appends(tmp_path):
     assert [json.loads(line)["step"] for line in lines[1:]] == [0, 4, 8]
 
 
-def test_a_step_without_gradients_is_not_logged(tmp_path):
-    monitor = GradMonitor(Tiny(), tmp_path / "grads.jsonl", tmp_path / "spikes")
-    assert monitor.step(0) is None
+def test_a_step_without_gradients_is_not_logged_and_said_once(tmp_path):
+    monitor = GradMonitor(Tiny(), tmp_path / "grads.jsonl", tmp_path / "spikes", every=2)
+    with pytest.warns(UserWarning, match=r"no parameter .* gradient at step 0.*after backward"):
+        assert monitor.step(0) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert monitor.step(1) is None  # not a step to log: nothing is looked at
+        assert monitor.step(2) is None  # said once
+        monitor.clip_grad_norm_(1.0, 4)
+    assert not (tmp_path / "grads.jsonl").exists()
+
+
+def test_clip_grad_norm_without_gradients_says_so_once(tmp_path):
+    monitor = GradMonitor(Tiny(), tmp_path / "grads.jsonl", None)
+    with pytest.warns(UserWarning, match=r"no parameter .* gradient at step 3"):
+        total = monitor.clip_grad_norm_(1.0, 3)
+    assert float(total) == 0.0
     assert not (tmp_path / "grads.jsonl").exists()
 
 
