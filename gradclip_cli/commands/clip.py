@@ -43,7 +43,8 @@ def run(
     output_file: Path | None, what: str = "grads", progress: bool = True,
 ) -> int:
     # First: an error document (--format json) goes to --output-file too.
-    options.report_file(output_file, reads=[path], writes=[] if output is None else [output])
+    options.report_file(output_file, reads=[path], writes=[] if output is None else [output],
+                        writes_known=False)
     p = options.norm_type(norm_type)
     limit = options.threshold("--max-norm", max_norm, allow_zero=False)
     value = options.threshold("--clip-value", clip_value, allow_zero=False)
@@ -53,7 +54,7 @@ def run(
     fmt = output_format(format)
     # A folder is a set, written as a folder (its target is known once it is opened).
     target = path if os.path.isdir(path) else options.clip_output(path, output, in_place)
-    options.report_file(output_file, reads=[path], writes=[target])
+    options.report_file(output_file, reads=[path], writes=[target], writes_known=False)
 
     def load_for_writing(steps) -> tuple[Loaded, list[str]]:
         loaded = _for_writing(load(path, key, trust_pickle, verify, steps, what,
