@@ -392,15 +392,26 @@ def compare(a, b, fail_above, what, group_by, key, norm_type, device, format, ou
          output_file=_output_file(output_file), inputs=(a, b))
 
 
-def _requested_format(argv: list[str]) -> str | None:
-    """``--format`` as written on the command line, for errors raised before parsing ends."""
-    found = None
+def _requested(argv: list[str], flag: str) -> tuple[str | None, int | None]:
+    """The value of ``flag`` as written on the command line, for errors raised before
+    parsing ends, and the position of the word that holds it."""
+    found, at = None, None
     for i, arg in enumerate(argv):
-        if arg == "--format" and i + 1 < len(argv):
-            found = argv[i + 1]
-        elif arg.startswith("--format="):
-            found = arg.split("=", 1)[1]
-    return found
+        if arg == flag and i + 1 < len(argv):
+            found, at = argv[i + 1], i + 1
+        elif arg.startswith(f"{flag}="):
+            found, at = arg.split("=", 1)[1], i
+    return found, at
+
+
+def _named_paths(argv: list[str], skip: int | None) -> tuple[str, ...]:
+    """Every word of a command line that did not parse (but the one at ``skip``), and
+    where clip would write each by default: what the command reads and writes is not
+    known, so any of them may be, and the error document must not replace one."""
+    from .options import default_output
+
+    words = [arg for i, arg in enumerate(argv) if i != skip and arg]
+    return (*words, *(default_output(word) for word in words if Path(word).name))
 
 
 def _given_inputs(ctx: click.Context, args: list[str]) -> tuple[str, ...]:
@@ -466,9 +477,14 @@ def _main(argv: list[str] | None) -> None:
         where = ctx.command_path if ctx is not None else PROG
         command = ctx.info_name if ctx is not None and ctx.parent is not None else PROG
         inputs = _given_inputs(ctx, args) if command != PROG else ()
+        format = _requested(args, "--format")[0]
+        output_file, at = _requested(args, "--output-file")
+        # The report file gets the document as for any other failure, where it is none
+        # of the paths the command line names.
+        named = _named_paths(args, at) if output_file and format in FAILURE_FORMATS else ()
         _report_error(f"{error.format_message()} (see '{where} --help')", 2,
-                      format=_requested_format(args), source=" ".join(inputs) or None,
-                      command=command, inputs=inputs)
+                      format=format, source=" ".join(inputs) or None, command=command,
+                      output_file=_output_file(output_file), inputs=inputs, outputs=named)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 

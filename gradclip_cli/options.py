@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from . import values
 from .errors import REPORT_FILE_FLAG, UsageError
 from .escaping import visible
-from .sink.atomic import check_target
+from .sink.atomic import check_folder, check_target
 
 if TYPE_CHECKING:
     import torch
@@ -93,7 +93,7 @@ def clip_output(source: str, output: str | None, in_place: bool) -> str:
 
 
 def report_file(output_file: Path | str | None, *, reads: Iterable[Path | str] = (),
-                writes: Iterable[Path | str] = ()) -> Path | None:
+                writes: Iterable[Path | str] = (), writes_known: bool = True) -> Path | None:
     """``--output-file``: refused now, not after the work, when it cannot be a file or
     when it is anything the command reads or writes.
 
@@ -104,7 +104,10 @@ def report_file(output_file: Path | str | None, *, reads: Iterable[Path | str] =
     symlinks and hard links included) or by real path (one not made yet), and
     anything inside one of those folders, or a hard link to a file inside one.
     Commands call this again as more of what they read becomes known; each call
-    comes before anything is written.
+    comes before anything is written. A report that cannot be written at all (a
+    folder in its place; its folder missing, once ``writes_known``: until then the
+    folder may be one the command is to make, a clipped set's) is an ``OutputError``
+    (exit 3), here too: clip must not write its copy and then fail on the report.
     """
     if output_file is None:
         return None
@@ -116,6 +119,8 @@ def report_file(output_file: Path | str | None, *, reads: Iterable[Path | str] =
                 raise UsageError(f"{REPORT_FILE_FLAG} {visible(str(output_file))}: "
                                  f"{why} {role} {visible(str(path))}; the report would "
                                  "replace it; nothing was written")
+    if writes_known:
+        check_folder(output_file)
     return Path(output_file)
 
 

@@ -43,7 +43,8 @@ def run(
     output_file: Path | None, what: str = "grads", progress: bool = True,
 ) -> int:
     # First: an error document (--format json) goes to --output-file too.
-    options.report_file(output_file, reads=[path], writes=[] if output is None else [output])
+    options.report_file(output_file, reads=[path], writes=[] if output is None else [output],
+                        writes_known=False)
     p = options.norm_type(norm_type)
     limit = options.threshold("--max-norm", max_norm, allow_zero=False)
     value = options.threshold("--clip-value", clip_value, allow_zero=False)
@@ -53,7 +54,7 @@ def run(
     fmt = output_format(format)
     # A folder is a set, written as a folder (its target is known once it is opened).
     target = path if os.path.isdir(path) else options.clip_output(path, output, in_place)
-    options.report_file(output_file, reads=[path], writes=[target])
+    options.report_file(output_file, reads=[path], writes=[target], writes_known=False)
 
     def load_for_writing(steps) -> tuple[Loaded, list[str]]:
         loaded = _for_writing(load(path, key, trust_pickle, verify, steps, what,
@@ -89,25 +90,38 @@ def run(
         total_before = float(before.norm[0])
         overflow = bool(before.overflow[0])
         nonfinite = nonfinite_counts(before)[0]
-        if nonfinite.total and not allow_nonfinite:
+
+        def refuse(why: str, then: str = "") -> int:
+            """Exit 1, nothing written: a finding, which the CI formats report as one in
+            place of what was clipped (a report file is never left missing, or stale from
+            an earlier run). The table and JSON have the line on stderr alone."""
             if not speaks():
                 return 1
-            print(f"gradclip: {visible(str(path))}: total norm is {total_before} "
-                  f"({nonfinite.nan} NaN, {nonfinite.posinf} +inf, {nonfinite.neginf} -inf); "
-                  "refusing to clip, nothing written (--allow-nonfinite clips anyway)",
-                  file=sys.stderr)
+            message = f"{visible(str(path))}: {why}; refusing to clip, nothing written{then}"
+            print(f"gradclip: {message}", file=sys.stderr)
+            if format in ("junit", "github", "markdown"):
+                report = ClipReport(
+                    source=path, output=target, format=loaded.contents.kind, key=loaded.key,
+                    norm_type=p, max_norm=limit, clip_value=value,
+                    total_norm_before=total_before, clip_coef=None,
+                    total_norm_after=total_before, clipped=False,
+                    num_tensors=len(loaded.tensors), nonfinite=nonfinite, overflow=overflow,
+                    refused=message)
+                emit(lambda out: fmt.render_clip(report, out), output_file)
             return 1
+
+        if nonfinite.total and not allow_nonfinite:
+            return refuse(f"total norm is {total_before} ({nonfinite.nan} NaN, "
+                          f"{nonfinite.posinf} +inf, {nonfinite.neginf} -inf)",
+                          " (--allow-nonfinite clips anyway)")
         coef = torch_coef = None
         if limit is not None:
             coef = torch_coef = exact_clip_coefficient(before, limit)
             # Every rank has the same total, so every rank decides (and exits) alike.
             if not nonfinite.total and _zeroes_everything(loaded, owned, coef):
-                if speaks():
-                    print(f"gradclip: {visible(str(path))}: clipping to --max-norm {limit:g} "
-                          f"needs a coefficient of 2^{coef.log2:.6g} (total norm "
-                          f"{_describe(before)}, p={p:g}), which would round every gradient "
-                          "to zero; refusing to clip, nothing written", file=sys.stderr)
-                return 1
+                return refuse(f"clipping to --max-norm {limit:g} needs a coefficient of "
+                              f"2^{coef.log2:.6g} (total norm {_describe(before)}, p={p:g}), "
+                              "which would round every gradient to zero")
         if not speaks() and not by_shard:
             # One file is written by one process, which must hold every
             # scaled tensor: rank 0 scales, checks and writes; the other

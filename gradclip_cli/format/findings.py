@@ -59,6 +59,8 @@ def inspect_findings(report: InspectReport) -> list[Finding]:
 
 
 def clip_findings(report: ClipReport) -> list[Finding]:
+    if report.refused is not None:
+        return [Finding(ERROR, TOTAL, "refused to clip", report.refused)]
     if report.nonfinite.total:
         return [Finding(WARNING, TOTAL, "non-finite gradients clipped",
                         f"{_counts(report.nonfinite)} clipped under --allow-nonfinite")]

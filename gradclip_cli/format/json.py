@@ -95,6 +95,7 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
 
 def clip_document(report: ClipReport) -> dict[str, Any]:
     doc = asdict(report)
+    del doc["refused"]  # a refused clip has no document: its line on stderr says why
     doc["nonfinite"] = nonfinite_object(report.nonfinite)
     for k in ("norm_type", "max_norm", "clip_value", "total_norm_before", "clip_coef",
               "total_norm_after", "clip_coef_log2", "clip_coef_torch"):

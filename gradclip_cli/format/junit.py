@@ -93,8 +93,8 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
 
 
 def render_clip(report: ClipReport, out: TextIO) -> None:
-    summary = (f"{report.source} -> {report.output}: total norm {report.total_norm_before} -> "
-               f"{report.total_norm_after}")
+    summary = report.refused or (f"{report.source} -> {report.output}: total norm "
+                                 f"{report.total_norm_before} -> {report.total_norm_after}")
     _write(_suite(f"gradclip clip {report.source}", [F.TOTAL], F.clip_findings(report),
                   summary), out)
 

@@ -125,6 +125,9 @@ def _ratio_cell(shown: bool, ratio: float | None) -> list[str]:
 
 def render_clip(report: ClipReport, out: TextIO) -> None:
     out.write(f"### gradclip clip: {escape(report.source)}\n\n")
+    if report.refused is not None:  # nothing was written: no table of what was
+        out.write(_verdict(f"FAIL: {report.refused}", True))
+        return
     out.write(_table(["", "value"], [
         ["output", escape(report.output)],
         ["total norm before", _num(report.total_norm_before)],

@@ -107,6 +107,9 @@ class ClipReport:
     # non-gradient entries that shared storage with a gradient: given their own
     # copy before scaling, so they keep their values
     unshared: list[str] = field(default_factory=list)
+    # Why nothing was written (exit 1, a finding): the line on stderr. The output is
+    # then where the copy would have gone, and the norms are the input's.
+    refused: str | None = None
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,7 @@ def atomic_write(
     """
     target = Path(target)
     folder = target.parent
-    if not folder.is_dir():
-        raise OutputError(f"{target}: cannot write: the folder {folder} does not exist")
+    check_folder(target)
     check_target(target)
     mode = _mode_for(target, mode_from)
     try:
@@ -82,6 +81,14 @@ def atomic_write(
             raise  # SystemExit and friends: cleaned up, but not ours to reword
         raise _output_error(target, error) from error
     _fsync_folder(folder)
+
+
+def check_folder(target: Path | str) -> None:
+    """Refuse an output path whose folder does not exist (an ``OutputError``): checked
+    before any work, so that a command never writes one file and then fails on another."""
+    folder = Path(target).parent
+    if not folder.is_dir():
+        raise OutputError(f"{target}: cannot write: the folder {folder} does not exist")
 
 
 def check_target(target: Path | str) -> os.stat_result | None:

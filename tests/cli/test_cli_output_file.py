@@ -126,3 +126,22 @@ def test_a_report_file_elsewhere_is_written(gradclip, work, args):
     assert r.out == ""
     assert json.loads((work / "reports" / "r.json").read_text())["schema"].startswith(
         "gradclip.")
+
+
+@pytest.mark.parametrize("args", [
+    ["clip", "g.pt", "--max-norm", "1", "-o", "out.pt"],
+    ["clip", "g.pt", "--max-norm", "1", "--in-place"],
+    ["clip", "set", "--max-norm", "1"],
+    ["inspect", "g.pt"], ["compare", "g.pt", "h.pt"], ["trend", "run"],
+])  # fmt: skip
+def test_a_report_file_in_a_missing_folder_is_refused_before_any_work(gradclip, work, args):
+    """The report cannot be written: exit 3 before anything else is, so clip neither
+    writes its copy nor replaces its input (--in-place) and then fails."""
+    before = _snapshot(work)
+    r = gradclip(*args, "--output-file", "no-such-folder/r.json", "--format", "json")
+    assert r.code == 3, (r.code, r.err)
+    (line,) = [line for line in r.err.splitlines() if line.strip()]
+    assert line.startswith("gradclip: no-such-folder/r.json: cannot write: ") \
+        and "does not exist" in line, line
+    assert json.loads(r.out)["exit_code"] == 3  # the error document, on stdout
+    assert _snapshot(work) == before

@@ -8,6 +8,7 @@ one line on stderr says, with a hostile path kept as inert data.
 from __future__ import annotations
 
 import json
+import math
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -16,6 +17,7 @@ from markdown_it import MarkdownIt
 
 from gradclip_cli.format.text import visible
 from tests.cli.conftest import gradclip  # noqa: F401 (fixture)
+from tests.cli.support import SAMPLES
 from tests.schemas import validate
 
 from .test_ci_formats import markup_in, parse_workflow_command
@@ -149,3 +151,104 @@ def test_a_failure_never_lands_on_the_input(gradclip, tmp_path, fmt, target):  #
     assert r.out  # the failure, on stdout instead
     if fmt == "json":
         assert r.json()["exit_code"] == r.code
+
+
+# Usage errors found while the command line is parsed: a bad value, an unknown
+# option, a missing PATH.
+PARSE_ERRORS = {
+    "bad value": ["inspect", "{good}", "--norm-type", "abc"],
+    "unknown option": ["inspect", "{good}", "--no-such-flag"],
+    "missing PATH": ["clip", "--max-norm", "1"],
+    "bad value, two inputs": ["compare", "{good}", "{good}", "--fail-above", "0.5"],
+}
+
+
+@pytest.mark.parametrize("case", list(PARSE_ERRORS))
+@pytest.mark.parametrize("fmt", ["json", "junit", "github", "markdown"])
+def test_a_usage_error_goes_to_the_output_file(gradclip, tmp_path, fmt, case):  # noqa: F811
+    """As a failure found later does: CI that reads the report file learns why."""
+    good = tmp_path / "good.pt"
+    torch.save({"grads": {"w": torch.ones(3)}}, good)
+    report = tmp_path / "report.out"
+    args = [a.format(good=good) for a in PARSE_ERRORS[case]]
+    r = gradclip(*args, "--format", fmt, "--output-file", report)
+    assert r.code == 2 and r.out == "", (r.out, r.err)
+    message = stderr_message(r)
+    text = report.read_text(encoding="utf-8")
+    if fmt == "json":
+        doc = json.loads(text)
+        validate(doc, "error-1")
+        assert doc["error"] == message and doc["exit_code"] == 2
+    elif fmt == "junit":
+        check_junit(text, message, 2)
+    elif fmt == "github":
+        assert parse_workflow_command(text.rstrip("\n"))[2] == message
+    else:
+        check_markdown(text, message, 2)
+
+
+@pytest.mark.parametrize("report", ["g.pt", "g.clipped.pt", "out.pt"])
+def test_a_usage_error_never_lands_on_a_named_path(gradclip, tmp_path, monkeypatch,  # noqa: F811
+                                                   report):
+    """The command line did not parse, so what it reads and writes is not known: a report
+    file that is any path it names (or clip's default output) gets nothing; stdout does."""
+    monkeypatch.chdir(tmp_path)
+    torch.save({"grads": {"w": torch.ones(3)}}, "g.pt")
+    for name in ("g.clipped.pt", "out.pt"):
+        (tmp_path / name).write_bytes(b"kept")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    r = gradclip("clip", "g.pt", "-o", "out.pt", "--max-norm", "x", "--format", "json",
+                 "--output-file", report)
+    assert r.code == 2 and r.json()["exit_code"] == 2
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_usage_error_never_lands_in_a_named_folder(gradclip, tmp_path,  # noqa: F811
+                                                     monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = gradclip("trend", ".", "--no-such-flag", "--format", "junit", "--output-file", "r.xml")
+    assert r.code == 2 and "<error" in r.out
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fmt", ["junit", "github", "markdown"])
+def test_a_refused_clip_is_a_finding_in_every_ci_format(gradclip, tmp_path, fmt):  # noqa: F811
+    """clip refuses a non-finite total (exit 1, a finding): the report file says so, as
+    one ``::error``, a JUnit ``<failure>``, a Markdown failure line; it is never left
+    missing (or stale from an earlier run)."""
+    path = tmp_path / "nan.pt"
+    torch.save({"grads": {"w": torch.tensor([math.nan, 1.0])}}, path)
+    report = tmp_path / "report.out"
+    report.write_text("an earlier run's report")
+    r = gradclip("clip", path, "--max-norm", "1", "-o", tmp_path / "out.pt", "--format", fmt,
+                 "--output-file", report)
+    assert r.code == 1 and r.out == "", (r.out, r.err)
+    assert not (tmp_path / "out.pt").exists()
+    reason = stderr_message(r)
+    assert "refusing to clip" in reason
+    text = report.read_text(encoding="utf-8")
+    if fmt == "junit":
+        root = ET.fromstring(text.encode("utf-8"))
+        assert root.get("failures") == "1"
+        (failure,) = root.iter("failure")
+        assert failure.text == reason
+    elif fmt == "github":
+        (line,) = text.splitlines()
+        name, _, data = parse_workflow_command(line)
+        assert name == "error" and data == reason
+    else:
+        tokens = MarkdownIt("commonmark").parse(text)
+        shown = ["".join(c.content for c in t.children if c.type == "text")
+                 for t in tokens if t.type == "inline"]
+        assert f"❌ FAIL: {reason}" in shown
+
+
+def test_a_clip_that_would_zero_every_gradient_is_an_annotation(gradclip, tmp_path):  # noqa: F811
+    out = tmp_path / "zero.pt"
+    r = gradclip("clip", SAMPLES / "healthy.pt", "--max-norm", "1", "--norm-type", "1e-3",
+                 "-o", out, "--format", "github")
+    assert r.code == 1 and not out.exists()
+    (line,) = r.out.splitlines()
+    name, _, data = parse_workflow_command(line)
+    assert name == "error" and data == stderr_message(r)
+    assert "round every gradient to zero" in data
