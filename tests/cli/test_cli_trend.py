@@ -219,6 +219,46 @@ def test_monitor_log_unfinished_last_line_is_skipped_with_a_warning(gradclip, tm
     assert f"{log}:8: last line has no newline" in r.err
 
 
+def test_monitor_log_of_a_resumed_run_keeps_the_resumed_steps(gradclip, tmp_path):
+    """A run that crashed at step 30 (NaN) and resumed from its step-20 checkpoint
+    appends steps 21.. to the same log: the replayed steps supersede the crashed
+    run's, whose later lines are no longer the run's history."""
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    log = tmp_path / "grads.jsonl"
+
+    def train(steps, nan_at=None):
+        with GradMonitor(model, log=log, dump_dir=None) as monitor:
+            for step in steps:
+                model.zero_grad()
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                if step == nan_at:
+                    model[0].weight.grad[0, 0] = math.nan
+                monitor.step(step)
+
+    train(range(1, 31), nan_at=30)
+    crashed = log.read_text().splitlines(keepends=True)
+    train(range(21, 29))
+    resumed = log.read_text().splitlines(keepends=True)[30:]
+    spliced = tmp_path / "spliced.jsonl"  # the run's history as it happened
+    spliced.write_text("".join(crashed[:20] + resumed))
+
+    r = gradclip("trend", log, "--format", "json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    validate(doc, "trend-1")
+    assert [p["step"] for p in doc["points"]] == list(range(1, 29))
+    assert doc["status"] == "ok"
+    assert f"{log}:31: step 21 follows step 30" in r.err
+    assert "10 earlier line(s) for steps 21-30 are superseded" in r.err
+    want = gradclip("trend", spliced, "--format", "json").json()
+    for point in (*doc["points"], *want["points"]):
+        point.pop("source")
+    assert doc["points"] == want["points"]
+
+
 def test_trainer_state_of_a_real_run_finds_the_injected_spike(gradclip, trainer_state):
     r = gradclip("trend", trainer_state, "--format", "json", "--fail-on", "any")
     assert r.code == 1, r.err
