@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..core.spikes import SpikeDetector
+from ..errors import UsageError
+from ..escaping import visible
 from .model import INSUFFICIENT_HISTORY, NONFINITE, OK, SPIKE, NonFinite
 
 FAIL_ON_NEWEST, FAIL_ON_ANY = "newest", "any"
@@ -114,9 +116,25 @@ class TrendReport:
 
 def order_by_step(observations: Sequence[Observation]) -> list[Observation]:
     """By step when every observation has one (a stable sort: ties keep their order);
-    else in the order given, since a partial order would be a guess."""
+    else in the order given, since a partial order would be a guess.
+
+    The order given is refused (``UsageError``) where it contradicts the steps
+    that are known (a folder lists ``ckpt-10.pt`` before ``ckpt-2.pt``, beside a
+    ``final.pt`` with no step): judging the points in an order known to be
+    wrong would give wrong z-scores.
+    """
     if all(o.step is not None for o in observations):
         return sorted(observations, key=lambda o: o.step)
+    known = [o for o in observations if o.step is not None]
+    for before, after in zip(known, known[1:]):
+        if after.step < before.step:
+            unknown = next(o for o in observations if o.step is None)
+            raise UsageError(
+                f"{visible(unknown.source)}: no step (none recorded, no number in its "
+                f"name), so the points keep the order given, but {visible(after.source)} "
+                f"(step {after.step}) comes after {visible(before.source)} (step "
+                f"{before.step}): give the inputs in step order, or leave out those "
+                "without a step")
     return list(observations)
 
 

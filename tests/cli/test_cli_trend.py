@@ -128,6 +128,24 @@ def test_without_steps_points_keep_the_order_given(gradclip, tmp_path):
     assert doc["status"] == "insufficient_history"
 
 
+def test_a_point_without_a_step_among_points_out_of_step_order_is_refused(gradclip, tmp_path):
+    # A folder lists ckpt-10.pt before ckpt-2.pt; final.pt has no step, so the points
+    # cannot be put in step order, and the order given contradicts the steps known.
+    save_run(tmp_path / "run", (2, 10, 30), name="ckpt-{step}.pt")
+    save_run(tmp_path / "x", (99,), with_step=False, name="final.pt")
+    (tmp_path / "x" / "final.pt").rename(tmp_path / "run" / "final.pt")
+    r = gradclip("trend", tmp_path / "run", "--format", "json")
+    assert r.code == 2, r.out
+    assert_no_report(r)
+    final, ten, two = (str(tmp_path / "run" / n) for n in ("final.pt", "ckpt-10.pt", "ckpt-2.pt"))
+    assert f"{final}: no step" in r.err and f"{two} (step 2) comes after {ten} (step 10)" in r.err
+    assert len(r.err.strip().splitlines()) == 1
+    # Given in step order, the order given is the run's order.
+    in_order = [tmp_path / "run" / n for n in ("ckpt-2.pt", "ckpt-10.pt", "ckpt-30.pt", "final.pt")]
+    doc = gradclip("trend", *in_order, "--format", "json").json()
+    assert [p["step"] for p in doc["points"]] == [2, 10, 30, None]
+
+
 def test_a_file_under_several_names_is_one_point(gradclip, tmp_path):
     # timm's CheckpointSaver hard-links last.pth.tar and model_best.pth.tar to a
     # checkpoint-N.pth.tar: one checkpoint, one point, under its first name.
