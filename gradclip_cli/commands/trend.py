@@ -39,6 +39,7 @@ from ..report.trend import (
     Observation,
     SeriesFound,
     build_trend_report,
+    one_point_per_step,
     order_by_step,
 )
 from ..source import READERS, run_folder
@@ -142,8 +143,9 @@ def run(
             observations.append(Observation(
                 source=str(item.path), step=m.step, total_norm=m.total_norm,
                 groups=m.groups, nonfinite=m.nonfinite, what=m.what))
+    observations, copies = one_point_per_step(observations)
     found = _found(runs)
-    found["notes"] += step_notes
+    found["notes"] += step_notes + copies
     report = build_trend_report(
         order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
         alpha=alpha, warmup=warmup, fail_on=fail_on, **found,

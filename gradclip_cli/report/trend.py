@@ -138,6 +138,45 @@ def order_by_step(observations: Sequence[Observation]) -> list[Observation]:
     return list(observations)
 
 
+def one_point_per_step(observations: Sequence[Observation]) -> tuple[list[Observation], list[str]]:
+    """Each step once: inputs that give the same step with the same norms are copies
+    of one checkpoint (Lightning's ``last.ckpt`` beside ``epoch=E-step=N.ckpt``) and
+    make one point, under the first name, with a note for each other name.
+
+    Counted twice, a point would be judged against a history that holds itself
+    (a spike clipped to the limit), and a copy of the newest checkpoint could
+    hide its spike. The same step with other norms is two runs, or one run at
+    two grains, not one series: ``UsageError`` naming both.
+    """
+    first: dict[int, Observation] = {}
+    kept, notes = [], []
+    for obs in observations:
+        if obs.step is None:
+            kept.append(obs)
+            continue
+        seen = first.setdefault(obs.step, obs)
+        if seen is obs:
+            kept.append(obs)
+        elif _same_norms(seen, obs):
+            notes.append(f"{visible(obs.source)}: the same step ({obs.step}) and norms as "
+                         f"{visible(seen.source)}: one point")
+        else:
+            raise UsageError(
+                f"{visible(obs.source)} and {visible(seen.source)} both give step {obs.step}, "
+                f"with other norms ({obs.total_norm:g} and {seen.total_norm:g}): one trend "
+                "judges one run's series, each step once; give one of them")
+    return kept, notes
+
+
+def _same_norms(a: Observation, b: Observation) -> bool:
+    def same(x: float, y: float) -> bool:
+        return x == y or (math.isnan(x) and math.isnan(y))
+
+    return (same(a.total_norm, b.total_norm) and a.groups.keys() == b.groups.keys()
+            and all(same(v, b.groups[k]) for k, v in a.groups.items())
+            and a.nonfinite == b.nonfinite)
+
+
 def build_trend_report(
     observations: Sequence[Observation],
     *,

@@ -146,6 +146,48 @@ def test_a_point_without_a_step_among_points_out_of_step_order_is_refused(gradcl
     assert [p["step"] for p in doc["points"]] == [2, 10, 30, None]
 
 
+def test_a_copy_of_the_newest_checkpoint_is_one_point_and_keeps_its_spike(gradclip, tmp_path):
+    # Lightning's ModelCheckpoint(save_last=True) writes last.ckpt, a copy of the newest
+    # checkpoint with its global_step. Counted twice, the copy was judged against a
+    # history holding the spike itself and passed.
+    run = tmp_path / "run"
+    run.mkdir()
+    norms = {s: 1 + 0.01 * (s % 3) for s in range(1, 31)} | {31: 2.3}
+    for step, norm in norms.items():
+        grads = {"l.w": torch.tensor([norm], dtype=torch.float64)}
+        torch.save({"grads": grads, "step": step}, run / f"ckpt-{step}.pt")
+    (run / "last.pt").write_bytes((run / "ckpt-31.pt").read_bytes())
+    r = gradclip("trend", run, "--format", "json")
+    assert r.code == 1, r.err
+    doc = r.json()
+    validate(doc, "trend-1")
+    assert [p["step"] for p in doc["points"]] == list(range(1, 32))
+    assert {p["step"]: p["total_norm"] for p in doc["points"]} == norms
+    assert doc["status"] == "spike" and doc["points"][-1]["source"] == str(run / "ckpt-31.pt")
+    # z by the README's rule: the plain mean and variance of steps 1-25, exponential
+    # averages (alpha 0.97) over steps 26-30, std floored at mean / 2.
+    seed = [norms[s] for s in range(1, 26)]
+    mean = math.fsum(seed) / 25
+    var = math.fsum((x - mean) ** 2 for x in seed) / 25
+    for step in range(26, 31):
+        mean = 0.97 * mean + 0.03 * norms[step]
+        var = 0.97 * var + 0.03 * (norms[step] - mean) ** 2
+    z = (2.3 - mean) / max(math.sqrt(var), mean / 2)
+    assert z > 2.5 and abs(doc["points"][-1]["z"] - z) <= 1e-12
+    assert doc["notes"] == [f"{run / 'last.pt'}: the same step (31) and norms as "
+                            f"{run / 'ckpt-31.pt'}: one point"]
+
+
+def test_one_step_with_other_norms_from_two_inputs_is_refused(gradclip, tmp_path):
+    save_run(tmp_path / "a", (1, 2, 3))
+    save_run(tmp_path / "b", (3,), spikes={3: {"transformer.h.0": 2.0}})
+    r = gradclip("trend", tmp_path / "a", tmp_path / "b", "--format", "json")
+    assert r.code == 2
+    assert_no_report(r)
+    assert (f"{tmp_path / 'b' / 'grads-3.pt'} and {tmp_path / 'a' / 'grads-3.pt'} both give "
+            "step 3, with other norms") in r.err
+
+
 def test_a_file_under_several_names_is_one_point(gradclip, tmp_path):
     # timm's CheckpointSaver hard-links last.pth.tar and model_best.pth.tar to a
     # checkpoint-N.pth.tar: one checkpoint, one point, under its first name.
@@ -291,6 +333,17 @@ def test_trainer_state_of_a_real_run_finds_the_injected_spike(gradclip, trainer_
     # The newest point is healthy: the default --fail-on newest passes.
     r = gradclip("trend", trainer_state)
     assert r.code == 0 and f"; earlier: 1 spike(s) (step {SPIKE_STEP})" in unwrapped(r.out)
+
+
+def test_trainer_state_with_a_step_logged_twice_is_refused(gradclip, tmp_path):
+    state = tmp_path / "trainer_state.json"
+    history = [{"loss": 1.0, "grad_norm": 1.0 + s, "step": s} for s in (1, 2, 3, 2)]
+    state.write_text(json.dumps({"global_step": 3, "log_history": history}))
+    r = gradclip("trend", state, "--format", "json")
+    assert r.code == 3
+    assert_no_report(r)
+    assert r.err == (f"gradclip: {state}: log_history[3]: grad_norm of step 2 after one of "
+                     "step 3; a Trainer logs each step once, in order\n")
 
 
 def test_trainer_state_and_checkpoints_mix_in_step_order(gradclip, tmp_path):
