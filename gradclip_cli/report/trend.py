@@ -149,7 +149,7 @@ def one_point_per_step(observations: Sequence[Observation]) -> tuple[list[Observ
     two grains, not one series: ``UsageError`` naming both.
     """
     first: dict[int, Observation] = {}
-    kept, notes = [], []
+    kept, copies = [], {}
     for obs in observations:
         if obs.step is None:
             kept.append(obs)
@@ -158,13 +158,19 @@ def one_point_per_step(observations: Sequence[Observation]) -> tuple[list[Observ
         if seen is obs:
             kept.append(obs)
         elif _same_norms(seen, obs):
-            notes.append(f"{visible(obs.source)}: the same step ({obs.step}) and norms as "
-                         f"{visible(seen.source)}: one point")
+            copies.setdefault((obs.source, seen.source), []).append(obs.step)
         else:
             raise UsageError(
                 f"{visible(obs.source)} and {visible(seen.source)} both give step {obs.step}, "
                 f"with other norms ({obs.total_norm:g} and {seen.total_norm:g}): one trend "
                 "judges one run's series, each step once; give one of them")
+    notes = []
+    for (copy, source), steps in copies.items():
+        at = (f"step ({steps[0]})" if len(steps) == 1
+              else f"{len(steps)} steps ({min(steps)}-{max(steps)})")
+        each = "" if len(steps) == 1 else " each"
+        notes.append(f"{visible(copy)}: the same {at} and norms as {visible(source)}: "
+                     f"one point{each}")
     return kept, notes
 
 

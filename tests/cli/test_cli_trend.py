@@ -178,6 +178,21 @@ def test_a_copy_of_the_newest_checkpoint_is_one_point_and_keeps_its_spike(gradcl
                             f"{run / 'ckpt-31.pt'}: one point"]
 
 
+def test_two_checkpoints_trainer_states_are_one_series_with_one_note(gradclip, tmp_path):
+    # checkpoint-20's log_history starts with checkpoint-10's: those steps once each.
+    history = [{"loss": 1.0, "grad_norm": 1.0 + 0.01 * (s % 3), "step": s} for s in range(1, 21)]
+    states = []
+    for step in (10, 20):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        states.append(tmp_path / f"checkpoint-{step}" / "trainer_state.json")
+        states[-1].write_text(json.dumps({"global_step": step, "log_history": history[:step]}))
+    doc = gradclip("trend", *states, "--format", "json").json()
+    assert [p["step"] for p in doc["points"]] == list(range(1, 21))
+    assert [p["source"] for p in doc["points"]] == [str(states[0])] * 10 + [str(states[1])] * 10
+    assert doc["notes"] == [f"{states[1]}: the same 10 steps (1-10) and norms as {states[0]}: "
+                            "one point each"]
+
+
 def test_one_step_with_other_norms_from_two_inputs_is_refused(gradclip, tmp_path):
     save_run(tmp_path / "a", (1, 2, 3))
     save_run(tmp_path / "b", (3,), spikes={3: {"transformer.h.0": 2.0}})
