@@ -174,10 +174,12 @@ class OneKind:
 
     ``requested``: ``--what``; "auto" lets the first point decide. A second
     kind is a ``UsageError`` naming both sources: one series, one quantity.
+    ``command`` ("trend" or "compare") words the way out.
     """
 
-    def __init__(self, requested: str):
+    def __init__(self, requested: str, command: str = "trend"):
         self.requested = requested
+        self.command = command
         self.first: tuple[str, str] | None = None  # (source, what)
         self.logs = False
 
@@ -199,19 +201,22 @@ class OneKind:
         source0, what0 = self.first
         if what == what0:
             return
+        compare = self.command == "compare"
         if logged or self.logs:
             fix = "a log holds gradient norms only: trend the logs and the checkpoints apart"
         elif "weights" in (what0, what):
             # The one that measures weights by default holds nothing else to measure;
             # the other holds optimizer state or gradients, and a model's weights too
             # wherever its layout keeps them.
-            fix = "give --what weights to measure every checkpoint alike, or trend them apart"
+            fix = ("give --what weights to measure both alike" if compare else
+                   "give --what weights to measure every checkpoint alike, or trend them apart")
         else:
             # Neither holds for sure what the other measures: no flag makes them one series.
-            fix = "trend them apart"
+            fix = "no --what measures both alike" if compare else "trend them apart"
+        rule = ("compare needs one quantity on both sides" if compare
+                else "one trend judges one quantity")
         raise UsageError(f"{visible(source)} measures {what} ({EXPLAIN[what]}) but "
-                         f"{visible(source0)} measures {what0}; one trend judges one "
-                         f"quantity: {fix}")
+                         f"{visible(source0)} measures {what0}; {rule}: {fix}")
 
 
 def _fail_on(text: str) -> str:
