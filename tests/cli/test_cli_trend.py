@@ -350,6 +350,24 @@ def test_trainer_state_of_a_real_run_finds_the_injected_spike(gradclip, trainer_
     assert r.code == 0 and f"; earlier: 1 spike(s) (step {SPIKE_STEP})" in unwrapped(r.out)
 
 
+@pytest.mark.parametrize("kind", ["monitor", "trainer-state"])
+def test_a_negative_logged_norm_is_refused(gradclip, tmp_path, kind):
+    # Judged, -1 after a history of ones was a calm step (z -4, exit 0).
+    if kind == "monitor":
+        log = tmp_path / "grads.jsonl"
+        log.write_text("".join(monitor_line(s, -1.0 if s == 7 else 1.0, {}) for s in range(8)))
+        where = f"{log}:8: a norm must be >= 0, got -1.0"
+    else:
+        log = tmp_path / "trainer_state.json"
+        history = [{"grad_norm": -1.0 if s == 7 else 1.0, "step": s} for s in range(8)]
+        log.write_text(json.dumps({"log_history": history}))
+        where = f"{log}: log_history[7]: grad_norm must be >= 0, got -1"
+    r = gradclip("trend", log, "--format", "json")
+    assert r.code == 3
+    assert_no_report(r)
+    assert r.err_lines == [f"gradclip: {where}"]
+
+
 def test_trainer_state_with_a_step_logged_twice_is_refused(gradclip, tmp_path):
     state = tmp_path / "trainer_state.json"
     history = [{"loss": 1.0, "grad_norm": 1.0 + s, "step": s} for s in (1, 2, 3, 2)]

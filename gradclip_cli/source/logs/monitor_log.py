@@ -46,6 +46,8 @@ def _norm(value: object, where: str) -> float:
     if isinstance(value, str) and value in _NONFINITE_WORDS:
         return _NONFINITE_WORDS[value]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:  # no norm is negative: judged, it would pass as a calm step
+            raise InputError(f"{where}: a norm must be >= 0, got {excerpt(value)}")
         return float(value)
     raise InputError(f"{where}: a norm must be a number or \"nan\"/\"inf\"/\"-inf\", "
                      f"got {excerpt(value)}")

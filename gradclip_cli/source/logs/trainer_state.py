@@ -37,6 +37,8 @@ def read(path: Path) -> list[LoggedNorms]:
         norm, step = entry["grad_norm"], entry.get("step")
         if not isinstance(norm, (int, float)) or isinstance(norm, bool):
             raise InputError(f"{shown}: log_history[{i}]: grad_norm must be a number")
+        if norm < 0:
+            raise InputError(f"{shown}: log_history[{i}]: grad_norm must be >= 0, got {norm:g}")
         if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
             raise InputError(f"{shown}: log_history[{i}]: step must be a whole number")
         last = next((e.step for e in reversed(entries) if e.step is not None), None)
