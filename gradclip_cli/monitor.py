@@ -552,6 +552,8 @@ class GradMonitor:
                 # Unbuffered append: each line reaches the file in one write() call
                 # (no Python buffer to lose in a crash), at the end of the file.
                 self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115
+                if stat.S_ISREG(os.fstat(self._log_file.fileno()).st_mode):
+                    self._drop_unfinished_line()
             while view:
                 view = view[self._log_file.write(view) :]
         except OSError as e:
@@ -573,6 +575,33 @@ class GradMonitor:
                     "training goes on, lines that cannot be written are "
                     "dropped",
                 )
+
+    def _drop_unfinished_line(self) -> None:
+        """Cut a last line without its newline from the log about to be appended to.
+
+        It is a write that never finished (a run that stopped mid-line: a full
+        disk, a lost node), and ``trend`` skips it only while it is last: a
+        resumed run's lines appended after it would make the log unreadable.
+        """
+        try:
+            with open(self.log_path, "rb") as f:
+                end = cut = f.seek(0, os.SEEK_END)
+                while cut > 0:
+                    start = max(0, cut - 65536)
+                    f.seek(start)
+                    newline = f.read(cut - start).rfind(b"\n")
+                    if newline >= 0:
+                        cut = start + newline + 1
+                        break
+                    cut = start
+            if cut < end:
+                os.truncate(self.log_path, cut)
+        except OSError:  # a log that cannot be read back (write-only): append as it is
+            return
+        if cut < end:
+            print(f"GradMonitor: {self.log_path} ended in a line cut short ({end - cut} "
+                  "bytes without a newline, a run that stopped mid-write); dropped before "
+                  "appending", file=sys.stderr, flush=True)
 
     def _report(self, what: str, message: str) -> None:
         """Say on stderr, once per kind of write, that a write failed.

@@ -32,7 +32,7 @@ def run(
     if session is not None:
         dev = session.device
     how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
-    kinds = OneKind(what)
+    kinds = OneKind(what, "compare")
     with progress_steps(quiet or not progress or not speaks()) as steps:
         # One at a time: A's pages are released before B is read.
         ra = measure_checkpoint(a, how, steps)

@@ -39,6 +39,7 @@ from ..report.trend import (
     Observation,
     SeriesFound,
     build_trend_report,
+    one_point_per_step,
     order_by_step,
 )
 from ..source import READERS, run_folder
@@ -142,8 +143,9 @@ def run(
             observations.append(Observation(
                 source=str(item.path), step=m.step, total_norm=m.total_norm,
                 groups=m.groups, nonfinite=m.nonfinite, what=m.what))
+    observations, copies = one_point_per_step(observations)
     found = _found(runs)
-    found["notes"] += step_notes
+    found["notes"] += step_notes + copies
     report = build_trend_report(
         order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
         alpha=alpha, warmup=warmup, fail_on=fail_on, **found,
@@ -172,10 +174,12 @@ class OneKind:
 
     ``requested``: ``--what``; "auto" lets the first point decide. A second
     kind is a ``UsageError`` naming both sources: one series, one quantity.
+    ``command`` ("trend" or "compare") words the way out.
     """
 
-    def __init__(self, requested: str):
+    def __init__(self, requested: str, command: str = "trend"):
         self.requested = requested
+        self.command = command
         self.first: tuple[str, str] | None = None  # (source, what)
         self.logs = False
 
@@ -197,19 +201,22 @@ class OneKind:
         source0, what0 = self.first
         if what == what0:
             return
+        compare = self.command == "compare"
         if logged or self.logs:
             fix = "a log holds gradient norms only: trend the logs and the checkpoints apart"
         elif "weights" in (what0, what):
             # The one that measures weights by default holds nothing else to measure;
             # the other holds optimizer state or gradients, and a model's weights too
             # wherever its layout keeps them.
-            fix = "give --what weights to measure every checkpoint alike, or trend them apart"
+            fix = ("give --what weights to measure both alike" if compare else
+                   "give --what weights to measure every checkpoint alike, or trend them apart")
         else:
             # Neither holds for sure what the other measures: no flag makes them one series.
-            fix = "trend them apart"
+            fix = "no --what measures both alike" if compare else "trend them apart"
+        rule = ("compare needs one quantity on both sides" if compare
+                else "one trend judges one quantity")
         raise UsageError(f"{visible(source)} measures {what} ({EXPLAIN[what]}) but "
-                         f"{visible(source0)} measures {what0}; one trend judges one "
-                         f"quantity: {fix}")
+                         f"{visible(source0)} measures {what0}; {rule}: {fix}")
 
 
 def _fail_on(text: str) -> str:

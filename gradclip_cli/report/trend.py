@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..core.spikes import SpikeDetector
+from ..errors import UsageError
+from ..escaping import visible
 from .model import INSUFFICIENT_HISTORY, NONFINITE, OK, SPIKE, NonFinite
 
 FAIL_ON_NEWEST, FAIL_ON_ANY = "newest", "any"
@@ -114,10 +116,71 @@ class TrendReport:
 
 def order_by_step(observations: Sequence[Observation]) -> list[Observation]:
     """By step when every observation has one (a stable sort: ties keep their order);
-    else in the order given, since a partial order would be a guess."""
+    else in the order given, since a partial order would be a guess.
+
+    The order given is refused (``UsageError``) where it contradicts the steps
+    that are known (a folder lists ``ckpt-10.pt`` before ``ckpt-2.pt``, beside a
+    ``final.pt`` with no step): judging the points in an order known to be
+    wrong would give wrong z-scores.
+    """
     if all(o.step is not None for o in observations):
         return sorted(observations, key=lambda o: o.step)
+    known = [o for o in observations if o.step is not None]
+    for before, after in zip(known, known[1:]):
+        if after.step < before.step:
+            unknown = next(o for o in observations if o.step is None)
+            raise UsageError(
+                f"{visible(unknown.source)}: no step (none recorded, no number in its "
+                f"name), so the points keep the order given, but {visible(after.source)} "
+                f"(step {after.step}) comes after {visible(before.source)} (step "
+                f"{before.step}): give the inputs in step order, or leave out those "
+                "without a step")
     return list(observations)
+
+
+def one_point_per_step(observations: Sequence[Observation]) -> tuple[list[Observation], list[str]]:
+    """Each step once: inputs that give the same step with the same norms are copies
+    of one checkpoint (Lightning's ``last.ckpt`` beside ``epoch=E-step=N.ckpt``) and
+    make one point, under the first name, with a note for each other name.
+
+    Counted twice, a point would be judged against a history that holds itself
+    (a spike clipped to the limit), and a copy of the newest checkpoint could
+    hide its spike. The same step with other norms is two runs, or one run at
+    two grains, not one series: ``UsageError`` naming both.
+    """
+    first: dict[int, Observation] = {}
+    kept, copies = [], {}
+    for obs in observations:
+        if obs.step is None:
+            kept.append(obs)
+            continue
+        seen = first.setdefault(obs.step, obs)
+        if seen is obs:
+            kept.append(obs)
+        elif _same_norms(seen, obs):
+            copies.setdefault((obs.source, seen.source), []).append(obs.step)
+        else:
+            raise UsageError(
+                f"{visible(obs.source)} and {visible(seen.source)} both give step {obs.step}, "
+                f"with other norms ({obs.total_norm:g} and {seen.total_norm:g}): one trend "
+                "judges one run's series, each step once; give one of them")
+    notes = []
+    for (copy, source), steps in copies.items():
+        at = (f"step ({steps[0]})" if len(steps) == 1
+              else f"{len(steps)} steps ({min(steps)}-{max(steps)})")
+        each = "" if len(steps) == 1 else " each"
+        notes.append(f"{visible(copy)}: the same {at} and norms as {visible(source)}: "
+                     f"one point{each}")
+    return kept, notes
+
+
+def _same_norms(a: Observation, b: Observation) -> bool:
+    def same(x: float, y: float) -> bool:
+        return x == y or (math.isnan(x) and math.isnan(y))
+
+    return (same(a.total_norm, b.total_norm) and a.groups.keys() == b.groups.keys()
+            and all(same(v, b.groups[k]) for k, v in a.groups.items())
+            and a.nonfinite == b.nonfinite)
 
 
 def build_trend_report(

@@ -194,3 +194,19 @@ def test_the_total_ratio_alone_is_checked(gradclip, tmp_path):
     bad = gradclip("compare", tmp_path / "a.pt", tmp_path / "b.pt", "--fail-above", "3")
     assert bad.code == 1 and bad.out.splitlines()[-1].startswith(
         "FAIL: the total changed 4x, beyond 3x; 3 group(s) changed by more than 3x")
+
+
+def test_sides_that_measure_two_quantities_are_refused_in_compare_words(gradclip, tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    torch.save({"grads": {n: p.grad for n, p in model.named_parameters()}}, tmp_path / "a.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "b.pt")
+    r = gradclip("compare", tmp_path / "a.pt", tmp_path / "b.pt", "--format", "json")
+    assert r.code == 2
+    assert_no_report(r)
+    assert r.err_lines == [
+        f"gradclip: {tmp_path / 'b.pt'} measures exp_avg (first moment exp_avg / (1 - "
+        f"beta1^step), each parameter's own step) but {tmp_path / 'a.pt'} measures grads; "
+        "compare needs one quantity on both sides: no --what measures both alike"]

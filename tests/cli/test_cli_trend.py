@@ -128,6 +128,81 @@ def test_without_steps_points_keep_the_order_given(gradclip, tmp_path):
     assert doc["status"] == "insufficient_history"
 
 
+def test_a_point_without_a_step_among_points_out_of_step_order_is_refused(gradclip, tmp_path):
+    # A folder lists ckpt-10.pt before ckpt-2.pt; final.pt has no step, so the points
+    # cannot be put in step order, and the order given contradicts the steps known.
+    save_run(tmp_path / "run", (2, 10, 30), name="ckpt-{step}.pt")
+    save_run(tmp_path / "x", (99,), with_step=False, name="final.pt")
+    (tmp_path / "x" / "final.pt").rename(tmp_path / "run" / "final.pt")
+    r = gradclip("trend", tmp_path / "run", "--format", "json")
+    assert r.code == 2, r.out
+    assert_no_report(r)
+    final, ten, two = (str(tmp_path / "run" / n) for n in ("final.pt", "ckpt-10.pt", "ckpt-2.pt"))
+    assert f"{final}: no step" in r.err and f"{two} (step 2) comes after {ten} (step 10)" in r.err
+    assert len(r.err.strip().splitlines()) == 1
+    # Given in step order, the order given is the run's order.
+    in_order = [tmp_path / "run" / n for n in ("ckpt-2.pt", "ckpt-10.pt", "ckpt-30.pt", "final.pt")]
+    doc = gradclip("trend", *in_order, "--format", "json").json()
+    assert [p["step"] for p in doc["points"]] == [2, 10, 30, None]
+
+
+def test_a_copy_of_the_newest_checkpoint_is_one_point_and_keeps_its_spike(gradclip, tmp_path):
+    # Lightning's ModelCheckpoint(save_last=True) writes last.ckpt, a copy of the newest
+    # checkpoint with its global_step. Counted twice, the copy was judged against a
+    # history holding the spike itself and passed.
+    run = tmp_path / "run"
+    run.mkdir()
+    norms = {s: 1 + 0.01 * (s % 3) for s in range(1, 31)} | {31: 2.3}
+    for step, norm in norms.items():
+        grads = {"l.w": torch.tensor([norm], dtype=torch.float64)}
+        torch.save({"grads": grads, "step": step}, run / f"ckpt-{step}.pt")
+    (run / "last.pt").write_bytes((run / "ckpt-31.pt").read_bytes())
+    r = gradclip("trend", run, "--format", "json")
+    assert r.code == 1, r.err
+    doc = r.json()
+    validate(doc, "trend-1")
+    assert [p["step"] for p in doc["points"]] == list(range(1, 32))
+    assert {p["step"]: p["total_norm"] for p in doc["points"]} == norms
+    assert doc["status"] == "spike" and doc["points"][-1]["source"] == str(run / "ckpt-31.pt")
+    # z by the README's rule: the plain mean and variance of steps 1-25, exponential
+    # averages (alpha 0.97) over steps 26-30, std floored at mean / 2.
+    seed = [norms[s] for s in range(1, 26)]
+    mean = math.fsum(seed) / 25
+    var = math.fsum((x - mean) ** 2 for x in seed) / 25
+    for step in range(26, 31):
+        mean = 0.97 * mean + 0.03 * norms[step]
+        var = 0.97 * var + 0.03 * (norms[step] - mean) ** 2
+    z = (2.3 - mean) / max(math.sqrt(var), mean / 2)
+    assert z > 2.5 and abs(doc["points"][-1]["z"] - z) <= 1e-12
+    assert doc["notes"] == [f"{run / 'last.pt'}: the same step (31) and norms as "
+                            f"{run / 'ckpt-31.pt'}: one point"]
+
+
+def test_two_checkpoints_trainer_states_are_one_series_with_one_note(gradclip, tmp_path):
+    # checkpoint-20's log_history starts with checkpoint-10's: those steps once each.
+    history = [{"loss": 1.0, "grad_norm": 1.0 + 0.01 * (s % 3), "step": s} for s in range(1, 21)]
+    states = []
+    for step in (10, 20):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        states.append(tmp_path / f"checkpoint-{step}" / "trainer_state.json")
+        states[-1].write_text(json.dumps({"global_step": step, "log_history": history[:step]}))
+    doc = gradclip("trend", *states, "--format", "json").json()
+    assert [p["step"] for p in doc["points"]] == list(range(1, 21))
+    assert [p["source"] for p in doc["points"]] == [str(states[0])] * 10 + [str(states[1])] * 10
+    assert doc["notes"] == [f"{states[1]}: the same 10 steps (1-10) and norms as {states[0]}: "
+                            "one point each"]
+
+
+def test_one_step_with_other_norms_from_two_inputs_is_refused(gradclip, tmp_path):
+    save_run(tmp_path / "a", (1, 2, 3))
+    save_run(tmp_path / "b", (3,), spikes={3: {"transformer.h.0": 2.0}})
+    r = gradclip("trend", tmp_path / "a", tmp_path / "b", "--format", "json")
+    assert r.code == 2
+    assert_no_report(r)
+    assert (f"{tmp_path / 'b' / 'grads-3.pt'} and {tmp_path / 'a' / 'grads-3.pt'} both give "
+            "step 3, with other norms") in r.err
+
+
 def test_a_file_under_several_names_is_one_point(gradclip, tmp_path):
     # timm's CheckpointSaver hard-links last.pth.tar and model_best.pth.tar to a
     # checkpoint-N.pth.tar: one checkpoint, one point, under its first name.
@@ -219,6 +294,46 @@ def test_monitor_log_unfinished_last_line_is_skipped_with_a_warning(gradclip, tm
     assert f"{log}:8: last line has no newline" in r.err
 
 
+def test_monitor_log_of_a_resumed_run_keeps_the_resumed_steps(gradclip, tmp_path):
+    """A run that crashed at step 30 (NaN) and resumed from its step-20 checkpoint
+    appends steps 21.. to the same log: the replayed steps supersede the crashed
+    run's, whose later lines are no longer the run's history."""
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    log = tmp_path / "grads.jsonl"
+
+    def train(steps, nan_at=None):
+        with GradMonitor(model, log=log, dump_dir=None) as monitor:
+            for step in steps:
+                model.zero_grad()
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                if step == nan_at:
+                    model[0].weight.grad[0, 0] = math.nan
+                monitor.step(step)
+
+    train(range(1, 31), nan_at=30)
+    crashed = log.read_text().splitlines(keepends=True)
+    train(range(21, 29))
+    resumed = log.read_text().splitlines(keepends=True)[30:]
+    spliced = tmp_path / "spliced.jsonl"  # the run's history as it happened
+    spliced.write_text("".join(crashed[:20] + resumed))
+
+    r = gradclip("trend", log, "--format", "json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    validate(doc, "trend-1")
+    assert [p["step"] for p in doc["points"]] == list(range(1, 29))
+    assert doc["status"] == "ok"
+    assert f"{log}:31: step 21 follows step 30" in r.err
+    assert "10 earlier line(s) for steps 21-30 are superseded" in r.err
+    want = gradclip("trend", spliced, "--format", "json").json()
+    for point in (*doc["points"], *want["points"]):
+        point.pop("source")
+    assert doc["points"] == want["points"]
+
+
 def test_trainer_state_of_a_real_run_finds_the_injected_spike(gradclip, trainer_state):
     r = gradclip("trend", trainer_state, "--format", "json", "--fail-on", "any")
     assert r.code == 1, r.err
@@ -233,6 +348,35 @@ def test_trainer_state_of_a_real_run_finds_the_injected_spike(gradclip, trainer_
     # The newest point is healthy: the default --fail-on newest passes.
     r = gradclip("trend", trainer_state)
     assert r.code == 0 and f"; earlier: 1 spike(s) (step {SPIKE_STEP})" in unwrapped(r.out)
+
+
+@pytest.mark.parametrize("kind", ["monitor", "trainer-state"])
+def test_a_negative_logged_norm_is_refused(gradclip, tmp_path, kind):
+    # Judged, -1 after a history of ones was a calm step (z -4, exit 0).
+    if kind == "monitor":
+        log = tmp_path / "grads.jsonl"
+        log.write_text("".join(monitor_line(s, -1.0 if s == 7 else 1.0, {}) for s in range(8)))
+        where = f"{log}:8: a norm must be >= 0, got -1.0"
+    else:
+        log = tmp_path / "trainer_state.json"
+        history = [{"grad_norm": -1.0 if s == 7 else 1.0, "step": s} for s in range(8)]
+        log.write_text(json.dumps({"log_history": history}))
+        where = f"{log}: log_history[7]: grad_norm must be >= 0, got -1"
+    r = gradclip("trend", log, "--format", "json")
+    assert r.code == 3
+    assert_no_report(r)
+    assert r.err_lines == [f"gradclip: {where}"]
+
+
+def test_trainer_state_with_a_step_logged_twice_is_refused(gradclip, tmp_path):
+    state = tmp_path / "trainer_state.json"
+    history = [{"loss": 1.0, "grad_norm": 1.0 + s, "step": s} for s in (1, 2, 3, 2)]
+    state.write_text(json.dumps({"global_step": 3, "log_history": history}))
+    r = gradclip("trend", state, "--format", "json")
+    assert r.code == 3
+    assert_no_report(r)
+    assert r.err == (f"gradclip: {state}: log_history[3]: grad_norm of step 2 after one of "
+                     "step 3; a Trainer logs each step once, in order\n")
 
 
 def test_trainer_state_and_checkpoints_mix_in_step_order(gradclip, tmp_path):

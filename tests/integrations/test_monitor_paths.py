@@ -129,3 +129,22 @@ def test_a_line_cut_short_ends_the_log_there(tmp_path):
     assert json.loads(first)["step"] == 0
     # Nothing after the cut line: a later line would make it unreadable.
     assert len(rest) == 20 and b"\n" not in rest and rest.startswith(b'{"schema"')
+
+
+def test_a_resumed_run_appends_after_a_line_cut_short(tmp_path, gradclip):
+    """The run whose line was cut short is resumed (its disk freed): the new monitor
+    drops the cut line before appending, and ``trend`` reads the whole log."""
+    log = tmp_path / "grads.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-c", CUT_SHORT, str(log)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    model = model_with_grads()
+    with GradMonitor(model, log, None) as monitor:
+        for step in range(1, 4):
+            monitor.step(step)
+    lines = log.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and [json.loads(line)["step"] for line in lines[:-1]] == [0, 1, 2, 3]
+    r = gradclip("trend", log, "--format", "json")
+    assert r.code == 0, r.err
+    assert [p["step"] for p in r.json()["points"]] == [0, 1, 2, 3]

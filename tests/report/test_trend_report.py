@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from gradclip_cli.core.spikes import SpikeDetector
+from gradclip_cli.errors import UsageError
 from gradclip_cli.report import NonFinite
 from gradclip_cli.report.trend import Observation, build_trend_report, order_by_step
 
@@ -75,4 +78,7 @@ def test_order_by_step_is_stable_and_only_when_every_step_is_known():
     a, b, c = obs(5, 1.0), Observation("x", 5, 2.0), obs(1, 3.0)
     assert order_by_step([a, b, c]) == [c, a, b]
     unknown = Observation("u", None, 1.0)
-    assert order_by_step([a, unknown, c]) == [a, unknown, c]
+    assert order_by_step([c, unknown, a]) == [c, unknown, a]
+    # The order given may not contradict the steps that are known.
+    with pytest.raises(UsageError, match=r"^u: no step .* s1 \(step 1\) comes after s5 \(step 5\)"):
+        order_by_step([a, unknown, c])

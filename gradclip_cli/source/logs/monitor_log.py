@@ -6,6 +6,15 @@ One object per line: ``{"schema": "gradclip.monitor/1", "step": int,
 Other keys are ignored. A last line without its newline is a write the
 training process had not finished (it may still be running, or it died
 mid-write): it is skipped with a warning, never guessed at.
+
+The monitor appends, so a run resumed from an earlier checkpoint (the
+Trainer's ``resume_from_checkpoint``, Lightning's ``ckpt_path``) logs its
+steps again after the lines of the run it replaces. A step at or below one
+logged before it starts the run over from there: the earlier lines from that
+step on are superseded, with a warning, as TensorBoard purges the events of
+a restarted run ("orphaned" steps). Sorted by step instead, the two runs'
+steps would interleave, and the crashed run's last line would stay the
+newest point after the resumed run had moved on.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ def _norm(value: object, where: str) -> float:
     if isinstance(value, str) and value in _NONFINITE_WORDS:
         return _NONFINITE_WORDS[value]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:  # no norm is negative: judged, it would pass as a calm step
+            raise InputError(f"{where}: a norm must be >= 0, got {excerpt(value)}")
         return float(value)
     raise InputError(f"{where}: a norm must be a number or \"nan\"/\"inf\"/\"-inf\", "
                      f"got {excerpt(value)}")
@@ -82,7 +93,10 @@ def read(path: Path) -> list[LoggedNorms]:
             continue
         where = f"{visible(str(path))}:{number}"
         obj = parse_json(line, where=where, what="a JSON object", line=True)
-        entries.append(_entry(obj, where))
+        entry = _entry(obj, where)
+        if entries and entry.step <= entries[-1].step:
+            _resumed(entries, entry.step, where)
+        entries.append(entry)
     shown = visible(str(path))
     if not entries:  # one line: the error says what the warning would have
         unended = " (its last line has no newline: a write in progress?)" \
@@ -92,6 +106,17 @@ def read(path: Path) -> list[LoggedNorms]:
         print(f"gradclip: warning: {shown}:{len(lines) + 1}: last line has no newline "
               "(a write in progress?); skipped", file=sys.stderr)
     return entries
+
+
+def _resumed(entries: list[LoggedNorms], step: int, where: str) -> None:
+    """Drop the entries a run resumed at ``step`` replaces (those from ``step`` on)."""
+    last = entries[-1].step
+    kept = [e for e in entries if e.step < step]
+    superseded = len(entries) - len(kept)
+    entries[:] = kept
+    print(f"gradclip: warning: {where}: step {step} follows step {last}: a run resumed "
+          f"from an earlier step; the {superseded} earlier line(s) for steps {step}-{last} "
+          "are superseded", file=sys.stderr)
 
 
 KIND = LogKind("gradclip-monitor", recognises, read)

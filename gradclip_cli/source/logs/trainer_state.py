@@ -37,8 +37,16 @@ def read(path: Path) -> list[LoggedNorms]:
         norm, step = entry["grad_norm"], entry.get("step")
         if not isinstance(norm, (int, float)) or isinstance(norm, bool):
             raise InputError(f"{shown}: log_history[{i}]: grad_norm must be a number")
+        if norm < 0:
+            raise InputError(f"{shown}: log_history[{i}]: grad_norm must be >= 0, got {norm:g}")
         if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
             raise InputError(f"{shown}: log_history[{i}]: step must be a whole number")
+        last = next((e.step for e in reversed(entries) if e.step is not None), None)
+        if step is not None and last is not None and step <= last:
+            # The Trainer logs in step order, and a resumed run starts from its
+            # checkpoint's own log_history: a step again is no Trainer's log.
+            raise InputError(f"{shown}: log_history[{i}]: grad_norm of step {step} after "
+                             f"one of step {last}; a Trainer logs each step once, in order")
         entries.append(LoggedNorms(step=step, total_norm=float(norm),
                                    norm_type=TRAINER_NORM_TYPE))
     if not entries:
