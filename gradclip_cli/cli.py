@@ -353,6 +353,10 @@ def clip(path, max_norm, clip_value, output, in_place, key, norm_type, device, f
 @_shared
 def trend(paths, what, group_by, z, alpha, warmup, fail_on, plot, key, norm_type, device,
           format, output_file, verify, trust_pickle, quiet, no_progress, debug) -> None:
+    # None when not given: a log's groups are fixed when it is written.
+    given = click.get_current_context().get_parameter_source("group_by")
+    group_by = None if given is click.core.ParameterSource.DEFAULT else group_by
+
     def body() -> int:
         return _command("trend").run(
             paths=[Path(p) for p in paths], what=what, group_by=group_by, z=z, alpha=alpha,

@@ -55,6 +55,9 @@ from .common import Loaded, Releasers, emit, load, measure, output_format, speak
 WHAT_CHOICES = WHATS
 # What a norm log (monitor JSON Lines, trainer_state.json) holds.
 LOGGED_WHAT = "grads"
+# How a log's groups were made: by the writer (GradMonitor's group_by), not by --group-by.
+LOGGED_GROUPS = "the monitor's rule"
+DEFAULT_GROUP_BY = "layer"
 
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 
@@ -88,7 +91,7 @@ class Measurement:
 
 
 def run(
-    *, paths: list[Path], what: str, group_by: str, z: float | None, alpha: float | None,
+    *, paths: list[Path], what: str, group_by: str | None, z: float | None, alpha: float | None,
     warmup: int | None, fail_on: str, plot: Path | None, key: str | None,
     norm_type: str | None, device: str, format: str, trust_pickle: bool, verify: bool,
     quiet: bool, output_file: Path | None, progress: bool = True,
@@ -102,6 +105,8 @@ def run(
     fail_on = _fail_on(fail_on)
     _spike_options(z, alpha, warmup)
     fmt = output_format(format)
+    regroup = group_by is not None  # --group-by given
+    group_by = DEFAULT_GROUP_BY if group_by is None else group_by
     rule = parse_group_by(group_by)
     requested_p = None if norm_type is None else options.norm_type(norm_type)
     dev = options.device(device)
@@ -119,6 +124,11 @@ def run(
                                             what=what, runs=runs)])
         logs = [(item.path, item.kind.read(item.path) if item.entries is None
                  else list(item.entries)) for item in inputs if isinstance(item.kind, LogKind)]
+        if logs and regroup:
+            raise UsageError(
+                f"{visible(str(logs[0][0]))}: --group-by groups a checkpoint's tensors; a "
+                "norm log holds the norms of the groups it was written with (GradMonitor's "
+                "group_by), which cannot be grouped again: leave --group-by out")
         p = _norm_type(requested_p, logs)
         how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
         kinds = OneKind(what)
@@ -146,6 +156,9 @@ def run(
     observations, copies = one_point_per_step(observations)
     found = _found(runs)
     found["notes"] += step_notes + copies
+    if logs:
+        group_by = (LOGGED_GROUPS if len(logs) == len(inputs)
+                    else f"{group_by} (checkpoints), {LOGGED_GROUPS} (logs)")
     report = build_trend_report(
         order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
         alpha=alpha, warmup=warmup, fail_on=fail_on, **found,

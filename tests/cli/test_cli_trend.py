@@ -272,6 +272,29 @@ def test_monitor_log_spike_names_the_group(gradclip, tmp_path):
     assert newest["groups"] == {"a": 0.8, "b": 60.0}
 
 
+def test_a_logs_groups_are_the_monitors_and_group_by_is_refused_on_it(gradclip, tmp_path):
+    """A log holds the norms of the groups GradMonitor made; trend cannot regroup them,
+    so the report does not say they follow --group-by, and an explicit one is exit 2."""
+    log = tmp_path / "grads.jsonl"
+    log.write_text("".join(monitor_line(s, 1.0, {"a.b": 0.8, "c": 0.6}) for s in range(6)))
+    doc = gradclip("trend", log, "--format", "json").json()
+    assert doc["group_by"] == "the monitor's rule"
+    assert doc["points"][0]["groups"] == {"a.b": 0.8, "c": 0.6}
+    assert "groups by the monitor's rule;" in gradclip("trend", log).out
+    for rule in ("depth:1", "layer"):
+        r = gradclip("trend", log, "--group-by", rule, "--format", "json")
+        assert r.code == 2, r.err
+        assert r.json()["schema"] == "gradclip.error/1"
+        assert "grads.jsonl" in r.err and "leave --group-by out" in r.err
+    # Beside checkpoints, each keeps its own grouping, and the report says which is which.
+    save_run(tmp_path / "run", [10, 11])
+    doc = gradclip("trend", log, tmp_path / "run", "--format", "json").json()
+    assert doc["group_by"] == "layer (checkpoints), the monitor's rule (logs)"
+    assert set(doc["points"][-1]["groups"]) == set(LAYERS)
+    by_module = gradclip("trend", tmp_path / "run", "--group-by", "depth:1", "--format", "json")
+    assert by_module.code == 0 and by_module.json()["group_by"] == "depth:1"
+
+
 def test_monitor_log_nonfinite_and_its_norm_type(gradclip, tmp_path):
     log = tmp_path / "grads.jsonl"
     lines = [monitor_line(s, 2.0, {"a": 2.0}, norm_type=math.inf) for s in range(6)]
