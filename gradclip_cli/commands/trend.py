@@ -56,7 +56,7 @@ WHAT_CHOICES = WHATS
 # What a norm log (monitor JSON Lines, trainer_state.json) holds.
 LOGGED_WHAT = "grads"
 # How a log's groups were made: by the writer (GradMonitor's group_by), not by --group-by.
-LOGGED_GROUPS = "the monitor's rule"
+LOGGED_GROUPS = "the log's writer"
 DEFAULT_GROUP_BY = "layer"
 
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")

@@ -278,9 +278,9 @@ def test_a_logs_groups_are_the_monitors_and_group_by_is_refused_on_it(gradclip, 
     log = tmp_path / "grads.jsonl"
     log.write_text("".join(monitor_line(s, 1.0, {"a.b": 0.8, "c": 0.6}) for s in range(6)))
     doc = gradclip("trend", log, "--format", "json").json()
-    assert doc["group_by"] == "the monitor's rule"
+    assert doc["group_by"] == "the log's writer"
     assert doc["points"][0]["groups"] == {"a.b": 0.8, "c": 0.6}
-    assert "groups by the monitor's rule;" in gradclip("trend", log).out
+    assert "groups by the log's writer;" in gradclip("trend", log).out
     for rule in ("depth:1", "layer"):
         r = gradclip("trend", log, "--group-by", rule, "--format", "json")
         assert r.code == 2, r.err
@@ -289,7 +289,7 @@ def test_a_logs_groups_are_the_monitors_and_group_by_is_refused_on_it(gradclip, 
     # Beside checkpoints, each keeps its own grouping, and the report says which is which.
     save_run(tmp_path / "run", [10, 11])
     doc = gradclip("trend", log, tmp_path / "run", "--format", "json").json()
-    assert doc["group_by"] == "layer (checkpoints), the monitor's rule (logs)"
+    assert doc["group_by"] == "layer (checkpoints), the log's writer (logs)"
     assert set(doc["points"][-1]["groups"]) == set(LAYERS)
     by_module = gradclip("trend", tmp_path / "run", "--group-by", "depth:1", "--format", "json")
     assert by_module.code == 0 and by_module.json()["group_by"] == "depth:1"
