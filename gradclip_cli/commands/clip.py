@@ -82,7 +82,8 @@ def run(
         if by_shard:
             from ..distributed.sets import shard_owners
 
-            files = shard_owners(loaded.write_back.files, session.world_size)
+            files = shard_owners(loaded.write_back.files, loaded.write_back.folder,
+                                 session.world_size)
         _, owned = measure(loaded, p, dev, steps, "computing norms", session=session,
                            files=files)
         before = owned.total()
