@@ -202,6 +202,11 @@ def _set_target(folder: Path, output: str | None, in_place: bool) -> Path:
     if in_place:
         return folder
     target = Path(output) if output is not None else folder.with_name(f"{folder.name}.clipped")
+    real_folder = Path(os.path.realpath(folder))
+    if real_folder in Path(os.path.realpath(target)).parents:
+        # The input is never changed without --in-place, not even by a new entry.
+        raise UsageError(f"{target}: inside the input folder {folder}; a clipped set is "
+                         "written as a new folder beside it (or use --in-place)")
     if target.exists():
         raise UsageError(f"{target}: exists; a clipped set is written as a new folder "
                          "(or use --in-place)")

@@ -167,3 +167,13 @@ def _digests_of_files(folder: Path) -> dict[str, str]:
     return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest()
             for n in sorted(os.listdir(folder)) if (folder / n).is_file()}
 
+
+
+def test_clip_of_a_set_into_its_own_folder_is_refused(gradclip, tmp_path):
+    folder = tmp_path / "grads"
+    _make_set(folder, 100, 3, 1000)
+    before = _digests(folder)
+    result = gradclip("clip", folder, "--max-norm", "1", "-o", folder / "clipped")
+    assert result.code == 2
+    assert "inside the input folder" in result.err
+    assert _digests(folder) == before
