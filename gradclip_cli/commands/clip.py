@@ -145,8 +145,8 @@ def run(
                 after = check(loaded)
             clipped = not coef.is_one
         else:
+            clipped = _clamp_changes(loaded, owned, value)
             clamp_elements_(mine(loaded), value)
-            clipped = float(before.max_abs[0]) > value
             after = check(loaded)
         steps.begin("writing")
         if loaded.write_back is None:
@@ -230,6 +230,20 @@ def _zeroes_everything(loaded: Loaded, owned, coef: Coefficient) -> bool:
     maxima = owned.max_abs.tolist()
     nonzero = [(m, t) for m, t in zip(maxima, loaded.held_tensors()) if m > 0]
     return bool(nonzero) and all(rounds_to_zero(m, t.dtype, coef) for m, t in nonzero)
+
+
+def _clamp_changes(loaded: Loaded, owned, value: float) -> bool:
+    """Whether clamping to ``[-value, value]`` changes some gradient element.
+
+    A tensor's largest magnitude decides for it, except where it holds a NaN:
+    its ``max_abs`` is then NaN, while the clamp keeps the NaN and still changes
+    the elements beyond the bound (an infinity among them), so those are looked
+    for.
+    """
+    for m, t in zip(owned.max_abs.tolist(), loaded.held_tensors()):
+        if m > value or (math.isnan(m) and bool((t.abs() > value).any())):
+            return True
+    return False
 
 
 def _unshare_other_entries(loaded: Loaded) -> list[str]:

@@ -240,6 +240,26 @@ def test_clip_value_above_max_abs_changes_nothing(gradclip, grads_file, grads, t
     assert all(torch.equal(loaded[n], g) for n, g in grads.items())
 
 
+
+@pytest.mark.parametrize("values, clipped", [
+    ([5.0, math.nan, 0.1], True),       # a NaN beside an element the clamp changes
+    ([0.1, math.nan, -0.2], False),     # a NaN, nothing beyond the bound
+    ([0.1, math.inf, -0.2], True),      # an infinity is clamped to the bound
+], ids=["nan-and-large", "nan-only", "inf"])
+def test_clip_value_says_whether_it_changed_an_element(gradclip, tmp_path, values, clipped):
+    path = tmp_path / "g.pt"
+    grads = {"a": torch.tensor(values), "b": torch.tensor([0.25, -0.25])}
+    torch.save({"grads": grads}, path)
+    out = tmp_path / "v.pt"
+    result = gradclip("clip", path, "--clip-value", "0.3", "--allow-nonfinite", "-o", out,
+                      "--format", "json")
+    assert result.code == 0, result.err
+    written = torch.load(out, weights_only=True)["grads"]
+    changed = any(not torch.equal(written[n].nan_to_num(), g.nan_to_num())
+                  for n, g in grads.items())
+    assert changed is clipped
+    assert result.json()["clipped"] is clipped
+
 def nonfinite_file(tmp_path):
     grads = gpt_like_grads()
     grads["transformer.h.1.mlp.c_fc.weight"][0, 0] = math.nan
