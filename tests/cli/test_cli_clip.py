@@ -194,6 +194,55 @@ def test_output_keeps_structure_entries_dtypes_and_ties(gradclip, tmp_path):
     assert rel_err(ref_norm(unique, 2), expected_after(total, 0.5)) <= 1e-6
 
 
+
+def test_entries_in_tuples_that_share_a_gradients_storage_keep_their_values(gradclip, tmp_path):
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(4, 4, generator=g) * 10
+    path = tmp_path / "g.pt"
+    torch.save({"grads": {"w": w}, "ema": (w[0], 5), "deep": {"x": (1, [(w[2],)])},
+                "size": torch.Size([4, 4])}, path)
+    original = torch.load(path, weights_only=True)
+    out = tmp_path / "out.pt"
+    result = gradclip("clip", path, "--max-norm", "1", "-o", out, "--format", "json")
+    assert result.code == 0, result.err
+    assert result.json()["unshared"] == ["deep.x.1.0.0", "ema.0"]
+    clipped = torch.load(out, weights_only=True)
+    assert type(clipped["ema"]) is tuple and clipped["ema"][1] == 5
+    assert torch.equal(clipped["ema"][0], original["ema"][0])
+    assert torch.equal(clipped["deep"]["x"][1][0][0], original["deep"]["x"][1][0][0])
+    assert type(clipped["size"]) is torch.Size
+    assert gradclip("inspect", out, "--max-norm", "1").code == 0
+
+
+def test_gradient_mapping_named_twice_is_clipped(gradclip, tmp_path):
+    """One gradient dict under two keys (pickle keeps it one object): it is clipped."""
+    grads = {"w": torch.randn(4, 4, generator=torch.Generator().manual_seed(3)) * 10}
+    path = tmp_path / "g.pt"
+    torch.save({"grads": grads, "state": {"last": grads}}, path)
+    out = tmp_path / "out.pt"
+    result = gradclip("clip", path, "--max-norm", "1", "-o", out, "--format", "json")
+    assert result.code == 0, result.err
+    assert result.json()["unshared"] == []
+    clipped = torch.load(out, weights_only=True)
+    assert clipped["grads"] is clipped["state"]["last"]
+    coef = 1.0 / (ref_norm(grads.values(), 2) + 1e-6)
+    torch.testing.assert_close(clipped["grads"]["w"], grads["w"] * coef, rtol=1e-6, atol=0)
+    assert gradclip("inspect", out, "--max-norm", "1").code == 0
+
+
+def test_entries_that_hold_themselves_are_written_back(gradclip, tmp_path):
+    loop: list = [1]
+    loop.append(loop)
+    node: dict = {}
+    node["self"] = node
+    path = tmp_path / "g.pt"
+    torch.save({"grads": {"w": torch.ones(3) * 4}, "loop": loop, "node": node}, path)
+    out = tmp_path / "out.pt"
+    result = gradclip("clip", path, "--max-norm", "1", "-o", out)
+    assert result.code == 0, result.err
+    clipped = torch.load(out, weights_only=True)
+    assert clipped["loop"][1] is clipped["loop"] and clipped["node"]["self"] is clipped["node"]
+
 def test_safetensors_output_keeps_metadata_names_dtypes(gradclip, tmp_path):
     g = torch.Generator().manual_seed(6)
     grads = {
