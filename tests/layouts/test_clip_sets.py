@@ -177,3 +177,19 @@ def test_clip_of_a_set_into_its_own_folder_is_refused(gradclip, tmp_path):
     assert result.code == 2
     assert "inside the input folder" in result.err
     assert _digests(folder) == before
+
+
+def test_in_place_through_a_link_to_the_set_keeps_the_link(gradclip, tmp_path):
+    """As for one file: the link stays a link, and the folder it names is replaced."""
+    folder = tmp_path / "real" / "grads"
+    folder.parent.mkdir()
+    _make_set(folder, 100, 3, 1000)
+    (tmp_path / "links").mkdir()
+    link = tmp_path / "links" / "grads"
+    link.symlink_to(folder)
+    result = gradclip("clip", link, "--max-norm", "0.5", "--in-place")
+    assert result.code == 0, result.err
+    assert link.is_symlink() and os.readlink(link) == str(folder)
+    assert os.listdir(tmp_path / "links") == ["grads"]
+    assert sorted(os.listdir(tmp_path / "real")) == ["grads"]
+    assert gradclip("inspect", folder, "--max-norm", "0.5").code == 0
