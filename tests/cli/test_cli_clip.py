@@ -484,3 +484,11 @@ def test_gradients_in_nested_lists_are_clipped_in_place(gradclip, tmp_path):
     assert isinstance(out["grads"]["layers"], list) and len(out["grads"]["layers"]) == 2
     after = ref_norm([*out["grads"]["layers"], out["grads"]["head"]], 2)
     assert rel_err(after, expected_after(ref_norm([*layers, torch.ones(1)], 2), 1.0)) <= 1e-6
+
+
+def test_allow_nonfinite_table_warns_in_a_sentence(gradclip, tmp_path):
+    path = nonfinite_file(tmp_path)
+    result = gradclip("clip", path, "--clip-value", "1", "--allow-nonfinite")
+    assert result.code == 0, result.err
+    assert ("warning: gradients holding 1 non-finite value were clipped under "
+            "--allow-nonfinite") in " ".join(result.out.split())
