@@ -28,6 +28,7 @@ from ..progress import progress_steps
 from ..report import ClipReport
 from ..report.groups import nonfinite_counts
 from ..source.layouts import write_back
+from ..source.locate import at_key
 from ..source.what import select
 from .common import Loaded, emit, load, measure, output_format, speaks, tensor_writers
 
@@ -83,7 +84,8 @@ def run(
         if by_shard:
             from ..distributed.sets import shard_owners
 
-            files = shard_owners(loaded.write_back.files, session.world_size)
+            files = shard_owners(loaded.write_back.files, loaded.write_back.folder,
+                                 session.world_size)
         _, owned = measure(loaded, p, dev, steps, "computing norms", session=session,
                            files=files)
         before = owned.total()
@@ -158,8 +160,8 @@ def run(
                 after = check(loaded)
             clipped = not coef.is_one
         else:
+            clipped = _clamp_changes(loaded, owned, value)
             clamp_elements_(mine(loaded), value)
-            clipped = float(before.max_abs[0]) > value
             after = check(loaded)
         steps.begin("writing")
         if loaded.write_back is None:
@@ -215,6 +217,11 @@ def _set_target(folder: Path, output: str | None, in_place: bool) -> Path:
     if in_place:
         return folder
     target = Path(output) if output is not None else folder.with_name(f"{folder.name}.clipped")
+    real_folder = Path(os.path.realpath(folder))
+    if real_folder in Path(os.path.realpath(target)).parents:
+        # The input is never changed without --in-place, not even by a new entry.
+        raise UsageError(f"{target}: inside the input folder {folder}; a clipped set is "
+                         "written as a new folder beside it (or use --in-place)")
     if target.exists():
         raise UsageError(f"{target}: exists; a clipped set is written as a new folder "
                          "(or use --in-place)")
@@ -240,13 +247,32 @@ def _zeroes_everything(loaded: Loaded, owned, coef: Coefficient) -> bool:
     return bool(nonzero) and all(rounds_to_zero(m, t.dtype, coef) for m, t in nonzero)
 
 
+def _clamp_changes(loaded: Loaded, owned, value: float) -> bool:
+    """Whether clamping to ``[-value, value]`` changes some gradient element.
+
+    A tensor's largest magnitude decides for it, except where it holds a NaN:
+    its ``max_abs`` is then NaN, while the clamp keeps the NaN and still changes
+    the elements beyond the bound (an infinity among them), so those are looked
+    for.
+    """
+    for m, t in zip(owned.max_abs.tolist(), loaded.held_tensors()):
+        if m > value or (math.isnan(m) and bool((t.abs() > value).any())):
+            return True
+    return False
+
+
 def _unshare_other_entries(loaded: Loaded) -> list[str]:
     """Give every non-gradient tensor that shares storage with a gradient its own copy.
 
     ``torch.save`` keeps shared storages shared, so an EMA buffer that is a
     view of ``grads.w`` would otherwise be scaled along with it. The walk
-    covers nested dicts and lists outside the gradient mapping (iteratively:
-    depth is the file's to choose); the names of copied entries are returned
+    covers nested dicts, lists and tuples outside the gradient mapping
+    (iteratively: depth is the file's to choose; each container once, so a
+    container that holds itself ends the walk). A tuple cannot change, so one
+    holding such a tensor is rebuilt in its place. The gradient mapping's own
+    containers are never entered, even where the file names them again
+    elsewhere (one dict under two keys): a copy there would take the place of
+    the gradient that is clipped. The names of copied entries are returned
     for the report.
     """
     if loaded.checkpoint is None:
@@ -255,28 +281,62 @@ def _unshare_other_entries(loaded: Loaded) -> list[str]:
     storages.discard(None)
     if not storages:
         return []
-    key_path = tuple(loaded.key.split(".")) if loaded.key else ()
+    root = loaded.checkpoint.root
+    gradients = at_key(root, loaded.key) if loaded.key else root
+    seen = _containers(gradients)
+    copies: dict[int, torch.Tensor] = {}  # id of a shared tensor -> its copy
+    rebuilt: dict[int, tuple] = {}  # id of a tuple -> the one that replaces it
     copied: list[str] = []
-    stack: list[tuple[tuple[str, ...], object]] = [((), loaded.checkpoint.root)]
+    stack: list[tuple[tuple[str, ...], object, bool]] = [((), root, False)]
     while stack:
-        path, node = stack.pop()
-        if path == key_path:
+        path, node, children_done = stack.pop()
+        if not children_done:
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            stack.append((path, node, True))
+            stack.extend(((*path, str(name)), child, False) for name, child in _entries(node)
+                         if _entries(child) is not None)
             continue
-        if isinstance(node, Mapping):
-            entries = list(node.items())
-        elif isinstance(node, list):
-            entries = list(enumerate(node))
-        else:
-            continue
-        for name, child in entries:
-            where = (*path, str(name))
-            if isinstance(child, torch.Tensor):
-                if child.layout == torch.strided and _storage_key(child) in storages:
-                    node[name] = child.detach().clone()
-                    copied.append(".".join(where))
-            else:
-                stack.append((where, child))
+        replaced = []
+        for name, child in _entries(node):
+            new = rebuilt.get(id(child), child)
+            if isinstance(child, torch.Tensor) and child.layout == torch.strided \
+                    and _storage_key(child) in storages:
+                new = copies.setdefault(id(child), child.detach().clone())
+                copied.append(".".join((*path, str(name))))
+            replaced.append(new)
+            if new is not child and not isinstance(node, tuple):
+                node[name] = new
+        if isinstance(node, tuple) and any(a is not b for a, b in zip(replaced, node)):
+            rebuilt[id(node)] = tuple(replaced)
+    if id(root) in rebuilt:
+        loaded.checkpoint.root = rebuilt[id(root)]
     return sorted(copied)
+
+
+def _entries(node) -> list | None:
+    """A container's ``(name, child)`` pairs (a tuple's exactly, not ``torch.Size``'s or
+    another subclass's); None for anything else."""
+    if isinstance(node, Mapping):
+        return list(node.items())
+    if isinstance(node, list) or type(node) is tuple:
+        return list(enumerate(node))
+    return None
+
+
+def _containers(node) -> set[int]:
+    """The ids of ``node`` and every container inside it."""
+    found: set[int] = set()
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        entries = _entries(node)
+        if entries is None or id(node) in found:
+            continue
+        found.add(id(node))
+        stack.extend(child for _, child in entries)
+    return found
 
 
 def _storage_key(t: torch.Tensor):

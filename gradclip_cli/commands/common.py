@@ -222,8 +222,9 @@ def _measure_elements(elements: Elements, p: float, device: torch.device, steps:
 
 
 def tensor_owners(loaded: Loaded, files: dict[str, int]) -> list[int]:
-    """The rank of each tensor of ``loaded``: the rank that reads its file (``files``)."""
-    return [files[Path(t.pieces[0].file).name] for t in loaded.tensors]
+    """The rank of each tensor of ``loaded``: the rank that reads its file (``files``, by
+    ``set_member`` name in the set's folder)."""
+    return [files[_member(loaded, t.pieces[0].file)] for t in loaded.tensors]
 
 
 def tensor_writers(loaded: Loaded, files: dict[str, int]) -> list[set[int]]:
@@ -233,8 +234,14 @@ def tensor_writers(loaded: Loaded, files: dict[str, int]) -> list[set[int]]:
     back = loaded.write_back
     for t, rank in zip(loaded.tensors, tensor_owners(loaded, files)):
         copies = back.copies(t.name) if back is not None else ()
-        writers.append({rank, *(files[Path(c).name] for c in copies)})
+        writers.append({rank, *(files[_member(loaded, c)] for c in copies)})
     return writers
+
+
+def _member(loaded: Loaded, file: Path | str) -> str:
+    from ..sink.sharded_set import set_member
+
+    return set_member(file, loaded.write_back.folder)
 
 
 def _piece_owners(loaded: Loaded, files: dict[str, int]) -> list[int]:

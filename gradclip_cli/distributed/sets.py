@@ -21,20 +21,21 @@ from pathlib import Path
 
 from ..errors import OutputError
 from ..sink.atomic import _output_error
-from ..sink.sharded_set import begin_set, discard_set, fill_set, switch_set
+from ..sink.sharded_set import begin_set, discard_set, fill_set, set_member, switch_set
 from ..source.interface import Contents
 from .launcher import Session
 from .pieces import assign
 
 
-def shard_owners(files: list[Path], world_size: int) -> dict[str, int]:
-    """The rank that reads, clips and writes each file of a set (by name): the files that
+def shard_owners(files: list[Path], folder: Path, world_size: int) -> dict[str, int]:
+    """The rank that reads, clips and writes each file of a set (by its ``set_member`` name
+    in ``folder``): the files that
     hold its gradients (``WriteBack.files``: the shards of an HF set, the ``.distcp``
     files holding a DCP set's gradient chunks); contiguous runs of files of about equal
     bytes (``pieces.assign``). Other files of the folder (the index, ``.metadata``) are
     rank 0's to copy."""
     owners = assign([os.stat(f).st_size for f in files], world_size)
-    return {f.name: r for f, r in zip(files, owners)}
+    return {set_member(f, folder): r for f, r in zip(files, owners)}
 
 
 def write_set_by_ranks(session: Session, contents: Contents, target: Path, writers: dict,

@@ -294,7 +294,8 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
                               " that shared storage with a gradient (now stored separately): "
                               + ", ".join(visible(n) for n in report.unshared))
     if report.nonfinite.total:
-        _print_prose(console, f"warning: {plural(report.nonfinite.total, 'non-finite value')} "
+        _print_prose(console, "warning: gradients holding "
+                              f"{plural(report.nonfinite.total, 'non-finite value')} "
                               "were clipped under --allow-nonfinite", style="yellow")
     if report.other_links_unchanged:
         _print_prose(console, f"note: {visible(report.output)} had "

@@ -22,12 +22,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def chunk_patcher(chunks) -> Callable[[str, Path], None]:
+def chunk_patcher(chunks, folder: Path) -> Callable[[str, Path], None]:
     """``patch(name, copy)`` for ``write_set``: the scaled chunks' bytes and CRC32s into the
-    copy of the ``.distcp`` file ``name``."""
+    copy of the ``.distcp`` file ``name`` (``set_member``'s name in ``folder``)."""
+    from gradclip_cli.sink.sharded_set import set_member
+
     by_file: dict[str, list] = {}
     for chunk in chunks:
-        by_file.setdefault(Path(chunk.file).name, []).append(chunk)
+        by_file.setdefault(set_member(chunk.file, folder), []).append(chunk)
 
     def patch(name: str, out: Path) -> None:
         todo = by_file.get(name)

@@ -5,7 +5,11 @@ A reader must never see a mix of old and new shards, and there is no way to
 replace several files at once. So the whole folder is written anew, beside
 the target, under a hidden temporary name: every shard in its own format
 (through ``WRITERS``), the index and every other file of the folder copied
-byte for byte. Each file is fsync'd, then the folder is switched in:
+byte for byte, its subfolders with them and its symbolic links as links (an
+in-place clip replaces the folder: whatever the copy lacked would be lost).
+A FIFO, socket or device in the folder cannot be copied, so the set is
+refused before anything is written. Each file is fsync'd, then the folder is
+switched in:
 
 * a new output folder: one ``rename`` of the finished temporary folder;
 * ``--in-place``: ``renameat2(RENAME_EXCHANGE)`` swaps the two folders in
@@ -36,7 +40,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gradclip_cli.errors import OutputError
+from gradclip_cli.escaping import visible
 from gradclip_cli.sink.atomic import _fsync_folder, _output_error
+from gradclip_cli.source.files.special import special_kind
 from gradclip_cli.source.interface import Checkpoint, Contents
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
@@ -48,8 +54,9 @@ def write_set(contents: Contents, target: Path, writers: dict, *, in_place: bool
     """Write ``contents.shards`` (already clipped in place) and the rest of the folder to
     ``target``, a folder; replace it only when ``in_place``.
 
-    ``patch(name, copy)``, when given, changes a copied file before it is
-    fsync'd (a DCP ``.distcp`` file's clipped chunks).
+    ``patch(name, copy)``, when given, changes a copied file (``name``: its
+    ``set_member`` name) before it is fsync'd (a DCP ``.distcp`` file's clipped
+    chunks).
     """
     temp = begin_set(contents, target, in_place=in_place)
     try:
@@ -84,26 +91,59 @@ def begin_set(contents: Contents, target: Path, *, in_place: bool) -> Path:
 def fill_set(contents: Contents, temp: Path, writers: dict, *,
              mine: Callable[[str], bool] | None = None,
              patch: Callable[[str, Path], None] | None = None) -> None:
-    """Write into ``temp`` every plain file of the folder: shards in their own format,
-    other files copied (and ``patch``-ed), each fsync'd.
+    """Write into ``temp`` everything the folder holds: shards in their own format, other
+    files copied (and ``patch``-ed), each fsync'd; subfolders made, links copied as links.
 
+    Files are named by ``set_member`` (their '/'-separated path in the folder).
     ``mine(name)``: whether this process writes the file ``name`` (all when
-    None); under a launcher each rank writes its own (``distributed/sets.py``).
+    None); under a launcher each rank writes its own (``distributed/sets.py``),
+    and every rank makes the subfolders.
     """
     source = contents.folder
-    by_name = {Path(s.path).name: s for s in contents.shards}
-    for entry in sorted(os.scandir(source), key=lambda e: e.name):
-        if entry.name not in by_name and not entry.is_file(follow_symlinks=False):
-            # Other links and folders stay behind; a shard is written from what was
-            # read, as a plain file, even where the folder linked it (inside itself).
+    by_name = {set_member(s.path, source): s for s in contents.shards}
+    members = _members(Path(source), by_name)
+    for name, entry in members:
+        out = temp.joinpath(*name.split("/"))
+        if entry.is_dir(follow_symlinks=False):
+            out.mkdir(exist_ok=True)
+            os.chmod(out, stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode))
+        elif mine is not None and not mine(name):
             continue
-        if mine is not None and not mine(entry.name):
-            continue
-        out = temp / entry.name
-        if entry.name in by_name:
-            _write_shard(by_name[entry.name], out, writers)
+        elif name in by_name:
+            # A shard is written from what was read, as a plain file, even where the
+            # folder linked it (inside itself).
+            _write_shard(by_name[name], out, writers)
+        elif entry.is_symlink():
+            os.symlink(os.readlink(entry.path), out)
         else:
-            _copy(Path(entry.path), out, patch)
+            _copy(Path(entry.path), out, name, patch)
+
+
+def set_member(path: Path | str, folder: Path | str) -> str:
+    """How a set's writers (and ranks) name a file of the set: its path in ``folder``,
+    '/'-separated (``model-00001-of-00002.safetensors``, ``sub/__0_0.distcp``)."""
+    return Path(os.path.relpath(path, folder)).as_posix()
+
+
+def _members(source: Path, shards: dict) -> list[tuple[str, os.DirEntry]]:
+    """Every entry under ``source`` (a folder before what it holds), by ``set_member``
+    name; ``OutputError`` for one that cannot be copied (a FIFO, socket or device)."""
+    members: list[tuple[str, os.DirEntry]] = []
+    folders = [(source, "")]
+    while folders:
+        folder, prefix = folders.pop()
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            name = prefix + entry.name
+            members.append((name, entry))
+            if name in shards or entry.is_symlink():
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                folders.append((Path(entry.path), name + "/"))
+            elif not entry.is_file(follow_symlinks=False):
+                kind = special_kind(entry.stat(follow_symlinks=False).st_mode)
+                raise OutputError(f"{visible(entry.path)} is {kind}, which cannot be "
+                                  "copied into the new folder")
+    return members
 
 
 def switch_set(temp: Path, target: Path, *, in_place: bool) -> None:
@@ -140,12 +180,13 @@ def _write_shard(ckpt: Checkpoint, out: Path, writers: dict) -> None:
         os.fsync(file.fileno())
 
 
-def _copy(source: Path, out: Path, patch: Callable[[str, Path], None] | None = None) -> None:
+def _copy(source: Path, out: Path, name: str,
+          patch: Callable[[str, Path], None] | None = None) -> None:
     with open(source, "rb") as read, open(out, "xb") as write:
         shutil.copyfileobj(read, write, 1 << 20)
         write.flush()
         if patch is not None:
-            patch(out.name, out)
+            patch(name, out)
         os.fchmod(write.fileno(), stat.S_IMODE(os.fstat(read.fileno()).st_mode))
         os.fsync(write.fileno())
 

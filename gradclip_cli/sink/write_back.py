@@ -9,6 +9,7 @@ file of a set is written by the rank that reads it (``distributed/sets.py``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,11 @@ class SetWriteBack:
     ) -> int:
         from gradclip_cli.sink import WRITERS
 
+        if in_place and os.path.islink(target):
+            # As for one file (``write_checkpoint``): the folder the link names is
+            # replaced and the link stays a link; swapping the link itself would
+            # leave the set where it was and the link's name on a new folder.
+            target = os.path.realpath(target)
         if session is not None:
             from gradclip_cli.distributed.sets import write_set_by_ranks
 

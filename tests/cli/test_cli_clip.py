@@ -194,6 +194,55 @@ def test_output_keeps_structure_entries_dtypes_and_ties(gradclip, tmp_path):
     assert rel_err(ref_norm(unique, 2), expected_after(total, 0.5)) <= 1e-6
 
 
+
+def test_entries_in_tuples_that_share_a_gradients_storage_keep_their_values(gradclip, tmp_path):
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(4, 4, generator=g) * 10
+    path = tmp_path / "g.pt"
+    torch.save({"grads": {"w": w}, "ema": (w[0], 5), "deep": {"x": (1, [(w[2],)])},
+                "size": torch.Size([4, 4])}, path)
+    original = torch.load(path, weights_only=True)
+    out = tmp_path / "out.pt"
+    result = gradclip("clip", path, "--max-norm", "1", "-o", out, "--format", "json")
+    assert result.code == 0, result.err
+    assert result.json()["unshared"] == ["deep.x.1.0.0", "ema.0"]
+    clipped = torch.load(out, weights_only=True)
+    assert type(clipped["ema"]) is tuple and clipped["ema"][1] == 5
+    assert torch.equal(clipped["ema"][0], original["ema"][0])
+    assert torch.equal(clipped["deep"]["x"][1][0][0], original["deep"]["x"][1][0][0])
+    assert type(clipped["size"]) is torch.Size
+    assert gradclip("inspect", out, "--max-norm", "1").code == 0
+
+
+def test_gradient_mapping_named_twice_is_clipped(gradclip, tmp_path):
+    """One gradient dict under two keys (pickle keeps it one object): it is clipped."""
+    grads = {"w": torch.randn(4, 4, generator=torch.Generator().manual_seed(3)) * 10}
+    path = tmp_path / "g.pt"
+    torch.save({"grads": grads, "state": {"last": grads}}, path)
+    out = tmp_path / "out.pt"
+    result = gradclip("clip", path, "--max-norm", "1", "-o", out, "--format", "json")
+    assert result.code == 0, result.err
+    assert result.json()["unshared"] == []
+    clipped = torch.load(out, weights_only=True)
+    assert clipped["grads"] is clipped["state"]["last"]
+    coef = 1.0 / (ref_norm(grads.values(), 2) + 1e-6)
+    torch.testing.assert_close(clipped["grads"]["w"], grads["w"] * coef, rtol=1e-6, atol=0)
+    assert gradclip("inspect", out, "--max-norm", "1").code == 0
+
+
+def test_entries_that_hold_themselves_are_written_back(gradclip, tmp_path):
+    loop: list = [1]
+    loop.append(loop)
+    node: dict = {}
+    node["self"] = node
+    path = tmp_path / "g.pt"
+    torch.save({"grads": {"w": torch.ones(3) * 4}, "loop": loop, "node": node}, path)
+    out = tmp_path / "out.pt"
+    result = gradclip("clip", path, "--max-norm", "1", "-o", out)
+    assert result.code == 0, result.err
+    clipped = torch.load(out, weights_only=True)
+    assert clipped["loop"][1] is clipped["loop"] and clipped["node"]["self"] is clipped["node"]
+
 def test_safetensors_output_keeps_metadata_names_dtypes(gradclip, tmp_path):
     g = torch.Generator().manual_seed(6)
     grads = {
@@ -239,6 +288,26 @@ def test_clip_value_above_max_abs_changes_nothing(gradclip, grads_file, grads, t
     loaded = torch.load(out, weights_only=True)["grads"]
     assert all(torch.equal(loaded[n], g) for n, g in grads.items())
 
+
+
+@pytest.mark.parametrize("values, clipped", [
+    ([5.0, math.nan, 0.1], True),       # a NaN beside an element the clamp changes
+    ([0.1, math.nan, -0.2], False),     # a NaN, nothing beyond the bound
+    ([0.1, math.inf, -0.2], True),      # an infinity is clamped to the bound
+], ids=["nan-and-large", "nan-only", "inf"])
+def test_clip_value_says_whether_it_changed_an_element(gradclip, tmp_path, values, clipped):
+    path = tmp_path / "g.pt"
+    grads = {"a": torch.tensor(values), "b": torch.tensor([0.25, -0.25])}
+    torch.save({"grads": grads}, path)
+    out = tmp_path / "v.pt"
+    result = gradclip("clip", path, "--clip-value", "0.3", "--allow-nonfinite", "-o", out,
+                      "--format", "json")
+    assert result.code == 0, result.err
+    written = torch.load(out, weights_only=True)["grads"]
+    changed = any(not torch.equal(written[n].nan_to_num(), g.nan_to_num())
+                  for n, g in grads.items())
+    assert changed is clipped
+    assert result.json()["clipped"] is clipped
 
 def nonfinite_file(tmp_path):
     grads = gpt_like_grads()
@@ -415,3 +484,11 @@ def test_gradients_in_nested_lists_are_clipped_in_place(gradclip, tmp_path):
     assert isinstance(out["grads"]["layers"], list) and len(out["grads"]["layers"]) == 2
     after = ref_norm([*out["grads"]["layers"], out["grads"]["head"]], 2)
     assert rel_err(after, expected_after(ref_norm([*layers, torch.ones(1)], 2), 1.0)) <= 1e-6
+
+
+def test_allow_nonfinite_table_warns_in_a_sentence(gradclip, tmp_path):
+    path = nonfinite_file(tmp_path)
+    result = gradclip("clip", path, "--clip-value", "1", "--allow-nonfinite")
+    assert result.code == 0, result.err
+    assert ("warning: gradients holding 1 non-finite value were clipped under "
+            "--allow-nonfinite") in " ".join(result.out.split())

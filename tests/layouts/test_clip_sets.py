@@ -106,3 +106,90 @@ def test_kill_9_during_clip_of_a_set(tmp_path):
     assert seen[0].startswith("temp-appears: old set")
     assert "new set" in seen[-1]
     assert len(grads) == 9
+
+
+def _set_with_subfolders(folder: Path) -> dict[str, torch.Tensor]:
+    """A set whose folder holds more than top-level files: a shard in a subfolder, a
+    subfolder of other files, a relative and an absolute link."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(9)
+    grads = {"a": torch.randn(40, generator=g) * 3, "b": torch.randn(30, generator=g) * 5}
+    (folder / "sub").mkdir(parents=True)
+    save_file({"a": grads["a"]}, str(folder / "sub" / "s1.safetensors"))
+    save_file({"b": grads["b"]}, str(folder / "s2.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"a": "sub/s1.safetensors", "b": "s2.safetensors"}}))
+    (folder / "runs" / "deep").mkdir(parents=True)
+    (folder / "runs" / "deep" / "events.log").write_text("step 1\n")
+    os.chmod(folder / "runs", 0o750)
+    (folder / "latest_log").symlink_to("runs/deep/events.log")
+    (folder.parent / "notes.txt").write_text("kept beside the set\n")
+    (folder / "notes.txt").symlink_to(folder.parent / "notes.txt")
+    return grads
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["output", "in-place"])
+def test_clip_of_a_set_keeps_subfolders_and_links(gradclip, tmp_path, in_place):
+    folder = tmp_path / "grads"
+    grads = _set_with_subfolders(folder)
+    target = folder if in_place else tmp_path / "clipped"
+    args = ["--in-place"] if in_place else ["-o", target]
+    result = gradclip("clip", folder, "--max-norm", "1", *args)
+    assert result.code == 0, result.err
+    assert (target / "runs" / "deep" / "events.log").read_text() == "step 1\n"
+    assert oct(os.stat(target / "runs").st_mode & 0o777) == oct(0o750)
+    assert os.readlink(target / "latest_log") == "runs/deep/events.log"
+    assert os.readlink(target / "notes.txt") == str(tmp_path / "notes.txt")
+    coef = 1.0 / (_norm(grads.values()) + 1e-6)
+    with safe_open(str(target / "sub" / "s1.safetensors"), framework="pt") as file:
+        assert torch.allclose(file.get_tensor("a").double(), grads["a"].double() * coef,
+                              rtol=1e-6)
+    assert gradclip("inspect", target, "--max-norm", "1").code == 0
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+
+
+def test_clip_of_a_set_with_a_fifo_in_its_folder_is_refused(gradclip, tmp_path):
+    """A FIFO cannot be copied into the new folder, and --in-place would drop it."""
+    folder = tmp_path / "grads"
+    _make_set(folder, 100, 3, 1000)
+    os.mkfifo(folder / "pipe")
+    before = _digests_of_files(folder)
+    result = gradclip("clip", folder, "--max-norm", "1", "--in-place")
+    assert result.code == 3
+    assert f"{folder / 'pipe'} is a FIFO" in result.err
+    assert "nothing was changed" in result.err
+    assert _digests_of_files(folder) == before and (folder / "pipe").is_fifo()
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+
+
+def _digests_of_files(folder: Path) -> dict[str, str]:
+    return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest()
+            for n in sorted(os.listdir(folder)) if (folder / n).is_file()}
+
+
+
+def test_clip_of_a_set_into_its_own_folder_is_refused(gradclip, tmp_path):
+    folder = tmp_path / "grads"
+    _make_set(folder, 100, 3, 1000)
+    before = _digests(folder)
+    result = gradclip("clip", folder, "--max-norm", "1", "-o", folder / "clipped")
+    assert result.code == 2
+    assert "inside the input folder" in result.err
+    assert _digests(folder) == before
+
+
+def test_in_place_through_a_link_to_the_set_keeps_the_link(gradclip, tmp_path):
+    """As for one file: the link stays a link, and the folder it names is replaced."""
+    folder = tmp_path / "real" / "grads"
+    folder.parent.mkdir()
+    _make_set(folder, 100, 3, 1000)
+    (tmp_path / "links").mkdir()
+    link = tmp_path / "links" / "grads"
+    link.symlink_to(folder)
+    result = gradclip("clip", link, "--max-norm", "0.5", "--in-place")
+    assert result.code == 0, result.err
+    assert link.is_symlink() and os.readlink(link) == str(folder)
+    assert os.listdir(tmp_path / "links") == ["grads"]
+    assert sorted(os.listdir(tmp_path / "real")) == ["grads"]
+    assert gradclip("inspect", folder, "--max-norm", "0.5").code == 0

@@ -279,4 +279,4 @@ def write_back(contents: Contents):
     chunks = hold_gradient_chunks(contents)
     return SetWriteBack(contents, files=sorted({Path(c.file) for c in chunks}),
                         tensor_count=len({c.name for c in chunks}),
-                        patch=chunk_patcher(chunks) if chunks else None)
+                        patch=chunk_patcher(chunks, contents.folder) if chunks else None)
