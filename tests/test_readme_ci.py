@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,12 +61,17 @@ def test_gitlab_ci_installs_what_it_cloned():
 
 
 def run_folder(tmp_path: Path, newest: str) -> Path:
-    """Six healthy checkpoints, then ``newest``: a run whose last point is judged."""
+    """Six healthy checkpoints, then ``newest``: a run whose last point is judged.
+
+    Each sample records step 100; a run's files each record their own step
+    (the same step twice with other norms is two runs, which trend refuses).
+    """
     run = tmp_path / "run"
     run.mkdir()
-    for i in range(1, 7):
-        shutil.copy(SAMPLES / "healthy.pt", run / f"step-{i}.pt")
-    shutil.copy(SAMPLES / f"{newest}.pt", run / "step-7.pt")
+    for step, sample in [*((i, "healthy") for i in range(1, 7)), (7, newest)]:
+        saved = torch.load(SAMPLES / f"{sample}.pt", weights_only=True)
+        assert saved["step"] == 100
+        torch.save({**saved, "step": step}, run / f"step-{step}.pt")
     return run
 
 
