@@ -35,6 +35,7 @@ import errno
 import os
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -192,15 +193,33 @@ def _copy(source: Path, out: Path, name: str,
 
 
 def _switch(new: Path, target: Path) -> None:
-    """Put ``new`` at ``target`` (an existing folder) and remove the old one."""
+    """Put ``new`` at ``target`` (an existing folder) and remove the old one.
+
+    Until the new set is at ``target`` a failure leaves the old one there (an
+    error: nothing was changed); once it is, the clip is done, and an old set
+    that cannot be removed is left beside it, said on stderr.
+    """
     if _exchange(new, target):
-        shutil.rmtree(new)  # now the old set
+        _remove_old(new, target)  # ``new`` now holds the old set
         return
     old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
     os.rmdir(old)
     os.rename(target, old)
-    os.rename(new, target)
-    shutil.rmtree(old)
+    try:
+        os.rename(new, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    _remove_old(old, target)
+
+
+def _remove_old(old: Path, target: Path) -> None:
+    try:
+        shutil.rmtree(old)
+    except OSError as e:
+        print(f"gradclip: warning: {visible(str(target))} holds the clipped set; the old one "
+              f"could not be removed ({e.strerror or e}) and is left at {visible(str(old))}",
+              file=sys.stderr)
 
 
 def _exchange(a: Path, b: Path) -> bool:

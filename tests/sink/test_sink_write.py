@@ -230,3 +230,55 @@ def test_missing_output_folder_is_an_output_error(tmp_path):
     torch.save({"w": torch.ones(2)}, source)
     with pytest.raises(OutputError, match="does not exist"):
         write_checkpoint(load_checkpoint(source), tmp_path / "missing" / "out.pt")
+
+
+def _two_sets(tmp_path):
+    target, new = tmp_path / "set", tmp_path / ".set.clipped"
+    for folder, text in ((target, "old"), (new, "new")):
+        folder.mkdir()
+        (folder / "shard.safetensors").write_text(text)
+    return target, new
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_in_place_swap_done_when_the_old_set_cannot_be_removed(tmp_path, monkeypatch, capsys,
+                                                               exchange):
+    """Once the clipped set is in place the clip is done: an old set that cannot be
+    removed stays beside it, said on stderr, and no error claims nothing changed."""
+    from gradclip_cli.sink import sharded_set
+
+    target, new = _two_sets(tmp_path)
+    if not exchange:
+        monkeypatch.setattr(sharded_set, "_exchange", lambda a, b: False)
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(sharded_set.shutil, "rmtree", refuse)
+    sharded_set.switch_set(new, target, in_place=True)
+    assert (target / "shard.safetensors").read_text() == "new"
+    [left] = [p for p in tmp_path.iterdir() if p != target]
+    assert (left / "shard.safetensors").read_text() == "old"
+    err = capsys.readouterr().err
+    assert "holds the clipped set" in err and left.name in err and "Permission denied" in err
+
+
+def test_in_place_swap_failing_midway_puts_the_old_set_back(tmp_path, monkeypatch):
+    """Without an atomic exchange the set is moved aside first: if the new one then
+    cannot take its place, the old one goes back, and the error says nothing changed."""
+    from gradclip_cli.sink import sharded_set
+
+    target, new = _two_sets(tmp_path)
+    monkeypatch.setattr(sharded_set, "_exchange", lambda a, b: False)
+    rename = os.rename
+
+    def fail_the_new_one(src, dst):
+        if os.fspath(src) == os.fspath(new):
+            raise OSError(28, "No space left on device")
+        rename(src, dst)
+
+    monkeypatch.setattr(sharded_set.os, "rename", fail_the_new_one)
+    with pytest.raises(OutputError, match="nothing was changed"):
+        sharded_set.switch_set(new, target, in_place=True)
+    assert (target / "shard.safetensors").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["set"]
