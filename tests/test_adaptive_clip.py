@@ -115,21 +115,29 @@ def test_zero_weights_use_eps_and_small_units_are_untouched():
     assert float(w.grad[1].norm()) == pytest.approx(0.01 * 1e-3, rel=1e-6)
 
 
-def test_nonfinite_gradients():
-    """An infinite unit is clipped (to NaN at the inf, 0 elsewhere) as timm and optax do; a
-    unit holding a NaN is left as it is, as optax's ``where(norm > limit, ...)`` leaves it
-    (timm's ``where(norm < limit, ...)`` turns the whole unit NaN)."""
-    ours = _params([(3, 5)], torch.float32, 1.0)
-    theirs = _params([(3, 5)], torch.float32, 1.0)
+def test_nonfinite_values_as_timm_and_optax():
+    """A unit whose gradient or weights hold a NaN is clipped, as timm's and optax's
+    ``where(norm < limit, g, clipped)`` clips it: the whole unit becomes NaN, so a NaN
+    weight never lets its unit's gradient through unclipped. An infinite gradient unit is
+    clipped (NaN at the inf, 0 elsewhere); an infinite weight unit has no limit."""
+    ours = _params([(4, 5)], torch.float32, 1.0)
+    theirs = _params([(4, 5)], torch.float32, 1.0)
     for ps in (ours, theirs):
         ps[0].grad[0, 1] = math.nan
         ps[0].grad[1, 2] = math.inf
+        ps[0].data[2, 3] = math.nan
+        ps[0].data[3, 0] = math.inf
+        ps[0].grad[2:].mul_(100.0)
     before = ours[0].grad.clone()
     adaptive_clip_grad_(ours)
     timm_agc(theirs, 0.01, 1e-3)
-    torch.testing.assert_close(ours[0].grad[1:], theirs[0].grad[1:], equal_nan=True)
-    torch.testing.assert_close(ours[0].grad[0], before[0], equal_nan=True)
-    assert torch.isnan(theirs[0].grad[0]).all()
+    torch.testing.assert_close(ours[0].grad, theirs[0].grad, equal_nan=True)
+    assert torch.isnan(ours[0].grad[0]).all() and torch.isnan(ours[0].grad[2]).all()
+    assert torch.equal(ours[0].grad[3], before[3])
+    bias = nn.Parameter(torch.tensor([1.0, math.nan]))
+    bias.grad = torch.tensor([5.0, 5.0])
+    adaptive_clip_grad_([bias])
+    assert torch.isnan(bias.grad).all()
 
 
 def test_no_host_read_and_no_growth_on_meta():

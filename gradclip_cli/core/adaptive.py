@@ -16,11 +16,11 @@ References:
     Brock, De, Smith, Simonyan, "High-Performance Large-Scale Image
     Recognition Without Normalization", ICML 2021 (arXiv:2102.06171),
     section 4.1. The same rule as optax's ``adaptive_grad_clip`` and timm's
-    ``adaptive_clip_grad`` (which also floor ``||G_i||`` at 1e-6 in the
-    division; a unit that small is never clipped, as ``lambda * eps`` is
-    larger). A unit holding a NaN is left as it is, as optax's
-    ``where(norm > limit, clipped, g)`` leaves it (timm's
-    ``where(norm < limit, g, clipped)`` turns the whole unit NaN).
+    ``adaptive_clip_grad``, which also floor ``||G_i||`` at 1e-6 in the
+    division and keep a unit only where ``||G_i|| < limit``
+    (``where(norm < limit, g, clipped)``): a unit whose gradient or weights
+    hold a NaN is clipped by a NaN factor and becomes NaN whole, so a NaN
+    weight never passes its unit's gradient through unclipped.
 
 Exact: unit norms of float16/bfloat16/float32 values are accumulated in
 float64, where no finite square overflows or underflows (timm's float32
@@ -64,7 +64,8 @@ def adaptive_clip_factors(weights: torch.Tensor, grads: torch.Tensor, clip_facto
     """Per unit, the factor AGC multiplies the gradient by (1 where it does not clip)."""
     limit = unitwise_norm(weights).clamp(min=eps) * clip_factor
     norm = unitwise_norm(grads)
-    return torch.where(norm > limit, limit / norm.clamp(min=GRAD_NORM_FLOOR), 1.0)
+    # Kept only where below the limit, as timm and optax: a NaN norm or limit clips.
+    return torch.where(norm < limit, 1.0, limit / norm.clamp(min=GRAD_NORM_FLOOR))
 
 
 @torch.no_grad()
