@@ -78,6 +78,19 @@ def test_matches_float64_reference(dtype, grad_scale, device):
         assert_rounded_from(p.grad, w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rounded_once_for_every_shape(dtype):
+    """The product is formed in float64 and rounded once to the gradient's dtype, for a
+    vector or a scalar (one unit: biases, gains) as for a matrix: the float64 reference
+    rounded to the dtype, element for element."""
+    params = _params([(4000,), (), (40, 100)], dtype, 10.0, seed=7)
+    want = [reference_agc(p, p.grad, 0.01, 1e-3).to(dtype) for p in params]
+    assert all(not torch.equal(p.grad, w) for p, w in zip(params, want))  # all are clipped
+    adaptive_clip_grad_(params, clip_factor=0.01, eps=1e-3)
+    for p, w in zip(params, want):
+        assert torch.equal(p.grad, w), (tuple(p.shape), int((p.grad != w).sum()))
+
+
 def test_extreme_magnitudes_where_float32_norms_overflow():
     params = _params([(6, 8), (16,)], torch.float32, 1.0)
     for p in params:
