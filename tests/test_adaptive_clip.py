@@ -153,6 +153,31 @@ def test_nonfinite_values_as_timm_and_optax():
     assert torch.isnan(bias.grad).all()
 
 
+@pytest.mark.parametrize("options", [{"clip_factor": -0.01}, {"clip_factor": 0.0},
+                                     {"clip_factor": math.nan}, {"eps": -1e-3},
+                                     {"eps": math.nan}])
+def test_bad_factors_are_refused_before_any_gradient_changes(options):
+    """A negative clip_factor would flip every clipped unit's gradient, 0 would zero every
+    gradient, NaN would make them NaN: refused, as is a negative or NaN eps."""
+    params = _params([(3, 4)], torch.float32, 10.0)
+    before = params[0].grad.clone()
+    with pytest.raises(ValueError, match=next(iter(options))):
+        adaptive_clip_grad_(params, **options)
+    assert torch.equal(params[0].grad, before)
+
+
+def test_sparse_gradients_are_refused_by_name():
+    """A sparse gradient (nn.Embedding(sparse=True)) has no unit norms in torch (timm fails
+    in torch.norm): refused with a message that says so, before any gradient changes."""
+    emb = nn.Embedding(10, 4, sparse=True)
+    head = nn.Linear(4, 2)
+    head(emb(torch.tensor([1, 2, 2]))).sum().mul(1000).backward()
+    before = head.weight.grad.clone()
+    with pytest.raises(ValueError, match="sparse"):
+        adaptive_clip_grad_([head.weight, emb.weight])
+    assert torch.equal(head.weight.grad, before)
+
+
 def test_no_host_read_and_no_growth_on_meta():
     def run(width):
         params = [nn.Parameter(torch.empty(64, width, device="meta")) for _ in range(3)]
