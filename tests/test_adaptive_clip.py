@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -116,6 +117,27 @@ def test_agrees_with_timms_definition(clip_factor, eps):
     timm_agc(theirs, clip_factor, eps)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=0)
+
+
+def test_units_of_real_layers_are_timms():
+    """Units along dimension 0 for every layer, as timm: an embedding's rows, a transposed
+    convolution's input channels (its weight is [in, out, ...]), Conv1d/Conv3d filters, a
+    linear weight with one input feature (optax, in JAX's layout, would take it whole)."""
+    torch.manual_seed(3)
+    model = nn.ModuleList([nn.Embedding(12, 6), nn.ConvTranspose2d(3, 5, 3), nn.Conv1d(2, 4, 3),
+                           nn.Conv3d(2, 3, 2), nn.Linear(1, 7), nn.LayerNorm(6)])
+    model.register_parameter("scale", nn.Parameter(torch.tensor(0.5)))
+    theirs = copy.deepcopy(model)
+    for a, b in zip(model.parameters(), theirs.parameters()):
+        a.grad = torch.randn(a.shape) * 0.1
+        b.grad = a.grad.clone()
+    adaptive_clip_grad_(model.parameters(), 0.02, 1e-3)
+    timm_agc(list(theirs.parameters()), 0.02, 1e-3)
+    for (name, a), b in zip(model.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=0, msg=name)
+    rows = model[0].weight.grad.double().norm(dim=1)
+    limits = 0.02 * model[0].weight.detach().double().norm(dim=1).clamp(min=1e-3)
+    assert (rows <= limits * (1 + 1e-6)).all()  # each token's row within its own limit
 
 
 def test_zero_weights_use_eps_and_small_units_are_untouched():
