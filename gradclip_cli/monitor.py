@@ -34,7 +34,8 @@ spiked. On a non-finite gradient, or a spike once the spiking series has
 ``step`` entry), so that ``gradclip inspect dump_dir/step-N.pt`` shows the
 culprit layer.
 
-With ``clip_spikes=True`` the monitor also clips a spike, as ZClip does: when
+With ``clip_spikes=True`` the monitor also clips a spike, as ZClip's ``percentile``
+mode does (README, "In your training loop"): when
 the total's z-score is above ``z``, the gradients are scaled so that their
 total is the history's ``mean + z * std`` (the spike rule's limit), and the
 line says so: ``"clipped_to"`` is that total, ``"clip_coef"`` the factor the
