@@ -291,6 +291,21 @@ def adaptive_clip_grad_(
             to its weight norm. Default 0.01.
         eps: the floor of a unit's weight norm, so that units whose weights
             start at zero can still move. Default 1e-3.
+
+    Raises ``ValueError``, before any gradient changes, for ``clip_factor``
+    <= 0 or NaN (a negative one would flip the clipped units' gradients, 0
+    zero them all), ``eps`` < 0 or NaN, and sparse gradients, which have no
+    unit norms in torch.
     """
-    pairs = [(p, p.grad) for p in _parameters(parameters) if p.grad is not None]
-    adaptive_clip_(pairs, float(clip_factor), float(eps))
+    clip_factor, eps = float(clip_factor), float(eps)
+    if not clip_factor > 0:
+        raise ValueError(f"clip_factor must be > 0, got {clip_factor}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    pairs = [(i, p, p.grad) for i, p in enumerate(_parameters(parameters))
+             if p.grad is not None]
+    for i, _, grad in pairs:
+        if grad.layout != torch.strided:
+            raise ValueError(f"adaptive_clip_grad_ takes dense gradients; parameter {i}'s is "
+                             f"sparse ({grad.layout}): clip it with clip_grad_norm_ instead")
+    adaptive_clip_([(p, grad) for _, p, grad in pairs], clip_factor, eps)

@@ -34,7 +34,8 @@ spiked. On a non-finite gradient, or a spike once the spiking series has
 ``step`` entry), so that ``gradclip inspect dump_dir/step-N.pt`` shows the
 culprit layer.
 
-With ``clip_spikes=True`` the monitor also clips a spike, as ZClip does: when
+With ``clip_spikes=True`` the monitor also clips a spike, as ZClip's ``percentile``
+mode does (README, "In your training loop"): when
 the total's z-score is above ``z``, the gradients are scaled so that their
 total is the history's ``mean + z * std`` (the spike rule's limit), and the
 line says so: ``"clipped_to"`` is that total, ``"clip_coef"`` the factor the
@@ -68,9 +69,9 @@ from .core import (
     Coefficient,
     Elements,
     apart,
-    clip_coefficient,
     distinct_elements,
     element_power_sums,
+    exact_clip_coefficient,
     find_ties,
     scale_,
     scale_elements_,
@@ -312,9 +313,10 @@ class GradMonitor:
             )
         coef = spike_coef
         if coef is None:
-            # From the total already read back, in the returned total's dtype: the
-            # drop-in's coefficient, known to the host (see core.clipping.scale_).
-            coef = clip_coefficient(total_norm.to(total.dtype), float(max_norm))
+            # From the summary already read back, as the drop-in's on the CPU: known to
+            # the host (see core.clipping.scale_), and a total beyond the returned
+            # dtype's range (inf there) still clips to max_norm instead of to zero.
+            coef = exact_clip_coefficient(measured.sums.total, float(max_norm))
         measured.scale_(coef, foreach=foreach)
         return total
 

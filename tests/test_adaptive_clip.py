@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -78,6 +79,19 @@ def test_matches_float64_reference(dtype, grad_scale, device):
         assert_rounded_from(p.grad, w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rounded_once_for_every_shape(dtype):
+    """The product is formed in float64 and rounded once to the gradient's dtype, for a
+    vector or a scalar (one unit: biases, gains) as for a matrix: the float64 reference
+    rounded to the dtype, element for element."""
+    params = _params([(4000,), (), (40, 100)], dtype, 10.0, seed=7)
+    want = [reference_agc(p, p.grad, 0.01, 1e-3).to(dtype) for p in params]
+    assert all(not torch.equal(p.grad, w) for p, w in zip(params, want))  # all are clipped
+    adaptive_clip_grad_(params, clip_factor=0.01, eps=1e-3)
+    for p, w in zip(params, want):
+        assert torch.equal(p.grad, w), (tuple(p.shape), int((p.grad != w).sum()))
+
+
 def test_extreme_magnitudes_where_float32_norms_overflow():
     params = _params([(6, 8), (16,)], torch.float32, 1.0)
     for p in params:
@@ -105,6 +119,27 @@ def test_agrees_with_timms_definition(clip_factor, eps):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=0)
 
 
+def test_units_of_real_layers_are_timms():
+    """Units along dimension 0 for every layer, as timm: an embedding's rows, a transposed
+    convolution's input channels (its weight is [in, out, ...]), Conv1d/Conv3d filters, a
+    linear weight with one input feature (optax, in JAX's layout, would take it whole)."""
+    torch.manual_seed(3)
+    model = nn.ModuleList([nn.Embedding(12, 6), nn.ConvTranspose2d(3, 5, 3), nn.Conv1d(2, 4, 3),
+                           nn.Conv3d(2, 3, 2), nn.Linear(1, 7), nn.LayerNorm(6)])
+    model.register_parameter("scale", nn.Parameter(torch.tensor(0.5)))
+    theirs = copy.deepcopy(model)
+    for a, b in zip(model.parameters(), theirs.parameters()):
+        a.grad = torch.randn(a.shape) * 0.1
+        b.grad = a.grad.clone()
+    adaptive_clip_grad_(model.parameters(), 0.02, 1e-3)
+    timm_agc(list(theirs.parameters()), 0.02, 1e-3)
+    for (name, a), b in zip(model.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=0, msg=name)
+    rows = model[0].weight.grad.double().norm(dim=1)
+    limits = 0.02 * model[0].weight.detach().double().norm(dim=1).clamp(min=1e-3)
+    assert (rows <= limits * (1 + 1e-6)).all()  # each token's row within its own limit
+
+
 def test_zero_weights_use_eps_and_small_units_are_untouched():
     w = nn.Parameter(torch.zeros(3, 4))
     w.grad = torch.tensor([[1e-8] * 4, [1.0] * 4, [0.0] * 4])
@@ -115,21 +150,54 @@ def test_zero_weights_use_eps_and_small_units_are_untouched():
     assert float(w.grad[1].norm()) == pytest.approx(0.01 * 1e-3, rel=1e-6)
 
 
-def test_nonfinite_gradients():
-    """An infinite unit is clipped (to NaN at the inf, 0 elsewhere) as timm and optax do; a
-    unit holding a NaN is left as it is, as optax's ``where(norm > limit, ...)`` leaves it
-    (timm's ``where(norm < limit, ...)`` turns the whole unit NaN)."""
-    ours = _params([(3, 5)], torch.float32, 1.0)
-    theirs = _params([(3, 5)], torch.float32, 1.0)
+def test_nonfinite_values_as_timm_and_optax():
+    """A unit whose gradient or weights hold a NaN is clipped, as timm's and optax's
+    ``where(norm < limit, g, clipped)`` clips it: the whole unit becomes NaN, so a NaN
+    weight never lets its unit's gradient through unclipped. An infinite gradient unit is
+    clipped (NaN at the inf, 0 elsewhere); an infinite weight unit has no limit."""
+    ours = _params([(4, 5)], torch.float32, 1.0)
+    theirs = _params([(4, 5)], torch.float32, 1.0)
     for ps in (ours, theirs):
         ps[0].grad[0, 1] = math.nan
         ps[0].grad[1, 2] = math.inf
+        ps[0].data[2, 3] = math.nan
+        ps[0].data[3, 0] = math.inf
+        ps[0].grad[2:].mul_(100.0)
     before = ours[0].grad.clone()
     adaptive_clip_grad_(ours)
     timm_agc(theirs, 0.01, 1e-3)
-    torch.testing.assert_close(ours[0].grad[1:], theirs[0].grad[1:], equal_nan=True)
-    torch.testing.assert_close(ours[0].grad[0], before[0], equal_nan=True)
-    assert torch.isnan(theirs[0].grad[0]).all()
+    torch.testing.assert_close(ours[0].grad, theirs[0].grad, equal_nan=True)
+    assert torch.isnan(ours[0].grad[0]).all() and torch.isnan(ours[0].grad[2]).all()
+    assert torch.equal(ours[0].grad[3], before[3])
+    bias = nn.Parameter(torch.tensor([1.0, math.nan]))
+    bias.grad = torch.tensor([5.0, 5.0])
+    adaptive_clip_grad_([bias])
+    assert torch.isnan(bias.grad).all()
+
+
+@pytest.mark.parametrize("options", [{"clip_factor": -0.01}, {"clip_factor": 0.0},
+                                     {"clip_factor": math.nan}, {"eps": -1e-3},
+                                     {"eps": math.nan}])
+def test_bad_factors_are_refused_before_any_gradient_changes(options):
+    """A negative clip_factor would flip every clipped unit's gradient, 0 would zero every
+    gradient, NaN would make them NaN: refused, as is a negative or NaN eps."""
+    params = _params([(3, 4)], torch.float32, 10.0)
+    before = params[0].grad.clone()
+    with pytest.raises(ValueError, match=next(iter(options))):
+        adaptive_clip_grad_(params, **options)
+    assert torch.equal(params[0].grad, before)
+
+
+def test_sparse_gradients_are_refused_by_name():
+    """A sparse gradient (nn.Embedding(sparse=True)) has no unit norms in torch (timm fails
+    in torch.norm): refused with a message that says so, before any gradient changes."""
+    emb = nn.Embedding(10, 4, sparse=True)
+    head = nn.Linear(4, 2)
+    head(emb(torch.tensor([1, 2, 2]))).sum().mul(1000).backward()
+    before = head.weight.grad.clone()
+    with pytest.raises(ValueError, match="sparse"):
+        adaptive_clip_grad_([head.weight, emb.weight])
+    assert torch.equal(head.weight.grad, before)
 
 
 def test_no_host_read_and_no_growth_on_meta():

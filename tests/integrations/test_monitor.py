@@ -352,6 +352,24 @@ def test_an_expanded_gradient_counts_and_scales_its_stored_element_once(tmp_path
     assert math.isclose(float(model.b.grad[0]), 4.0 / (5.0 + 1e-6), rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("clip_spikes", [False, True])
+def test_clip_grad_norm_of_a_total_beyond_float32_clips_as_the_drop_in(tmp_path, clip_spikes):
+    """Float32 gradients whose total (1.2e39) is beyond float32's range: the returned
+    total is inf, as the drop-in's, and the gradients are clipped to ``max_norm``, as the
+    drop-in clips them, not multiplied by ``max_norm / inf`` (all zero)."""
+    model, twin = torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False)
+    for m in (model, twin):
+        m.weight.grad = torch.full((4, 4), 3e38)
+    monitor = GradMonitor(model, tmp_path / "grads.jsonl", None, clip_spikes=clip_spikes)
+    got = monitor.clip_grad_norm_(1.0, 0)
+    want = gradclip_clip_grad_norm_(twin.parameters(), 1.0)
+    assert math.isinf(float(got)) and math.isinf(float(want))
+    (record,) = read_log(tmp_path / "grads.jsonl")
+    assert math.isclose(as_float(record["total_norm"]), 4 * 3e38, rel_tol=1e-6)
+    assert math.isclose(ref_norm([model.weight.grad], 2.0), 1.0, rel_tol=1e-6)
+    torch.testing.assert_close(model.weight.grad, twin.weight.grad, rtol=1e-6, atol=0)
+
+
 def test_clip_grad_norm_error_if_nonfinite_logs_first_and_changes_nothing(tmp_path):
     model = Tiny()
     fill_grads(model, 0)
