@@ -55,8 +55,10 @@ class GradMonitorCallback(Callback):
         self.monitor: GradMonitor | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        # Before the first step: a bad option fails here, not mid-run.
-        if stage == "fit" and self.monitor is None:
+        # Before the first step: a bad option fails here, not mid-run. A later
+        # fit of the same module goes on with its history; one of another
+        # module (the callback reused in a sweep) gets a monitor of its own.
+        if stage == "fit" and (self.monitor is None or self.monitor.model is not pl_module):
             self.monitor = GradMonitor(pl_module, self.log_path, self.dump_dir, **self.options)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:

@@ -93,7 +93,9 @@ class GradMonitorCallback(TrainerCallback):
                 f"and pass max_norm={args.max_grad_norm} to GradMonitorCallback, which "
                 "clips after measuring"
             )
-        if self.monitor is None:
+        # Training the same model again goes on with its history; another model
+        # (the callback reused in a sweep, or model_init) gets a monitor of its own.
+        if self.monitor is None or self.monitor.model is not model:
             self.monitor = GradMonitor(model, self.log_path, self.dump_dir, **self.options)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None,

@@ -79,3 +79,56 @@ def test_the_injected_spike_is_flagged_and_dumped(lightning_run, gradclip):
     spike = read_log(folder / "grads.jsonl")[SPIKE_AT]
     assert spike["step"] == SPIKE_AT
     assert_spike_found(gradclip, folder, spike, CULPRIT, "net.0", first_step=0)
+
+
+def fit(folder, module, callbacks, max_steps=3, **options):
+    torch.manual_seed(0)
+    x = torch.randn(64, 6)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+    pl.Trainer(
+        max_steps=max_steps, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=folder, **options,
+    ).fit(module, torch.utils.data.DataLoader(data, batch_size=16))  # fmt: skip
+
+
+def test_accumulated_batches_log_one_line_per_optimizer_step(tmp_path):
+    reference = RecordNorms()
+    fit(tmp_path, Regressor(), [GradMonitorCallback(tmp_path / "grads.jsonl", None), reference],
+        max_steps=4, accumulate_grad_batches=2)
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [step for step, _, _ in reference.seen] == [0, 1, 2, 3]
+    for record, (_, total, groups) in zip(records, reference.seen):
+        assert_norms_match(record, total, groups)
+
+
+def test_a_second_fit_of_another_module_logs_that_module(tmp_path):
+    """One callback object in two fits (a sweep): each line is the module being fitted."""
+    callback, reference = GradMonitorCallback(tmp_path / "grads.jsonl", None), RecordNorms()
+    fit(tmp_path, Regressor(), [callback, reference])
+    fit(tmp_path, Regressor(), [callback, reference])
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 0, 1, 2]
+    for record, (_, total, groups) in zip(records, reference.seen, strict=True):
+        assert_norms_match(record, total, groups)
+
+
+def test_one_optimizer_under_manual_optimization(tmp_path):
+    class Manual(Regressor):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(super().training_step(batch, batch_idx))
+            optimizer.step()
+
+    reference = RecordNorms()
+    fit(tmp_path, Manual(), [GradMonitorCallback(tmp_path / "grads.jsonl", None), reference])
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for record, (_, total, groups) in zip(records, reference.seen, strict=True):
+        assert_norms_match(record, total, groups)
