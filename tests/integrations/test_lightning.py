@@ -114,6 +114,63 @@ def test_a_second_fit_of_another_module_logs_that_module(tmp_path):
         assert_norms_match(record, total, groups)
 
 
+class HeadOnly(Regressor):
+    """The optimizer steps ``net.2`` alone; ``net.0`` gets gradients it never zeroes."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net[2].parameters(), lr=1e-3)
+
+
+class RecordSteppedNorms(RecordNorms):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        stepped = [p for group in optimizer.param_groups for p in group["params"]]
+        self.seen.append((trainer.global_step, *reference_norms(pl_module, only=stepped)))
+
+
+def test_only_the_parameters_the_optimizer_steps_are_measured(tmp_path):
+    """As Lightning's gradient_clip_val clips them: the others' gradients are not this step's."""
+    reference = RecordSteppedNorms()
+    callback = GradMonitorCallback(tmp_path / "grads.jsonl", None)
+    fit(tmp_path, HeadOnly(), [callback, reference], max_steps=8)
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == list(range(8))
+    for record, (_, total, groups) in zip(records, reference.seen, strict=True):
+        assert list(groups) == ["net.2"]
+        assert_norms_match(record, total, groups)
+
+
+class TwoOptimizers(pl.LightningModule):
+    """A GAN-style loop: manual optimization, one optimizer per network."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen, self.disc = torch.nn.Linear(6, 6), torch.nn.Linear(6, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        fake = self.gen(x)
+        opt_g.zero_grad()
+        self.manual_backward(-self.disc(fake).mean())
+        opt_g.step()
+        opt_d.zero_grad()
+        self.manual_backward(self.disc(fake.detach()).mean() - self.disc(x).mean())
+        opt_d.step()
+
+    def configure_optimizers(self):
+        return (torch.optim.SGD(self.gen.parameters(), lr=1e-2),
+                torch.optim.SGD(self.disc.parameters(), lr=1e-2))
+
+
+def test_two_optimizers_are_refused_before_the_first_step(tmp_path):
+    """One log holds one series: each optimizer's steps need their own monitor."""
+    callback = GradMonitorCallback(tmp_path / "grads.jsonl", None)
+    with pytest.raises(ValueError, match=r"2 optimizers.*its own GradMonitor"):
+        fit(tmp_path, TwoOptimizers(), [callback])
+    assert not (tmp_path / "grads.jsonl").exists()
+
+
 def test_one_optimizer_under_manual_optimization(tmp_path):
     class Manual(Regressor):
         def __init__(self):
