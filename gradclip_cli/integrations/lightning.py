@@ -23,6 +23,11 @@ log), called in ``training_step`` before that optimizer's ``step()``.
 With ``clip_spikes=True`` the monitor clips a spike's gradients there, to the
 history's ``mean + z * std`` (ZClip), before Lightning's own clipping and the
 optimizer step; ``gradient_clip_val`` then still applies to every step.
+
+A fit resumed with ``ckpt_path=...`` appends to the log, its steps going on
+from the checkpoint's. The spike history is not in the checkpoint: the
+monitor starts a new one. ``log`` and ``dump_dir`` are relative to the
+working directory, not ``default_root_dir``.
 """
 
 from __future__ import annotations

@@ -32,6 +32,10 @@ monitor measures and clips the true gradients either way.
 
 Steps are ``state.global_step + 1``: the number the Trainer gives this
 update in ``trainer_state.json``'s ``log_history`` and in ``checkpoint-N``.
+A run resumed with ``resume_from_checkpoint`` appends to the log, its steps
+going on from the checkpoint's. The spike history is not in the checkpoint:
+the monitor starts a new one. ``log`` and ``dump_dir`` are relative to the
+working directory, not ``output_dir``.
 
 Not for DeepSpeed runs: the engine keeps (and clips) the gradients in its
 own buffers, not in the parameters' ``.grad``.

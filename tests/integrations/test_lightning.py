@@ -85,11 +85,14 @@ def fit(folder, module, callbacks, max_steps=3, **options):
     torch.manual_seed(0)
     x = torch.randn(64, 6)
     data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
-    pl.Trainer(
+    ckpt_path = options.pop("ckpt_path", None)
+    settings = dict(
         max_steps=max_steps, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=folder, **options,
-    ).fit(module, torch.utils.data.DataLoader(data, batch_size=16))  # fmt: skip
+        default_root_dir=folder,
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(data, batch_size=16)
+    pl.Trainer(**{**settings, **options}).fit(module, loader, ckpt_path=ckpt_path)
 
 
 def test_accumulated_batches_log_one_line_per_optimizer_step(tmp_path):
@@ -189,3 +192,23 @@ def test_one_optimizer_under_manual_optimization(tmp_path):
     assert [r["step"] for r in records] == [0, 1, 2]
     for record, (_, total, groups) in zip(records, reference.seen, strict=True):
         assert_norms_match(record, total, groups)
+
+
+def test_a_resumed_fit_continues_the_steps_with_a_new_history(tmp_path):
+    """ckpt_path=...: lines are appended from the checkpoint's step on; the spike
+    history is not in the checkpoint, so the resumed monitor starts a new one."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    every_3 = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    fit(tmp_path, Regressor(), [GradMonitorCallback(tmp_path / "grads.jsonl", None), every_3],
+        max_steps=8, enable_checkpointing=True)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
+    reference = RecordNorms()
+    fit(tmp_path, Regressor(), [GradMonitorCallback(tmp_path / "grads.jsonl", None), reference],
+        max_steps=10, ckpt_path=tmp_path / "ckpt" / "epoch=1-step=6.ckpt")
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5, 6, 7, 6, 7, 8, 9]
+    for record, (_, total, groups) in zip(records[8:], reference.seen, strict=True):
+        assert_norms_match(record, total, groups)
+    assert records[7]["z"] is not None and records[8]["z"] is None

@@ -215,3 +215,23 @@ def test_evaluation_alone_writes_nothing(tmp_path):
     trainer.evaluate()
     trainer.predict(Rows(16))
     assert not (tmp_path / "grads.jsonl").exists() and not (tmp_path / "spikes").exists()
+
+
+def test_a_resumed_run_continues_the_steps_with_a_new_history(tmp_path):
+    """resume_from_checkpoint: lines are appended from checkpoint-N's step on; the
+    spike history is not in the checkpoint, so the resumed monitor starts a new one."""
+    saving = dict(save_strategy="steps", save_steps=6)
+    transformers.Trainer(
+        model=Regressor(), args=training_args(tmp_path, max_steps=8, **saving),
+        train_dataset=Rows(), callbacks=[GradMonitorCallback(tmp_path / "grads.jsonl", None)],
+    ).train()
+    reference, monitor = RecordNorms(), GradMonitorCallback(tmp_path / "grads.jsonl", None)
+    transformers.Trainer(
+        model=Regressor(), args=training_args(tmp_path, max_steps=10, **saving),
+        train_dataset=Rows(), callbacks=[reference, monitor],
+    ).train(resume_from_checkpoint=str(tmp_path / "checkpoint-6"))
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 8, 7, 8, 9, 10]
+    for record, (_, total, groups) in zip(records[8:], reference.seen, strict=True):
+        assert_norms_match(record, total, groups)
+    assert records[7]["z"] is not None and records[8]["z"] is None
