@@ -44,7 +44,7 @@ except ImportError as e:  # pragma: no cover - exercised only without Lightning
 
 import torch
 
-from ..monitor import GradMonitor
+from ..monitor import GradMonitor, _Parameters
 
 __all__ = ["GradMonitorCallback"]
 
@@ -109,6 +109,7 @@ class _SteppedParameters(torch.nn.Module):
     def __init__(self, module: torch.nn.Module):
         super().__init__()
         self._module = [module]  # in a list: not registered as a submodule
+        self._listing = _Parameters()  # the module's own listing, read again only when it changes
         self.optimizer: Any = None
 
     @property
@@ -118,6 +119,10 @@ class _SteppedParameters(torch.nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True):
         stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        for name, param in self.module.named_parameters(prefix, recurse, remove_duplicate):
+        if (prefix, recurse, remove_duplicate) == ("", True, True):
+            named = zip(*self._listing.named(self.module))
+        else:
+            named = self.module.named_parameters(prefix, recurse, remove_duplicate)
+        for name, param in named:
             if id(param) in stepped:
                 yield name, param
