@@ -668,7 +668,7 @@ class _Parameters:
     """
 
     def __init__(self) -> None:
-        self.version = 0  # changes whenever the lists are read again
+        self.version = 0  # changes whenever the lists read differ from the last ones
         self._model: object = None
         self._modules: list[torch.nn.Module] = []
         self._seen: _Reading | None = None
@@ -679,13 +679,18 @@ class _Parameters:
         """The names and parameters ``model.named_parameters()`` gives now."""
         if model is self._model and self._seen is not None and self._seen.holds(self._modules):
             return self._names, self._params
-        self.version += 1
         named = list(model.named_parameters())
         names, params = [n for n, _ in named], [p for _, p in named]
+        # A model asked every time mostly answers as it did: what is made from
+        # the lists (the log's groups) is made again only when they change.
+        if names != self._names or len(params) != len(self._params) or not all(
+            map(is_, params, self._params)
+        ):
+            self.version += 1
+        self._names, self._params = names, params
         modules = [m for _, m in model.named_modules()] if _cacheable(model) else None
         if modules is not None and all(_cacheable(m) for m in modules):
             self._model, self._modules, self._seen = model, modules, _Reading(modules)
-            self._names, self._params = names, params
         else:
             self._model, self._modules, self._seen = None, [], None
         return names, params

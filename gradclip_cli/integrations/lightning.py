@@ -9,12 +9,25 @@
 Lightning calls ``on_before_optimizer_step`` once per optimizer step, after
 the backward passes of every accumulated batch, after AMP has unscaled the
 gradients and before it clips them (``gradient_clip_val``): the monitor sees
-the true, unclipped gradients. Steps are ``trainer.global_step`` (optimizer
-steps taken before this one), the step Lightning's own loggers use there.
+the true, unclipped gradients. It measures the parameters that optimizer
+steps, as ``gradient_clip_val`` clips them: a parameter outside it may hold
+a gradient that is not this step's (one the optimizer never zeroes). Steps
+are ``trainer.global_step`` (optimizer steps taken before this one), the
+step Lightning's own loggers use there.
+
+One log holds one series of steps, so a module with several optimizers (a
+GAN's manual optimization) is refused before the first step: watch each
+network with its own :class:`~gradclip_cli.monitor.GradMonitor` (its own
+log), called in ``training_step`` before that optimizer's ``step()``.
 
 With ``clip_spikes=True`` the monitor clips a spike's gradients there, to the
 history's ``mean + z * std`` (ZClip), before Lightning's own clipping and the
 optimizer step; ``gradient_clip_val`` then still applies to every step.
+
+A fit resumed with ``ckpt_path=...`` appends to the log, its steps going on
+from the checkpoint's. The spike history is not in the checkpoint: the
+monitor starts a new one. ``log`` and ``dump_dir`` are relative to the
+working directory, not ``default_root_dir``.
 """
 
 from __future__ import annotations
@@ -29,7 +42,9 @@ except ImportError as e:  # pragma: no cover - exercised only without Lightning
         "gradclip_cli.integrations.lightning needs Lightning: pip install 'gradclip[lightning]'"
     ) from e
 
-from ..monitor import GradMonitor
+import torch
+
+from ..monitor import GradMonitor, _Parameters
 
 __all__ = ["GradMonitorCallback"]
 
@@ -55,15 +70,59 @@ class GradMonitorCallback(Callback):
         self.monitor: GradMonitor | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        # Before the first step: a bad option fails here, not mid-run.
-        if stage == "fit" and self.monitor is None:
-            self.monitor = GradMonitor(pl_module, self.log_path, self.dump_dir, **self.options)
+        # Before the first step: a bad option fails here, not mid-run. A later
+        # fit of the same module goes on with its history; one of another
+        # module (the callback reused in a sweep) gets a monitor of its own.
+        if stage == "fit" and (self.monitor is None or self.monitor.model.module is not pl_module):
+            self.monitor = GradMonitor(
+                _SteppedParameters(pl_module), self.log_path, self.dump_dir, **self.options
+            )
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if len(trainer.optimizers) > 1:
+            raise ValueError(
+                f"GradMonitorCallback: this LightningModule has {len(trainer.optimizers)} "
+                "optimizers; one log holds one series of steps, so watch each network with "
+                "its own GradMonitor(submodule, log=...), called in training_step before "
+                "that optimizer's step()"
+            )
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self.monitor is not None:
+            self.monitor.model.optimizer = optimizer
             self.monitor.step(trainer.global_step)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.monitor is not None:
             self.monitor.close()
 
+
+
+class _SteppedParameters(torch.nn.Module):
+    """The parameters of ``module`` that ``optimizer`` steps, under their names in ``module``.
+
+    What the monitor measures, clips and dumps at a step: the gradients the
+    optimizer is about to use, those Lightning's ``gradient_clip_val`` clips
+    (``clip_gradients`` reads the optimizer's ``param_groups``).
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self._module = [module]  # in a list: not registered as a submodule
+        self._listing = _Parameters()  # the module's own listing, read again only when it changes
+        self.optimizer: Any = None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._module[0]
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        if (prefix, recurse, remove_duplicate) == ("", True, True):
+            named = zip(*self._listing.named(self.module))
+        else:
+            named = self.module.named_parameters(prefix, recurse, remove_duplicate)
+        for name, param in named:
+            if id(param) in stepped:
+                yield name, param

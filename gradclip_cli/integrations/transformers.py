@@ -32,6 +32,10 @@ monitor measures and clips the true gradients either way.
 
 Steps are ``state.global_step + 1``: the number the Trainer gives this
 update in ``trainer_state.json``'s ``log_history`` and in ``checkpoint-N``.
+A run resumed with ``resume_from_checkpoint`` appends to the log, its steps
+going on from the checkpoint's. The spike history is not in the checkpoint:
+the monitor starts a new one. ``log`` and ``dump_dir`` are relative to the
+working directory, not ``output_dir``.
 
 Not for DeepSpeed runs: the engine keeps (and clips) the gradients in its
 own buffers, not in the parameters' ``.grad``.
@@ -93,7 +97,9 @@ class GradMonitorCallback(TrainerCallback):
                 f"and pass max_norm={args.max_grad_norm} to GradMonitorCallback, which "
                 "clips after measuring"
             )
-        if self.monitor is None:
+        # Training the same model again goes on with its history; another model
+        # (the callback reused in a sweep, or model_init) gets a monitor of its own.
+        if self.monitor is None or self.monitor.model is not model:
             self.monitor = GradMonitor(model, self.log_path, self.dump_dir, **self.options)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None,

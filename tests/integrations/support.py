@@ -30,11 +30,15 @@ def layer_of(name: str) -> str:
     return ".".join(parts[:-1]) or name
 
 
-def reference_norms(model: torch.nn.Module, p: float = 2.0) -> tuple[float, dict[str, float]]:
-    """Total and per-layer float64 norms of the model's gradients as they are now."""
+def reference_norms(
+    model: torch.nn.Module, p: float = 2.0, only=None
+) -> tuple[float, dict[str, float]]:
+    """Total and per-layer float64 norms of the model's gradients as they are now
+    (of the parameters in ``only`` alone, when given)."""
     by_group: dict[str, list[torch.Tensor]] = {}
+    chosen = None if only is None else {id(param) for param in only}
     for name, param in model.named_parameters():
-        if param.grad is not None:
+        if param.grad is not None and (chosen is None or id(param) in chosen):
             by_group.setdefault(layer_of(name), []).append(param.grad.detach().clone())
     every = [g for grads in by_group.values() for g in grads]
     return ref_norm(every, p), {g: ref_norm(ts, p) for g, ts in by_group.items()}

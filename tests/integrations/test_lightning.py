@@ -79,3 +79,136 @@ def test_the_injected_spike_is_flagged_and_dumped(lightning_run, gradclip):
     spike = read_log(folder / "grads.jsonl")[SPIKE_AT]
     assert spike["step"] == SPIKE_AT
     assert_spike_found(gradclip, folder, spike, CULPRIT, "net.0", first_step=0)
+
+
+def fit(folder, module, callbacks, max_steps=3, **options):
+    torch.manual_seed(0)
+    x = torch.randn(64, 6)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+    ckpt_path = options.pop("ckpt_path", None)
+    settings = dict(
+        max_steps=max_steps, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=folder,
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(data, batch_size=16)
+    pl.Trainer(**{**settings, **options}).fit(module, loader, ckpt_path=ckpt_path)
+
+
+def test_accumulated_batches_log_one_line_per_optimizer_step(tmp_path):
+    reference = RecordNorms()
+    fit(tmp_path, Regressor(), [GradMonitorCallback(tmp_path / "grads.jsonl", None), reference],
+        max_steps=4, accumulate_grad_batches=2)
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [step for step, _, _ in reference.seen] == [0, 1, 2, 3]
+    for record, (_, total, groups) in zip(records, reference.seen):
+        assert_norms_match(record, total, groups)
+
+
+def test_a_second_fit_of_another_module_logs_that_module(tmp_path):
+    """One callback object in two fits (a sweep): each line is the module being fitted."""
+    callback, reference = GradMonitorCallback(tmp_path / "grads.jsonl", None), RecordNorms()
+    fit(tmp_path, Regressor(), [callback, reference])
+    fit(tmp_path, Regressor(), [callback, reference])
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 0, 1, 2]
+    for record, (_, total, groups) in zip(records, reference.seen, strict=True):
+        assert_norms_match(record, total, groups)
+
+
+class HeadOnly(Regressor):
+    """The optimizer steps ``net.2`` alone; ``net.0`` gets gradients it never zeroes."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net[2].parameters(), lr=1e-3)
+
+
+class RecordSteppedNorms(RecordNorms):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        stepped = [p for group in optimizer.param_groups for p in group["params"]]
+        self.seen.append((trainer.global_step, *reference_norms(pl_module, only=stepped)))
+
+
+def test_only_the_parameters_the_optimizer_steps_are_measured(tmp_path):
+    """As Lightning's gradient_clip_val clips them: the others' gradients are not this step's."""
+    reference = RecordSteppedNorms()
+    callback = GradMonitorCallback(tmp_path / "grads.jsonl", None)
+    fit(tmp_path, HeadOnly(), [callback, reference], max_steps=8)
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == list(range(8))
+    for record, (_, total, groups) in zip(records, reference.seen, strict=True):
+        assert list(groups) == ["net.2"]
+        assert_norms_match(record, total, groups)
+
+
+class TwoOptimizers(pl.LightningModule):
+    """A GAN-style loop: manual optimization, one optimizer per network."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen, self.disc = torch.nn.Linear(6, 6), torch.nn.Linear(6, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        fake = self.gen(x)
+        opt_g.zero_grad()
+        self.manual_backward(-self.disc(fake).mean())
+        opt_g.step()
+        opt_d.zero_grad()
+        self.manual_backward(self.disc(fake.detach()).mean() - self.disc(x).mean())
+        opt_d.step()
+
+    def configure_optimizers(self):
+        return (torch.optim.SGD(self.gen.parameters(), lr=1e-2),
+                torch.optim.SGD(self.disc.parameters(), lr=1e-2))
+
+
+def test_two_optimizers_are_refused_before_the_first_step(tmp_path):
+    """One log holds one series: each optimizer's steps need their own monitor."""
+    callback = GradMonitorCallback(tmp_path / "grads.jsonl", None)
+    with pytest.raises(ValueError, match=r"2 optimizers.*its own GradMonitor"):
+        fit(tmp_path, TwoOptimizers(), [callback])
+    assert not (tmp_path / "grads.jsonl").exists()
+
+
+def test_one_optimizer_under_manual_optimization(tmp_path):
+    class Manual(Regressor):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(super().training_step(batch, batch_idx))
+            optimizer.step()
+
+    reference = RecordNorms()
+    fit(tmp_path, Manual(), [GradMonitorCallback(tmp_path / "grads.jsonl", None), reference])
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for record, (_, total, groups) in zip(records, reference.seen, strict=True):
+        assert_norms_match(record, total, groups)
+
+
+def test_a_resumed_fit_continues_the_steps_with_a_new_history(tmp_path):
+    """ckpt_path=...: lines are appended from the checkpoint's step on; the spike
+    history is not in the checkpoint, so the resumed monitor starts a new one."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    every_3 = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    fit(tmp_path, Regressor(), [GradMonitorCallback(tmp_path / "grads.jsonl", None), every_3],
+        max_steps=8, enable_checkpointing=True)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
+    reference = RecordNorms()
+    fit(tmp_path, Regressor(), [GradMonitorCallback(tmp_path / "grads.jsonl", None), reference],
+        max_steps=10, ckpt_path=tmp_path / "ckpt" / "epoch=1-step=6.ckpt")
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5, 6, 7, 6, 7, 8, 9]
+    for record, (_, total, groups) in zip(records[8:], reference.seen, strict=True):
+        assert_norms_match(record, total, groups)
+    assert records[7]["z"] is not None and records[8]["z"] is None

@@ -173,3 +173,65 @@ def test_amp_loss_scale_is_taken_out_before_measuring_and_clipping(tmp_path, uns
 def test_bad_max_norm_is_refused():
     with pytest.raises(ValueError, match="max_norm must be > 0"):
         GradMonitorCallback(max_norm=0)
+
+
+def test_a_second_training_of_another_model_logs_that_model(tmp_path):
+    """One callback object in two Trainers (a sweep): each line is the model being trained."""
+    callback, reference = GradMonitorCallback(tmp_path / "grads.jsonl", None), RecordNorms()
+    for _ in range(2):
+        transformers.Trainer(
+            model=Regressor(), args=training_args(tmp_path, max_steps=3), train_dataset=Rows(),
+            callbacks=[reference, callback],
+        ).train()
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 1, 2, 3]
+    for record, (_, total, groups) in zip(records, reference.seen, strict=True):
+        assert_norms_match(record, total, groups)
+
+
+def test_accumulated_batches_log_one_line_per_optimizer_step(tmp_path):
+    """Steps and norms line up with the Trainer's own ``grad_norm`` in trainer_state.json."""
+    reference = RecordNorms()
+    args = training_args(tmp_path, max_steps=4, gradient_accumulation_steps=2,
+                         per_device_train_batch_size=8, logging_strategy="steps", logging_steps=1)
+    callback = GradMonitorCallback(tmp_path / "grads.jsonl", None)
+    trainer = transformers.Trainer(model=Regressor(), args=args, train_dataset=Rows(),
+                                   callbacks=[reference, callback])
+    trainer.train()
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record, (_, total, groups) in zip(records, reference.seen, strict=True):
+        assert_norms_match(record, total, groups)
+    logged = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
+    assert sorted(logged) == [1, 2, 3, 4]
+    for record in records:  # the Trainer's float32 norm of the same gradients
+        assert math.isclose(logged[record["step"]], record["total_norm"], rel_tol=1e-5)
+
+
+def test_evaluation_alone_writes_nothing(tmp_path):
+    callback = GradMonitorCallback(tmp_path / "grads.jsonl", tmp_path / "spikes")
+    trainer = transformers.Trainer(model=Regressor(), args=training_args(tmp_path),
+                                   eval_dataset=Rows(64), callbacks=[callback])
+    trainer.evaluate()
+    trainer.predict(Rows(16))
+    assert not (tmp_path / "grads.jsonl").exists() and not (tmp_path / "spikes").exists()
+
+
+def test_a_resumed_run_continues_the_steps_with_a_new_history(tmp_path):
+    """resume_from_checkpoint: lines are appended from checkpoint-N's step on; the
+    spike history is not in the checkpoint, so the resumed monitor starts a new one."""
+    saving = dict(save_strategy="steps", save_steps=6)
+    transformers.Trainer(
+        model=Regressor(), args=training_args(tmp_path, max_steps=8, **saving),
+        train_dataset=Rows(), callbacks=[GradMonitorCallback(tmp_path / "grads.jsonl", None)],
+    ).train()
+    reference, monitor = RecordNorms(), GradMonitorCallback(tmp_path / "grads.jsonl", None)
+    transformers.Trainer(
+        model=Regressor(), args=training_args(tmp_path, max_steps=10, **saving),
+        train_dataset=Rows(), callbacks=[reference, monitor],
+    ).train(resume_from_checkpoint=str(tmp_path / "checkpoint-6"))
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 8, 7, 8, 9, 10]
+    for record, (_, total, groups) in zip(records[8:], reference.seen, strict=True):
+        assert_norms_match(record, total, groups)
+    assert records[7]["z"] is not None and records[8]["z"] is None
