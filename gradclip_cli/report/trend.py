@@ -162,8 +162,8 @@ def one_point_per_step(observations: Sequence[Observation]) -> tuple[list[Observ
         else:
             raise UsageError(
                 f"{visible(obs.source)} and {visible(seen.source)} both give step {obs.step}, "
-                f"with other norms ({obs.total_norm:g} and {seen.total_norm:g}): one trend "
-                "judges one run's series, each step once; give one of them")
+                f"with other norms ({_apart(obs, seen)}): one trend judges one run's series, "
+                "each step once; give one of them")
     notes = []
     for (copy, source), steps in copies.items():
         at = (f"step ({steps[0]})" if len(steps) == 1
@@ -172,6 +172,16 @@ def one_point_per_step(observations: Sequence[Observation]) -> tuple[list[Observ
         notes.append(f"{visible(copy)}: the same {at} and norms as {visible(source)}: "
                      f"one point{each}")
     return kept, notes
+
+
+def _apart(a: Observation, b: Observation) -> str:
+    """The two totals, with as many digits as it takes to tell them apart (a log's
+    float32 norm and a float64 one differ in the 8th digit), or the groups that differ."""
+    x, y = a.total_norm, b.total_norm
+    if x != y and not (math.isnan(x) and math.isnan(y)):
+        digits = next((d for d in range(6, 18) if f"{x:.{d}g}" != f"{y:.{d}g}"), 17)
+        return f"{x:.{digits}g} and {y:.{digits}g}"
+    return "the same total, other groups or non-finite counts"
 
 
 def _same_norms(a: Observation, b: Observation) -> bool:

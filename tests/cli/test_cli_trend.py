@@ -203,6 +203,20 @@ def test_one_step_with_other_norms_from_two_inputs_is_refused(gradclip, tmp_path
             "step 3, with other norms") in r.err
 
 
+def test_one_step_refused_shows_the_norms_apart(gradclip, tmp_path):
+    """A run's monitor log (float64 norms) beside a log of its float32 norms: the
+    message shows the digits where they differ, not two equal-looking numbers."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(monitor_line(1, 0.76310912345, {"x": 0.5}))
+    b.write_text(monitor_line(1, 0.76310915, {"x": 0.5}))
+    r = gradclip("trend", a, b)
+    assert r.code == 2
+    assert "with other norms (0.7631092 and 0.7631091)" in r.err
+    b.write_text(monitor_line(1, 0.76310912345, {"x": 0.6}))
+    r = gradclip("trend", a, b)
+    assert r.code == 2 and "the same total, other groups or non-finite counts" in r.err
+
+
 def test_a_file_under_several_names_is_one_point(gradclip, tmp_path):
     # timm's CheckpointSaver hard-links last.pth.tar and model_best.pth.tar to a
     # checkpoint-N.pth.tar: one checkpoint, one point, under its first name.
