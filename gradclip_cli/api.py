@@ -233,8 +233,10 @@ def clip_grad_norm_(
     Returns the total norm before clipping (see ``get_total_norm``). On the
     CPU the coefficient comes from the exact summary: a total beyond the
     result dtype's range (reported as inf) still clips to ``max_norm``
-    instead of zeroing every gradient. On an accelerator it is computed
-    there, from the float64 total, and nothing is read back.
+    instead of zeroing every gradient. On an accelerator it is torch's
+    formula on the returned total, computed there, nothing read back: a
+    float32 total past float32's range is inf, and zeroes the gradients as
+    torch's does.
     """
     parameters = _parameters(parameters)
     grads = _grads(parameters)
