@@ -290,9 +290,9 @@ class GradMonitor:
         """
         step = self._step_number(step)
         measured = None if step % self.every else self._measure()
-        if measured is None and not step % self.every:
-            self._warn_no_gradients(step)
         if measured is None:
+            if not step % self.every:
+                self._warn_no_gradients(step)
             # The parameters as model.parameters() lists them; a model without
             # any still passes the generator, for the drop-in's warning about it.
             params = self._parameters.named(self.model)[1] or self.model.parameters()

@@ -176,7 +176,7 @@ def one_point_per_step(observations: Sequence[Observation]) -> tuple[list[Observ
 
 def _apart(a: Observation, b: Observation) -> str:
     """The two totals, with as many digits as it takes to tell them apart (a log's
-    float32 norm and a float64 one differ in the 8th digit), or the groups that differ."""
+    float32 norm and a float64 one differ in the 8th digit), or that they differ elsewhere."""
     x, y = a.total_norm, b.total_norm
     if x != y and not (math.isnan(x) and math.isnan(y)):
         digits = next((d for d in range(6, 18) if f"{x:.{d}g}" != f"{y:.{d}g}"), 17)
