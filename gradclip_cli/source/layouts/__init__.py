@@ -32,6 +32,7 @@ from . import (
     dcp,
     dcp_hf,
     deepspeed,
+    deepspeed_universal,
     hf_sharded,
     hf_trainer,
     lightning,
@@ -47,6 +48,7 @@ from . import (
 LAYOUTS: tuple[Layout, ...] = (
     megatron,  # its folders hold a DCP folder and common.pt: before any flat mapping
     megatron_legacy,  # iter_N/mp_rank_XX/model_optim_rng.pt
+    deepspeed_universal,  # holds DeepSpeed's model state files: before deepspeed
     deepspeed,
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     accelerate_state,  # model.safetensors beside optimizer.bin, none of the Trainer's files
