@@ -40,6 +40,7 @@ from . import (
     megatron,
     megatron_legacy,
     olmo_core,
+    olmo_core_gradients,
     single_file,
     torchtitan,
     torchtune,
@@ -57,6 +58,7 @@ LAYOUTS: tuple[Layout, ...] = (
     litgpt,
     hf_sharded,
     olmo_core,
+    olmo_core_gradients,  # its full_gradients/ is a plain DCP folder: before dcp
     torchtitan,  # a DCP folder laid out torchtitan's way: before dcp
     lightning,  # a sharded Lightning folder is a DCP folder with meta.pt: before dcp
     dcp,
