@@ -269,7 +269,10 @@ def reconstruct(curr: Contents, prev: Contents) -> Reconstruction:
             raise NotDetermined(f"{contents.path}: --previous: {opt}")
         states.append(opt)
     opt, opt_prev = states
-    kind, kind_prev = optimizers.identify(opt), optimizers.identify(opt_prev)
+    kind = optimizers.identify(opt)
+    # Before its first step an optimizer holds no per-parameter state, only its groups
+    # (PREV saved at step 0): nothing to tell it from CURR's by, and nothing to differ.
+    kind_prev = optimizers.identify(opt_prev) if opt_prev.state else kind
     if kind.name != kind_prev.name:
         raise refuse(f"the optimizers differ ({kind.name} in {curr.path}, {kind_prev.name} in "
                      f"{prev.path})")
