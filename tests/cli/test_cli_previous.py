@@ -293,3 +293,20 @@ def test_lightning_checkpoints(gradclip, lightning_run):
     assert result.code == 0, result.err
     grads = torch.load(lightning_run / "grads-3.pt", weights_only=True)["grads"]
     _assert_matches(result.json(), grads, 1e-5)
+
+
+def test_a_parameter_without_a_gradient_that_step_is_left_out_and_named(gradclip, tmp_path):
+    # torch.optim skips a parameter whose .grad is None: its step counter and moments
+    # stay where they were, so that step gave it no gradient to reconstruct.
+    def drop(step, opt):
+        if step == 3:
+            opt.param_groups[0]["params"][2].grad = None  # b.weight
+
+    run = train(tmp_path, _adam_l2, steps=3, before_step=drop)
+    result = gradclip("inspect", run.checkpoint(3), "--previous", run.checkpoint(2),
+                      "--group-by", "tensor", "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    grads = {n: g for n, g in run.grads(3).items() if n != "b.weight"}
+    _assert_matches(doc, grads, 1e-5)
+    assert "no gradient at step 3 (state unchanged): b.weight" in doc["description"]

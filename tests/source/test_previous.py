@@ -6,12 +6,13 @@ checkpoint after every step and the gradients each step used
 gradients ``gradients_between`` reconstructs from the checkpoints of steps
 t-1 and t with the saved ones, in float64.
 
-Bounds (docs/guides/previous.md): for every tensor,
-``|g - g_true| <= 2 u ((|m_t| + |m_(t-1)|) / (1 - beta1) + |g_true| + wd |p|)``
-in the 2-norm, ``u`` the state's unit roundoff: the first moment's storage
-rounding divided by ``1 - beta1``, and the rounding of ``g + wd * p`` where
-L2 decay adds the weights. For float32 state that is about 1e-6 of the
-gradient here; the contract's 1e-5 per layer is asserted as well.
+Bounds (docs/guides/previous.md, "How close"): for every tensor, in the 2-norm,
+``|g - g_true| <= u (|m_t| / (1 - beta1) + 3 |m_(t-1)| + 4 (|g_true| + wd |p|))``,
+``u`` the state's unit roundoff: the first moment's rounding in torch's
+``lerp_`` divided by ``1 - beta1``, and the rounding of ``g + wd * p`` where
+L2 decay adds the weights (to first order in ``u``). For float32 state that
+is about 1e-6 of the gradient here; the issue's 1e-5 per layer is asserted
+as well.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ def test_reconstructed_gradients_are_the_step_s_gradients(tmp_path, case, dtype)
                 i = order.index(name)
                 m = curr["optimizer"]["state"][i][first]
                 m_prev = prev["optimizer"]["state"][i][first] if t > 1 else torch.zeros_like(m)
-                bound = 2 * unit * ((_norm(m) + _norm(m_prev)) / (1 - beta1) + _norm(ref)
-                                    + decay * _norm(prev["model"][name]))
+                bound = unit * (_norm(m) / (1 - beta1) + 3 * _norm(m_prev)
+                                + 4 * (_norm(ref) + decay * _norm(prev["model"][name])))
                 assert _norm(g - ref) <= bound, (name, t, _norm(g - ref), bound)
                 if dtype == torch.float32:
                     assert abs(_norm(g) - _norm(ref)) <= 1e-5 * _norm(ref), (name, t)
