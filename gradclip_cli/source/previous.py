@@ -151,7 +151,7 @@ class Disagreement:
     def as_json(self) -> dict:
         return {"metric": "max over elements of |residual| / (unit * scale of its terms)",
                 "check": self.check, "max_units": self.max_units, "bound_units": self.bound,
-                "unit": self.unit, "tensor": self.tensor}
+                "unit": self.unit, "tensor": self.tensor, "summary": self.sentence()}
 
 
 @dataclass

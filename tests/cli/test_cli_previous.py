@@ -310,3 +310,21 @@ def test_a_parameter_without_a_gradient_that_step_is_left_out_and_named(gradclip
     grads = {n: g for n, g in run.grads(3).items() if n != "b.weight"}
     _assert_matches(doc, grads, 1e-5)
     assert "no gradient at step 3 (state unchanged): b.weight" in doc["description"]
+
+
+def test_markdown_and_junit_carry_the_evidence_and_the_check(gradclip, adam_run):
+    for fmt in ("markdown", "junit"):
+        result = gradclip("inspect", adam_run.checkpoint(4), "--previous",
+                          adam_run.checkpoint(3), "--format", fmt)
+        assert result.code == 0, result.err
+        text = result.out.replace("\\", "")  # markdown escapes _ and :
+        assert "reconstructed from the Adam states of steps 3 and 4" in text, fmt
+        assert "cross-check: exp_avg_sq agrees" in text, fmt
+
+
+def test_output_file_is_never_the_previous_checkpoint(gradclip, adam_run):
+    before = adam_run.checkpoint(3).read_bytes()
+    result = gradclip("inspect", adam_run.checkpoint(4), "--previous", adam_run.checkpoint(3),
+                      "--output-file", adam_run.checkpoint(3))
+    assert result.code == 2
+    assert adam_run.checkpoint(3).read_bytes() == before
