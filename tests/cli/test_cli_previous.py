@@ -328,3 +328,22 @@ def test_output_file_is_never_the_previous_checkpoint(gradclip, adam_run):
                       "--output-file", adam_run.checkpoint(3))
     assert result.code == 2
     assert adam_run.checkpoint(3).read_bytes() == before
+
+
+def test_a_non_finite_gradient_is_a_finding_not_a_refusal(gradclip, tmp_path):
+    # Step 3's gradient holds a NaN (as after an overflow): torch averages it into both
+    # moments, and the reconstruction reports it where it was.
+    def poison(step, opt):
+        if step == 3:
+            opt.param_groups[0]["params"][0].grad[1, 2] = float("nan")  # a.weight
+
+    run = train(tmp_path, _adam_l2, steps=3, before_step=poison)
+    result = gradclip("inspect", run.checkpoint(3), "--previous", run.checkpoint(2),
+                      "--group-by", "tensor", "--format", "json")
+    assert result.code == 1, result.err
+    doc = result.json()
+    assert doc["status"] == "nonfinite"
+    assert doc["nonfinite"] == {"nan": 1, "posinf": 0, "neginf": 0}
+    rows = {row["name"]: row for row in doc["tensors"]}
+    assert rows["a.weight"]["nonfinite"]["nan"] == 1
+    assert rows["b.weight"]["nonfinite"]["nan"] == 0
