@@ -282,20 +282,25 @@ def _output_file(value: str | None) -> Path | None:
 @click.option("--top", type=V.count("--top", 0), default="5", metavar="N",
          help="Show the N largest tensors by norm.")
 @what_option
+@click.option("--previous", metavar="PREV", help="With --what grads: the checkpoint one "
+              "optimizer step before PATH; measures the gradients of PATH's last step, "
+              "reconstructed from the two Adam-family states.")
 @_shared
 def inspect(path, key, norm_type, device, format, output_file, max_norm, allow_nonfinite,
-            verify, group_by, top, what, trust_pickle, quiet, no_progress, debug) -> None:
+            verify, group_by, top, what, previous, trust_pickle, quiet, no_progress,
+            debug) -> None:
     def body() -> int:
         return _command("inspect").run(
             path=path, key=key, norm_type=norm_type, device=device, format=format,
             max_norm=max_norm, allow_nonfinite=allow_nonfinite, verify=verify,
             group_by=group_by, top=top, trust_pickle=trust_pickle, quiet=quiet,
             progress=not (quiet or no_progress), output_file=_output_file(output_file),
-            what=what,
+            what=what, previous=previous,
         )
 
     _run(body, command="inspect", debug=debug, format=format, source=path,
-         output_file=_output_file(output_file), inputs=(path,))
+         output_file=_output_file(output_file),
+         inputs=(path,) if previous is None else (path, previous))
 
 
 @app.command(context_settings=CONTEXT, help="Write a copy of PATH with clipped gradients; "

@@ -10,43 +10,53 @@ from pathlib import Path
 
 from .. import options
 from ..distributed import launcher
-from ..errors import InputError
+from ..errors import InputError, UsageError
 from ..escaping import visible
 from ..progress import progress_steps
 from ..report import OK, build_inspect_report, parse_group_by
 from ..source.roles import role_counts
 from ..source.vocabulary import checkpoint_step
 from .common import Releasers, emit, load, measure, measure_weights, output_format, speaks
+from .previous import load_pair
 
 
 def run(
     *, path: str, key: str | None, norm_type: str, device: str, format: str,
     max_norm: str | None, allow_nonfinite: bool, verify: bool, group_by: str, top: int,
     trust_pickle: bool, quiet: bool, output_file: Path | None, what: str = "auto",
-    progress: bool = True,
+    progress: bool = True, previous: str | None = None,
 ) -> int:
     # First: an error document (--format json) goes to --output-file too.
-    options.report_file(output_file, reads=[path])
+    options.report_file(output_file, reads=[path] if previous is None else [path, previous])
+    if previous is not None and what not in ("auto", "grads"):
+        raise UsageError(f"--previous reconstructs the gradients of one optimizer step: it "
+                         f"measures --what grads, not --what {what}")
     p = options.norm_type(norm_type)
     threshold = options.threshold("--max-norm", max_norm, allow_zero=True)
     dev = options.device(device)
     fmt = output_format(format)
     rule = parse_group_by(group_by)
-    session = launcher.join(dev, device, [path])
+    session = launcher.join(dev, device, [path] if previous is None else [path, previous])
     if session is not None:
         dev = session.device
+    check = None
     with progress_steps(not progress or not speaks()) as steps:
-        try:
-            loaded = load(path, key, trust_pickle, verify, steps, what)
-        except InputError as error:
-            hint = trend_hint(path)
-            if hint is None:
-                raise
-            raise InputError(f"{error}; {hint}") from None
-        options.report_file(output_file, reads=loaded.contents.files)
+        if previous is not None:
+            loaded, check, files = load_pair(path, previous, key, trust_pickle, verify, steps,
+                                             dev)
+        else:
+            try:
+                loaded = load(path, key, trust_pickle, verify, steps, what)
+            except InputError as error:
+                hint = trend_hint(path)
+                if hint is None:
+                    raise
+                raise InputError(f"{error}; {hint}") from None
+            files = loaded.contents.files
+        options.report_file(output_file, reads=files)
         # inspect never writes a tensor, so pages read can go back at once:
         # resident memory stays flat whatever the file's size.
-        release = Releasers(loaded.contents.files)
+        release = Releasers(files)
         sums, owned = measure(loaded, p, dev, steps, "computing norms", release, session)
         weight_sums = measure_weights(loaded, p, dev, release, session)
     contents, selection = loaded.contents, loaded.selection
@@ -65,9 +75,11 @@ def run(
         what=selection.what, step=step.step,
         description=[*contents.description, *([step.note] if step.note else []),
                      *_buffers_apart(contents, selection.what),
-                     f"measured: {selection.measured}"],
+                     f"measured: {selection.measured}",
+                     *([] if check is None else check.lines)],
         measured={"what": selection.what, "explain": selection.explain,
-                  "evidence": selection.evidence},
+                  "evidence": selection.evidence,
+                  **({} if check is None else {"cross_check": check.disagreement.as_json()})},
         roles=role_counts(contents),
         weight_sums=weight_sums,
     )

@@ -88,7 +88,12 @@ def measured_line(report: InspectReport) -> str | None:
     explain, evidence = report.measured.get("explain"), report.measured.get("evidence")
     if not explain:
         return None
-    return f"measured: {visible(explain)}" + (f" ({visible(evidence)})" if evidence else "")
+    # Gradients reconstructed with --previous: the cross-check goes with the evidence.
+    check = report.measured.get("cross_check")
+    checked = f"; {visible(check['summary'])}" if isinstance(check, dict) and \
+        check.get("summary") else ""
+    return (f"measured: {visible(explain)}" + (f" ({visible(evidence)})" if evidence else "")
+            + checked)
 
 
 def verdict_line(report: InspectReport) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -77,7 +78,7 @@ def build_inspect_report(
     what: str = "grads",
     step: int | None = None,
     description: Sequence[str] = (),
-    measured: dict[str, str] | None = None,
+    measured: dict[str, Any] | None = None,
     roles: dict[str, int] | None = None,
     weight_sums: PowerSums | None = None,
     owned: PowerSums | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class InspectReport:
     description: list[str] = field(default_factory=list)  # lines for the header
     # What was measured and the evidence for each role (source/roles.py), for scripts:
     # {"what": ..., "evidence": "a state_dict: torch's _metadata"}.
-    measured: dict[str, str] = field(default_factory=dict)
+    measured: dict[str, Any] = field(default_factory=dict)
     # How many tensors of the checkpoint have each role: {"weight": 12, "buffer": 3, ...}.
     roles: dict[str, int] = field(default_factory=dict)
     # A finite total beyond float64's range: total_norm is inf, log10 says how far.

@@ -130,11 +130,11 @@ def _auto(contents: Contents, gradients_only: bool) -> str:
 
 
 def _gives(contents: Contents, what: str) -> bool:
-    opt = _optimizer(contents)
+    opt = optimizer_state(contents)
     return isinstance(opt, OptimizerState) and optimizers.identify(opt).gives(what)
 
 
-def _optimizer(contents: Contents) -> OptimizerState | str | None:
+def optimizer_state(contents: Contents) -> OptimizerState | str | None:
     """The optimizer state to measure; several (Lightning's list, a file's ``optimizer_g``
     and ``optimizer_d``) are one, their ids chained in order, when one rule serves them
     all; else why not. Measuring the first alone would report a part as the total."""
@@ -259,7 +259,7 @@ class _Param:
 
 
 def _from_optimizer(contents: Contents, what: str) -> Selection:
-    opt = _optimizer(contents)
+    opt = optimizer_state(contents)
     if opt is None:
         raise _unavailable(
             contents, what, contents.optimizer_error or "the checkpoint holds no optimizer state"
