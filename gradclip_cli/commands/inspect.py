@@ -12,6 +12,7 @@ from .. import options
 from ..distributed import launcher
 from ..errors import InputError, UsageError
 from ..escaping import visible
+from ..format.words import verdict_line
 from ..progress import progress_steps
 from ..report import OK, build_inspect_report, parse_group_by
 from ..source.roles import role_counts
@@ -82,6 +83,8 @@ def run(
                   **({} if check is None else {"cross_check": check.disagreement.as_json()})},
         roles=role_counts(contents),
         weight_sums=weight_sums,
+        optimizer=selection.optimizer,
+        chosen_by_auto=what == "auto",
     )
     if quiet and format == "table":
         # -q: the verdict alone on stdout; what the finding is goes to stderr.
@@ -89,9 +92,10 @@ def run(
 
         if speaks():
             table.print_findings(report, sys.stderr)
-        emit(lambda out: table.print_verdict(report, out), output_file)
+        emit(lambda out: table.print_verdict(report, out), output_file, verdict_line(report))
     else:
-        emit(lambda out: fmt.render_inspect(report, out, top=top), output_file)
+        emit(lambda out: fmt.render_inspect(report, out, top=top), output_file,
+             verdict_line(report))
     return 0 if report.status == OK else 1
 
 

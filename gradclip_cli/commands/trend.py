@@ -19,7 +19,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .. import options, values
@@ -27,6 +27,7 @@ from ..core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z
 from ..distributed import launcher
 from ..errors import InputError, UsageError
 from ..format.text import visible
+from ..format.words import trend_verdict
 from ..progress import Steps, progress_steps
 from ..report import NonFinite, parse_group_by
 from ..report.groups import group_sums, nonfinite_counts
@@ -49,7 +50,7 @@ from ..source.logs.recognise import log_kind
 from ..source.run_folder import RunFolder
 from ..source.vocabulary import CheckpointStep, checkpoint_step
 from ..source.what import EXPLAIN, WHATS
-from .common import Loaded, Releasers, emit, load, measure, output_format, speaks
+from .common import Loaded, Releasers, load, measure, output_format, prepare, speaks
 
 # What --what may name (CONTRACT.md): the same choices inspect takes.
 WHAT_CHOICES = WHATS
@@ -136,6 +137,7 @@ def run(
             kinds.check(str(path), LOGGED_WHAT, logged=True)
         observations: list[Observation] = []
         step_notes: list[str] = []
+        optimizers: set[str | None] = set()
         logged = dict(logs)
         for item in inputs:
             if isinstance(item.kind, LogKind):
@@ -148,6 +150,7 @@ def run(
             kinds.check(str(item.path), loaded.selection.what)  # before measuring it
             m = measure_loaded(loaded, item.path, how, steps, item.folder_step)
             del loaded  # its mapping goes before the next checkpoint is opened
+            optimizers.add(m.optimizer)
             if m.step_note is not None:
                 step_notes.append(f"{visible(str(item.path))}: {m.step_note}")
             observations.append(Observation(
@@ -163,19 +166,37 @@ def run(
         order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
         alpha=alpha, warmup=warmup, fail_on=fail_on, **found,
     )  # fmt: skip
-    if plot is not None and speaks():
-        from ..format.plot import write_trend_plot
-
-        write_trend_plot(report, plot)
+    report = replace(report, optimizer=one_optimizer(optimizers))
+    # The report is drawn (a --output-file staged) before the plot is written:
+    # nothing can fail over the report once the plot exists.
     if quiet and format == "table":
         # -q: the verdict alone on stdout; each finding a line on stderr.
         from ..format import table
 
         err = sys.stderr if speaks() else None
-        emit(lambda out: table.print_trend_verdict(report, out, err), output_file)
+        pending = prepare(lambda out: table.print_trend_verdict(report, out, err), output_file,
+                          trend_verdict(report))
     else:
-        emit(lambda out: fmt.render_trend(report, out), output_file)
+        pending = prepare(lambda out: fmt.render_trend(report, out), output_file,
+                          trend_verdict(report))
+    if plot is not None and speaks():
+        from ..format.plot import write_trend_plot
+
+        try:
+            write_trend_plot(report, plot)
+        except BaseException:
+            if pending is not None:
+                pending.discard()
+            raise
+    if pending is not None:
+        pending.deliver()
     return 1 if report.status in (SPIKE, NONFINITE) else 0
+
+
+def one_optimizer(names: set[str | None]) -> str | None:
+    """The optimizer every measured checkpoint names (its quantity's words: "Adam
+    exp_avg"); None where they name several, or none."""
+    return next(iter(names)) if len(names) == 1 else None
 
 
 def check_what(text: str) -> str:
@@ -405,6 +426,7 @@ class Measured:
     step: int | None
     what: str = LOGGED_WHAT  # what was measured (``--what auto`` decides per checkpoint)
     step_note: str | None = None  # where its name gives another step than it records
+    optimizer: str | None = None  # whose rule gave an optimizer quantity ("Adam")
 
 
 def measure_checkpoint(path: Path, how: Measurement, steps: Steps,
@@ -435,6 +457,7 @@ def measure_loaded(loaded: Loaded, path: Path, how: Measurement, steps: Steps,
         step=step.step,
         what=loaded.selection.what,
         step_note=step.note,
+        optimizer=loaded.selection.optimizer,
     )  # fmt: skip
 
 

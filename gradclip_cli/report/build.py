@@ -84,6 +84,8 @@ def build_inspect_report(
     owned: PowerSums | None = None,
     counts: Sequence[int] | None = None,
     owned_counts: Sequence[int] | None = None,
+    optimizer: str | None = None,
+    chosen_by_auto: bool = False,
 ) -> InspectReport:
     """``names``, ``tensors`` and the rest are aligned and hold no tie duplicates.
 
@@ -185,4 +187,6 @@ def build_inspect_report(
         roles=dict(roles or {}),
         overflow=overflow,
         total_norm_log10=float(total.log2_norm[0]) * math.log10(2.0) if overflow else None,
+        optimizer=optimizer,
+        chosen_by_auto=chosen_by_auto,
     )

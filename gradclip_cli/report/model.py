@@ -80,6 +80,12 @@ class InspectReport:
     # A finite total beyond float64's range: total_norm is inf, log10 says how far.
     overflow: bool = False
     total_norm_log10: float | None = None
+    # The optimizer whose state gave an optimizer quantity ("Adam"), for the verdict's
+    # words ("Adam exp_avg total norm ..."); None for gradients and weights.
+    optimizer: str | None = None
+    # ``--what auto`` chose ``what`` (rather than ``--what`` naming it): a verdict under
+    # ``--max-norm`` then says what the threshold was applied to (CONTRACT.md).
+    chosen_by_auto: bool = False
 
 
 @dataclass(frozen=True)

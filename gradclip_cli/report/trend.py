@@ -101,6 +101,9 @@ class TrendReport:
     series: tuple[SeriesFound, ...] = ()
     clipping: tuple[ClippingFound, ...] = ()
     notes: tuple[str, ...] = ()
+    # The optimizer whose rule gave an optimizer quantity ("Adam"), where every
+    # checkpoint names the same one; for the verdict's words.
+    optimizer: str | None = None
 
     @property
     def groups(self) -> list[str]:

@@ -85,6 +85,7 @@ class Selection:
     # finding the ties already computed them (so loading need not again).
     elements: Elements | None = None
     evidence: str = ""
+    optimizer: str | None = None  # whose rule gave an optimizer quantity ("Adam")
 
     def read_sizes(self) -> list[int]:
         """Bytes measuring each tensor reads (for progress and for sharing work)."""
@@ -315,6 +316,7 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
         what=what, names=[p.name for p in params], tensors=described, ties={}, skipped=[],
         key="", explain=f"{kind.name} {EXPLAIN[what]}", derivations=derived, weights=weights,
         evidence=contents.evidence.get(roles.OPTIMIZER_STATE, f"the {contents.kind} layout"),
+        optimizer=kind.name,
     )
 
 

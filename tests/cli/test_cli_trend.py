@@ -490,7 +490,7 @@ def test_trainer_checkpoints_exp_avg_finds_the_injected_spike(gradclip, checkpoi
     assert "transformer.h.0" in doc["points"][-1]["spike_groups"]
     table = gradclip("trend", *upto, "--what", "exp_avg")  # the verdict names what spiked
     assert logical_lines(table.out)[-1].startswith(
-        f"FAIL: exp_avg spike at the newest point (step {run.spike_step}")
+        f"FAIL: AdamW exp_avg spike at the newest point (step {run.spike_step}")
     r = gradclip("trend", *upto[:-1], "--what", "exp_avg", "--format", "json")
     assert (r.code, r.json()["status"]) == (0, "ok")
 
