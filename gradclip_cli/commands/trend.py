@@ -36,6 +36,7 @@ from ..report.trend import (
     NONFINITE,
     SPIKE,
     ClippingFound,
+    MonitorClipped,
     Observation,
     SeriesFound,
     build_trend_report,
@@ -343,10 +344,15 @@ def _found(runs: list[RunFolder]) -> dict:
         for i, s in enumerate(run.series):
             series.append(SeriesFound(s.source, s.kind, s.points, s.per_group,
                                       s is run.judged, run.why_not.get(i)))
-        if run.clipping is not None:
-            c = run.clipping
-            clipping.append(ClippingFound(c.max_grad_norm, None if c.source is None
-                                          else str(c.source), run.clipping_note()))
+        note = run.clipping_note()
+        if note is not None:
+            c, m = run.clipping, run.monitor_clipping
+            monitor = None if m is None else MonitorClipped(str(m.source), m.logged, m.clipped,
+                                                            m.limits)
+            clipping.append(ClippingFound(
+                None if c is None else c.max_grad_norm,
+                None if c is None or c.source is None else str(c.source), note,
+                None if c is None else c.clipped, monitor))
         notes += run.notes()
     return {"series": series, "clipping": clipping, "notes": notes}
 
