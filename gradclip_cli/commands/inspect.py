@@ -27,12 +27,38 @@ def run(
 ) -> int:
     # First: an error document (--format json) goes to --output-file too.
     options.report_file(output_file, reads=[path])
+    fmt = output_format(format)
+    report = build(path=path, key=key, norm_type=norm_type, device=device, max_norm=max_norm,
+                   allow_nonfinite=allow_nonfinite, verify=verify, group_by=group_by,
+                   trust_pickle=trust_pickle, what=what, progress=progress,
+                   output_file=output_file)
+    if quiet and format == "table":
+        # -q: the verdict alone on stdout; what the finding is goes to stderr.
+        from ..format import table
+
+        if speaks():
+            table.print_findings(report, sys.stderr)
+        emit(lambda out: table.print_verdict(report, out), output_file)
+    else:
+        emit(lambda out: fmt.render_inspect(report, out, top=top), output_file)
+    return 0 if report.status == OK else 1
+
+
+def build(
+    *, path: str, key: str | None, norm_type: object, device: str, max_norm: object,
+    allow_nonfinite: bool, verify: bool, group_by: str, trust_pickle: bool, what: str,
+    progress: bool, output_file: Path | None = None, launched: bool = True,
+):
+    """The ``InspectReport`` of ``path`` (``report/model.py``), which every format renders.
+
+    ``launched``: under a launcher (``torchrun``) the ranks share the work, as
+    the command does; the Python API passes False and measures in this process.
+    """
     p = options.norm_type(norm_type)
     threshold = options.threshold("--max-norm", max_norm, allow_zero=True)
     dev = options.device(device)
-    fmt = output_format(format)
     rule = parse_group_by(group_by)
-    session = launcher.join(dev, device, [path])
+    session = launcher.join(dev, device, [path]) if launched else None
     if session is not None:
         dev = session.device
     with progress_steps(not progress or not speaks()) as steps:
@@ -71,16 +97,7 @@ def run(
         roles=role_counts(contents),
         weight_sums=weight_sums,
     )
-    if quiet and format == "table":
-        # -q: the verdict alone on stdout; what the finding is goes to stderr.
-        from ..format import table
-
-        if speaks():
-            table.print_findings(report, sys.stderr)
-        emit(lambda out: table.print_verdict(report, out), output_file)
-    else:
-        emit(lambda out: fmt.render_inspect(report, out, top=top), output_file)
-    return 0 if report.status == OK else 1
+    return report
 
 
 # A run's folder holds numbered checkpoints (HF Trainer, DeepSpeed), not one checkpoint.
