@@ -90,6 +90,7 @@ def build(
         allow_nonfinite=allow_nonfinite, group_by=group_by, skipped=loaded.skipped,
         what=selection.what, step=step.step,
         description=[*contents.description, *([step.note] if step.note else []),
+                     *([selection.ids_note] if selection.ids_note else []),
                      *_buffers_apart(contents, selection.what),
                      f"measured: {selection.measured}"],
         measured={"what": selection.what, "explain": selection.explain,
