@@ -65,6 +65,11 @@ def build(
         try:
             loaded = load(path, key, trust_pickle, verify, steps, what)
         except InputError as error:
+            # A run's folder is not one checkpoint: say what it is instead of every
+            # layout it is not, and where to go (trend, or its newest checkpoint).
+            run = run_folder_message(path)
+            if run is not None:
+                raise InputError(run) from None
             hint = trend_hint(path)
             if hint is None:
                 raise
@@ -114,6 +119,65 @@ def _is_log(path: Path) -> bool:
     except OSError:
         return False
     return regular and log_kind(path) is not None
+
+
+def run_folder_message(path: str) -> str | None:
+    """Where ``path`` is a run's folder (numbered checkpoint folders: an HF
+    ``output_dir``, DeepSpeed's ``global_stepN/``; per-step checkpoint files; a
+    norm log), the one line inspect says instead of its refusal: what it is,
+    ``gradclip trend PATH``, and the newest checkpoint in it to inspect. None
+    for anything else (a layout that recognises it gives its own refusal)."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    from ..source.layouts import LAYOUTS
+
+    if any(layout.recognises(p) for layout in LAYOUTS):
+        return None
+    try:
+        children = sorted(c for _, c in zip(range(_SCANNED), p.iterdir()))
+    except OSError:
+        return None
+    folders = [c for c in children if _NUMBERED.fullmatch(c.name) and c.is_dir()]
+    files = [c for c in children if _step_of_name(c.name) is not None and _is_checkpoint_file(c)]
+    trend = f"for norms over the run use 'gradclip trend {visible(path)}'"
+    numbered = folders or files
+    if numbered:
+        numbered.sort(key=lambda c: (_step_of_name(c.name) or 0, c.name))
+        what = "numbered checkpoints" if folders else "per-step checkpoint files"
+        span = visible(numbered[0].name) if len(numbered) == 1 else \
+            f"{visible(numbered[0].name)} .. {visible(numbered[-1].name)}"
+        newest = visible(os.path.join(path, numbered[-1].name))
+        return (f"{visible(path)}: a run's folder of {len(numbered)} {what} ({span}), not one "
+                f"checkpoint: {trend}; to inspect the newest, 'gradclip inspect {newest}'")
+    logs = [c for c in children if c.suffix in (".json", ".jsonl") and _is_log(c)]
+    if logs:
+        return (f"{visible(path)}: a run's folder with a log of gradient norms "
+                f"({visible(logs[0].name)}), not one checkpoint: {trend}")
+    return None
+
+
+_LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
+
+
+def _step_of_name(name: str) -> int | None:
+    """The last number in a name's stem (``step_19.pt`` -> 19), the order trend gives."""
+    match = _LAST_NUMBER.search(name.split(".", 1)[0])
+    return int(match.group(1)) if match else None
+
+
+def _is_checkpoint_file(path: Path) -> bool:
+    """A regular file whose first bytes one of the file readers recognises."""
+    from ..source import READERS
+    from ..source.files.small_file import read_head
+
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
+        head = read_head(path, 64, what="a checkpoint file")
+    except (OSError, InputError):
+        return False
+    return any(reader.recognises(head) for reader in READERS)
 
 
 def trend_hint(path: str) -> str | None:
