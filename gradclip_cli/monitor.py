@@ -19,7 +19,7 @@ and appends one line to the log::
      "norm_type": 2.0, "groups": {"transformer.h.0": 0.21, ...},
      "nonfinite": {"nan": 0, "posinf": 0, "neginf": 0},
      "z": 0.4, "spike": false, "spike_groups": [], "dump": null,
-     "clipped_to": null, "clip_coef": null}
+     "clipped_to": null, "clip_coef": null, "dump_skipped": null}
 
 Non-finite numbers are the strings ``"nan"`` and ``"inf"``, as in every
 gradclip JSON document. ``gradclip trend grads.jsonl`` reads the log.
@@ -37,9 +37,21 @@ culprit layer.
 With ``clip_spikes=True`` the monitor also clips a spike, as ZClip's ``percentile``
 mode does (README, "In your training loop"): when
 the total's z-score is above ``z``, the gradients are scaled so that their
-total is the history's ``mean + z * std`` (the spike rule's limit), and the
-line says so: ``"clipped_to"`` is that total, ``"clip_coef"`` the factor the
-gradients were multiplied by (both null on steps it did not clip).
+total is the history's ``mean + z * std`` (the spike rule's limit).
+
+Every step whose gradients the monitor scaled records it, whichever limit
+did it (``clip_grad_norm_``'s ``max_norm``, the Trainer callback's
+``max_norm``, or a spike clip): ``"clipped_to"`` is the total aimed at,
+``"clip_coef"`` the factor the gradients were multiplied by (torch's
+``min(1, max_norm / (total + 1e-6))``); both are null where nothing was
+scaled (a coefficient of 1 changes no gradient). ``gradclip trend`` reads
+them back, and says in a run folder's notes that the optimizer saw clipped
+gradients.
+
+``"dump"`` is null on most steps; where a spike or a non-finite step has no
+dump, ``"dump_skipped"`` says why: the warm-up (a spike is dumped once its
+series has ``warmup`` earlier logged steps), ``max_dumps`` reached, no
+``dump_dir``, or a write that failed.
 
 ``log`` and ``dump_dir`` are checked when the monitor is made (a bad path is
 a ``ValueError`` then, not a failure mid-run). A write that fails later (a
@@ -299,7 +311,7 @@ class GradMonitor:
             return api.clip_grad_norm_(
                 params, max_norm, self.norm_type, error_if_nonfinite, foreach
             )
-        _, spike_coef = self._observe(step, measured, float(max_norm))
+        _, coef = self._observe(step, measured, float(max_norm))
         first = measured.grads[0]
         wide = torch.float64 in measured.types
         total_norm = measured.sums.total.norm[0]
@@ -311,12 +323,6 @@ class GradMonitor:
                 "this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`"
             )
-        coef = spike_coef
-        if coef is None:
-            # From the summary already read back, as the drop-in's on the CPU: known to
-            # the host (see core.clipping.scale_), and a total beyond the returned
-            # dtype's range (inf there) still clips to max_norm instead of to zero.
-            coef = exact_clip_coefficient(measured.sums.total, float(max_norm))
         measured.scale_(coef, foreach=foreach)
         return total
 
@@ -445,9 +451,12 @@ class GradMonitor:
     ) -> tuple[dict[str, Any], Coefficient | None]:
         """Judge one measurement, dump if needed, log it.
 
-        Returns the record and, when ``clip_spikes`` clips this step, the
-        coefficient to scale the gradients by (None otherwise); ``max_norm``
-        is the fixed limit the caller clips to as well, if any.
+        Returns the record and the coefficient to scale the gradients by:
+        with ``max_norm`` (the fixed limit the caller clips to) always, the
+        spike rule's limit taken where it is the smaller; without, the spike
+        clip's when ``clip_spikes`` clips this step, else None. The record's
+        ``clip_coef`` and ``clipped_to`` say what that coefficient does
+        wherever it changes the gradients (is not 1).
         """
         total_norm = float(m.sums.total.norm[0])
         norms = m.sums.groups.norm
@@ -465,16 +474,31 @@ class GradMonitor:
         spike_groups = [names[i] for i in spiked]
         nonfinite = nonfinite_object(nonfinite_counts(m.sums.total)[0])
         spike = judged.spike or bool(spike_groups)
-        clipped_to = spike_coef = None
+        clipped_to = coef = None
         # A limit of 0 comes from a history of zero gradients: there is no
         # scale to clip to, and clipping would zero every gradient.
-        if self.clip_spikes and judged.spike and judged.limit is not None and judged.limit > 0:
-            clipped_to = judged.limit if max_norm is None else min(judged.limit, max_norm)
+        if (self.clip_spikes and judged.spike and judged.limit is not None and judged.limit > 0
+                and (max_norm is None or judged.limit < max_norm)):
+            clipped_to = judged.limit
             # torch's formula, in float64 from the total already read back.
-            spike_coef = min(1.0, clipped_to / (total_norm + EPS))
-        dump = None
+            coef = Coefficient.of(min(1.0, clipped_to / (total_norm + EPS)))
+        elif max_norm is not None:
+            # From the summary already read back, as the drop-in's on the CPU: known to
+            # the host (see core.clipping.scale_), and a total beyond the returned
+            # dtype's range (inf there) still clips to max_norm instead of to zero.
+            coef = exact_clip_coefficient(m.sums.total, max_norm)
+            clipped_to = max_norm
+        # A coefficient of 1 changes nothing (scale_ skips it): nothing was clipped.
+        scaled = coef is not None and not coef.is_one
+        dump = dump_skipped = None
         if worth_a_dump or any(nonfinite.values()):
-            dump = self._dump(step)  # the gradients as they came, before any clip
+            # The gradients as they came, before any clip.
+            dump, dump_skipped = self._dump(step)
+        elif spike:
+            dump_skipped = (
+                f"warm-up: a spike is dumped once its series has {self._total_detector.warmup} "
+                "earlier logged steps (warmup)"
+            )
         # A finite sum has finite terms; one that overflows writes them as json does.
         finite = math.isfinite(sum(group_norms))
         values = group_norms if finite else [number(v) for v in group_norms]
@@ -490,8 +514,9 @@ class GradMonitor:
             "spike": spike,
             "spike_groups": spike_groups,
             "dump": None if dump is None else str(dump),
-            "clipped_to": number(clipped_to),
-            "clip_coef": number(spike_coef),
+            "clipped_to": number(clipped_to) if scaled else None,
+            "clip_coef": number(coef.value) if scaled else None,
+            "dump_skipped": dump_skipped,
         }
         record = {**head, "groups": dict(zip(names, values)), **tail}
         if self.log_path is not None and not self._log_broken and _is_writer():
@@ -507,18 +532,19 @@ class GradMonitor:
                 + json.dumps(tail, allow_nan=False)[1:]
             )
             self._write_line(line)
-        return record, None if spike_coef is None else Coefficient.of(spike_coef)
+        return record, coef
 
-    def _dump(self, step: int) -> Path | None:
+    def _dump(self, step: int) -> tuple[Path | None, str | None]:
+        """Save the gradients of ``step``: the file written, or None and why not."""
         if self.dump_dir is None:
-            return None
+            return None, "no dump_dir"
         # Every rank sees the same norms, so all of them reach here together:
         # DTensor gradients are gathered whole by all ranks for rank 0 to write.
         sharded = dtensor.has_dtensor(
             [p.grad for p in self.model.parameters() if p.grad is not None]
         )
         if not sharded and not _is_writer():
-            return None
+            return None, "written by rank 0 only"
         if len(self.dumps) >= self.max_dumps:
             if not self._warned_full and self.max_dumps and _is_writer():
                 warnings.warn(
@@ -527,7 +553,7 @@ class GradMonitor:
                     stacklevel=4,
                 )
                 self._warned_full = True
-            return None
+            return None, f"max_dumps: {self.max_dumps} dumps written already"
         path = self.dump_dir / f"step-{step}.pt"
         try:
             if _is_writer():
@@ -541,9 +567,9 @@ class GradMonitor:
                 f"GradMonitor: cannot write {path}: {e}; training goes "
                 "on, this step is logged without its dump",
             )
-            return None
+            return None, f"cannot be written: {e}"
         self.dumps.append(path)
-        return path
+        return path, None
 
     def _write_line(self, text: str) -> None:
         line = (text + "\n").encode()

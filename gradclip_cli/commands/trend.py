@@ -37,6 +37,7 @@ from ..report.trend import (
     NONFINITE,
     SPIKE,
     ClippingFound,
+    MonitorClipped,
     Observation,
     SeriesFound,
     build_trend_report,
@@ -99,26 +100,68 @@ def run(
 ) -> int:
     # First: an error document (--format json) goes to --output-file too.
     options.report_file(output_file, reads=paths, writes=[plot] if plot is not None else [])
+    fmt = output_format(format)
+    if plot is not None:
+        _check_plot(plot)
+    report = build(paths=paths, what=what, group_by=group_by, z=z, alpha=alpha, warmup=warmup,
+                   fail_on=fail_on, key=key, norm_type=norm_type, device=device,
+                   trust_pickle=trust_pickle, verify=verify,
+                   progress=progress and not quiet, output_file=output_file)
+    # The report is drawn (a --output-file staged) before the plot is written:
+    # nothing can fail over the report once the plot exists.
+    if quiet and format == "table":
+        # -q: the verdict alone on stdout; each finding a line on stderr.
+        from ..format import table
+
+        err = sys.stderr if speaks() else None
+        pending = prepare(lambda out: table.print_trend_verdict(report, out, err), output_file,
+                          trend_verdict(report))
+    else:
+        pending = prepare(lambda out: fmt.render_trend(report, out), output_file,
+                          trend_verdict(report))
+    if plot is not None and speaks():
+        from ..format.plot import write_trend_plot
+
+        try:
+            write_trend_plot(report, plot)
+        except BaseException:
+            if pending is not None:
+                pending.discard()
+            raise
+    if pending is not None:
+        pending.deliver()
+    return 1 if report.status in (SPIKE, NONFINITE) else 0
+
+
+def build(
+    *, paths: list[Path], what: str, group_by: str | None, z: float | None,
+    alpha: float | None, warmup: int | None, fail_on: str, key: str | None,
+    norm_type: object, device: str, trust_pickle: bool, verify: bool, progress: bool,
+    output_file: Path | None = None, launched: bool = True,
+):
+    """The ``TrendReport`` of ``paths`` (``report/trend.py``), which every format renders.
+
+    ``group_by`` None: each log's own groups and ``layer`` for checkpoints.
+    ``launched``: under a launcher (``torchrun``) the ranks share each
+    checkpoint, as the command does; the Python API passes False.
+    """
     check_what(what)
     z = DEFAULT_Z if z is None else z
     alpha = DEFAULT_ALPHA if alpha is None else alpha
     warmup = DEFAULT_WARMUP if warmup is None else warmup
     fail_on = _fail_on(fail_on)
     _spike_options(z, alpha, warmup)
-    fmt = output_format(format)
     regroup = group_by is not None  # --group-by given
     group_by = DEFAULT_GROUP_BY if group_by is None else group_by
     rule = parse_group_by(group_by)
     requested_p = None if norm_type is None else options.norm_type(norm_type)
     dev = options.device(device)
-    if plot is not None:
-        _check_plot(plot)
     # Under torchrun every rank reads every checkpoint's share, as inspect does
     # (CONTRACT.md, "Beyond one machine"); rank 0 alone writes the report.
-    session = launcher.join(dev, device, paths)
+    session = launcher.join(dev, device, paths) if launched else None
     if session is not None:
         dev = session.device
-    with progress_steps(quiet or not progress or not speaks()) as steps:
+    with progress_steps(not progress or not speaks()) as steps:
         runs: list[RunFolder] = []
         inputs = _once([item for path in paths
                         for item in _expand(path, lambda p: _loads(p, key, trust_pickle, steps),
@@ -166,31 +209,7 @@ def run(
         order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
         alpha=alpha, warmup=warmup, fail_on=fail_on, **found,
     )  # fmt: skip
-    report = replace(report, optimizer=one_optimizer(optimizers))
-    # The report is drawn (a --output-file staged) before the plot is written:
-    # nothing can fail over the report once the plot exists.
-    if quiet and format == "table":
-        # -q: the verdict alone on stdout; each finding a line on stderr.
-        from ..format import table
-
-        err = sys.stderr if speaks() else None
-        pending = prepare(lambda out: table.print_trend_verdict(report, out, err), output_file,
-                          trend_verdict(report))
-    else:
-        pending = prepare(lambda out: fmt.render_trend(report, out), output_file,
-                          trend_verdict(report))
-    if plot is not None and speaks():
-        from ..format.plot import write_trend_plot
-
-        try:
-            write_trend_plot(report, plot)
-        except BaseException:
-            if pending is not None:
-                pending.discard()
-            raise
-    if pending is not None:
-        pending.deliver()
-    return 1 if report.status in (SPIKE, NONFINITE) else 0
+    return replace(report, optimizer=one_optimizer(optimizers))
 
 
 def one_optimizer(names: set[str | None]) -> str | None:
@@ -364,10 +383,15 @@ def _found(runs: list[RunFolder]) -> dict:
         for i, s in enumerate(run.series):
             series.append(SeriesFound(s.source, s.kind, s.points, s.per_group,
                                       s is run.judged, run.why_not.get(i)))
-        if run.clipping is not None:
-            c = run.clipping
-            clipping.append(ClippingFound(c.max_grad_norm, None if c.source is None
-                                          else str(c.source), run.clipping_note()))
+        note = run.clipping_note()
+        if note is not None:
+            c, m = run.clipping, run.monitor_clipping
+            monitor = None if m is None else MonitorClipped(str(m.source), m.logged, m.clipped,
+                                                            m.limits)
+            clipping.append(ClippingFound(
+                None if c is None else c.max_grad_norm,
+                None if c is None or c.source is None else str(c.source), note,
+                None if c is None else c.clipped, monitor))
         notes += run.notes()
     return {"series": series, "clipping": clipping, "notes": notes}
 

@@ -137,8 +137,11 @@ def trend_document(report: TrendReport) -> dict[str, Any]:
         ],
         "clipping": [
             {"source": c.source, "max_grad_norm": number(c.max_grad_norm),
-             "clipped": None if c.max_grad_norm is None else c.max_grad_norm > 0,
-             "note": c.note}
+             "clipped": c.clipped, "note": c.note,
+             "monitor": None if c.monitor is None else {
+                 "source": c.monitor.source, "logged_steps": c.monitor.logged,
+                 "clipped_steps": c.monitor.clipped,
+                 "clipped_to": [number(v) for v in c.monitor.limits]}}
             for c in report.clipping
         ],
         "notes": list(report.notes),

@@ -78,11 +78,24 @@ class SeriesFound:
 
 @dataclass(frozen=True)
 class ClippingFound:
-    """Whether the Trainer clipped (``max_grad_norm`` > 0), None when unknown."""
+    """Whether the Trainer clipped (``max_grad_norm`` > 0 and finite), None when unknown;
+    ``monitor``: what gradclip's GradMonitor log records of its own clipping."""
 
     max_grad_norm: float | None
     source: str | None
     note: str
+    clipped: bool | None = None
+    monitor: MonitorClipped | None = None
+
+
+@dataclass(frozen=True)
+class MonitorClipped:
+    """A GradMonitor log's own clipping: ``clipped`` of ``logged`` steps, to ``limits``."""
+
+    source: str
+    logged: int
+    clipped: int
+    limits: tuple[float, ...]
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,14 @@ clipping) show it whole.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
+from gradclip_cli.escaping import visible
 from gradclip_cli.source.files import training_args
 from gradclip_cli.source.logs import LoggedNorms, LogKind, monitor_log, trainer_state
 from gradclip_cli.source.logs.recognise import log_kind
@@ -80,8 +82,8 @@ class Series:
 
 @dataclass(frozen=True)
 class Clipping:
-    """Whether the Trainer clipped: ``max_grad_norm`` (> 0: clipped to it; 0: never),
-    None when unknown, with the file read (or why it could not be)."""
+    """Whether the Trainer clipped: ``max_grad_norm`` (> 0: clipped to it; 0 or NaN:
+    never), None when unknown, with the file read (or why it could not be)."""
 
     max_grad_norm: float | None
     source: Path | None
@@ -89,7 +91,46 @@ class Clipping:
 
     @property
     def clipped(self) -> bool | None:
-        return None if self.max_grad_norm is None else self.max_grad_norm > 0
+        """Whether the Trainer changed gradients by clipping: it calls its clip when
+        ``max_grad_norm > 0`` (never for NaN), and a limit of inf changes none."""
+        if self.max_grad_norm is None:
+            return None
+        return self.max_grad_norm > 0 and not math.isinf(self.max_grad_norm)
+
+
+@dataclass(frozen=True)
+class MonitorClipping:
+    """What a GradMonitor log records of its own clipping (``clip_coef``, ``clipped_to``):
+    the steps it scaled, of ``logged``, and the limits it scaled them to."""
+
+    source: Path
+    logged: int
+    clipped: int
+    limits: tuple[float, ...]  # the distinct ``clipped_to``, smallest first
+    smallest_coef: float | None
+
+    @classmethod
+    def of(cls, series: Series) -> MonitorClipping:
+        scaled = [e for e in series.entries if e.clip_coef is not None]
+        limits = sorted({e.clipped_to for e in scaled if e.clipped_to is not None})
+        coefs = [e.clip_coef for e in scaled if not math.isnan(e.clip_coef)]
+        return cls(series.paths[0], len(series.entries), len(scaled), tuple(limits),
+                   min(coefs) if coefs else None)
+
+    def words(self) -> str:
+        """``gradclip's GradMonitor (grads.jsonl) clipped 30 of 30 logged steps ...``."""
+        who = f"gradclip's GradMonitor ({visible(str(self.source))})"
+        if not self.clipped:
+            return f"{who} records no clipping in its {self.logged} logged steps"
+        if len(self.limits) == 1:
+            to = f" to total norm {self.limits[0]:g}"
+        elif self.limits:
+            to = f" to total norms {self.limits[0]:g}-{self.limits[-1]:g}"
+        else:
+            to = ""
+        coef = "" if self.smallest_coef is None else \
+            f", clip_coef down to {self.smallest_coef:.3g}"
+        return f"{who} clipped {self.clipped} of {self.logged} logged steps{to}{coef}"
 
 
 @dataclass(frozen=True)
@@ -100,6 +141,9 @@ class RunFolder:
     why_not: dict[int, str]  # index in ``series`` -> why it was not judged
     clipping: Clipping | None  # None: no Trainer arguments in the folder
     unread: tuple[str, ...] = ()  # logs found but not read as a series, and why
+    # What the folder's GradMonitor log says of its own clipping (the finest
+    # log when there are several); None: no monitor log.
+    monitor_clipping: MonitorClipping | None = None
 
     def notes(self) -> list[str]:
         """What was found and chosen, one line each: where every series came from."""
@@ -119,26 +163,44 @@ class RunFolder:
                 "layer: log_history holds the total norm only, so a spike cannot "
                 f"be placed in a layer; {where}"
             )
-        if self.clipping is not None:
-            lines.append(self.clipping_note())
+        note = self.clipping_note()
+        if note is not None:
+            lines.append(note)
         return lines
 
-    def clipping_note(self) -> str:
-        clip = self.clipping
+    def clipping_note(self) -> str | None:
+        """Who clipped the gradients the optimizer saw: the Trainer (its arguments'
+        ``max_grad_norm``) and gradclip's monitor (its log's ``clip_coef``), one line;
+        None when the folder holds neither the arguments nor a monitor log."""
+        clip, monitor = self.clipping, self.monitor_clipping
+        monitor_clipped = monitor is not None and monitor.clipped > 0
+        by_monitor = (
+            f"{monitor.words()}: the logged norms are from before its clipping, the "
+            "optimizer (and the Adam moments in the checkpoints) saw the clipped gradients"
+            if monitor_clipped else None
+        )
+        if clip is None:
+            return None if by_monitor is None else f"clipping: {by_monitor}"
         where = str(clip.source) if clip.source is not None else ""
         if clip.max_grad_norm is None:
-            return f"clipping: unknown ({clip.why_unknown})"
-        if clip.max_grad_norm <= 0:
-            return (
-                f"clipping: the Trainer did not clip (max_grad_norm "
-                f"{clip.max_grad_norm:g} in {where}): the optimizer saw every gradient "
-                "as logged"
-            )
+            known = "" if by_monitor is None else f"; {by_monitor}"
+            return f"clipping: unknown ({clip.why_unknown}){known}"
+        if not clip.clipped:
+            why = ("a NaN, which is never > 0" if math.isnan(clip.max_grad_norm)
+                   else "an infinite limit, which changes no gradient"
+                   if math.isinf(clip.max_grad_norm) else "not > 0")
+            trainer = (f"clipping: the Trainer did not clip (max_grad_norm "
+                       f"{clip.max_grad_norm:g} in {where}: {why})")
+            if by_monitor is not None:
+                return f"{trainer}; {by_monitor}"
+            either = "" if monitor is None else f" ({monitor.words()})"
+            return f"{trainer}: the optimizer saw every gradient as logged{either}"
+        also = "" if by_monitor is None else f"; {by_monitor}"
         return (
             f"clipping: the Trainer clipped gradients to max_grad_norm "
             f"{clip.max_grad_norm:g} ({where}); the logged norms are from before "
             "clipping, but the Adam moments in the checkpoints only saw clipped "
-            "gradients, so a spike barely shows in exp_avg"
+            f"gradients, so a spike barely shows in exp_avg{also}"
         )
 
 
@@ -172,7 +234,11 @@ def discover(path: Path, what: str) -> RunFolder | None:
     if not logs and clipping is None and not unread:
         return None
     judged, why_not = _choose(series, what)
-    return RunFolder(path, tuple(series), judged, why_not, clipping, tuple(unread))
+    monitors = [s for s in series if s.kind == MONITOR]
+    monitor_clipping = MonitorClipping.of(max(monitors, key=lambda s: s.points)) \
+        if monitors else None
+    return RunFolder(path, tuple(series), judged, why_not, clipping, tuple(unread),
+                     monitor_clipping)
 
 
 def _children(path: Path) -> list[Path]:

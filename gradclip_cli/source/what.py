@@ -86,6 +86,8 @@ class Selection:
     elements: Elements | None = None
     evidence: str = ""
     optimizer: str | None = None  # whose rule gave an optimizer quantity ("Adam")
+    # Where optimizer state is measured under its ids (``state.N``): why (``named_by_id``).
+    ids_note: str | None = None
 
     def read_sizes(self) -> list[int]:
         """Bytes measuring each tensor reads (for progress and for sharing work)."""
@@ -312,11 +314,13 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
     weights = None
     if contents.weights:
         weights = [contents.weights.get(p.name, contents.fused_weights.get(p.name)) for p in params]
+    reason = ids_reason(contents, opt)
     return Selection(
         what=what, names=[p.name for p in params], tensors=described, ties={}, skipped=[],
         key="", explain=f"{kind.name} {EXPLAIN[what]}", derivations=derived, weights=weights,
         evidence=contents.evidence.get(roles.OPTIMIZER_STATE, f"the {contents.kind} layout"),
         optimizer=kind.name,
+        ids_note=None if reason is None else named_by_id(reason),
     )
 
 
@@ -357,10 +361,8 @@ def map_names(contents: Contents, opt: OptimizerState) -> dict[int, str]:
                     f"{opt.file}: the optimizer's param_names name {visible(strangers[0])}"
                     f"{more}, which the checkpoint's weights do not hold: the two disagree")
         return dict(sorted(opt.param_names.items()))
-    if contents.unmapped or (not contents.weights and not contents.model_order_names):
-        # No model at all (an optimizer's state dict saved alone), or a model whose order
-        # is unknown where the layout says why (``unmapped``): its ids are the only names
-        # there are, and the total does not depend on them.
+    if ids_reason(contents, opt) is not None:
+        # Its ids are the only names there are, and the total does not depend on them.
         return {pid: f"state.{pid}" for g in opt.param_groups for pid in sorted(g["params"])}
     order = _model_order(contents, opt)
     shapes = {n: tuple(contents.weights[n].shape) if contents.weights and n in contents.weights
@@ -389,6 +391,38 @@ def map_names(contents: Contents, opt: OptimizerState) -> dict[int, str]:
             g, j = spot
             names[groups[g][j][0]] = order[model_index]
     return dict(sorted(names.items()))
+
+
+def ids_reason(contents: Contents, opt: OptimizerState) -> str | None:
+    """Why ``opt``'s state can be named by its parameter ids alone, or None when it can be
+    mapped to the model's names (CONTRACT.md: "measured under its ids (``state.N``),
+    never under guessed names, and the report says why").
+
+    The one rule for every layout: no ``param_names``, and no model order to
+    interleave the groups with: no model beside the state (an optimizer's
+    state dict saved alone: a bare ``optimizer.bin``, torchtune's
+    ``recipe_state.pt``), or weights stored sorted by name (a safetensors
+    header, an index) with no other evidence of the order. A layout that
+    knows its own cause says it in ``Contents.unmapped``.
+    """
+    if opt.param_names is not None:
+        return None
+    if contents.unmapped:
+        return contents.unmapped
+    if contents.model_order_names:
+        return None
+    if not contents.weights:
+        return "no model weights beside the optimizer state to take the names from"
+    if not contents.model_order:
+        return "the model's weights are stored sorted by name, not in the model's order"
+    return None
+
+
+def named_by_id(reason: str) -> str:
+    """The report's line for state measured under its ids: the one wording of ``reason``."""
+    return (f"optimizer state named by parameter id (state.N): {reason}, and the optimizer "
+            "stored no param_names (one given model.named_parameters() stores them); names "
+            "are never guessed")
 
 
 def _model_order(contents: Contents, opt: OptimizerState) -> list[str]:

@@ -73,10 +73,12 @@ def assert_only_the_spike_is_clipped(records, before, after, max_norm=None):
             assert math.isclose(record["clip_coef"], coef, rel_tol=1e-6), record
             assert record["spike"] and record["z"] > 2.5
             assert math.isclose(ref_norm(list(a.values()), 2.0), target, rel_tol=1e-5)
+        elif coef < 1:  # max_norm clipped it: recorded as well
+            assert record["clipped_to"] == max_norm, record
+            assert math.isclose(record["clip_coef"], coef, rel_tol=1e-6), record
         else:
             assert record["clipped_to"] is None and record["clip_coef"] is None, record
-            if max_norm is None:
-                assert all(torch.equal(a[n], b[n]) for n in b), i  # untouched
+            assert all(torch.equal(a[n], b[n]) for n in b), i  # untouched
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -28,6 +28,10 @@ class LoggedNorms:
     norm_type: float
     groups: dict[str, float] = field(default_factory=dict)
     nonfinite: tuple[int, int, int] | None = None
+    # Where the writer scaled the gradients after logging them (gradclip's monitor:
+    # ``clip_coef``, ``clipped_to``); None where it did not, or does not say.
+    clip_coef: float | None = None
+    clipped_to: float | None = None
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,10 @@
 
 One object per line: ``{"schema": "gradclip.monitor/1", "step": int,
 "total_norm": number | "nan" | "inf" | "-inf", "norm_type": number,
-"groups": {name: norm}, "nonfinite": {"nan", "posinf", "neginf"}, ...}``.
-Other keys are ignored. A last line without its newline is a write the
+"groups": {name: norm}, "nonfinite": {"nan", "posinf", "neginf"},
+"clip_coef": number | null, "clipped_to": number | null, ...}`` (the last two
+where the monitor scaled the gradients after logging them). Other keys are
+ignored. A last line without its newline is a write the
 training process had not finished (it may still be running, or it died
 mid-write): it is skipped with a warning, never guessed at.
 
@@ -77,9 +79,12 @@ def _entry(obj: object, where: str) -> LoggedNorms:
     norm_type = _norm(obj.get("norm_type", 2.0), where)
     if not norm_type > 0:
         raise InputError(f"{where}: \"norm_type\" must be > 0")
+    clip_coef, clipped_to = obj.get("clip_coef"), obj.get("clipped_to")
     return LoggedNorms(
         step=step, total_norm=_norm(obj.get("total_norm"), where), norm_type=norm_type,
         groups={str(k): _norm(v, where) for k, v in groups.items()}, nonfinite=counts,
+        clip_coef=None if clip_coef is None else _norm(clip_coef, where),
+        clipped_to=None if clipped_to is None else _norm(clipped_to, where),
     )  # fmt: skip
 
 
