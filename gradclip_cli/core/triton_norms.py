@@ -174,7 +174,9 @@ def tensor_sums(tensors: Sequence[torch.Tensor], norm_type: float) -> TensorSums
     n = len(tensors)
     wide = dtype == F64
     mode = _mode(norm_type)
-    p = 1.0 if math.isinf(norm_type) else norm_type
+    # p travels as a float64 tensor: a number argument would reach the kernel as
+    # float32, and p = 2.2 rounded there would be off by 5e-8 in every exponent.
+    p = _order(1.0 if math.isinf(norm_type) else norm_type, device)
     chunk_e = torch.empty(programs, dtype=torch.int32, device=device)
     chunk_s = torch.empty(programs, dtype=F64, device=device)
     chunk_m = torch.empty(programs, dtype=F64, device=device)
@@ -218,6 +220,7 @@ class _Layout:
 
 _LAYOUTS: dict = {}
 _POINTERS: dict = {}
+_ORDERS: dict = {}
 _KEPT = 8
 
 
@@ -257,13 +260,22 @@ def _pointers(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Te
     return table
 
 
+def _order(p: float, device: torch.device) -> torch.Tensor:
+    key = (p, device)
+    value = _ORDERS.get(key)
+    if value is None:
+        value = _to_device([p], F64, device)
+        _remember(_ORDERS, key, value)
+    return value
+
+
 def _remember(cache: dict, key, value) -> None:
     cache[key] = value
     while len(cache) > _KEPT:
         cache.pop(next(iter(cache)))
 
 
-def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list on the device without a synchronisation: through pinned memory,
     copied asynchronously (a pageable copy would wait for the device)."""
     host = torch.tensor(values, dtype=dtype)
@@ -287,9 +299,10 @@ def _kernels() -> _Kernels | None:
 
     @triton.jit
     def chunks(pointers, numels, chunk_tensor, chunk_index, first, out_e, out_s, out_m,
-               out_counts, programs, p, MODE: tl.constexpr, WIDE: tl.constexpr,
+               out_counts, programs, order, MODE: tl.constexpr, WIDE: tl.constexpr,
                BF16: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr):
         pid = tl.program_id(0)
+        p = tl.load(order)
         t = tl.load(chunk_tensor + pid)
         c = tl.load(chunk_index + pid).to(tl.int64)
         n = tl.load(numels + t)
@@ -368,9 +381,10 @@ def _kernels() -> _Kernels | None:
 
     @triton.jit
     def tensors(first, count, chunk_e, chunk_s, chunk_m, chunk_counts, programs,
-                out_e, out_s, out_m, out_counts, n, p, MODE: tl.constexpr,
+                out_e, out_s, out_m, out_counts, n, order, MODE: tl.constexpr,
                 BLOCK: tl.constexpr):
         t = tl.program_id(0)
+        p = tl.load(order)
         begin = tl.load(first + t)
         size = tl.load(count + t)
         offsets = tl.arange(0, BLOCK)

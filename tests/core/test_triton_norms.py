@@ -22,6 +22,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 ORDERS = [1.0, 2.0, 3.5, math.inf]
+F32_INEXACT_P = 2.2  # float32 holds it 5e-8 off: the kernel must use float64's
 F64 = torch.float64
 
 
@@ -137,6 +138,16 @@ def test_totals_over_tensors_of_every_magnitude(tn, dtype, p):
     assert math.isclose(float(sums.total_norm()), want, rel_tol=1e-6)
     assert math.isclose(float(sums.total_power_sum()),
                         top if math.isinf(p) else want**p, rel_tol=1e-5)
+
+
+def test_an_order_float32_cannot_hold_is_used_exactly(tn):
+    # Values spread over 2^-40 .. 1: a p off by 5e-8 would move the small terms by
+    # 5e-8 * |ln x| relative, and the sum by more than float64's rounding.
+    x = torch.logspace(-40, 0, 1000, base=2, dtype=F64)
+    sums = tn.tensor_sums([x.to(DEVICE)], F32_INEXACT_P)
+    got = float(sums.power_sum[0]) * 2.0 ** (F32_INEXACT_P * int(sums.exponent[0]))
+    want = float(x.pow(F32_INEXACT_P).sum())
+    assert math.isclose(got, want, rel_tol=1e-12)
 
 
 def test_nonfinite_totals_propagate_nan_before_inf(tn):

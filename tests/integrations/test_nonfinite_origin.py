@@ -241,3 +241,30 @@ def test_on_an_accelerator_hooks_read_nothing_and_a_clean_step_reads_once(tmp_pa
         with host_ops.HostOpCounter() as counter:
             model(x).sum()
         assert counter.reads == 0
+
+
+class Outer(torch.nn.Module):
+    """Returns its child's output object, changed in place on the chosen step."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.poison = False
+
+    def forward(self, x):
+        y = self.inner(x)
+        if self.poison:
+            y.mul_(math.inf)  # the same tensor object, changed after inner returned it
+        return y
+
+
+def test_an_output_changed_in_place_by_its_parent_names_the_parent(tmp_path):
+    model = torch.nn.Sequential(Outer(), torch.nn.Linear(4, 1))
+    with GradMonitor(model, tmp_path / "grads.jsonl", None, locate_nonfinite=True) as monitor:
+        model(torch.rand(3, 4) + 1).sum().backward()
+        assert monitor.step(0)["nonfinite_origin"] is None
+        model[0].poison = True
+        model.zero_grad()
+        model(torch.rand(3, 4) + 1).sum().backward()
+        record = monitor.step(1)
+    assert record["nonfinite_origin"]["forward"] == "0"
