@@ -491,7 +491,7 @@ def _logged_observations(path: Path, entries: list) -> list[Observation]:
             source=str(path), step=entry.step, total_norm=entry.total_norm,
             groups=dict(entry.groups),
             nonfinite=None if entry.nonfinite is None else NonFinite(*entry.nonfinite),
-            what=LOGGED_WHAT,
+            what=LOGGED_WHAT, nonfinite_origin=entry.nonfinite_origin,
         )  # fmt: skip
         for entry in entries
     ]

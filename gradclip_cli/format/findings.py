@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..report.model import NONFINITE
 from .words import fmt as number
-from .words import judged_in, nonfinite_rows, threshold_applied, z_text
+from .words import judged_in, nonfinite_rows, origin_text, threshold_applied, z_text
 
 if TYPE_CHECKING:
     from ..report import ClipReport, InspectReport
@@ -85,7 +85,8 @@ def trend_findings(report: TrendReport) -> list[Finding]:
         at = f"step {p.step}" if p.step is not None else p.source
         if not math.isfinite(p.total_norm) or (p.nonfinite is not None and p.nonfinite.total):
             found.append(Finding(severity, TOTAL, f"{nonfinite} at {at}",
-                                 f"{p.source}: total norm {number(p.total_norm)}", p.source))
+                                 f"{p.source}: total norm {number(p.total_norm)}"
+                                 f"{origin_text(p)}", p.source))
         elif total_spiked(p, report):
             found.append(Finding(severity, TOTAL, f"{spike} at {at}",
                                  f"{p.source}: total norm {number(p.total_norm)}, "

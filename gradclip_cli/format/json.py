@@ -125,6 +125,8 @@ def trend_document(report: TrendReport) -> dict[str, Any]:
                 "spike": p.spike,
                 "spike_groups": list(p.spike_groups),
                 "nonfinite_groups": list(p.nonfinite_groups),
+                "nonfinite_origin": None if p.nonfinite_origin is None else dict(
+                    zip(("forward", "backward"), p.nonfinite_origin)),
             }
             for p in report.points
         ],

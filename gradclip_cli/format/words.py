@@ -236,7 +236,7 @@ def trend_verdict(report: TrendReport) -> str:
         where = f"step {last.step}" if last.step is not None else visible(last.source)
         groups = ", ".join(visible(g) for g in (last.nonfinite_groups + last.spike_groups))
         detail = (f"{where}: total norm {fmt(last.total_norm)}, z {z_text(last.z)}"
-                  + (f"; groups {groups}" if groups else ""))
+                  + (f"; groups {groups}" if groups else "") + origin_text(last))
         if report.fail_on == "newest":
             return f"FAIL: {kind} at the newest point ({detail}){_earlier(report)} (exit 1)"
         return (f"FAIL: {kind} at {len(failing)} point(s); the last at {detail} (exit 1)")
@@ -246,6 +246,17 @@ def trend_verdict(report: TrendReport) -> str:
     scope = "the newest point" if report.fail_on == "newest" else f"{len(report.points)} points"
     return (f"OK: no spike or non-finite {what.attribute} norm at {scope}{_earlier(report)} "
             "(exit 0)")
+
+
+def origin_text(p: TrendPoint) -> str:
+    """``"; began in forward at M, backward at P"``: where the monitor located a non-finite
+    value (``locate_nonfinite``), or nothing when it did not."""
+    if p.nonfinite_origin is None or not p.is_nonfinite:
+        return ""
+    forward, backward = p.nonfinite_origin
+    parts = [f"forward output of {visible(forward)}" if forward else "forward clean",
+             f"first non-finite gradient {visible(backward)}" if backward else ""]
+    return "; began: " + ", ".join(part for part in parts if part)
 
 
 def _steps(points: list[TrendPoint]) -> str:

@@ -37,6 +37,9 @@ class Observation:
     groups: dict[str, float] = field(default_factory=dict)
     nonfinite: NonFinite | None = None
     what: str = "grads"
+    # Where a non-finite value began (forward module, backward parameter), when
+    # the monitor located it (GradMonitor(locate_nonfinite=True)).
+    nonfinite_origin: tuple[str | None, str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class TrendPoint:
     nonfinite_groups: tuple[str, ...]  # groups whose norm is NaN or inf here
     group_z: dict[str, float | None]
     what: str = "grads"
+    nonfinite_origin: tuple[str | None, str | None] | None = None  # as Observation's
 
     @property
     def is_nonfinite(self) -> bool:
@@ -253,6 +257,7 @@ def build_trend_report(
             groups=dict(obs.groups), nonfinite=obs.nonfinite, z=total.z,
             spike=total.spike or bool(spike_groups), spike_groups=tuple(spike_groups),
             nonfinite_groups=tuple(nonfinite_groups), group_z=group_z, what=obs.what,
+            nonfinite_origin=obs.nonfinite_origin,
         ))  # fmt: skip
     return TrendReport(
         what=what, norm_type=norm_type, group_by=group_by, z_threshold=z, alpha=alpha,
