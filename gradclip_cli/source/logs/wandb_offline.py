@@ -1,0 +1,144 @@
+"""W&B run files (``wandb/offline-run-*/run-<id>.wandb``, and synced ``run-*/`` folders').
+
+A ``.wandb`` file is W&B's transaction log: LevelDB-log framed records, each
+a ``wandb_internal_pb2.Record``; every ``history`` record is one
+``run.log`` call, a step (``history.step.num``) and items whose
+``value_json`` is the value in JSON (``NaN``, ``Infinity``). They are read
+through the wandb package's own reader, ``wandb.sdk.internal.datastore``
+(which checks each record's CRC), and its own proto. That reader is
+internal to wandb and was removed in wandb 0.30, so the versions it is
+used with are pinned (``TESTED``); any other installed version is refused
+(exit 3) naming the extra, never guessed at. The file is opened read-only
+(the reader's own ``open_for_scan`` opens it for writing too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.escaping import visible
+from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
+
+NAME = "W&B"
+EXTRA = "wandb"
+SUFFIX = ".wandb"
+RUN_FOLDERS = ("offline-run-", "run-")
+# The wandb versions whose datastore reader gradclip is tested with: [low, high).
+TESTED = ((0, 22), (0, 30))
+REQUIREMENT = "wandb>=0.22,<0.30"
+
+
+def claims(path: Path, is_dir: bool) -> bool:
+    return not is_dir and path.suffix == SUFFIX and path.parent.name.startswith(RUN_FOLDERS)
+
+
+def _run(file: Path) -> TrackerRun:
+    run_id = file.stem.removeprefix("run-")
+    return TrackerRun(NAME, file.parent.name, run_id, file, lambda: read_scalars(file))
+
+
+def runs(claimed: Sequence[Path]) -> list[TrackerRun]:
+    return [_run(file) for file in sorted(claimed)]
+
+
+def given(path: Path) -> list[TrackerRun] | None:
+    return [_run(path)] if path.suffix == SUFFIX else None
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def _modules(file: Path):
+    needs = (f"{visible(str(file))}: reading a W&B run file needs the wandb package, "
+             f"{REQUIREMENT} (its datastore reader): pip install 'gradclip[wandb]'")
+    try:
+        from importlib.metadata import version
+
+        installed = version("wandb")
+    except Exception:  # noqa: BLE001 (PackageNotFoundError, or a broken install)
+        raise InputError(needs) from None
+    if not TESTED[0] <= _version(installed) < TESTED[1]:
+        raise InputError(f"{needs}; wandb {visible(installed)} is installed, whose reader "
+                         "gradclip is not tested with")
+    try:
+        from wandb.proto import wandb_internal_pb2
+        from wandb.sdk.internal import datastore
+    except ImportError:
+        raise InputError(needs) from None
+    return datastore, wandb_internal_pb2
+
+
+def _open(datastore, file: Path):
+    """wandb's ``DataStore`` set up as ``open_for_scan`` does, on a read-only handle."""
+    store = datastore.DataStore()
+    store._fname = str(file)
+    store._fp = open(file, "rb")  # noqa: SIM115 (closed by read_scalars)
+    store._index = 0
+    store._size_bytes = os.fstat(store._fp.fileno()).st_size
+    store._opened_for_scan = True
+    store._read_header()
+    return store
+
+
+def read_scalars(file: Path) -> dict[str, Points]:
+    datastore, proto = _modules(file)
+    shown = visible(str(file))
+    scalars: dict[str, Points] = {}
+    try:
+        store = _open(datastore, file)
+    except OSError as error:
+        raise InputError(f"{shown}: cannot read: {error.strerror or error}") from None
+    except (AssertionError, Exception):  # noqa: BLE001 (the reader asserts on a bad header)
+        raise InputError(f"{shown}: not a W&B run file (its header is not W&B's)") from None
+    try:
+        while True:
+            offset = store._index
+            try:
+                data = store.scan_data()
+            except (AssertionError, Exception):  # noqa: BLE001 (its checks are asserts)
+                raise InputError(f"{shown}: truncated or damaged at byte {offset} of "
+                                 f"{store._size_bytes}; the points before it are not taken "
+                                 "as the whole run") from None
+            if data is None:
+                break
+            record = proto.Record()
+            try:
+                record.ParseFromString(data)
+            except Exception:  # noqa: BLE001 (protobuf's DecodeError)
+                raise InputError(f"{shown}: the record at byte {offset} is not a W&B "
+                                 "record (a damaged file?)") from None
+            if record.WhichOneof("record_type") == "history":
+                _history(record.history, scalars)
+    finally:
+        store._fp.close()
+    return scalars
+
+
+def _history(history, scalars: dict[str, Points]) -> None:
+    items = {}
+    for item in history.item:
+        key = item.key or ".".join(item.nested_key)
+        try:
+            items[key] = json.loads(item.value_json)
+        except ValueError:
+            continue
+    step = history.step.num if history.HasField("step") else items.get("_step")
+    if not isinstance(step, int):
+        return
+    for key, value in items.items():
+        if key.startswith("_"):  # _step, _runtime, _timestamp: W&B's own
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            scalars.setdefault(key, []).append((step, float(value)))
+
+
+TRACKER = Tracker(NAME, EXTRA, claims, runs, given)
