@@ -1,0 +1,133 @@
+"""Tracker files written by the trackers' own libraries, for ``trend``'s tracker readers.
+
+Each writer logs the same series (``NORMS``: a calm gradient norm with a
+50-fold spike at ``SPIKE_STEP``) through the real library: torch's and
+tensorboard's ``SummaryWriter``s, ``mlflow`` to a file store and to SQLite,
+``trackio``, ``wandb`` offline. trackio and wandb read their settings from
+the environment when they are imported, so they write from a process of
+their own. The numbers a test compares against are ``NORMS``, rounded to
+float32 where the tracker stores float32 (TensorBoard).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+STEPS = 40
+SPIKE_STEP = 30
+SPIKE_SCALE = 50.0
+TAG = "train/grad_norm"
+
+
+def norm_at(step: int) -> float:
+    calm = 1.0 + 0.05 * math.sin(step)
+    return calm * SPIKE_SCALE if step == SPIKE_STEP else calm
+
+
+NORMS = {step: norm_at(step) for step in range(STEPS)}
+
+
+def float32(value: float) -> float:
+    import struct
+
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def needs(module: str):
+    """The tracker's library, or a skip naming it (they come with the test extra)."""
+    return pytest.importorskip(module)
+
+
+def write_torch_tensorboard(folder: Path, *, new_style: bool = False, tag: str = TAG,
+                            norms: dict[int, float] | None = None) -> Path:
+    """torch's ``SummaryWriter``: ``simple_value`` (default) or a tensor summary."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(folder))
+    for step, value in (NORMS if norms is None else norms).items():
+        writer.add_scalar(tag, value, step, new_style=new_style)
+        writer.add_scalar("train/loss", 2.0 - step / 100, step)
+    writer.close()
+    return _event_file(folder)
+
+
+def write_tensorboard_writer(folder: Path, *, tag: str = TAG) -> Path:
+    """tensorboard's own ``tensorboard.summary.Writer`` (tensor summaries only)."""
+    from tensorboard.summary import Writer
+
+    writer = Writer(str(folder))
+    for step, value in NORMS.items():
+        writer.add_scalar(tag, value, step)
+    writer.close()
+    return _event_file(folder)
+
+
+def _event_file(folder: Path) -> Path:
+    files = sorted(folder.glob("events.out.tfevents.*"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def write_mlflow(uri: str, *, runs: tuple[str, ...] = ("calm-run",), tag: str = TAG,
+                 cwd: Path) -> None:
+    """``mlflow`` logging each of ``runs`` to ``uri`` (``file:...`` or ``sqlite:///...``)."""
+    _write_in_process(f"""
+        import mlflow
+        {_NORMS_FROM_JSON.format(json.dumps(NORMS))}
+        mlflow.set_tracking_uri({uri!r})
+        for name in {runs!r}:
+            with mlflow.start_run(run_name=name):
+                for step, value in NORMS.items():
+                    mlflow.log_metrics({{{tag!r}: value, "loss": 1.0}}, step=step)
+        """, cwd, {"MLFLOW_ALLOW_FILE_STORE": "true"})
+
+
+def write_trackio(folder: Path, *, runs: tuple[str, ...] = ("calm-run",)) -> Path:
+    """``trackio`` logging to project ``proj`` in ``folder``; returns its database."""
+    _write_in_process(f"""
+        import trackio
+        {_NORMS_FROM_JSON.format(json.dumps(NORMS))}
+        for name in {runs!r}:
+            trackio.init(project="proj", name=name)
+            for step, value in NORMS.items():
+                trackio.log({{{TAG!r}: value, "loss": 1.0}}, step=step)
+            trackio.finish()
+        """, folder, {"TRACKIO_DIR": str(folder), "HF_HOME": str(folder / "hf")})
+    return folder / "proj.db"
+
+
+def write_wandb_offline(folder: Path, norms: dict | None = None) -> Path:
+    """``wandb`` in offline mode; returns the run's ``wandb/offline-run-*`` folder."""
+    norms = NORMS if norms is None else norms
+    _write_in_process(f"""
+        import wandb
+        {_NORMS_FROM_JSON.format(json.dumps(norms))}
+        run = wandb.init(project="p", name="calm-run", dir={str(folder)!r})
+        for step, value in NORMS.items():
+            run.log({{{TAG!r}: float(value), "loss": 1.0}}, step=step)
+        run.finish()
+        """, folder, {"WANDB_MODE": "offline", "WANDB_SILENT": "true",
+                      "WANDB_DIR": str(folder)})
+    runs = sorted((folder / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+# The series as JSON text inside a writer's script: one line, NaN and Infinity included.
+_NORMS_FROM_JSON = "import json; NORMS = {{int(k): v for k, v in json.loads({!r}).items()}}"
+
+
+def _write_in_process(script: str, cwd: Path, env: dict[str, str]) -> None:
+    cwd.mkdir(parents=True, exist_ok=True)
+    script = textwrap.dedent(script)
+    done = subprocess.run([sys.executable, "-c", script], cwd=cwd, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr[-3000:]
