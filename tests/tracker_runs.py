@@ -76,17 +76,18 @@ def _event_file(folder: Path) -> Path:
     return files[0]
 
 
-def write_mlflow(uri: str, *, runs: tuple[str, ...] = ("calm-run",), tag: str = TAG,
-                 cwd: Path) -> None:
-    """``mlflow`` logging each of ``runs`` to ``uri`` (``file:...`` or ``sqlite:///...``)."""
+def write_mlflow(stores: dict[str, tuple[str, ...]], *, cwd: Path, tag: str = TAG) -> None:
+    """``mlflow`` logging, for each tracking URI (``file:...``, ``sqlite:///...``), each of
+    its runs, from one process (importing mlflow is most of the time)."""
     _write_in_process(f"""
         import mlflow
         {_NORMS_FROM_JSON.format(json.dumps(NORMS))}
-        mlflow.set_tracking_uri({uri!r})
-        for name in {runs!r}:
-            with mlflow.start_run(run_name=name):
-                for step, value in NORMS.items():
-                    mlflow.log_metrics({{{tag!r}: value, "loss": 1.0}}, step=step)
+        for uri, runs in {stores!r}.items():
+            mlflow.set_tracking_uri(uri)
+            for name in runs:
+                with mlflow.start_run(run_name=name):
+                    for step, value in NORMS.items():
+                        mlflow.log_metrics({{{tag!r}: value, "loss": 1.0}}, step=step)
         """, cwd, {"MLFLOW_ALLOW_FILE_STORE": "true"})
 
 

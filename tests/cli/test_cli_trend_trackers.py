@@ -203,8 +203,8 @@ def test_without_tensorboard_the_refusal_names_the_extra(tb_runs):
 def mlflow_stores(tmp_path_factory):
     tr.needs("mlflow")
     root = tmp_path_factory.mktemp("mlflow")
-    tr.write_mlflow("file:./mlruns", cwd=root)
-    tr.write_mlflow("sqlite:///mlflow.db", runs=("calm-run", "other-run"), cwd=root)
+    tr.write_mlflow({"file:./mlruns": ("calm-run",),
+                     "sqlite:///mlflow.db": ("calm-run", "other-run")}, cwd=root)
     return root
 
 
