@@ -132,3 +132,57 @@ def _write_in_process(script: str, cwd: Path, env: dict[str, str]) -> None:
     done = subprocess.run([sys.executable, "-c", script], cwd=cwd, capture_output=True,
                           text=True, timeout=600, env={**os.environ, **env})
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+LIGHTNING_STEPS = 30
+LIGHTNING_SPIKE_STEP = 20
+LIGHTNING_LAYERS = ("layer1.weight", "layer1.bias", "layer2.weight", "layer2.bias")
+
+
+def train_lightning(folder: Path) -> dict[int, dict[str, float]]:
+    """A real Lightning run logging ``grad_norm`` (Lightning's own utility) from
+    ``on_before_optimizer_step`` (before Lightning clips) through a TensorBoardLogger and a
+    CSVLogger, both into
+    ``folder/lightning_logs/version_0/``; the loss is scaled 1000-fold at
+    ``LIGHTNING_SPIKE_STEP``. Returns the float64 norms of every step's gradients:
+    ``{step: {"total": ..., parameter: ...}}``."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from lightning.pytorch.utilities import grad_norm
+
+    torch.manual_seed(0)
+    reference: dict[int, dict[str, float]] = {}
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer1 = torch.nn.Linear(4, 8)
+            self.layer2 = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.layer2(torch.tanh(self.layer1(x))), y)
+            return loss * 1000.0 if self.global_step == LIGHTNING_SPIKE_STEP else loss
+
+        def on_before_optimizer_step(self, optimizer):
+            self.log_dict(grad_norm(self, norm_type=2))
+            norms = {n: p.grad.double().norm().item() for n, p in self.named_parameters()}
+            norms["total"] = math.sqrt(sum(v * v for v in norms.values()))
+            reference[self.global_step] = norms
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    data = torch.utils.data.TensorDataset(torch.randn(LIGHTNING_STEPS * 4, 4),
+                                          torch.randn(LIGHTNING_STEPS * 4, 1))
+    loggers = [TensorBoardLogger(str(folder), name="lightning_logs", version=0),
+               CSVLogger(str(folder), name="lightning_logs", version=0)]
+    trainer = pl.Trainer(max_steps=LIGHTNING_STEPS, logger=loggers, log_every_n_steps=1,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", devices=1,
+                         # clipped after on_before_optimizer_step logged the norms: the
+                         # spike does not throw the weights off for the steps after it
+                         gradient_clip_val=1.0)
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=4))
+    return reference

@@ -313,3 +313,76 @@ def test_json_validates_against_the_schema(gradclip, tb_runs):
 
     result = gradclip("trend", tb_runs["simple"].parent, "--format", "json")
     assert_valid(json.loads(result.out))
+
+
+# Frameworks' own loggers: Lightning's TensorBoard and CSV loggers, the Trainer's
+# report_to=["tensorboard"].
+
+@pytest.fixture(scope="session")
+def lightning_run(tmp_path_factory):
+    tr.needs("lightning")
+    tr.needs("tensorboard")
+    folder = tmp_path_factory.mktemp("lightning")
+    return folder, tr.train_lightning(folder)
+
+
+def _assert_lightning(doc, reference) -> None:
+    """Every step, the total and each parameter's norm as Lightning's float32 utility
+    computed them (relative 1e-5 of float64: float32 sums of a few elements), the
+    spike at its step."""
+    assert doc["norm_type"] == 2.0
+    points = {p["step"]: p for p in doc["points"]}
+    assert sorted(points) == sorted(reference)
+    for step, norms in reference.items():
+        assert math.isclose(float(points[step]["total_norm"]), norms["total"], rel_tol=1e-5)
+        groups = points[step]["groups"]
+        assert set(groups) == set(tr.LIGHTNING_LAYERS)
+        for layer in tr.LIGHTNING_LAYERS:
+            assert math.isclose(float(groups[layer]), norms[layer], rel_tol=1e-5)
+    assert [p["step"] for p in doc["points"] if p["spike"]] == [tr.LIGHTNING_SPIKE_STEP]
+
+
+def test_lightning_tensorboard_and_csv_loggers(gradclip, lightning_run):
+    folder, reference = lightning_run
+    version = folder / "lightning_logs" / "version_0"
+    for given in (version, version / "metrics.csv", folder / "lightning_logs", folder):
+        result = gradclip("trend", given, "--format", "json", "--fail-on", "any")
+        assert result.code == 1, (given, result.err)
+        _assert_lightning(result.json(), reference)
+    doc = gradclip("trend", version, "--format", "json").json()
+    kinds = {s["source"]: s["judged"] for s in doc["series"]}
+    assert sum(kinds.values()) == 1 and str(version / "metrics.csv") in kinds
+    assert any("grad_2.0_norm_total" in note for note in doc["notes"])
+
+
+@pytest.fixture(scope="session")
+def trainer_tensorboard_run(tmp_path_factory):
+    tr.needs("transformers")
+    tr.needs("tensorboard")
+    from tests.trainer_runs import train_with_spike
+
+    output_dir = tmp_path_factory.mktemp("hf_tensorboard")
+    train_with_spike(output_dir, report_to=("tensorboard",))
+    return output_dir
+
+
+def test_trainer_report_to_tensorboard(gradclip, trainer_tensorboard_run):
+    from tests.trainer_runs import SPIKE_STEP, STEPS
+
+    output_dir = trainer_tensorboard_run
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    logged = {e["step"]: e["grad_norm"] for e in state["log_history"] if "grad_norm" in e}
+    assert len(logged) == STEPS
+    event_files = list(output_dir.rglob("events.out.tfevents.*"))
+    assert event_files
+    for given in (event_files[0].parent, event_files[0]):
+        result = gradclip("trend", given, "--format", "json", "--fail-on", "any")
+        assert result.code == 1, result.err
+        # The Trainer's TensorBoard callback writes the logged float as float32.
+        assert _points(result) == {s: tr.float32(v) for s, v in logged.items()}
+        assert [p["step"] for p in result.json()["points"] if p["spike"]] == [SPIKE_STEP]
+        assert any("tag 'train/grad_norm'" in n for n in result.json()["notes"])
+    # The output_dir holds both series of one run: one is judged, the other named.
+    doc = gradclip("trend", output_dir, "--format", "json").json()
+    assert {s["kind"] for s in doc["series"]} == {"trainer-state", "tracker"}
+    assert [s["judged"] for s in doc["series"]].count(True) == 1
