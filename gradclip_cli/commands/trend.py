@@ -126,6 +126,11 @@ def run(
                         for item in _expand(path, lambda p: _loads(p, key, trust_pickle, steps),
                                             what=what, runs=runs, choice=choice,
                                             exclusion=exclusion)])
+        if (tag is not None or run_name is not None) and not any(
+                s.tracker is not None for r in runs for s in r.series):
+            flag = "--tag" if tag is not None else "--run"
+            raise UsageError(f"{flag} picks from a tracker's files (TensorBoard, MLflow, "
+                             "trackio, W&B, metrics.csv); no input is one")
         logs = [(item.path, item.kind.read(item.path) if item.entries is None
                  else list(item.entries)) for item in inputs if isinstance(item.kind, LogKind)]
         if logs and regroup:
