@@ -76,18 +76,21 @@ def _event_file(folder: Path) -> Path:
     return files[0]
 
 
-def write_mlflow(stores: dict[str, tuple[str, ...]], *, cwd: Path, tag: str = TAG) -> None:
+def write_mlflow(stores: dict[str, dict[str, dict[int, float]]], *, cwd: Path,
+                 tag: str = TAG) -> None:
     """``mlflow`` logging, for each tracking URI (``file:...``, ``sqlite:///...``), each of
-    its runs, from one process (importing mlflow is most of the time)."""
+    its runs (name -> norms by step), from one process (importing mlflow is most of
+    the time)."""
     _write_in_process(f"""
+        import json
         import mlflow
-        {_NORMS_FROM_JSON.format(json.dumps(NORMS))}
-        for uri, runs in {stores!r}.items():
+        STORES = json.loads({json.dumps(stores)!r})
+        for uri, runs in STORES.items():
             mlflow.set_tracking_uri(uri)
-            for name in runs:
+            for name, norms in runs.items():
                 with mlflow.start_run(run_name=name):
-                    for step, value in NORMS.items():
-                        mlflow.log_metrics({{{tag!r}: value, "loss": 1.0}}, step=step)
+                    for step, value in norms.items():
+                        mlflow.log_metrics({{{tag!r}: value, "loss": 1.0}}, step=int(step))
         """, cwd, {"MLFLOW_ALLOW_FILE_STORE": "true"})
 
 

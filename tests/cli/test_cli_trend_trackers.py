@@ -203,8 +203,9 @@ def test_without_tensorboard_the_refusal_names_the_extra(tb_runs):
 def mlflow_stores(tmp_path_factory):
     tr.needs("mlflow")
     root = tmp_path_factory.mktemp("mlflow")
-    tr.write_mlflow({"file:./mlruns": ("calm-run",),
-                     "sqlite:///mlflow.db": ("calm-run", "other-run")}, cwd=root)
+    tr.write_mlflow({"file:./mlruns": {"calm-run": tr.NORMS},
+                     "sqlite:///mlflow.db": {"calm-run": tr.NORMS, "other-run": tr.NORMS,
+                                             "nonfinite-run": NONFINITE}}, cwd=root)
     return root
 
 
@@ -212,6 +213,22 @@ def test_mlflow_file_store(gradclip, mlflow_stores):
     result = gradclip("trend", mlflow_stores / "mlruns", "--format", "json", "--fail-on", "any")
     _assert_series(result, float32=False)
     assert "MLflow" in " ".join(result.json()["notes"])
+
+
+# NaN at step 5, +inf at 20, -inf at the newest: MLflow's SQLite store keeps inf as
+# +-1.8e308 and NaN as a flag.
+NONFINITE = {**tr.NORMS, 5: math.nan, 20: math.inf, 39: -math.inf}
+
+
+def test_mlflow_nonfinite_values_read_back_as_logged(gradclip, mlflow_stores):
+    result = gradclip("trend", mlflow_stores / "mlflow.db", "--run", "nonfinite-run",
+                      "--format", "json")
+    assert result.code == 1
+    doc = result.json()
+    assert doc["status"] == "nonfinite"
+    by_step = {p["step"]: p["total_norm"] for p in doc["points"]}
+    assert (by_step[5], by_step[20], by_step[39]) == ("nan", "inf", "-inf")
+    assert by_step[6] == tr.NORMS[6]
 
 
 def test_mlflow_sqlite_store_several_runs(gradclip, mlflow_stores):
@@ -386,3 +403,60 @@ def test_trainer_report_to_tensorboard(gradclip, trainer_tensorboard_run):
     doc = gradclip("trend", output_dir, "--format", "json").json()
     assert {s["kind"] for s in doc["series"]} == {"trainer-state", "tracker"}
     assert [s["judged"] for s in doc["series"]].count(True) == 1
+
+
+@pytest.mark.parametrize("tag", ["grad_norm", "grad_norm/total", "grad-norm",
+                                 "train/grad_norm", "grad_2.0_norm_total"])
+def test_each_frameworks_total_is_found_by_name(gradclip, tmp_path, tag):
+    tr.needs("tensorboard")
+    tr.write_torch_tensorboard(tmp_path / "run", tag=tag)
+    result = gradclip("trend", tmp_path / "run", "--format", "json", "--fail-on", "any")
+    assert result.code == 1
+    assert _points(result) == {s: tr.float32(v) for s, v in tr.NORMS.items()}
+    assert any(f"tag '{tag}' found by name" in n for n in result.json()["notes"])
+
+
+def test_gradclip_tags_read_back_with_groups_and_preferred(gradclip, tmp_path):
+    """gradclip's own scheme (tracker_tags), under the Trainer's train/ prefix, beside the
+    framework's own total: gradclip's is read (it has the groups) and the other named."""
+    tr.needs("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    from gradclip_cli import tracker_tags
+
+    writer = SummaryWriter(str(tmp_path / "run"))
+    groups = {"transformer.h.0": 0.25, "lm_head": 0.5}
+    for step, value in tr.NORMS.items():
+        writer.add_scalar("train/" + tracker_tags.TOTAL_NORM, value, step)
+        writer.add_scalar("train/grad_norm", value, step)
+        for group, share in groups.items():
+            writer.add_scalar("train/" + tracker_tags.group_norm(group), value * share, step)
+        writer.add_scalar("train/" + tracker_tags.CLIP_COEF, 1.0, step)
+    writer.close()
+    result = gradclip("trend", tmp_path / "run", "--format", "json", "--fail-on", "any")
+    assert result.code == 1
+    doc = result.json()
+    for point in doc["points"]:
+        value = tr.NORMS[point["step"]]
+        assert point["total_norm"] == tr.float32(value)
+        assert point["groups"] == {g: tr.float32(value * share) for g, share in groups.items()}
+    note = next(n for n in doc["notes"] if "found by name" in n)
+    assert "gradclip's own tag" in note and "not read: 'train/grad_norm'" in note
+
+
+def test_tag_and_run_need_a_tracker_input(gradclip, tmp_path):
+    log = tmp_path / "grads.jsonl"
+    log.write_text(json.dumps({"schema": "gradclip.monitor/1", "step": 1,
+                               "total_norm": 1.0, "norm_type": 2.0}) + "\n")
+    for flag in ("--tag", "--run"):
+        result = gradclip("trend", log, flag, "x")
+        assert result.code == 2 and f"{flag} picks from a tracker's files" in result.err
+
+
+def test_without_wandb_the_refusal_names_the_extra(wandb_run):
+    block = ("import sys; sys.modules['wandb'] = None; "
+             "from gradclip_cli.cli import main; main()")
+    done = subprocess.run([sys.executable, "-c", block, "trend", str(wandb_run)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 3
+    assert "gradclip[wandb]" in done.stderr and "Traceback" not in done.stderr
