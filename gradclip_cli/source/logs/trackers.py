@@ -27,7 +27,6 @@ never a series mixed of both.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Iterable
@@ -298,11 +297,3 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
 
 def _checked(points, where: str):
     return in_step_order([step_value(s, v, where) for s, v in points], where)
-
-
-def series_of(runs: list[TrackerRun], choice: Choice) -> list[TrackerSeries]:
-    return [norm_series(run, choice) for run in runs]
-
-
-def is_nonfinite(value: float) -> bool:
-    return not math.isfinite(value)

@@ -77,13 +77,13 @@ def _modules(file: Path):
     return datastore, wandb_internal_pb2
 
 
-def _open(datastore, file: Path):
+def _open(datastore, file: Path, handle):
     """wandb's ``DataStore`` set up as ``open_for_scan`` does, on a read-only handle."""
     store = datastore.DataStore()
     store._fname = str(file)
-    store._fp = open(file, "rb")  # noqa: SIM115 (closed by read_scalars)
+    store._fp = handle
     store._index = 0
-    store._size_bytes = os.fstat(store._fp.fileno()).st_size
+    store._size_bytes = os.fstat(handle.fileno()).st_size
     store._opened_for_scan = True
     store._read_header()
     return store
@@ -94,33 +94,39 @@ def read_scalars(file: Path) -> dict[str, Points]:
     shown = visible(str(file))
     scalars: dict[str, Points] = {}
     try:
-        store = _open(datastore, file)
+        handle = open(file, "rb")  # noqa: SIM115 (closed below)
     except OSError as error:
         raise InputError(f"{shown}: cannot read: {error.strerror or error}") from None
-    except (AssertionError, Exception):  # noqa: BLE001 (the reader asserts on a bad header)
-        raise InputError(f"{shown}: not a W&B run file (its header is not W&B's)") from None
-    try:
-        while True:
-            offset = store._index
-            try:
-                data = store.scan_data()
-            except (AssertionError, Exception):  # noqa: BLE001 (its checks are asserts)
-                raise InputError(f"{shown}: truncated or damaged at byte {offset} of "
-                                 f"{store._size_bytes}; the points before it are not taken "
-                                 "as the whole run") from None
-            if data is None:
-                break
-            record = proto.Record()
-            try:
-                record.ParseFromString(data)
-            except Exception:  # noqa: BLE001 (protobuf's DecodeError)
-                raise InputError(f"{shown}: the record at byte {offset} is not a W&B "
-                                 "record (a damaged file?)") from None
-            if record.WhichOneof("record_type") == "history":
-                _history(record.history, scalars)
-    finally:
-        store._fp.close()
+    with handle:
+        try:
+            store = _open(datastore, file, handle)
+        except Exception:  # noqa: BLE001 (the reader asserts on a bad header)
+            raise InputError(f"{shown}: not a W&B run file (its header is not W&B's)") \
+                from None
+        _scan(store, proto, shown, scalars)
     return scalars
+
+
+def _scan(store, proto, shown: str, scalars: dict[str, Points]) -> None:
+    """Every history record's scalars into ``scalars``; damage is exit 3."""
+    while True:
+        offset = store._index
+        try:
+            data = store.scan_data()
+        except Exception:  # noqa: BLE001 (its checks are asserts, struct errors)
+            raise InputError(f"{shown}: truncated or damaged at byte {offset} of "
+                             f"{store._size_bytes}; the points before it are not taken "
+                             "as the whole run") from None
+        if data is None:
+            break
+        record = proto.Record()
+        try:
+            record.ParseFromString(data)
+        except Exception:  # noqa: BLE001 (protobuf's DecodeError)
+            raise InputError(f"{shown}: the record at byte {offset} is not a W&B "
+                             "record (a damaged file?)") from None
+        if record.WhichOneof("record_type") == "history":
+            _history(record.history, scalars)
 
 
 def _history(history, scalars: dict[str, Points]) -> None:
