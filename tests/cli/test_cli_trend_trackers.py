@@ -460,3 +460,21 @@ def test_without_wandb_the_refusal_names_the_extra(wandb_run):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 3
     assert "gradclip[wandb]" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_trackers_store_that_cannot_be_chosen_from_leaves_the_run_folder_readable(
+        gradclip, trainer_tensorboard_run, tmp_path):
+    """Two launches' TensorBoard runs under the Trainer's runs/: the run folder's other
+    series is judged, and the note says why the tracker's was not read, and how."""
+    output_dir = tmp_path / "out"
+    shutil.copytree(trainer_tensorboard_run, output_dir)
+    (run_dir,) = {p.parent for p in output_dir.rglob("events.out.tfevents.*")}
+    shutil.copytree(run_dir, run_dir.with_name(run_dir.name + "-second"))
+    result = gradclip("trend", output_dir, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert [s["kind"] for s in doc["series"] if s["judged"]] == ["trainer-state"]
+    assert any(n.startswith("not read: ") and "2 TensorBoard runs" in n and "--run" in n
+               for n in doc["notes"])
+    chosen = gradclip("trend", output_dir, "--run", run_dir.name, "--format", "json")
+    assert chosen.code == 0 and "tracker" in {s["kind"] for s in chosen.json()["series"]}
