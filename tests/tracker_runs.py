@@ -108,18 +108,31 @@ def write_trackio(folder: Path, *, runs: tuple[str, ...] = ("calm-run",)) -> Pat
     return folder / "proj.db"
 
 
-def write_wandb_offline(folder: Path, norms: dict | None = None) -> Path:
-    """``wandb`` in offline mode; returns the run's ``wandb/offline-run-*`` folder."""
-    norms = NORMS if norms is None else norms
-    _write_in_process(f"""
-        import wandb
-        {_NORMS_FROM_JSON.format(json.dumps(norms))}
-        run = wandb.init(project="p", name="calm-run", dir={str(folder)!r})
+def write_wandb_offline(folder: Path, *, global_step: bool = False) -> Path:
+    """``wandb`` in offline mode; returns the run's ``wandb/offline-run-*`` folder.
+
+    ``global_step``: log as the Hugging Face Trainer's W&B callback does:
+    ``define_metric("*", step_metric="train/global_step")``, each call with
+    ``train/global_step`` (here 5 x the step) and no ``step=``, and an evaluation
+    logged between, so W&B's own ``_step`` is not the training step."""
+    logging = """
+        run.define_metric("train/global_step")
+        run.define_metric("*", step_metric="train/global_step", step_sync=True)
         for step, value in NORMS.items():
-            run.log({{{TAG!r}: float(value), "loss": 1.0}}, step=step)
-        run.finish()
-        """, folder, {"WANDB_MODE": "offline", "WANDB_SILENT": "true",
-                      "WANDB_DIR": str(folder)})
+            run.log({"train/grad_norm": float(value), "train/global_step": 5 * step})
+            run.log({"eval/loss": 1.0, "train/global_step": 5 * step})
+        """ if global_step else """
+        for step, value in NORMS.items():
+            run.log({"train/grad_norm": float(value), "loss": 1.0}, step=step)
+        """
+    start = textwrap.dedent(f"""
+        import wandb
+        {_NORMS_FROM_JSON.format(json.dumps(NORMS))}
+        run = wandb.init(project="p", name="calm-run", dir={str(folder)!r})
+        """)
+    _write_in_process(start + textwrap.dedent(logging) + "run.finish()\n", folder,
+                      {"WANDB_MODE": "offline", "WANDB_SILENT": "true",
+                       "WANDB_DIR": str(folder)})
     runs = sorted((folder / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
     return runs[0]

@@ -304,6 +304,17 @@ def test_wandb_offline_run(gradclip, wandb_run):
         _assert_series(result, float32=False)
 
 
+def test_wandb_steps_of_the_trainers_step_metric(gradclip, tmp_path):
+    """The Trainer's W&B callback steps every key by train/global_step (define_metric),
+    not by W&B's count of log calls."""
+    tr.needs("wandb")
+    run = tr.write_wandb_offline(tmp_path, global_step=True)
+    result = gradclip("trend", run, "--format", "json", "--fail-on", "any")
+    assert result.code == 1, result.err
+    assert _points(result) == {5 * s: v for s, v in tr.NORMS.items()}
+    assert [p["step"] for p in result.json()["points"] if p["spike"]] == [5 * tr.SPIKE_STEP]
+
+
 def test_wandb_truncated_run_file_is_exit_3(gradclip, wandb_run, tmp_path):
     run_file = next(wandb_run.glob("*.wandb"))
     damaged = tmp_path / "offline-run-x" / run_file.name

@@ -14,6 +14,7 @@ used with are pinned (``TESTED``); any other installed version is refused
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 from collections.abc import Sequence
@@ -109,6 +110,7 @@ def read_scalars(file: Path) -> dict[str, Points]:
 
 def _scan(store, proto, shown: str, scalars: dict[str, Points]) -> None:
     """Every history record's scalars into ``scalars``; damage is exit 3."""
+    steps = _StepMetrics()
     while True:
         offset = store._index
         try:
@@ -125,11 +127,45 @@ def _scan(store, proto, shown: str, scalars: dict[str, Points]) -> None:
         except Exception:  # noqa: BLE001 (protobuf's DecodeError)
             raise InputError(f"{shown}: the record at byte {offset} is not a W&B "
                              "record (a damaged file?)") from None
-        if record.WhichOneof("record_type") == "history":
-            _history(record.history, scalars)
+        kind = record.WhichOneof("record_type")
+        if kind == "metric":
+            steps.define(record.metric)
+        elif kind == "history":
+            _history(record.history, scalars, steps)
 
 
-def _history(history, scalars: dict[str, Points]) -> None:
+class _StepMetrics:
+    """``run.define_metric(name_or_glob, step_metric=X)``: the key whose value is the step
+    of ``name``'s points. The Hugging Face Trainer's W&B callback defines ``"*"``
+    against ``train/global_step``, so W&B's own ``_step`` (a count of ``log`` calls,
+    evaluations included) is not the Trainer's step; the step metric is."""
+
+    def __init__(self):
+        self.names: list[str] = []  # every metric record's name, in order
+        self.by_name: dict[str, str] = {}
+        self.by_glob: list[tuple[str, str]] = []
+
+    def define(self, metric) -> None:
+        step = metric.step_metric
+        if not step and metric.step_metric_index > 0:  # an earlier record's name, 1-based
+            index = metric.step_metric_index - 1
+            step = self.names[index] if index < len(self.names) else ""
+        self.names.append(metric.name or metric.glob_name)
+        if not step:
+            return
+        if metric.name:
+            self.by_name[metric.name] = step
+        elif metric.glob_name:
+            self.by_glob.append((metric.glob_name, step))
+
+    def of(self, key: str) -> str | None:
+        if key in self.by_name:
+            return self.by_name[key]
+        return next((step for glob, step in self.by_glob
+                     if fnmatch.fnmatchcase(key, glob) and key != step), None)
+
+
+def _history(history, scalars: dict[str, Points], steps: _StepMetrics) -> None:
     items = {}
     for item in history.item:
         key = item.key or ".".join(item.nested_key)
@@ -137,13 +173,20 @@ def _history(history, scalars: dict[str, Points]) -> None:
             items[key] = json.loads(item.value_json)
         except ValueError:
             continue
-    step = history.step.num if history.HasField("step") else items.get("_step")
-    if not isinstance(step, int):
-        return
+    own = history.step.num if history.HasField("step") else items.get("_step")
     for key, value in items.items():
         if key.startswith("_"):  # _step, _runtime, _timestamp: W&B's own
             continue
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        step = own
+        metric = steps.of(key)
+        if metric is not None and metric != key:
+            at = items.get(metric)
+            if isinstance(at, (int, float)) and not isinstance(at, bool) \
+                    and float(at).is_integer():
+                step = int(at)
+        if isinstance(step, int):
             scalars.setdefault(key, []).append((step, float(value)))
 
 
