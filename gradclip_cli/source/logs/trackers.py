@@ -108,8 +108,12 @@ KIND = LogKind("tracker", _never, _read_needs_choice)
 
 
 def claimed_in(folder: Path, excludes=None) -> dict[Tracker, list[Path]]:
-    """Every entry under ``folder`` (``MAX_DEPTH`` levels) that a tracker claims."""
+    """Every entry under ``folder`` (``MAX_DEPTH`` levels) that a tracker claims, or
+    ``folder`` itself when one claims it (an MLflow run's folder)."""
     found: dict[Tracker, list[Path]] = {}
+    whole = next((t for t in TRACKERS if not t.descend and _claims(t, folder, True)), None)
+    if whole is not None:
+        return {whole: [folder]}
 
     def walk(path: Path, depth: int) -> None:
         try:
