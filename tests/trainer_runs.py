@@ -34,10 +34,12 @@ class CheckpointedRun:
     group_names: list[list[str]]
 
 
-def train_with_spike(output_dir: Path) -> Path:
-    """Run the Trainer into ``output_dir``; return its ``trainer_state.json``."""
+def train_with_spike(output_dir: Path, report_to: tuple[str, ...] = ()) -> Path:
+    """Run the Trainer into ``output_dir``; return its ``trainer_state.json``.
+    ``report_to``: the Trainer's own integrations (``("tensorboard",)`` writes
+    ``output_dir/runs/``)."""
     state, _ = _train(output_dir, steps=STEPS, spike_step=SPIKE_STEP, save=False,
-                      max_grad_norm=1.0)
+                      max_grad_norm=1.0, report_to=report_to)
     return state
 
 
@@ -57,7 +59,8 @@ def train_checkpointed_with_spike(output_dir: Path) -> CheckpointedRun:
 
 
 def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
-           max_grad_norm: float) -> tuple[Path, list[list[str]]]:
+           max_grad_norm: float, report_to: tuple[str, ...] = ()
+           ) -> tuple[Path, list[list[str]]]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -81,7 +84,7 @@ def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
         if save else {"save_strategy": "no"}
     args = TrainingArguments(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4,
-        learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+        learning_rate=1e-3, logging_steps=1, report_to=list(report_to), use_cpu=True, seed=0,
         data_seed=0, max_grad_norm=max_grad_norm, disable_tqdm=True,
         dataloader_num_workers=0, **saving,
     )  # fmt: skip

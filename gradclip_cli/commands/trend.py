@@ -45,8 +45,9 @@ from ..report.trend import (
     order_by_step,
 )
 from ..source import READERS, run_folder
+from ..source.exclude import Exclusion
 from ..source.layouts import LAYOUTS, accelerate_fsdp
-from ..source.logs import LogKind
+from ..source.logs import LogKind, trackers
 from ..source.logs.recognise import log_kind
 from ..source.run_folder import RunFolder
 from ..source.vocabulary import CheckpointStep, checkpoint_step
@@ -97,6 +98,7 @@ def run(
     warmup: int | None, fail_on: str, plot: Path | None, key: str | None,
     norm_type: str | None, device: str, format: str, trust_pickle: bool, verify: bool,
     quiet: bool, output_file: Path | None, progress: bool = True,
+    tag: str | None = None, run_name: str | None = None, exclude: tuple[str, ...] = (),
 ) -> int:
     # First: an error document (--format json) goes to --output-file too.
     options.report_file(output_file, reads=paths, writes=[plot] if plot is not None else [])
@@ -106,7 +108,8 @@ def run(
     report = build(paths=paths, what=what, group_by=group_by, z=z, alpha=alpha, warmup=warmup,
                    fail_on=fail_on, key=key, norm_type=norm_type, device=device,
                    trust_pickle=trust_pickle, verify=verify,
-                   progress=progress and not quiet, output_file=output_file)
+                   progress=progress and not quiet, output_file=output_file,
+                   tag=tag, run_name=run_name, exclude=exclude)
     # The report is drawn (a --output-file staged) before the plot is written:
     # nothing can fail over the report once the plot exists.
     if quiet and format == "table":
@@ -138,10 +141,12 @@ def build(
     alpha: float | None, warmup: int | None, fail_on: str, key: str | None,
     norm_type: object, device: str, trust_pickle: bool, verify: bool, progress: bool,
     output_file: Path | None = None, launched: bool = True,
+    tag: str | None = None, run_name: str | None = None, exclude: tuple[str, ...] = (),
 ):
     """The ``TrendReport`` of ``paths`` (``report/trend.py``), which every format renders.
 
     ``group_by`` None: each log's own groups and ``layer`` for checkpoints.
+    ``tag``, ``run_name``, ``exclude``: ``--tag``, ``--run``, ``--exclude``.
     ``launched``: under a launcher (``torchrun``) the ranks share each
     checkpoint, as the command does; the Python API passes False.
     """
@@ -163,9 +168,16 @@ def build(
         dev = session.device
     with progress_steps(not progress or not speaks()) as steps:
         runs: list[RunFolder] = []
-        inputs = _once([item for path in paths
+        choice, exclusion = trackers.Choice(tag, run_name), Exclusion(tuple(exclude))
+        inputs = _once([item for path in _kept(paths, exclusion)
                         for item in _expand(path, lambda p: _loads(p, key, trust_pickle, steps),
-                                            what=what, runs=runs)])
+                                            what=what, runs=runs, choice=choice,
+                                            exclusion=exclusion)])
+        if (tag is not None or run_name is not None) and not any(
+                s.tracker is not None for r in runs for s in r.series):
+            flag = "--tag" if tag is not None else "--run"
+            raise UsageError(f"{flag} picks from a tracker's files (TensorBoard, MLflow, "
+                             "trackio, W&B, metrics.csv); no input is one")
         logs = [(item.path, item.kind.read(item.path) if item.entries is None
                  else list(item.entries)) for item in inputs if isinstance(item.kind, LogKind)]
         if logs and regroup:
@@ -201,7 +213,7 @@ def build(
                 groups=m.groups, nonfinite=m.nonfinite, what=m.what))
     observations, copies = one_point_per_step(observations)
     found = _found(runs)
-    found["notes"] += step_notes + copies
+    found["notes"] += step_notes + copies + exclusion.notes()
     if logs:
         group_by = (LOGGED_GROUPS if len(logs) == len(inputs)
                     else f"{group_by} (checkpoints), {LOGGED_GROUPS} (logs)")
@@ -322,7 +334,9 @@ def _loads(path: Path, key: str | None, trust_pickle: bool, steps: Steps) -> str
 
 
 def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None, *,
-            what: str = "auto", runs: list | None = None) -> Iterator[Input]:
+            what: str = "auto", runs: list | None = None,
+            choice: trackers.Choice | None = None,
+            exclusion: Exclusion | None = None) -> Iterator[Input]:
     """The checkpoints and logs ``path`` stands for.
 
     A folder is, in this order: a run's folder of numbered checkpoints (an
@@ -333,20 +347,28 @@ def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None, *,
     checkpoint files and logs, recognised by content (anything else in it is
     skipped).
     """
+    choice = choice or trackers.Choice()
+    exclusion = exclusion or Exclusion()
     if not path.is_dir():
-        yield Input(path, log_kind(path), folder_step)
+        tracked = run_folder.tracker_file(path, choice)
+        if tracked is None:
+            yield Input(path, log_kind(path), folder_step)
+            return
+        if runs is not None:
+            runs.append(tracked)
+        yield Input(tracked.judged.paths[0], tracked.judged.log, None, tracked.judged.entries)
         return
     # accelerate's FSDP folder numbers its parts (pytorch_model_fsdp_0/, optimizer_0/):
     # one checkpoint, not a run.
     if folder_step is None and not accelerate_fsdp.recognises(path):
-        run = run_folder.discover(path, what)
+        run = run_folder.discover(path, what, choice, exclusion)
         if run is not None:
             if runs is not None:
                 runs.append(run)
             if run.judged.kind != run_folder.CHECKPOINTS:
                 yield Input(run.judged.paths[0], run.judged.log, None, run.judged.entries)
                 return
-        numbered = run_folder.numbered_folders(path)
+        numbered = run_folder.numbered_folders(path, exclusion)
         if numbered:
             for number, child in numbered:
                 yield from _expand(child, why_not_checkpoint, number)
@@ -355,7 +377,15 @@ def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None, *,
     if reason is None:
         yield Input(path, None, folder_step)
     else:
-        yield from _folder_of_files(path, reason, folder_step)
+        yield from _folder_of_files(path, reason, folder_step, exclusion)
+
+
+def _kept(paths: list[Path], exclusion: Exclusion) -> list[Path]:
+    """The inputs ``--exclude`` leaves in; none left is exit 2."""
+    kept = [path for path in paths if not exclusion.excludes(path)]
+    if not kept:
+        raise UsageError(f"--exclude leaves out every input ({visible(str(paths[0]))} ...)")
+    return kept
 
 
 def _once(inputs: list[Input]) -> list[Input]:
@@ -403,9 +433,11 @@ def _children(path: Path) -> list[Path]:
         raise InputError(f"{path}: cannot list the folder: {error.strerror or error}") from None
 
 
-def _folder_of_files(path: Path, reason: str, folder_step: int | None) -> list[Input]:
+def _folder_of_files(path: Path, reason: str, folder_step: int | None,
+                     exclusion: Exclusion | None = None) -> list[Input]:
     found = []
-    for child in _children(path):
+    children = _children(path)
+    for child in children if exclusion is None else exclusion.keep(children):
         if not child.is_file():
             continue
         kind = log_kind(child)

@@ -73,7 +73,7 @@ class SeriesFound:
     the one judged (a run folder keeps the same steps at several grains)."""
 
     source: str
-    kind: str  # "gradclip-monitor", "trainer-state" or "checkpoints"
+    kind: str  # "gradclip-monitor", "trainer-state", "checkpoints" or "tracker"
     points: int
     per_group: bool
     judged: bool
@@ -183,7 +183,7 @@ def one_point_per_step(observations: Sequence[Observation]) -> tuple[list[Observ
             raise UsageError(
                 f"{visible(obs.source)} and {visible(seen.source)} both give step {obs.step}, "
                 f"with other norms ({_apart(obs, seen)}): one trend judges one run's series, "
-                "each step once; give one of them")
+                "each step once; give one of them, or leave one out with --exclude GLOB")
     notes = []
     for (copy, source), steps in copies.items():
         at = (f"step ({steps[0]})" if len(steps) == 1
