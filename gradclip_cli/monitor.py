@@ -86,6 +86,7 @@ from .format.json import nonfinite_object, number
 from .producer import save_grads
 from .report.grouping import parse_group_by
 from .report.groups import Grouping, GroupSums, nonfinite_counts
+from .tracker_scalars import TensorBoardScalars, scalars
 
 __all__ = ["SCHEMA", "GradMonitor"]
 
@@ -172,6 +173,15 @@ class GradMonitor:
             NaN on every step from then on, and the gradients that explain
             it are those of the onset, which rotating out old dumps would
             delete. Nothing the monitor wrote is ever removed.
+        tensorboard: a folder to write TensorBoard scalars to as well (torch's
+            ``SummaryWriter``; needs ``pip install 'gradclip[tensorboard]'``,
+            else ``ImportError`` here): each logged step's total and group
+            norms, spike flag and clip coefficient under the tags
+            ``gradclip/total_norm``, ``gradclip/norm/<group>``,
+            ``gradclip/spike``, ``gradclip/clip_coef`` (``tracker_scalars``),
+            the log's numbers rounded to float32, as TensorBoard stores them.
+            ``close()`` flushes them; until then torch's writer flushes every
+            120 s.
 
     Under ``torch.distributed`` every rank measures and clips (so all ranks
     apply the same coefficient), but only rank 0 writes the log and the
@@ -198,6 +208,7 @@ class GradMonitor:
         warmup: int = DEFAULT_WARMUP,
         max_dumps: int = DEFAULT_MAX_DUMPS,
         clip_spikes: bool = False,
+        tensorboard: str | os.PathLike[str] | None = None,
     ):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"GradMonitor: every must be a whole number >= 1, got {every!r}")
@@ -239,6 +250,10 @@ class GradMonitor:
         self._warned_full = False
         self._warned_empty = False
         self._reported: set[str] = set()  # write failures already told on stderr
+        # The newest logged record (what the framework adapters pass to their loggers).
+        self.last_record: dict[str, Any] | None = None
+        self._tensorboard = None if tensorboard is None else TensorBoardScalars(
+            _checked_path(tensorboard, "tensorboard", folder=True))
 
     # -- public --------------------------------------------------------------
 
@@ -321,10 +336,13 @@ class GradMonitor:
         return total
 
     def close(self) -> None:
-        """Close the log file (it is reopened, for appending, if the monitor logs again)."""
+        """Close the log file (it is reopened, for appending, if the monitor logs again)
+        and flush the TensorBoard scalars (a later step opens a new event file)."""
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
     def __enter__(self) -> GradMonitor:
         return self
@@ -507,7 +525,18 @@ class GradMonitor:
                 + json.dumps(tail, allow_nan=False)[1:]
             )
             self._write_line(line)
+        self._publish(record)
         return record, None if spike_coef is None else Coefficient.of(spike_coef)
+
+    def _publish(self, record: dict[str, Any]) -> None:
+        """Keep the record for the adapters; write its scalars to TensorBoard (rank 0)."""
+        self.last_record = record
+        if self._tensorboard is not None and _is_writer():
+            try:
+                self._tensorboard.write(record["step"], scalars(record))
+            except OSError as e:
+                self._report("tensorboard", f"GradMonitor: cannot write TensorBoard scalars "
+                             f"to {self._tensorboard.log_dir}: {e}; training goes on")
 
     def _dump(self, step: int) -> Path | None:
         if self.dump_dir is None:

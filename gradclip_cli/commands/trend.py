@@ -50,6 +50,7 @@ from ..source.run_folder import RunFolder
 from ..source.vocabulary import CheckpointStep, checkpoint_step
 from ..source.what import EXPLAIN, WHATS
 from .common import Loaded, Releasers, emit, load, measure, output_format, speaks
+from .norm_audit import norm_audits
 
 # What --what may name (CONTRACT.md): the same choices inspect takes.
 WHAT_CHOICES = WHATS
@@ -159,9 +160,11 @@ def run(
     if logs:
         group_by = (LOGGED_GROUPS if len(logs) == len(inputs)
                     else f"{group_by} (checkpoints), {LOGGED_GROUPS} (logs)")
+    audits = norm_audits(runs, [(item.path, item.kind, logged[item.path]) for item in inputs
+                                if isinstance(item.kind, LogKind)])
     report = build_trend_report(
         order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
-        alpha=alpha, warmup=warmup, fail_on=fail_on, **found,
+        alpha=alpha, warmup=warmup, fail_on=fail_on, audits=audits, **found,
     )  # fmt: skip
     if plot is not None and speaks():
         from ..format.plot import write_trend_plot
@@ -175,7 +178,8 @@ def run(
         emit(lambda out: table.print_trend_verdict(report, out, err), output_file)
     else:
         emit(lambda out: fmt.render_trend(report, out), output_file)
-    return 1 if report.status in (SPIKE, NONFINITE) else 0
+    # A norm audit that disagrees is a finding too (docs/guides/dashboards.md).
+    return 1 if report.status in (SPIKE, NONFINITE) or report.disagreeing else 0
 
 
 def check_what(text: str) -> str:
