@@ -8,8 +8,12 @@ line as a dict) under the contract's tags (``tracker_tags``):
 - ``gradclip/total_norm``: the total norm;
 - ``gradclip/norm/<group>``: each group's norm, under the log's group name;
 - ``gradclip/spike``: 1.0 on a spike (the total or a group), else 0.0;
-- ``gradclip/clip_coef``: the coefficient the gradients were scaled by, only
-  on steps whose record has one (the log's ``null`` is no point);
+- ``gradclip/clip_coef``: the coefficient the gradients were multiplied by;
+  1.0 on a step whose record has none (the log's ``null``: nothing was
+  scaled). A point on every logged step, not only on clipped ones: a logger
+  that keeps the last value of a key until it is logged again (Lightning's
+  results do, within an epoch) would otherwise repeat a clip's coefficient
+  on the steps after it;
 - ``gradclip/norm_type``: p, only where it is not 2 (a tracker keeps numbers
   under names, not the log's ``norm_type``; absent means the 2-norm).
 
@@ -33,15 +37,15 @@ TENSORBOARD_EXTRA = "pip install 'gradclip[tensorboard]'"
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The tracker scalars of one monitor record, tag -> value, in a fixed order:
-    the total, the groups in the record's order, the spike flag, then the
-    clip coefficient and p where there are."""
+    the total, the groups in the record's order, the spike flag, the clip
+    coefficient, then p where it is not 2."""
     out = {tracker_tags.TOTAL_NORM: float(record["total_norm"])}
     # float() reads the record's "nan"/"inf"/"-inf" strings back as the numbers.
     for group, norm in record["groups"].items():
         out[tracker_tags.group_norm(group)] = float(norm)
     out[tracker_tags.SPIKE] = 1.0 if record["spike"] else 0.0
-    if record.get("clip_coef") is not None:
-        out[tracker_tags.CLIP_COEF] = float(record["clip_coef"])
+    coef = record.get("clip_coef")
+    out[tracker_tags.CLIP_COEF] = 1.0 if coef is None else float(coef)
     norm_type = float(record.get("norm_type", 2.0))
     if norm_type != 2.0:
         out[NORM_TYPE] = norm_type
