@@ -317,3 +317,51 @@ def test_trend_of_the_output_dir_takes_the_log_and_its_copies_in_trainer_state(
     doc = r.json()
     assert [p["step"] for p in doc["points"]] == list(range(1, CALLBACK_STEPS + 1))
     assert any("trainer_state.json: the same" in note for note in doc["notes"])
+
+
+def damaged(state_file: Path, tmp_path: Path, change) -> Path:
+    """A copy of the run's trainer_state.json with ``change(log_history)`` applied."""
+    state = json.loads(state_file.read_text())
+    change([e for e in state["log_history"] if "gradclip/total_norm" in e])
+    copy = tmp_path / "trainer_state.json"
+    copy.write_text(json.dumps(state, indent=2))
+    return copy
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda h: h[3].update({"gradclip/norm/transformer.h.0": "0.5"}),
+     "log_history[3]: gradclip/norm/transformer.h.0 must be a number"),
+    (lambda h: h[2].update({"gradclip/total_norm": -1.0}),
+     "log_history[2]: gradclip/total_norm must be >= 0, got -1"),
+    (lambda h: h[4].update({"step": 2}),
+     "log_history[4]: gradclip/total_norm of step 2 after one of step 8; a Trainer "
+     "logs each step once, in order"),
+    (lambda h: h[0].update({"gradclip/norm_type": 0}),
+     "log_history[0]: gradclip/norm_type must be > 0"),
+])
+def test_a_damaged_entry_is_exit_3_naming_the_file_and_entry(gradclip, callback_run, tmp_path,
+                                                             change, says):
+    path = damaged(callback_run, tmp_path, change)
+    r = gradclip("trend", path)
+    assert r.code == 3
+    assert r.err_lines == [f"gradclip: {path}: {says}"]
+
+
+def test_a_nan_total_is_a_non_finite_point(gradclip, callback_run, tmp_path):
+    path = damaged(callback_run, tmp_path,
+                   lambda h: h[-1].update({"gradclip/total_norm": math.nan}))
+    r = gradclip("trend", path, "--format", "json")
+    assert r.code == 1
+    doc = r.json()
+    assert doc["status"] == "nonfinite" and doc["points"][-1]["total_norm"] == "nan"
+
+
+def test_a_hostile_group_name_is_shown_escaped(gradclip, callback_run, tmp_path):
+    name = "evil\x1b[2J\nname"
+    path = damaged(callback_run, tmp_path,
+                   lambda h: [e.update({f"gradclip/norm/{name}": 1.0}) for e in h])
+    r = gradclip("trend", path)
+    assert r.code == 0, r.err
+    assert "\x1b" not in r.out and "evil" in r.out
+    doc = gradclip("trend", path, "--format", "json").json()
+    assert doc["points"][0]["groups"][name] == 1.0  # JSON keeps it, escaped by json itself
