@@ -174,7 +174,7 @@ class Regressor(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def lightning_fit(folder: Path, steps: int, **callback_options) -> None:
+def lightning_fit(folder: Path, steps: int, every: int = 1, **callback_options) -> None:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     from gradclip_cli.integrations.lightning import GradMonitorCallback
@@ -188,7 +188,7 @@ def lightning_fit(folder: Path, steps: int, **callback_options) -> None:
         max_steps=steps, accelerator="cpu", devices=1, gradient_clip_val=1.0,
         callbacks=[GradMonitorCallback(folder / "grads.jsonl", None, **callback_options)],
         logger=[TensorBoardLogger(folder, name="tb"), CSVLogger(folder, name="csv")],
-        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+        log_every_n_steps=every, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=folder,
     )  # fmt: skip
     trainer.fit(Regressor(), loader)
@@ -226,6 +226,14 @@ def test_lightnings_csv_logger_holds_the_logs_numbers_exactly(lightning_loggers)
         want = expected(record)
         got = {t: float(v) for t, v in row.items() if t.startswith("gradclip/")}
         assert got == want, record["step"]  # float64 kept
+
+
+def test_on_lightnings_logging_steps_only_with_their_own_values(tmp_path):
+    # log_every_n_steps=4: Lightning sends steps 3, 7, 11 (and no stale value between).
+    lightning_fit(tmp_path, 12, every=4)
+    records = read_log(tmp_path / "grads.jsonl")
+    assert len(records) == 12
+    assert_tensorboard_holds(scalars(tmp_path / "tb"), [records[s] for s in (3, 7, 11)])
 
 
 def test_log_metrics_false_leaves_the_loggers_alone(tmp_path):
