@@ -303,5 +303,5 @@ def test_the_trainers_grad_norm_and_the_monitor_log_agree_within_float32(gradcli
         assert rel_err(norm, run.reference[step]["total"]) < audit["tolerance"] / 100
     table = logical_lines(gradclip("trend", run.output_dir).out)
     assert any(line.startswith("norm audit: Trainer grad_norm (") and
-               f"agree at all {run.steps} step(s), within 0.00098 relative (float32 totals)"
+               f"agree at all {run.steps} step(s), within 0.0039 relative (float32 totals)"
                in line for line in table)

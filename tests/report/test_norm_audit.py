@@ -46,25 +46,32 @@ def test_the_widest_value_decides_and_non_finite_values_say_nothing():
     assert stored_precision([1e300]) == "float64"  # beyond float32's range
 
 
-def test_the_tolerance_is_two_roundings_and_a_chain_of_additions():
-    assert tolerance("float32") == 2 * 2.0**-24 + 2.0**14 * 2.0**-24
-    assert tolerance("bfloat16") == 2 * 2.0**-8 + 2.0**14 * 2.0**-24
-    assert tolerance("float16") == 2 * 2.0**-11 + 2.0**14 * 2.0**-24
-    assert tolerance("float64") == 2 * 2.0**-53 + 2.0**14 * 2.0**-53
-    assert 9.7e-4 < tolerance("float32") < 9.8e-4
+def test_the_tolerance_is_four_roundings_and_a_chain_of_additions():
+    assert tolerance("float32") == 4 * 2.0**-24 + 2.0**16 * 2.0**-24
+    assert tolerance("bfloat16") == 4 * 2.0**-8 + 2.0**16 * 2.0**-24
+    assert tolerance("float16") == 4 * 2.0**-11 + 2.0**16 * 2.0**-24
+    assert tolerance("float64") == 4 * 2.0**-53 + 2.0**16 * 2.0**-53
+    assert 3.9e-3 < tolerance("float32") < 3.91e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_torchs_total_in_each_dtype_is_within_the_tolerance_of_its_stored_dtype(dtype):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_torchs_total_in_each_dtype_is_within_the_tolerance_of_its_stored_dtype(dtype, threads):
     # Sizes from one element to 2**22, magnitudes over five decades: torch's total as a
-    # framework logs it, against the float64 norm of the very values it summed.
+    # framework logs it, against the float64 norm of the very values it summed. On one
+    # thread torch's CPU norm adds all 2**22 squares in one float32 chain (1.0e-4 off).
     # (float16's total of these stays below its largest value, 65504: see the next test.)
     sizes = [1, 3, 1000, 2**16 + 7, 2**22]
-    for seed in range(3):
-        tensors = grads(dtype, sizes, seed, top=0 if dtype == torch.float16 else 2)
-        total = float(torch.nn.utils.get_total_norm(tensors))
-        precision = stored_precision([total])
-        assert relative_difference(total, f64_norm(tensors)) <= tolerance(precision)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for seed in range(3):
+            tensors = grads(dtype, sizes, seed, top=0 if dtype == torch.float16 else 2)
+            total = float(torch.nn.utils.get_total_norm(tensors))
+            error = relative_difference(total, f64_norm(tensors))
+            assert error <= tolerance(stored_precision([total])), (seed, error)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_float16_total_that_overflowed_is_a_disagreement():
