@@ -99,6 +99,7 @@ from .nonfinite_origin import NonfiniteLocator
 from .producer import save_grads
 from .report.grouping import parse_group_by
 from .report.groups import Grouping, GroupSums, nonfinite_counts
+from .tracker_scalars import TensorBoardScalars, scalars
 
 __all__ = ["SCHEMA", "GradMonitor"]
 
@@ -195,6 +196,15 @@ class GradMonitor:
             the device (read only on a non-finite step: a clean step reads
             nothing more); the accumulation order is recorded once, in the
             first backward. The hooks stay on the model.
+        tensorboard: a folder to write TensorBoard scalars to as well (torch's
+            ``SummaryWriter``; needs ``pip install 'gradclip[tensorboard]'``,
+            else ``ImportError`` here): each logged step's total and group
+            norms, spike flag and clip coefficient under the tags
+            ``gradclip/total_norm``, ``gradclip/norm/<group>``,
+            ``gradclip/spike``, ``gradclip/clip_coef`` (``tracker_scalars``),
+            the log's numbers rounded to float32, as TensorBoard stores them.
+            ``close()`` flushes them; until then torch's writer flushes every
+            120 s.
 
     Under ``torch.distributed`` every rank measures and clips (so all ranks
     apply the same coefficient), but only rank 0 writes the log and the
@@ -222,6 +232,7 @@ class GradMonitor:
         max_dumps: int = DEFAULT_MAX_DUMPS,
         clip_spikes: bool = False,
         locate_nonfinite: bool = False,
+        tensorboard: str | os.PathLike[str] | None = None,
     ):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"GradMonitor: every must be a whole number >= 1, got {every!r}")
@@ -267,6 +278,10 @@ class GradMonitor:
         self._warned_empty = False
         self._reported: set[str] = set()  # write failures already told on stderr
         self._locator = NonfiniteLocator(model) if locate_nonfinite else None
+        # The newest logged record (what the framework adapters pass to their loggers).
+        self.last_record: dict[str, Any] | None = None
+        self._tensorboard = None if tensorboard is None else TensorBoardScalars(
+            _checked_path(tensorboard, "tensorboard", folder=True))
 
     # -- public --------------------------------------------------------------
 
@@ -343,10 +358,13 @@ class GradMonitor:
         return total
 
     def close(self) -> None:
-        """Close the log file (it is reopened, for appending, if the monitor logs again)."""
+        """Close the log file (it is reopened, for appending, if the monitor logs again)
+        and flush the TensorBoard scalars (a later step opens a new event file)."""
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
     def __enter__(self) -> GradMonitor:
         return self
@@ -553,7 +571,18 @@ class GradMonitor:
                 + json.dumps(tail, allow_nan=False)[1:]
             )
             self._write_line(line)
+        self._publish(record)
         return record, coef
+
+    def _publish(self, record: dict[str, Any]) -> None:
+        """Keep the record for the adapters; write its scalars to TensorBoard (rank 0)."""
+        self.last_record = record
+        if self._tensorboard is not None and _is_writer():
+            try:
+                self._tensorboard.write(record["step"], scalars(record))
+            except OSError as e:
+                self._report("tensorboard", f"GradMonitor: cannot write TensorBoard scalars "
+                             f"to {self._tensorboard.log_dir}: {e}; training goes on")
 
     def _nonfinite_origin(self) -> dict[str, str | None]:
         """Where this step's non-finite value began (``locate_nonfinite``): names as

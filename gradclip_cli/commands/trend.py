@@ -53,6 +53,7 @@ from ..source.run_folder import RunFolder
 from ..source.vocabulary import CheckpointStep, checkpoint_step
 from ..source.what import EXPLAIN, WHATS
 from .common import Loaded, Releasers, load, measure, output_format, prepare, speaks
+from .norm_audit import norm_audits
 
 # What --what may name (CONTRACT.md): the same choices inspect takes.
 WHAT_CHOICES = WHATS
@@ -133,7 +134,8 @@ def run(
             raise
     if pending is not None:
         pending.deliver()
-    return 1 if report.status in (SPIKE, NONFINITE) else 0
+    # A norm audit that disagrees is a finding too (docs/guides/dashboards.md).
+    return 1 if report.status in (SPIKE, NONFINITE) or report.disagreeing else 0
 
 
 def build(
@@ -217,9 +219,11 @@ def build(
     if logs:
         group_by = (LOGGED_GROUPS if len(logs) == len(inputs)
                     else f"{group_by} (checkpoints), {LOGGED_GROUPS} (logs)")
+    audits = norm_audits(runs, [(item.path, item.kind, logged[item.path]) for item in inputs
+                                if isinstance(item.kind, LogKind)])
     report = build_trend_report(
         order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
-        alpha=alpha, warmup=warmup, fail_on=fail_on, **found,
+        alpha=alpha, warmup=warmup, fail_on=fail_on, audits=audits, **found,
     )  # fmt: skip
     return replace(report, optimizer=one_optimizer(optimizers))
 

@@ -98,6 +98,15 @@ def trend_findings(report: TrendReport) -> list[Finding]:
             found.append(Finding(severity, g, f"{spike} at {at}",
                                  f"{p.source}: group {g} norm {number(p.groups[g])}, "
                                  f"z {z_text(p.group_z[g])} > {report.z_threshold:g}", p.source))
+    # The norm audit: each step where a framework's logged total disagrees with gradclip's.
+    for a in report.disagreeing:
+        for d in a.disagreements:
+            found.append(Finding(ERROR, TOTAL, f"logged total norm disagrees at step {d.step}",
+                                 f"{a.framework.kind} ({a.framework.source}): "
+                                 f"{number(d.framework)}; {a.gradclip.kind} "
+                                 f"({a.gradclip.source}): {number(d.gradclip)}; relative "
+                                 f"difference {number(d.relative)} > {a.tolerance:.2g} "
+                                 f"({a.precision} totals)", a.framework.source))
     return found
 
 

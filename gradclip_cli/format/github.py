@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from . import findings as F
 from .text import visible
-from .words import compare_verdict, fmt, fmt_p, trend_verdict, verdict_line
+from .words import audit_lines, compare_verdict, fmt, fmt_p, trend_verdict, verdict_line
 
 if TYPE_CHECKING:
     from ..report import ClipReport, FailureReport, InspectReport
@@ -65,6 +65,8 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
     newest = report.points[-1].source if report.points else ""
     for note in report.notes:  # where each series of a run folder came from
         out.write(command("notice", note, title="gradclip trend: run folder"))
+    for line in audit_lines(report):  # a disagreement is also an error finding below
+        out.write(command("notice", line, title="gradclip trend: norm audit"))
     _write(out, newest, F.trend_findings(report), trend_verdict(report))
 
 

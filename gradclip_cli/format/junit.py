@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, TextIO
 from . import findings as F
 from .text import visible
 from .words import (
+    audit_lines,
     compare_verdict,
     fmt,
     fmt_p,
@@ -102,7 +103,7 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
 def render_trend(report: TrendReport, out: TextIO) -> None:
     # The notes (where each series of a run folder came from) follow the verdict.
     _write(_suite("gradclip trend", [F.TOTAL, *report.groups], F.trend_findings(report),
-                  trend_verdict(report), notes=report.notes), out)
+                  trend_verdict(report), notes=[*report.notes, *audit_lines(report)]), out)
 
 
 def render_compare(report: CompareReport, out: TextIO) -> None:

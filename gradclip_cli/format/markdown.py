@@ -27,6 +27,7 @@ from .shown import (
 )
 from .text import visible
 from .words import (
+    audit_lines,
     compare_verdict,
     fmt,
     fmt_p,
@@ -142,12 +143,16 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
 
 def render_trend(report: TrendReport, out: TextIO) -> None:
     out.write("### gradclip trend\n\n")
-    out.write(_verdict(trend_verdict(report), report.status in (SPIKE, NONFINITE)))
+    out.write(_verdict(trend_verdict(report),
+                       report.status in (SPIKE, NONFINITE) or bool(report.disagreeing)))
     out.write(f"{len(report.points)} points, {escape(report.what)}, "
               f"p={escape(fmt_p(report.norm_type))}; spike: z \\> {report.z_threshold:g} "
               f"(alpha {report.alpha:g}, warmup {report.warmup})\n\n")
     if report.notes:  # where each series of a run folder came from
         out.write("".join(f"- {escape(note)}\n" for note in report.notes) + "\n")
+    audits = audit_lines(report)  # the norm audit
+    if audits:
+        out.write("".join(f"- {escape(line)}\n" for line in audits) + "\n")
     shown = points_to_show(report)
     rows = []
     for p in shown:

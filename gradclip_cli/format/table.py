@@ -40,6 +40,7 @@ from .shown import (
 )
 from .text import visible
 from .words import (
+    audit_lines,
     clip_summary,
     compare_verdict,
     fmt,
@@ -331,6 +332,8 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
                  f"(alpha {report.alpha:g}, warmup {report.warmup})")
     for note in report.notes:  # where each series of a run folder came from
         _print_prose(console, visible(note))
+    for line in audit_lines(report):  # already made visible
+        _print_prose(console, line)
     shown = points_to_show(report)
     columns = [
         Column("step", ["-" if p.step is None else str(p.step) for p in shown]),
@@ -379,7 +382,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
                                          width, shorten_first=True))
         if len(groups) > len(ranked):
             _print_prose(console, f"... {len(groups) - len(ranked)} smaller groups", style="dim")
-    failed = report.status in (NONFINITE, SPIKE)
+    failed = report.status in (NONFINITE, SPIKE) or bool(report.disagreeing)
     # One line whatever its length: scripts and people grep for it.
     console.print(Text(trend_verdict(report), style="bold red" if failed else "bold green"),
                   soft_wrap=True)
@@ -429,7 +432,8 @@ def _print_quiet(verdict: str, failed: bool, found: list, out: TextIO, err: Text
 
 
 def print_trend_verdict(report: TrendReport, out: TextIO, err: TextIO | None) -> None:
-    _print_quiet(trend_verdict(report), report.status in (NONFINITE, SPIKE),
+    _print_quiet(trend_verdict(report),
+                 report.status in (NONFINITE, SPIKE) or bool(report.disagreeing),
                  F.trend_findings(report), out, err)
 
 

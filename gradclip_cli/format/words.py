@@ -229,6 +229,8 @@ def trend_verdict(report: TrendReport) -> str:
     """The last line of the table and Markdown reports, matching the exit code."""
     failing = report.failing
     what = judged_in(report)
+    if report.disagreeing and not failing:
+        return audit_verdict(report)
     if failing:
         kind = (f"non-finite {what.plural}" if report.status == NONFINITE
                 else f"{what.attribute} spike")
@@ -277,6 +279,37 @@ def _earlier(report: TrendReport) -> str:
              f"{len(spikes)} spike(s) ({_steps(spikes)})" if spikes else ""]
     said = [part for part in parts if part]
     return f"; earlier: {', '.join(said)}" if said else ""
+
+
+def audit_lines(report: TrendReport) -> list[str]:
+    """One line per norm audit (report/norm_audit.py): which totals were held against
+    which, over how many steps, within what tolerance, and where they disagree."""
+    lines = []
+    for a in report.audits:
+        pair = (f"{a.framework.kind} ({visible(a.framework.source)}) against "
+                f"{a.gradclip.kind} ({visible(a.gradclip.source)})")
+        within = f"{a.tolerance:.2g} relative ({a.precision} totals)"
+        n = len(a.compared)
+        if a.agrees:
+            lines.append(f"norm audit: {pair}: agree at all {n} step(s), within {within}")
+            continue
+        shown = ", ".join(f"step {d.step}: {fmt(d.framework)} vs {fmt(d.gradclip)}"
+                          for d in a.disagreements[:3])
+        more = f" and {len(a.disagreements) - 3} more" if len(a.disagreements) > 3 else ""
+        lines.append(f"norm audit: {pair}: DISAGREE at {len(a.disagreements)} of {n} "
+                     f"step(s), beyond {within}: {shown}{more}")
+    return lines
+
+
+def audit_verdict(report: TrendReport) -> str:
+    """The verdict when the only finding is a norm audit that disagrees."""
+    bad = report.disagreeing
+    steps = sum(len(a.disagreements) for a in bad)
+    first = bad[0].disagreements[0]
+    return (f"FAIL: the logged total norm disagrees with gradclip's at {steps} step(s) "
+            f"(step {first.step}: {fmt(first.framework)} logged by "
+            f"{bad[0].framework.kind}, {fmt(first.gradclip)} by gradclip); the framework "
+            "computed its norm over other gradients (exit 1)")
 
 
 # -- compare --------------------------------------------------------------------

@@ -18,6 +18,7 @@ from ..core.spikes import SpikeDetector
 from ..errors import UsageError
 from ..escaping import visible
 from .model import INSUFFICIENT_HISTORY, NONFINITE, OK, SPIKE, NonFinite
+from .norm_audit import NormAudit
 
 FAIL_ON_NEWEST, FAIL_ON_ANY = "newest", "any"
 
@@ -121,6 +122,13 @@ class TrendReport:
     # The optimizer whose rule gave an optimizer quantity ("Adam"), where every
     # checkpoint names the same one; for the verdict's words.
     optimizer: str | None = None
+    # A framework's own logged totals held against gradclip's (report/norm_audit.py).
+    audits: tuple[NormAudit, ...] = ()
+
+    @property
+    def disagreeing(self) -> list[NormAudit]:
+        """The audits that found steps where the two totals disagree: a finding (exit 1)."""
+        return [a for a in self.audits if not a.agrees]
 
     @property
     def groups(self) -> list[str]:
@@ -208,9 +216,11 @@ def _same_norms(a: Observation, b: Observation) -> bool:
     def same(x: float, y: float) -> bool:
         return x == y or (math.isnan(x) and math.isnan(y))
 
+    # No counts (a log_history entry holds none) is no difference: the counts that
+    # one side gives are not contradicted by the other.
     return (same(a.total_norm, b.total_norm) and a.groups.keys() == b.groups.keys()
             and all(same(v, b.groups[k]) for k, v in a.groups.items())
-            and a.nonfinite == b.nonfinite)
+            and (a.nonfinite is None or b.nonfinite is None or a.nonfinite == b.nonfinite))
 
 
 def build_trend_report(
@@ -226,6 +236,7 @@ def build_trend_report(
     series: Sequence[SeriesFound] = (),
     clipping: Sequence[ClippingFound] = (),
     notes: Sequence[str] = (),
+    audits: Sequence[NormAudit] = (),
 ) -> TrendReport:
     """Judge ``observations`` (already in step order) point by point.
 
@@ -263,6 +274,7 @@ def build_trend_report(
         what=what, norm_type=norm_type, group_by=group_by, z_threshold=z, alpha=alpha,
         warmup=warmup, fail_on=fail_on, points=points, status=_status(points, fail_on),
         series=tuple(series), clipping=tuple(clipping), notes=tuple(notes),
+        audits=tuple(audits),
     )  # fmt: skip
 
 
