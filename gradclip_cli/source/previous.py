@@ -358,12 +358,17 @@ class _Builder:
             reads_prev = [_zeros(s) for s in (first, checked)]
             if rule.running_max:
                 reads_prev.append(_zeros(num.tensor(entry, rule.running_max)))
-        weight = self._weight(name, shape)
+        weight = self._weight(name)
         decay = self._l2(name, num, group)
         if decay and weight is None:
             raise refuse(f"parameter {visible(name)}: {self.kind}'s weight decay "
                          f"{decay:g} enters its moments as decay * weights before the step, "
                          f"and {self.prev.path} holds no weights for it")
+        if weight is not None and tuple(weight.shape) != shape:
+            if decay:
+                raise refuse(f"parameter {visible(name)}: the weight in {self.prev.path} has "
+                             f"shape {list(weight.shape)}, its state {list(shape)}")
+            weight = None  # held otherwise (a fused parameter): no ratio, nothing else
         maximize = bool(group.get("maximize"))
         gradient = partial(om.adam_gradient, beta1=beta1, weight_decay=decay, maximize=maximize)
         reads = (first, reads_prev[0], *([weight] if decay else []))
@@ -434,13 +439,10 @@ class _Builder:
                 "the two rules give different gradients")
         return decay
 
-    def _weight(self, name: str, shape: tuple[int, ...]) -> StoredTensor | None:
+    def _weight(self, name: str) -> StoredTensor | None:
+        """PREV's weight of ``name``: the weights the step's gradient was taken at."""
         weights = self.prev.weights or {}
-        weight = weights.get(name, self.prev.fused_weights.get(name))
-        if weight is not None and tuple(weight.shape) != shape:
-            raise self.refuse(f"parameter {visible(name)}: the weight in {self.prev.path} has "
-                              f"shape {list(weight.shape)}, its state {list(shape)}")
-        return weight
+        return weights.get(name, self.prev.fused_weights.get(name))
 
     def finish(self) -> Reconstruction:
         if not self.names:
