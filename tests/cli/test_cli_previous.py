@@ -347,3 +347,12 @@ def test_a_non_finite_gradient_is_a_finding_not_a_refusal(gradclip, tmp_path):
     rows = {row["name"]: row for row in doc["tensors"]}
     assert rows["a.weight"]["nonfinite"]["nan"] == 1
     assert rows["b.weight"]["nonfinite"]["nan"] == 0
+
+
+def test_two_ranks_print_the_one_process_report(adam_run, tmp_path):
+    from tests.distributed.launch import same_under_torchrun
+
+    jobs = [{"args": ["inspect", str(adam_run.checkpoint(4)), "--previous",
+                      str(adam_run.checkpoint(3)), "--group-by", "tensor", "--format", fmt,
+                      "--no-progress"]} for fmt in ("table", "json")]
+    same_under_torchrun(jobs, tmp_path)
