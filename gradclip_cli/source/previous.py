@@ -179,6 +179,13 @@ class Reconstruction:
     rule: str
 
     @property
+    def state_dtypes(self) -> list[str]:
+        """The dtypes the first moments are stored in (``float32``, ``bfloat16``): they set
+        how close the reconstruction is (docs/guides/previous.md, "How close")."""
+        found = {str(d.reads[0].dtype).removeprefix("torch."): None for d in self.derivations}
+        return list(found)
+
+    @property
     def step(self) -> int:
         return int(max(self.steps)) if self.steps else 0
 

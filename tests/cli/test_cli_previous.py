@@ -73,6 +73,7 @@ def test_table_says_what_was_reconstructed_and_the_check(gradclip, adam_run):
     text = " ".join(result.out.split())
     assert "gradients of optimizer step 4 as the optimizer saw them" in text
     assert "reconstructed from the Adam states of steps 3 and 4" in text
+    assert "from exp_avg (float32 state, computed in float64)" in text
     assert "minus weight_decay * the weights of" in text  # Adam's L2 decay
     assert "cross-check: exp_avg_sq agrees" in text and f"bound is {CHECK_BOUND:g} units" in text
 
