@@ -357,3 +357,18 @@ def test_two_ranks_print_the_one_process_report(adam_run, tmp_path):
                       str(adam_run.checkpoint(3)), "--group-by", "tensor", "--format", fmt,
                       "--no-progress"]} for fmt in ("table", "json")]
     same_under_torchrun(jobs, tmp_path)
+
+
+def test_a_parameter_whose_first_gradient_came_at_that_step(gradclip, tmp_path):
+    # b.bias gets no gradient before step 3: torch makes its state at step 3 (its own
+    # step 1), so PREV holds none for it and its moments before were zeros.
+    def late(step, opt):
+        if step < 3:
+            opt.param_groups[0]["params"][3].grad = None  # b.bias
+
+    run = train(tmp_path, _adam_l2, steps=3, before_step=late)
+    assert 3 not in torch.load(run.checkpoint(2), weights_only=True)["optimizer"]["state"]
+    result = gradclip("inspect", run.checkpoint(3), "--previous", run.checkpoint(2),
+                      "--group-by", "tensor", "--format", "json")
+    assert result.code == 0, result.err
+    _assert_matches(result.json(), run.grads(3), 1e-5)
