@@ -222,7 +222,8 @@ class Reconstruction:
 
     def selection(self, disagreement: Disagreement) -> Selection:
         """What ``inspect`` measures: the gradients, with the evidence and the check."""
-        described = [StoredTensor(n, d.shape, torch.float64, ())
+        described = [StoredTensor(n, d.shape, torch.complex128 if d.reads[0].dtype.is_complex
+                                  else torch.float64, ())
                      for n, d in zip(self.names, self.derivations)]
         weights = self.weights if all(w is not None for w in self.weights) else None
         return Selection(

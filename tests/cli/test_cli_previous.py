@@ -372,3 +372,37 @@ def test_a_parameter_whose_first_gradient_came_at_that_step(gradclip, tmp_path):
                       "--group-by", "tensor", "--format", "json")
     assert result.code == 0, result.err
     _assert_matches(result.json(), run.grads(3), 1e-5)
+
+
+def test_complex_parameters(gradclip, tmp_path):
+    # torch's Adam views complex state as real pairs; the gradient is linear in the
+    # moments, and its norm counts |z| as torch does.
+    class Complex(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.w = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex64))
+
+        def forward(self, x):
+            return (x @ self.w).abs().square().sum()
+
+    from gradclip_cli import save_grads
+
+    model = Complex()
+    opt = optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in (1, 2, 3):
+        opt.zero_grad()
+        model(torch.randn(5, 4, dtype=torch.complex64)).backward()
+        save_grads(model, tmp_path / f"grads-{step}.pt")
+        opt.step()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                   tmp_path / f"step-{step}.pt")
+    result = gradclip("inspect", tmp_path / "step-3.pt", "--previous", tmp_path / "step-2.pt",
+                      "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    g = torch.load(tmp_path / "grads-3.pt", weights_only=True)["grads"]["w"]
+    assert rel_err(doc["total_norm"], torch.linalg.vector_norm(g.to(torch.complex128)).item()) \
+        <= 1e-5
+    assert doc["tensors"][0]["dtype"] == "complex128"
+    assert doc["measured"]["cross_check"]["max_units"] <= CHECK_BOUND
