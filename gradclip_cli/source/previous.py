@@ -55,7 +55,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import optimizers
 from gradclip_cli.source.interface import Contents, Derivation, OptimizerState, StoredTensor
-from gradclip_cli.source.what import Selection, map_names, optimizer_state
+from gradclip_cli.source.what import Selection, map_names, optimizer_state, report_order
 
 # The cross-check's bound, in units of the state's rounding (unit roundoff: 2^-24 for
 # float32 state, 2^-8 for bfloat16): torch's moment updates keep the residual below 9
@@ -291,15 +291,17 @@ def reconstruct(curr: Contents, prev: Contents) -> Reconstruction:
     by_name_prev = {n: pid for pid, n in names_prev.items()}
     group_of = {pid: g for g in opt.param_groups for pid in g["params"]}
     group_of_prev = {pid: g for g in opt_prev.param_groups for pid in g["params"]}
+    held = set(names.values())
     missing = [n for n in names.values() if n not in by_name_prev]
-    extra = [n for n in names_prev.values() if n not in set(names.values())]
+    extra = [n for n in names_prev.values() if n not in held]
     if missing or extra:
         where, which = (prev.path, missing[0]) if missing else (curr.path, extra[0])
         raise refuse(f"the parameters differ: {where}'s optimizer holds no parameter "
                      f"{visible(which)}")
 
     out = _Builder(curr, prev, kind.name, rule, refuse)
-    for pid, name in names.items():
+    order = report_order(curr, list(names.values()))
+    for pid, name in sorted(names.items(), key=lambda item: order.get(item[1], len(order))):
         pid_prev = by_name_prev[name]
         out.add(name, opt, opt.state.get(pid), group_of[pid], opt_prev,
                 opt_prev.state.get(pid_prev), group_of_prev[pid_prev])

@@ -275,6 +275,9 @@ def test_trainer_checkpoints_give_the_clipped_gradients(gradclip, trainer_run):
     doc = result.json()
     grads = torch.load(trainer_run / f"grads-{t}.pt", weights_only=True)["grads"]
     _assert_matches(doc, grads, 1e-5)
+    # The model's order (save_grads follows named_parameters), not the optimizer's two
+    # groups (decayed, then not).
+    assert [row["name"] for row in doc["tensors"]] == list(grads)
     assert "AdamW states of steps 2 and 3" in doc["measured"]["evidence"]
     logged = json.loads((trainer_run / "trainer_state.json").read_text())["log_history"]
     before = next(e["grad_norm"] for e in logged if e.get("step") == t and "grad_norm" in e)
