@@ -40,8 +40,10 @@ def load_pair(path: str, previous: str, key: str | None, trust_pickle: bool, ver
     steps.begin("cross-checking the moments",
                 total=sum(t.nbytes for d in rec.checks for t in d.reads))
     found = rec.disagreement(device, lambda batch: steps.advance(nbytes(batch)), WORKERS)
-    lines = [f"reconstructed: {rec.kind}: g_t = (m_t - beta1 * m_(t-1)) / (1 - beta1) from "
-             f"{rec.rule}" + _adjustments(rec), found.sentence()]
+    b = "alpha" if rec.rule == "grad_avg" else "beta1"  # RMSprop's average is by alpha
+    lines = [f"reconstructed: {rec.kind}: g_t = (m_t - {b} * m_(t-1)) / (1 - {b}) from "
+             f"{rec.rule} ({', '.join(rec.state_dtypes)} state, computed in float64)"
+             + _adjustments(rec), found.sentence()]
     if rec.idle:
         more = f" and {len(rec.idle) - 3} more" if len(rec.idle) > 3 else ""
         lines.append(f"no gradient at step {rec.step} (state unchanged): "

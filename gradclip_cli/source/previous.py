@@ -55,7 +55,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import optimizers
 from gradclip_cli.source.interface import Contents, Derivation, OptimizerState, StoredTensor
-from gradclip_cli.source.what import Selection, map_names, optimizer_state
+from gradclip_cli.source.what import Selection, map_names, optimizer_state, report_order
 
 # The cross-check's bound, in units of the state's rounding (unit roundoff: 2^-24 for
 # float32 state, 2^-8 for bfloat16): torch's moment updates keep the residual below 9
@@ -179,6 +179,13 @@ class Reconstruction:
     rule: str
 
     @property
+    def state_dtypes(self) -> list[str]:
+        """The dtypes the first moments are stored in (``float32``, ``bfloat16``): they set
+        how close the reconstruction is (docs/guides/previous.md, "How close")."""
+        found = {str(d.reads[0].dtype).removeprefix("torch."): None for d in self.derivations}
+        return list(found)
+
+    @property
     def step(self) -> int:
         return int(max(self.steps)) if self.steps else 0
 
@@ -215,7 +222,8 @@ class Reconstruction:
 
     def selection(self, disagreement: Disagreement) -> Selection:
         """What ``inspect`` measures: the gradients, with the evidence and the check."""
-        described = [StoredTensor(n, d.shape, torch.float64, ())
+        described = [StoredTensor(n, d.shape, torch.complex128 if d.reads[0].dtype.is_complex
+                                  else torch.float64, ())
                      for n, d in zip(self.names, self.derivations)]
         weights = self.weights if all(w is not None for w in self.weights) else None
         return Selection(
@@ -283,15 +291,17 @@ def reconstruct(curr: Contents, prev: Contents) -> Reconstruction:
     by_name_prev = {n: pid for pid, n in names_prev.items()}
     group_of = {pid: g for g in opt.param_groups for pid in g["params"]}
     group_of_prev = {pid: g for g in opt_prev.param_groups for pid in g["params"]}
+    held = set(names.values())
     missing = [n for n in names.values() if n not in by_name_prev]
-    extra = [n for n in names_prev.values() if n not in set(names.values())]
+    extra = [n for n in names_prev.values() if n not in held]
     if missing or extra:
         where, which = (prev.path, missing[0]) if missing else (curr.path, extra[0])
         raise refuse(f"the parameters differ: {where}'s optimizer holds no parameter "
                      f"{visible(which)}")
 
     out = _Builder(curr, prev, kind.name, rule, refuse)
-    for pid, name in names.items():
+    order = report_order(curr, list(names.values()))
+    for pid, name in sorted(names.items(), key=lambda item: order.get(item[1], len(order))):
         pid_prev = by_name_prev[name]
         out.add(name, opt, opt.state.get(pid), group_of[pid], opt_prev,
                 opt_prev.state.get(pid_prev), group_of_prev[pid_prev])
@@ -358,12 +368,17 @@ class _Builder:
             reads_prev = [_zeros(s) for s in (first, checked)]
             if rule.running_max:
                 reads_prev.append(_zeros(num.tensor(entry, rule.running_max)))
-        weight = self._weight(name, shape)
+        weight = self._weight(name)
         decay = self._l2(name, num, group)
         if decay and weight is None:
             raise refuse(f"parameter {visible(name)}: {self.kind}'s weight decay "
                          f"{decay:g} enters its moments as decay * weights before the step, "
                          f"and {self.prev.path} holds no weights for it")
+        if weight is not None and tuple(weight.shape) != shape:
+            if decay:
+                raise refuse(f"parameter {visible(name)}: the weight in {self.prev.path} has "
+                             f"shape {list(weight.shape)}, its state {list(shape)}")
+            weight = None  # held otherwise (a fused parameter): no ratio, nothing else
         maximize = bool(group.get("maximize"))
         gradient = partial(om.adam_gradient, beta1=beta1, weight_decay=decay, maximize=maximize)
         reads = (first, reads_prev[0], *([weight] if decay else []))
@@ -434,13 +449,10 @@ class _Builder:
                 "the two rules give different gradients")
         return decay
 
-    def _weight(self, name: str, shape: tuple[int, ...]) -> StoredTensor | None:
+    def _weight(self, name: str) -> StoredTensor | None:
+        """PREV's weight of ``name``: the weights the step's gradient was taken at."""
         weights = self.prev.weights or {}
-        weight = weights.get(name, self.prev.fused_weights.get(name))
-        if weight is not None and tuple(weight.shape) != shape:
-            raise self.refuse(f"parameter {visible(name)}: the weight in {self.prev.path} has "
-                              f"shape {list(weight.shape)}, its state {list(shape)}")
-        return weight
+        return weights.get(name, self.prev.fused_weights.get(name))
 
     def finish(self) -> Reconstruction:
         if not self.names:

@@ -287,7 +287,7 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
             # has stepped, the state is refused for saying so (step 0).
             continue
         params.append(_Param(name, entry, group_of[pid]))
-    order = _report_order(contents, [p.name for p in params])
+    order = report_order(contents, [p.name for p in params])
     params.sort(key=lambda p: order.get(p.name, len(order)))
     derived = []
     for p in params:
@@ -328,7 +328,9 @@ def _key_of(t: StoredTensor) -> str:
     return t.name.split(".", 1)[1] if "." in t.name else t.name
 
 
-def _report_order(contents: Contents, names: list[str]) -> dict[str, int]:
+def report_order(contents: Contents, names: list[str]) -> dict[str, int]:
+    """Name -> position in the report: the model's parameter order where the checkpoint
+    knows it, else the order of ``names``."""
     if contents.model_order_names:
         return {n: i for i, n in enumerate(contents.model_order_names)}
     if contents.weights and contents.model_order:

@@ -73,6 +73,7 @@ def test_table_says_what_was_reconstructed_and_the_check(gradclip, adam_run):
     text = " ".join(result.out.split())
     assert "gradients of optimizer step 4 as the optimizer saw them" in text
     assert "reconstructed from the Adam states of steps 3 and 4" in text
+    assert "from exp_avg (float32 state, computed in float64)" in text
     assert "minus weight_decay * the weights of" in text  # Adam's L2 decay
     assert "cross-check: exp_avg_sq agrees" in text and f"bound is {CHECK_BOUND:g} units" in text
 
@@ -274,6 +275,9 @@ def test_trainer_checkpoints_give_the_clipped_gradients(gradclip, trainer_run):
     doc = result.json()
     grads = torch.load(trainer_run / f"grads-{t}.pt", weights_only=True)["grads"]
     _assert_matches(doc, grads, 1e-5)
+    # The model's order (save_grads follows named_parameters), not the optimizer's two
+    # groups (decayed, then not).
+    assert [row["name"] for row in doc["tensors"]] == list(grads)
     assert "AdamW states of steps 2 and 3" in doc["measured"]["evidence"]
     logged = json.loads((trainer_run / "trainer_state.json").read_text())["log_history"]
     before = next(e["grad_norm"] for e in logged if e.get("step") == t and "grad_norm" in e)
@@ -347,3 +351,61 @@ def test_a_non_finite_gradient_is_a_finding_not_a_refusal(gradclip, tmp_path):
     rows = {row["name"]: row for row in doc["tensors"]}
     assert rows["a.weight"]["nonfinite"]["nan"] == 1
     assert rows["b.weight"]["nonfinite"]["nan"] == 0
+
+
+def test_two_ranks_print_the_one_process_report(adam_run, tmp_path):
+    from tests.distributed.launch import same_under_torchrun
+
+    jobs = [{"args": ["inspect", str(adam_run.checkpoint(4)), "--previous",
+                      str(adam_run.checkpoint(3)), "--group-by", "tensor", "--format", fmt,
+                      "--no-progress"]} for fmt in ("table", "json")]
+    same_under_torchrun(jobs, tmp_path)
+
+
+def test_a_parameter_whose_first_gradient_came_at_that_step(gradclip, tmp_path):
+    # b.bias gets no gradient before step 3: torch makes its state at step 3 (its own
+    # step 1), so PREV holds none for it and its moments before were zeros.
+    def late(step, opt):
+        if step < 3:
+            opt.param_groups[0]["params"][3].grad = None  # b.bias
+
+    run = train(tmp_path, _adam_l2, steps=3, before_step=late)
+    assert 3 not in torch.load(run.checkpoint(2), weights_only=True)["optimizer"]["state"]
+    result = gradclip("inspect", run.checkpoint(3), "--previous", run.checkpoint(2),
+                      "--group-by", "tensor", "--format", "json")
+    assert result.code == 0, result.err
+    _assert_matches(result.json(), run.grads(3), 1e-5)
+
+
+def test_complex_parameters(gradclip, tmp_path):
+    # torch's Adam views complex state as real pairs; the gradient is linear in the
+    # moments, and its norm counts |z| as torch does.
+    class Complex(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.w = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex64))
+
+        def forward(self, x):
+            return (x @ self.w).abs().square().sum()
+
+    from gradclip_cli import save_grads
+
+    model = Complex()
+    opt = optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in (1, 2, 3):
+        opt.zero_grad()
+        model(torch.randn(5, 4, dtype=torch.complex64)).backward()
+        save_grads(model, tmp_path / f"grads-{step}.pt")
+        opt.step()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                   tmp_path / f"step-{step}.pt")
+    result = gradclip("inspect", tmp_path / "step-3.pt", "--previous", tmp_path / "step-2.pt",
+                      "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    g = torch.load(tmp_path / "grads-3.pt", weights_only=True)["grads"]["w"]
+    assert rel_err(doc["total_norm"], torch.linalg.vector_norm(g.to(torch.complex128)).item()) \
+        <= 1e-5
+    assert doc["tensors"][0]["dtype"] == "complex128"
+    assert doc["measured"]["cross_check"]["max_units"] <= CHECK_BOUND
