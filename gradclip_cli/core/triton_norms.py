@@ -17,10 +17,14 @@ How the sum stays accurate at any size and magnitude (the contract's 1e-6):
   factors so that neither leaves float32's range), so no term ``(|x| 2^-k)^p``
   can overflow, and only terms below ``2^-126`` of the tile's largest
   underflow: they move the sum by less than ``BLOCK * 2^-126`` of itself.
-* The tile's terms are summed in float32 by a tree (``log2 BLOCK`` roundings:
-  at most 11 * 2^-24 = 6.6e-7 relative, and on data ~1e-8), p = 1 and 2 from
-  float32 products, any other p from a float64 ``exp2(p log2 y)`` (float32's
-  ``log2`` is 2 ulp off, which p times the exponent would magnify).
+* For p = 2 the tile's squares are summed in float32: each thread adds its
+  16 elements, then warps and threads combine as a tree, at most 22
+  additions deep, so the sum is within 22 * 2^-24 = 1.3e-6 of exact in the
+  worst case and the norm, its square root, within 6.6e-7 (on real data
+  ~1e-8). Other p are summed in float64 (p = 1 would keep the sum's whole
+  error, p < 1 magnify it), their terms from a float64 ``exp2(p log2 y)``
+  (float32's ``log2`` is 2 ulp off, which p times the exponent would
+  magnify).
 * Tiles, then a tensor's programs, are combined in float64, each sum carried
   with its own exponent and rescaled to the larger one (``S 2^(p (E - E'))``),
   so nothing overflows or underflows there either (float64 tensors are summed
@@ -359,7 +363,7 @@ def _kernels() -> _Kernels | None:
                     f2 = ((k2 + 127) << 23).to(tl.float32, bitcast=True)
                 y = a * f1 * f2
                 if MODE == 1:
-                    s = tl.sum(y, axis=0).to(tl.float64)
+                    s = tl.sum(y.to(tl.float64), axis=0)
                 elif MODE == 2:
                     s = tl.sum(y * y, axis=0).to(tl.float64)
                 else:
