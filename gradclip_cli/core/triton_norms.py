@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,6 +57,10 @@ BLOCK_PROGRAMS = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 F64 = torch.float64
+
+# Why the kernel failed to build or launch on this machine, once it has: from then
+# on gradclip keeps its ``_foreach`` path (``usable`` says no), after one warning.
+failure: str | None = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -81,7 +86,7 @@ def usable(tensors: Sequence[torch.Tensor], norm_type: float) -> bool:
     ``GRADCLIP_TRITON=interpret`` with ``TRITON_INTERPRET=1`` serves CPU tensors
     too, so that the tests run every caller's path through the interpreter."""
     choice = os.environ.get("GRADCLIP_TRITON", "1")
-    if not tensors or choice == "0":
+    if not tensors or choice == "0" or failure is not None:
         return False
     first = tensors[0]
     on_cpu = choice == "interpret" and interpreted() and first.device.type == "cpu"
@@ -160,6 +165,21 @@ def _times_power_of_two(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor
 def _with_nonfinite(finite: torch.Tensor, nan: torch.Tensor, inf: torch.Tensor) -> torch.Tensor:
     out = torch.where(inf > 0, math.inf, finite)
     return torch.where(nan > 0, math.nan, out)
+
+
+def tensor_sums_or_none(tensors: Sequence[torch.Tensor], norm_type: float) -> TensorSums | None:
+    """``tensor_sums``, or None (with one warning for the process) where the kernel
+    cannot be compiled or launched here: the caller's ``_foreach`` path is exact too,
+    and a norm must not stop a training run. Errors the device reports later
+    (asynchronously) are not caught: they are not the kernel's to hide."""
+    global failure
+    try:
+        return tensor_sums(tensors, norm_type)
+    except Exception as e:  # Triton's compile and launch errors have no common base
+        failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e) else ''}"
+        warnings.warn(f"gradclip: the Triton norm kernel cannot run here ({failure}); "
+                      "using torch's _foreach kernels instead", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def tensor_sums(tensors: Sequence[torch.Tensor], norm_type: float) -> TensorSums:
