@@ -329,4 +329,20 @@ def run(big_shapes, small_shapes, device: str = "cuda", reps: int = 7) -> tuple[
         out.append(f"- {name} under set_sync_debug_mode('error'): {verdict}")
     for line in goals(totals, clips, cores, worst, syncs, equal):
         out.append(f"- {line}")
+    out.append(f"- Triton pass: {triton_state(device)}")
     return "\n".join(out), worst
+
+
+def triton_state(device: str) -> str:
+    """Whether the figures above came from the Triton pass, and if not, why."""
+    if torch.device(device).type != "cuda":
+        return "not used (not CUDA)"
+    from gradclip_cli.core import triton_norms
+
+    if triton_norms.failure is not None:
+        return f"FAILED, the _foreach path was used: {triton_norms.failure}"
+    if triton_norms._triton() is None:
+        return "not used (Triton cannot be imported)"
+    if os.environ.get("GRADCLIP_TRITON") == "0":
+        return "turned off (GRADCLIP_TRITON=0)"
+    return "used"

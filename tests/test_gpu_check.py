@@ -66,6 +66,7 @@ def test_issue42_section_on_cpu():
     goals = [line for line in text.splitlines() if "(goal" in line]
     assert len(goals) == 2 + 4 + 2 + 1
     assert "- bf16 scaling bit for bit torch's: yes" in text
+    assert "- Triton pass: not used (not CUDA)" in text
     assert text.count("sync-free") >= 4  # every call named, nothing to catch on the CPU
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert len([r for r in rows if r.startswith(("| float", "| bfloat"))]) == 4 * 3 * 4

@@ -173,7 +173,7 @@ def fused_pass_sums(tensors: Sequence[torch.Tensor], norm_type: float):
 
     if not triton_norms.usable(tensors, norm_type):
         return None
-    return triton_norms.tensor_sums(tensors, norm_type)
+    return triton_norms.tensor_sums_or_none(tensors, norm_type)
 
 
 def _fused(device: torch.device, foreach: bool | None) -> bool:

@@ -12,6 +12,7 @@ subnormals, magnitudes spread over the range, and NaN/+inf/-inf patterns.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -184,6 +185,7 @@ def test_every_caller_takes_the_kernel_where_it_serves(tn, monkeypatch, p):
     calls = []
     real = tn.tensor_sums
     monkeypatch.setattr(tn, "tensor_sums", lambda ts, q: calls.append(len(ts)) or real(ts, q))
+    assert tn.failure is None
     g = torch.Generator().manual_seed(5)
     tensors = [torch.randn(n, generator=g).mul(1e20).to(DEVICE) for n in (300, 5, 0, 130)]
     wide = [t.to("cpu", F64) for t in tensors]
@@ -202,3 +204,25 @@ def test_every_caller_takes_the_kernel_where_it_serves(tn, monkeypatch, p):
     assert len(calls) == (4 if p == 2.0 else 3)
     assert kernels.sums_by_foreach(tensors, p, foreach=False).norm is not None
     assert len(calls) == (4 if p == 2.0 else 3)  # foreach=False keeps the loop
+
+
+def test_a_kernel_that_cannot_run_here_falls_back_once_with_a_warning(tn, monkeypatch):
+    # A Triton that cannot compile or launch the kernel on some machine: the norms
+    # come from the _foreach path, exact as well, and it is said once.
+    from gradclip_cli.core import kernels
+
+    monkeypatch.setenv("GRADCLIP_TRITON", "interpret")
+    monkeypatch.setattr(tn, "failure", None)
+
+    def broken(tensors, p):
+        raise RuntimeError("PassManager::run failed\nout of shared memory")
+
+    monkeypatch.setattr(tn, "tensor_sums", broken)
+    x = [torch.tensor([3.0, 4.0], device=DEVICE), torch.tensor([12.0], device=DEVICE)]
+    with pytest.warns(RuntimeWarning, match="Triton norm kernel cannot run here "
+                                            r"\(RuntimeError: out of shared memory\)"):
+        assert float(kernels.total_on_device(x, 2.0)) == 13.0
+    assert tn.failure is not None and not tn.usable(x, 2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert float(kernels.total_on_device(x, 2.0)) == 13.0  # no second warning

@@ -105,7 +105,8 @@ def test_a_nan_made_in_a_forward_names_that_module(tmp_path, gradclip):  # noqa:
     assert verdict.startswith("FAIL") and "forward output of transformer.h.1.mlp.c_fc" in verdict
 
 
-def test_a_nan_made_in_backward_names_the_first_parameter_it_reached(tmp_path):
+def test_a_nan_made_in_backward_names_the_first_parameter_it_reached(tmp_path,
+                                                                   gradclip):  # noqa: F811
     model = tiny_gpt2()
     order = AccumulationOrder(model)
     layer = model.transformer.h[0].mlp.c_proj
@@ -130,6 +131,10 @@ def test_a_nan_made_in_backward_names_the_first_parameter_it_reached(tmp_path):
     assert torch.isfinite(names["transformer.h.2.mlp.c_proj.weight"].grad).all()
     assert order.order.index("transformer.h.2.mlp.c_proj.weight") < order.order.index(
         origin["backward"])
+    table = gradclip("trend", tmp_path / "grads.jsonl")
+    verdict = logical_lines(table.out)[-1]
+    assert table.code == 1 and verdict.startswith("FAIL")
+    assert f"began: forward clean, first non-finite gradient {origin['backward']}" in verdict
 
 
 class SqrtNet(torch.nn.Module):
