@@ -51,7 +51,7 @@ from ..source.vocabulary import CheckpointStep, checkpoint_step
 from ..source.what import EXPLAIN, WHATS
 from .common import Loaded, Releasers, emit, load, measure, output_format, speaks
 
-# What --what may name (CONTRACT.md): the same choices inspect takes.
+# What --what may name (docs/reference/contract.md): the same choices inspect takes.
 WHAT_CHOICES = WHATS
 # What a norm log (monitor JSON Lines, trainer_state.json) holds.
 LOGGED_WHAT = "grads"
@@ -113,7 +113,7 @@ def run(
     if plot is not None:
         _check_plot(plot)
     # Under torchrun every rank reads every checkpoint's share, as inspect does
-    # (CONTRACT.md, "Beyond one machine"); rank 0 alone writes the report.
+    # (docs/reference/contract.md, "Beyond one machine"); rank 0 alone writes the report.
     session = launcher.join(dev, device, paths)
     if session is not None:
         dev = session.device

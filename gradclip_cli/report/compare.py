@@ -69,7 +69,7 @@ class CompareReport:
     @property
     def total_beyond(self) -> bool:
         """The total's ratio is checked against ``fail_above`` too: two checkpoints
-        with no group in common have no ratio but the total's (CONTRACT.md)."""
+        with no group in common have no ratio but the total's (docs/reference/contract.md)."""
         return self.fail_above is not None and ratio_beyond(self.total.ratio, self.fail_above)
 
     @property

@@ -117,7 +117,7 @@ class FailureReport:
     """A run that ended with exit 2 (usage) or 3 (unreadable input, unwritable output).
 
     Every format renders it, so CI that reads a report file still learns why
-    there is no report (CONTRACT.md, "Options both commands take").
+    there is no report (docs/reference/contract.md, "Options both commands take").
     ``message`` is the one line printed on stderr, already made ``visible``;
     ``source`` is PATH as given (several joined by spaces), None when the
     failure came before one was known; ``file`` the one input it concerns,
