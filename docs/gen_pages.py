@@ -111,7 +111,7 @@ def cli_page() -> str:
 
     from gradclip_cli.cli import app
 
-    ctx = click.Context(app, info_name="gradclip")
+    ctx = click.Context(app, info_name="gradclip", **app.context_settings)
     parts = [
         "# Commands and options",
         "",
@@ -124,24 +124,25 @@ def cli_page() -> str:
     ]
     for name in app.list_commands(ctx):
         command = app.get_command(ctx, name)
-        sub = click.Context(command, info_name=name, parent=ctx)
+        sub = click.Context(command, info_name=name, parent=ctx, **command.context_settings)
         parts += [f"## `gradclip {name}`", "", "```text", sub.get_usage(), "```", ""]
         if command.help:
             parts += [command.help.strip(), ""]
         parts += ["| option | value | help |", "| --- | --- | --- |"]
         for param in command.get_params(sub):
-            if param.hidden if isinstance(param, click.Option) else False:
+            if isinstance(param, click.Option) and param.hidden:
                 continue
             record = param.get_help_record(sub)
             if record is None:  # an argument
                 parts.append(f"| `{param.human_readable_name}` | argument | |")
                 continue
             flags, help_text = record
-            names, _, value = flags.partition(" ")
-            parts.append(
-                f"| `{_escape_cell(names)}` | {('`' + _escape_cell(value) + '`') if value else ''}"
-                f" | {_escape_cell(help_text)} |"
-            )
+            names, words = [], flags.split(" ")
+            while words and words[0].startswith("-"):
+                names.append(words.pop(0).rstrip(",/"))
+            value = f"`{_escape_cell(' '.join(words))}`" if words else ""
+            flags_cell = ", ".join(f"`{n}`" for n in names)
+            parts.append(f"| {flags_cell} | {value} | {_escape_cell(help_text)} |")
         parts.append("")
     return "\n".join(parts)
 
