@@ -233,7 +233,7 @@ def _drop_pending(nav: list) -> list:
     kept = []
     for entry in nav:
         if isinstance(entry, dict):
-            (title, value), = entry.items()
+            ((title, value),) = entry.items()
             if isinstance(value, list):
                 value = _drop_pending(value)
                 if not value:

@@ -52,8 +52,9 @@ def table_svg() -> None:
     from rich.text import Text
 
     ansi = gradclip(*COMMAND, env={"FORCE_COLOR": "1", "COLUMNS": "120", "NO_COLOR": ""})
-    console = Console(record=True, width=120, force_terminal=True, color_system="truecolor",
-                      file=io.StringIO())
+    console = Console(
+        record=True, width=120, force_terminal=True, color_system="truecolor", file=io.StringIO()
+    )
     console.print(Text.from_ansi(ansi), soft_wrap=True)
     svg = console.export_svg(title="gradclip " + " ".join(COMMAND))
     # No web font: the picture needs nothing from the network (the page's own monospace).

@@ -112,9 +112,7 @@ def test_the_nav_names_only_pages_that_exist_or_are_generated_or_pending():
         assert (DOCS / path).is_file() or path in PAGES or path in gen.PENDING, path
     # Every page written by hand is in the nav (nothing left unreachable).
     written = {
-        p.relative_to(DOCS).as_posix()
-        for p in DOCS.rglob("*.md")
-        if "_examples" not in p.parts
+        p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md") if "_examples" not in p.parts
     }
     assert written <= set(nav), written - set(nav)
     # A pending page that has arrived is listed as any other.
@@ -151,8 +149,10 @@ def test_no_page_or_code_names_a_file_the_repository_lacks():
         assert not re.search(r"(?<![/\w])CONTRACT\.md", text), path
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None,
-                    reason="the docs extra is not installed (CI installs it and builds the site)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None,
+    reason="the docs extra is not installed (CI installs it and builds the site)",
+)
 def test_the_site_builds_strictly(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
@@ -167,3 +167,35 @@ def test_the_site_builds_strictly(tmp_path):
     # The API reference is rendered from the docstrings.
     api = (site / "reference" / "api" / "index.html").read_text(encoding="utf-8")
     assert "clip_grad_norm_" in api and "GradMonitor" in api
+
+
+def test_benchmarks_gives_each_area_its_current_table_with_machine_and_date():
+    text = (REPO / "BENCHMARKS.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) < 300  # current figures; the history is its own page
+    machines = re.findall(
+        r"^\| ([\w-]+) \| .+ \|$",
+        text.split("## Machines", 1)[1].split("\n## ", 1)[0],
+        flags=re.MULTILINE,
+    )
+    assert {"xeon-2c", "h200"} <= set(machines)
+    areas = [
+        "How each figure is measured",
+        "CLI: inspect and clip",
+        "Drop-ins and the monitor",
+        "On a GPU",
+        "Frameworks' checkpoints",
+        "trend",
+        "Spike-rule rates",
+    ]
+    sections = {s.split("\n", 1)[0]: s for s in text.split("\n## ")[1:]}
+    for area in areas:
+        (title,) = [t for t in sections if t.startswith(area)]
+        if area.startswith("How"):
+            continue
+        section = sections[title]
+        # Each area's figures say where and when; the integrator's slot is there.
+        assert re.search(r"20\d\d-\d\d-\d\d", section), area
+        assert any(m in section for m in machines), area
+        assert "<!-- integrator:" in section, area
+    history = (DOCS / "benchmarks-history.md").read_text(encoding="utf-8")
+    assert "## Spike detection on real runs" in history and "### On a GPU" in history
