@@ -199,3 +199,12 @@ def test_benchmarks_gives_each_area_its_current_table_with_machine_and_date():
         assert "<!-- integrator:" in section, area
     history = (DOCS / "benchmarks-history.md").read_text(encoding="utf-8")
     assert "## Spike detection on real runs" in history and "### On a GPU" in history
+
+
+def test_getting_started_installs_as_the_readme_does():
+    from tests.test_readme_install import two_commands
+
+    page = (DOCS / "getting-started.md").read_text(encoding="utf-8")
+    shown = re.findall(r"^    (python3 -m venv .*)$", page, re.MULTILINE)
+    assert shown == list(two_commands())
+    assert "torch, click, rich\nand safetensors" in page
