@@ -208,3 +208,22 @@ def test_getting_started_installs_as_the_readme_does():
     shown = re.findall(r"^    (python3 -m venv .*)$", page, re.MULTILINE)
     assert shown == list(two_commands())
     assert "torch, click, rich\nand safetensors" in page
+
+
+def test_the_readme_is_a_front_page_with_a_contents_line_for_each_recipe():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) < 300
+    headings = re.findall(r"^## (.+)$", readme, re.MULTILINE)
+    recipes = [
+        "Watch gradients in my training loop",
+        "My run diverged: where?",
+        "Fail CI when gradients explode",
+        "Clip a checkpoint",
+    ]
+    assert set(recipes) <= set(headings)
+    contents = readme[readme.index("**Contents:**") :].split("\n\n", 1)[0]
+    for heading in headings:
+        # GitHub's anchor: lower case, punctuation dropped, spaces as hyphens.
+        anchor = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        assert f"](#{anchor})" in contents, heading
+    assert readme.index("**Contents:**") < readme.index("## Install")
