@@ -223,7 +223,7 @@ def test_every_command_people_copy_is_run_not_shown():
     # The README's recipes run: inspect, clip, trend, and a training loop.
     readme = [c for e in examples(_README) for c in e.commands]
     for command in ("gradclip inspect", "gradclip clip", "gradclip trend"):
-        assert any(c.startswith(command) for c in readme), command
+        assert any(command in c for c in readme), command
     assert any("python train.py" in e.first for e in examples(_README))
     # The site runs every command, and blocks on most of its pages.
     site = [c for name, e in _EXAMPLES if name != "README.md" for c in e.commands]
