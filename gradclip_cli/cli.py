@@ -97,7 +97,7 @@ what_option = click.option("--what", type=V.WHAT, default="auto", metavar="WHAT"
 group_by_option = click.option("--group-by", type=V.GROUP_BY, default="layer", metavar="RULE",
                           help="layer, module, tensor, depth:N or regex:PATTERN.")
 path_argument = click.argument("path", metavar="PATH")
-# Reading runs (trend, and autopsy: the same inputs). CONTRACT.md, "Over time".
+# Reading runs (trend, and autopsy: the same inputs). docs/reference/contract.md, "Over time".
 exclude_option = click.option("--exclude", multiple=True, metavar="GLOB",
                               help="Leave out inputs matching GLOB (the path as given, or its "
                               "base name; repeatable): a clipped copy beside the run's files.")

@@ -35,7 +35,7 @@ spiked. On a non-finite gradient, or a spike once the spiking series has
 culprit layer.
 
 With ``clip_spikes=True`` the monitor also clips a spike, as ZClip's ``percentile``
-mode does (README, "In your training loop"): when
+mode does (docs/guides/training-loop.md): when
 the total's z-score is above ``z``, the gradients are scaled so that their
 total is the history's ``mean + z * std`` (the spike rule's limit).
 

@@ -206,7 +206,7 @@ def trend_hint(path: str) -> str | None:
 
     A ``trainer_state.json`` or a monitor's ``grads.jsonl`` holds norms over
     steps, and an ``output_dir`` holds several checkpoints: ``trend`` reads
-    both (CONTRACT.md, "Over time"); inspect reads one checkpoint.
+    both (docs/reference/contract.md, "Over time"); inspect reads one checkpoint.
     """
     p = Path(path)
     if _is_log(p):

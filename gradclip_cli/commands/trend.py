@@ -55,7 +55,7 @@ from ..source.what import EXPLAIN, WHATS
 from .common import Loaded, Releasers, load, measure, output_format, prepare, speaks
 from .norm_audit import norm_audits
 
-# What --what may name (CONTRACT.md): the same choices inspect takes.
+# What --what may name (docs/reference/contract.md): the same choices inspect takes.
 WHAT_CHOICES = WHATS
 # What a norm log (monitor JSON Lines, trainer_state.json) holds.
 LOGGED_WHAT = "grads"
@@ -164,7 +164,7 @@ def build(
     requested_p = None if norm_type is None else options.norm_type(norm_type)
     dev = options.device(device)
     # Under torchrun every rank reads every checkpoint's share, as inspect does
-    # (CONTRACT.md, "Beyond one machine"); rank 0 alone writes the report.
+    # (docs/reference/contract.md, "Beyond one machine"); rank 0 alone writes the report.
     session = launcher.join(dev, device, paths) if launched else None
     if session is not None:
         dev = session.device

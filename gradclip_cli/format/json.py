@@ -1,7 +1,7 @@
 """``--format json``: the contract's schema, for scripts.
 
 JSON has no NaN or infinity, so non-finite numbers are written as the strings
-"nan", "inf" and "-inf" (CONTRACT.md). Keys beyond the contract's are extras
+"nan", "inf" and "-inf" (docs/reference/contract.md). Keys beyond the contract's are extras
 a script may use but must not depend on.
 """
 

@@ -85,8 +85,9 @@ def fmt_total(report: InspectReport) -> str:
 
 @dataclass(frozen=True)
 class Judged:
-    """The quantity a verdict judged, in the words every format uses (CONTRACT.md: every
-    verdict names it, never "gradients" for something that is not).
+    """The quantity a verdict judged, in the words every format uses
+    (docs/reference/contract.md: every verdict names it, never "gradients" for
+    something that is not).
 
     ``plural``: "non-finite {plural}" (``gradients``, ``weights``, ``Adam exp_avg``);
     ``attribute``: "{attribute} total norm" (``gradient``, ``weight``, ``Adam exp_avg``);
@@ -120,7 +121,7 @@ def judged_in(report) -> Judged:
 
 def threshold_applied(report: InspectReport) -> str:
     """Where ``--what auto`` chose something other than gradients and ``--max-norm`` is
-    given: what the threshold was applied to, and why (CONTRACT.md); else nothing."""
+    given: what the threshold was applied to, and why (docs/reference/contract.md); else nothing."""
     if report.max_norm is None or not report.chosen_by_auto or report.what == "grads":
         return ""
     applied = judged_in(report).plural
@@ -328,7 +329,7 @@ def _names(rows: list[CompareRow], label=lambda g: visible(g.name)) -> str:
 
 def nonfinite_rows(report: CompareReport) -> list[CompareRow]:
     """The groups whose norm is NaN or infinite in A or B, in the report's order (first:
-    CONTRACT.md counts them the largest change)."""
+    docs/reference/contract.md counts them the largest change)."""
     return [g for g in report.groups if g.nonfinite]
 
 

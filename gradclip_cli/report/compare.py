@@ -31,7 +31,8 @@ class CompareRow:
 
     @property
     def nonfinite(self) -> bool:
-        """A NaN or infinite norm on either side: the largest change (CONTRACT.md)."""
+        """A NaN or infinite norm on either side: the largest change
+        (docs/reference/contract.md)."""
         return any(x is not None and not math.isfinite(x) for x in (self.a, self.b))
 
     @property
@@ -75,7 +76,7 @@ class CompareReport:
     @property
     def total_beyond(self) -> bool:
         """The total's ratio is checked against ``fail_above`` too: two checkpoints
-        with no group in common have no ratio but the total's (CONTRACT.md)."""
+        with no group in common have no ratio but the total's (docs/reference/contract.md)."""
         return self.fail_above is not None and ratio_beyond(self.total.ratio, self.fail_above)
 
     @property
@@ -120,7 +121,7 @@ def build_compare_report(
 ) -> CompareReport:
     """Rows for the union of both sides' groups, largest ``|log ratio|`` first.
 
-    A NaN or infinite norm on either side is the largest change (CONTRACT.md):
+    A NaN or infinite norm on either side is the largest change (docs/reference/contract.md):
     those groups lead, whatever their ratio says (inf / inf is 1, NaN is no
     number at all); groups found on one side only come next (their change is
     unbounded); ties keep A's order, then B's.

@@ -84,7 +84,7 @@ class InspectReport:
     # words ("Adam exp_avg total norm ..."); None for gradients and weights.
     optimizer: str | None = None
     # ``--what auto`` chose ``what`` (rather than ``--what`` naming it): a verdict under
-    # ``--max-norm`` then says what the threshold was applied to (CONTRACT.md).
+    # ``--max-norm`` then says what the threshold was applied to (docs/reference/contract.md).
     chosen_by_auto: bool = False
 
 
@@ -124,7 +124,7 @@ class FailureReport:
     """A run that ended with exit 2 (usage) or 3 (unreadable input, unwritable output).
 
     Every format renders it, so CI that reads a report file still learns why
-    there is no report (CONTRACT.md, "Options both commands take").
+    there is no report (docs/reference/contract.md, "Options both commands take").
     ``message`` is the one line printed on stderr, already made ``visible``;
     ``source`` is PATH as given (several joined by spaces), None when the
     failure came before one was known; ``file`` the one input it concerns,

@@ -1,6 +1,6 @@
 """Inputs left out of a run: ``--exclude GLOB`` and gradclip's own clipped copies.
 
-``--exclude`` (CONTRACT.md, "Over time") is matched, as ``fnmatch`` matches,
+``--exclude`` (docs/reference/contract.md, "Over time") is matched, as ``fnmatch`` matches,
 against a path as the user gave it (or as a folder's listing names it:
 ``run/step_19.pt``) and against its base name, so ``--exclude
 '*.clipped.pt'`` and ``--exclude run/step_19.clipped.pt`` both leave out

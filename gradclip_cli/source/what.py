@@ -397,7 +397,7 @@ def map_names(contents: Contents, opt: OptimizerState) -> dict[int, str]:
 
 def ids_reason(contents: Contents, opt: OptimizerState) -> str | None:
     """Why ``opt``'s state can be named by its parameter ids alone, or None when it can be
-    mapped to the model's names (CONTRACT.md: "measured under its ids (``state.N``),
+    mapped to the model's names (docs/reference/contract.md: "measured under its ids (``state.N``),
     never under guessed names, and the report says why").
 
     The one rule for every layout: no ``param_names``, and no model order to

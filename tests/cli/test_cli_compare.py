@@ -81,7 +81,7 @@ def test_nonfinite_norm_is_a_finding(gradclip, tmp_path):
     doc = r.json()
     validate(doc, "compare-1")
     assert doc["status"] == "nonfinite" and doc["total"]["b"] == "nan"
-    # A NaN norm is the largest change (CONTRACT.md): its group leads.
+    # A NaN norm is the largest change (docs/reference/contract.md): its group leads.
     assert doc["groups"][0] == {"name": "transformer.h.2", "a": doc["groups"][0]["a"],
                                 "b": "nan", "ratio": "nan"}
 

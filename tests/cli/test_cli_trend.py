@@ -164,8 +164,8 @@ def test_a_copy_of_the_newest_checkpoint_is_one_point_and_keeps_its_spike(gradcl
     assert [p["step"] for p in doc["points"]] == list(range(1, 32))
     assert {p["step"]: p["total_norm"] for p in doc["points"]} == norms
     assert doc["status"] == "spike" and doc["points"][-1]["source"] == str(run / "ckpt-31.pt")
-    # z by the README's rule: the plain mean and variance of steps 1-25, exponential
-    # averages (alpha 0.97) over steps 26-30, std floored at mean / 2.
+    # z by the spike rule (docs/reference/spike-rule.md): the plain mean and variance of
+    # steps 1-25, exponential averages (alpha 0.97) over steps 26-30, std floored at mean / 2.
     seed = [norms[s] for s in range(1, 26)]
     mean = math.fsum(seed) / 25
     var = math.fsum((x - mean) ** 2 for x in seed) / 25

@@ -1,4 +1,5 @@
-"""Every verdict names the quantity it judged, in every format (CONTRACT.md, issue 41 item 2).
+"""Every verdict names the quantity it judged, in every format (docs/reference/contract.md,
+issue 41 item 2).
 
 A model's ``state_dict()`` is weights, a ``torch.optim`` state is Adam's
 ``exp_avg`` under ``--what auto``: a verdict on either says so and never says
@@ -238,8 +239,8 @@ def test_trend_verdicts_name_adam_exp_avg(gradclip, tmp_path):
 
 
 def test_compare_names_the_quantity_and_leads_with_the_nonfinite_group(gradclip, tmp_path):
-    """A NaN norm is the largest change (CONTRACT.md): its group leads, in every format,
-    and the verdict names it and what was measured."""
+    """A NaN norm is the largest change (docs/reference/contract.md): its group leads, in
+    every format, and the verdict names it and what was measured."""
     a, _ = _weights(tmp_path, nan=False)
     b, _ = _weights(tmp_path, nan=True)
     r = gradclip("compare", a, b)
