@@ -20,6 +20,14 @@ MAX_ROWS = 30
 SPARK_AROUND = 40  # points of each group's series drawn around the spike
 
 
+# Column headings: update_to_weights is the one too wide for a table of nine columns.
+HEADINGS = {"update_to_weights": "upd/w"}
+
+
+def heading(quantity: str) -> str:
+    return HEADINGS.get(quantity, quantity)
+
+
 def quantities(report: AutopsyReport) -> list[str]:
     """The quantities some group has a change for, in the report's order."""
     present = {q for g in report.groups for q in g.changes}
@@ -38,6 +46,9 @@ def header(report: AutopsyReport) -> list[str]:
         lines.append(f"total: onset at step {o.step} ({how})")
     elif report.step is not None:
         lines.append("total: did not cross the rule within the window")
+    if "update_to_weights" in quantities(report):
+        lines.append("changes are after / before; upd/w: update_to_weights, the update's "
+                     "RMS over the weights' RMS")
     lines += [visible(n) for n in report.notes]
     return lines
 

@@ -214,7 +214,7 @@ def render_autopsy(report, out: TextIO) -> None:
         return
     quantities = A.quantities(report)
     out.write(_table(
-        ["#", "group", "onset", "lead", *(escape(q) for q in quantities), "outliers",
+        ["#", "group", "onset", "lead", *(escape(A.heading(q)) for q in quantities), "outliers",
          "around the spike \\(log scale\\)"],
         [[str(g.rank), escape(g.name), escape(A.onset_text(g)), escape(A.lead_text(g)),
           *(escape(A.change_text(g, q)) for q in quantities), escape(A.outliers_text(g)),

@@ -451,13 +451,15 @@ def render_autopsy(report, out: TextIO) -> None:
             Column("group", [visible(g.name) for g in rows], justify="left", name=True),
             Column("onset", [A.onset_text(g) for g in rows], justify="left"),
             Column("lead", [A.lead_text(g) for g in rows]),
-            *(Column(q, [A.change_text(g, q) for g in rows]) for q in quantities),
+            # The weights barely move in a step: the first column a narrow terminal drops.
+            *(Column(A.heading(q), [A.change_text(g, q) for g in rows],
+                     drop=1 if q == "weights" else 0) for q in quantities),
             Column("outliers", [A.outliers_text(g) for g in rows]),
             Column("around the spike", [_spark(list(g.around[-A.SPARK_AROUND:]), 24)
-                                        for g in rows], justify="left", drop=1),
+                                        for g in rows], justify="left", drop=2),
         ]
-        title = (f"groups, earliest onset first (changes: after / before step "
-                 f"{report.step}; series: log scale, ! non-finite)")
+        title = (f"groups, earliest onset first (changes across step {report.step}; "
+                 "series: log scale, ! non-finite)")
         _print_table(console, _fit_table(title, columns, width, shorten_first=True))
         if len(report.groups) > len(rows):
             _print_prose(console, f"... {len(report.groups) - len(rows):,} more groups "
