@@ -255,9 +255,13 @@ def _offset(logs) -> tuple[int, str | None]:
                 return 1, (f"steps: {visible(str(path))} counts from 0 (its first step), so a "
                            "checkpoint of step N (the state after N optimizer steps) is placed "
                            "at step N-1, the step whose gradient it took in last")
-            return 0, (f"steps: {visible(str(path))} counts from {first} (its first step); "
-                       "a checkpoint of step N (the state after N optimizer steps) is placed "
-                       "at step N")
+            if first == 1:
+                return 0, (f"steps: {visible(str(path))} counts from 1 (its first step), so "
+                           "a checkpoint of step N (the state after N optimizer steps) is "
+                           "placed at step N")
+            return 0, (f"steps: {visible(str(path))} starts at step {first}, which says "
+                       "nothing of how it counts (a monitor attached mid-run?): checkpoints "
+                       "are placed at their own step numbers")
     return 0, None
 
 

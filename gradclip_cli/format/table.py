@@ -465,11 +465,11 @@ def render_autopsy(report, out: TextIO) -> None:
             _print_prose(console, f"... {len(report.groups) - len(rows):,} more groups "
                                   "(--format json lists all)", style="dim")
     failed = report.status == "explained"
-    _print_prose(console, report.verdict, style="bold red" if failed else "bold green",
+    _print_prose(console, visible(report.verdict), style="bold red" if failed else "bold green",
                  indent="")
 
 
 def print_autopsy_verdict(report, out: TextIO) -> None:
     console = _console(out)
-    console.print(Text(report.verdict, style="bold red" if report.status == "explained"
+    console.print(Text(visible(report.verdict), style="bold red" if report.status == "explained"
                        else "bold green"), soft_wrap=True)

@@ -41,6 +41,14 @@ def trainer_spiked(tmp_path_factory):
     return A.make_run("trainer", 2, True, tmp_path_factory.mktemp("autopsy") / "hf-spiked")
 
 
+@pytest.fixture(scope="session")
+def lightning_spiked(tmp_path_factory):
+    """Seed 1: net.2's gradients x50 at step 40, gradclip's Lightning callback, checkpoints
+    by trainer.save_checkpoint."""
+    pytest.importorskip("lightning.pytorch")
+    return A.make_run("lightning", 1, True, tmp_path_factory.mktemp("autopsy") / "pl-spiked")
+
+
 def autopsy_json(gradclip, *args):
     r = gradclip("autopsy", *args, "--format", "json")
     doc = r.json()
@@ -55,7 +63,7 @@ def by_name(doc) -> dict[str, dict]:
 # -- what it finds ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("run", ["torch_spiked", "trainer_spiked"])
+@pytest.mark.parametrize("run", ["torch_spiked", "lightning_spiked", "trainer_spiked"])
 def test_the_injected_layer_is_named_first_at_its_step(gradclip, request, run):
     run = request.getfixturevalue(run)
     r, doc = autopsy_json(gradclip, run.folder)
@@ -308,3 +316,27 @@ def test_an_unreadable_input_is_exit_3(gradclip, tmp_path):
     broken.write_bytes(b"PK\x03\x04 not a zip")
     r = gradclip("autopsy", broken)
     assert r.code == 3 and str(broken) in one_line(r)
+
+
+def test_names_from_the_files_are_data_in_every_format(gradclip, tmp_path):
+    """Module names reach the log as the monitor writes them: each format escapes them."""
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    hostile, escape = "a|b*`c`", "esc\x1b[31m"
+    model = torch.nn.ModuleDict({hostile: torch.nn.Linear(4, 4), escape: torch.nn.Linear(4, 1)})
+    with GradMonitor(model, tmp_path / A.LOG, None) as monitor:
+        for step in range(30):
+            model[escape](model[hostile](torch.randn(8, 4))).pow(2).mean().backward()
+            if step == 25:
+                for p in model[hostile].parameters():
+                    p.grad.mul_(50)
+            monitor.step(step)
+            model.zero_grad()
+    md = gradclip("autopsy", tmp_path / A.LOG, "--format", "markdown")
+    assert md.code == 1
+    assert "| 1 | a\\|b\\*\\`c\\` |" in md.out and "\x1b" not in md.out
+    table = gradclip("autopsy", tmp_path / A.LOG)
+    assert table.code == 1 and "\x1b" not in table.out and "began in a|b*`c`" in table.out
+    _, doc = autopsy_json(gradclip, tmp_path / A.LOG)
+    assert doc["groups"][0]["name"] == hostile
