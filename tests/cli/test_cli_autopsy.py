@@ -340,3 +340,20 @@ def test_names_from_the_files_are_data_in_every_format(gradclip, tmp_path):
     assert table.code == 1 and "\x1b" not in table.out and "began in a|b*`c`" in table.out
     _, doc = autopsy_json(gradclip, tmp_path / A.LOG)
     assert doc["groups"][0]["name"] == hostile
+
+
+def test_a_log_too_short_to_judge_is_insufficient_exit_0(gradclip, tmp_path):
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    with GradMonitor(model, tmp_path / A.LOG, None) as monitor:
+        for step in range(4):  # the rule judges a point after 5 earlier ones
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            monitor.step(step)
+            model.zero_grad()
+    r, doc = autopsy_json(gradclip, tmp_path / A.LOG)
+    assert r.code == 0 and doc["status"] == "insufficient" and doc["groups"] == []
+    assert "too few points to judge (4" in doc["verdict"]
+    gh = gradclip("autopsy", tmp_path / A.LOG, "--format", "github")
+    assert gh.code == 0 and gh.out.startswith("::notice") and "::error" not in gh.out
