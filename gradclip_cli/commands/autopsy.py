@@ -392,9 +392,11 @@ def _explained_step(main: QuantitySeries, step: int | None, series, z, alpha, wa
     if step not in steps:
         low = min(s for q in series for s in q.steps)
         high = max(s for q in series for s in q.steps)
-        where = "outside the inputs" if not low <= step <= high else "not a step of"
-        raise UsageError(f"--step {step}: {where} {main.label} (its steps {steps[0]}-"
-                         f"{steps[-1]}; all inputs: {low}-{high})")
+        if not low <= step <= high:
+            raise UsageError(f"--step {step}: outside the inputs ({main.label} holds steps "
+                             f"{steps[0]}-{steps[-1]}; all inputs {low}-{high})")
+        raise UsageError(f"--step {step}: not a step of {main.label}, the finest series "
+                         f"(steps {steps[0]}-{steps[-1]}), whose steps are explained")
     return step
 
 
