@@ -95,8 +95,8 @@ def torch_run(folder: Path, seed: int, inject: tuple[str, float] | None) -> None
 
     torch.manual_seed(seed)
     # A four-layer regressor (width 32, batch 64, lr 1e-3) was tried first: its one-unit
-    # output layer's noise crossed the rule in 7 of 8 clean runs (the rule's own false
-    # alarms, which trend would flag as well); this one in none of 8.
+    # output layer's noise crossed the rule at 7 steps over 8 clean runs (seeds 0-7: the
+    # rule's own false alarms, which trend flags as well); this one at none.
     model = torch.nn.ModuleDict({"fc1": torch.nn.Linear(16, 64), "fc2": torch.nn.Linear(64, 64),
                                  "fc3": torch.nn.Linear(64, 1)})
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-4)
