@@ -387,8 +387,11 @@ def _verdict(step: int, status: str, groups: list[GroupAutopsy], total_onset: On
                 "norms, so it cannot be placed in a layer (a GradMonitor log holds every "
                 "layer's)")
     if not began:
+        hint = "" if main.per_group else (
+            f"; {main.label} holds the total only, and a GradMonitor log beside it would "
+            "give every layer's norm at every step")
         return (f"step {step}: {what} in the total of {main.label}; no group's own series "
-                f"crossed the rule within the window")
+                f"crossed the rule within the window{hint}")
     first = began[0]
     o = first.onset
     how = "went non-finite" if o.nonfinite else (

@@ -357,3 +357,37 @@ def test_a_log_too_short_to_judge_is_insufficient_exit_0(gradclip, tmp_path):
     assert "too few points to judge (4" in doc["verdict"]
     gh = gradclip("autopsy", tmp_path / A.LOG, "--format", "github")
     assert gh.code == 0 and gh.out.startswith("::notice") and "::error" not in gh.out
+
+
+@pytest.fixture(scope="session")
+def hf_run_folder(tmp_path_factory):
+    """tests/trainer_runs.py's run folder: checkpoint-5/ .. checkpoint-20/, the Trainer's
+    trainer_state.json, a GradMonitor log; transformer.h.1 x1000 at step 12."""
+    pytest.importorskip("transformers")
+    from tests.trainer_runs import train_run_folder
+
+    return train_run_folder(tmp_path_factory.mktemp("autopsy_hf") / "output")
+
+
+def test_a_trainer_folder_at_every_grain(gradclip, hf_run_folder, tmp_path):
+    run = hf_run_folder
+    r, doc = autopsy_json(gradclip, run.output_dir)
+    assert r.code == 1 and doc["step"] == run.spike_step
+    first = doc["groups"][0]
+    assert first["name"] == run.spike_layer and first["onset"] == run.spike_step
+    # Checkpoints every 5 steps: the nearest ones either side of step 12.
+    moments = first["changes"]["exp_avg"]
+    assert moments["before_source"].endswith("checkpoint-10")
+    assert moments["after_source"].endswith("checkpoint-15")
+    assert first["outliers"] is None
+    assert any(n.startswith("outliers: no gradient of step 12") for n in doc["notes"])
+    # Without the monitor log, the Trainer's total is the finest series: the step is
+    # still found, but no layer can be named, and the verdict says what would.
+    folder = tmp_path / "output"
+    shutil.copytree(run.output_dir, folder)
+    (folder / "grads.jsonl").unlink()
+    r, doc = autopsy_json(gradclip, folder)
+    assert r.code == 1 and doc["status"] == "explained" and doc["step"] == run.spike_step
+    assert doc["finest"].endswith("trainer_state.json")
+    assert all(g["onset"] is None for g in doc["groups"])
+    assert "holds the total only" in doc["verdict"]
