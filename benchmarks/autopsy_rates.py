@@ -234,9 +234,9 @@ def judged(run: Run, code: int, doc: dict) -> tuple[bool, str]:
     """Whether the autopsy got ``run`` right, and what it said.
 
     Injected: exit 1, the injected layer ranked first, beginning at the injected step.
-    The step explained is the newest flagged one (CONTRACT.md): a step right after the
-    spike, where a layer the kicked model moved crosses the rule too, is explained as
-    the same episode, begun at the injected step.
+    The step explained is the newest flagged one (docs/reference/contract.md): a step
+    right after the spike, where a layer the kicked model moved crosses the rule too, is
+    explained as the same episode, begun at the injected step.
     """
     first = doc["groups"][0] if doc["groups"] else None
     name = None if first is None else first["name"]

@@ -202,7 +202,8 @@ AUTOPSY_SCHEMA = "gradclip.autopsy/1"
 
 
 def autopsy_document(report) -> dict[str, Any]:
-    """``gradclip.autopsy/1`` (CONTRACT.md, ``autopsy``); keys past the contract's are extras."""
+    """``gradclip.autopsy/1`` (docs/reference/contract.md, ``autopsy``); keys past the
+    contract's are extras."""
 
     def onset(o):
         return None if o is None else {"step": o.step, "what": o.what, "source": o.source,
