@@ -415,6 +415,36 @@ def compare(a, b, fail_above, what, group_by, key, norm_type, device, format, ou
          output_file=_output_file(output_file), inputs=(a, b))
 
 
+@app.command(context_settings=CONTEXT, help="Take a spike apart: where it began (each "
+             "group's onset, how many steps before the total), what changed across it "
+             "(gradients, Adam's moments, the update, the weights) and which group first."
+             "\n\nThe same PATHs as trend: run folders, checkpoints, monitor logs and their "
+             "dumps, trainer_state.json. Exit 1 when it explains a spike or non-finite step.")
+@click.argument("paths", nargs=-1, required=True, metavar="PATH...")
+@click.option("--step", type=V.count("--step", 0), metavar="S", help="Explain step S "
+         "(default: the newest spike or non-finite step of the finest series).")
+@click.option("--window", type=V.count("--window", 1), metavar="N", help="Look for onsets "
+         "up to N steps before the explained one (default 50).")
+@click.option("--outlier-k", type=V.positive("--outlier-k"), metavar="K", help="Count "
+         "gradient elements with |g| > K * sqrt(v_hat) (default 6).")
+@click.option("--plot", type=V.PLOT, metavar="FILE",
+         help="Also draw the top groups' series to FILE.png or FILE.svg (needs gradclip[plot]).")
+@_shared
+def autopsy(paths, step, window, outlier_k, plot, key, device, format, output_file, verify,
+            trust_pickle, quiet, no_progress, debug) -> None:
+    def body() -> int:
+        return _command("autopsy").run(
+            paths=[Path(p) for p in paths], step=step, window=window, outlier_k=outlier_k,
+            plot=None if plot is None else Path(plot), key=key, device=device, format=format,
+            trust_pickle=trust_pickle, verify=verify, quiet=quiet,
+            output_file=_output_file(output_file), progress=not (quiet or no_progress),
+        )
+
+    _run(body, command="autopsy", debug=debug, format=format, source=" ".join(paths),
+         output_file=_output_file(output_file), inputs=tuple(paths),
+         outputs=(plot,) if plot else ())
+
+
 def _requested(argv: list[str], flag: str) -> tuple[str | None, int | None]:
     """The value of ``flag`` as written on the command line, for errors raised before
     parsing ends, and the position of the word that holds it."""

@@ -137,3 +137,12 @@ def compare_findings(report: CompareReport) -> list[Finding]:
         found.append(Finding(severity, g.name, f"group in {side} only",
                              f"group {g.name}: norm {number(norm)} in {side}, absent from {other}"))
     return found
+
+
+def autopsy_findings(report) -> list[Finding]:
+    """An explained spike is one error: the verdict, under the group it began in."""
+    if report.status != "explained":
+        return []
+    began = next((g for g in report.groups if g.onset is not None), None)
+    series = TOTAL if began is None else began.name
+    return [Finding(ERROR, series, f"spike at step {report.step}", report.verdict)]

@@ -79,3 +79,10 @@ def render_error(failure: FailureReport, out: TextIO) -> None:
     it has no report."""
     file = {"file": failure.file} if failure.file else {}
     out.write(command("error", failure.message, **file, title=f"gradclip: {failure.title}"))
+
+
+def render_autopsy(report, out: TextIO) -> None:
+    source = report.finest
+    for note in report.notes:
+        out.write(command("notice", note, title="gradclip autopsy"))
+    _write(out, source, F.autopsy_findings(report), report.verdict)

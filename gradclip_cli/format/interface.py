@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol, TextIO
 
 from ..report import ClipReport, InspectReport
+from ..report.autopsy import AutopsyReport
 from ..report.compare import CompareReport
 from ..report.trend import TrendReport
 
@@ -21,3 +22,5 @@ class Format(Protocol):
     def render_trend(self, report: TrendReport, out: TextIO) -> None: ...
 
     def render_compare(self, report: CompareReport, out: TextIO) -> None: ...
+
+    def render_autopsy(self, report: AutopsyReport, out: TextIO) -> None: ...

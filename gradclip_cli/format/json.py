@@ -220,3 +220,61 @@ def error_document(failure: FailureReport) -> dict[str, Any]:
 def render_error(failure: FailureReport, out: TextIO) -> None:
     # One line whatever the stream: a script reads the first line of stdout.
     out.write(json.dumps(error_document(failure)) + "\n")
+
+
+AUTOPSY_SCHEMA = "gradclip.autopsy/1"
+
+
+def autopsy_document(report) -> dict[str, Any]:
+    """``gradclip.autopsy/1`` (docs/reference/contract.md, ``autopsy``); keys past the
+    contract's are extras."""
+
+    def onset(o):
+        return None if o is None else {"step": o.step, "what": o.what, "source": o.source,
+                                       "nonfinite": o.nonfinite, "history": number(o.history)}
+
+    def change(c):
+        return {"before": number(c.before), "after": number(c.after), "ratio": number(c.ratio),
+                "before_step": c.before_step, "after_step": c.after_step,
+                "before_source": c.before_source, "after_source": c.after_source}
+
+    return {
+        "schema": AUTOPSY_SCHEMA,
+        "step": report.step,
+        "status": report.status,
+        "groups": [
+            {
+                "name": g.name,
+                "rank": g.rank,
+                "onset": None if g.onset is None else g.onset.step,
+                "lead": g.lead,
+                "changes": {q: change(c) for q, c in g.changes.items()},
+                "outliers": None if g.outliers is None else number(g.outliers.fraction),
+                "onset_detail": onset(g.onset),
+                "outlier_counts": None if g.outliers is None else {
+                    "count": g.outliers.count, "elements": g.outliers.elements,
+                    "grads_source": g.outliers.grads_source,
+                    "moment_source": g.outliers.moment_source},
+                "around": [number(v) for v in g.around],
+            }
+            for g in report.groups
+        ],
+        "inputs": [{"source": i.source, "what": i.what, "steps": list(i.steps)}
+                   for i in report.inputs],
+        "verdict": report.verdict,
+        "window": report.window,
+        "outlier_k": report.outlier_k,
+        "finest": report.finest,
+        "spikes": list(report.spikes),
+        "total_onset": onset(report.total_onset),
+        "around_steps": list(report.around_steps),
+        "total_around": [number(v) for v in report.total_around],
+        "z_threshold": report.z_threshold,
+        "alpha": report.alpha,
+        "warmup": report.warmup,
+        "notes": list(report.notes),
+    }
+
+
+def render_autopsy(report, out: TextIO) -> None:
+    _write(autopsy_document(report), out)

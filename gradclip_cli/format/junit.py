@@ -124,3 +124,15 @@ def render_error(failure: FailureReport, out: TextIO) -> None:
     error = ET.SubElement(case, "error", message=xml_text(failure.title), type="gradclip")
     error.text = xml_text(failure.message)
     _write(root, out)
+
+
+def render_autopsy(report, out: TextIO) -> None:
+    """One testcase per group (its onset and changes as its output); an explained spike
+    is a failure of the group it began in."""
+    from . import autopsy_rows as A
+
+    details = {g.name: f"onset {A.onset_text(g)}, lead {A.lead_text(g)}, " + ", ".join(
+        f"{q} {A.change_text(g, q)}" for q in g.changes) + f", outliers {A.outliers_text(g)}"
+        for g in report.groups}
+    _write(_suite("gradclip autopsy", [F.TOTAL, *(g.name for g in report.groups)],
+                  F.autopsy_findings(report), report.verdict, details, report.notes), out)

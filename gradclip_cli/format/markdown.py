@@ -207,3 +207,26 @@ def render_error(failure: FailureReport, out: TextIO) -> None:
     source = f": {escape(failure.source)}" if failure.source else ""
     out.write(f"### gradclip {escape(failure.command)}{source}\n\n")
     out.write(_verdict(f"FAIL: {failure.kind}: {failure.message} (exit {failure.exit_code})", True))
+
+
+def render_autopsy(report, out: TextIO) -> None:
+    """The verdict, the header lines, then the ranked groups as a table."""
+    from . import autopsy_rows as A
+
+    out.write("### gradclip autopsy\n\n")
+    out.write(_verdict(report.verdict, report.status == "explained"))
+    out.write("".join(f"- {escape(line)}\n" for line in A.header(report)) + "\n")
+    rows = A.shown(report)
+    if not rows:
+        return
+    quantities = A.quantities(report)
+    out.write(_table(
+        ["#", "group", "onset", "lead", *(escape(A.heading(q)) for q in quantities), "outliers",
+         "around the spike \\(log scale\\)"],
+        [[str(g.rank), escape(g.name), escape(A.onset_text(g)), escape(A.lead_text(g)),
+          *(escape(A.change_text(g, q)) for q in quantities), escape(A.outliers_text(g)),
+          escape(sparkline(list(g.around[-A.SPARK_AROUND:]), 24))] for g in rows],
+        ["right", "left", "left", "right", *(["right"] * len(quantities)), "right", "left"]))
+    if len(report.groups) > len(rows):
+        out.write(f"\n{len(report.groups) - len(rows):,} more groups \\(`--format json` "
+                  "lists all\\).\n")

@@ -87,3 +87,44 @@ def write_trend_plot(report: TrendReport, path: Path) -> None:
     fig.savefig(buffer, format=path.suffix.lower().lstrip("."))
     data = buffer.getvalue()
     atomic_write(path, lambda file: file.write(data))
+
+
+def write_autopsy_plot(report, path: Path) -> None:
+    """``autopsy --plot``: the total and the top-ranked groups' series around the explained
+    step (log scale), each group's onset marked with a ring, the explained step a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    xs = list(report.around_steps)
+    fig = Figure(figsize=(10, 5), dpi=100)
+    ax = fig.add_subplot()
+    series = [("total", list(report.total_around), 2.0, None)]
+    series += [(g.name, list(g.around), 1.0, g.onset) for g in report.groups[:TOP_GROUPS]]
+    finite = False
+    for name, values, width, onset in series:
+        pts = [(x, v) for x, v in zip(xs, values) if v is not None and math.isfinite(v) and v > 0]
+        if not pts:
+            continue
+        finite = True
+        (line,) = ax.plot(*zip(*pts), label=_label(name), linewidth=width)
+        if onset is not None:
+            at = [(x, v) for x, v in pts if x == onset.step]
+            if at:
+                ax.scatter(*zip(*at), s=90, facecolors="none", edgecolors=line.get_color(),
+                           linewidths=2, zorder=3)
+    if report.step is not None:
+        ax.axvline(report.step, color="red", linestyle="--", linewidth=1,
+                   label=f"step {report.step}")
+    if finite:
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("gradient norm (the finest series)")
+    ax.set_title(_label(f"gradclip autopsy: {report.status}; rings mark each group's onset"))
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=path.suffix.lower().lstrip("."))
+    data = buffer.getvalue()
+    atomic_write(path, lambda file: file.write(data))

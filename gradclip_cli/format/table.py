@@ -440,3 +440,44 @@ def print_trend_verdict(report: TrendReport, out: TextIO, err: TextIO | None) ->
 def print_compare_verdict(report: CompareReport, out: TextIO, err: TextIO | None) -> None:
     _print_quiet(compare_verdict(report), report.status != "ok", F.compare_findings(report),
                  out, err)
+
+
+def render_autopsy(report, out: TextIO) -> None:
+    """Ranked groups (onset, lead, each quantity's change, outliers, the series around the
+    spike as a sparkline), then the verdict paragraph."""
+    from . import autopsy_rows as A
+
+    console = _console(out)
+    width = console.width
+    for line in A.header(report):
+        _print_prose(console, line)
+    rows = A.shown(report)
+    if rows:
+        quantities = A.quantities(report)
+        columns = [
+            Column("#", [str(g.rank) for g in rows]),
+            Column("group", [visible(g.name) for g in rows], justify="left", name=True),
+            Column("onset", [A.onset_text(g) for g in rows], justify="left"),
+            Column("lead", [A.lead_text(g) for g in rows]),
+            # The weights barely move in a step: the first column a narrow terminal drops.
+            *(Column(A.heading(q), [A.change_text(g, q) for g in rows],
+                     drop=1 if q == "weights" else 0) for q in quantities),
+            Column("outliers", [A.outliers_text(g) for g in rows]),
+            Column("around the spike", [_spark(list(g.around[-A.SPARK_AROUND:]), 24)
+                                        for g in rows], justify="left", drop=2),
+        ]
+        title = (f"groups, earliest onset first (changes across step {report.step}; "
+                 "series: log scale, ! non-finite)")
+        _print_table(console, _fit_table(title, columns, width, shorten_first=True))
+        if len(report.groups) > len(rows):
+            _print_prose(console, f"... {len(report.groups) - len(rows):,} more groups "
+                                  "(--format json lists all)", style="dim")
+    failed = report.status == "explained"
+    _print_prose(console, visible(report.verdict), style="bold red" if failed else "bold green",
+                 indent="")
+
+
+def print_autopsy_verdict(report, out: TextIO) -> None:
+    console = _console(out)
+    console.print(Text(visible(report.verdict), style="bold red" if report.status == "explained"
+                       else "bold green"), soft_wrap=True)

@@ -1,0 +1,393 @@
+"""``gradclip autopsy`` on real runs written by the libraries themselves (a plain torch loop
+with ``GradMonitor`` and ``torch.save``, a Hugging Face ``Trainer`` with gradclip's callback
+and its own checkpoints): the injected layer named first at its step, nothing in a clean
+run, every number checked against float64 arithmetic on the files, every bad input one
+line naming the file (``benchmarks/autopsy_rates.py`` makes the runs and reports the rates
+over more seeds)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+
+from benchmarks import autopsy_rates as A
+from tests.schemas import validate
+
+from .support import logical_lines
+
+SPIKE = A.SPIKE_STEP
+
+
+@pytest.fixture(scope="session")
+def torch_spiked(tmp_path_factory):
+    """Seed 0: fc1's gradients x20 at step 40 (made once a session, about 3 s)."""
+    return A.make_run("torch", 0, True, tmp_path_factory.mktemp("autopsy") / "torch-spiked")
+
+
+@pytest.fixture(scope="session")
+def torch_clean(tmp_path_factory):
+    return A.make_run("torch", 0, False, tmp_path_factory.mktemp("autopsy") / "torch-clean")
+
+
+@pytest.fixture(scope="session")
+def trainer_spiked(tmp_path_factory):
+    """Seed 2: transformer.wpe's gradients x100 at step 40, checkpoint-N/ by the Trainer."""
+    pytest.importorskip("transformers")
+    return A.make_run("trainer", 2, True, tmp_path_factory.mktemp("autopsy") / "hf-spiked")
+
+
+@pytest.fixture(scope="session")
+def lightning_spiked(tmp_path_factory):
+    """Seed 1: net.2's gradients x50 at step 40, gradclip's Lightning callback, checkpoints
+    by trainer.save_checkpoint."""
+    pytest.importorskip("lightning.pytorch")
+    return A.make_run("lightning", 1, True, tmp_path_factory.mktemp("autopsy") / "pl-spiked")
+
+
+def autopsy_json(gradclip, *args):
+    r = gradclip("autopsy", *args, "--format", "json")
+    doc = r.json()
+    validate(doc, "autopsy-1")
+    return r, doc
+
+
+def by_name(doc) -> dict[str, dict]:
+    return {g["name"]: g for g in doc["groups"]}
+
+
+# -- what it finds ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("run", ["torch_spiked", "lightning_spiked", "trainer_spiked"])
+def test_the_injected_layer_is_named_first_at_its_step(gradclip, request, run):
+    run = request.getfixturevalue(run)
+    r, doc = autopsy_json(gradclip, run.folder)
+    assert r.code == 1, r.err
+    assert doc["status"] == "explained"
+    first = doc["groups"][0]
+    assert first["name"] == run.layer and first["rank"] == 1 and first["onset"] == SPIKE
+    assert doc["step"] == SPIKE
+    # Only the injected layer began at the spike; the total crossed there too.
+    assert doc["total_onset"]["step"] == SPIKE and first["lead"] == 0
+    assert all(g["onset"] is None for g in doc["groups"][1:])
+    assert doc["verdict"].startswith(f"step {SPIKE}: spike; began in {run.layer} at step {SPIKE}")
+
+
+def test_a_clean_run_has_nothing_to_explain(gradclip, torch_clean):
+    r, doc = autopsy_json(gradclip, torch_clean.folder)
+    assert r.code == 0, r.err
+    assert doc["status"] == "nothing" and doc["step"] is None and doc["groups"] == []
+    assert doc["verdict"].startswith("nothing to explain")
+
+
+def test_a_clean_step_asked_for_is_nothing_exit_0(gradclip, torch_spiked):
+    r, doc = autopsy_json(gradclip, torch_spiked.folder, "--step", "30")
+    assert r.code == 0, r.err
+    assert doc["status"] == "nothing" and doc["step"] == 30
+    assert doc["verdict"].startswith("step 30: nothing to explain")
+
+
+# -- every number against float64 arithmetic on the files -------------------------------
+
+
+def _log(run) -> dict[int, dict]:
+    return {e["step"]: e for e in map(json.loads, (run.folder / A.LOG).read_text().splitlines())}
+
+
+def _checkpoint(run, optimizer_steps: int) -> dict:
+    return torch.load(run.folder / "checkpoints" / f"step-{optimizer_steps}.pt",
+                      weights_only=True)
+
+
+def _named_state(ckpt) -> dict[str, dict]:
+    """Adam's state by parameter name: the ids follow model.parameters(), the state_dict's
+    order for this model (no buffers)."""
+    names = list(ckpt["model"])
+    return {names[i]: s for i, s in ckpt["optimizer"]["state"].items()}
+
+
+def _group(names, layer):
+    return [n for n in names if n.startswith(layer + ".")]
+
+
+def _norm64(tensors) -> float:
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
+
+
+def test_changes_are_the_files_numbers(gradclip, torch_spiked):
+    run = torch_spiked
+    _, doc = autopsy_json(gradclip, run.folder)
+    layer = by_name(doc)[run.layer]
+    changes = layer["changes"]
+    log = _log(run)
+    # grads: the log's own numbers at steps 39 and 40.
+    assert changes["grads"]["before"] == log[SPIKE - 1]["groups"][run.layer]
+    assert changes["grads"]["after"] == log[SPIKE]["groups"][run.layer]
+    # The log counts from 0: the checkpoint after 40 optimizer steps holds step 39's
+    # gradient last (placed at 39), the one after 41 holds step 40's (placed at 40).
+    before, after = _checkpoint(run, SPIKE), _checkpoint(run, SPIKE + 1)
+    assert changes["exp_avg"]["before_step"] == SPIKE - 1
+    assert changes["exp_avg"]["after_step"] == SPIKE
+    assert changes["exp_avg"]["after_source"].endswith(f"step-{SPIKE + 1}.pt")
+    betas = before["optimizer"]["param_groups"][0]["betas"]
+    lr = before["optimizer"]["param_groups"][0]["lr"]
+    eps = before["optimizer"]["param_groups"][0]["eps"]
+
+    def quantities(ckpt):
+        state = _named_state(ckpt)
+        names = _group(state, run.layer)
+        out = {"exp_avg": [], "grad_rms": [], "update": [], "weights": []}
+        for n in names:
+            s = state[n]
+            t = float(s["step"])
+            m = s["exp_avg"].double() / (1 - betas[0] ** t)
+            v = s["exp_avg_sq"].double() / (1 - betas[1] ** t)
+            out["exp_avg"].append(m)
+            out["grad_rms"].append(v.sqrt())
+            out["update"].append(lr * m / (v.sqrt() + eps))
+            out["weights"].append(ckpt["model"][n])
+        norms = {q: _norm64(ts) for q, ts in out.items()}
+        norms["update_to_weights"] = norms["update"] / norms["weights"]
+        return norms
+
+    b, a = quantities(before), quantities(after)
+    for q in ("exp_avg", "grad_rms", "update", "weights", "update_to_weights"):
+        c = changes[q]
+        assert c["before"] == pytest.approx(b[q], rel=1e-6), q
+        assert c["after"] == pytest.approx(a[q], rel=1e-6), q
+        assert c["ratio"] == pytest.approx(a[q] / b[q], rel=1e-6), q
+    # The spike reached Adam (no clipping in this loop): exp_avg moved far more than 1x.
+    assert changes["exp_avg"]["ratio"] > 3
+
+
+def test_outliers_are_the_dumps_elements_beyond_k_sqrt_vhat(gradclip, torch_spiked):
+    run = torch_spiked
+    for k in ("6", "2.5"):
+        _, doc = autopsy_json(gradclip, run.folder, "--outlier-k", k)
+        dump = torch.load(run.folder / A.DUMPS / f"step-{SPIKE}.pt", weights_only=True)
+        assert dump["step"] == SPIKE
+        ckpt = _checkpoint(run, SPIKE)  # the state before step 40's gradient
+        state = _named_state(ckpt)
+        beta2 = ckpt["optimizer"]["param_groups"][0]["betas"][1]
+        for layer, g in by_name(doc).items():
+            count = elements = 0
+            for n in _group(dump["grads"], layer):
+                s = state[n]
+                v_hat = s["exp_avg_sq"].double() / (1 - beta2 ** float(s["step"]))
+                count += int((dump["grads"][n].double().abs() > float(k) * v_hat.sqrt()).sum())
+                elements += dump["grads"][n].numel()
+            assert g["outlier_counts"]["count"] == count and g["outlier_counts"]["elements"] \
+                == elements
+            assert g["outliers"] == pytest.approx(count / elements, rel=1e-12)
+            assert g["outlier_counts"]["grads_source"].endswith(f"step-{SPIKE}.pt")
+            assert g["outlier_counts"]["moment_source"].endswith(f"step-{SPIKE}.pt")
+        injected = by_name(doc)[run.layer]["outliers"]
+        assert injected > max(g["outliers"] for g in doc["groups"] if g["name"] != run.layer)
+
+
+def test_inputs_list_every_file_with_its_placed_step(gradclip, torch_spiked):
+    _, doc = autopsy_json(gradclip, torch_spiked.folder)
+    inputs = {(i["source"].rsplit("/", 1)[-1], i["what"]): i["steps"] for i in doc["inputs"]}
+    assert inputs[(A.LOG, "grads")] == list(range(A.STEPS))
+    assert inputs[(f"step-{SPIKE}.pt", "grads")] == [SPIKE]  # the dump: the log's numbers
+    assert inputs[(f"step-{SPIKE + 1}.pt", "exp_avg")] == [SPIKE]
+    assert inputs[("step-5.pt", "update_to_weights")] == [4]
+    assert any("counts from 0" in note for note in doc["notes"])
+
+
+def test_the_trainer_checkpoints_are_placed_at_their_own_numbers(gradclip, trainer_spiked):
+    _, doc = autopsy_json(gradclip, trainer_spiked.folder)
+    layer = by_name(doc)[trainer_spiked.layer]
+    assert layer["changes"]["exp_avg"]["after_source"].endswith(f"checkpoint-{SPIKE}")
+    assert layer["changes"]["exp_avg"]["before_source"].endswith(f"checkpoint-{SPIKE - 1}")
+    assert layer["outlier_counts"]["moment_source"].endswith(f"checkpoint-{SPIKE - 1}")
+    assert any("counts from 1" in note for note in doc["notes"])
+
+
+# -- formats -----------------------------------------------------------------------------
+
+
+def test_table_ranks_the_groups_and_ends_with_the_verdict(gradclip, torch_spiked):
+    r = gradclip("autopsy", torch_spiked.folder)
+    assert r.code == 1 and r.err == ""
+    lines = logical_lines(r.out)
+    rows = [line for line in lines if line.startswith("│")]
+    assert rows[0].split("│")[2].strip() == torch_spiked.layer
+    assert f"began in {torch_spiked.layer} at step {SPIKE}" in " ".join(r.out.split())
+    q = gradclip("autopsy", torch_spiked.folder, "-q")
+    assert q.code == 1 and " ".join(q.out.split()).startswith(f"step {SPIKE}: spike; began in")
+
+
+def test_markdown_github_junit_and_output_file(gradclip, torch_spiked, tmp_path):
+    md = gradclip("autopsy", torch_spiked.folder, "--format", "markdown")
+    assert md.code == 1
+    # ":" is escaped (a bare autolink could start at it), the rest reads as written.
+    assert md.out.startswith("### gradclip autopsy\n\n**❌ step 40\\: spike; began in ")
+    assert f"| 1 | {torch_spiked.layer} | 40 grads | 0 |" in md.out
+    gh = gradclip("autopsy", torch_spiked.folder, "--format", "github")
+    errors = [line for line in gh.out.splitlines() if line.startswith("::error")]
+    assert len(errors) == 1 and "began in fc1" in errors[0]
+    junit = gradclip("autopsy", torch_spiked.folder, "--format", "junit")
+    root = ET.fromstring(junit.out.split("\n", 1)[1])
+    failed = [c.get("name") for c in root.iter("testcase") if c.find("failure") is not None]
+    assert failed == [torch_spiked.layer]
+    out = tmp_path / "autopsy.json"
+    r = gradclip("autopsy", torch_spiked.folder, "--format", "json", "--output-file", out)
+    assert r.code == 1 and r.out == ""
+    validate(json.loads(out.read_text()), "autopsy-1")
+
+
+def test_plot_draws_a_png(gradclip, torch_spiked, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "autopsy.png"
+    r = gradclip("autopsy", torch_spiked.folder, "--plot", plot, "-q")
+    assert r.code == 1, r.err
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- bad input: one line naming the file, exit 2 or 3, never a ranking --------------------
+
+
+def one_line(r) -> str:
+    assert r.out == "" and len(r.err.splitlines()) == 1 and "Traceback" not in r.err, r.err
+    return r.err
+
+
+def test_a_step_outside_the_inputs(gradclip, torch_spiked):
+    r = gradclip("autopsy", torch_spiked.folder, "--step", "500")
+    assert r.code == 2
+    line = one_line(r)
+    assert "--step 500: outside the inputs" in line and A.LOG in line
+    j = gradclip("autopsy", torch_spiked.folder, "--step", "500", "--format", "json")
+    doc = json.loads(j.out)
+    validate(doc, "error-1")
+    assert doc["exit_code"] == 2 and "outside the inputs" in doc["error"]
+
+
+def test_logs_of_two_runs(gradclip, torch_spiked, torch_clean):
+    r = gradclip("autopsy", torch_spiked.folder / A.LOG, torch_clean.folder / A.LOG)
+    assert r.code == 2
+    line = one_line(r)
+    assert str(torch_spiked.folder / A.LOG) in line and str(torch_clean.folder / A.LOG) in line
+
+
+def test_a_dump_of_another_run(gradclip, torch_spiked, torch_clean, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(torch_clean.folder, folder)
+    (folder / A.DUMPS).mkdir(exist_ok=True)
+    shutil.copy(torch_spiked.folder / A.DUMPS / f"step-{SPIKE}.pt", folder / A.DUMPS)
+    r = gradclip("autopsy", folder)
+    assert r.code == 2
+    assert f"step-{SPIKE}.pt" in one_line(r) and "not one run's" in r.err
+
+
+def test_a_checkpoint_whose_parameters_differ(gradclip, torch_spiked, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(torch_spiked.folder, folder)
+    bad = folder / "checkpoints" / "step-45.pt"
+    other = torch.nn.ModuleDict({"fc1": torch.nn.Linear(16, 8), "fc2": torch.nn.Linear(8, 64),
+                                 "fc3": torch.nn.Linear(64, 1)})
+    opt = torch.optim.Adam(other.parameters())
+    other["fc3"](other["fc2"](other["fc1"](torch.randn(2, 16)))).sum().backward()
+    opt.step()
+    torch.save({"model": other.state_dict(), "optimizer": opt.state_dict(), "step": 45}, bad)
+    r = gradclip("autopsy", folder)
+    assert r.code == 3
+    line = one_line(r)
+    assert "step-45.pt: parameter fc1.bias has shape [8], but [64] in" in line
+    assert line.rstrip().endswith("step-10.pt: not one run's checkpoints")
+
+
+@pytest.mark.parametrize("args, word", [(["--window", "0"], "--window"),
+                                        (["--outlier-k", "-1"], "--outlier-k"),
+                                        (["--step", "-3"], "--step")])
+def test_bad_values_are_usage_errors(gradclip, torch_spiked, args, word):
+    r = gradclip("autopsy", torch_spiked.folder, *args)
+    assert r.code == 2 and word in one_line(r)
+
+
+def test_an_unreadable_input_is_exit_3(gradclip, tmp_path):
+    broken = tmp_path / "step-3.pt"
+    broken.write_bytes(b"PK\x03\x04 not a zip")
+    r = gradclip("autopsy", broken)
+    assert r.code == 3 and str(broken) in one_line(r)
+
+
+def test_names_from_the_files_are_data_in_every_format(gradclip, tmp_path):
+    """Module names reach the log as the monitor writes them: each format escapes them."""
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    hostile, escape = "a|b*`c`", "esc\x1b[31m"
+    model = torch.nn.ModuleDict({hostile: torch.nn.Linear(4, 4), escape: torch.nn.Linear(4, 1)})
+    with GradMonitor(model, tmp_path / A.LOG, None) as monitor:
+        for step in range(30):
+            model[escape](model[hostile](torch.randn(8, 4))).pow(2).mean().backward()
+            if step == 25:
+                for p in model[hostile].parameters():
+                    p.grad.mul_(50)
+            monitor.step(step)
+            model.zero_grad()
+    md = gradclip("autopsy", tmp_path / A.LOG, "--format", "markdown")
+    assert md.code == 1
+    assert "| 1 | a\\|b\\*\\`c\\` |" in md.out and "\x1b" not in md.out
+    table = gradclip("autopsy", tmp_path / A.LOG)
+    assert table.code == 1 and "\x1b" not in table.out and "began in a|b*`c`" in table.out
+    _, doc = autopsy_json(gradclip, tmp_path / A.LOG)
+    assert doc["groups"][0]["name"] == hostile
+
+
+def test_a_log_too_short_to_judge_is_insufficient_exit_0(gradclip, tmp_path):
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    with GradMonitor(model, tmp_path / A.LOG, None) as monitor:
+        for step in range(4):  # the rule judges a point after 5 earlier ones
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            monitor.step(step)
+            model.zero_grad()
+    r, doc = autopsy_json(gradclip, tmp_path / A.LOG)
+    assert r.code == 0 and doc["status"] == "insufficient" and doc["groups"] == []
+    assert "too few points to judge (4" in doc["verdict"]
+    gh = gradclip("autopsy", tmp_path / A.LOG, "--format", "github")
+    assert gh.code == 0 and gh.out.startswith("::notice") and "::error" not in gh.out
+
+
+@pytest.fixture(scope="session")
+def hf_run_folder(tmp_path_factory):
+    """tests/trainer_runs.py's run folder: checkpoint-5/ .. checkpoint-20/, the Trainer's
+    trainer_state.json, a GradMonitor log; transformer.h.1 x1000 at step 12."""
+    pytest.importorskip("transformers")
+    from tests.trainer_runs import train_run_folder
+
+    return train_run_folder(tmp_path_factory.mktemp("autopsy_hf") / "output")
+
+
+def test_a_trainer_folder_at_every_grain(gradclip, hf_run_folder, tmp_path):
+    run = hf_run_folder
+    r, doc = autopsy_json(gradclip, run.output_dir)
+    assert r.code == 1 and doc["step"] == run.spike_step
+    first = doc["groups"][0]
+    assert first["name"] == run.spike_layer and first["onset"] == run.spike_step
+    # Checkpoints every 5 steps: the nearest ones either side of step 12.
+    moments = first["changes"]["exp_avg"]
+    assert moments["before_source"].endswith("checkpoint-10")
+    assert moments["after_source"].endswith("checkpoint-15")
+    assert first["outliers"] is None
+    assert any(n.startswith("outliers: no gradient of step 12") for n in doc["notes"])
+    # Without the monitor log, the Trainer's total is the finest series: the step is
+    # still found, but no layer can be named, and the verdict says what would.
+    folder = tmp_path / "output"
+    shutil.copytree(run.output_dir, folder)
+    (folder / "grads.jsonl").unlink()
+    r, doc = autopsy_json(gradclip, folder)
+    assert r.code == 1 and doc["status"] == "explained" and doc["step"] == run.spike_step
+    assert doc["finest"].endswith("trainer_state.json")
+    assert all(g["onset"] is None for g in doc["groups"])
+    assert "holds the total only" in doc["verdict"]
