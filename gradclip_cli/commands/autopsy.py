@@ -19,9 +19,9 @@ callback, a loop's ``enumerate``). The log's first step says which; the
 report says how each checkpoint was placed.
 
 The report data is ``report/autopsy.py``; the gradient of a step comes from
-``gradients_at``, the one place that knows which inputs hold one (today a
-monitor dump of that step; a reconstruction from two consecutive optimizer
-states, ``inspect --previous``, would be one more source there).
+``gradients_at``, the one place that knows which inputs hold one: a monitor
+dump of that step, else the two checkpoints of that step and the one before,
+whose Adam states determine it (``source/previous.py``, as ``inspect --previous``).
 
 Under ``torchrun`` each checkpoint's norms are split across ranks as
 ``trend`` splits them (``measure_loaded`` with the session); the outlier
@@ -63,6 +63,7 @@ from ..report.trend import Observation, one_point_per_step
 from ..source.layouts import accelerate_fsdp, open_checkpoint
 from ..source.logs import monitor_log
 from ..source.logs.recognise import log_kind
+from ..source.previous import gradients_between
 from ..source.what import available, select
 from . import trend
 from .common import Loaded, emit, load, measure_weights, output_format, speaks
@@ -403,20 +404,33 @@ def _explained_step(main: QuantitySeries, step: int | None, series, z, alpha, wa
 # -- outliers: the gradient of a step against Adam's second moment of the step before ----
 
 
-def gradients_at(step: int, placed: dict[int, list], how: trend.Measurement, steps
+def gradients_at(step: int, placed: dict[int, list], how: trend.Measurement, steps,
+                 why_not: list[str] | None = None
                  ) -> tuple[dict[str, torch.Tensor], str] | None:
     """The gradients of ``step`` by parameter name, and the input they come from; None
-    when no input holds them.
+    when no input holds them (the reasons a pair of states did not go to ``why_not``).
 
-    Today: a monitor dump of that step (``save_grads``'s file). A pair of consecutive
-    optimizer states determines them too (``inspect --previous``); such a source
-    belongs here, beside the dump, and nowhere else.
+    A monitor dump of that step (``save_grads``'s file), else two checkpoints whose
+    Adam-family states are of that step and the one before: they determine the
+    gradient the optimizer used (``source/previous.py``, as ``inspect --previous``).
     """
     for point in placed.get(step, []):
         if point.gradients:
             loaded = load(point.path, how.key, how.trust_pickle, how.verify, steps, "grads")
             return ({n: t.read() for n, t in zip(loaded.names, loaded.tensors)},
                     visible(str(point.path)))
+    states = [[p for p in placed.get(s, []) if "exp_avg" in p.measured] for s in (step, step - 1)]
+    for curr in states[0]:
+        for prev in states[1]:
+            found = gradients_between(*(
+                open_checkpoint(p.path, key=how.key, trust_pickle=how.trust_pickle,
+                                verify=how.verify) for p in (curr, prev)))
+            if found.gradients is not None:
+                return ({n: g for n, g in found.gradients.items()},
+                        f"the gradients reconstructed from {visible(str(prev.path))} and "
+                        f"{visible(str(curr.path))} (their Adam states, steps apart by one)")
+            if why_not is not None:
+                why_not.append(found.refusal)
     return None
 
 
@@ -435,10 +449,12 @@ def second_moment_rms(step: int, placed: dict[int, list], how: trend.Measurement
 
 
 def _outliers(step: int, placed, how, steps, k: float, rule):
-    grads = gradients_at(step, placed, how, steps)
+    refused: list[str] = []
+    grads = gradients_at(step, placed, how, steps, refused)
     if grads is None:
         return {}, [f"outliers: no gradient of step {step} among the inputs (a monitor dump "
-                    "of that step holds one)"]
+                    "of that step holds one, or checkpoints of that step and the one before "
+                    "with Adam's state)", *(f"outliers: {why}" for why in refused)]
     moment = second_moment_rms(step - 1, placed, how, steps)
     if moment is None:
         return {}, [f"outliers: no optimizer state of step {step - 1} (the step before) "

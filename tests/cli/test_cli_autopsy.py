@@ -190,6 +190,35 @@ def test_outliers_are_the_dumps_elements_beyond_k_sqrt_vhat(gradclip, torch_spik
         assert injected > max(g["outliers"] for g in doc["groups"] if g["name"] != run.layer)
 
 
+def test_without_a_dump_the_gradient_comes_from_two_consecutive_adam_states(
+        gradclip, torch_spiked, tmp_path):
+    """The loop saves the states after steps 39 and 40's gradients: they determine step 40's
+    gradient (inspect --previous's reconstruction), so the outliers need no dump, and match
+    the dump's counts (the reconstruction is float32 state: an element within its rounding
+    of the threshold may fall either side)."""
+    run = torch_spiked
+    _, with_dump = autopsy_json(gradclip, run.folder)
+    folder = tmp_path / "run"
+    shutil.copytree(run.folder, folder, ignore=shutil.ignore_patterns(A.DUMPS))
+    r, doc = autopsy_json(gradclip, folder)
+    assert r.code == 1, r.err
+    assert doc["groups"][0]["name"] == run.layer
+    for layer, g in by_name(doc).items():
+        counts, reference = g["outlier_counts"], by_name(with_dump)[layer]["outlier_counts"]
+        assert counts["elements"] == reference["elements"]
+        assert abs(counts["count"] - reference["count"]) <= 1, layer
+        assert counts["grads_source"].startswith("the gradients reconstructed from ")
+        assert counts["grads_source"].endswith("(their Adam states, steps apart by one)")
+    # Without the state of the step before, nothing determines it: said, not guessed.
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    for f in (bare / "checkpoints").glob("step-40.pt"):
+        f.unlink()
+    _, doc = autopsy_json(gradclip, bare)
+    assert all(g["outliers"] is None for g in doc["groups"])
+    assert any(n.startswith("outliers: no gradient of step 40") for n in doc["notes"])
+
+
 def test_inputs_list_every_file_with_its_placed_step(gradclip, torch_spiked):
     _, doc = autopsy_json(gradclip, torch_spiked.folder)
     inputs = {(i["source"].rsplit("/", 1)[-1], i["what"]): i["steps"] for i in doc["inputs"]}
