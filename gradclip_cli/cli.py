@@ -429,15 +429,20 @@ def compare(a, b, fail_above, what, group_by, key, norm_type, device, format, ou
          "gradient elements with |g| > K * sqrt(v_hat) (default 6).")
 @click.option("--plot", type=V.PLOT, metavar="FILE",
          help="Also draw the top groups' series to FILE.png or FILE.svg (needs gradclip[plot]).")
+@tag_option
+@run_option
+@exclude_option
 @_shared
 def autopsy(paths, step, window, outlier_k, plot, key, device, format, output_file, verify,
-            trust_pickle, quiet, no_progress, debug) -> None:
+            trust_pickle, quiet, no_progress, debug, tag=None, run_name=None,
+            exclude=()) -> None:
     def body() -> int:
         return _command("autopsy").run(
             paths=[Path(p) for p in paths], step=step, window=window, outlier_k=outlier_k,
             plot=None if plot is None else Path(plot), key=key, device=device, format=format,
             trust_pickle=trust_pickle, verify=verify, quiet=quiet,
             output_file=_output_file(output_file), progress=not (quiet or no_progress),
+            tag=tag, run_name=run_name, exclude=tuple(exclude),
         )
 
     _run(body, command="autopsy", debug=debug, format=format, source=" ".join(paths),

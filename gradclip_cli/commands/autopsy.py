@@ -60,8 +60,10 @@ from ..report.autopsy import (
 )
 from ..report.groups import group_sums
 from ..report.trend import Observation, one_point_per_step
+from ..source import run_folder
+from ..source.exclude import Exclusion
 from ..source.layouts import accelerate_fsdp, open_checkpoint
-from ..source.logs import monitor_log
+from ..source.logs import monitor_log, trackers
 from ..source.logs.recognise import log_kind
 from ..source.previous import gradients_between
 from ..source.what import available, select
@@ -99,6 +101,7 @@ def run(
     plot: Path | None, key: str | None, device: str, format: str, trust_pickle: bool,
     verify: bool, quiet: bool, output_file: Path | None, progress: bool = True,
     z: float | None = None, alpha: float | None = None, warmup: int | None = None,
+    tag: str | None = None, run_name: str | None = None, exclude: tuple[str, ...] = (),
 ) -> int:
     options.report_file(output_file, reads=paths, writes=[plot] if plot is not None else [])
     window = DEFAULT_WINDOW if window is None else values.whole("--window", window, least=1)
@@ -122,7 +125,8 @@ def run(
     rule = parse_group_by(GROUP_BY)
     how = trend.Measurement(key, 2.0, dev, rule, GROUP_BY, trust_pickle, verify, session)
     with progress_steps(quiet or not progress or not speaks()) as steps:
-        read = _read_inputs(paths, how, steps, output_file)
+        read = _read_inputs(paths, how, steps, output_file, trackers.Choice(tag, run_name),
+                            Exclusion(tuple(exclude)))
         series, inputs, notes, placed = _series(read)
         main = finest(series)
         explained = _explained_step(main, step, series, z, alpha, warmup)
@@ -149,9 +153,12 @@ def run(
 # -- reading ---------------------------------------------------------------------------
 
 
-def _read_inputs(paths: list[Path], how: trend.Measurement, steps, output_file) -> _Read:
+def _read_inputs(paths: list[Path], how: trend.Measurement, steps, output_file,
+                 choice: trackers.Choice, exclusion: Exclusion) -> _Read:
     read = _Read()
-    inputs = trend._once([item for path in paths for item in _expand(path, how, steps)])
+    inputs = trend._once([item for path in trend._kept(paths, exclusion)
+                          for item in _expand(path, how, steps, choice, exclusion)])
+    read.notes += exclusion.notes()
     for item in inputs:
         if item.kind is not None:
             entries = item.kind.read(item.path) if item.entries is None else list(item.entries)
@@ -165,34 +172,43 @@ def _read_inputs(paths: list[Path], how: trend.Measurement, steps, output_file) 
     return read
 
 
-def _expand(path: Path, how: trend.Measurement, steps):
+def _expand(path: Path, how: trend.Measurement, steps, choice: trackers.Choice,
+            exclusion: Exclusion):
     """The inputs ``path`` stands for: every series of a run folder (its numbered
-    checkpoints, its logs, the checkpoint files in its other folders, such as the
-    monitor's ``spikes/``), where ``trend`` keeps only the one it judges."""
+    checkpoints, its logs, its trackers' series, the checkpoint files in its other
+    folders, such as the monitor's ``spikes/``), where ``trend`` keeps only the one it
+    judges; a tracker's file (``--tag``, ``--run`` as ``trend`` takes them)."""
 
     def why_not(p: Path) -> str | None:
         return trend._loads(p, how.key, how.trust_pickle, steps)
 
     if not path.is_dir():
-        yield trend.Input(path, log_kind(path))
+        tracked = run_folder.tracker_file(path, choice)
+        if tracked is None:
+            yield trend.Input(path, log_kind(path))
+        else:
+            yield trend.Input(tracked.judged.paths[0], tracked.judged.log, None,
+                              tracked.judged.entries)
         return
     if accelerate_fsdp.recognises(path) or why_not(path) is None:
         yield trend.Input(path)
         return
-    from ..source import run_folder
-
-    numbered = run_folder.numbered_folders(path)
+    found_run = run_folder.discover(path, "auto", choice, exclusion)
+    for series in () if found_run is None else found_run.series:
+        if series.kind == run_folder.TRACKER:
+            yield trend.Input(series.paths[0], series.log, None, series.entries)
+    numbered = run_folder.numbered_folders(path, exclusion)
     for number, child in numbered:
         yield from trend._expand(child, why_not, number)
     found = False
-    for child in trend._children(path):
+    for child in exclusion.keep(trend._children(path)):
         if child.is_file():
             kind = log_kind(child)
             if kind is not None or trend._is_checkpoint_file(child):
                 found = True
                 yield trend.Input(child, kind)
         elif child.is_dir() and child not in {c for _, c in numbered}:
-            for inner in trend._children(child):
+            for inner in exclusion.keep(trend._children(child)):
                 if inner.is_file() and (log_kind(inner) is not None
                                         or trend._is_checkpoint_file(inner)):
                     found = True
