@@ -24,6 +24,8 @@ from click.shell_completion import get_completion_class
 
 from . import values as V
 from .errors import REPORT_FILE_FLAG, GradclipError
+from .format import FAILURE_FORMATS as failure_formats
+from .format import described as described_formats
 
 # torch warns on import when numpy is absent; gradclip never needs numpy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -77,9 +79,7 @@ norm_type_option = click.option("--norm-type", type=V.NORM_TYPE, default="2", me
 device_option = click.option("--device", type=V.DEVICE, default="cpu", metavar="DEVICE",
                         help=f"{V.DEVICES}.")
 format_option = click.option("--format", "format", type=V.FORMAT, default="table",
-                        metavar="FORMAT", help="table (for people), json (for scripts), "
-                        "markdown (a PR comment or $GITHUB_STEP_SUMMARY), github (GitHub "
-                        "Actions annotations) or junit (JUnit XML).")
+                        metavar="FORMAT", help=described_formats())
 output_file_option = click.option("--output-file", metavar="FILE",
                              help="Write the report to FILE (atomically) instead of stdout.")
 trust_option = click.option("--trust-pickle", is_flag=True, help="Allow full unpickling: runs "
@@ -117,8 +117,8 @@ def _shared(command):
 
 
 # The formats that carry a failure on stdout (or in --output-file) besides the line
-# on stderr; a table is for a person, who reads stderr.
-FAILURE_FORMATS = ("json", "junit", "github", "markdown")
+# on stderr (the format registry says which); a table is for a person, who reads stderr.
+FAILURE_FORMATS = failure_formats
 
 
 def _report_error(message: str, code: int, *, format: str | None, source: object,

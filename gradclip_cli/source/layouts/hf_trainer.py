@@ -26,6 +26,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.small_file import excerpt
+from gradclip_cli.source.foreign import silenced
 from gradclip_cli.source.interface import Contents, stored
 
 from . import hf_sharded
@@ -39,6 +40,8 @@ OPTIMIZER = "optimizer.pt"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
+# The loggers transformers writes through (its own, and the hub client's it calls).
+TRANSFORMERS_LOGGERS = ("transformers", "huggingface_hub")
 
 
 def recognises(path: Path) -> bool:
@@ -139,27 +142,32 @@ def model_order_from_config(folder: Path, stored: int) -> list[str] | None:
     config_file = folder / "config.json"
     if not os.path.exists(config_file):
         return None
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        return None
     document = read_json(config_file, what="a model config", folder=folder)
     architectures = document.get("architectures") if isinstance(document, dict) else None
     if not (isinstance(architectures, list) and architectures
             and isinstance(architectures[0], str)):
         return None
-    model_class = getattr(transformers, architectures[0], None)
-    if not (isinstance(model_class, type)
-            and issubclass(model_class, transformers.PreTrainedModel)):
-        return None
-    check_module_counts(config_file, document, stored)
-    try:
-        config = model_class.config_class.from_dict(document)
-        with torch.device("meta"):
-            model = model_class(config)
-    except Exception:  # any failure to build: the order stays unknown, reported later
-        return None
+    # What transformers says while it builds (config warnings, its log lines) is about
+    # its own use of the config: none of it reaches gradclip's stderr. (Its import sets
+    # its loggers' levels: they are silenced once it is imported.)
+    with silenced():
+        try:
+            import torch
+            import transformers
+        except ImportError:
+            return None
+    with silenced(*TRANSFORMERS_LOGGERS):
+        model_class = getattr(transformers, architectures[0], None)
+        if not (isinstance(model_class, type)
+                and issubclass(model_class, transformers.PreTrainedModel)):
+            return None
+        check_module_counts(config_file, document, stored)
+        try:
+            config = model_class.config_class.from_dict(document)
+            with torch.device("meta"):
+                model = model_class(config)
+        except Exception:  # any failure to build: the order stays unknown, reported later
+            return None
     return [name for name, _ in model.named_parameters()]
 
 
