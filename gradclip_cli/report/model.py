@@ -79,6 +79,10 @@ class InspectReport:
     # A finite total beyond float64's range: total_norm is inf, log10 says how far.
     overflow: bool = False
     total_norm_log10: float | None = None
+    # Lines of ``description`` that every format carries, not the table and json alone:
+    # where the report corrects what the file's name says (a step), or says why names
+    # are missing (state under its ids).
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

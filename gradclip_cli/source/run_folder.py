@@ -186,11 +186,11 @@ class RunFolder:
             known = "" if by_monitor is None else f"; {by_monitor}"
             return f"clipping: unknown ({clip.why_unknown}){known}"
         if not clip.clipped:
-            why = ("a NaN, which is never > 0" if math.isnan(clip.max_grad_norm)
-                   else "an infinite limit, which changes no gradient"
-                   if math.isinf(clip.max_grad_norm) else "not > 0")
+            why = (": a NaN, which is never > 0" if math.isnan(clip.max_grad_norm)
+                   else ": an infinite limit, which changes no gradient"
+                   if math.isinf(clip.max_grad_norm) else "")
             trainer = (f"clipping: the Trainer did not clip (max_grad_norm "
-                       f"{clip.max_grad_norm:g} in {where}: {why})")
+                       f"{clip.max_grad_norm:g} in {where}{why})")
             if by_monitor is not None:
                 return f"{trainer}; {by_monitor}"
             either = "" if monitor is None else f" ({monitor.words()})"
