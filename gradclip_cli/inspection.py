@@ -29,7 +29,7 @@ two apart. A finding (a NaN, a total above ``max_norm``, a spike) is not an
 error: it is the report's ``status``, and :func:`exit_code` gives the code
 the command would exit with.
 
-``autopsy`` (CONTRACT.md, "Over time") joins them here once its command
+``autopsy`` (docs/reference/contract.md, "Over time") joins them here once its command
 lands: a function of the same shape, returning its report.
 """
 

@@ -35,7 +35,7 @@ spiked. On a non-finite gradient, or a spike once the spiking series has
 culprit layer.
 
 With ``clip_spikes=True`` the monitor also clips a spike, as ZClip's ``percentile``
-mode does (README, "In your training loop"): when
+mode does (docs/guides/training-loop.md): when
 the total's z-score is above ``z``, the gradients are scaled so that their
 total is the history's ``mean + z * std`` (the spike rule's limit).
 
@@ -95,9 +95,11 @@ from .core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z, SpikeDetector
 from .distributed import dtensor
 from .errors import OutputError, UsageError
 from .format.json import nonfinite_object, number
+from .nonfinite_origin import NonfiniteLocator
 from .producer import save_grads
 from .report.grouping import parse_group_by
 from .report.groups import Grouping, GroupSums, nonfinite_counts
+from .tracker_scalars import TensorBoardScalars, scalars
 
 __all__ = ["SCHEMA", "GradMonitor"]
 
@@ -184,6 +186,25 @@ class GradMonitor:
             NaN on every step from then on, and the gradients that explain
             it are those of the onset, which rotating out old dumps would
             delete. Nothing the monitor wrote is ever removed.
+        locate_nonfinite: also record where a non-finite value began
+            (docs/guides/nan-origin.md): a logged step whose gradients hold a
+            NaN or an inf logs ``"nonfinite_origin": {"forward": the first
+            module, in forward order, whose output held one, or null;
+            "backward": the first parameter, in the order autograd
+            accumulated the gradients, whose gradient holds one}``, and
+            ``null`` on clean steps. Forward hooks keep a flag per module on
+            the device (read only on a non-finite step: a clean step reads
+            nothing more); the accumulation order is recorded once, in the
+            first backward. The hooks stay on the model.
+        tensorboard: a folder to write TensorBoard scalars to as well (torch's
+            ``SummaryWriter``; needs ``pip install 'gradclip[tensorboard]'``,
+            else ``ImportError`` here): each logged step's total and group
+            norms, spike flag and clip coefficient under the tags
+            ``gradclip/total_norm``, ``gradclip/norm/<group>``,
+            ``gradclip/spike``, ``gradclip/clip_coef`` (``tracker_scalars``),
+            the log's numbers rounded to float32, as TensorBoard stores them.
+            ``close()`` flushes them; until then torch's writer flushes every
+            120 s.
 
     Under ``torch.distributed`` every rank measures and clips (so all ranks
     apply the same coefficient), but only rank 0 writes the log and the
@@ -210,6 +231,8 @@ class GradMonitor:
         warmup: int = DEFAULT_WARMUP,
         max_dumps: int = DEFAULT_MAX_DUMPS,
         clip_spikes: bool = False,
+        locate_nonfinite: bool = False,
+        tensorboard: str | os.PathLike[str] | None = None,
     ):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"GradMonitor: every must be a whole number >= 1, got {every!r}")
@@ -219,6 +242,9 @@ class GradMonitor:
             )
         if not isinstance(clip_spikes, bool):
             raise ValueError(f"GradMonitor: clip_spikes must be True or False, got {clip_spikes!r}")
+        if not isinstance(locate_nonfinite, bool):
+            raise ValueError(
+                f"GradMonitor: locate_nonfinite must be True or False, got {locate_nonfinite!r}")
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"GradMonitor: norm_type must be > 0 or inf, got {norm_type}")
@@ -251,6 +277,11 @@ class GradMonitor:
         self._warned_full = False
         self._warned_empty = False
         self._reported: set[str] = set()  # write failures already told on stderr
+        self._locator = NonfiniteLocator(model) if locate_nonfinite else None
+        # The newest logged record (what the framework adapters pass to their loggers).
+        self.last_record: dict[str, Any] | None = None
+        self._tensorboard = None if tensorboard is None else TensorBoardScalars(
+            _checked_path(tensorboard, "tensorboard", folder=True))
 
     # -- public --------------------------------------------------------------
 
@@ -327,10 +358,13 @@ class GradMonitor:
         return total
 
     def close(self) -> None:
-        """Close the log file (it is reopened, for appending, if the monitor logs again)."""
+        """Close the log file (it is reopened, for appending, if the monitor logs again)
+        and flush the TensorBoard scalars (a later step opens a new event file)."""
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
     def __enter__(self) -> GradMonitor:
         return self
@@ -356,6 +390,8 @@ class GradMonitor:
         if step is None:
             step = self._calls
         self._calls += 1
+        if self._locator is not None:
+            self._locator.step_taken()  # the next forward starts the next step's flags
         return int(step)
 
     def _group(self, name: str) -> str:
@@ -518,6 +554,9 @@ class GradMonitor:
             "clip_coef": number(coef.value) if scaled else None,
             "dump_skipped": dump_skipped,
         }
+        if self._locator is not None:
+            tail["nonfinite_origin"] = self._nonfinite_origin() if any(nonfinite.values()) \
+                else None
         record = {**head, "groups": dict(zip(names, values)), **tail}
         if self.log_path is not None and not self._log_broken and _is_writer():
             # json.dumps(record) without walking the 1,000 groups in Python: their
@@ -532,7 +571,24 @@ class GradMonitor:
                 + json.dumps(tail, allow_nan=False)[1:]
             )
             self._write_line(line)
+        self._publish(record)
         return record, coef
+
+    def _publish(self, record: dict[str, Any]) -> None:
+        """Keep the record for the adapters; write its scalars to TensorBoard (rank 0)."""
+        self.last_record = record
+        if self._tensorboard is not None and _is_writer():
+            try:
+                self._tensorboard.write(record["step"], scalars(record))
+            except OSError as e:
+                self._report("tensorboard", f"GradMonitor: cannot write TensorBoard scalars "
+                             f"to {self._tensorboard.log_dir}: {e}; training goes on")
+
+    def _nonfinite_origin(self) -> dict[str, str | None]:
+        """Where this step's non-finite value began (``locate_nonfinite``): names as
+        ``named_parameters`` gives them, read on this non-finite step only."""
+        names, params = self._parameters.named(self.model)
+        return self._locator.origin(params, dict(zip(map(id, params), names)))
 
     def _dump(self, step: int) -> tuple[Path | None, str | None]:
         """Save the gradients of ``step``: the file written, or None and why not."""

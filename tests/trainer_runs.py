@@ -34,10 +34,12 @@ class CheckpointedRun:
     group_names: list[list[str]]
 
 
-def train_with_spike(output_dir: Path) -> Path:
-    """Run the Trainer into ``output_dir``; return its ``trainer_state.json``."""
+def train_with_spike(output_dir: Path, report_to: tuple[str, ...] = ()) -> Path:
+    """Run the Trainer into ``output_dir``; return its ``trainer_state.json``.
+    ``report_to``: the Trainer's own integrations (``("tensorboard",)`` writes
+    ``output_dir/runs/``)."""
     state, _ = _train(output_dir, steps=STEPS, spike_step=SPIKE_STEP, save=False,
-                      max_grad_norm=1.0)
+                      max_grad_norm=1.0, report_to=report_to)
     return state
 
 
@@ -57,7 +59,8 @@ def train_checkpointed_with_spike(output_dir: Path) -> CheckpointedRun:
 
 
 def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
-           max_grad_norm: float) -> tuple[Path, list[list[str]]]:
+           max_grad_norm: float, report_to: tuple[str, ...] = ()
+           ) -> tuple[Path, list[list[str]]]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -81,7 +84,7 @@ def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
         if save else {"save_strategy": "no"}
     args = TrainingArguments(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4,
-        learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+        learning_rate=1e-3, logging_steps=1, report_to=list(report_to), use_cpu=True, seed=0,
         data_seed=0, max_grad_norm=max_grad_norm, disable_tqdm=True,
         dataloader_num_workers=0, **saving,
     )  # fmt: skip
@@ -278,3 +281,114 @@ def train_with_callback_clipping(output_dir: Path) -> CallbackClipRun:
     _train_on_one_thread(trainer)
     trainer.save_state()
     return CallbackClipRun(output_dir, before.seen, after.seen)
+
+
+# The run of gradclip's own Trainer callback: its norms in the Trainer's logs,
+# sent to TensorBoard by report_to and kept in trainer_state.json, on the
+# logging steps (every CALLBACK_LOGGING_STEPS), a spike at one of them.
+CALLBACK_STEPS = 24
+CALLBACK_LOGGING_STEPS = 2
+CALLBACK_SPIKE_STEP = 20
+CALLBACK_LOG = "grads.jsonl"
+
+
+def train_with_callback(output_dir: Path) -> Path:
+    """GradMonitorCallback (clipping to 1.0 itself) in a run that reports to TensorBoard;
+    return its ``trainer_state.json``. The event file is under ``output_dir/runs/``."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from gradclip_cli.integrations.transformers import GradMonitorCallback
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (CALLBACK_STEPS * 4, 16), generator=generator)
+    dataset = [{"input_ids": t, "labels": t} for t in tokens]
+
+    class SpikeTrainer(Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            if self.state.global_step + 1 == CALLBACK_SPIKE_STEP:
+                loss = loss * SPIKE_SCALE
+            return loss
+
+    args = TrainingArguments(
+        output_dir=str(output_dir), max_steps=CALLBACK_STEPS, per_device_train_batch_size=4,
+        learning_rate=1e-3, logging_steps=CALLBACK_LOGGING_STEPS, report_to=["tensorboard"],
+        use_cpu=True, seed=0, data_seed=0, max_grad_norm=0.0, disable_tqdm=True,
+        dataloader_num_workers=0, save_strategy="no",
+    )  # fmt: skip
+    callback = GradMonitorCallback(output_dir / CALLBACK_LOG, dump_dir=None, max_norm=1.0)
+    trainer = SpikeTrainer(model=model, args=args, train_dataset=dataset, callbacks=[callback])
+    _train_on_one_thread(trainer)
+    trainer.save_state()
+    return output_dir / "trainer_state.json"
+
+
+# A run whose framework logs a wrong total: the norm of half the parameters,
+# as the expert-parallel norm bugs did (Megatron-LM PR#5916, DeepSpeed#8469),
+# beside a monitor log of the right one, in a run folder with checkpoints.
+HALF_NORM_STEPS = 10
+HALF_NORM_SAVE_STEPS = 5
+
+
+@dataclass(frozen=True)
+class HalfNormRun:
+    """``output_dir`` holds ``checkpoint-5/``, ``checkpoint-10/``, ``trainer_state.json``
+    and ``grads.jsonl``; ``half_norms[step]`` is torch's (float32) 2-norm of the first
+    half of the parameters' gradients, what the Trainer logged as ``grad_norm``."""
+
+    output_dir: Path
+    steps: int
+    half_norms: dict[int, float]
+
+
+def train_with_half_norm(output_dir: Path) -> HalfNormRun:
+    """The Trainer clips (and logs the norm) through ``accelerator.clip_grad_norm_``,
+    here replaced on this run's accelerator by torch's over the first half of the
+    parameters alone; a GradMonitor in ``training_step`` logs the whole norm."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (HALF_NORM_STEPS * 4, 16), generator=generator)
+    dataset = [{"input_ids": t, "labels": t} for t in tokens]
+    monitor = GradMonitor(model, output_dir / RUN_FOLDER_LOG, dump_dir=None)
+    half_norms: dict[int, float] = {}
+
+    class MonitoredTrainer(Trainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            monitor.step(self.state.global_step + 1)
+            return loss
+
+    args = TrainingArguments(
+        output_dir=str(output_dir), max_steps=HALF_NORM_STEPS, per_device_train_batch_size=4,
+        learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+        data_seed=0, disable_tqdm=True, dataloader_num_workers=0, save_strategy="steps",
+        save_steps=HALF_NORM_SAVE_STEPS, max_grad_norm=1.0,
+    )  # fmt: skip
+    trainer = MonitoredTrainer(model=model, args=args, train_dataset=dataset)
+
+    def half_clip(parameters, max_norm, norm_type=2):
+        params = [p for p in parameters if p.grad is not None]
+        total = torch.nn.utils.clip_grad_norm_(params[: len(params) // 2], max_norm, norm_type)
+        half_norms[trainer.state.global_step + 1] = float(total)
+        return total
+
+    trainer.accelerator.clip_grad_norm_ = half_clip
+    try:
+        _train_on_one_thread(trainer)
+    finally:
+        monitor.close()
+    trainer.save_state()
+    return HalfNormRun(output_dir, HALF_NORM_STEPS, half_norms)

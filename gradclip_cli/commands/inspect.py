@@ -11,37 +11,44 @@ from pathlib import Path
 
 from .. import options
 from ..distributed import launcher
-from ..errors import InputError
+from ..errors import InputError, UsageError
 from ..escaping import visible
+from ..format.words import verdict_line
 from ..progress import progress_steps
 from ..report import OK, build_inspect_report, parse_group_by
 from ..source.roles import role_counts
 from ..source.vocabulary import checkpoint_step
 from .common import Releasers, emit, load, measure, measure_weights, output_format, speaks
+from .previous import load_pair
 
 
 def run(
     *, path: str, key: str | None, norm_type: str, device: str, format: str,
     max_norm: str | None, allow_nonfinite: bool, verify: bool, group_by: str, top: int,
     trust_pickle: bool, quiet: bool, output_file: Path | None, what: str = "auto",
-    progress: bool = True,
+    progress: bool = True, previous: str | None = None,
 ) -> int:
     # First: an error document (--format json) goes to --output-file too.
-    options.report_file(output_file, reads=[path])
+    reads = [path] if previous is None else [path, previous]
+    options.report_file(output_file, reads=reads)
+    if previous is not None and what not in ("auto", "grads"):
+        raise UsageError(f"--previous reconstructs the gradients of one optimizer step: it "
+                         f"measures --what grads, not --what {what}")
     fmt = output_format(format)
     report = build(path=path, key=key, norm_type=norm_type, device=device, max_norm=max_norm,
                    allow_nonfinite=allow_nonfinite, verify=verify, group_by=group_by,
                    trust_pickle=trust_pickle, what=what, progress=progress,
-                   output_file=output_file)
+                   output_file=output_file, previous=previous)
     if quiet and format == "table":
         # -q: the verdict alone on stdout; what the finding is goes to stderr.
         from ..format import table
 
         if speaks():
             table.print_findings(report, sys.stderr)
-        emit(lambda out: table.print_verdict(report, out), output_file)
+        emit(lambda out: table.print_verdict(report, out), output_file, verdict_line(report))
     else:
-        emit(lambda out: fmt.render_inspect(report, out, top=top), output_file)
+        emit(lambda out: fmt.render_inspect(report, out, top=top), output_file,
+             verdict_line(report))
     return 0 if report.status == OK else 1
 
 
@@ -49,36 +56,46 @@ def build(
     *, path: str, key: str | None, norm_type: object, device: str, max_norm: object,
     allow_nonfinite: bool, verify: bool, group_by: str, trust_pickle: bool, what: str,
     progress: bool, output_file: Path | None = None, launched: bool = True,
+    previous: str | None = None,
 ):
     """The ``InspectReport`` of ``path`` (``report/model.py``), which every format renders.
 
     ``launched``: under a launcher (``torchrun``) the ranks share the work, as
     the command does; the Python API passes False and measures in this process.
+    ``previous``: the checkpoint one optimizer step before ``path``, whose Adam state
+    with ``path``'s determines the gradients of that step (``--previous``).
     """
     p = options.norm_type(norm_type)
     threshold = options.threshold("--max-norm", max_norm, allow_zero=True)
     dev = options.device(device)
     rule = parse_group_by(group_by)
-    session = launcher.join(dev, device, [path]) if launched else None
+    reads = [path] if previous is None else [path, previous]
+    session = launcher.join(dev, device, reads) if launched else None
     if session is not None:
         dev = session.device
+    check = None
     with progress_steps(not progress or not speaks()) as steps:
-        try:
-            loaded = load(path, key, trust_pickle, verify, steps, what)
-        except InputError as error:
-            # A run's folder is not one checkpoint: say what it is instead of every
-            # layout it is not, and where to go (trend, or its newest checkpoint).
-            run = run_folder_message(path)
-            if run is not None:
-                raise InputError(run) from None
-            hint = trend_hint(path)
-            if hint is None:
-                raise
-            raise InputError(f"{error}; {hint}") from None
-        options.report_file(output_file, reads=loaded.contents.files)
+        if previous is not None:
+            loaded, check, files = load_pair(path, previous, key, trust_pickle, verify, steps,
+                                             dev)
+        else:
+            try:
+                loaded = load(path, key, trust_pickle, verify, steps, what)
+            except InputError as error:
+                # A run's folder is not one checkpoint: say what it is instead of every
+                # layout it is not, and where to go (trend, or its newest checkpoint).
+                run = run_folder_message(path)
+                if run is not None:
+                    raise InputError(run) from None
+                hint = trend_hint(path)
+                if hint is None:
+                    raise
+                raise InputError(f"{error}; {hint}") from None
+            files = loaded.contents.files
+        options.report_file(output_file, reads=files)
         # inspect never writes a tensor, so pages read can go back at once:
         # resident memory stays flat whatever the file's size.
-        release = Releasers(loaded.contents.files)
+        release = Releasers(files)
         sums, owned = measure(loaded, p, dev, steps, "computing norms", release, session)
         weight_sums = measure_weights(loaded, p, dev, release, session)
     contents, selection = loaded.contents, loaded.selection
@@ -98,11 +115,15 @@ def build(
         description=[*contents.description, *([step.note] if step.note else []),
                      *([selection.ids_note] if selection.ids_note else []),
                      *_buffers_apart(contents, selection.what),
-                     f"measured: {selection.measured}"],
+                     f"measured: {selection.measured}",
+                     *([] if check is None else check.lines)],
         measured={"what": selection.what, "explain": selection.explain,
-                  "evidence": selection.evidence},
+                  "evidence": selection.evidence,
+                  **({} if check is None else {"cross_check": check.disagreement.as_json()})},
         roles=role_counts(contents),
         weight_sums=weight_sums,
+        optimizer=selection.optimizer,
+        chosen_by_auto=what == "auto",
     )
     # The lines of the description every format carries (markdown, github, junit too).
     notes = [*([step.note] if step.note else []),
@@ -189,7 +210,7 @@ def trend_hint(path: str) -> str | None:
 
     A ``trainer_state.json`` or a monitor's ``grads.jsonl`` holds norms over
     steps, and an ``output_dir`` holds several checkpoints: ``trend`` reads
-    both (CONTRACT.md, "Over time"); inspect reads one checkpoint.
+    both (docs/reference/contract.md, "Over time"); inspect reads one checkpoint.
     """
     p = Path(path)
     if _is_log(p):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from . import findings as F
 from .text import visible
-from .words import compare_verdict, fmt, fmt_p, trend_verdict, verdict_line
+from .words import audit_lines, compare_verdict, fmt, fmt_p, trend_verdict, verdict_line
 
 if TYPE_CHECKING:
     from ..report import ClipReport, FailureReport, InspectReport
@@ -56,7 +56,8 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
 
 
 def render_clip(report: ClipReport, out: TextIO) -> None:
-    verdict = (f"{report.source} -> {report.output}: total norm (p={fmt_p(report.norm_type)}) "
+    verdict = (f"{report.source} -> {report.output}: gradient total norm "
+               f"(p={fmt_p(report.norm_type)}) "
                f"{fmt(report.total_norm_before)} -> {fmt(report.total_norm_after)}")
     _write(out, report.source, F.clip_findings(report), verdict)
 
@@ -66,6 +67,8 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
     newest = report.points[-1].source if report.points else ""
     for note in report.notes:  # where each series of a run folder came from
         out.write(command("notice", note, title="gradclip trend: run folder"))
+    for line in audit_lines(report):  # a disagreement is also an error finding below
+        out.write(command("notice", line, title="gradclip trend: norm audit"))
     _write(out, newest, F.trend_findings(report), trend_verdict(report))
 
 

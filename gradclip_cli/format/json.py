@@ -1,7 +1,7 @@
 """``--format json``: the contract's schema, for scripts.
 
 JSON has no NaN or infinity, so non-finite numbers are written as the strings
-"nan", "inf" and "-inf" (CONTRACT.md). Keys beyond the contract's are extras
+"nan", "inf" and "-inf" (docs/reference/contract.md). Keys beyond the contract's are extras
 a script may use but must not depend on.
 """
 
@@ -17,6 +17,7 @@ from .words import nonfinite_name
 if TYPE_CHECKING:  # the report package imports torch; help and usage errors must not
     from ..report import ClipReport, FailureReport, InspectReport, NonFinite
     from ..report.compare import CompareReport, CompareRow
+    from ..report.norm_audit import NormAudit
     from ..report.trend import TrendReport
 
 INSPECT_SCHEMA = "gradclip.inspect/1"
@@ -125,6 +126,8 @@ def trend_document(report: TrendReport) -> dict[str, Any]:
                 "spike": p.spike,
                 "spike_groups": list(p.spike_groups),
                 "nonfinite_groups": list(p.nonfinite_groups),
+                "nonfinite_origin": None if p.nonfinite_origin is None else dict(
+                    zip(("forward", "backward"), p.nonfinite_origin)),
             }
             for p in report.points
         ],
@@ -145,6 +148,24 @@ def trend_document(report: TrendReport) -> dict[str, Any]:
             for c in report.clipping
         ],
         "notes": list(report.notes),
+        # The norm audit: a framework's logged totals against gradclip's (extras).
+        "audit": [_audit(a) for a in report.audits],
+    }
+
+
+def _audit(audit: NormAudit) -> dict[str, Any]:
+    return {
+        "framework": {"source": audit.framework.source, "kind": audit.framework.kind},
+        "gradclip": {"source": audit.gradclip.source, "kind": audit.gradclip.kind},
+        "precision": audit.precision,
+        "tolerance": audit.tolerance,
+        "steps_compared": len(audit.compared),
+        "agrees": audit.agrees,
+        "disagreements": [
+            {"step": d.step, "framework": number(d.framework), "gradclip": number(d.gradclip),
+             "relative_difference": number(d.relative)}
+            for d in audit.disagreements
+        ],
     }
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, TextIO
 from . import findings as F
 from .text import visible
 from .words import (
+    audit_lines,
     compare_verdict,
     fmt,
     fmt_p,
@@ -94,7 +95,7 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
 
 
 def render_clip(report: ClipReport, out: TextIO) -> None:
-    summary = report.refused or (f"{report.source} -> {report.output}: total norm "
+    summary = report.refused or (f"{report.source} -> {report.output}: gradient total norm "
                                  f"{report.total_norm_before} -> {report.total_norm_after}")
     _write(_suite(f"gradclip clip {report.source}", [F.TOTAL], F.clip_findings(report),
                   summary), out)
@@ -103,7 +104,7 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
 def render_trend(report: TrendReport, out: TextIO) -> None:
     # The notes (where each series of a run folder came from) follow the verdict.
     _write(_suite("gradclip trend", [F.TOTAL, *report.groups], F.trend_findings(report),
-                  trend_verdict(report), notes=report.notes), out)
+                  trend_verdict(report), notes=[*report.notes, *audit_lines(report)]), out)
 
 
 def render_compare(report: CompareReport, out: TextIO) -> None:

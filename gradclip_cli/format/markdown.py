@@ -27,10 +27,12 @@ from .shown import (
 )
 from .text import visible
 from .words import (
+    audit_lines,
     compare_verdict,
     fmt,
     fmt_p,
     fmt_ratio,
+    judged_in,
     measured_line,
     ratio_cell,
     trend_verdict,
@@ -98,7 +100,8 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
              f"{g.num_elements:,}", _counts(g.nonfinite)] for g in shown]
     rows.append(["**total**", _num(report.total_norm), *([""] if ratio else []), "100%",
                  _num(report.max_abs), f"{report.num_elements:,}", _counts(report.nonfinite)])
-    out.write(_table(["group", "norm", *(["ratio"] if ratio else []), "share", "max \\|g\\|",
+    max_header = escape(judged_in(report).max_header)
+    out.write(_table(["group", "norm", *(["ratio"] if ratio else []), "share", max_header,
                       "elements", "non-finite"],
                      rows, ["left", "right", *(["right"] if ratio else []), "right", "right",
                             "right", "left"]))
@@ -110,7 +113,7 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
                         key=lambda t: -t.norm if math.isfinite(t.norm) else -math.inf)[:top]
         ratio = any(t.ratio is not None for t in ranked)
         out.write(f"\n**Top {len(ranked)} tensors by norm**\n\n")
-        out.write(_table(["tensor", "norm", *(["ratio"] if ratio else []), "max \\|g\\|", "shape",
+        out.write(_table(["tensor", "norm", *(["ratio"] if ratio else []), max_header, "shape",
                           "dtype"],
                          [[escape(t.name), _num(t.norm), *_ratio_cell(ratio, t.ratio),
                            _num(t.max_abs), escape("x".join(map(str, t.shape)) or "scalar"),
@@ -142,12 +145,16 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
 
 def render_trend(report: TrendReport, out: TextIO) -> None:
     out.write("### gradclip trend\n\n")
-    out.write(_verdict(trend_verdict(report), report.status in (SPIKE, NONFINITE)))
+    out.write(_verdict(trend_verdict(report),
+                       report.status in (SPIKE, NONFINITE) or bool(report.disagreeing)))
     out.write(f"{len(report.points)} points, {escape(report.what)}, "
               f"p={escape(fmt_p(report.norm_type))}; spike: z \\> {report.z_threshold:g} "
               f"(alpha {report.alpha:g}, warmup {report.warmup})\n\n")
     if report.notes:  # where each series of a run folder came from
         out.write("".join(f"- {escape(note)}\n" for note in report.notes) + "\n")
+    audits = audit_lines(report)  # the norm audit
+    if audits:
+        out.write("".join(f"- {escape(line)}\n" for line in audits) + "\n")
     shown = points_to_show(report)
     rows = []
     for p in shown:

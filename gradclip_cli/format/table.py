@@ -1,6 +1,6 @@
 """``--format table`` (default): a report a person reads at a glance, drawn with rich.
 
-Groups in checkpoint order with norm, share, max |g|, size, non-finite counts
+Groups in checkpoint order with norm, share, max |g| (|w| for weights), size, non-finite counts
 and a bar against the largest group; then the top tensors by norm and every
 tensor holding non-finite values; then a one-line verdict matching the exit
 code. rich decides colour: only on a terminal, never with NO_COLOR set.
@@ -40,11 +40,13 @@ from .shown import (
 )
 from .text import visible
 from .words import (
+    audit_lines,
     clip_summary,
     compare_verdict,
     fmt,
     fmt_p,
     fmt_total,
+    judged_in,
     nonfinite_text,
     plural,
     point_groups,
@@ -190,16 +192,19 @@ def _groups_table(report: InspectReport, width: int) -> Table:
     flags.append(_nonfinite_cell(report.nonfinite))
     bars.append("")
     any_nonfinite = report.nonfinite.total > 0
+    # Narrow terminals lose the least telling columns first: the sizes, then the
+    # largest magnitude, then the ratio; share and the bar answer "which layer" and go
+    # last (before them, only the names are shortened further).
     columns = [
         Column("group", names, justify="left", name=True),
         Column("norm", norms),
-        Column("share", shares, drop=2),
-        Column("max |g|", maxes),
-        *([Column("ratio", ratios)] if with_ratio else []),
-        Column("elements", sizes, drop=3),
-        Column("non-finite", flags, justify="left", drop=0 if any_nonfinite else 3,
+        Column("share", shares, drop=5),
+        Column(judged_in(report).max_header, maxes, drop=2),
+        *([Column("ratio", ratios, drop=3)] if with_ratio else []),
+        Column("elements", sizes, drop=1),
+        Column("non-finite", flags, justify="left", drop=0 if any_nonfinite else 1,
                wrap_at=", "),
-        Column("", bars, justify="left", drop=1),
+        Column("", bars, justify="left", drop=4),
     ]
     last_group = len(shown) - 1
     title = f"groups (by {visible(report.group_by)})"
@@ -212,7 +217,7 @@ def _top_table(report: InspectReport, top: int, width: int) -> Table:
     columns = [
         Column("tensor", [visible(t.name) for t in rows], justify="left", name=True),
         Column("norm", [fmt(t.norm) for t in rows]),
-        Column("max |g|", [fmt(t.max_abs) for t in rows], drop=3),
+        Column(judged_in(report).max_header, [fmt(t.max_abs) for t in rows], drop=3),
         Column("shape", ["x".join(map(str, t.shape)) or "scalar" for t in rows],
                justify="left", drop=1),
         Column("dtype", [visible(t.dtype) for t in rows], justify="left", drop=2),
@@ -327,6 +332,8 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
                  f"(alpha {report.alpha:g}, warmup {report.warmup})")
     for note in report.notes:  # where each series of a run folder came from
         _print_prose(console, visible(note))
+    for line in audit_lines(report):  # already made visible
+        _print_prose(console, line)
     shown = points_to_show(report)
     columns = [
         Column("step", ["-" if p.step is None else str(p.step) for p in shown]),
@@ -375,7 +382,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
                                          width, shorten_first=True))
         if len(groups) > len(ranked):
             _print_prose(console, f"... {len(groups) - len(ranked)} smaller groups", style="dim")
-    failed = report.status in (NONFINITE, SPIKE)
+    failed = report.status in (NONFINITE, SPIKE) or bool(report.disagreeing)
     # One line whatever its length: scripts and people grep for it.
     console.print(Text(trend_verdict(report), style="bold red" if failed else "bold green"),
                   soft_wrap=True)
@@ -425,7 +432,8 @@ def _print_quiet(verdict: str, failed: bool, found: list, out: TextIO, err: Text
 
 
 def print_trend_verdict(report: TrendReport, out: TextIO, err: TextIO | None) -> None:
-    _print_quiet(trend_verdict(report), report.status in (NONFINITE, SPIKE),
+    _print_quiet(trend_verdict(report),
+                 report.status in (NONFINITE, SPIKE) or bool(report.disagreeing),
                  F.trend_findings(report), out, err)
 
 

@@ -37,6 +37,21 @@ going on from the checkpoint's. The spike history is not in the checkpoint:
 the monitor starts a new one. ``log`` and ``dump_dir`` are relative to the
 working directory, not ``output_dir``.
 
+On the Trainer's logging steps (``logging_steps``) the callback also adds
+that step's norms to the Trainer's logs: ``gradclip/total_norm``,
+``gradclip/norm/<group>`` (the log's group names), ``gradclip/spike`` (1.0
+or 0.0) and, on steps it scaled, ``gradclip/clip_coef``
+(``gradclip_cli.tracker_scalars``), the log's float64 numbers. So every
+``report_to`` integration receives them (TensorBoard and W&B write them as
+``train/gradclip/...``, the prefix they give every training key; TensorBoard
+keeps float32) and ``trainer_state.json``'s ``log_history`` keeps them,
+where ``gradclip trend`` reads them back. The Trainer calls the integrations
+before the callbacks passed to it, so the callback puts a small companion
+(``_TrainerLogs``, which only adds these keys) at the head of the Trainer's
+callbacks when training begins; the others keep their order.
+``log_metrics=False`` leaves the logs alone. Steps the monitor does not
+log (``every``) add nothing: make ``logging_steps`` a multiple of it.
+
 Not for DeepSpeed runs: the engine keeps (and clips) the gradients in its
 own buffers, not in the parameters' ``.grad``.
 """
@@ -44,6 +59,8 @@ own buffers, not in the parameters' ``.grad``.
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 from typing import Any
 
 try:
@@ -57,6 +74,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 from torch.amp.grad_scaler import OptState
 
 from ..monitor import GradMonitor
+from ..tracker_scalars import scalars
 
 __all__ = ["GradMonitorCallback"]
 
@@ -80,11 +98,17 @@ class GradMonitorCallback(TrainerCallback):
         dump_dir: str | os.PathLike[str] | None = "spikes/",
         *,
         max_norm: float | None = None,
+        log_metrics: bool = True,
         **options: Any,
     ):
         if max_norm is not None and not float(max_norm) > 0:
             raise ValueError(f"GradMonitorCallback: max_norm must be > 0, got {max_norm}")
+        if not isinstance(log_metrics, bool):
+            raise ValueError(
+                f"GradMonitorCallback: log_metrics must be True or False, got {log_metrics!r}")
         self.log_path, self.dump_dir, self.options = log, dump_dir, options
+        self.log_metrics = log_metrics
+        self._logged_step: int | None = None  # the step whose norms the logs have
         self.max_norm = None if max_norm is None else float(max_norm)
         self.monitor: GradMonitor | None = None
 
@@ -101,6 +125,8 @@ class GradMonitorCallback(TrainerCallback):
         # (the callback reused in a sweep, or model_init) gets a monitor of its own.
         if self.monitor is None or self.monitor.model is not model:
             self.monitor = GradMonitor(model, self.log_path, self.dump_dir, **self.options)
+        if self.log_metrics:
+            _lead_the_loggers(self, sys._getframe(1).f_locals.get("self"))
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None,
                               **kwargs: Any) -> None:
@@ -113,9 +139,74 @@ class GradMonitorCallback(TrainerCallback):
         else:
             self.monitor.clip_grad_norm_(self.max_norm, step)
 
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,
+               **kwargs: Any) -> None:
+        # Here only when the companion could not go first (see _lead_the_loggers).
+        self.add_to_logs(state, logs)
+
+    def add_to_logs(self, state: Any, logs: Any) -> None:
+        """Add this step's norms to a training log (one with ``loss``) and to its
+        ``log_history`` entry, once per step: not to evaluation logs or the summary."""
+        record = None if self.monitor is None else self.monitor.last_record
+        if (not self.log_metrics or record is None or not isinstance(logs, dict)
+                or "loss" not in logs or record["step"] != state.global_step
+                or self._logged_step == state.global_step):
+            return
+        self._logged_step = state.global_step
+        values = scalars(record)
+        history = state.log_history
+        # Trainer.log appends {**logs, "step": global_step} just before calling on_log.
+        entry = history[-1] if history else None
+        if (isinstance(entry, dict) and entry is not logs
+                and entry.get("step") == state.global_step and logs.keys() <= entry.keys()):
+            entry.update(values)
+        logs.update(values)
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None:
             self.monitor.close()
+
+
+class _TrainerLogs(TrainerCallback):
+    """Adds the callback's norms to the Trainer's logs, from the head of its callbacks.
+
+    ``CallbackHandler.call_event`` calls the callbacks in order and the
+    Trainer puts its ``report_to`` integrations before the ones passed to it;
+    keys added to ``logs`` after an integration has written them would reach
+    ``log_history`` and the later callbacks, but not that integration.
+    """
+
+    def __init__(self, owner: GradMonitorCallback):
+        self.owner = owner
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,
+               **kwargs: Any) -> None:
+        self.owner.add_to_logs(state, logs)
+
+
+def _lead_the_loggers(owner: GradMonitorCallback, handler: Any) -> None:
+    """Put a ``_TrainerLogs`` of ``owner`` at the head of ``handler``'s callbacks.
+
+    ``handler`` is whoever called ``owner.on_train_begin``: the Trainer's
+    ``CallbackHandler`` (its ``call_event`` calls each callback itself). Its
+    list is replaced, not changed in place: the loop calling this event goes
+    on over the old one. Anything else (a future Trainer calling callbacks
+    another way) is left alone, with a warning: the norms then still reach
+    ``log_history`` and the callbacks after this one.
+    """
+    from transformers.trainer_callback import CallbackHandler
+
+    callbacks = getattr(handler, "callbacks", None)
+    if not isinstance(handler, CallbackHandler) or not isinstance(callbacks, list) \
+            or owner not in callbacks:
+        warnings.warn("GradMonitorCallback: not called by a transformers CallbackHandler; "
+                      "the norms reach trainer_state.json's log_history and the callbacks "
+                      "after this one, but not report_to integrations listed before it",
+                      stacklevel=3)
+        return
+    if any(isinstance(cb, _TrainerLogs) and cb.owner is owner for cb in callbacks):
+        return  # a second train() of the same Trainer
+    handler.callbacks = [_TrainerLogs(owner), *callbacks]
 
 
 def _unscale(optimizer: Any) -> None:

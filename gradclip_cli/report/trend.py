@@ -18,6 +18,7 @@ from ..core.spikes import SpikeDetector
 from ..errors import UsageError
 from ..escaping import visible
 from .model import INSUFFICIENT_HISTORY, NONFINITE, OK, SPIKE, NonFinite
+from .norm_audit import NormAudit
 
 FAIL_ON_NEWEST, FAIL_ON_ANY = "newest", "any"
 
@@ -37,6 +38,9 @@ class Observation:
     groups: dict[str, float] = field(default_factory=dict)
     nonfinite: NonFinite | None = None
     what: str = "grads"
+    # Where a non-finite value began (forward module, backward parameter), when
+    # the monitor located it (GradMonitor(locate_nonfinite=True)).
+    nonfinite_origin: tuple[str | None, str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class TrendPoint:
     nonfinite_groups: tuple[str, ...]  # groups whose norm is NaN or inf here
     group_z: dict[str, float | None]
     what: str = "grads"
+    nonfinite_origin: tuple[str | None, str | None] | None = None  # as Observation's
 
     @property
     def is_nonfinite(self) -> bool:
@@ -69,7 +74,7 @@ class SeriesFound:
     the one judged (a run folder keeps the same steps at several grains)."""
 
     source: str
-    kind: str  # "gradclip-monitor", "trainer-state" or "checkpoints"
+    kind: str  # "gradclip-monitor", "trainer-state", "checkpoints" or "tracker"
     points: int
     per_group: bool
     judged: bool
@@ -114,6 +119,16 @@ class TrendReport:
     series: tuple[SeriesFound, ...] = ()
     clipping: tuple[ClippingFound, ...] = ()
     notes: tuple[str, ...] = ()
+    # The optimizer whose rule gave an optimizer quantity ("Adam"), where every
+    # checkpoint names the same one; for the verdict's words.
+    optimizer: str | None = None
+    # A framework's own logged totals held against gradclip's (report/norm_audit.py).
+    audits: tuple[NormAudit, ...] = ()
+
+    @property
+    def disagreeing(self) -> list[NormAudit]:
+        """The audits that found steps where the two totals disagree: a finding (exit 1)."""
+        return [a for a in self.audits if not a.agrees]
 
     @property
     def groups(self) -> list[str]:
@@ -176,7 +191,7 @@ def one_point_per_step(observations: Sequence[Observation]) -> tuple[list[Observ
             raise UsageError(
                 f"{visible(obs.source)} and {visible(seen.source)} both give step {obs.step}, "
                 f"with other norms ({_apart(obs, seen)}): one trend judges one run's series, "
-                "each step once; give one of them")
+                "each step once; give one of them, or leave one out with --exclude GLOB")
     notes = []
     for (copy, source), steps in copies.items():
         at = (f"step ({steps[0]})" if len(steps) == 1
@@ -201,9 +216,11 @@ def _same_norms(a: Observation, b: Observation) -> bool:
     def same(x: float, y: float) -> bool:
         return x == y or (math.isnan(x) and math.isnan(y))
 
+    # No counts (a log_history entry holds none) is no difference: the counts that
+    # one side gives are not contradicted by the other.
     return (same(a.total_norm, b.total_norm) and a.groups.keys() == b.groups.keys()
             and all(same(v, b.groups[k]) for k, v in a.groups.items())
-            and a.nonfinite == b.nonfinite)
+            and (a.nonfinite is None or b.nonfinite is None or a.nonfinite == b.nonfinite))
 
 
 def build_trend_report(
@@ -219,6 +236,7 @@ def build_trend_report(
     series: Sequence[SeriesFound] = (),
     clipping: Sequence[ClippingFound] = (),
     notes: Sequence[str] = (),
+    audits: Sequence[NormAudit] = (),
 ) -> TrendReport:
     """Judge ``observations`` (already in step order) point by point.
 
@@ -250,11 +268,13 @@ def build_trend_report(
             groups=dict(obs.groups), nonfinite=obs.nonfinite, z=total.z,
             spike=total.spike or bool(spike_groups), spike_groups=tuple(spike_groups),
             nonfinite_groups=tuple(nonfinite_groups), group_z=group_z, what=obs.what,
+            nonfinite_origin=obs.nonfinite_origin,
         ))  # fmt: skip
     return TrendReport(
         what=what, norm_type=norm_type, group_by=group_by, z_threshold=z, alpha=alpha,
         warmup=warmup, fail_on=fail_on, points=points, status=_status(points, fail_on),
         series=tuple(series), clipping=tuple(clipping), notes=tuple(notes),
+        audits=tuple(audits),
     )  # fmt: skip
 
 

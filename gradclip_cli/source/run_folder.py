@@ -8,6 +8,9 @@ A run folder keeps the same run several times over, at different grains:
   ``logging_steps``, the total only. Each ``checkpoint-N/`` keeps a copy as it
   was then; the newest (the folder's own, written by ``save_state``, or the
   last checkpoint's) holds the most steps, and it alone is read;
+* a tracker's run (``source/logs/trackers.py``): TensorBoard event files
+  (the Trainer's ``runs/``, Lightning's ``version_N/``), MLflow, trackio, W&B
+  or Lightning's ``metrics.csv``, the gradient-norm tag its rule finds;
 * the numbered checkpoints themselves (``checkpoint-N/``, ``global_stepN/``):
   one point each, every ``save_steps``, measured as ``inspect`` measures them
   (a Trainer checkpoint holds Adam's moments, not gradients).
@@ -33,13 +36,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from gradclip_cli.errors import InputError
+from gradclip_cli.errors import GradclipError, InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source.files import training_args
-from gradclip_cli.source.logs import LoggedNorms, LogKind, monitor_log, trainer_state
+from gradclip_cli.source.exclude import Exclusion
+from gradclip_cli.source.files import sqlite_file, training_args
+from gradclip_cli.source.logs import LoggedNorms, LogKind, monitor_log, trackers, trainer_state
 from gradclip_cli.source.logs.recognise import log_kind
 
 MONITOR, TRAINER_STATE, CHECKPOINTS = "gradclip-monitor", "trainer-state", "checkpoints"
+TRACKER = "tracker"
 TRAINER_STATE_FILE = "trainer_state.json"
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 
@@ -55,6 +60,7 @@ class Series:
     per_group: bool
     log: LogKind | None = None
     entries: tuple[LoggedNorms, ...] = ()
+    tracker: trackers.TrackerSeries | None = None  # the tag and run, for a tracker's series
 
     @property
     def points(self) -> int:
@@ -74,6 +80,8 @@ class Series:
             what = "gradclip monitor log, gradient norms"
         elif self.kind == TRAINER_STATE:
             what = "Trainer log_history grad_norm"
+        elif self.kind == TRACKER:
+            what = self.tracker.describe()
         else:
             what = "checkpoints"
         groups = "per group" if self.per_group else "total only"
@@ -162,6 +170,8 @@ class RunFolder:
             if series is not self.judged:
                 lines.append(f"not judged: {series.describe()}: {self.why_not[i]}")
         lines += [f"not read: {why}" for why in self.unread]
+        lines += [f"{s.source}: {s.tracker.choice_note}" for s in self.series
+                  if s.tracker is not None]
         if self.judged.kind == TRAINER_STATE:
             monitors = [s for s in self.series if s.kind == MONITOR]
             where = (
@@ -214,35 +224,48 @@ class RunFolder:
         )
 
 
-def numbered_folders(path: Path) -> list[tuple[int, Path]]:
+def numbered_folders(path: Path, exclusion: Exclusion | None = None) -> list[tuple[int, Path]]:
     """``(number, folder)`` of the numbered subfolders (``checkpoint-N``,
-    ``global_stepN``), in step order; empty when there are none."""
-    children = _children(path)
+    ``global_stepN``), in step order; empty when there are none. A tracker's
+    numbered run folders (Lightning's ``version_N/``, W&B's, MLflow's
+    experiments) are runs, not checkpoints."""
+    children = _children(path, exclusion)
     numbered = [
-        (int(m.group(1)), c) for c in children if (m := _LAST_NUMBER.search(c.name)) and c.is_dir()
+        (int(m.group(1)), c) for c in children
+        if (m := _LAST_NUMBER.search(c.name)) and c.is_dir()
+        and not trackers.holds_tracker_files(c)
     ]
     return sorted(numbered, key=lambda nc: nc[0])
 
 
-def discover(path: Path, what: str) -> RunFolder | None:
+def discover(path: Path, what: str, choice: trackers.Choice | None = None,
+             exclusion: Exclusion | None = None) -> RunFolder | None:
     """The series in run folder ``path`` and the one to judge for ``--what what``;
     None when ``path`` holds numbered checkpoints and nothing else to choose from
-    (then the checkpoints are the series, as before)."""
-    folders = numbered_folders(path)
-    if not folders:
+    (then the checkpoints are the series, as before), or holds neither numbered
+    checkpoints nor a tracker's run."""
+    choice = choice or trackers.Choice()
+    exclusion = exclusion or Exclusion()
+    folders = numbered_folders(path, exclusion)
+    stores = trackers.runs_in(path, exclusion.excludes)
+    if not folders and not any(stores):
         return None
-    series: list[Series] = [
-        Series(CHECKPOINTS, tuple(f for _, f in folders), tuple(n for n, _ in folders), True)
-    ]
-    logs = _monitor_logs(path)
     unread: list[str] = []
+    logs = _monitor_logs(path, exclusion)
     state = _newest_trainer_state(path, folders, unread)
     if state is not None:
         logs.append(state)
+    tracked = _tracker_series(path, stores, choice, unread, alone=not folders and not logs)
+    series: list[Series] = [
+        Series(CHECKPOINTS, tuple(f for _, f in folders), tuple(n for n, _ in folders), True)
+    ] if folders else []
+    logs += tracked
     series += logs
     clipping = _clipping(path, folders)
     if not logs and clipping is None and not unread:
         return None
+    if not series:
+        raise InputError(f"{path}: {unread[0]}")
     judged, why_not = _choose(series, what)
     monitors = [s for s in series if s.kind == MONITOR]
     monitor_clipping = MonitorClipping.of(max(monitors, key=lambda s: s.points)) \
@@ -251,11 +274,38 @@ def discover(path: Path, what: str) -> RunFolder | None:
                      monitor_clipping)
 
 
-def _children(path: Path) -> list[Path]:
+def _children(path: Path, exclusion: Exclusion | None = None) -> list[Path]:
     try:
-        return sorted(c for c in path.iterdir() if not c.name.startswith("."))
+        children = sorted(c for c in path.iterdir() if not c.name.startswith("."))
     except OSError as error:
         raise InputError(f"{path}: cannot list the folder: {error.strerror or error}") from None
+    return children if exclusion is None else exclusion.keep(children)
+
+
+def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
+                    unread: list[str], *, alone: bool) -> list[Series]:
+    """The trackers' runs under ``path``, a series each. Where other series may be
+    there (``alone`` False) and no --tag/--run was given, one that cannot be read
+    (several runs, no norm tag, a missing extra) is noted in ``unread``, not fatal."""
+    found = []
+    try:
+        runs = trackers.choose_runs(stores, choice, str(path))
+    except GradclipError as error:
+        if alone or choice.run is not None:
+            raise
+        unread.append(str(error))
+        return []
+    for run in runs:
+        try:
+            read = trackers.norm_series(run, choice)
+        except GradclipError as error:
+            if alone or choice.tag is not None:
+                raise
+            unread.append(str(error))
+            continue
+        found.append(Series(TRACKER, (run.source,), tuple(e.step for e in read.entries),
+                            read.per_group, trackers.KIND, read.entries, read))
+    return found
 
 
 def _log_series(kind: str, log: LogKind, path: Path) -> Series:
@@ -265,9 +315,9 @@ def _log_series(kind: str, log: LogKind, path: Path) -> Series:
     )
 
 
-def _monitor_logs(path: Path) -> list[Series]:
+def _monitor_logs(path: Path, exclusion: Exclusion | None = None) -> list[Series]:
     found = []
-    for child in _children(path):
+    for child in _children(path, exclusion):
         if child.is_file() and log_kind(child) is monitor_log.KIND:
             found.append(_log_series(MONITOR, monitor_log.KIND, child))
     return found
@@ -350,3 +400,24 @@ def _choose(series: list[Series], what: str) -> tuple[Series, dict[int, str]]:
         if s.kind == CHECKPOINTS and judged.kind != CHECKPOINTS and s.points < judged.points:
             why_not[i] += "; --what exp_avg trends them"
     return judged, why_not
+
+
+def tracker_file(path: Path, choice: trackers.Choice) -> RunFolder | None:
+    """A tracker's file named on the command line (an event file, ``mlflow.db``, a
+    trackio database, a ``.wandb`` file, ``metrics.csv``) as a run folder of one
+    series; None when it is no tracker's file. An SQLite file of neither
+    tracker's schema is exit 3."""
+    runs = trackers.given_runs(path)
+    if runs is None:
+        if sqlite_file.is_sqlite(path):
+            raise InputError(f"{visible(str(path))}: an SQLite database, but neither "
+                             "MLflow's store (tables runs, metrics) nor a trackio project "
+                             "(table metrics with run_name, step, metrics)")
+        return None
+    if not runs:
+        raise InputError(f"{visible(str(path))}: a tracker's store with no runs")
+    run, = trackers.choose_runs([runs], choice, visible(str(path)))
+    read = trackers.norm_series(run, choice)
+    series = Series(TRACKER, (run.source,), tuple(e.step for e in read.entries),
+                    read.per_group, trackers.KIND, read.entries, read)
+    return RunFolder(path, (series,), series, {}, None)

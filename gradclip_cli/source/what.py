@@ -86,6 +86,7 @@ class Selection:
     # finding the ties already computed them (so loading need not again).
     elements: Elements | None = None
     evidence: str = ""
+    optimizer: str | None = None  # whose rule gave an optimizer quantity ("Adam")
     # Where optimizer state is measured under its ids (``state.N``): why (``named_by_id``).
     ids_note: str | None = None
 
@@ -133,11 +134,11 @@ def _auto(contents: Contents, gradients_only: bool) -> str:
 
 
 def _gives(contents: Contents, what: str) -> bool:
-    opt = _optimizer(contents)
+    opt = optimizer_state(contents)
     return isinstance(opt, OptimizerState) and optimizers.identify(opt).gives(what)
 
 
-def _optimizer(contents: Contents) -> OptimizerState | str | None:
+def optimizer_state(contents: Contents) -> OptimizerState | str | None:
     """The optimizer state to measure; several (Lightning's list, a file's ``optimizer_g``
     and ``optimizer_d``) are one, their ids chained in order, when one rule serves them
     all; else why not. Measuring the first alone would report a part as the total."""
@@ -262,7 +263,7 @@ class _Param:
 
 
 def _from_optimizer(contents: Contents, what: str) -> Selection:
-    opt = _optimizer(contents)
+    opt = optimizer_state(contents)
     if opt is None:
         raise _unavailable(
             contents, what, contents.optimizer_error or "the checkpoint holds no optimizer state"
@@ -287,7 +288,7 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
             # has stepped, the state is refused for saying so (step 0).
             continue
         params.append(_Param(name, entry, group_of[pid]))
-    order = _report_order(contents, [p.name for p in params])
+    order = report_order(contents, [p.name for p in params])
     params.sort(key=lambda p: order.get(p.name, len(order)))
     derived = []
     for p in params:
@@ -319,6 +320,7 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
         what=what, names=[p.name for p in params], tensors=described, ties={}, skipped=[],
         key="", explain=f"{kind.name} {EXPLAIN[what]}", derivations=derived, weights=weights,
         evidence=contents.evidence.get(roles.OPTIMIZER_STATE, f"the {contents.kind} layout"),
+        optimizer=kind.name,
         ids_note=None if reason is None else named_by_id(reason),
     )
 
@@ -327,7 +329,9 @@ def _key_of(t: StoredTensor) -> str:
     return t.name.split(".", 1)[1] if "." in t.name else t.name
 
 
-def _report_order(contents: Contents, names: list[str]) -> dict[str, int]:
+def report_order(contents: Contents, names: list[str]) -> dict[str, int]:
+    """Name -> position in the report: the model's parameter order where the checkpoint
+    knows it, else the order of ``names``."""
     if contents.model_order_names:
         return {n: i for i, n in enumerate(contents.model_order_names)}
     if contents.weights and contents.model_order:
@@ -396,7 +400,7 @@ def map_names(contents: Contents, opt: OptimizerState) -> dict[int, str]:
 
 def ids_reason(contents: Contents, opt: OptimizerState) -> str | None:
     """Why ``opt``'s state can be named by its parameter ids alone, or None when it can be
-    mapped to the model's names (CONTRACT.md: "measured under its ids (``state.N``),
+    mapped to the model's names (docs/reference/contract.md: "measured under its ids (``state.N``),
     never under guessed names, and the report says why").
 
     The one rule for every layout: no ``param_names``, and no model order to
@@ -425,7 +429,7 @@ def check_state_fits_weights(contents: Contents, opt: OptimizerState) -> None:
     state holds is a parameter's shape at least as often (shapes as a multiset; a
     parameter the optimizer does not hold, a buffer, only adds to the weights' side).
     Else the checkpoint's two files contradict each other: ``InputError`` naming both
-    and the tensor (CONTRACT.md: "a mapping that two layouts of the evidence
+    and the tensor (docs/reference/contract.md: "a mapping that two layouts of the evidence
     contradict is exit 3 with the reason").
     """
     buffers = set(contents.buffers or ())

@@ -32,7 +32,7 @@ def test_the_trend_verdict_names_an_earlier_nonfinite_step(gradclip, tmp_path):
     r = gradclip("trend", folder, "--no-progress")
     assert r.code == 0, r.err  # the newest point is healthy
     verdict = r.out.splitlines()[-1]
-    assert verdict.startswith("OK: no spike or non-finite norm at the newest point")
+    assert verdict.startswith("OK: no spike or non-finite gradient norm at the newest point")
     assert "earlier: 1 non-finite (step 8), 1 spike(s) (step 10)" in verdict
     failing = gradclip("trend", folder, "--fail-on", "any", "--no-progress")
     assert failing.code == 1 and "at 2 point(s)" in failing.out.splitlines()[-1]

@@ -141,7 +141,8 @@ def test_every_format_says_where_the_series_came_from_and_that_the_trainer_clipp
     markdown = gradclip("trend", run.output_dir, "--format", "markdown").out
     assert "- judged\\: " in markdown and "- clipping\\: the Trainer clipped" in markdown
     github = gradclip("trend", run.output_dir, "--format", "github").out.splitlines()
-    notices = [line for line in github if line.startswith("::notice title=gradclip trend")]
+    notices = [line for line in github
+               if line.startswith("::notice title=gradclip trend%3A run folder")]
     assert len(notices) == len(
         gradclip("trend", run.output_dir, "--format", "json").json()["notes"]
     )
@@ -338,3 +339,24 @@ def test_a_max_grad_norm_beyond_float_range_leaves_clipping_unknown_not_a_traceb
         "(1329 bits), which torch's clip_grad_norm_ refuses (OverflowError)")
     # The spike is found all the same.
     assert any(p["spike"] and p["step"] == run_folder.spike_step for p in doc["points"])
+
+
+def test_the_trainers_grad_norm_and_the_monitor_log_agree_within_float32(gradclip, run_folder):
+    # The norm audit (report/norm_audit.py): the Trainer's own float32 total against the
+    # monitor's float64 one, at every step both logged; the folder's numbers checked here.
+    run = run_folder
+    r = gradclip("trend", run.output_dir, "--format", "json")
+    doc = r.json()
+    [audit] = doc["audit"]
+    assert audit["framework"]["kind"] == "Trainer grad_norm"
+    assert audit["gradclip"]["source"] == str(run.output_dir / RUN_FOLDER_LOG)
+    assert audit["precision"] == "float32" and audit["steps_compared"] == run.steps
+    assert audit["agrees"] and audit["disagreements"] == []
+    logged = logged_grad_norms(run.output_dir / "trainer_state.json")
+    for step, norm in logged.items():
+        # What the audit allowed is what the numbers show: float32 rounding, far inside.
+        assert rel_err(norm, run.reference[step]["total"]) < audit["tolerance"] / 100
+    table = logical_lines(gradclip("trend", run.output_dir).out)
+    assert any(line.startswith("norm audit: Trainer grad_norm (") and
+               f"agree at all {run.steps} step(s), within 0.0039 relative (float32 totals)"
+               in line for line in table)

@@ -1,6 +1,6 @@
 """Optimizer state measured under its ids (``state.N``) always says why (issue 41, item 9).
 
-CONTRACT.md: "Where no mapping can be made (no model beside the state, or a
+docs/reference/contract.md: "Where no mapping can be made (no model beside the state, or a
 model file whose names are sorted), the state is measured under its ids
 (``state.N``), never under guessed names, and the report says why". Every
 layout that can produce ``state.N`` is built by the library that writes it

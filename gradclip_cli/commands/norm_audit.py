@@ -1,0 +1,66 @@
+"""Which series of a trend's inputs the norm audit holds against each other (``report/norm_audit``).
+
+A framework's own total: each ``trainer_state.json`` read (a run folder's,
+or given) with a ``grad_norm``. gradclip's: the monitor log beside it in the
+same run folder, or among the inputs given; else the ``gradclip/total_norm``
+its Trainer callback put in that same ``log_history``. A reader of another
+framework total (a tracker's ``grad_norm``) adds its series to
+``framework_series`` and is audited the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..report.norm_audit import NormAudit, NormSeries, audit_norms
+from ..source import run_folder
+from ..source.logs import monitor_log, trainer_state
+from ..source.run_folder import RunFolder
+
+TRAINER_GRAD_NORM = "Trainer grad_norm"
+MONITOR_LOG = "gradclip monitor log"
+LOGGED_TAGS = "gradclip/total_norm in log_history"
+
+
+def norm_audits(runs: list[RunFolder], logs: list[tuple[Path, object, list]]) -> list[NormAudit]:
+    """Every audit the inputs allow: per run folder, and over the logs given directly
+    (``(path, kind, entries)`` each); an audit per framework series that shares steps
+    with a gradclip series."""
+    groups: list[tuple[list[Path], list[NormSeries]]] = []
+    for run in runs:
+        states = [s.paths[0] for s in run.series if s.kind == run_folder.TRAINER_STATE]
+        monitors = [_monitor(s.paths[0], s.entries) for s in run.series
+                    if s.kind == run_folder.MONITOR]
+        groups.append((states, monitors))
+    states = [path for path, kind, _ in logs if kind is trainer_state.KIND]
+    monitors = [_monitor(path, entries) for path, kind, entries in logs
+                if kind is monitor_log.KIND]
+    groups.append((states, monitors))
+    audits, done = [], set()
+    for states, monitors in groups:
+        for path in states:
+            for framework in framework_series(path):
+                gradclip = monitors or _in_file(path)
+                for series in gradclip:
+                    key = (framework.source, framework.kind, series.source, series.kind)
+                    audit = None if key in done else audit_norms(framework, series)
+                    done.add(key)
+                    if audit is not None:
+                        audits.append(audit)
+    return audits
+
+
+def framework_series(path: Path) -> list[NormSeries]:
+    """The framework's own totals a file holds (a Trainer's ``grad_norm``)."""
+    norms = trainer_state.framework_totals(path)
+    return [NormSeries(str(path), TRAINER_GRAD_NORM, norms)] if norms else []
+
+
+def _monitor(path: Path, entries) -> NormSeries:
+    return NormSeries(str(path), MONITOR_LOG,
+                      {e.step: e.total_norm for e in entries if e.step is not None})
+
+
+def _in_file(path: Path) -> list[NormSeries]:
+    norms = trainer_state.gradclip_totals(path)
+    return [NormSeries(str(path), LOGGED_TAGS, norms)] if norms else []

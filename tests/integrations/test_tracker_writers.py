@@ -1,0 +1,382 @@
+"""gradclip's norms where the user looks: the framework's loggers and TensorBoard files.
+
+Real runs, read back with the readers of the files' own libraries:
+TensorBoard event files with tensorboard's ``EventAccumulator`` (every
+point), Lightning's ``metrics.csv`` with ``csv``, ``trainer_state.json`` with
+``json``. Each value read back must be the monitor log's number for that
+step, exactly where the file keeps float64 (CSV, JSON) and rounded to float32
+where it keeps float32 (TensorBoard's ``simple_value``); the log's own
+numbers are checked against float64 references in test_monitor.py and
+test_lightning.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradclip_cli import GradMonitor
+
+from .support import read_log
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402
+    EventAccumulator,
+)
+
+TAGS = ("gradclip/total_norm", "gradclip/spike", "gradclip/clip_coef")
+
+
+def float32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float64).to(torch.float32))
+
+
+def same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """Every scalar point of every event file under ``folder``: tag -> step -> value."""
+    [events] = {p.parent for p in folder.rglob("events.out.tfevents.*")}
+    reader = EventAccumulator(str(events), size_guidance={"scalars": 0})  # 0: keep every point
+    reader.Reload()
+    return {tag: {e.step: e.value for e in reader.Scalars(tag)}
+            for tag in reader.Tags()["scalars"]}
+
+
+def expected(record: dict, prefix: str = "") -> dict[str, float]:
+    """The scalars a record's step must show, tag -> float64 value, from the log's line."""
+    out = {prefix + "gradclip/total_norm": float(record["total_norm"])}
+    out.update({prefix + f"gradclip/norm/{g}": float(v) for g, v in record["groups"].items()})
+    out[prefix + "gradclip/spike"] = 1.0 if record["spike"] else 0.0
+    # 1.0 where the log says null: nothing was scaled.
+    coef = record["clip_coef"]
+    out[prefix + "gradclip/clip_coef"] = 1.0 if coef is None else float(coef)
+    return out
+
+
+def assert_tensorboard_holds(points: dict[str, dict[int, float]], records: list[dict],
+                             prefix: str = "") -> None:
+    """Each record's scalars at its step, as float32; nothing at any other step."""
+    steps = [r["step"] for r in records]
+    want: dict[str, dict[int, float]] = {}
+    for record in records:
+        for tag, value in expected(record, prefix).items():
+            want.setdefault(tag, {})[record["step"]] = value
+    for tag, by_step in want.items():
+        assert set(points[tag]) == set(by_step), tag
+        for step, value in by_step.items():
+            assert same(points[tag][step], float32(value)), (tag, step)
+    gradclip = {t for t in points if t.startswith(prefix + "gradclip/")}
+    assert gradclip == set(want)
+    assert set(points[prefix + "gradclip/total_norm"]) == set(steps)
+
+
+# -- GradMonitor(tensorboard=...) in a plain loop ------------------------------------------
+
+LOOP_STEPS, LOOP_SPIKE, LOOP_NAN = 40, 30, 36
+
+
+@pytest.fixture(scope="module")
+def plain_loop(tmp_path_factory):
+    """40 steps of a two-layer model, net.2's gradients x1000 at step 30 (clipped by
+    clip_spikes), a NaN at step 36; the monitor log and TensorBoard scalars side by side."""
+    folder = tmp_path_factory.mktemp("loop")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = GradMonitor(model, folder / "grads.jsonl", None, clip_spikes=True,
+                          tensorboard=folder / "tb")
+    for step in range(LOOP_STEPS):
+        x = torch.randn(32, 6)
+        torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).sin()).backward()
+        if step == LOOP_SPIKE:
+            model[2].weight.grad *= 1000
+        if step == LOOP_NAN:
+            model[0].bias.grad[0] = math.nan
+        monitor.step(step)
+        if step != LOOP_NAN:
+            optimizer.step()
+        optimizer.zero_grad()
+    monitor.close()
+    return folder
+
+
+def test_the_loops_scalars_are_the_logs_numbers_in_float32(plain_loop):
+    records = read_log(plain_loop / "grads.jsonl")
+    assert [r["step"] for r in records] == list(range(LOOP_STEPS))
+    points = scalars(plain_loop / "tb")
+    assert_tensorboard_holds(points, records)
+    assert points["gradclip/spike"][LOOP_SPIKE] == 1.0
+    # The spike was clipped: its coefficient is the one below 1.
+    coefs = points["gradclip/clip_coef"]
+    assert [s for s, c in coefs.items() if c != 1.0] == [LOOP_SPIKE]
+    assert 0 < coefs[LOOP_SPIKE] < 1e-2
+    assert math.isnan(points["gradclip/total_norm"][LOOP_NAN])
+    assert math.isnan(points["gradclip/norm/0"][LOOP_NAN])
+    assert not math.isnan(points["gradclip/norm/2"][LOOP_NAN])
+
+
+def test_without_tensorboard_the_monitor_is_refused_naming_the_extra(tmp_path):
+    folder = str(tmp_path / "tb")
+    code = ("import sys; sys.modules['tensorboard'] = None\n"
+            "import torch\nfrom gradclip_cli import GradMonitor\n"
+            "try:\n"
+            f"    GradMonitor(torch.nn.Linear(2, 2), None, None, tensorboard={folder!r})\n"
+            "except ImportError as e:\n    print(e)\nelse:\n    print('made')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "pip install 'gradclip[tensorboard]'" in run.stdout
+    assert not (tmp_path / "tb").exists()
+
+
+def test_a_tensorboard_path_that_is_a_file_is_refused_at_once(tmp_path):
+    (tmp_path / "tb").write_text("")
+    with pytest.raises(ValueError, match=r"tensorboard='.*tb' is not a folder"):
+        GradMonitor(torch.nn.Linear(2, 2), None, None, tensorboard=tmp_path / "tb")
+
+
+def test_nothing_is_written_before_the_first_logged_step(tmp_path):
+    monitor = GradMonitor(torch.nn.Linear(2, 2), None, None, tensorboard=tmp_path / "tb")
+    monitor.close()
+    assert not (tmp_path / "tb").exists()
+
+
+# -- Lightning: its TensorBoard and CSV loggers ---------------------------------------------
+
+pl = pytest.importorskip("lightning.pytorch")
+
+PL_STEPS, PL_SPIKE = 40, 30
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if self.global_step == PL_SPIKE:
+            loss = loss + 1e4 * self.net[2].weight.square().sum()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def lightning_fit(folder: Path, steps: int, every: int = 1, **callback_options) -> None:
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from gradclip_cli.integrations.lightning import GradMonitorCallback
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 6)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+    loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    trainer = pl.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, gradient_clip_val=1.0,
+        callbacks=[GradMonitorCallback(folder / "grads.jsonl", None, **callback_options)],
+        logger=[TensorBoardLogger(folder, name="tb"), CSVLogger(folder, name="csv")],
+        log_every_n_steps=every, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=folder,
+    )  # fmt: skip
+    trainer.fit(Regressor(), loader)
+
+
+@pytest.fixture(scope="module")
+def lightning_loggers(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lightning_loggers")
+    lightning_fit(folder, PL_STEPS, clip_spikes=True)
+    return folder
+
+
+def csv_rows(folder: Path) -> list[dict[str, str]]:
+    [path] = folder.rglob("metrics.csv")
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_lightnings_tensorboard_logger_holds_the_logs_numbers_in_float32(lightning_loggers):
+    records = read_log(lightning_loggers / "grads.jsonl")
+    assert [r["step"] for r in records] == list(range(PL_STEPS))
+    points = scalars(lightning_loggers / "tb")
+    assert_tensorboard_holds(points, records)  # at the log's steps: trainer.global_step
+    assert points["gradclip/spike"][PL_SPIKE] == 1.0
+    coefs = points["gradclip/clip_coef"]
+    assert [s for s, c in coefs.items() if c != 1.0] == [PL_SPIKE]
+    assert {"gradclip/norm/net.0", "gradclip/norm/net.2"} <= set(points)
+
+
+def test_lightnings_csv_logger_holds_the_logs_numbers_exactly(lightning_loggers):
+    records = read_log(lightning_loggers / "grads.jsonl")
+    rows = csv_rows(lightning_loggers / "csv")
+    assert [int(r["step"]) for r in rows] == [r["step"] for r in records]
+    for row, record in zip(rows, records):
+        want = expected(record)
+        got = {t: float(v) for t, v in row.items() if t.startswith("gradclip/")}
+        assert got == want, record["step"]  # float64 kept
+
+
+def test_on_lightnings_logging_steps_only_with_their_own_values(tmp_path):
+    # log_every_n_steps=4: Lightning sends steps 3, 7, 11 (and no stale value between).
+    lightning_fit(tmp_path, 12, every=4)
+    records = read_log(tmp_path / "grads.jsonl")
+    assert len(records) == 12
+    assert_tensorboard_holds(scalars(tmp_path / "tb"), [records[s] for s in (3, 7, 11)])
+
+
+def test_log_metrics_false_leaves_the_loggers_alone(tmp_path):
+    lightning_fit(tmp_path, 3, log_metrics=False)
+    assert len(read_log(tmp_path / "grads.jsonl")) == 3
+    assert not [t for t in scalars(tmp_path / "tb") if t.startswith("gradclip/")]
+
+
+# -- The Trainer: report_to=["tensorboard"] and trainer_state.json ---------------------------
+
+transformers = pytest.importorskip("transformers")
+
+from tests.trainer_runs import (  # noqa: E402
+    CALLBACK_LOG,
+    CALLBACK_LOGGING_STEPS,
+    CALLBACK_SPIKE_STEP,
+    CALLBACK_STEPS,
+    train_with_callback,
+)
+
+
+@pytest.fixture(scope="session")
+def callback_run(tmp_path_factory):
+    """24 steps with gradclip's Trainer callback, logging every 2nd, a spike at step 20."""
+    return train_with_callback(tmp_path_factory.mktemp("hf_callback") / "output")
+
+
+LOGGING_STEPS = list(range(CALLBACK_LOGGING_STEPS, CALLBACK_STEPS + 1, CALLBACK_LOGGING_STEPS))
+
+
+def logged_records(state_file: Path) -> dict[int, dict]:
+    records = read_log(state_file.parent / CALLBACK_LOG)
+    assert [r["step"] for r in records] == list(range(1, CALLBACK_STEPS + 1))
+    return {r["step"]: r for r in records if r["step"] in LOGGING_STEPS}
+
+
+def test_trainer_state_keeps_the_logs_numbers_on_logging_steps(callback_run):
+    records = logged_records(callback_run)
+    history = json.loads(callback_run.read_text())["log_history"]
+    entries = [e for e in history if "gradclip/total_norm" in e]
+    assert [e["step"] for e in entries] == LOGGING_STEPS
+    for entry in entries:
+        want = expected(records[entry["step"]])
+        assert {k: v for k, v in entry.items() if k.startswith("gradclip/")} == want
+        assert "loss" in entry  # the Trainer's own training entry, not one of its own
+    spike = next(e for e in entries if e["step"] == CALLBACK_SPIKE_STEP)
+    assert spike["gradclip/spike"] == 1.0
+    # The final summary and any evaluation entry are left alone.
+    assert all("gradclip/total_norm" not in e for e in history if "train_runtime" in e)
+
+
+def test_report_to_tensorboard_receives_them_under_the_trainers_train_prefix(callback_run):
+    # The Trainer's TensorBoard integration writes every training key as train/<key>.
+    records = logged_records(callback_run)
+    points = scalars(callback_run.parent / "runs")
+    assert_tensorboard_holds(points, [records[s] for s in LOGGING_STEPS], prefix="train/")
+    assert points["train/gradclip/spike"][CALLBACK_SPIKE_STEP] == 1.0
+
+
+def test_trend_reads_the_per_layer_series_back_from_trainer_state(gradclip, callback_run):
+    records = logged_records(callback_run)
+    r = gradclip("trend", callback_run, "--format", "json", "--fail-on", "any")
+    assert r.code == 1, r.err
+    doc = r.json()
+    assert [p["step"] for p in doc["points"]] == LOGGING_STEPS
+    for point in doc["points"]:
+        record = records[point["step"]]
+        assert point["total_norm"] == record["total_norm"]  # float64, exactly
+        assert point["groups"] == record["groups"]
+    spike = next(p for p in doc["points"] if p["step"] == CALLBACK_SPIKE_STEP)
+    assert spike["spike"]
+    history = json.loads(callback_run.read_text())["log_history"]
+    if any("grad_norm" in e for e in history):  # transformers >= 5 logs it without clipping
+        [audit] = doc["audit"]
+        assert audit["framework"]["kind"] == "Trainer grad_norm" and audit["agrees"]
+        assert audit["gradclip"]["kind"] == "gradclip/total_norm in log_history"
+        assert audit["steps_compared"] == len(LOGGING_STEPS)
+    else:
+        assert doc["audit"] == []
+
+
+def test_trend_of_the_output_dir_takes_the_log_and_its_copies_in_trainer_state(
+    gradclip, callback_run
+):
+    # trainer_state.json's entries are the log's own numbers at the logging steps: the
+    # run folder's finer series, the log at every step, is the one judged; the others
+    # (trainer_state.json, the TensorBoard events) are named as read and not judged.
+    r = gradclip("trend", callback_run.parent, "--format", "json", "--fail-on", "any")
+    assert r.code == 1, r.err
+    doc = r.json()
+    assert [p["step"] for p in doc["points"]] == list(range(1, CALLBACK_STEPS + 1))
+    assert any(note.startswith(f"judged: {callback_run.parent / CALLBACK_LOG} ")
+               for note in doc["notes"])
+    assert any(note.startswith(f"not judged: {callback_run}") for note in doc["notes"])
+    # Given alone, the two are one series: the log's points at the logging steps are
+    # copies of trainer_state.json's, one point each.
+    r = gradclip("trend", callback_run, callback_run.parent / CALLBACK_LOG, "--format", "json")
+    assert any(" the same 12 steps (2-24) and norms as " in n for n in r.json()["notes"])
+
+
+def damaged(state_file: Path, tmp_path: Path, change) -> Path:
+    """A copy of the run's trainer_state.json with ``change(log_history)`` applied."""
+    state = json.loads(state_file.read_text())
+    change([e for e in state["log_history"] if "gradclip/total_norm" in e])
+    copy = tmp_path / "trainer_state.json"
+    copy.write_text(json.dumps(state, indent=2))
+    return copy
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda h: h[3].update({"gradclip/norm/transformer.h.0": "0.5"}),
+     "log_history[3]: gradclip/norm/transformer.h.0 must be a number"),
+    (lambda h: h[2].update({"gradclip/total_norm": -1.0}),
+     "log_history[2]: gradclip/total_norm must be >= 0, got -1"),
+    (lambda h: h[4].update({"step": 2}),
+     "log_history[4]: gradclip/total_norm of step 2 after one of step 8; a Trainer "
+     "logs each step once, in order"),
+    (lambda h: h[0].update({"gradclip/norm_type": 0}),
+     "log_history[0]: gradclip/norm_type must be > 0"),
+])
+def test_a_damaged_entry_is_exit_3_naming_the_file_and_entry(gradclip, callback_run, tmp_path,
+                                                             change, says):
+    path = damaged(callback_run, tmp_path, change)
+    r = gradclip("trend", path)
+    assert r.code == 3
+    assert r.err_lines == [f"gradclip: {path}: {says}"]
+
+
+def test_a_nan_total_is_a_non_finite_point(gradclip, callback_run, tmp_path):
+    path = damaged(callback_run, tmp_path,
+                   lambda h: h[-1].update({"gradclip/total_norm": math.nan}))
+    r = gradclip("trend", path, "--format", "json")
+    assert r.code == 1
+    doc = r.json()
+    assert doc["status"] == "nonfinite" and doc["points"][-1]["total_norm"] == "nan"
+
+
+def test_a_hostile_group_name_is_shown_escaped(gradclip, callback_run, tmp_path):
+    name = "evil\x1b[2J\nname"
+    path = damaged(callback_run, tmp_path,
+                   lambda h: [e.update({f"gradclip/norm/{name}": 1.0}) for e in h])
+    r = gradclip("trend", path)
+    assert r.code == 0, r.err
+    assert "\x1b" not in r.out and "evil" in r.out
+    doc = gradclip("trend", path, "--format", "json").json()
+    assert doc["points"][0]["groups"][name] == 1.0  # JSON keeps it, escaped by json itself
