@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import stat
@@ -124,7 +125,10 @@ def build(
         optimizer=selection.optimizer,
         chosen_by_auto=what == "auto",
     )
-    return report
+    # The lines of the description every format carries (markdown, github, junit too).
+    notes = [*([step.note] if step.note else []),
+             *([selection.ids_note] if selection.ids_note else [])]
+    return dataclasses.replace(report, notes=notes) if notes else report
 
 
 # A run's folder holds numbered checkpoints (HF Trainer, DeepSpeed), not one checkpoint.

@@ -215,7 +215,7 @@ def build(
                 groups=m.groups, nonfinite=m.nonfinite, what=m.what))
     observations, copies = one_point_per_step(observations)
     found = _found(runs)
-    found["notes"] += step_notes + copies + exclusion.notes()
+    found["notes"] += step_notes + copies + exclusion.notes() + _monitor_clipping(logs, runs)
     if logs:
         group_by = (LOGGED_GROUPS if len(logs) == len(inputs)
                     else f"{group_by} (checkpoints), {LOGGED_GROUPS} (logs)")
@@ -428,6 +428,19 @@ def _found(runs: list[RunFolder]) -> dict:
                 None if c is None else c.clipped, monitor))
         notes += run.notes()
     return {"series": series, "clipping": clipping, "notes": notes}
+
+
+def _monitor_clipping(logs: list[tuple[Path, list]], runs: list[RunFolder]) -> list[str]:
+    """A note for each GradMonitor log trended by itself that records its own clipping
+    (a run folder's note says it already, beside the Trainer's)."""
+    covered = {r.monitor_clipping.source for r in runs if r.monitor_clipping is not None}
+    notes = []
+    for path, entries in logs:
+        if path in covered or not any(getattr(e, "clip_coef", None) is not None
+                                      for e in entries):
+            continue
+        notes.append(run_folder.MonitorClipping.of_log(path, entries).note())
+    return notes
 
 
 def _children(path: Path) -> list[Path]:

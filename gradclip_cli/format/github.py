@@ -50,6 +50,8 @@ def _write(out: TextIO, source: str, found: list[F.Finding], verdict: str) -> No
 
 
 def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
+    for note in report.notes:  # what the file's name or layout would mislead about
+        out.write(command("notice", note, file=report.source, title="gradclip inspect: note"))
     _write(out, report.source, F.inspect_findings(report), verdict_line(report))
 
 

@@ -89,8 +89,9 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
                for g in report.groups}
     details[F.TOTAL] = f"{report.what}: total norm {fmt(report.total_norm)} (p={p})"
     measured = measured_line(report)
+    notes = [*([] if measured is None else [measured]), *(f"note: {n}" for n in report.notes)]
     _write(_suite(f"gradclip inspect {report.source}", cases, F.inspect_findings(report),
-                  verdict_line(report), details, [] if measured is None else [measured]), out)
+                  verdict_line(report), details, notes), out)
 
 
 def render_clip(report: ClipReport, out: TextIO) -> None:

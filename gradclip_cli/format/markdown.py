@@ -89,6 +89,8 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
     measured = measured_line(report)
     if measured is not None:
         out.write(f"{escape(measured)}\n\n")
+    for note in report.notes:  # what the file's name or layout would mislead about
+        out.write(f"note\\: {escape(note)}\n\n")
     shown = groups_to_show(report)
     # ratio: each norm over the norm of the same parameters' weights, where the
     # checkpoint holds them (the update-to-weight ratio, for --what update).

@@ -86,6 +86,10 @@ class InspectReport:
     # ``--what auto`` chose ``what`` (rather than ``--what`` naming it): a verdict under
     # ``--max-norm`` then says what the threshold was applied to (docs/reference/contract.md).
     chosen_by_auto: bool = False
+    # Lines of ``description`` that every format carries, not the table and json alone:
+    # where the report corrects what the file's name says (a step), or says why names
+    # are missing (state under its ids).
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

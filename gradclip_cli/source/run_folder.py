@@ -119,11 +119,21 @@ class MonitorClipping:
 
     @classmethod
     def of(cls, series: Series) -> MonitorClipping:
-        scaled = [e for e in series.entries if e.clip_coef is not None]
+        return cls.of_log(series.paths[0], series.entries)
+
+    @classmethod
+    def of_log(cls, path: Path, entries) -> MonitorClipping:
+        """From a monitor log's entries (``LoggedNorms``)."""
+        scaled = [e for e in entries if e.clip_coef is not None]
         limits = sorted({e.clipped_to for e in scaled if e.clipped_to is not None})
         coefs = [e.clip_coef for e in scaled if not math.isnan(e.clip_coef)]
-        return cls(series.paths[0], len(series.entries), len(scaled), tuple(limits),
+        return cls(path, len(entries), len(scaled), tuple(limits),
                    min(coefs) if coefs else None)
+
+    def note(self) -> str:
+        """The note for a log trended by itself, where the monitor clipped."""
+        return (f"clipping: {self.words()}: the logged norms are from before its clipping, "
+                "the optimizer saw the clipped gradients")
 
     def words(self) -> str:
         """``gradclip's GradMonitor (grads.jsonl) clipped 30 of 30 logged steps ...``."""
@@ -196,11 +206,11 @@ class RunFolder:
             known = "" if by_monitor is None else f"; {by_monitor}"
             return f"clipping: unknown ({clip.why_unknown}){known}"
         if not clip.clipped:
-            why = ("a NaN, which is never > 0" if math.isnan(clip.max_grad_norm)
-                   else "an infinite limit, which changes no gradient"
-                   if math.isinf(clip.max_grad_norm) else "not > 0")
+            why = (": a NaN, which is never > 0" if math.isnan(clip.max_grad_norm)
+                   else ": an infinite limit, which changes no gradient"
+                   if math.isinf(clip.max_grad_norm) else "")
             trainer = (f"clipping: the Trainer did not clip (max_grad_norm "
-                       f"{clip.max_grad_norm:g} in {where}: {why})")
+                       f"{clip.max_grad_norm:g} in {where}{why})")
             if by_monitor is not None:
                 return f"{trainer}; {by_monitor}"
             either = "" if monitor is None else f" ({monitor.words()})"

@@ -23,6 +23,7 @@ from the model's order group by group (``map_names``).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from gradclip_cli.core import Elements, distinct_elements
@@ -365,6 +366,8 @@ def map_names(contents: Contents, opt: OptimizerState) -> dict[int, str]:
         return dict(sorted(opt.param_names.items()))
     if ids_reason(contents, opt) is not None:
         # Its ids are the only names there are, and the total does not depend on them.
+        if contents.weights:
+            check_state_fits_weights(contents, opt)
         return {pid: f"state.{pid}" for g in opt.param_groups for pid in sorted(g["params"])}
     order = _model_order(contents, opt)
     shapes = {n: tuple(contents.weights[n].shape) if contents.weights and n in contents.weights
@@ -418,6 +421,54 @@ def ids_reason(contents: Contents, opt: OptimizerState) -> str | None:
     if not contents.model_order:
         return "the model's weights are stored sorted by name, not in the model's order"
     return None
+
+
+def check_state_fits_weights(contents: Contents, opt: OptimizerState) -> None:
+    """Where state is named by id beside the model's weights, the two files still agree on
+    shapes: whatever the order, every state tensor is a parameter's, so each shape the
+    state holds is a parameter's shape at least as often (shapes as a multiset; a
+    parameter the optimizer does not hold, a buffer, only adds to the weights' side).
+    Else the checkpoint's two files contradict each other: ``InputError`` naming both
+    and the tensor (docs/reference/contract.md: "a mapping that two layouts of the evidence
+    contradict is exit 3 with the reason").
+    """
+    buffers = set(contents.buffers or ())
+    params = {n: t for n, t in contents.weights.items() if n not in buffers}
+    held = Counter(tuple(t.shape) for t in [*params.values(), *contents.fused_weights.values()])
+    wanted = Counter()
+    first: dict[tuple, tuple[int, str]] = {}
+    for pid in sorted(opt.state):
+        found = _state_key_shape(opt.state.get(pid))
+        if found is not None:
+            wanted[found[1]] += 1
+            first.setdefault(found[1], (pid, found[0]))
+    for shape, count in wanted.items():
+        if held[shape] >= count:
+            continue
+        pid, key = first[shape]
+        # A parameter whose shape the state never holds: the likely other side.
+        odd = next((n for n, t in params.items() if tuple(t.shape) not in wanted), None)
+        named = next(iter(params.values()), None) if odd is None else params[odd]
+        weights_file = named.pieces[0].file if named is not None and named.pieces else None
+        where = visible(weights_file.name) if weights_file is not None else "the model's weights"
+        other = "" if odd is None else \
+            f" ({where} holds {visible(odd)} as {list(params[odd].shape)})"
+        fits = (f"which no parameter of {where} has" if held[shape] == 0 else
+                f"as {count} state tensors do, which only {held[shape]} parameter(s) of "
+                f"{where} have")
+        raise InputError(
+            f"{opt.file}: state.{pid}'s {key} has shape {list(shape)}, {fits}{other}: the "
+            "optimizer state and the model weights of this checkpoint contradict each other")
+
+
+def _state_key_shape(entry: dict | None) -> tuple[str, tuple[int, ...]] | None:
+    """The state key that gives the parameter's shape, and that shape (``_state_shape``)."""
+    for key in _FULL_SHAPED:
+        value = (entry or {}).get(key)
+        if isinstance(value, StoredTensor):
+            return key, tuple(value.shape)
+    shape = _state_shape(entry)
+    return None if shape is None else ("factored state", shape)
 
 
 def named_by_id(reason: str) -> str:

@@ -103,6 +103,7 @@ def test_trend_says_gradclip_clipped_not_that_the_optimizer_saw_every_gradient(
             f"{CALLBACK_CLIP_STEPS} logged steps to total norm 1") in note
     assert "the optimizer (and the Adam moments in the checkpoints) saw the clipped" in note
     assert note in doc["notes"]
+    assert sum("GradMonitor" in n for n in doc["notes"]) == 1  # said once, not per series
     table = gradclip("trend", run.output_dir)
     assert any(line.startswith("clipping: the Trainer did not clip") and "GradMonitor" in line
                for line in logical_lines(table.out)), table.out
@@ -189,3 +190,14 @@ def test_a_nan_total_logs_the_nan_coefficient_it_applied(tmp_path):
     assert record["clip_coef"] == "nan" and record["clipped_to"] == 1.0
     assert all(p.grad.isnan().all() for p in model.parameters())
     assert record["dump_skipped"] == "no dump_dir"
+
+
+def test_trend_of_the_log_alone_says_the_monitor_clipped(callback_run, gradclip):
+    log = callback_run.output_dir / "grads.jsonl"
+    clipped = sum(r["clip_coef"] is not None for r in read_log(log))
+    doc = gradclip("trend", log, "--format", "json").json()
+    assert doc["notes"] == [
+        f"clipping: gradclip's GradMonitor ({log}) clipped {clipped} of {CALLBACK_CLIP_STEPS} "
+        f"logged steps to total norm 1, clip_coef down to "
+        f"{min(r['clip_coef'] for r in read_log(log) if r['clip_coef'] is not None):.3g}: the "
+        "logged norms are from before its clipping, the optimizer saw the clipped gradients"]

@@ -102,3 +102,51 @@ def test_a_mapped_state_carries_no_such_note(gradclip, trainer_run):
     assert doc["what"] == "exp_avg"
     assert not any(t["name"].startswith("state.") for t in doc["tensors"])
     assert not any(line.startswith(PREFIX) for line in doc["description"])
+
+
+def tampered(accelerate_state, tmp_path, name, shape):
+    """The save_state folder with one tensor of model.safetensors given another shape
+    (rewritten with safetensors' own writer)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "state"
+    shutil.copytree(accelerate_state, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights[name] = torch.zeros(shape)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_a_weight_whose_shape_no_state_has_is_a_contradiction_naming_both_files(
+    gradclip, accelerate_state, tmp_path
+):
+    # The Linear's weight [2, 48] rewritten as [2, 47]: under ids the order is unknown,
+    # but no order makes the optimizer's [2, 48] moment a parameter of this model.
+    folder = tampered(accelerate_state, tmp_path, "3.weight", (2, 47))
+    saved = torch.load(folder / "optimizer.bin", weights_only=True)
+    [pid] = [i for i, s in saved["state"].items() if tuple(s["exp_avg"].shape) == (2, 48)]
+    for what in ("exp_avg", "auto", "update"):
+        r = gradclip("inspect", folder, "--what", what)
+        assert r.code == 3 and len(r.err_lines) == 1, r.err
+        assert r.err_lines[0] == (
+            f"gradclip: {folder / 'optimizer.bin'}: state.{pid}'s exp_avg has shape [2, 48], "
+            "which no parameter of model.safetensors has (model.safetensors holds 3.weight as "
+            "[2, 47]): the optimizer state and the model weights of this checkpoint "
+            "contradict each other")
+    # The weights alone are measured as they are: nothing maps state to them.
+    assert gradclip("inspect", folder, "--what", "weights").code == 0
+
+
+def test_a_shape_held_fewer_times_than_the_state_holds_it_is_a_contradiction(
+    gradclip, accelerate_state, tmp_path
+):
+    # BatchNorm's weight [3] rewritten as [4]: the state holds three [3] moments (the
+    # conv's bias, the norm's weight and bias), the weights two [3] parameters (its
+    # running statistics are buffers, not parameters).
+    folder = tampered(accelerate_state, tmp_path, "1.weight", (4,))
+    r = gradclip("inspect", folder, "--format", "json")
+    assert r.code == 3
+    error = r.json()["error"]
+    assert "has shape [3], as 3 state tensors do, which only 2 parameter(s) of " \
+           "model.safetensors have (model.safetensors holds 1.weight as [4])" in error
+    assert error.startswith(f"{folder / 'optimizer.bin'}: state.")
