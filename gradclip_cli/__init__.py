@@ -4,8 +4,8 @@ The Python API mirrors ``torch.nn.utils`` (same names, arguments and in-place
 behaviour) with totals that are accurate and never overflow or underflow
 spuriously; ``save_grads`` writes a model's gradients to a file gradclip reads;
 ``GradMonitor`` logs them every training step and saves the ones that spike.
-``inspect`` and ``trend`` return the reports ``gradclip inspect`` and
-``gradclip trend`` format (``inspection.py``); their errors are
+``inspect``, ``trend`` and ``autopsy`` return the reports ``gradclip inspect``,
+``gradclip trend`` and ``gradclip autopsy`` format (``inspection.py``); their errors are
 ``GradclipError``, carrying the command's message and exit code.
 
 The package installs as ``gradclip`` and imports as ``gradclip_cli``;
@@ -24,10 +24,10 @@ _EXPORTS = {
     "clip_grads_with_norm_": "api",
     "get_total_norm": "api",
     "save_grads": "producer",
-    # Inspection: the commands' reports, in Python. (``autopsy`` joins these
-    # once its command lands: one more line here, its function in inspection.py.)
+    # Inspection: the commands' reports, in Python.
     "inspect": "inspection",
     "trend": "inspection",
+    "autopsy": "inspection",
     "render": "inspection",
     "exit_code": "inspection",
     "GradclipError": "errors",

@@ -29,8 +29,8 @@ two apart. A finding (a NaN, a total above ``max_norm``, a spike) is not an
 error: it is the report's ``status``, and :func:`exit_code` gives the code
 the command would exit with.
 
-``autopsy`` (docs/reference/contract.md, "Over time") joins them here once its command
-lands: a function of the same shape, returning its report.
+``autopsy`` returns the report of ``gradclip autopsy``: where a spike began and
+what changed across it (docs/reference/contract.md, "Over time").
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ from typing import TYPE_CHECKING, Any
 from .errors import GradclipError, InputError
 
 if TYPE_CHECKING:
+    from .report.autopsy import AutopsyReport
     from .report.model import InspectReport
     from .report.trend import TrendReport
 
-__all__ = ["exit_code", "inspect", "render", "trend"]
+__all__ = ["autopsy", "exit_code", "inspect", "render", "trend"]
 
 PathLike = str | os.PathLike[str]
 
@@ -65,6 +66,7 @@ def inspect(
     allow_nonfinite: bool = False,
     verify: bool = False,
     trust_pickle: bool = False,
+    previous: PathLike | None = None,
 ) -> InspectReport:
     """Measure one checkpoint, as ``gradclip inspect PATH``: its ``InspectReport``.
 
@@ -86,6 +88,9 @@ def inspect(
         allow_nonfinite: NaN/inf are reported but are not a finding.
         verify: check every stored checksum first (a mismatch raises).
         trust_pickle: allow full unpickling (runs code from the file).
+        previous: the checkpoint one optimizer step before ``path``: the gradients
+            of that step, reconstructed from the two Adam-family states
+            (``--previous``; ``what`` must be ``grads`` or ``auto``).
 
     Returns:
         The report every ``--format`` renders: ``total_norm``, ``max_abs``,
@@ -105,7 +110,7 @@ def inspect(
             path=os.fspath(path), key=key, norm_type=norm_type, device=device,
             max_norm=max_norm, allow_nonfinite=allow_nonfinite, verify=verify,
             group_by=group_by, trust_pickle=trust_pickle, what=what, progress=False,
-            launched=False,
+            launched=False, previous=None if previous is None else os.fspath(previous),
         )  # fmt: skip
 
 
@@ -123,6 +128,9 @@ def trend(
     device: str = "cpu",
     verify: bool = False,
     trust_pickle: bool = False,
+    tag: str | None = None,
+    run: str | None = None,
+    exclude: Iterable[str] = (),
 ) -> TrendReport:
     """Norms over a run, as ``gradclip trend PATH...``: its ``TrendReport``.
 
@@ -138,6 +146,9 @@ def trend(
             warm-up (None: 2.5, 0.97, 25).
         fail_on: ``newest`` or ``any``: which points make :func:`exit_code` 1.
         key, device, verify, trust_pickle: as :func:`inspect`.
+        tag: the tracker tag to read as the gradient norm (``--tag``).
+        run: which run of a tracker's store holding several (``--run``).
+        exclude: globs of inputs to leave out (``--exclude``).
 
     Returns:
         ``points`` (each with ``step``, ``source``, ``total_norm``,
@@ -159,6 +170,54 @@ def trend(
             paths=[Path(p) for p in paths], what=what, group_by=group_by, z=z, alpha=alpha,
             warmup=warmup, fail_on=fail_on, key=key, norm_type=norm_type, device=device,
             trust_pickle=trust_pickle, verify=verify, progress=False, launched=False,
+            tag=tag, run_name=run, exclude=tuple(exclude),
+        )  # fmt: skip
+
+
+def autopsy(
+    paths: PathLike | Iterable[PathLike],
+    *,
+    step: int | None = None,
+    window: int = 50,
+    outlier_k: float = 6.0,
+    key: str | None = None,
+    device: str = "cpu",
+    verify: bool = False,
+    trust_pickle: bool = False,
+    tag: str | None = None,
+    run: str | None = None,
+    exclude: Iterable[str] = (),
+) -> AutopsyReport:
+    """Take a spike apart, as ``gradclip autopsy PATH...``: its ``AutopsyReport``.
+
+    Args:
+        paths: as :func:`trend`: run folders, checkpoints, monitor logs and their
+            dumps, ``trainer_state.json``, trackers' files; every grain they hold
+            is read.
+        step: the step to explain; None: the newest spike or non-finite step of
+            the finest series.
+        window: how many steps before it an onset is looked for.
+        outlier_k: count gradient elements with ``|g| > k * sqrt(v_hat)``.
+        key, device, verify, trust_pickle, tag, run, exclude: as :func:`trend`.
+
+    Returns:
+        ``status`` (``explained``, ``nothing``, ``insufficient``), ``step``,
+        ``groups`` ranked (each with ``onset``, ``lead``, ``changes`` per
+        quantity with ``before``, ``after``, ``ratio``, and ``outliers``),
+        ``inputs`` and ``verdict``.
+
+    Raises:
+        GradclipError: with the command's one-line message and exit code.
+    """
+    from .commands import autopsy as command
+
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    with _as_the_command():
+        return command.build(
+            paths=[Path(p) for p in paths], step=step, window=window, outlier_k=outlier_k,
+            key=key, device=device, trust_pickle=trust_pickle, verify=verify, progress=False,
+            tag=tag, run_name=run, exclude=tuple(exclude), launched=False,
         )  # fmt: skip
 
 
@@ -167,6 +226,7 @@ def render(report: Any, format: str = "table", *, top: int = 5) -> str:
     ``github`` or ``junit`` (``json.loads`` of the json is the contract's document);
     ``top``: an inspect report's largest tensors listed, as ``--top``."""
     from .format import FORMATS
+    from .report.autopsy import AutopsyReport
     from .report.model import InspectReport
     from .report.trend import TrendReport
     from .values import word
@@ -178,18 +238,24 @@ def render(report: Any, format: str = "table", *, top: int = 5) -> str:
             fmt.render_inspect(report, buffer, top=top)
         elif isinstance(report, TrendReport):
             fmt.render_trend(report, buffer)
+        elif isinstance(report, AutopsyReport):
+            fmt.render_autopsy(report, buffer)
         else:
-            raise TypeError(f"render: an InspectReport or TrendReport, got {type(report)!r}")
+            raise TypeError("render: an InspectReport, TrendReport or AutopsyReport, got "
+                            f"{type(report)!r}")
         return buffer.getvalue()
 
 
 def exit_code(report: Any) -> int:
     """The exit code the command would end with for ``report``: 0 no finding, 1 a finding."""
+    from .report.autopsy import EXPLAINED, AutopsyReport
     from .report.model import NONFINITE, OK, SPIKE
     from .report.trend import TrendReport
 
     if isinstance(report, TrendReport):
-        return 1 if report.status in (SPIKE, NONFINITE) else 0
+        return 1 if report.status in (SPIKE, NONFINITE) or report.disagreeing else 0
+    if isinstance(report, AutopsyReport):
+        return 1 if report.status == EXPLAINED else 0
     return 0 if report.status == OK else 1
 
 

@@ -104,39 +104,16 @@ def run(
     tag: str | None = None, run_name: str | None = None, exclude: tuple[str, ...] = (),
 ) -> int:
     options.report_file(output_file, reads=paths, writes=[plot] if plot is not None else [])
-    window = DEFAULT_WINDOW if window is None else values.whole("--window", window, least=1)
-    outlier_k = DEFAULT_OUTLIER_K if outlier_k is None else \
-        values.threshold("--outlier-k", outlier_k, allow_zero=False)
-    if step is not None:
-        step = values.whole("--step", step, least=0)
-    z = DEFAULT_Z if z is None else z
-    alpha = DEFAULT_ALPHA if alpha is None else alpha
-    warmup = DEFAULT_WARMUP if warmup is None else warmup
     fmt = output_format(format)
     if not hasattr(fmt, "render_autopsy"):
         raise UsageError(f"--format {format}: autopsy writes table, json, markdown, github "
                          "or junit")
-    dev = options.device(device)
     if plot is not None:
         values.plot_file(str(plot))
-    session = launcher.join(dev, device, paths)
-    if session is not None:
-        dev = session.device
-    rule = parse_group_by(GROUP_BY)
-    how = trend.Measurement(key, 2.0, dev, rule, GROUP_BY, trust_pickle, verify, session)
-    with progress_steps(quiet or not progress or not speaks()) as steps:
-        read = _read_inputs(paths, how, steps, output_file, trackers.Choice(tag, run_name),
-                            Exclusion(tuple(exclude)))
-        series, inputs, notes, placed = _series(read)
-        main = finest(series)
-        explained = _explained_step(main, step, series, z, alpha, warmup)
-        outliers = {}
-        if explained is not None:
-            outliers, outlier_notes = _outliers(explained, placed, how, steps, outlier_k, rule)
-            notes += outlier_notes
-    report = build_autopsy_report(
-        series, step=explained, window=window, outlier_k=outlier_k,
-        z=z, alpha=alpha, warmup=warmup, outliers=outliers, notes=notes, inputs=inputs)
+    report = build(paths=paths, step=step, window=window, outlier_k=outlier_k, key=key,
+                   device=device, trust_pickle=trust_pickle, verify=verify,
+                   progress=progress and not quiet, output_file=output_file, z=z,
+                   alpha=alpha, warmup=warmup, tag=tag, run_name=run_name, exclude=exclude)
     if plot is not None and speaks():
         from ..format.plot import write_autopsy_plot
 
@@ -148,6 +125,45 @@ def run(
     else:
         emit(lambda out: fmt.render_autopsy(report, out), output_file)
     return 1 if report.status == EXPLAINED else 0
+
+
+def build(
+    *, paths: list[Path], step: int | None, window: int | None, outlier_k: float | None,
+    key: str | None, device: str, trust_pickle: bool, verify: bool, progress: bool,
+    output_file: Path | None = None, z: float | None = None, alpha: float | None = None,
+    warmup: int | None = None, tag: str | None = None, run_name: str | None = None,
+    exclude: tuple[str, ...] = (), launched: bool = True,
+):
+    """The ``AutopsyReport`` of ``paths`` (``report/autopsy.py``), which every format
+    renders. ``launched``: under a launcher (``torchrun``) the ranks share each
+    checkpoint's norms, as the command does; the Python API passes False."""
+    window = DEFAULT_WINDOW if window is None else values.whole("--window", window, least=1)
+    outlier_k = DEFAULT_OUTLIER_K if outlier_k is None else \
+        values.threshold("--outlier-k", outlier_k, allow_zero=False)
+    if step is not None:
+        step = values.whole("--step", step, least=0)
+    z = DEFAULT_Z if z is None else z
+    alpha = DEFAULT_ALPHA if alpha is None else alpha
+    warmup = DEFAULT_WARMUP if warmup is None else warmup
+    dev = options.device(device)
+    session = launcher.join(dev, device, paths) if launched else None
+    if session is not None:
+        dev = session.device
+    rule = parse_group_by(GROUP_BY)
+    how = trend.Measurement(key, 2.0, dev, rule, GROUP_BY, trust_pickle, verify, session)
+    with progress_steps(not progress or not speaks()) as steps:
+        read = _read_inputs(paths, how, steps, output_file, trackers.Choice(tag, run_name),
+                            Exclusion(tuple(exclude)))
+        series, inputs, notes, placed = _series(read)
+        main = finest(series)
+        explained = _explained_step(main, step, series, z, alpha, warmup)
+        outliers = {}
+        if explained is not None:
+            outliers, outlier_notes = _outliers(explained, placed, how, steps, outlier_k, rule)
+            notes += outlier_notes
+    return build_autopsy_report(
+        series, step=explained, window=window, outlier_k=outlier_k,
+        z=z, alpha=alpha, warmup=warmup, outliers=outliers, notes=notes, inputs=inputs)
 
 
 # -- reading ---------------------------------------------------------------------------

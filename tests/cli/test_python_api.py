@@ -184,3 +184,55 @@ def test_import_gradclip_gives_the_same_objects():
     out = run_python("import gradclip; print(gradclip.clip_grad_norm_.__module__, "
                      "gradclip.__version__)")
     assert out.split() == ["gradclip_cli.api", gradclip_cli.__version__]
+
+
+def test_trend_takes_the_commands_tag_run_and_exclude(gradclip, tmp_path):
+    log = tmp_path / "grads.jsonl"
+    model = torch.nn.Linear(4, 2)
+    with GradMonitor(model, log, None) as monitor:
+        for step in range(8):
+            model(torch.randn(8, 4)).square().mean().backward()
+            monitor.step(step)
+            model.zero_grad()
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(log.read_bytes())
+    kept = gradclip_cli.trend([log, copy], exclude=["copy.*"])
+    assert {p.source for p in kept.points} == {str(log)}
+    cli = gradclip("trend", log, copy, "--exclude", "copy.*", "--format", "json")
+    assert gradclip_cli.render(kept, "json") == cli.out
+    with pytest.raises(UsageError, match="--tag"):
+        gradclip_cli.trend(log, tag="grad_norm")  # as the command: no tracker's file given
+
+
+def test_inspect_previous_gives_the_gradients_of_the_step_between(gradclip, tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grads = {}
+    for step in (1, 2):
+        model(torch.randn(16, 6)).square().mean().backward()
+        grads = {n: p.grad.double().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                   tmp_path / f"step-{step}.pt")
+    report = gradclip_cli.inspect(tmp_path / "step-2.pt", previous=tmp_path / "step-1.pt")
+    assert report.what == "grads"
+    expected = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+    assert math.isclose(report.total_norm, expected, rel_tol=1e-5)
+    cli = gradclip("inspect", tmp_path / "step-2.pt", "--previous", tmp_path / "step-1.pt",
+                   "--format", "json")
+    assert cli.code == 0 and gradclip_cli.render(report, "json") == cli.out
+
+
+def test_autopsy_returns_the_report_the_command_formats(gradclip, tmp_path):
+    from benchmarks import autopsy_rates
+
+    run = autopsy_rates.make_run("torch", 0, True, tmp_path / "run")
+    report = gradclip_cli.autopsy(run.folder)
+    assert report.status == "explained" and gradclip_cli.exit_code(report) == 1
+    assert report.groups[0].name == run.layer
+    cli = gradclip("autopsy", run.folder, "--format", "json")
+    assert cli.code == 1 and gradclip_cli.render(report, "json") == cli.out
+    calm = gradclip_cli.autopsy(run.folder, step=10)
+    assert calm.status == "nothing" and gradclip_cli.exit_code(calm) == 0
