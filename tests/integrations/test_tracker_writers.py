@@ -315,16 +315,20 @@ def test_trend_reads_the_per_layer_series_back_from_trainer_state(gradclip, call
         assert doc["audit"] == []
 
 
-def test_trend_of_the_output_dir_takes_the_log_and_its_copies_in_trainer_state(
+def test_trend_of_the_output_dir_judges_the_log_and_audits_the_trainers_grad_norm(
     gradclip, callback_run
 ):
-    # trainer_state.json's entries are the log's own numbers at the logging steps: copies,
-    # one point each; the log, every step, is the series.
+    # The folder holds the log (every step) and trainer_state.json (the log's own numbers
+    # on the logging steps, beside the Trainer's grad_norm): the log is the series.
     r = gradclip("trend", callback_run.parent, "--format", "json", "--fail-on", "any")
     assert r.code == 1, r.err
     doc = r.json()
     assert [p["step"] for p in doc["points"]] == list(range(1, CALLBACK_STEPS + 1))
-    assert any("trainer_state.json: the same" in note for note in doc["notes"])
+    assert {p["source"] for p in doc["points"]} == {str(callback_run.parent / CALLBACK_LOG)}
+    history = json.loads(callback_run.read_text())["log_history"]
+    if any("grad_norm" in e for e in history):
+        assert [a["agrees"] for a in doc["audit"]] == [True]
+        assert doc["audit"][0]["steps_compared"] == len(LOGGING_STEPS)
 
 
 def damaged(state_file: Path, tmp_path: Path, change) -> Path:
