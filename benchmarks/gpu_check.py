@@ -3,10 +3,14 @@ and the training loop on Llama-2-7B bf16 shapes.
 
     python -m benchmarks.gpu_check                  # prints Markdown; exits 0 without CUDA
     python -m benchmarks.gpu_check --no-inspect     # without the 13.5 GB file for inspect
+    python -m benchmarks.gpu_check --only-issue42   # issue 42's figures alone (~2 minutes)
 
-Meant for a lent device machine: under 5 minutes on an H200 (most of it
-writing the 13.5 GB checkpoint that ``inspect --device cuda`` reads). Inputs
-are the seeded shapes of benchmarks/inputs.py, built on the GPU.
+Meant for a lent device machine: under 8 minutes on an H100 or H200 (most of
+it writing the 13.5 GB checkpoint that ``inspect --device cuda`` reads). Inputs
+are the seeded shapes of benchmarks/inputs.py, built on the GPU. Issue 42's
+figures (the Triton pass against the copy floor and torch, bf16 clipping at
+torch's speed, the CLI core on CUDA, accuracy, sync-freedom) are
+benchmarks/gpu_issue42.py's section, run in the same call.
 
 The training-loop table (issue 18, item 6) times, per call, torch's
 ``get_total_norm`` and ``clip_grad_norm_`` beside gradclip's drop-ins and
@@ -42,6 +46,7 @@ from gradclip_cli import (  # noqa: E402
 )
 from gradclip_cli.core import tensor_power_sums  # noqa: E402
 
+from . import gpu_issue42  # noqa: E402
 from .inputs import checkpoint_file, drop_big_files, gpt2_shapes, llama2_7b_shapes  # noqa: E402
 
 NO_CLIP = 1e30  # coefficient 1: the gradients stay the same between repetitions
@@ -175,11 +180,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-inspect", action="store_true",
                         help="skip writing the 13.5 GB file and timing inspect on it")
+    parser.add_argument("--only-issue42", action="store_true",
+                        help="run issue 42's section alone (benchmarks/gpu_issue42.py)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 0
     print(f"device: {torch.cuda.get_device_name()} ; torch {torch.__version__}\n")
+    if args.only_issue42:
+        text, worst = gpu_issue42.run(llama2_7b_shapes(), gpt2_shapes())
+        print(text)
+        return 0 if worst <= 1e-6 else 1
     g = torch.Generator(device="cuda").manual_seed(0)
     gpt2 = [torch.randn(s, generator=g, device="cuda") for _, s in gpt2_shapes()]
     small = [torch.randn(1024, generator=g, device="cuda") for _ in range(20000)]
@@ -217,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     worst = max([worst, *(r["error"] for r in rows
                           if r["error"] is not None and r["name"].startswith(("gradclip",
                                                                              "GradMonitor")))])
+    torch.cuda.empty_cache()
+    text, issue42_worst = gpu_issue42.run(llama2_7b_shapes(), gpt2_shapes())
+    print(text)
+    worst = max(worst, issue42_worst)
     torch.cuda.empty_cache()
     if not args.no_inspect:
         path = checkpoint_file("llama2_7b_bf16", llama2_7b_shapes(), torch.bfloat16)

@@ -1,11 +1,11 @@
 """How often the spike rule flags noise, and whether it finds real spikes, on real short runs.
 
 Three kinds of real training run, each small enough for a CPU and each with
-``GradMonitor`` watching it the way the README shows (its JSON Lines log is
-what is judged):
+``GradMonitor`` watching it the way docs/guides/training-loop.md shows (its JSON
+Lines log is what is judged):
 
-- ``torch``: a plain loop, a two-layer regressor (README's "In your training
-  loop" model), SGD, ``monitor.clip_grad_norm_(1.0)``;
+- ``torch``: a plain loop, a two-layer regressor (the training-loop guide's
+  model), SGD, ``monitor.clip_grad_norm_(1.0)``;
 - ``lightning``: a ``lightning.pytorch.Trainer`` fitting a three-layer
   classifier on Gaussian clusters with Adam, ``gradient_clip_val=1.0``, the
   Lightning callback;

@@ -4,6 +4,12 @@ The Python API mirrors ``torch.nn.utils`` (same names, arguments and in-place
 behaviour) with totals that are accurate and never overflow or underflow
 spuriously; ``save_grads`` writes a model's gradients to a file gradclip reads;
 ``GradMonitor`` logs them every training step and saves the ones that spike.
+``inspect`` and ``trend`` return the reports ``gradclip inspect`` and
+``gradclip trend`` format (``inspection.py``); their errors are
+``GradclipError``, carrying the command's message and exit code.
+
+The package installs as ``gradclip`` and imports as ``gradclip_cli``;
+``import gradclip`` gives the same names (``gradclip/__init__.py``).
 """
 
 __version__ = "0.1.0"
@@ -18,6 +24,15 @@ _EXPORTS = {
     "clip_grads_with_norm_": "api",
     "get_total_norm": "api",
     "save_grads": "producer",
+    # Inspection: the commands' reports, in Python. (``autopsy`` joins these
+    # once its command lands: one more line here, its function in inspection.py.)
+    "inspect": "inspection",
+    "trend": "inspection",
+    "render": "inspection",
+    "exit_code": "inspection",
+    "GradclipError": "errors",
+    "UsageError": "errors",
+    "InputError": "errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -29,3 +44,8 @@ def __getattr__(name: str):
 
         return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's own names and every public one, loaded or not (a REPL's completion)."""
+    return sorted({*globals(), *__all__})

@@ -97,6 +97,14 @@ what_option = click.option("--what", type=V.WHAT, default="auto", metavar="WHAT"
 group_by_option = click.option("--group-by", type=V.GROUP_BY, default="layer", metavar="RULE",
                           help="layer, module, tensor, depth:N or regex:PATTERN.")
 path_argument = click.argument("path", metavar="PATH")
+# Reading runs (trend, and autopsy: the same inputs). docs/reference/contract.md, "Over time".
+exclude_option = click.option("--exclude", multiple=True, metavar="GLOB",
+                              help="Leave out inputs matching GLOB (the path as given, or its "
+                              "base name; repeatable): a clipped copy beside the run's files.")
+tag_option = click.option("--tag", metavar="NAME", help="The tracker tag to read as the "
+                          "gradient norm (default: found by name, e.g. grad_norm).")
+run_option = click.option("--run", "run_name", metavar="NAME", help="Which run of a tracker's "
+                          "store holding several (a run's name or id).")
 
 
 def _shared(command):
@@ -282,20 +290,25 @@ def _output_file(value: str | None) -> Path | None:
 @click.option("--top", type=V.count("--top", 0), default="5", metavar="N",
          help="Show the N largest tensors by norm.")
 @what_option
+@click.option("--previous", metavar="PREV", help="With --what grads: the checkpoint one "
+              "optimizer step before PATH; measures the gradients of PATH's last step, "
+              "reconstructed from the two Adam-family states.")
 @_shared
 def inspect(path, key, norm_type, device, format, output_file, max_norm, allow_nonfinite,
-            verify, group_by, top, what, trust_pickle, quiet, no_progress, debug) -> None:
+            verify, group_by, top, what, previous, trust_pickle, quiet, no_progress,
+            debug) -> None:
     def body() -> int:
         return _command("inspect").run(
             path=path, key=key, norm_type=norm_type, device=device, format=format,
             max_norm=max_norm, allow_nonfinite=allow_nonfinite, verify=verify,
             group_by=group_by, top=top, trust_pickle=trust_pickle, quiet=quiet,
             progress=not (quiet or no_progress), output_file=_output_file(output_file),
-            what=what,
+            what=what, previous=previous,
         )
 
     _run(body, command="inspect", debug=debug, format=format, source=path,
-         output_file=_output_file(output_file), inputs=(path,))
+         output_file=_output_file(output_file),
+         inputs=(path,) if previous is None else (path, previous))
 
 
 @app.command(context_settings=CONTEXT, help="Write a copy of PATH with clipped gradients; "
@@ -333,7 +346,8 @@ def clip(path, max_norm, clip_value, output, in_place, key, norm_type, device, f
 
 @app.command(context_settings=CONTEXT, help="Norms over a run, oldest to newest; flags "
              "spikes against the run's own history.\n\nEach PATH is a checkpoint, a folder "
-             "of them (an HF output_dir), a trainer_state.json or a gradclip monitor log.")
+             "of them (an HF output_dir), a trainer_state.json, a gradclip monitor log, or a "
+             "tracker's files (TensorBoard, MLflow, trackio, W&B, Lightning's metrics.csv).")
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...")
 @what_option
 @group_by_option
@@ -350,9 +364,13 @@ def clip(path, max_norm, clip_value, output, in_place, key, norm_type, device, f
          help="Also draw the norms to FILE.png or FILE.svg (needs gradclip[plot]).")
 @click.option("--norm-type", type=V.NORM_TYPE, metavar="P",
          help="p of the p-norm (default: the logs' own, else 2).")
+@tag_option
+@run_option
+@exclude_option
 @_shared
 def trend(paths, what, group_by, z, alpha, warmup, fail_on, plot, key, norm_type, device,
-          format, output_file, verify, trust_pickle, quiet, no_progress, debug) -> None:
+          format, output_file, verify, trust_pickle, quiet, no_progress, debug, tag=None,
+          run_name=None, exclude=()) -> None:
     # None when not given: a log's groups are fixed when it is written.
     given = click.get_current_context().get_parameter_source("group_by")
     group_by = None if given is click.core.ParameterSource.DEFAULT else group_by
@@ -364,6 +382,7 @@ def trend(paths, what, group_by, z, alpha, warmup, fail_on, plot, key, norm_type
             key=key, norm_type=norm_type, device=device, format=format,
             trust_pickle=trust_pickle, verify=verify, quiet=quiet,
             output_file=_output_file(output_file), progress=not (quiet or no_progress),
+            tag=tag, run_name=run_name, exclude=tuple(exclude),
         )
 
     _run(body, command="trend", debug=debug, format=format, source=" ".join(paths),

@@ -9,9 +9,19 @@ from __future__ import annotations
 
 
 class GradclipError(Exception):
-    """Base class: a message for the user and the exit code it maps to."""
+    """Base class: a message for the user and the exit code it maps to.
+
+    ``str(error)`` (and ``error.message``) is the one line the command prints
+    after ``gradclip: ``; ``error.exit_code`` the code it exits with (2 for
+    ``UsageError``, 3 for ``InputError`` and ``OutputError``). The Python API
+    (``gradclip_cli.inspect``, ``gradclip_cli.trend``) raises these.
+    """
 
     exit_code = 3
+
+    @property
+    def message(self) -> str:
+        return str(self)
 
 
 class UsageError(GradclipError):

@@ -19,7 +19,7 @@ and appends one line to the log::
      "norm_type": 2.0, "groups": {"transformer.h.0": 0.21, ...},
      "nonfinite": {"nan": 0, "posinf": 0, "neginf": 0},
      "z": 0.4, "spike": false, "spike_groups": [], "dump": null,
-     "clipped_to": null, "clip_coef": null}
+     "clipped_to": null, "clip_coef": null, "dump_skipped": null}
 
 Non-finite numbers are the strings ``"nan"`` and ``"inf"``, as in every
 gradclip JSON document. ``gradclip trend grads.jsonl`` reads the log.
@@ -35,11 +35,23 @@ spiked. On a non-finite gradient, or a spike once the spiking series has
 culprit layer.
 
 With ``clip_spikes=True`` the monitor also clips a spike, as ZClip's ``percentile``
-mode does (README, "In your training loop"): when
+mode does (docs/guides/training-loop.md): when
 the total's z-score is above ``z``, the gradients are scaled so that their
-total is the history's ``mean + z * std`` (the spike rule's limit), and the
-line says so: ``"clipped_to"`` is that total, ``"clip_coef"`` the factor the
-gradients were multiplied by (both null on steps it did not clip).
+total is the history's ``mean + z * std`` (the spike rule's limit).
+
+Every step whose gradients the monitor scaled records it, whichever limit
+did it (``clip_grad_norm_``'s ``max_norm``, the Trainer callback's
+``max_norm``, or a spike clip): ``"clipped_to"`` is the total aimed at,
+``"clip_coef"`` the factor the gradients were multiplied by (torch's
+``min(1, max_norm / (total + 1e-6))``); both are null where nothing was
+scaled (a coefficient of 1 changes no gradient). ``gradclip trend`` reads
+them back, and says in a run folder's notes that the optimizer saw clipped
+gradients.
+
+``"dump"`` is null on most steps; where a spike or a non-finite step has no
+dump, ``"dump_skipped"`` says why: the warm-up (a spike is dumped once its
+series has ``warmup`` earlier logged steps), ``max_dumps`` reached, no
+``dump_dir``, or a write that failed.
 
 ``log`` and ``dump_dir`` are checked when the monitor is made (a bad path is
 a ``ValueError`` then, not a failure mid-run). A write that fails later (a
@@ -83,6 +95,7 @@ from .core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z, SpikeDetector
 from .distributed import dtensor
 from .errors import OutputError, UsageError
 from .format.json import nonfinite_object, number
+from .nonfinite_origin import NonfiniteLocator
 from .producer import save_grads
 from .report.grouping import parse_group_by
 from .report.groups import Grouping, GroupSums, nonfinite_counts
@@ -173,6 +186,16 @@ class GradMonitor:
             NaN on every step from then on, and the gradients that explain
             it are those of the onset, which rotating out old dumps would
             delete. Nothing the monitor wrote is ever removed.
+        locate_nonfinite: also record where a non-finite value began
+            (docs/guides/nan-origin.md): a logged step whose gradients hold a
+            NaN or an inf logs ``"nonfinite_origin": {"forward": the first
+            module, in forward order, whose output held one, or null;
+            "backward": the first parameter, in the order autograd
+            accumulated the gradients, whose gradient holds one}``, and
+            ``null`` on clean steps. Forward hooks keep a flag per module on
+            the device (read only on a non-finite step: a clean step reads
+            nothing more); the accumulation order is recorded once, in the
+            first backward. The hooks stay on the model.
         tensorboard: a folder to write TensorBoard scalars to as well (torch's
             ``SummaryWriter``; needs ``pip install 'gradclip[tensorboard]'``,
             else ``ImportError`` here): each logged step's total and group
@@ -208,6 +231,7 @@ class GradMonitor:
         warmup: int = DEFAULT_WARMUP,
         max_dumps: int = DEFAULT_MAX_DUMPS,
         clip_spikes: bool = False,
+        locate_nonfinite: bool = False,
         tensorboard: str | os.PathLike[str] | None = None,
     ):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -218,6 +242,9 @@ class GradMonitor:
             )
         if not isinstance(clip_spikes, bool):
             raise ValueError(f"GradMonitor: clip_spikes must be True or False, got {clip_spikes!r}")
+        if not isinstance(locate_nonfinite, bool):
+            raise ValueError(
+                f"GradMonitor: locate_nonfinite must be True or False, got {locate_nonfinite!r}")
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"GradMonitor: norm_type must be > 0 or inf, got {norm_type}")
@@ -250,6 +277,7 @@ class GradMonitor:
         self._warned_full = False
         self._warned_empty = False
         self._reported: set[str] = set()  # write failures already told on stderr
+        self._locator = NonfiniteLocator(model) if locate_nonfinite else None
         # The newest logged record (what the framework adapters pass to their loggers).
         self.last_record: dict[str, Any] | None = None
         self._tensorboard = None if tensorboard is None else TensorBoardScalars(
@@ -314,7 +342,7 @@ class GradMonitor:
             return api.clip_grad_norm_(
                 params, max_norm, self.norm_type, error_if_nonfinite, foreach
             )
-        _, spike_coef = self._observe(step, measured, float(max_norm))
+        _, coef = self._observe(step, measured, float(max_norm))
         first = measured.grads[0]
         wide = torch.float64 in measured.types
         total_norm = measured.sums.total.norm[0]
@@ -326,12 +354,6 @@ class GradMonitor:
                 "this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`"
             )
-        coef = spike_coef
-        if coef is None:
-            # From the summary already read back, as the drop-in's on the CPU: known to
-            # the host (see core.clipping.scale_), and a total beyond the returned
-            # dtype's range (inf there) still clips to max_norm instead of to zero.
-            coef = exact_clip_coefficient(measured.sums.total, float(max_norm))
         measured.scale_(coef, foreach=foreach)
         return total
 
@@ -368,6 +390,8 @@ class GradMonitor:
         if step is None:
             step = self._calls
         self._calls += 1
+        if self._locator is not None:
+            self._locator.step_taken()  # the next forward starts the next step's flags
         return int(step)
 
     def _group(self, name: str) -> str:
@@ -463,9 +487,12 @@ class GradMonitor:
     ) -> tuple[dict[str, Any], Coefficient | None]:
         """Judge one measurement, dump if needed, log it.
 
-        Returns the record and, when ``clip_spikes`` clips this step, the
-        coefficient to scale the gradients by (None otherwise); ``max_norm``
-        is the fixed limit the caller clips to as well, if any.
+        Returns the record and the coefficient to scale the gradients by:
+        with ``max_norm`` (the fixed limit the caller clips to) always, the
+        spike rule's limit taken where it is the smaller; without, the spike
+        clip's when ``clip_spikes`` clips this step, else None. The record's
+        ``clip_coef`` and ``clipped_to`` say what that coefficient does
+        wherever it changes the gradients (is not 1).
         """
         total_norm = float(m.sums.total.norm[0])
         norms = m.sums.groups.norm
@@ -483,16 +510,31 @@ class GradMonitor:
         spike_groups = [names[i] for i in spiked]
         nonfinite = nonfinite_object(nonfinite_counts(m.sums.total)[0])
         spike = judged.spike or bool(spike_groups)
-        clipped_to = spike_coef = None
+        clipped_to = coef = None
         # A limit of 0 comes from a history of zero gradients: there is no
         # scale to clip to, and clipping would zero every gradient.
-        if self.clip_spikes and judged.spike and judged.limit is not None and judged.limit > 0:
-            clipped_to = judged.limit if max_norm is None else min(judged.limit, max_norm)
+        if (self.clip_spikes and judged.spike and judged.limit is not None and judged.limit > 0
+                and (max_norm is None or judged.limit < max_norm)):
+            clipped_to = judged.limit
             # torch's formula, in float64 from the total already read back.
-            spike_coef = min(1.0, clipped_to / (total_norm + EPS))
-        dump = None
+            coef = Coefficient.of(min(1.0, clipped_to / (total_norm + EPS)))
+        elif max_norm is not None:
+            # From the summary already read back, as the drop-in's on the CPU: known to
+            # the host (see core.clipping.scale_), and a total beyond the returned
+            # dtype's range (inf there) still clips to max_norm instead of to zero.
+            coef = exact_clip_coefficient(m.sums.total, max_norm)
+            clipped_to = max_norm
+        # A coefficient of 1 changes nothing (scale_ skips it): nothing was clipped.
+        scaled = coef is not None and not coef.is_one
+        dump = dump_skipped = None
         if worth_a_dump or any(nonfinite.values()):
-            dump = self._dump(step)  # the gradients as they came, before any clip
+            # The gradients as they came, before any clip.
+            dump, dump_skipped = self._dump(step)
+        elif spike:
+            dump_skipped = (
+                f"warm-up: a spike is dumped once its series has {self._total_detector.warmup} "
+                "earlier logged steps (warmup)"
+            )
         # A finite sum has finite terms; one that overflows writes them as json does.
         finite = math.isfinite(sum(group_norms))
         values = group_norms if finite else [number(v) for v in group_norms]
@@ -508,9 +550,13 @@ class GradMonitor:
             "spike": spike,
             "spike_groups": spike_groups,
             "dump": None if dump is None else str(dump),
-            "clipped_to": number(clipped_to),
-            "clip_coef": number(spike_coef),
+            "clipped_to": number(clipped_to) if scaled else None,
+            "clip_coef": number(coef.value) if scaled else None,
+            "dump_skipped": dump_skipped,
         }
+        if self._locator is not None:
+            tail["nonfinite_origin"] = self._nonfinite_origin() if any(nonfinite.values()) \
+                else None
         record = {**head, "groups": dict(zip(names, values)), **tail}
         if self.log_path is not None and not self._log_broken and _is_writer():
             # json.dumps(record) without walking the 1,000 groups in Python: their
@@ -526,7 +572,7 @@ class GradMonitor:
             )
             self._write_line(line)
         self._publish(record)
-        return record, None if spike_coef is None else Coefficient.of(spike_coef)
+        return record, coef
 
     def _publish(self, record: dict[str, Any]) -> None:
         """Keep the record for the adapters; write its scalars to TensorBoard (rank 0)."""
@@ -538,16 +584,23 @@ class GradMonitor:
                 self._report("tensorboard", f"GradMonitor: cannot write TensorBoard scalars "
                              f"to {self._tensorboard.log_dir}: {e}; training goes on")
 
-    def _dump(self, step: int) -> Path | None:
+    def _nonfinite_origin(self) -> dict[str, str | None]:
+        """Where this step's non-finite value began (``locate_nonfinite``): names as
+        ``named_parameters`` gives them, read on this non-finite step only."""
+        names, params = self._parameters.named(self.model)
+        return self._locator.origin(params, dict(zip(map(id, params), names)))
+
+    def _dump(self, step: int) -> tuple[Path | None, str | None]:
+        """Save the gradients of ``step``: the file written, or None and why not."""
         if self.dump_dir is None:
-            return None
+            return None, "no dump_dir"
         # Every rank sees the same norms, so all of them reach here together:
         # DTensor gradients are gathered whole by all ranks for rank 0 to write.
         sharded = dtensor.has_dtensor(
             [p.grad for p in self.model.parameters() if p.grad is not None]
         )
         if not sharded and not _is_writer():
-            return None
+            return None, "written by rank 0 only"
         if len(self.dumps) >= self.max_dumps:
             if not self._warned_full and self.max_dumps and _is_writer():
                 warnings.warn(
@@ -556,7 +609,7 @@ class GradMonitor:
                     stacklevel=4,
                 )
                 self._warned_full = True
-            return None
+            return None, f"max_dumps: {self.max_dumps} dumps written already"
         path = self.dump_dir / f"step-{step}.pt"
         try:
             if _is_writer():
@@ -570,9 +623,9 @@ class GradMonitor:
                 f"GradMonitor: cannot write {path}: {e}; training goes "
                 "on, this step is logged without its dump",
             )
-            return None
+            return None, f"cannot be written: {e}"
         self.dumps.append(path)
-        return path
+        return path, None
 
     def _write_line(self, text: str) -> None:
         line = (text + "\n").encode()

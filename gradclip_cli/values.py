@@ -23,7 +23,7 @@ from click.shell_completion import CompletionItem
 from .errors import UsageError
 
 FORMATS = ("table", "json", "markdown", "github", "junit")
-# What is measured (CONTRACT.md, "--what"); source/what.py holds the same tuple.
+# What is measured (docs/reference/contract.md, "--what"); source/what.py holds the same tuple.
 WHATS = ("auto", "grads", "exp_avg", "grad_rms", "update", "weights")
 FAIL_ON = ("newest", "any")
 GROUP_BY_WORDS = ("layer", "module", "tensor", "depth:", "regex:")

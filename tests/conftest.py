@@ -15,3 +15,9 @@ import os
 def pytest_configure(config):
     for name in ("COLUMNS", "LINES"):
         os.environ.pop(name, None)
+    # Without a GPU, Triton's kernels (core/triton_norms.py) run in its interpreter,
+    # which must be chosen before Triton is first imported (tests/core/test_triton_norms.py).
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import gpu_check
+from benchmarks import gpu_check, gpu_issue42
 from benchmarks.inputs import llama2_7b_shapes, numel
 from gradclip_cli import save_grads
 
@@ -51,3 +51,22 @@ def test_inspect_timing_runs_the_cli(tmp_path):
     assert gpu_check.inspect_ms(path, device="cpu", reps=1) > 0
     with pytest.raises(RuntimeError, match="inspect failed"):
         gpu_check.inspect_ms(tmp_path / "missing.pt", device="cpu", reps=1)
+
+
+def test_issue42_section_on_cpu():
+    # The section's logic on the CPU, on small shapes: every table and every goal line.
+    big = [("a", (64, 32)), ("b", (33,)), ("c", (5, 7, 3))]
+    small = [("x", (16, 8)), ("y", (9,))]
+    text, worst = gpu_issue42.run(big, small, device="cpu", reps=1)
+    assert worst <= 1e-6
+    for heading in ("| total norm |", "| clipping call (bf16) |", "| accuracy: dtype |",
+                    "CLI core (tensor_power_sums, with max), 7B bf16",
+                    "DTensor local sum, GPT-2 bf16"):
+        assert heading in text, heading
+    goals = [line for line in text.splitlines() if "(goal" in line]
+    assert len(goals) == 2 + 4 + 2 + 1
+    assert "- bf16 scaling bit for bit torch's: yes" in text
+    assert "- Triton pass: not used (not CUDA)" in text
+    assert text.count("sync-free") >= 4  # every call named, nothing to catch on the CPU
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len([r for r in rows if r.startswith(("| float", "| bfloat"))]) == 4 * 3 * 4

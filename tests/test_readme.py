@@ -1,8 +1,11 @@
-"""The README's command examples are what the commands print.
+"""The command examples of the README and of every page of the docs site are what the
+commands print.
 
-Every fenced block whose first line starts with ``$ `` is an output block, and
-each one is checked or says why not. An HTML comment on the line before the
-fence (invisible on GitHub) says how it is made:
+In README.md and every Markdown file under docs/ (the layout pages' examples in
+docs/layouts/_examples/ included), every fenced block whose first line starts
+with ``$ `` is an output block, and each one is checked or says why not. An
+HTML comment on the line before the fence (invisible on GitHub) says how it is
+made:
 
 - none (a plain fence, ``$ gradclip ...``): run from the repository root;
 - ``<!-- readme: run after the python block above, saved as train.py -->``:
@@ -16,16 +19,16 @@ fence (invisible on GitHub) says how it is made:
 
 A block with several ``$`` lines runs them in order in one folder, each
 line's output below it. Output is stdout and stderr interleaved as a
-terminal shows them, at ``COLUMNS=100``. Numbers compare within 1e-9
-relative in blocks run on the repository's samples, and within 1e-5 in blocks
-made by a training run (float32 training over tens of steps differs in the
+terminal shows them, at ``COLUMNS=120`` (the width gradclip takes in a pipe).
+Numbers compare within 1e-9 relative in blocks run on the repository's samples,
+and within 1e-5 in blocks made by a training run (float32 training over tens of steps differs in the
 last digits between CPU kinds: 1053.37082 against 1053.37088 seen here); runs
 of spaces compare as one. ``/tmp/`` in a command is a fresh temporary folder,
 so examples leave nothing behind.
 
-To rewrite the blocks from real output after a change:
+To rewrite the blocks from real output after a change (every page, or the ones named):
 
-    python -m tests.test_readme
+    python -m tests.test_readme [README.md docs/guides/diverged.md ...]
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
-WIDTH = 100
+DOCS = REPO / "docs"
+WIDTH = 120
 FENCE = re.compile(
     r"^(?:<!-- readme: (?P<how>[^\n]*?) -->\n)?```(?P<info>[a-z]*)\n(?P<body>.*?)\n```$",
     re.MULTILINE | re.DOTALL,
@@ -174,22 +178,34 @@ def same(expected: str, actual: str, tolerance: float = SAMPLE_TOLERANCE) -> boo
     )
 
 
-_README = README.read_text(encoding="utf-8")
+def pages() -> list[Path]:
+    """README.md, then every Markdown file of the docs site, in path order."""
+    return [README, *sorted(DOCS.rglob("*.md"))]
 
 
-@pytest.mark.parametrize("example", examples(_README), ids=lambda e: f"line{e.line}")
-def test_readme_example(example):
+def _name(page: Path) -> str:
+    return page.relative_to(REPO).as_posix()
+
+
+_TEXTS = {_name(page): page.read_text(encoding="utf-8") for page in pages()}
+_README = _TEXTS["README.md"]
+_EXAMPLES = [(name, e) for name, text in _TEXTS.items() for e in examples(text)]
+
+
+@pytest.mark.parametrize(
+    "page, example", _EXAMPLES, ids=[f"{name}:{e.line}" for name, e in _EXAMPLES]
+)
+def test_readme_example(page, example):
     actual = run(example)
     assert same(example.output, actual, example.tolerance), (
-        f"README block at line {example.line} (`{example.first}`) is stale:\n{actual}"
+        f"{page} block at line {example.line} (`{example.first}`) is stale:\n{actual}"
     )
 
 
-def test_every_output_block_is_checked_or_says_why_not():
-    blocks = output_blocks(_README)
-    assert len(blocks) > 10
-    for block in blocks:
-        where = f"README line {block.line} (`{block.first}`)"
+@pytest.mark.parametrize("page", list(_TEXTS))
+def test_every_output_block_is_checked_or_says_why_not(page):
+    for block in output_blocks(_TEXTS[page]):
+        where = f"{page} line {block.line} (`{block.first}`)"
         if block.how is None:
             # Run from the repository root: only the samples it ships.
             assert block.first.startswith("gradclip "), f"{where}: not a gradclip command"
@@ -201,15 +217,23 @@ def test_every_output_block_is_checked_or_says_why_not():
         assert block.how == TRAIN_PY or TRAINER_RUN.fullmatch(block.how), (
             f"{where}: unknown marker {block.how!r}"
         )
-    # Every example of a command people copy is run, not shown.
-    run_commands = [e.first for e in examples(_README)]
-    for command in ("gradclip inspect", "gradclip clip", "gradclip trend", "gradclip compare"):
-        assert any(c.startswith(command) for c in run_commands), command
+
+
+def test_every_command_people_copy_is_run_not_shown():
+    # The README's recipes run: inspect, clip, trend, and a training loop.
+    readme = [c for e in examples(_README) for c in e.commands]
+    for command in ("gradclip inspect", "gradclip clip", "gradclip trend"):
+        assert any(command in c for c in readme), command
     assert any("python train.py" in e.first for e in examples(_README))
+    # The site runs every command, and blocks on most of its pages.
+    site = [c for name, e in _EXAMPLES if name != "README.md" for c in e.commands]
+    for command in ("gradclip inspect", "gradclip clip", "gradclip trend", "gradclip compare"):
+        assert any(c.startswith(command) for c in site), command
+    assert len(output_blocks("\n".join(_TEXTS.values()))) > 40
 
 
-def test_the_readme_has_examples_and_the_clone_stays_clean():
-    for example in examples(_README):
+def test_the_examples_leave_the_clone_clean():
+    for _, example in _EXAMPLES:
         if example.how is not None:
             continue  # runs in a folder of its own
         for command in example.commands:
@@ -219,8 +243,8 @@ def test_the_readme_has_examples_and_the_clone_stays_clean():
                     assert command.split(f" {flag} ", 1)[1].startswith("/tmp/"), command
 
 
-def update() -> None:
-    text = README.read_text(encoding="utf-8")
+def update(page: Path) -> None:
+    text = page.read_text(encoding="utf-8")
     for example in reversed(examples(text)):
         start, end = example.span
         block = text[start:end]
@@ -231,8 +255,9 @@ def update() -> None:
         )
         new = f"{head}$ {example.first}\n{run(example)}\n```"
         text = text[:start] + new + text[end:]
-    README.write_text(text, encoding="utf-8")
+    page.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":
-    update()
+    for page in [REPO / arg for arg in sys.argv[1:]] or pages():
+        update(page)

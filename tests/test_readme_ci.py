@@ -1,14 +1,15 @@
 """The README's GitHub Actions and GitLab CI jobs, run on the sample checkpoints.
 
-Each job is taken from README.md as written and run the way its CI system
-runs it: GitHub's step by step (each ``run:`` step under ``bash -e``, which
-stops at the first failing command; ``uses:`` steps simulated: the checkouts
-as folders, setup-python as this interpreter, pip as a check that what it
-installs is a project the job checked out), GitLab's script lines in one
-shell that stops at the first failing line, with the job's variables pointed
-at sample checkpoints that have findings. Every finding each command reports
-on its own must reach the job's output. A README edit that breaks a job, or
-loses a finding, breaks this test.
+Each job is taken from README.md as written (docs/guides/ci.md shows the same
+two) and run the way its CI system runs it: GitHub's step by step (each
+``run:`` step under ``bash -e``, which stops at the first failing command;
+``uses:`` steps simulated: the checkouts as folders, setup-python as this
+interpreter, pip as a check that what it installs is a project the job
+checked out), GitLab's script lines in one shell that stops at the first
+failing line, with the job's variables pointed at sample checkpoints that
+have findings. Every finding each command reports on its own must reach the
+job's output. A README edit that breaks a job, or loses a finding, breaks
+this test.
 """
 
 from __future__ import annotations
@@ -29,15 +30,25 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "sample_checkpoints"
 
 
-def ci_jobs() -> tuple[dict, dict]:
-    """(GitHub workflow, GitLab config) from the README's "In CI" section."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## In CI") :]
-    section = section[: section.index("\n## ", 1)]
+CI_GUIDE = REPO / "docs" / "guides" / "ci.md"
+
+
+def ci_jobs(page: Path = REPO / "README.md") -> tuple[dict, dict]:
+    """(GitHub workflow, GitLab config) from the README's "Fail CI when gradients
+    explode" recipe, or from a whole page (the docs site's CI guide)."""
+    section = page.read_text(encoding="utf-8")
+    if page.name == "README.md":
+        section = section[section.index("## Fail CI when gradients explode") :]
+        section = section[: section.index("\n## ", 1)]
     blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", section, re.S)]
     github = next(b for b in blocks if "jobs" in b)
     gitlab = next(b for b in blocks if "gradients" in b and "script" in b["gradients"])
     return github, gitlab
+
+
+def test_the_ci_guide_shows_the_jobs_this_test_runs():
+    # The site's guide and the README give the same two jobs: what runs here is both.
+    assert ci_jobs(CI_GUIDE) == ci_jobs()
 
 
 def github_job() -> dict:

@@ -1,5 +1,6 @@
-"""The README's two commands: the first installs only what using gradclip needs, the
-second adds the test extra and runs the suite, and ``.ci/run`` installs exactly so.
+"""The README's two commands: the first installs only what using gradclip needs (no
+test, framework or docs package), the second adds the test extra and runs the suite,
+and ``.ci/run`` installs exactly so, then the docs extra to build the site.
 
 The packages are read from the installed distribution's own metadata
 (``importlib.metadata.requires``), so a package moved between the base
@@ -9,6 +10,7 @@ dependencies and the ``test`` extra in pyproject.toml moves here too.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import re
 import shlex
@@ -26,9 +28,9 @@ SAMPLES = REPO / "sample_checkpoints"
 
 
 def two_commands() -> tuple[str, str]:
-    """The "Try it" section's commands: (use the tool, run the tests)."""
+    """The "Install" section's commands: (use the tool, run the tests)."""
     text = README.read_text(encoding="utf-8")
-    section = text[text.index("## Try it") :]
+    section = text[text.index("## Install") :]
     section = section[: section.index("\n## ", 1)]
     commands = re.findall(r"^    (python3 -m venv .*)$", section, re.MULTILINE)
     assert len(commands) == 2, commands
@@ -50,16 +52,24 @@ def _name(requirement: str) -> str:
     return re.split(r"[\s\[<>=!~;]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
 
 
+def extra(name: str) -> set[str]:
+    """The packages the extra ``name`` lists, as names."""
+    found = set()
+    for requirement in importlib.metadata.requires("gradclip") or []:
+        spec, _, marker = requirement.partition(";")
+        if re.search(rf"extra\s*==\s*['\"]{name}['\"]", marker):
+            found.add(_name(spec))
+    return found
+
+
 def requirements() -> tuple[set[str], set[str]]:
-    """(base dependencies, packages only the ``test`` extra brings), as names."""
-    base, test = set(), set()
+    """(base dependencies, packages only the ``test`` and ``docs`` extras bring), as names."""
+    base = set()
     for requirement in importlib.metadata.requires("gradclip") or []:
         spec, _, marker = requirement.partition(";")
         if not marker.strip():
             base.add(_name(spec))
-        elif re.search(r"extra\s*==\s*['\"]test['\"]", marker):
-            test.add(_name(spec))
-    return base, test - base
+    return base, (extra("test") | extra("docs")) - base
 
 
 def test_the_first_command_installs_only_what_using_the_tool_needs():
@@ -67,6 +77,8 @@ def test_the_first_command_installs_only_what_using_the_tool_needs():
     base, test_only = requirements()
     assert {"torch", "click", "rich", "safetensors"} <= base
     assert {"pytest", "transformers", "deepspeed", "lightning"} <= test_only
+    # The docs site's packages are an extra of their own, never what using the tool brings.
+    assert {"mkdocs", "mkdocs-material", "mkdocstrings"} <= extra("docs") <= test_only
     installs = pip_installs(first)
     assert installs == [["torch==2.13.0"], ["-e", "."]], installs
     for words in installs:
@@ -85,14 +97,18 @@ def test_the_test_command_installs_the_test_extra_and_runs_pytest():
 def test_ci_installs_exactly_as_the_readme_says():
     first, tests = two_commands()
     script = CI.read_text(encoding="utf-8")
-    assert pip_installs(script) == pip_installs(first) + pip_installs(tests)
+    docs = [["-e", ".[docs]"]]  # after the test extra: the suite builds the site
+    assert pip_installs(script) == pip_installs(first) + pip_installs(tests) + docs
     # The first command's check runs before the test extra is installed, the
     # test command after it; pytest's exit 5 (no tests collected) fails CI.
     lines = [line.strip() for line in script.splitlines()]
     inspect = lines.index("gradclip inspect sample_checkpoints/healthy.pt")
-    extra = lines.index('pip install -q -e ".[test]"')
+    test_extra = lines.index('pip install -q -e ".[test]"')
     pytest_line = lines.index("python -m pytest -q")
-    assert lines.index("pip install -q -e .") < inspect < extra < pytest_line
+    assert lines.index("pip install -q -e .") < inspect < test_extra < pytest_line
+    docs_line = lines.index('pip install -q -e ".[docs]"')
+    build = lines.index('mkdocs build --strict --quiet --site-dir "$site"')
+    assert test_extra < docs_line < pytest_line < build
     assert re.search(r'if \[ "\$status" -eq 5 \]; then\n[^\n]*\n\s*exit 1', script)
     assert lines[0] == "#!/usr/bin/env bash" and "set -euo pipefail" in lines
 
@@ -141,6 +157,8 @@ def blocked_modules() -> set[str]:
 def test_the_tool_runs_without_any_test_only_package(tmp_path, args, code):
     blocked = blocked_modules()
     assert {"pytest", "transformers", "deepspeed", "yaml"} <= blocked
+    if importlib.util.find_spec("mkdocs") is not None:  # the docs extra, where installed
+        assert {"mkdocs", "material", "mkdocstrings"} <= blocked
     args = [str(tmp_path / "clipped.pt") if a == "OUT" else a for a in args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
     proc = subprocess.run(

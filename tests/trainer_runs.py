@@ -34,10 +34,12 @@ class CheckpointedRun:
     group_names: list[list[str]]
 
 
-def train_with_spike(output_dir: Path) -> Path:
-    """Run the Trainer into ``output_dir``; return its ``trainer_state.json``."""
+def train_with_spike(output_dir: Path, report_to: tuple[str, ...] = ()) -> Path:
+    """Run the Trainer into ``output_dir``; return its ``trainer_state.json``.
+    ``report_to``: the Trainer's own integrations (``("tensorboard",)`` writes
+    ``output_dir/runs/``)."""
     state, _ = _train(output_dir, steps=STEPS, spike_step=SPIKE_STEP, save=False,
-                      max_grad_norm=1.0)
+                      max_grad_norm=1.0, report_to=report_to)
     return state
 
 
@@ -57,7 +59,8 @@ def train_checkpointed_with_spike(output_dir: Path) -> CheckpointedRun:
 
 
 def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
-           max_grad_norm: float) -> tuple[Path, list[list[str]]]:
+           max_grad_norm: float, report_to: tuple[str, ...] = ()
+           ) -> tuple[Path, list[list[str]]]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -81,7 +84,7 @@ def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
         if save else {"save_strategy": "no"}
     args = TrainingArguments(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4,
-        learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+        learning_rate=1e-3, logging_steps=1, report_to=list(report_to), use_cpu=True, seed=0,
         data_seed=0, max_grad_norm=max_grad_norm, disable_tqdm=True,
         dataloader_num_workers=0, **saving,
     )  # fmt: skip
@@ -206,6 +209,78 @@ def _float64_norms(model) -> dict[str, float]:
     norms = {layer: total ** 0.5 for layer, total in squares.items()}
     norms["total"] = sum(squares.values()) ** 0.5
     return norms
+
+
+# The run of issue 41: the Trainer's clipping off (max_grad_norm=0) and
+# gradclip's callback clipping instead (GradMonitorCallback(max_norm=1.0)),
+# a checkpoint every CALLBACK_CLIP_SAVE_STEPS steps, and a spike (loss x1000)
+# at a step inside the monitor's warm-up (25), so it is flagged but not dumped.
+CALLBACK_CLIP_STEPS = 30
+CALLBACK_CLIP_SAVE_STEPS = 15
+CALLBACK_CLIP_SPIKE_STEP = 22
+CALLBACK_CLIP_MAX_NORM = 1.0
+
+
+@dataclass(frozen=True)
+class CallbackClipRun:
+    """``output_dir`` holds ``checkpoint-15/``, ``checkpoint-30/``, ``grads.jsonl`` (the
+    callback's log) and ``spikes/``; ``before``/``after``: per step, the float64 total
+    norm of the gradients just before and just after the callback."""
+
+    output_dir: Path
+    before: dict[int, float]
+    after: dict[int, float]
+
+
+def train_with_callback_clipping(output_dir: Path) -> CallbackClipRun:
+    import torch
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from gradclip_cli.integrations.transformers import GradMonitorCallback
+
+    class Totals(TrainerCallback):
+        def __init__(self):
+            self.seen: dict[int, float] = {}
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.seen[state.global_step + 1] = _float64_norms(model)["total"]
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (CALLBACK_CLIP_STEPS * 4, 16), generator=generator)
+    dataset = [{"input_ids": t, "labels": t} for t in tokens]
+
+    class SpikeTrainer(Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            if self.state.global_step + 1 == CALLBACK_CLIP_SPIKE_STEP:
+                loss = loss * SPIKE_SCALE
+            return loss
+
+    args = TrainingArguments(
+        output_dir=str(output_dir), max_steps=CALLBACK_CLIP_STEPS, per_device_train_batch_size=4,
+        learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+        data_seed=0, max_grad_norm=0.0, disable_tqdm=True, dataloader_num_workers=0,
+        save_strategy="steps", save_steps=CALLBACK_CLIP_SAVE_STEPS,
+    )  # fmt: skip
+    # Two classes: the Trainer keeps one callback of each class.
+    before, after = type("Before", (Totals,), {})(), type("After", (Totals,), {})()
+    monitor = GradMonitorCallback(output_dir / "grads.jsonl", output_dir / "spikes",
+                                  max_norm=CALLBACK_CLIP_MAX_NORM)
+    trainer = SpikeTrainer(model=model, args=args, train_dataset=dataset,
+                           callbacks=[before, monitor, after])
+    _train_on_one_thread(trainer)
+    trainer.save_state()
+    return CallbackClipRun(output_dir, before.seen, after.seen)
 
 
 # The run of gradclip's own Trainer callback: its norms in the Trainer's logs,

@@ -24,13 +24,24 @@ from ..core import (
 from ..distributed import launcher
 from ..errors import OutputError, UsageError
 from ..format.text import visible
+from ..format.words import clip_summary
 from ..progress import progress_steps
 from ..report import ClipReport
 from ..report.groups import nonfinite_counts
+from ..sink.atomic import links_kept
 from ..source.layouts import write_back
 from ..source.locate import at_key
 from ..source.what import select
-from .common import Loaded, emit, load, measure, output_format, speaks, tensor_writers
+from .common import (
+    Loaded,
+    emit,
+    load,
+    measure,
+    output_format,
+    prepare,
+    speaks,
+    tensor_writers,
+)
 
 # Lowering steps tried before giving up (two suffice in practice; see
 # core.lowered_coefficient for why four always do).
@@ -113,7 +124,7 @@ def run(
             return 1
 
         if nonfinite.total and not allow_nonfinite:
-            return refuse(f"total norm is {total_before} ({nonfinite.nan} NaN, "
+            return refuse(f"gradient total norm is {total_before} ({nonfinite.nan} NaN, "
                           f"{nonfinite.posinf} +inf, {nonfinite.neginf} -inf)",
                           " (--allow-nonfinite clips anyway)")
         coef = torch_coef = None
@@ -122,7 +133,8 @@ def run(
             # Every rank has the same total, so every rank decides (and exits) alike.
             if not nonfinite.total and _zeroes_everything(loaded, owned, coef):
                 return refuse(f"clipping to --max-norm {limit:g} needs a coefficient of "
-                              f"2^{coef.log2:.6g} (total norm {_describe(before)}, p={p:g}), "
+                              f"2^{coef.log2:.6g} (gradient total norm {_describe(before)}, "
+                              f"p={p:g}), "
                               "which would round every gradient to zero")
         if not speaks() and not by_shard:
             # One file is written by one process, which must hold every
@@ -163,36 +175,51 @@ def run(
             clipped = _clamp_changes(loaded, owned, value)
             clamp_elements_(mine(loaded), value)
             after = check(loaded)
-        steps.begin("writing")
         if loaded.write_back is None:
             raise OutputError(f"{target}: cannot write a {loaded.contents.kind} checkpoint")
-        other_links = loaded.write_back.write(target, in_place=in_place,
-                                              session=session if by_shard else None,
-                                              owners=files)
-    if not speaks():
-        return 0
-    lowered = coef is not torch_coef
-    report = ClipReport(
-        source=path, output=target, format=loaded.contents.kind,
-        key=loaded.key, norm_type=p, max_norm=limit, clip_value=value,
-        total_norm_before=total_before, clip_coef=None if coef is None else coef.value,
-        total_norm_after=after, clipped=clipped,
-        # A DCP set is clipped chunk by chunk (its HF layout piece by piece); the report
-        # counts its tensors.
-        num_tensors=loaded.write_back.tensor_count or len(loaded.tensors),
-        nonfinite=nonfinite, overflow=overflow,
-        clip_coef_log2=None if coef is None else coef.log2,
-        clip_coef_torch=torch_coef.value if lowered else None, coef_lowered=lowered,
-        unshared=unshared,
-        other_links_unchanged=other_links,
-    )
-    if quiet and format == "table":
-        from ..format import table
+        # The report is drawn (and a --output-file staged) before the checkpoint is
+        # written: nothing can fail over the report once the clipped copy exists.
+        lowered = coef is not torch_coef
+        report = ClipReport(
+            source=path, output=target, format=loaded.contents.kind,
+            key=loaded.key, norm_type=p, max_norm=limit, clip_value=value,
+            total_norm_before=total_before, clip_coef=None if coef is None else coef.value,
+            total_norm_after=after, clipped=clipped,
+            # A DCP set is clipped chunk by chunk (its HF layout piece by piece); the
+            # report counts its tensors.
+            num_tensors=loaded.write_back.tensor_count or len(loaded.tensors),
+            nonfinite=nonfinite, overflow=overflow,
+            clip_coef_log2=None if coef is None else coef.log2,
+            clip_coef_torch=torch_coef.value if lowered else None, coef_lowered=lowered,
+            unshared=unshared,
+            # One file replaced by a new one: its other names keep the old bytes.
+            other_links_unchanged=0 if loaded.write_back.folder is not None
+            else links_kept(_resolved(target)),
+        )
+        if quiet and format == "table":
+            from ..format import table
 
-        emit(lambda out: table.print_clip_summary(report, out), output_file)
-    else:
-        emit(lambda out: fmt.render_clip(report, out), output_file)
+            pending = prepare(lambda out: table.print_clip_summary(report, out), output_file,
+                              clip_summary(report))
+        else:
+            pending = prepare(lambda out: fmt.render_clip(report, out), output_file,
+                              clip_summary(report))
+        steps.begin("writing")
+        try:
+            loaded.write_back.write(target, in_place=in_place,
+                                    session=session if by_shard else None, owners=files)
+        except BaseException:
+            if pending is not None:
+                pending.discard()
+            raise
+    if pending is not None:
+        pending.deliver()
     return 0
+
+
+def _resolved(target: str) -> str:
+    """The file a write replaces: a symlink's target (``sink.write_checkpoint``)."""
+    return os.path.realpath(target) if os.path.islink(target) else target
 
 
 def _for_writing(loaded: Loaded) -> Loaded:

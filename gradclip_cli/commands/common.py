@@ -19,7 +19,7 @@ from ..format import FORMATS
 from ..format.text import visible
 from ..measuring import power_sums, stored_power_sums
 from ..progress import Steps
-from ..sink import atomic_write
+from ..sink.atomic import Staged, stage
 from ..source import Checkpoint
 from ..source.files.pages import PageReleaser
 from ..source.interface import Contents, WriteBack
@@ -272,14 +272,81 @@ def measure_weights(loaded: Loaded, p: float, device: torch.device,
     return _shared([w.nbytes for w in weights], session, run)
 
 
-def emit(write: Callable[[TextIO], None], output_file: Path | None) -> None:
-    """Send a rendered report to stdout, or atomically to ``--output-file`` (rank 0 alone)."""
+class _Drawn(io.StringIO):
+    """A report drawn in memory as it would be on ``stream``: it answers ``isatty``,
+    ``fileno`` and ``encoding`` as the stream does, so a table gets the terminal's width
+    and colours, and a JSON document its indentation, exactly as if drawn there."""
+
+    def __init__(self, stream: TextIO):
+        super().__init__()
+        self._stream = stream
+
+    def isatty(self) -> bool:
+        try:
+            return self._stream.isatty()
+        except (AttributeError, OSError, ValueError):
+            return False
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self._stream, "encoding", None) or "utf-8"
+
+
+@dataclass
+class Pending:
+    """A report drawn in full and not yet delivered: for stdout its text, for
+    ``--output-file`` a staged file (``sink.atomic.Staged``).
+
+    Commands draw the report first, then write what else they write (clip's
+    checkpoint, trend's plot), then ``deliver``: drawing cannot fail once
+    something is written, so no command writes an output and then exits
+    non-zero over its report."""
+
+    text: str
+    staged: Staged | None = None
+    verdict: str | None = None
+
+    def deliver(self) -> None:
+        """Stdout gets the report; with ``--output-file`` the file does, and stderr the
+        verdict line, so a CI job's log says why it failed (or that it passed)."""
+        if self.staged is None:
+            sys.stdout.write(self.text)
+            sys.stdout.flush()
+            return
+        self.staged.commit()
+        if self.verdict is not None:
+            print(f"gradclip: {self.verdict}", file=sys.stderr)
+
+    def discard(self) -> None:
+        if self.staged is not None:
+            self.staged.discard()
+
+
+def prepare(write: Callable[[TextIO], None], output_file: Path | None,
+            verdict: str | None = None) -> Pending | None:
+    """Draw a report for stdout, or stage it for ``--output-file`` (rank 0 alone: None
+    elsewhere); ``Pending.deliver`` sends it. ``verdict``: the report's one-line
+    verdict (``format/words.py``, names made visible there), which a report sent to a
+    file also prints on stderr."""
     if not speaks():
-        return
+        return None
     if output_file is None:
-        write(sys.stdout)
-        return
+        drawn = _Drawn(sys.stdout)
+        write(drawn)
+        return Pending(drawn.getvalue())
     buffer = io.StringIO()
     write(buffer)
     data = buffer.getvalue().encode("utf-8")
-    atomic_write(Path(output_file), lambda file: file.write(data))
+    return Pending("", stage(Path(output_file), lambda file: file.write(data)), verdict)
+
+
+def emit(write: Callable[[TextIO], None], output_file: Path | None,
+         verdict: str | None = None) -> None:
+    """Send a rendered report to stdout, or atomically to ``--output-file`` (rank 0 alone;
+    ``verdict`` then on stderr too)."""
+    pending = prepare(write, output_file, verdict)
+    if pending is not None:
+        pending.deliver()

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from .. import options, values
 from ..distributed import launcher
+from ..format.words import compare_verdict
 from ..progress import progress_steps
 from ..report import OK, parse_group_by
 from ..report.compare import build_compare_report
 from .common import emit, output_format, speaks
-from .trend import Measured, Measurement, OneKind, check_what, measure_checkpoint
+from .trend import Measured, Measurement, OneKind, check_what, measure_checkpoint, one_optimizer
 
 
 def run(
@@ -44,14 +46,16 @@ def run(
         totals=(ra.total_norm, rb.total_norm), groups_a=ra.groups, groups_b=rb.groups,
         nonfinite=_nonfinite(ra) or _nonfinite(rb), fail_above=limit,
     )  # fmt: skip
+    report = replace(report, optimizer=one_optimizer({ra.optimizer, rb.optimizer}))
     if quiet and format == "table":
         # -q: the verdict alone on stdout; each finding a line on stderr.
         from ..format import table
 
         err = sys.stderr if speaks() else None
-        emit(lambda out: table.print_compare_verdict(report, out, err), output_file)
+        emit(lambda out: table.print_compare_verdict(report, out, err), output_file,
+             compare_verdict(report))
     else:
-        emit(lambda out: fmt.render_compare(report, out), output_file)
+        emit(lambda out: fmt.render_compare(report, out), output_file, compare_verdict(report))
     return 0 if report.status == OK else 1
 
 

@@ -19,7 +19,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .. import options, values
@@ -27,6 +27,7 @@ from ..core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z
 from ..distributed import launcher
 from ..errors import InputError, UsageError
 from ..format.text import visible
+from ..format.words import trend_verdict
 from ..progress import Steps, progress_steps
 from ..report import NonFinite, parse_group_by
 from ..report.groups import group_sums, nonfinite_counts
@@ -36,6 +37,7 @@ from ..report.trend import (
     NONFINITE,
     SPIKE,
     ClippingFound,
+    MonitorClipped,
     Observation,
     SeriesFound,
     build_trend_report,
@@ -43,16 +45,17 @@ from ..report.trend import (
     order_by_step,
 )
 from ..source import READERS, run_folder
+from ..source.exclude import Exclusion
 from ..source.layouts import LAYOUTS, accelerate_fsdp
-from ..source.logs import LogKind
+from ..source.logs import LogKind, trackers
 from ..source.logs.recognise import log_kind
 from ..source.run_folder import RunFolder
 from ..source.vocabulary import CheckpointStep, checkpoint_step
 from ..source.what import EXPLAIN, WHATS
-from .common import Loaded, Releasers, emit, load, measure, output_format, speaks
+from .common import Loaded, Releasers, load, measure, output_format, prepare, speaks
 from .norm_audit import norm_audits
 
-# What --what may name (CONTRACT.md): the same choices inspect takes.
+# What --what may name (docs/reference/contract.md): the same choices inspect takes.
 WHAT_CHOICES = WHATS
 # What a norm log (monitor JSON Lines, trainer_state.json) holds.
 LOGGED_WHAT = "grads"
@@ -96,33 +99,87 @@ def run(
     warmup: int | None, fail_on: str, plot: Path | None, key: str | None,
     norm_type: str | None, device: str, format: str, trust_pickle: bool, verify: bool,
     quiet: bool, output_file: Path | None, progress: bool = True,
+    tag: str | None = None, run_name: str | None = None, exclude: tuple[str, ...] = (),
 ) -> int:
     # First: an error document (--format json) goes to --output-file too.
     options.report_file(output_file, reads=paths, writes=[plot] if plot is not None else [])
+    fmt = output_format(format)
+    if plot is not None:
+        _check_plot(plot)
+    report = build(paths=paths, what=what, group_by=group_by, z=z, alpha=alpha, warmup=warmup,
+                   fail_on=fail_on, key=key, norm_type=norm_type, device=device,
+                   trust_pickle=trust_pickle, verify=verify,
+                   progress=progress and not quiet, output_file=output_file,
+                   tag=tag, run_name=run_name, exclude=exclude)
+    # The report is drawn (a --output-file staged) before the plot is written:
+    # nothing can fail over the report once the plot exists.
+    if quiet and format == "table":
+        # -q: the verdict alone on stdout; each finding a line on stderr.
+        from ..format import table
+
+        err = sys.stderr if speaks() else None
+        pending = prepare(lambda out: table.print_trend_verdict(report, out, err), output_file,
+                          trend_verdict(report))
+    else:
+        pending = prepare(lambda out: fmt.render_trend(report, out), output_file,
+                          trend_verdict(report))
+    if plot is not None and speaks():
+        from ..format.plot import write_trend_plot
+
+        try:
+            write_trend_plot(report, plot)
+        except BaseException:
+            if pending is not None:
+                pending.discard()
+            raise
+    if pending is not None:
+        pending.deliver()
+    # A norm audit that disagrees is a finding too (docs/guides/dashboards.md).
+    return 1 if report.status in (SPIKE, NONFINITE) or report.disagreeing else 0
+
+
+def build(
+    *, paths: list[Path], what: str, group_by: str | None, z: float | None,
+    alpha: float | None, warmup: int | None, fail_on: str, key: str | None,
+    norm_type: object, device: str, trust_pickle: bool, verify: bool, progress: bool,
+    output_file: Path | None = None, launched: bool = True,
+    tag: str | None = None, run_name: str | None = None, exclude: tuple[str, ...] = (),
+):
+    """The ``TrendReport`` of ``paths`` (``report/trend.py``), which every format renders.
+
+    ``group_by`` None: each log's own groups and ``layer`` for checkpoints.
+    ``tag``, ``run_name``, ``exclude``: ``--tag``, ``--run``, ``--exclude``.
+    ``launched``: under a launcher (``torchrun``) the ranks share each
+    checkpoint, as the command does; the Python API passes False.
+    """
     check_what(what)
     z = DEFAULT_Z if z is None else z
     alpha = DEFAULT_ALPHA if alpha is None else alpha
     warmup = DEFAULT_WARMUP if warmup is None else warmup
     fail_on = _fail_on(fail_on)
     _spike_options(z, alpha, warmup)
-    fmt = output_format(format)
     regroup = group_by is not None  # --group-by given
     group_by = DEFAULT_GROUP_BY if group_by is None else group_by
     rule = parse_group_by(group_by)
     requested_p = None if norm_type is None else options.norm_type(norm_type)
     dev = options.device(device)
-    if plot is not None:
-        _check_plot(plot)
     # Under torchrun every rank reads every checkpoint's share, as inspect does
-    # (CONTRACT.md, "Beyond one machine"); rank 0 alone writes the report.
-    session = launcher.join(dev, device, paths)
+    # (docs/reference/contract.md, "Beyond one machine"); rank 0 alone writes the report.
+    session = launcher.join(dev, device, paths) if launched else None
     if session is not None:
         dev = session.device
-    with progress_steps(quiet or not progress or not speaks()) as steps:
+    with progress_steps(not progress or not speaks()) as steps:
         runs: list[RunFolder] = []
-        inputs = _once([item for path in paths
+        choice, exclusion = trackers.Choice(tag, run_name), Exclusion(tuple(exclude))
+        inputs = _once([item for path in _kept(paths, exclusion)
                         for item in _expand(path, lambda p: _loads(p, key, trust_pickle, steps),
-                                            what=what, runs=runs)])
+                                            what=what, runs=runs, choice=choice,
+                                            exclusion=exclusion)])
+        if (tag is not None or run_name is not None) and not any(
+                s.tracker is not None for r in runs for s in r.series):
+            flag = "--tag" if tag is not None else "--run"
+            raise UsageError(f"{flag} picks from a tracker's files (TensorBoard, MLflow, "
+                             "trackio, W&B, metrics.csv); no input is one")
         logs = [(item.path, item.kind.read(item.path) if item.entries is None
                  else list(item.entries)) for item in inputs if isinstance(item.kind, LogKind)]
         if logs and regroup:
@@ -137,6 +194,7 @@ def run(
             kinds.check(str(path), LOGGED_WHAT, logged=True)
         observations: list[Observation] = []
         step_notes: list[str] = []
+        optimizers: set[str | None] = set()
         logged = dict(logs)
         for item in inputs:
             if isinstance(item.kind, LogKind):
@@ -149,6 +207,7 @@ def run(
             kinds.check(str(item.path), loaded.selection.what)  # before measuring it
             m = measure_loaded(loaded, item.path, how, steps, item.folder_step)
             del loaded  # its mapping goes before the next checkpoint is opened
+            optimizers.add(m.optimizer)
             if m.step_note is not None:
                 step_notes.append(f"{visible(str(item.path))}: {m.step_note}")
             observations.append(Observation(
@@ -156,7 +215,7 @@ def run(
                 groups=m.groups, nonfinite=m.nonfinite, what=m.what))
     observations, copies = one_point_per_step(observations)
     found = _found(runs)
-    found["notes"] += step_notes + copies
+    found["notes"] += step_notes + copies + exclusion.notes()
     if logs:
         group_by = (LOGGED_GROUPS if len(logs) == len(inputs)
                     else f"{group_by} (checkpoints), {LOGGED_GROUPS} (logs)")
@@ -166,20 +225,13 @@ def run(
         order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
         alpha=alpha, warmup=warmup, fail_on=fail_on, audits=audits, **found,
     )  # fmt: skip
-    if plot is not None and speaks():
-        from ..format.plot import write_trend_plot
+    return replace(report, optimizer=one_optimizer(optimizers))
 
-        write_trend_plot(report, plot)
-    if quiet and format == "table":
-        # -q: the verdict alone on stdout; each finding a line on stderr.
-        from ..format import table
 
-        err = sys.stderr if speaks() else None
-        emit(lambda out: table.print_trend_verdict(report, out, err), output_file)
-    else:
-        emit(lambda out: fmt.render_trend(report, out), output_file)
-    # A norm audit that disagrees is a finding too (docs/guides/dashboards.md).
-    return 1 if report.status in (SPIKE, NONFINITE) or report.disagreeing else 0
+def one_optimizer(names: set[str | None]) -> str | None:
+    """The optimizer every measured checkpoint names (its quantity's words: "Adam
+    exp_avg"); None where they name several, or none."""
+    return next(iter(names)) if len(names) == 1 else None
 
 
 def check_what(text: str) -> str:
@@ -286,7 +338,9 @@ def _loads(path: Path, key: str | None, trust_pickle: bool, steps: Steps) -> str
 
 
 def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None, *,
-            what: str = "auto", runs: list | None = None) -> Iterator[Input]:
+            what: str = "auto", runs: list | None = None,
+            choice: trackers.Choice | None = None,
+            exclusion: Exclusion | None = None) -> Iterator[Input]:
     """The checkpoints and logs ``path`` stands for.
 
     A folder is, in this order: a run's folder of numbered checkpoints (an
@@ -297,20 +351,28 @@ def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None, *,
     checkpoint files and logs, recognised by content (anything else in it is
     skipped).
     """
+    choice = choice or trackers.Choice()
+    exclusion = exclusion or Exclusion()
     if not path.is_dir():
-        yield Input(path, log_kind(path), folder_step)
+        tracked = run_folder.tracker_file(path, choice)
+        if tracked is None:
+            yield Input(path, log_kind(path), folder_step)
+            return
+        if runs is not None:
+            runs.append(tracked)
+        yield Input(tracked.judged.paths[0], tracked.judged.log, None, tracked.judged.entries)
         return
     # accelerate's FSDP folder numbers its parts (pytorch_model_fsdp_0/, optimizer_0/):
     # one checkpoint, not a run.
     if folder_step is None and not accelerate_fsdp.recognises(path):
-        run = run_folder.discover(path, what)
+        run = run_folder.discover(path, what, choice, exclusion)
         if run is not None:
             if runs is not None:
                 runs.append(run)
             if run.judged.kind != run_folder.CHECKPOINTS:
                 yield Input(run.judged.paths[0], run.judged.log, None, run.judged.entries)
                 return
-        numbered = run_folder.numbered_folders(path)
+        numbered = run_folder.numbered_folders(path, exclusion)
         if numbered:
             for number, child in numbered:
                 yield from _expand(child, why_not_checkpoint, number)
@@ -319,7 +381,15 @@ def _expand(path: Path, why_not_checkpoint, folder_step: int | None = None, *,
     if reason is None:
         yield Input(path, None, folder_step)
     else:
-        yield from _folder_of_files(path, reason, folder_step)
+        yield from _folder_of_files(path, reason, folder_step, exclusion)
+
+
+def _kept(paths: list[Path], exclusion: Exclusion) -> list[Path]:
+    """The inputs ``--exclude`` leaves in; none left is exit 2."""
+    kept = [path for path in paths if not exclusion.excludes(path)]
+    if not kept:
+        raise UsageError(f"--exclude leaves out every input ({visible(str(paths[0]))} ...)")
+    return kept
 
 
 def _once(inputs: list[Input]) -> list[Input]:
@@ -347,10 +417,15 @@ def _found(runs: list[RunFolder]) -> dict:
         for i, s in enumerate(run.series):
             series.append(SeriesFound(s.source, s.kind, s.points, s.per_group,
                                       s is run.judged, run.why_not.get(i)))
-        if run.clipping is not None:
-            c = run.clipping
-            clipping.append(ClippingFound(c.max_grad_norm, None if c.source is None
-                                          else str(c.source), run.clipping_note()))
+        note = run.clipping_note()
+        if note is not None:
+            c, m = run.clipping, run.monitor_clipping
+            monitor = None if m is None else MonitorClipped(str(m.source), m.logged, m.clipped,
+                                                            m.limits)
+            clipping.append(ClippingFound(
+                None if c is None else c.max_grad_norm,
+                None if c is None or c.source is None else str(c.source), note,
+                None if c is None else c.clipped, monitor))
         notes += run.notes()
     return {"series": series, "clipping": clipping, "notes": notes}
 
@@ -362,9 +437,11 @@ def _children(path: Path) -> list[Path]:
         raise InputError(f"{path}: cannot list the folder: {error.strerror or error}") from None
 
 
-def _folder_of_files(path: Path, reason: str, folder_step: int | None) -> list[Input]:
+def _folder_of_files(path: Path, reason: str, folder_step: int | None,
+                     exclusion: Exclusion | None = None) -> list[Input]:
     found = []
-    for child in _children(path):
+    children = _children(path)
+    for child in children if exclusion is None else exclusion.keep(children):
         if not child.is_file():
             continue
         kind = log_kind(child)
@@ -409,6 +486,7 @@ class Measured:
     step: int | None
     what: str = LOGGED_WHAT  # what was measured (``--what auto`` decides per checkpoint)
     step_note: str | None = None  # where its name gives another step than it records
+    optimizer: str | None = None  # whose rule gave an optimizer quantity ("Adam")
 
 
 def measure_checkpoint(path: Path, how: Measurement, steps: Steps,
@@ -439,6 +517,7 @@ def measure_loaded(loaded: Loaded, path: Path, how: Measurement, steps: Steps,
         step=step.step,
         what=loaded.selection.what,
         step_note=step.note,
+        optimizer=loaded.selection.optimizer,
     )  # fmt: skip
 
 
@@ -448,7 +527,7 @@ def _logged_observations(path: Path, entries: list) -> list[Observation]:
             source=str(path), step=entry.step, total_norm=entry.total_norm,
             groups=dict(entry.groups),
             nonfinite=None if entry.nonfinite is None else NonFinite(*entry.nonfinite),
-            what=LOGGED_WHAT,
+            what=LOGGED_WHAT, nonfinite_origin=entry.nonfinite_origin,
         )  # fmt: skip
         for entry in entries
     ]

@@ -167,17 +167,23 @@ def scale_(
     a synchronisation (a ``Coefficient``, or a CPU tensor) the pass is
     skipped: on the CPU, a step that does not clip then costs the norm alone.
 
-    Half types are multiplied in float32 by the float32 coefficient, rounded
-    once. On an accelerator torch's fused ``_foreach_mul_`` takes a device
-    coefficient only of the tensors' own dtype, and ``t.mul_(c)`` rounds a
-    0-dim ``c`` to ``t``'s dtype first (up to 0.4% off for bfloat16, seen on
-    an H200). So there a coefficient known on the host goes to the fused
-    kernel as a number (multiplied in float32); a device one scales float16
-    tensors through torch's AMP unscale kernel (``GradScaler.unscale_``'s:
-    one fused launch, in float32), and bfloat16 ones, for which torch has no
-    such kernel, one by one with the coefficient as a 1-element tensor, which
-    makes float32 the computation type (2.7x the fused time on an H200:
-    BENCHMARKS.md, "On a GPU").
+    On the CPU, half types are multiplied in float32 by the float32
+    coefficient and rounded once, as torch's CPU kernel does (its ``mul`` of
+    a bfloat16 or float16 tensor by a 0-dim tensor reads the coefficient in
+    float32): results equal torch's ``clip_grads_with_norm_`` bit for bit for
+    the same total, and the CLI's ``clip`` keeps its guarantee there.
+
+    On an accelerator, half types are scaled as torch scales them (the
+    contract, Python API): the coefficient rounded to the gradients' dtype,
+    through the fused ``_foreach_mul_`` (one launch per group; torch's fused
+    kernel takes a device coefficient only of the tensors' own dtype, and
+    its fallback, one ``mul_`` per tensor, rounds the coefficient to that
+    dtype as well, so the products are the same). The product is rounded to
+    that dtype anyway; the float32 multiply per tensor this replaces cost
+    2.2x torch's clip on an H200 (BENCHMARKS.md, "On a GPU"). A coefficient
+    known on the host (the monitor's) is rounded the same way, unless it is
+    below the dtype's normal range (float16's starts at 6.1e-5): there it is
+    applied in float32, where torch would round it to a subnormal or zero.
     """
     if not tensors or _is_one(coef):
         return
@@ -185,12 +191,13 @@ def scale_(
     grouped = _group_tensors_by_device_and_dtype([list(tensors)])
     for (device, dtype), ([group], _) in grouped.items():
         for c in _factors(coef, dtype):
-            c = float(c) if host and device.type != "cpu" else c.to(device)
+            if device.type != "cpu" and dtype in _HALF:
+                c = _as_torch_on_device(c, dtype, device, host)
+            else:
+                c = float(c) if host and device.type != "cpu" else c.to(device)
             if dtype in _FLOAT8:
                 for t in group:
                     t.copy_(t.float().mul_(c))
-            elif isinstance(c, torch.Tensor) and device.type != "cpu" and dtype in _HALF:
-                _scale_half_on_device_(group, c.float(), _use_foreach(group, device, foreach))
             elif _use_foreach(group, device, foreach):
                 torch._foreach_mul_(group, c)
             else:
@@ -198,15 +205,20 @@ def scale_(
                     t.mul_(c)
 
 
-def _scale_half_on_device_(group: list[torch.Tensor], c: torch.Tensor, fused: bool) -> None:
-    """Half tensors on an accelerator times a float32 device ``c``, in float32, rounded once."""
-    if fused and c.device.type == "cuda" and group[0].dtype == torch.float16:
-        found_nonfinite = torch.zeros(1, device=c.device)  # not looked at
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found_nonfinite, c)
-        return
-    c = c.reshape(1)  # a 1-element tensor takes part in type promotion; a 0-dim one does not
-    for t in group:
-        torch.mul(t, c, out=t)
+def _as_torch_on_device(c: torch.Tensor, dtype: torch.dtype, device: torch.device,
+                       host: bool) -> torch.Tensor | float:
+    """The factor for half tensors on an accelerator: ``c`` in ``dtype``, as torch applies it.
+
+    A device coefficient becomes a 0-dim tensor of ``dtype`` there (no read,
+    one cast). A host one becomes the number that ``dtype`` rounds it to,
+    which the fused kernel multiplies by in float32, exactly as by the
+    rounded tensor; one below ``dtype``'s normal range stays as it is.
+    """
+    if not host:
+        return c.to(device=device, dtype=dtype)
+    value = float(c)
+    rounded = float(torch.tensor(value, dtype=torch.float32).to(dtype))
+    return rounded if rounded >= torch.finfo(dtype).tiny else value
 
 
 def _is_one(coef: torch.Tensor | Coefficient) -> bool:

@@ -116,9 +116,21 @@ def sums_by_foreach(tensors: Sequence[torch.Tensor], norm_type: float,
 
     ``foreach`` as torch's: None uses the fused kernels where the device has
     them, True requires them, False loops.
+
+    On CUDA with Triton importable, one Triton pass replaces all of this
+    (``triton_norms``: every element read once, two launches per group, the
+    power sums accurate at any magnitude); ``foreach=False`` keeps the loop.
     """
     device = tensors[0].device
     dtype = tensors[0].dtype
+    fused_pass = fused_pass_sums(tensors, norm_type) if foreach is not False else None
+    if fused_pass is not None:
+        # Triton's one read of every element (triton_norms.py): norms accumulated as
+        # float64 sums of power-of-two-scaled terms, accurate at any magnitude.
+        layout = [(i, 0, t.numel()) for i, t in enumerate(tensors)]
+        maxima = fused_pass.maxima() if with_max or math.isinf(norm_type) else None
+        norms = None if math.isinf(norm_type) else fused_pass.norms()
+        return _rows(layout, maxima, norms, torch.float64)
     index = [i for i, t in enumerate(tensors) if t.numel()]  # inf-norms of empty ones raise
     live = [tensors[i] for i in index]
     layout = [(i, 0, tensors[i].numel()) for i in index]
@@ -148,6 +160,20 @@ def sums_by_foreach(tensors: Sequence[torch.Tensor], norm_type: float,
 # can neither overflow nor underflow: (3.4e38 ** 6) * 1e12 elements < 1.8e308,
 # and (1.4e-45 ** 6) = 7.5e-270 > 2.2e-308 * 2**24 * 1e12.
 FLOAT64_SAFE_P = 6.0
+
+
+def fused_pass_sums(tensors: Sequence[torch.Tensor], norm_type: float):
+    """The Triton kernel's sums of ``tensors`` (one device, one dtype), or None where
+    it does not serve: no Triton, not CUDA, a layout it does not read. Triton is
+    imported only for CUDA tensors (or the interpreter's tests: triton_norms.usable)."""
+    if not tensors or (tensors[0].device.type != "cuda"
+                       and os.environ.get("GRADCLIP_TRITON") != "interpret"):
+        return None
+    from . import triton_norms
+
+    if not triton_norms.usable(tensors, norm_type):
+        return None
+    return triton_norms.tensor_sums_or_none(tensors, norm_type)
 
 
 def _fused(device: torch.device, foreach: bool | None) -> bool:
@@ -181,6 +207,8 @@ def total_on_device(tensors: Sequence[torch.Tensor], norm_type: float,
     Each (device, dtype) group is reduced by ``sums_by_foreach`` to its own
     norm ``v_g``; groups combine as ``M * ||v / M||_p`` with ``M = max v_g``,
     so a sum of powers never overflows. NaN propagates, then inf, as torch's.
+    On CUDA with Triton, a group's norm comes from the one-read Triton pass
+    (``triton_norms``) instead of ``sums_by_foreach``.
     """
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
@@ -189,6 +217,10 @@ def total_on_device(tensors: Sequence[torch.Tensor], norm_type: float,
     grouped = _group_tensors_by_device_and_dtype([list(tensors)])
     totals = []
     for [group], _ in grouped.values():
+        fused_pass = fused_pass_sums(group, norm_type) if foreach is not False else None
+        if fused_pass is not None:
+            totals.append(fused_pass.total_norm().to(first))
+            continue
         rows = sums_by_foreach(group, norm_type, with_max=False, foreach=foreach)
         values = rows.max_abs if rows.norm is None else rows.norm
         total = torch.linalg.vector_norm(values, norm_type)
@@ -475,9 +507,13 @@ def norms_by_foreach(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     For float16, bfloat16 and float32 tensors a float64 sum of squares can
     neither overflow nor underflow (``FLOAT64_SAFE_P``): a finite norm is
     accurate to float64's rounding, and a non-finite one means a NaN or an
-    infinity among the elements. An empty tensor's norm is 0.
+    infinity among the elements. An empty tensor's norm is 0. On CUDA with Triton
+    the norms come from its one-read pass (``triton_norms``), as accurate.
     """
     tensors = list(tensors)
+    fused_pass = fused_pass_sums(tensors, 2.0)
+    if fused_pass is not None:
+        return fused_pass.norms()
     return _stacked(_norms(tensors, 2.0, _fused(tensors[0].device, None), torch.float64))
 
 

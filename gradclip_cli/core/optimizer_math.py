@@ -180,3 +180,150 @@ def as_update(update: torch.Tensor) -> torch.Tensor:
     """A stored tensor that is the step itself (transformers' Adafactor with ``beta1``:
     ``exp_avg`` averages the scaled updates and ``param -= exp_avg``)."""
     return _wide(update)
+
+
+# ------------------------------------------------- the gradient between two states
+#
+# Two states of one optimizer, one step apart, determine the input its averages took
+# at that step: every torch.optim optimizer below updates its first moment with
+# ``m.lerp_(grad, 1 - beta)``, i.e. ``m_t = beta * m_{t-1} + (1 - beta) * x_t``, so
+# ``x_t = (m_t - beta * m_{t-1}) / (1 - beta)``. The reconstruction is computed in
+# float64 (complex128 for complex state): its own rounding (2^-53) is far below the
+# state's, whose storage rounding is all that separates it from the optimizer's input.
+
+
+def _f64(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.complex128 if x.is_complex() else torch.float64)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the machine epsilon of a floating dtype (2^-24 for float32, 2^-8 for
+    bfloat16): the largest relative error of one correctly rounded operation."""
+    if dtype.is_complex:
+        dtype = dtype.to_real()
+    return torch.finfo(dtype).eps / 2
+
+
+def average_input(average: torch.Tensor, previous: torch.Tensor, beta: float) -> torch.Tensor:
+    """``(m_t - beta * m_{t-1}) / (1 - beta)``: what an exponential average
+    ``m_t = beta * m_{t-1} + (1 - beta) * x_t`` took at its last update.
+
+    References:
+        torch.optim.Adam, AdamW, NAdam, RAdam, Adamax (``exp_avg.lerp_(grad,
+        1 - beta1)``) and RMSprop centered (``grad_avg.lerp_(grad, 1 - alpha)``).
+    """
+    return _f64(average).sub_(_f64(previous), alpha=beta).div_(1.0 - beta)
+
+
+def adam_gradient(exp_avg: torch.Tensor, prev_exp_avg: torch.Tensor,
+                  weight: torch.Tensor | None = None, *, beta1: float,
+                  weight_decay: float = 0.0, maximize: bool = False) -> torch.Tensor:
+    """The gradient an Adam-family step was given, from its first moments before and after.
+
+    torch.optim's step takes ``grad`` (negated under ``maximize``), adds
+    ``weight_decay * param`` to it where weight decay is L2 (Adam, NAdam,
+    RAdam, Adamax and RMSprop without ``decoupled_weight_decay``; ``param``
+    the weights before the step), and averages the result into ``exp_avg``.
+    So ``g = s * (x_t - weight_decay * p_{t-1})`` with ``x_t`` the average's
+    input (``average_input``) and ``s = -1`` under ``maximize``. Decoupled
+    weight decay (AdamW) scales the weights, not the moments: pass
+    ``weight_decay=0`` for it.
+
+    References:
+        torch.optim.Adam ``_single_tensor_adam`` (the ``maximize`` negation,
+        ``grad.add(param, alpha=weight_decay)``, ``exp_avg.lerp_``); the
+        ``_multi_tensor`` and ``_fused`` paths compute the same moments.
+        Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR
+        2019 (AdamW).
+    """
+    g = average_input(exp_avg, prev_exp_avg, beta1)
+    if weight_decay != 0.0:
+        if weight is None:
+            raise ValueError("L2 weight decay needs the weights before the step")
+        g.sub_(_f64(weight), alpha=weight_decay)
+    return g.neg_() if maximize else g
+
+
+def _real(x: torch.Tensor) -> torch.Tensor:
+    x = _f64(x)
+    return torch.view_as_real(x) if x.is_complex() else x
+
+
+def _in_units(residual: torch.Tensor, scale: torch.Tensor, unit: float,
+              finite: torch.Tensor) -> torch.Tensor:
+    """``residual / (unit * scale)`` where the inputs are finite, 0 elsewhere (a
+    non-finite state is reported as non-finite gradients, not as a disagreement), and
+    0 where both are 0."""
+    zero = residual == 0
+    out = residual.abs().div_(scale.mul_(unit))
+    return out.masked_fill_(~finite | zero, 0.0)
+
+
+def second_moment_residual(exp_avg: torch.Tensor, prev_exp_avg: torch.Tensor,
+                           exp_avg_sq: torch.Tensor, prev_exp_avg_sq: torch.Tensor, *,
+                           beta1: float, beta2: float, unit: float) -> torch.Tensor:
+    """How far the second moments disagree with the first, elementwise, in units of the
+    state's rounding.
+
+    With ``x`` the first moment's input (``average_input``), the second moment
+    must satisfy ``v_t = beta2 * v_{t-1} + (1 - beta2) * x**2``, which is
+    ``(v_t - beta2 * v_{t-1}) / (1 - beta2) = x**2``. Its residual
+    ``r = v_t - beta2 * v_{t-1} - (1 - beta2) * x**2`` is divided by ``unit``
+    times the size of the terms that rounding perturbs:
+    ``v_t + beta2 * v_{t-1} + (1 - beta2) * (x**2 + 2 |x| (|m_t| + |m_{t-1}|) / (1 - beta1))``
+    (the last term: the first moment's storage rounding, ``unit * |m|``,
+    divided by ``1 - beta1`` in ``x`` and doubled in ``x**2``). torch's update
+    (``exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)``, the
+    betas rounded to the state's compute type, then ``exp_avg.lerp_``) keeps
+    the result below 9 such units; ``docs/guides/previous.md`` gives the count
+    and the values measured on real runs. Complex state counts its real and
+    imaginary parts apart, as torch's ``view_as_real`` does.
+
+    References: torch.optim.Adam ``_single_tensor_adam``; Higham, "Accuracy and
+    Stability of Numerical Algorithms", 2nd ed., section 2.2 (the model of
+    rounding: ``fl(a op b) = (a op b)(1 + d)``, ``|d| <= u``).
+    """
+    m, mp, v, vp = (_real(t) for t in (exp_avg, prev_exp_avg, exp_avg_sq, prev_exp_avg_sq))
+    x = mp.mul(-beta1).add_(m).div_(1.0 - beta1)
+    finite = torch.isfinite(x) & torch.isfinite(v) & torch.isfinite(vp)
+    drift = m.abs().add_(mp.abs()).div_(1.0 - beta1).mul_(x.abs()).mul_(2.0)
+    square = x.square()
+    residual = v - vp * beta2 - square * (1.0 - beta2)
+    scale = v.abs().add_(vp.abs(), alpha=beta2).add_(square.add_(drift), alpha=1.0 - beta2)
+    return _in_units(residual, scale, unit, finite)
+
+
+def infinity_norm_residual(exp_avg: torch.Tensor, prev_exp_avg: torch.Tensor,
+                           exp_inf: torch.Tensor, prev_exp_inf: torch.Tensor, *,
+                           beta1: float, beta2: float, eps: float, unit: float) -> torch.Tensor:
+    """Adamax's check, elementwise in units of the state's rounding: its weighted infinity
+    norm must be ``u_t = max(beta2 * u_{t-1}, |x| + eps)``, ``x`` the first moment's input.
+
+    The residual ``u_t - max(beta2 * u_{t-1}, |x| + eps)`` is divided by ``unit``
+    times ``u_t + beta2 * u_{t-1} + |x| + eps + (|m_t| + |m_{t-1}|) / (1 - beta1)``.
+
+    References: Kingma & Ba 2015, Algorithm 2 (AdaMax); torch.optim.Adamax
+    ``_single_tensor_adamax`` (``torch.maximum(exp_inf.mul_(beta2),
+    grad.abs().add_(eps))``).
+    """
+    m, mp, u, up = (_real(t) for t in (exp_avg, prev_exp_avg, exp_inf, prev_exp_inf))
+    x = mp.mul(-beta1).add_(m).div_(1.0 - beta1).abs_()
+    finite = torch.isfinite(x) & torch.isfinite(u) & torch.isfinite(up)
+    residual = u - torch.maximum(up * beta2, x + eps)
+    scale = (u.abs().add_(up.abs(), alpha=beta2).add_(x).add_(eps)
+             .add_(m.abs().add_(mp.abs()).div_(1.0 - beta1)))
+    return _in_units(residual, scale, unit, finite)
+
+
+def running_max_residual(max_sq: torch.Tensor, prev_max_sq: torch.Tensor,
+                         exp_avg_sq: torch.Tensor) -> torch.Tensor:
+    """AMSGrad's exact check: ``max_exp_avg_sq_t = max(max_exp_avg_sq_{t-1}, v_t)`` holds
+    to the bit (a maximum rounds nothing); 0 where it holds, inf where it does not.
+
+    References: Reddi et al. 2018, Algorithm 2; torch.optim.Adam with ``amsgrad``
+    (``torch.maximum(max_exp_avg_sqs[i], exp_avg_sq, out=max_exp_avg_sqs[i])``).
+    """
+    a, b, v = (_real(t) for t in (max_sq, prev_max_sq, exp_avg_sq))
+    finite = torch.isfinite(a) & torch.isfinite(b) & torch.isfinite(v)
+    off = (a != torch.maximum(b, v)) & finite
+    return torch.zeros_like(a).masked_fill_(off, math.inf)

@@ -214,12 +214,39 @@ def _total_in_float64(parts, norm_type: float) -> torch.Tensor:
     combined = []
     for (mesh, dims), indices in _by_reduction(parts).items():
         locals_ = [parts[i][2] for i in indices]
-        norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=F64).to(first)
-                             for t in locals_])
-        value = norms.max() if is_max else norms.pow(norm_type).sum()
+        value = _local_power_sum(locals_, norm_type, first)
         op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
         for dim in dims:
             dist.all_reduce(value, op=op, group=mesh.get_group(dim))
         combined.append(value)
     stacked = torch.stack(combined)
     return stacked.max() if is_max else stacked.sum().pow(1.0 / norm_type)
+
+
+def _local_power_sum(tensors: list[torch.Tensor], norm_type: float,
+                     first: torch.device) -> torch.Tensor:
+    """float64 ``sum |x|^p`` of local tensors (the max for p = inf), on ``first``, no read.
+
+    Per (device, dtype) group, the Triton pass where it serves (CUDA: every
+    element read once, two launches; ``core.triton_norms``), else one float64
+    ``vector_norm`` per tensor (42.9 ms for Llama-2-7B's shapes on an H200).
+    """
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+    from ..core.kernels import fused_pass_sums
+
+    is_max = math.isinf(norm_type)
+    values = []
+    live = [t for t in tensors if t.numel()]
+    if not live:
+        return torch.zeros((), dtype=F64, device=first)
+    for [group], _ in _group_tensors_by_device_and_dtype([live]).values():
+        fused_pass = fused_pass_sums(group, norm_type)
+        if fused_pass is not None:
+            values.append(fused_pass.total_power_sum().to(first))
+            continue
+        norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=F64).to(first)
+                             for t in group])
+        values.append(norms.max() if is_max else norms.pow(norm_type).sum())
+    stacked = torch.stack(values)
+    return stacked.max() if is_max else stacked.sum()

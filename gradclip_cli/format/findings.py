@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..report.model import NONFINITE
 from .words import fmt as number
-from .words import z_text
+from .words import judged_in, nonfinite_rows, origin_text, threshold_applied, z_text
 
 if TYPE_CHECKING:
     from ..report import ClipReport, InspectReport
@@ -46,15 +46,17 @@ def _counts(n) -> str:
 def inspect_findings(report: InspectReport) -> list[Finding]:
     found = []
     severity = WARNING if report.allow_nonfinite else ERROR
+    what = judged_in(report)
     # One per tensor, as the table and -q name them; its group is the testcase.
     for t in report.tensors:
         if t.nonfinite.total:
-            found.append(Finding(severity, t.group, "non-finite gradients",
+            found.append(Finding(severity, t.group, f"non-finite {what.plural}",
                                  f"tensor {t.name} (group {t.group}): {_counts(t.nonfinite)}"))
     if report.max_norm is not None and report.total_norm > report.max_norm:
-        found.append(Finding(ERROR, TOTAL, "total norm exceeds --max-norm",
-                             f"total norm {number(report.total_norm)} > --max-norm "
-                             f"{number(report.max_norm)}"))
+        found.append(Finding(ERROR, TOTAL, f"{what.attribute} total norm exceeds --max-norm",
+                             f"{what.attribute} total norm {number(report.total_norm)} > "
+                             f"--max-norm {number(report.max_norm)}"
+                             f"{threshold_applied(report)}"))
     return found
 
 
@@ -75,22 +77,25 @@ def trend_findings(report: TrendReport) -> list[Finding]:
     """One per spiking or non-finite series at each point; errors for the points
     ``--fail-on`` covers, warnings for the others."""
     failing = {id(p) for p in report.failing}
+    what = judged_in(report)
+    nonfinite, spike = f"non-finite {what.plural}", f"{what.attribute} spike"
     found = []
     for p in report.points:
         severity = ERROR if id(p) in failing else WARNING
         at = f"step {p.step}" if p.step is not None else p.source
         if not math.isfinite(p.total_norm) or (p.nonfinite is not None and p.nonfinite.total):
-            found.append(Finding(severity, TOTAL, f"non-finite gradients at {at}",
-                                 f"{p.source}: total norm {number(p.total_norm)}", p.source))
+            found.append(Finding(severity, TOTAL, f"{nonfinite} at {at}",
+                                 f"{p.source}: total norm {number(p.total_norm)}"
+                                 f"{origin_text(p)}", p.source))
         elif total_spiked(p, report):
-            found.append(Finding(severity, TOTAL, f"gradient spike at {at}",
+            found.append(Finding(severity, TOTAL, f"{spike} at {at}",
                                  f"{p.source}: total norm {number(p.total_norm)}, "
                                  f"z {z_text(p.z)} > {report.z_threshold:g}", p.source))
         for g in p.nonfinite_groups:
-            found.append(Finding(severity, g, f"non-finite gradients at {at}",
+            found.append(Finding(severity, g, f"{nonfinite} at {at}",
                                  f"{p.source}: group {g} norm {number(p.groups[g])}", p.source))
         for g in p.spike_groups:
-            found.append(Finding(severity, g, f"gradient spike at {at}",
+            found.append(Finding(severity, g, f"{spike} at {at}",
                                  f"{p.source}: group {g} norm {number(p.groups[g])}, "
                                  f"z {z_text(p.group_z[g])} > {report.z_threshold:g}", p.source))
     # The norm audit: each step where a framework's logged total disagrees with gradclip's.
@@ -107,19 +112,21 @@ def trend_findings(report: TrendReport) -> list[Finding]:
 
 def compare_findings(report: CompareReport) -> list[Finding]:
     found = []
+    what = judged_in(report)
     if report.status == NONFINITE:
-        for g in (report.total, *report.groups):
-            if any(x is not None and not math.isfinite(x) for x in (g.a, g.b)):
-                series = TOTAL if g is report.total else g.name
-                found.append(Finding(ERROR, series, "non-finite gradients",
-                                     f"{g.name}: norm {number(g.a)} in A, {number(g.b)} in B"))
+        rows = [report.total] if report.total.nonfinite else []
+        for g in rows + nonfinite_rows(report):
+            series = TOTAL if g is report.total else g.name
+            found.append(Finding(ERROR, series, f"non-finite {what.plural}",
+                                 f"{g.name}: norm {number(g.a)} in A, {number(g.b)} in B"))
     t = report.total
     if report.total_beyond:
-        found.append(Finding(ERROR, TOTAL, f"total norm changed {number(t.ratio)}x",
-                             f"total norm: {number(t.a)} -> {number(t.b)}, ratio "
+        total = f"{what.attribute} total norm"
+        found.append(Finding(ERROR, TOTAL, f"{total} changed {number(t.ratio)}x",
+                             f"{total}: {number(t.a)} -> {number(t.b)}, ratio "
                              f"{number(t.ratio)} beyond --fail-above {report.fail_above:g}"))
     for g in report.beyond:
-        found.append(Finding(ERROR, g.name, f"norm changed {number(g.ratio)}x",
+        found.append(Finding(ERROR, g.name, f"{what.attribute} norm changed {number(g.ratio)}x",
                              f"group {g.name}: {number(g.a)} -> {number(g.b)}, ratio "
                              f"{number(g.ratio)} beyond --fail-above {report.fail_above:g}"))
     # A group on one side only fails under --fail-above; without it, it is worth a look.

@@ -70,7 +70,11 @@ def wrap(text: str, width: int, indent: str = "  ") -> list[str]:
 
 
 def report_width(out: TextIO) -> int:
-    """``COLUMNS`` when set (in pipes too); else the terminal's width; else ``PIPE_WIDTH``."""
+    """``COLUMNS`` when set (in pipes too); else the terminal's width; else ``PIPE_WIDTH``.
+
+    A terminal that reports no width (``stty size`` says ``0 0``: ``script``,
+    ``expect`` and CI runners' pseudo-terminals) counts as none, as for a pipe.
+    """
     try:
         columns = int(os.environ.get("COLUMNS", ""))
     except ValueError:
@@ -80,9 +84,11 @@ def report_width(out: TextIO) -> int:
     isatty = getattr(out, "isatty", None)
     if isatty is not None and isatty():
         try:
-            return os.get_terminal_size(out.fileno()).columns
+            columns = os.get_terminal_size(out.fileno()).columns
         except (AttributeError, OSError, ValueError):
-            pass
+            columns = 0
+        if columns > 0:
+            return columns
     return PIPE_WIDTH
 
 

@@ -54,7 +54,8 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
 
 
 def render_clip(report: ClipReport, out: TextIO) -> None:
-    verdict = (f"{report.source} -> {report.output}: total norm (p={fmt_p(report.norm_type)}) "
+    verdict = (f"{report.source} -> {report.output}: gradient total norm "
+               f"(p={fmt_p(report.norm_type)}) "
                f"{fmt(report.total_norm_before)} -> {fmt(report.total_norm_after)}")
     _write(out, report.source, F.clip_findings(report), verdict)
 

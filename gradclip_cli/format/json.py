@@ -1,7 +1,7 @@
 """``--format json``: the contract's schema, for scripts.
 
 JSON has no NaN or infinity, so non-finite numbers are written as the strings
-"nan", "inf" and "-inf" (CONTRACT.md). Keys beyond the contract's are extras
+"nan", "inf" and "-inf" (docs/reference/contract.md). Keys beyond the contract's are extras
 a script may use but must not depend on.
 """
 
@@ -126,6 +126,8 @@ def trend_document(report: TrendReport) -> dict[str, Any]:
                 "spike": p.spike,
                 "spike_groups": list(p.spike_groups),
                 "nonfinite_groups": list(p.nonfinite_groups),
+                "nonfinite_origin": None if p.nonfinite_origin is None else dict(
+                    zip(("forward", "backward"), p.nonfinite_origin)),
             }
             for p in report.points
         ],
@@ -138,8 +140,11 @@ def trend_document(report: TrendReport) -> dict[str, Any]:
         ],
         "clipping": [
             {"source": c.source, "max_grad_norm": number(c.max_grad_norm),
-             "clipped": None if c.max_grad_norm is None else c.max_grad_norm > 0,
-             "note": c.note}
+             "clipped": c.clipped, "note": c.note,
+             "monitor": None if c.monitor is None else {
+                 "source": c.monitor.source, "logged_steps": c.monitor.logged,
+                 "clipped_steps": c.monitor.clipped,
+                 "clipped_to": [number(v) for v in c.monitor.limits]}}
             for c in report.clipping
         ],
         "notes": list(report.notes),

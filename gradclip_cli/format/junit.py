@@ -94,7 +94,7 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
 
 
 def render_clip(report: ClipReport, out: TextIO) -> None:
-    summary = report.refused or (f"{report.source} -> {report.output}: total norm "
+    summary = report.refused or (f"{report.source} -> {report.output}: gradient total norm "
                                  f"{report.total_norm_before} -> {report.total_norm_after}")
     _write(_suite(f"gradclip clip {report.source}", [F.TOTAL], F.clip_findings(report),
                   summary), out)

@@ -32,6 +32,7 @@ from .words import (
     fmt,
     fmt_p,
     fmt_ratio,
+    judged_in,
     measured_line,
     ratio_cell,
     trend_verdict,
@@ -97,7 +98,8 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
              f"{g.num_elements:,}", _counts(g.nonfinite)] for g in shown]
     rows.append(["**total**", _num(report.total_norm), *([""] if ratio else []), "100%",
                  _num(report.max_abs), f"{report.num_elements:,}", _counts(report.nonfinite)])
-    out.write(_table(["group", "norm", *(["ratio"] if ratio else []), "share", "max \\|g\\|",
+    max_header = escape(judged_in(report).max_header)
+    out.write(_table(["group", "norm", *(["ratio"] if ratio else []), "share", max_header,
                       "elements", "non-finite"],
                      rows, ["left", "right", *(["right"] if ratio else []), "right", "right",
                             "right", "left"]))
@@ -109,7 +111,7 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
                         key=lambda t: -t.norm if math.isfinite(t.norm) else -math.inf)[:top]
         ratio = any(t.ratio is not None for t in ranked)
         out.write(f"\n**Top {len(ranked)} tensors by norm**\n\n")
-        out.write(_table(["tensor", "norm", *(["ratio"] if ratio else []), "max \\|g\\|", "shape",
+        out.write(_table(["tensor", "norm", *(["ratio"] if ratio else []), max_header, "shape",
                           "dtype"],
                          [[escape(t.name), _num(t.norm), *_ratio_cell(ratio, t.ratio),
                            _num(t.max_abs), escape("x".join(map(str, t.shape)) or "scalar"),

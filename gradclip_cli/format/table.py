@@ -1,6 +1,6 @@
 """``--format table`` (default): a report a person reads at a glance, drawn with rich.
 
-Groups in checkpoint order with norm, share, max |g|, size, non-finite counts
+Groups in checkpoint order with norm, share, max |g| (|w| for weights), size, non-finite counts
 and a bar against the largest group; then the top tensors by norm and every
 tensor holding non-finite values; then a one-line verdict matching the exit
 code. rich decides colour: only on a terminal, never with NO_COLOR set.
@@ -46,6 +46,7 @@ from .words import (
     fmt,
     fmt_p,
     fmt_total,
+    judged_in,
     nonfinite_text,
     plural,
     point_groups,
@@ -191,16 +192,19 @@ def _groups_table(report: InspectReport, width: int) -> Table:
     flags.append(_nonfinite_cell(report.nonfinite))
     bars.append("")
     any_nonfinite = report.nonfinite.total > 0
+    # Narrow terminals lose the least telling columns first: the sizes, then the
+    # largest magnitude, then the ratio; share and the bar answer "which layer" and go
+    # last (before them, only the names are shortened further).
     columns = [
         Column("group", names, justify="left", name=True),
         Column("norm", norms),
-        Column("share", shares, drop=2),
-        Column("max |g|", maxes),
-        *([Column("ratio", ratios)] if with_ratio else []),
-        Column("elements", sizes, drop=3),
-        Column("non-finite", flags, justify="left", drop=0 if any_nonfinite else 3,
+        Column("share", shares, drop=5),
+        Column(judged_in(report).max_header, maxes, drop=2),
+        *([Column("ratio", ratios, drop=3)] if with_ratio else []),
+        Column("elements", sizes, drop=1),
+        Column("non-finite", flags, justify="left", drop=0 if any_nonfinite else 1,
                wrap_at=", "),
-        Column("", bars, justify="left", drop=1),
+        Column("", bars, justify="left", drop=4),
     ]
     last_group = len(shown) - 1
     title = f"groups (by {visible(report.group_by)})"
@@ -213,7 +217,7 @@ def _top_table(report: InspectReport, top: int, width: int) -> Table:
     columns = [
         Column("tensor", [visible(t.name) for t in rows], justify="left", name=True),
         Column("norm", [fmt(t.norm) for t in rows]),
-        Column("max |g|", [fmt(t.max_abs) for t in rows], drop=3),
+        Column(judged_in(report).max_header, [fmt(t.max_abs) for t in rows], drop=3),
         Column("shape", ["x".join(map(str, t.shape)) or "scalar" for t in rows],
                justify="left", drop=1),
         Column("dtype", [visible(t.dtype) for t in rows], justify="left", drop=2),

@@ -13,6 +13,7 @@ escapes the line further as its own data (Markdown, XML, workflow commands).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..report.model import EXCEEDED, INSUFFICIENT_HISTORY, NONFINITE, OVERFLOW
@@ -80,6 +81,53 @@ def fmt_total(report: InspectReport) -> str:
     return BEYOND_FLOAT64 if report.overflow else fmt(report.total_norm)
 
 
+# -- what was judged --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Judged:
+    """The quantity a verdict judged, in the words every format uses
+    (docs/reference/contract.md: every verdict names it, never "gradients" for
+    something that is not).
+
+    ``plural``: "non-finite {plural}" (``gradients``, ``weights``, ``Adam exp_avg``);
+    ``attribute``: "{attribute} total norm" (``gradient``, ``weight``, ``Adam exp_avg``);
+    ``max_header``: the column of each row's largest magnitude (``max |g|`` for
+    gradients alone).
+    """
+
+    what: str
+    plural: str
+    attribute: str
+    max_header: str
+
+
+_NAMED = {"grads": ("gradients", "gradient", "max |g|"),
+          "weights": ("weights", "weight", "max |w|")}
+
+
+def judged(what: str, optimizer: str | None = None) -> Judged:
+    """``what`` (``--what``, resolved) named for people; an optimizer quantity carries the
+    name of the optimizer whose rule gave it, where known (``Adam exp_avg``)."""
+    if what in _NAMED:
+        return Judged(what, *_NAMED[what])
+    name = f"{visible(optimizer)} {what}" if optimizer else what
+    return Judged(what, name, name, "max abs")
+
+
+def judged_in(report) -> Judged:
+    """What ``report`` (inspect, trend or compare) judged."""
+    return judged(report.what, getattr(report, "optimizer", None))
+
+
+def threshold_applied(report: InspectReport) -> str:
+    """Where ``--what auto`` chose something other than gradients and ``--max-norm`` is
+    given: what the threshold was applied to, and why (docs/reference/contract.md); else nothing."""
+    if report.max_norm is None or not report.chosen_by_auto or report.what == "grads":
+        return ""
+    applied = judged_in(report).plural
+    return f"; --max-norm applied to the {applied} (--what auto: no gradients saved)"
+
+
 # -- inspect and clip -----------------------------------------------------------
 
 def measured_line(report: InspectReport) -> str | None:
@@ -88,43 +136,54 @@ def measured_line(report: InspectReport) -> str | None:
     explain, evidence = report.measured.get("explain"), report.measured.get("evidence")
     if not explain:
         return None
-    return f"measured: {visible(explain)}" + (f" ({visible(evidence)})" if evidence else "")
+    # Gradients reconstructed with --previous: the cross-check goes with the evidence.
+    check = report.measured.get("cross_check")
+    checked = f"; {visible(check['summary'])}" if isinstance(check, dict) and \
+        check.get("summary") else ""
+    return (f"measured: {visible(explain)}" + (f" ({visible(evidence)})" if evidence else "")
+            + checked)
 
 
 def verdict_line(report: InspectReport) -> str:
-    """The one line that matches the exit code: FAIL (exit 1) unless the status is ok."""
+    """The one line that matches the exit code: FAIL (exit 1) unless the status is ok.
+    It names what was measured: ``FAIL: non-finite weights: ...``, ``OK: Adam exp_avg
+    total norm ...``."""
     p = fmt_p(report.norm_type)
+    what = judged_in(report)
+    total = f"{what.attribute} total norm"
+    applied = threshold_applied(report)
     if report.status == NONFINITE and report.allow_nonfinite:
         return (
-            f"FAIL: total norm {fmt(report.total_norm)} (p={p}): --max-norm "
+            f"FAIL: {total} {fmt(report.total_norm)} (p={p}): --max-norm "
             f"{fmt(report.max_norm)} could not be checked; non-finite values allowed by "
-            "--allow-nonfinite (exit 1)"
+            f"--allow-nonfinite{applied} (exit 1)"
         )
     if report.status == OVERFLOW:
         about = report.total_norm_log10
         about = f"about 10^{about:.6g}, " if about is not None and math.isfinite(about) else ""
         return (
-            f"FAIL: total norm {BEYOND_FLOAT64} ({about}p={p}) is beyond float64's range "
-            "(exit 1)"
+            f"FAIL: {total} {BEYOND_FLOAT64} ({about}p={p}) is beyond float64's range"
+            f"{applied} (exit 1)"
         )
     if report.status == NONFINITE:
         n = report.nonfinite
         tensors = sum(1 for t in report.tensors if t.nonfinite.total)
         return (
-            f"FAIL: non-finite gradients: {n.nan} NaN, {n.posinf} +inf, {n.neginf} -inf "
-            f"in {plural(tensors, 'tensor')}; total norm {fmt(report.total_norm)} (exit 1)"
+            f"FAIL: non-finite {what.plural}: {n.nan} NaN, {n.posinf} +inf, {n.neginf} -inf "
+            f"in {plural(tensors, 'tensor')}; total norm {fmt(report.total_norm)}{applied} "
+            "(exit 1)"
         )
     if report.status == EXCEEDED:
         return (
-            f"FAIL: total norm {fmt(report.total_norm)} (p={p}) exceeds --max-norm "
-            f"{fmt(report.max_norm)} (exit 1)"
+            f"FAIL: {total} {fmt(report.total_norm)} (p={p}) exceeds --max-norm "
+            f"{fmt(report.max_norm)}{applied} (exit 1)"
         )
     note = ""
     if report.nonfinite.total:
         note = (f"; {plural(report.nonfinite.total, 'non-finite value')} allowed by "
                 "--allow-nonfinite")
     limit = f" <= --max-norm {fmt(report.max_norm)}" if report.max_norm is not None else ""
-    return f"OK: total norm {fmt(report.total_norm)} (p={p}){limit}{note} (exit 0)"
+    return f"OK: {total} {fmt(report.total_norm)} (p={p}){limit}{note}{applied} (exit 0)"
 
 
 def clip_summary(report: ClipReport) -> str:
@@ -138,7 +197,7 @@ def clip_summary(report: ClipReport) -> str:
     else:
         what = "unchanged: the total norm is within --max-norm"
     before = BEYOND_FLOAT64 if report.overflow else fmt(report.total_norm_before)
-    return (f"total norm (p={fmt_p(report.norm_type)}): {before} -> "
+    return (f"gradient total norm (p={fmt_p(report.norm_type)}): {before} -> "
             f"{fmt(report.total_norm_after)}; {plural(report.num_tensors, 'tensor')} {what}")
 
 
@@ -170,25 +229,37 @@ def point_groups(p: TrendPoint) -> str:
 def trend_verdict(report: TrendReport) -> str:
     """The last line of the table and Markdown reports, matching the exit code."""
     failing = report.failing
+    what = judged_in(report)
     if report.disagreeing and not failing:
         return audit_verdict(report)
     if failing:
-        measured = "gradients" if report.what == "grads" else report.what
-        kind = (f"non-finite {measured}" if report.status == NONFINITE
-                else "gradient spike" if report.what == "grads" else f"{report.what} spike")
+        kind = (f"non-finite {what.plural}" if report.status == NONFINITE
+                else f"{what.attribute} spike")
         last = failing[-1]
         where = f"step {last.step}" if last.step is not None else visible(last.source)
         groups = ", ".join(visible(g) for g in (last.nonfinite_groups + last.spike_groups))
         detail = (f"{where}: total norm {fmt(last.total_norm)}, z {z_text(last.z)}"
-                  + (f"; groups {groups}" if groups else ""))
+                  + (f"; groups {groups}" if groups else "") + origin_text(last))
         if report.fail_on == "newest":
             return f"FAIL: {kind} at the newest point ({detail}){_earlier(report)} (exit 1)"
         return (f"FAIL: {kind} at {len(failing)} point(s); the last at {detail} (exit 1)")
     if report.status == INSUFFICIENT_HISTORY:
-        return ("OK: too little history to judge (a point needs 5 earlier points)"
-                f"{_earlier(report)} (exit 0)")
+        return (f"OK: too little history to judge the {what.plural} (a point needs 5 earlier "
+                f"points){_earlier(report)} (exit 0)")
     scope = "the newest point" if report.fail_on == "newest" else f"{len(report.points)} points"
-    return f"OK: no spike or non-finite norm at {scope}{_earlier(report)} (exit 0)"
+    return (f"OK: no spike or non-finite {what.attribute} norm at {scope}{_earlier(report)} "
+            "(exit 0)")
+
+
+def origin_text(p: TrendPoint) -> str:
+    """``"; began in forward at M, backward at P"``: where the monitor located a non-finite
+    value (``locate_nonfinite``), or nothing when it did not."""
+    if p.nonfinite_origin is None or not p.is_nonfinite:
+        return ""
+    forward, backward = p.nonfinite_origin
+    parts = [f"forward output of {visible(forward)}" if forward else "forward clean",
+             f"first non-finite gradient {visible(backward)}" if backward else ""]
+    return "; began: " + ", ".join(part for part in parts if part)
 
 
 def _steps(points: list[TrendPoint]) -> str:
@@ -256,9 +327,21 @@ def _names(rows: list[CompareRow], label=lambda g: visible(g.name)) -> str:
     return ", ".join(label(g) for g in rows[:5]) + more
 
 
+def nonfinite_rows(report: CompareReport) -> list[CompareRow]:
+    """The groups whose norm is NaN or infinite in A or B, in the report's order (first:
+    docs/reference/contract.md counts them the largest change)."""
+    return [g for g in report.groups if g.nonfinite]
+
+
 def compare_verdict(report: CompareReport) -> str:
+    what = judged_in(report)
     if report.status == NONFINITE:
-        return "FAIL: a norm in A or B is NaN or inf (exit 1)"
+        rows = nonfinite_rows(report)
+        named = _names(rows, lambda g: f"{visible(g.name)} ({fmt(g.a)} in A, {fmt(g.b)} in B)")
+        total = report.total
+        where = (f"{len(rows)} group(s): {named}" if rows else
+                 f"the total ({fmt(total.a)} in A, {fmt(total.b)} in B)")
+        return f"FAIL: non-finite {what.attribute} norm in {where} (exit 1)"
     if report.status == EXCEEDED:
         limit = f"{report.fail_above:g}x"
         parts = []
@@ -271,8 +354,9 @@ def compare_verdict(report: CompareReport) -> str:
             parts.append(f"{len(report.one_sided)} group(s) on one side only: "
                          + _names(report.one_sided,
                                   lambda g: f"{visible(g.name)} ({g.only.upper()} only)"))
-        return f"FAIL: {'; '.join(parts)} (exit 1)"
+        return f"FAIL: {what.attribute} norms: {'; '.join(parts)} (exit 1)"
     limit = f" within {report.fail_above:g}x" if report.fail_above is not None else ""
     alone = (f"; {len(report.one_sided)} group(s) on one side only"
              if report.one_sided else "")
-    return f"OK: total ratio {fmt_ratio(report.total.ratio)}{limit}{alone} (exit 0)"
+    return (f"OK: {what.attribute} total ratio {fmt_ratio(report.total.ratio)}{limit}{alone} "
+            "(exit 0)")

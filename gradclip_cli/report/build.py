@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -77,12 +78,14 @@ def build_inspect_report(
     what: str = "grads",
     step: int | None = None,
     description: Sequence[str] = (),
-    measured: dict[str, str] | None = None,
+    measured: dict[str, Any] | None = None,
     roles: dict[str, int] | None = None,
     weight_sums: PowerSums | None = None,
     owned: PowerSums | None = None,
     counts: Sequence[int] | None = None,
     owned_counts: Sequence[int] | None = None,
+    optimizer: str | None = None,
+    chosen_by_auto: bool = False,
 ) -> InspectReport:
     """``names``, ``tensors`` and the rest are aligned and hold no tie duplicates.
 
@@ -184,4 +187,6 @@ def build_inspect_report(
         roles=dict(roles or {}),
         overflow=overflow,
         total_norm_log10=float(total.log2_norm[0]) * math.log10(2.0) if overflow else None,
+        optimizer=optimizer,
+        chosen_by_auto=chosen_by_auto,
     )

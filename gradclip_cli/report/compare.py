@@ -30,6 +30,12 @@ class CompareRow:
         return None
 
     @property
+    def nonfinite(self) -> bool:
+        """A NaN or infinite norm on either side: the largest change
+        (docs/reference/contract.md)."""
+        return any(x is not None and not math.isfinite(x) for x in (self.a, self.b))
+
+    @property
     def change(self) -> float:
         """``|log ratio|``: how far the group moved, either way (inf for 0 -> x, nan unknown)."""
         if self.ratio is None:
@@ -52,6 +58,7 @@ class CompareReport:
     total: CompareRow
     groups: list[CompareRow]
     status: str
+    optimizer: str | None = None  # whose rule gave an optimizer quantity, for the words
 
     @property
     def beyond(self) -> list[CompareRow]:
@@ -69,7 +76,7 @@ class CompareReport:
     @property
     def total_beyond(self) -> bool:
         """The total's ratio is checked against ``fail_above`` too: two checkpoints
-        with no group in common have no ratio but the total's (CONTRACT.md)."""
+        with no group in common have no ratio but the total's (docs/reference/contract.md)."""
         return self.fail_above is not None and ratio_beyond(self.total.ratio, self.fail_above)
 
     @property
@@ -114,15 +121,19 @@ def build_compare_report(
 ) -> CompareReport:
     """Rows for the union of both sides' groups, largest ``|log ratio|`` first.
 
-    Groups found on one side only lead (their change is unbounded); rows whose
-    ratio is NaN (a NaN norm) go last; ties keep A's order, then B's.
+    A NaN or infinite norm on either side is the largest change (docs/reference/contract.md):
+    those groups lead, whatever their ratio says (inf / inf is 1, NaN is no
+    number at all); groups found on one side only come next (their change is
+    unbounded); ties keep A's order, then B's.
     """
     names = list(dict.fromkeys([*groups_a, *groups_b]))
     rows = [row(n, groups_a.get(n), groups_b.get(n)) for n in names]
 
     def key(r: CompareRow) -> tuple[int, float]:
-        change = r.change
-        return (1, 0.0) if math.isnan(change) else (0, -change)
+        if r.nonfinite:
+            return (0, 0.0)
+        change = r.change  # NaN only with a NaN norm, led above
+        return (1, 0.0 if math.isnan(change) else -change)
 
     rows.sort(key=key)
     report = CompareReport(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,18 @@ class InspectReport:
     description: list[str] = field(default_factory=list)  # lines for the header
     # What was measured and the evidence for each role (source/roles.py), for scripts:
     # {"what": ..., "evidence": "a state_dict: torch's _metadata"}.
-    measured: dict[str, str] = field(default_factory=dict)
+    measured: dict[str, Any] = field(default_factory=dict)
     # How many tensors of the checkpoint have each role: {"weight": 12, "buffer": 3, ...}.
     roles: dict[str, int] = field(default_factory=dict)
     # A finite total beyond float64's range: total_norm is inf, log10 says how far.
     overflow: bool = False
     total_norm_log10: float | None = None
+    # The optimizer whose state gave an optimizer quantity ("Adam"), for the verdict's
+    # words ("Adam exp_avg total norm ..."); None for gradients and weights.
+    optimizer: str | None = None
+    # ``--what auto`` chose ``what`` (rather than ``--what`` naming it): a verdict under
+    # ``--max-norm`` then says what the threshold was applied to (docs/reference/contract.md).
+    chosen_by_auto: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,7 @@ class FailureReport:
     """A run that ended with exit 2 (usage) or 3 (unreadable input, unwritable output).
 
     Every format renders it, so CI that reads a report file still learns why
-    there is no report (CONTRACT.md, "Options both commands take").
+    there is no report (docs/reference/contract.md, "Options both commands take").
     ``message`` is the one line printed on stderr, already made ``visible``;
     ``source`` is PATH as given (several joined by spaces), None when the
     failure came before one was known; ``file`` the one input it concerns,

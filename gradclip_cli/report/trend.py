@@ -38,6 +38,9 @@ class Observation:
     groups: dict[str, float] = field(default_factory=dict)
     nonfinite: NonFinite | None = None
     what: str = "grads"
+    # Where a non-finite value began (forward module, backward parameter), when
+    # the monitor located it (GradMonitor(locate_nonfinite=True)).
+    nonfinite_origin: tuple[str | None, str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class TrendPoint:
     nonfinite_groups: tuple[str, ...]  # groups whose norm is NaN or inf here
     group_z: dict[str, float | None]
     what: str = "grads"
+    nonfinite_origin: tuple[str | None, str | None] | None = None  # as Observation's
 
     @property
     def is_nonfinite(self) -> bool:
@@ -70,7 +74,7 @@ class SeriesFound:
     the one judged (a run folder keeps the same steps at several grains)."""
 
     source: str
-    kind: str  # "gradclip-monitor", "trainer-state" or "checkpoints"
+    kind: str  # "gradclip-monitor", "trainer-state", "checkpoints" or "tracker"
     points: int
     per_group: bool
     judged: bool
@@ -79,11 +83,24 @@ class SeriesFound:
 
 @dataclass(frozen=True)
 class ClippingFound:
-    """Whether the Trainer clipped (``max_grad_norm`` > 0), None when unknown."""
+    """Whether the Trainer clipped (``max_grad_norm`` > 0 and finite), None when unknown;
+    ``monitor``: what gradclip's GradMonitor log records of its own clipping."""
 
     max_grad_norm: float | None
     source: str | None
     note: str
+    clipped: bool | None = None
+    monitor: MonitorClipped | None = None
+
+
+@dataclass(frozen=True)
+class MonitorClipped:
+    """A GradMonitor log's own clipping: ``clipped`` of ``logged`` steps, to ``limits``."""
+
+    source: str
+    logged: int
+    clipped: int
+    limits: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -102,6 +119,9 @@ class TrendReport:
     series: tuple[SeriesFound, ...] = ()
     clipping: tuple[ClippingFound, ...] = ()
     notes: tuple[str, ...] = ()
+    # The optimizer whose rule gave an optimizer quantity ("Adam"), where every
+    # checkpoint names the same one; for the verdict's words.
+    optimizer: str | None = None
     # A framework's own logged totals held against gradclip's (report/norm_audit.py).
     audits: tuple[NormAudit, ...] = ()
 
@@ -171,7 +191,7 @@ def one_point_per_step(observations: Sequence[Observation]) -> tuple[list[Observ
             raise UsageError(
                 f"{visible(obs.source)} and {visible(seen.source)} both give step {obs.step}, "
                 f"with other norms ({_apart(obs, seen)}): one trend judges one run's series, "
-                "each step once; give one of them")
+                "each step once; give one of them, or leave one out with --exclude GLOB")
     notes = []
     for (copy, source), steps in copies.items():
         at = (f"step ({steps[0]})" if len(steps) == 1
@@ -248,6 +268,7 @@ def build_trend_report(
             groups=dict(obs.groups), nonfinite=obs.nonfinite, z=total.z,
             spike=total.spike or bool(spike_groups), spike_groups=tuple(spike_groups),
             nonfinite_groups=tuple(nonfinite_groups), group_z=group_z, what=obs.what,
+            nonfinite_origin=obs.nonfinite_origin,
         ))  # fmt: skip
     return TrendReport(
         what=what, norm_type=norm_type, group_by=group_by, z_threshold=z, alpha=alpha,

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from gradclip_cli.errors import OutputError
-from gradclip_cli.sink.atomic import atomic_write, check_target
+from gradclip_cli.sink.atomic import atomic_write, check_target, links_kept
 from gradclip_cli.sink.safetensors_file import write_safetensors
 from gradclip_cli.sink.torch_file import write_torch_legacy, write_torch_zip
 from gradclip_cli.source.interface import Checkpoint
 
-__all__ = ["WRITERS", "atomic_write", "check_target", "write_checkpoint"]
+__all__ = ["WRITERS", "atomic_write", "check_target", "links_kept", "write_checkpoint"]
 
 WRITERS: dict[str, Callable[[Checkpoint, BinaryIO], None]] = {
     "torch-zip": write_torch_zip,
@@ -48,6 +48,6 @@ def write_checkpoint(ckpt: Checkpoint, output: Path | str) -> int:
     if writer is None:
         raise OutputError(f"{output}: cannot write checkpoints of format {ckpt.format!r}")
     target = Path(os.path.realpath(output)) if os.path.islink(output) else Path(output)
-    replaced = check_target(target)
+    kept = links_kept(target)
     atomic_write(target, lambda file: writer(ckpt, file), mode_from=ckpt.path)
-    return 0 if replaced is None else replaced.st_nlink - 1
+    return kept

@@ -55,6 +55,42 @@ def atomic_write(
     On any failure, an interrupt included, the temporary file is removed, the
     target is left as it was, and ``OutputError`` says why in one line.
     """
+    stage(target, write, mode_from=mode_from).commit()
+
+
+class Staged:
+    """A file written in full beside its target, not yet in its place.
+
+    ``commit`` renames it into place (the one step left, which needs no
+    space); ``discard`` removes it, leaving the target as it was. A command
+    that writes two things stages the one it can prepare first (its report),
+    writes the other, and commits: it never writes one and then fails on the
+    other's data.
+    """
+
+    def __init__(self, temp: Path, target: Path):
+        self.temp, self.target = temp, target
+
+    def commit(self) -> None:
+        try:
+            os.replace(self.temp, self.target)
+        except BaseException as error:
+            self.discard()
+            if not isinstance(error, (Exception, KeyboardInterrupt)):
+                raise
+            raise _output_error(self.target, error) from error
+        _fsync_folder(self.target.parent)
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.temp.unlink()
+
+
+def stage(
+    target: Path, write: Callable[[BinaryIO], None], *, mode_from: Path | None = None
+) -> Staged:
+    """``atomic_write``'s first half: ``target``'s new content written, flushed and
+    fsync'd to a temporary file beside it, which ``Staged.commit`` puts in place."""
     target = Path(target)
     folder = target.parent
     check_folder(target)
@@ -73,14 +109,20 @@ def atomic_write(
             file.flush()
             os.fchmod(file.fileno(), mode)
             os.fsync(file.fileno())
-        os.replace(temp, target)
     except BaseException as error:
         with contextlib.suppress(OSError):
             temp.unlink()
         if not isinstance(error, (Exception, KeyboardInterrupt)):
             raise  # SystemExit and friends: cleaned up, but not ours to reword
         raise _output_error(target, error) from error
-    _fsync_folder(folder)
+    return Staged(temp, target)
+
+
+def links_kept(target: Path | str) -> int:
+    """How many other hard links of the file at ``target`` keep its old bytes when an
+    atomic replace gives ``target`` a new file (symlinks followed); 0 for no file."""
+    replaced = check_target(target)
+    return 0 if replaced is None else replaced.st_nlink - 1
 
 
 def check_folder(target: Path | str) -> None:

@@ -308,7 +308,8 @@ class Contents:
     # Weights under the optimizer's name for a parameter the model stores split (ratio only).
     fused_weights: dict[str, StoredTensor] = field(default_factory=dict)
     # Why optimizer state keeps its parameter ids as names although the checkpoint holds
-    # the model (weights stored sorted, no param_names): measured exactly, named by id.
+    # the model (weights stored sorted, no param_names): the layout's own cause, which
+    # ``what.named_by_id`` words in the report, as it words every layout's.
     unmapped: str | None = None
 
     @property

@@ -57,7 +57,7 @@ class Kind:
     keys: tuple[str, ...]  # what it keeps per parameter, for people
     # quantity -> None when given for every group, else why not
     refusals: Mapping[str, str | None]
-    derive: Callable[[str, dict, dict, _Numbers], Derivation] | None
+    derive: Callable[[str, dict, dict, Numbers], Derivation] | None
     # Its state is made for every parameter when it is built (Adagrad's, step 0), not at
     # the parameter's first step with a gradient.
     state_when_built: bool = False
@@ -69,7 +69,7 @@ class Kind:
         return self.refusals.get(what) or f"{self.name} gives no {what}"
 
 
-class _Numbers:
+class Numbers:
     """Reads hyperparameters and per-parameter scalars as finite floats, or says where not."""
 
     def __init__(self, opt: OptimizerState, name: str):
@@ -401,7 +401,7 @@ def derive(kind: Kind, what: str, opt: OptimizerState, name: str, entry: dict,
     leave it undetermined (an SGD group with Nesterov momentum among plain ones)."""
     if not kind.gives(what):
         raise Refusal(kind.why_not(what))
-    return kind.derive(what, entry, group, _Numbers(opt, name))
+    return kind.derive(what, entry, group, Numbers(opt, name))
 
 
 def holds(kind: Kind) -> str:

@@ -8,6 +8,9 @@ A run folder keeps the same run several times over, at different grains:
   ``logging_steps``, the total only. Each ``checkpoint-N/`` keeps a copy as it
   was then; the newest (the folder's own, written by ``save_state``, or the
   last checkpoint's) holds the most steps, and it alone is read;
+* a tracker's run (``source/logs/trackers.py``): TensorBoard event files
+  (the Trainer's ``runs/``, Lightning's ``version_N/``), MLflow, trackio, W&B
+  or Lightning's ``metrics.csv``, the gradient-norm tag its rule finds;
 * the numbered checkpoints themselves (``checkpoint-N/``, ``global_stepN/``):
   one point each, every ``save_steps``, measured as ``inspect`` measures them
   (a Trainer checkpoint holds Adam's moments, not gradients).
@@ -27,17 +30,21 @@ clipping) show it whole.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from gradclip_cli.errors import InputError
-from gradclip_cli.source.files import training_args
-from gradclip_cli.source.logs import LoggedNorms, LogKind, monitor_log, trainer_state
+from gradclip_cli.errors import GradclipError, InputError
+from gradclip_cli.escaping import visible
+from gradclip_cli.source.exclude import Exclusion
+from gradclip_cli.source.files import sqlite_file, training_args
+from gradclip_cli.source.logs import LoggedNorms, LogKind, monitor_log, trackers, trainer_state
 from gradclip_cli.source.logs.recognise import log_kind
 
 MONITOR, TRAINER_STATE, CHECKPOINTS = "gradclip-monitor", "trainer-state", "checkpoints"
+TRACKER = "tracker"
 TRAINER_STATE_FILE = "trainer_state.json"
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 
@@ -53,6 +60,7 @@ class Series:
     per_group: bool
     log: LogKind | None = None
     entries: tuple[LoggedNorms, ...] = ()
+    tracker: trackers.TrackerSeries | None = None  # the tag and run, for a tracker's series
 
     @property
     def points(self) -> int:
@@ -72,6 +80,8 @@ class Series:
             what = "gradclip monitor log, gradient norms"
         elif self.kind == TRAINER_STATE:
             what = "Trainer log_history grad_norm"
+        elif self.kind == TRACKER:
+            what = self.tracker.describe()
         else:
             what = "checkpoints"
         groups = "per group" if self.per_group else "total only"
@@ -80,8 +90,8 @@ class Series:
 
 @dataclass(frozen=True)
 class Clipping:
-    """Whether the Trainer clipped: ``max_grad_norm`` (> 0: clipped to it; 0: never),
-    None when unknown, with the file read (or why it could not be)."""
+    """Whether the Trainer clipped: ``max_grad_norm`` (> 0: clipped to it; 0 or NaN:
+    never), None when unknown, with the file read (or why it could not be)."""
 
     max_grad_norm: float | None
     source: Path | None
@@ -89,7 +99,46 @@ class Clipping:
 
     @property
     def clipped(self) -> bool | None:
-        return None if self.max_grad_norm is None else self.max_grad_norm > 0
+        """Whether the Trainer changed gradients by clipping: it calls its clip when
+        ``max_grad_norm > 0`` (never for NaN), and a limit of inf changes none."""
+        if self.max_grad_norm is None:
+            return None
+        return self.max_grad_norm > 0 and not math.isinf(self.max_grad_norm)
+
+
+@dataclass(frozen=True)
+class MonitorClipping:
+    """What a GradMonitor log records of its own clipping (``clip_coef``, ``clipped_to``):
+    the steps it scaled, of ``logged``, and the limits it scaled them to."""
+
+    source: Path
+    logged: int
+    clipped: int
+    limits: tuple[float, ...]  # the distinct ``clipped_to``, smallest first
+    smallest_coef: float | None
+
+    @classmethod
+    def of(cls, series: Series) -> MonitorClipping:
+        scaled = [e for e in series.entries if e.clip_coef is not None]
+        limits = sorted({e.clipped_to for e in scaled if e.clipped_to is not None})
+        coefs = [e.clip_coef for e in scaled if not math.isnan(e.clip_coef)]
+        return cls(series.paths[0], len(series.entries), len(scaled), tuple(limits),
+                   min(coefs) if coefs else None)
+
+    def words(self) -> str:
+        """``gradclip's GradMonitor (grads.jsonl) clipped 30 of 30 logged steps ...``."""
+        who = f"gradclip's GradMonitor ({visible(str(self.source))})"
+        if not self.clipped:
+            return f"{who} records no clipping in its {self.logged} logged steps"
+        if len(self.limits) == 1:
+            to = f" to total norm {self.limits[0]:g}"
+        elif self.limits:
+            to = f" to total norms {self.limits[0]:g}-{self.limits[-1]:g}"
+        else:
+            to = ""
+        coef = "" if self.smallest_coef is None else \
+            f", clip_coef down to {self.smallest_coef:.3g}"
+        return f"{who} clipped {self.clipped} of {self.logged} logged steps{to}{coef}"
 
 
 @dataclass(frozen=True)
@@ -100,6 +149,9 @@ class RunFolder:
     why_not: dict[int, str]  # index in ``series`` -> why it was not judged
     clipping: Clipping | None  # None: no Trainer arguments in the folder
     unread: tuple[str, ...] = ()  # logs found but not read as a series, and why
+    # What the folder's GradMonitor log says of its own clipping (the finest
+    # log when there are several); None: no monitor log.
+    monitor_clipping: MonitorClipping | None = None
 
     def notes(self) -> list[str]:
         """What was found and chosen, one line each: where every series came from."""
@@ -108,6 +160,8 @@ class RunFolder:
             if series is not self.judged:
                 lines.append(f"not judged: {series.describe()}: {self.why_not[i]}")
         lines += [f"not read: {why}" for why in self.unread]
+        lines += [f"{s.source}: {s.tracker.choice_note}" for s in self.series
+                  if s.tracker is not None]
         if self.judged.kind == TRAINER_STATE:
             monitors = [s for s in self.series if s.kind == MONITOR]
             where = (
@@ -119,67 +173,129 @@ class RunFolder:
                 "layer: log_history holds the total norm only, so a spike cannot "
                 f"be placed in a layer; {where}"
             )
-        if self.clipping is not None:
-            lines.append(self.clipping_note())
+        note = self.clipping_note()
+        if note is not None:
+            lines.append(note)
         return lines
 
-    def clipping_note(self) -> str:
-        clip = self.clipping
+    def clipping_note(self) -> str | None:
+        """Who clipped the gradients the optimizer saw: the Trainer (its arguments'
+        ``max_grad_norm``) and gradclip's monitor (its log's ``clip_coef``), one line;
+        None when the folder holds neither the arguments nor a monitor log."""
+        clip, monitor = self.clipping, self.monitor_clipping
+        monitor_clipped = monitor is not None and monitor.clipped > 0
+        by_monitor = (
+            f"{monitor.words()}: the logged norms are from before its clipping, the "
+            "optimizer (and the Adam moments in the checkpoints) saw the clipped gradients"
+            if monitor_clipped else None
+        )
+        if clip is None:
+            return None if by_monitor is None else f"clipping: {by_monitor}"
         where = str(clip.source) if clip.source is not None else ""
         if clip.max_grad_norm is None:
-            return f"clipping: unknown ({clip.why_unknown})"
-        if clip.max_grad_norm <= 0:
-            return (
-                f"clipping: the Trainer did not clip (max_grad_norm "
-                f"{clip.max_grad_norm:g} in {where}): the optimizer saw every gradient "
-                "as logged"
-            )
+            known = "" if by_monitor is None else f"; {by_monitor}"
+            return f"clipping: unknown ({clip.why_unknown}){known}"
+        if not clip.clipped:
+            why = ("a NaN, which is never > 0" if math.isnan(clip.max_grad_norm)
+                   else "an infinite limit, which changes no gradient"
+                   if math.isinf(clip.max_grad_norm) else "not > 0")
+            trainer = (f"clipping: the Trainer did not clip (max_grad_norm "
+                       f"{clip.max_grad_norm:g} in {where}: {why})")
+            if by_monitor is not None:
+                return f"{trainer}; {by_monitor}"
+            either = "" if monitor is None else f" ({monitor.words()})"
+            return f"{trainer}: the optimizer saw every gradient as logged{either}"
+        also = "" if by_monitor is None else f"; {by_monitor}"
         return (
             f"clipping: the Trainer clipped gradients to max_grad_norm "
             f"{clip.max_grad_norm:g} ({where}); the logged norms are from before "
             "clipping, but the Adam moments in the checkpoints only saw clipped "
-            "gradients, so a spike barely shows in exp_avg"
+            f"gradients, so a spike barely shows in exp_avg{also}"
         )
 
 
-def numbered_folders(path: Path) -> list[tuple[int, Path]]:
+def numbered_folders(path: Path, exclusion: Exclusion | None = None) -> list[tuple[int, Path]]:
     """``(number, folder)`` of the numbered subfolders (``checkpoint-N``,
-    ``global_stepN``), in step order; empty when there are none."""
-    children = _children(path)
+    ``global_stepN``), in step order; empty when there are none. A tracker's
+    numbered run folders (Lightning's ``version_N/``, W&B's, MLflow's
+    experiments) are runs, not checkpoints."""
+    children = _children(path, exclusion)
     numbered = [
-        (int(m.group(1)), c) for c in children if (m := _LAST_NUMBER.search(c.name)) and c.is_dir()
+        (int(m.group(1)), c) for c in children
+        if (m := _LAST_NUMBER.search(c.name)) and c.is_dir()
+        and not trackers.holds_tracker_files(c)
     ]
     return sorted(numbered, key=lambda nc: nc[0])
 
 
-def discover(path: Path, what: str) -> RunFolder | None:
+def discover(path: Path, what: str, choice: trackers.Choice | None = None,
+             exclusion: Exclusion | None = None) -> RunFolder | None:
     """The series in run folder ``path`` and the one to judge for ``--what what``;
     None when ``path`` holds numbered checkpoints and nothing else to choose from
-    (then the checkpoints are the series, as before)."""
-    folders = numbered_folders(path)
-    if not folders:
+    (then the checkpoints are the series, as before), or holds neither numbered
+    checkpoints nor a tracker's run."""
+    choice = choice or trackers.Choice()
+    exclusion = exclusion or Exclusion()
+    folders = numbered_folders(path, exclusion)
+    stores = trackers.runs_in(path, exclusion.excludes)
+    if not folders and not any(stores):
         return None
-    series: list[Series] = [
-        Series(CHECKPOINTS, tuple(f for _, f in folders), tuple(n for n, _ in folders), True)
-    ]
-    logs = _monitor_logs(path)
     unread: list[str] = []
+    logs = _monitor_logs(path, exclusion)
     state = _newest_trainer_state(path, folders, unread)
     if state is not None:
         logs.append(state)
+    tracked = _tracker_series(path, stores, choice, unread, alone=not folders and not logs)
+    series: list[Series] = [
+        Series(CHECKPOINTS, tuple(f for _, f in folders), tuple(n for n, _ in folders), True)
+    ] if folders else []
+    logs += tracked
     series += logs
     clipping = _clipping(path, folders)
     if not logs and clipping is None and not unread:
         return None
+    if not series:
+        raise InputError(f"{path}: {unread[0]}")
     judged, why_not = _choose(series, what)
-    return RunFolder(path, tuple(series), judged, why_not, clipping, tuple(unread))
+    monitors = [s for s in series if s.kind == MONITOR]
+    monitor_clipping = MonitorClipping.of(max(monitors, key=lambda s: s.points)) \
+        if monitors else None
+    return RunFolder(path, tuple(series), judged, why_not, clipping, tuple(unread),
+                     monitor_clipping)
 
 
-def _children(path: Path) -> list[Path]:
+def _children(path: Path, exclusion: Exclusion | None = None) -> list[Path]:
     try:
-        return sorted(c for c in path.iterdir() if not c.name.startswith("."))
+        children = sorted(c for c in path.iterdir() if not c.name.startswith("."))
     except OSError as error:
         raise InputError(f"{path}: cannot list the folder: {error.strerror or error}") from None
+    return children if exclusion is None else exclusion.keep(children)
+
+
+def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
+                    unread: list[str], *, alone: bool) -> list[Series]:
+    """The trackers' runs under ``path``, a series each. Where other series may be
+    there (``alone`` False) and no --tag/--run was given, one that cannot be read
+    (several runs, no norm tag, a missing extra) is noted in ``unread``, not fatal."""
+    found = []
+    try:
+        runs = trackers.choose_runs(stores, choice, str(path))
+    except GradclipError as error:
+        if alone or choice.run is not None:
+            raise
+        unread.append(str(error))
+        return []
+    for run in runs:
+        try:
+            read = trackers.norm_series(run, choice)
+        except GradclipError as error:
+            if alone or choice.tag is not None:
+                raise
+            unread.append(str(error))
+            continue
+        found.append(Series(TRACKER, (run.source,), tuple(e.step for e in read.entries),
+                            read.per_group, trackers.KIND, read.entries, read))
+    return found
 
 
 def _log_series(kind: str, log: LogKind, path: Path) -> Series:
@@ -189,9 +305,9 @@ def _log_series(kind: str, log: LogKind, path: Path) -> Series:
     )
 
 
-def _monitor_logs(path: Path) -> list[Series]:
+def _monitor_logs(path: Path, exclusion: Exclusion | None = None) -> list[Series]:
     found = []
-    for child in _children(path):
+    for child in _children(path, exclusion):
         if child.is_file() and log_kind(child) is monitor_log.KIND:
             found.append(_log_series(MONITOR, monitor_log.KIND, child))
     return found
@@ -274,3 +390,24 @@ def _choose(series: list[Series], what: str) -> tuple[Series, dict[int, str]]:
         if s.kind == CHECKPOINTS and judged.kind != CHECKPOINTS and s.points < judged.points:
             why_not[i] += "; --what exp_avg trends them"
     return judged, why_not
+
+
+def tracker_file(path: Path, choice: trackers.Choice) -> RunFolder | None:
+    """A tracker's file named on the command line (an event file, ``mlflow.db``, a
+    trackio database, a ``.wandb`` file, ``metrics.csv``) as a run folder of one
+    series; None when it is no tracker's file. An SQLite file of neither
+    tracker's schema is exit 3."""
+    runs = trackers.given_runs(path)
+    if runs is None:
+        if sqlite_file.is_sqlite(path):
+            raise InputError(f"{visible(str(path))}: an SQLite database, but neither "
+                             "MLflow's store (tables runs, metrics) nor a trackio project "
+                             "(table metrics with run_name, step, metrics)")
+        return None
+    if not runs:
+        raise InputError(f"{visible(str(path))}: a tracker's store with no runs")
+    run, = trackers.choose_runs([runs], choice, visible(str(path)))
+    read = trackers.norm_series(run, choice)
+    series = Series(TRACKER, (run.source,), tuple(e.step for e in read.entries),
+                    read.per_group, trackers.KIND, read.entries, read)
+    return RunFolder(path, (series,), series, {}, None)

@@ -84,7 +84,7 @@ def checkpoint_step(stated: int | None, root: Any, path: Path | str) -> Checkpoi
     optimizer's own count), else its top-level step entry (``step_of``). Else
     the step its name gives (``step_in_name``), else its folder's name (a file
     saved into ``checkpoint-5/``). Where the checkpoint records one step and
-    its name another, the recorded one is the step (CONTRACT.md: "a
+    its name another, the recorded one is the step (docs/reference/contract.md: "a
     step/global_step entry, ..., or the last number in the name") and the
     note names both.
     """

@@ -85,6 +85,9 @@ class Selection:
     # finding the ties already computed them (so loading need not again).
     elements: Elements | None = None
     evidence: str = ""
+    optimizer: str | None = None  # whose rule gave an optimizer quantity ("Adam")
+    # Where optimizer state is measured under its ids (``state.N``): why (``named_by_id``).
+    ids_note: str | None = None
 
     def read_sizes(self) -> list[int]:
         """Bytes measuring each tensor reads (for progress and for sharing work)."""
@@ -130,11 +133,11 @@ def _auto(contents: Contents, gradients_only: bool) -> str:
 
 
 def _gives(contents: Contents, what: str) -> bool:
-    opt = _optimizer(contents)
+    opt = optimizer_state(contents)
     return isinstance(opt, OptimizerState) and optimizers.identify(opt).gives(what)
 
 
-def _optimizer(contents: Contents) -> OptimizerState | str | None:
+def optimizer_state(contents: Contents) -> OptimizerState | str | None:
     """The optimizer state to measure; several (Lightning's list, a file's ``optimizer_g``
     and ``optimizer_d``) are one, their ids chained in order, when one rule serves them
     all; else why not. Measuring the first alone would report a part as the total."""
@@ -259,7 +262,7 @@ class _Param:
 
 
 def _from_optimizer(contents: Contents, what: str) -> Selection:
-    opt = _optimizer(contents)
+    opt = optimizer_state(contents)
     if opt is None:
         raise _unavailable(
             contents, what, contents.optimizer_error or "the checkpoint holds no optimizer state"
@@ -284,7 +287,7 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
             # has stepped, the state is refused for saying so (step 0).
             continue
         params.append(_Param(name, entry, group_of[pid]))
-    order = _report_order(contents, [p.name for p in params])
+    order = report_order(contents, [p.name for p in params])
     params.sort(key=lambda p: order.get(p.name, len(order)))
     derived = []
     for p in params:
@@ -311,10 +314,13 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
     weights = None
     if contents.weights:
         weights = [contents.weights.get(p.name, contents.fused_weights.get(p.name)) for p in params]
+    reason = ids_reason(contents, opt)
     return Selection(
         what=what, names=[p.name for p in params], tensors=described, ties={}, skipped=[],
         key="", explain=f"{kind.name} {EXPLAIN[what]}", derivations=derived, weights=weights,
         evidence=contents.evidence.get(roles.OPTIMIZER_STATE, f"the {contents.kind} layout"),
+        optimizer=kind.name,
+        ids_note=None if reason is None else named_by_id(reason),
     )
 
 
@@ -322,7 +328,9 @@ def _key_of(t: StoredTensor) -> str:
     return t.name.split(".", 1)[1] if "." in t.name else t.name
 
 
-def _report_order(contents: Contents, names: list[str]) -> dict[str, int]:
+def report_order(contents: Contents, names: list[str]) -> dict[str, int]:
+    """Name -> position in the report: the model's parameter order where the checkpoint
+    knows it, else the order of ``names``."""
     if contents.model_order_names:
         return {n: i for i, n in enumerate(contents.model_order_names)}
     if contents.weights and contents.model_order:
@@ -355,10 +363,8 @@ def map_names(contents: Contents, opt: OptimizerState) -> dict[int, str]:
                     f"{opt.file}: the optimizer's param_names name {visible(strangers[0])}"
                     f"{more}, which the checkpoint's weights do not hold: the two disagree")
         return dict(sorted(opt.param_names.items()))
-    if contents.unmapped or (not contents.weights and not contents.model_order_names):
-        # No model at all (an optimizer's state dict saved alone), or a model whose order
-        # is unknown where the layout says why (``unmapped``): its ids are the only names
-        # there are, and the total does not depend on them.
+    if ids_reason(contents, opt) is not None:
+        # Its ids are the only names there are, and the total does not depend on them.
         return {pid: f"state.{pid}" for g in opt.param_groups for pid in sorted(g["params"])}
     order = _model_order(contents, opt)
     shapes = {n: tuple(contents.weights[n].shape) if contents.weights and n in contents.weights
@@ -387,6 +393,38 @@ def map_names(contents: Contents, opt: OptimizerState) -> dict[int, str]:
             g, j = spot
             names[groups[g][j][0]] = order[model_index]
     return dict(sorted(names.items()))
+
+
+def ids_reason(contents: Contents, opt: OptimizerState) -> str | None:
+    """Why ``opt``'s state can be named by its parameter ids alone, or None when it can be
+    mapped to the model's names (docs/reference/contract.md: "measured under its ids (``state.N``),
+    never under guessed names, and the report says why").
+
+    The one rule for every layout: no ``param_names``, and no model order to
+    interleave the groups with: no model beside the state (an optimizer's
+    state dict saved alone: a bare ``optimizer.bin``, torchtune's
+    ``recipe_state.pt``), or weights stored sorted by name (a safetensors
+    header, an index) with no other evidence of the order. A layout that
+    knows its own cause says it in ``Contents.unmapped``.
+    """
+    if opt.param_names is not None:
+        return None
+    if contents.unmapped:
+        return contents.unmapped
+    if contents.model_order_names:
+        return None
+    if not contents.weights:
+        return "no model weights beside the optimizer state to take the names from"
+    if not contents.model_order:
+        return "the model's weights are stored sorted by name, not in the model's order"
+    return None
+
+
+def named_by_id(reason: str) -> str:
+    """The report's line for state measured under its ids: the one wording of ``reason``."""
+    return (f"optimizer state named by parameter id (state.N): {reason}, and the optimizer "
+            "stored no param_names (one given model.named_parameters() stores them); names "
+            "are never guessed")
 
 
 def _model_order(contents: Contents, opt: OptimizerState) -> list[str]:

@@ -81,8 +81,9 @@ def test_nonfinite_norm_is_a_finding(gradclip, tmp_path):
     doc = r.json()
     validate(doc, "compare-1")
     assert doc["status"] == "nonfinite" and doc["total"]["b"] == "nan"
-    assert doc["groups"][-1] == {"name": "transformer.h.2", "a": doc["groups"][-1]["a"],
-                                 "b": "nan", "ratio": "nan"}
+    # A NaN norm is the largest change (docs/reference/contract.md): its group leads.
+    assert doc["groups"][0] == {"name": "transformer.h.2", "a": doc["groups"][0]["a"],
+                                "b": "nan", "ratio": "nan"}
 
 
 def test_zero_norms(gradclip, tmp_path):
@@ -145,7 +146,7 @@ def test_disjoint_groups_in_the_table_and_markdown(gradclip, tmp_path):
     rows = {line.split()[1]: line for line in r.out.splitlines() if line.startswith("│")}
     assert "only in A" in rows["enc"] and "only in B" in rows["dec"]
     verdict = r.out.splitlines()[-1]
-    assert verdict.startswith("FAIL: the total changed 1000x, beyond 10x")
+    assert verdict.startswith("FAIL: gradient norms: the total changed 1000x, beyond 10x")
     assert "2 group(s) on one side only: enc (A only), dec (B only)" in verdict
     md = gradclip("compare", a, b, "--fail-above", "10", "--format", "markdown")
     assert md.code == 1
@@ -163,8 +164,8 @@ def test_disjoint_groups_are_findings_in_github_and_junit(gradclip, tmp_path):
     assert gh.code == 1
     parsed = [parse_workflow_command(line) for line in gh.out.splitlines()]
     titles = sorted(props["title"] for name, props, _ in parsed if name == "error")
-    assert titles == ["gradclip: group in A only", "gradclip: group in B only",
-                      "gradclip: total norm changed 1000x"]
+    assert titles == ["gradclip: gradient total norm changed 1000x",
+                      "gradclip: group in A only", "gradclip: group in B only"]
     junit = gradclip("compare", a, b, "--fail-above", "10", "--format", "junit")
     root = ET.fromstring(junit.out.encode())
     failed = {c.get("name") for c in root.iter("testcase") if c.find("failure") is not None}
@@ -177,7 +178,8 @@ def test_without_fail_above_one_sided_groups_are_listed_not_failed(gradclip, tmp
     a, b = disjoint(tmp_path)
     r = gradclip("compare", a, b)
     assert r.code == 0
-    assert r.out.splitlines()[-1] == "OK: total ratio 1000x; 2 group(s) on one side only (exit 0)"
+    assert r.out.splitlines()[-1] == ("OK: gradient total ratio 1000x; 2 group(s) on one side "
+                                      "only (exit 0)")
     gh = gradclip("compare", a, b, "--format", "github")
     assert gh.code == 0
     kinds = sorted(name for name, _, _ in map(parse_workflow_command, gh.out.splitlines()))
@@ -193,7 +195,8 @@ def test_the_total_ratio_alone_is_checked(gradclip, tmp_path):
     assert ok.code == 0
     bad = gradclip("compare", tmp_path / "a.pt", tmp_path / "b.pt", "--fail-above", "3")
     assert bad.code == 1 and bad.out.splitlines()[-1].startswith(
-        "FAIL: the total changed 4x, beyond 3x; 3 group(s) changed by more than 3x")
+        "FAIL: gradient norms: the total changed 4x, beyond 3x; "
+        "3 group(s) changed by more than 3x")
 
 
 def test_sides_that_measure_two_quantities_are_refused_in_compare_words(gradclip, tmp_path):

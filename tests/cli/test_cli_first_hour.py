@@ -32,7 +32,7 @@ def test_the_trend_verdict_names_an_earlier_nonfinite_step(gradclip, tmp_path):
     r = gradclip("trend", folder, "--no-progress")
     assert r.code == 0, r.err  # the newest point is healthy
     verdict = r.out.splitlines()[-1]
-    assert verdict.startswith("OK: no spike or non-finite norm at the newest point")
+    assert verdict.startswith("OK: no spike or non-finite gradient norm at the newest point")
     assert "earlier: 1 non-finite (step 8), 1 spike(s) (step 10)" in verdict
     failing = gradclip("trend", folder, "--fail-on", "any", "--no-progress")
     assert failing.code == 1 and "at 2 point(s)" in failing.out.splitlines()[-1]
@@ -88,10 +88,40 @@ def test_no_progress_is_taken(gradclip, tmp_path, command):
 
 def test_inspect_points_an_output_dir_and_its_trainer_state_to_trend(
         gradclip, checkpointed_run, trainer_state):  # noqa: F811
-    for path in (checkpointed_run.output_dir, trainer_state):
-        r = gradclip("inspect", path)
+    r = gradclip("inspect", trainer_state)
+    assert r.code == 3 and len(r.err_lines) == 1, r.err
+    assert r.err_lines[0].endswith(f"for norms over the run use 'gradclip trend {trainer_state}'")
+    # The output_dir: what it is, trend, and the newest checkpoint-N to inspect; not the
+    # twelve layouts it is not.
+    run = checkpointed_run
+    r = gradclip("inspect", run.output_dir)
+    assert r.code == 3 and len(r.err_lines) == 1, r.err
+    newest = run.output_dir / f"checkpoint-{run.steps}"
+    assert r.err_lines[0] == (
+        f"gradclip: {run.output_dir}: a run's folder of {run.steps} numbered checkpoints "
+        f"(checkpoint-1 .. checkpoint-{run.steps}), not one checkpoint: for norms over the run "
+        f"use 'gradclip trend {run.output_dir}'; to inspect the newest, "
+        f"'gradclip inspect {newest}'")
+    assert "DeepSpeed" not in r.err and len(r.err_lines[0]) < 300 + 2 * len(str(newest))
+    assert gradclip("inspect", newest).code == 0  # the line's own advice works
+    assert gradclip("trend", run.output_dir).code in (0, 1)
+
+
+def test_inspect_of_a_folder_of_per_step_files_points_to_trend_and_the_newest(gradclip,
+                                                                              tmp_path):
+    folder = run_folder(tmp_path)
+    names = sorted((p.name for p in folder.iterdir()), key=lambda n: int(n[5:-3]))
+    for fmt in ("table", "json"):
+        r = gradclip("inspect", folder, "--format", fmt)
         assert r.code == 3 and len(r.err_lines) == 1, r.err
-        assert r.err_lines[0].endswith(f"for norms over the run use 'gradclip trend {path}'")
+        line = r.err_lines[0]
+        assert line == (
+            f"gradclip: {folder}: a run's folder of {len(names)} per-step checkpoint files "
+            f"({names[0]} .. {names[-1]}), not one checkpoint: for norms over the run use "
+            f"'gradclip trend {folder}'; to inspect the newest, "
+            f"'gradclip inspect {folder / names[-1]}'")
+        if fmt == "json":
+            assert r.json()["error"] == line.removeprefix("gradclip: ")
 
 
 def test_inspect_points_a_monitor_log_to_trend(gradclip, tmp_path):

@@ -40,7 +40,7 @@ def test_inspect_total_beyond_float64_is_a_finding(gradclip, huge):
     table = gradclip("inspect", huge)
     assert table.code == 1
     assert "> 1.8e308" in table.out
-    assert verdict(table.out).startswith("FAIL: total norm > 1.8e308")
+    assert verdict(table.out).startswith("FAIL: gradient total norm > 1.8e308")
 
 
 @pytest.mark.parametrize("max_norm,each", [(1e308, 0.5e308), (1.0, 0.5), (1e-300, 0.5e-300)])

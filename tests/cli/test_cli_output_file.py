@@ -1,4 +1,4 @@
-"""``--output-file`` is never a file the command reads or writes (CONTRACT.md).
+"""``--output-file`` is never a file the command reads or writes (docs/reference/contract.md).
 
 Each case names, as the report file, something the command reads or writes:
 the input itself, a symbolic or hard link to it, a file inside an input

@@ -44,7 +44,7 @@ OPTIMIZERS = {
     "Rprop": lambda p: torch.optim.Rprop(p, lr=LR),
     "Adadelta": lambda p: torch.optim.Adadelta(p, rho=0.95),
 }
-# What each gives (the README's table), beside weights.
+# What each gives (docs/reference/optimizers.md), beside weights.
 GIVES = {
     "Adam": {"exp_avg", "grad_rms", "update"}, "AdamW": {"exp_avg", "grad_rms", "update"},
     "AdamW-amsgrad": {"exp_avg", "grad_rms", "update"}, "NAdam": {"exp_avg", "grad_rms"},

@@ -164,8 +164,8 @@ def test_a_copy_of_the_newest_checkpoint_is_one_point_and_keeps_its_spike(gradcl
     assert [p["step"] for p in doc["points"]] == list(range(1, 32))
     assert {p["step"]: p["total_norm"] for p in doc["points"]} == norms
     assert doc["status"] == "spike" and doc["points"][-1]["source"] == str(run / "ckpt-31.pt")
-    # z by the README's rule: the plain mean and variance of steps 1-25, exponential
-    # averages (alpha 0.97) over steps 26-30, std floored at mean / 2.
+    # z by the spike rule (docs/reference/spike-rule.md): the plain mean and variance of
+    # steps 1-25, exponential averages (alpha 0.97) over steps 26-30, std floored at mean / 2.
     seed = [norms[s] for s in range(1, 26)]
     mean = math.fsum(seed) / 25
     var = math.fsum((x - mean) ** 2 for x in seed) / 25
@@ -490,7 +490,7 @@ def test_trainer_checkpoints_exp_avg_finds_the_injected_spike(gradclip, checkpoi
     assert "transformer.h.0" in doc["points"][-1]["spike_groups"]
     table = gradclip("trend", *upto, "--what", "exp_avg")  # the verdict names what spiked
     assert logical_lines(table.out)[-1].startswith(
-        f"FAIL: exp_avg spike at the newest point (step {run.spike_step}")
+        f"FAIL: AdamW exp_avg spike at the newest point (step {run.spike_step}")
     r = gradclip("trend", *upto[:-1], "--what", "exp_avg", "--format", "json")
     assert (r.code, r.json()["status"]) == (0, "ok")
 

@@ -286,6 +286,61 @@ def test_a_coarser_monitor_log_loses_to_log_history_and_is_named(gradclip, run_f
     assert spike["spike"] and run.spike_layer in spike["spike_groups"]
 
 
+def with_max_grad_norm(run, tmp_path, value):
+    """The run folder, its newest arguments saying ``max_grad_norm=value`` (set on the
+    real TrainingArguments object, saved as the Trainer saves it)."""
+    folder = copy_without(run, tmp_path)
+    newest = folder / f"checkpoint-{run.steps}" / "training_args.bin"
+    args = torch.load(newest, weights_only=False)
+    args.max_grad_norm = value
+    torch.save(args, newest)
+    return folder, newest
+
+
+def test_a_nan_max_grad_norm_is_said_to_clip_nothing_in_every_place(gradclip, tmp_path,
+                                                                    run_folder):
+    # The Trainer clips only when max_grad_norm > 0, which a NaN never is.
+    folder, newest = with_max_grad_norm(run_folder, tmp_path, math.nan)
+    r = gradclip("trend", folder, "--format", "json")
+    assert r.code == 0, r.err  # the newest point (step 20) is calm
+    doc = r.json()
+    validate(doc, "trend-1")
+    [clipping] = doc["clipping"]
+    assert clipping["max_grad_norm"] == "nan" and clipping["clipped"] is False
+    assert clipping["note"].startswith(
+        f"clipping: the Trainer did not clip (max_grad_norm nan in {newest}: a NaN, which is "
+        "never > 0): the optimizer saw every gradient as logged")
+    assert "clipped gradients to" not in clipping["note"]
+
+
+def test_an_infinite_max_grad_norm_changes_no_gradient_and_says_so(gradclip, tmp_path,
+                                                                   run_folder):
+    folder, newest = with_max_grad_norm(run_folder, tmp_path, math.inf)
+    doc = gradclip("trend", folder, "--format", "json").json()
+    validate(doc, "trend-1")
+    [clipping] = doc["clipping"]
+    assert clipping["max_grad_norm"] == "inf" and clipping["clipped"] is False
+    assert "an infinite limit, which changes no gradient" in clipping["note"]
+
+
+def test_a_max_grad_norm_beyond_float_range_leaves_clipping_unknown_not_a_traceback(
+    gradclip, tmp_path, run_folder
+):
+    folder, newest = with_max_grad_norm(run_folder, tmp_path, 10**400)
+    r = gradclip("trend", folder, "--format", "json")
+    assert "Traceback" not in r.err and "OverflowError:" not in r.err
+    doc = r.json()
+    assert r.code == 0 and doc["schema"] == "gradclip.trend/1"
+    validate(doc, "trend-1")
+    [clipping] = doc["clipping"]
+    assert clipping["max_grad_norm"] is None and clipping["clipped"] is None
+    assert clipping["note"].startswith(
+        f"clipping: unknown ({newest}: max_grad_norm is an integer too large for a float "
+        "(1329 bits), which torch's clip_grad_norm_ refuses (OverflowError)")
+    # The spike is found all the same.
+    assert any(p["spike"] and p["step"] == run_folder.spike_step for p in doc["points"])
+
+
 def test_the_trainers_grad_norm_and_the_monitor_log_agree_within_float32(gradclip, run_folder):
     # The norm audit (report/norm_audit.py): the Trainer's own float32 total against the
     # monitor's float64 one, at every step both logged; the folder's numbers checked here.

@@ -107,7 +107,7 @@ def test_quiet_is_the_verdict_alone_with_findings_on_stderr():
     ]
     ok = run_process("inspect", SAMPLES / "healthy.pt", "-q")
     assert ok.code == 0 and ok.err == ""
-    assert ok.out == "OK: total norm 2.23462 (p=2) (exit 0)\n"
+    assert ok.out == "OK: gradient total norm 2.23462 (p=2) (exit 0)\n"
 
 
 def test_plurals_and_the_unchanged_wording(tmp_path):

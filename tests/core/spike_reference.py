@@ -1,6 +1,6 @@
 """The spike rule written out plainly, for tests to judge gradclip's against.
 
-Written from the README's statement of the rule ("Over time"), not from
+Written from docs/reference/spike-rule.md's statement of the rule, not from
 ``gradclip_cli.core.spikes``: only the minimum history is shared.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-MIN_HISTORY = 5  # README: "a point with fewer than 5 earlier points is not judged"
+MIN_HISTORY = 5  # spike-rule.md: "a point with fewer than 5 earlier points is not judged"
 
 
 def reference(series, z=2.5, alpha=0.97, warmup=25):

@@ -1,4 +1,4 @@
-"""The spike rule against a plain re-statement of it (README, "Over time")."""
+"""The spike rule against a plain re-statement of it (docs/reference/spike-rule.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """trend and compare tables at 60 and 80 columns: every line fits, and long source paths
-and group names are shortened in the middle with "…" (README), never broken mid-word."""
+and group names are shortened in the middle with "…" (docs/getting-started.md), never
+broken mid-word."""
 
 from __future__ import annotations
 

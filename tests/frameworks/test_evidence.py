@@ -1,6 +1,6 @@
-"""The pretraining frameworks' reports name the evidence each layout had (CONTRACT.md,
-roles), in every format: files and entries of torchtitan, OLMo-core and Megatron
-``torch_dist`` checkpoints their own saving code wrote."""
+"""The pretraining frameworks' reports name the evidence each layout had
+(docs/reference/contract.md, roles), in every format: files and entries of torchtitan,
+OLMo-core and Megatron ``torch_dist`` checkpoints their own saving code wrote."""
 
 from __future__ import annotations
 

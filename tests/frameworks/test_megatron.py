@@ -201,7 +201,7 @@ def test_tracker_naming_no_folder_inside(gradclip, save, text):
 
 def test_tracker_linked_from_outside_is_refused(gradclip, save, tmp_path):
     """A tracker that names a real iteration, but lives outside the folder: small files
-    are read only inside it (CONTRACT.md, "Safety")."""
+    are read only inside it (docs/reference/contract.md, "Safety")."""
     outside = tmp_path / "tracker-elsewhere"
     outside.write_text((save / TRACKER).read_text())
     (save / TRACKER).unlink()

@@ -168,3 +168,94 @@ def test_two_ranks_print_the_one_process_report(olmo_core_runs, tmp_path):
     ]
     jobs.append({"args": ["trend", str(run / "run"), "--what", "exp_avg", "--format", "json"]})
     same_under_torchrun(jobs, tmp_path)
+
+
+# --------------------------------------------------------------------- gradient dumps
+
+
+DUMP_STEP, SAMPLED = 2, 3  # olmo_core_run.py's
+DUMPS = ("gradient_dumper", f"step{DUMP_STEP}")
+
+
+def _dump(run: Path, mode: str) -> Path:
+    return run.joinpath(f"dump_{mode}", *DUMPS)
+
+
+def _true_gradients(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "reference" / f"grads_step{DUMP_STEP}.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("given", ["", "full_gradients"])
+def test_a_full_dump_is_the_gradients_the_optimizer_stepped_on(gradclip, run, given):
+    expected = _true_gradients(run)
+    path = _dump(run, "full") / given if given else _dump(run, "full")
+    result = gradclip("inspect", path, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["format"], doc["step"], doc["what"]) == ("olmo-core-gradients", 2, "grads")
+    assert "GradientDumperCallback" in doc["measured"]["evidence"]
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+        assert row["max_abs"] == pytest.approx(float(expected[name].abs().max()), rel=1e-6)
+
+
+def test_a_sampled_dump_is_said_to_be_a_sample(gradclip, run):
+    expected = {n: g.narrow(0, 0, min(SAMPLED, g.shape[0]))
+                for n, g in _true_gradients(run).items()}
+    result = gradclip("inspect", _dump(run, "sampled"), "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["what"] == "grads"
+    assert "first 3 rows" in " ".join(doc["description"])
+    assert "sample" in doc["measured"]["evidence"]
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    assert {t["name"]: t["shape"] for t in doc["tensors"]} == {
+        n: list(t.shape) for n, t in expected.items()}
+    table = gradclip("inspect", _dump(run, "sampled"))
+    assert "a sample, not the whole gradients" in " ".join(table.out.split())
+
+
+def test_clip_writes_a_full_dump_back_and_refuses_a_sample(gradclip, run, tmp_path):
+    target = tmp_path / "work"
+    shutil.copytree(run / "dump_full", target)
+    step = target.joinpath(*DUMPS)
+    clipped = gradclip("clip", step, "--max-norm", "0.5", "--in-place")
+    assert clipped.code == 0, clipped.err
+    check = gradclip("inspect", step, "--max-norm", "0.5", "--format", "json")
+    assert check.code == 0, check.err
+    assert check.json()["total_norm"] <= 0.5
+    assert rel_err(check.json()["total_norm"], 0.5) <= 1e-5
+    one_line_exit_3(gradclip("clip", _dump(run, "sampled"), "--max-norm", "1",
+                             "-o", tmp_path / "out"), "first rows", "not clipped")
+
+
+def test_a_damaged_sample_is_one_line(gradclip, run, tmp_path):
+    target = tmp_path / "work"
+    shutil.copytree(run / "dump_sampled", target)
+    sampled = target.joinpath(*DUMPS, "sampled_gradients")
+    first = sorted(sampled.iterdir())[0]
+    renamed = first.rename(sampled / first.name.replace("_first3", "_first2"))
+    one_line_exit_3(gradclip("inspect", target.joinpath(*DUMPS)), "first 2 rows")
+    renamed.rename(first)
+    (sampled / "notes.txt").write_text("x")
+    one_line_exit_3(gradclip("inspect", target.joinpath(*DUMPS)), "not a sampled gradient")
+
+
+def test_both_dumps_in_one_step_are_refused(gradclip, run, tmp_path):
+    target = tmp_path / "work"
+    shutil.copytree(run / "dump_full", target)
+    shutil.copytree(_dump(run, "sampled") / "sampled_gradients",
+                    target.joinpath(*DUMPS, "sampled_gradients"))
+    one_line_exit_3(gradclip("inspect", target.joinpath(*DUMPS)), "holds both")
+    full = gradclip("inspect", target.joinpath(*DUMPS, "full_gradients"), "--format", "json")
+    assert full.code == 0 and "first" not in " ".join(full.json()["description"])
+
+
+def test_two_ranks_print_the_one_process_report_of_dumps(olmo_core_runs, tmp_path):
+    run = olmo_core_runs[2]
+    jobs = [{"args": ["inspect", str(_dump(run, mode)), "--format", fmt, "--no-progress"]}
+            for mode in ("full", "sampled") for fmt in ("table", "json")]
+    same_under_torchrun(jobs, tmp_path)

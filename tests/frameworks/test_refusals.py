@@ -1,6 +1,6 @@
 """The frameworks' checkpoints, given whole or by a part: every refusal offers only what
-works (CONTRACT.md, --what), and no path or --key makes their weights or optimizer state
-gradients.
+works (docs/reference/contract.md, --what), and no path or --key makes their weights or
+optimizer state gradients.
 
 The checkpoints are the session's fixtures, written by the frameworks themselves.
 Each is walked by ``walk_refusals`` over the paths a user may give for it: the

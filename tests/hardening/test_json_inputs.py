@@ -1,5 +1,5 @@
 """JSON read from files: every malformed document is exit 3 with one line naming the
-file and the place (CONTRACT.md: "Every malformed input is exit 3").
+file and the place (docs/reference/contract.md: "Every malformed input is exit 3").
 
 Norm logs here: monitor logs (JSON Lines: the line's number) and
 ``trainer_state.json`` read by ``trend``. A norm written as an integer of 400

@@ -17,7 +17,7 @@ from tests.cli.support import as_float, ref_norm
 
 LOG_KEYS = [
     "schema", "step", "total_norm", "norm_type", "groups", "nonfinite", "z", "spike",
-    "spike_groups", "dump", "clipped_to", "clip_coef",
+    "spike_groups", "dump", "clipped_to", "clip_coef", "dump_skipped",
 ]  # fmt: skip
 
 
@@ -64,6 +64,13 @@ def read_log(path: Path) -> list[dict]:
         assert set(record["spike_groups"]) <= set(record["groups"])
         assert record["dump"] is None or isinstance(record["dump"], str)
         assert (record["clipped_to"] is None) == (record["clip_coef"] is None)
+        # A dump is written, or a step that wanted one (a spike, a non-finite
+        # gradient) says why not; a calm step neither.
+        if record["dump"] is not None or not record["spike"] and not any(
+                record["nonfinite"].values()):
+            assert record["dump_skipped"] is None, line
+        else:
+            assert isinstance(record["dump_skipped"], str) and record["dump_skipped"], line
         records.append(record)
     return records
 

@@ -1,4 +1,5 @@
-"""The README's "In your training loop" output blocks are what the plain loop prints.
+"""The training-loop guide's (docs/guides/training-loop.md) output blocks are what the
+plain loop prints.
 
 The loop trains 60 float32 steps, whose last digits differ between CPU kinds,
 so numbers compare within 1e-5 relative (the tables print 6 digits).
@@ -13,12 +14,12 @@ import sys
 from pathlib import Path
 
 from tests.cli.support import REPO
-from tests.test_readme import TRAINED_TOLERANCE, same
+from tests.test_readme import TRAINED_TOLERANCE, WIDTH, same
 
 
 def shell(command: str, cwd: Path) -> str:
     bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1", "PYTHONIOENCODING": "utf-8",
+    env = {**os.environ, "COLUMNS": str(WIDTH), "NO_COLOR": "1", "PYTHONIOENCODING": "utf-8",
            "PATH": bin_dir + os.pathsep + os.environ["PATH"]}  # fmt: skip
     for var in ("FORCE_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE"):
         env.pop(var, None)
@@ -29,8 +30,7 @@ def shell(command: str, cwd: Path) -> str:
 
 
 def test_the_plain_loop_blocks_show_what_it_prints(tmp_path):
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## In your training loop") :]
+    section = (REPO / "docs" / "guides" / "training-loop.md").read_text(encoding="utf-8")
     code = section[section.index("```python\n") + len("```python\n") :]
     (tmp_path / "train.py").write_text(code[: code.index("```")])
     shown = section[section.index("```console\n") + len("```console\n") :]
@@ -42,5 +42,5 @@ def test_the_plain_loop_blocks_show_what_it_prints(tmp_path):
     for command, output in zip(commands, outputs):
         actual = shell(command, tmp_path)
         assert same(output.strip("\n"), actual, TRAINED_TOLERANCE), (
-            f"README block for `{command}` is stale:\n{actual}"
+            f"training-loop.md block for `{command}` is stale:\n{actual}"
         )

@@ -189,6 +189,42 @@ def test_a_master_of_the_wrong_shape(copy):
     assert_refused(run_cli("inspect", copy), file, "the masters and the module disagree")
 
 
+def _poison(root, *, module: bool, master: bool) -> None:
+    """A NaN at [0, 0] of the first trained weight: in the module's 16-bit tensor, in its
+    fp32 master (fp32_groups[0][0]), or both, as a run that diverged saves them."""
+    name = TRAINED[0][0]
+    with torch.no_grad():  # the masters are saved as leaves that require grad
+        if module:
+            root["module"][name][0, 0] = float("nan")
+        if master:
+            root["optimizer"]["fp32_groups"][0][0][0, 0] = float("nan")
+
+
+def test_a_diverged_run_s_nan_master_and_weight_are_a_finding_not_a_refusal(copy):
+    """master_copy's NaN policy: a NaN master that rounds to the module's NaN is the same
+    weight, so the checkpoint of a run that diverged reads, and its NaN is reported as
+    what it is, a non-finite weight."""
+    file = copy / TAG / MODEL
+    _rewrite(file, lambda root: _poison(root, module=True, master=True))
+    result = run_cli("inspect", copy, "--what", "weights", "--format", "json", "--no-progress")
+    assert result.code == 1, result.err
+    doc = json.loads(result.out)
+    assert (doc["what"], doc["status"], doc["nonfinite"]["nan"]) == ("weights", "nonfinite", 1)
+    tensor = next(t for t in doc["tensors"] if t["name"] == TRAINED[0][0])
+    assert tensor["nonfinite"]["nan"] == 1
+    # The moments are untouched and measured as before.
+    assert run_cli("inspect", copy, "--what", "exp_avg", "--no-progress").code == 0
+
+
+@pytest.mark.parametrize("where", ["master", "module"])
+def test_a_nan_on_one_side_only_is_a_disagreement(copy, where):
+    file = copy / TAG / MODEL
+    _rewrite(file, lambda root: _poison(root, module=where == "module",
+                                        master=where == "master"))
+    assert_refused(run_cli("inspect", copy, "--what", "weights"), file,
+                   "the masters and the module disagree")
+
+
 def test_fused_fp16_optimizers_flat_groups_are_refused(copy):
     """DeepSpeed's fused FP16_Optimizer (CUDA only) keeps one flat buffer per group."""
     file = copy / TAG / MODEL

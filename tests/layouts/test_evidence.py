@@ -1,4 +1,5 @@
-"""Each layout's report names the evidence it had for what it measured (CONTRACT.md, roles):
+"""Each layout's report names the evidence it had for what it measured
+(docs/reference/contract.md, roles):
 its own files and entries, never a generic "the layout", in every format.
 
 Real checkpoints written by the libraries (the session's fixtures); each --what the

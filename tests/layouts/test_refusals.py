@@ -1,4 +1,5 @@
-"""Every refusal on the frameworks' own layouts offers only what works (CONTRACT.md, --what).
+"""Every refusal on the frameworks' own layouts offers only what works
+(docs/reference/contract.md, --what).
 
 The checkpoints are the session's fixtures, written by the libraries
 themselves (Lightning, DCP and its Hugging Face layout, accelerate with and

@@ -1,4 +1,4 @@
-"""The small files inside every layout follow one rule (CONTRACT.md, "Safety").
+"""The small files inside every layout follow one rule (docs/reference/contract.md, "Safety").
 
 ``latest``, ``trainer_state.json``, ``config.json``, ``optimizer.pt``, an index,
 DCP's ``.metadata``, Lightning's ``meta.pt``: each is read only when it is a

@@ -69,3 +69,33 @@ def test_unexpected_arguments_are_refused(tmp_path, value):
     with pytest.raises(InputError) as refused:
         _load(path)
     assert str(refused.value).startswith(str(path)) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [("ā", "latin1"), ("text", "utf-8"), ("text", "rot13")],
+    ids=["not-latin-1", "utf-8", "another-codec"],
+)
+def test_a_refused_encode_in_args_names_encode_not_the_namespace(tmp_path, call):
+    # Protocol 2 pickles bytes as _codecs.encode(text, 'latin1'); anything else reaching
+    # it is refused, and the message names the global that was refused: argparse.Namespace,
+    # around it, is an allowed stand-in (torch's own reader stops there first).
+    import codecs
+
+    path = tmp_path / "model_optim_rng.pt"
+    args = argparse.Namespace(hidden_size=16, data=_Reduces(codecs.encode, call))
+    torch.save({"iteration": 1, "args": args, "w": torch.ones(2)}, path)
+    with pytest.raises(InputError) as refused:
+        _load(path)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: refused: loading needs full unpickling")
+    assert "(it references _codecs.encode with what its inert stand-in does not take)" in message
+    assert "argparse.Namespace" not in message and "\n" not in message
+
+
+def test_a_refused_numpy_dtype_in_args_is_named(tmp_path):
+    path = tmp_path / "model_optim_rng.pt"
+    args = argparse.Namespace(dtype=_Reduces(np.dtype, ("u4", 1, 2)))
+    torch.save({"iteration": 1, "args": args}, path)
+    with pytest.raises(InputError, match=r"\(it references numpy\.dtype with what its inert"):
+        _load(path)

@@ -30,6 +30,17 @@ from __future__ import annotations
 from gradclip_cli.source.files.weights_pickle import Opaque, Outside
 
 
+def _refused(global_name: str, reason: str) -> Outside:
+    """A stand-in refusing what the file hands it: only the real ``global_name`` would take
+    it, so that global is the one named as the reason for the refusal (torch's own reader,
+    which decides next, stops at the first global it lacks: another stand-in's, such as
+    ``argparse.Namespace``, which gradclip allows)."""
+    return Outside(reason, culprit=f"{global_name} with what its inert stand-in does not take")
+
+
+_RECONSTRUCT = "numpy._core.multiarray._reconstruct"
+
+
 class NamespaceState(Opaque):
     """An ``argparse.Namespace``'s attributes, by name."""
 
@@ -37,14 +48,15 @@ class NamespaceState(Opaque):
 
     def __new__(cls, *args):
         if args:
-            raise Outside("unexpected argparse.Namespace arguments")
+            raise _refused("argparse.Namespace", "unexpected argparse.Namespace arguments")
         self = super().__new__(cls)
         self.state = {}
         return self
 
     def __setstate__(self, state):
         if type(state) is not dict or any(type(k) is not str for k in state):
-            raise Outside("argparse.Namespace state is not a dict of names")
+            raise _refused("argparse.Namespace",
+                           "argparse.Namespace state is not a dict of names")
         self.state = dict(state)
 
 
@@ -60,10 +72,10 @@ class EnumValue(Opaque):
         return f"{self.enum}({self.value!r})"
 
 
-def _enum(name: str):
+def _enum(name: str, module: str):
     def member(*args) -> EnumValue:
         if len(args) != 1 or type(args[0]) not in (int, str):
-            raise Outside(f"unexpected {name} value")
+            raise _refused(f"{module}.{name}", f"unexpected {name} value")
         value = EnumValue.__new__(EnumValue)
         value.enum, value.value = name, args[0]
         return value
@@ -89,14 +101,14 @@ class NumpyDtype(Opaque):
             or len(args[0]) > 8
             or any(type(a) is not bool for a in args[1:])
         ):
-            raise Outside("unexpected numpy.dtype arguments")
+            raise _refused("numpy.dtype", "unexpected numpy.dtype arguments")
         self = super().__new__(cls)
         self.code = args[0]
         return self
 
     def __setstate__(self, state):
         if type(state) is not tuple or len(state) > 9 or any(type(v) not in _PLAIN for v in state):
-            raise Outside("numpy.dtype state is not a tuple of plain values")
+            raise _refused("numpy.dtype", "numpy.dtype state is not a tuple of plain values")
 
 
 class NumpyArray(Opaque):
@@ -106,7 +118,8 @@ class NumpyArray(Opaque):
 
     def __setstate__(self, state):
         if type(state) is not tuple or len(state) != 5:
-            raise Outside("numpy array state is not (version, shape, dtype, fortran, data)")
+            raise _refused("numpy.ndarray",
+                           "numpy array state is not (version, shape, dtype, fortran, data)")
         version, shape, dtype, fortran, data = state
         if (
             type(version) is not int
@@ -116,7 +129,8 @@ class NumpyArray(Opaque):
             or type(fortran) is not bool
             or type(data) is not bytes
         ):
-            raise Outside("numpy array state is not (version, shape, dtype, fortran, data)")
+            raise _refused("numpy.ndarray",
+                           "numpy array state is not (version, shape, dtype, fortran, data)")
         self.shape = shape
 
 
@@ -127,7 +141,7 @@ def _reconstruct(*args) -> NumpyArray:
         or type(args[1]) is not tuple
         or type(args[2]) is not bytes
     ):
-        raise Outside("unexpected numpy _reconstruct arguments")
+        raise _refused(_RECONSTRUCT, "unexpected numpy _reconstruct arguments")
     array = NumpyArray.__new__(NumpyArray)
     array.shape = None
     return array
@@ -136,8 +150,11 @@ def _reconstruct(*args) -> NumpyArray:
 def _latin1(*args) -> bytes:
     """``_codecs.encode(text, 'latin1')``: how protocol 2 pickles bytes."""
     if len(args) != 2 or type(args[0]) is not str or args[1] != "latin1":
-        raise Outside("unexpected _codecs.encode arguments")
-    return args[0].encode("latin1")
+        raise _refused("_codecs.encode", "unexpected _codecs.encode arguments")
+    try:
+        return args[0].encode("latin1")
+    except UnicodeEncodeError:  # bytes never pickle so: only the real encode takes it
+        raise _refused("_codecs.encode", "_codecs.encode of a text outside latin-1") from None
 
 
 _ENUMS = ("AttnBackend", "AttnMaskType", "AttnType", "CudaGraphScope", "LayerType", "ModelType")
@@ -145,8 +162,9 @@ _NDARRAY = NumpyArrayType.__new__(NumpyArrayType)
 
 GLOBALS: dict[tuple[str, str], object] = {
     ("argparse", "Namespace"): NamespaceState,
-    **{("megatron.core.transformer.enums", name): _enum(name) for name in _ENUMS},
-    ("signal", "Signals"): _enum("Signals"),
+    **{("megatron.core.transformer.enums", name): _enum(name, "megatron.core.transformer.enums")
+       for name in _ENUMS},
+    ("signal", "Signals"): _enum("Signals", "signal"),
     ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
     ("numpy.core.multiarray", "_reconstruct"): _reconstruct,  # numpy before 2
     ("numpy", "ndarray"): _NDARRAY,

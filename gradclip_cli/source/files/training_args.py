@@ -120,8 +120,18 @@ def read_fields(path: Path) -> dict[str, object]:
 
 
 def max_grad_norm(path: Path) -> float:
-    """``max_grad_norm`` of the arguments in ``path``: the Trainer clips to it when > 0."""
+    """``max_grad_norm`` of the arguments in ``path``: the Trainer clips to it when > 0
+    (``Trainer._inner_training_loop``: ``max_grad_norm is not None and > 0``; a NaN
+    never is). An integer beyond float64's range is an ``InputError``: torch's
+    ``clip_grad_norm_`` raises ``OverflowError`` on it, so no run trained with it."""
     value = read_fields(path).get("max_grad_norm")
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise InputError(f"{path}: TrainingArguments has no numeric max_grad_norm")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise InputError(
+            f"{path}: max_grad_norm is an integer too large for a float "
+            f"({value.bit_length()} bits), which torch's clip_grad_norm_ refuses "
+            "(OverflowError): no Trainer run clipped with these arguments"
+        ) from None

@@ -32,6 +32,7 @@ from . import (
     dcp,
     dcp_hf,
     deepspeed,
+    deepspeed_universal,
     hf_sharded,
     hf_trainer,
     lightning,
@@ -39,6 +40,7 @@ from . import (
     megatron,
     megatron_legacy,
     olmo_core,
+    olmo_core_gradients,
     single_file,
     torchtitan,
     torchtune,
@@ -47,6 +49,7 @@ from . import (
 LAYOUTS: tuple[Layout, ...] = (
     megatron,  # its folders hold a DCP folder and common.pt: before any flat mapping
     megatron_legacy,  # iter_N/mp_rank_XX/model_optim_rng.pt
+    deepspeed_universal,  # holds DeepSpeed's model state files: before deepspeed
     deepspeed,
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     accelerate_state,  # model.safetensors beside optimizer.bin, none of the Trainer's files
@@ -55,6 +58,7 @@ LAYOUTS: tuple[Layout, ...] = (
     litgpt,
     hf_sharded,
     olmo_core,
+    olmo_core_gradients,  # its full_gradients/ is a plain DCP folder: before dcp
     torchtitan,  # a DCP folder laid out torchtitan's way: before dcp
     lightning,  # a sharded Lightning folder is a DCP folder with meta.pt: before dcp
     dcp,

@@ -103,18 +103,15 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         contents.step = _optimizer_step(opt.state)
         read.append(OPTIMIZER)
         if opt.param_names is None and not contents.model_order:
-            contents.unmapped = (
-                f"optimizer state named by parameter id: {visible(model_name)} sorts its names "
-                f"and {OPTIMIZER} stored no param_names (an optimizer given "
-                "model.named_parameters() stores them)")
+            # The report words it (what.named_by_id), as for every layout.
+            contents.unmapped = f"{visible(model_name)} sorts its names"
+
     contents.gradient_error = f"{path}: an accelerate save_state folder holds no gradients"
     step = f" at step {contents.step}" if contents.step is not None else ""
     unread = sorted(n for n in names if n not in read and n.endswith((".bin", ".pkl")))
     contents.description.append(
         f"accelerate save_state folder{step}: {', '.join(read)}"
         + (f" ({visible(', '.join(unread))} not read)" if unread else ""))
-    if contents.unmapped:
-        contents.description.append(contents.unmapped)
     return contents
 
 

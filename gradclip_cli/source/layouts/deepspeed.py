@@ -114,6 +114,7 @@ from gradclip_cli.source.what import map_names
 
 from . import hf_trainer
 from .dcp_frameworks import refuse_key
+from .master_copy import head_key, rounds_to
 from .paths import inside
 from .tensor_parallel import hidden_size, merged, split_axis
 from .torch_optim import is_optimizer_state, optimizer_state
@@ -1049,21 +1050,16 @@ def _rounded_from(params: dict[str, StoredTensor], masters: list[torch.Tensor]) 
     """The parameters that some fp32 master, rounded to the parameter's dtype, equals.
     Candidates are found by shape and the first elements, then compared whole, one
     rounded master at a time."""
-    head = 64
-
-    def key(t: torch.Tensor, dtype: torch.dtype) -> tuple:
-        return (tuple(t.shape), dtype, tuple(t.flatten()[:head].to(dtype).tolist()))
-
     dtypes = {p.dtype for p in params.values()}
     by_key: dict[tuple, list[torch.Tensor]] = {}
     for master in masters:
         for dtype in dtypes:
-            by_key.setdefault(key(master, dtype), []).append(master)
+            by_key.setdefault(head_key(master, dtype), []).append(master)
     found = set()
     for name, stored in params.items():
         value = stored.read()
-        candidates = by_key.get(key(value, value.dtype), ())
-        if any(torch.equal(value, m.to(value.dtype)) for m in candidates):
+        candidates = by_key.get(head_key(value, value.dtype), ())
+        if any(rounds_to(m, value) for m in candidates):
             found.add(name)
     return found
 

@@ -105,6 +105,7 @@ from gradclip_cli.source.interface import (
 from . import dcp_folder
 from . import dcp_frameworks as frameworks
 from . import megatron_legacy as legacy
+from .master_copy import rounds_to
 from .megatron_buckets import buckets, fits_one_bucket_size, one_setting
 from .paths import inside, json_head_keys, read_json
 
@@ -588,12 +589,6 @@ def _checked(name: str, kind: str, main: Piece, model: Piece):
         return value
 
     return read
-
-
-def rounds_to(value: torch.Tensor, rounded: torch.Tensor) -> bool:
-    """Whether ``value`` rounded to ``rounded``'s dtype is ``rounded``, NaN for NaN."""
-    cast = value.to(rounded.dtype)
-    return bool(((cast == rounded) | (cast.isnan() & rounded.isnan())).all())
 
 
 def _dtypes(weights: dict[str, StoredTensor], names) -> str:

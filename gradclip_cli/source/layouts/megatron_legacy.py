@@ -103,6 +103,7 @@ from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor
 from gradclip_cli.source.what import map_names
 
 from .dcp_frameworks import refuse_key
+from .master_copy import rounds_to
 from .megatron_buckets import buckets, concatenated, one_setting
 from .paths import inside
 from .tensor_parallel import hidden_size, merged, split_axis, whole_shards
@@ -1138,7 +1139,6 @@ def _check_layout(file: Path, dtype, tensors: dict, places: dict, weights: dict)
         for key in ("param", "exp_avg", "exp_avg_sq"):
             if torch.count_nonzero(tensors[key][cursor:start]):
                 raise unfit(f"a padding element of {key} is not 0")
-        rounded = tensors["param"][start:stop].to(dtype)
-        if not torch.equal(rounded, weights[name].reshape(-1).to(dtype)):
+        if not rounds_to(tensors["param"][start:stop], weights[name].reshape(-1).to(dtype)):
             raise unfit(f"{visible(name)}'s slice of param is not the model's tensor")
         cursor = stop

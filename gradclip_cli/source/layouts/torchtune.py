@@ -150,10 +150,9 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         # FullModelHFCheckpointer: Hugging Face's names, sorted, beside an optimizer of
         # torchtune's own model order: measured exactly under its ids, said why.
         contents.unmapped = (
-            f"optimizer state named by parameter id: {visible(epoch.name)}'s Hugging Face "
-            f"shards sort their names and {RECIPE_STATE} stored no param_names"
-        )
-        contents.description.append(contents.unmapped)
+            f"{visible(epoch.name)}'s Hugging Face shards sort their names and the optimizer "
+            f"in {RECIPE_STATE} is in torchtune's own model order"
+        )  # worded in the report by what.named_by_id, as for every layout
     contents.gradient_error = (
         f"{path}: a torchtune checkpoint saves no gradients (the model's weights, and "
         f"the optimizer in {RECIPE_STATE})"

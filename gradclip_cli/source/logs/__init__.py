@@ -21,13 +21,21 @@ from gradclip_cli.source.files.small_file import read_small_file
 @dataclass(frozen=True)
 class LoggedNorms:
     """One logged step: the total norm, per-group norms when logged, and
-    non-finite element counts ``(nan, posinf, neginf)`` when logged."""
+    non-finite element counts ``(nan, posinf, neginf)`` when logged.
+    ``nonfinite_origin``: where a non-finite value began, ``(forward module,
+    backward parameter)`` (each may be None), when the monitor located it
+    (``GradMonitor(locate_nonfinite=True)``); None otherwise."""
 
     step: int | None
     total_norm: float
     norm_type: float
     groups: dict[str, float] = field(default_factory=dict)
     nonfinite: tuple[int, int, int] | None = None
+    # Where the writer scaled the gradients after logging them (gradclip's monitor:
+    # ``clip_coef``, ``clipped_to``); None where it did not, or does not say.
+    clip_coef: float | None = None
+    clipped_to: float | None = None
+    nonfinite_origin: tuple[str | None, str | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,14 @@
 
 One object per line: ``{"schema": "gradclip.monitor/1", "step": int,
 "total_norm": number | "nan" | "inf" | "-inf", "norm_type": number,
-"groups": {name: norm}, "nonfinite": {"nan", "posinf", "neginf"}, ...}``.
-Other keys are ignored. A last line without its newline is a write the
-training process had not finished (it may still be running, or it died
-mid-write): it is skipped with a warning, never guessed at.
+"groups": {name: norm}, "nonfinite": {"nan", "posinf", "neginf"},
+"clip_coef": number | null, "clipped_to": number | null, ...}`` (the last two
+where the monitor scaled the gradients after logging them), and
+``"nonfinite_origin": {"forward": name | null, "backward": name | null}`` where
+the monitor located a non-finite value. Other keys are ignored. A last line
+without its newline is a write the training process had not finished (it may
+still be running, or it died mid-write): it is skipped with a warning, never
+guessed at.
 
 The monitor appends, so a run resumed from an earlier checkpoint (the
 Trainer's ``resume_from_checkpoint``, Lightning's ``ckpt_path``) logs its
@@ -74,13 +78,30 @@ def _entry(obj: object, where: str) -> LoggedNorms:
         if not isinstance(nonfinite, dict):
             raise InputError(f"{where}: \"nonfinite\" must be an object")
         counts = tuple(_count(nonfinite.get(k, 0), where) for k in ("nan", "posinf", "neginf"))
+    origin = _origin(obj.get("nonfinite_origin"), where)
     norm_type = _norm(obj.get("norm_type", 2.0), where)
     if not norm_type > 0:
         raise InputError(f"{where}: \"norm_type\" must be > 0")
+    clip_coef, clipped_to = obj.get("clip_coef"), obj.get("clipped_to")
     return LoggedNorms(
         step=step, total_norm=_norm(obj.get("total_norm"), where), norm_type=norm_type,
         groups={str(k): _norm(v, where) for k, v in groups.items()}, nonfinite=counts,
+        clip_coef=None if clip_coef is None else _norm(clip_coef, where),
+        clipped_to=None if clipped_to is None else _norm(clipped_to, where),
+        nonfinite_origin=origin,
     )  # fmt: skip
+
+
+def _origin(value: object, where: str) -> tuple[str | None, str | None] | None:
+    """``nonfinite_origin`` as (forward module, backward parameter); None where absent or null."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InputError(f"{where}: \"nonfinite_origin\" must be an object or null")
+    names = tuple(value.get(k) for k in ("forward", "backward"))
+    if not all(n is None or isinstance(n, str) for n in names):
+        raise InputError(f"{where}: \"nonfinite_origin\" names must be strings or null")
+    return None if names == (None, None) else names
 
 
 def read(path: Path) -> list[LoggedNorms]:

@@ -1,0 +1,218 @@
+"""Where a non-finite value began: ``GradMonitor(..., locate_nonfinite=True)``.
+
+Two places, because they answer different failures (issue 42, item 4):
+
+* A NaN made in the forward pass reaches the loss, and then every gradient
+  downstream of it is NaN: the first non-finite gradient in backward order is
+  always the last layer's. What locates it is the first module, in forward
+  order, whose output held a non-finite value. A forward hook on every module
+  ANDs "this output is all finite" into a flag of its own, on the output's
+  device: no host read, one ``aminmax`` pass over each output.
+  The flags are read only on a step whose gradients are non-finite.
+  (OLMo-core's ``NaNCheckerCallback`` does this half with a host check per
+  module; pytorch#160016 and #143658 ask for it.)
+* A NaN made in the backward pass (a gradient that overflows, the derivative
+  of ``sqrt`` at 0) leaves the forward clean. The first parameter, in the
+  order autograd accumulated the gradients, whose gradient is non-finite
+  locates it. Post-accumulate-grad hooks record that order once, during the
+  first backward, and are then removed.
+
+"Forward order" is the order in which modules first finished their forward:
+a module's hook runs when its ``forward`` returns, so a leaf that makes a NaN
+finishes before the container around it, and before every module that
+receives the NaN. Forwards run without gradients (evaluation under
+``torch.no_grad``) are not looked at: they give no gradients.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Mapping
+
+import torch
+
+__all__ = ["NonfiniteLocator"]
+
+
+class NonfiniteLocator:
+    """Forward flags and the gradients' accumulation order, for one model.
+
+    ``origin(params, names)`` answers on a step known to hold a non-finite
+    gradient; ``step_taken()`` says a step is over. ``remove()`` takes the
+    hooks off.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self._names: dict[int, str] = {}  # id(module) -> its name in the model
+        self._slot: dict[int, int] = {}  # id(module) -> its place in forward order
+        self._order: list[str] = []  # module names in forward order
+        # Per device: a bool flag per slot ("all finite"), and the 0-dim views the
+        # hooks AND into.
+        self._flags: dict[torch.device, torch.Tensor] = {}
+        self._views: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._accumulated: list[weakref.ref] = []  # parameters, in accumulation order
+        self._seen: set[int] = set()
+        self._handles = []
+        self._grad_handles = []
+        self._stale = False
+        self._last = None  # (weak reference, version) of the output checked last
+        modules = list(model.named_modules(remove_duplicate=True))
+        self._capacity = len(modules)
+        for name, module in modules:
+            self._names[id(module)] = name or type(module).__name__
+            self._handles.append(module.register_forward_hook(self._forward_hook))
+        for param in model.parameters():
+            if param.requires_grad:
+                self._grad_handles.append(
+                    param.register_post_accumulate_grad_hook(self._accumulated_hook))
+
+    # -- hooks ---------------------------------------------------------------
+
+    def _forward_hook(self, module, args, output) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if self._stale:
+            self._stale = False
+            for flags in self._flags.values():
+                flags.fill_(True)
+        key = id(module)
+        slot = self._slot.get(key)
+        if slot is None:
+            slot = self._slot[key] = len(self._order)
+            self._order.append(self._names.get(key, type(module).__name__))
+        for t in _tensors(output):
+            if not t.numel() or not (t.is_floating_point() or t.is_complex()):
+                continue
+            if self._checked(t):
+                continue  # a container returning its last child's output: seen already
+            with torch.no_grad():
+                # "Every output so far was finite", ANDed into the flag on the device,
+                # no read (the flag starts True; the next step's first forward resets it).
+                self._view(slot, t.device).logical_and_(_all_finite(t.detach()))
+
+    def _checked(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` itself, unchanged, was the output checked last (then the
+        module returning it again is no earlier in forward order, and it is
+        skipped: the logits of a language model pass through two modules)."""
+        last = self._last
+        self._last = (weakref.ref(t), t._version)
+        return last is not None and last[0]() is t and last[1] == t._version
+
+    def _view(self, slot: int, device: torch.device) -> torch.Tensor:
+        view = self._views.get((slot, device))
+        if view is None:
+            flags = self._flags.get(device)
+            if flags is None:
+                flags = self._flags[device] = torch.ones(self._capacity, dtype=torch.bool,
+                                                         device=device)
+            if slot >= flags.numel():  # a module added to the model after the monitor
+                grown = torch.ones(2 * slot + 1, dtype=torch.bool, device=device)
+                grown[: flags.numel()] = flags
+                flags = self._flags[device] = grown
+                self._views = {k: v for k, v in self._views.items() if k[1] != device}
+            view = self._views[(slot, device)] = flags[slot]
+        return view
+
+    def _accumulated_hook(self, param: torch.Tensor) -> None:
+        if id(param) not in self._seen:
+            self._seen.add(id(param))
+            self._accumulated.append(weakref.ref(param))
+
+    # -- per step --------------------------------------------------------------
+
+    def step_taken(self) -> None:
+        """The monitor was called for a step: the next forward starts the next step's
+        flags (reset then, on the device, so this call costs nothing), and once an
+        order has been recorded its hooks come off: backward runs as without them."""
+        self._stale = True
+        if self._accumulated and self._grad_handles:
+            for handle in self._grad_handles:
+                handle.remove()
+            self._grad_handles = []
+
+    def origin(self, params: Iterable[torch.Tensor], names: Mapping[int, str]) -> dict:
+        """``{"forward": module or None, "backward": parameter or None}`` for this step.
+
+        ``params`` are the model's parameters in ``named_parameters`` order and
+        ``names`` maps ``id(param)`` to its name. Reads the flags and one
+        number per gradient: called only on a step already known to be
+        non-finite.
+        """
+        return {"forward": self._first_forward(), "backward": self._first_backward(params, names)}
+
+    def _first_forward(self) -> str | None:
+        if not self._flags:
+            return None
+        first = None
+        for flags in self._flags.values():
+            hit = (~flags).nonzero().flatten().tolist()  # the one read per device
+            if hit and (first is None or hit[0] < first):
+                first = hit[0]
+        return None if first is None else self._order[first]
+
+    def _first_backward(self, params: Iterable[torch.Tensor], names: Mapping[int, str]):
+        params = list(params)
+        recorded = [p for p in (r() for r in self._accumulated) if p is not None]
+        known = {id(p) for p in recorded}
+        # Parameters never seen accumulating (no gradient on the first step) come last,
+        # in the model's order.
+        ordered = recorded + [p for p in params if id(p) not in known]
+        ordered = [p for p in ordered if p.grad is not None and id(p) in names]
+        if not ordered:
+            return None
+        grads = [_local(p.grad) for p in ordered]
+        first = grads[0].device
+        bad = torch.stack([_holds_nonfinite(g).to(first) for g in grads])
+        hit = bad.nonzero().flatten().tolist()  # one read
+        return names[id(ordered[hit[0]])] if hit else None
+
+    def remove(self) -> None:
+        for handle in [*self._handles, *self._grad_handles]:
+            handle.remove()
+        self._handles, self._grad_handles = [], []
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    """Whether every element of ``t`` is finite, as a 0-dim bool tensor on its device.
+
+    ``aminmax`` reads the tensor once without writing anything (NaN propagates
+    into both, an infinity shows as the min or the max): on 4M float32 values
+    on one CPU thread 0.9 ms, against 10.4 ms for ``isfinite(t).all()``, which
+    writes a bool per element first. Complex values have no order.
+    """
+    if t.is_complex():
+        return torch.isfinite(t).all()
+    low, high = torch.aminmax(t)
+    return torch.isfinite(low) & torch.isfinite(high)
+
+
+def _holds_nonfinite(t: torch.Tensor) -> torch.Tensor:
+    if t.layout != torch.strided:
+        t = t.coalesce().values() if t.layout == torch.sparse_coo else t.to_dense()
+    if not t.numel():
+        return torch.zeros((), dtype=torch.bool, device=t.device)
+    return ~torch.isfinite(t).all()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (each rank names the first it sees), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    """The tensors of a module's output: a tensor, or those in tuples, lists and dicts
+    (a Hugging Face ``ModelOutput`` is a dict), one level of nesting deep at most twice."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    found: list[torch.Tensor] = []
+    stack = [(output, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif depth < 3 and isinstance(value, (tuple, list)):
+            stack.extend((v, depth + 1) for v in value)
+        elif depth < 3 and isinstance(value, Mapping):
+            stack.extend((v, depth + 1) for v in value.values())
+    return found

@@ -1,0 +1,74 @@
+"""Lightning's ``CSVLogger`` file (``<save_dir>/<name>/version_N/metrics.csv``).
+
+One header row (``step``, ``epoch`` and every key logged), then a row per
+logged step, a cell left empty where that key was not logged; values as
+Python writes floats (``nan``, ``inf``). The run is the ``version_N``
+folder. Values are float64 as written (Lightning logs a tensor's value).
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from pathlib import Path
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.escaping import visible
+from gradclip_cli.source.logs import read_text
+from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
+
+NAME = "Lightning CSVLogger"
+FILE_NAME = "metrics.csv"
+STEP = "step"
+
+
+def claims(path: Path, is_dir: bool) -> bool:
+    return not is_dir and path.name == FILE_NAME
+
+
+def _run(file: Path) -> TrackerRun:
+    return TrackerRun(NAME, file.parent.name, "", file, lambda: read_scalars(file))
+
+
+def runs(claimed: Sequence[Path]) -> list[TrackerRun]:
+    return [_run(file) for file in sorted(claimed)]
+
+
+def given(path: Path) -> list[TrackerRun] | None:
+    if path.suffix != ".csv":
+        return None
+    header = read_text(path, "a CSV file").split("\n", 1)[0]
+    return [_run(path)] if STEP in next(csv.reader([header]), []) else None
+
+
+def read_scalars(file: Path) -> dict[str, Points]:
+    shown = visible(str(file))
+    rows = csv.reader(read_text(file, "a Lightning metrics.csv").splitlines())
+    header = next(rows, None)
+    if not header or STEP not in header:
+        raise InputError(f"{shown}: no \"step\" column: not a Lightning CSVLogger file")
+    at = header.index(STEP)
+    scalars: dict[str, Points] = {}
+    for number, row in enumerate(rows, 2):
+        if not row:
+            continue
+        if len(row) != len(header):
+            raise InputError(f"{shown}:{number}: {len(row)} cells under a header of "
+                             f"{len(header)} (a write in progress, or a damaged file?)")
+        try:
+            step = int(row[at])
+        except ValueError:
+            raise InputError(f"{shown}:{number}: step {visible(repr(row[at]))[:40]} is "
+                             "not a whole number") from None
+        for key, cell in zip(header, row):
+            if key == STEP or key == "epoch" or cell == "":
+                continue
+            try:
+                value = float(cell)
+            except ValueError:
+                continue  # not a number: not a scalar
+            scalars.setdefault(key, []).append((step, value))
+    return scalars
+
+
+TRACKER = Tracker(NAME, None, claims, runs, given)

@@ -1,0 +1,137 @@
+"""TensorBoard event files (``events.out.tfevents.*``), read point by point.
+
+Every scalar of every event counts: ``EventAccumulator`` keeps a reservoir
+sample (10,000 scalars per tag by default), so a 40,000-step run shown there
+has lost three in four steps, a spike among them. The events come from
+tensorboard's own record reader (``event_file_loader.RawEventFileLoader``,
+which checks each record's CRC32C) and are parsed with its ``Event`` proto.
+Scalars are read as either writer stores them: ``simple_value`` (the old
+style, and torch's ``SummaryWriter`` by default; float32) or a 0-dim tensor
+summary (``new_style=True``, tensorboard's own ``tf.summary``-style writers).
+
+That reader stops without a word at a truncated or damaged record (it is
+made to tail a file still being written), so the points before the damage
+would pass as the whole run. Here the records read must account for every
+byte of the file (a record is its data and 16 bytes of length and CRCs);
+a file that ends sooner is exit 3 naming the byte where reading stopped. A
+file cut exactly between two records cannot be told from a shorter run.
+
+A folder of event files is a run (TensorBoard's own rule); its files are
+read in the order their names give (the writer's start time, then the
+rest), one after another.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.escaping import visible
+from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
+
+NAME = "TensorBoard"
+EXTRA = "tensorboard"
+PREFIX = "events.out.tfevents."
+# A record: 8 bytes of length, 4 of its CRC, the data, 4 of the data's CRC.
+RECORD_OVERHEAD = 16
+_START_TIME = re.compile(r"^events\.out\.tfevents\.(\d+)")
+
+
+def claims(path: Path, is_dir: bool) -> bool:
+    return not is_dir and path.name.startswith(PREFIX)
+
+
+def _file_order(path: Path) -> tuple:
+    match = _START_TIME.match(path.name)
+    return (int(match.group(1)) if match else -1, path.name)
+
+
+def runs(claimed: Sequence[Path]) -> list[TrackerRun]:
+    by_folder: dict[Path, list[Path]] = {}
+    for file in claimed:
+        by_folder.setdefault(file.parent, []).append(file)
+    found = []
+    for folder, files in sorted(by_folder.items()):
+        files = sorted(files, key=_file_order)
+        source = files[0] if len(files) == 1 else folder
+        found.append(TrackerRun(NAME, str(folder), "", source,
+                                lambda files=tuple(files): read_scalars(files),
+                                stores_float32=True))
+    return found
+
+
+def given(path: Path) -> list[TrackerRun] | None:
+    if not path.name.startswith(PREFIX):
+        return None
+    return [TrackerRun(NAME, str(path.parent), "", path,
+                       lambda: read_scalars((path,)), stores_float32=True)]
+
+
+def _modules():
+    try:
+        from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.util import tensor_util
+    except ImportError:
+        raise InputError("reading TensorBoard event files needs the tensorboard package: "
+                         "pip install 'gradclip[tensorboard]'") from None
+    return RawEventFileLoader, Event, tensor_util
+
+
+def read_scalars(files: Sequence[Path]) -> dict[str, Points]:
+    """Every scalar of ``files`` by tag, ``(step, value)`` in file order."""
+    loader, event_type, tensor_util = _modules()
+    scalars: dict[str, Points] = {}
+    for file in files:
+        _read_file(file, scalars, loader, event_type, tensor_util)
+    return scalars
+
+
+def _read_file(file: Path, scalars: dict[str, Points], loader, event_type,
+               tensor_util) -> None:
+    shown = visible(str(file))
+    try:
+        size = os.stat(file).st_size
+        records = loader(str(file)).Load()
+    except OSError as error:
+        raise InputError(f"{shown}: cannot read: {error.strerror or error}") from None
+    consumed = 0
+    points = 0
+    for record in records:
+        consumed += len(record) + RECORD_OVERHEAD
+        try:
+            event = event_type.FromString(record)
+        except Exception:  # noqa: BLE001 (protobuf's DecodeError, whatever its module)
+            raise InputError(f"{shown}: the record at byte {consumed - len(record) - 4} is "
+                             "not a TensorBoard event (a damaged file?)") from None
+        if not event.HasField("summary"):
+            continue
+        for value in event.summary.value:
+            number = _scalar(value, tensor_util)
+            if number is not None:
+                scalars.setdefault(value.tag, []).append((event.step, number))
+                points += 1
+    if consumed != size:
+        raise InputError(
+            f"{shown}: truncated or damaged at byte {consumed} of {size} (a record's "
+            f"length or CRC does not match); the {points} scalar(s) before it are not "
+            "taken as the whole run")
+
+
+_FLOAT_DTYPES = frozenset({1, 2, 14, 19})  # DT_FLOAT, DT_DOUBLE, DT_BFLOAT16, DT_HALF
+
+
+def _scalar(value, tensor_util) -> float | None:
+    kind = value.WhichOneof("value")
+    if kind == "simple_value":
+        return float(value.simple_value)
+    if kind == "tensor" and value.tensor.dtype in _FLOAT_DTYPES \
+            and not value.tensor.tensor_shape.dim:
+        return float(tensor_util.make_ndarray(value.tensor).item())
+    return None  # images, histograms, text: not a scalar
+
+
+TRACKER = Tracker(NAME, EXTRA, claims, runs, given)

@@ -1,0 +1,303 @@
+"""The trackers ``trend`` reads, one registry line each, and the one rule for which tag is a norm.
+
+A folder is walked (``MAX_DEPTH`` levels, hidden names and symlinks
+skipped, ``--exclude`` applied) and every entry a tracker claims is handed
+to it; a file named on the command line is offered to each tracker in turn.
+A store that holds several runs is refused with their names unless
+``--run`` names one (by name or id).
+
+Which tag is the gradient norm, found by name (``NORM_TAGS``), or given
+with ``--tag``. The families, in the order they are preferred:
+
+1. gradclip's own tags (``tracker_tags``): ``gradclip/total_norm`` and a
+   ``gradclip/norm/<group>`` per group, with or without a logger's prefix
+   (the Trainer's TensorBoard and W&B callbacks write ``train/...``);
+2. Lightning's ``grad_norm`` utility: ``grad_<p>_norm_total`` and
+   ``grad_<p>_norm/<parameter>`` (the p-norm, p read from the name);
+3. the total alone, as the frameworks log it: ``grad_norm`` (Trainer,
+   torchtitan), ``train/grad_norm`` (Trainer through TensorBoard or W&B),
+   ``grad_norm/total`` (its ``grad_norm/<group>`` as groups), Megatron's
+   ``grad-norm``.
+
+The first family present is read, and the report says which tag, and what
+else was there; two of one family (``grad_norm`` and ``train/grad_norm``,
+Lightning's 2-norm and inf-norm) are exit 2 naming them and ``--tag``,
+never a series mixed of both.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gradclip_cli import tracker_tags
+from gradclip_cli.errors import InputError, UsageError
+from gradclip_cli.escaping import visible
+from gradclip_cli.source.logs import (
+    LoggedNorms,
+    LogKind,
+    lightning_csv,
+    mlflow_files,
+    mlflow_sqlite,
+    tensorboard,
+    trackio_db,
+    wandb_offline,
+)
+from gradclip_cli.source.logs.tracker import Tracker, TrackerRun, in_step_order, step_value
+
+TRACKERS: tuple[Tracker, ...] = (
+    tensorboard.TRACKER,
+    mlflow_files.TRACKER,
+    mlflow_sqlite.TRACKER,
+    trackio_db.TRACKER,
+    wandb_offline.TRACKER,
+    lightning_csv.TRACKER,
+)
+
+# Deep enough for mlruns/<experiment>/<run>/ and <output_dir>/wandb/offline-run-*/ from
+# a run's folder; a folder that is no tracker's costs a listing per level.
+MAX_DEPTH = 4
+DEFAULT_NORM_TYPE = 2.0
+NORM_TAGS = ("grad_norm", "grad_norm/total", "grad-norm")
+_LIGHTNING_TOTAL = re.compile(r"^grad_([0-9.]+|inf)_norm_total$")
+_NAMES_SHOWN = 8
+
+
+@dataclass(frozen=True)
+class Choice:
+    """``--tag`` and ``--run``: None lets the rule decide (and refuse where it cannot)."""
+
+    tag: str | None = None
+    run: str | None = None
+
+
+@dataclass(frozen=True)
+class TrackerSeries:
+    """The norms read from one tracker run: ``entries`` one per step of ``tag``."""
+
+    run: TrackerRun
+    tag: str
+    group_tags: int  # how many per-group tags came with it
+    entries: tuple[LoggedNorms, ...]
+    choice_note: str  # how the tag was chosen, and what else the run holds
+
+    @property
+    def per_group(self) -> bool:
+        return self.group_tags > 0
+
+    def describe(self) -> str:
+        groups = f" and {self.group_tags} per-group tag(s)" if self.group_tags else ""
+        float32 = ", stored as float32" if self.run.stores_float32 else ""
+        return (f"{self.run.tracker} tag {visible(repr(self.tag))}{groups} of run "
+                f"{self.run.label}{float32}")
+
+
+def _never(head: str) -> bool:
+    return False
+
+
+def _read_needs_choice(path: Path) -> list[LoggedNorms]:
+    raise InputError(f"{visible(str(path))}: a tracker's series is read with its --tag/--run")
+
+
+# What ``trend`` sees of a tracker series: a log whose entries are read already.
+KIND = LogKind("tracker", _never, _read_needs_choice)
+
+
+def claimed_in(folder: Path, excludes=None) -> dict[Tracker, list[Path]]:
+    """Every entry under ``folder`` (``MAX_DEPTH`` levels) that a tracker claims, or
+    ``folder`` itself when one claims it (an MLflow run's folder)."""
+    found: dict[Tracker, list[Path]] = {}
+    whole = next((t for t in TRACKERS if not t.descend and _claims(t, folder, True)), None)
+    if whole is not None:
+        return {whole: [folder]}
+
+    def walk(path: Path, depth: int) -> None:
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError:
+            return  # an unreadable subfolder holds no tracker we could read
+        for entry in entries:
+            if entry.name.startswith(".") or entry.is_symlink():
+                continue
+            child = Path(entry.path)
+            if excludes is not None and excludes(child):
+                continue
+            is_dir = entry.is_dir(follow_symlinks=False)
+            owner = next((t for t in TRACKERS if _claims(t, child, is_dir)), None)
+            if owner is not None:
+                found.setdefault(owner, []).append(child)
+                if not owner.descend:
+                    continue
+            if is_dir and depth < MAX_DEPTH:
+                walk(child, depth + 1)
+
+    walk(folder, 1)
+    return found
+
+
+def _claims(tracker: Tracker, path: Path, is_dir: bool) -> bool:
+    try:
+        return tracker.claims(path, is_dir)
+    except InputError:
+        return False  # a damaged or locked database beside the run: not claimed here
+
+
+def holds_tracker_files(folder: Path) -> bool:
+    """Whether ``folder`` itself holds a tracker's run (a ``version_N/`` of Lightning, a
+    W&B run folder, an MLflow experiment): no checkpoint folder does."""
+    return bool(claimed_in(folder))
+
+
+def given_runs(path: Path) -> list[TrackerRun] | None:
+    """The runs of one file named on the command line, None when no tracker's."""
+    for tracker in TRACKERS:
+        found = tracker.given(path)
+        if found is not None:
+            return found
+    return None
+
+
+def runs_in(folder: Path, excludes=None) -> list[list[TrackerRun]]:
+    """The runs under ``folder``, a list per tracker store found."""
+    return [tracker.runs(paths) for tracker, paths in claimed_in(folder, excludes).items()]
+
+
+def choose_runs(stores: list[list[TrackerRun]], choice: Choice, where: str
+                ) -> list[TrackerRun]:
+    """One run per store: its only one, or the one ``--run`` names."""
+    stores = [runs for runs in stores if runs]
+    if choice.run is None:
+        for runs in stores:
+            if len(runs) > 1:
+                raise UsageError(f"{where}: {len(runs)} {runs[0].tracker} runs "
+                                 f"({_names(r.label for r in runs)}): one trend judges one "
+                                 "run; give --run NAME (a run's name or id)")
+        return [runs[0] for runs in stores]
+    chosen = []
+    for runs in stores:
+        matches = [r for r in runs if _is_named(r, choice.run)]
+        if len(matches) > 1:
+            raise UsageError(f"{where}: --run {visible(choice.run)} names "
+                             f"{len(matches)} {runs[0].tracker} runs "
+                             f"({_names(r.label for r in matches)}): give an id")
+        chosen += matches
+    if stores and not chosen:
+        every = [r.label for runs in stores for r in runs]
+        raise UsageError(f"{where}: no run named {visible(choice.run)}; its runs: "
+                         f"{_names(every)}")
+    return chosen
+
+
+def _is_named(run: TrackerRun, name: str) -> bool:
+    return name in (run.name, run.id) or run.name.endswith("/" + name)
+
+
+def _names(names: Iterable[str]) -> str:
+    names = list(names)
+    shown = ", ".join(names[:_NAMES_SHOWN])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > _NAMES_SHOWN else "")
+
+
+@dataclass(frozen=True)
+class _Family:
+    rank: int
+    total: str
+    group_prefix: str | None
+    norm_type: float
+    origin: str
+
+
+def _families(tags: Iterable[str]) -> list[_Family]:
+    families = []
+    for tag in tags:
+        prefix, base = _split_prefix(tag, tracker_tags.TOTAL_NORM)
+        if base is not None:
+            families.append(_Family(0, tag, prefix + tracker_tags.GROUP_NORM_PREFIX,
+                                    DEFAULT_NORM_TYPE, "gradclip's own tag"))
+            continue
+        prefix, name = tag.rpartition("/")[0::2] if "/" in tag else ("", tag)
+        prefix = prefix + "/" if prefix else ""
+        match = _LIGHTNING_TOTAL.match(name)
+        if match and "gradclip/" not in prefix:
+            p = float(match.group(1))
+            families.append(_Family(1, tag, f"{prefix}grad_{match.group(1)}_norm/", p,
+                                    "Lightning's grad_norm"))
+            continue
+        for norm_tag in NORM_TAGS:
+            prefix, base = _split_prefix(tag, norm_tag)
+            if base is not None and "gradclip/" not in prefix and "_norm/" not in prefix:
+                groups = prefix + "grad_norm/" if norm_tag == "grad_norm/total" else None
+                families.append(_Family(2, tag, groups, DEFAULT_NORM_TYPE,
+                                        "a framework's total"))
+                break
+    return families
+
+
+def _split_prefix(tag: str, name: str) -> tuple[str, str | None]:
+    """``(prefix, name)`` when ``tag`` is ``name`` under a logger's ``prefix/``, else
+    ``("", None)``."""
+    if tag == name:
+        return "", name
+    if tag.endswith("/" + name):
+        return tag[: -len(name)], name
+    return "", None
+
+
+def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
+    """The run's gradient norms: the tag the rule (or ``--tag``) names, its groups."""
+    scalars = run.scalars()
+    source = visible(str(run.source))
+    families = _families(scalars)
+    if choice.tag is not None:
+        if choice.tag not in scalars:
+            known = [f.total for f in families] or sorted(scalars)
+            raise UsageError(f"{source}: no tag {visible(repr(choice.tag))} in run "
+                             f"{run.label}; its {'norm ' if families else ''}tags: "
+                             f"{_names(visible(repr(t)) for t in known) or 'none'}")
+        family = next((f for f in families if f.total == choice.tag), None)
+        if family is None:
+            family = _Family(3, choice.tag, None, DEFAULT_NORM_TYPE, "--tag")
+        how = "--tag"
+    else:
+        if not families:
+            raise InputError(f"{source}: run {run.label} logs no gradient norm under a tag "
+                             f"trend knows ({', '.join(NORM_TAGS)}, grad_<p>_norm_total, "
+                             f"{tracker_tags.TOTAL_NORM}); its {len(scalars)} tag(s): "
+                             f"{_names(visible(repr(t)) for t in sorted(scalars))}; "
+                             "give --tag NAME")
+        best = min(f.rank for f in families)
+        first = [f for f in families if f.rank == best]
+        if len(first) > 1:
+            raise UsageError(f"{source}: run {run.label} holds {len(first)} gradient-norm "
+                             f"tags ({_names(visible(repr(f.total)) for f in first)}); "
+                             "give --tag NAME to read one")
+        family = first[0]
+        others = [f.total for f in families if f is not family]
+        how = f"found by name ({family.origin})" + (
+            f"; also there, not read: {_names(visible(repr(t)) for t in others)}"
+            if others else "")
+    groups = {} if family.group_prefix is None else {
+        tag[len(family.group_prefix):]: tag for tag in scalars
+        if tag.startswith(family.group_prefix) and tag != family.total
+        and len(tag) > len(family.group_prefix)}
+    where = f"{source}: tag {visible(repr(family.total))}"
+    total = _checked(scalars[family.total], where)
+    by_group = {g: dict(_checked(scalars[t], f"{source}: tag {visible(repr(t))}"))
+                for g, t in groups.items()}
+    entries = tuple(
+        LoggedNorms(step=step, total_norm=value, norm_type=family.norm_type,
+                    groups={g: points[step] for g, points in by_group.items()
+                            if step in points})
+        for step, value in total)
+    if not entries:
+        raise InputError(f"{where}: no points")
+    note = f"tag {visible(repr(family.total))} {how}"
+    return TrackerSeries(run, family.total, len(groups), entries, note)
+
+
+def _checked(points, where: str):
+    return in_step_order([step_value(s, v, where) for s, v in points], where)

@@ -1,0 +1,493 @@
+"""``trend`` on trackers' files, each written by the tracker's own library in this test run.
+
+Every reader gets the same series (``tracker_runs.NORMS``: a 50-fold spike at
+step 30) and must give back every point, the value the library stored
+(float32 for TensorBoard), find the spike at its step, and say which tag it
+read from which file, in every format.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from tests import tracker_runs as tr
+
+from .support import unwrapped
+
+
+def _points(result) -> dict[int, float]:
+    return {p["step"]: float(p["total_norm"]) for p in result.json()["points"]}
+
+
+def _assert_series(result, *, float32: bool) -> None:
+    """Every step, every value as stored, the spike found at its step (exit 1 under
+    --fail-on any), the tag named in the notes."""
+    assert result.code == 1, result.err
+    doc = result.json()
+    expected = {s: tr.float32(v) if float32 else v for s, v in tr.NORMS.items()}
+    assert _points(result) == expected
+    spikes = [p["step"] for p in doc["points"] if p["spike"]]
+    assert spikes == [tr.SPIKE_STEP]
+    assert any(f"tag '{tr.TAG}'" in note for note in doc["notes"]), doc["notes"]
+
+
+@pytest.fixture(scope="session")
+def tb_runs(tmp_path_factory):
+    tr.needs("tensorboard")
+    root = tmp_path_factory.mktemp("tensorboard")
+    return {
+        "simple": tr.write_torch_tensorboard(root / "simple"),
+        "tensor": tr.write_torch_tensorboard(root / "tensor", new_style=True),
+        "tensorboard": tr.write_tensorboard_writer(root / "tb_writer"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["simple", "tensor", "tensorboard"])
+def test_tensorboard_event_file_every_point(gradclip, tb_runs, kind):
+    event_file = tb_runs[kind]
+    result = gradclip("trend", event_file, "--format", "json", "--fail-on", "any")
+    # Every TensorBoard writer stores a scalar as float32 (simple_value, or a
+    # DT_FLOAT tensor).
+    _assert_series(result, float32=True)
+    assert {p["source"] for p in result.json()["points"]} == {str(event_file)}
+
+
+def test_tensorboard_folder_is_the_run_and_table_names_tag_and_file(gradclip, tb_runs):
+    folder = tb_runs["simple"].parent
+    result = gradclip("trend", folder, "--fail-on", "any")
+    assert result.code == 1
+    text = unwrapped(result.out)
+    assert f"TensorBoard tag '{tr.TAG}'" in text and str(tb_runs["simple"]) in text
+    assert "stored as float32" in text
+    assert f"step {tr.SPIKE_STEP}" in text.splitlines()[-1]
+
+
+def test_every_format_names_the_tag_and_file(gradclip, tb_runs):
+    from markdown_it import MarkdownIt
+
+    event_file = tb_runs["simple"]
+    for fmt in ("markdown", "github", "junit"):
+        out = gradclip("trend", event_file, "--format", fmt).out
+        if fmt == "markdown":  # as a reader sees it, its escapes rendered
+            out = MarkdownIt().render(out)
+        assert f"tag '{tr.TAG}'" in out.replace("&#x27;", "'").replace("&apos;", "'"), fmt
+        assert event_file.name in out, fmt
+
+
+def test_more_points_than_event_accumulators_reservoir(gradclip, tmp_path):
+    """EventAccumulator keeps 10,000 scalars a tag by default; trend keeps every one."""
+    tr.needs("tensorboard")
+    norms = {step: 1.0 + (step % 7) / 10 for step in range(12_000)}
+    norms[11_000] = 500.0
+    event_file = tr.write_torch_tensorboard(tmp_path / "long", norms=norms)
+    result = gradclip("trend", event_file, "--format", "json", "--fail-on", "any")
+    assert result.code == 1
+    points = _points(result)
+    assert len(points) == 12_000
+    assert points == {s: tr.float32(v) for s, v in norms.items()}
+    assert [p["step"] for p in result.json()["points"] if p["spike"]] == [11_000]
+
+
+@pytest.mark.parametrize("cut", ["truncated", "flipped"])
+def test_damaged_event_file_is_exit_3_naming_it(gradclip, tb_runs, tmp_path, cut):
+    damaged = tmp_path / tb_runs["simple"].name
+    data = bytearray(tb_runs["simple"].read_bytes())
+    if cut == "truncated":
+        data = data[:-7]  # the last record loses its tail
+    else:
+        data[len(data) // 2] ^= 0xFF  # a record's data no longer matches its CRC
+    damaged.write_bytes(bytes(data))
+    result = gradclip("trend", damaged, "--format", "json")
+    assert result.code == 3
+    assert str(damaged) in result.err_lines[-1]
+    assert "truncated or damaged" in result.err and "not taken as the whole run" in result.err
+    assert result.json()["exit_code"] == 3
+    assert "Traceback" not in result.err
+
+
+def test_nonfinite_values_are_nonfinite_points(gradclip, tmp_path):
+    tr.needs("tensorboard")
+    norms = dict(tr.NORMS)
+    norms[10], norms[39] = math.nan, math.inf
+    event_file = tr.write_torch_tensorboard(tmp_path / "nan", norms=norms)
+    result = gradclip("trend", event_file, "--format", "json")
+    assert result.code == 1
+    doc = result.json()
+    assert doc["status"] == "nonfinite"
+    by_step = {p["step"]: p for p in doc["points"]}
+    assert by_step[10]["total_norm"] == "nan" and by_step[39]["total_norm"] == "inf"
+
+
+def test_huge_steps_are_kept_and_negative_steps_refused(gradclip, tmp_path):
+    tr.needs("tensorboard")
+    big = 2**62
+    huge = tr.write_torch_tensorboard(tmp_path / "huge",
+                                      norms={big + s: v for s, v in tr.NORMS.items()})
+    result = gradclip("trend", huge, "--format", "json", "--fail-on", "any")
+    assert result.code == 1
+    assert sorted(_points(result)) == [big + s for s in tr.NORMS]
+    negative = tr.write_torch_tensorboard(tmp_path / "negative", norms={-1: 1.0, 0: 1.0})
+    result = gradclip("trend", negative)
+    assert result.code == 3
+    assert result.err_lines == [f"gradclip: {negative}: tag '{tr.TAG}': step -1 is negative; "
+                                "a training step counts from 0"]
+
+
+def test_colliding_tags_are_refused_or_chosen(gradclip, tmp_path):
+    tr.needs("tensorboard")
+    folder = tmp_path / "both"
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(folder))
+    for step, value in tr.NORMS.items():
+        writer.add_scalar("grad_norm", value, step)
+        writer.add_scalar("train/grad_norm", 2 * value, step)
+    writer.close()
+    result = gradclip("trend", folder)
+    assert result.code == 2
+    assert "'grad_norm'" in result.err and "'train/grad_norm'" in result.err
+    assert "--tag" in result.err
+    result = gradclip("trend", folder, "--tag", "grad_norm", "--format", "json")
+    assert _points(result) == {s: tr.float32(v) for s, v in tr.NORMS.items()}
+    result = gradclip("trend", folder, "--tag", "nope")
+    assert result.code == 2 and "no tag 'nope'" in result.err
+
+
+def test_several_runs_refused_with_names_or_chosen(gradclip, tmp_path):
+    tr.needs("tensorboard")
+    tr.write_torch_tensorboard(tmp_path / "logs" / "run_a")
+    tr.write_torch_tensorboard(tmp_path / "logs" / "run_b",
+                               norms={s: 3.0 for s in tr.NORMS})
+    result = gradclip("trend", tmp_path / "logs")
+    assert result.code == 2
+    assert "run_a" in result.err and "run_b" in result.err and "--run" in result.err
+    result = gradclip("trend", tmp_path / "logs", "--run", "run_b", "--format", "json")
+    assert result.code == 0
+    assert set(_points(result).values()) == {3.0}
+
+
+def test_a_resumed_run_supersedes_the_steps_it_logs_again(gradclip, tmp_path):
+    tr.needs("tensorboard")
+    folder = tmp_path / "resumed"
+    tr.write_torch_tensorboard(folder, norms={s: 1.0 for s in range(20)})
+    first = next(folder.glob("events.*"))
+    # The resumed writer starts a second file (a later start time in its name) at step 10.
+    later = folder / first.name.replace("tfevents.", "tfevents.9", 1)
+    tr.write_torch_tensorboard(tmp_path / "second", norms={s: 2.0 for s in range(10, 30)})
+    shutil.move(next((tmp_path / "second").glob("events.*")), later)
+    result = gradclip("trend", folder, "--format", "json")
+    points = _points(result)
+    assert points == {**{s: 1.0 for s in range(10)}, **{s: 2.0 for s in range(10, 30)}}
+    assert "superseded" in result.err
+
+
+def test_without_tensorboard_the_refusal_names_the_extra(tb_runs):
+    block = ("import sys; sys.modules['tensorboard'] = None; "
+             "from gradclip_cli.cli import main; main()")
+    done = subprocess.run([sys.executable, "-c", block, "trend", str(tb_runs["simple"])],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 3
+    assert "gradclip[tensorboard]" in done.stderr and "Traceback" not in done.stderr
+
+
+# MLflow: the file store and the SQLite store, written by mlflow itself.
+
+@pytest.fixture(scope="session")
+def mlflow_stores(tmp_path_factory):
+    tr.needs("mlflow")
+    root = tmp_path_factory.mktemp("mlflow")
+    tr.write_mlflow({"file:./mlruns": {"calm-run": tr.NORMS},
+                     "sqlite:///mlflow.db": {"calm-run": tr.NORMS, "other-run": tr.NORMS,
+                                             "nonfinite-run": NONFINITE}}, cwd=root)
+    return root
+
+
+def test_mlflow_file_store(gradclip, mlflow_stores):
+    (run,) = [m.parent for m in (mlflow_stores / "mlruns").glob("*/*/meta.yaml")]
+    for given in (mlflow_stores / "mlruns", run.parent, run):
+        result = gradclip("trend", given, "--format", "json", "--fail-on", "any")
+        _assert_series(result, float32=False)
+        assert "MLflow" in " ".join(result.json()["notes"])
+
+
+# NaN at step 5, +inf at 20, -inf at the newest: MLflow's SQLite store keeps inf as
+# +-1.8e308 and NaN as a flag.
+NONFINITE = {**tr.NORMS, 5: math.nan, 20: math.inf, 39: -math.inf}
+
+
+def test_mlflow_nonfinite_values_read_back_as_logged(gradclip, mlflow_stores):
+    result = gradclip("trend", mlflow_stores / "mlflow.db", "--run", "nonfinite-run",
+                      "--format", "json")
+    assert result.code == 1
+    doc = result.json()
+    assert doc["status"] == "nonfinite"
+    by_step = {p["step"]: p["total_norm"] for p in doc["points"]}
+    assert (by_step[5], by_step[20], by_step[39]) == ("nan", "inf", "-inf")
+    assert by_step[6] == tr.NORMS[6]
+
+
+def test_mlflow_sqlite_store_several_runs(gradclip, mlflow_stores):
+    db = mlflow_stores / "mlflow.db"
+    result = gradclip("trend", db)
+    assert result.code == 2
+    assert "calm-run" in result.err and "other-run" in result.err and "--run" in result.err
+    result = gradclip("trend", db, "--run", "calm-run", "--format", "json", "--fail-on", "any")
+    _assert_series(result, float32=False)
+    with sqlite3.connect(db) as connection:
+        (run_id,) = connection.execute(
+            "SELECT run_uuid FROM runs WHERE name = 'other-run'").fetchone()
+    result = gradclip("trend", db, "--run", run_id, "--format", "json", "--fail-on", "any")
+    _assert_series(result, float32=False)
+
+
+def test_mlflow_sqlite_is_opened_read_only(gradclip, mlflow_stores, tmp_path):
+    db = tmp_path / "mlflow.db"
+    shutil.copy(mlflow_stores / "mlflow.db", db)
+    db.chmod(0o444)
+    tmp_path.chmod(0o555)  # not even a journal could be written beside it
+    try:
+        result = gradclip("trend", db, "--run", "calm-run", "--format", "json")
+    finally:
+        tmp_path.chmod(0o755)
+    assert result.code == 0, result.err
+    assert len(_points(result)) == tr.STEPS
+
+
+def test_locked_database_is_exit_3(gradclip, mlflow_stores, tmp_path):
+    db = tmp_path / "mlflow.db"
+    shutil.copy(mlflow_stores / "mlflow.db", db)
+    writer = sqlite3.connect(db, isolation_level=None)
+    writer.execute("PRAGMA journal_mode=DELETE")
+    writer.execute("BEGIN EXCLUSIVE")
+    try:
+        result = gradclip("trend", db, "--run", "calm-run")
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    assert result.code == 3
+    assert result.err_lines[-1].startswith(f"gradclip: {db}: the database is locked")
+
+
+def test_sqlite_of_another_schema_is_exit_3(gradclip, tmp_path):
+    other = tmp_path / "mlflow.db"
+    with sqlite3.connect(other) as connection:
+        connection.execute("CREATE TABLE metrics (name TEXT, value REAL)")
+    result = gradclip("trend", other)
+    assert result.code == 3
+    assert "neither MLflow's store" in result.err and str(other) in result.err
+
+
+def test_trackio_project_database(gradclip, tmp_path_factory):
+    tr.needs("trackio")
+    db = tr.write_trackio(tmp_path_factory.mktemp("trackio"), runs=("calm-run", "run-two"))
+    result = gradclip("trend", db)
+    assert result.code == 2 and "calm-run" in result.err and "run-two" in result.err
+    result = gradclip("trend", db, "--run", "calm-run", "--format", "json", "--fail-on", "any")
+    _assert_series(result, float32=False)
+    assert "trackio" in " ".join(result.json()["notes"])
+
+
+@pytest.fixture(scope="session")
+def wandb_run(tmp_path_factory):
+    tr.needs("wandb")
+    return tr.write_wandb_offline(tmp_path_factory.mktemp("wandb"))
+
+
+def test_wandb_offline_run(gradclip, wandb_run):
+    for given in (wandb_run.parent.parent, wandb_run, next(wandb_run.glob("*.wandb"))):
+        result = gradclip("trend", given, "--format", "json", "--fail-on", "any")
+        _assert_series(result, float32=False)
+
+
+def test_wandb_steps_of_the_trainers_step_metric(gradclip, tmp_path):
+    """The Trainer's W&B callback steps every key by train/global_step (define_metric),
+    not by W&B's count of log calls."""
+    tr.needs("wandb")
+    run = tr.write_wandb_offline(tmp_path, global_step=True)
+    result = gradclip("trend", run, "--format", "json", "--fail-on", "any")
+    assert result.code == 1, result.err
+    assert _points(result) == {5 * s: v for s, v in tr.NORMS.items()}
+    assert [p["step"] for p in result.json()["points"] if p["spike"]] == [5 * tr.SPIKE_STEP]
+
+
+def test_wandb_truncated_run_file_is_exit_3(gradclip, wandb_run, tmp_path):
+    run_file = next(wandb_run.glob("*.wandb"))
+    damaged = tmp_path / "offline-run-x" / run_file.name
+    damaged.parent.mkdir()
+    damaged.write_bytes(run_file.read_bytes()[: run_file.stat().st_size * 2 // 3])
+    result = gradclip("trend", damaged)
+    assert result.code == 3
+    assert str(damaged) in result.err and "truncated or damaged" in result.err
+
+
+def test_wandb_outside_the_tested_range_is_refused(gradclip, wandb_run, monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.31.0" if name == "wandb" else real(name))
+    result = gradclip("trend", wandb_run)
+    assert result.code == 3
+    assert "gradclip[wandb]" in result.err and "0.31.0" in result.err
+
+
+def test_json_validates_against_the_schema(gradclip, tb_runs):
+    from tests.json_schemas import assert_valid
+
+    result = gradclip("trend", tb_runs["simple"].parent, "--format", "json")
+    assert_valid(json.loads(result.out))
+
+
+# Frameworks' own loggers: Lightning's TensorBoard and CSV loggers, the Trainer's
+# report_to=["tensorboard"].
+
+@pytest.fixture(scope="session")
+def lightning_run(tmp_path_factory):
+    tr.needs("lightning")
+    tr.needs("tensorboard")
+    folder = tmp_path_factory.mktemp("lightning")
+    return folder, tr.train_lightning(folder)
+
+
+def _assert_lightning(doc, reference) -> None:
+    """Every step, the total and each parameter's norm as Lightning's float32 utility
+    computed them (relative 1e-5 of float64: float32 sums of a few elements), the
+    spike at its step."""
+    assert doc["norm_type"] == 2.0
+    points = {p["step"]: p for p in doc["points"]}
+    assert sorted(points) == sorted(reference)
+    for step, norms in reference.items():
+        assert math.isclose(float(points[step]["total_norm"]), norms["total"], rel_tol=1e-5)
+        groups = points[step]["groups"]
+        assert set(groups) == set(tr.LIGHTNING_LAYERS)
+        for layer in tr.LIGHTNING_LAYERS:
+            assert math.isclose(float(groups[layer]), norms[layer], rel_tol=1e-5)
+    assert [p["step"] for p in doc["points"] if p["spike"]] == [tr.LIGHTNING_SPIKE_STEP]
+
+
+def test_lightning_tensorboard_and_csv_loggers(gradclip, lightning_run):
+    folder, reference = lightning_run
+    version = folder / "lightning_logs" / "version_0"
+    for given in (version, version / "metrics.csv", folder / "lightning_logs", folder):
+        result = gradclip("trend", given, "--format", "json", "--fail-on", "any")
+        assert result.code == 1, (given, result.err)
+        _assert_lightning(result.json(), reference)
+    doc = gradclip("trend", version, "--format", "json").json()
+    kinds = {s["source"]: s["judged"] for s in doc["series"]}
+    assert sum(kinds.values()) == 1 and str(version / "metrics.csv") in kinds
+    assert any("grad_2.0_norm_total" in note for note in doc["notes"])
+
+
+@pytest.fixture(scope="session")
+def trainer_tensorboard_run(tmp_path_factory):
+    tr.needs("transformers")
+    tr.needs("tensorboard")
+    from tests.trainer_runs import train_with_spike
+
+    output_dir = tmp_path_factory.mktemp("hf_tensorboard")
+    train_with_spike(output_dir, report_to=("tensorboard",))
+    return output_dir
+
+
+def test_trainer_report_to_tensorboard(gradclip, trainer_tensorboard_run):
+    from tests.trainer_runs import SPIKE_STEP, STEPS
+
+    output_dir = trainer_tensorboard_run
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    logged = {e["step"]: e["grad_norm"] for e in state["log_history"] if "grad_norm" in e}
+    assert len(logged) == STEPS
+    event_files = list(output_dir.rglob("events.out.tfevents.*"))
+    assert event_files
+    for given in (event_files[0].parent, event_files[0]):
+        result = gradclip("trend", given, "--format", "json", "--fail-on", "any")
+        assert result.code == 1, result.err
+        # The Trainer's TensorBoard callback writes the logged float as float32.
+        assert _points(result) == {s: tr.float32(v) for s, v in logged.items()}
+        assert [p["step"] for p in result.json()["points"] if p["spike"]] == [SPIKE_STEP]
+        assert any("tag 'train/grad_norm'" in n for n in result.json()["notes"])
+    # The output_dir holds both series of one run: one is judged, the other named.
+    doc = gradclip("trend", output_dir, "--format", "json").json()
+    assert {s["kind"] for s in doc["series"]} == {"trainer-state", "tracker"}
+    assert [s["judged"] for s in doc["series"]].count(True) == 1
+
+
+@pytest.mark.parametrize("tag", ["grad_norm", "grad_norm/total", "grad-norm",
+                                 "train/grad_norm", "grad_2.0_norm_total"])
+def test_each_frameworks_total_is_found_by_name(gradclip, tmp_path, tag):
+    tr.needs("tensorboard")
+    tr.write_torch_tensorboard(tmp_path / "run", tag=tag)
+    result = gradclip("trend", tmp_path / "run", "--format", "json", "--fail-on", "any")
+    assert result.code == 1
+    assert _points(result) == {s: tr.float32(v) for s, v in tr.NORMS.items()}
+    assert any(f"tag '{tag}' found by name" in n for n in result.json()["notes"])
+
+
+def test_gradclip_tags_read_back_with_groups_and_preferred(gradclip, tmp_path):
+    """gradclip's own scheme (tracker_tags), under the Trainer's train/ prefix, beside the
+    framework's own total: gradclip's is read (it has the groups) and the other named."""
+    tr.needs("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    from gradclip_cli import tracker_tags
+
+    writer = SummaryWriter(str(tmp_path / "run"))
+    groups = {"transformer.h.0": 0.25, "lm_head": 0.5}
+    for step, value in tr.NORMS.items():
+        writer.add_scalar("train/" + tracker_tags.TOTAL_NORM, value, step)
+        writer.add_scalar("train/grad_norm", value, step)
+        for group, share in groups.items():
+            writer.add_scalar("train/" + tracker_tags.group_norm(group), value * share, step)
+        writer.add_scalar("train/" + tracker_tags.CLIP_COEF, 1.0, step)
+    writer.close()
+    result = gradclip("trend", tmp_path / "run", "--format", "json", "--fail-on", "any")
+    assert result.code == 1
+    doc = result.json()
+    for point in doc["points"]:
+        value = tr.NORMS[point["step"]]
+        assert point["total_norm"] == tr.float32(value)
+        assert point["groups"] == {g: tr.float32(value * share) for g, share in groups.items()}
+    note = next(n for n in doc["notes"] if "found by name" in n)
+    assert "gradclip's own tag" in note and "not read: 'train/grad_norm'" in note
+
+
+def test_tag_and_run_need_a_tracker_input(gradclip, tmp_path):
+    log = tmp_path / "grads.jsonl"
+    log.write_text(json.dumps({"schema": "gradclip.monitor/1", "step": 1,
+                               "total_norm": 1.0, "norm_type": 2.0}) + "\n")
+    for flag in ("--tag", "--run"):
+        result = gradclip("trend", log, flag, "x")
+        assert result.code == 2 and f"{flag} picks from a tracker's files" in result.err
+
+
+def test_without_wandb_the_refusal_names_the_extra(wandb_run):
+    block = ("import sys; sys.modules['wandb'] = None; "
+             "from gradclip_cli.cli import main; main()")
+    done = subprocess.run([sys.executable, "-c", block, "trend", str(wandb_run)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 3
+    assert "gradclip[wandb]" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_trackers_store_that_cannot_be_chosen_from_leaves_the_run_folder_readable(
+        gradclip, trainer_tensorboard_run, tmp_path):
+    """Two launches' TensorBoard runs under the Trainer's runs/: the run folder's other
+    series is judged, and the note says why the tracker's was not read, and how."""
+    output_dir = tmp_path / "out"
+    shutil.copytree(trainer_tensorboard_run, output_dir)
+    (run_dir,) = {p.parent for p in output_dir.rglob("events.out.tfevents.*")}
+    shutil.copytree(run_dir, run_dir.with_name(run_dir.name + "-second"))
+    result = gradclip("trend", output_dir, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert [s["kind"] for s in doc["series"] if s["judged"]] == ["trainer-state"]
+    assert any(n.startswith("not read: ") and "2 TensorBoard runs" in n and "--run" in n
+               for n in doc["notes"])
+    chosen = gradclip("trend", output_dir, "--run", run_dir.name, "--format", "json")
+    assert chosen.code == 0 and "tracker" in {s["kind"] for s in chosen.json()["series"]}

@@ -1,0 +1,275 @@
+"""``GradMonitor(locate_nonfinite=True)``: where a NaN began, on real models.
+
+A NaN is injected into a known layer's forward output (the origin names that
+module) or into the gradient flowing back through a known layer (it names
+that layer's parameter), and one arises by itself in backward (the derivative
+of ``sqrt`` at 0). The references are independent of the monitor: the module
+is the one the test corrupts, and the accumulation order is recorded by the
+test's own post-accumulate-grad hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import host_ops
+from gradclip_cli import GradMonitor
+from tests.cli.conftest import gradclip  # noqa: F401
+from tests.cli.support import logical_lines
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64,
+                                     n_positions=16, bos_token_id=None, eos_token_id=None,
+                                     loss_type="ForCausalLM")
+    return transformers.GPT2LMHeadModel(config)
+
+
+TOKENS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+class AccumulationOrder:
+    """The test's own record of the order autograd accumulates gradients in."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.order: list[str] = []
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self._seen)
+
+    def _seen(self, p):
+        name = self.names[id(p)]
+        if name not in self.order:
+            self.order.append(name)
+
+    def first_nonfinite(self, model) -> str:
+        grads = dict(model.named_parameters())
+        return next(n for n in self.order if not torch.isfinite(grads[n].grad).all())
+
+
+def gpt2_step(model, monitor, step):
+    model.zero_grad()
+    loss = model(TOKENS, labels=TOKENS).loss
+    loss.backward()
+    return monitor.step(step)
+
+
+def lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_nan_made_in_a_forward_names_that_module(tmp_path, gradclip):  # noqa: F811
+    model = tiny_gpt2()
+    order = AccumulationOrder(model)
+    culprit = model.transformer.h[1].mlp.c_fc
+    corrupt = {"on": False}
+
+    def nan_out(module, args, output):
+        if corrupt["on"]:
+            output = output.clone()
+            output[0, 3, 5] = math.nan
+        return output
+
+    culprit.register_forward_hook(nan_out)
+    log = tmp_path / "grads.jsonl"
+    with GradMonitor(model, log, None, locate_nonfinite=True) as monitor:
+        for step in range(3):
+            assert gpt2_step(model, monitor, step)["nonfinite_origin"] is None
+        corrupt["on"] = True
+        record = gpt2_step(model, monitor, 3)
+        first_nonfinite = order.first_nonfinite(model)
+        corrupt["on"] = False
+        after = gpt2_step(model, monitor, 4)
+    assert record["nonfinite"]["nan"] > 0
+    # The NaN reaches the loss, so every gradient is NaN: the forward half locates it.
+    assert record["nonfinite_origin"] == {"forward": "transformer.h.1.mlp.c_fc",
+                                          "backward": first_nonfinite}
+    assert after["nonfinite_origin"] is None  # the flags start afresh each step
+    assert [r.get("nonfinite_origin") for r in lines(log)] == [None, None, None,
+                                                              record["nonfinite_origin"], None]
+    # trend shows it: in its JSON, and in the verdict people read.
+    result = gradclip("trend", log, "--format", "json", "--fail-on", "any")
+    assert result.code == 1
+    points = result.json()["points"]
+    assert [p["nonfinite_origin"] for p in points] == [None, None, None,
+                                                      record["nonfinite_origin"], None]
+    table = gradclip("trend", log, "--fail-on", "any")
+    verdict = logical_lines(table.out)[-1]
+    assert verdict.startswith("FAIL") and "forward output of transformer.h.1.mlp.c_fc" in verdict
+
+
+def test_a_nan_made_in_backward_names_the_first_parameter_it_reached(tmp_path,
+                                                                   gradclip):  # noqa: F811
+    model = tiny_gpt2()
+    order = AccumulationOrder(model)
+    layer = model.transformer.h[0].mlp.c_proj
+
+    def nan_grad(module, grad_output):
+        g = grad_output[0].clone()
+        g[0, 2, 7] = math.nan
+        return (g,)
+
+    with GradMonitor(model, tmp_path / "grads.jsonl", None, locate_nonfinite=True) as monitor:
+        assert gpt2_step(model, monitor, 0)["nonfinite_origin"] is None
+        handle = layer.register_full_backward_pre_hook(nan_grad)
+        record = gpt2_step(model, monitor, 1)
+        handle.remove()
+    origin = record["nonfinite_origin"]
+    assert origin["forward"] is None  # the forward was clean
+    assert origin["backward"] in ("transformer.h.0.mlp.c_proj.weight",
+                                  "transformer.h.0.mlp.c_proj.bias")
+    assert origin["backward"] == order.first_nonfinite(model)
+    # Later layers' gradients stayed finite; they were accumulated before it.
+    names = dict(model.named_parameters())
+    assert torch.isfinite(names["transformer.h.2.mlp.c_proj.weight"].grad).all()
+    assert order.order.index("transformer.h.2.mlp.c_proj.weight") < order.order.index(
+        origin["backward"])
+    table = gradclip("trend", tmp_path / "grads.jsonl")
+    verdict = logical_lines(table.out)[-1]
+    assert table.code == 1 and verdict.startswith("FAIL")
+    assert f"began: forward clean, first non-finite gradient {origin['backward']}" in verdict
+
+
+class SqrtNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.root = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        # sqrt(y * (y > 0)) is finite forward; where y < 0 its derivative is
+        # sqrt'(0) * 0 = inf * 0 = NaN (torch.relu's backward would mask it instead).
+        y = self.root(torch.relu(self.embed(x)))
+        return self.head(torch.sqrt(y * (y > 0)))
+
+
+def test_a_nan_from_the_derivative_of_sqrt_at_zero_names_the_layer_below_it(tmp_path):
+    torch.manual_seed(3)
+    model = SqrtNet()
+    order = AccumulationOrder(model)
+    with GradMonitor(model, tmp_path / "grads.jsonl", None, group_by="tensor",
+                     locate_nonfinite=True) as monitor:
+        x = torch.randn(16, 4)
+        model(x).sum().backward()
+        record = monitor.step(0)
+    assert record["nonfinite"]["nan"] > 0
+    assert torch.isfinite(model.head.weight.grad).all()
+    assert record["nonfinite_origin"] == {"forward": None, "backward": "root.weight"} or \
+        record["nonfinite_origin"] == {"forward": None, "backward": "root.bias"}
+    assert record["nonfinite_origin"]["backward"] == order.first_nonfinite(model)
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.act = torch.nn.GELU()
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.act(self.embed(x)))
+
+
+def test_micro_batches_and_evaluation_forwards(tmp_path):
+    model = Mlp()
+    bad = {"on": False, "calls": 0}
+
+    def inf_out(module, args, output):
+        bad["calls"] += 1
+        return output * math.inf if bad["on"] else output
+
+    model.embed.register_forward_hook(inf_out)
+    x = torch.rand(8, 4) + 1
+    with GradMonitor(model, tmp_path / "grads.jsonl", None, locate_nonfinite=True) as monitor:
+        # An evaluation forward without gradients that goes non-finite is not a step's.
+        bad["on"] = True
+        with torch.no_grad():
+            model(x)
+        bad["on"] = False
+        model(x).sum().backward()
+        assert monitor.step(0)["nonfinite_origin"] is None
+        # Two micro-batches: the second one goes wrong, and the step still knows where.
+        model.zero_grad()
+        model(x).sum().backward()
+        bad["on"] = True
+        model(x).sum().backward()
+        bad["on"] = False
+        record = monitor.step(1)
+    assert record["nonfinite_origin"]["forward"] == "embed"
+
+
+def test_without_the_option_lines_are_unchanged_and_bad_values_are_refused(tmp_path):
+    model = Mlp()
+    model(torch.rand(2, 4) + 1).sum().backward()
+    record = GradMonitor(model, tmp_path / "a.jsonl", None).step(0)
+    assert "nonfinite_origin" not in record
+    with pytest.raises(ValueError, match="locate_nonfinite must be True or False"):
+        GradMonitor(model, tmp_path / "b.jsonl", None, locate_nonfinite=1)
+
+
+def test_trend_refuses_a_malformed_origin_naming_the_line(tmp_path, gradclip):  # noqa: F811
+    log = tmp_path / "grads.jsonl"
+    good = {"schema": "gradclip.monitor/1", "step": 0, "total_norm": 1.0, "groups": {},
+            "nonfinite": {"nan": 0, "posinf": 0, "neginf": 0}}
+    log.write_text(json.dumps(good) + "\n"
+                   + json.dumps({**good, "step": 1, "nonfinite_origin": ["x"]}) + "\n")
+    result = gradclip("trend", log)
+    assert result.code == 3
+    assert len(result.err_lines) == 1 and f"{log}:2" in result.err
+    assert "nonfinite_origin" in result.err and "Traceback" not in result.err
+
+
+def test_on_an_accelerator_hooks_read_nothing_and_a_clean_step_reads_once(tmp_path):
+    # The accelerator path on meta (benchmarks/host_ops.py): forward flags stay on
+    # the device, and a clean logged step reads back its norms alone, as without them.
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 8)).to("meta")
+    x = torch.empty(4, 64, device="meta")
+    monitor = GradMonitor(model, tmp_path / "grads.jsonl", None, locate_nonfinite=True)
+    with host_ops.foreach_on_meta():
+        with host_ops.HostOpCounter() as counter:
+            model(x).sum().backward()
+        assert counter.reads == 0
+        for p in model.parameters():
+            p.grad = torch.empty_like(p)
+        with host_ops.HostOpCounter() as counter:
+            record = monitor.step(0)
+        assert counter.reads == 1 and record["nonfinite_origin"] is None
+        with host_ops.HostOpCounter() as counter:
+            model(x).sum()
+        assert counter.reads == 0
+
+
+class Outer(torch.nn.Module):
+    """Returns its child's output object, changed in place on the chosen step."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.poison = False
+
+    def forward(self, x):
+        y = self.inner(x)
+        if self.poison:
+            y.mul_(math.inf)  # the same tensor object, changed after inner returned it
+        return y
+
+
+def test_an_output_changed_in_place_by_its_parent_names_the_parent(tmp_path):
+    model = torch.nn.Sequential(Outer(), torch.nn.Linear(4, 1))
+    with GradMonitor(model, tmp_path / "grads.jsonl", None, locate_nonfinite=True) as monitor:
+        model(torch.rand(3, 4) + 1).sum().backward()
+        assert monitor.step(0)["nonfinite_origin"] is None
+        model[0].poison = True
+        model.zero_grad()
+        model(torch.rand(3, 4) + 1).sum().backward()
+        record = monitor.step(1)
+    assert record["nonfinite_origin"]["forward"] == "0"
