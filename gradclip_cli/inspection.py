@@ -189,7 +189,8 @@ def exit_code(report: Any) -> int:
     from .report.trend import TrendReport
 
     if isinstance(report, TrendReport):
-        return 1 if report.status in (SPIKE, NONFINITE) else 0
+        # A norm audit that disagrees is a finding too, as the command says.
+        return 1 if report.status in (SPIKE, NONFINITE) or report.disagreeing else 0
     return 0 if report.status == OK else 1
 
 
