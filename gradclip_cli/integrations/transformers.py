@@ -126,7 +126,7 @@ class GradMonitorCallback(TrainerCallback):
         if self.monitor is None or self.monitor.model is not model:
             self.monitor = GradMonitor(model, self.log_path, self.dump_dir, **self.options)
         if self.log_metrics:
-            _lead_the_loggers(self, sys._getframe(1).f_locals.get("self"))
+            _lead_the_loggers(self, _calling_handler(self))
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None,
                               **kwargs: Any) -> None:
@@ -184,14 +184,31 @@ class _TrainerLogs(TrainerCallback):
         self.owner.add_to_logs(state, logs)
 
 
+def _calling_handler(owner: GradMonitorCallback) -> Any:
+    """The ``CallbackHandler`` whose ``call_event`` is calling ``owner`` now: the
+    nearest caller (a few frames up, past a subclass's ``super()`` calls) whose
+    ``self`` is one holding ``owner``; None when there is none."""
+    from transformers.trainer_callback import CallbackHandler
+
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return None
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, CallbackHandler) and owner in getattr(caller, "callbacks", ()):
+            return caller
+        frame = frame.f_back
+    return None
+
+
 def _lead_the_loggers(owner: GradMonitorCallback, handler: Any) -> None:
     """Put a ``_TrainerLogs`` of ``owner`` at the head of ``handler``'s callbacks.
 
-    ``handler`` is whoever called ``owner.on_train_begin``: the Trainer's
-    ``CallbackHandler`` (its ``call_event`` calls each callback itself). Its
-    list is replaced, not changed in place: the loop calling this event goes
-    on over the old one. Anything else (a future Trainer calling callbacks
-    another way) is left alone, with a warning: the norms then still reach
+    ``handler`` is the Trainer's ``CallbackHandler`` that called
+    ``owner.on_train_begin`` (its ``call_event`` calls each callback itself).
+    Its list is replaced, not changed in place: the loop calling this event
+    goes on over the old one. No handler (a future Trainer calling callbacks
+    another way, or a direct call) is a warning: the norms then still reach
     ``log_history`` and the callbacks after this one.
     """
     from transformers.trainer_callback import CallbackHandler

@@ -128,3 +128,11 @@ def test_a_spike_and_a_disagreement_both_fail(gradclip, half_norm_run, tmp_path)
     assert doc["status"] == "spike" and not doc["audit"][0]["agrees"]
     r = gradclip("trend", copy)
     assert logical_lines(r.out)[-1].startswith("FAIL: gradient spike at the newest point")
+
+
+def test_the_python_apis_exit_code_counts_the_audit(half_norm_run):
+    import gradclip_cli
+
+    report = gradclip_cli.trend(half_norm_run.output_dir)
+    assert report.status == "ok" and report.disagreeing
+    assert gradclip_cli.exit_code(report) == 1

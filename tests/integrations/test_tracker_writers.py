@@ -380,3 +380,30 @@ def test_a_hostile_group_name_is_shown_escaped(gradclip, callback_run, tmp_path)
     assert "\x1b" not in r.out and "evil" in r.out
     doc = gradclip("trend", path, "--format", "json").json()
     assert doc["points"][0]["groups"][name] == 1.0  # JSON keeps it, escaped by json itself
+
+
+@pytest.mark.parametrize("subclass", [False, True])
+def test_the_companion_goes_first_and_the_others_keep_their_order(tmp_path, subclass):
+    from transformers import TrainerControl, TrainerState
+    from transformers.integrations import TensorBoardCallback
+    from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+
+    from gradclip_cli.integrations.transformers import GradMonitorCallback, _TrainerLogs
+
+    class Mine(GradMonitorCallback):  # a user's subclass, calling super()
+        def on_train_begin(self, *args, **kwargs):
+            return super().on_train_begin(*args, **kwargs)
+
+    kind = Mine if subclass else GradMonitorCallback
+    callback = kind(tmp_path / "grads.jsonl", None)
+    model = torch.nn.Linear(2, 2)
+    others = [DefaultFlowCallback(), TensorBoardCallback()]
+    handler = CallbackHandler([*others, callback], model, None, None, None)
+    args = transformers.TrainingArguments(str(tmp_path), max_grad_norm=0.0, report_to="none",
+                                          use_cpu=True)
+    handler.on_train_begin(args, TrainerState(), TrainerControl())
+    assert isinstance(handler.callbacks[0], _TrainerLogs)
+    assert handler.callbacks[0].owner is callback
+    assert handler.callbacks[1:] == [*others, callback]
+    handler.on_train_begin(args, TrainerState(), TrainerControl())  # a second train()
+    assert len(handler.callbacks) == 4
