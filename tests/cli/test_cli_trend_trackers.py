@@ -46,16 +46,19 @@ def tb_runs(tmp_path_factory):
         "simple": tr.write_torch_tensorboard(root / "simple"),
         "tensor": tr.write_torch_tensorboard(root / "tensor", new_style=True),
         "tensorboard": tr.write_tensorboard_writer(root / "tb_writer"),
+        "double": tr.write_torch_tensorboard(root / "double", double=True),
     }
 
 
-@pytest.mark.parametrize("kind", ["simple", "tensor", "tensorboard"])
+@pytest.mark.parametrize("kind", ["simple", "tensor", "tensorboard", "double"])
 def test_tensorboard_event_file_every_point(gradclip, tb_runs, kind):
     event_file = tb_runs[kind]
     result = gradclip("trend", event_file, "--format", "json", "--fail-on", "any")
-    # Every TensorBoard writer stores a scalar as float32 (simple_value, or a
-    # DT_FLOAT tensor).
-    _assert_series(result, float32=True)
+    # TensorBoard's writers store a scalar as float32 (simple_value, or a DT_FLOAT
+    # tensor) unless asked for a DT_DOUBLE tensor (torch's double_precision=True).
+    _assert_series(result, float32=kind != "double")
+    stored = any("stored as float32" in note for note in result.json()["notes"])
+    assert stored == (kind != "double")
     assert {p["source"] for p in result.json()["points"]} == {str(event_file)}
 
 

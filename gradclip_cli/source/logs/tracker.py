@@ -33,7 +33,9 @@ class TrackerRun:
     id: str
     source: Path
     scalars: Callable[[], dict[str, Points]]
-    stores_float32: bool = False  # the tracker keeps values as float32 (TensorBoard)
+    # Whether the tracker kept a tag's values as float32 (TensorBoard), asked after
+    # ``scalars()`` has read them.
+    stores_float32: Callable[[str], bool] = lambda tag: False
 
     @property
     def label(self) -> str:

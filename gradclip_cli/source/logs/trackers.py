@@ -90,7 +90,7 @@ class TrackerSeries:
 
     def describe(self) -> str:
         groups = f" and {self.group_tags} per-group tag(s)" if self.group_tags else ""
-        float32 = ", stored as float32" if self.run.stores_float32 else ""
+        float32 = ", stored as float32" if self.run.stores_float32(self.tag) else ""
         return (f"{self.run.tracker} tag {visible(repr(self.tag))}{groups} of run "
                 f"{self.run.label}{float32}")
 
