@@ -494,3 +494,14 @@ def test_a_trackers_store_that_cannot_be_chosen_from_leaves_the_run_folder_reada
                for n in doc["notes"])
     chosen = gradclip("trend", output_dir, "--run", run_dir.name, "--format", "json")
     assert chosen.code == 0 and "tracker" in {s["kind"] for s in chosen.json()["series"]}
+
+
+def test_mlflow_metric_line_cut_short_is_exit_3(gradclip, mlflow_stores, tmp_path):
+    shutil.copytree(mlflow_stores / "mlruns", tmp_path / "mlruns")
+    (metric,) = (tmp_path / "mlruns").glob("*/*/metrics/train/grad_norm")
+    lines = metric.read_text().splitlines()
+    metric.write_text("\n".join(lines) + "\n" + lines[-1].rsplit(" ", 1)[0])
+    result = gradclip("trend", tmp_path / "mlruns")
+    assert result.code == 3
+    assert result.err_lines[-1].startswith(f"gradclip: {metric}:{len(lines) + 1}: not an "
+                                           "MLflow metric line")
