@@ -505,3 +505,14 @@ def test_mlflow_metric_line_cut_short_is_exit_3(gradclip, mlflow_stores, tmp_pat
     assert result.code == 3
     assert result.err_lines[-1].startswith(f"gradclip: {metric}:{len(lines) + 1}: not an "
                                            "MLflow metric line")
+
+
+def test_an_event_file_without_a_norm_tag_lists_its_tags(gradclip, tmp_path):
+    tr.needs("tensorboard")
+    event_file = tr.write_torch_tensorboard(tmp_path / "run", tag="train/lr")
+    result = gradclip("trend", event_file)
+    assert result.code == 3
+    assert "logs no gradient norm" in result.err and "'train/lr'" in result.err
+    assert "'train/loss'" in result.err and "--tag" in result.err
+    result = gradclip("trend", event_file, "--tag", "train/lr", "--format", "json")
+    assert result.code == 0 and len(_points(result)) == tr.STEPS

@@ -263,6 +263,8 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
             family = _Family(3, choice.tag, None, DEFAULT_NORM_TYPE, "--tag")
         how = "--tag"
     else:
+        if not scalars:
+            raise InputError(f"{source}: run {run.label} holds no scalars")
         if not families:
             raise InputError(f"{source}: run {run.label} logs no gradient norm under a tag "
                              f"trend knows ({', '.join(NORM_TAGS)}, grad_<p>_norm_total, "
