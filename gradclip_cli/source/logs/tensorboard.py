@@ -112,12 +112,19 @@ def _read_file(file: Path, scalars: dict[str, Points], doubles: set[str], loader
         if not event.HasField("summary"):
             continue
         for value in event.summary.value:
-            number = _scalar(value, tensor_util)
-            if number is not None:
-                scalars.setdefault(value.tag, []).append((event.step, number))
-                points += 1
-                if value.WhichOneof("value") == "tensor" and value.tensor.dtype != DT_FLOAT:
+            kind = value.WhichOneof("value")
+            if kind == "simple_value":
+                number = value.simple_value
+            elif kind == "tensor":
+                number = _tensor_scalar(value.tensor, tensor_util)
+                if number is None:
+                    continue
+                if value.tensor.dtype != DT_FLOAT:
                     doubles.add(value.tag)
+            else:
+                continue  # images, histograms, text: not a scalar
+            scalars.setdefault(value.tag, []).append((event.step, number))
+            points += 1
     if consumed != size:
         raise InputError(
             f"{shown}: truncated or damaged at byte {consumed} of {size} (a record's "
@@ -129,14 +136,11 @@ DT_FLOAT = 1
 _FLOAT_DTYPES = frozenset({DT_FLOAT, 2, 14, 19})  # DT_DOUBLE, DT_BFLOAT16, DT_HALF too
 
 
-def _scalar(value, tensor_util) -> float | None:
-    kind = value.WhichOneof("value")
-    if kind == "simple_value":
-        return float(value.simple_value)
-    if kind == "tensor" and value.tensor.dtype in _FLOAT_DTYPES \
-            and not value.tensor.tensor_shape.dim:
-        return float(tensor_util.make_ndarray(value.tensor).item())
-    return None  # images, histograms, text: not a scalar
+def _tensor_scalar(tensor, tensor_util) -> float | None:
+    """A 0-dim floating tensor's value; None for any other tensor (text, a histogram)."""
+    if tensor.dtype in _FLOAT_DTYPES and not tensor.tensor_shape.dim:
+        return float(tensor_util.make_ndarray(tensor).item())
+    return None
 
 
 TRACKER = Tracker(NAME, EXTRA, claims, runs, given)

@@ -69,6 +69,8 @@ def step_value(step: object, value: object, where: str) -> tuple[int, float]:
     A negative step is no training step any framework logs (TensorBoard stores
     int64 and accepts one): exit 3 rather than a point placed before the run.
     """
+    if type(step) is int and type(value) is float and step >= 0 and not value < 0:
+        return step, value  # the common case, at a million points a series
     if isinstance(step, bool) or not isinstance(step, int):
         raise InputError(f"{where}: step {visible(repr(step))[:40]} is not a whole number")
     if step < 0:

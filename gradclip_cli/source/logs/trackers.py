@@ -290,11 +290,12 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
     total = _checked(scalars[family.total], where)
     by_group = {g: dict(_checked(scalars[t], f"{source}: tag {visible(repr(t))}"))
                 for g, t in groups.items()}
+    p = family.norm_type
     entries = tuple(
-        LoggedNorms(step=step, total_norm=value, norm_type=family.norm_type,
-                    groups={g: points[step] for g, points in by_group.items()
-                            if step in points})
-        for step, value in total)
+        LoggedNorms(step, value, p, {g: points[step] for g, points in by_group.items()
+                                     if step in points})
+        for step, value in total) if by_group else tuple(
+        LoggedNorms(step, value, p) for step, value in total)
     if not entries:
         raise InputError(f"{where}: no points")
     note = f"tag {visible(repr(family.total))} {how}"
