@@ -47,13 +47,16 @@ def needs(module: str):
 
 
 def write_torch_tensorboard(folder: Path, *, new_style: bool = False, tag: str = TAG,
-                            norms: dict[int, float] | None = None) -> Path:
-    """torch's ``SummaryWriter``: ``simple_value`` (default) or a tensor summary."""
+                            norms: dict[int, float] | None = None,
+                            double: bool = False) -> Path:
+    """torch's ``SummaryWriter``: ``simple_value`` (default) or a tensor summary
+    (``new_style``), float64 with ``double``."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(folder))
     for step, value in (NORMS if norms is None else norms).items():
-        writer.add_scalar(tag, value, step, new_style=new_style)
+        writer.add_scalar(tag, value, step, new_style=new_style or double,
+                          double_precision=double)
         writer.add_scalar("train/loss", 2.0 - step / 100, step)
     writer.close()
     return _event_file(folder)

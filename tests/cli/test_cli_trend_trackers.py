@@ -46,16 +46,19 @@ def tb_runs(tmp_path_factory):
         "simple": tr.write_torch_tensorboard(root / "simple"),
         "tensor": tr.write_torch_tensorboard(root / "tensor", new_style=True),
         "tensorboard": tr.write_tensorboard_writer(root / "tb_writer"),
+        "double": tr.write_torch_tensorboard(root / "double", double=True),
     }
 
 
-@pytest.mark.parametrize("kind", ["simple", "tensor", "tensorboard"])
+@pytest.mark.parametrize("kind", ["simple", "tensor", "tensorboard", "double"])
 def test_tensorboard_event_file_every_point(gradclip, tb_runs, kind):
     event_file = tb_runs[kind]
     result = gradclip("trend", event_file, "--format", "json", "--fail-on", "any")
-    # Every TensorBoard writer stores a scalar as float32 (simple_value, or a
-    # DT_FLOAT tensor).
-    _assert_series(result, float32=True)
+    # TensorBoard's writers store a scalar as float32 (simple_value, or a DT_FLOAT
+    # tensor) unless asked for a DT_DOUBLE tensor (torch's double_precision=True).
+    _assert_series(result, float32=kind != "double")
+    stored = any("stored as float32" in note for note in result.json()["notes"])
+    assert stored == (kind != "double")
     assert {p["source"] for p in result.json()["points"]} == {str(event_file)}
 
 
@@ -491,3 +494,25 @@ def test_a_trackers_store_that_cannot_be_chosen_from_leaves_the_run_folder_reada
                for n in doc["notes"])
     chosen = gradclip("trend", output_dir, "--run", run_dir.name, "--format", "json")
     assert chosen.code == 0 and "tracker" in {s["kind"] for s in chosen.json()["series"]}
+
+
+def test_mlflow_metric_line_cut_short_is_exit_3(gradclip, mlflow_stores, tmp_path):
+    shutil.copytree(mlflow_stores / "mlruns", tmp_path / "mlruns")
+    (metric,) = (tmp_path / "mlruns").glob("*/*/metrics/train/grad_norm")
+    lines = metric.read_text().splitlines()
+    metric.write_text("\n".join(lines) + "\n" + lines[-1].rsplit(" ", 1)[0])
+    result = gradclip("trend", tmp_path / "mlruns")
+    assert result.code == 3
+    assert result.err_lines[-1].startswith(f"gradclip: {metric}:{len(lines) + 1}: not an "
+                                           "MLflow metric line")
+
+
+def test_an_event_file_without_a_norm_tag_lists_its_tags(gradclip, tmp_path):
+    tr.needs("tensorboard")
+    event_file = tr.write_torch_tensorboard(tmp_path / "run", tag="train/lr")
+    result = gradclip("trend", event_file)
+    assert result.code == 3
+    assert "logs no gradient norm" in result.err and "'train/lr'" in result.err
+    assert "'train/loss'" in result.err and "--tag" in result.err
+    result = gradclip("trend", event_file, "--tag", "train/lr", "--format", "json")
+    assert result.code == 0 and len(_points(result)) == tr.STEPS

@@ -73,12 +73,14 @@ def _read_metric(file: Path) -> Points:
             continue
         where = f"{visible(str(file))}:{number}"
         fields = line.split()
-        if len(fields) not in (2, 3):  # step was optional in MLflow < 1.0
+        # Three fields since MLflow 1.0; a line cut short (a write in progress, a
+        # damaged file) is refused, never read as another step.
+        if len(fields) != 3:
             raise InputError(f"{where}: not an MLflow metric line "
                              "(<timestamp> <value> <step>)")
         try:
             value = float(fields[1])
-            step = int(fields[2]) if len(fields) == 3 else 0
+            step = int(fields[2])
         except ValueError:
             raise InputError(f"{where}: not an MLflow metric line "
                              "(<timestamp> <value> <step>)") from None

@@ -53,21 +53,19 @@ def runs(claimed: Sequence[Path]) -> list[TrackerRun]:
     by_folder: dict[Path, list[Path]] = {}
     for file in claimed:
         by_folder.setdefault(file.parent, []).append(file)
-    found = []
-    for folder, files in sorted(by_folder.items()):
-        files = sorted(files, key=_file_order)
-        source = files[0] if len(files) == 1 else folder
-        found.append(TrackerRun(NAME, str(folder), "", source,
-                                lambda files=tuple(files): read_scalars(files),
-                                stores_float32=True))
-    return found
+    return [_run(folder, sorted(files, key=_file_order))
+            for folder, files in sorted(by_folder.items())]
 
 
 def given(path: Path) -> list[TrackerRun] | None:
-    if not path.name.startswith(PREFIX):
-        return None
-    return [TrackerRun(NAME, str(path.parent), "", path,
-                       lambda: read_scalars((path,)), stores_float32=True)]
+    return [_run(path.parent, [path])] if path.name.startswith(PREFIX) else None
+
+
+def _run(folder: Path, files: list[Path]) -> TrackerRun:
+    doubles: set[str] = set()  # tags written as float64 tensors, once read
+    return TrackerRun(NAME, str(folder), "", files[0] if len(files) == 1 else folder,
+                      lambda: read_scalars(files, doubles),
+                      stores_float32=lambda tag: tag not in doubles)
 
 
 def _modules():
@@ -81,17 +79,21 @@ def _modules():
     return RawEventFileLoader, Event, tensor_util
 
 
-def read_scalars(files: Sequence[Path]) -> dict[str, Points]:
-    """Every scalar of ``files`` by tag, ``(step, value)`` in file order."""
+def read_scalars(files: Sequence[Path], doubles: set[str] | None = None
+                 ) -> dict[str, Points]:
+    """Every scalar of ``files`` by tag, ``(step, value)`` in file order; the tags
+    written as tensors of another dtype than float32 (float64, say) are added to
+    ``doubles``."""
     loader, event_type, tensor_util = _modules()
     scalars: dict[str, Points] = {}
+    doubles = set() if doubles is None else doubles
     for file in files:
-        _read_file(file, scalars, loader, event_type, tensor_util)
+        _read_file(file, scalars, doubles, loader, event_type, tensor_util)
     return scalars
 
 
-def _read_file(file: Path, scalars: dict[str, Points], loader, event_type,
-               tensor_util) -> None:
+def _read_file(file: Path, scalars: dict[str, Points], doubles: set[str], loader,
+               event_type, tensor_util) -> None:
     shown = visible(str(file))
     try:
         size = os.stat(file).st_size
@@ -110,10 +112,19 @@ def _read_file(file: Path, scalars: dict[str, Points], loader, event_type,
         if not event.HasField("summary"):
             continue
         for value in event.summary.value:
-            number = _scalar(value, tensor_util)
-            if number is not None:
-                scalars.setdefault(value.tag, []).append((event.step, number))
-                points += 1
+            kind = value.WhichOneof("value")
+            if kind == "simple_value":
+                number = value.simple_value
+            elif kind == "tensor":
+                number = _tensor_scalar(value.tensor, tensor_util)
+                if number is None:
+                    continue
+                if value.tensor.dtype != DT_FLOAT:
+                    doubles.add(value.tag)
+            else:
+                continue  # images, histograms, text: not a scalar
+            scalars.setdefault(value.tag, []).append((event.step, number))
+            points += 1
     if consumed != size:
         raise InputError(
             f"{shown}: truncated or damaged at byte {consumed} of {size} (a record's "
@@ -121,17 +132,15 @@ def _read_file(file: Path, scalars: dict[str, Points], loader, event_type,
             "taken as the whole run")
 
 
-_FLOAT_DTYPES = frozenset({1, 2, 14, 19})  # DT_FLOAT, DT_DOUBLE, DT_BFLOAT16, DT_HALF
+DT_FLOAT = 1
+_FLOAT_DTYPES = frozenset({DT_FLOAT, 2, 14, 19})  # DT_DOUBLE, DT_BFLOAT16, DT_HALF too
 
 
-def _scalar(value, tensor_util) -> float | None:
-    kind = value.WhichOneof("value")
-    if kind == "simple_value":
-        return float(value.simple_value)
-    if kind == "tensor" and value.tensor.dtype in _FLOAT_DTYPES \
-            and not value.tensor.tensor_shape.dim:
-        return float(tensor_util.make_ndarray(value.tensor).item())
-    return None  # images, histograms, text: not a scalar
+def _tensor_scalar(tensor, tensor_util) -> float | None:
+    """A 0-dim floating tensor's value; None for any other tensor (text, a histogram)."""
+    if tensor.dtype in _FLOAT_DTYPES and not tensor.tensor_shape.dim:
+        return float(tensor_util.make_ndarray(tensor).item())
+    return None
 
 
 TRACKER = Tracker(NAME, EXTRA, claims, runs, given)

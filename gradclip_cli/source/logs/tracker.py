@@ -33,7 +33,9 @@ class TrackerRun:
     id: str
     source: Path
     scalars: Callable[[], dict[str, Points]]
-    stores_float32: bool = False  # the tracker keeps values as float32 (TensorBoard)
+    # Whether the tracker kept a tag's values as float32 (TensorBoard), asked after
+    # ``scalars()`` has read them.
+    stores_float32: Callable[[str], bool] = lambda tag: False
 
     @property
     def label(self) -> str:
@@ -67,6 +69,8 @@ def step_value(step: object, value: object, where: str) -> tuple[int, float]:
     A negative step is no training step any framework logs (TensorBoard stores
     int64 and accepts one): exit 3 rather than a point placed before the run.
     """
+    if type(step) is int and type(value) is float and step >= 0 and not value < 0:
+        return step, value  # the common case, at a million points a series
     if isinstance(step, bool) or not isinstance(step, int):
         raise InputError(f"{where}: step {visible(repr(step))[:40]} is not a whole number")
     if step < 0:

@@ -90,7 +90,7 @@ class TrackerSeries:
 
     def describe(self) -> str:
         groups = f" and {self.group_tags} per-group tag(s)" if self.group_tags else ""
-        float32 = ", stored as float32" if self.run.stores_float32 else ""
+        float32 = ", stored as float32" if self.run.stores_float32(self.tag) else ""
         return (f"{self.run.tracker} tag {visible(repr(self.tag))}{groups} of run "
                 f"{self.run.label}{float32}")
 
@@ -263,6 +263,8 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
             family = _Family(3, choice.tag, None, DEFAULT_NORM_TYPE, "--tag")
         how = "--tag"
     else:
+        if not scalars:
+            raise InputError(f"{source}: run {run.label} holds no scalars")
         if not families:
             raise InputError(f"{source}: run {run.label} logs no gradient norm under a tag "
                              f"trend knows ({', '.join(NORM_TAGS)}, grad_<p>_norm_total, "
@@ -288,11 +290,12 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
     total = _checked(scalars[family.total], where)
     by_group = {g: dict(_checked(scalars[t], f"{source}: tag {visible(repr(t))}"))
                 for g, t in groups.items()}
+    p = family.norm_type
     entries = tuple(
-        LoggedNorms(step=step, total_norm=value, norm_type=family.norm_type,
-                    groups={g: points[step] for g, points in by_group.items()
-                            if step in points})
-        for step, value in total)
+        LoggedNorms(step, value, p, {g: points[step] for g, points in by_group.items()
+                                     if step in points})
+        for step, value in total) if by_group else tuple(
+        LoggedNorms(step, value, p) for step, value in total)
     if not entries:
         raise InputError(f"{where}: no points")
     note = f"tag {visible(repr(family.total))} {how}"
