@@ -135,8 +135,10 @@ def _logs_this_step(trainer: Any) -> bool:
     the hook 8.7x slower, 1.6x at the default ``log_every_n_steps=50``;
     docs/guides/dashboards.md), and a value logged on a step Lightning does
     not send is overwritten unseen: so only those steps log. Lightning's own
-    test, where it has one; else every step.
+    test, where it has one; else every step. None without a logger.
     """
+    if not getattr(trainer, "loggers", True):
+        return False  # Trainer(logger=False): nothing to send them to (self.log would warn)
     connector = getattr(trainer, "_logger_connector", None)
     decision = getattr(connector, "should_update_logs", True)
     return decision if isinstance(decision, bool) else True

@@ -174,7 +174,8 @@ class Regressor(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def lightning_fit(folder: Path, steps: int, every: int = 1, **callback_options) -> None:
+def lightning_fit(folder: Path, steps: int, every: int = 1, loggers: bool = True,
+                  **callback_options) -> None:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     from gradclip_cli.integrations.lightning import GradMonitorCallback
@@ -187,8 +188,8 @@ def lightning_fit(folder: Path, steps: int, every: int = 1, **callback_options) 
     trainer = pl.Trainer(
         max_steps=steps, accelerator="cpu", devices=1, gradient_clip_val=1.0,
         callbacks=[GradMonitorCallback(folder / "grads.jsonl", None, **callback_options)],
-        logger=[TensorBoardLogger(folder, name="tb"), CSVLogger(folder, name="csv")],
-        log_every_n_steps=every, enable_checkpointing=False, enable_progress_bar=False,
+        logger=[TensorBoardLogger(folder, name="tb"), CSVLogger(folder, name="csv")]
+        if loggers else False, log_every_n_steps=every, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=folder,
     )  # fmt: skip
     trainer.fit(Regressor(), loader)
@@ -240,6 +241,14 @@ def test_log_metrics_false_leaves_the_loggers_alone(tmp_path):
     lightning_fit(tmp_path, 3, log_metrics=False)
     assert len(read_log(tmp_path / "grads.jsonl")) == 3
     assert not [t for t in scalars(tmp_path / "tb") if t.startswith("gradclip/")]
+
+
+def test_a_trainer_without_a_logger_logs_nothing_and_says_nothing(tmp_path, recwarn):
+    """Trainer(logger=False): the monitor log is written; nothing goes through self.log,
+    which would warn on every key that no logger is configured."""
+    lightning_fit(tmp_path, 3, loggers=False)
+    assert len(read_log(tmp_path / "grads.jsonl")) == 3
+    assert not [w for w in recwarn if "no logger configured" in str(w.message)]
 
 
 # -- The Trainer: report_to=["tensorboard"] and trainer_state.json ---------------------------
