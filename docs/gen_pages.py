@@ -36,15 +36,7 @@ EXAMPLES = DOCS / "layouts" / "_examples"
 SCHEMAS = REPO / "gradclip_cli" / "schemas"
 
 # Pages other branches add (the nav names them already).
-PENDING = {
-    "guides/autopsy.md",
-    "guides/previous.md",
-    "guides/trackers.md",
-    "guides/dashboards.md",
-    "guides/python-api.md",
-    "guides/nan-origin.md",
-    "reference/accelerators.md",
-}
+PENDING: set[str] = set()
 
 
 # -- layouts -------------------------------------------------------------------------------
