@@ -4,8 +4,9 @@ A framework's own total: each ``trainer_state.json`` read (a run folder's,
 or given) with a ``grad_norm``. gradclip's: the monitor log beside it in the
 same run folder, or among the inputs given; else the ``gradclip/total_norm``
 its Trainer callback put in that same ``log_history``. A reader of another
-framework total (a tracker's ``grad_norm``) adds its series to
-``framework_series`` and is audited the same way.
+framework total a tracker logged in the run folder (TensorBoard, MLflow,
+W&B, trackio, Lightning's CSV: its ``grad_norm`` tag, ``trackers.framework_totals``)
+is audited the same way.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from ..report.norm_audit import NormAudit, NormSeries, audit_norms
 from ..source import run_folder
-from ..source.logs import monitor_log, trainer_state
+from ..source.logs import monitor_log, trackers, trainer_state
 from ..source.run_folder import RunFolder
 
 TRAINER_GRAD_NORM = "Trainer grad_norm"
@@ -27,16 +28,26 @@ def norm_audits(runs: list[RunFolder], logs: list[tuple[Path, object, list]]) ->
     (``(path, kind, entries)`` each); an audit per framework series that shares steps
     with a gradclip series."""
     groups: list[tuple[list[Path], list[NormSeries]]] = []
+    audits, done = [], set()
     for run in runs:
         states = [s.paths[0] for s in run.series if s.kind == run_folder.TRAINER_STATE]
         monitors = [_monitor(s.paths[0], s.entries) for s in run.series
                     if s.kind == run_folder.MONITOR]
         groups.append((states, monitors))
+        for series in run.series:
+            if series.kind != run_folder.TRACKER or series.tracker is None or not monitors:
+                continue
+            for tag, norms in trackers.framework_totals(series.tracker.run):
+                framework = NormSeries(str(series.paths[0]), f"{series.tracker.run.tracker} "
+                                       f"{tag}", norms)
+                for gradclip in monitors:
+                    audit = audit_norms(framework, gradclip)
+                    if audit is not None:
+                        audits.append(audit)
     states = [path for path, kind, _ in logs if kind is trainer_state.KIND]
     monitors = [_monitor(path, entries) for path, kind, entries in logs
                 if kind is monitor_log.KIND]
     groups.append((states, monitors))
-    audits, done = [], set()
     for states, monitors in groups:
         for path in states:
             for framework in framework_series(path):

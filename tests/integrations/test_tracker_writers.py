@@ -189,8 +189,8 @@ def lightning_fit(folder: Path, steps: int, every: int = 1, loggers: bool = True
         max_steps=steps, accelerator="cpu", devices=1, gradient_clip_val=1.0,
         callbacks=[GradMonitorCallback(folder / "grads.jsonl", None, **callback_options)],
         logger=[TensorBoardLogger(folder, name="tb"), CSVLogger(folder, name="csv")]
-        if loggers else False, log_every_n_steps=every, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=folder,
+        if loggers else False, log_every_n_steps=every, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder,
     )  # fmt: skip
     trainer.fit(Regressor(), loader)
 
@@ -341,6 +341,21 @@ def test_trend_of_the_output_dir_takes_the_log_and_its_copies_in_trainer_state(
     # copies of trainer_state.json's, one point each.
     r = gradclip("trend", callback_run, callback_run.parent / CALLBACK_LOG, "--format", "json")
     assert any(" the same 12 steps (2-24) and norms as " in n for n in r.json()["notes"])
+
+
+def test_the_audit_holds_the_trackers_own_grad_norm_against_the_monitor_log(
+    gradclip, callback_run
+):
+    # report_to=["tensorboard"]: the Trainer's own train/grad_norm in the event file is a
+    # framework total too, audited against the monitor's log at the logging steps.
+    history = json.loads(callback_run.read_text())["log_history"]
+    if not any("grad_norm" in e for e in history):
+        pytest.skip("this transformers logs no grad_norm without clipping")
+    doc = gradclip("trend", callback_run.parent, "--format", "json", "--fail-on", "any").json()
+    [audit] = [a for a in doc["audit"] if a["framework"]["kind"] == "TensorBoard train/grad_norm"]
+    assert audit["gradclip"]["source"] == str(callback_run.parent / CALLBACK_LOG)
+    assert audit["agrees"] and audit["precision"] == "float32"
+    assert audit["steps_compared"] == len(LOGGING_STEPS)
 
 
 def damaged(state_file: Path, tmp_path: Path, change) -> Path:

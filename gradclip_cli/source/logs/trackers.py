@@ -247,6 +247,20 @@ def _split_prefix(tag: str, name: str) -> tuple[str, str | None]:
     return "", None
 
 
+def framework_totals(run: TrackerRun) -> list[tuple[str, dict[int, float]]]:
+    """The totals a framework logged itself in ``run`` (``grad_norm``, Lightning's
+    ``grad_2.0_norm_total``, Megatron's ``grad-norm``, under any logger's prefix),
+    each ``(tag, {step: norm})``: what the norm audit holds against gradclip's own."""
+    scalars = run.scalars()
+    found = []
+    for family in _families(scalars):
+        if family.rank == 0 or family.norm_type != DEFAULT_NORM_TYPE:
+            continue  # gradclip's own tag; a total of another p is no 2-norm to compare
+        where = f"{visible(str(run.source))}: tag {visible(repr(family.total))}"
+        found.append((family.total, dict(_checked(scalars[family.total], where))))
+    return found
+
+
 def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
     """The run's gradient norms: the tag the rule (or ``--tag``) names, its groups."""
     scalars = run.scalars()
