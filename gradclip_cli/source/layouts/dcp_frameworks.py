@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import OptimizerState, Piece, StoredTensor
@@ -187,5 +189,7 @@ def int_value(value, where: Path, what: str) -> int:
     whole number, a 1-element tensor too)."""
     step = step_value(value)
     if step is None:
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+            value = value.item()
         raise InputError(f"{where}: {what} is {visible(repr(value))[:60]}, not a step count")
     return step
