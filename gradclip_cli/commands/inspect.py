@@ -16,7 +16,7 @@ from ..format.words import verdict_line
 from ..progress import progress_steps
 from ..report import OK, build_inspect_report, parse_group_by
 from ..source.roles import role_counts
-from ..source.vocabulary import checkpoint_step, last_number, numbers_checkpoint
+from ..source.vocabulary import NUMBERED_NAME, checkpoint_step, last_number
 from .common import Releasers, emit, load, measure, measure_weights, output_format, speaks
 from .previous import load_pair
 
@@ -160,7 +160,7 @@ def run_folder_message(path: str) -> str | None:
         children = sorted(c for _, c in zip(range(_SCANNED), p.iterdir()))
     except OSError:
         return None
-    folders = [c for c in children if numbers_checkpoint(c.name) and c.is_dir()]
+    folders = [c for c in children if NUMBERED_NAME.fullmatch(c.name) and c.is_dir()]
     files = [c for c in children if _step_of_name(c.name) is not None and _is_checkpoint_file(c)]
     trend = f"for norms over the run use 'gradclip trend {visible(path)}'"
     numbered = folders or files
@@ -217,7 +217,7 @@ def trend_hint(path: str) -> str | None:
             children = [c for _, c in zip(range(_SCANNED), p.iterdir())]
         except OSError:
             return None
-        if any(numbers_checkpoint(c.name) and c.is_dir() for c in children):
+        if any(NUMBERED_NAME.fullmatch(c.name) and c.is_dir() for c in children):
             what = "a run's folder of numbered checkpoints"
         elif any(c.suffix in (".json", ".jsonl") and _is_log(c) for c in children):
             what = "a run's folder with a log of gradient norms"

@@ -31,8 +31,9 @@ STEP_KEYS = ("global_step", "step", "step_count", "iter_num", "iteration")
 # checkpoint_N (it counts saves) nor torchtune's epoch_N (epochs): those number a
 # checkpoint, not a step (trend still orders by them, as by any name's last number).
 STEP_NAME = re.compile(r"(?:checkpoint-|global_step|step[-_]?|iter_)(\d+)")
-# ... that number a checkpoint by how many were saved: accelerate's checkpoint_N.
-SAVE_NAME = re.compile(r"checkpoint_(\d+)")
+# ... and the names a run's folder numbers its checkpoints by: those, and accelerate's
+# checkpoint_N (it numbers saves).
+NUMBERED_NAME = re.compile(rf"{STEP_NAME.pattern}|checkpoint_(\d+)")
 # The last number in a name: the order trend gives names STEP_NAME does not know.
 LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 
@@ -75,12 +76,6 @@ def step_after(name: str, prefix: str) -> int | None:
     the one framework's folder name (``step-3`` is not OLMo-core's ``step3``)."""
     found = STEP_NAME.fullmatch(name)
     return int(found.group(1)) if found and name[:found.start(1)] == prefix else None
-
-
-def numbers_checkpoint(name: str) -> bool:
-    """Whether a folder's name numbers a checkpoint in a run's folder: by its step
-    (``STEP_NAME``) or by its count of saves (``SAVE_NAME``)."""
-    return bool(STEP_NAME.fullmatch(name) or SAVE_NAME.fullmatch(name))
 
 
 def last_number(name: str) -> int | None:

@@ -18,8 +18,8 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.source.layouts import dcp_frameworks
 from gradclip_cli.source.untrusted import is_count, is_int, is_number
 from gradclip_cli.source.vocabulary import (
+    NUMBERED_NAME,
     last_number,
-    numbers_checkpoint,
     step_after,
     step_in_name,
     step_value,
@@ -51,7 +51,7 @@ def test_step_after_reads_one_frameworks_folder_name(name, prefix, step):
 def test_a_run_folders_numbered_checkpoints(name, numbered):
     """inspect's run-folder hint: every step name, and accelerate's checkpoint_N (numbered
     saves), but not epochs or tracker versions."""
-    assert numbers_checkpoint(name) is numbered
+    assert bool(NUMBERED_NAME.fullmatch(name)) is numbered
     # A step name is a numbered checkpoint; accelerate's checkpoint_N numbers saves alone.
     assert (step_in_name(name) is not None) == (numbered and name != "checkpoint_5")
 

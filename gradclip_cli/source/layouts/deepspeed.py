@@ -304,7 +304,7 @@ class _Reader:
         """The step (``global_steps``), the gradients' refusal and the first line of the
         description, ``kind`` at the step in this folder; returns the version note."""
         step = root.get("global_steps")
-        if is_int(step) and step >= 0:
+        if is_count(step):
             contents.step = step
         contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
         at = f" at global step {contents.step}" if contents.step is not None else ""
@@ -1176,7 +1176,7 @@ def _check_model_parallel(parts: list[_Part], folder: Path, pipeline: bool) -> t
     # One stage (pp_degree 1) of a PipelineModule, as Megatron-DeepSpeed's GPTModelPipe runs
     # without pipeline parallelism, is read as any model-parallel set.
     if pipeline and n > 1 and is_int(pp) and pp > 1:
-        if not is_int(tp) or tp < 1 or pp * tp != n:
+        if not is_count(tp, 1) or pp * tp != n:
             raise InputError(
                 f"{parts[0].model.path}: a pipeline checkpoint whose "
                 f"checkpoint_parallel_dimensions are {visible(repr(dims))[:80]}, for {n} rank "
