@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import stat
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from ..format.words import verdict_line
 from ..progress import progress_steps
 from ..report import OK, build_inspect_report, parse_group_by
 from ..source.roles import role_counts
-from ..source.vocabulary import checkpoint_step
+from ..source.vocabulary import NUMBERED_NAME, checkpoint_step, last_number
 from .common import Releasers, emit, load, measure, measure_weights, output_format, speaks
 from .previous import load_pair
 
@@ -131,8 +130,6 @@ def build(
     return dataclasses.replace(report, notes=notes) if notes else report
 
 
-# A run's folder holds numbered checkpoints (HF Trainer, DeepSpeed), not one checkpoint.
-_NUMBERED = re.compile(r"(checkpoint[-_]|global_step|step-?)\d+")
 _SCANNED = 1000  # children looked at for a hint; a refusal never waits on a huge folder
 
 
@@ -163,7 +160,7 @@ def run_folder_message(path: str) -> str | None:
         children = sorted(c for _, c in zip(range(_SCANNED), p.iterdir()))
     except OSError:
         return None
-    folders = [c for c in children if _NUMBERED.fullmatch(c.name) and c.is_dir()]
+    folders = [c for c in children if NUMBERED_NAME.fullmatch(c.name) and c.is_dir()]
     files = [c for c in children if _step_of_name(c.name) is not None and _is_checkpoint_file(c)]
     trend = f"for norms over the run use 'gradclip trend {visible(path)}'"
     numbered = folders or files
@@ -182,13 +179,9 @@ def run_folder_message(path: str) -> str | None:
     return None
 
 
-_LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
-
-
 def _step_of_name(name: str) -> int | None:
     """The last number in a name's stem (``step_19.pt`` -> 19), the order trend gives."""
-    match = _LAST_NUMBER.search(name.split(".", 1)[0])
-    return int(match.group(1)) if match else None
+    return last_number(name.split(".", 1)[0])
 
 
 def _is_checkpoint_file(path: Path) -> bool:
@@ -224,7 +217,7 @@ def trend_hint(path: str) -> str | None:
             children = [c for _, c in zip(range(_SCANNED), p.iterdir())]
         except OSError:
             return None
-        if any(_NUMBERED.fullmatch(c.name) and c.is_dir() for c in children):
+        if any(NUMBERED_NAME.fullmatch(c.name) and c.is_dir() for c in children):
             what = "a run's folder of numbered checkpoints"
         elif any(c.suffix in (".json", ".jsonl") and _is_log(c) for c in children):
             what = "a run's folder with a log of gradient norms"

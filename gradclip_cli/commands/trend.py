@@ -16,7 +16,6 @@ moment against a history of gradient norms would mean nothing.
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -50,7 +49,7 @@ from ..source.layouts import LAYOUTS, accelerate_fsdp
 from ..source.logs import LogKind, trackers
 from ..source.logs.recognise import log_kind
 from ..source.run_folder import RunFolder
-from ..source.vocabulary import CheckpointStep, checkpoint_step
+from ..source.vocabulary import CheckpointStep, checkpoint_step, last_number
 from ..source.what import EXPLAIN, WHATS
 from .common import Loaded, Releasers, load, measure, output_format, prepare, speaks
 from .norm_audit import norm_audits
@@ -62,9 +61,6 @@ LOGGED_WHAT = "grads"
 # How a log's groups were made: by the writer (GradMonitor's group_by), not by --group-by.
 LOGGED_GROUPS = "the log's writer"
 DEFAULT_GROUP_BY = "layer"
-
-_LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
-
 
 @dataclass(frozen=True)
 class Input:
@@ -485,8 +481,8 @@ def _step_of(stated: int | None, root: object, path: Path, folder_step: int | No
     if found.step is not None:
         return found
     stem = path.name if path.is_dir() else path.name.split(".", 1)[0]
-    match = _LAST_NUMBER.search(stem)
-    return CheckpointStep(int(match.group(1)) if match else folder_step)
+    number = last_number(stem)
+    return CheckpointStep(number if number is not None else folder_step)
 
 
 @dataclass(frozen=True)

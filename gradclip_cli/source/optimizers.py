@@ -41,6 +41,7 @@ from gradclip_cli.core import optimizer_math as om
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import Derivation, OptimizerState, StoredTensor
+from gradclip_cli.source.untrusted import is_number
 
 QUANTITIES = ("exp_avg", "grad_rms", "update")
 
@@ -83,8 +84,7 @@ class Numbers:
                 raise InputError(f"{self.opt.file}: parameter {visible(self.name)}: {what} is "
                                  f"a tensor of {value.numel()} values, not a number")
             value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value):
+        if not is_number(value) or not math.isfinite(value):
             raise InputError(f"{self.opt.file}: parameter {visible(self.name)}: {what} is "
                              f"{visible(repr(value))}, not a finite number")
         return float(value)
@@ -376,7 +376,7 @@ def _off(value) -> bool:
 
 
 def _positive(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return is_number(value) and value > 0
 
 
 def stepped(kind: Kind, entry: dict | None) -> bool:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,11 +41,11 @@ from gradclip_cli.source.exclude import Exclusion
 from gradclip_cli.source.files import sqlite_file, training_args
 from gradclip_cli.source.logs import LoggedNorms, LogKind, monitor_log, trackers, trainer_state
 from gradclip_cli.source.logs.recognise import log_kind
+from gradclip_cli.source.vocabulary import last_number
 
 MONITOR, TRAINER_STATE, CHECKPOINTS = "gradclip-monitor", "trainer-state", "checkpoints"
 TRACKER = "tracker"
 TRAINER_STATE_FILE = "trainer_state.json"
-_LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 
 
 @dataclass(frozen=True)
@@ -231,8 +230,8 @@ def numbered_folders(path: Path, exclusion: Exclusion | None = None) -> list[tup
     experiments) are runs, not checkpoints."""
     children = _children(path, exclusion)
     numbered = [
-        (int(m.group(1)), c) for c in children
-        if (m := _LAST_NUMBER.search(c.name)) and c.is_dir()
+        (n, c) for c in children
+        if (n := last_number(c.name)) is not None and c.is_dir()
         and not trackers.holds_tracker_files(c)
     ]
     return sorted(numbered, key=lambda nc: nc[0])

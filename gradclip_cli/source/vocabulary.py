@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gradclip_cli.escaping import visible
+from gradclip_cli.source.untrusted import is_count
 
 # Top-level entries that hold gradients (the contract's --key rule).
 GRADIENT_KEYS = ("grads", "gradients", "grad")
@@ -30,6 +31,11 @@ STEP_KEYS = ("global_step", "step", "step_count", "iter_num", "iteration")
 # checkpoint_N (it counts saves) nor torchtune's epoch_N (epochs): those number a
 # checkpoint, not a step (trend still orders by them, as by any name's last number).
 STEP_NAME = re.compile(r"(?:checkpoint-|global_step|step[-_]?|iter_)(\d+)")
+# ... and the names a run's folder numbers its checkpoints by: those, and accelerate's
+# checkpoint_N (it numbers saves).
+NUMBERED_NAME = re.compile(rf"{STEP_NAME.pattern}|checkpoint_(\d+)")
+# The last number in a name: the order trend gives names STEP_NAME does not know.
+LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 
 
 def step_value(value: Any) -> int | None:
@@ -39,13 +45,9 @@ def step_value(value: Any) -> int | None:
         if value.numel() != 1 or value.dtype.is_complex or str(value.dtype) == "torch.bool":
             return None
         value = value.item()
-    if isinstance(value, bool):
-        return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, int) and value >= 0:
-        return value
-    return None
+    return value if is_count(value) else None
 
 
 def step_of(root: Any) -> int | None:
@@ -65,6 +67,20 @@ def step_in_name(name: str) -> int | None:
     ``global_step5``, ``step-00000005``, ``step5``, ``iter_0000005``; a file's name up to
     its first dot, ``step-5.pt``), else None."""
     found = STEP_NAME.fullmatch(name.split(".", 1)[0])
+    return int(found.group(1)) if found else None
+
+
+def step_after(name: str, prefix: str) -> int | None:
+    """N of a name that is exactly ``prefix`` then N, where ``prefix`` is one of
+    ``STEP_NAME``'s forms (``checkpoint-``, ``step``, ``step-``, ``iter_``), else None:
+    the one framework's folder name (``step-3`` is not OLMo-core's ``step3``)."""
+    found = STEP_NAME.fullmatch(name)
+    return int(found.group(1)) if found and name[:found.start(1)] == prefix else None
+
+
+def last_number(name: str) -> int | None:
+    """The last number in ``name`` (``step_19`` -> 19), else None."""
+    found = LAST_NUMBER.search(name)
     return int(found.group(1)) if found else None
 
 

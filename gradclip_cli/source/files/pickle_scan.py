@@ -16,6 +16,7 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source.untrusted import is_int
 
 # A trainer's state pickle is a few KB; its tensors live in other zip entries.
 MAX_PICKLE_BYTES = 16 << 20
@@ -62,7 +63,7 @@ def top_level_int(path: Path, key: str) -> int | None:
         value = _root_dict(ops).get(key)
     except (IndexError, ValueError):  # an opcode with too little on the stack, no mark
         raise InputError(f"{path}: a damaged pickle (its opcodes do not build a value)") from None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return value if is_int(value) else None
 
 
 def _root_dict(ops) -> dict:

@@ -23,6 +23,7 @@ from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.small_file import open_regular
 from gradclip_cli.source.interface import Checkpoint
+from gradclip_cli.source.untrusted import is_count
 
 # The safetensors library refuses headers above 100 MB; so do we, before reading one.
 MAX_HEADER_BYTES = 100_000_000
@@ -128,9 +129,9 @@ def _entry(path: Path, name: str, info: object, buffer_size: int) -> TensorEntry
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str):
         raise corrupt("has no dtype")
-    if not (isinstance(shape, list) and all(_is_count(n) for n in shape)):
+    if not (isinstance(shape, list) and all(is_count(n) for n in shape)):
         raise corrupt(f"has a bad shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets))):
         raise corrupt(f"has bad data_offsets {offsets!r}")
     begin, end = offsets
     if not begin <= end <= buffer_size:
@@ -139,7 +140,3 @@ def _entry(path: Path, name: str, info: object, buffer_size: int) -> TensorEntry
     if width is not None and math.ceil(math.prod(shape) * width) != end - begin:
         raise corrupt(f"needs {math.ceil(math.prod(shape) * width)} bytes, has {end - begin}")
     return TensorEntry(name, dtype, tuple(shape), begin, end)
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

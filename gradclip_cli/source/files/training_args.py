@@ -26,6 +26,7 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError, UnsafeCheckpointError
 from gradclip_cli.source.files.weights_pickle import Opaque, Outside, allowing
+from gradclip_cli.source.untrusted import is_number
 
 FILE_NAME = "training_args.bin"
 # A Trainer's arguments pickle to about 8 KB; a file far larger is something else,
@@ -125,7 +126,7 @@ def max_grad_norm(path: Path) -> float:
     never is). An integer beyond float64's range is an ``InputError``: torch's
     ``clip_grad_norm_`` raises ``OverflowError`` on it, so no run trained with it."""
     value = read_fields(path).get("max_grad_norm")
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    if not is_number(value):
         raise InputError(f"{path}: TrainingArguments has no numeric max_grad_norm")
     try:
         return float(value)

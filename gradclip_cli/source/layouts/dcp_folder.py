@@ -78,6 +78,8 @@ from gradclip_cli.source.files.torch_zip_reader import (
 from gradclip_cli.source.files.verify import verify_torch_zip
 from gradclip_cli.source.files.weights_pickle import Outside
 from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
+from gradclip_cli.source.untrusted import is_int
+from gradclip_cli.source.vocabulary import step_value
 
 from . import tiling
 from .paths import inside
@@ -437,7 +439,7 @@ def _optimizer(meta: DcpMetadata, top: str, paths, tensors, files) -> OptimizerS
         group = groups[g]
         params = group.get("params")
         if not isinstance(params, (list, tuple)) or not all(
-                isinstance(q, (str, int)) and not isinstance(q, bool) for q in params):
+                isinstance(q, str) or is_int(q) for q in params):
             raise InputError(f"{bad}: param group {g} has no 'params' list of names or ids")
         for q in params:
             if isinstance(q, int):
@@ -461,9 +463,9 @@ def _step(meta: DcpMetadata, key: str, tensors, files) -> int | None:
     value = _value(meta, key, tensors, files)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InputError(f"{meta.path}: {visible(repr(key))} is {visible(repr(value))}, "
+    step = step_value(value)
+    if step is None:
+        shown = int(value) if isinstance(value, float) and value.is_integer() else value
+        raise InputError(f"{meta.path}: {visible(repr(key))} is {visible(repr(shown))}, "
                          "not a step count")
-    return value
+    return step

@@ -28,6 +28,7 @@ import torch
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import OptimizerState, Piece, StoredTensor
+from gradclip_cli.source.vocabulary import step_after, step_value
 
 from .dcp_folder import DcpFolder, renamed
 
@@ -180,15 +181,15 @@ def refuse_key(path: Path, key: str | None, what: str) -> None:
 
 def step_folder_number(path: Path, prefix: str) -> int | None:
     """N of a folder named ``<prefix>N`` (``step-3``, ``step3``), else None."""
-    name = os.path.basename(os.path.normpath(path))
-    number = name.removeprefix(prefix)
-    return int(number) if name.startswith(prefix) and number.isdigit() else None
+    return step_after(os.path.basename(os.path.normpath(path)), prefix)
 
 
 def int_value(value, where: Path, what: str) -> int:
-    """A step count read from a checkpoint: a non-negative int (a 1-element tensor too)."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
-        value = value.item()
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    """A step count read from a checkpoint (``vocabulary.step_value``: a non-negative
+    whole number, a 1-element tensor too)."""
+    step = step_value(value)
+    if step is None:
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+            value = value.item()
         raise InputError(f"{where}: {what} is {visible(repr(value))[:60]}, not a step count")
-    return value
+    return step

@@ -42,6 +42,7 @@ from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.safetensors_file import read_header
 from gradclip_cli.source.interface import Checkpoint, Contents, Piece, StoredTensor
+from gradclip_cli.source.untrusted import is_count
 
 from .dcp_folder import check_tiling
 from .paths import inside
@@ -200,8 +201,7 @@ def _sharding_info(file: Path, metadata: dict[str, str] | None) -> dict[str, lis
     out = {}
     for name, entry in info.items():
         offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
-        if not isinstance(offsets, list) or not all(
-                type(o) is int and o >= 0 for o in offsets):
+        if not isinstance(offsets, list) or not all(is_count(o) for o in offsets):
             raise InputError(f"{file}: {SHARDING_KEY} gives {visible(repr(name))} no list "
                              "of offsets >= 0")
         out[name] = offsets

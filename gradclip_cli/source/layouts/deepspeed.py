@@ -110,6 +110,7 @@ from gradclip_cli.source.interface import (
     StoredTensor,
     chained,
 )
+from gradclip_cli.source.untrusted import is_count, is_int, is_number
 from gradclip_cli.source.what import map_names
 
 from . import hf_trainer
@@ -303,7 +304,7 @@ class _Reader:
         """The step (``global_steps``), the gradients' refusal and the first line of the
         description, ``kind`` at the step in this folder; returns the version note."""
         step = root.get("global_steps")
-        if _count(step) and step >= 0:
+        if is_count(step):
             contents.step = step
         contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
         at = f" at global step {contents.step}" if contents.step is not None else ""
@@ -574,7 +575,7 @@ class _Reader:
         contents.evidence[roles.WEIGHT] = weights
         version = self.header(contents, root, given, "DeepSpeed checkpoint without ZeRO (stage 0)")
         dp = root.get("dp_world_size")
-        ranks_note = f"{dp} data-parallel rank(s)" if _count(dp) else "one file"
+        ranks_note = f"{dp} data-parallel rank(s)" if is_int(dp) else "one file"
         if optimizer is None:
             contents.description.append(
                 f"{ranks_note}{version}: the module's weights; no optimizer state was saved"
@@ -619,7 +620,7 @@ class _Reader:
             named = optimizer.param_names
             trainable = {named[p]: tuple(weights[named[p]].shape) for p in _with_state(optimizer)}
             dp = model.root.get("dp_world_size")
-            world = dp if _count(dp) else 1
+            world = dp if is_int(dp) else 1
             held = f"{model.path.name}'s 'optimizer'"
             parts.append(_Part(mp, model, 0, world, trainable, weights, {}, optimizer, held))
         _check_model_parallel(parts, self.folder, pipeline=False)
@@ -706,7 +707,7 @@ class _Reader:
                 named = own.param_names or {}
                 trainable = {named[p]: tuple(weights[named[p]].shape) for p in _with_state(own)}
                 dp = models[t].root.get("dp_world_size")
-                world = dp if _count(dp) else 1
+                world = dp if is_int(dp) else 1
                 parts.append(_Part(t, models[t], 0, world, trainable, weights, {}, own, ""))
             _check_alike(parts)
             # A name is its layer file's (tensor-parallel rank 0's named).
@@ -734,7 +735,7 @@ class _Reader:
             contents, first.root, given, "DeepSpeed pipeline checkpoint without ZeRO (stage 0)"
         )
         dp = first.root.get("dp_world_size")
-        dp_note = f" x {dp} data-parallel rank(s)" if _count(dp) else ""
+        dp_note = f" x {dp} data-parallel rank(s)" if is_int(dp) else ""
         with_state = _with_state(optimizer)
         ranks = f"{len(models)} pipeline stage(s)" if tp == 1 else ranks
         contents.description.append(
@@ -891,7 +892,7 @@ def _refuse_tied_layers(params: dict[str, StoredTensor]) -> None:
 def _plain_number(value: Any) -> float | None:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return float(value) if is_number(value) else None
 
 
 def _check_saved_without_zero(
@@ -925,7 +926,7 @@ def _check_saved_without_zero(
             ("pp_degree", dims.get("pp_degree"), files // tp if files % tp == 0 else None),
             ("tp_degree", dims.get("tp_degree"), tp),
         ):
-            if not _count(size) or size != expected:
+            if not is_int(size) or size != expected:
                 raise InputError(
                     f"{model.path}: {key} is {visible(repr(size))[:40]}, but the folder holds "
                     f"{held}; gradclip reads DeepSpeed pipeline stages without ZeRO, all of them"
@@ -1152,10 +1153,6 @@ def _args(model: Checkpoint) -> Mapping:
     return args.state if isinstance(args, NamespaceState) else {}
 
 
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _dims(model: Checkpoint) -> Mapping:
     dims = model.root.get("checkpoint_parallel_dimensions")
     return dims if isinstance(dims, Mapping) else {}
@@ -1178,8 +1175,8 @@ def _check_model_parallel(parts: list[_Part], folder: Path, pipeline: bool) -> t
     pp, tp = dims.get("pp_degree"), dims.get("tp_degree")
     # One stage (pp_degree 1) of a PipelineModule, as Megatron-DeepSpeed's GPTModelPipe runs
     # without pipeline parallelism, is read as any model-parallel set.
-    if pipeline and n > 1 and _count(pp) and pp > 1:
-        if not _count(tp) or tp < 1 or pp * tp != n:
+    if pipeline and n > 1 and is_int(pp) and pp > 1:
+        if not is_count(tp, 1) or pp * tp != n:
             raise InputError(
                 f"{parts[0].model.path}: a pipeline checkpoint whose "
                 f"checkpoint_parallel_dimensions are {visible(repr(dims))[:80]}, for {n} rank "
@@ -1214,7 +1211,7 @@ def _check_model_parallel(parts: list[_Part], folder: Path, pipeline: bool) -> t
             ("tp_degree", dims.get("tp_degree")),
             ("args.tensor_model_parallel_size", args.get("tensor_model_parallel_size")),
         ):
-            if size is not None and (not _count(size) or size != n):
+            if size is not None and (not is_int(size) or size != n):
                 raise InputError(f"{file}: {key} is {visible(repr(size))[:40]}, but {held}")
         for key, size in (
             ("pp_degree", dims.get("pp_degree")),
@@ -1407,7 +1404,7 @@ def _osd(ckpt: Checkpoint) -> Mapping:
 def _stage_and_world(ckpt: Checkpoint) -> tuple[int, int]:
     osd = _osd(ckpt)
     stage = osd.get("zero_stage")
-    if not isinstance(stage, int) or isinstance(stage, bool) or not 1 <= stage <= 3:
+    if not is_int(stage) or not 1 <= stage <= 3:
         raise InputError(
             f"{ckpt.path}: not a ZeRO optimizer state: zero_stage is {visible(repr(stage))}"
         )
@@ -1418,9 +1415,7 @@ def _stage_and_world(ckpt: Checkpoint) -> tuple[int, int]:
         counts = list(count)
     else:
         counts = [count]
-    if not all(
-        isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= _MAX_RANKS for c in counts
-    ):
+    if not all(is_count(c, 1) and c <= _MAX_RANKS for c in counts):
         raise InputError(
             f"{ckpt.path}: partition_count is {visible(repr(count))}, not a number of ranks"
         )
@@ -1450,7 +1445,7 @@ def _shape_group(
                 f"{model.path}: {key} names {visible(repr(name))} twice or not as a string"
             )
         if not isinstance(shape, (tuple, list)) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62 for d in shape
+            is_count(d) and d < 1 << 62 for d in shape
         ):
             raise InputError(
                 f"{model.path}: {key} gives {visible(name)} the shape {visible(repr(shape))}"
@@ -1540,7 +1535,7 @@ def _check_partition_sizes(optims: list[Checkpoint], flats, stage: int) -> list[
 def _counts(value, n: int) -> bool:
     """Whether ``value`` is a list of ``n`` whole numbers >= 0 (DeepSpeed's paddings)."""
     return (isinstance(value, (list, tuple)) and len(value) == n
-            and all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in value))
+            and all(is_count(p) for p in value))
 
 
 # A place: where one parameter's elements lie, as (rank, group, start, length, at) runs:

@@ -49,6 +49,8 @@ from gradclip_cli.source.files.deepspeed_pickle import GLOBALS
 from gradclip_cli.source.files.small_file import excerpt, read_small_file
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Checkpoint, Contents, OptimizerState, StoredTensor
+from gradclip_cli.source.untrusted import is_count
+from gradclip_cli.source.vocabulary import step_value
 
 from .dcp_frameworks import refuse_key
 from .master_copy import rounds_to
@@ -124,8 +126,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         optimizers=[optimizer],
         trusted_pickle=reader.trusted,
     )
-    step = model.root.get("global_steps")
-    contents.step = step if type(step) is int and step >= 0 else None
+    contents.step = step_value(model.root.get("global_steps"))
     contents.gradient_error = f"{path}: a DeepSpeed universal checkpoint holds no gradients"
     said = f"a DeepSpeed universal checkpoint: {_ZERO}/<name>/"
     contents.evidence[roles.WEIGHT] = f"{said}fp32.pt, the fp32 master weights"
@@ -306,9 +307,7 @@ def _is_step(value: Any) -> bool:
 
 
 def _is_shape(value: Any) -> bool:
-    return isinstance(value, (tuple, list)) and all(
-        type(d) is int and d >= 0 for d in value
-    )
+    return isinstance(value, (tuple, list)) and all(is_count(d) for d in value)
 
 
 def _frozen_shapes(model: Checkpoint) -> dict[str, torch.Size]:

@@ -19,7 +19,6 @@ a full pickle and is never read.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
@@ -28,6 +27,8 @@ from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.foreign import silenced
 from gradclip_cli.source.interface import Contents, stored
+from gradclip_cli.source.untrusted import is_int
+from gradclip_cli.source.vocabulary import step_after, step_value
 
 from . import hf_sharded
 from .dcp_frameworks import refuse_key
@@ -39,7 +40,6 @@ STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.pt"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-_CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 # The loggers transformers writes through (its own, and the hub client's it calls).
 TRANSFORMERS_LOGGERS = ("transformers", "huggingface_hub")
 
@@ -86,12 +86,12 @@ def global_step(folder: Path) -> int | None:
     state = read_json(state_file, what="a Trainer state", folder=folder)
     if not isinstance(state, dict):
         raise InputError(f"{state_file}: not a Trainer state: not a JSON object")
-    step = state.get("global_step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    step = step_value(state.get("global_step"))
+    if step is None:
         raise InputError(f"{state_file}: not a Trainer state: global_step is "
-                         f"{excerpt(step)}, not a step count")
-    named = _CHECKPOINT_NAME.fullmatch(folder.resolve().name)
-    if named and int(named.group(1)) != step:
+                         f"{excerpt(state.get('global_step'))}, not a step count")
+    named = step_after(folder.resolve().name, "checkpoint-")
+    if named is not None and named != step:
         raise InputError(f"{state_file}: says global_step {step}, but the folder is "
                          f"{visible(folder.resolve().name)}")
     return step
@@ -195,8 +195,7 @@ def check_module_counts(config_file: Path, document: object, stored: int) -> Non
             name = f"{prefix}{key}"
             if isinstance(value, dict):
                 pending.append((f"{name}.", value))
-            elif key in MODULE_COUNT_KEYS and isinstance(value, int) \
-                    and not isinstance(value, bool) and value > stored:
+            elif key in MODULE_COUNT_KEYS and is_int(value) and value > stored:
                 raise InputError(
                     f"{visible(str(config_file))}: says {excerpt(name)} is {value}, more "
                     f"than the {stored} weight tensors the checkpoint holds; refusing to "

@@ -32,6 +32,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.interface import Checkpoint, Contents, stored
+from gradclip_cli.source.vocabulary import step_value
 
 from . import dcp
 from .paths import member
@@ -76,9 +77,10 @@ def write_back(contents: Contents):
 
 
 def _global_step(root: Mapping, path: Path) -> int | None:
-    step = root.get("global_step")
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise InputError(f"{path}: Lightning 'global_step' is {excerpt(step)}, not a step count")
+    value = root.get("global_step")
+    step = step_value(value)
+    if value is not None and step is None:
+        raise InputError(f"{path}: Lightning 'global_step' is {excerpt(value)}, not a step count")
     return step
 
 

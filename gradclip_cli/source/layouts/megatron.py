@@ -101,6 +101,8 @@ from gradclip_cli.source.interface import (
     StoredTensor,
     chained,
 )
+from gradclip_cli.source.untrusted import is_int, is_number
+from gradclip_cli.source.vocabulary import step_after
 
 from . import dcp_folder
 from . import dcp_frameworks as frameworks
@@ -284,7 +286,7 @@ def _sharding(root: dict) -> object:
     optim = root.get("optimizer")
     if not isinstance(optim, dict):
         return None
-    if optim and all(type(k) is int for k in optim):
+    if optim and all(is_int(k) for k in optim):
         kinds = [p.get("param_state_sharding_type") if isinstance(p, dict) else None
                  for p in optim.values()]
         return kinds[0] if all(k == kinds[0] for k in kinds) else None
@@ -457,7 +459,7 @@ def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
     expert parallelism ``get_megatron_optimizer`` chains the dense parameters' optimizer and
     the experts'; their moments are saved per parameter as one optimizer's are, by name,
     when they are plain or distributed ``fully_reshardable``)."""
-    if not isinstance(optim, dict) or not optim or not all(type(k) is int for k in optim):
+    if not isinstance(optim, dict) or not optim or not all(is_int(k) for k in optim):
         return [("optimizer", optim)]
     if sorted(optim) != list(range(len(optim))):
         raise InputError(
@@ -493,7 +495,7 @@ def _groups_and_step(optim, where: str, common_file: Path) -> tuple[list, object
         # param groups (DistributedOptimizer.state_dict); fully_reshardable saves them as they are
         steps = {g.get("step") for g in groups}
         step = next(iter(steps))
-        if len(steps) != 1 or isinstance(step, bool) or not isinstance(step, (int, float)):
+        if len(steps) != 1 or not is_number(step):
             raise InputError(
                 f"{common_file}: the distributed optimizer's {where}.param_groups give no one "
                 "step (fully_reshardable keeps the moments' step there)"
@@ -602,8 +604,7 @@ def _iteration(root: dict, common_file: Path, folder: Path) -> int | None:
         args = root.get("args")
         value = args.state.get("iteration") if isinstance(args, NamespaceState) else None
     if value is None:
-        found = re.fullmatch(r"iter_(\d+)", folder.name)
-        return int(found.group(1)) if found else None
+        return step_after(folder.name, "iter_")
     return frameworks.int_value(value, common_file, "iteration")
 
 
@@ -986,7 +987,7 @@ def _bucket_groups(
         )
     steps = {g.get("step") for g in groups}
     step = next(iter(steps))
-    if len(steps) != 1 or isinstance(step, bool) or not isinstance(step, (int, float)):
+    if len(steps) != 1 or not is_number(step):
         raise InputError(f"{where}: the distributed optimizer's param groups give no one step")
     if isinstance(step, float) and step.is_integer():
         step = int(step)

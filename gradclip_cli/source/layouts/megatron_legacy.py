@@ -100,6 +100,8 @@ from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor, chained
+from gradclip_cli.source.untrusted import is_count, is_int
+from gradclip_cli.source.vocabulary import step_value
 from gradclip_cli.source.what import map_names
 
 from .dcp_frameworks import refuse_key
@@ -389,8 +391,7 @@ def _chunks(root: Mapping, args: Mapping, file: Path) -> list[str]:
             f"{file}: holds {held}, but its args set no virtual_pipeline_model_parallel_size"
         )
     if (
-        not isinstance(virtual, int)
-        or isinstance(virtual, bool)
+        not is_int(virtual)
         or found != [f"model{i}" for i in range(virtual)]
     ):
         raise InputError(
@@ -433,7 +434,7 @@ def _read_stages(
         rank.tensor_rank, rank.stage = int(match.group(1)), int(match.group(2)[1:])
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             size = rank.args.get(key)
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            if not is_count(size, 1):
                 raise InputError(
                     f"{rank.file}: its args give no {key}, so its folder's _YYY cannot be "
                     "told a pipeline stage"
@@ -541,7 +542,7 @@ def _pipeline(stages: list[list[_Rank]]) -> dict:
 
     size = args["pipeline_model_parallel_size"]
     layers = args.get("num_layers")
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+    if not is_count(layers, 1):
         raise refuse("its args give no num_layers")
     layout = args.get("pipeline_model_parallel_layout")
     if layout is not None:
@@ -774,9 +775,10 @@ def _iteration(root: Mapping, args: Mapping, file: Path) -> int | None:
     value = root.get("iteration", args.get("iteration"))
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    step = step_value(value)
+    if step is None:
         raise InputError(f"{file}: iteration is {visible(repr(value))[:40]}, not a step")
-    return value
+    return step
 
 
 def _same(ranks: list[_Rank], what: str, get) -> Any:

@@ -32,6 +32,7 @@ from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.interface import Contents, StoredTensor
+from gradclip_cli.source.vocabulary import step_after
 
 from . import dcp, dcp_folder
 from . import dcp_frameworks as frameworks
@@ -39,7 +40,6 @@ from .paths import inside
 
 KIND = "olmo-core-gradients"
 DUMPER, FULL, SAMPLED = "gradient_dumper", "full_gradients", "sampled_gradients"
-_STEP = re.compile(r"step(\d+)")
 _SAMPLE = re.compile(r"(.+)_first(\d+)\.safetensors")
 _SAID = "OLMo-core's GradientDumperCallback"
 
@@ -48,7 +48,7 @@ def _step_folder(path: Path) -> Path | None:
     """The dump's ``stepN/`` folder: ``path`` itself, or its parent where ``path`` is the
     full or sampled folder; None where ``path`` is not one."""
     for folder, inner in ((path, None), (path.parent, path.name)):
-        if not (_STEP.fullmatch(folder.name) and folder.parent.name == DUMPER):
+        if not (step_after(folder.name, "step") is not None and folder.parent.name == DUMPER):
             continue
         full = os.path.isfile(folder / FULL / METADATA_NAME)
         sampled = os.path.isdir(folder / SAMPLED)
@@ -67,7 +67,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     frameworks.refuse_key(path, key, "an OLMo-core gradient dump")
     folder = _step_folder(path)
     assert folder is not None  # recognised
-    step = int(_STEP.fullmatch(folder.name).group(1))
+    step = step_after(folder.name, "step")
     full, sampled = folder / FULL, folder / SAMPLED
     has_full = os.path.isfile(full / METADATA_NAME)
     if path.name == SAMPLED or (path == folder and not has_full):

@@ -25,6 +25,7 @@ import torch
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import Piece, StoredTensor
+from gradclip_cli.source.untrusted import is_count
 
 # Megatron-core's tensor-parallel layers (core_v0.16.1 ``tensor_parallel/layers.py``) by the
 # names its GPT, BERT and T5 specs give them: column-parallel layers split their output rows
@@ -55,7 +56,7 @@ def hidden_size(args: Mapping, shapes: Mapping[str, tuple[int, ...]]) -> int | N
     args, else the one size of its norms' weights (every norm of a transformer normalises
     the hidden state); None when neither tells."""
     given = args.get("hidden_size")
-    if isinstance(given, int) and not isinstance(given, bool) and given > 0:
+    if is_count(given, 1):
         return given
     sizes = {shape for name, shape in shapes.items() if _NORM_WEIGHT.search(name)}
     if len(sizes) == 1 and len(shape := next(iter(sizes))) == 1:

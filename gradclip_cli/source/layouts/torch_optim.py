@@ -18,6 +18,7 @@ import torch
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import OptimizerState, StoredTensor
+from gradclip_cli.source.untrusted import is_int
 
 
 def is_optimizer_state(value: Any) -> bool:
@@ -41,7 +42,7 @@ def optimizer_state(value: Any, file: Path, where: str) -> OptimizerState:
         if not isinstance(group, Mapping) or not isinstance(group.get("params"), (list, tuple)):
             raise bad(f"param group {g} has no 'params' list")
         params = list(group["params"])
-        if not all(isinstance(p, int) and not isinstance(p, bool) for p in params):
+        if not all(is_int(p) for p in params):
             raise bad(f"param group {g} lists parameters that are not integer ids")
         if seen.intersection(params):
             raise bad(f"param group {g} repeats a parameter id of an earlier group")
@@ -55,7 +56,7 @@ def optimizer_state(value: Any, file: Path, where: str) -> OptimizerState:
         groups.append({**{str(k): v for k, v in group.items()}, "params": params})
     state: dict[int, dict[str, Any]] = {}
     for pid, entry in value["state"].items():
-        if not isinstance(pid, int) or isinstance(pid, bool):
+        if not is_int(pid):
             raise bad(f"state is keyed by {visible(repr(pid))}, not by integer parameter ids")
         if pid not in seen:
             raise bad(f"state holds parameter {pid}, which no param group lists")

@@ -32,6 +32,7 @@ from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.logs import LoggedNorms, LogKind, read_text
+from gradclip_cli.source.untrusted import is_count, is_int, is_number
 
 SCHEMA = "gradclip.monitor/1"
 _NONFINITE_WORDS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -49,7 +50,7 @@ def recognises(head: str) -> bool:
 def _norm(value: object, where: str) -> float:
     if isinstance(value, str) and value in _NONFINITE_WORDS:
         return _NONFINITE_WORDS[value]
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if is_number(value):
         if value < 0:  # no norm is negative: judged, it would pass as a calm step
             raise InputError(f"{where}: a norm must be >= 0, got {excerpt(value)}")
         return float(value)
@@ -58,7 +59,7 @@ def _norm(value: object, where: str) -> float:
 
 
 def _count(value: object, where: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    if is_count(value):
         return value
     raise InputError(f"{where}: a non-finite count must be a whole number >= 0")
 
@@ -67,7 +68,7 @@ def _entry(obj: object, where: str) -> LoggedNorms:
     if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
         raise InputError(f"{where}: not a {SCHEMA} object")
     step = obj.get("step")
-    if not isinstance(step, int) or isinstance(step, bool):
+    if not is_int(step):
         raise InputError(f"{where}: \"step\" must be a whole number")
     groups = obj.get("groups", {})
     if not isinstance(groups, dict):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source.untrusted import is_int, is_number
 
 # (step, value) in the order the tracker stored them.
 Points = list[tuple[int, float]]
@@ -71,11 +72,11 @@ def step_value(step: object, value: object, where: str) -> tuple[int, float]:
     """
     if type(step) is int and type(value) is float and step >= 0 and not value < 0:
         return step, value  # the common case, at a million points a series
-    if isinstance(step, bool) or not isinstance(step, int):
+    if not is_int(step):
         raise InputError(f"{where}: step {visible(repr(step))[:40]} is not a whole number")
     if step < 0:
         raise InputError(f"{where}: step {step} is negative; a training step counts from 0")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise InputError(f"{where}: step {step}: value {visible(repr(value))[:40]} "
                          "is not a number")
     value = float(value)

@@ -20,6 +20,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.files import sqlite_file
 from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
+from gradclip_cli.source.untrusted import is_number
 
 NAME = "trackio"
 SUFFIXES = (".db",)
@@ -74,7 +75,7 @@ def given(path: Path) -> list[TrackerRun] | None:
 def _number(value: object) -> float | None:
     if isinstance(value, str):
         return _WORDS.get(value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if is_number(value):
         return float(value)
     return None
 

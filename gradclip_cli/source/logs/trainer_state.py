@@ -23,6 +23,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.logs import LoggedNorms, LogKind, read_text
+from gradclip_cli.source.untrusted import is_int, is_number
 
 # accelerate's clip_grad_norm_, which the Trainer calls, uses norm_type=2.
 TRAINER_NORM_TYPE = 2.0
@@ -48,7 +49,7 @@ def _history(path: Path) -> tuple[str, list]:
 
 def _number(entry: dict, key: str, where: str) -> float:
     norm = entry[key]
-    if not isinstance(norm, (int, float)) or isinstance(norm, bool):
+    if not is_number(norm):
         raise InputError(f"{where}: {visible(key)} must be a number")
     if norm < 0:
         raise InputError(f"{where}: {visible(key)} must be >= 0, got {norm:g}")
@@ -62,7 +63,7 @@ def _points(shown: str, history: list, key: str) -> list[tuple[int, dict, int | 
         if not isinstance(entry, dict) or key not in entry:
             continue
         step = entry.get("step")
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        if step is not None and not is_int(step):
             raise InputError(f"{shown}: log_history[{i}]: step must be a whole number")
         last = next((s for _, _, s in reversed(points) if s is not None), None)
         if step is not None and last is not None and step <= last:

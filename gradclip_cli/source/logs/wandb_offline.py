@@ -23,6 +23,7 @@ from pathlib import Path
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
+from gradclip_cli.source.untrusted import is_number
 
 NAME = "W&B"
 EXTRA = "wandb"
@@ -177,14 +178,13 @@ def _history(history, scalars: dict[str, Points], steps: _StepMetrics) -> None:
     for key, value in items.items():
         if key.startswith("_"):  # _step, _runtime, _timestamp: W&B's own
             continue
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
+        if not is_number(value):
             continue
         step = own
         metric = steps.of(key)
         if metric is not None and metric != key:
             at = items.get(metric)
-            if isinstance(at, (int, float)) and not isinstance(at, bool) \
-                    and float(at).is_integer():
+            if is_number(at) and float(at).is_integer():
                 step = int(at)
         if isinstance(step, int):
             scalars.setdefault(key, []).append((step, float(value)))
