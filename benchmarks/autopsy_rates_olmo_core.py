@@ -128,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
             if injected:
                 hits += good
                 at_step += doc["step"] == SPIKE_STEP
+                if good and doc["step"] != SPIKE_STEP:
+                    misses.append(
+                        f"seed {seed} ({layer} x{injection(seed)[1]:g}): named first "
+                        f"at its step; the step explained: {said}"
+                    )
             else:
                 clean_ok += good
             if not good:
