@@ -12,7 +12,7 @@ generator's float64 reference, taken from the live model and optimizer.
 The seeds (``OLMO_CORE_SPIKES``) are the first ones, fixed before any rate was
 measured. Over more seeds the spike rule itself flags some clean runs: the
 embeddings' gradient norm of this tiny model (128 random tokens a batch)
-crosses it by noise (seeds 2 and 7 of 0-9), a false alarm ``trend`` flags
+crosses it by noise (5 of the 20 clean seeds 0-9 and 100-109), a false alarm ``trend`` flags
 too, which the autopsy then explains; ``benchmarks/autopsy_rates_olmo_core.py``
 measures the rates (docs/guides/autopsy.md).
 """
