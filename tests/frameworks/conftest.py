@@ -100,6 +100,32 @@ def olmo_core_runs(framework_python, tmp_path_factory) -> dict[int, Path]:
     }
 
 
+# The OLMo-core spike runs (``olmo_core_spike_run.py``): seed -> the injected layer and
+# factor, or None for a clean run (the keys of ``olmo_core_spike_runs``).
+OLMO_CORE_SPIKES = {
+    ("injected", 0): ("blocks.0", 20.0),
+    ("injected", 1): ("blocks.1", 50.0),
+    ("injected", 2): ("embeddings", 100.0),
+    ("clean", 0): None,
+    ("clean", 1): None,
+}
+
+
+@pytest.fixture(scope="session")
+def olmo_core_spike_runs(framework_python, tmp_path_factory) -> dict[tuple[str, int], Path]:
+    """OLMo-core runs of 50 steps on 1 rank, a spike injected at step 35 into one layer (or
+    none): ``run/step*`` (OLMo-core's ``Checkpointer``), ``run/grads.jsonl`` and
+    ``run/spikes/`` (gradclip's ``GradMonitor``), ``reference/spike.pt``."""
+    runs = {}
+    for (kind, seed), inject in OLMO_CORE_SPIKES.items():
+        extra = (inject[0], f"{inject[1]:g}") if inject else ()
+        out = tmp_path_factory.mktemp(f"olmo_core_spike_{kind}{seed}")
+        runs[kind, seed] = run_generator(
+            framework_python, "olmo_core_spike_run.py", out, 1, str(seed), *extra
+        )
+    return runs
+
+
 @pytest.fixture(scope="session")
 def megatron_runs(framework_python, tmp_path_factory) -> dict:
     """Megatron-core runs on 1 rank, on 2 data-parallel ranks, on 2 tensor-parallel ranks
