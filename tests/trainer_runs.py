@@ -392,3 +392,12 @@ def train_with_half_norm(output_dir: Path) -> HalfNormRun:
         monitor.close()
     trainer.save_state()
     return HalfNormRun(output_dir, HALF_NORM_STEPS, half_norms)
+
+
+def train_autopsy_example(output_dir: Path) -> None:
+    """The autopsy guide's run: ``benchmarks/autopsy_rates.py``'s Trainer run, seed 2
+    (``transformer.wpe``'s gradients x100 at step 40, checkpoints every 5 steps and at
+    39-41, the callback's log and dumps)."""
+    from benchmarks.autopsy_rates import make_run
+
+    make_run("trainer", 2, True, output_dir)

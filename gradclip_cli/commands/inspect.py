@@ -152,14 +152,16 @@ def run_folder_message(path: str) -> str | None:
     p = Path(path)
     if not p.is_dir():
         return None
-    from ..source.layouts import LAYOUTS
+    from ..source.layouts import LAYOUTS, deepspeed, hf_sharded
 
-    if any(layout.recognises(p) for layout in LAYOUTS):
-        return None
+    if any(layout.recognises(p) for layout in LAYOUTS) or deepspeed.near_miss(p) is not None:
+        return None  # a layout's own refusal says more (DeepSpeed's: what is missing)
     try:
         children = sorted(c for _, c in zip(range(_SCANNED), p.iterdir()))
     except OSError:
         return None
+    if any(c.name.endswith(hf_sharded.INDEX_SUFFIX) for c in children):
+        return None  # a sharded set's folder: its shards number parts, not steps
     folders = [c for c in children if NUMBERED_NAME.fullmatch(c.name) and c.is_dir()]
     files = [c for c in children if _step_of_name(c.name) is not None and _is_checkpoint_file(c)]
     trend = f"for norms over the run use 'gradclip trend {visible(path)}'"

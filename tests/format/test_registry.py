@@ -15,7 +15,8 @@ RENDERS = [name for name in vars(Format) if name.startswith("render_")]
 @pytest.mark.parametrize("entry", REGISTRY, ids=lambda e: e.name)
 def test_every_registered_format_renders_what_the_cli_asks_of_it(entry):
     module = FORMATS[entry.name]
-    assert RENDERS == ["render_inspect", "render_clip", "render_trend", "render_compare"]
+    assert RENDERS == ["render_inspect", "render_clip", "render_trend", "render_compare",
+                       "render_autopsy"]
     for name in RENDERS:
         assert callable(getattr(module, name)), (entry.name, name)
     # The failure document exactly where the registry says the format carries one.
