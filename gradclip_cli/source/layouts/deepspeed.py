@@ -100,7 +100,7 @@ from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files import megatron_pickle
 from gradclip_cli.source.files.deepspeed_pickle import GLOBALS
 from gradclip_cli.source.files.megatron_pickle import NamespaceState
-from gradclip_cli.source.files.small_file import excerpt, read_small_file
+from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import (
     Checkpoint,
@@ -116,7 +116,7 @@ from gradclip_cli.source.what import map_names
 from . import hf_trainer
 from .dcp_frameworks import refuse_key
 from .master_copy import head_key, rounds_to
-from .paths import inside
+from .paths import inside, tagged_folder
 from .tensor_parallel import hidden_size, merged, split_axis
 from .torch_optim import is_optimizer_state, optimizer_state
 
@@ -137,7 +137,6 @@ _LAYER_FILE = re.compile(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt")
 # numpy RNG state) to ``save_checkpoint``, which keeps it in the model state files: read as
 # inert data, as Megatron's own checkpoints are.
 _PICKLED = {**megatron_pickle.GLOBALS, **GLOBALS}
-_MAX_LATEST_BYTES = 4096  # a tag is a folder name
 _MAX_RANKS = 1 << 16
 
 
@@ -262,12 +261,7 @@ def _trainer_step(contents: Contents, path: Path) -> None:
 def _follow_latest(parent: Path) -> Path:
     """The folder ``parent/latest`` names; its content is data, checked like any name."""
     latest = parent / LATEST
-    raw = read_small_file(latest, limit=_MAX_LATEST_BYTES, what="a checkpoint tag", folder=parent)
-    try:
-        tag = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise InputError(f"{latest}: not a checkpoint tag: not UTF-8 text") from None
-    folder = inside(parent, tag, named_by=latest)
+    tag, folder = tagged_folder(parent, LATEST)
     if not os.path.isdir(folder):
         raise InputError(f"{latest}: names {excerpt(tag)}, which is not a folder here")
     if not _is_step_folder(folder):

@@ -46,7 +46,7 @@ from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files import megatron_pickle
 from gradclip_cli.source.files.deepspeed_pickle import GLOBALS
-from gradclip_cli.source.files.small_file import excerpt, read_small_file
+from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Checkpoint, Contents, OptimizerState, StoredTensor
 from gradclip_cli.source.untrusted import is_count
@@ -54,7 +54,7 @@ from gradclip_cli.source.vocabulary import step_value
 
 from .dcp_frameworks import refuse_key
 from .master_copy import rounds_to
-from .paths import inside
+from .paths import inside, tagged_folder
 
 KIND = "deepspeed-universal"
 LATEST = "latest_universal"
@@ -62,7 +62,6 @@ _ZERO, _COMMON = "zero", "optimizer_state.pt"
 _MODEL = re.compile(r"(?:zero_pp_rank_\d+_)?mp_rank_(\d+)_model_states\.pt")
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _PICKLED = {**megatron_pickle.GLOBALS, **GLOBALS}
-_MAX_LATEST_BYTES = 4096  # a folder name
 
 
 def _is_step_folder(path: Path) -> bool:
@@ -158,12 +157,7 @@ def _span(names: list[str]) -> str:
 def _follow_latest(parent: Path) -> Path:
     """The folder ``parent/latest_universal`` names; its content is data, checked as a name."""
     latest = parent / LATEST
-    raw = read_small_file(latest, limit=_MAX_LATEST_BYTES, what="a checkpoint tag", folder=parent)
-    try:
-        tag = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise InputError(f"{latest}: not a checkpoint tag: not UTF-8 text") from None
-    folder = inside(parent, tag, named_by=latest)
+    tag, folder = tagged_folder(parent, LATEST)
     if not _is_step_folder(folder):
         raise InputError(
             f"{latest}: names {excerpt(tag)}, which holds no universal checkpoint "

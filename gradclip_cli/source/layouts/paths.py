@@ -53,6 +53,22 @@ def inside(folder: Path, name: object, *, named_by: Path) -> Path:
     return candidate
 
 
+# A tag file (DeepSpeed's ``latest``, ``latest_universal``) names one folder.
+MAX_TAG_BYTES = 4096
+
+
+def tagged_folder(parent: Path, name: str) -> tuple[str, Path]:
+    """The tag that ``parent/name`` holds (a folder's name: data, checked as any name
+    is, ``inside``) and the path it names in ``parent``."""
+    file = parent / name
+    raw = read_small_file(file, limit=MAX_TAG_BYTES, what="a checkpoint tag", folder=parent)
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise InputError(f"{file}: not a checkpoint tag: not UTF-8 text") from None
+    return tag, inside(parent, tag, named_by=file)
+
+
 def read_json(path: Path, *, what: str, folder: Path | None = None) -> Any:
     """Parse a small JSON file (``files.small_file``'s rule: a regular file, bounded, its
     real path inside ``folder`` when given); ``InputError`` naming it when it is missing,
