@@ -163,11 +163,9 @@ def trend(
     """
     from .commands import trend as command
 
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
     with _as_the_command():
         return command.build(
-            paths=[Path(p) for p in paths], what=what, group_by=group_by, z=z, alpha=alpha,
+            paths=_paths(paths), what=what, group_by=group_by, z=z, alpha=alpha,
             warmup=warmup, fail_on=fail_on, key=key, norm_type=norm_type, device=device,
             trust_pickle=trust_pickle, verify=verify, progress=False, launched=False,
             tag=tag, run_name=run, exclude=tuple(exclude),
@@ -211,11 +209,9 @@ def autopsy(
     """
     from .commands import autopsy as command
 
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
     with _as_the_command():
         return command.build(
-            paths=[Path(p) for p in paths], step=step, window=window, outlier_k=outlier_k,
+            paths=_paths(paths), step=step, window=window, outlier_k=outlier_k,
             key=key, device=device, trust_pickle=trust_pickle, verify=verify, progress=False,
             tag=tag, run_name=run, exclude=tuple(exclude), launched=False,
         )  # fmt: skip
@@ -257,6 +253,11 @@ def exit_code(report: Any) -> int:
     if isinstance(report, AutopsyReport):
         return 1 if report.status == EXPLAINED else 0
     return 0 if report.status == OK else 1
+
+
+def _paths(paths: PathLike | Iterable[PathLike]) -> list[Path]:
+    """One path or several, as the commands' ``PATH...`` takes them."""
+    return [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
 
 
 @contextmanager
