@@ -8,14 +8,17 @@ rule: a step read from a checkpoint is a whole number >= 0, a whole-number float
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 
 import pytest
 import torch
 
+import gradclip_cli
 from gradclip_cli.errors import InputError
 from gradclip_cli.source.layouts import dcp_frameworks
+from gradclip_cli.source.logs.tracker import checked_point
 from gradclip_cli.source.untrusted import is_count, is_int, is_number
 from gradclip_cli.source.vocabulary import (
     NUMBERED_NAME,
@@ -140,3 +143,44 @@ def test_values_read_from_untrusted_dicts(value, whole, count, size, number):
     assert is_count(value) is count
     assert is_count(value, 1) is size
     assert is_number(value) is number
+
+
+def _monitor_log(path, steps):
+    path.write_text("".join(json.dumps({
+        "schema": "gradclip.monitor/1", "step": s, "total_norm": 1.0, "norm_type": 2.0,
+        "groups": {"a": 1.0}}) + "\n" for s in steps))
+    return path
+
+
+def _trainer_state(path, steps):
+    path.write_text(json.dumps({"log_history": [{"grad_norm": 1.0, "step": s} for s in steps]}))
+    return path
+
+
+@pytest.mark.parametrize("write", [_monitor_log, _trainer_state], ids=["monitor", "trainer"])
+def test_logs_read_steps_by_the_same_value_rule_as_checkpoints(write, tmp_path):
+    """A log's step is read as a checkpoint's is: ``3.0`` is step 3; ``2.5`` and ``-1``
+    are refused, each in one line naming the file."""
+    name = "m.jsonl" if write is _monitor_log else "trainer_state.json"
+    report = gradclip_cli.trend([str(write(tmp_path / name, [0.0, 1, 2.0, 3]))])
+    assert [p.step for p in report.points] == [0, 1, 2, 3]
+    for bad in (2.5, -1, True, "3"):
+        with pytest.raises(gradclip_cli.GradclipError) as refused:
+            gradclip_cli.trend([str(write(tmp_path / name, [0, 1, bad]))])
+        assert refused.value.exit_code == 3
+        assert name in refused.value.message and "whole number >= 0" in refused.value.message
+        assert "\n" not in refused.value.message
+
+
+@pytest.mark.parametrize(("step", "kept"), [(3, 3), (3.0, 3), (0, 0)])
+def test_a_tracker_point_takes_the_step_rule(step, kept):
+    assert checked_point(step, 1.5, "run") == (kept, 1.5)
+
+
+@pytest.mark.parametrize(("step", "words"), [
+    (2.5, "is not a whole number"), (True, "is not a whole number"),
+    ("7", "is not a whole number"), (-1, "is negative"), (-2.0, "is negative"),
+])  # fmt: skip
+def test_a_tracker_point_with_no_step_is_refused(step, words):
+    with pytest.raises(InputError, match=words):
+        checked_point(step, 1.0, "run")

@@ -32,7 +32,8 @@ from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.logs import LoggedNorms, LogKind, read_text
-from gradclip_cli.source.untrusted import is_count, is_int, is_number
+from gradclip_cli.source.untrusted import is_count, is_number
+from gradclip_cli.source.vocabulary import step_value
 
 SCHEMA = "gradclip.monitor/1"
 _NONFINITE_WORDS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -67,9 +68,9 @@ def _count(value: object, where: str) -> int:
 def _entry(obj: object, where: str) -> LoggedNorms:
     if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
         raise InputError(f"{where}: not a {SCHEMA} object")
-    step = obj.get("step")
-    if not is_int(step):
-        raise InputError(f"{where}: \"step\" must be a whole number")
+    step = step_value(obj.get("step")) if is_number(obj.get("step")) else None
+    if step is None:
+        raise InputError(f"{where}: \"step\" must be a whole number >= 0")
     groups = obj.get("groups", {})
     if not isinstance(groups, dict):
         raise InputError(f"{where}: \"groups\" must be an object of name: norm")

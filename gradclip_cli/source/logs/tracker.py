@@ -18,7 +18,8 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source.untrusted import is_int, is_number
+from gradclip_cli.source.untrusted import is_number
+from gradclip_cli.source.vocabulary import step_value
 
 # (step, value) in the order the tracker stored them.
 Points = list[tuple[int, float]]
@@ -64,18 +65,21 @@ class Tracker:
     descend: bool = True  # walk on into a claimed folder (False: the reader reads it whole)
 
 
-def step_value(step: object, value: object, where: str) -> tuple[int, float]:
-    """A checked point: a whole step >= 0 and a norm >= 0 or non-finite.
+def checked_point(step: object, value: object, where: str) -> tuple[int, float]:
+    """A checked point: a step as ``vocabulary.step_value`` reads every step (a whole
+    number >= 0, a whole-number float included) and a norm >= 0 or non-finite.
 
     A negative step is no training step any framework logs (TensorBoard stores
     int64 and accepts one): exit 3 rather than a point placed before the run.
     """
     if type(step) is int and type(value) is float and step >= 0 and not value < 0:
         return step, value  # the common case, at a million points a series
-    if not is_int(step):
+    counted = step_value(step) if is_number(step) else None
+    if counted is None:
+        if is_number(step) and step < 0:
+            raise InputError(f"{where}: step {step:g} is negative; a training step counts from 0")
         raise InputError(f"{where}: step {visible(repr(step))[:40]} is not a whole number")
-    if step < 0:
-        raise InputError(f"{where}: step {step} is negative; a training step counts from 0")
+    step = counted
     if not is_number(value):
         raise InputError(f"{where}: step {step}: value {visible(repr(value))[:40]} "
                          "is not a number")

@@ -46,7 +46,7 @@ from gradclip_cli.source.logs import (
     trackio_db,
     wandb_offline,
 )
-from gradclip_cli.source.logs.tracker import Tracker, TrackerRun, in_step_order, step_value
+from gradclip_cli.source.logs.tracker import Tracker, TrackerRun, checked_point, in_step_order
 
 TRACKERS: tuple[Tracker, ...] = (
     tensorboard.TRACKER,
@@ -317,4 +317,4 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
 
 
 def _checked(points, where: str):
-    return in_step_order([step_value(s, v, where) for s, v in points], where)
+    return in_step_order([checked_point(s, v, where) for s, v in points], where)

@@ -23,7 +23,8 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.logs import LoggedNorms, LogKind, read_text
-from gradclip_cli.source.untrusted import is_int, is_number
+from gradclip_cli.source.untrusted import is_number
+from gradclip_cli.source.vocabulary import step_value
 
 # accelerate's clip_grad_norm_, which the Trainer calls, uses norm_type=2.
 TRAINER_NORM_TYPE = 2.0
@@ -63,8 +64,10 @@ def _points(shown: str, history: list, key: str) -> list[tuple[int, dict, int | 
         if not isinstance(entry, dict) or key not in entry:
             continue
         step = entry.get("step")
-        if step is not None and not is_int(step):
-            raise InputError(f"{shown}: log_history[{i}]: step must be a whole number")
+        if step is not None:
+            step = step_value(step) if is_number(step) else None
+            if step is None:
+                raise InputError(f"{shown}: log_history[{i}]: step must be a whole number >= 0")
         last = next((s for _, _, s in reversed(points) if s is not None), None)
         if step is not None and last is not None and step <= last:
             # The Trainer logs in step order, and a resumed run starts from its
