@@ -12,8 +12,10 @@ each in model order. Mapping state to names needs the model's order, which a
 safetensors file does not keep (its header sorts names). ``pytorch_model.bin``
 keeps it; otherwise the order is rebuilt from ``config.json`` by constructing
 the model on the meta device (no memory, no weights, no remote code), when
-transformers is installed. Nothing else is trusted: ``training_args.bin`` is
-a full pickle and is never read.
+transformers is installed. Nothing else is trusted. ``training_args.bin`` is
+a full pickle of ``TrainingArguments``: this layout does not open it; ``trend``
+reads its ``max_grad_norm`` through the restricted unpickler, with inert
+stand-ins for its classes (``source/files/training_args.py``).
 """
 
 from __future__ import annotations
