@@ -53,7 +53,7 @@ class Output:
         """``report`` drawn for stdout, or staged for ``--output-file`` (rank 0 alone: None
         elsewhere); ``Pending.deliver`` sends it. ``verdict``: a report sent to a file
         also prints its verdict line on stderr."""
-        return prepare(lambda out: render(self.format, report, out, top=self.top,
+        return _prepare(lambda out: render(self.format, report, out, top=self.top,
                                           quiet=self.quiet, err=sys.stderr),
                        self.file, verdict_of(report) if verdict else None)
 
@@ -146,7 +146,7 @@ class Pending:
             self.staged.discard()
 
 
-def prepare(write: Callable[[TextIO], None], output_file: Path | None,
+def _prepare(write: Callable[[TextIO], None], output_file: Path | None,
             verdict: str | None = None) -> Pending | None:
     """Draw a report for stdout, or stage it for ``--output-file`` (rank 0 alone: None
     elsewhere); ``Pending.deliver`` sends it. ``verdict``: the report's one-line
