@@ -24,8 +24,8 @@ from click.shell_completion import get_completion_class
 
 from . import values as V
 from .errors import REPORT_FILE_FLAG, GradclipError
-from .format import FAILURE_FORMATS as failure_formats
 from .format import described as described_formats
+from .format import failure_formats
 
 # torch warns on import when numpy is absent; gradclip never needs numpy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -69,6 +69,14 @@ def app() -> None:
     pass
 
 
+class _FormatOption(click.Option):
+    """``--format``: its help is the format registry's, read when ``--help`` is drawn."""
+
+    def get_help_record(self, ctx: click.Context):
+        self.help = described_formats()
+        return super().get_help_record(ctx)
+
+
 # Options, each declared once. ``click.option`` makes a new Option for each
 # command it decorates; options that differ between commands (defaults, help)
 # are declared apart, where the command is.
@@ -78,8 +86,8 @@ norm_type_option = click.option("--norm-type", type=V.NORM_TYPE, default="2", me
                            help="p of the p-norm: any number > 0, or inf.")
 device_option = click.option("--device", type=V.DEVICE, default="cpu", metavar="DEVICE",
                         help=f"{V.DEVICES}.")
-format_option = click.option("--format", "format", type=V.FORMAT, default="table",
-                        metavar="FORMAT", help=described_formats())
+format_option = click.option("--format", "format", cls=_FormatOption, type=V.FORMAT,
+                             default="table", metavar="FORMAT")
 output_file_option = click.option("--output-file", metavar="FILE",
                              help="Write the report to FILE (atomically) instead of stdout.")
 trust_option = click.option("--trust-pickle", is_flag=True, help="Allow full unpickling: runs "
@@ -116,11 +124,6 @@ def _shared(command):
     return command
 
 
-# The formats that carry a failure on stdout (or in --output-file) besides the line
-# on stderr (the format registry says which); a table is for a person, who reads stderr.
-FAILURE_FORMATS = failure_formats
-
-
 def _report_error(message: str, code: int, *, format: str | None, source: object,
                   command: str = "gradclip", output_file: Path | None = None,
                   inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = ()) -> None:
@@ -140,7 +143,7 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
 
     message = visible(message)
     print(f"gradclip: {message}", file=sys.stderr)
-    if format not in FAILURE_FORMATS:
+    if format not in failure_formats():
         return
     import io
 
@@ -539,7 +542,7 @@ def _main(argv: list[str] | None) -> None:
         output_file, at = _requested(args, "--output-file")
         # The report file gets the document as for any other failure, where it is none
         # of the paths the command line names.
-        named = _named_paths(args, at) if output_file and format in FAILURE_FORMATS else ()
+        named = _named_paths(args, at) if output_file and format in failure_formats() else ()
         _report_error(f"{error.format_message()} (see '{where} --help')", 2,
                       format=format, source=" ".join(inputs) or None, command=command,
                       output_file=_output_file(output_file), inputs=inputs, outputs=named)

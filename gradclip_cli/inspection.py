@@ -221,38 +221,28 @@ def render(report: Any, format: str = "table", *, top: int = 5) -> str:
     """``report`` as ``--format FORMAT`` writes it: ``table``, ``json``, ``markdown``,
     ``github`` or ``junit`` (``json.loads`` of the json is the contract's document);
     ``top``: an inspect report's largest tensors listed, as ``--top``."""
-    from .format import FORMATS
+    from .format import names
+    from .format import render as draw
     from .report.autopsy import AutopsyReport
     from .report.model import InspectReport
     from .report.trend import TrendReport
     from .values import word
 
     with _as_the_command():
-        fmt = FORMATS[word("format", format, tuple(FORMATS))]
-        buffer = io.StringIO()
-        if isinstance(report, InspectReport):
-            fmt.render_inspect(report, buffer, top=top)
-        elif isinstance(report, TrendReport):
-            fmt.render_trend(report, buffer)
-        elif isinstance(report, AutopsyReport):
-            fmt.render_autopsy(report, buffer)
-        else:
+        name = word("format", format, names())
+        if not isinstance(report, (InspectReport, TrendReport, AutopsyReport)):
             raise TypeError("render: an InspectReport, TrendReport or AutopsyReport, got "
                             f"{type(report)!r}")
+        buffer = io.StringIO()
+        draw(name, report, buffer, top=top)
         return buffer.getvalue()
 
 
 def exit_code(report: Any) -> int:
     """The exit code the command would end with for ``report``: 0 no finding, 1 a finding."""
-    from .report.autopsy import EXPLAINED, AutopsyReport
-    from .report.model import NONFINITE, OK, SPIKE
-    from .report.trend import TrendReport
+    from .report.outcome import exit_code as code
 
-    if isinstance(report, TrendReport):
-        return 1 if report.status in (SPIKE, NONFINITE) or report.disagreeing else 0
-    if isinstance(report, AutopsyReport):
-        return 1 if report.status == EXPLAINED else 0
-    return 0 if report.status == OK else 1
+    return code(report)
 
 
 def _paths(paths: PathLike | Iterable[PathLike]) -> list[Path]:

@@ -1,11 +1,18 @@
 """The one measuring step: what a selection says to measure, read and reduced to power sums.
 
-``source/what.py`` says which stored tensors each measured name reads and
-the transform that gives its value (a ``Derivation``); this module does the
-reading for every kind alike: held tensors go to the core as they are,
-pieces read on demand are read about ``_BATCH_BYTES`` at a time, and each
-batch is handed to ``on_batch`` (progress, page release) once measured, so
-memory stays bounded by a batch whatever the checkpoint's size.
+``measure`` is the step every command takes (inspect, clip, trend, compare,
+autopsy): a ``Selection`` (``source/what.py``) in, a ``Measurement`` out, a
+plain immutable result that the report builders read. What a selection
+says to measure is a list of ``Derivation``s (which stored tensors each
+measured name reads and the transform that gives its value); gradients held
+whole in memory that share storage are measured as their distinct pieces
+(``core/elements.py``), each a stored tensor like any other, so every
+element is read once and the rows follow by index.
+
+The reading is the same for every kind: held tensors go to the core as they
+are, pieces read on demand are read about ``_BATCH_BYTES`` at a time, and
+each batch is handed to ``on_batch`` (progress, page release) once
+measured, so memory stays bounded by a batch whatever the checkpoint's size.
 
 A value that is a scale of one stored tensor (the identity for gradients and
 weights, the bias correction of ``exp_avg``) is never copied: its power sums
@@ -17,13 +24,119 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from gradclip_cli.core import PowerSums, concat, tensor_power_sums
 from gradclip_cli.source.interface import Derivation, StoredTensor
 
+if TYPE_CHECKING:
+    from gradclip_cli.core import Elements
+    from gradclip_cli.source.what import Selection
+
 _BATCH_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One selection measured: per measured name (``names``, the selection's order),
+    power sums of its own elements (``sums``: its row in a report) and of the elements
+    it holds first (``owned``: each shared element once, what groups and the total
+    add), and how many distinct elements each covers and owns. ``shares``: for each
+    name, the other names holding some of its elements. ``weights``: the same
+    parameters' weights (for ``ratio``), where asked for and every one is held."""
+
+    names: tuple[str, ...]
+    sums: PowerSums
+    owned: PowerSums
+    counts: tuple[int, ...]
+    owned_counts: tuple[int, ...]
+    shares: tuple[tuple[str, ...], ...]
+    weights: PowerSums | None = None
+
+    def total(self) -> PowerSums:
+        """Every element once, combined."""
+        return self.owned.total()
+
+
+def measure(selection: Selection, p: float, device: torch.device | None = None, *,
+            elements: Elements | None = None, owners: Sequence[int] | None = None,
+            progress=None, label: str = "measuring", release=None, session=None,
+            weights: bool = False, workers: int = 1) -> Measurement:
+    """Measure ``selection``: the one step from what to measure to its power sums.
+
+    ``elements``: the distinct storage elements of the selection's tensors,
+    where they are gradients held whole (``core.distinct_elements``); each
+    distinct element is then read once. Else every name reads its own
+    derivation (read piece by piece or derived from optimizer state: no two
+    names share an element, so each owns all of its own).
+    ``progress`` (``Steps``): ``begin(label, total)`` and ``advance(bytes)``;
+    ``release`` (a ``PageReleaser``): pages given back once measured.
+    ``session`` (under a launcher): each rank measures its share of the reads,
+    split by bytes, or as ``owners`` says (the rank of each read), and every
+    rank gets all of them back in the single-process order.
+    ``weights``: also the weights of the measured names (``Selection.weights``).
+    """
+    names = tuple(selection.names)
+    if elements is not None:
+        pieces, rows = elements.measured()
+        reads = [Derivation.stored(StoredTensor.whole("", t)) for t in pieces]
+    else:
+        reads, rows = list(selection.derivations), None
+    measured = _measured(reads, p, device, progress, label, release, session, owners,
+                         workers)
+    if rows is None:
+        sums = owned = measured
+        counts = owned_counts = tuple(t.numel() for t in selection.tensors)
+        shares: tuple[tuple[str, ...], ...] = tuple(() for _ in names)
+    else:
+        sums = measured.take(torch.tensor(rows, dtype=torch.int64))
+        owned = measured.take(torch.arange(len(elements)))
+        counts = tuple(elements.count(i) for i in range(len(elements)))
+        owned_counts = tuple(piece.numel() for piece in elements.owned)
+        shares = tuple(tuple(names[j] for j in others) for others in elements.shares)
+    weight_sums = None
+    held = selection.weights
+    if weights and held and all(w is not None for w in held):
+        # No progress of its own: the weights are read beside what was measured.
+        weight_sums = _measured([Derivation.stored(w) for w in held], p, device, None, label,
+                                release, session, None, workers)
+    return Measurement(names, sums, owned, counts, owned_counts, shares, weight_sums)
+
+
+def _measured(reads: list[Derivation], p: float, device, progress, label: str, release,
+              session, owners: Sequence[int] | None, workers: int) -> PowerSums:
+    """``power_sums`` of ``reads``, all here, or under a launcher this rank's share of
+    them (split by bytes, or as ``owners`` says), every rank getting all of them back in
+    the single-process order."""
+    sizes = [sum(t.nbytes for t in d.reads) for d in reads]
+
+    def done(batch) -> None:
+        if progress is not None:
+            progress.advance(sum(t.numel() * t.dtype.itemsize for t in batch))
+        if release is not None:
+            release.release(batch)
+
+    def run(only: list[int] | None) -> PowerSums:
+        chosen = reads if only is None else [reads[i] for i in only]
+        if progress is not None:
+            progress.begin(label, total=sum(sizes) if only is None
+                           else sum(sizes[i] for i in only))
+        return power_sums(chosen, p, device,
+                          done if progress is not None or release is not None else None,
+                          workers)
+
+    if session is None:
+        return run(None)
+    from gradclip_cli.distributed.combine import gather_power_sums
+    from gradclip_cli.distributed.pieces import assign, owned
+
+    if owners is None:
+        owners = assign(sizes, session.world_size)
+    mine = owned(owners, session.rank)
+    return gather_power_sums(session, run(mine), mine, len(sizes))
 
 
 def power_sums(derivations: Sequence[Derivation], p: float,

@@ -162,3 +162,29 @@ def _links_into(report: os.stat_result, folder: Path | str) -> bool:
             except OSError:
                 continue
     return False
+
+
+def what(text: str) -> str:
+    """``--what``: one of the quantities ``source/what.py`` measures, or ``auto``."""
+    return values.word("--what", text, values.WHATS)
+
+
+def fail_on(text: str) -> str:
+    """``--fail-on``: ``newest`` or ``any``."""
+    return values.word("--fail-on", text, values.FAIL_ON)
+
+
+def spike_rule(z: float | None, alpha: float | None, warmup: int | None
+               ) -> tuple[float, float, int]:
+    """The spike rule's ``--z``, ``--alpha`` and ``--warmup``, each its default where not
+    given (``core/spikes.py``), checked by the rules the command line checks them by
+    (``values.py``), for callers that skip it (the Python API)."""
+    from .core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z
+
+    z = DEFAULT_Z if z is None else z
+    alpha = DEFAULT_ALPHA if alpha is None else alpha
+    warmup = DEFAULT_WARMUP if warmup is None else warmup
+    values.threshold("--z", z, allow_zero=False)
+    values.fraction("--alpha", alpha)
+    values.whole("--warmup", warmup, least=1)
+    return z, alpha, warmup

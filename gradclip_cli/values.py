@@ -21,9 +21,8 @@ import click
 from click.shell_completion import CompletionItem
 
 from .errors import UsageError
-from .format import NAMES as format_names
+from .format import names as format_names
 
-FORMATS = format_names  # the format registry's (format/__init__.py)
 # What is measured (docs/reference/contract.md, "--what"); source/what.py holds the same tuple.
 WHATS = ("auto", "grads", "exp_avg", "grad_rms", "update", "weights")
 FAIL_ON = ("newest", "any")
@@ -100,6 +99,11 @@ def word(flag: str, text: object, words, why: str | None = None) -> str:
     return text
 
 
+def format_name(text: object) -> str:
+    """``--format``: a name in the format registry (format/__init__.py), read when checked."""
+    return word("--format", text, format_names())
+
+
 def group_by(text: str) -> str:
     """A ``--group-by`` rule, checked by the rule's own parser (report/grouping.py)."""
     from .report.grouping import parse_group_by
@@ -137,12 +141,13 @@ class ValueRejected(click.BadParameter):
 
 
 class Checked(click.ParamType):
-    """A value checked by ``rule(text)``; completed from ``words``, when given."""
+    """A value checked by ``rule(text)``; completed from ``words`` (or what the callable
+    ``words`` returns, read at completion: a registry's names), when given."""
 
     def __init__(self, name: str, rule, words=()):
         self.name = name
         self._rule = rule
-        self._words = tuple(words)
+        self._words = words if callable(words) else tuple(words)
 
     def convert(self, value, param, ctx):
         try:
@@ -151,7 +156,8 @@ class Checked(click.ParamType):
             raise ValueRejected(str(error), ctx=ctx, param=param) from None
 
     def shell_complete(self, ctx, param, incomplete):
-        return [CompletionItem(w) for w in self._words if w.startswith(incomplete)]
+        words = self._words() if callable(self._words) else self._words
+        return [CompletionItem(w) for w in words if w.startswith(incomplete)]
 
     def get_metavar(self, *args, **kwargs) -> str | None:
         return None  # every option names its own metavar
@@ -165,7 +171,7 @@ def number_type(flag: str, rule) -> Checked:
     return Checked(flag.lstrip("-"), lambda text: rule(flag, text))
 
 
-FORMAT = choice("--format", FORMATS)
+FORMAT = Checked("format", format_name, format_names)
 WHAT = choice("--what", WHATS)
 CLIP_WHAT = choice("--what", ("grads", "auto"),
                    "clip changes gradients only: --what grads, got {text!r}")
@@ -192,8 +198,8 @@ def between_0_and_1(flag: str) -> Checked:
 
 
 __all__ = [
-    "CLIP_WHAT", "DEVICE", "FAIL_ON", "FAIL_ON_TYPE", "FORMAT", "FORMATS", "GROUP_BY", "NORM_TYPE",
+    "CLIP_WHAT", "DEVICE", "FAIL_ON", "FAIL_ON_TYPE", "FORMAT", "GROUP_BY", "NORM_TYPE",
     "PLOT", "RATIO", "WHAT", "WHATS", "Checked", "ValueRejected", "between_0_and_1", "count",
-    "device_name", "fraction", "group_by", "norm_type", "number", "plot_file", "positive",
-    "ratio_limit", "threshold", "whole", "word",
+    "device_name", "format_name", "fraction", "group_by", "norm_type", "number", "plot_file",
+    "positive", "ratio_limit", "threshold", "whole", "word",
 ]  # fmt: skip

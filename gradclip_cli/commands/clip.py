@@ -23,8 +23,8 @@ from ..core import (
 )
 from ..distributed import launcher
 from ..errors import OutputError, UsageError
+from ..format import entry
 from ..format.text import visible
-from ..format.words import clip_summary
 from ..progress import progress_steps
 from ..report import ClipReport
 from ..report.groups import nonfinite_counts
@@ -32,16 +32,8 @@ from ..sink.atomic import links_kept
 from ..source.layouts import write_back
 from ..source.locate import at_key
 from ..source.what import select
-from .common import (
-    Loaded,
-    emit,
-    load,
-    measure,
-    output_format,
-    prepare,
-    speaks,
-    tensor_writers,
-)
+from .common import Loaded, load, measure, speaks, tensor_writers
+from .output import Output
 
 # Lowering steps tried before giving up (two suffice in practice; see
 # core.lowered_coefficient for why four always do).
@@ -54,19 +46,17 @@ def run(
     allow_nonfinite: bool, verify: bool, trust_pickle: bool, quiet: bool,
     output_file: Path | None, what: str = "grads", progress: bool = True,
 ) -> int:
-    # First: an error document (--format json) goes to --output-file too.
-    options.report_file(output_file, reads=[path], writes=[] if output is None else [output],
-                        writes_known=False)
+    report_out = Output.of(format, output_file, quiet=quiet, reads=[path],
+                           writes=[] if output is None else [output], writes_known=False)
     p = options.norm_type(norm_type)
     limit = options.threshold("--max-norm", max_norm, allow_zero=False)
     value = options.threshold("--clip-value", clip_value, allow_zero=False)
     if (limit is None) == (value is None):
         raise UsageError("clip needs exactly one of --max-norm X or --clip-value V")
     dev = options.device(device)
-    fmt = output_format(format)
     # A folder is a set, written as a folder (its target is known once it is opened).
     target = path if os.path.isdir(path) else options.clip_output(path, output, in_place)
-    options.report_file(output_file, reads=[path], writes=[target], writes_known=False)
+    report_out.check(reads=[path], writes=[target], writes_known=False)
 
     def load_for_writing(steps) -> tuple[Loaded, list[str]]:
         loaded = _for_writing(load(path, key, trust_pickle, verify, steps, what,
@@ -82,8 +72,7 @@ def run(
         if loaded.write_back is not None and loaded.write_back.folder is not None:
             # A set of files (HF sharded, DCP, DCP's HF layout) is written as a folder.
             target = str(_set_target(loaded.write_back.folder, output, in_place))
-        options.report_file(output_file, reads=[*loaded.contents.files, loaded.contents.path],
-                            writes=[target])
+        report_out.check(reads=[*loaded.contents.files, loaded.contents.path], writes=[target])
         if value is not None and any(t.is_complex() for t in loaded.held_tensors()):
             raise UsageError("--clip-value cannot clamp complex gradients (complex numbers "
                              "have no order); use --max-norm")
@@ -97,8 +86,8 @@ def run(
 
             files = shard_owners(loaded.write_back.files, loaded.write_back.folder,
                                  session.world_size)
-        _, owned = measure(loaded, p, dev, steps, "computing norms", session=session,
-                           files=files)
+        owned = measure(loaded, p, dev, steps, "computing norms", session=session,
+                        files=files).owned
         before = owned.total()
         total_before = float(before.norm[0])
         overflow = bool(before.overflow[0])
@@ -112,7 +101,7 @@ def run(
                 return 1
             message = f"{visible(str(path))}: {why}; refusing to clip, nothing written{then}"
             print(f"gradclip: {message}", file=sys.stderr)
-            if format in ("junit", "github", "markdown"):
+            if entry(report_out.format).carries_refusals:
                 report = ClipReport(
                     source=path, output=target, format=loaded.contents.kind, key=loaded.key,
                     norm_type=p, max_norm=limit, clip_value=value,
@@ -120,7 +109,7 @@ def run(
                     total_norm_after=total_before, clipped=False,
                     num_tensors=len(loaded.tensors), nonfinite=nonfinite, overflow=overflow,
                     refused=message)
-                emit(lambda out: fmt.render_clip(report, out), output_file)
+                report_out.emit(report, verdict=False)
             return 1
 
         if nonfinite.total and not allow_nonfinite:
@@ -153,7 +142,7 @@ def run(
 
         def check(loaded: Loaded) -> float:
             sums = measure(loaded, p, dev, steps, "checking", session=checking, files=files)
-            return float(sums[1].total().norm[0])
+            return float(sums.total().norm[0])
 
         if limit is not None:
             scale_elements_(mine(loaded), coef)
@@ -196,14 +185,7 @@ def run(
             other_links_unchanged=0 if loaded.write_back.folder is not None
             else links_kept(_resolved(target)),
         )
-        if quiet and format == "table":
-            from ..format import table
-
-            pending = prepare(lambda out: table.print_clip_summary(report, out), output_file,
-                              clip_summary(report))
-        else:
-            pending = prepare(lambda out: fmt.render_clip(report, out), output_file,
-                              clip_summary(report))
+        pending = report_out.prepare(report)
         steps.begin("writing")
         try:
             loaded.write_back.write(target, in_place=in_place,

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 from .. import options, values
 from ..distributed import launcher
-from ..format.words import compare_verdict
 from ..progress import progress_steps
-from ..report import OK, parse_group_by
+from ..report import parse_group_by
 from ..report.compare import build_compare_report
-from .common import emit, output_format, speaks
-from .trend import Measured, Measurement, OneKind, check_what, measure_checkpoint, one_optimizer
+from ..report.outcome import exit_code
+from ..report.trend import OneKind, one_optimizer
+from .common import speaks
+from .grouped import Measured, MeasureOptions, measure_checkpoint
+from .output import Output
 
 
 def run(
@@ -22,18 +23,16 @@ def run(
     norm_type: str, device: str, format: str, trust_pickle: bool, verify: bool, quiet: bool,
     output_file: Path | None, progress: bool = True,
 ) -> int:
-    # First: an error document (--format json) goes to --output-file too.
-    options.report_file(output_file, reads=[a, b])
-    check_what(what)
+    output = Output.of(format, output_file, quiet=quiet, reads=[a, b])
+    options.what(what)
     limit = values.ratio_limit("--fail-above", fail_above)
     p = options.norm_type(norm_type)
     dev = options.device(device)
-    fmt = output_format(format)
     rule = parse_group_by(group_by)
     session = launcher.join(dev, device, [a, b])
     if session is not None:
         dev = session.device
-    how = Measurement(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
+    how = MeasureOptions(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
     kinds = OneKind(what, "compare")
     with progress_steps(quiet or not progress or not speaks()) as steps:
         # One at a time: A's pages are released before B is read.
@@ -47,16 +46,8 @@ def run(
         nonfinite=_nonfinite(ra) or _nonfinite(rb), fail_above=limit,
     )  # fmt: skip
     report = replace(report, optimizer=one_optimizer({ra.optimizer, rb.optimizer}))
-    if quiet and format == "table":
-        # -q: the verdict alone on stdout; each finding a line on stderr.
-        from ..format import table
-
-        err = sys.stderr if speaks() else None
-        emit(lambda out: table.print_compare_verdict(report, out, err), output_file,
-             compare_verdict(report))
-    else:
-        emit(lambda out: fmt.render_compare(report, out), output_file, compare_verdict(report))
-    return 0 if report.status == OK else 1
+    output.emit(report)
+    return exit_code(report)
 
 
 def _nonfinite(m: Measured) -> bool:

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_GROUPS", "print_clip_summary", "print_compare_verdict", "print_findings",
            "print_trend_verdict", "print_verdict", "render_clip", "render_compare",
-           "render_inspect", "render_trend"]
+           "render_inspect", "render_trend", "render_verdict"]
 
 BAR_WIDTH = 20
 
@@ -481,3 +481,27 @@ def print_autopsy_verdict(report, out: TextIO) -> None:
     console = _console(out)
     console.print(Text(visible(report.verdict), style="bold red" if report.status == "explained"
                        else "bold green"), soft_wrap=True)
+
+
+def render_verdict(report, out: TextIO, err: TextIO | None) -> None:
+    """``-q``: the verdict line alone on ``out``; where the report has findings, each a
+    plain line on ``err`` (None: nowhere)."""
+    from ..report import ClipReport, InspectReport
+    from ..report.autopsy import AutopsyReport
+    from ..report.compare import CompareReport
+    from ..report.trend import TrendReport
+
+    if isinstance(report, InspectReport):
+        if err is not None:
+            print_findings(report, err)
+        print_verdict(report, out)
+    elif isinstance(report, ClipReport):
+        print_clip_summary(report, out)
+    elif isinstance(report, TrendReport):
+        print_trend_verdict(report, out, err)
+    elif isinstance(report, CompareReport):
+        print_compare_verdict(report, out, err)
+    elif isinstance(report, AutopsyReport):
+        print_autopsy_verdict(report, out)
+    else:
+        raise TypeError(f"no verdict line for a {type(report).__name__}")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core import PowerSums
+from ..escaping import visible
 from .grouping import GroupRule
 from .groups import group_sums, nonfinite_counts
 from .model import (
@@ -21,6 +21,9 @@ from .model import (
     NonFinite,
     TensorRow,
 )
+
+if TYPE_CHECKING:
+    from ..measuring import Measurement
 
 
 def _share(norm: float, total: float, p: float) -> float:
@@ -60,12 +63,10 @@ def verdict(
 
 
 def build_inspect_report(
+    measurement: Measurement,
     *,
-    names: Sequence[str],
     tensors: Sequence[torch.Tensor],
-    sums: PowerSums,
     ties: dict[str, list[str]],
-    shares: Sequence[Sequence[str]] | None = None,
     group_rule: GroupRule,
     source: str,
     format: str,
@@ -78,32 +79,25 @@ def build_inspect_report(
     what: str = "grads",
     step: int | None = None,
     description: Sequence[str] = (),
+    notes: Sequence[str] = (),
     measured: dict[str, Any] | None = None,
     roles: dict[str, int] | None = None,
-    weight_sums: PowerSums | None = None,
-    owned: PowerSums | None = None,
-    counts: Sequence[int] | None = None,
-    owned_counts: Sequence[int] | None = None,
     optimizer: str | None = None,
     chosen_by_auto: bool = False,
 ) -> InspectReport:
-    """``names``, ``tensors`` and the rest are aligned and hold no tie duplicates.
+    """The report of one ``Measurement`` (``measuring.py``); ``tensors`` (the stored
+    tensors' descriptions: shape, dtype) are aligned with its names.
 
-    ``sums`` and ``counts`` describe each tensor's own elements (its row);
-    ``owned`` and ``owned_counts`` the elements it holds first, which partition
-    every element once (groups and the total). Without them, the tensors
-    are taken to share no elements.
-
-    ``weight_sums``, aligned too, are the same parameters' weights: each
-    tensor and group then gets ``ratio = norm / weight norm``.
+    Rows are each tensor's own elements (``sums``, ``counts``); groups and the
+    total add the elements each holds first (``owned``, ``owned_counts``),
+    which partition every element once. Where the measurement holds the same
+    parameters' weights, each tensor and group gets ``ratio = norm / weight
+    norm``. ``notes``: the lines of ``description`` every format carries.
     """
+    names, sums, owned = measurement.names, measurement.sums, measurement.owned
+    counts, owned_counts = measurement.counts, measurement.owned_counts
+    shares, weight_sums = measurement.shares, measurement.weights
     p = sums.norm_type
-    if owned is None:
-        owned = sums
-    if counts is None:
-        counts = [t.numel() for t in tensors]
-    if owned_counts is None:
-        owned_counts = counts
     group_names = [group_rule(n) for n in names]
     grouped = group_sums(group_names, owned)  # checkpoint order of first appearance
     order, groups, total = grouped.names, grouped.groups, grouped.total
@@ -189,4 +183,30 @@ def build_inspect_report(
         total_norm_log10=float(total.log2_norm[0]) * math.log10(2.0) if overflow else None,
         optimizer=optimizer,
         chosen_by_auto=chosen_by_auto,
+        notes=list(notes),
     )
+
+
+def inspect_header(contents, selection, step, check=None) -> dict[str, Any]:
+    """The header of an inspect report, worded from what the layout and the selection
+    found (``source/``): ``description`` (the layout's lines, then the step's note, why
+    ids name the rows, the buffers set apart, what was measured, the ``--previous``
+    cross-check's lines), ``notes`` (those of them every format carries: the step's,
+    the ids'), and ``measured`` (its account in the JSON document)."""
+    notes = [*([step.note] if step.note else []),
+             *([selection.ids_note] if selection.ids_note else [])]
+    description = [*contents.description, *notes, *_buffers_apart(contents, selection.what),
+                   f"measured: {selection.measured}", *([] if check is None else check.lines)]
+    measured = {"what": selection.what, "explain": selection.explain,
+                "evidence": selection.evidence,
+                **({} if check is None else {"cross_check": check.disagreement.as_json()})}
+    return {"description": description, "notes": notes, "measured": measured}
+
+
+def _buffers_apart(contents, what: str) -> list[str]:
+    """The buffers set apart from the weights, named (a few), when weights are measured."""
+    buffers = list(contents.buffers or ())
+    if what != "weights" or not buffers:
+        return []
+    more = f" and {len(buffers) - 3} more" if len(buffers) > 3 else ""
+    return [f"buffers, not weights: {visible(', '.join(buffers[:3]))}{more}"]

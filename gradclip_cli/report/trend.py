@@ -13,12 +13,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..core.spikes import SpikeDetector
 from ..errors import UsageError
 from ..escaping import visible
 from .model import INSUFFICIENT_HISTORY, NONFINITE, OK, SPIKE, NonFinite
 from .norm_audit import NormAudit
+
+if TYPE_CHECKING:
+    from ..source.run_folder import RunFolder
 
 FAIL_ON_NEWEST, FAIL_ON_ANY = "newest", "any"
 
@@ -298,3 +303,135 @@ def _status(points: list[TrendPoint], fail_on: str) -> str:
     if not any(judged(p) for p in covered):
         return INSUFFICIENT_HISTORY
     return OK
+
+
+# -- what the trend and compare commands gather before the report is built ----------------
+
+# What a norm log (monitor JSON Lines, trainer_state.json) holds.
+LOGGED_WHAT = "grads"
+# How a log's groups were made: by the writer (GradMonitor's group_by), not by --group-by.
+LOGGED_GROUPS = "the log's writer"
+
+
+def one_optimizer(names: set[str | None]) -> str | None:
+    """The optimizer every measured checkpoint names (its quantity's words: "Adam
+    exp_avg"); None where they name several, or none."""
+    return next(iter(names)) if len(names) == 1 else None
+
+
+class OneKind:
+    """Checks that every point of a trend (or both sides of a compare) measures one ``what``.
+
+    ``requested``: ``--what``; "auto" lets the first point decide. A second
+    kind is a ``UsageError`` naming both sources: one series, one quantity.
+    ``command`` ("trend" or "compare") words the way out.
+    """
+
+    def __init__(self, requested: str, command: str = "trend"):
+        self.requested = requested
+        self.command = command
+        self.first: tuple[str, str] | None = None  # (source, what)
+        self.logs = False
+
+    @property
+    def what(self) -> str:
+        if self.first is not None:
+            return self.first[1]
+        return LOGGED_WHAT if self.requested == "auto" else self.requested
+
+    def check(self, source: str, what: str, *, logged: bool = False) -> None:
+        if logged and self.requested not in ("auto", what):
+            raise UsageError(
+                f"--what {self.requested}: {visible(source)} logs gradient norms ({what}) "
+                f"only, which cannot be measured as {self.requested}; trend one kind at a time")
+        self.logs |= logged
+        if self.first is None:
+            self.first = (source, what)
+            return
+        source0, what0 = self.first
+        if what == what0:
+            return
+        compare = self.command == "compare"
+        if logged or self.logs:
+            fix = "a log holds gradient norms only: trend the logs and the checkpoints apart"
+        elif "weights" in (what0, what):
+            # The one that measures weights by default holds nothing else to measure;
+            # the other holds optimizer state or gradients, and a model's weights too
+            # wherever its layout keeps them.
+            fix = ("give --what weights to measure both alike" if compare else
+                   "give --what weights to measure every checkpoint alike, or trend them apart")
+        else:
+            # Neither holds for sure what the other measures: no flag makes them one series.
+            fix = "no --what measures both alike" if compare else "trend them apart"
+        rule = ("compare needs one quantity on both sides" if compare
+                else "one trend judges one quantity")
+        from ..source.what import EXPLAIN
+
+        raise UsageError(f"{visible(source)} measures {what} ({EXPLAIN[what]}) but "
+                         f"{visible(source0)} measures {what0}; {rule}: {fix}")
+
+
+def one_norm_type(requested: float | None, logs: list[tuple[Path, list]]) -> float:
+    """The p every point uses: ``--norm-type``, else the one the logs state, else 2.
+
+    A log's norms cannot be re-measured, so a log in another p is exit 2.
+    """
+    stated = {(entry.norm_type, path) for path, entries in logs for entry in entries}
+    p = requested
+    for log_p, path in sorted(stated, key=lambda s: str(s[1])):
+        if p is None:
+            p = log_p
+        elif log_p != p:
+            given = "--norm-type" if requested is not None else "another input"
+            raise UsageError(f"{path}: logs norms with p={log_p:g}, but {given} uses "
+                             f"p={p:g}; trend compares one kind of norm")
+    return 2.0 if p is None else p
+
+
+def found_in_runs(runs: list[RunFolder]) -> dict:
+    """The report's account of the run folders read: every series, the judged one,
+    whether the Trainer clipped; a line of notes each."""
+    series, clipping, notes = [], [], []
+    for run in runs:
+        for i, s in enumerate(run.series):
+            series.append(SeriesFound(s.source, s.kind, s.points, s.per_group,
+                                      s is run.judged, run.why_not.get(i)))
+        note = run.clipping_note()
+        if note is not None:
+            c, m = run.clipping, run.monitor_clipping
+            monitor = None if m is None else MonitorClipped(str(m.source), m.logged, m.clipped,
+                                                            m.limits)
+            clipping.append(ClippingFound(
+                None if c is None else c.max_grad_norm,
+                None if c is None or c.source is None else str(c.source), note,
+                None if c is None else c.clipped, monitor))
+        notes += run.notes()
+    return {"series": series, "clipping": clipping, "notes": notes}
+
+
+def monitor_clipping_notes(logs: list[tuple[Path, list]], runs: list[RunFolder]) -> list[str]:
+    """A note for each GradMonitor log trended by itself that records its own clipping
+    (a run folder's note says it already, beside the Trainer's)."""
+    from ..source.run_folder import MonitorClipping
+
+    covered = {r.monitor_clipping.source for r in runs if r.monitor_clipping is not None}
+    notes = []
+    for path, entries in logs:
+        if path in covered or not any(getattr(e, "clip_coef", None) is not None
+                                      for e in entries):
+            continue
+        notes.append(MonitorClipping.of_log(path, entries).note())
+    return notes
+
+
+def logged_observations(path: Path, entries: list) -> list[Observation]:
+    """A norm log's entries as points (gradient norms, as logged)."""
+    return [
+        Observation(
+            source=str(path), step=entry.step, total_norm=entry.total_norm,
+            groups=dict(entry.groups),
+            nonfinite=None if entry.nonfinite is None else NonFinite(*entry.nonfinite),
+            what=LOGGED_WHAT, nonfinite_origin=entry.nonfinite_origin,
+        )  # fmt: skip
+        for entry in entries
+    ]

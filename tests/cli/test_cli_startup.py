@@ -194,11 +194,11 @@ def test_completion_imports_no_torch():
 
 def test_the_value_lists_are_the_commands_own():
     from gradclip_cli import values
-    from gradclip_cli.format import FORMATS
+    from gradclip_cli.format import FORMATS, names
     from gradclip_cli.source.what import WHATS
 
     assert values.WHATS == WHATS
-    assert values.FORMATS == tuple(FORMATS)
+    assert names() == tuple(FORMATS)
 
 
 COLLECTOR_AFTER_A_RUN = """

@@ -41,15 +41,14 @@ def main() -> None:
 
         timeout = float(os.environ.get("GRADCLIP_DIST_TIMEOUT", "600"))
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
-    # Held gradients are measured in commands/common.py, everything else in
-    # gradclip_cli/measuring.py; both call the core's tensor_power_sums.
+    # Every measurement goes through gradclip_cli/measuring.py, which calls the
+    # core's tensor_power_sums.
     from gradclip_cli import cli, measuring
-    from gradclip_cli.commands import common
     from gradclip_cli.errors import InputError
     from gradclip_cli.sink import sharded_set
 
-    modules = (common, measuring)
-    real = common.tensor_power_sums
+    modules = (measuring,)
+    real = measuring.tensor_power_sums
     real_write_shard, real_copy = sharded_set._write_shard, sharded_set._copy
 
     def full_disk(source, out, *args):

@@ -8,14 +8,17 @@ import torch
 
 from gradclip_cli.core import tensor_power_sums
 from gradclip_cli.format import shown, table
+from gradclip_cli.measuring import Measurement
 from gradclip_cli.report import build_inspect_report, parse_group_by
 from tests.cli.support import unwrapped
 
 
 def report_for(tensors: dict[str, torch.Tensor]):
     names, values = list(tensors), list(tensors.values())
+    sums, counts = tensor_power_sums(values, 2.0), tuple(t.numel() for t in values)
+    measured = Measurement(tuple(names), sums, sums, counts, counts, tuple(() for _ in names))
     return build_inspect_report(
-        names=names, tensors=values, sums=tensor_power_sums(values, 2.0), ties={},
+        measured, tensors=values, ties={},
         group_rule=parse_group_by("layer"), source="x.pt", format="torch-zip", key="grads",
         device="cpu", max_norm=None, allow_nonfinite=False, group_by="layer", skipped=[],
     )

@@ -1,0 +1,196 @@
+"""The autopsy's series: norm logs and measured checkpoints placed at their steps.
+
+A monitor log and its dumps number steps as the training loop called the
+monitor; a checkpoint records the optimizer steps taken, so it holds the
+state after the gradient of the step the log numbers ``N`` when the log
+counts from 1, ``N - 1`` when it counts from 0 (``_offset``). Inputs of two
+runs are refused: other parameters, other groups, or a dump whose norm is
+not its step's logged one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InputError, UsageError
+from ..escaping import visible
+from ..source.logs import monitor_log
+from .autopsy import CHECKPOINTS, DUMPS, LOG, InputUsed, QuantitySeries, flagged_steps, judge
+from .model import NonFinite
+from .trend import Observation, one_point_per_step
+
+# A dump and the log line of its step measure the same gradients (the monitor's
+# float64-accurate norms, written as JSON floats): beyond this they are two runs.
+SAME_GRADIENTS = 1e-4
+
+
+@dataclass
+class CheckpointPoint:
+    """One checkpoint read: every quantity it determines, grouped, and its parameters'
+    shapes."""
+
+    path: Path
+    step: int | None
+    gradients: bool  # holds saved gradients: a dump, numbered as the monitor numbers steps
+    measured: dict[str, tuple[float, dict[str, float]]]  # what -> (total, groups)
+    shapes: dict[str, tuple[int, ...]]  # parameter -> shape, for the same-run check
+
+
+# -- placing steps and making series --------------------------------------------------------
+
+
+def _offset(logs) -> tuple[int, str | None]:
+    """How many steps a checkpoint's count of optimizer steps is ahead of the log's numbers:
+    1 when a monitor log counts from 0, else 0; and the note that says so."""
+    for path, entries, kind in logs:
+        if kind is monitor_log.KIND and entries:
+            first = entries[0].step
+            if first == 0:
+                return 1, (f"steps: {visible(str(path))} counts from 0 (its first step), so a "
+                           "checkpoint of step N (the state after N optimizer steps) is placed "
+                           "at step N-1, the step whose gradient it took in last")
+            if first == 1:
+                return 0, (f"steps: {visible(str(path))} counts from 1 (its first step), so "
+                           "a checkpoint of step N (the state after N optimizer steps) is "
+                           "placed at step N")
+            return 0, (f"steps: {visible(str(path))} starts at step {first}, which says "
+                       "nothing of how it counts (a monitor attached mid-run?): checkpoints "
+                       "are placed at their own step numbers")
+    return 0, None
+
+
+def series_of(logs: list[tuple], points: list[CheckpointPoint]):
+    """The quantity series of norm logs (``(file, entries, LogKind)`` each) and measured
+    checkpoints (steps placed), the inputs used, notes, and the checkpoints by placed step
+    (for the outlier count)."""
+    offset, note = _offset(logs)
+    notes = [note] if note else []
+    inputs: list[InputUsed] = []
+    series: list[QuantitySeries] = []
+    for path, entries, kind in logs:
+        steps_ = [e.step for e in entries]
+        if any(s is None for s in steps_):
+            raise UsageError(f"{visible(str(path))}: an entry without a step; the autopsy "
+                             "places every point at its step")
+        shift = offset if kind is not monitor_log.KIND else 0
+        inputs.append(InputUsed(str(path), "grads", tuple(s - shift for s in steps_)))
+    # Every log of one kind is one series (two logs of one run's steps agree; of two runs,
+    # one_point_per_step refuses them, naming both).
+    for kind in {k for _, _, k in logs}:
+        observations = [Observation(str(p), e.step - (offset if k is not monitor_log.KIND
+                                                      else 0), e.total_norm, dict(e.groups),
+                                    None if e.nonfinite is None else _nonfinite(e.nonfinite))
+                        for p, entries, k in logs if k is kind for e in entries]
+        observations, copies = one_point_per_step(sorted(observations, key=lambda o: o.step))
+        notes += copies
+        files = sorted({p for p, _, k in logs if k is kind})
+        label = visible(str(files[0])) + (f" and {len(files) - 1} more" if len(files) > 1
+                                          else "")
+        series.append(QuantitySeries("grads", LOG, label, tuple(observations)))
+    placed: dict[int, list[CheckpointPoint]] = {}
+    by_quantity: dict[tuple[str, str], list[Observation]] = {}
+    first_shapes: tuple[Path, dict] | None = None
+    for point in points:
+        if point.step is None:
+            raise UsageError(f"{visible(str(point.path))}: no step (none recorded, no number "
+                             "in its name); the autopsy places every input at its step")
+        first_shapes = _same_parameters(point, first_shapes)
+        at = point.step if point.gradients else point.step - offset
+        placed.setdefault(at, []).append(point)
+        kind = DUMPS if point.gradients else CHECKPOINTS
+        for what, (total, groups) in point.measured.items():
+            by_quantity.setdefault((what, kind), []).append(
+                Observation(str(point.path), at, total, dict(groups), None, what))
+            inputs.append(InputUsed(str(point.path), what, (at,)))
+    for (what, kind), observations in by_quantity.items():
+        observations, copies = one_point_per_step(sorted(observations, key=lambda o: o.step))
+        notes += copies
+        sources = [o.source for o in observations]
+        label = visible(sources[0]) if len(sources) == 1 else \
+            f"{visible(sources[0])} .. {visible(sources[-1])} ({len(sources)} {kind})"
+        series.append(QuantitySeries(what, kind, label, tuple(observations)))
+    _same_gradients(series)
+    _same_groups(series)
+    return series, inputs, notes, placed
+
+
+def _nonfinite(counts) -> NonFinite:
+    return NonFinite(*counts)
+
+
+def _same_parameters(point: CheckpointPoint, first: tuple[Path, dict] | None):
+    """Every checkpoint holds the same parameters: a name both hold has one shape, and
+    they share some. Else exit 3 naming both files: no ranking over two models."""
+    if first is None:
+        return (point.path, point.shapes)
+    path0, shapes0 = first
+    shared = shapes0.keys() & point.shapes.keys()
+    if not shared:
+        raise InputError(f"{visible(str(point.path))}: none of its parameters is one of "
+                         f"{visible(str(path0))}'s: not one run's checkpoints")
+    for name in sorted(shared):
+        if shapes0[name] != point.shapes[name]:
+            raise InputError(
+                f"{visible(str(point.path))}: parameter {visible(name)} has shape "
+                f"{list(point.shapes[name])}, but {list(shapes0[name])} in "
+                f"{visible(str(path0))}: not one run's checkpoints")
+    return first
+
+
+def _same_gradients(series: list[QuantitySeries]) -> None:
+    """A dump and the log line of its step hold the same gradients (the monitor wrote
+    both); other norms there mean two runs: exit 2 naming the dump."""
+    logs = [s for s in series if s.kind == LOG and s.what == "grads" and s.per_group]
+    dumps = [s for s in series if s.kind == DUMPS]
+    for log in logs:
+        for dump in dumps:
+            for o in dump.observations:
+                logged = log.at(o.step)
+                if logged is None:
+                    continue
+                if not _close(o.total_norm, logged.total_norm):
+                    raise UsageError(
+                        f"{visible(o.source)}: its gradients' norm {o.total_norm:.6g} is not "
+                        f"the {logged.total_norm:.6g} that {visible(logged.source)} logs at "
+                        f"step {o.step}: not one run's; give one run's inputs")
+
+
+def _close(a: float, b: float) -> bool:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+    return abs(a - b) <= SAME_GRADIENTS * max(abs(a), abs(b))
+
+
+def _same_groups(series: list[QuantitySeries]) -> None:
+    """Per-group series of one run share their groups; none in common is two models."""
+    grouped = [s for s in series if s.per_group]
+    for s in grouped[1:]:
+        a = {g for o in grouped[0].observations for g in o.groups}
+        b = {g for o in s.observations for g in o.groups}
+        if not a & b:
+            raise UsageError(f"{s.label}: none of its groups is one of {grouped[0].label}'s "
+                             f"({', '.join(sorted(a)[:3])}, ...): not one run's inputs")
+
+
+# -- the step explained ------------------------------------------------------------------
+
+
+def explained_step(main: QuantitySeries, step: int | None, series, z, alpha, warmup
+                   ) -> int | None:
+    """The step given (``--step``, checked against the inputs), else the newest flagged
+    step of ``main``, the finest series."""
+    steps = main.steps
+    if step is None:
+        flagged = flagged_steps(judge(main, z, alpha, warmup))
+        return flagged[-1] if flagged else None
+    if step not in steps:
+        low = min(s for q in series for s in q.steps)
+        high = max(s for q in series for s in q.steps)
+        if not low <= step <= high:
+            raise UsageError(f"--step {step}: outside the inputs ({main.label} holds steps "
+                             f"{steps[0]}-{steps[-1]}; all inputs {low}-{high})")
+        raise UsageError(f"--step {step}: not a step of {main.label}, the finest series "
+                         f"(steps {steps[0]}-{steps[-1]}), whose steps are explained")
+    return step
