@@ -106,10 +106,12 @@ def build(
         dev = session.device
     rule = parse_group_by(GROUP_BY)
     how = MeasureOptions(key, 2.0, dev, rule, GROUP_BY, trust_pickle, verify, session)
+    exclusion = Exclusion(tuple(exclude))
     with progress_steps(not progress or not speaks()) as steps:
         logs, points = _read_inputs(paths, how, steps, output, trackers.Choice(tag, run_name),
-                                    Exclusion(tuple(exclude)))
+                                    exclusion)
         series, inputs, notes, placed = series_of(logs, points)
+        notes += exclusion.notes()  # what --exclude left out, as trend says it
         main = finest(series)
         explained = explained_step(main, step, series, z, alpha, warmup)
         outliers = {}

@@ -229,6 +229,16 @@ def test_inputs_list_every_file_with_its_placed_step(gradclip, torch_spiked):
     assert any("counts from 0" in note for note in doc["notes"])
 
 
+def test_exclude_leaves_an_input_out_and_says_so(gradclip, torch_spiked):
+    """As trend does: the input is gone from ``inputs`` and a note names it and the glob."""
+    _, doc = autopsy_json(gradclip, torch_spiked.folder, "--exclude", "step-5.pt")
+    sources = [i["source"].rsplit("/", 1)[-1] for i in doc["inputs"]]
+    assert "step-5.pt" not in sources and f"step-{SPIKE}.pt" in sources
+    assert any(note.startswith("left out: ") and note.endswith("/step-5.pt (--exclude step-5.pt)")
+               for note in doc["notes"])
+    assert doc["step"] == SPIKE
+
+
 def test_the_trainer_checkpoints_are_placed_at_their_own_numbers(gradclip, trainer_spiked):
     _, doc = autopsy_json(gradclip, trainer_spiked.folder)
     layer = by_name(doc)[trainer_spiked.layer]
