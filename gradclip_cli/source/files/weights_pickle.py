@@ -45,8 +45,8 @@ from typing import BinaryIO
 import torch
 
 __all__ = [
-    "Attempt", "DTypeMarker", "Opaque", "Outside", "StorageRef", "allowing",
-    "check_storage_id", "finish", "is_allowed", "known_storage", "pickle_protocol",
+    "Attempt", "DTypeMarker", "Opaque", "Outside", "StorageRef", "TensorSubclass", "allowing",
+    "check_storage_id", "finish", "held", "is_allowed", "known_storage", "pickle_protocol",
     "run_restricted", "unpickle",
 ]  # fmt: skip
 
@@ -140,6 +140,25 @@ class Opaque(_Inert):
         raise Outside("the checkpoint holds objects read only as inert data (such as an "
                       "argparse.Namespace); writing them back needs the objects themselves: "
                       "pass --trust-pickle only if you trust the file's source")
+
+
+class TensorSubclass(Opaque):
+    """Base of the stand-in an ``allowing`` list hands out for a tensor subclass's type
+    (torch's ``DTensor``), which ``torch._tensor._rebuild_from_type_v2(func, type, args,
+    state)`` names: ``rebuild`` gets the other three (``func`` as ``find_class`` handed it
+    out, nothing called yet) and returns what stands for the tensor, checking every value
+    (``held`` gives a tensor's value)."""
+
+    __slots__ = ()
+
+    def rebuild(self, func, args, state):
+        raise Outside("a tensor subclass the reader does not rebuild", unsafe=True)
+
+
+def held(value):
+    """What a value the unpickler built holds: a tensor, ``torch.Size`` or ``torch.device``
+    for their placeholders (which only ``finish`` swaps in), else ``value`` itself."""
+    return value.value if type(value) is _Slot else value
 
 
 # (module, name) -> stand-in: widened for the duration of ``allowing``.
@@ -343,6 +362,8 @@ def _rebuild_from_type(*args):
     if len(args) != 4:
         raise Outside("unexpected _rebuild_from_type_v2 arguments")
     func, new_type, func_args, state = args
+    if isinstance(new_type, TensorSubclass):
+        return new_type.rebuild(func, func_args, state)
     if func not in (_rebuild_v2, _rebuild_v3) or new_type is not _TENSOR_TYPE \
             or type(func_args) is not tuple:
         raise Outside("_rebuild_from_type_v2 of something other than a plain tensor",
