@@ -177,9 +177,12 @@ def allowing(stand_ins: Mapping[tuple[str, str], object]) -> Iterator[None]:
 
 
 def is_allowed(dotted: str | None) -> bool:
-    """True when ``module.name`` is on the list ``allowing`` has widened, now."""
+    """True when ``module.name`` is on the list ``allowing`` has widened, now, or
+    ``module`` alone holds a global on it (torch names the module alone for a DTensor:
+    "``torch.distributed.tensor`` must be imported to load DTensors")."""
     allowed = _ALLOWED.get()
-    return bool(allowed and dotted) and any(f"{m}.{n}" == dotted for m, n in allowed)
+    dotted = dotted.strip("`") if dotted else dotted
+    return bool(allowed and dotted) and any(dotted in (f"{m}.{n}", m) for m, n in allowed)
 
 
 class _Slot(_Inert):
