@@ -389,3 +389,11 @@ def verl_run(tmp_path_factory) -> Path:
         pytest.skip(f"{VERL_VARIABLE} does not name the python of a venv with verl 0.9.1 "
                     "(.ci/run builds one)")
     return run_generator(python, "verl_run.py", tmp_path_factory.mktemp("verl"), 2)
+
+
+@pytest.fixture(scope="session")
+def verl_tied_run(verl_run, tmp_path_factory) -> Path:
+    """As ``verl_run``, the tiny Llama's output layer tied to its embedding: one parameter
+    (one optimizer state) under two names in each rank's model file."""
+    python = os.environ[VERL_VARIABLE]
+    return run_generator(python, "verl_run.py", tmp_path_factory.mktemp("verl_tied"), 2, "tied")

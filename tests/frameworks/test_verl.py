@@ -132,6 +132,26 @@ def test_trust_pickle_reads_torchs_own_dtensors_alike(gradclip, verl_run):
         assert trusted.json()["tensors"] == plain["tensors"]
 
 
+def test_tied_embedding_is_one_parameter(gradclip, verl_tied_run):
+    """``lm_head.weight`` is ``model.embed_tokens.weight``: both weights listed, the
+    moments once, under the embedding's name, as verl's loader has them."""
+    ref = _reference(verl_tied_run, 2)
+    assert "lm_head.weight" in ref["weights"] and "lm_head.weight" not in ref["state"]
+    weights = _inspect(gradclip, _actor(verl_tied_run, 2), "weights")
+    rows = {t["name"]: t for t in weights["tensors"]}
+    assert set(rows) == set(ref["weights"])
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([ref["weights"][name]])) <= TOL, name
+    for what in QUANTITIES:
+        expected = adam_measured(*_optimizer(ref), what)
+        doc = _inspect(gradclip, _actor(verl_tied_run, 2), what)
+        rows = {t["name"]: t for t in doc["tensors"]}
+        assert set(rows) == set(expected), what
+        for name, row in rows.items():
+            assert rel_err(row["norm"], norm([expected[name]])) <= TOL, (what, name)
+        assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL, what
+
+
 # --------------------------------------------------------------------- hostile copies
 
 

@@ -2,12 +2,14 @@
 
 Run in the verl venv (verl 0.9.1 beside torch 2.13, see ``.ci/run``)::
 
-    torchrun --nproc-per-node 2 tests/frameworks/verl_run.py OUT
+    torchrun --nproc-per-node 2 tests/frameworks/verl_run.py OUT [tied]
 
 A tiny Llama (``transformers``' ``LlamaForCausalLM`` from a config: sizes that
 do not divide by 2, so the ranks' shards differ) is wrapped the way verl's
 ``apply_fsdp2`` wraps an actor (``fully_shard`` on each decoder layer, then on
-the model) and trains ``STEPS`` AdamW steps over gloo. After each step verl's
+the model) and trains ``STEPS`` AdamW steps over gloo; with ``tied``, its output
+layer is its embedding (``tie_word_embeddings``: one parameter, two names in the
+state dict). After each step verl's
 own ``FSDPCheckpointManager.save_checkpoint`` writes
 ``OUT/run/global_step_N/actor/``: ``model_world_size_2_rank_R.pt``,
 ``optim_world_size_2_rank_R.pt``, ``extra_state_world_size_2_rank_R.pt`` (each
@@ -33,7 +35,7 @@ STEPS = 2
 VOCAB, SEQUENCE = 37, 6
 
 
-def build(seed: int):
+def build(seed: int, tied: bool):
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -41,7 +43,7 @@ def build(seed: int):
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=12, intermediate_size=20, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     model = LlamaForCausalLM(config)
     for layer in model.model.layers:
@@ -79,10 +81,10 @@ def reference(model, optimizer) -> dict:
     }
 
 
-def main(out: Path) -> None:
+def main(out: Path, tied: bool) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model, optimizer, scheduler = build(0)
+    model, optimizer, scheduler = build(0, tied)
     saver = manager(model, optimizer, scheduler)
     generator = torch.Generator().manual_seed(1 + rank)
     folders = []
@@ -99,7 +101,7 @@ def main(out: Path) -> None:
 
     (out / "reference").mkdir(parents=True, exist_ok=True)
     for step, folder in folders:
-        model, optimizer, scheduler = build(100 + step)
+        model, optimizer, scheduler = build(100 + step, tied)
         manager(model, optimizer, scheduler).load_checkpoint(str(folder))
         loaded = reference(model, optimizer)
         if rank == 0:
@@ -109,4 +111,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:] == ["tied"])

@@ -116,3 +116,12 @@ def test_files_without_fsdp_config_take_the_world_size_from_their_names(
     (copy / "fsdp_config.json").unlink()
     doc = _inspect(gradclip, copy, "weights")
     assert doc["format"] == "verl-fsdp" and doc["step"] is None
+
+
+def test_a_rank_outside_the_world_is_refused(gradclip, verl_fsdp2_files, tmp_path):
+    copy = tmp_path / "actor"
+    shutil.copytree(_actor(verl_fsdp2_files), copy)
+    shutil.copy(copy / "model_world_size_2_rank_1.pt", copy / "model_world_size_2_rank_2.pt")
+    one_line_exit_3(
+        gradclip("inspect", copy), "model_world_size_2_rank_2.pt", "rank 2 of a world of 2"
+    )

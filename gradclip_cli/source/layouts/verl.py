@@ -118,7 +118,10 @@ def _world(path: Path) -> tuple[int, str]:
     for name in sorted(os.listdir(path)):
         found = _FILE.fullmatch(name)
         if found:
-            sizes.setdefault(int(found.group(2)), name)
+            size, rank = int(found.group(2)), int(found.group(3))
+            if rank >= size:
+                raise InputError(f"{path / name}: rank {rank} of a world of {size} ranks")
+            sizes.setdefault(size, name)
     config = path / _CONFIG
     stated, version = None, ""
     if os.path.isfile(config):
