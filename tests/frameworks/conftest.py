@@ -372,3 +372,28 @@ def litgpt_run(framework_python, tmp_path_factory) -> Path:
     ``out/pretrain/``, holding ``step-0000000{1,2}/lit_model.pth``."""
     out = tmp_path_factory.mktemp("litgpt")
     return run_generator(framework_python, "litgpt_run.py", out, 0) / "out" / "pretrain"
+
+
+VERL_VARIABLE = "GRADCLIP_VERL_PYTHON"
+
+
+@pytest.fixture(scope="session")
+def verl_run(tmp_path_factory) -> Path:
+    """verl's own ``FSDPCheckpointManager`` on 2 gloo ranks under FSDP2 (``verl_run.py``):
+    ``run/global_step_{1,2}/actor/`` and ``reference/global_step_{1,2}.pt`` (what the same
+    manager's ``load_checkpoint`` reads back). verl pins its own dependencies (ray,
+    transformers...), so it has a venv of its own, named by ``GRADCLIP_VERL_PYTHON``
+    (``.ci/run`` builds it); without it the tests are skipped, saying so."""
+    python = os.environ.get(VERL_VARIABLE)
+    if not python or not os.access(python, os.X_OK):
+        pytest.skip(f"{VERL_VARIABLE} does not name the python of a venv with verl 0.9.1 "
+                    "(.ci/run builds one)")
+    return run_generator(python, "verl_run.py", tmp_path_factory.mktemp("verl"), 2)
+
+
+@pytest.fixture(scope="session")
+def verl_tied_run(verl_run, tmp_path_factory) -> Path:
+    """As ``verl_run``, the tiny Llama's output layer tied to its embedding: one parameter
+    (one optimizer state) under two names in each rank's model file."""
+    python = os.environ[VERL_VARIABLE]
+    return run_generator(python, "verl_run.py", tmp_path_factory.mktemp("verl_tied"), 2, "tied")

@@ -312,3 +312,13 @@ def accelerate_auto_runs(tmp_path_factory) -> Path:
         if step % 2:
             accelerator.save_state()
     return project / "checkpoints"
+
+
+@pytest.fixture(scope="session")
+def verl_fsdp2_files(tmp_path_factory) -> Path:
+    """verl's FSDP file layout written by torch's FSDP2 on two spawned gloo ranks
+    (``verl_fsdp2_ranks.py``): ``global_step_2/actor/``, ``reference.pt``, ``partial/``
+    and ``mesh2d/``."""
+    from .verl_fsdp2_ranks import save_rank
+
+    return _spawn_two_ranks(save_rank, tmp_path_factory, "verl_fsdp2")

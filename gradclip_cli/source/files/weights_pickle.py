@@ -45,8 +45,8 @@ from typing import BinaryIO
 import torch
 
 __all__ = [
-    "Attempt", "DTypeMarker", "Opaque", "Outside", "StorageRef", "allowing",
-    "check_storage_id", "finish", "is_allowed", "known_storage", "pickle_protocol",
+    "Attempt", "DTypeMarker", "Opaque", "Outside", "StorageRef", "TensorSubclass", "allowing",
+    "check_storage_id", "finish", "held", "is_allowed", "known_storage", "pickle_protocol",
     "run_restricted", "unpickle",
 ]  # fmt: skip
 
@@ -142,6 +142,25 @@ class Opaque(_Inert):
                       "pass --trust-pickle only if you trust the file's source")
 
 
+class TensorSubclass(Opaque):
+    """Base of the stand-in an ``allowing`` list hands out for a tensor subclass's type
+    (torch's ``DTensor``), which ``torch._tensor._rebuild_from_type_v2(func, type, args,
+    state)`` names: ``rebuild`` gets the other three (``func`` as ``find_class`` handed it
+    out, nothing called yet) and returns what stands for the tensor, checking every value
+    (``held`` gives a tensor's value)."""
+
+    __slots__ = ()
+
+    def rebuild(self, func, args, state):
+        raise Outside("a tensor subclass the reader does not rebuild", unsafe=True)
+
+
+def held(value):
+    """What a value the unpickler built holds: a tensor, ``torch.Size`` or ``torch.device``
+    for their placeholders (which only ``finish`` swaps in), else ``value`` itself."""
+    return value.value if type(value) is _Slot else value
+
+
 # (module, name) -> stand-in: widened for the duration of ``allowing``.
 _ALLOWED: contextvars.ContextVar[Mapping[tuple[str, str], object] | None] = \
     contextvars.ContextVar("gradclip_allowed_globals", default=None)
@@ -158,9 +177,12 @@ def allowing(stand_ins: Mapping[tuple[str, str], object]) -> Iterator[None]:
 
 
 def is_allowed(dotted: str | None) -> bool:
-    """True when ``module.name`` is on the list ``allowing`` has widened, now."""
+    """True when ``module.name`` is on the list ``allowing`` has widened, now, or
+    ``module`` alone holds a global on it (torch names the module alone for a DTensor:
+    "``torch.distributed.tensor`` must be imported to load DTensors")."""
     allowed = _ALLOWED.get()
-    return bool(allowed and dotted) and any(f"{m}.{n}" == dotted for m, n in allowed)
+    dotted = dotted.strip("`") if dotted else dotted
+    return bool(allowed and dotted) and any(dotted in (f"{m}.{n}", m) for m, n in allowed)
 
 
 class _Slot(_Inert):
@@ -343,6 +365,8 @@ def _rebuild_from_type(*args):
     if len(args) != 4:
         raise Outside("unexpected _rebuild_from_type_v2 arguments")
     func, new_type, func_args, state = args
+    if isinstance(new_type, TensorSubclass):
+        return new_type.rebuild(func, func_args, state)
     if func not in (_rebuild_v2, _rebuild_v3) or new_type is not _TENSOR_TYPE \
             or type(func_args) is not tuple:
         raise Outside("_rebuild_from_type_v2 of something other than a plain tensor",

@@ -44,6 +44,7 @@ from . import (
     single_file,
     torchtitan,
     torchtune,
+    verl,
 )
 
 LAYOUTS: tuple[Layout, ...] = (
@@ -51,6 +52,7 @@ LAYOUTS: tuple[Layout, ...] = (
     megatron_legacy,  # iter_N/mp_rank_XX/model_optim_rng.pt
     deepspeed_universal,  # holds DeepSpeed's model state files: before deepspeed
     deepspeed,
+    verl,  # model_world_size_W_rank_R.pt files: a run folder's look, one checkpoint
     accelerate_fsdp,  # a Trainer checkpoint-N/ under FSDP: no weights file beside
     accelerate_state,  # model.safetensors beside optimizer.bin, none of the Trainer's files
     hf_trainer,
