@@ -26,11 +26,11 @@ OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "optimizer_state
 # script's ``step``, litgpt's ``step_count`` / ``iter_num``, Megatron's ``iteration``.
 STEP_KEYS = ("global_step", "step", "step_count", "iter_num", "iteration")
 # Folder and file names that number a checkpoint by its training step: the HF Trainer's
-# checkpoint-N, DeepSpeed's global_stepN, torchtitan's and litgpt's step-N, OLMo-core's
-# stepN, Megatron's iter_0000003, GradMonitor's dumps step-N.pt. Not accelerate's
-# checkpoint_N (it counts saves) nor torchtune's epoch_N (epochs): those number a
-# checkpoint, not a step (trend still orders by them, as by any name's last number).
-STEP_NAME = re.compile(r"(?:checkpoint-|global_step|step[-_]?|iter_)(\d+)")
+# checkpoint-N, DeepSpeed's global_stepN, verl's global_step_N, torchtitan's and litgpt's
+# step-N, OLMo-core's stepN, Megatron's iter_0000003, GradMonitor's dumps step-N.pt. Not
+# accelerate's checkpoint_N (it counts saves) nor torchtune's epoch_N (epochs): those
+# number a checkpoint, not a step (trend still orders by them, as by any name's last number).
+STEP_NAME = re.compile(r"(?:checkpoint-|global_step_?|step[-_]?|iter_)(\d+)")
 # ... and the names a run's folder numbers its checkpoints by: those, and accelerate's
 # checkpoint_N (it numbers saves).
 NUMBERED_NAME = re.compile(rf"{STEP_NAME.pattern}|checkpoint_(\d+)")
@@ -72,7 +72,8 @@ def step_in_name(name: str) -> int | None:
 
 def step_after(name: str, prefix: str) -> int | None:
     """N of a name that is exactly ``prefix`` then N, where ``prefix`` is one of
-    ``STEP_NAME``'s forms (``checkpoint-``, ``step``, ``step-``, ``iter_``), else None:
+    ``STEP_NAME``'s forms (``checkpoint-``, ``global_step_``, ``step``, ``step-``, ``iter_``),
+    else None:
     the one framework's folder name (``step-3`` is not OLMo-core's ``step3``)."""
     found = STEP_NAME.fullmatch(name)
     return int(found.group(1)) if found and name[:found.start(1)] == prefix else None

@@ -19,8 +19,9 @@ pickle hands it and keeps plain values only; the tensor itself becomes a
 ``DTensorShard``: the local tensor, the full tensor's shape and dtype, the
 placements, the mesh's sizes and this rank's coordinate on it, from which
 ``box()`` places the shard in the full tensor (torch's ``Shard`` splits a
-dimension as ``torch.chunk`` does). A ``Partial`` or ``_StridedShard``
-placement, and any other global, is refused as before.
+dimension as ``torch.chunk`` does). A ``Partial`` placement is kept by name
+for the layout to refuse; ``_StridedShard`` and any other global is refused
+as before.
 """
 
 from __future__ import annotations
@@ -171,6 +172,19 @@ class Replicate(_Built):
             raise _refused(self.NAME, "Replicate with state")
 
 
+class Partial(_Built):
+    """``Partial(reduce_op)``: each rank of a mesh dimension holds a term of the tensor, a
+    sum (or other reduction) not yet taken. Kept so the layout can say so by name."""
+
+    __slots__ = ("reduce_op",)
+    NAME = f"{_PLACEMENTS}.Partial"
+
+    def take(self, state):
+        if set(state) != {"reduce_op"} or type(state["reduce_op"]) is not str:
+            raise _refused(self.NAME, "Partial state is not its reduce_op")
+        self.reduce_op = state["reduce_op"]
+
+
 class TensorMeta(Opaque):
     """``TensorMeta(shape, stride, dtype)``: the full tensor's."""
 
@@ -216,18 +230,29 @@ class DTensorSpec(_Built):
             or not hasattr(mesh, "sizes")
             or type(placements) is not tuple
             or len(placements) != len(mesh.sizes)
-            or any(type(p) not in (Shard, Replicate) or not _done(p) for p in placements)
+            or any(type(p) not in (Shard, Replicate, Partial) or not _done(p) for p in placements)
             or type(meta) is not TensorMeta
             or any(not _inert(v) for k, v in state.items()
                    if k not in ("mesh", "placements", "tensor_meta"))
         ):
-            raise _refused(self.NAME, "DTensorSpec state is not a mesh, Shard or Replicate "
-                                      "placements and a tensor meta")
+            raise _refused(self.NAME, "DTensorSpec state is not a mesh, Shard, Replicate or "
+                                      "Partial placements and a tensor meta")
         self.mesh, self.placements, self.meta = mesh, placements, meta
 
 
 def _done(placement) -> bool:
-    return type(placement) is Replicate or hasattr(placement, "dim")
+    return type(placement) is Replicate or hasattr(placement, "dim") \
+        or hasattr(placement, "reduce_op")
+
+
+def placement(p) -> tuple:
+    """A placement as plain data: ``("shard", dim)``, ``("replicate",)``, or ``("other",
+    class name)`` (``Partial``, ``_StridedShard``: the layout refuses those by name)."""
+    if type(p).__name__ == "Shard":
+        return ("shard", p.dim)
+    if type(p).__name__ == "Replicate":
+        return ("replicate",)
+    return ("other", type(p).__name__)
 
 
 _PLAIN = (str, int, float, bool, type(None))
@@ -342,9 +367,7 @@ class _DTensorType(TensorSubclass):
             raise Outside("a DTensor sharded along a dimension it does not have")
         shard = DTensorShard.__new__(DTensorShard)
         shard.local, shard.shape, shard.dtype = local, torch.Size(size), dtype.dtype
-        shard.placements = tuple(
-            ("shard", p.dim) if type(p) is Shard else ("replicate",) for p in spec.placements
-        )
+        shard.placements = tuple(placement(p) for p in spec.placements)
         shard.sizes, shard.coordinate = mesh.sizes, mesh.coordinate
         return shard
 
@@ -361,6 +384,7 @@ GLOBALS: dict[tuple[str, str], object] = {
     ("torch.distributed._mesh_layout", "_FlatLayout"): FlatLayout,
     (_PLACEMENTS, "Shard"): Shard,
     (_PLACEMENTS, "Replicate"): Replicate,
+    (_PLACEMENTS, "Partial"): Partial,
 }
 
-__all__ = ["GLOBALS", "DTensorShard"]
+__all__ = ["GLOBALS", "DTensorShard", "placement"]

@@ -40,10 +40,11 @@ import torch
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, roles
-from gradclip_cli.source.files.dtensor_pickle import GLOBALS, DTensorShard
+from gradclip_cli.source.files.dtensor_pickle import GLOBALS, DTensorShard, placement
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Checkpoint, Contents, Piece, StoredTensor
 from gradclip_cli.source.untrusted import is_count
+from gradclip_cli.source.vocabulary import step_after
 
 from .dcp_folder import check_tiling
 from .dcp_frameworks import refuse_key
@@ -53,7 +54,6 @@ from .torch_optim import optimizer_state
 KIND = "verl-fsdp"
 _FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt")
 _CONFIG = "fsdp_config.json"
-_STEP = re.compile(r"global_step_(\d+)")  # verl's trainer's folder: global_step_{N}/actor/
 
 
 def recognises(path: Path) -> bool:
@@ -95,8 +95,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             "state of each rank's shards"
         )
     contents.files = list(reader.files)
-    step = _STEP.fullmatch(path.resolve().parent.name)
-    contents.step = int(step.group(1)) if step else None
+    contents.step = step_after(path.resolve().parent.name, "global_step_")
     contents.gradient_error = (
         f"{path}: a verl FSDP checkpoint saves no gradients (model and optimizer shards, "
         "extra state)"
@@ -177,8 +176,10 @@ class _Reader:
         self.trusted |= ckpt.trusted_pickle
         if not isinstance(ckpt.root, Mapping):
             raise InputError(f"{file}: not a verl FSDP {kind} shard file: not a dict")
-        if ckpt.trusted_pickle:
-            ckpt.root = _untrusted_form(ckpt.root)
+        # Real DTensors come from a trusted load, and from torch's own weights-only
+        # reader too once torch.distributed.tensor is imported (it allows their
+        # classes then): one form for both.
+        ckpt.root = _untrusted_form(ckpt.root)
         _check_rank(ckpt, rank, self.world)
         return ckpt
 
@@ -200,7 +201,7 @@ def _untrusted_form(root: Any) -> Any:
     """A trusted load's real ``DTensor``s as the ``DTensorShard`` the restricted reader
     gives, so that both are read by one path."""
     try:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without torch.distributed: it holds none
         return root
 
@@ -211,10 +212,7 @@ def _untrusted_form(root: Any) -> Any:
             return value
         out = DTensorShard.__new__(DTensorShard)
         out.local, out.shape, out.dtype = value.to_local(), value.shape, value.dtype
-        out.placements = tuple(
-            ("shard", p.dim) if type(p) is Shard else ("replicate",) if type(p) is Replicate
-            else ("other",) for p in value.placements
-        )
+        out.placements = tuple(placement(p) for p in value.placements)
         mesh = value.device_mesh
         out.sizes, out.coordinate = tuple(mesh.shape), mesh.get_coordinate()
         return out
@@ -227,8 +225,12 @@ def _check_rank(ckpt: Checkpoint, rank: int, world: int) -> None:
     file's rank (a copy of another rank's file under this name is refused)."""
     for name, value in _shards(ckpt.root):
         shown = visible(repr(name))
-        if any(p[0] not in ("shard", "replicate") for p in value.placements):
-            raise InputError(f"{ckpt.path}: {shown} is placed neither Shard nor Replicate")
+        other = next((p[1] for p in value.placements if p[0] == "other"), None)
+        if other is not None:
+            raise InputError(
+                f"{ckpt.path}: {shown} is placed {visible(other)}, not as FSDP shards "
+                "(Shard or Replicate), which is all gradclip reads of a DTensor"
+            )
         if value.coordinate is None:
             raise InputError(f"{ckpt.path}: {shown} is a DTensor this rank holds no part of")
         if len(value.sizes) != 1 or value.sizes[0] != world:
