@@ -346,6 +346,13 @@ class Layout(Protocol):
       on demand, never all copied into memory at once; replicated pieces
       are kept once;
     * ``description`` says what was read and what is not covered.
+
+    ``write_back(contents) -> WriteBack``, for a layout that ``clip`` can
+    write (a set of files; a single file needs none): which files are
+    written and how, as data (``WriteBackPlan``), and the gradients clip
+    scales in place where the layout holds them anew. It reads what it must
+    (a chunk's bytes, where a blob keeps them), changes nothing of
+    ``contents`` and writes nothing: the sink executes the plan.
     """
 
     KIND: str
@@ -354,9 +361,6 @@ class Layout(Protocol):
 
     def open(self, path: Path, *, key: str | None, trust_pickle: bool,
              verify: bool) -> Contents: ...
-
-    # A layout that ``clip`` can write also has
-    # ``write_back(contents) -> WriteBack`` (see there).
 
 
 # --------------------------------------------------------------------------- write-back
