@@ -208,10 +208,9 @@ def run(
                               clip_summary(report))
         steps.begin("writing")
         try:
-            contents = loaded.contents
-            execute(loaded.write_back, target, [c for c in (contents.checkpoint, *contents.shards)
-                                                if c is not None],
-                    {n: t.held for n, t in (contents.gradients or {}).items()},
+            c = loaded.contents  # what was loaded and the held gradients, clipped in place
+            execute(loaded.write_back, target, filter(None, (c.checkpoint, *c.shards)),
+                    {n: t.held for n, t in (c.gradients or {}).items()},
                     in_place=in_place, ranks=session if by_shard else None, owners=files)
         except BaseException:
             if pending is not None:
