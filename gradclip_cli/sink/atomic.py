@@ -78,7 +78,7 @@ class Staged:
             self.discard()
             if not isinstance(error, (Exception, KeyboardInterrupt)):
                 raise
-            raise output_error(self.target, error) from error
+            raise _output_error(self.target, error) from error
         _fsync_folder(self.target.parent)
 
     def discard(self) -> None:
@@ -101,7 +101,7 @@ def stage(
             prefix=f".{_temp_stem(target.name, folder)}.", suffix=".tmp", dir=folder
         )
     except OSError as error:
-        raise output_error(target, error) from None
+        raise _output_error(target, error) from None
     temp = Path(temp_name)
     try:
         with os.fdopen(descriptor, "wb") as file:
@@ -114,7 +114,7 @@ def stage(
             temp.unlink()
         if not isinstance(error, (Exception, KeyboardInterrupt)):
             raise  # SystemExit and friends: cleaned up, but not ours to reword
-        raise output_error(target, error) from error
+        raise _output_error(target, error) from error
     return Staged(temp, target)
 
 
@@ -146,7 +146,7 @@ def check_target(target: Path | str) -> os.stat_result | None:
     except FileNotFoundError:
         return None
     except OSError as error:
-        raise output_error(Path(target), error) from None
+        raise _output_error(Path(target), error) from None
     kind = special_kind(info.st_mode)
     if kind is not None:
         raise OutputError(
@@ -196,9 +196,7 @@ def _fsync_folder(folder: Path) -> None:
             os.close(descriptor)
 
 
-def output_error(target: Path, error: BaseException) -> OutputError:
-    """``error`` (an ``OSError``, an interrupt, anything raised while writing) as the
-    one line a user sees: ``TARGET: cannot write: WHY; nothing was changed``."""
+def _output_error(target: Path, error: BaseException) -> OutputError:
     if isinstance(error, KeyboardInterrupt):
         why = "interrupted"
     elif isinstance(error, GradclipError):

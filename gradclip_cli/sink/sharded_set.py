@@ -43,7 +43,7 @@ from pathlib import Path
 from gradclip_cli.errors import OutputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.sink import WRITERS
-from gradclip_cli.sink.atomic import _fsync_folder, output_error
+from gradclip_cli.sink.atomic import _fsync_folder, _output_error
 from gradclip_cli.source.files.special import special_kind
 from gradclip_cli.source.interface import Checkpoint
 
@@ -67,7 +67,7 @@ def write_set(folder: Path, shards: Mapping[str, Checkpoint], target: Path, *,
         discard_set(temp)
         if not isinstance(error, (Exception, KeyboardInterrupt)):
             raise
-        raise output_error(Path(target), error) from error
+        raise _output_error(Path(target), error) from error
     switch_set(temp, target, in_place=in_place)
 
 
@@ -99,7 +99,7 @@ def write_set_by_ranks(ranks, folder: Path, shards: Mapping[str, Checkpoint], ta
     except OutputError as error:
         failure = str(error)
     except OSError as error:
-        failure = str(output_error(Path(target), error))
+        failure = str(_output_error(Path(target), error))
     try:
         outcomes = ranks.exchange(failure)
     except BaseException:
@@ -131,7 +131,7 @@ def begin_set(source: Path, target: Path, *, in_place: bool) -> Path:
                                      dir=parent))
         os.chmod(temp, stat.S_IMODE(os.stat(source).st_mode))
     except OSError as error:
-        raise output_error(target, error) from None
+        raise _output_error(target, error) from None
     return temp
 
 
@@ -205,7 +205,7 @@ def switch_set(temp: Path, target: Path, *, in_place: bool) -> None:
         discard_set(temp)
         if not isinstance(error, (Exception, KeyboardInterrupt)):
             raise
-        raise output_error(target, error) from error
+        raise _output_error(target, error) from error
     _fsync_folder(target.parent)
 
 
