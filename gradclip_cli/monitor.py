@@ -268,7 +268,7 @@ class GradMonitor:
         self.max_dumps = max_dumps
         self.dumps: list[Path] = []  # written by this monitor, oldest first
         self._group_of: dict[str, str] = {}
-        self._parameters = _Parameters()
+        self._parameters = ParameterListing()
         self._plan_key: tuple | None = None
         self._plan: _Plan | None = None
         self._calls = 0
@@ -736,7 +736,7 @@ def _one_type(grads: list[torch.Tensor], types: set[torch.dtype]) -> bool:
             and len(set(map(_DEVICE, grads))) == 1)
 
 
-class _Parameters:
+class ParameterListing:
     """``model.named_parameters()``, listed again only when the model has changed.
 
     Listing walks every module (1.2 ms for 1,000 of them, more than torch's

@@ -7,7 +7,14 @@ order modules happen to load in is one edit away from breaking):
 - the import graph of ``gradclip_cli`` has no cycle;
 - ``source/`` imports nothing from ``format/``, ``report/``, ``commands/`` or
   ``cli`` (data flows one way: source -> core -> report -> format);
-- ``core/`` imports nothing of gradclip's outside ``core/``.
+- ``core/`` imports nothing of gradclip's outside ``core/``;
+- ``source/`` imports nothing from ``sink/``: a layout says how a checkpoint
+  is written back as plain data (``WriteBackPlan``), and the sink writes it;
+- ``sink/`` imports nothing from ``distributed/``: the command says which rank
+  writes which file, and passes that to the sink;
+- no module imports a private (underscore) name from another folder (a
+  module whose package differs): what folders share is public, and a
+  private name stays free to change within its own folder.
 """
 
 from __future__ import annotations
@@ -42,12 +49,16 @@ def _owner(name: str) -> str:
     return name
 
 
-def _imports(name: str) -> set[str]:
+def _imported(name: str) -> list[tuple[str, str]]:
+    """Every ``(module, name)`` that module ``name`` imports from gradclip: the module
+    itself for ``import x`` and ``from package import module``, else its owner and the
+    name taken from it."""
     path, package = MODULES[name]
-    found = set()
+    found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
-            found |= {_owner(a.name) for a in node.names if a.name.startswith("gradclip_cli")}
+            found += [(_owner(a.name), "") for a in node.names
+                      if a.name.startswith("gradclip_cli")]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - node.level + 1]
@@ -58,16 +69,37 @@ def _imports(name: str) -> set[str]:
                 continue
             for alias in node.names:  # `from pkg import module` imports the module
                 full = f"{target}.{alias.name}"
-                found.add(full if full in MODULES else _owner(target))
-    found.discard(name)
+                found.append((full, "") if full in MODULES else (_owner(target), alias.name))
     return found
 
 
+def _imports(name: str) -> set[str]:
+    return {module for module, _ in _imported(name)} - {name}
+
+
 GRAPH = {name: _imports(name) for name in MODULES}
+# (importer, module, name) for every private name imported (``_x``; ``__x__`` is not private)
+PRIVATE = sorted(
+    (name, module, taken)
+    for name in MODULES
+    for module, taken in _imported(name)
+    if taken.startswith("_") and not taken.endswith("__")
+)
 
 
 def _layer(name: str) -> str:
     return name.split(".")[1] if "." in name else ""
+
+
+def _folder(name: str) -> str:
+    """The package a module lives in (a package's ``__init__``: the package itself)."""
+    return ".".join(MODULES[name][1])
+
+
+def _crossing(upper: str, lower: str) -> list[tuple[str, str]]:
+    """Every import from a module of layer ``upper`` into one of layer ``lower``."""
+    return sorted((name, dep) for name, deps in GRAPH.items() if _layer(name) == upper
+                  for dep in deps if _layer(dep) == lower)
 
 
 def _a_cycle() -> list[str] | None:
@@ -143,3 +175,35 @@ def test_the_core_imports_nothing_else_of_gradclips():
         if _layer(dep) != "core"
     )
     assert found == []
+
+
+def test_sources_import_nothing_of_the_sink():
+    assert _crossing("source", "sink") == []
+
+
+def test_the_sink_imports_nothing_of_distributed():
+    assert _crossing("sink", "distributed") == []
+
+
+def test_the_crossings_are_seen_where_they_are():
+    # the directions allowed: the command and distributed/ use the sink, the sink sources
+    assert ("gradclip_cli.distributed.sets", "gradclip_cli.sink.sharded_set") in \
+        _crossing("distributed", "sink")
+    assert ("gradclip_cli.sink.write_back", "gradclip_cli.source.interface") in \
+        _crossing("sink", "source")
+
+
+def test_no_private_name_is_imported_across_folders():
+    found = [(name, module, taken) for name, module, taken in PRIVATE
+             if _folder(name) != _folder(module)]
+    assert found == []
+
+
+def test_private_names_are_seen_within_a_folder():
+    # allowed: one module of sink/ uses another's private helper
+    assert ("gradclip_cli.sink.sharded_set", "gradclip_cli.sink.atomic", "_fsync_folder") \
+        in PRIVATE
+    assert _folder("gradclip_cli.sink.sharded_set") == _folder("gradclip_cli.sink.atomic")
+    assert _folder("gradclip_cli.sink") == "gradclip_cli.sink"
+    # a dunder is not private: ``cli`` takes the package's ``__version__``
+    assert not [p for p in PRIVATE if p[2] == "__version__"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -29,6 +30,7 @@ from ..progress import progress_steps
 from ..report import ClipReport
 from ..report.groups import nonfinite_counts
 from ..sink.atomic import links_kept
+from ..sink.write_back import execute
 from ..source.layouts import write_back
 from ..source.locate import at_key
 from ..source.what import select
@@ -78,14 +80,14 @@ def run(
                              "have no order); use --max-norm")
         # Under a launcher the ranks share the reading for this first norm; for a
         # set, by shards: each rank goes on to clip and write the shards it read.
-        by_shard = session is not None and loaded.write_back is not None \
-            and bool(loaded.write_back.files)
+        plan = loaded.write_back
+        by_shard = session is not None and plan is not None and plan.folder is not None \
+            and bool(plan.files)
         files = None
         if by_shard:
             from ..distributed.sets import shard_owners
 
-            files = shard_owners(loaded.write_back.files, loaded.write_back.folder,
-                                 session.world_size)
+            files = shard_owners([f.path for f in plan.files], plan.folder, session.world_size)
         owned = measure(loaded, p, dev, steps, "computing norms", session=session,
                         files=files).owned
         before = owned.total()
@@ -188,8 +190,10 @@ def run(
         pending = report_out.prepare(report)
         steps.begin("writing")
         try:
-            loaded.write_back.write(target, in_place=in_place,
-                                    session=session if by_shard else None, owners=files)
+            c = loaded.contents  # what was loaded and the held gradients, clipped in place
+            execute(loaded.write_back, target, filter(None, (c.checkpoint, *c.shards)),
+                    {n: t.held for n, t in (c.gradients or {}).items()},
+                    in_place=in_place, ranks=session if by_shard else None, owners=files)
         except BaseException:
             if pending is not None:
                 pending.discard()
@@ -205,19 +209,19 @@ def _resolved(target: str) -> str:
 
 
 def _for_writing(loaded: Loaded) -> Loaded:
-    """``loaded`` with how its layout writes it back (``layouts.write_back``).
+    """``loaded`` with its layout's write-back plan (``layouts.write_back``).
 
-    A layout may hold its gradients anew for clip, each a gradient of its own
-    that clip scales in place and the sink writes back where it was (a DCP
-    set's chunk by chunk, its Hugging Face layout's piece by piece): then
-    they are chosen again. Other checkpoints keep what ``load`` chose."""
-    chosen = loaded.contents.gradients
+    Where the layout holds its gradients anew for clip, each a gradient of its
+    own that clip scales in place and the sink writes back where it was (a DCP
+    set's chunk by chunk, its Hugging Face layout's piece by piece), those are
+    chosen; other checkpoints keep what ``load`` chose."""
     back = write_back(loaded.contents)
-    if loaded.contents.gradients is not chosen:
-        selection = select(loaded.contents, "grads", gradients_only=True)
-        loaded = Loaded(loaded.contents, selection,
+    if back is not None and back.gradients is not None:
+        contents = dataclasses.replace(loaded.contents, gradients=back.gradients)
+        selection = select(contents, "grads", gradients_only=True)
+        loaded = Loaded(contents, selection,
                         distinct_elements([t.held for t in selection.tensors]))
-    loaded.write_back = back
+    loaded.write_back = None if back is None else back.plan
     return loaded
 
 

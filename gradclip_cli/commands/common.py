@@ -18,7 +18,7 @@ from ..measuring import Measurement
 from ..progress import Steps
 from ..source import Checkpoint
 from ..source.files.pages import PageReleaser
-from ..source.interface import Contents, WriteBack
+from ..source.interface import Contents, WriteBackPlan
 from ..source.layouts import open_checkpoint
 from ..source.what import Selection, select
 
@@ -40,7 +40,7 @@ class Loaded:
     contents: Contents
     selection: Selection
     elements: Elements | None = None
-    write_back: WriteBack | None = None  # clip: how the layout writes it back
+    write_back: WriteBackPlan | None = None  # clip: how the layout writes it back
 
     @property
     def checkpoint(self) -> Checkpoint | None:
@@ -148,7 +148,7 @@ def tensor_owners(loaded: Loaded, files: dict[str, int]) -> list[int]:
 
 def tensor_writers(loaded: Loaded, files: dict[str, int]) -> list[set[int]]:
     """The ranks that write each tensor of ``loaded`` (``files``): its own file's, and
-    for a piece that other files hold too (``WriteBack.copies``), theirs."""
+    for a piece that other files hold too (``WriteBackPlan.copies``), theirs."""
     writers = []
     back = loaded.write_back
     for t, rank in zip(loaded.tensors, tensor_owners(loaded, files)):

@@ -57,7 +57,7 @@ except ImportError as e:  # pragma: no cover - exercised only without Lightning
 
 import torch
 
-from ..monitor import GradMonitor, _Parameters
+from ..monitor import GradMonitor, ParameterListing
 from ..tracker_scalars import scalars
 
 __all__ = ["GradMonitorCallback"]
@@ -155,7 +155,7 @@ class _SteppedParameters(torch.nn.Module):
     def __init__(self, module: torch.nn.Module):
         super().__init__()
         self._module = [module]  # in a list: not registered as a submodule
-        self._listing = _Parameters()  # the module's own listing, read again only when it changes
+        self._listing = ParameterListing()  # read again only when the module changes
         self.optimizer: Any = None
 
     @property

@@ -1,8 +1,9 @@
 """Where the clipped checkpoint goes: one writer per input format, behind an atomic replace.
 
 Adding a format is one new module and one line in ``WRITERS``. Which files
-a checkpoint is written back as is its layout's to say (``write_back``,
-returning one of ``write_back.py``'s: one file, or a set as a folder).
+a checkpoint is written back as is its layout's to say, as plain data (a
+``WriteBackPlan``: one file, or a set as a folder); ``write_back.execute``
+writes it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Writing a sharded checkpoint (an index and its shards, or DCP's Hugging Face layout's
-safetensors files) back as a set.
+"""Writing a set of files back as a folder (an index and its shards, DCP's Hugging Face
+layout's safetensors files, a DCP folder), by one process or by every rank at once.
 
 A reader must never see a mix of old and new shards, and there is no way to
 replace several files at once. So the whole folder is written anew, beside
@@ -37,31 +37,32 @@ import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from gradclip_cli.errors import OutputError
 from gradclip_cli.escaping import visible
+from gradclip_cli.sink import WRITERS
 from gradclip_cli.sink.atomic import _fsync_folder, _output_error
 from gradclip_cli.source.files.special import special_kind
-from gradclip_cli.source.interface import Checkpoint, Contents
+from gradclip_cli.source.interface import Checkpoint
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
 
-def write_set(contents: Contents, target: Path, writers: dict, *, in_place: bool,
-              patch: Callable[[str, Path], None] | None = None) -> None:
-    """Write ``contents.shards`` (already clipped in place) and the rest of the folder to
-    ``target``, a folder; replace it only when ``in_place``.
+def write_set(folder: Path, shards: Mapping[str, Checkpoint], target: Path, *,
+              in_place: bool, patch: Callable[[str, Path], None] | None = None) -> None:
+    """Write ``folder`` to ``target``, a folder, with ``shards`` (by ``set_member`` name,
+    already clipped in place) in their own formats; replace it only when ``in_place``.
 
     ``patch(name, copy)``, when given, changes a copied file (``name``: its
     ``set_member`` name) before it is fsync'd (a DCP ``.distcp`` file's clipped
     chunks).
     """
-    temp = begin_set(contents, target, in_place=in_place)
+    temp = begin_set(folder, target, in_place=in_place)
     try:
-        fill_set(contents, temp, writers, patch=patch)
+        fill_set(folder, shards, temp, patch=patch)
     except BaseException as error:
         discard_set(temp)
         if not isinstance(error, (Exception, KeyboardInterrupt)):
@@ -70,9 +71,54 @@ def write_set(contents: Contents, target: Path, writers: dict, *, in_place: bool
     switch_set(temp, target, in_place=in_place)
 
 
-def begin_set(contents: Contents, target: Path, *, in_place: bool) -> Path:
+def write_set_by_ranks(ranks, folder: Path, shards: Mapping[str, Checkpoint], target: Path,
+                       *, in_place: bool, owners: Mapping[str, int],
+                       patch: Callable[[str, Path], None] | None = None) -> None:
+    """``write_set`` from every rank at once, under a launcher: each file written by the
+    rank ``owners`` gives it (by ``set_member`` name; rank 0 for the rest).
+
+    ``ranks``: how they talk (``distributed.launcher.Session``: ``rank``,
+    ``primary``, ``exchange``). The set is still switched in whole: rank 0
+    makes the one temporary folder and tells the others its name; every rank
+    writes its own files into it (an HF set's shards, or the ``.distcp``
+    files of a DCP set's gradient chunks, copied with the chunks patched);
+    rank 0 also copies the index or ``.metadata`` and the folder's other
+    files; one exchange then tells every rank whether all the writes
+    succeeded. Only then does rank 0 switch the folder in. A failed write on
+    any rank is reported once, naming that rank, and the temporary folder is
+    removed by rank 0 after every rank has stopped writing into it: the
+    input is untouched, as in one process. A rank that dies leaves the
+    others to time out in the exchange, and the input is untouched too.
+    """
+    temp = begin_set(folder, target, in_place=in_place) if ranks.primary else None
+    temp = Path(ranks.exchange(None if temp is None else str(temp))[0])
+    failure = None
+    try:
+        fill_set(folder, shards, temp, patch=patch,
+                 mine=lambda name: owners.get(name, 0) == ranks.rank)
+    except OutputError as error:
+        failure = str(error)
+    except OSError as error:
+        failure = str(_output_error(Path(target), error))
+    try:
+        outcomes = ranks.exchange(failure)
+    except BaseException:
+        if ranks.primary:
+            discard_set(temp)
+        raise
+    failed = [(rank, text) for rank, text in enumerate(outcomes) if text is not None]
+    if failed:
+        if ranks.primary:
+            discard_set(temp)
+        rank, text = failed[0]
+        # Every rank raises the same line, so it is reported once, as it is.
+        raise OutputError(f"rank {rank}: {text}")
+    if ranks.primary:
+        switch_set(temp, target, in_place=in_place)
+
+
+def begin_set(source: Path, target: Path, *, in_place: bool) -> Path:
     """Check ``target`` and make the hidden temporary folder the new set is written into."""
-    source = contents.folder
     target = Path(target)
     parent = target.parent
     if not parent.is_dir():
@@ -89,20 +135,19 @@ def begin_set(contents: Contents, target: Path, *, in_place: bool) -> Path:
     return temp
 
 
-def fill_set(contents: Contents, temp: Path, writers: dict, *,
+def fill_set(source: Path, shards: Mapping[str, Checkpoint], temp: Path, *,
              mine: Callable[[str], bool] | None = None,
              patch: Callable[[str, Path], None] | None = None) -> None:
-    """Write into ``temp`` everything the folder holds: shards in their own format, other
-    files copied (and ``patch``-ed), each fsync'd; subfolders made, links copied as links.
+    """Write into ``temp`` everything ``source`` holds: ``shards`` in their own format,
+    other files copied (and ``patch``-ed), each fsync'd; subfolders made, links copied
+    as links.
 
     Files are named by ``set_member`` (their '/'-separated path in the folder).
     ``mine(name)``: whether this process writes the file ``name`` (all when
-    None); under a launcher each rank writes its own (``distributed/sets.py``),
+    None); under a launcher each rank writes its own (``write_set_by_ranks``),
     and every rank makes the subfolders.
     """
-    source = contents.folder
-    by_name = {set_member(s.path, source): s for s in contents.shards}
-    members = _members(Path(source), by_name)
+    members = _members(Path(source), shards)
     for name, entry in members:
         out = temp.joinpath(*name.split("/"))
         if entry.is_dir(follow_symlinks=False):
@@ -110,10 +155,10 @@ def fill_set(contents: Contents, temp: Path, writers: dict, *,
             os.chmod(out, stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode))
         elif mine is not None and not mine(name):
             continue
-        elif name in by_name:
+        elif name in shards:
             # A shard is written from what was read, as a plain file, even where the
             # folder linked it (inside itself).
-            _write_shard(by_name[name], out, writers)
+            _write_shard(shards[name], out)
         elif entry.is_symlink():
             os.symlink(os.readlink(entry.path), out)
         else:
@@ -170,8 +215,8 @@ def discard_set(temp: Path) -> None:
         shutil.rmtree(temp)
 
 
-def _write_shard(ckpt: Checkpoint, out: Path, writers: dict) -> None:
-    writer = writers.get(ckpt.format)
+def _write_shard(ckpt: Checkpoint, out: Path) -> None:
+    writer = WRITERS.get(ckpt.format)
     if writer is None:
         raise OutputError(f"{out}: cannot write shards of format {ckpt.format!r}")
     with open(out, "xb") as file:

@@ -8,7 +8,8 @@ Two kinds of source live under ``source/``:
   files and keys and give ``Contents``: named tensors (gradients, weights),
   the optimizer state, the step, and a description for the report.
 
-The layout contract (``Layout``, ``Contents``, ``StoredTensor``, ``Piece``)
+The layout contract (``Layout``, ``Contents``, ``StoredTensor``, ``Piece``,
+and for a layout ``clip`` can write, ``WriteBack`` and its ``WriteBackPlan``)
 is written out below; a new layout module follows it and adds one line to
 ``source/layouts/__init__.py``.
 """
@@ -345,6 +346,13 @@ class Layout(Protocol):
       on demand, never all copied into memory at once; replicated pieces
       are kept once;
     * ``description`` says what was read and what is not covered.
+
+    ``write_back(contents) -> WriteBack``, for a layout that ``clip`` can
+    write (a set of files; a single file needs none): which files are
+    written and how, as data (``WriteBackPlan``), and the gradients clip
+    scales in place where the layout holds them anew. It reads what it must
+    (a chunk's bytes, where a blob keeps them), changes nothing of
+    ``contents`` and writes nothing: the sink executes the plan.
     """
 
     KIND: str
@@ -354,40 +362,90 @@ class Layout(Protocol):
     def open(self, path: Path, *, key: str | None, trust_pickle: bool,
              verify: bool) -> Contents: ...
 
-    # A layout that ``clip`` can write also has
-    # ``write_back(contents) -> WriteBack`` (see there).
+
+# --------------------------------------------------------------------------- write-back
 
 
-class WriteBack(Protocol):
-    """How ``clip`` writes a checkpoint back: the other half of a layout's ``open``, as
-    pip-audit pairs a dependency source's ``collect()`` with its ``fix()``.
+@dataclass(frozen=True)
+class StorageBytes:
+    """A held gradient's storage inside a file that is copied (a DCP chunk's ``torch.save``
+    blob): its ``nbytes`` bytes start at ``data_start`` (an absolute offset), and their
+    CRC32 is kept at each of ``crc_positions``. Scaling changes values, not sizes, so
+    the bytes are written over in place and the file keeps its length."""
 
-    A layout that can be written gives one from ``write_back(contents)``
-    (``layouts.write_back`` finds the layout; a single file needs none). By
-    then ``contents.gradients`` are the tensors clip changes in place, held in
-    memory (a DCP folder's gradient chunks, a DCP Hugging Face set's pieces,
-    each a gradient of its own; otherwise the layout's own, already held).
-    The concrete write-backs are ``sink/write_back.py``'s.
+    tensor: str
+    data_start: int
+    nbytes: int
+    crc_positions: tuple[int, ...]
 
-    ``folder``: a set is written back as a folder (None: one file).
-    ``files``: for a set, the files that hold gradients, which ranks under a
-    launcher share (each writes the files it read); empty for one file.
-    ``tensor_count``: the tensors the report counts where held gradients are
-    pieces of them (None: one each). ``copies(name)``: other files holding
-    the held gradient ``name`` too, written from it. ``write(...)`` writes
-    everything to ``target`` and returns how many other hard links of a
-    replaced file keep the old bytes; ``session`` and ``owners`` (file name ->
-    rank): under a launcher, each rank writes its own files.
+
+@dataclass(frozen=True)
+class FileWrite:
+    """One file that ``clip`` writes, named by its input ``path``.
+
+    ``format``: written whole in this file format (``"torch-zip"``,
+    ``"safetensors"``...) from the object loaded from it (``Contents.checkpoint``
+    or one of ``Contents.shards``), whose held gradients clip changed in place;
+    None: copied byte for byte, each of ``storages`` written over from its held
+    gradient. ``tensors``: the held gradients the file holds. ``copies``:
+    ``(entry, tensor)``, an entry of the file written from the held gradient
+    ``tensor`` that another file holds too (a replicated piece, scaled once).
+    """
+
+    path: Path
+    format: str | None
+    tensors: tuple[str, ...] = ()
+    copies: tuple[tuple[str, str], ...] = ()
+    storages: tuple[StorageBytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class WriteBackPlan:
+    """How ``clip`` writes a checkpoint back, as plain data: the other half of a layout's
+    ``open``, as pip-audit pairs a dependency source's ``collect()`` with its ``fix()``,
+    and kept apart from the doing as ``torch.distributed.checkpoint`` keeps a
+    ``SavePlan`` apart from its ``StorageWriter``. Paths, names and offsets only: a plan
+    can be printed and compared without touching a file.
+
+    ``folder``: a set written back as a new folder, every file of it not in
+    ``files`` copied byte for byte (None: one file, replaced). ``files``: the
+    files that hold gradients, which ranks under a launcher share (each writes
+    the files it read). ``tensor_count``: the tensors the report counts where
+    held gradients are pieces of them (None: one each). The sink executes it
+    (``sink/write_back.py``'s ``execute``), knowing files and nothing of why.
     """
 
     folder: Path | None
-    files: list[Path]
-    tensor_count: int | None
+    files: tuple[FileWrite, ...]
+    tensor_count: int | None = None
 
-    def copies(self, name: str) -> tuple[Path, ...]: ...
+    def copies(self, tensor: str) -> tuple[Path, ...]:
+        """The other files holding the held gradient ``tensor`` too, written from it."""
+        return tuple(f.path for f in self.files if any(t == tensor for _, t in f.copies))
 
-    def write(self, target: Path | str, *, in_place: bool, session: Any = None,
-              owners: dict[str, int] | None = None) -> int: ...
+
+@dataclass(frozen=True)
+class WriteBack:
+    """A layout's answer to ``write_back(contents)``: the ``plan``, and ``gradients``, the
+    tensors clip scales in place where the layout holds them anew for clip, each a
+    gradient of its own held in memory (a DCP folder's gradient chunks, a DCP Hugging
+    Face set's pieces); None: ``contents.gradients`` themselves, already held. Nothing
+    of ``contents`` changes: clip chooses from these gradients instead.
+    ``layouts.write_back`` finds the layout (a single file needs none)."""
+
+    plan: WriteBackPlan
+    gradients: dict[str, StoredTensor] | None = None
+
+
+def written_whole(checkpoints: Iterable[Checkpoint], gradients: Mapping[str, StoredTensor],
+                  folder: Path | None = None) -> WriteBackPlan:
+    """The plan for files written whole from what was loaded: one file (``folder`` None),
+    or a set's shards; each lists the gradients whose first piece it holds."""
+    files = tuple(FileWrite(Path(c.path), c.format, tuple(
+        n for n, t in gradients.items()
+        if folder is None or (t.pieces and t.pieces[0].file == Path(c.path))))
+        for c in checkpoints)
+    return WriteBackPlan(folder, files)
 
 
 def stored(

@@ -147,7 +147,7 @@ def test_a_failed_write_leaves_no_report_file(gradclip, tmp_path, monkeypatch):
     def refuse(*_args, **_kwargs):
         raise OutputError("o2.pt: cannot write: no space left on the device")
 
-    monkeypatch.setattr(write_back.FileWriteBack, "write", refuse)
+    monkeypatch.setattr(write_back, "write_checkpoint", refuse)
     report = tmp_path / "report.txt"
     r = gradclip("clip", SAMPLES / "healthy.pt", "--max-norm", "1", "-o", tmp_path / "o2.pt",
                  "--output-file", report)

@@ -23,7 +23,7 @@ from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.files.megatron_pickle import NamespaceState
 from gradclip_cli.source.files.weights_pickle import allowing
-from gradclip_cli.source.interface import Contents, Layout, WriteBack
+from gradclip_cli.source.interface import Contents, Layout, WriteBack, written_whole
 from gradclip_cli.source.roles import settle
 
 from . import (
@@ -113,12 +113,11 @@ def open_checkpoint(
 
 
 def write_back(contents: Contents) -> WriteBack | None:
-    """How clip writes ``contents`` back (``WriteBack``), from the layout that opened it;
-    None where it cannot be written. A single file (any layout's) is written whole."""
+    """How clip writes ``contents`` back (``WriteBack``: its plan, and the gradients clip
+    scales), from the layout that opened it; None where it cannot be written. A single
+    file (any layout's) is written whole."""
     if contents.checkpoint is not None:
-        from gradclip_cli.sink.write_back import FileWriteBack
-
-        return FileWriteBack(contents.checkpoint)
+        return WriteBack(written_whole([contents.checkpoint], contents.gradients or {}))
     for layout in LAYOUTS:
         if layout.KIND == contents.kind and hasattr(layout, "write_back"):
             return layout.write_back(contents)

@@ -18,7 +18,7 @@ from pathlib import Path
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import roles
-from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor
+from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor, WriteBack
 from gradclip_cli.source.locate import GRADIENT_KEYS
 from gradclip_cli.source.vocabulary import OPTIMIZER_KEYS, STEP_KEYS, WEIGHT_KEYS
 
@@ -270,13 +270,7 @@ def optimizer_tops(folder: DcpFolder) -> list[str]:
             if holds_optimizer_state(folder, t)]
 
 
-def write_back(contents: Contents):
-    """For clip: every gradient chunk held as a gradient of its own (``hold_gradient_chunks``),
-    and the folder written back with each chunk's bytes patched into a copy of its file."""
-    from gradclip_cli.sink.dcp_set import chunk_patcher
-    from gradclip_cli.sink.write_back import SetWriteBack
-
-    chunks = hold_gradient_chunks(contents)
-    return SetWriteBack(contents, files=sorted({Path(c.file) for c in chunks}),
-                        tensor_count=len({c.name for c in chunks}),
-                        patch=chunk_patcher(chunks, contents.folder) if chunks else None)
+def write_back(contents: Contents) -> WriteBack:
+    """For clip: every gradient chunk held as a gradient of its own, and the folder written
+    back with each chunk's bytes patched into a copy of its file (``hold_gradient_chunks``)."""
+    return hold_gradient_chunks(contents)

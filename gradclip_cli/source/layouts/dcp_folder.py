@@ -71,20 +71,28 @@ from gradclip_cli.source.files.dcp_metadata import (
 )
 from gradclip_cli.source.files.small_file import read_small_file
 from gradclip_cli.source.files.torch_zip_reader import (
-    StoragePatch,
     restricted_read,
     storage_patch,
 )
 from gradclip_cli.source.files.verify import verify_torch_zip
 from gradclip_cli.source.files.weights_pickle import Outside
-from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
+from gradclip_cli.source.interface import (
+    Contents,
+    FileWrite,
+    OptimizerState,
+    Piece,
+    StorageBytes,
+    StoredTensor,
+    WriteBack,
+    WriteBackPlan,
+)
 from gradclip_cli.source.untrusted import is_int
 from gradclip_cli.source.vocabulary import step_value
 
 from . import tiling
 from .paths import inside
 
-__all__ = ["DcpFolder", "HeldChunk", "METADATA_NAME", "check_tiling", "hold_gradient_chunks",
+__all__ = ["DcpFolder", "METADATA_NAME", "check_tiling", "hold_gradient_chunks",
            "names_all", "read_folder", "read_metadata", "recognises", "renamed"]
 
 
@@ -309,28 +317,19 @@ class _ChunkPiece(Piece):
     location: Location | None = None
 
 
-@dataclass
-class HeldChunk:
-    """A gradient chunk read into memory for clip, and where its storage's bytes go back."""
+def hold_gradient_chunks(contents: Contents) -> WriteBack:
+    """Clip's write-back of a DCP folder: every gradient chunk read into memory, each a
+    gradient of its own, and the plan that writes their bytes back.
 
-    name: str  # the tensor's name (one of its chunks)
-    file: Path
-    patch: StoragePatch
-    tensor: torch.Tensor
-
-
-def hold_gradient_chunks(contents: Contents) -> list[HeldChunk]:
-    """Read every gradient chunk into memory, each as a gradient of its own, for clip.
-
-    ``contents.gradients`` becomes one held tensor per chunk (a tensor in one
-    chunk keeps its name; others are named ``name[offsets]``), each on a
-    private mapping or its own copy, so scaling in place never reaches the
-    files. The chunks returned say where each chunk's storage lies, for the
-    sink to write the scaled bytes into a copy of the set. Every blob must hold
-    exactly one stored storage, the chunk's (what ``dcp.save`` writes).
+    The held gradients are one tensor per chunk (a tensor in one chunk keeps
+    its name; others are named ``name[offsets]``), each on a private mapping
+    or its own copy, so scaling in place never reaches the files. The plan
+    copies each ``.distcp`` file holding chunks with every chunk's storage
+    bytes written over (``StorageBytes``); every blob must hold exactly one
+    stored storage, the chunk's (what ``dcp.save`` writes).
     """
     held: dict[str, StoredTensor] = {}
-    chunks: list[HeldChunk] = []
+    by_file: dict[Path, list[StorageBytes]] = {}
     for name, tensor in (contents.gradients or {}).items():
         for piece in tensor.pieces:
             assert isinstance(piece, _ChunkPiece) and piece.location is not None
@@ -346,9 +345,12 @@ def hold_gradient_chunks(contents: Contents) -> list[HeldChunk]:
             label = name if len(tensor.pieces) == 1 else \
                 f"{name}[{','.join(map(str, piece.offsets))}]"
             held[label] = StoredTensor.whole(label, value, piece.file)
-            chunks.append(HeldChunk(name, piece.file, patch, value))
-    contents.gradients = held
-    return chunks
+            by_file.setdefault(Path(piece.file), []).append(StorageBytes(
+                label, patch.data_start, patch.nbytes, tuple(patch.crc_positions)))
+    files = tuple(FileWrite(file, None, tuple(s.tensor for s in found), storages=tuple(found))
+                  for file, found in sorted(by_file.items()))
+    counted = sum(1 for t in (contents.gradients or {}).values() if t.pieces)
+    return WriteBack(WriteBackPlan(contents.folder, files, counted), held)
 
 
 def _stored(meta: DcpMetadata, key: str, entry: TensorEntry,

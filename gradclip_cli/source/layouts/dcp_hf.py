@@ -18,8 +18,8 @@ claimed another's place would otherwise hide a part of the tensor. What the file
 flat ``name -> tensor`` state dict: the model's weights, or gradients saved
 that way (the ``--key`` rule's whole file), as for a flat DCP folder.
 
-``clip`` holds each piece as a gradient of its own (``hold_gradient_pieces``,
-as ``dcp_folder.hold_gradient_chunks`` holds a DCP folder's chunks) and writes every
+``clip`` holds each piece as a gradient of its own (``write_back``, as
+``dcp_folder.hold_gradient_chunks`` holds a DCP folder's chunks) and writes every
 file back as a safetensors file, the set switched in whole
 (``sink/sharded_set.py``): the same tensors in the same order, the same
 header metadata, ``DCP_SHARDING_INFO`` included, so the pieces stay where
@@ -41,7 +41,15 @@ from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.safetensors_file import read_header
-from gradclip_cli.source.interface import Checkpoint, Contents, Piece, StoredTensor
+from gradclip_cli.source.interface import (
+    Checkpoint,
+    Contents,
+    FileWrite,
+    Piece,
+    StoredTensor,
+    WriteBack,
+    WriteBackPlan,
+)
 from gradclip_cli.source.untrusted import is_count
 
 from .dcp_folder import check_tiling
@@ -135,51 +143,33 @@ class _ShardPiece(Piece):
     copies: tuple[Path, ...] = ()
 
 
-@dataclass(frozen=True)
-class HeldPiece:
-    """A gradient piece held for clip: the tensor it is a piece of, and the other files
-    that hold a copy of it (written back from the same tensor)."""
+def write_back(contents: Contents) -> WriteBack:
+    """For clip: every gradient piece held as a gradient of its own, and every shard
+    written back whole as safetensors.
 
-    name: str
-    copies: tuple[Path, ...] = ()
-
-
-def hold_gradient_pieces(contents: Contents) -> dict[str, HeldPiece]:
-    """Make every gradient piece a gradient of its own, for clip.
-
-    ``contents.gradients`` becomes one held tensor per piece (a tensor in one
-    piece keeps its name; others are named ``name[offsets]``, as DCP chunks
-    are): the mapped tensors of the shards' ``Checkpoint``s, private
-    mappings, so scaling in place changes what the sink writes and never the
-    files. A piece that another file holds too becomes that file's tensor as
-    well (its bytes are the same, checked at open), so it is scaled once and
-    written to both. Returns each held piece's tensor and copies, by its name.
+    The held gradients are one per piece (a tensor in one piece keeps its
+    name; others are named ``name[offsets]``, as DCP chunks are): the mapped
+    tensors of the shards' ``Checkpoint``s, private mappings, so scaling in
+    place changes what the sink writes and never the files. A piece that
+    another file holds too is written there from the same held tensor (its
+    bytes are the same, checked at open): scaled once, written to both.
     """
-    shards = {Path(s.path): s for s in contents.shards}
     held: dict[str, StoredTensor] = {}
-    records: dict[str, HeldPiece] = {}
+    own: dict[Path, list[str]] = {}
+    copied: dict[Path, list[tuple[str, str]]] = {}
     for name, tensor in (contents.gradients or {}).items():
         for piece in tensor.pieces:
             assert isinstance(piece, _ShardPiece) and piece.held is not None
             label = name if len(tensor.pieces) == 1 else \
                 f"{name}[{','.join(map(str, piece.offsets))}]"
             held[label] = StoredTensor.whole(label, piece.held, piece.file)
+            own.setdefault(piece.file, []).append(label)
             for copy in piece.copies:
-                shards[copy].root[name] = piece.held
-            records[label] = HeldPiece(name, piece.copies)
-    contents.gradients = held
-    return records
-
-
-def write_back(contents: Contents):
-    """For clip: every gradient piece held as a gradient of its own
-    (``hold_gradient_pieces``), every shard written back as safetensors."""
-    from gradclip_cli.sink.write_back import SetWriteBack
-
-    pieces = hold_gradient_pieces(contents)
-    return SetWriteBack(contents, files=[Path(s.path) for s in contents.shards],
-                        tensor_count=len({p.name for p in pieces.values()}),
-                        pieces={label: p.copies for label, p in pieces.items()})
+                copied.setdefault(copy, []).append((name, label))
+    files = tuple(FileWrite(Path(s.path), s.format, tuple(own.get(Path(s.path), ())),
+                            tuple(copied.get(Path(s.path), ()))) for s in contents.shards)
+    counted = sum(1 for t in (contents.gradients or {}).values() if t.pieces)
+    return WriteBack(WriteBackPlan(contents.folder, files, counted), held)
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

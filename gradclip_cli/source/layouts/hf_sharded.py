@@ -24,7 +24,13 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.small_file import excerpt
-from gradclip_cli.source.interface import Checkpoint, Contents, StoredTensor
+from gradclip_cli.source.interface import (
+    Checkpoint,
+    Contents,
+    StoredTensor,
+    WriteBack,
+    written_whole,
+)
 
 from .paths import MAX_JSON_BYTES, inside, json_head_keys, read_json
 
@@ -59,12 +65,10 @@ def _looks_like_index(path: Path) -> bool:
     return head.startswith("{") and '"weight_map"' in head
 
 
-def write_back(contents: Contents):
-    """For clip: the shards (their tensors held, mapped privately) written back as a set,
-    the index and the folder's other files copied."""
-    from gradclip_cli.sink.write_back import SetWriteBack
-
-    return SetWriteBack(contents, files=[Path(s.path) for s in contents.shards])
+def write_back(contents: Contents) -> WriteBack:
+    """For clip: the shards (their tensors held, mapped privately) written back whole as a
+    set, the index and the folder's other files copied."""
+    return WriteBack(written_whole(contents.shards, contents.gradients or {}, contents.folder))
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
