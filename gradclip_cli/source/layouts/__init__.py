@@ -32,7 +32,6 @@ from . import (
     dcp,
     dcp_hf,
     deepspeed,
-    deepspeed_universal,
     hf_sharded,
     hf_trainer,
     lightning,
@@ -45,6 +44,7 @@ from . import (
     torchtitan,
     torchtune,
 )
+from .deepspeed import universal as deepspeed_universal
 
 LAYOUTS: tuple[Layout, ...] = (
     megatron,  # its folders hold a DCP folder and common.pt: before any flat mapping
