@@ -80,10 +80,6 @@ classes mapped to inert stand-ins (``files/deepspeed_pickle.py``), and the
 ``argparse.Namespace`` (and numpy RNG state) of Megatron's client state read as
 Megatron's checkpoints are (``files/megatron_pickle.py``); DeepSpeed is never
 imported.
-
-A module per concern: ``reader`` (the files, shared with ``universal``, the layout of
-``ds_to_universal``'s folders), ``zero``, ``plain`` (without ZeRO), ``pipeline`` and
-``model_parallel``.
 """
 
 from __future__ import annotations

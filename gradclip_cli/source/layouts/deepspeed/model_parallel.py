@@ -28,8 +28,7 @@ class Part:
     stage: int  # ZeRO's; 0 without ZeRO
     world: int  # data-parallel ranks
     trainable: dict[str, tuple[int, ...]]
-    weights: dict[str, StoredTensor]
-    frozen: dict[str, StoredTensor]
+    weights: dict[str, StoredTensor]  # the trainable ones and the frozen ones
     optimizer: OptimizerState
     held: str  # the optimizer files, for the evidence
 

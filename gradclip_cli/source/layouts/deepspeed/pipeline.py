@@ -24,17 +24,8 @@ from gradclip_cli.source.untrusted import is_count, is_int
 from gradclip_cli.source.what import map_names
 
 from ..torch_optim import is_optimizer_state, optimizer_state
-from .model_parallel import (
-    Part,
-    check_alike,
-    dimensions,
-    megatron_args,
-    note_split,
-    ranks_of,
-    refuse_other_run,
-    refuse_other_step,
-    tensor_parallel,
-)
+from . import model_parallel
+from .model_parallel import Part
 from .plain import check_saved_without_zero, note_frozen, part, with_state
 from .reader import (
     LAYER_STATES,
@@ -64,7 +55,7 @@ def check_pipeline_ranks(parts: list[Part], folder: Path) -> tuple[int, int] | N
     Megatron-DeepSpeed's GPTModelPipe runs without pipeline parallelism) is read as any
     model-parallel set."""
     n = len(parts)
-    dims = dimensions(parts[0].model)
+    dims = model_parallel.dimensions(parts[0].model)
     pp, tp = dims.get("pp_degree"), dims.get("tp_degree")
     if n == 1 or not is_int(pp) or pp <= 1:
         return None
@@ -75,10 +66,10 @@ def check_pipeline_ranks(parts: list[Part], folder: Path) -> tuple[int, int] | N
             "files: pp_degree x tp_degree should count them"
         )
     for p in parts:
-        args = megatron_args(p.model)
+        args = model_parallel.megatron_args(p.model)
         for key, size, expected in (
             ("mp_world_size", p.model.root.get("mp_world_size"), n),
-            ("checkpoint_parallel_dimensions", dimensions(p.model), dims),
+            ("checkpoint_parallel_dimensions", model_parallel.dimensions(p.model), dims),
             # Megatron's args, where saved.
             ("args.tensor_model_parallel_size", args.get("tensor_model_parallel_size", tp), tp),
             ("args.pipeline_model_parallel_size",
@@ -101,7 +92,7 @@ def check_stages(parts: list[Part]) -> None:
     keep alike, is refused rather than counted twice or guessed once)."""
     seen: dict[str, Path] = {}
     for p in parts:
-        refuse_other_run(p, parts[0], "stages")
+        model_parallel.refuse_other_run(p, parts[0], "stages")
         for name in p.weights:
             if name in seen:
                 raise InputError(
@@ -124,7 +115,6 @@ def join_stages(parts: list[Part]) -> Part:
         first.world,
         {n: s for p in parts for n, s in p.trainable.items()},
         {n: t for p in parts for n, t in p.weights.items()},
-        {n: t for p in parts for n, t in p.frozen.items()},
         optimizer,
         first.held,
     )
@@ -150,17 +140,17 @@ def read(reader: Reader, given: Path, kind: str) -> Contents:
     first = models[0]
     for model in models:
         check_saved_without_zero(model, pipeline_files=len(stages), tp=tp)
-        refuse_other_step(model, first, "stages")
+        model_parallel.refuse_other_step(model, first, "stages")
     buffers = set().union(*(buffer_names(model, "layers'") for model in models))
     ranks = [read_rank(reader, models[t::tp], layers[t], buffers, kind) for t in range(tp)]
     params, buffers, optimizer = ranks[0]
     split = 0
     if tp > 1:
         parts = [part(t, models[t], weights, own, "") for t, (weights, _, own) in enumerate(ranks)]
-        check_alike(parts)
+        model_parallel.check_alike(parts)
         # A name is its layer file's (tensor-parallel rank 0's named).
         where = {n: t.pieces[0].file for n, t in params.items()}
-        params, optimizer, split = tensor_parallel(parts, where)
+        params, optimizer, split = model_parallel.tensor_parallel(parts, where)
     contents = reader.contents(given, kind)
     contents.weights = params
     contents.model_order_names = list(params)
@@ -169,7 +159,7 @@ def read(reader: Reader, given: Path, kind: str) -> Contents:
     every = sorted(n for rank in layers for n in rank.values())
     files = span(every)
     held = span([f"{m.path.name}'s 'optimizer'" for m in models])
-    ranks_said = ranks_of(len(models) // tp, tp)
+    ranks_said = model_parallel.ranks_of(len(models) // tp, tp)
     of = f" of {ranks_said}" if len(models) > 1 else ""
     contents.evidence[roles.WEIGHT] = (
         f"a DeepSpeed pipeline checkpoint without ZeRO{of}: the layer files ({files})"
@@ -190,7 +180,7 @@ def read(reader: Reader, given: Path, kind: str) -> Contents:
         f"of {len(trained)}"
     )
     if tp > 1:
-        note_split(contents, split, len(params), len(models) // tp)
+        model_parallel.note_split(contents, split, len(params), len(models) // tp)
     note_frozen(contents, len(params) - len(trained))
     return contents
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -15,7 +14,8 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import roles
 from gradclip_cli.source.interface import Checkpoint, Contents, OptimizerState, StoredTensor
-from gradclip_cli.source.untrusted import is_int, is_number
+from gradclip_cli.source.untrusted import is_int
+from gradclip_cli.source.vocabulary import step_value
 from gradclip_cli.source.what import map_names
 
 from ..master_copy import head_key, rounds_to
@@ -152,7 +152,7 @@ def part(
     trainable = {named[p]: tuple(weights[named[p]].shape) for p in with_state(optimizer)}
     dp = model.root.get("dp_world_size")
     world = dp if is_int(dp) else 1
-    return Part(mp, model, 0, world, trainable, weights, {}, optimizer, held)
+    return Part(mp, model, 0, world, trainable, weights, optimizer, held)
 
 
 def with_state(optimizer: OptimizerState) -> list:
@@ -167,7 +167,7 @@ def module_dtypes(params: dict[str, StoredTensor], names) -> str:
 
 def note_zero_gradient_step(contents: Contents, optimizer: OptimizerState, trained: list) -> None:
     """Under fp16/bf16 without ZeRO, Adam's step one past ``global_steps``, said."""
-    steps = {_number(optimizer.state[p].get("step")) for p in trained}
+    steps = {step_value(optimizer.state[p].get("step")) for p in trained}
     if contents.step is not None and steps == {contents.step + 1}:
         # FP16_UnfusedOptimizer.initialize_optimizer_states steps once with zero gradients.
         contents.description.append(
@@ -183,12 +183,6 @@ def note_frozen(contents: Contents, frozen: int) -> None:
             f"{frozen} parameter(s) without optimizer state (frozen): weights only "
             "(measured by --what weights)"
         )
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value)
-    return float(value) if is_number(value) else None
 
 
 def check_saved_without_zero(

@@ -63,6 +63,7 @@ KIND = "deepspeed-universal"
 LATEST = "latest_universal"
 _ZERO, _COMMON = "zero", "optimizer_state.pt"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+_HOLDS = f"universal checkpoint ({_ZERO}/{_COMMON} beside a DeepSpeed model state file)"
 
 
 def _is_step_folder(path: Path) -> bool:
@@ -81,12 +82,8 @@ def recognises(path: Path) -> bool:
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     refuse_key(path, key, "a DeepSpeed universal checkpoint")
-    folder, named = (path, "") if _is_step_folder(path) else (
-        follow_latest(path, LATEST, _is_step_folder,
-                      f"universal checkpoint ({_ZERO}/{_COMMON} beside a DeepSpeed model "
-                      "state file)"),
-        LATEST,
-    )
+    named = not _is_step_folder(path)
+    folder = follow_latest(path, LATEST, _is_step_folder, _HOLDS) if named else path
     reader = _Universal(folder, trust_pickle=trust_pickle, verify=verify)
     model = reader.model_states()
     groups = reader.hyperparameters()
@@ -190,8 +187,7 @@ class _Universal(Reader):
     def tensor(self, name: str, quantity: str, shape: torch.Size) -> StoredTensor:
         """``zero/<name>/<quantity>.pt``: an fp32 tensor of ``shape``, under ``param`` (from
         ZeRO 1 and 2), or bare and flat (from ZeRO 3: its elements in row-major order)."""
-        ckpt = self.load(f"{_ZERO}/{name}/{quantity}.pt", named_by=self.folder / _ZERO,
-                         mapping=False)
+        ckpt = self.quantity(name, quantity)
         value = ckpt.root.get("param") if isinstance(ckpt.root, Mapping) else ckpt.root
         if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
             raise InputError(f"{ckpt.path}: holds no fp32 tensor")
@@ -202,10 +198,14 @@ class _Universal(Reader):
             )
         return StoredTensor.whole(name, value.detach().view(shape), ckpt.path)
 
+    def quantity(self, name: str, quantity: str) -> Checkpoint:
+        """``zero/<name>/<quantity>.pt`` loaded (a name from ``param_shapes`` is data)."""
+        return self.load(f"{_ZERO}/{name}/{quantity}.pt", named_by=self.folder / _ZERO,
+                         mapping=False)
+
     def has(self, name: str, quantity: str) -> bool:
-        return os.path.isfile(
-            inside(self.folder, f"{_ZERO}/{name}/{quantity}.pt", named_by=self.folder / _ZERO)
-        )
+        file = f"{_ZERO}/{name}/{quantity}.pt"
+        return os.path.isfile(inside(self.folder, file, named_by=self.folder / _ZERO))
 
     def master(self, name: str, shape: torch.Size, module: StoredTensor | None) -> StoredTensor:
         """The fp32 master of ``name``, which rounds to the module's tensor where it holds one
@@ -222,8 +222,7 @@ class _Universal(Reader):
     def moments(self, name: str, shape: torch.Size, group: int) -> dict[str, Any]:
         state: dict[str, Any] = {q: self.tensor(name, q, shape) for q in _MOMENTS}
         if self.has(name, "step") or group not in self.group_steps:
-            ckpt = self.load(f"{_ZERO}/{name}/step.pt", named_by=self.folder / _ZERO,
-                             mapping=False)
+            ckpt = self.quantity(name, "step")
             if not _is_step(ckpt.root):
                 raise InputError(f"{ckpt.path}: holds no step count (a one-element tensor)")
             state["step"] = ckpt.root

@@ -19,8 +19,8 @@ from gradclip_cli.source import roles
 from gradclip_cli.source.interface import Checkpoint, Contents, OptimizerState, Piece, StoredTensor
 from gradclip_cli.source.untrusted import is_count, is_int
 
-from .model_parallel import Part, check_alike, check_tensor_parallel, note_split, ranks_of
-from .model_parallel import tensor_parallel as join_tensor_parallel
+from . import model_parallel
+from .model_parallel import Part
 from .pipeline import check_pipeline_ranks, join_stages
 from .reader import (
     LAYER_STATES,
@@ -61,7 +61,7 @@ def read(reader: Reader, given: Path, kind: str) -> Contents:
     first = parts[0]
     pipeline = any(LAYER_STATES.fullmatch(n) for n in names)
     layout = check_pipeline_ranks(parts, folder) if pipeline else None
-    stages, tp = layout or check_tensor_parallel(parts, folder)
+    stages, tp = layout or model_parallel.check_tensor_parallel(parts, folder)
     contents = reader.contents(given, kind)
     # Each tensor-parallel rank's stages joined, then the ranks as without stages.
     ranks = [join_stages(parts[t::tp]) for t in range(tp)] if stages > 1 else parts
@@ -70,10 +70,10 @@ def read(reader: Reader, given: Path, kind: str) -> Contents:
         weights, optimizer = ranks[0].weights, ranks[0].optimizer
     else:
         if stages > 1:
-            check_alike(ranks)
+            model_parallel.check_alike(ranks)
             # A name is in its stage's param_shapes (tensor-parallel rank 0's named).
             where = {n: p.model.path for p in parts[::tp] for n in p.weights}
-        weights, optimizer, split = join_tensor_parallel(ranks, where)
+        weights, optimizer, split = model_parallel.tensor_parallel(ranks, where)
     # param_shapes lists parameters group by group; the module's state dict
     # (placeholders under ZeRO 3) keeps the model's order, which the report follows.
     module = first.model.root.get("module")
@@ -87,23 +87,19 @@ def read(reader: Reader, given: Path, kind: str) -> Contents:
     contents.optimizers = [optimizer]
     models = span([p.model.path.name for p in parts])
     held = span([p.held for p in parts])
-    ranks_said = ranks_of(stages, tp)
+    ranks_said = model_parallel.ranks_of(stages, tp)
     of = f" of {ranks_said}" if len(parts) > 1 else ""
     contents.evidence[roles.WEIGHT] = (
         f"a DeepSpeed checkpoint{of}: {models}, fp32 master weights in {held}"
     )
     contents.evidence[roles.OPTIMIZER_STATE] = f"a DeepSpeed checkpoint{of}: {held}"
-    version = reader.header(
-        contents, first.model.root, given, f"DeepSpeed ZeRO stage {first.stage} checkpoint"
-    )
+    kind_said = f"DeepSpeed ZeRO stage {first.stage} checkpoint"
+    version = reader.header(contents, first.model.root, given, kind_said)
     mp = f"{ranks_said} ({span([mp_name(r) for r in mp_ranks])}) x " if len(parts) > 1 else ""
     # Each stage's parameters once (from its tensor-parallel rank 0).
-    trainable = sum(len(p.trainable) for p in parts[::tp]) if stages > 1 else len(
-        first.trainable
-    )
     contents.description.append(
         f"{mp}{first.world} data-parallel rank(s){version}: fp32 master weights and Adam "
-        f"moments of {trainable} parameters"
+        f"moments of {len(ranks[0].trainable)} parameters"
     )
     if pipeline and not isinstance(module, Mapping) and first.stage <= 1:
         # ZeRO 1 records frozen parameters only in the module's state dict, which a
@@ -113,10 +109,10 @@ def read(reader: Reader, given: Path, kind: str) -> Contents:
             "so parameters without optimizer state (frozen), if any, are left out"
         )
     if len(parts) > 1 and tp > 1:
-        note_split(contents, split, len(weights), stages)
-    if first.frozen:
+        model_parallel.note_split(contents, split, len(weights), stages)
+    if frozen := len(first.weights) - len(first.trainable):
         contents.description.append(
-            f"{len(first.frozen)} frozen parameter(s): weights without Adam moments "
+            f"{frozen} frozen parameter(s): weights without Adam moments "
             "(measured by --what weights)"
         )
     return contents
@@ -172,15 +168,11 @@ def read_part(reader: Reader, mp: int, prefix: str) -> Part:
         places = zero3_places(shapes, flats, world, first)
     flat_shapes = {n: s for group in shapes for n, s in group.items()}
     weights = {n: stored(n, flat_shapes[n], places[n], flats, files) for n in flat_shapes}
-    frozen = frozen_parameters(reader, model, stage, world, flat_shapes, mp)
-    weights.update(frozen)
+    weights.update(frozen_parameters(reader, model, stage, world, flat_shapes, mp))
     optimizer = moments(shapes, places, flats, padded, states, optims)
-    held = (
-        first.path.name
-        if world == 1
-        else f"{optim_name(0).replace('rank_0_', 'rank_*_', 1)} ({world} ranks)"
-    )
-    return Part(mp, model, stage, world, flat_shapes, weights, frozen, optimizer, held)
+    every = f"{optim_name(0).replace('rank_0_', 'rank_*_', 1)} ({world} ranks)"
+    held = first.path.name if world == 1 else every
+    return Part(mp, model, stage, world, flat_shapes, weights, optimizer, held)
 
 
 def frozen_parameters(
@@ -298,12 +290,9 @@ def stage_and_world(ckpt: Checkpoint) -> tuple[int, int]:
             f"{ckpt.path}: not a ZeRO optimizer state: zero_stage is {visible(repr(stage))}"
         )
     count = osd.get("partition_count")
-    if isinstance(count, (list, tuple)) and count:
-        # ZeRO 1/2 store one count per group (expert groups may differ); zero_to_fp32 takes
-        # the largest as the data-parallel world size.
-        counts = list(count)
-    else:
-        counts = [count]
+    # ZeRO 1/2 store one count per group (expert groups may differ); zero_to_fp32 takes
+    # the largest as the data-parallel world size.
+    counts = list(count) if isinstance(count, (list, tuple)) and count else [count]
     if not all(is_count(c, 1) and c <= _MAX_RANKS for c in counts):
         raise InputError(
             f"{ckpt.path}: partition_count is {visible(repr(count))}, not a number of ranks"
