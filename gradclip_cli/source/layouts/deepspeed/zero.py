@@ -108,7 +108,7 @@ def read(reader: Reader, given: Path, kind: str) -> Contents:
             "a PipelineModule checkpoint: its layer_XX-model_states.pt files are not read, "
             "so parameters without optimizer state (frozen), if any, are left out"
         )
-    if len(parts) > 1 and tp > 1:
+    if tp > 1:
         model_parallel.note_split(contents, split, len(weights), stages)
     if frozen := len(first.weights) - len(first.trainable):
         contents.description.append(
