@@ -4,7 +4,8 @@ An MkDocs hook (``hooks:`` in mkdocs.yml), as ruff writes its rule pages from
 its rules' own doc comments: what a page says cannot drift from the code.
 
 - ``layouts/<module>.md``, one page per checkpoint layout: the layout
-  module's docstring (``gradclip_cli/source/layouts/<module>.py``), then the
+  module's docstring (``gradclip_cli/source/layouts/<module>.py``, or a module of a
+  layout family's package: ``deepspeed/universal.py`` for ``deepspeed_universal``), then the
   real example output kept in ``docs/layouts/_examples/<module>.md`` (whose
   ``$`` blocks ``tests/test_readme.py`` runs or names the test that checks them).
 - ``reference/cli.md``: every command and option, from the click definitions
@@ -42,19 +43,33 @@ PENDING: set[str] = set()
 # -- layouts -------------------------------------------------------------------------------
 
 
-def layout_modules() -> list[str]:
-    """The layout modules, in the order ``LAYOUTS`` tries them, then plain files."""
+def layout_sources() -> dict[str, Path]:
+    """Each layout's page name and its module's source file, in the order ``LAYOUTS`` tries
+    the layouts, then plain files. The page is named for the module's dotted name under
+    ``layouts/``, a dot made ``_``: a layout in a package, ``deepspeed.universal``, is
+    ``deepspeed_universal``; a package that is itself a layout is its ``__init__.py``."""
     from gradclip_cli.source.layouts import LAYOUTS
 
-    return [module.__name__.rsplit(".", 1)[1] for module in LAYOUTS] + ["single_file"]
+    sources = {}
+    for name in [m.__name__ for m in LAYOUTS] + ["gradclip_cli.source.layouts.single_file"]:
+        parts = name.removeprefix("gradclip_cli.source.layouts.").split(".")
+        file = LAYOUTS_DIR.joinpath(*parts)
+        file = file / "__init__.py" if file.is_dir() else file.with_suffix(".py")
+        sources["_".join(parts)] = file
+    return sources
+
+
+def layout_modules() -> list[str]:
+    """The layouts' page names, in the order ``LAYOUTS`` tries them, then plain files."""
+    return list(layout_sources())
 
 
 def docstring(module: str) -> str:
-    """The module's docstring, read from its source (nothing is imported)."""
-    source = (LAYOUTS_DIR / f"{module}.py").read_text(encoding="utf-8")
-    text = ast.get_docstring(ast.parse(source))
+    """The layout's docstring, read from its source (nothing is imported)."""
+    file = layout_sources()[module]
+    text = ast.get_docstring(ast.parse(file.read_text(encoding="utf-8")))
     if not text:
-        raise ValueError(f"gradclip_cli/source/layouts/{module}.py has no docstring")
+        raise ValueError(f"{file.relative_to(REPO).as_posix()} has no docstring")
     return text
 
 
@@ -73,12 +88,13 @@ def rst_to_markdown(text: str) -> str:
 
 def layout_page(module: str) -> str:
     title, _, body = docstring(module).partition("\n")
+    source = layout_sources()[module].relative_to(REPO).as_posix()
     title = rst_to_markdown(title.strip()).rstrip(".")
     example = EXAMPLES / f"{module}.md"
     parts = [
         f"# {title}",
         "",
-        f"*Generated from the docstring of `gradclip_cli/source/layouts/{module}.py`; "
+        f"*Generated from the docstring of `{source}`; "
         f"the example output below is real and checked by the tests.*",
         "",
         "## How gradclip reads it",

@@ -32,7 +32,6 @@ from . import (
     dcp,
     dcp_hf,
     deepspeed,
-    deepspeed_universal,
     hf_sharded,
     hf_trainer,
     lightning,
@@ -46,6 +45,7 @@ from . import (
     torchtune,
     verl,
 )
+from .deepspeed import universal as deepspeed_universal
 
 LAYOUTS: tuple[Layout, ...] = (
     megatron,  # its folders hold a DCP folder and common.pt: before any flat mapping
