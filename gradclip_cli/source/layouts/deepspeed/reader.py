@@ -23,6 +23,7 @@ from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Checkpoint, Contents, StoredTensor
 from gradclip_cli.source.untrusted import is_count
+from gradclip_cli.source.vocabulary import step_value
 
 from ..paths import inside, tagged_folder
 
@@ -74,9 +75,7 @@ class Reader:
     def header(self, contents: Contents, root: Mapping, given: Path, kind: str) -> str:
         """The step (``global_steps``), the gradients' refusal and the first line of the
         description, ``kind`` at the step in this folder; returns the version note."""
-        step = root.get("global_steps")
-        if is_count(step):
-            contents.step = step
+        contents.step = step_value(root.get("global_steps"))
         contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
         at = f" at global step {contents.step}" if contents.step is not None else ""
         contents.description.append(f"{kind}{at}: {visible(self.folder.name)}/")
