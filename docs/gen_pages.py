@@ -4,7 +4,8 @@ An MkDocs hook (``hooks:`` in mkdocs.yml), as ruff writes its rule pages from
 its rules' own doc comments: what a page says cannot drift from the code.
 
 - ``layouts/<module>.md``, one page per checkpoint layout: the layout
-  module's docstring (``gradclip_cli/source/layouts/<module>.py``), then the
+  module's docstring (``gradclip_cli/source/layouts/<module>.py``, or a package's
+  ``<package>/__init__.py`` and ``<package>/<module>.py``), then the
   real example output kept in ``docs/layouts/_examples/<module>.md`` (whose
   ``$`` blocks ``tests/test_readme.py`` runs or names the test that checks them).
 - ``reference/cli.md``: every command and option, from the click definitions
@@ -43,18 +44,32 @@ PENDING: set[str] = set()
 
 
 def layout_modules() -> list[str]:
-    """The layout modules, in the order ``LAYOUTS`` tries them, then plain files."""
+    """The layout pages, in the order ``LAYOUTS`` tries them, then plain files: each named
+    for its module under ``layouts/``, a package's modules joined by ``_``
+    (``megatron.legacy``: ``megatron_legacy``)."""
+    return list(layout_sources())
+
+
+def layout_sources() -> dict[str, str]:
+    """Each layout page's module source, relative to ``layouts/``."""
     from gradclip_cli.source.layouts import LAYOUTS
 
-    return [module.__name__.rsplit(".", 1)[1] for module in LAYOUTS] + ["single_file"]
+    out = {}
+    for module in LAYOUTS:
+        dotted = module.__name__.removeprefix("gradclip_cli.source.layouts.")
+        package = hasattr(module, "__path__")
+        out[dotted.replace(".", "_")] = dotted.replace(".", "/") + (
+            "/__init__.py" if package else ".py"
+        )
+    return {**out, "single_file": "single_file.py"}
 
 
 def docstring(module: str) -> str:
     """The module's docstring, read from its source (nothing is imported)."""
-    source = (LAYOUTS_DIR / f"{module}.py").read_text(encoding="utf-8")
-    text = ast.get_docstring(ast.parse(source))
+    path = layout_sources()[module]
+    text = ast.get_docstring(ast.parse((LAYOUTS_DIR / path).read_text(encoding="utf-8")))
     if not text:
-        raise ValueError(f"gradclip_cli/source/layouts/{module}.py has no docstring")
+        raise ValueError(f"gradclip_cli/source/layouts/{path} has no docstring")
     return text
 
 
@@ -78,7 +93,8 @@ def layout_page(module: str) -> str:
     parts = [
         f"# {title}",
         "",
-        f"*Generated from the docstring of `gradclip_cli/source/layouts/{module}.py`; "
+        f"*Generated from the docstring of `gradclip_cli/source/layouts/"
+        f"{layout_sources()[module]}`; "
         f"the example output below is real and checked by the tests.*",
         "",
         "## How gradclip reads it",

@@ -53,11 +53,12 @@ def _nav_paths(nav) -> list[str]:
 def test_every_layout_has_a_generated_page_from_its_own_docstring():
     from gradclip_cli.source.layouts import LAYOUTS
 
-    modules = [m.__name__.rsplit(".", 1)[1] for m in LAYOUTS] + ["single_file"]
+    dotted = [m.__name__.removeprefix("gradclip_cli.source.layouts.") for m in LAYOUTS]
+    modules = [d.replace(".", "_") for d in dotted] + ["single_file"]
     assert gen.layout_modules() == modules
-    for module in modules:
+    for module, name in zip(modules, [*dotted, "single_file"]):
         page = PAGES[f"layouts/{module}.md"]
-        doc = importlib.import_module(f"gradclip_cli.source.layouts.{module}").__doc__
+        doc = importlib.import_module(f"gradclip_cli.source.layouts.{name}").__doc__
         # Every paragraph of the docstring is on the page (code marks made Markdown's).
         for paragraph in doc.split("\n\n")[1:]:
             words = re.sub(r"``(.+?)``", r"`\1`", paragraph, flags=re.DOTALL).split()

@@ -38,13 +38,13 @@ from . import (
     lightning,
     litgpt,
     megatron,
-    megatron_legacy,
     olmo_core,
     olmo_core_gradients,
     single_file,
     torchtitan,
     torchtune,
 )
+from .megatron import legacy as megatron_legacy
 
 LAYOUTS: tuple[Layout, ...] = (
     megatron,  # its folders hold a DCP folder and common.pt: before any flat mapping
