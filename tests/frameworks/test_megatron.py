@@ -116,6 +116,27 @@ def test_weights_and_the_save_folder(gradclip, run):
         assert row["shape"] == list(weights[name].shape)
 
 
+def test_a_layout_built_on_megatrons_folders_reads_them_under_its_own_name(run):
+    """``open_dist_ckpt`` (as NeMo 2's ``weights/`` would use it): the caller's kind and
+    title, the tensors and moments Megatron's own layout reads."""
+    from gradclip_cli.source.layouts import megatron
+
+    folder = run / "run" / "iter_0000002"
+    own = megatron.open(folder, key=None, trust_pickle=False, verify=False)
+    other = megatron.open_dist_ckpt(
+        folder, folder, None, kind="nemo", title="NeMo 2 checkpoint's weights/",
+        trust_pickle=False, verify=False,
+    )
+    assert (own.kind, other.kind) == ("megatron", "nemo")
+    assert other.description[0].startswith("NeMo 2 checkpoint's weights/ at iteration 2: ")
+    assert other.description[0].split(": ", 1)[1] == own.description[0].split(": ", 1)[1]
+    assert other.evidence == own.evidence and other.files == own.files
+    assert other.weights.keys() == own.weights.keys()
+    for name, tensor in other.weights.items():
+        assert torch.equal(tensor.read(), own.weights[name].read()), name
+    assert other.optimizers[0].state.keys() == own.optimizers[0].state.keys()
+
+
 def test_never_reports_weights_or_moments_as_gradients(gradclip, run):
     auto = gradclip("inspect", run / "run" / "iter_0000002", "--format", "json")
     assert auto.code == 0 and auto.json()["what"] == "exp_avg", auto.err

@@ -37,7 +37,6 @@ from . import (
     lightning,
     litgpt,
     megatron,
-    megatron_legacy,
     olmo_core,
     olmo_core_gradients,
     single_file,
@@ -46,6 +45,7 @@ from . import (
     verl,
 )
 from .deepspeed import universal as deepspeed_universal
+from .megatron import legacy as megatron_legacy
 
 LAYOUTS: tuple[Layout, ...] = (
     megatron,  # its folders hold a DCP folder and common.pt: before any flat mapping

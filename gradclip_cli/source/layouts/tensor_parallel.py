@@ -10,7 +10,7 @@ counts a parameter only where ``param_is_not_tensor_parallel_duplicate`` (its
 nowhere). So replication is decided from the module names Megatron gives its
 parallel layers (``split_axis``) and checked against the hidden size; a name
 the rules do not know is refused, naming the file. Megatron legacy
-checkpoints (``megatron_legacy``) and DeepSpeed's ``mp_rank_XX`` files
+checkpoints (``megatron.legacy``) and DeepSpeed's ``mp_rank_XX`` files
 (``deepspeed``, as Megatron-DeepSpeed writes them) share the rule.
 """
 

@@ -4,7 +4,7 @@ Megatron-LM's ``save_checkpoint`` with ``--ckpt-format torch`` (core_v0.16.1,
 ``megatron/training/checkpointing.py``) has each tensor-parallel rank ``XX``
 of the first data-parallel rank ``torch.save`` one file,
 ``<save>/iter_0000003/mp_rank_XX/model_optim_rng.pt``, then writes the tracker
-``<save>/latest_checkpointed_iteration.txt`` (``megatron.py`` follows it to
+``<save>/latest_checkpointed_iteration.txt`` (``megatron`` follows it to
 either format). The file holds ``args`` (an ``argparse.Namespace``, read as
 inert data: ``files/megatron_pickle``), ``iteration``, ``checkpoint_version``,
 ``model`` (the module's ``state_dict_for_save_checkpoint``: tensors by name,
@@ -42,7 +42,7 @@ with ``*._extra_state`` entries for Transformer Engine's state, skipped here),
   groups' (``DistributedOptimizer.state_dict`` puts the one step of every parameter there).
 
 Recognised by content: an ``iter_N/`` folder holding ``mp_rank_XX/model_optim_rng.pt``;
-the save folder, by its tracker (``megatron.py``, which hands a legacy iteration here).
+the save folder, by its tracker (``megatron``, which hands a legacy iteration here).
 
 Parameter ids map to names by the model's order group by group
 (``what.map_names``, the contract's one interleaving that fits every shape).
@@ -88,7 +88,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from math import inf
 from pathlib import Path
 from typing import Any
 
@@ -104,51 +103,38 @@ from gradclip_cli.source.untrusted import is_count, is_int
 from gradclip_cli.source.vocabulary import step_value
 from gradclip_cli.source.what import map_names
 
-from .dcp_frameworks import refuse_key
-from .master_copy import rounds_to
-from .megatron_buckets import buckets, concatenated, one_setting
-from .paths import inside
-from .tensor_parallel import hidden_size, merged, split_axis, whole_shards
-from .torch_optim import is_optimizer_state, optimizer_state
+from ..dcp_frameworks import refuse_key
+from ..paths import inside
+from ..torch_optim import is_optimizer_state, optimizer_state
+from .distributed_optimizer import DISTRIBUTED, distrib_optim
+from .model import BUFFER, SIXTEEN
+from .pipeline import by_layer, global_names, pipeline_line, stage_layers, stages_optimizer
+from .tensor_parallel import joined, split_axes
+from .tracker import FILE, RANK, is_legacy
 
 KIND = "megatron-legacy"
-FILE = "model_optim_rng.pt"
-DISTRIBUTED = "distrib_optim.pt"
-_RANK = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){1,2})?")
 _EXTRA = "._extra_state"
-# A buffer Megatron saves among the model's tensors, in both formats: the router's expert
-# bias (``TopKRouter``'s ``register_buffer('expert_bias')``, core_v0.16.1), which no
-# optimizer steps: never a weight, nor mapped to optimizer state.
-BUFFER = re.compile(r"(?:.*\.)?router\.expert_bias")
 
 
 def recognises(path: Path) -> bool:
     """An ``iter_N/`` folder of the legacy format (its save folder is ``megatron``'s), one
     rank's ``mp_rank_XX/`` folder, or its ``model_optim_rng.pt``."""
     if os.path.isdir(path):
-        return is_iteration(path) or _is_rank(path)
+        return is_legacy(path) or _is_rank(path)
     return path.name == FILE and _is_rank(path.parent)
 
 
 def _is_rank(folder: Path) -> bool:
-    return _RANK.fullmatch(folder.name) is not None and os.path.isfile(folder / FILE)
+    return RANK.fullmatch(folder.name) is not None and os.path.isfile(folder / FILE)
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     refuse_key(path, key, "a Megatron legacy checkpoint")
-    if os.path.isdir(path) and is_iteration(path):
+    if os.path.isdir(path) and is_legacy(path):
         return open_iteration(path, path, None, trust_pickle=trust_pickle, verify=verify)
     return _open_rank(
         path, path if os.path.isdir(path) else path.parent, trust_pickle=trust_pickle, verify=verify
     )
-
-
-def is_iteration(path: Path) -> bool:
-    """A folder of ``mp_rank_XX/model_optim_rng.pt`` (cheap: names only)."""
-    try:
-        return any(_RANK.fullmatch(n) and os.path.isfile(path / n / FILE) for n in os.listdir(path))
-    except OSError:
-        return False
 
 
 def _open_rank(path: Path, rank_folder: Path, *, trust_pickle: bool, verify: bool) -> Contents:
@@ -162,9 +148,9 @@ def _open_rank(path: Path, rank_folder: Path, *, trust_pickle: bool, verify: boo
         verify=verify,
         only=rank_folder.name,
     )
-    siblings = [n for n in os.listdir(rank_folder.parent) if _RANK.fullmatch(n)]
+    siblings = [n for n in os.listdir(rank_folder.parent) if RANK.fullmatch(n)]
     if len(siblings) > 1:
-        stage = _RANK.fullmatch(rank_folder.name).group(2)
+        stage = RANK.fullmatch(rank_folder.name).group(2)
         contents.description.append(
             f"covers {rank_folder.name} only, one of {len(siblings)} "
             + (
@@ -191,16 +177,16 @@ def open_iteration(
     first = every[0]
     step = _same(every, "iteration", lambda r: r.iteration)
     pipelined = first.stage is not None
-    layers = _pipeline(stages) if pipelined else None
+    layers = stage_layers(stages) if pipelined else None
     names: list[str] = []
     weights: dict[str, StoredTensor] = {}
     kinds: dict[str, int | None] = {}
     parts: list[tuple[OptimizerState | None, str | None, dict[str, str]]] = []
     tied: list[str] = []
     for ranks in stages:
-        local, local_kinds = _tensor_parallel(ranks)
+        local, local_kinds = split_axes(ranks)
         files = [r.file for r in ranks]
-        rename, copies = _global_names(ranks[0], local, layers) if layers else ({}, [])
+        rename, copies = global_names(ranks[0], local, layers) if layers else ({}, [])
         tied += [rename.get(n, n) for n in copies]
         optimizer, note = _optimizer(ranks, local, local_kinds)
         masters = optimizer is not None and ranks[0].masters  # the float16 optimizer's fp32
@@ -215,14 +201,14 @@ def open_iteration(
                 )
             names.append(g)
             kinds[g] = local_kinds[n]
-            weights[g] = _merged(
+            weights[g] = joined(
                 g, [(r.masters if masters else r.weights)[n] for r in ranks], local_kinds[n], files
             )
         parts.append((optimizer, note, {n: rename.get(n, n) for n in local if n not in copies}))
     if layers:  # the model's order: an interleaved pipeline's stages hold its layers apart
-        names = _by_layer(names)
+        names = by_layer(names)
         weights = {n: weights[n] for n in names}
-    optimizer, note = _stages_optimizer(parts, names) if layers else parts[0][:2]
+    optimizer, note = stages_optimizer(parts, names) if layers else parts[0][:2]
     contents = Contents(
         path=path,
         kind=KIND,
@@ -258,7 +244,7 @@ def open_iteration(
     contents.model_order_names = list(names)
     buffers = {}
     for ranks in stages:  # integer tensors: never weights (replicated or not, rank 0's)
-        rename = _global_names(ranks[0], list(ranks[0].buffers), layers)[0] if layers else {}
+        rename = global_names(ranks[0], list(ranks[0].buffers), layers)[0] if layers else {}
         for n, t in ranks[0].buffers.items():
             buffers[rename.get(n, n)] = StoredTensor.whole(rename.get(n, n), t, ranks[0].file)
     if buffers:
@@ -298,7 +284,7 @@ def open_iteration(
         f"({len(first.skipped)} _extra_state entries skipped per rank)"
     )
     if layers:
-        contents.description.append(_pipeline_line(stages, layers, tied))
+        contents.description.append(pipeline_line(stages, layers, tied))
     if any(len(ranks) > 1 for ranks in stages):
         split = sum(1 for k in kinds.values() if k is not None)
         contents.description.append(
@@ -410,10 +396,10 @@ def _read_stages(
     """The ranks by pipeline stage, each stage's by tensor-parallel rank: ``mp_rank_XX``
     folders are one stage; ``mp_rank_XX_YYY`` ones are stage YYY's, when the args say
     pipeline parallelism (``get_checkpoint_name``: without it, ``_YYY`` is an expert rank)."""
-    found = sorted(n for n in os.listdir(folder) if _RANK.fullmatch(n))
+    found = sorted(n for n in os.listdir(folder) if RANK.fullmatch(n))
     if only is not None:
         found = [only]
-    suffixed = [n for n in found if _RANK.fullmatch(n).group(2)]
+    suffixed = [n for n in found if RANK.fullmatch(n).group(2)]
     if not suffixed:
         return [_read_ranks(folder, found, only=only, trust_pickle=trust_pickle, verify=verify)]
     plain = next((n for n in found if n not in suffixed), None)
@@ -421,7 +407,7 @@ def _read_stages(
         raise InputError(
             f"{folder}: holds both {plain} and {suffixed[0]}: not one checkpoint's ranks"
         )
-    expert = next((n for n in found if _RANK.fullmatch(n).group(2).count("_") != 1), None)
+    expert = next((n for n in found if RANK.fullmatch(n).group(2).count("_") != 1), None)
     if expert is not None:
         raise InputError(
             f"{folder / expert}: an expert-parallel rank (mp_rank_XX_YYY_ZZZ); gradclip reads "
@@ -430,7 +416,7 @@ def _read_stages(
     ranks = [_load_rank(folder, n, trust_pickle=trust_pickle, verify=verify) for n in found]
     sizes = {}
     for rank in ranks:
-        match = _RANK.fullmatch(rank.file.parent.name)
+        match = RANK.fullmatch(rank.file.parent.name)
         rank.tensor_rank, rank.stage = int(match.group(1)), int(match.group(2)[1:])
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             size = rank.args.get(key)
@@ -518,259 +504,6 @@ def _read_ranks(
     return ranks
 
 
-# ----------------------------------------------------------------- pipeline parallelism
-
-_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
-_ANY_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
-_COPY = "output_layer.weight"  # a tied last stage's copy of embedding.word_embeddings.weight
-
-
-def _pipeline(stages: list[list[_Rank]]) -> dict:
-    """Each stage's layers, ``(first global layer, count)`` per model chunk (one, or one per
-    virtual stage), and whether the last stage's output layer is the first stage's
-    embedding (tied), from the args, as Megatron-core builds them (core_v0.16.1
-    ``get_num_layers_to_build``, ``get_transformer_layer_offset``,
-    ``LanguageModule.setup_embeddings_and_output_layer``); what they do not decide exactly
-    is refused, naming the file."""
-    rank = stages[0][0]
-    args = rank.args
-
-    def refuse(why: str) -> InputError:
-        return InputError(
-            f"{rank.file}: {why}; gradclip cannot tell which global layer each stage holds"
-        )
-
-    size = args["pipeline_model_parallel_size"]
-    layers = args.get("num_layers")
-    if not is_count(layers, 1):
-        raise refuse("its args give no num_layers")
-    layout = args.get("pipeline_model_parallel_layout")
-    if layout is not None:
-        raise refuse(
-            f"its args set pipeline_model_parallel_layout {visible(repr(layout))[:40]} "
-            "(a custom layout)"
-        )
-    for key in ("mtp_num_layers", "standalone_embedding_stage"):
-        if args.get(key):
-            raise refuse(f"its args set {key} {visible(repr(args[key]))[:40]}")
-    first = args.get("decoder_first_pipeline_num_layers")
-    last = args.get("decoder_last_pipeline_num_layers")
-    embedding = bool(args.get("account_for_embedding_in_pipeline_split"))
-    loss = bool(args.get("account_for_loss_in_pipeline_split"))
-    if first is not None or last is not None:
-        if embedding or loss:
-            raise refuse("its args set both an uneven first or last stage and account_for_*")
-        rest = layers - (first or 0) - (last or 0)
-        middle = size - (first is not None) - (last is not None)
-        if middle > 0 and rest % middle:
-            raise refuse(f"{rest} layers do not split evenly over {middle} middle stages")
-        counts = [rest // middle if middle > 0 else 0] * size
-        if first is not None:
-            counts[0] = first
-        if last is not None:
-            counts[-1] = last
-        built = list(counts)  # each stage's layers before its chunks take their share
-    else:
-        total = layers + embedding + loss
-        if total % size:
-            raise refuse(f"{total} layers do not split evenly over {size} stages")
-        built = [total // size] * size
-        counts = list(built)
-        counts[0] -= embedding
-        counts[-1] -= loss
-    if sum(counts) != layers or min(counts) < 0:
-        raise refuse(f"its args' stages hold {counts} layers, not num_layers {layers}")
-    virtual = len(rank.chunks)  # the args' virtual_pipeline_model_parallel_size (_chunks)
-    if virtual == 1:
-        spans = [[(sum(counts[:s]), counts[s])] for s in range(size)]
-    else:
-        spans = _virtual_spans(args, size, virtual, built, refuse)
-    numbers = sorted(n for stage in spans for o, count in stage for n in range(o, o + count))
-    if numbers != list(range(layers)):  # every layer built once, by one chunk of one stage
-        raise refuse(
-            f"its args' stages and {virtual} virtual stages hold layers {numbers}, not each "
-            f"of num_layers {layers} once"
-        )
-    untie = args.get("untie_embeddings_and_output_weights")
-    if not isinstance(untie, bool):
-        raise InputError(
-            f"{rank.file}: its args do not say untie_embeddings_and_output_weights: gradclip "
-            f"cannot tell whether the last stage's {_COPY} is the embedding's copy"
-        )
-    for ranks in stages:  # each chunk of each stage holds exactly the layers its args give it
-        stage = ranks[0].stage
-        for key, (_, count) in zip(ranks[0].chunks, spans[stage]):
-            held = _held_layers(ranks[0], key)
-            if held != set(range(count)):
-                where, chunk = (f" in {key}", f"'s chunk {key}") if virtual > 1 else ("", "")
-                raise InputError(
-                    f"{ranks[0].file}: holds decoder layers {sorted(held)}{where}, but its args "
-                    f"give pipeline stage {stage}{chunk} {count} layer(s) of {layers}: "
-                    "gradclip cannot tell which global layer each stage holds"
-                )
-        if not untie and stage == size - 1 and _copy(ranks[0]) not in ranks[0].weights:
-            raise InputError(
-                f"{ranks[0].file}: its args say the output layer is tied to the embedding, "
-                f"but the last stage holds no {_copy(ranks[0])}"
-            )
-    return {"spans": spans, "tied": not untie, "size": size}
-
-
-def _virtual_spans(args: Mapping, size: int, virtual: int, built: list[int], refuse) -> list:
-    """``[[(first global layer, count) per chunk] per stage]`` of an interleaved pipeline:
-    each stage's layers in ``virtual`` chunks, chunk ``v`` of every stage before chunk
-    ``v + 1`` of any (with 4 layers, 2 stages and 2 chunks of 1 layer: stage 0 holds layers
-    0 and 2, stage 1 layers 1 and 3), as core_v0.16.1's ``get_num_layers_to_build`` and
-    ``get_transformer_layer_offset`` compute them with a ``vp_stage``."""
-    layers = args["num_layers"]
-    first = args.get("decoder_first_pipeline_num_layers")
-    last = args.get("decoder_last_pipeline_num_layers")
-    embedding = bool(args.get("account_for_embedding_in_pipeline_split"))
-    loss = bool(args.get("account_for_loss_in_pipeline_split"))
-    bad = next((s for s in range(size) if built[s] % virtual), None)
-    if bad is not None:
-        raise refuse(f"stage {bad}'s {built[bad]} layers do not split into {virtual} chunks")
-    spans = []
-    for stage in range(size):
-        chunks = []
-        for v in range(virtual):
-            count = built[stage] // virtual
-            count -= embedding and stage == 0 and v == 0
-            count -= loss and stage == size - 1 and v == virtual - 1
-            if first is not None or last is not None:  # an uneven first or last stage
-                first_chunk = (first or 0) // virtual
-                middle = size - (first is not None) - (last is not None)
-                middle_chunk = (layers - (first or 0) - (last or 0)) // virtual
-                every = first_chunk + middle_chunk + (last or 0) // virtual
-                if stage == 0:
-                    offset = v * every
-                elif middle == 0:  # Megatron-core divides by the middle stages here
-                    raise refuse("its args set an uneven first and last stage, no middle one")
-                else:
-                    rank = stage if first is None else stage - 1
-                    offset = v * every + first_chunk + rank * (middle_chunk // middle)
-            else:
-                total = layers + embedding + loss
-                offset = v * (total // virtual) + stage * (built[stage] // virtual)
-                offset -= embedding and not (stage == 0 and v == 0)
-            if count < 0:
-                raise refuse(f"stage {stage}'s virtual stage {v} holds {count} layers")
-            chunks.append((offset, count))
-        spans.append(chunks)
-    return spans
-
-
-def _held_layers(rank: _Rank, key: str) -> set[int]:
-    """The local numbers of the decoder layers in one model chunk of ``rank``."""
-    prefix = f"{key}." if len(rank.chunks) > 1 else ""
-    return {
-        int(m.group(1))
-        for n in rank.weights
-        if n.startswith(prefix) and (m := _LAYER.fullmatch(n[len(prefix) :]))
-    }
-
-
-def _copy(rank: _Rank) -> str:
-    """The name a tied last stage's copy of the embedding has here: its last chunk's."""
-    return f"{rank.chunks[-1]}.{_COPY}" if len(rank.chunks) > 1 else _COPY
-
-
-def _global_names(rank: _Rank, local: list[str], layers: dict) -> tuple[dict, list[str]]:
-    """``decoder.layers.N`` of a stage's chunk renamed by its global layer (each chunk
-    numbers its own from 0: a ``state_dict`` of its ``TransformerBlock``'s ``ModuleList``),
-    a chunk's other names without its key, and the names that are the tied embedding's copy
-    (a tied last stage's output layer, which Megatron's grad norm skips as ``shared``)."""
-    spans = layers["spans"][rank.stage]
-    keyed = len(rank.chunks) > 1
-    rename = {}
-    for name in local:
-        chunk, plain = 0, name
-        if keyed:  # model1.decoder.layers.0...: _Rank put each chunk's names under its key
-            key, _, plain = name.partition(".")
-            chunk = rank.chunks.index(key)
-        match = _LAYER.fullmatch(plain)
-        if match:
-            number = spans[chunk][0] + int(match.group(1))
-            rename[name] = f"decoder.layers.{number}.{match.group(2)}"
-        elif _ANY_LAYER.search(plain):
-            raise InputError(
-                f"{rank.file}: {visible(name)} is a layer outside decoder.layers: gradclip "
-                "cannot tell which global layer it is"
-            )
-        elif keyed:
-            rename[name] = plain
-    last = rank.stage == layers["size"] - 1
-    copies = [_copy(rank)] if layers["tied"] and last and _copy(rank) in local else []
-    return rename, copies
-
-
-def _by_layer(names: list[str]) -> list[str]:
-    """The stages' names with the decoder layers by global number, what comes before the
-    first (the embeddings) first and what comes after them (the final norm, the output
-    layer) last, each otherwise in its stage's order."""
-    numbers = [int(m.group(1)) if (m := _LAYER.fullmatch(n)) else None for n in names]
-    start = next((i for i, n in enumerate(numbers) if n is not None), len(names))
-    keys = [n if n is not None else -1 if i < start else inf for i, n in enumerate(numbers)]
-    return [name for _, name in sorted(zip(keys, names), key=lambda pair: pair[0])]
-
-
-def _pipeline_line(stages: list[list[_Rank]], layers: dict, tied: list[str]) -> str:
-    virtual = len(stages[0][0].chunks) > 1
-    held = ("; " if virtual else ", ").join(
-        ", ".join(
-            _span(offset, count) + (f" ({key})" if virtual else "")
-            for key, (offset, count) in zip(r[0].chunks, layers["spans"][r[0].stage])
-        )
-        + f" in {r[0].file.parent.name}"
-        for r in stages
-    )
-    line = (
-        (
-            f"decoder layers {held}: each virtual pipeline chunk numbers its own from 0, "
-            "named here by the global layer (the args' num_layers, pipeline split and "
-            f"virtual_pipeline_model_parallel_size {len(stages[0][0].chunks)})"
-        )
-        if virtual
-        else f"decoder layers {held}: each stage numbers its own from 0, named here by the "
-        "global layer (the args' num_layers and pipeline split)"
-    )
-    if tied:
-        line += (
-            f"; the last stage's {_COPY} is its copy of embedding.word_embeddings.weight "
-            "(tied): not counted, as Megatron's grad norm skips the shared copy"
-        )
-    return line
-
-
-def _span(offset: int, count: int) -> str:
-    if count == 0:
-        return "none"
-    return str(offset) if count == 1 else f"{offset}-{offset + count - 1}"
-
-
-def _stages_optimizer(
-    parts: list[tuple[OptimizerState | None, str | None, dict[str, str]]], names: list[str]
-) -> tuple[OptimizerState | None, str | None]:
-    """The stages' optimizers as one, by global names (a tied copy's state left out)."""
-    notes = [note for optimizer, note, _ in parts if optimizer is None]
-    if notes:
-        return None, notes[0]
-    order = {n: i for i, n in enumerate(names)}
-    groups, state, param_names = [], {}, {}
-    for optimizer, _, rename in parts:
-        for group in optimizer.param_groups:
-            members = []
-            for pid in group["params"]:
-                name = rename.get(optimizer.param_names.get(pid))
-                if name is None:
-                    continue  # the tied embedding's copy
-                members.append(order[name])
-                state[order[name]] = optimizer.state[pid]
-                param_names[order[name]] = name
-            groups.append({**group, "params": members})
-    return OptimizerState(groups, state, param_names, parts[0][0].file), None
-
-
 def _iteration(root: Mapping, args: Mapping, file: Path) -> int | None:
     value = root.get("iteration", args.get("iteration"))
     if value is None:
@@ -791,41 +524,6 @@ def _same(ranks: list[_Rank], what: str, get) -> Any:
                 "one checkpoint"
             )
     return value
-
-
-# ----------------------------------------------------------------- tensor parallelism
-
-
-def _tensor_parallel(ranks: list[_Rank]) -> tuple[list[str], dict[str, int | None]]:
-    """The model's names (rank 0's order), and each one's split axis (None: replicated)."""
-    first = ranks[0]
-    names = list(first.weights)
-    for rank in ranks[1:]:
-        if list(rank.weights) != names:
-            other = next(iter(set(rank.weights) ^ set(names)), None)
-            which = f" ({visible(other)} is in one only)" if other is not None else ""
-            raise InputError(
-                f"{rank.file}: its model tensors differ from "
-                f"{first.file.parent.name}'s{which}: the ranks are not one model"
-            )
-        for n in names:
-            a, b = first.weights[n], rank.weights[n]
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise InputError(
-                    f"{rank.file}: {visible(n)} is {list(b.shape)} {b.dtype}, "
-                    f"{list(a.shape)} {a.dtype} in {first.file.parent.name}: the "
-                    "ranks are not one model"
-                )
-    if len(ranks) == 1:
-        return names, dict.fromkeys(names)
-    shapes = {n: tuple(t.shape) for n, t in first.weights.items()}
-    hidden = hidden_size(first.args, shapes)
-    return names, {n: split_axis(n, shapes[n], hidden, first.file) for n in names}
-
-
-def _merged(name: str, tensors: list[torch.Tensor], axis: int | None, files) -> StoredTensor:
-    """The ranks' tensors of ``name`` (one per rank, from ``files``) as one stored tensor."""
-    return merged(name, whole_shards(name, tensors, files), axis)
 
 
 # ----------------------------------------------------------------- optimizer
@@ -869,7 +567,7 @@ def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | str:
 def _rank_optimizer(rank: _Rank) -> str | None:
     """Fill ``rank.optimizer`` (ids renumbered across a chain), ``names`` and ``masters``."""
     if os.path.isfile(rank.file.parent / DISTRIBUTED):
-        return _distributed(rank)
+        return distrib_optim(rank)
     found = _torch_states(rank)
     if isinstance(found, str):
         return found
@@ -898,7 +596,7 @@ def _rank_optimizer(rank: _Rank) -> str | None:
             rank.names[p]
             for p in members
             if p in rank.names
-            and rank.weights[rank.names[p]].dtype in (torch.float16, torch.bfloat16)
+            and rank.weights[rank.names[p]].dtype in SIXTEEN
         ]
         if len(sixteen) != len(masters):
             raise InputError(
@@ -959,7 +657,7 @@ def _optimizer(
                             f"{ranks[-1].file}: its {key} of {visible(name)} "
                             "differs in shape from mp_rank_00's"
                         )
-                    entry[key] = _merged(
+                    entry[key] = joined(
                         f"{name}.{key}",
                         [s.read() for s in shards],
                         kinds[name],
@@ -971,176 +669,3 @@ def _optimizer(
             param_names[order[name]] = name
         groups.append({**group, "params": [order[n] for n in members]})
     return OptimizerState(groups, state, param_names, first.file), None
-
-
-# ----------------------------------------------------------------- distributed optimizer
-
-
-def _distributed(rank: _Rank) -> str | None:
-    """The distributed optimizer's state: ``distrib_optim.pt``'s flat buffers, each
-    parameter's slice found by Megatron's grad-buffer layout and checked (module doc)."""
-    file = rank.file.parent / DISTRIBUTED
-    value = rank.root.get("optimizer")
-    inner = value.get("optimizer") if isinstance(value, Mapping) else None
-    groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
-    if (
-        not isinstance(groups, list)
-        or not groups
-        or not all(isinstance(g, Mapping) for g in groups)
-    ):
-        raise InputError(
-            f"{rank.file}: beside {DISTRIBUTED}, its optimizer is not one distributed "
-            "optimizer's param groups (several optimizers, or none): gradclip reads one"
-        )
-    if not one_setting(groups):
-        raise InputError(
-            f"{rank.file}: its param groups differ in lr, betas or eps, and {DISTRIBUTED} "
-            "does not say which parameter is in which group"
-        )
-    steps = {g.get("step") for g in groups}
-    if len(steps) != 1 or steps == {None}:
-        raise InputError(
-            f"{rank.file}: its param groups give no one Adam step (the distributed "
-            f"optimizer saves it there; {DISTRIBUTED} holds none)"
-        )
-    (step,) = steps
-    buffers = _buffers(rank, file)
-    order = {name: pid for pid, name in enumerate(rank.weights)}
-    by_buffer: dict[tuple[str, torch.dtype], list[str]] = {}
-    for name in order:  # Megatron's DDP: one grad buffer per chunk and dtype, model order
-        by_buffer.setdefault((_chunk_of(rank, name), rank.weights[name].dtype), []).append(name)
-    if [d for d, _ in buffers] != [d for _, d in by_buffer]:
-        chunks = f" of {len(rank.chunks)} model chunks" if len(rank.chunks) > 1 else ""
-        raise InputError(
-            f"{file}: holds grad buffers of {[str(d) for d, _ in buffers]}, the model's "
-            f"parameters{chunks} are {[str(d) for _, d in by_buffer]}: gradclip cannot tell "
-            "which elements are whose"
-        )
-    own = _own_bucket(rank)
-    state: dict[int, dict] = {}
-    for (dtype, tensors), ((chunk, _), names) in zip(buffers, by_buffer.items()):
-        # get_model's DDP buckets a virtual pipeline's first chunk only (disable_bucketing)
-        bucket = _bucket_size(rank, file) if chunk == rank.chunks[0] else None
-        places = _places(names, rank.weights, bucket, own)
-        _check_layout(file, dtype, tensors, places, rank.weights)
-        for name, (start, end) in places.items():
-            shape = rank.weights[name].shape
-            pid = order[name]
-            state[pid] = {
-                key: StoredTensor.whole(f"{name}.{key}", tensors[key][start:end].view(shape), file)
-                for key in ("exp_avg", "exp_avg_sq")
-            }
-            state[pid]["step"] = step
-            rank.masters[name] = tensors["param"][start:end].view(shape)
-            rank.names[pid] = name
-    group = {**{k: v for k, v in groups[0].items() if k != "params"}, "params": sorted(state)}
-    rank.optimizer = OptimizerState([group], state, None, rank.file)
-    rank.distributed = True
-    return None
-
-
-def _buffers(rank: _Rank, file: Path) -> list[tuple[torch.dtype, dict]]:
-    """``[(param dtype, {"param", "exp_avg", "exp_avg_sq": flat tensor, "numel_unpadded"})]``
-    by buffer index, as get_parameter_state_dp_zero saves them."""
-    with allowing(GLOBALS):
-        root = load_checkpoint(file, **rank.reading).root
-    if not isinstance(root, Mapping) or root.get("buckets_coalesced") is not True:
-        raise InputError(
-            f"{file}: not a distributed optimizer's parameter state of coalesced buckets "
-            "(get_parameter_state_dp_zero, core_v0.16.1)"
-        )
-    indices = sorted(k for k in root if k != "buckets_coalesced")
-    if indices != list(range(len(indices))) or not indices:
-        raise InputError(f"{file}: its grad buffers are not numbered 0, 1, ...")
-    out = []
-    for index in indices:
-        entry = root[index]
-        if not isinstance(entry, Mapping) or len(entry) != 1:
-            raise InputError(f"{file}: grad buffer {index} is not one (param, grad) dtype's")
-        ((dtypes, tensors),) = entry.items()
-        n = tensors.get("numel_unpadded") if isinstance(tensors, Mapping) else None
-        if (
-            not isinstance(dtypes, tuple)
-            or len(dtypes) != 2
-            or not all(isinstance(d, torch.dtype) for d in dtypes)
-            or not isinstance(n, int)
-            or not all(
-                isinstance(tensors.get(k), torch.Tensor)
-                and tensors[k].dtype == torch.float32
-                and tuple(tensors[k].shape) == (n,)
-                for k in ("param", "exp_avg", "exp_avg_sq")
-            )
-        ):
-            raise InputError(
-                f"{file}: grad buffer {index} is not flat fp32 param, exp_avg and "
-                "exp_avg_sq of numel_unpadded elements"
-            )
-        out.append((dtypes[0], tensors))
-    return out
-
-
-def _bucket_size(rank: _Rank, file: Path) -> int | None:
-    """When a bucket closes, as Megatron-LM's ``get_model`` and Megatron's DDP decide it."""
-    args = rank.args
-    if not args.get("overlap_grad_reduce") or rank.stage:
-        return None  # one bucket; Megatron's DDP never buckets a stage after the first
-    if args.get("ddp_num_buckets") is not None:
-        total = sum(t.numel() for t in rank.weights.values())
-        return total // args["ddp_num_buckets"]
-    if args.get("ddp_bucket_size") is not None:
-        return args["ddp_bucket_size"]
-    dp = args.get("data_parallel_size")
-    if not isinstance(dp, int):
-        raise InputError(f"{rank.file}: its args give no data_parallel_size for {file.name}")
-    return max(40000000, 1000000 * dp)
-
-
-def _own_bucket(rank: _Rank) -> set[str]:
-    """The parameters that Megatron's DDP puts in a bucket of their own: with pipeline stages
-    and a tied output layer, the first stage's word embeddings and the last stage's copy
-    (``shared_embedding``: ``LanguageModule.setup_embeddings_and_output_layer``,
-    ``_ParamAndGradBuffer``'s ``_does_param_require_new_bucket``)."""
-    size = rank.args.get("pipeline_model_parallel_size")
-    if rank.stage is None or not isinstance(size, int) or size < 2:
-        return set()
-    if rank.args.get("untie_embeddings_and_output_weights") is not False:
-        return set()
-    if rank.stage == 0:  # in the first chunk
-        prefix = f"{rank.chunks[0]}." if len(rank.chunks) > 1 else ""
-        return {f"{prefix}embedding.word_embeddings.weight"}
-    return {_copy(rank)} if rank.stage == size - 1 else set()
-
-
-def _chunk_of(rank: _Rank, name: str) -> str:
-    """The key of the model chunk that holds ``name`` (``model`` without a virtual pipeline)."""
-    return name.partition(".")[0] if len(rank.chunks) > 1 else rank.chunks[0]
-
-
-def _places(
-    names: list[str], weights: dict, bucket: int | None, own: set[str] = frozenset()
-) -> dict[str, tuple[int, int]]:
-    """Each parameter's ``(start, end)`` in the buffer's flat tensors: Megatron's buckets
-    (``megatron_buckets``) side by side, their end padding dropped."""
-    numels = {n: weights[n].numel() for n in names}
-    return concatenated(buckets(names, numels, bucket_size=bucket, own=own))
-
-
-def _check_layout(file: Path, dtype, tensors: dict, places: dict, weights: dict) -> None:
-    def unfit(why: str) -> InputError:
-        return InputError(
-            f"{file}: its {dtype} grad buffer does not fit Megatron's layout of the model's "
-            f"parameters ({why}): gradclip cannot tell which elements are whose"
-        )
-
-    n = tensors["numel_unpadded"]
-    end = max(e for _, e in places.values())
-    if end != n:
-        raise unfit(f"{end} elements laid out, numel_unpadded {n}")
-    cursor = 0  # the padding is the gaps between the parameters, in buffer order
-    for name, (start, stop) in sorted(places.items(), key=lambda item: item[1]):
-        for key in ("param", "exp_avg", "exp_avg_sq"):
-            if torch.count_nonzero(tensors[key][cursor:start]):
-                raise unfit(f"a padding element of {key} is not 0")
-        if not rounds_to(tensors["param"][start:stop], weights[name].reshape(-1).to(dtype)):
-            raise unfit(f"{visible(name)}'s slice of param is not the model's tensor")
-        cursor = stop

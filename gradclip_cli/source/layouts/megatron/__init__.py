@@ -1,0 +1,432 @@
+"""Megatron ``torch_dist`` checkpoints: ``iter_NNNNNNN/``, or the save folder with its tracker.
+
+Megatron-LM's ``save_checkpoint`` (``ckpt_format torch_dist``) writes
+``<save>/iter_0000003/`` through Megatron-core's ``dist_checkpointing.save``
+and then ``<save>/latest_checkpointed_iteration.txt``, the tracker naming the
+newest iteration (or ``release``). An iteration folder holds:
+
+* ``.metadata`` and ``__R_N.distcp``: a DCP folder (Megatron's planner keeps
+  every rank's save plan in the metadata, ``all_local_plans``: inert records
+  here) of the *sharded* tensors: the model's by Megatron's names, and the
+  optimizer's moments as ``optimizer.state.exp_avg.<name>`` and
+  ``optimizer.state.exp_avg_sq.<name>``;
+* ``common.pt``: what is not sharded: ``iteration``, ``args`` (an
+  ``argparse.Namespace``, read as inert data: ``files/megatron_pickle``), the
+  optimizer's ``param_groups`` (hyperparameters; the parameters each group
+  holds are not saved) and ``state.common_step``, the step of every moment;
+* ``metadata.json``: ``{"sharded_backend": "torch_dist", ...}``.
+
+In bf16 (or fp16) mixed precision, as Megatron-LM's ``--bf16`` trains (``Float16Module``,
+Megatron's DDP, ``Float16OptimizerWithFloat16Params``), the model's tensors are bf16 and
+the optimizer keeps an fp32 main param of each, the copy Adam updates, saved as
+``optimizer.state.fp32_param.<name>`` beside the moments; ``common.pt`` then holds torch's
+optimizer state one level down (``optimizer.optimizer.param_groups``,
+``optimizer.optimizer.state.common_step``). The fp32 main params are the weights measured
+(``_fp32_params``), each chunk checked, as it is read, to round to the model's chunk.
+
+Transformer layers are stacked: ``decoder.layers.mlp.linear_fc1.weight`` is
+one tensor of shape ``[num_layers, ...]``, each layer a chunk of its own
+(``sharded_offsets`` prepended by the layer's global number). Each layer is
+split off as a tensor of its own, ``decoder.layers.3.mlp.linear_fc1.weight``,
+so the report's groups name the layer. A tensor under ``layers`` whose chunks
+do not each hold one layer is refused: its layers cannot be told apart.
+
+A Mixture of Experts (``num_moe_experts``; the local spec's ``SequentialMLP``) saves each
+layer's router as ``decoder.layers.mlp.router.weight``, a parameter like any (with
+aux-loss-free balancing also its ``expert_bias``, a buffer: never a weight, nor laid out
+in the distributed optimizer's buckets), and its experts stacked once more:
+``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is ``[num_layers, num_experts,
+...]``, the global expert index a second prepended axis (each expert-parallel rank saving
+its own experts' chunks of it). Each expert of each layer is split off too, named by its
+global index as Megatron's ``singleton_local_shards`` keys name it,
+``decoder.layers.3.mlp.experts.experts.5.linear_fc1.weight``: in its layer's group, and a
+tensor of its own (``--group-by regex:`` makes each expert a group). A chunk holding
+several experts is cut at each. Under expert parallelism Megatron-LM's
+``get_megatron_optimizer`` chains two optimizers, the dense parameters' and the experts'
+(``ChainedOptimizer``): plain, their moments are saved per parameter by name as one
+optimizer's are, and ``common.pt``'s ``optimizer`` is ``{0: ..., 1: ...}``, each with its
+param groups and ``common_step`` (the steps must agree, as must lr, betas and eps);
+distributed (``dp_reshardable``), their buckets are under ``chained_0.`` and
+``chained_1.`` (``distributed_optimizer.chained_bucketed``); distributed
+``fully_reshardable``, their state is per parameter by name again, each one's step in its
+own ``optimizer.<N>.optimizer``'s param groups. A chain saved otherwise is refused. Keys
+under ``chained_N.optimizer.`` are the optimizer's, never the model's weights. Megatron's
+per-layer keys (``decoder.layers.0.mlp .experts.experts.linear_fc1.weight``, as it saves
+layers that differ, ``moe_layer_freq``) have the expert axis first, split the same way.
+
+With Megatron's distributed optimizer, saved as Megatron-LM saves it by default
+(``common.pt``'s ``optimizer.param_state_sharding_type`` ``dp_reshardable``), the
+moments are not per parameter: each grad-buffer bucket is flat tensors under
+``optimizer.distributed.`` and the step is in its param groups' object there;
+``distributed_optimizer.bucketed`` cuts each parameter's moments out of them by
+Megatron's bucket layout (shared with the legacy ``distrib_optim.pt``; a layer's
+experts in turn, as ``SequentialMLP`` lists them), checked against the model's tensors
+(their ``param``, fp32 main params, are the weights measured under bf16); with tensor or
+pipeline parallelism, each model-parallel rank's buckets (``dp_group_idx_N``) hold its
+stage's parameters, its shards of them.
+Saved ``fully_reshardable`` (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``), the
+state is per parameter again, in the model's shape and chunks,
+``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``, and the step is only in
+``common.pt``'s ``optimizer.optimizer.param_groups``: read as the plain optimizer's, the
+``param`` entries as its fp32 main params. Another sharding type is refused, saying so.
+
+A tracker naming a legacy iteration (``iter_N/mp_rank_XX/model_optim_rng.pt``) hands it
+to ``megatron.legacy``.
+
+Recognised by content, before any flat-mapping rule: ``metadata.json`` with
+``sharded_backend`` beside ``common.pt`` and ``.metadata``, or a folder
+whose tracker names such a folder inside it (``megatron.tracker``).
+
+The package holds Megatron's shared rules, one module each: ``tracker`` (the tracker and
+the iteration folders), ``model`` (buffers, stacked layers and experts, parameter order),
+``distributed_optimizer`` (the bucket layout and its state, in both formats),
+``tensor_parallel`` (the ranks' shards joined), ``pipeline`` (the legacy format's stages)
+and ``facts`` (what a ``torch_dist`` checkpoint holds, and the one function that words
+it). ``open_dist_ckpt`` reads a ``torch_dist`` folder under the calling layout's kind and
+title, for a layout built on Megatron's folders.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from gradclip_cli.errors import InputError
+from gradclip_cli.escaping import visible
+from gradclip_cli.source import load_checkpoint, roles
+from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
+from gradclip_cli.source.files.weights_pickle import allowing
+from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
+from gradclip_cli.source.untrusted import is_int
+from gradclip_cli.source.vocabulary import step_after
+
+from .. import dcp_folder
+from .. import dcp_frameworks as frameworks
+from ..master_copy import rounds_to
+from ..paths import inside, read_json
+from . import distributed_optimizer as distributed
+from . import facts as said
+from . import legacy
+from .model import BUFFER, MOMENT, OPTIMIZER, SIXTEEN, dtypes, named, split_layers
+from .tracker import COMMON, JSON, TRACKER, is_dist_ckpt, iteration_folder
+
+KIND = "megatron"
+TITLE = "Megatron torch_dist checkpoint"
+_MAIN = ("fp32_param", "param")  # the fp32 main params: the plain optimizer's, fully_reshardable's
+_FULLY = said.FULLY
+
+
+def recognises(path: Path) -> bool:
+    if not os.path.isdir(path):
+        return False
+    if os.path.isfile(path / TRACKER):
+        return True
+    return is_dist_ckpt(path)
+
+
+def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
+    frameworks.refuse_key(path, key, "a Megatron checkpoint")
+    folder_path, tracker = iteration_folder(path)
+    if legacy.is_legacy(folder_path):  # the tracker names a legacy iteration
+        return legacy.open_iteration(
+            path, folder_path, tracker, trust_pickle=trust_pickle, verify=verify
+        )
+    return open_dist_ckpt(
+        path, folder_path, tracker, kind=KIND, title=TITLE,
+        trust_pickle=trust_pickle, verify=verify,
+    )
+
+
+def open_dist_ckpt(
+    path: Path, folder_path: Path, tracker: Path | None, *, kind: str, title: str,
+    trust_pickle: bool, verify: bool,
+) -> Contents:
+    """The ``torch_dist`` folder ``folder_path`` (``tracker``: the file that named it, or
+    None) opened as ``Contents`` of ``kind``, described as a ``title``: the calling layout's
+    own, so a layout built on Megatron's folders (NeMo 2's ``weights/``) reads them here."""
+    stated = read_json(
+        inside(folder_path, JSON, named_by=folder_path), what="Megatron checkpoint metadata"
+    )
+    backend = stated.get("sharded_backend") if isinstance(stated, dict) else None
+    if backend != "torch_dist":
+        raise InputError(
+            f"{folder_path / JSON}: sharded_backend is "
+            f"{visible(repr(backend))[:40]}; gradclip reads torch_dist"
+        )
+    folder = dcp_folder.read_folder(folder_path, verify=verify, trust_pickle=trust_pickle)
+    common_file = inside(folder_path, COMMON, named_by=folder_path)
+    with allowing(GLOBALS):
+        common = load_checkpoint(common_file, trust_pickle=trust_pickle, verify=verify)
+    root = common.root
+    if not isinstance(root, dict):
+        raise InputError(f"{common_file}: not Megatron's common state: not a dict")
+    files = [folder_path / JSON, common_file, *folder.files]
+    if tracker is not None:
+        files.insert(0, tracker)
+    contents = Contents(
+        path=path,
+        kind=kind,
+        files=files,
+        index=folder.metadata_file,
+        folder=folder_path,
+        trusted_pickle=folder.trusted or common.trusted_pickle,
+    )
+    split = split_layers(folder)
+    weights = {n: t for k, (n, t) in named(split).items() if not OPTIMIZER.match(k)}
+    buffers = {n: t for n, t in weights.items() if BUFFER.fullmatch(n)}
+    weights = {n: t for n, t in weights.items() if n not in buffers}
+    contents.weights = weights or None
+    contents.buffers = buffers or None
+    optimizer = _optimizer(folder, split, root, common_file)
+    mains = _fp32_params(folder, split, weights)
+    found: dict = {"state": said.PER_PARAMETER if optimizer is not None else said.NONE}
+    if _sharding(root) == _FULLY and optimizer is not None:
+        optim = root["optimizer"]  # a ChainedOptimizer's under expert parallelism: {0: ..., 1: ...}
+        chained = 0 if "param_state_sharding_type" in optim else len(optim)
+        found.update(state=_FULLY, chained=chained)
+    sharding = distributed.sharding_of(folder, root) if optimizer is None else None
+    chain = distributed.chained_count(folder) if optimizer is None else 0
+    if chain or sharding == repr("dp_reshardable"):
+        if chain:
+            optimizer, buckets, mains = distributed.chained_bucketed(
+                folder, split, weights, root, common_file
+            )
+        else:
+            optimizer, one, mains = distributed.bucketed(folder, split, weights)
+            buckets = (one,)
+        found.update(state=said.BUCKETS, chained=len(buckets) if chain else 0, buckets=buckets)
+    elif sharding is not None:
+        sixteen = [n for n, t in weights.items() if t.dtype in SIXTEEN]
+        found.update(state=said.UNREAD, unread=visible(sharding), sixteen=dtypes(weights, sixteen))
+    # Only a 16-bit model's tensors differ from their fp32 main params (the buckets' param
+    # is every parameter's fp32 copy).
+    mains = {n: t for n, t in mains.items() if weights[n].dtype in SIXTEEN}
+    if mains:
+        contents.weights = {n: mains.get(n, t) for n, t in weights.items()}
+    if optimizer is not None:
+        contents.optimizers.append(optimizer)
+    contents.step = _iteration(root, common_file, folder_path)
+    facts = said.DistCkptFacts(
+        title=title,
+        folder=folder_path.name,
+        tracked=tracker is not None,
+        step=contents.step,
+        tensors=len(weights),
+        layers=len({n.split(".layers.")[1].split(".")[0] for n in weights if ".layers." in n}),
+        parameters=len(optimizer.state) if optimizer is not None else 0,
+        mains=len(mains),
+        main_dtypes=dtypes(weights, mains),
+        **found,
+    )
+    words = said.wording(facts)
+    contents.description.append(words.description)
+    contents.evidence[roles.WEIGHT] = words.weight_evidence
+    if words.optimizer_evidence is not None:
+        contents.evidence[roles.OPTIMIZER_STATE] = words.optimizer_evidence
+    contents.optimizer_error = words.optimizer_error
+    contents.gradient_error = (
+        f"{path}: a {title} saves no gradients (model, optimizer state, {COMMON})"
+    )
+    return contents
+
+
+def _sharding(root: dict) -> object:
+    """``common.pt``'s ``optimizer.param_state_sharding_type`` (the distributed optimizer's;
+    a ChainedOptimizer's, ``optimizer.<N>.``, where its optimizers agree), or None."""
+    optim = root.get("optimizer")
+    if not isinstance(optim, dict):
+        return None
+    if optim and all(is_int(k) for k in optim):
+        kinds = [p.get("param_state_sharding_type") if isinstance(p, dict) else None
+                 for p in optim.values()]
+        return kinds[0] if all(k == kinds[0] for k in kinds) else None
+    return optim.get("param_state_sharding_type")
+
+
+def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState | None:
+    moments: dict[str, dict] = {}
+    for key, parts in split.items():
+        found = MOMENT.fullmatch(key)
+        if not found or found.group(1) in _MAIN:
+            continue
+        for name, tensor in parts:
+            moments.setdefault(name, {})[found.group(1)] = dcp_folder.renamed(
+                tensor, f"{name}.{found.group(1)}"
+            )
+    if not moments:
+        return None
+    groups: list[dict] = []
+    steps = []
+    for where, optim in _chained(root.get("optimizer"), common_file):
+        mine, step = _groups_and_step(optim, where, common_file)
+        groups += mine
+        steps.append(step)
+    if len({repr(_step_value(s)) for s in steps}) != 1:
+        raise InputError(
+            f"{common_file}: the chained optimizers' steps differ "
+            f"({', '.join(visible(repr(_step_value(s))) for s in steps)}), and Megatron does not "
+            "save which parameters each holds"
+        )
+    step = steps[0]
+    # The groups' members are not saved (Megatron drops their ``params``); only lr, betas and
+    # eps enter the measured quantities, so any number of groups that agree on them is one.
+    if not distributed.one_setting(groups, ("lr", "betas", "eps")):
+        raise InputError(
+            f"{common_file}: the optimizer's {len(groups)} param groups differ in "
+            "lr, betas or eps, and Megatron does not save which parameters each "
+            "holds"
+        )
+    names = list(moments)
+    group = {
+        **{k: v for k, v in groups[0].items() if k not in ("params", "step")},
+        "params": list(range(len(names))),
+    }
+    return OptimizerState(
+        [group],
+        {i: {**moments[n], "step": step} for i, n in enumerate(names)},
+        dict(enumerate(names)),
+        common_file,
+    )
+
+
+def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
+    """The optimizers of ``common.pt``'s ``optimizer``, each with where it is: the one, or
+    a ``ChainedOptimizer``'s (``{0: ..., 1: ...}``, ``ChainedOptimizer.state_dict``: under
+    expert parallelism ``get_megatron_optimizer`` chains the dense parameters' optimizer and
+    the experts'; their moments are saved per parameter as one optimizer's are, by name,
+    when they are plain or distributed ``fully_reshardable``)."""
+    if not isinstance(optim, dict) or not optim or not all(is_int(k) for k in optim):
+        return [("optimizer", optim)]
+    if sorted(optim) != list(range(len(optim))):
+        raise InputError(
+            f"{common_file}: the chained optimizers are numbered {sorted(optim)[:8]}, "
+            "not 0, 1, ..."
+        )
+    kinds = [p.get("param_state_sharding_type") if isinstance(p, dict) else None
+             for p in optim.values()]
+    if any(k != kinds[0] for k in kinds) or kinds[0] not in (None, _FULLY):
+        raise InputError(
+            f"{common_file}: the chained optimizers are saved as {visible(repr(kinds))[:80]} "
+            "beside moments per parameter (optimizer.state.*); gradclip reads them plain or "
+            "each fully_reshardable"
+        )
+    return [(f"optimizer.{k}", optim[k]) for k in range(len(optim))]
+
+
+def _groups_and_step(optim, where: str, common_file: Path) -> tuple[list, object]:
+    """One optimizer's param groups and the step of its moments, from ``common.pt``."""
+    fully = isinstance(optim, dict) and optim.get("param_state_sharding_type") == _FULLY
+    if isinstance(optim, dict) and "param_groups" not in optim and "optimizer" in optim:
+        # Mixed precision (Float16OptimizerWithFloat16Params.state_dict): torch's state dict
+        # one level down, beside the fp32 main params (in .metadata: fp32_param entries)
+        optim, where = optim["optimizer"], f"{where}.optimizer"
+    state = optim.get("state") if isinstance(optim, dict) else None
+    groups = optim.get("param_groups") if isinstance(optim, dict) else None
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        raise InputError(
+            f"{common_file}: holds no {where}.param_groups (the moments' betas, lr and eps)"
+        )
+    if fully:  # the distributed optimizer's param groups hold the step, saved as they are
+        step = distributed.one_step(groups)
+        if step is None:
+            raise InputError(
+                f"{common_file}: the distributed optimizer's {where}.param_groups give no one "
+                "step (fully_reshardable keeps the moments' step there)"
+            )
+        return groups, step
+    if not isinstance(state, dict) or "common_step" not in state:
+        raise InputError(f"{common_file}: holds no {where}.state.common_step (the moments' step)")
+    return groups, state["common_step"]
+
+
+def _step_value(step) -> object:
+    """A step as a plain number to compare (``common_step`` is a 0-dim tensor)."""
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        return step.item()
+    return step
+
+
+def _fp32_params(folder, split, weights: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
+    """The optimizer's fp32 main params by model name, where it saves them per parameter
+    (none: ``{}``): ``optimizer.state.fp32_param.<key>`` (``Float16OptimizerWithFloat16Params
+    .sharded_state_dict``, core_v0.16.1) or ``fully_reshardable``'s ``optimizer.state.param
+    .<key>``, chunked as the model's tensor is. Megatron copies it into the model's parameter
+    after each step, rounded (``_copy_main_params_to_model_params``), so each chunk, when
+    read, must round to the model's chunk (``rounds_to``), else the file is refused: the two
+    copies disagree. A 16-bit parameter with moments but no fp32 copy, where others have
+    one, is refused too."""
+    where = folder.metadata_file
+    out: dict[str, StoredTensor] = {}
+    moments: set[str] = set()
+    kinds: set[str] = set()
+    for key, parts in split.items():
+        found = MOMENT.fullmatch(key)
+        if found and found.group(1) not in _MAIN:
+            moments.update(name for name, _ in parts)
+        if not found or found.group(1) not in _MAIN:
+            continue
+        kind = f"optimizer.state.{found.group(1)}"
+        kinds.add(kind)
+        for name, main in parts:
+            model = weights.get(name)
+            if model is None:
+                raise InputError(
+                    f"{where}: holds {visible(repr(key))[:120]}, the fp32 main param of "
+                    f"{visible(name)}, which the model does not hold"
+                )
+            if (
+                main.dtype != torch.float32
+                or main.shape != model.shape
+                or sorted((p.offsets, p.shape) for p in main.pieces)
+                != sorted((p.offsets, p.shape) for p in model.pieces)
+            ):
+                raise InputError(
+                    f"{where}: {visible(repr(key))[:120]} is not an fp32 tensor chunked as the "
+                    f"model's {visible(name)} ({model.dtype}, shape {list(model.shape)}): not "
+                    "its fp32 main param"
+                )
+            by_place = {(p.offsets, p.shape): p for p in model.pieces}
+            pieces = [
+                Piece(p.offsets, p.shape, _checked(name, kind, p, by_place[(p.offsets, p.shape)]),
+                      p.file)
+                for p in main.pieces
+            ]
+            out[name] = StoredTensor(name, main.shape, torch.float32, pieces)
+    if len(kinds) > 1:
+        raise InputError(f"{where}: holds both {' and '.join(sorted(kinds))} entries")
+    missing = [n for n in moments if n not in out and n in weights and weights[n].dtype in SIXTEEN]
+    if out and missing:
+        raise InputError(
+            f"{where}: holds no {kinds.pop()} of {visible(missing[0])} "
+            f"({weights[missing[0]].dtype}, with moments), where the other 16-bit parameters "
+            "have their fp32 main params: the mixed-precision state is incomplete"
+        )
+    return out
+
+
+def _checked(name: str, kind: str, main: Piece, model: Piece):
+    """``main.read`` that first checks the chunk rounds to the model's chunk."""
+
+    def read() -> torch.Tensor:
+        value, rounded = main.read(), model.read()
+        if not rounds_to(value, rounded):
+            raise InputError(
+                f"{main.file}: {visible(name)}'s fp32 main param ({kind}) "
+                f"rounded to {str(rounded.dtype).removeprefix('torch.')} is not the model's "
+                "tensor: the optimizer's weights and the model's disagree"
+            )
+        return value
+
+    return read
+
+
+def _iteration(root: dict, common_file: Path, folder: Path) -> int | None:
+    value = root.get("iteration")
+    if value is None:
+        args = root.get("args")
+        value = args.state.get("iteration") if isinstance(args, NamespaceState) else None
+    if value is None:
+        return step_after(folder.name, "iter_")
+    return frameworks.int_value(value, common_file, "iteration")
