@@ -396,7 +396,8 @@ def _fp32_params(folder, split, weights: dict[str, StoredTensor]) -> dict[str, S
             out[name] = StoredTensor(name, main.shape, torch.float32, pieces)
     if len(kinds) > 1:
         raise InputError(f"{where}: holds both {' and '.join(sorted(kinds))} entries")
-    missing = [n for n in moments if n not in out and n in weights and weights[n].dtype in SIXTEEN]
+    # In the model's order, so the parameter named is the same on every run.
+    missing = [n for n in weights if n in moments and n not in out and weights[n].dtype in SIXTEEN]
     if out and missing:
         raise InputError(
             f"{where}: holds no {kinds.pop()} of {visible(missing[0])} "
