@@ -25,8 +25,9 @@ Non-finite numbers are the strings ``"nan"`` and ``"inf"``, as in every
 gradclip JSON document. ``gradclip trend grads.jsonl`` reads the log.
 
 A spike is judged by the rule ``gradclip trend`` uses (``core.spikes``, ZClip):
-the total and every group each have their own history, and ``spike`` is true
-when the total or any group spikes; ``z`` is the total's z-score (null while
+the total and every group each have their own history, the step's groups
+judged at once against the groups' threshold (``core.spikes.group_threshold``),
+and ``spike`` is true when the total or any group spikes; ``z`` is the total's z-score (null while
 there is too little history) and ``spike_groups`` names the groups that
 spiked. On a non-finite gradient, or a spike once the spiking series has
 ``warmup`` earlier points, the gradients are saved with

@@ -24,11 +24,11 @@ autopsy's rates; ``benchmarks/spike_rates.py``,
   ``group_threshold(z, G)`` for ``G`` groups (Sidak's correction): the chance
   that any of them crosses by noise is then the chance that one series
   crosses ``z``, where judging each at ``z`` made it up to ``G`` times that.
-  The total keeps ``z``. On OLMo-core's ``olmo2_1M`` (5 groups), 2 of 10
-  clean runs (seeds 0-9) had a group cross by batch noise, at 2.34x and 2.67x
-  its running mean (z 2.68 and 3.33) while the total stayed below 2.25x;
-  at 5 groups a group must pass z 3.02, 2.51x under the floor. Every
-  injected 20-100x group spike scored z 20 or more.
+  The total keeps ``z``. On OLMo-core's ``olmo2_1M`` (5 groups), 30 clean
+  runs with every group judged at 2.5 had 8 group crossings by batch noise
+  in 6 runs (2.34x to 3.45x the running mean); at 5 groups' 3.02 (2.51x
+  under the floor) 4 are left, in 4 runs, while every injected
+  20-100x spike of one group still scored z 16.9 or more (BENCHMARKS.md).
 
 References:
     Kumar et al., "ZClip: Adaptive Spike Mitigation for LLM Pre-Training",
