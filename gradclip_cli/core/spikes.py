@@ -25,8 +25,8 @@ autopsy's rates; ``benchmarks/spike_rates.py``,
   that any of them crosses by noise is then the chance that one series
   crosses ``z``, where judging each at ``z`` made it up to ``G`` times that.
   The total keeps ``z``. On OLMo-core's ``olmo2_1M`` (5 groups), 30 clean
-  runs with every group judged at 2.5 had 8 group crossings by batch noise
-  in 6 runs (2.34x to 3.45x the running mean); at 5 groups' 3.02 (2.51x
+  runs with every group judged at 2.5 had 9 group crossings by batch noise
+  in 7 runs (2.34x to 3.45x the running mean); at 5 groups' 3.02 (2.51x
   under the floor) 4 are left, in 4 runs, while every injected
   20-100x spike of one group still scored z 16.9 or more (BENCHMARKS.md).
 
