@@ -16,6 +16,10 @@ must find nothing to explain (exit 0, status ``nothing``).
 
     GRADCLIP_FRAMEWORKS_PYTHON=/path/to/frameworks-venv/bin/python \\
         PYTHONPATH=. .venv/bin/python -m benchmarks.autopsy_rates_olmo_core --seeds 10
+
+``--runs DIR`` keeps each run in ``DIR/seedN-injected`` or ``DIR/seedN-clean`` and
+reuses one already there (a run is deterministic in its seed), so the autopsy
+can be measured again, after a change to gradclip, on the same runs.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--runs", type=Path, default=None,
+                        help="keep the runs here and reuse those already there")
     options = parser.parse_args(argv)
     python = os.environ.get("GRADCLIP_FRAMEWORKS_PYTHON")
     if not python:
@@ -120,9 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     misses = []
     for seed in seeds:
         for injected in (True, False):
-            with tempfile.TemporaryDirectory() as tmp:
-                folder = make_run(python, Path(tmp), seed, injected)
+            if options.runs is not None:
+                out = options.runs / f"seed{seed}-{'injected' if injected else 'clean'}"
+                folder = out / "run"
+                if not (out / "reference" / "spike.pt").exists():
+                    shutil.rmtree(out, ignore_errors=True)  # a run cut short
+                    folder = make_run(python, out, seed, injected)
                 code, doc = autopsy(folder)
+            else:
+                with tempfile.TemporaryDirectory() as tmp:
+                    folder = make_run(python, Path(tmp), seed, injected)
+                    code, doc = autopsy(folder)
             layer = injection(seed)[0] if injected else None
             good, said = judged(layer, code, doc)
             if injected:

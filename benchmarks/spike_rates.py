@@ -253,31 +253,35 @@ def trend_flags(records: list[dict]) -> list[int]:
     return [p.step for p in report.points if p.spike]
 
 
+def _judged(records: list[dict], series: str) -> list:
+    """``series`` ("total" or a group) of ``records`` judged as the rule in force judges
+    it: a group against the threshold of the groups judged with it at each step."""
+    from gradclip_cli.core.spikes import DEFAULT_Z, SpikeDetector, group_threshold
+
+    detector = SpikeDetector()
+    if series == "total":
+        return [detector.update(float(r["total_norm"])) for r in records]
+    return [detector.update(float(r["groups"][series]),
+                            group_threshold(DEFAULT_Z, len(r["groups"]))) for r in records]
+
+
 def largest_z(records: list[dict]) -> float:
     """The largest z-score of any series (the total and every group) in ``records``,
     as the rule in force computes it."""
-    from gradclip_cli.core.spikes import SpikeDetector
-
     largest = -math.inf
-    for values in _series(records).values():
-        detector = SpikeDetector()
-        for x in values:
-            z = detector.update(x).z
-            if z is not None:
-                largest = max(largest, z)
+    for series in _series(records):
+        for judged in _judged(records, series):
+            if judged.z is not None:
+                largest = max(largest, judged.z)
     return largest
 
 
 def injected_z(run: Run) -> list[float]:
     """The z-score of each injected spike in the series it was injected into."""
-    from gradclip_cli.core.spikes import SpikeDetector
-
-    series = _series(run.records)
     steps = [r["step"] for r in run.records]
     out = []
     for step, target in sorted(run.injected.items()):
-        detector = SpikeDetector()
-        judged = [detector.update(x) for x in series["total" if target == "*" else target]]
+        judged = _judged(run.records, "total" if target == "*" else target)
         out.append(judged[steps.index(step)].z)
     return out
 
@@ -316,13 +320,10 @@ def _series(records: list[dict]) -> dict[str, list[float]]:
 def replay_flags(records: list[dict]) -> list[int]:
     """Steps the rule in force flags when the log's norms are judged afresh (the
     monitor's own verdicts, recomputed: used to try other floors on the same runs)."""
-    from gradclip_cli.core.spikes import SpikeDetector
-
     steps = [r["step"] for r in records]
     flagged = set()
-    for values in _series(records).values():
-        detector = SpikeDetector()
-        flagged |= {s for s, x in zip(steps, values) if detector.update(x).spike}
+    for series in _series(records):
+        flagged |= {s for s, j in zip(steps, _judged(records, series)) if j.spike}
     return sorted(flagged)
 
 
@@ -361,12 +362,8 @@ def floor_table(pairs: dict[str, list[tuple[Run, Run]]], floors: list[float]) ->
 
 
 def _series_flags(run: Run, series: str, step: int) -> bool:
-    from gradclip_cli.core.spikes import SpikeDetector
-
-    detector = SpikeDetector()
     steps = [r["step"] for r in run.records]
-    judged = [detector.update(x) for x in _series(run.records)[series]]
-    return judged[steps.index(step)].spike
+    return _judged(run.records, series)[steps.index(step)].spike
 
 
 def main(argv: list[str] | None = None) -> int:

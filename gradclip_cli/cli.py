@@ -355,7 +355,8 @@ def clip(path, max_norm, clip_value, output, in_place, key, norm_type, device, f
 @what_option
 @group_by_option
 @click.option("--z", type=V.positive("--z"), metavar="Z", help="A point is a spike when its "
-         "z-score exceeds Z (default 2.5).")
+         "total's z-score exceeds Z (default 2.5), or a group's exceeds the z that keeps the "
+         "chance of any of its G groups crossing that of one series (3.02 for 5).")
 @click.option("--alpha", type=V.between_0_and_1("--alpha"), metavar="A",
          help="Factor of the exponential averages of mean and variance (default 0.97).")
 @click.option("--warmup", type=V.count("--warmup", 1), metavar="N",

@@ -25,8 +25,9 @@ Non-finite numbers are the strings ``"nan"`` and ``"inf"``, as in every
 gradclip JSON document. ``gradclip trend grads.jsonl`` reads the log.
 
 A spike is judged by the rule ``gradclip trend`` uses (``core.spikes``, ZClip):
-the total and every group each have their own history, and ``spike`` is true
-when the total or any group spikes; ``z`` is the total's z-score (null while
+the total and every group each have their own history, the step's groups
+judged at once against the groups' threshold (``core.spikes.group_threshold``),
+and ``spike`` is true when the total or any group spikes; ``z`` is the total's z-score (null while
 there is too little history) and ``spike_groups`` names the groups that
 spiked. On a non-finite gradient, or a spike once the spiking series has
 ``warmup`` earlier points, the gradients are saved with
@@ -91,7 +92,14 @@ from .core import (
 )
 from .core.clipping import EPS
 from .core.norms import certified_group_norms
-from .core.spikes import DEFAULT_ALPHA, DEFAULT_WARMUP, DEFAULT_Z, SpikeDetector, SpikeSeries
+from .core.spikes import (
+    DEFAULT_ALPHA,
+    DEFAULT_WARMUP,
+    DEFAULT_Z,
+    SpikeDetector,
+    SpikeSeries,
+    group_threshold,
+)
 from .distributed import dtensor
 from .errors import OutputError, UsageError
 from .format.json import nonfinite_object, number
@@ -504,7 +512,11 @@ class GradMonitor:
         judged = self._total_detector.update(total_norm)
         worth_a_dump = judged.spike and settled
         # Only the groups' decisions are logged, not their z-scores.
-        spiked, settled_spike = self._group_detectors.spikes(norms, m.plan.series, m.plan.rows)
+        # The step's groups are judged at once, against the groups' threshold (as trend).
+        spiked, settled_spike = self._group_detectors.spikes(
+            norms, m.plan.series, m.plan.rows,
+            group_threshold(self._total_detector.threshold, len(group_norms)),
+        )
         worth_a_dump = worth_a_dump or settled_spike
         names = m.sums.names
         spike_groups = [names[i] for i in spiked]

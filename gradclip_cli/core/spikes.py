@@ -4,9 +4,10 @@ A point is a spike when its z-score against the run's own history is above a
 threshold: ``z = (x - mean) / std``, where ``mean`` and ``var`` are
 exponential moving averages (factor ``alpha``) of the earlier points, seeded
 by the plain mean and variance of the first ``warmup`` of them. Points with
-fewer than ``MIN_HISTORY`` earlier points are not judged. Two refinements,
-both measured on real short runs (BENCHMARKS.md, "Spike detection on real
-runs"; ``benchmarks/spike_rates.py``):
+fewer than ``MIN_HISTORY`` earlier points are not judged. Three refinements,
+each measured on real short runs (BENCHMARKS.md, "Spike-rule rates" and the
+autopsy's rates; ``benchmarks/spike_rates.py``,
+``benchmarks/autopsy_rates_olmo_core.py``):
 
 - ``std`` is at least ``MIN_RELATIVE_STD`` (one half) of ``|mean|``. Mini-batch
   noise in small models and early steps moves a norm by up to 1.8x its
@@ -19,6 +20,15 @@ runs"; ``benchmarks/spike_rates.py``):
   at the threshold), as ZClip updates its averages with the clipped norm,
   instead of being left out: a lasting rise in the norm is taken in over the
   following steps rather than flagged at every one of them.
+- The groups of one point are judged at once, each against
+  ``group_threshold(z, G)`` for ``G`` groups (Sidak's correction): the chance
+  that any of them crosses by noise is then the chance that one series
+  crosses ``z``, where judging each at ``z`` made it up to ``G`` times that.
+  The total keeps ``z``. On OLMo-core's ``olmo2_1M`` (5 groups), 30 clean
+  runs with every group judged at 2.5 had 9 group crossings by batch noise
+  in 7 runs (2.34x to 3.45x the running mean); at 5 groups' 3.02 (2.51x
+  under the floor) 4 are left, in 4 runs, while every injected
+  20-100x spike of one group still scored z 16.9 or more (BENCHMARKS.md).
 
 References:
     Kumar et al., "ZClip: Adaptive Spike Mitigation for LLM Pre-Training",
@@ -34,10 +44,12 @@ for bit. No I/O.
 
 from __future__ import annotations
 
+import functools
 import math
 from array import array
 from dataclasses import dataclass
 from itertools import repeat
+from statistics import NormalDist
 
 import torch
 
@@ -54,6 +66,25 @@ DEFAULT_WARMUP = 25
 # a run of 1,000 logged steps (25 of warm-up) floats cost less up to between
 # 48 and 64 series. Llama-2-7B's layers make 35 groups, GPT-2's 15.
 FEW_SERIES = 48
+
+
+@functools.lru_cache(maxsize=256)
+def group_threshold(z: float, groups: int) -> float:
+    """The z each of ``groups`` groups judged at one point must exceed: the one at
+    which the chance that any of them crosses by noise is the chance that one
+    series crosses ``z`` (Sidak's correction, under the normal model the z-score
+    stands on): ``1 - (1 - Q(z_g)) ** groups = Q(z)``, ``Q`` the normal tail.
+
+    ``z`` itself for one group (or none). Past float64's reach of the tail
+    (``z`` above about 37) it is the tail's own asymptote, ``sqrt(z**2 + 2 ln groups)``.
+    """
+    if groups <= 1:
+        return z
+    tail = 0.5 * math.erfc(z / math.sqrt(2))  # Q(z)
+    each = -math.expm1(math.log1p(-tail) / groups)  # 1 - (1 - Q(z)) ** (1 / groups)
+    if not each > 0:
+        return math.sqrt(z * z + 2 * math.log(groups))
+    return max(z, -NormalDist().inv_cdf(each))
 
 
 @dataclass(frozen=True)
@@ -90,10 +121,15 @@ class SpikeDetector:
         self.spread = 0.0  # the history's standard deviation, before the floor
         self._seed: list[float] = []
 
-    def update(self, x: float) -> Judgement:
+    def update(self, x: float, threshold: float | None = None) -> Judgement:
         """Judge ``x`` against the points before it, then let it into the history
-        (clipped to the limit if it is a spike; not at all if it is not finite)."""
+        (clipped to the limit if it is a spike; not at all if it is not finite).
+
+        ``threshold``: the z to exceed at this point, if not the detector's own
+        (a group's, ``group_threshold``, when several groups are judged at once).
+        """
         x = float(x)
+        threshold = self.threshold if threshold is None else threshold
         earlier, self.seen = self.seen, self.seen + 1
         if not math.isfinite(x):
             return Judgement(None, False, True)
@@ -102,8 +138,8 @@ class SpikeDetector:
             return Judgement(None, False, False)
         std = self.std()
         z = _ratio(x - self.mean, std)
-        limit = self.mean + self.threshold * std
-        spike = z > self.threshold
+        limit = self.mean + threshold * std
+        spike = z > threshold
         self._accept(limit if spike else x)
         return Judgement(z, spike, False, limit)
 
@@ -303,7 +339,8 @@ class SpikeDetectors:
         return d
 
     def update(
-        self, x: torch.Tensor, series: torch.Tensor | None = None, *, scores: bool = True
+        self, x: torch.Tensor, series: torch.Tensor | None = None, *, scores: bool = True,
+        threshold: float | None = None,
     ) -> Judgements:
         """Judge ``x[i]`` as the next point of series ``series[i]`` (of series i when
         ``series`` is None), then let it into that history, as ``SpikeDetector.update``.
@@ -311,15 +348,17 @@ class SpikeDetectors:
         With ``scores=False`` only the decisions are certain to be given: ``z``
         and ``limit`` may be NaN where a point is not a spike (the monitor's
         groups, whose z-scores are not logged). Decisions and state are the same.
+        ``threshold``: the z every point given must exceed, if not ``self.threshold``.
         """
         x = x.to(F64)
+        threshold = self.threshold if threshold is None else threshold
         if series is None and self._in_step is not None and len(x):
-            judged = self._update_in_step(x, scores)
+            judged = self._update_in_step(x, scores, threshold)
             if judged is not None:
                 return judged
         self._settle()
         self._in_step = None
-        judged = self._update(x, series)
+        judged = self._update(x, series, threshold)
         if len(self) and bool(
             (self.seen == self.seen[0]).all()
             & (self.accepted == self.accepted[0]).all()
@@ -327,13 +366,15 @@ class SpikeDetectors:
             self._in_step = (int(self.seen[0]), int(self.accepted[0]))
         return judged
 
-    def _update_in_step(self, x: torch.Tensor, scores: bool) -> Judgements | None:
+    def _update_in_step(
+        self, x: torch.Tensor, scores: bool, threshold: float
+    ) -> Judgements | None:
         """``update`` of every series when all have the same counts and a finite
         history, and every ``x`` is finite; None (nothing changed) otherwise."""
         seen, accepted = self._in_step
         judged = seen >= MIN_HISTORY and accepted > 0
         if judged and self._stale is not None and not scores:
-            decided = self._decide_from_seed(x, accepted)
+            decided = self._decide_from_seed(x, accepted, threshold)
             if decided is None:
                 return None
             z, limit, spike = decided
@@ -347,8 +388,8 @@ class SpikeDetectors:
                 return None
             std = torch.maximum(spread, mean.abs() * MIN_RELATIVE_STD)
             z = torch.nan_to_num((x - mean) / std, nan=0.0, posinf=math.inf, neginf=-math.inf)
-            limit = mean + std * self.threshold
-            spike = z > self.threshold
+            limit = mean + std * threshold
+            spike = z > threshold
         else:
             nan = torch.full_like(x, math.nan)
             z, limit, spike = nan, nan, torch.zeros_like(x, dtype=torch.bool)
@@ -381,7 +422,7 @@ class SpikeDetectors:
         every = torch.full_like(spike, judged)
         return Judgements(every, z, spike, torch.zeros_like(spike), limit)
 
-    def _decide_from_seed(self, x: torch.Tensor, n: int):
+    def _decide_from_seed(self, x: torch.Tensor, n: int, threshold: float):
         """Spike decisions of every series from its ``n`` warm-up points, without
         their exact mean and spread where a bound shows it needs none.
 
@@ -409,8 +450,8 @@ class SpikeDetectors:
             (z.abs() + 1) * (4 * u) + em / std + (rise.abs() + em) * est / (std * (std - est))
         )
         # NaN anywhere (an overflow) compares false: not decided here.
-        decided = (std > 2 * est) & ((z - self.threshold).abs() > 2 * bz)
-        spike = decided & (z > self.threshold)
+        decided = (std > 2 * est) & ((z - threshold).abs() > 2 * bz)
+        spike = decided & (z > threshold)
         exact = (~decided | spike).nonzero().flatten()
         nan = torch.full_like(x, math.nan)
         z, limit = nan, nan.clone()
@@ -423,11 +464,13 @@ class SpikeDetectors:
             z[exact] = torch.nan_to_num(
                 (xs - mean) / std, nan=0.0, posinf=math.inf, neginf=-math.inf
             )
-            limit[exact] = mean + std * self.threshold
-            spike[exact] = z[exact] > self.threshold
+            limit[exact] = mean + std * threshold
+            spike[exact] = z[exact] > threshold
         return z, limit, spike
 
-    def _update(self, x: torch.Tensor, series: torch.Tensor | None) -> Judgements:
+    def _update(
+        self, x: torch.Tensor, series: torch.Tensor | None, threshold: float
+    ) -> Judgements:
         if series is None:
             state = (self.seen, self.accepted, self.mean, self.spread)
         else:
@@ -440,8 +483,8 @@ class SpikeDetectors:
         # _ratio: std is 0 only for a history of zeros, where 0 / 0 is 0 and any
         # rise is infinite (IEEE's x / +0 is inf with the sign of x).
         z = torch.nan_to_num(rise / std, nan=0.0, posinf=math.inf, neginf=-math.inf)
-        limit = mean + std * self.threshold
-        spike = judged & (z > self.threshold)
+        limit = mean + std * threshold
+        spike = judged & (z > threshold)
         nan = torch.full_like(x, math.nan)
         z, limit = torch.where(judged, z, nan), torch.where(judged, limit, nan)
         value = torch.where(spike, limit, x)  # what enters the history
@@ -478,7 +521,7 @@ class SpikeDetectors:
         for i in odd.nonzero().flatten().tolist():
             k = int(index[i])
             d = self.detector(k)
-            j = d.update(float(x[i]))
+            j = d.update(float(x[i]), threshold)
             judged[i], spike[i] = j.z is not None, j.spike
             z[i] = math.nan if j.z is None else j.z
             limit[i] = math.nan if j.limit is None else j.limit
@@ -552,28 +595,30 @@ class SpikeSeries:
         self.many.add(count)
 
     def spikes(
-        self, x: torch.Tensor, series: list[int] | None, rows: torch.Tensor | None = None
+        self, x: torch.Tensor, series: list[int] | None, rows: torch.Tensor | None = None,
+        threshold: float | None = None,
     ) -> tuple[list[int], bool]:
         """Judge ``x[i]`` as the next point of series ``series[i]`` (of series i
         when ``series`` is None) and let it into that history.
 
         Returns the indexes ``i`` that are spikes, and whether any of them is a
         spike of a series that had ``warmup`` earlier points. ``rows`` is
-        ``series`` as an int64 tensor, if the caller keeps one.
+        ``series`` as an int64 tensor, if the caller keeps one; ``threshold``
+        the z each point must exceed, if not the rule's own ``z``.
         """
         if self.many is None:
             picked = self.detectors if series is None else [self.detectors[k] for k in series]
             spiked, settled = [], False
             for i, (d, value) in enumerate(zip(picked, x.tolist())):
                 earlier = d.seen
-                if d.update(value).spike:
+                if d.update(value, threshold).spike:
                     spiked.append(i)
                     settled = settled or earlier >= self.warmup
             return spiked, settled
         if series is not None and rows is None:
             rows = torch.tensor(series, dtype=torch.int64)
         seen = self.many.seen if rows is None else self.many.seen[rows]
-        judged = self.many.update(x, rows, scores=False)
+        judged = self.many.update(x, rows, scores=False, threshold=threshold)
         spiked = judged.spike.nonzero().flatten().tolist()
         settled = bool(spiked) and bool((judged.spike & (seen >= self.warmup)).any())
         return spiked, settled

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..report.autopsy import QUANTITIES, times
+from ..report.trend import group_rule
 from .text import visible
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ def header(report: AutopsyReport) -> list[str]:
     step = "-" if report.step is None else str(report.step)
     lines = [f"step {step} of {visible(report.finest)} (window {report.window}, outliers "
              f"beyond {report.outlier_k:g} sqrt(v_hat)); spike: z > {report.z_threshold:g} "
-             f"(alpha {report.alpha:g}, warmup {report.warmup})"]
+             f"({group_rule([len(report.groups)], report.z_threshold)}"
+             f"alpha {report.alpha:g}, warmup {report.warmup})"]
     if report.total_onset is not None:
         o = report.total_onset
         how = "non-finite" if o.nonfinite else "crossed the rule"

@@ -17,6 +17,7 @@ import re
 from typing import TYPE_CHECKING, TextIO
 
 from ..report.model import NONFINITE, SPIKE
+from ..report.trend import group_rule
 from .shown import (
     MAX_GROUPS,
     MAX_SPARK_GROUPS,
@@ -149,7 +150,8 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
                        report.status in (SPIKE, NONFINITE) or bool(report.disagreeing)))
     out.write(f"{len(report.points)} points, {escape(report.what)}, "
               f"p={escape(fmt_p(report.norm_type))}; spike: z \\> {report.z_threshold:g} "
-              f"(alpha {report.alpha:g}, warmup {report.warmup})\n\n")
+              f"({escape(group_rule([len(p.groups) for p in report.points], report.z_threshold))}"
+              f"alpha {report.alpha:g}, warmup {report.warmup})\n\n")
     if report.notes:  # where each series of a run folder came from
         out.write("".join(f"- {escape(note)}\n" for note in report.notes) + "\n")
     audits = audit_lines(report)  # the norm audit

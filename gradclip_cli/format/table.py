@@ -27,6 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..report.model import NONFINITE, OK, SPIKE
+from ..report.trend import group_rule
 from . import findings as F
 from .fitting import MIN_NAME_WIDTH, Column, fit, report_width, shorten, shown_columns, wrap
 from .shown import (
@@ -329,7 +330,8 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
     _print_prose(console,
                  f"{len(report.points)} points, {report.what}, p={fmt_p(report.norm_type)}, "
                  f"groups by {visible(report.group_by)}; spike: z > {report.z_threshold:g} "
-                 f"(alpha {report.alpha:g}, warmup {report.warmup})")
+                 f"({group_rule([len(p.groups) for p in report.points], report.z_threshold)}"
+                 f"alpha {report.alpha:g}, warmup {report.warmup})")
     for note in report.notes:  # where each series of a run folder came from
         _print_prose(console, visible(note))
     for line in audit_lines(report):  # already made visible

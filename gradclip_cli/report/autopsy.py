@@ -33,7 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..core.spikes import SpikeDetector
+from ..core.spikes import SpikeDetector, group_threshold
 from .model import INSUFFICIENT_HISTORY
 from .trend import FAIL_ON_ANY, Observation, TrendReport, build_trend_report
 
@@ -264,7 +264,9 @@ def _history(series: QuantitySeries, group: str | None, step: int,
             if detector.accepted == 0 or not math.isfinite(value) or mean <= 0:
                 return None
             return value / mean
-        detector.update(value)
+        # A group's point is judged as trend judges it, against its point's groups' threshold.
+        detector.update(value, None if group is None else
+                        group_threshold(detector.threshold, len(o.groups)))
     return None
 
 

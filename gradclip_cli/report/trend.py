@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..core.spikes import SpikeDetector
+from ..core.spikes import SpikeDetector, group_threshold
 from ..errors import UsageError
 from ..escaping import visible
 from .model import INSUFFICIENT_HISTORY, NONFINITE, OK, SPIKE, NonFinite
@@ -147,6 +147,20 @@ class TrendReport:
         return [p for p in candidates if p.spike or p.is_nonfinite]
 
 
+def group_rule(counts: Sequence[int], z: float) -> str:
+    """Words for the groups' threshold (``group_threshold``), to go before the
+    averages' parameters: ``"a group: z > 3.03, 5 groups at once; "``, or ``""``
+    where no point holds more than one group."""
+    counts = sorted({c for c in counts if c > 1})
+    if not counts:
+        return ""
+    low, high = group_threshold(z, counts[0]), group_threshold(z, counts[-1])
+    if counts[0] == counts[-1]:
+        return f"a group: z > {low:.3g}, {counts[0]} groups at once; "
+    return (f"a group: z > {low:.3g} to {high:.3g}, {counts[0]} to {counts[-1]} groups "
+            "at once; ")
+
+
 def order_by_step(observations: Sequence[Observation]) -> list[Observation]:
     """By step when every observation has one (a stable sort: ties keep their order);
     else in the order given, since a partial order would be a guess.
@@ -261,8 +275,11 @@ def build_trend_report(
     for obs in observations:
         total = total_detector.update(obs.total_norm)
         spike_groups, nonfinite_groups, group_z = [], [], {}
+        # The groups of one point are judged at once: each against a threshold that
+        # keeps the chance of any of them crossing by noise that of one series.
+        threshold = group_threshold(z, len(obs.groups))
         for name, norm in obs.groups.items():
-            judgement = group_detectors.setdefault(name, detector()).update(norm)
+            judgement = group_detectors.setdefault(name, detector()).update(norm, threshold)
             group_z[name] = judgement.z
             if judgement.spike:
                 spike_groups.append(name)

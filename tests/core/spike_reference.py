@@ -42,3 +42,25 @@ def reference(series, z=2.5, alpha=0.97, warmup=25):
             mean = alpha * mean + (1 - alpha) * kept
             var = alpha * var + (1 - alpha) * (kept - mean) ** 2
     return out
+
+
+def group_z(z, groups):
+    """The z each of ``groups`` groups judged at one point must exceed (spike-rule.md):
+    the t with ``1 - (1 - Q(t)) ** groups == Q(z)``, ``Q`` the normal tail
+    ``erfc(t / sqrt(2)) / 2``, found by bisection (not by an inverse of the
+    normal distribution)."""
+    if groups <= 1:
+        return z
+    target = 0.5 * math.erfc(z / math.sqrt(2))
+
+    def family(t):  # the chance that any of the groups crosses t
+        return -math.expm1(groups * math.log1p(-0.5 * math.erfc(t / math.sqrt(2))))
+
+    low, high = z, z + 10.0
+    for _ in range(200):
+        middle = (low + high) / 2
+        if family(middle) > target:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2

@@ -32,8 +32,9 @@ def same(a: float | None, b: float) -> bool:
     )
 
 
-def check_against_scalar(steps, z=2.5, alpha=0.97, warmup=25, scores=True):
+def check_against_scalar(steps, z=2.5, alpha=0.97, warmup=25, scores=True, threshold=None):
     """Run both on ``steps``: a list of {series: value} per step; compare everything.
+    ``threshold``: each step's z to exceed (the groups', given at each update), if not ``z``.
 
     With ``scores=False`` (decisions only: z and limit given for spikes) the
     state is compared at the end, reading it settles what was put off.
@@ -50,9 +51,10 @@ def check_against_scalar(steps, z=2.5, alpha=0.97, warmup=25, scores=True):
             torch.tensor(values, dtype=torch.float64),
             None if every else torch.tensor(order, dtype=torch.int64),
             scores=scores,
+            threshold=threshold,
         )
         for i, (k, x) in enumerate(zip(order, values)):
-            want = scalar[k].update(x)
+            want = scalar[k].update(x, threshold)
             where = (t, k, x)
             assert bool(got.spike[i]) == want.spike, where
             assert bool(got.judged[i]) == (want.z is not None), where
@@ -91,6 +93,21 @@ norms = st.one_of(
 )
 def test_every_series_is_judged_as_its_own_detector_would(rows, warmup, z, scores):
     check_against_scalar([dict(enumerate(r)) for r in rows], z=z, warmup=warmup, scores=scores)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.lists(norms, min_size=3, max_size=3), min_size=1, max_size=40),
+    st.sampled_from([1, 5, 25]),
+    st.sampled_from([2.0, 3.0253, 4.369]),
+    st.booleans(),
+)
+def test_a_threshold_given_at_each_update_is_judged_as_the_scalar_rule_judges_it(
+    rows, warmup, threshold, scores
+):
+    # The groups' threshold (group_threshold) is given at each update, not built in.
+    check_against_scalar([dict(enumerate(r)) for r in rows], warmup=warmup, scores=scores,
+                         threshold=threshold)
 
 
 @settings(max_examples=30, deadline=None)
@@ -234,11 +251,13 @@ def check_series_against_scalar(steps, few, warmup=4):
         series = None if every else order
         rows = None if series is None or t % 2 else torch.tensor(order, dtype=torch.int64)
         x = torch.tensor([step[k] for k in order], dtype=torch.float64)
-        got, settled = rule.spikes(x, series, rows)
+        # As the monitor judges its groups: against the threshold for as many at once.
+        threshold = spikes.group_threshold(spikes.DEFAULT_Z, len(order))
+        got, settled = rule.spikes(x, series, rows, threshold)
         want, want_settled = [], False
         for i, k in enumerate(order):
             earlier = scalar[k].seen
-            if scalar[k].update(step[k]).spike:
+            if scalar[k].update(step[k], threshold).spike:
                 want.append(i)
                 want_settled = want_settled or earlier >= warmup
         assert (got, settled) == (want, want_settled), (t, step)

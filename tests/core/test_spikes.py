@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from gradclip_cli.core.spikes import MIN_RELATIVE_STD, SpikeDetector
+from gradclip_cli.core.spikes import MIN_RELATIVE_STD, SpikeDetector, group_threshold
 
-from .spike_reference import reference
+from .spike_reference import group_z, reference
 
 
 def noisy(seed, n=200, spread=0.9):
@@ -115,3 +115,41 @@ def test_norms_near_floats_range_are_judged_without_overflow(scale):
         detector.update(scale * 1e-3 * (1 + 0.01 * (i % 3)))
     jump = detector.update(scale * 1e-2)
     assert jump.spike and math.isfinite(jump.z)
+
+
+@pytest.mark.parametrize("z", [1.5, 2.5, 4.0, 6.0])
+@pytest.mark.parametrize("groups", [0, 1, 2, 5, 15, 35, 1000])
+def test_the_groups_threshold_keeps_the_chance_of_any_crossing_that_of_one_series(z, groups):
+    got = group_threshold(z, groups)
+    assert got == pytest.approx(group_z(z, groups), rel=1e-9)
+    assert got >= z and (groups > 1) == (got > z)
+
+
+def test_the_groups_threshold_grows_with_the_groups_and_stays_finite_past_the_tail():
+    assert [round(group_threshold(2.5, g), 3) for g in (1, 5, 1000)] == [2.5, 3.025, 4.369]
+    thresholds = [group_threshold(2.5, g) for g in range(1, 200)]
+    assert thresholds == sorted(thresholds)
+    # Q(40) underflows float64: the tail's asymptote, sqrt(z**2 + 2 ln G), still above z.
+    assert group_threshold(40.0, 5) == pytest.approx(math.sqrt(1600 + 2 * math.log(5)))
+
+
+def test_a_threshold_given_for_one_point_is_its_threshold_and_its_limit():
+    series = noisy(3)
+    series[60] = 2.4 * sum(series[:60]) / 60  # 2.4x the running mean
+    series[90] *= 20
+    for threshold in (2.5, 3.025):
+        detector = SpikeDetector()
+        got = [detector.update(x, threshold) for x in series]
+        want = reference(series, z=threshold)
+        assert [j.spike for j in got] == [w[1] for w in want]
+        for j, (_, _, limit) in zip(got, want):
+            assert (j.limit is None) == (limit is None)
+            if limit is not None:
+                assert j.limit == pytest.approx(limit, rel=1e-9)
+    # 2.4x the running mean: past one series' bar (2.25x), not five groups' (2.51x).
+    assert spikes_at(series, 2.5) == [60, 90] and spikes_at(series, 3.025) == [90]
+
+
+def spikes_at(series, threshold):
+    detector = SpikeDetector()
+    return [i for i, x in enumerate(series) if detector.update(x, threshold).spike]

@@ -11,6 +11,8 @@ from gradclip_cli.errors import UsageError
 from gradclip_cli.report import NonFinite
 from gradclip_cli.report.trend import Observation, build_trend_report, order_by_step
 
+from ..core.spike_reference import group_z, reference
+
 
 def build(observations, fail_on="newest", **kw):
     opts = {"z": 2.5, "alpha": 0.97, "warmup": 25, **kw}
@@ -82,3 +84,28 @@ def test_order_by_step_is_stable_and_only_when_every_step_is_known():
     # The order given may not contradict the steps that are known.
     with pytest.raises(UsageError, match=r"^u: no step .* s1 \(step 1\) comes after s5 \(step 5\)"):
         order_by_step([a, unknown, c])
+
+
+def test_the_groups_of_a_point_are_judged_at_once_against_the_groups_threshold():
+    # Five groups, as OLMo-core's olmo2_1M in GradMonitor's default grouping. Batch
+    # noise of the kind measured there (one group at 2.3-2.7x its history while the
+    # total stays below 2.25x) is past one series' bar (2.25x the running mean) but
+    # not five groups' (z > 3.025: 2.51x); a 20x spike of one group still is one.
+    names = ["embeddings", "blocks.0", "blocks.1", "lm_head.norm", "lm_head.w_out"]
+    series = {g: [(k + 1) * wobble(i + k) for i in range(50)] for k, g in enumerate(names)}
+    mean = sum(series["embeddings"][:30]) / 30
+    series["embeddings"][30] = 2.4 * mean
+    series["blocks.1"][42] *= 20
+    points = []
+    for i in range(50):
+        groups = {g: series[g][i] for g in names}
+        points.append(obs(i, math.sqrt(sum(v * v for v in groups.values())), groups))
+    report = build(points, fail_on="any")
+    threshold = group_z(2.5, len(names))
+    for g in names:
+        want = [i for i, (_, spike, _) in enumerate(reference(series[g], z=threshold)) if spike]
+        assert [p.step for p in report.points if g in p.spike_groups] == want, g
+    assert [(p.step, p.spike_groups) for p in report.points if p.spike] == [(42, ("blocks.1",))]
+    # One series at the total's threshold would flag the noise: it is the groups' bar
+    # that keeps it out.
+    assert reference(series["embeddings"], z=2.5)[30][1]
