@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..report.autopsy import QUANTITIES, times
-from ..report.trend import group_rule
 from .text import visible
+from .words import group_rule
 
 if TYPE_CHECKING:
     from ..report.autopsy import AutopsyReport, GroupAutopsy
@@ -40,7 +40,7 @@ def header(report: AutopsyReport) -> list[str]:
     step = "-" if report.step is None else str(report.step)
     lines = [f"step {step} of {visible(report.finest)} (window {report.window}, outliers "
              f"beyond {report.outlier_k:g} sqrt(v_hat)); spike: z > {report.z_threshold:g} "
-             f"({group_rule([len(report.groups)], report.z_threshold)}"
+             f"({group_rule(report.group_thresholds())}"
              f"alpha {report.alpha:g}, warmup {report.warmup})"]
     if report.total_onset is not None:
         o = report.total_onset

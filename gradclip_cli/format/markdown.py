@@ -17,7 +17,6 @@ import re
 from typing import TYPE_CHECKING, TextIO
 
 from ..report.model import NONFINITE, SPIKE
-from ..report.trend import group_rule
 from .shown import (
     MAX_GROUPS,
     MAX_SPARK_GROUPS,
@@ -33,6 +32,7 @@ from .words import (
     fmt,
     fmt_p,
     fmt_ratio,
+    group_rule,
     judged_in,
     measured_line,
     ratio_cell,
@@ -150,7 +150,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
                        report.status in (SPIKE, NONFINITE) or bool(report.disagreeing)))
     out.write(f"{len(report.points)} points, {escape(report.what)}, "
               f"p={escape(fmt_p(report.norm_type))}; spike: z \\> {report.z_threshold:g} "
-              f"({escape(group_rule([len(p.groups) for p in report.points], report.z_threshold))}"
+              f"({escape(group_rule(report.group_thresholds()))}"
               f"alpha {report.alpha:g}, warmup {report.warmup})\n\n")
     if report.notes:  # where each series of a run folder came from
         out.write("".join(f"- {escape(note)}\n" for note in report.notes) + "\n")

@@ -27,7 +27,6 @@ from rich.table import Table
 from rich.text import Text
 
 from ..report.model import NONFINITE, OK, SPIKE
-from ..report.trend import group_rule
 from . import findings as F
 from .fitting import MIN_NAME_WIDTH, Column, fit, report_width, shorten, shown_columns, wrap
 from .shown import (
@@ -47,6 +46,7 @@ from .words import (
     fmt,
     fmt_p,
     fmt_total,
+    group_rule,
     judged_in,
     nonfinite_text,
     plural,
@@ -330,7 +330,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
     _print_prose(console,
                  f"{len(report.points)} points, {report.what}, p={fmt_p(report.norm_type)}, "
                  f"groups by {visible(report.group_by)}; spike: z > {report.z_threshold:g} "
-                 f"({group_rule([len(p.groups) for p in report.points], report.z_threshold)}"
+                 f"({group_rule(report.group_thresholds())}"
                  f"alpha {report.alpha:g}, warmup {report.warmup})")
     for note in report.notes:  # where each series of a run folder came from
         _print_prose(console, visible(note))

@@ -360,3 +360,15 @@ def compare_verdict(report: CompareReport) -> str:
              if report.one_sided else "")
     return (f"OK: {what.attribute} total ratio {fmt_ratio(report.total.ratio)}{limit}{alone} "
             "(exit 0)")
+
+
+def group_rule(thresholds: list[tuple[int, float]]) -> str:
+    """Words for the groups' threshold (a report's ``group_thresholds()``), to go before
+    the averages' parameters: ``"a group: z > 3.03, 5 groups at once; "``, or ``""``
+    where no point holds more than one group."""
+    if not thresholds:
+        return ""
+    (fewest, low), (most, high) = thresholds[0], thresholds[-1]
+    if fewest == most:
+        return f"a group: z > {low:.3g}, {fewest} groups at once; "
+    return f"a group: z > {low:.3g} to {high:.3g}, {fewest} to {most} groups at once; "

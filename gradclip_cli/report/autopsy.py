@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from ..core.spikes import SpikeDetector, group_threshold
 from .model import INSUFFICIENT_HISTORY
-from .trend import FAIL_ON_ANY, Observation, TrendReport, build_trend_report
+from .trend import FAIL_ON_ANY, Observation, TrendReport, build_trend_report, group_thresholds
 
 EXPLAINED, NOTHING, INSUFFICIENT = "explained", "nothing", "insufficient"
 # Quantities in the order a report lists them.
@@ -147,6 +147,10 @@ class AutopsyReport:
     alpha: float = 0.97
     warmup: int = 25
     spikes: tuple[int, ...] = field(default_factory=tuple)  # every flagged step of the finest
+
+    def group_thresholds(self) -> list[tuple[int, float]]:
+        """The groups' threshold in force (``report.trend.group_thresholds``)."""
+        return group_thresholds([len(self.groups)], self.z_threshold)
 
 
 def finest(series: Sequence[QuantitySeries]) -> QuantitySeries:

@@ -11,7 +11,7 @@ groups that moved.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -140,6 +140,10 @@ class TrendReport:
         """Every group seen, in order of first appearance."""
         return list(dict.fromkeys(g for p in self.points for g in p.groups))
 
+    def group_thresholds(self) -> list[tuple[int, float]]:
+        """The groups' thresholds in force over these points (``group_thresholds``)."""
+        return group_thresholds((len(p.groups) for p in self.points), self.z_threshold)
+
     @property
     def failing(self) -> list[TrendPoint]:
         """The points that make the exit code 1 under ``fail_on``."""
@@ -147,18 +151,12 @@ class TrendReport:
         return [p for p in candidates if p.spike or p.is_nonfinite]
 
 
-def group_rule(counts: Sequence[int], z: float) -> str:
-    """Words for the groups' threshold (``group_threshold``), to go before the
-    averages' parameters: ``"a group: z > 3.03, 5 groups at once; "``, or ``""``
-    where no point holds more than one group."""
+def group_thresholds(counts: Iterable[int], z: float) -> list[tuple[int, float]]:
+    """``(groups at once, the z each must exceed)`` (``group_threshold``) for the fewest
+    and the most groups of ``counts`` above one (one pair where they are the same; none
+    where no point holds more than one group): what the reports state of the rule."""
     counts = sorted({c for c in counts if c > 1})
-    if not counts:
-        return ""
-    low, high = group_threshold(z, counts[0]), group_threshold(z, counts[-1])
-    if counts[0] == counts[-1]:
-        return f"a group: z > {low:.3g}, {counts[0]} groups at once; "
-    return (f"a group: z > {low:.3g} to {high:.3g}, {counts[0]} to {counts[-1]} groups "
-            "at once; ")
+    return [(c, group_threshold(z, c)) for c in dict.fromkeys(counts[:1] + counts[-1:])]
 
 
 def order_by_step(observations: Sequence[Observation]) -> list[Observation]:
