@@ -20,6 +20,11 @@ must find nothing to explain (exit 0, status ``nothing``).
 ``--runs DIR`` keeps each run in ``DIR/seedN-injected`` or ``DIR/seedN-clean`` and
 reuses one already there (a run is deterministic in its seed), so the autopsy
 can be measured again, after a change to gradclip, on the same runs.
+
+``--batch N`` trains each step on N sequences of random tokens (the generator's
+``--batch``; default ``BATCH``, 8 sequences of 16 tokens): the larger the batch,
+the less a step's gradient varies with the tokens drawn. Kept runs of another
+batch are named ``DIR/seedN-batchN-injected`` / ``-clean``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 GENERATOR = REPO / "tests" / "frameworks" / "olmo_core_spike_run.py"
 SPIKE_STEP = 35  # as the generator's
+BATCH = 8  # sequences per step, as the generator's default
 LAYERS = ("blocks.0", "blocks.1", "embeddings", "lm_head.w_out")
 FACTORS = (20.0, 50.0, 100.0)
 
@@ -47,9 +53,12 @@ def injection(seed: int) -> tuple[str, float]:
     return LAYERS[seed % len(LAYERS)], FACTORS[seed % len(FACTORS)]
 
 
-def make_run(python: str, out: Path, seed: int, injected: bool) -> Path:
-    """One real OLMo-core run into ``out``; the run's folder (``out/run``)."""
+def make_run(python: str, out: Path, seed: int, injected: bool, batch: int = BATCH) -> Path:
+    """One real OLMo-core run of ``batch`` sequences a step into ``out``; the run's
+    folder (``out/run``)."""
     extra = [injection(seed)[0], f"{injection(seed)[1]:g}"] if injected else []
+    if batch != BATCH:
+        extra += ["--batch", str(batch)]
     env = {
         k: v
         for k, v in os.environ.items()
@@ -104,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--runs", type=Path, default=None,
                         help="keep the runs here and reuse those already there")
+    parser.add_argument("--batch", type=int, default=BATCH,
+                        help=f"sequences of random tokens per step (default {BATCH})")
     options = parser.parse_args(argv)
+    if options.batch < 1:
+        parser.error("--batch must be 1 or more")
     python = os.environ.get("GRADCLIP_FRAMEWORKS_PYTHON")
     if not python:
         parser.error(
@@ -114,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     print(
         f"autopsy on real OLMo-core runs (olmo2_1M, 1 rank): spike at step {SPIKE_STEP} "
-        f"x{FACTORS} in one of {LAYERS}; seeds {seeds.start}-{seeds.stop - 1}; "
+        f"x{FACTORS} in one of {LAYERS}; {options.batch} sequences a step; "
+        f"seeds {seeds.start}-{seeds.stop - 1}; "
         f"{platform.machine()}"
     )
     print()
@@ -128,15 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         for injected in (True, False):
             if options.runs is not None:
-                out = options.runs / f"seed{seed}-{'injected' if injected else 'clean'}"
+                batch = "" if options.batch == BATCH else f"batch{options.batch}-"
+                kind = "injected" if injected else "clean"
+                out = options.runs / f"seed{seed}-{batch}{kind}"
                 folder = out / "run"
                 if not (out / "reference" / "spike.pt").exists():
                     shutil.rmtree(out, ignore_errors=True)  # a run cut short
-                    folder = make_run(python, out, seed, injected)
+                    folder = make_run(python, out, seed, injected, options.batch)
                 code, doc = autopsy(folder)
             else:
                 with tempfile.TemporaryDirectory() as tmp:
-                    folder = make_run(python, Path(tmp), seed, injected)
+                    folder = make_run(python, Path(tmp), seed, injected, options.batch)
                     code, doc = autopsy(folder)
             layer = injection(seed)[0] if injected else None
             good, said = judged(layer, code, doc)
@@ -155,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                 misses.append(f"seed {seed} ({what}): {said}")
     ok = hits == len(seeds) == clean_ok
     print(
-        f"| OLMo-core, {len(seeds)} seeds | {hits} / {len(seeds)} | {at_step} / "
-        f"{len(seeds)} | {clean_ok} / {len(seeds)} |"
+        f"| OLMo-core, batch {options.batch}, {len(seeds)} seeds | {hits} / {len(seeds)} | "
+        f"{at_step} / {len(seeds)} | {clean_ok} / {len(seeds)} |"
     )
     for miss in misses:
         print(f"  - {miss}")

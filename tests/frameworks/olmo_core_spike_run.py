@@ -2,10 +2,12 @@
 
 Run in the frameworks venv (ai2-olmo-core 3.0.0, see ``.ci/run``)::
 
-    torchrun --nproc-per-node 1 tests/frameworks/olmo_core_spike_run.py OUT SEED [LAYER FACTOR]
+    torchrun --nproc-per-node 1 tests/frameworks/olmo_core_spike_run.py OUT SEED [LAYER FACTOR] \
+        [--batch N]
 
 OLMo-core's tiny ``olmo2_1M`` transformer (2 layers) in its
-``TransformerTrainModule`` (AdamW) trains ``STEPS`` steps on 1 rank. The
+``TransformerTrainModule`` (AdamW) trains ``STEPS`` steps on 1 rank, each step
+on ``--batch`` sequences (default ``BATCH``) of ``SEQUENCE`` random tokens. The
 steps are numbered as OLMo-core's trainer numbers them (``global_step``, from
 1: the step's gradient is the one the optimizer takes at that step), and
 gradclip's ``GradMonitor`` (this repository, put on ``sys.path``: the
@@ -32,6 +34,7 @@ monitor's default grouping (``GROUPS``), the gradient norm the optimizer saw at
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,7 +72,9 @@ def saved_at() -> set[int]:
     return set(range(EVERY, STEPS + 1, EVERY)) | {SPIKE_STEP - 1, SPIKE_STEP, SPIKE_STEP + 1}
 
 
-def main(out: Path, seed: int, inject: tuple[str, float] | None) -> None:
+def main(
+    out: Path, seed: int, inject: tuple[str, float] | None, batch: int = BATCH
+) -> None:
     sys.path.insert(0, str(REPO))
     from olmo_core.nn.transformer import TransformerConfig
     from olmo_core.optim import AdamWConfig
@@ -84,7 +89,7 @@ def main(out: Path, seed: int, inject: tuple[str, float] | None) -> None:
     module = TransformerTrainModule(
         model,
         optim=AdamWConfig(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1),
-        rank_microbatch_size=BATCH * SEQUENCE,
+        rank_microbatch_size=batch * SEQUENCE,
         max_sequence_length=SEQUENCE,
         device=torch.device("cpu"),
     )
@@ -107,7 +112,7 @@ def main(out: Path, seed: int, inject: tuple[str, float] | None) -> None:
     with GradMonitor(module.model, run / "grads.jsonl", run / "spikes") as monitor:
         for step in range(1, STEPS + 1):
             trainer.global_step = step
-            tokens = torch.randint(0, VOCAB, (BATCH, SEQUENCE + 1), generator=g)
+            tokens = torch.randint(0, VOCAB, (batch, SEQUENCE + 1), generator=g)
             logits = module.model(tokens[:, :-1])
             logits = getattr(logits, "logits", logits)
             loss = torch.nn.functional.cross_entropy(
@@ -138,11 +143,18 @@ def main(out: Path, seed: int, inject: tuple[str, float] | None) -> None:
 
 
 if __name__ == "__main__":
-    target, seed = Path(sys.argv[1]), int(sys.argv[2])
-    injection = (sys.argv[3], float(sys.argv[4])) if len(sys.argv) > 3 else None
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("seed", type=int)
+    parser.add_argument("spike", nargs="*", metavar="LAYER FACTOR")
+    parser.add_argument("--batch", type=int, default=BATCH, help="sequences per step")
+    args = parser.parse_args()
+    if len(args.spike) not in (0, 2) or args.batch < 1:
+        parser.error("give LAYER and FACTOR together, and a --batch of 1 or more")
+    injection = (args.spike[0], float(args.spike[1])) if args.spike else None
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        main(target, seed, injection)
+        main(args.out, args.seed, injection, args.batch)
     finally:
         dist.destroy_process_group()
