@@ -81,12 +81,7 @@ def write_trend_plot(report: TrendReport, path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel(f"{report.what} norm (p={report.norm_type:g})")
     ax.set_title(plot_title(report))
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(loc="best", fontsize="small")
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format=path.suffix.lower().lstrip("."))
-    data = buffer.getvalue()
-    atomic_write(path, lambda file: file.write(data))
+    _save(fig, ax, path)
 
 
 def write_autopsy_plot(report, path: Path) -> None:
@@ -122,6 +117,12 @@ def write_autopsy_plot(report, path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("gradient norm (the finest series)")
     ax.set_title(_label(f"gradclip autopsy: {report.status}; rings mark each group's onset"))
+    _save(fig, ax, path)
+
+
+def _save(fig, ax, path: Path) -> None:
+    """Grid and legend, then the figure drawn in memory and written to ``path`` at once
+    (its suffix names the format): a failed drawing leaves no file."""
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="best", fontsize="small")
     buffer = io.BytesIO()

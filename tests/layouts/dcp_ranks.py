@@ -36,18 +36,25 @@ def sharded_mlp(rank: int, world: int, outdir: str) -> torch.nn.Module:
     return model
 
 
-def save_rank(rank: int, world: int, outdir: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
+def trained(rank: int, world: int, outdir: str, steps: int):
+    """``sharded_mlp`` after ``steps`` AdamW steps on this rank's own batches: the model
+    and its optimizer."""
     model = sharded_mlp(rank, world, outdir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95),
                                   weight_decay=0.1)
-    for step in range(STEPS):
+    for step in range(steps):
         optimizer.zero_grad()
         x = torch.randn(8, 6, generator=torch.Generator().manual_seed(10 * step + rank))
         model(x).square().sum().backward()
         optimizer.step()
+    return model, optimizer
+
+
+def save_rank(rank: int, world: int, outdir: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer = trained(rank, world, outdir, STEPS)
     grads = {name: p.grad for name, p in model.named_parameters()}
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state, "grads": grads, "step": STEPS},

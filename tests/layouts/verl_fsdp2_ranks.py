@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .dcp_ranks import sharded_mlp
+from .dcp_ranks import trained
 
 STEPS = 2
 
@@ -28,14 +28,7 @@ def save_rank(rank: int, world: int, outdir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    model = sharded_mlp(rank, world, outdir)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95),
-                                  weight_decay=0.1)
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(10 * step + rank))
-        model(x).square().sum().backward()
-        optimizer.step()
+    model, optimizer = trained(rank, world, outdir, STEPS)
     actor = os.path.join(outdir, f"global_step_{STEPS}", "actor")
     os.makedirs(actor, exist_ok=True)
     model_state, optim_state = model.state_dict(), optimizer.state_dict()

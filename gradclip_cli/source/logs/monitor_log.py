@@ -68,7 +68,7 @@ def _count(value: object, where: str) -> int:
 def _entry(obj: object, where: str) -> LoggedNorms:
     if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
         raise InputError(f"{where}: not a {SCHEMA} object")
-    step = step_value(obj.get("step")) if is_number(obj.get("step")) else None
+    step = step_value(obj.get("step"))
     if step is None:
         raise InputError(f"{where}: \"step\" must be a whole number >= 0")
     groups = obj.get("groups", {})

@@ -65,7 +65,7 @@ def _points(shown: str, history: list, key: str) -> list[tuple[int, dict, int | 
             continue
         step = entry.get("step")
         if step is not None:
-            step = step_value(step) if is_number(step) else None
+            step = step_value(step)
             if step is None:
                 raise InputError(f"{shown}: log_history[{i}]: step must be a whole number >= 0")
         last = next((s for _, _, s in reversed(points) if s is not None), None)
