@@ -93,6 +93,7 @@ from gradclip_cli.source.interface import Contents
 
 from .. import hf_trainer
 from ..dcp_frameworks import refuse_key
+from ..draft import Draft
 from . import pipeline, plain, zero
 from .reader import (
     LAYER_STATES,
@@ -185,10 +186,10 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     contents.description[0] += tag_note
     if folder != path:
         _trainer_step(contents, path)
-    return contents
+    return contents.finish()
 
 
-def _trainer_step(contents: Contents, path: Path) -> None:
+def _trainer_step(contents: Draft, path: Path) -> None:
     """A Hugging Face Trainer's ``checkpoint-N/`` around the DeepSpeed folder: its
     ``global_step`` (``trainer_state.json``, checked against the folder's name) is the
     checkpoint's step, as for a Trainer checkpoint without DeepSpeed."""

@@ -11,9 +11,10 @@ from pathlib import Path
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.megatron_pickle import NamespaceState
-from gradclip_cli.source.interface import Checkpoint, Contents, OptimizerState, StoredTensor
+from gradclip_cli.source.interface import Checkpoint, OptimizerState, StoredTensor
 from gradclip_cli.source.untrusted import is_int
 
+from ..draft import Draft
 from ..tensor_parallel import hidden_size, merged, split_axis
 from .reader import mp_name
 
@@ -190,7 +191,7 @@ def ranks_of(stages: int, tp: int) -> str:
     return f"{stages} pipeline stages x {tp} tensor-parallel ranks"
 
 
-def note_split(contents: Contents, split: int, count: int, stages: int = 1) -> None:
+def note_split(contents: Draft, split: int, count: int, stages: int = 1) -> None:
     """How many of ``count`` tensors the model-parallel ranks split, and how many they copy
     (each stage's tensor-parallel rank 0 keeping the copy counted, under pipeline stages)."""
     ranks = "model-parallel ranks" if stages == 1 else "tensor-parallel ranks"

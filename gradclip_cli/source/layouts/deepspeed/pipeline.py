@@ -15,14 +15,14 @@ from gradclip_cli.escaping import visible
 from gradclip_cli.source import roles
 from gradclip_cli.source.interface import (
     Checkpoint,
-    Contents,
     OptimizerState,
     StoredTensor,
     chained,
 )
+from gradclip_cli.source.naming import Model, map_names
 from gradclip_cli.source.untrusted import is_count, is_int
-from gradclip_cli.source.what import map_names
 
+from ..draft import Draft
 from ..torch_optim import is_optimizer_state, optimizer_state
 from . import model_parallel
 from .model_parallel import Part
@@ -120,7 +120,7 @@ def join_stages(parts: list[Part]) -> Part:
     )
 
 
-def read(reader: Reader, given: Path, kind: str) -> Contents:
+def read(reader: Reader, given: Path, kind: str) -> Draft:
     """A pipeline without ZeRO: each stage's ``mp_rank_XX_model_states.pt`` holds no
     ``module`` and its ``optimizer`` is torch's state dict over the stage's parameters,
     whose weights are the layer files'. Each tensor-parallel rank is read as a pipeline of
@@ -153,7 +153,7 @@ def read(reader: Reader, given: Path, kind: str) -> Contents:
         params, optimizer, split = model_parallel.tensor_parallel(parts, where)
     contents = reader.contents(given, kind)
     contents.weights = params
-    contents.model_order_names = list(params)
+    contents.order = list(params)
     contents.buffers = buffers or None
     contents.optimizers = [optimizer]
     every = sorted(n for rank in layers for n in rank.values())
@@ -196,7 +196,7 @@ def read_rank(
     Stages hold consecutive layers in order, and DeepSpeed hands each stage's optimizer
     that stage's parameters: with several stages, stage ``XX``'s optimizer holds the next
     as many parameters of the layers in index order as its param groups list, mapped to
-    names by shape within them (``what.map_names``); one stage's optimizer may hold fewer
+    names by shape within them (``naming.map_names``); one stage's optimizer may hold fewer
     (parameters left out of it, frozen). Counts or shapes that disagree are refused. A
     layer tied across layers (``TiedLayerSpec``) is saved by each layer that uses it:
     two layer files holding equal weight matrices are refused rather than counted twice.
@@ -234,10 +234,7 @@ def read_rank(
                 "disagree (a layer file missing?)"
             )
         stage_weights = {n: params[n] for n in own}
-        optimizer.param_names = map_names(
-            Contents(path=file, kind=kind, weights=stage_weights, model_order_names=list(own)),
-            optimizer,
-        )
+        optimizer.param_names = map_names(optimizer, Model(stage_weights, list(own)))
         optimizers.append(optimizer)
     if len(models) > 1 and taken != len(order):
         raise InputError(

@@ -13,11 +13,12 @@ import torch
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import roles
-from gradclip_cli.source.interface import Checkpoint, Contents, OptimizerState, StoredTensor
+from gradclip_cli.source.interface import Checkpoint, OptimizerState, StoredTensor
+from gradclip_cli.source.naming import Model, map_names
 from gradclip_cli.source.untrusted import is_int
 from gradclip_cli.source.vocabulary import step_value
-from gradclip_cli.source.what import map_names
 
+from ..draft import Draft
 from ..master_copy import head_key, rounds_to
 from ..torch_optim import is_optimizer_state, optimizer_state
 from .model_parallel import Part, check_tensor_parallel, dimensions, note_split, tensor_parallel
@@ -26,14 +27,14 @@ from .reader import PLAIN_STATES, Reader, gap, module_state, mp_name, span
 WITHOUT_ZERO = "DeepSpeed checkpoint without ZeRO (stage 0)"
 
 
-def read(reader: Reader, given: Path, kind: str) -> Contents:
+def read(reader: Reader, given: Path, kind: str) -> Draft:
     """The folder's model state files, one model-parallel rank each (``read_ranks`` where
     there are several). The ``module`` is the model's state dict (parameters and the
     buffers ``buffer_names`` lists) and the ``optimizer`` torch's optimizer state dict, or,
     under fp16/bf16 mixed precision, DeepSpeed's ``FP16_UnfusedOptimizer`` state: that
     state dict as ``optimizer_state_dict`` and the fp32 master weights as ``fp32_groups``,
     one list per param group in the group's order. The optimizer stores no names: they come
-    from the module's parameter order (``what.map_names``, the contract's one interleaving
+    from the module's parameter order (``naming.map_names``, the contract's one interleaving
     that fits every shape), as for any optimizer saved beside its model."""
     ranks = sorted(
         int(m.group(1)) for n in os.listdir(reader.folder) if (m := PLAIN_STATES.fullmatch(n))
@@ -52,7 +53,7 @@ def read(reader: Reader, given: Path, kind: str) -> Contents:
     params, buffers = module_state(model)
     contents = reader.contents(given, kind)
     contents.weights = dict(params)
-    contents.model_order_names = list(params)
+    contents.order = list(params)
     contents.buffers = buffers or None
     held = f"{file.name}'s 'optimizer'"
     optimizer, masters = plain_optimizer(model, params, kind)
@@ -86,7 +87,7 @@ def read(reader: Reader, given: Path, kind: str) -> Contents:
     return contents
 
 
-def read_ranks(reader: Reader, given: Path, kind: str, count: int) -> Contents:
+def read_ranks(reader: Reader, given: Path, kind: str, count: int) -> Draft:
     """Tensor-parallel ranks without ZeRO: each ``mp_rank_XX_model_states.pt`` read as
     ``read`` reads one (its shards, and the moments of its optimizer, named by its
     module's order), then joined as ZeRO's model-parallel ranks are
@@ -103,11 +104,7 @@ def read_ranks(reader: Reader, given: Path, kind: str, count: int) -> Contents:
                 "tensor-parallel ranks of a checkpoint without ZeRO by their optimizers"
             )
         if optimizer.param_names is None:
-            optimizer.param_names = map_names(
-                Contents(path=model.path, kind=kind, weights=params,
-                         model_order_names=list(params)),
-                optimizer,
-            )
+            optimizer.param_names = map_names(optimizer, Model(params, list(params)))
         weights = {**params, **masters}
         low.update(module_dtypes(params, masters).split("/") if masters else ())
         parts.append(part(mp, model, weights, optimizer, f"{model.path.name}'s 'optimizer'"))
@@ -116,7 +113,7 @@ def read_ranks(reader: Reader, given: Path, kind: str, count: int) -> Contents:
     first = parts[0]
     contents = reader.contents(given, kind)
     contents.weights = weights
-    contents.model_order_names = list(weights)
+    contents.order = list(weights)
     contents.optimizers = [optimizer]
     models = span([p.model.path.name for p in parts])
     of = f" of {count} model-parallel ranks"
@@ -165,7 +162,7 @@ def module_dtypes(params: dict[str, StoredTensor], names) -> str:
     return "/".join(sorted({str(params[n].dtype).removeprefix("torch.") for n in names}))
 
 
-def note_zero_gradient_step(contents: Contents, optimizer: OptimizerState, trained: list) -> None:
+def note_zero_gradient_step(contents: Draft, optimizer: OptimizerState, trained: list) -> None:
     """Under fp16/bf16 without ZeRO, Adam's step one past ``global_steps``, said."""
     steps = {step_value(optimizer.state[p].get("step")) for p in trained}
     if contents.step is not None and steps == {contents.step + 1}:
@@ -176,7 +173,7 @@ def note_zero_gradient_step(contents: Contents, optimizer: OptimizerState, train
         )
 
 
-def note_frozen(contents: Contents, frozen: int) -> None:
+def note_frozen(contents: Draft, frozen: int) -> None:
     """How many parameters have no optimizer state, where any."""
     if frozen > 0:
         contents.description.append(
@@ -289,7 +286,7 @@ def plain_optimizer(
             f"{len(probe)} of the module's parameters are a master rounded to their dtype: "
             "the masters and the module disagree"
         )
-    names = map_names(Contents(path=file, kind=kind, weights=probe), optimizer)
+    names = map_names(optimizer, Model(probe, list(probe)))
     optimizer.param_names = names
     masters = {}
     for g, (group, held) in enumerate(zip(optimizer.param_groups, groups)):

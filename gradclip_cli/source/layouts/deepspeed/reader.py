@@ -16,15 +16,16 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files import megatron_pickle
 from gradclip_cli.source.files.deepspeed_pickle import GLOBALS
 from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.files.weights_pickle import allowing
-from gradclip_cli.source.interface import Checkpoint, Contents, StoredTensor
+from gradclip_cli.source.interface import Checkpoint, StoredTensor
 from gradclip_cli.source.untrusted import is_count
 from gradclip_cli.source.vocabulary import step_value
 
+from ..draft import Draft
 from ..paths import inside, tagged_folder
 
 # A model-parallel rank's model states (``zero_pp_rank_R_`` before it under ZeRO 3):
@@ -72,19 +73,19 @@ class Reader:
         self.trusted |= ckpt.trusted_pickle
         return ckpt
 
-    def header(self, contents: Contents, root: Mapping, given: Path, kind: str) -> str:
+    def header(self, contents: Draft, root: Mapping, given: Path, kind: str) -> str:
         """The step (``global_steps``), the gradients' refusal and the first line of the
         description, ``kind`` at the step in this folder; returns the version note."""
         contents.step = step_value(root.get("global_steps"))
-        contents.gradient_error = f"{given}: a DeepSpeed checkpoint holds no gradients"
+        contents.missing[roles.GRADIENT] = f"{given}: a DeepSpeed checkpoint holds no gradients"
         at = f" at global step {contents.step}" if contents.step is not None else ""
         contents.description.append(f"{kind}{at}: {visible(self.folder.name)}/")
         version = root.get("ds_version")
         return f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
 
-    def contents(self, given: Path, kind: str) -> Contents:
-        """An empty ``Contents`` of ``kind`` for ``given``, naming every file read so far."""
-        return Contents(path=given, kind=kind, files=list(self.files), trusted_pickle=self.trusted)
+    def contents(self, given: Path, kind: str) -> Draft:
+        """An empty ``Draft`` of ``kind`` for ``given``, naming every file read so far."""
+        return Draft(path=given, kind=kind, files=list(self.files), trusted_pickle=self.trusted)
 
 
 def recognises_folder(path: Path, latest: str, is_step_folder: Callable[[Path], bool]) -> bool:

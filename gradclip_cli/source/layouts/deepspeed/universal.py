@@ -121,7 +121,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     contents.buffers = buffers or None
     contents.optimizers = [optimizer]
     contents.step = step_value(model.root.get("global_steps"))
-    contents.gradient_error = f"{path}: a DeepSpeed universal checkpoint holds no gradients"
+    contents.missing[roles.GRADIENT] = \
+        f"{path}: a DeepSpeed universal checkpoint holds no gradients"
     said = f"a DeepSpeed universal checkpoint: {_ZERO}/<name>/"
     contents.evidence[roles.WEIGHT] = f"{said}fp32.pt, the fp32 master weights"
     contents.evidence[roles.OPTIMIZER_STATE] = (
@@ -143,7 +144,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             f"{len(unsaved)} frozen parameters ({shown}{more}) have no fp32.pt (the "
             "converter writes none for ZeRO 3's frozen parameters): the weights leave them out"
         )
-    return contents
+    return contents.finish()
 
 
 class _Universal(Reader):

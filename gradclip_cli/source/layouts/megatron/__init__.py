@@ -104,6 +104,7 @@ from gradclip_cli.source.vocabulary import step_after
 
 from .. import dcp_folder
 from .. import dcp_frameworks as frameworks
+from ..draft import Draft
 from ..master_copy import rounds_to
 from ..paths import inside, read_json
 from . import distributed_optimizer as distributed
@@ -132,7 +133,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     if legacy.is_legacy(folder_path):  # the tracker names a legacy iteration
         return legacy.open_iteration(
             path, folder_path, tracker, trust_pickle=trust_pickle, verify=verify
-        )
+        ).finish()
     return open_dist_ckpt(
         path, folder_path, tracker, kind=KIND, title=TITLE,
         trust_pickle=trust_pickle, verify=verify,
@@ -165,7 +166,7 @@ def open_dist_ckpt(
     files = [folder_path / JSON, common_file, *folder.files]
     if tracker is not None:
         files.insert(0, tracker)
-    contents = Contents(
+    contents = Draft(
         path=path,
         kind=kind,
         files=files,
@@ -225,11 +226,11 @@ def open_dist_ckpt(
     contents.evidence[roles.WEIGHT] = words.weight_evidence
     if words.optimizer_evidence is not None:
         contents.evidence[roles.OPTIMIZER_STATE] = words.optimizer_evidence
-    contents.optimizer_error = words.optimizer_error
-    contents.gradient_error = (
+    contents.missing[roles.OPTIMIZER_STATE] = words.optimizer_error
+    contents.missing[roles.GRADIENT] = (
         f"{path}: a {title} saves no gradients (model, optimizer state, {COMMON})"
     )
-    return contents
+    return contents.finish()
 
 
 def _sharding(root: dict) -> object:

@@ -45,7 +45,7 @@ Recognised by content: an ``iter_N/`` folder holding ``mp_rank_XX/model_optim_rn
 the save folder, by its tracker (``megatron``, which hands a legacy iteration here).
 
 Parameter ids map to names by the model's order group by group
-(``what.map_names``, the contract's one interleaving that fits every shape).
+(``naming.map_names``, the contract's one interleaving that fits every shape).
 
 Tensor parallelism (``mp_rank_00``, ``mp_rank_01``...): each rank saves its own
 shards under the same names; a split parameter is measured as its shards together,
@@ -99,11 +99,12 @@ from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor, chained
+from gradclip_cli.source.naming import Model, map_names
 from gradclip_cli.source.untrusted import is_count, is_int
 from gradclip_cli.source.vocabulary import step_value
-from gradclip_cli.source.what import map_names
 
 from ..dcp_frameworks import refuse_key
+from ..draft import Draft
 from ..paths import inside
 from ..torch_optim import is_optimizer_state, optimizer_state
 from .distributed_optimizer import DISTRIBUTED, distrib_optim
@@ -131,13 +132,13 @@ def _is_rank(folder: Path) -> bool:
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     refuse_key(path, key, "a Megatron legacy checkpoint")
     if os.path.isdir(path) and is_legacy(path):
-        return open_iteration(path, path, None, trust_pickle=trust_pickle, verify=verify)
+        return open_iteration(path, path, None, trust_pickle=trust_pickle, verify=verify).finish()
     return _open_rank(
         path, path if os.path.isdir(path) else path.parent, trust_pickle=trust_pickle, verify=verify
-    )
+    ).finish()
 
 
-def _open_rank(path: Path, rank_folder: Path, *, trust_pickle: bool, verify: bool) -> Contents:
+def _open_rank(path: Path, rank_folder: Path, *, trust_pickle: bool, verify: bool) -> Draft:
     """One rank alone (a tensor-parallel rank, or a pipeline stage's): its own shards and
     layers, said to cover that rank only."""
     contents = open_iteration(
@@ -171,7 +172,7 @@ def open_iteration(
     trust_pickle: bool,
     verify: bool,
     only: str | None = None,
-) -> Contents:
+) -> Draft:
     stages = _read_stages(folder, trust_pickle=trust_pickle, verify=verify, only=only)
     every = [r for stage in stages for r in stage]
     first = every[0]
@@ -209,7 +210,7 @@ def open_iteration(
         names = by_layer(names)
         weights = {n: weights[n] for n in names}
     optimizer, note = stages_optimizer(parts, names) if layers else parts[0][:2]
-    contents = Contents(
+    contents = Draft(
         path=path,
         kind=KIND,
         files=([tracker] if tracker else [])
@@ -241,7 +242,7 @@ def open_iteration(
         if masters
         else f"{said}'s model"
     )
-    contents.model_order_names = list(names)
+    contents.order = list(names)
     buffers = {}
     for ranks in stages:  # integer tensors: never weights (replicated or not, rank 0's)
         rename = global_names(ranks[0], list(ranks[0].buffers), layers)[0] if layers else {}
@@ -250,7 +251,7 @@ def open_iteration(
     if buffers:
         contents.buffers = buffers
     if optimizer is None and note:
-        contents.optimizer_error = note
+        contents.missing[roles.OPTIMIZER_STATE] = note
     if optimizer is not None:
         contents.optimizers.append(optimizer)
         contents.evidence[roles.OPTIMIZER_STATE] = (
@@ -259,7 +260,7 @@ def open_iteration(
             else f"{said}'s optimizer"
         )
     contents.step = step
-    contents.gradient_error = (
+    contents.missing[roles.GRADIENT] = (
         f"{path}: a Megatron legacy checkpoint saves no gradients (model, optimizer state, {FILE})"
     )
     via = f" ({tracker.name} names {folder.name})" if tracker is not None else ""
@@ -586,8 +587,8 @@ def _rank_optimizer(rank: _Rank) -> str | None:
         for g, group in enumerate(opt.param_groups):
             members = [renumber[p] for p in group["params"]]
             group_masters.append((members, masters[g], f"{where}: fp32_from_fp16_params[{g}]"))
-    probe = Contents(path=rank.file, kind=KIND, weights=_stored_weights(rank))
-    rank.names = map_names(probe, merged)
+    weights = _stored_weights(rank)
+    rank.names = map_names(merged, Model(weights, list(weights)))
     rank.optimizer = merged
     for members, masters, where in group_masters:
         # The float16 optimizer keeps an fp32 master of each 16-bit parameter of a group, in
