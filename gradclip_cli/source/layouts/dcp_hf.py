@@ -103,7 +103,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
                 known.append(piece)
                 continue
             first = known[same[0]]
-            if not _same_bytes(first.held, tensor):
+            if not same_bits(first.held, tensor):
                 # Replicated state is written by every rank alike and counts once; a
                 # piece that differs would silently lose one copy's values.
                 raise InputError(f"{file}: holds {visible(repr(name))} at {at}, where "
@@ -171,8 +171,11 @@ def write_back(contents: Contents) -> WriteBack:
     return WriteBack(WriteBackPlan(contents.folder, files, counted), held)
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two stored copies are one tensor: the same dtype, shape and bits, a NaN
+    included (a copy is written from the same tensor, so even its NaN payloads match)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _shards(folder: Path) -> list[Path]:

@@ -23,6 +23,7 @@ from gradclip_cli.source.interface import (
 from gradclip_cli.source.untrusted import is_count, is_int
 from gradclip_cli.source.what import map_names
 
+from ..dcp_hf import same_bits
 from ..torch_optim import is_optimizer_state, optimizer_state
 from . import model_parallel
 from .model_parallel import Part
@@ -249,16 +250,21 @@ def read_rank(
 
 
 def refuse_tied_layers(params: dict[str, StoredTensor]) -> None:
-    """Two layers' equal weight matrices (2 dimensions or more): one module tied across
-    layers (``TiedLayerSpec``), saved by each; refused rather than counted twice."""
+    """Two layers' identical weight matrices (2 dimensions or more): one module tied across
+    layers (``TiedLayerSpec``), saved by each; refused rather than counted twice.
+
+    Copies of one tensor are identical bits (``dcp_hf.same_bits``), a NaN included: a tied
+    layer that diverged saves the same NaN in each copy and is refused as any tied layer,
+    where ``torch.equal`` (a NaN unequal to itself) would count it twice."""
     seen: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     for name, stored in params.items():
         if len(stored.shape) < 2:
             continue
         value = stored.read()
-        key = (tuple(value.shape), value.dtype, tuple(value.flatten()[:64].tolist()))
+        head = value.reshape(-1)[:64].contiguous().view(torch.uint8)
+        key = (tuple(value.shape), value.dtype, tuple(head.tolist()))
         for other, earlier in seen.get(key, ()):
-            if torch.equal(value, earlier):
+            if same_bits(value, earlier):
                 raise InputError(
                     f"{stored.pieces[0].file}: holds {visible(name)}, equal to "
                     f"{visible(other)} (a layer tied across layers, saved by each); "
