@@ -5,6 +5,8 @@ alone; no file is read and DeepSpeed is not needed."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gradclip_cli.source.layouts.deepspeed.facts import (
     PIPELINE,
     PLAIN,
@@ -181,7 +183,7 @@ def test_a_trainer_around_the_folder_gives_the_step():
         f"{_RANKS}: fp32 master weights and Adam moments of 27 parameters",
         "1 frozen parameter(s): weights without Adam moments (measured by --what weights)",
     )
-    other = wording(DeepSpeedFacts(**{**facts.__dict__, "step": 5}))
+    other = wording(replace(facts, step=5))
     assert other.description[-1] == (
         "DeepSpeed counts 5 steps (global_steps), the Trainer 3: the Trainer's global_step is "
         "the step reported"
