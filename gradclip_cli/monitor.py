@@ -81,7 +81,6 @@ from . import api
 from .core import (
     Coefficient,
     Elements,
-    apart,
     distinct_elements,
     element_power_sums,
     exact_clip_coefficient,
@@ -91,6 +90,7 @@ from .core import (
     tensor_power_sums,
 )
 from .core.clipping import EPS
+from .core.elements import ApartAgain
 from .core.norms import certified_group_norms
 from .core.spikes import (
     DEFAULT_ALPHA,
@@ -277,6 +277,7 @@ class GradMonitor:
         self.dumps: list[Path] = []  # written by this monitor, oldest first
         self._group_of: dict[str, str] = {}
         self._parameters = ParameterListing()
+        self._apart = ApartAgain()  # the common step's range check, kept between steps
         self._plan_key: tuple | None = None
         self._plan: _Plan | None = None
         self._calls = 0
@@ -424,9 +425,12 @@ class GradMonitor:
         # The common step: groups' squares certified as they are summed, on the
         # CPU or on one accelerator.
         certifiable = not sharded and self.norm_type == 2.0 and _one_type(grads, types)
-        sizes = list(map(_NUMEL, grads)) if certifiable else None
+        sizes = numels = None
+        if certifiable:
+            sizes = list(map(_NUMEL, grads))
+            numels = array("q", sizes)  # read once, for the range check and the budget
         elements = None
-        if certifiable and apart(grads, _byte_sizes(sizes, grads[0].element_size())):
+        if certifiable and self._apart(grads, numels, grads[0].element_size()):
             owner = None  # every gradient dense and its own allocation: the common step
         elif sharded:
             owner = find_ties(dtensor.local_tensors(grads))
@@ -440,11 +444,12 @@ class GradMonitor:
         kept = None if owner is None or owner == list(range(len(owner))) else [
             i for i, o in enumerate(owner) if o == i]
         if kept is not None:
-            grads, sizes = [grads[i] for i in kept], None
+            grads, sizes, numels = [grads[i] for i in kept], None, None
         plan = self._plan_for(names, present, kept)
         grouping = plan.grouping
         if certifiable:
-            certified = certified_group_norms(grads, grouping.index, len(grouping.names), sizes)
+            certified = certified_group_norms(
+                grads, grouping.index, len(grouping.names), sizes, numels)
             if certified is not None:
                 sums = GroupSums(grouping.names, grouping.index, *certified)
                 return _Measurement(grads, sums, plan, types, sharded)
@@ -731,11 +736,6 @@ def _as_pieces(elements: Elements, grads: list[torch.Tensor]) -> bool:
     return False
 
 
-def _byte_sizes(sizes: list[int], itemsize: int) -> torch.Tensor:
-    """Tensors' sizes in bytes, from their numbers of elements of ``itemsize`` bytes."""
-    return torch.frombuffer(array("q", sizes), dtype=torch.int64) * itemsize
-
-
 def _one_type(grads: list[torch.Tensor], types: set[torch.dtype]) -> bool:
     """Whether ``grads`` (of dtypes ``types``) are of one type that
     ``certified_group_norms`` reads: float32 or float64 on the CPU, float16,
@@ -815,10 +815,11 @@ class _Reading:
     def __init__(self, modules: list[torch.nn.Module]):
         self.dicts = _dicts(modules)
         self.types = list(map(type, modules))
-        self.lens = list(map(len, self.dicts))
         # Most dicts are empty (a leaf's _modules, a container's _parameters):
-        # their lengths say all there is, and only the others are walked.
+        # that they still are says all there is, and only the others are walked.
+        self.empty = [d for d in self.dicts if not d]
         self.full = [d for d in self.dicts if d]
+        self.lens = list(map(len, self.full))
         self.keys = list(chain.from_iterable(self.full))
         self.values = list(chain.from_iterable(map(dict.values, self.full)))
 
@@ -830,7 +831,8 @@ class _Reading:
         return (
             all(map(is_, dicts, self.dicts))  # the same dicts: the full ones are self.full
             and list(map(type, modules)) == self.types
-            and list(map(len, dicts)) == self.lens
+            and not any(self.empty)
+            and list(map(len, self.full)) == self.lens
             and list(chain.from_iterable(self.full)) == self.keys
             and all(map(is_, chain.from_iterable(map(dict.values, self.full)), self.values))
         )

@@ -179,17 +179,8 @@ def apart(tensors: Sequence[torch.Tensor], nbytes: torch.Tensor | None = None) -
     A tensor without an address (``meta``, fake) gives False: it has no
     range to compare.
     """
-    # Passes over metadata at C speed (map), not a Python loop: the monitor asks
-    # on every step, for 1,000 tensors. No layout but torch.strided gets past
-    # them: a sparse COO tensor is not contiguous, CSR, CSC and BSR ones
-    # refuse is_contiguous(), and those and mkldnn ones refuse data_ptr().
-    try:
-        if not all(map(torch.Tensor.is_contiguous, tensors)):
-            return False
-        starts = array("q", map(torch.Tensor.data_ptr, tensors))
-    except RuntimeError:  # no data_ptr() (fake, functional, sparse, mkldnn)
-        return False
-    if not all(starts):
+    starts = _contiguous_starts(tensors)
+    if starts is None:
         return False
     if nbytes is None:
         sizes = array("q", map(_NBYTES, tensors))
@@ -200,6 +191,61 @@ def apart(tensors: Sequence[torch.Tensor], nbytes: torch.Tensor | None = None) -
         nbytes = torch.frombuffer(sizes, dtype=torch.int64)
     elif not bool(nbytes.all()):
         return False
+    return _disjoint(starts, nbytes)
+
+
+class ApartAgain:
+    """``apart`` for a caller that asks about its tensors on every step (the monitor).
+
+    A True answer depends on the tensors' metadata alone: every one
+    contiguous, and their addresses and byte sizes. It is kept with the
+    addresses and sizes it was found for, and given again, without sorting
+    the ranges, while every tensor is contiguous at the same address with
+    the same size (gradients kept from step to step, or allocated again at
+    the same places): the same ranges, so the same answer.
+    """
+
+    def __init__(self) -> None:
+        self._seen: tuple[array, array, int] | None = None
+
+    def __call__(self, tensors: Sequence[torch.Tensor], numels: array, itemsize: int) -> bool:
+        """``apart(tensors)`` for tensors of one dtype (``itemsize`` bytes an element)
+        holding ``numels`` elements (an ``array("q")``)."""
+        starts = _contiguous_starts(tensors)
+        if starts is None:
+            return False
+        seen = (starts, numels, itemsize)
+        if seen == self._seen:  # arrays compare their buffers, at C speed
+            return True
+        self._seen = None
+        if not all(numels):
+            return False
+        if len(numels) > 1 and not _disjoint(
+            starts, torch.frombuffer(numels, dtype=torch.int64) * itemsize
+        ):
+            return False
+        self._seen = seen
+        return True
+
+
+def _contiguous_starts(tensors: Sequence[torch.Tensor]) -> array | None:
+    """The tensors' addresses (an ``array("q")``), when every one is contiguous and
+    has one; else None."""
+    # Passes over metadata at C speed (map), not a Python loop: the monitor asks
+    # on every step, for 1,000 tensors. No layout but torch.strided gets past
+    # them: a sparse COO tensor is not contiguous, CSR, CSC and BSR ones
+    # refuse is_contiguous(), and those and mkldnn ones refuse data_ptr().
+    try:
+        if not all(map(torch.Tensor.is_contiguous, tensors)):
+            return None
+        starts = array("q", map(torch.Tensor.data_ptr, tensors))
+    except RuntimeError:  # no data_ptr() (fake, functional, sparse, mkldnn)
+        return None
+    return starts if all(starts) else None
+
+
+def _disjoint(starts: array, nbytes: torch.Tensor) -> bool:
+    """Whether the byte ranges ``[starts[i], starts[i] + nbytes[i])`` are pairwise disjoint."""
     if len(starts) < 2:
         return True
     begin = torch.frombuffer(starts, dtype=torch.int64)

@@ -168,6 +168,7 @@ def certified_group_norms(
     index: torch.Tensor,
     size: int,
     sizes: list[int] | None = None,
+    numels: array | None = None,
 ) -> tuple[PowerSums, PowerSums] | None:
     """Groups' and the total's 2-norms of CPU float32 or float64 tensors of one dtype,
     from one read of their elements, or None where they cannot be certified.
@@ -181,14 +182,17 @@ def certified_group_norms(
     cost it 2**-24 of itself. When any group fails (a NaN or an inf, a sum
     that overflowed, or gradients too small or all zero), the caller
     measures with ``tensor_power_sums``, which recomputes exactly and counts.
-    ``sizes`` are the tensors' numbers of elements, when the caller has them.
+    ``sizes`` are the tensors' numbers of elements, when the caller has them
+    (``numels``: the same as an ``array("q")``).
     """
     if not tensors[0].is_cpu:
         return certified_group_norms_on_device(tensors, index, size)
     if sizes is None:
         sizes = list(map(torch.Tensor.numel, tensors))
     squares = square_norms_on_cpu(tensors, sizes).square_()
-    counts = torch.frombuffer(array("q", sizes), dtype=torch.int64).to(F64)
+    if numels is None:
+        numels = array("q", sizes)
+    counts = torch.frombuffer(numels, dtype=torch.int64).to(F64)
     budget = torch.zeros(size, dtype=F64).index_add_(0, index, counts)
     budget *= _UNDERFLOW_MARGIN * torch.finfo(tensors[0].dtype).tiny
     return _certified_groups(squares, index, size, budget)

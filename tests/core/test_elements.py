@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from array import array
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from gradclip_cli.core import (
     scale_elements_,
     tensor_power_sums,
 )
-from gradclip_cli.core.elements import _apart, apart
+from gradclip_cli.core.elements import ApartAgain, _apart, apart
 
 from .reference import rel_err
 
@@ -239,3 +240,44 @@ def test_apart_from_given_byte_sizes_agrees_with_the_tensors_own():
         nbytes = torch.tensor([t.numel() * t.element_size() for t in tensors], dtype=torch.int64)
         assert apart(tensors) is want, name
         assert apart(tensors, nbytes) is want, name
+
+
+def test_apart_asked_again_answers_as_apart_whatever_changed_between_calls():
+    # The monitor asks on every step and keeps a True answer for the same
+    # addresses and sizes; any change of range, contiguity or element size
+    # between two calls must give apart's own answer again.
+    base = torch.randn(12)
+    wide = torch.randn(12, dtype=torch.float64)
+    a, b = torch.randn(3, 4), torch.randn(5)
+    steps = [
+        [a, b], [a, b],                       # the same tensors twice: kept
+        [base[:4], base[4:]], [base[:4], base[4:]],
+        [base[:5], base[4:]],                 # a range grown into the next: overlap
+        [base[:4], base[4:]],
+        [base[:4], base[3:]],                 # a start moved into the first range
+        [a, b], [a.t(), b],                   # the same address, no longer contiguous
+        [a, b], [a, a],                       # tied
+        [a, b], [a, torch.empty(0)],          # empty
+        [base[:6], base[6:]],
+        [wide[:6].view(torch.float32)[:6], wide[6:].view(torch.float32)[:6]],
+        [base[:6], base[6:].view(2, 3)],      # the same ranges in another shape
+        [torch.empty(4, device="meta")],
+        [b], [b],
+    ]
+    again = ApartAgain()
+    for i, tensors in enumerate(steps):
+        numels = array("q", [t.numel() for t in tensors])
+        itemsize = tensors[0].element_size()
+        assert again(tensors, numels, itemsize) is apart(tensors), i
+
+
+def test_apart_asked_again_compares_byte_ranges_of_the_element_size_given():
+    # The same addresses and element counts in a wider dtype are longer ranges.
+    storage = torch.zeros(16, dtype=torch.float64)
+    as_float = storage.view(torch.float32)
+    narrow = [as_float[:4], as_float[4:8]]  # 16 bytes each, touching
+    again = ApartAgain()
+    assert again(narrow, array("q", [4, 4]), 4) is True
+    # Read as 8-byte elements, the first range now reaches into the second.
+    assert again(narrow, array("q", [4, 4]), 8) is False
+    assert again(narrow, array("q", [4, 4]), 4) is True

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradclip_cli.source.layouts import dcp_hf
+from gradclip_cli.source.layouts.dcp_folder import piece_name
 from tests.cli.support import load_safetensors, rel_err
 
 from .kill_clip import kill_during_clip
@@ -101,6 +103,21 @@ def test_fixture_holds_sharded_and_replicated_pieces(dcp_hf_grads):
     assert set(whole) == {*reference, "counts"}
     for name, grad in reference.items():
         assert torch.equal(whole[name], grad.double()), name
+
+
+def test_held_pieces_are_named_as_dcp_chunks_are(dcp_hf_grads):
+    """Clip holds each piece as a gradient of its own, named as a DCP folder's chunks are
+    (``dcp_folder.piece_name``): a tensor in one piece by its name, another by
+    ``name[offsets]``."""
+    contents = dcp_hf.open(dcp_hf_grads, key=None, trust_pickle=False, verify=False)
+    held = dcp_hf.write_back(contents).gradients
+    assert "2.weight[2,0]" in held and REPLICATED in held  # sharded; one piece, kept once
+    for name, tensor in contents.gradients.items():
+        for piece in tensor.pieces:
+            label = name if len(tensor.pieces) == 1 else \
+                f"{name}[{','.join(str(o) for o in piece.offsets)}]"
+            assert piece_name(name, tensor, piece) == label
+            assert torch.equal(held[label].held, piece.held), label
 
 
 def _check_clipped(original: dict, out: Path, scaled) -> None:

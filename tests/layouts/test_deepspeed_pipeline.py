@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradclip_cli.errors import InputError
+from gradclip_cli.source.interface import StoredTensor
+from gradclip_cli.source.layouts.deepspeed.pipeline import refuse_tied_layers
 from tests.distributed.launch import same_under_torchrun
 from tests.hardening.support import assert_refused, run_cli
 from tests.layouts.test_deepspeed import RTOL, _expected, _inspect, _rewrite
@@ -195,6 +198,41 @@ def test_a_layer_saved_twice_is_refused(plain_copy):
     file = plain_copy / TAG / "layer_02-model_states.pt"
     _rewrite(file, lambda root: root.update(weight=first["weight"].clone()))
     assert_refused(run_cli("inspect", plain_copy), file, "2.weight", "0.weight", "tied")
+
+
+def test_a_layer_saved_twice_holding_nan_is_refused(plain_copy):
+    """A tied module's copies are one tensor where their bits are identical, a NaN included:
+    a tied layer that diverged is refused as any tied layer. (``torch.equal``, a NaN unequal
+    to itself, let its copies through, to be counted twice.)"""
+    tied = torch.load(plain_copy / TAG / "layer_00-model_states.pt")["weight"].clone()
+    tied[0, 0] = float("nan")
+    for index in ("00", "02"):
+        _rewrite(plain_copy / TAG / f"layer_{index}-model_states.pt",
+                 lambda root: root.update(weight=tied.clone()))
+    file = plain_copy / TAG / "layer_02-model_states.pt"
+    assert_refused(run_cli("inspect", plain_copy), file, "2.weight", "equal to 0.weight", "tied")
+
+
+def _layers(first: torch.Tensor, second: torch.Tensor) -> dict[str, StoredTensor]:
+    """Layers 0 and 2's weights."""
+    return {n: StoredTensor.whole(n, v) for n, v in (("0.weight", first), ("2.weight", second))}
+
+
+def test_tied_copies_are_identical_bits():
+    """The rule alone, on tensors at hand: identical bits (a NaN's too) are one tied module;
+    a NaN on one side only, or another NaN payload, are two layers."""
+    weight = torch.arange(12.0).reshape(3, 4)
+    weight[1, 2] = float("nan")
+    with pytest.raises(InputError, match="holds 2.weight, equal to 0.weight"):
+        refuse_tied_layers(_layers(weight, weight.clone()))
+    one_side = weight.clone()
+    one_side[1, 2] = 6.0
+    refuse_tied_layers(_layers(weight, one_side))
+    payload = weight.clone()
+    payload.view(torch.int32)[1, 2] ^= 1  # still a NaN, other bits
+    assert payload[1, 2].isnan()
+    refuse_tied_layers(_layers(weight, payload))
+    refuse_tied_layers(_layers(weight, weight.to(torch.float64)))  # another dtype
 
 
 def test_a_stage_missing_is_refused(deepspeed_runs, tmp_path):

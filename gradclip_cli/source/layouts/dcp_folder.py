@@ -93,7 +93,7 @@ from . import tiling
 from .paths import inside
 
 __all__ = ["DcpFolder", "METADATA_NAME", "check_tiling", "hold_gradient_chunks",
-           "names_all", "read_folder", "read_metadata", "recognises", "renamed"]
+           "names_all", "piece_name", "read_folder", "read_metadata", "recognises", "renamed"]
 
 
 def recognises(path: Path) -> bool:
@@ -321,9 +321,9 @@ def hold_gradient_chunks(contents: Contents) -> WriteBack:
     """Clip's write-back of a DCP folder: every gradient chunk read into memory, each a
     gradient of its own, and the plan that writes their bytes back.
 
-    The held gradients are one tensor per chunk (a tensor in one chunk keeps
-    its name; others are named ``name[offsets]``), each on a private mapping
-    or its own copy, so scaling in place never reaches the files. The plan
+    The held gradients are one tensor per chunk (named by ``piece_name``),
+    each on a private mapping or its own copy, so scaling in place never
+    reaches the files. The plan
     copies each ``.distcp`` file holding chunks with every chunk's storage
     bytes written over (``StorageBytes``); every blob must hold exactly one
     stored storage, the chunk's (what ``dcp.save`` writes).
@@ -342,8 +342,7 @@ def hold_gradient_chunks(contents: Contents) -> WriteBack:
                 raise InputError(f"{where}: cannot be rewritten in place: {outside}") from None
             if patch.nbytes != value.untyped_storage().nbytes():
                 raise InputError(f"{where}: the stored storage is not the chunk's")
-            label = name if len(tensor.pieces) == 1 else \
-                f"{name}[{','.join(map(str, piece.offsets))}]"
+            label = piece_name(name, tensor, piece)
             held[label] = StoredTensor.whole(label, value, piece.file)
             by_file.setdefault(Path(piece.file), []).append(StorageBytes(
                 label, patch.data_start, patch.nbytes, tuple(patch.crc_positions)))
@@ -351,6 +350,12 @@ def hold_gradient_chunks(contents: Contents) -> WriteBack:
                   for file, found in sorted(by_file.items()))
     counted = sum(1 for t in (contents.gradients or {}).values() if t.pieces)
     return WriteBack(WriteBackPlan(contents.folder, files, counted), held)
+
+
+def piece_name(name: str, tensor: StoredTensor, piece: Piece) -> str:
+    """The name a held piece of ``tensor`` (named ``name``) goes by: ``name`` where the tensor
+    is one piece, else ``name[offsets]`` (``name[0,128]``), one name per place."""
+    return name if len(tensor.pieces) == 1 else f"{name}[{','.join(map(str, piece.offsets))}]"
 
 
 def _stored(meta: DcpMetadata, key: str, entry: TensorEntry,

@@ -52,7 +52,7 @@ from gradclip_cli.source.interface import (
 )
 from gradclip_cli.source.untrusted import is_count
 
-from .dcp_folder import check_tiling
+from .dcp_folder import check_tiling, piece_name
 from .draft import Draft
 from .paths import inside
 
@@ -104,7 +104,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
                 known.append(piece)
                 continue
             first = known[same[0]]
-            if not _same_bytes(first.held, tensor):
+            if not same_bits(first.held, tensor):
                 # Replicated state is written by every rank alike and counts once; a
                 # piece that differs would silently lose one copy's values.
                 raise InputError(f"{file}: holds {visible(repr(name))} at {at}, where "
@@ -148,10 +148,10 @@ def write_back(contents: Contents) -> WriteBack:
     """For clip: every gradient piece held as a gradient of its own, and every shard
     written back whole as safetensors.
 
-    The held gradients are one per piece (a tensor in one piece keeps its
-    name; others are named ``name[offsets]``, as DCP chunks are): the mapped
-    tensors of the shards' ``Checkpoint``s, private mappings, so scaling in
-    place changes what the sink writes and never the files. A piece that
+    The held gradients are one per piece (named as DCP chunks are,
+    ``dcp_folder.piece_name``): the mapped tensors of the shards'
+    ``Checkpoint``s, private mappings, so scaling in place changes what the
+    sink writes and never the files. A piece that
     another file holds too is written there from the same held tensor (its
     bytes are the same, checked at open): scaled once, written to both.
     """
@@ -161,8 +161,7 @@ def write_back(contents: Contents) -> WriteBack:
     for name, tensor in (contents.gradients or {}).items():
         for piece in tensor.pieces:
             assert isinstance(piece, _ShardPiece) and piece.held is not None
-            label = name if len(tensor.pieces) == 1 else \
-                f"{name}[{','.join(map(str, piece.offsets))}]"
+            label = piece_name(name, tensor, piece)
             held[label] = StoredTensor.whole(label, piece.held, piece.file)
             own.setdefault(piece.file, []).append(label)
             for copy in piece.copies:
@@ -173,8 +172,11 @@ def write_back(contents: Contents) -> WriteBack:
     return WriteBack(WriteBackPlan(contents.folder, files, counted), held)
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two stored copies are one tensor: the same dtype, shape and bits, a NaN
+    included (a copy is written from the same tensor, so even its NaN payloads match)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _shards(folder: Path) -> list[Path]:

@@ -64,8 +64,8 @@ alike (``plain.read_ranks``).
 Pipeline parallelism (``deepspeed.pipe.PipelineModule``) saves each layer's state dict as
 ``layer_II-model_states.pt`` (``II`` its global index, which names it: ``II.weight``)
 beside one ``mp_rank_XX`` per stage. Under ZeRO the stages are read from their optimizer
-files (``pipeline.check_stages``); without ZeRO the weights are the layer files' and the moments
-each stage's ``optimizer`` (``pipeline.read``). With tensor parallelism as well
+files (``model_parallel.check_pipeline_ranks``); without ZeRO the weights are the layer files'
+and the moments each stage's ``optimizer`` (``pipeline.read``). With tensor parallelism as well
 (``checkpoint_parallel_dimensions``: ``pp_degree`` x ``tp_degree``, as many as the
 ``mp_rank_XX``), DeepSpeed's topology numbers the ranks stage by stage: ``mp_rank_XX`` is
 stage ``XX // tp_degree``'s tensor-parallel rank ``XX % tp_degree``, and layer ``II``'s
@@ -85,6 +85,7 @@ imported.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
@@ -93,8 +94,8 @@ from gradclip_cli.source.interface import Contents
 
 from .. import hf_trainer
 from ..dcp_frameworks import refuse_key
-from ..draft import Draft
 from . import pipeline, plain, zero
+from .facts import PIPELINE, PLAIN, ZERO, worded
 from .reader import (
     LAYER_STATES,
     MODEL_STATES,
@@ -107,7 +108,6 @@ from .reader import (
 
 KIND = "deepspeed"
 LATEST = "latest"
-ZERO, PLAIN = "zero", "plain"
 _HOLDS = (
     "DeepSpeed rank files (mp_rank_XX_model_states.pt, with ZeRO's optimizer files beside it "
     "under ZeRO)"
@@ -116,7 +116,8 @@ _HOLDS = (
 
 def _folder_kind(path: Path) -> str | None:
     """``ZERO`` (model state and ZeRO optimizer rank files), ``PLAIN`` (without ZeRO:
-    ``mp_rank_XX_model_states.pt`` and no ZeRO rank file at all), else None."""
+    ``mp_rank_XX_model_states.pt`` and no ZeRO rank file at all), ``PIPELINE`` (``PLAIN``
+    beside layer files), else None."""
     try:
         names = os.listdir(path)
     except OSError:
@@ -125,7 +126,9 @@ def _folder_kind(path: Path) -> str | None:
     zero3 = any(MODEL_STATES.fullmatch(n) and not PLAIN_STATES.fullmatch(n) for n in names)
     if any(OPTIM_STATES.fullmatch(n) for n in names):
         return ZERO if plain_states or zero3 else None
-    return PLAIN if plain_states and not zero3 else None
+    if not plain_states or zero3:
+        return None
+    return PIPELINE if any(LAYER_STATES.fullmatch(n) for n in names) else PLAIN
 
 
 def _is_step_folder(path: Path) -> bool:
@@ -136,7 +139,7 @@ def recognises(path: Path) -> bool:
     """A folder of rank files, or one holding ``latest`` beside such a folder; or, without
     ZeRO, the one model state file of such a folder."""
     if PLAIN_STATES.fullmatch(path.name) and os.path.isfile(path):
-        return _folder_kind(path.parent) == PLAIN
+        return _folder_kind(path.parent) in (PLAIN, PIPELINE)
     return recognises_folder(path, LATEST, _is_step_folder)
 
 
@@ -169,41 +172,16 @@ def near_miss(path: Path) -> str | None:
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     refuse_key(path, key, "a DeepSpeed checkpoint")
-    tag_note = ""
-    folder = path
+    folder, named_by = path, ""
     if os.path.isfile(path):
         folder = path.parent
     elif not _is_step_folder(path):
-        folder = follow_latest(path, LATEST, _is_step_folder, _HOLDS)
-        tag_note = f" (named by {LATEST})"
+        folder, named_by = follow_latest(path, LATEST, _is_step_folder, _HOLDS), LATEST
     reader = Reader(folder, trust_pickle=trust_pickle, verify=verify)
-    if _folder_kind(folder) == ZERO:
-        contents = zero.read(reader, path, KIND)
-    elif pipeline.holds_layers(folder):
-        contents = pipeline.read(reader, path, KIND)
-    else:
-        contents = plain.read(reader, path, KIND)
-    contents.description[0] += tag_note
-    if folder != path:
-        _trainer_step(contents, path)
-    return contents.finish()
-
-
-def _trainer_step(contents: Draft, path: Path) -> None:
-    """A Hugging Face Trainer's ``checkpoint-N/`` around the DeepSpeed folder: its
-    ``global_step`` (``trainer_state.json``, checked against the folder's name) is the
-    checkpoint's step, as for a Trainer checkpoint without DeepSpeed."""
-    step = hf_trainer.global_step(path)
-    if step is None:
-        return
-    contents.description.insert(
-        0,
-        f"Hugging Face Trainer checkpoint at global_step {step} ({hf_trainer.STATE}), "
-        "with DeepSpeed",
-    )
-    if contents.step is not None and contents.step != step:
-        contents.description.append(
-            f"DeepSpeed counts {contents.step} steps (global_steps), the Trainer {step}: "
-            "the Trainer's global_step is the step reported"
-        )
-    contents.step = step
+    kind = _folder_kind(folder)
+    read = zero.read if kind == ZERO else pipeline.read if kind == PIPELINE else plain.read
+    contents, facts = read(reader, path, KIND)
+    # A Hugging Face Trainer's checkpoint-N/ around the DeepSpeed folder: its global_step
+    # (trainer_state.json, checked against the folder's name) is the checkpoint's step.
+    trainer = hf_trainer.global_step(path) if folder != path else None
+    return worded(contents, replace(facts, named_by=named_by, trainer_step=trainer))

@@ -1,22 +1,21 @@
-"""DeepSpeed's model-parallel ranks, each read as a checkpoint of its own (a ``Part``),
-checked to be one checkpoint and joined (the package's docstring gives the rule).
+"""DeepSpeed's model-parallel ranks, tensor-parallel ranks or ZeRO's pipeline stages, each
+read as a checkpoint of its own (a ``Part``), checked to be one checkpoint and joined (the
+package's docstring gives the rule).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.megatron_pickle import NamespaceState
-from gradclip_cli.source.interface import Checkpoint, OptimizerState, StoredTensor
-from gradclip_cli.source.untrusted import is_int
+from gradclip_cli.source.interface import Checkpoint, OptimizerState, StoredTensor, chained
+from gradclip_cli.source.untrusted import is_count, is_int
 
-from ..draft import Draft
 from ..tensor_parallel import hidden_size, merged, split_axis
-from .reader import mp_name
 
 
 @dataclass
@@ -24,14 +23,12 @@ class Part:
     """One model-parallel rank's checkpoint: its parameters (shards, under tensor
     parallelism) and their optimizer state, as one rank alone would be read."""
 
-    mp: int
     model: Checkpoint
     stage: int  # ZeRO's; 0 without ZeRO
     world: int  # data-parallel ranks
     trainable: dict[str, tuple[int, ...]]
     weights: dict[str, StoredTensor]  # the trainable ones and the frozen ones
     optimizer: OptimizerState
-    held: str  # the optimizer files, for the evidence
 
 
 def megatron_args(model: Checkpoint) -> Mapping:
@@ -49,8 +46,8 @@ def dimensions(model: Checkpoint) -> Mapping:
 def check_tensor_parallel(parts: list[Part], folder: Path) -> tuple[int, int]:
     """The model-parallel ranks are one checkpoint of tensor-parallel ranks: each says how
     many there are (DeepSpeed's ``mp_world_size`` and ``checkpoint_parallel_dimensions``,
-    Megatron's args), none says there are pipeline stages, and they agree
-    (``check_alike``). Returns ``(1, len(parts))``: one stage, so many tensor-parallel ranks."""
+    Megatron's args) and none says there are pipeline stages (``tensor_parallel`` checks
+    that they agree). Returns ``(1, len(parts))``: one stage, so many tensor-parallel ranks."""
     n = len(parts)
     held = f"{folder.name}/ holds {n} model-parallel rank(s)"
     for part in parts:
@@ -73,8 +70,72 @@ def check_tensor_parallel(parts: list[Part], folder: Path) -> tuple[int, int]:
                     f"{file}: {key} is {visible(repr(size))[:40]}; gradclip "
                     "reads DeepSpeed checkpoints of tensor-parallel ranks only"
                 )
-    check_alike(parts)
     return 1, n
+
+
+def check_pipeline_ranks(parts: list[Part], folder: Path) -> tuple[int, int] | None:
+    """The ranks of a pipeline of several stages (``pp_degree`` stages x ``tp_degree``
+    tensor-parallel ranks, as many as the rank files) are one checkpoint: each says so, and
+    each tensor-parallel rank's stages hold other parameters. Returns
+    ``(pp_degree, tp_degree)``, or None where the ranks say of no stages: one stage (as
+    Megatron-DeepSpeed's GPTModelPipe runs without pipeline parallelism) is read as any
+    model-parallel set."""
+    n = len(parts)
+    dims = dimensions(parts[0].model)
+    pp, tp = dims.get("pp_degree"), dims.get("tp_degree")
+    if n == 1 or not is_int(pp) or pp <= 1:
+        return None
+    if not is_count(tp, 1) or pp * tp != n:
+        raise InputError(
+            f"{parts[0].model.path}: a pipeline checkpoint whose "
+            f"checkpoint_parallel_dimensions are {visible(repr(dims))[:80]}, for {n} rank "
+            "files: pp_degree x tp_degree should count them"
+        )
+    for p in parts:
+        args = megatron_args(p.model)
+        for key, size, expected in (
+            ("mp_world_size", p.model.root.get("mp_world_size"), n),
+            ("checkpoint_parallel_dimensions", dimensions(p.model), dims),
+            # Megatron's args, where saved.
+            ("args.tensor_model_parallel_size", args.get("tensor_model_parallel_size", tp), tp),
+            ("args.pipeline_model_parallel_size",
+             args.get("pipeline_model_parallel_size", pp), pp),
+        ):
+            if size != expected:
+                raise InputError(
+                    f"{p.model.path}: its {key} is {visible(repr(size))[:80]}, but "
+                    f"{folder.name}/ holds {n} rank files, {pp} pipeline stages x {tp} "
+                    "tensor-parallel rank(s): the ranks are not one checkpoint"
+                )
+    for t in range(tp):
+        # Each tensor-parallel rank's stages: one ZeRO layout and step, and each parameter
+        # on one stage only (a layer tied across stages, whose copies the stages keep alike,
+        # is refused rather than counted twice or guessed once).
+        stages, seen = parts[t::tp], {}
+        for p in stages:
+            refuse_other_run(p, stages[0], "stages")
+            for name in p.weights:
+                if name in seen:
+                    raise InputError(
+                        f"{p.model.path}: holds {visible(name)}, which {seen[name].name} holds "
+                        "too (a layer tied across pipeline stages); gradclip does not read tied "
+                        "stages"
+                    )
+                seen[name] = p.model.path
+    return pp, tp
+
+
+def join_stages(parts: list[Part]) -> Part:
+    """One tensor-parallel rank's stages as one part: their parameters side by side, in
+    stage order, and their optimizer states as one (``chained``: each stage's param groups
+    kept, with their hyperparameters)."""
+    optimizer, _ = chained([p.optimizer for p in parts], parts[0].optimizer.file)
+    return replace(
+        parts[0],
+        trainable={n: s for p in parts for n, s in p.trainable.items()},
+        weights={n: t for p in parts for n, t in p.weights.items()},
+        optimizer=optimizer,
+    )
 
 
 def refuse_other_run(part: Part, first: Part, ranks: str) -> None:
@@ -125,10 +186,12 @@ HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
 def tensor_parallel(
     parts: list[Part], where: Mapping[str, Path] | None = None
 ) -> tuple[dict[str, StoredTensor], OptimizerState, int]:
-    """The model-parallel ranks' shards as whole parameters, and their moments alike: split
-    or replicated as Megatron's layer names say (``tensor_parallel``); and how many are
-    split. A name the rule cannot place is refused naming the file it was read from
-    (``where``; else the first rank's model state file, whose ``param_shapes`` name it)."""
+    """The model-parallel ranks, checked alike, their shards as whole parameters and their
+    moments alike: split or replicated as Megatron's layer names say (``tensor_parallel``);
+    and how many are split. A name the rule cannot place is refused naming the file it was
+    read from (``where``; else the first rank's model state file, whose ``param_shapes`` name
+    it)."""
+    check_alike(parts)
     first = parts[0]
     shapes = {n: tuple(t.shape) for n, t in first.weights.items()}
     hidden = hidden_size(megatron_args(first.model), shapes)
@@ -180,24 +243,3 @@ def held_in(optimizer: OptimizerState, pid: int | None) -> Path:
     if isinstance(moment, StoredTensor) and moment.pieces and moment.pieces[0].file is not None:
         return moment.pieces[0].file
     return optimizer.file
-
-
-def ranks_of(stages: int, tp: int) -> str:
-    """The model-parallel ranks, in words: ``2 pipeline stages x 2 tensor-parallel ranks``."""
-    if stages == 1:
-        return f"{tp} model-parallel ranks"
-    if tp == 1:
-        return f"{stages} pipeline stages"
-    return f"{stages} pipeline stages x {tp} tensor-parallel ranks"
-
-
-def note_split(contents: Draft, split: int, count: int, stages: int = 1) -> None:
-    """How many of ``count`` tensors the model-parallel ranks split, and how many they copy
-    (each stage's tensor-parallel rank 0 keeping the copy counted, under pipeline stages)."""
-    ranks = "model-parallel ranks" if stages == 1 else "tensor-parallel ranks"
-    once = mp_name(0) if stages == 1 else "each stage's tensor-parallel rank 0"
-    contents.description.append(
-        f"{split} tensors split across the {ranks} (measured as their shards together), "
-        f"{count - split} replicated (counted once, from {once}, as Megatron's "
-        "get_grad_norm_fp32 does), by Megatron's layer names"
-    )

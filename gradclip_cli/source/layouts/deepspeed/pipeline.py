@@ -1,6 +1,6 @@
-"""DeepSpeed's pipeline stages (``deepspeed.pipe.PipelineModule``): under ZeRO 1 the
-stages' checks and join, without ZeRO the layer files read; the file names and the ranks'
-numbering are in the package's docstring.
+"""DeepSpeed's pipeline stages (``deepspeed.pipe.PipelineModule``) without ZeRO: the layer
+files and each stage's optimizer read (under ZeRO 1 the stages are ``model_parallel``'s);
+the file names and the ranks' numbering are in the package's docstring.
 """
 
 from __future__ import annotations
@@ -12,128 +12,41 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import roles
 from gradclip_cli.source.interface import (
     Checkpoint,
     OptimizerState,
     StoredTensor,
     chained,
 )
-from gradclip_cli.source.naming import Model, map_names
-from gradclip_cli.source.untrusted import is_count, is_int
+from gradclip_cli.source.untrusted import is_int
 
+from ..dcp_hf import same_bits
 from ..draft import Draft
+from ..master_copy import head_key
 from ..torch_optim import is_optimizer_state, optimizer_state
 from . import model_parallel
-from .model_parallel import Part
-from .plain import check_saved_without_zero, note_frozen, part, with_state
+from .facts import PIPELINE, DeepSpeedFacts
+from .plain import check_saved_without_zero, named_in_order, part, with_state
 from .reader import (
     LAYER_STATES,
     PLAIN_STATES,
     Reader,
     buffer_names,
+    complete,
     gap,
     mp_name,
     named_tensors,
-    span,
 )
 
 
-def holds_layers(folder: Path) -> bool:
-    """Whether ``folder`` holds a pipeline's layer files."""
-    try:
-        return any(LAYER_STATES.fullmatch(n) for n in os.listdir(folder))
-    except OSError:
-        return False
-
-
-def check_pipeline_ranks(parts: list[Part], folder: Path) -> tuple[int, int] | None:
-    """The ranks of a pipeline of several stages (``pp_degree`` stages x ``tp_degree``
-    tensor-parallel ranks, as many as the rank files) are one checkpoint: each says so, and
-    each tensor-parallel rank's stages hold other parameters (``check_stages``). Returns
-    ``(pp_degree, tp_degree)``, or None where the ranks say of no stages: one stage (as
-    Megatron-DeepSpeed's GPTModelPipe runs without pipeline parallelism) is read as any
-    model-parallel set."""
-    n = len(parts)
-    dims = model_parallel.dimensions(parts[0].model)
-    pp, tp = dims.get("pp_degree"), dims.get("tp_degree")
-    if n == 1 or not is_int(pp) or pp <= 1:
-        return None
-    if not is_count(tp, 1) or pp * tp != n:
-        raise InputError(
-            f"{parts[0].model.path}: a pipeline checkpoint whose "
-            f"checkpoint_parallel_dimensions are {visible(repr(dims))[:80]}, for {n} rank "
-            "files: pp_degree x tp_degree should count them"
-        )
-    for p in parts:
-        args = model_parallel.megatron_args(p.model)
-        for key, size, expected in (
-            ("mp_world_size", p.model.root.get("mp_world_size"), n),
-            ("checkpoint_parallel_dimensions", model_parallel.dimensions(p.model), dims),
-            # Megatron's args, where saved.
-            ("args.tensor_model_parallel_size", args.get("tensor_model_parallel_size", tp), tp),
-            ("args.pipeline_model_parallel_size",
-             args.get("pipeline_model_parallel_size", pp), pp),
-        ):
-            if size != expected:
-                raise InputError(
-                    f"{p.model.path}: its {key} is {visible(repr(size))[:80]}, but "
-                    f"{folder.name}/ holds {n} rank files, {pp} pipeline stages x {tp} "
-                    "tensor-parallel rank(s): the ranks are not one checkpoint"
-                )
-    for t in range(tp):
-        check_stages(parts[t::tp])
-    return pp, tp
-
-
-def check_stages(parts: list[Part]) -> None:
-    """Pipeline stages are one checkpoint: the same ZeRO layout and step on every stage, and
-    each parameter on one stage only (a layer tied across stages, whose copies the stages
-    keep alike, is refused rather than counted twice or guessed once)."""
-    seen: dict[str, Path] = {}
-    for p in parts:
-        model_parallel.refuse_other_run(p, parts[0], "stages")
-        for name in p.weights:
-            if name in seen:
-                raise InputError(
-                    f"{p.model.path}: holds {visible(name)}, which {seen[name].name} holds too "
-                    "(a layer tied across pipeline stages); gradclip does not read tied stages"
-                )
-            seen[name] = p.model.path
-
-
-def join_stages(parts: list[Part]) -> Part:
-    """One tensor-parallel rank's stages as one part: their parameters side by side, in
-    stage order, and their optimizer states as one (``chained``: each stage's param groups
-    kept, with their hyperparameters)."""
-    first = parts[0]
-    optimizer, _ = chained([p.optimizer for p in parts], first.optimizer.file)
-    return Part(
-        first.mp,
-        first.model,
-        first.stage,
-        first.world,
-        {n: s for p in parts for n, s in p.trainable.items()},
-        {n: t for p in parts for n, t in p.weights.items()},
-        optimizer,
-        first.held,
-    )
-
-
-def read(reader: Reader, given: Path, kind: str) -> Draft:
+def read(reader: Reader, given: Path, kind: str) -> tuple[Draft, DeepSpeedFacts]:
     """A pipeline without ZeRO: each stage's ``mp_rank_XX_model_states.pt`` holds no
     ``module`` and its ``optimizer`` is torch's state dict over the stage's parameters,
     whose weights are the layer files'. Each tensor-parallel rank is read as a pipeline of
-    its own (``read_rank``), then the ranks are joined as without stages: a split parameter
-    its shards side by side, a replicated one once (``model_parallel.tensor_parallel``), the
-    ranks checked alike (``model_parallel.check_alike``)."""
+    its own (``read_rank``), then the ranks are joined as without stages."""
     names = os.listdir(reader.folder)
     stages = sorted(int(m.group(1)) for n in names if (m := PLAIN_STATES.fullmatch(n)))
-    if (missing := gap(stages)) is not None:
-        raise InputError(
-            f"{reader.folder}: holds pipeline stages {', '.join(mp_name(r) for r in stages)} "
-            f"but no {mp_name(missing)}: the stages are incomplete"
-        )
+    complete(reader.folder, stages, "pipeline stages {}", "stages")
     layers = layer_files(reader.folder, names)
     tp = len(layers)
     models = [reader.load(f"{mp_name(s)}_model_states.pt") for s in stages]
@@ -146,8 +59,7 @@ def read(reader: Reader, given: Path, kind: str) -> Draft:
     params, buffers, optimizer = ranks[0]
     split = 0
     if tp > 1:
-        parts = [part(t, models[t], weights, own, "") for t, (weights, _, own) in enumerate(ranks)]
-        model_parallel.check_alike(parts)
+        parts = [part(models[t], weights, own) for t, (weights, _, own) in enumerate(ranks)]
         # A name is its layer file's (tensor-parallel rank 0's named).
         where = {n: t.pieces[0].file for n, t in params.items()}
         params, optimizer, split = model_parallel.tensor_parallel(parts, where)
@@ -156,33 +68,14 @@ def read(reader: Reader, given: Path, kind: str) -> Draft:
     contents.order = list(params)
     contents.buffers = buffers or None
     contents.optimizers = [optimizer]
-    every = sorted(n for rank in layers for n in rank.values())
-    files = span(every)
-    held = span([f"{m.path.name}'s 'optimizer'" for m in models])
-    ranks_said = model_parallel.ranks_of(len(models) // tp, tp)
-    of = f" of {ranks_said}" if len(models) > 1 else ""
-    contents.evidence[roles.WEIGHT] = (
-        f"a DeepSpeed pipeline checkpoint without ZeRO{of}: the layer files ({files})"
-    )
-    contents.evidence[roles.OPTIMIZER_STATE] = (
-        f"a DeepSpeed pipeline checkpoint without ZeRO{of}: {held}"
-    )
-    version = reader.header(
-        contents, first.root, given, "DeepSpeed pipeline checkpoint without ZeRO (stage 0)"
-    )
     dp = first.root.get("dp_world_size")
-    dp_note = f" x {dp} data-parallel rank(s)" if is_int(dp) else ""
-    trained = with_state(optimizer)
-    ranks_said = f"{len(models)} pipeline stage(s)" if tp == 1 else ranks_said
-    contents.description.append(
-        f"{ranks_said} ({span([mp_name(s) for s in stages])}){dp_note}{version}: weights of "
-        f"{len(params)} parameters in {len(every)} layer files ({files}), Adam moments "
-        f"of {len(trained)}"
+    trained = len(with_state(optimizer))
+    return contents, DeepSpeedFacts(
+        PIPELINE, **reader.saved(first), parameters=trained, tensors=len(params),
+        frozen=len(params) - trained, dp=dp if is_int(dp) else None, stages=len(models) // tp,
+        tp=tp, split=split, model_files=tuple(m.path.name for m in models),
+        layer_files=tuple(sorted(n for rank in layers for n in rank.values())),
     )
-    if tp > 1:
-        model_parallel.note_split(contents, split, len(params), len(models) // tp)
-    note_frozen(contents, len(params) - len(trained))
-    return contents
 
 
 def read_rank(
@@ -197,9 +90,8 @@ def read_rank(
     that stage's parameters: with several stages, stage ``XX``'s optimizer holds the next
     as many parameters of the layers in index order as its param groups list, mapped to
     names by shape within them (``naming.map_names``); one stage's optimizer may hold fewer
-    (parameters left out of it, frozen). Counts or shapes that disagree are refused. A
-    layer tied across layers (``TiedLayerSpec``) is saved by each layer that uses it:
-    two layer files holding equal weight matrices are refused rather than counted twice.
+    (parameters left out of it, frozen). Counts or shapes that disagree are refused, and
+    tied layers (``refuse_tied_layers``).
     """
     params: dict[str, StoredTensor] = {}
     buffers: dict[str, StoredTensor] = {}
@@ -233,8 +125,7 @@ def read_rank(
                 f"hold {len(own)} for this stage: the layer files and the optimizer "
                 "disagree (a layer file missing?)"
             )
-        stage_weights = {n: params[n] for n in own}
-        optimizer.param_names = map_names(optimizer, Model(stage_weights, list(own)))
+        optimizer.param_names = named_in_order(optimizer, {n: params[n] for n in own}, file, kind)
         optimizers.append(optimizer)
     if len(models) > 1 and taken != len(order):
         raise InputError(
@@ -246,16 +137,20 @@ def read_rank(
 
 
 def refuse_tied_layers(params: dict[str, StoredTensor]) -> None:
-    """Two layers' equal weight matrices (2 dimensions or more): one module tied across
-    layers (``TiedLayerSpec``), saved by each; refused rather than counted twice."""
+    """Two layers' identical weight matrices (2 dimensions or more): one module tied across
+    layers (``TiedLayerSpec``), saved by each; refused rather than counted twice.
+
+    Copies of one tensor are identical bits (``dcp_hf.same_bits``), a NaN included: a tied
+    layer that diverged saves the same NaN in each copy and is refused as any tied layer,
+    where ``torch.equal`` (a NaN unequal to itself) would count it twice."""
     seen: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     for name, stored in params.items():
         if len(stored.shape) < 2:
             continue
         value = stored.read()
-        key = (tuple(value.shape), value.dtype, tuple(value.flatten()[:64].tolist()))
+        key = head_key(value, value.dtype)  # where identical copies meet, NaN keyed by place
         for other, earlier in seen.get(key, ()):
-            if torch.equal(value, earlier):
+            if same_bits(value, earlier):
                 raise InputError(
                     f"{stored.pieces[0].file}: holds {visible(name)}, equal to "
                     f"{visible(other)} (a layer tied across layers, saved by each); "

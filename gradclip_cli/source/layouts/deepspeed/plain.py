@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import roles
 from gradclip_cli.source.interface import Checkpoint, OptimizerState, StoredTensor
 from gradclip_cli.source.naming import Model, map_names
 from gradclip_cli.source.untrusted import is_int
@@ -21,77 +21,48 @@ from gradclip_cli.source.vocabulary import step_value
 from ..draft import Draft
 from ..master_copy import head_key, rounds_to
 from ..torch_optim import is_optimizer_state, optimizer_state
-from .model_parallel import Part, check_tensor_parallel, dimensions, note_split, tensor_parallel
-from .reader import PLAIN_STATES, Reader, gap, module_state, mp_name, span
+from .facts import PLAIN, DeepSpeedFacts
+from .model_parallel import Part, check_tensor_parallel, dimensions, tensor_parallel
+from .reader import PLAIN_STATES, Reader, complete, module_state, mp_name
 
-WITHOUT_ZERO = "DeepSpeed checkpoint without ZeRO (stage 0)"
 
-
-def read(reader: Reader, given: Path, kind: str) -> Draft:
+def read(reader: Reader, given: Path, kind: str) -> tuple[Draft, DeepSpeedFacts]:
     """The folder's model state files, one model-parallel rank each (``read_ranks`` where
-    there are several). The ``module`` is the model's state dict (parameters and the
-    buffers ``buffer_names`` lists) and the ``optimizer`` torch's optimizer state dict, or,
-    under fp16/bf16 mixed precision, DeepSpeed's ``FP16_UnfusedOptimizer`` state: that
-    state dict as ``optimizer_state_dict`` and the fp32 master weights as ``fp32_groups``,
-    one list per param group in the group's order. The optimizer stores no names: they come
-    from the module's parameter order (``naming.map_names``, the contract's one interleaving
-    that fits every shape), as for any optimizer saved beside its model."""
+    there are several): the ``module`` is the model's state dict (parameters and the
+    buffers ``buffer_names`` lists), the ``optimizer`` as ``plain_optimizer`` reads it."""
     ranks = sorted(
         int(m.group(1)) for n in os.listdir(reader.folder) if (m := PLAIN_STATES.fullmatch(n))
     )
-    if (missing := gap(ranks)) is not None:
-        raise InputError(
-            f"{reader.folder}: holds model state files of "
-            f"{', '.join(mp_name(r) for r in ranks)} without ZeRO but no {mp_name(missing)}: "
-            "the model-parallel ranks are incomplete"
-        )
+    complete(reader.folder, ranks, "model state files of {} without ZeRO", "model-parallel ranks")
     if len(ranks) > 1:
         return read_ranks(reader, given, kind, len(ranks))
     model = reader.load(f"{mp_name(0)}_model_states.pt")
-    root, file = model.root, model.path
     check_saved_without_zero(model)
     params, buffers = module_state(model)
+    optimizer, masters = plain_optimizer(model, params, kind)
     contents = reader.contents(given, kind)
-    contents.weights = dict(params)
+    contents.weights = {**params, **masters}
     contents.order = list(params)
     contents.buffers = buffers or None
-    held = f"{file.name}'s 'optimizer'"
-    optimizer, masters = plain_optimizer(model, params, kind)
-    precision = ""
-    if optimizer is not None:
-        contents.optimizers = [optimizer]
-        contents.evidence[roles.OPTIMIZER_STATE] = f"a DeepSpeed checkpoint without ZeRO: {held}"
-    weights = f"a DeepSpeed checkpoint without ZeRO: {file.name}'s module"
-    if masters:
-        contents.weights.update(masters)
-        precision = f"{module_dtypes(params, masters)} module, "
-        weights += f", fp32 master weights of {len(masters)} in {held} (fp32_groups)"
-    contents.evidence[roles.WEIGHT] = weights
-    version = reader.header(contents, root, given, WITHOUT_ZERO)
-    dp = root.get("dp_world_size")
-    ranks_note = f"{dp} data-parallel rank(s)" if is_int(dp) else "one file"
+    dp = model.root.get("dp_world_size")
+    facts = DeepSpeedFacts(PLAIN, **reader.saved(model), parameters=None,
+                           dp=dp if is_int(dp) else None, model_files=(model.path.name,))
     if optimizer is None:
-        contents.description.append(
-            f"{ranks_note}{version}: the module's weights; no optimizer state was saved"
-        )
-        return contents
+        return contents, facts
+    contents.optimizers = [optimizer]
     trained = with_state(optimizer)
-    master_note = "fp32 master weights and " if masters else ""
-    contents.description.append(
-        f"{ranks_note}{version}: {precision}{master_note}Adam moments of "
-        f"{len(trained)} parameters"
+    return contents, replace(
+        facts, parameters=len(trained), tensors=len(params), frozen=len(params) - len(trained),
+        masters=len(masters), sixteen=module_dtypes(params, masters) if masters else "",
+        zero_gradient_step=bool(masters) and one_step_ahead(optimizer, trained, facts.step),
     )
-    note_frozen(contents, len(params) - len(trained))
-    if masters:
-        note_zero_gradient_step(contents, optimizer, trained)
-    return contents
 
 
-def read_ranks(reader: Reader, given: Path, kind: str, count: int) -> Draft:
-    """Tensor-parallel ranks without ZeRO: each ``mp_rank_XX_model_states.pt`` read as
-    ``read`` reads one (its shards, and the moments of its optimizer, named by its
-    module's order), then joined as ZeRO's model-parallel ranks are
-    (``model_parallel.tensor_parallel``)."""
+def read_ranks(
+    reader: Reader, given: Path, kind: str, count: int
+) -> tuple[Draft, DeepSpeedFacts]:
+    """Tensor-parallel ranks without ZeRO: each rank's file read as ``read`` reads one, then
+    joined as ZeRO's model-parallel ranks are (``model_parallel.tensor_parallel``)."""
     parts, low = [], set()
     for mp in range(count):
         model = reader.load(f"{mp_name(mp)}_model_states.pt")
@@ -104,10 +75,9 @@ def read_ranks(reader: Reader, given: Path, kind: str, count: int) -> Draft:
                 "tensor-parallel ranks of a checkpoint without ZeRO by their optimizers"
             )
         if optimizer.param_names is None:
-            optimizer.param_names = map_names(optimizer, Model(params, list(params)))
-        weights = {**params, **masters}
+            optimizer.param_names = named_in_order(optimizer, params, model.path, kind)
         low.update(module_dtypes(params, masters).split("/") if masters else ())
-        parts.append(part(mp, model, weights, optimizer, f"{model.path.name}'s 'optimizer'"))
+        parts.append(part(model, {**params, **masters}, optimizer))
     check_tensor_parallel(parts, reader.folder)
     weights, optimizer, split = tensor_parallel(parts)
     first = parts[0]
@@ -115,41 +85,31 @@ def read_ranks(reader: Reader, given: Path, kind: str, count: int) -> Draft:
     contents.weights = weights
     contents.order = list(weights)
     contents.optimizers = [optimizer]
-    models = span([p.model.path.name for p in parts])
-    of = f" of {count} model-parallel ranks"
-    contents.evidence[roles.WEIGHT] = f"a DeepSpeed checkpoint without ZeRO{of}: " + (
-        "fp32 master weights in each file's 'optimizer' (fp32_groups)" if low
-        else f"{models}' module"
-    )
-    contents.evidence[roles.OPTIMIZER_STATE] = (
-        f"a DeepSpeed checkpoint without ZeRO{of}: each file's 'optimizer'"
-    )
-    version = reader.header(contents, first.model.root, given, WITHOUT_ZERO)
     trained = with_state(optimizer)
-    precision = f"{'/'.join(sorted(low))} module, fp32 master weights and " if low else ""
-    contents.description.append(
-        f"{count} model-parallel ranks ({span([mp_name(r) for r in range(count)])}) x "
-        f"{first.world} data-parallel rank(s){version}: {precision}Adam moments of "
-        f"{len(trained)} parameters"
+    facts = reader.saved(first.model)
+    return contents, DeepSpeedFacts(
+        PLAIN, **facts, parameters=len(trained), tensors=len(weights),
+        frozen=len(weights) - len(trained), dp=first.world, tp=count, split=split,
+        model_files=tuple(p.model.path.name for p in parts), sixteen="/".join(sorted(low)),
+        zero_gradient_step=bool(low) and one_step_ahead(optimizer, trained, facts["step"]),
     )
-    note_split(contents, split, len(weights))
-    note_frozen(contents, len(weights) - len(trained))
-    if low:
-        note_zero_gradient_step(contents, optimizer, trained)
-    return contents
 
 
-def part(
-    mp: int, model: Checkpoint, weights: dict[str, StoredTensor], optimizer: OptimizerState,
-    held: str,
-) -> Part:
+def part(model: Checkpoint, weights: dict[str, StoredTensor], optimizer: OptimizerState) -> Part:
     """One model-parallel rank without ZeRO as a ``Part``: its trained parameters are those
     whose optimizer state is not empty."""
     named = optimizer.param_names or {}
     trainable = {named[p]: tuple(weights[named[p]].shape) for p in with_state(optimizer)}
     dp = model.root.get("dp_world_size")
-    world = dp if is_int(dp) else 1
-    return Part(mp, model, 0, world, trainable, weights, optimizer, held)
+    return Part(model, 0, dp if is_int(dp) else 1, trainable, weights, optimizer)
+
+
+def named_in_order(
+    optimizer: OptimizerState, weights: dict[str, StoredTensor], file: Path, kind: str
+) -> dict[int, str]:
+    """The names of ``optimizer``'s parameters, from the order of the module's ``weights``
+    (``naming.map_names``, the contract's one interleaving that fits every shape)."""
+    return map_names(optimizer, Model(weights, list(weights)))
 
 
 def with_state(optimizer: OptimizerState) -> list:
@@ -162,34 +122,21 @@ def module_dtypes(params: dict[str, StoredTensor], names) -> str:
     return "/".join(sorted({str(params[n].dtype).removeprefix("torch.") for n in names}))
 
 
-def note_zero_gradient_step(contents: Draft, optimizer: OptimizerState, trained: list) -> None:
-    """Under fp16/bf16 without ZeRO, Adam's step one past ``global_steps``, said."""
+def one_step_ahead(optimizer: OptimizerState, trained: list, step: int | None) -> bool:
+    """Whether Adam's step is one past ``global_steps`` (``step``): under fp16/bf16 without
+    ZeRO, ``FP16_UnfusedOptimizer.initialize_optimizer_states`` steps once with zero
+    gradients."""
     steps = {step_value(optimizer.state[p].get("step")) for p in trained}
-    if contents.step is not None and steps == {contents.step + 1}:
-        # FP16_UnfusedOptimizer.initialize_optimizer_states steps once with zero gradients.
-        contents.description.append(
-            f"Adam's step is {contents.step + 1}: DeepSpeed's fp16/bf16 optimizer took one "
-            "step with zero gradients to create its state, and bias-corrects with that count"
-        )
-
-
-def note_frozen(contents: Draft, frozen: int) -> None:
-    """How many parameters have no optimizer state, where any."""
-    if frozen > 0:
-        contents.description.append(
-            f"{frozen} parameter(s) without optimizer state (frozen): weights only "
-            "(measured by --what weights)"
-        )
+    return step is not None and steps == {step + 1}
 
 
 def check_saved_without_zero(
     model: Checkpoint, pipeline_files: int = 0, ranks: int = 1, tp: int = 1
 ) -> None:
     """A ZeRO checkpoint whose optimizer files are gone is not one saved without ZeRO; and
-    it has one model-parallel rank, or is one of ``pipeline_files`` model state files of a
-    pipeline whose layer files are those of ``tp`` tensor-parallel ranks (so
-    ``pipeline_files // tp`` stages), or (``ranks``) one of that many model-parallel ranks,
-    whose counts ``model_parallel.check_tensor_parallel`` checks."""
+    its counts say one model-parallel rank, or ``pipeline_files`` model state files beside
+    the layer files of ``tp`` tensor-parallel ranks (several ``ranks``: checked by
+    ``model_parallel.check_tensor_parallel``)."""
     config = model.root.get("ds_config")
     zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
     stage = zero.get("stage") if isinstance(zero, Mapping) else 0
@@ -236,8 +183,10 @@ def check_saved_without_zero(
 def plain_optimizer(
     model: Checkpoint, params: dict[str, StoredTensor], kind: str
 ) -> tuple[OptimizerState | None, dict[str, StoredTensor]]:
-    """The ``optimizer`` entry of a checkpoint without ZeRO, and the fp32 master weights by
-    name where mixed precision keeps them."""
+    """The ``optimizer`` entry of a checkpoint without ZeRO: torch's optimizer state dict,
+    or, under fp16/bf16 mixed precision, DeepSpeed's ``FP16_UnfusedOptimizer`` state (that
+    state dict as ``optimizer_state_dict``, and ``fp32_groups``: the fp32 master weights,
+    one list per param group), with the master weights by name."""
     value, file = model.root.get("optimizer"), model.path
     if value is None:
         return None, {}

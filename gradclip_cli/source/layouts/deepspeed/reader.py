@@ -16,7 +16,7 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import load_checkpoint, roles
+from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files import megatron_pickle
 from gradclip_cli.source.files.deepspeed_pickle import GLOBALS
 from gradclip_cli.source.files.small_file import excerpt
@@ -73,15 +73,12 @@ class Reader:
         self.trusted |= ckpt.trusted_pickle
         return ckpt
 
-    def header(self, contents: Draft, root: Mapping, given: Path, kind: str) -> str:
-        """The step (``global_steps``), the gradients' refusal and the first line of the
-        description, ``kind`` at the step in this folder; returns the version note."""
-        contents.step = step_value(root.get("global_steps"))
-        contents.missing[roles.GRADIENT] = f"{given}: a DeepSpeed checkpoint holds no gradients"
-        at = f" at global step {contents.step}" if contents.step is not None else ""
-        contents.description.append(f"{kind}{at}: {visible(self.folder.name)}/")
-        version = root.get("ds_version")
-        return f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
+    def saved(self, model: Checkpoint) -> dict[str, Any]:
+        """The facts of the folder and of its model state file ``model``: the folder's name,
+        DeepSpeed's step (``global_steps``) and version (``ds_version``)."""
+        version = model.root.get("ds_version")
+        return {"folder": self.folder.name, "step": step_value(model.root.get("global_steps")),
+                "version": version if isinstance(version, str) else None}
 
     def contents(self, given: Path, kind: str) -> Draft:
         """An empty ``Draft`` of ``kind`` for ``given``, naming every file read so far."""
@@ -211,3 +208,13 @@ def gap(numbers: list[int]) -> int | None:
     if numbers == list(range(len(numbers))):
         return None
     return next(r for r in range(len(numbers) + 1) if r not in numbers)
+
+
+def complete(folder: Path, numbers: list[int], held: str, what: str) -> None:
+    """Refused where the sorted ``numbers`` (``mp_rank_XX``) have a ``gap``: the folder holds
+    ``held`` (its ``{}`` the ranks named) but not all of ``what``."""
+    if (missing := gap(numbers)) is not None:
+        raise InputError(
+            f"{folder}: holds {held.format(', '.join(mp_name(r) for r in numbers))} "
+            f"but no {mp_name(missing)}: the {what} are incomplete"
+        )

@@ -42,13 +42,12 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import roles
 from gradclip_cli.source.interface import Checkpoint, Contents, OptimizerState, StoredTensor
-from gradclip_cli.source.vocabulary import step_value
 
 from ..dcp_frameworks import refuse_key
 from ..master_copy import rounds_to
 from ..paths import inside
+from .facts import UNIVERSAL, DeepSpeedFacts, worded
 from .reader import (
     MODEL_STATES,
     Reader,
@@ -120,31 +119,10 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     contents.weights = weights
     contents.buffers = buffers or None
     contents.optimizers = [optimizer]
-    contents.step = step_value(model.root.get("global_steps"))
-    contents.missing[roles.GRADIENT] = \
-        f"{path}: a DeepSpeed universal checkpoint holds no gradients"
-    said = f"a DeepSpeed universal checkpoint: {_ZERO}/<name>/"
-    contents.evidence[roles.WEIGHT] = f"{said}fp32.pt, the fp32 master weights"
-    contents.evidence[roles.OPTIMIZER_STATE] = (
-        f"{said}exp_avg.pt and exp_avg_sq.pt; the groups' hyperparameters from "
-        f"{_ZERO}/{_COMMON}, their parameters from {model.path.name}'s param_shapes"
-    )
-    at = f" at global step {contents.step}" if contents.step is not None else ""
-    by = f" (named by {LATEST})" if named else ""
-    version = model.root.get("ds_version")
-    made = f", DeepSpeed {visible(version)}" if isinstance(version, str) else ""
-    contents.description.append(
-        f"DeepSpeed universal checkpoint{at}: {visible(folder.name)}/{by}{made}; "
-        f"{len(ids)} trained parameters with Adam's moments, {len(frozen)} frozen"
-    )
-    if unsaved:
-        shown = ", ".join(visible(n) for n in unsaved[:3])
-        more = f" and {len(unsaved) - 3} more" if len(unsaved) > 3 else ""
-        contents.description.append(
-            f"{len(unsaved)} frozen parameters ({shown}{more}) have no fp32.pt (the "
-            "converter writes none for ZeRO 3's frozen parameters): the weights leave them out"
-        )
-    return contents.finish()
+    return worded(contents, DeepSpeedFacts(
+        UNIVERSAL, **reader.saved(model), parameters=len(ids), frozen=len(frozen),
+        model_files=(model.path.name,), unsaved=tuple(unsaved), named_by=LATEST if named else "",
+    ))
 
 
 class _Universal(Reader):

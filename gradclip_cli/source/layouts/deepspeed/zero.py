@@ -15,31 +15,30 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import roles
 from gradclip_cli.source.interface import Checkpoint, OptimizerState, Piece, StoredTensor
 from gradclip_cli.source.untrusted import is_count, is_int
 
 from ..draft import Draft
 from . import model_parallel
-from .model_parallel import Part
-from .pipeline import check_pipeline_ranks, join_stages
+from .facts import ZERO, DeepSpeedFacts
+from .model_parallel import Part, check_pipeline_ranks, join_stages
 from .reader import (
     LAYER_STATES,
     MODEL_STATES,
     OPTIM_STATES,
     Reader,
     Shapes,
-    gap,
+    complete,
     mp_name,
     param_shapes,
     shape_group,
-    span,
 )
 
 _MAX_RANKS = 1 << 16
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def read(reader: Reader, given: Path, kind: str) -> Draft:
+def read(reader: Reader, given: Path, kind: str) -> tuple[Draft, DeepSpeedFacts]:
     """The folder's ZeRO checkpoint: each model-parallel rank read as one of its own
     (``read_part``), then its pipeline stages and tensor-parallel ranks joined."""
     folder = reader.folder
@@ -52,12 +51,7 @@ def read(reader: Reader, given: Path, kind: str) -> Draft:
             f"{folder}: holds both bf16_zero_pp_rank_* and zero_pp_rank_* "
             "optimizer files; which set belongs to this checkpoint is unclear"
         )
-    if (missing := gap(mp_ranks)) is not None:
-        raise InputError(
-            f"{folder}: holds model-parallel ranks "
-            f"{', '.join(mp_name(r) for r in mp_ranks)} but no {mp_name(missing)}: "
-            "the model-parallel ranks are incomplete"
-        )
+    complete(folder, mp_ranks, "model-parallel ranks {}", "model-parallel ranks")
     parts = [read_part(reader, mp, prefixes[0]) for mp in mp_ranks]
     first = parts[0]
     pipeline = any(LAYER_STATES.fullmatch(n) for n in names)
@@ -66,14 +60,11 @@ def read(reader: Reader, given: Path, kind: str) -> Draft:
     contents = reader.contents(given, kind)
     # Each tensor-parallel rank's stages joined, then the ranks as without stages.
     ranks = [join_stages(parts[t::tp]) for t in range(tp)] if stages > 1 else parts
-    split, where = 0, None
     if len(ranks) == 1:
-        weights, optimizer = ranks[0].weights, ranks[0].optimizer
+        weights, optimizer, split = ranks[0].weights, ranks[0].optimizer, 0
     else:
-        if stages > 1:
-            model_parallel.check_alike(ranks)
-            # A name is in its stage's param_shapes (tensor-parallel rank 0's named).
-            where = {n: p.model.path for p in parts[::tp] for n in p.weights}
+        # A name is in its stage's param_shapes (tensor-parallel rank 0's named).
+        where = {n: p.model.path for p in parts[::tp] for n in p.weights}
         weights, optimizer, split = model_parallel.tensor_parallel(ranks, where)
     # param_shapes lists parameters group by group; the module's state dict
     # (placeholders under ZeRO 3) keeps the model's order, which the report follows.
@@ -86,37 +77,17 @@ def read(reader: Reader, given: Path, kind: str) -> Draft:
         contents.weights_sorted = True
     contents.weights = weights
     contents.optimizers = [optimizer]
-    models = span([p.model.path.name for p in parts])
-    held = span([p.held for p in parts])
-    ranks_said = model_parallel.ranks_of(stages, tp)
-    of = f" of {ranks_said}" if len(parts) > 1 else ""
-    contents.evidence[roles.WEIGHT] = (
-        f"a DeepSpeed checkpoint{of}: {models}, fp32 master weights in {held}"
-    )
-    contents.evidence[roles.OPTIMIZER_STATE] = f"a DeepSpeed checkpoint{of}: {held}"
-    kind_said = f"DeepSpeed ZeRO stage {first.stage} checkpoint"
-    version = reader.header(contents, first.model.root, given, kind_said)
-    mp = f"{ranks_said} ({span([mp_name(r) for r in mp_ranks])}) x " if len(parts) > 1 else ""
-    # Each stage's parameters once (from its tensor-parallel rank 0).
-    contents.description.append(
-        f"{mp}{first.world} data-parallel rank(s){version}: fp32 master weights and Adam "
-        f"moments of {len(ranks[0].trainable)} parameters"
-    )
-    if pipeline and not isinstance(module, Mapping) and first.stage <= 1:
+    return contents, DeepSpeedFacts(
+        # Each stage's parameters once (from its tensor-parallel rank 0).
+        ZERO, **reader.saved(first.model), parameters=len(ranks[0].trainable),
+        tensors=len(weights), frozen=len(first.weights) - len(first.trainable),
+        stage=first.stage, dp=first.world, stages=stages, tp=tp, split=split,
+        model_files=tuple(p.model.path.name for p in parts),
+        optimizer_files=tuple(p.optimizer.file.name for p in parts),
         # ZeRO 1 records frozen parameters only in the module's state dict, which a
         # PipelineModule saves in its layer files instead.
-        contents.description.append(
-            "a PipelineModule checkpoint: its layer_XX-model_states.pt files are not read, "
-            "so parameters without optimizer state (frozen), if any, are left out"
-        )
-    if tp > 1:
-        model_parallel.note_split(contents, split, len(weights), stages)
-    if frozen := len(first.weights) - len(first.trainable):
-        contents.description.append(
-            f"{frozen} frozen parameter(s): weights without Adam moments "
-            "(measured by --what weights)"
-        )
-    return contents
+        layers_unread=pipeline and not isinstance(module, Mapping) and first.stage <= 1,
+    )
 
 
 def read_part(reader: Reader, mp: int, prefix: str) -> Part:
@@ -171,9 +142,7 @@ def read_part(reader: Reader, mp: int, prefix: str) -> Part:
     weights = {n: stored(n, flat_shapes[n], places[n], flats, files) for n in flat_shapes}
     weights.update(frozen_parameters(reader, model, stage, world, flat_shapes, mp))
     optimizer = moments(shapes, places, flats, padded, states, optims)
-    every = f"{optim_name(0).replace('rank_0_', 'rank_*_', 1)} ({world} ranks)"
-    held = first.path.name if world == 1 else every
-    return Part(mp, model, stage, world, flat_shapes, weights, optimizer, held)
+    return Part(model, stage, world, flat_shapes, weights, optimizer)
 
 
 def frozen_parameters(
@@ -181,14 +150,12 @@ def frozen_parameters(
 ) -> dict[str, StoredTensor]:
     """Frozen parameters: weights without optimizer state, as ``zero_to_fp32`` reads them.
 
-    ZeRO 2 and 3 save ``frozen_param_shapes`` and ``frozen_param_fragments`` in
-    the model state files: under ZeRO 2 each parameter whole (in the module's
-    dtype); under ZeRO 3 each rank's file holds its flat part of every frozen
-    parameter, ``ceil(numel / world)`` elements, the last part zero padded.
-    ZeRO 1 saves neither (nor do DeepSpeed versions before frozen parameters were
-    saved apart), but a ZeRO 1/2 module state dict is whole: there the frozen
-    parameters are its entries that are neither in ``param_shapes`` nor buffers
-    (``buffer_names``) nor tied names (``shared_params``).
+    ZeRO 2 and 3 save ``frozen_param_shapes`` and ``frozen_param_fragments`` in the model
+    state files: under ZeRO 2 each parameter whole (in the module's dtype), under ZeRO 3
+    each rank's flat part of it (``ceil(numel / world)`` elements, the last zero padded).
+    ZeRO 1 (and DeepSpeed before it saved them apart) saves neither, but its module state
+    dict is whole: the frozen parameters are the entries neither in ``param_shapes`` nor
+    buffers (``buffer_names``) nor tied names (``shared_params``).
     """
     raw = model.root.get("frozen_param_shapes")
     if raw is None and stage <= 2:
@@ -489,41 +456,13 @@ def stored(name: str, shape: tuple[int, ...], place: Place, tensors, files) -> S
 
 def moments(shapes: list[Shapes], places, flats, padded, states, optims) -> OptimizerState:
     """The Adam state of every parameter, cut from the flat moment partitions."""
-    world = len(optims)
     files = [c.path for c in optims]
-    flat: dict[str, list[list[torch.Tensor]]] = {}
-    for key in ("exp_avg", "exp_avg_sq"):
-        per_rank = []
-        for r in range(world):
-            _, group_states = states[r]
-            if len(group_states) != len(flats[r]):
-                raise InputError(
-                    f"{optims[r].path}: {len(group_states)} optimizer param "
-                    f"groups for {len(flats[r])} flat groups"
-                )
-            row = []
-            for g, entry in enumerate(group_states):
-                value = entry.get(key)
-                if value is None:
-                    raise InputError(
-                        f"{optims[r].path}: group {g} has no {key}; gradclip "
-                        "reads Adam's state from DeepSpeed checkpoints"
-                    )
-                value = _flat_tensor(value, optims[r], f"group {g} {key}")
-                if value.numel() not in (flats[r][g].numel(), padded[g]):
-                    raise InputError(
-                        f"{optims[r].path}: group {g} {key} holds "
-                        f"{value.numel()} elements, its fp32 partition "
-                        f"{flats[r][g].numel()} ({padded[g]} with padding)"
-                    )
-                row.append(value)
-            per_rank.append(row)
-        flat[key] = per_rank
+    flat = {key: [_flat_moments(c, states[r][1], flats[r], padded, key)
+                  for r, c in enumerate(optims)] for key in _MOMENTS}
     groups0, states0 = states[0]
     param_groups: list[dict[str, Any]] = []
     state: dict[int, dict[str, Any]] = {}
     names: dict[int, str] = {}
-    pid = 0
     # ZeRO 3 merges all groups' parameters into one flat buffer per rank; the
     # hyperparameters then come from the group each parameter's first run lies in.
     for g, group in enumerate(shapes):
@@ -535,18 +474,42 @@ def moments(shapes: list[Shapes], places, flats, padded, states, optims) -> Opti
             step = states0[home].get("step") if home < len(states0) else None
             if step is None and isinstance(hyper, Mapping):
                 step = hyper.get("step")
-            state[pid] = {
-                "step": step,
-                **{
-                    key: stored(f"{name}.{key}", shape, place, flat[key], files)
-                    for key in ("exp_avg", "exp_avg_sq")
-                },
-            }
+            pid = len(names)
+            state[pid] = {"step": step, **{
+                key: stored(f"{name}.{key}", shape, place, flat[key], files) for key in _MOMENTS}}
             names[pid] = name
             ids.append(pid)
-            pid += 1
         hyper = groups0[g] if g < len(groups0) else groups0[-1]
         param_groups.append(
             {**{str(k): v for k, v in hyper.items() if k != "params"}, "params": ids}
         )
     return OptimizerState(param_groups, state, names, optims[0].path)
+
+
+def _flat_moments(
+    ckpt: Checkpoint, group_states: list[dict], flats: list[torch.Tensor], padded: list[int],
+    key: str,
+) -> list[torch.Tensor]:
+    """One rank's flat partitions of the moment ``key``, one per group, each as long as the
+    group's fp32 partition, with or without its padding."""
+    if len(group_states) != len(flats):
+        raise InputError(
+            f"{ckpt.path}: {len(group_states)} optimizer param groups for {len(flats)} flat "
+            "groups"
+        )
+    out = []
+    for g, entry in enumerate(group_states):
+        value = entry.get(key)
+        if value is None:
+            raise InputError(
+                f"{ckpt.path}: group {g} has no {key}; gradclip reads Adam's state from "
+                "DeepSpeed checkpoints"
+            )
+        value = _flat_tensor(value, ckpt, f"group {g} {key}")
+        if value.numel() not in (flats[g].numel(), padded[g]):
+            raise InputError(
+                f"{ckpt.path}: group {g} {key} holds {value.numel()} elements, its fp32 "
+                f"partition {flats[g].numel()} ({padded[g]} with padding)"
+            )
+        out.append(value)
+    return out
