@@ -78,12 +78,12 @@ Recognised by content, before any flat-mapping rule: ``metadata.json`` with
 whose tracker names such a folder inside it (``megatron.tracker``).
 
 The package holds Megatron's shared rules, one module each: ``tracker`` (the tracker and
-the iteration folders), ``model`` (buffers, stacked layers and experts, parameter order),
-``distributed_optimizer`` (the bucket layout and its state, in both formats),
-``tensor_parallel`` (the ranks' shards joined), ``pipeline`` (the legacy format's stages)
-and ``facts`` (what a ``torch_dist`` checkpoint holds, and the one function that words
-it). ``open_dist_ckpt`` reads a ``torch_dist`` folder under the calling layout's kind and
-title, for a layout built on Megatron's folders.
+the iteration folders), ``model`` (buffers, stacked layers and experts, parameter order,
+the fp32 main params' check), ``distributed_optimizer`` (the bucket layout and its state,
+in both formats), ``pipeline`` (the legacy format's stages) and ``facts`` (what a
+checkpoint of either format holds, and the function that words each). ``open_dist_ckpt``
+reads a ``torch_dist`` folder under the calling layout's kind and title, for a layout
+built on Megatron's folders.
 """
 
 from __future__ import annotations
@@ -104,12 +104,20 @@ from gradclip_cli.source.vocabulary import step_after
 
 from .. import dcp_folder
 from .. import dcp_frameworks as frameworks
-from ..master_copy import rounds_to
 from ..paths import inside, read_json
 from . import distributed_optimizer as distributed
 from . import facts as said
 from . import legacy
-from .model import BUFFER, MOMENT, OPTIMIZER, SIXTEEN, dtypes, named, split_layers
+from .model import (
+    BUFFER,
+    MOMENT,
+    OPTIMIZER,
+    SIXTEEN,
+    dtypes,
+    named,
+    refuse_unrounded,
+    split_layers,
+)
 from .tracker import COMMON, JSON, TRACKER, is_dist_ckpt, iteration_folder
 
 KIND = "megatron"
@@ -209,6 +217,7 @@ def open_dist_ckpt(
         contents.optimizers.append(optimizer)
     contents.step = _iteration(root, common_file, folder_path)
     facts = said.DistCkptFacts(
+        path=path,
         title=title,
         folder=folder_path.name,
         tracked=tracker is not None,
@@ -221,14 +230,12 @@ def open_dist_ckpt(
         **found,
     )
     words = said.wording(facts)
-    contents.description.append(words.description)
+    contents.description.extend(words.description)
     contents.evidence[roles.WEIGHT] = words.weight_evidence
     if words.optimizer_evidence is not None:
         contents.evidence[roles.OPTIMIZER_STATE] = words.optimizer_evidence
     contents.optimizer_error = words.optimizer_error
-    contents.gradient_error = (
-        f"{path}: a {title} saves no gradients (model, optimizer state, {COMMON})"
-    )
+    contents.gradient_error = words.gradient_error
     return contents
 
 
@@ -411,13 +418,8 @@ def _checked(name: str, kind: str, main: Piece, model: Piece):
     """``main.read`` that first checks the chunk rounds to the model's chunk."""
 
     def read() -> torch.Tensor:
-        value, rounded = main.read(), model.read()
-        if not rounds_to(value, rounded):
-            raise InputError(
-                f"{main.file}: {visible(name)}'s fp32 main param ({kind}) "
-                f"rounded to {str(rounded.dtype).removeprefix('torch.')} is not the model's "
-                "tensor: the optimizer's weights and the model's disagree"
-            )
+        value = main.read()
+        refuse_unrounded(main.file, name, kind, value, model.read())
         return value
 
     return read

@@ -48,10 +48,9 @@ from ..master_copy import rounds_to
 from .facts import Buckets
 from .model import EXPERT, SIXTEEN, dtypes, model_order
 from .pipeline import copy_name
-from .tensor_parallel import assembled
+from .tracker import DISTRIBUTED
 
 ALIGN = 64  # a parameter starts at a multiple of 64 elements of its bucket (core_v0.16.1)
-DISTRIBUTED = "distrib_optim.pt"  # the legacy format's distributed optimizer state
 
 
 @dataclass(frozen=True)
@@ -364,7 +363,7 @@ def bucketed(
             moments = dict(held_by[main[name]][1])
         else:  # one shard per tensor-parallel rank, at the model's chunk
             moments = {
-                key: assembled(f"{name}.{key}", weights[name].shape, held_by.values(), key)
+                key: _assembled(f"{name}.{key}", weights[name].shape, held_by.values(), key)
                 for key in ("param", "exp_avg", "exp_avg_sq")
             }
         mains[name] = dcp_folder.renamed(moments.pop("param"), name)
@@ -510,10 +509,26 @@ def _cut(read, lo: int, hi: int):
     return lambda: read()[lo:hi]
 
 
+def _assembled(name: str, shape, shards, key: str) -> StoredTensor:
+    """A split parameter's ``key`` (a moment, or its fp32 main param) as one fp32 tensor of
+    the model's ``shape``: each tensor-parallel rank's, flat in its buckets' ranges, the
+    piece at its shard's place."""
+    return StoredTensor(name, shape, torch.float32, [_placed(s, m[key]) for s, m in shards])
+
+
+def _placed(shard: Piece, flat: StoredTensor) -> Piece:
+    def read() -> torch.Tensor:
+        return torch.cat([p.read() for p in flat.pieces]).view(shard.shape)
+
+    files = {p.file for p in flat.pieces}
+    file = files.pop() if len(files) == 1 else None
+    return Piece(tuple(shard.offsets), tuple(shard.shape), read, file)
+
+
 # ----------------------------------------------------------------- legacy: distrib_optim.pt
 
 
-def distrib_optim(rank) -> str | None:
+def distrib_optim(rank) -> None:
     """The distributed optimizer's state: ``distrib_optim.pt``'s flat buffers, each
     parameter's slice found by Megatron's grad-buffer layout and checked (module doc)."""
     file = rank.file.parent / DISTRIBUTED
@@ -573,7 +588,6 @@ def distrib_optim(rank) -> str | None:
     group = {**{k: v for k, v in groups[0].items() if k != "params"}, "params": sorted(state)}
     rank.optimizer = OptimizerState([group], state, None, rank.file)
     rank.distributed = True
-    return None
 
 
 def _buffers(rank, file: Path) -> list[tuple[torch.dtype, dict]]:

@@ -105,12 +105,13 @@ from gradclip_cli.source.what import map_names
 
 from ..dcp_frameworks import refuse_key
 from ..paths import inside
+from ..tensor_parallel import hidden_size, merged, split_axis, whole_shards
 from ..torch_optim import is_optimizer_state, optimizer_state
-from .distributed_optimizer import DISTRIBUTED, distrib_optim
+from . import facts as said
+from .distributed_optimizer import distrib_optim
 from .model import BUFFER, SIXTEEN
-from .pipeline import by_layer, global_names, pipeline_line, stage_layers, stages_optimizer
-from .tensor_parallel import joined, split_axes
-from .tracker import FILE, RANK, is_legacy
+from .pipeline import by_layer, global_names, stage_layers, stages_optimizer
+from .tracker import DISTRIBUTED, FILE, RANK, is_legacy
 
 KIND = "megatron-legacy"
 _EXTRA = "._extra_state"
@@ -132,35 +133,10 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     refuse_key(path, key, "a Megatron legacy checkpoint")
     if os.path.isdir(path) and is_legacy(path):
         return open_iteration(path, path, None, trust_pickle=trust_pickle, verify=verify)
-    return _open_rank(
-        path, path if os.path.isdir(path) else path.parent, trust_pickle=trust_pickle, verify=verify
+    rank = path if os.path.isdir(path) else path.parent  # one rank alone, said so
+    return open_iteration(
+        path, rank.parent, None, trust_pickle=trust_pickle, verify=verify, only=rank.name
     )
-
-
-def _open_rank(path: Path, rank_folder: Path, *, trust_pickle: bool, verify: bool) -> Contents:
-    """One rank alone (a tensor-parallel rank, or a pipeline stage's): its own shards and
-    layers, said to cover that rank only."""
-    contents = open_iteration(
-        path,
-        rank_folder.parent,
-        None,
-        trust_pickle=trust_pickle,
-        verify=verify,
-        only=rank_folder.name,
-    )
-    siblings = [n for n in os.listdir(rank_folder.parent) if RANK.fullmatch(n)]
-    if len(siblings) > 1:
-        stage = RANK.fullmatch(rank_folder.name).group(2)
-        contents.description.append(
-            f"covers {rank_folder.name} only, one of {len(siblings)} "
-            + (
-                "ranks of the pipeline stages: its layers and shards"
-                if stage
-                else "tensor-parallel ranks: its shards"
-            )
-            + f" alone; {visible(rank_folder.parent.name)}/ holds the whole model"
-        )
-    return contents
 
 
 def open_iteration(
@@ -176,19 +152,18 @@ def open_iteration(
     every = [r for stage in stages for r in stage]
     first = every[0]
     step = _same(every, "iteration", lambda r: r.iteration)
-    pipelined = first.stage is not None
-    layers = stage_layers(stages) if pipelined else None
+    layers = stage_layers(stages) if first.stage is not None else None
     names: list[str] = []
     weights: dict[str, StoredTensor] = {}
     kinds: dict[str, int | None] = {}
-    parts: list[tuple[OptimizerState | None, str | None, dict[str, str]]] = []
+    parts: list[tuple[OptimizerState | None, tuple | None, dict[str, str]]] = []
     tied: list[str] = []
     for ranks in stages:
-        local, local_kinds = split_axes(ranks)
+        local, local_kinds = _split_axes(ranks)
         files = [r.file for r in ranks]
         rename, copies = global_names(ranks[0], local, layers) if layers else ({}, [])
         tied += [rename.get(n, n) for n in copies]
-        optimizer, note = _optimizer(ranks, local, local_kinds)
+        optimizer, why = _optimizer(ranks, local, local_kinds)
         masters = optimizer is not None and ranks[0].masters  # the float16 optimizer's fp32
         for n in local:
             if n in copies:
@@ -201,14 +176,13 @@ def open_iteration(
                 )
             names.append(g)
             kinds[g] = local_kinds[n]
-            weights[g] = joined(
-                g, [(r.masters if masters else r.weights)[n] for r in ranks], local_kinds[n], files
-            )
-        parts.append((optimizer, note, {n: rename.get(n, n) for n in local if n not in copies}))
+            shards = [(r.masters if masters else r.weights)[n] for r in ranks]
+            weights[g] = merged(g, whole_shards(g, shards, files), local_kinds[n])
+        parts.append((optimizer, why, {n: rename.get(n, n) for n in local if n not in copies}))
     if layers:  # the model's order: an interleaved pipeline's stages hold its layers apart
         names = by_layer(names)
         weights = {n: weights[n] for n in names}
-    optimizer, note = stages_optimizer(parts, names) if layers else parts[0][:2]
+    optimizer, why = stages_optimizer(parts, names) if layers else parts[0][:2]
     contents = Contents(
         path=path,
         kind=KIND,
@@ -222,25 +196,7 @@ def open_iteration(
         folder=folder,
         trusted_pickle=any(r.trusted for r in every),
     )
-    masters = optimizer is not None and first.masters
-    if masters:
-        note = (note or "") + (
-            f"the optimizer state and the weights (its fp32 params) are {DISTRIBUTED}'s: "
-            "the distributed optimizer's flat grad buffers, each parameter's slice placed by "
-            "Megatron's bucket layout and checked against the model's tensors"
-            if first.distributed
-            else "the weights are the optimizer's fp32 masters "
-            "(fp32_from_fp16_params); the model holds them rounded"
-        )
     contents.weights = weights or None
-    said = f"a Megatron legacy checkpoint: {_pattern(pipelined)}/{FILE}"
-    contents.evidence[roles.WEIGHT] = (
-        f"a Megatron legacy checkpoint: {_pattern(pipelined)}/{DISTRIBUTED}'s param"
-        if masters and first.distributed
-        else f"{said}'s optimizer fp32_from_fp16_params"
-        if masters
-        else f"{said}'s model"
-    )
     contents.model_order_names = list(names)
     buffers = {}
     for ranks in stages:  # integer tensors: never weights (replicated or not, rank 0's)
@@ -249,57 +205,43 @@ def open_iteration(
             buffers[rename.get(n, n)] = StoredTensor.whole(rename.get(n, n), t, ranks[0].file)
     if buffers:
         contents.buffers = buffers
-    if optimizer is None and note:
-        contents.optimizer_error = note
     if optimizer is not None:
         contents.optimizers.append(optimizer)
-        contents.evidence[roles.OPTIMIZER_STATE] = (
-            f"a Megatron legacy checkpoint: {_pattern(pipelined)}/{DISTRIBUTED}"
-            if first.distributed
-            else f"{said}'s optimizer"
-        )
+        why = (said.BUCKETS if first.distributed else said.PER_PARAMETER, "")
     contents.step = step
-    contents.gradient_error = (
-        f"{path}: a Megatron legacy checkpoint saves no gradients (model, optimizer state, {FILE})"
+    facts = said.LegacyFacts(
+        path=path,
+        folder=folder.name,
+        tracked=tracker is not None,
+        step=step,
+        ranks=tuple(r.file.parent.name for r in every),
+        tensors=len(names),
+        skipped=len(first.skipped),
+        state=why[0],
+        masters=optimizer is not None and bool(first.masters),
+        lacking=why[1],
+        split=sum(1 for k in kinds.values() if k is not None),
+        stages=tuple(
+            said.Stage(
+                r[0].file.parent.name,
+                r[0].stage,
+                tuple((k, *span) for k, span in zip(r[0].chunks, layers["spans"][r[0].stage])),
+            )
+            for r in stages
+        ) if layers else (),
+        tied=bool(tied),
+        alone=only is not None,
+        siblings=sum(1 for n in os.listdir(folder) if RANK.fullmatch(n)) if only else 0,
+        tensor_rank=first.tensor_rank or 0,
     )
-    via = f" ({tracker.name} names {folder.name})" if tracker is not None else ""
-    at = f" at iteration {step}" if step is not None else ""
-    rank_names = ", ".join(r.file.parent.name for r in every)
-    if not pipelined:
-        held = (
-            f"{len(every)} tensor-parallel rank(s) ({rank_names})"
-            if only is None
-            else f"tensor-parallel rank {rank_names}"
-        )
-    elif only is None:
-        held = (
-            f"{len(stages)} pipeline stages of {len(stages[0])} tensor-parallel rank(s) "
-            f"({rank_names})"
-        )
-    else:
-        held = f"pipeline stage {first.stage}'s tensor-parallel rank {first.tensor_rank}"
-        held += f" ({rank_names})"
-    contents.description.append(
-        f"Megatron legacy checkpoint{via}{at}: {held}, {len(names)} model tensors "
-        f"({len(first.skipped)} _extra_state entries skipped per rank)"
-    )
-    if layers:
-        contents.description.append(pipeline_line(stages, layers, tied))
-    if any(len(ranks) > 1 for ranks in stages):
-        split = sum(1 for k in kinds.values() if k is not None)
-        contents.description.append(
-            f"{split} tensors split across the ranks (measured as their shards together), "
-            f"{len(names) - split} replicated (counted once, from "
-            + ("each stage's mp_rank_00_YYY" if pipelined else "mp_rank_00")
-            + ", as Megatron's get_grad_norm_fp32 does)"
-        )
-    if note:
-        contents.description.append(note)
+    words = said.legacy_wording(facts)
+    contents.description.extend(words.description)
+    contents.evidence[roles.WEIGHT] = words.weight_evidence
+    if words.optimizer_evidence is not None:
+        contents.evidence[roles.OPTIMIZER_STATE] = words.optimizer_evidence
+    contents.optimizer_error = words.optimizer_error
+    contents.gradient_error = words.gradient_error
     return contents
-
-
-def _pattern(pipelined: bool) -> str:
-    return "mp_rank_XX_YYY" if pipelined else "mp_rank_XX"
 
 
 class _Rank:
@@ -529,17 +471,12 @@ def _same(ranks: list[_Rank], what: str, get) -> Any:
 # ----------------------------------------------------------------- optimizer
 
 
-_DISTRIBUTED_NOTE = (
-    "its optimizer is Megatron's distributed optimizer, whose state save_checkpoint writes "
-    f"to {DISTRIBUTED} beside {FILE}, and there is none: moments not measured"
-)
-
-
-def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | str:
-    """``[(torch state dict, fp32 masters per group or None, where)]``, or why there are none."""
+def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | tuple[str, str]:
+    """``[(torch state dict, fp32 masters per group or None, where)]``, or why there are none
+    (``facts.NONE``, or ``facts.MISSING`` and the rank's folder)."""
     value = rank.root.get("optimizer")
     if value is None:
-        return "no optimizer state saved (--no-save-optim)"
+        return said.NONE, ""
     chained = value if isinstance(value, list) else [value]
     out = []
     for i, one in enumerate(chained):
@@ -558,18 +495,20 @@ def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | str:
             out.append((inner, masters, f"{where}.optimizer"))
         elif isinstance(inner, Mapping) and "state" not in inner:
             # The distributed optimizer's state_dict(): param groups without their params.
-            return f"{rank.file.parent.name}/: {_DISTRIBUTED_NOTE}"
+            return said.MISSING, rank.file.parent.name
         else:
             raise InputError(f"{rank.file}: {where} is not a Megatron optimizer state dict")
     return out
 
 
-def _rank_optimizer(rank: _Rank) -> str | None:
-    """Fill ``rank.optimizer`` (ids renumbered across a chain), ``names`` and ``masters``."""
+def _rank_optimizer(rank: _Rank) -> tuple[str, str] | None:
+    """Fill ``rank.optimizer`` (ids renumbered across a chain), ``names`` and ``masters``;
+    or why there is no optimizer state (``_torch_states``)."""
     if os.path.isfile(rank.file.parent / DISTRIBUTED):
-        return distrib_optim(rank)
+        distrib_optim(rank)
+        return None
     found = _torch_states(rank)
-    if isinstance(found, str):
+    if isinstance(found, tuple):
         return found
     states = [optimizer_state(value, rank.file, where) for value, _, where in found]
     merged, renumbered = chained(states, rank.file)
@@ -619,16 +558,43 @@ def _rank_optimizer(rank: _Rank) -> str | None:
     return None
 
 
+def _split_axes(ranks: list[_Rank]) -> tuple[list[str], dict[str, int | None]]:
+    """The model's names (rank 0's order), and each one's split axis (None: replicated)."""
+    first = ranks[0]
+    names = list(first.weights)
+    for rank in ranks[1:]:
+        if list(rank.weights) != names:
+            other = next(iter(set(rank.weights) ^ set(names)), None)
+            which = f" ({visible(other)} is in one only)" if other is not None else ""
+            raise InputError(
+                f"{rank.file}: its model tensors differ from "
+                f"{first.file.parent.name}'s{which}: the ranks are not one model"
+            )
+        for n in names:
+            a, b = first.weights[n], rank.weights[n]
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise InputError(
+                    f"{rank.file}: {visible(n)} is {list(b.shape)} {b.dtype}, "
+                    f"{list(a.shape)} {a.dtype} in {first.file.parent.name}: the "
+                    "ranks are not one model"
+                )
+    if len(ranks) == 1:
+        return names, dict.fromkeys(names)
+    shapes = {n: tuple(t.shape) for n, t in first.weights.items()}
+    hidden = hidden_size(first.args, shapes)
+    return names, {n: split_axis(n, shapes[n], hidden, first.file) for n in names}
+
+
 def _stored_weights(rank: _Rank) -> dict[str, StoredTensor]:
     return {n: StoredTensor.whole(n, t, rank.file) for n, t in rank.weights.items()}
 
 
 def _optimizer(
     ranks: list[_Rank], names: list[str], kinds: dict[str, int | None]
-) -> tuple[OptimizerState | None, str | None]:
-    notes = {_rank_optimizer(r) for r in ranks}
-    if notes != {None}:
-        return None, next(n for n in notes if n is not None)
+) -> tuple[OptimizerState | None, tuple[str, str] | None]:
+    whys = [_rank_optimizer(r) for r in ranks]
+    if any(whys):
+        return None, next(w for w in whys if w)
     first = ranks[0]
     by_name = [{n: pid for pid, n in r.names.items()} for r in ranks]
     groups = []
@@ -657,12 +623,9 @@ def _optimizer(
                             f"{ranks[-1].file}: its {key} of {visible(name)} "
                             "differs in shape from mp_rank_00's"
                         )
-                    entry[key] = joined(
-                        f"{name}.{key}",
-                        [s.read() for s in shards],
-                        kinds[name],
-                        [r.file for r in ranks],
-                    )
+                    read = [s.read() for s in shards]
+                    whole = whole_shards(f"{name}.{key}", read, [r.file for r in ranks])
+                    entry[key] = merged(f"{name}.{key}", whole, kinds[name])
                 else:
                     entry[key] = value
             state[order[name]] = entry

@@ -1,6 +1,7 @@
-"""The model's tensors in Megatron's checkpoints: which are buffers, and how the
+"""The model's tensors in Megatron's checkpoints: which are buffers, how the
 ``torch_dist`` format's stacked layers and experts (``megatron`` states the rules) split
-into one tensor each, in Megatron's parameter order."""
+into one tensor each, in Megatron's parameter order, and the check that an fp32 main
+param is the model's tensor."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import Piece, StoredTensor
 
 from .. import dcp_folder
+from ..master_copy import rounds_to
 
 # A buffer Megatron saves among the model's tensors, in both formats: the router's expert
 # bias (``TopKRouter``'s ``register_buffer('expert_bias')``, core_v0.16.1), which no
@@ -124,3 +126,15 @@ def _index(name: str, head: str) -> int:
 def dtypes(weights: dict[str, StoredTensor], names) -> str:
     """The model's dtypes of ``names``, as words (``bfloat16``)."""
     return "/".join(sorted({str(weights[n].dtype).removeprefix("torch.") for n in names}))
+
+
+def refuse_unrounded(file, name: str, kind: str, main: torch.Tensor, model: torch.Tensor) -> None:
+    """Refuses ``file`` where ``name``'s fp32 main param (``kind``) does not round to the
+    model's tensor (``rounds_to``): Megatron copies it, rounded, into the model after each
+    step (``_copy_main_params_to_model_params``), so the two copies disagree."""
+    if not rounds_to(main, model):
+        raise InputError(
+            f"{file}: {visible(name)}'s fp32 main param ({kind}) "
+            f"rounded to {str(model.dtype).removeprefix('torch.')} is not the model's "
+            "tensor: the optimizer's weights and the model's disagree"
+        )

@@ -25,6 +25,7 @@ from ..paths import inside, json_head_keys
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON, JSON = "common.pt", "metadata.json"  # a torch_dist iteration's own files
 FILE = "model_optim_rng.pt"  # a legacy rank's file, in its mp_rank_XX/
+DISTRIBUTED = "distrib_optim.pt"  # beside it, the distributed optimizer's state
 RANK = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){1,2})?")
 
 
