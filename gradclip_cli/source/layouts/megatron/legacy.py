@@ -18,7 +18,8 @@ with ``*._extra_state`` entries for Transformer Engine's state, skipped here),
 * ``Float16OptimizerWithFloat16Params`` (bf16, fp16): ``{"optimizer": <torch's>,
   "grad_scaler": ..., "fp32_from_fp16_params": [[fp32 copy, ...] per group]}``:
   each group's fp32 master copies of its 16-bit parameters, in group order.
-  These masters are the weights reported (the model's own copy is rounded);
+  These masters are the weights reported (the model's own copy is rounded), each checked
+  to round to the model's tensor (``master_copy.rounds_to``), else the file is refused;
 * ``ChainedOptimizer`` of several: a list of the above, one per optimizer;
 * the distributed optimizer (``--use-distributed-optimizer``) saves only its param
   groups there, and the state in ``distrib_optim.pt`` beside the file
@@ -109,7 +110,7 @@ from ..tensor_parallel import hidden_size, merged, split_axis, whole_shards
 from ..torch_optim import is_optimizer_state, optimizer_state
 from . import facts as said
 from .distributed_optimizer import distrib_optim
-from .model import BUFFER, SIXTEEN
+from .model import BUFFER, SIXTEEN, refuse_unrounded
 from .pipeline import by_layer, global_names, stage_layers, stages_optimizer
 from .tracker import DISTRIBUTED, FILE, RANK, is_legacy
 
@@ -551,6 +552,8 @@ def _rank_optimizer(rank: _Rank) -> tuple[str, str] | None:
                 raise InputError(
                     f"{rank.file}: {where} holds no fp32 tensor of {visible(name)}'s shape"
                 )
+            # Copied into the model, rounded, after each step: else the two disagree.
+            refuse_unrounded(rank.file, name, "fp32_from_fp16_params", master, rank.weights[name])
             rank.masters[name] = master
     for name, weight in rank.weights.items():
         if rank.masters and name not in rank.masters:
