@@ -190,7 +190,7 @@ def open_dist_ckpt(
     optimizer = _optimizer(folder, split, root, common_file)
     mains = _fp32_params(folder, split, weights)
     found: dict = {"state": said.PER_PARAMETER if optimizer is not None else said.NONE}
-    if _sharding(root) == _FULLY and optimizer is not None:
+    if optimizer is not None and set(_shardings(root.get("optimizer"))) == {_FULLY}:
         optim = root["optimizer"]  # a ChainedOptimizer's under expert parallelism: {0: ..., 1: ...}
         chained = 0 if "param_state_sharding_type" in optim else len(optim)
         found.update(state=_FULLY, chained=chained)
@@ -239,17 +239,12 @@ def open_dist_ckpt(
     return contents
 
 
-def _sharding(root: dict) -> object:
-    """``common.pt``'s ``optimizer.param_state_sharding_type`` (the distributed optimizer's;
-    a ChainedOptimizer's, ``optimizer.<N>.``, where its optimizers agree), or None."""
-    optim = root.get("optimizer")
-    if not isinstance(optim, dict):
-        return None
-    if optim and all(is_int(k) for k in optim):
-        kinds = [p.get("param_state_sharding_type") if isinstance(p, dict) else None
-                 for p in optim.values()]
-        return kinds[0] if all(k == kinds[0] for k in kinds) else None
-    return optim.get("param_state_sharding_type")
+def _shardings(optim) -> list:
+    """The ``param_state_sharding_type`` of ``common.pt``'s optimizer, or of each of a
+    ChainedOptimizer's (``{0: ..., 1: ...}``); None for one that says none."""
+    chain = isinstance(optim, dict) and optim and all(is_int(k) for k in optim)
+    return [p.get("param_state_sharding_type") if isinstance(p, dict) else None
+            for p in (optim.values() if chain else [optim])]
 
 
 def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState | None:
@@ -299,11 +294,8 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
 
 
 def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
-    """The optimizers of ``common.pt``'s ``optimizer``, each with where it is: the one, or
-    a ``ChainedOptimizer``'s (``{0: ..., 1: ...}``, ``ChainedOptimizer.state_dict``: under
-    expert parallelism ``get_megatron_optimizer`` chains the dense parameters' optimizer and
-    the experts'; their moments are saved per parameter as one optimizer's are, by name,
-    when they are plain or distributed ``fully_reshardable``)."""
+    """The optimizers of ``common.pt``'s ``optimizer``, each with where it is: the one, or a
+    ``ChainedOptimizer``'s (``{0: ..., 1: ...}``), each plain or ``fully_reshardable``."""
     if not isinstance(optim, dict) or not optim or not all(is_int(k) for k in optim):
         return [("optimizer", optim)]
     if sorted(optim) != list(range(len(optim))):
@@ -311,8 +303,7 @@ def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
             f"{common_file}: the chained optimizers are numbered {sorted(optim)[:8]}, "
             "not 0, 1, ..."
         )
-    kinds = [p.get("param_state_sharding_type") if isinstance(p, dict) else None
-             for p in optim.values()]
+    kinds = _shardings(optim)
     if any(k != kinds[0] for k in kinds) or kinds[0] not in (None, _FULLY):
         raise InputError(
             f"{common_file}: the chained optimizers are saved as {visible(repr(kinds))[:80]} "
@@ -357,13 +348,10 @@ def _step_value(step) -> object:
 
 def _fp32_params(folder, split, weights: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
     """The optimizer's fp32 main params by model name, where it saves them per parameter
-    (none: ``{}``): ``optimizer.state.fp32_param.<key>`` (``Float16OptimizerWithFloat16Params
-    .sharded_state_dict``, core_v0.16.1) or ``fully_reshardable``'s ``optimizer.state.param
-    .<key>``, chunked as the model's tensor is. Megatron copies it into the model's parameter
-    after each step, rounded (``_copy_main_params_to_model_params``), so each chunk, when
-    read, must round to the model's chunk (``rounds_to``), else the file is refused: the two
-    copies disagree. A 16-bit parameter with moments but no fp32 copy, where others have
-    one, is refused too."""
+    (``optimizer.state.fp32_param.<key>``, or ``fully_reshardable``'s ``optimizer.state.param
+    .<key>``) chunked as the model's tensor is; ``{}`` for none. Each chunk, when read, must
+    round to the model's (``refuse_unrounded``); a 16-bit parameter with moments but no fp32
+    copy, where others have one, is refused too."""
     where = folder.metadata_file
     out: dict[str, StoredTensor] = {}
     moments: set[str] = set()

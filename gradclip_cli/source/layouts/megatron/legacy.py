@@ -22,25 +22,16 @@ with ``*._extra_state`` entries for Transformer Engine's state, skipped here),
   to round to the model's tensor (``master_copy.rounds_to``), else the file is refused;
 * ``ChainedOptimizer`` of several: a list of the above, one per optimizer;
 * the distributed optimizer (``--use-distributed-optimizer``) saves only its param
-  groups there, and the state in ``distrib_optim.pt`` beside the file
-  (``DistributedOptimizer.save_parameter_state``, ``get_parameter_state_dp_zero``):
-  ``{"buckets_coalesced": True, <buffer index>: {(param dtype, grad dtype): {"param",
-  "exp_avg", "exp_avg_sq": flat fp32 tensors, "numel_unpadded": n}}}``, one flat tensor
-  per grad buffer of Megatron's DDP (``_ParamAndGradBuffer``): its parameters in reverse
-  model order, each starting at a multiple of 64 elements within its bucket, the buckets
-  side by side with their end padding dropped (a bucket closes once it holds
-  ``bucket_size`` elements: ``--ddp-bucket-size``, ``--ddp-num-buckets``, or
-  ``max(40M, 1M x data-parallel size)``; one bucket without ``--overlap-grad-reduce``
-  and on every pipeline stage after the first; tied over pipeline stages, the first
-  stage's word embeddings and the last stage's copy each in a bucket of their own).
-  Several data-parallel ranks each step their share of every bucket, which
-  ``get_parameter_state_dp_zero`` gathers in the first's file: the same layout.
-  That layout is rebuilt here and checked before any moment is read: the buffer's
-  length is ``numel_unpadded``, every padding element is 0 in all three tensors (the
-  shards start zeroed), and each parameter's ``param`` slice rounded to the model's
-  dtype is the model's tensor, bit for bit; else the file is refused. The ``param``
-  slices are the fp32 masters, the weights reported. Adam's ``step`` is the param
-  groups' (``DistributedOptimizer.state_dict`` puts the one step of every parameter there).
+  groups there (with Adam's one ``step``), and its state in ``distrib_optim.pt`` beside
+  the file (``get_parameter_state_dp_zero``, which gathers every data-parallel rank's
+  share): per grad buffer of Megatron's DDP, flat fp32 ``param``, ``exp_avg`` and
+  ``exp_avg_sq`` of ``numel_unpadded`` elements, the buckets side by side. Each
+  parameter's slice is placed by Megatron's bucket layout (``distributed_optimizer``;
+  one bucket without ``--overlap-grad-reduce`` and on every pipeline stage after the
+  first, else closed at ``--ddp-bucket-size``, ``--ddp-num-buckets`` or ``max(40M, 1M x
+  data-parallel size)`` elements) and checked before any moment is read: every padding
+  element is 0 and each ``param`` slice rounds to the model's tensor, else the file is
+  refused. The ``param`` slices are the fp32 masters, the weights reported.
 
 Recognised by content: an ``iter_N/`` folder holding ``mp_rank_XX/model_optim_rng.pt``;
 the save folder, by its tracker (``megatron``, which hands a legacy iteration here).
@@ -111,7 +102,7 @@ from ..torch_optim import is_optimizer_state, optimizer_state
 from . import facts as said
 from .distributed_optimizer import distrib_optim
 from .model import BUFFER, SIXTEEN, refuse_unrounded
-from .pipeline import by_layer, global_names, stage_layers, stages_optimizer
+from .pipeline import by_layer, global_names, stage_layers
 from .tracker import DISTRIBUTED, FILE, RANK, is_legacy
 
 KIND = "megatron-legacy"
@@ -157,15 +148,21 @@ def open_iteration(
     names: list[str] = []
     weights: dict[str, StoredTensor] = {}
     kinds: dict[str, int | None] = {}
-    parts: list[tuple[OptimizerState | None, tuple | None, dict[str, str]]] = []
+    groups: list[tuple[dict, dict[str, dict]]] = []  # param groups, their state by global name
+    why: tuple[str, str] | None = None  # why there is no optimizer state (the first stage's)
     tied: list[str] = []
     for ranks in stages:
         local, local_kinds = _split_axes(ranks)
         files = [r.file for r in ranks]
         rename, copies = global_names(ranks[0], local, layers) if layers else ({}, [])
         tied += [rename.get(n, n) for n in copies]
-        optimizer, why = _optimizer(ranks, local, local_kinds)
-        masters = optimizer is not None and ranks[0].masters  # the float16 optimizer's fp32
+        stage_why = next((w for w in [_rank_optimizer(r) for r in ranks] if w), None)
+        why = why or stage_why
+        if stage_why is None:
+            for group, state in _joined_state(ranks, local_kinds):
+                kept = {rename.get(n, n): e for n, e in state.items() if n not in copies}
+                groups.append((group, kept))  # a tied copy's state left out, as the copy is
+        masters = stage_why is None and ranks[0].masters  # the float16 optimizer's fp32
         for n in local:
             if n in copies:
                 continue
@@ -179,11 +176,18 @@ def open_iteration(
             kinds[g] = local_kinds[n]
             shards = [(r.masters if masters else r.weights)[n] for r in ranks]
             weights[g] = merged(g, whole_shards(g, shards, files), local_kinds[n])
-        parts.append((optimizer, why, {n: rename.get(n, n) for n in local if n not in copies}))
     if layers:  # the model's order: an interleaved pipeline's stages hold its layers apart
         names = by_layer(names)
         weights = {n: weights[n] for n in names}
-    optimizer, why = stages_optimizer(parts, names) if layers else parts[0][:2]
+    optimizer = None
+    if why is None:  # one optimizer by the model's order
+        order = {n: i for i, n in enumerate(names)}
+        optimizer = OptimizerState(
+            [{**group, "params": [order[n] for n in held]} for group, held in groups],
+            {order[n]: entry for _, held in groups for n, entry in held.items()},
+            {order[n]: n for _, held in groups for n in held},
+            first.file,
+        )
     contents = Contents(
         path=path,
         kind=KIND,
@@ -208,8 +212,8 @@ def open_iteration(
         contents.buffers = buffers
     if optimizer is not None:
         contents.optimizers.append(optimizer)
-        why = (said.BUCKETS if first.distributed else said.PER_PARAMETER, "")
     contents.step = step
+    state, lacking = why or (said.BUCKETS if first.distributed else said.PER_PARAMETER, "")
     facts = said.LegacyFacts(
         path=path,
         folder=folder.name,
@@ -218,18 +222,16 @@ def open_iteration(
         ranks=tuple(r.file.parent.name for r in every),
         tensors=len(names),
         skipped=len(first.skipped),
-        state=why[0],
+        state=state,
         masters=optimizer is not None and bool(first.masters),
-        lacking=why[1],
+        lacking=lacking,
         split=sum(1 for k in kinds.values() if k is not None),
         stages=tuple(
-            said.Stage(
-                r[0].file.parent.name,
-                r[0].stage,
-                tuple((k, *span) for k, span in zip(r[0].chunks, layers["spans"][r[0].stage])),
-            )
-            for r in stages
-        ) if layers else (),
+            said.Stage(r[0].file.parent.name, r[0].stage, tuple(
+                (key, *span) for key, span in zip(r[0].chunks, layers["spans"][r[0].stage])
+            ))
+            for r in (stages if layers else [])
+        ),
         tied=bool(tied),
         alone=only is not None,
         siblings=sum(1 for n in os.listdir(folder) if RANK.fullmatch(n)) if only else 0,
@@ -526,7 +528,8 @@ def _rank_optimizer(rank: _Rank) -> tuple[str, str] | None:
         for g, group in enumerate(opt.param_groups):
             members = [renumber[p] for p in group["params"]]
             group_masters.append((members, masters[g], f"{where}: fp32_from_fp16_params[{g}]"))
-    probe = Contents(path=rank.file, kind=KIND, weights=_stored_weights(rank))
+    weights = {n: StoredTensor.whole(n, t, rank.file) for n, t in rank.weights.items()}
+    probe = Contents(path=rank.file, kind=KIND, weights=weights)
     rank.names = map_names(probe, merged)
     rank.optimizer = merged
     for members, masters, where in group_masters:
@@ -588,24 +591,17 @@ def _split_axes(ranks: list[_Rank]) -> tuple[list[str], dict[str, int | None]]:
     return names, {n: split_axis(n, shapes[n], hidden, first.file) for n in names}
 
 
-def _stored_weights(rank: _Rank) -> dict[str, StoredTensor]:
-    return {n: StoredTensor.whole(n, t, rank.file) for n, t in rank.weights.items()}
-
-
-def _optimizer(
-    ranks: list[_Rank], names: list[str], kinds: dict[str, int | None]
-) -> tuple[OptimizerState | None, tuple[str, str] | None]:
-    whys = [_rank_optimizer(r) for r in ranks]
-    if any(whys):
-        return None, next(w for w in whys if w)
+def _joined_state(
+    ranks: list[_Rank], kinds: dict[str, int | None]
+) -> list[tuple[dict, dict[str, dict]]]:
+    """Each param group of the ranks' optimizer with its parameters' state by name, a split
+    parameter's tensors joined as its weights are."""
     first = ranks[0]
     by_name = [{n: pid for pid, n in r.names.items()} for r in ranks]
-    groups = []
-    state: dict[int, dict] = {}
-    param_names: dict[int, str] = {}
-    order = {n: i for i, n in enumerate(names)}
+    out = []
     for group in first.optimizer.param_groups:
         members = [first.names[p] for p in group["params"] if p in first.names]
+        state = {}
         for name in members:
             entries = [r.optimizer.state.get(by_name[i].get(name)) for i, r in enumerate(ranks)]
             if any(e is None for e in entries):
@@ -631,7 +627,6 @@ def _optimizer(
                     entry[key] = merged(f"{name}.{key}", whole, kinds[name])
                 else:
                     entry[key] = value
-            state[order[name]] = entry
-            param_names[order[name]] = name
-        groups.append({**group, "params": [order[n] for n in members]})
-    return OptimizerState(groups, state, param_names, first.file), None
+            state[name] = entry
+        out.append((group, state))
+    return out

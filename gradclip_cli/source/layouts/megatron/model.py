@@ -46,25 +46,18 @@ def split_layers(folder: dcp_folder.DcpFolder) -> dict[str, list[tuple[str, Stor
                 )
             parts = _split_axis(name, tensor, _LAYERS)
         if _EXPERTS.match(name):
-            parts = [each for n, t in parts for each in _experts(folder, key, n, t)]
+            # SequentialMLP.sharded_state_dict (core_v0.16.1): the global expert index an axis
+            # after the layer's; a chunk may hold several experts (GroupedMLP's local ones).
+            flat = next((t for _, t in parts if len(t.shape) < 2), None)
+            if flat is not None:
+                raise InputError(
+                    f"{folder.metadata_file}: {visible(repr(key))} is named as a Mixture of "
+                    f"Experts' stacked experts (experts.experts.) but has shape "
+                    f"{list(flat.shape)}: no expert axis to split"
+                )
+            parts = [each for n, t in parts for each in _split_axis(n, t, _EXPERTS)]
         out[key] = parts
     return out
-
-
-def _experts(folder, key: str, name: str, tensor: StoredTensor) -> list[tuple[str, StoredTensor]]:
-    """A layer's stacked experts (``SequentialMLP.sharded_state_dict``, core_v0.16.1: each
-    local expert's tensors under ``experts.experts.``, the global expert index an axis
-    prepended after the layer's) as one tensor per expert, named as Megatron's
-    ``singleton_local_shards`` keys name it: ``...mlp.experts.experts.3.linear_fc1.weight``.
-    A chunk may hold several experts (``GroupedMLP`` saves a rank's local experts as one):
-    each is cut out of it by its offset."""
-    if len(tensor.shape) < 2:
-        raise InputError(
-            f"{folder.metadata_file}: {visible(repr(key))} is named as a Mixture of Experts' "
-            f"stacked experts (experts.experts.) but has shape {list(tensor.shape)}: "
-            "no expert axis to split"
-        )
-    return _split_axis(name, tensor, _EXPERTS)
 
 
 def _split_axis(name: str, tensor: StoredTensor, stacked: re.Pattern) -> list:

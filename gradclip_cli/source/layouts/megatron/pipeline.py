@@ -10,7 +10,6 @@ from math import inf
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source.interface import OptimizerState
 from gradclip_cli.source.untrusted import is_count
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -210,26 +209,3 @@ def by_layer(names: list[str]) -> list[str]:
     start = next((i for i, n in enumerate(numbers) if n is not None), len(names))
     keys = [n if n is not None else -1 if i < start else inf for i, n in enumerate(numbers)]
     return [name for _, name in sorted(zip(keys, names), key=lambda pair: pair[0])]
-
-
-def stages_optimizer(
-    parts: list[tuple[OptimizerState | None, str | None, dict[str, str]]], names: list[str]
-) -> tuple[OptimizerState | None, str | None]:
-    """The stages' optimizers as one, by global names (a tied copy's state left out)."""
-    notes = [note for optimizer, note, _ in parts if optimizer is None]
-    if notes:
-        return None, notes[0]
-    order = {n: i for i, n in enumerate(names)}
-    groups, state, param_names = [], {}, {}
-    for optimizer, _, rename in parts:
-        for group in optimizer.param_groups:
-            members = []
-            for pid in group["params"]:
-                name = rename.get(optimizer.param_names.get(pid))
-                if name is None:
-                    continue  # the tied embedding's copy
-                members.append(order[name])
-                state[order[name]] = optimizer.state[pid]
-                param_names[order[name]] = name
-            groups.append({**group, "params": members})
-    return OptimizerState(groups, state, param_names, parts[0][0].file), None
