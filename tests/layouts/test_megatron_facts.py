@@ -271,7 +271,7 @@ def test_legacy_missing_moments_say_why():
 
 def test_legacy_one_rank_alone_says_so():
     folder = "iter\x1b3"  # a folder's name is untrusted: shown escaped
-    said = legacy_wording(_legacy(ranks=("mp_rank_01",), alone=True, siblings=2, folder=folder))
+    said = legacy_wording(_legacy(ranks=("mp_rank_01",), siblings=2, folder=folder))
     assert said.description[0].endswith(": tensor-parallel rank mp_rank_01, 29 model tensors "
                                         "(9 _extra_state entries skipped per rank)")
     assert said.description[-1] == (
@@ -280,11 +280,11 @@ def test_legacy_one_rank_alone_says_so():
     )
     assert "\x1b" not in said.description[-1]
     stage = Stage("mp_rank_01_001", 1, (("model", 2, 2),))
-    said = legacy_wording(_legacy(ranks=("mp_rank_01_001",), alone=True, siblings=4,
+    said = legacy_wording(_legacy(ranks=("mp_rank_01_001",), siblings=4,
                                   stages=(stage,), tensor_rank=1))
     assert ": pipeline stage 1's tensor-parallel rank 1 (mp_rank_01_001), " in said.description[0]
     assert said.description[-1].startswith(
         "covers mp_rank_01_001 only, one of 4 ranks of the pipeline stages: its layers and shards"
     )
-    assert legacy_wording(_legacy(ranks=("mp_rank_00",), alone=True, siblings=1)).description[
+    assert legacy_wording(_legacy(ranks=("mp_rank_00",), siblings=1)).description[
         -1] == _MASTERS

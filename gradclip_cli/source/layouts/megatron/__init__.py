@@ -16,13 +16,12 @@ newest iteration (or ``release``). An iteration folder holds:
   holds are not saved) and ``state.common_step``, the step of every moment;
 * ``metadata.json``: ``{"sharded_backend": "torch_dist", ...}``.
 
-In bf16 (or fp16) mixed precision, as Megatron-LM's ``--bf16`` trains (``Float16Module``,
-Megatron's DDP, ``Float16OptimizerWithFloat16Params``), the model's tensors are bf16 and
-the optimizer keeps an fp32 main param of each, the copy Adam updates, saved as
-``optimizer.state.fp32_param.<name>`` beside the moments; ``common.pt`` then holds torch's
-optimizer state one level down (``optimizer.optimizer.param_groups``,
-``optimizer.optimizer.state.common_step``). The fp32 main params are the weights measured
-(``_fp32_params``), each chunk checked, as it is read, to round to the model's chunk.
+In bf16 (or fp16) mixed precision (Megatron-LM's ``--bf16``:
+``Float16OptimizerWithFloat16Params``) the model's tensors are bf16 and the optimizer keeps
+an fp32 main param of each, the copy Adam updates, saved as
+``optimizer.state.fp32_param.<name>``; ``common.pt`` then holds torch's optimizer state one
+level down (``optimizer.optimizer.``). The fp32 main params are the weights measured, each
+chunk checked, as it is read, to round to the model's chunk.
 
 Transformer layers are stacked: ``decoder.layers.mlp.linear_fc1.weight`` is
 one tensor of shape ``[num_layers, ...]``, each layer a chunk of its own
@@ -31,39 +30,29 @@ split off as a tensor of its own, ``decoder.layers.3.mlp.linear_fc1.weight``,
 so the report's groups name the layer. A tensor under ``layers`` whose chunks
 do not each hold one layer is refused: its layers cannot be told apart.
 
-A Mixture of Experts (``num_moe_experts``; the local spec's ``SequentialMLP``) saves each
-layer's router as ``decoder.layers.mlp.router.weight``, a parameter like any (with
-aux-loss-free balancing also its ``expert_bias``, a buffer: never a weight, nor laid out
-in the distributed optimizer's buckets), and its experts stacked once more:
+A Mixture of Experts (``num_moe_experts``; ``SequentialMLP``) saves each layer's router,
+``decoder.layers.mlp.router.weight``, as a parameter like any (its aux-loss-free
+``expert_bias`` is a buffer: never a weight), and its experts stacked once more:
 ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is ``[num_layers, num_experts,
-...]``, the global expert index a second prepended axis (each expert-parallel rank saving
-its own experts' chunks of it). Each expert of each layer is split off too, named by its
-global index as Megatron's ``singleton_local_shards`` keys name it,
-``decoder.layers.3.mlp.experts.experts.5.linear_fc1.weight``: in its layer's group, and a
-tensor of its own (``--group-by regex:`` makes each expert a group). A chunk holding
-several experts is cut at each. Under expert parallelism Megatron-LM's
-``get_megatron_optimizer`` chains two optimizers, the dense parameters' and the experts'
-(``ChainedOptimizer``): plain, their moments are saved per parameter by name as one
-optimizer's are, and ``common.pt``'s ``optimizer`` is ``{0: ..., 1: ...}``, each with its
-param groups and ``common_step`` (the steps must agree, as must lr, betas and eps);
-distributed (``dp_reshardable``), their buckets are under ``chained_0.`` and
-``chained_1.`` (``distributed_optimizer.chained_bucketed``); distributed
-``fully_reshardable``, their state is per parameter by name again, each one's step in its
-own ``optimizer.<N>.optimizer``'s param groups. A chain saved otherwise is refused. Keys
-under ``chained_N.optimizer.`` are the optimizer's, never the model's weights. Megatron's
-per-layer keys (``decoder.layers.0.mlp .experts.experts.linear_fc1.weight``, as it saves
-layers that differ, ``moe_layer_freq``) have the expert axis first, split the same way.
+...]`` (per-layer keys, ``moe_layer_freq``, have the expert axis first). Each expert of
+each layer is split off too, named by its global index as Megatron's
+``singleton_local_shards`` keys name it, ``decoder.layers.3.mlp.experts.experts.5
+.linear_fc1.weight``: in its layer's group (``--group-by regex:`` makes each expert a
+group); a chunk holding several experts is cut at each. Under expert parallelism
+``get_megatron_optimizer`` chains the dense parameters' optimizer and the experts'
+(``ChainedOptimizer``; ``common.pt``'s ``optimizer`` is ``{0: ..., 1: ...}``): plain or
+distributed ``fully_reshardable``, their state is per parameter by name, as one
+optimizer's, and their steps must agree, as must lr, betas and eps; distributed
+``dp_reshardable``, their buckets are under ``chained_0.`` and ``chained_1.``. A chain
+saved otherwise is refused.
 
 With Megatron's distributed optimizer, saved as Megatron-LM saves it by default
-(``common.pt``'s ``optimizer.param_state_sharding_type`` ``dp_reshardable``), the
-moments are not per parameter: each grad-buffer bucket is flat tensors under
-``optimizer.distributed.`` and the step is in its param groups' object there;
-``distributed_optimizer.bucketed`` cuts each parameter's moments out of them by
-Megatron's bucket layout (shared with the legacy ``distrib_optim.pt``; a layer's
-experts in turn, as ``SequentialMLP`` lists them), checked against the model's tensors
-(their ``param``, fp32 main params, are the weights measured under bf16); with tensor or
-pipeline parallelism, each model-parallel rank's buckets (``dp_group_idx_N``) hold its
-stage's parameters, its shards of them.
+(``common.pt``'s ``optimizer.param_state_sharding_type`` ``dp_reshardable``), each
+grad-buffer bucket is flat tensors under ``optimizer.distributed.``, the step in its param
+groups there: each parameter's moments, and its ``param`` (the weights measured under
+bf16), are cut out of them by Megatron's bucket layout (``distributed_optimizer``) and
+checked against the model's tensors; with tensor or pipeline parallelism, each
+model-parallel rank's buckets (``dp_group_idx_N``) hold its stage's shards.
 Saved ``fully_reshardable`` (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``), the
 state is per parameter again, in the model's shape and chunks,
 ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``, and the step is only in

@@ -308,7 +308,9 @@ def bucketed(
                     )
                 tensors.append(entry)
             sizes = [t["param"].shape[0] for t in tensors]
-            numels = {n: _numel(shards[n], weights[n]) for n in names}
+            numels = {
+                n: weights[n].numel() if shards[n] is None else shards[n].numel for n in names
+            }
             layout = buckets(names, numels, sizes=sizes)
             laid = [b.numel_unpadded for b in layout]
             if laid != sizes:
@@ -430,10 +432,6 @@ def _writer(piece: Piece, unfit) -> int:
     if found is None:
         raise unfit(f"a chunk in {visible(str(piece.file))}, not a process's __R_K.distcp")
     return int(found.group(1))
-
-
-def _numel(shard: Piece | None, weight: StoredTensor) -> int:
-    return weight.numel() if shard is None else shard.numel
 
 
 def _bucket_groups(

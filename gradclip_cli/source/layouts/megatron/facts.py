@@ -198,8 +198,7 @@ class LegacyFacts:
     split: int = 0  # tensors split across the tensor-parallel ranks
     stages: tuple[Stage, ...] = ()  # pipeline stages (none: not pipelined)
     tied: bool = False  # the last stage's copy of the tied embedding, left out
-    alone: bool = False  # one rank read alone
-    siblings: int = 0  # one rank read alone: the rank folders of its iteration
+    siblings: int = 0  # one rank read alone: its iteration's rank folders (0: all read)
     tensor_rank: int = 0  # one rank of a pipeline stage read alone: its tensor-parallel rank
 
 
@@ -211,10 +210,10 @@ def legacy_wording(facts: LegacyFacts) -> Wording:
     if not f.stages:
         held = (
             f"tensor-parallel rank {names}"
-            if f.alone
+            if f.siblings
             else f"{len(f.ranks)} tensor-parallel rank(s) ({names})"
         )
-    elif f.alone:
+    elif f.siblings:
         held = f"pipeline stage {f.stages[0].number}'s tensor-parallel rank {f.tensor_rank}"
         held += f" ({names})"
     else:
@@ -264,7 +263,7 @@ def legacy_wording(facts: LegacyFacts) -> Wording:
         )
     if error is not None:
         lines.append(error)
-    if f.alone and f.siblings > 1:
+    if f.siblings > 1:
         lines.append(
             f"covers {f.ranks[0]} only, one of {f.siblings} "
             + (

@@ -1,15 +1,12 @@
 """Megatron legacy checkpoints: ``iter_NNNNNNN/mp_rank_XX/model_optim_rng.pt``.
 
 Megatron-LM's ``save_checkpoint`` with ``--ckpt-format torch`` (core_v0.16.1,
-``megatron/training/checkpointing.py``) has each tensor-parallel rank ``XX``
-of the first data-parallel rank ``torch.save`` one file,
-``<save>/iter_0000003/mp_rank_XX/model_optim_rng.pt``, then writes the tracker
-``<save>/latest_checkpointed_iteration.txt`` (``megatron`` follows it to
-either format). The file holds ``args`` (an ``argparse.Namespace``, read as
-inert data: ``files/megatron_pickle``), ``iteration``, ``checkpoint_version``,
-``model`` (the module's ``state_dict_for_save_checkpoint``: tensors by name,
-with ``*._extra_state`` entries for Transformer Engine's state, skipped here),
-``optimizer``, ``opt_param_scheduler`` and ``rng_state``.
+``megatron/training/checkpointing.py``) has each tensor-parallel rank ``XX`` of the first
+data-parallel rank ``torch.save`` one file, ``<save>/iter_0000003/mp_rank_XX/
+model_optim_rng.pt``, then writes the tracker (``megatron`` follows it to either format).
+The file holds ``args`` (an ``argparse.Namespace``, read as inert data:
+``files/megatron_pickle``), ``iteration``, ``model`` (tensors by name; Transformer
+Engine's ``*._extra_state`` entries skipped), ``optimizer`` and ``rng_state``.
 
 ``optimizer`` is the Megatron optimizer's ``state_dict()``:
 
@@ -48,31 +45,25 @@ counts them: decided from Megatron's module names and checked against
 
 Pipeline parallelism (``mp_rank_XX_YYY``: stage YYY, when ``args.pipeline_model_parallel_size``
 is above 1; ``get_checkpoint_name`` gives an expert rank the same suffix without it): each
-stage saves its own layers as its ``TransformerBlock``'s ``ModuleList`` numbers them, from
-0 (only the ``torch_dist`` format renames them by ``layer_number``). The global number is
-the stage's offset, computed from the args as ``get_num_layers_to_build`` and
-``get_transformer_layer_offset`` do (an even split, ``decoder_first/last_pipeline_num_layers``,
-``account_for_embedding/loss_in_pipeline_split``), and each stage must hold exactly its
-count of layers; a custom layout (``pipeline_model_parallel_layout``) and multi-token
-prediction are refused. Tied (``untie_embeddings_and_output_weights`` False), the last
-stage's ``output_layer.weight`` is a copy of the first stage's word embeddings, marked
-``shared``, which ``get_main_grads_for_grad_norm`` skips: it is left out, with its
-optimizer state.
+stage numbers its own layers from 0. The global number is the stage's offset, computed from
+the args as Megatron-core builds the stages (``pipeline``: an even split,
+``decoder_first/last_pipeline_num_layers``, ``account_for_embedding/loss_in_pipeline_split``),
+and each stage must hold exactly its count of layers; a custom layout
+(``pipeline_model_parallel_layout``) and multi-token prediction are refused. Tied
+(``untie_embeddings_and_output_weights`` False), the last stage's ``output_layer.weight``
+is a copy of the first stage's word embeddings, marked ``shared``, which
+``get_main_grads_for_grad_norm`` skips: it is left out, with its optimizer state.
 
 A virtual (interleaved) pipeline (``virtual_pipeline_model_parallel_size`` V in the args):
-each stage builds V model chunks (``get_model``, a ``vp_stage`` each) and its file holds
-them as ``model0`` ... ``model{V-1}`` instead of ``model`` (``generate_state_dict``), each
-numbering its layers from 0; chunk v of every stage comes before chunk v + 1 of any (4
-layers, 2 stages, 2 chunks: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3), each
-chunk's offset and count computed as ``get_transformer_layer_offset`` and
-``get_num_layers_to_build`` do with a ``vp_stage``, and the chunks of all stages must hold
-every layer once. The file's one optimizer covers its chunks: ``_get_param_groups`` lists
-each group's parameters chunk by chunk, each chunk's in its model order, the order read
-here (each chunk's names under its key, ``model1.decoder.layers.0...``, until renamed by
-the global layer). With the distributed optimizer, ``distrib_optim.pt`` holds one grad
-buffer per chunk and dtype, chunk by chunk, only the first chunk's bucketed (``get_model``
-gives the others' DDP ``disable_bucketing``). A chunk missing or left over, a file with
-both ``model`` and chunks, or chunks the args do not say, is refused, naming the file.
+each stage's file holds V model chunks, ``model0`` ... ``model{V-1}`` instead of ``model``
+(``generate_state_dict``), each numbering its layers from 0; chunk v of every stage comes
+before chunk v + 1 of any (4 layers, 2 stages, 2 chunks: stage 0 holds layers 0 and 2,
+stage 1 layers 1 and 3), and the chunks of all stages must hold every layer once. The
+file's one optimizer lists each group's parameters chunk by chunk (``_get_param_groups``),
+the order read here. With the distributed optimizer, ``distrib_optim.pt`` holds one grad
+buffer per chunk and dtype, only the first chunk's bucketed (``get_model``). A chunk
+missing or left over, a file with both ``model`` and chunks, or chunks the args do not
+say, is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -233,7 +224,6 @@ def open_iteration(
             for r in (stages if layers else [])
         ),
         tied=bool(tied),
-        alone=only is not None,
         siblings=sum(1 for n in os.listdir(folder) if RANK.fullmatch(n)) if only else 0,
         tensor_rank=first.tensor_rank or 0,
     )
@@ -250,7 +240,7 @@ def open_iteration(
 class _Rank:
     """One ``mp_rank_XX/model_optim_rng.pt``: its model tensors and optimizer state, loaded."""
 
-    def __init__(self, file: Path, root: dict, trusted: bool):
+    def __init__(self, file: Path, root: dict, trusted: bool, reading: dict[str, bool]):
         self.file = file
         self.root = root
         self.trusted = trusted
@@ -266,7 +256,7 @@ class _Rank:
         self.optimizer: OptimizerState | None = None
         self.names: dict[int, str] = {}
         self.distributed = False
-        self.reading: dict[str, bool] = {"trust_pickle": False, "verify": False}
+        self.reading = reading  # how distrib_optim.pt beside it is read
         self.stage: int | None = None  # the pipeline stage of an mp_rank_XX_YYY folder
         self.tensor_rank: int | None = None
 
@@ -416,9 +406,8 @@ def _load_rank(folder: Path, name: str, *, trust_pickle: bool, verify: bool) -> 
         ckpt = load_checkpoint(file, trust_pickle=trust_pickle, verify=verify)
     if not isinstance(ckpt.root, Mapping):
         raise InputError(f"{file}: not a Megatron checkpoint: not a dict")
-    rank = _Rank(file, dict(ckpt.root), ckpt.trusted_pickle)
-    rank.reading = {"trust_pickle": trust_pickle, "verify": verify}
-    return rank
+    reading = {"trust_pickle": trust_pickle, "verify": verify}
+    return _Rank(file, dict(ckpt.root), ckpt.trusted_pickle, reading)
 
 
 def _read_ranks(
