@@ -97,16 +97,7 @@ from ..paths import inside, read_json
 from . import distributed_optimizer as distributed
 from . import facts as said
 from . import legacy
-from .model import (
-    BUFFER,
-    MOMENT,
-    OPTIMIZER,
-    SIXTEEN,
-    dtypes,
-    named,
-    refuse_unrounded,
-    split_layers,
-)
+from .model import BUFFER, MOMENT, OPTIMIZER, SIXTEEN, dtypes, named, refuse_unrounded, split_layers
 from .tracker import COMMON, JSON, TRACKER, is_dist_ckpt, iteration_folder
 
 KIND = "megatron"
