@@ -33,12 +33,13 @@ do not each hold one layer is refused: its layers cannot be told apart.
 A Mixture of Experts (``num_moe_experts``; ``SequentialMLP``) saves each layer's router,
 ``decoder.layers.mlp.router.weight``, as a parameter like any (its aux-loss-free
 ``expert_bias`` is a buffer: never a weight), and its experts stacked once more:
-``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is ``[num_layers, num_experts,
-...]`` (per-layer keys, ``moe_layer_freq``, have the expert axis first). Each expert of
-each layer is split off too, named by its global index as Megatron's
-``singleton_local_shards`` keys name it, ``decoder.layers.3.mlp.experts.experts.5
-.linear_fc1.weight``: in its layer's group (``--group-by regex:`` makes each expert a
-group); a chunk holding several experts is cut at each. Under expert parallelism
+``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
+``[num_layers, num_experts, ...]`` (per-layer keys, ``moe_layer_freq``, have the expert
+axis first). Each expert of each layer is split off too, named by its global index as
+Megatron's ``singleton_local_shards`` keys name it,
+``decoder.layers.3.mlp.experts.experts.5.linear_fc1.weight``: in its layer's group
+(``--group-by regex:`` makes each expert a group); a chunk holding several experts is cut
+at each. Under expert parallelism
 ``get_megatron_optimizer`` chains the dense parameters' optimizer and the experts'
 (``ChainedOptimizer``; ``common.pt``'s ``optimizer`` is ``{0: ..., 1: ...}``): plain or
 distributed ``fully_reshardable``, their state is per parameter by name, as one
@@ -328,10 +329,10 @@ def _step_value(step) -> object:
 
 def _fp32_params(folder, split, weights: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
     """The optimizer's fp32 main params by model name, where it saves them per parameter
-    (``optimizer.state.fp32_param.<key>``, or ``fully_reshardable``'s ``optimizer.state.param
-    .<key>``) chunked as the model's tensor is; ``{}`` for none. Each chunk, when read, must
-    round to the model's (``refuse_unrounded``); a 16-bit parameter with moments but no fp32
-    copy, where others have one, is refused too."""
+    (``optimizer.state.fp32_param.<key>``, or ``fully_reshardable``'s
+    ``optimizer.state.param.<key>``) chunked as the model's tensor is; ``{}`` for none. Each
+    chunk, when read, must round to the model's (``refuse_unrounded``); a 16-bit parameter
+    with moments but no fp32 copy, where others have one, is refused too."""
     where = folder.metadata_file
     out: dict[str, StoredTensor] = {}
     moments: set[str] = set()

@@ -236,8 +236,9 @@ def bucketed(
     the moments are).
 
     ``DistributedOptimizer.sharded_param_state_dp_reshardable`` (core_v0.16.1) saves each
-    bucket flat, ``optimizer.distributed.dp_group_idx_N.gbuf_idx_G.dtype_(param, grad)
-    .bucket_idx_K.{param,exp_avg,exp_avg_sq}``, N the model-parallel rank (``_holdings``),
+    bucket flat,
+    ``optimizer.distributed.dp_group_idx_N.gbuf_idx_G.dtype_(param, grad).bucket_idx_K.*``
+    (``param``, ``exp_avg``, ``exp_avg_sq``), N the model-parallel rank (``_holdings``),
     one chunk per parameter's range (or padding's) on each data-parallel rank. The places,
     rebuilt by ``buckets`` (one buffer per parameter dtype, each bucket closing at its
     saved length), are checked before any moment is read: one bucket size closes them all,

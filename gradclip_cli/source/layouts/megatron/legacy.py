@@ -2,8 +2,9 @@
 
 Megatron-LM's ``save_checkpoint`` with ``--ckpt-format torch`` (core_v0.16.1,
 ``megatron/training/checkpointing.py``) has each tensor-parallel rank ``XX`` of the first
-data-parallel rank ``torch.save`` one file, ``<save>/iter_0000003/mp_rank_XX/
-model_optim_rng.pt``, then writes the tracker (``megatron`` follows it to either format).
+data-parallel rank ``torch.save`` one file,
+``<save>/iter_0000003/mp_rank_XX/model_optim_rng.pt``, then writes the tracker
+(``megatron`` follows it to either format).
 The file holds ``args`` (an ``argparse.Namespace``, read as inert data:
 ``files/megatron_pickle``), ``iteration``, ``model`` (tensors by name; Transformer
 Engine's ``*._extra_state`` entries skipped), ``optimizer`` and ``rng_state``.
