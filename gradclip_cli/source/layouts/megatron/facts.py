@@ -73,38 +73,18 @@ def wording(facts: DistCkptFacts) -> Wording:
     """The report's sentences of a ``torch_dist`` checkpoint, from its facts."""
     f = facts
     said = f"a torch_dist checkpoint: {JSON} sharded_backend torch_dist"
+    fully = f.state == FULLY
+    kind = "optimizer.state.param" if fully else "optimizer.state.fp32_param"
+    optimizer = "distributed" if fully else "mixed-precision"
+    whose = f"{optimizer} optimizer's fp32 main params ({kind} entries"  # those measured
     weight, evidence, error = said, None, None
-    held = f"optimizer state for {f.parameters} parameters"
-    kind = "optimizer.state.param" if f.state == FULLY else "optimizer.state.fp32_param"
-    optimizer = "distributed" if f.state == FULLY else "mixed-precision"
-    whose = f"{optimizer} optimizer's fp32 main params ({kind} entries"
-    if f.state == PER_PARAMETER:
-        evidence = f"{said}, optimizer.state entries, {COMMON}'s step and betas"
-    elif f.state == FULLY:
-        which = (  # a ChainedOptimizer's under expert parallelism
-            f"a ChainedOptimizer's {f.chained} distributed optimizers'"
-            if f.chained
-            else "the distributed optimizer's"
-        )
-        held += f" from {which} fully_reshardable state (optimizer.state.*)"
-        evidence = (
-            f"{said}, {which} fully_reshardable optimizer.state entries, "
-            f"{COMMON}'s param groups' step and betas"
-        )
-    if f.mains and f.state in (NONE, PER_PARAMETER, FULLY):
-        held += f" and the fp32 main params of {f.mains} ({kind})"
     if f.state == BUCKETS:
         held = _buckets(f)
-        which = (
-            "a ChainedOptimizer's distributed optimizers' dp_reshardable buckets "
-            "(chained_N.optimizer.distributed.*)"
-            if f.chained
-            else "the distributed optimizer's dp_reshardable buckets (optimizer.distributed.*)"
-        )
-        evidence = f"{said}, {which}, their param groups' step and betas"
         if f.mains:
             held += f"; their param, the fp32 main params of {f.mains}"
-            whose = "distributed optimizer's fp32 main params (its buckets' param"
+        whose = "distributed optimizer's fp32 main params (its buckets' param"
+        which = _CHAINED_BUCKETS if f.chained else _BUCKETS
+        evidence = f"{said}, {which}, their param groups' step and betas"
     elif f.state == UNREAD:
         held = (
             "the optimizer state is Megatron's distributed optimizer's "
@@ -121,6 +101,23 @@ def wording(facts: DistCkptFacts) -> Wording:
                 f"{said}, the model's {f.sixteen} tensors (the fp32 main params Adam updates "
                 "are in the distributed optimizer's state, not read)"
             )
+    else:  # NONE, PER_PARAMETER or FULLY: the state per parameter, if any
+        which = (  # a ChainedOptimizer's under expert parallelism
+            f"a ChainedOptimizer's {f.chained} distributed optimizers'"
+            if f.chained
+            else "the distributed optimizer's"
+        )
+        held = f"optimizer state for {f.parameters} parameters"
+        if fully:
+            held += f" from {which} fully_reshardable state (optimizer.state.*)"
+            evidence = (
+                f"{said}, {which} fully_reshardable optimizer.state entries, "
+                f"{COMMON}'s param groups' step and betas"
+            )
+        elif f.state == PER_PARAMETER:
+            evidence = f"{said}, optimizer.state entries, {COMMON}'s step and betas"
+        if f.mains:
+            held += f" and the fp32 main params of {f.mains} ({kind})"
     model = f"{f.tensors} model tensors"
     if f.mains:
         model = (
@@ -140,6 +137,13 @@ def wording(facts: DistCkptFacts) -> Wording:
     return Wording(
         (description,), weight, evidence, error, _no_gradients(f.path, f.title, COMMON)
     )
+
+
+_BUCKETS = "the distributed optimizer's dp_reshardable buckets (optimizer.distributed.*)"
+_CHAINED_BUCKETS = (
+    "a ChainedOptimizer's distributed optimizers' dp_reshardable buckets "
+    "(chained_N.optimizer.distributed.*)"
+)
 
 
 def _via(f: DistCkptFacts | LegacyFacts) -> str:
