@@ -98,7 +98,7 @@ from ..paths import inside, read_json
 from . import distributed_optimizer as distributed
 from . import facts as said
 from . import legacy
-from .model import BUFFER, MOMENT, OPTIMIZER, SIXTEEN, dtypes, named, refuse_unrounded, split_layers
+from .model import BUFFER, MOMENT, OPTIMIZER, SIXTEEN, dtypes, refuse_unrounded, split_layers
 from .tracker import COMMON, JSON, TRACKER, is_dist_ckpt, iteration_folder
 
 KIND = "megatron"
@@ -163,7 +163,7 @@ def open_dist_ckpt(
         trusted_pickle=folder.trusted or common.trusted_pickle,
     )
     split = split_layers(folder)
-    weights = {n: t for k, (n, t) in named(split).items() if not OPTIMIZER.match(k)}
+    weights = {n: t for k, parts in split.items() if not OPTIMIZER.match(k) for n, t in parts}
     buffers = {n: t for n, t in weights.items() if BUFFER.fullmatch(n)}
     weights = {n: t for n, t in weights.items() if n not in buffers}
     contents.weights = weights or None
@@ -281,8 +281,7 @@ def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
         return [("optimizer", optim)]
     if sorted(optim) != list(range(len(optim))):
         raise InputError(
-            f"{common_file}: the chained optimizers are numbered {sorted(optim)[:8]}, "
-            "not 0, 1, ..."
+            f"{common_file}: the chained optimizers are numbered {sorted(optim)[:8]}, not 0, 1, ..."
         )
     kinds = _shardings(optim)
     if any(k != kinds[0] for k in kinds) or kinds[0] not in (None, _FULLY):

@@ -134,9 +134,7 @@ def wording(facts: DistCkptFacts) -> Wording:
         f"{f.title}{_via(f)} at iteration {f.step}: {model} "
         f"({f.layers} stacked layers split per layer), {held}"
     )
-    return Wording(
-        (description,), weight, evidence, error, _no_gradients(f.path, f.title, COMMON)
-    )
+    return Wording((description,), weight, evidence, error, _no_gradients(f.path, f.title, COMMON))
 
 
 _BUCKETS = "the distributed optimizer's dp_reshardable buckets (optimizer.distributed.*)"
@@ -164,8 +162,7 @@ def _buckets(f: DistCkptFacts) -> str:
     if f.chained:
         return (
             f"optimizer state for {f.parameters} parameters from a ChainedOptimizer's "
-            f"{f.chained} distributed optimizers: {' and '.join(each)}"
-            + _PLACED
+            f"{f.chained} distributed optimizers: {' and '.join(each)}{_PLACED}"
         )
     return f"optimizer state for {f.parameters} parameters from {each[0]}{_PLACED}"
 

@@ -312,10 +312,7 @@ def _chunks(root: Mapping, args: Mapping, file: Path) -> list[str]:
         raise InputError(
             f"{file}: holds {held}, but its args set no virtual_pipeline_model_parallel_size"
         )
-    if (
-        not is_int(virtual)
-        or found != [f"model{i}" for i in range(virtual)]
-    ):
+    if not is_int(virtual) or found != [f"model{i}" for i in range(virtual)]:
         raise InputError(
             f"{file}: holds {held}, but its args set virtual_pipeline_model_parallel_size "
             f"{visible(repr(virtual))[:40]}" + (": the chunks are incomplete" if found else "")
@@ -528,8 +525,7 @@ def _rank_optimizer(rank: _Rank) -> tuple[str, str] | None:
         sixteen = [
             rank.names[p]
             for p in members
-            if p in rank.names
-            and rank.weights[rank.names[p]].dtype in SIXTEEN
+            if p in rank.names and rank.weights[rank.names[p]].dtype in SIXTEEN
         ]
         if len(sixteen) != len(masters):
             raise InputError(

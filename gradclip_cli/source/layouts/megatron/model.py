@@ -81,13 +81,6 @@ def _sliced(read, i: int):
     return lambda: read()[i]
 
 
-def named(split) -> dict[str, tuple[str, StoredTensor]]:
-    """``{key + '#' + layer name: (name, tensor)}`` flattened, keys keeping their kind."""
-    return {
-        f"{key}#{name}": (name, tensor) for key, parts in split.items() for name, tensor in parts
-    }
-
-
 def model_order(split) -> list[str]:
     """The model's parameters in Megatron's order: the metadata's, each stacked block's
     layers in turn (layer 0's tensors, then layer 1's...), and within a layer a Mixture of
