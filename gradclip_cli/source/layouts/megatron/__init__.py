@@ -104,15 +104,10 @@ from .tracker import COMMON, JSON, TRACKER, is_dist_ckpt, iteration_folder
 KIND = "megatron"
 TITLE = "Megatron torch_dist checkpoint"
 _MAIN = ("fp32_param", "param")  # the fp32 main params: the plain optimizer's, fully_reshardable's
-_FULLY = said.FULLY
 
 
 def recognises(path: Path) -> bool:
-    if not os.path.isdir(path):
-        return False
-    if os.path.isfile(path / TRACKER):
-        return True
-    return is_dist_ckpt(path)
+    return os.path.isdir(path) and (os.path.isfile(path / TRACKER) or is_dist_ckpt(path))
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
@@ -171,10 +166,10 @@ def open_dist_ckpt(
     optimizer = _optimizer(folder, split, root, common_file)
     mains = _fp32_params(folder, split, weights)
     found: dict = {"state": said.PER_PARAMETER if optimizer is not None else said.NONE}
-    if optimizer is not None and set(_shardings(root.get("optimizer"))) == {_FULLY}:
+    if optimizer is not None and set(_shardings(root.get("optimizer"))) == {said.FULLY}:
         optim = root["optimizer"]  # a ChainedOptimizer's under expert parallelism: {0: ..., 1: ...}
         chained = 0 if "param_state_sharding_type" in optim else len(optim)
-        found.update(state=_FULLY, chained=chained)
+        found.update(state=said.FULLY, chained=chained)
     sharding = distributed.sharding_of(folder, root) if optimizer is None else None
     chain = distributed.chained_count(folder) if optimizer is None else 0
     if chain or sharding == repr("dp_reshardable"):
@@ -284,7 +279,7 @@ def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
             f"{common_file}: the chained optimizers are numbered {sorted(optim)[:8]}, not 0, 1, ..."
         )
     kinds = _shardings(optim)
-    if any(k != kinds[0] for k in kinds) or kinds[0] not in (None, _FULLY):
+    if any(k != kinds[0] for k in kinds) or kinds[0] not in (None, said.FULLY):
         raise InputError(
             f"{common_file}: the chained optimizers are saved as {visible(repr(kinds))[:80]} "
             "beside moments per parameter (optimizer.state.*); gradclip reads them plain or "
@@ -295,7 +290,7 @@ def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
 
 def _groups_and_step(optim, where: str, common_file: Path) -> tuple[list, object]:
     """One optimizer's param groups and the step of its moments, from ``common.pt``."""
-    fully = isinstance(optim, dict) and optim.get("param_state_sharding_type") == _FULLY
+    fully = isinstance(optim, dict) and optim.get("param_state_sharding_type") == said.FULLY
     if isinstance(optim, dict) and "param_groups" not in optim and "optimizer" in optim:
         # Mixed precision (Float16OptimizerWithFloat16Params.state_dict): torch's state dict
         # one level down, beside the fp32 main params (in .metadata: fp32_param entries)
