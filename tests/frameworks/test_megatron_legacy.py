@@ -302,6 +302,48 @@ def test_a_distributed_optimizers_file_beside_another_optimizer(gradclip, save):
     one_line_exit_3(gradclip("inspect", save, "--what", "exp_avg"), "mp_rank_01", "distrib_optim")
 
 
+@pytest.mark.parametrize("change", ["m[0] += 1.0", "m[0] = float('nan')"])
+def test_an_fp32_master_that_is_not_the_models_tensor_is_refused(
+    gradclip, save, megatron_lm_runs, change
+):
+    """Megatron copies each fp32 master (fp32_from_fp16_params), rounded, into the bf16
+    model after every step: one that does not round to the model's tensor (changed, or a
+    NaN the model does not hold) is refused in one line naming the file, never measured."""
+    code = (
+        "import sys, torch; sys.path.insert(0, sys.argv[2]); "
+        "sd = torch.load(sys.argv[1], weights_only=False); "
+        "m = sd['optimizer']['fp32_from_fp16_params'][0][0].view(-1); "
+        f"{change}; torch.save(sd, sys.argv[1])"
+    )
+    _with_megatron(megatron_lm_runs, code, _rank_file(save, 1))
+    for what in ("weights", "exp_avg"):
+        one_line_exit_3(
+            gradclip("inspect", save, "--what", what),
+            str(Path("mp_rank_01") / FILE),
+            "fp32_from_fp16_params",
+            "is not the model's tensor",
+        )
+
+
+def test_a_nan_in_the_master_and_the_model_alike_is_measured(gradclip, save, megatron_lm_runs):
+    """A run that diverged saves the NaN in both copies (rounding keeps a NaN a NaN): the
+    master is read and its NaN counted, never refused as a disagreement (master_copy's one
+    NaN policy, as for torch_dist's fp32 main params)."""
+    code = (
+        "import sys, torch; sys.path.insert(0, sys.argv[2]); "
+        "sd = torch.load(sys.argv[1], weights_only=False); "
+        "m = sd['optimizer']['fp32_from_fp16_params'][0][0]; "
+        "w = next(t for t in sd['model'].values() if isinstance(t, torch.Tensor) "
+        "and t.shape == m.shape and torch.equal(t, m.to(t.dtype))); "
+        "m.view(-1)[0] = float('nan'); w.view(-1)[0] = float('nan'); "
+        "torch.save(sd, sys.argv[1])"
+    )
+    _with_megatron(megatron_lm_runs, code, _rank_file(save, 1))
+    result = gradclip("inspect", save, "--what", "weights", "--format", "json")
+    assert result.code in (0, 1), result.err
+    assert result.json()["nonfinite"]["nan"] == 1
+
+
 def test_a_rank_file_that_runs_code_is_refused(gradclip, save, tmp_path):
     marker = tmp_path / "ran"
     torch.save({"iteration": 3, "args": RunsCode(marker), "model": {}}, _rank_file(save, 1))

@@ -16,13 +16,12 @@ newest iteration (or ``release``). An iteration folder holds:
   holds are not saved) and ``state.common_step``, the step of every moment;
 * ``metadata.json``: ``{"sharded_backend": "torch_dist", ...}``.
 
-In bf16 (or fp16) mixed precision, as Megatron-LM's ``--bf16`` trains (``Float16Module``,
-Megatron's DDP, ``Float16OptimizerWithFloat16Params``), the model's tensors are bf16 and
-the optimizer keeps an fp32 main param of each, the copy Adam updates, saved as
-``optimizer.state.fp32_param.<name>`` beside the moments; ``common.pt`` then holds torch's
-optimizer state one level down (``optimizer.optimizer.param_groups``,
-``optimizer.optimizer.state.common_step``). The fp32 main params are the weights measured
-(``_fp32_params``), each chunk checked, as it is read, to round to the model's chunk.
+In bf16 (or fp16) mixed precision (Megatron-LM's ``--bf16``:
+``Float16OptimizerWithFloat16Params``) the model's tensors are bf16 and the optimizer keeps
+an fp32 main param of each, the copy Adam updates, saved as
+``optimizer.state.fp32_param.<name>``; ``common.pt`` then holds torch's optimizer state one
+level down (``optimizer.optimizer.``). The fp32 main params are the weights measured, each
+chunk checked, as it is read, to round to the model's chunk.
 
 Transformer layers are stacked: ``decoder.layers.mlp.linear_fc1.weight`` is
 one tensor of shape ``[num_layers, ...]``, each layer a chunk of its own
@@ -31,39 +30,30 @@ split off as a tensor of its own, ``decoder.layers.3.mlp.linear_fc1.weight``,
 so the report's groups name the layer. A tensor under ``layers`` whose chunks
 do not each hold one layer is refused: its layers cannot be told apart.
 
-A Mixture of Experts (``num_moe_experts``; the local spec's ``SequentialMLP``) saves each
-layer's router as ``decoder.layers.mlp.router.weight``, a parameter like any (with
-aux-loss-free balancing also its ``expert_bias``, a buffer: never a weight, nor laid out
-in the distributed optimizer's buckets), and its experts stacked once more:
-``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is ``[num_layers, num_experts,
-...]``, the global expert index a second prepended axis (each expert-parallel rank saving
-its own experts' chunks of it). Each expert of each layer is split off too, named by its
-global index as Megatron's ``singleton_local_shards`` keys name it,
-``decoder.layers.3.mlp.experts.experts.5.linear_fc1.weight``: in its layer's group, and a
-tensor of its own (``--group-by regex:`` makes each expert a group). A chunk holding
-several experts is cut at each. Under expert parallelism Megatron-LM's
-``get_megatron_optimizer`` chains two optimizers, the dense parameters' and the experts'
-(``ChainedOptimizer``): plain, their moments are saved per parameter by name as one
-optimizer's are, and ``common.pt``'s ``optimizer`` is ``{0: ..., 1: ...}``, each with its
-param groups and ``common_step`` (the steps must agree, as must lr, betas and eps);
-distributed (``dp_reshardable``), their buckets are under ``chained_0.`` and
-``chained_1.`` (``distributed_optimizer.chained_bucketed``); distributed
-``fully_reshardable``, their state is per parameter by name again, each one's step in its
-own ``optimizer.<N>.optimizer``'s param groups. A chain saved otherwise is refused. Keys
-under ``chained_N.optimizer.`` are the optimizer's, never the model's weights. Megatron's
-per-layer keys (``decoder.layers.0.mlp .experts.experts.linear_fc1.weight``, as it saves
-layers that differ, ``moe_layer_freq``) have the expert axis first, split the same way.
+A Mixture of Experts (``num_moe_experts``; ``SequentialMLP``) saves each layer's router,
+``decoder.layers.mlp.router.weight``, as a parameter like any (its aux-loss-free
+``expert_bias`` is a buffer: never a weight), and its experts stacked once more:
+``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
+``[num_layers, num_experts, ...]`` (per-layer keys, ``moe_layer_freq``, have the expert
+axis first). Each expert of each layer is split off too, named by its global index as
+Megatron's ``singleton_local_shards`` keys name it,
+``decoder.layers.3.mlp.experts.experts.5.linear_fc1.weight``: in its layer's group
+(``--group-by regex:`` makes each expert a group); a chunk holding several experts is cut
+at each. Under expert parallelism
+``get_megatron_optimizer`` chains the dense parameters' optimizer and the experts'
+(``ChainedOptimizer``; ``common.pt``'s ``optimizer`` is ``{0: ..., 1: ...}``): plain or
+distributed ``fully_reshardable``, their state is per parameter by name, as one
+optimizer's, and their steps must agree, as must lr, betas and eps; distributed
+``dp_reshardable``, their buckets are under ``chained_0.`` and ``chained_1.``. A chain
+saved otherwise is refused.
 
 With Megatron's distributed optimizer, saved as Megatron-LM saves it by default
-(``common.pt``'s ``optimizer.param_state_sharding_type`` ``dp_reshardable``), the
-moments are not per parameter: each grad-buffer bucket is flat tensors under
-``optimizer.distributed.`` and the step is in its param groups' object there;
-``distributed_optimizer.bucketed`` cuts each parameter's moments out of them by
-Megatron's bucket layout (shared with the legacy ``distrib_optim.pt``; a layer's
-experts in turn, as ``SequentialMLP`` lists them), checked against the model's tensors
-(their ``param``, fp32 main params, are the weights measured under bf16); with tensor or
-pipeline parallelism, each model-parallel rank's buckets (``dp_group_idx_N``) hold its
-stage's parameters, its shards of them.
+(``common.pt``'s ``optimizer.param_state_sharding_type`` ``dp_reshardable``), each
+grad-buffer bucket is flat tensors under ``optimizer.distributed.``, the step in its param
+groups there: each parameter's moments, and its ``param`` (the weights measured under
+bf16), are cut out of them by Megatron's bucket layout (``distributed_optimizer``) and
+checked against the model's tensors; with tensor or pipeline parallelism, each
+model-parallel rank's buckets (``dp_group_idx_N``) hold its stage's shards.
 Saved ``fully_reshardable`` (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``), the
 state is per parameter again, in the model's shape and chunks,
 ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``, and the step is only in
@@ -78,12 +68,12 @@ Recognised by content, before any flat-mapping rule: ``metadata.json`` with
 whose tracker names such a folder inside it (``megatron.tracker``).
 
 The package holds Megatron's shared rules, one module each: ``tracker`` (the tracker and
-the iteration folders), ``model`` (buffers, stacked layers and experts, parameter order),
-``distributed_optimizer`` (the bucket layout and its state, in both formats),
-``tensor_parallel`` (the ranks' shards joined), ``pipeline`` (the legacy format's stages)
-and ``facts`` (what a ``torch_dist`` checkpoint holds, and the one function that words
-it). ``open_dist_ckpt`` reads a ``torch_dist`` folder under the calling layout's kind and
-title, for a layout built on Megatron's folders.
+the iteration folders), ``model`` (buffers, stacked layers and experts, parameter order,
+the fp32 main params' check), ``distributed_optimizer`` (the bucket layout and its state,
+in both formats), ``pipeline`` (the legacy format's stages) and ``facts`` (what a
+checkpoint of either format holds, and the function that words each). ``open_dist_ckpt``
+reads a ``torch_dist`` folder under the calling layout's kind and title, for a layout
+built on Megatron's folders.
 """
 
 from __future__ import annotations
@@ -105,26 +95,20 @@ from gradclip_cli.source.vocabulary import step_after
 from .. import dcp_folder
 from .. import dcp_frameworks as frameworks
 from ..draft import Draft
-from ..master_copy import rounds_to
 from ..paths import inside, read_json
 from . import distributed_optimizer as distributed
 from . import facts as said
 from . import legacy
-from .model import BUFFER, MOMENT, OPTIMIZER, SIXTEEN, dtypes, named, split_layers
+from .model import BUFFER, MOMENT, OPTIMIZER, SIXTEEN, dtypes, refuse_unrounded, split_layers
 from .tracker import COMMON, JSON, TRACKER, is_dist_ckpt, iteration_folder
 
 KIND = "megatron"
 TITLE = "Megatron torch_dist checkpoint"
 _MAIN = ("fp32_param", "param")  # the fp32 main params: the plain optimizer's, fully_reshardable's
-_FULLY = said.FULLY
 
 
 def recognises(path: Path) -> bool:
-    if not os.path.isdir(path):
-        return False
-    if os.path.isfile(path / TRACKER):
-        return True
-    return is_dist_ckpt(path)
+    return os.path.isdir(path) and (os.path.isfile(path / TRACKER) or is_dist_ckpt(path))
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
@@ -175,7 +159,7 @@ def open_dist_ckpt(
         trusted_pickle=folder.trusted or common.trusted_pickle,
     )
     split = split_layers(folder)
-    weights = {n: t for k, (n, t) in named(split).items() if not OPTIMIZER.match(k)}
+    weights = {n: t for k, parts in split.items() if not OPTIMIZER.match(k) for n, t in parts}
     buffers = {n: t for n, t in weights.items() if BUFFER.fullmatch(n)}
     weights = {n: t for n, t in weights.items() if n not in buffers}
     contents.weights = weights or None
@@ -183,10 +167,10 @@ def open_dist_ckpt(
     optimizer = _optimizer(folder, split, root, common_file)
     mains = _fp32_params(folder, split, weights)
     found: dict = {"state": said.PER_PARAMETER if optimizer is not None else said.NONE}
-    if _sharding(root) == _FULLY and optimizer is not None:
+    if optimizer is not None and set(_shardings(root.get("optimizer"))) == {said.FULLY}:
         optim = root["optimizer"]  # a ChainedOptimizer's under expert parallelism: {0: ..., 1: ...}
         chained = 0 if "param_state_sharding_type" in optim else len(optim)
-        found.update(state=_FULLY, chained=chained)
+        found.update(state=said.FULLY, chained=chained)
     sharding = distributed.sharding_of(folder, root) if optimizer is None else None
     chain = distributed.chained_count(folder) if optimizer is None else 0
     if chain or sharding == repr("dp_reshardable"):
@@ -210,6 +194,7 @@ def open_dist_ckpt(
         contents.optimizers.append(optimizer)
     contents.step = _iteration(root, common_file, folder_path)
     facts = said.DistCkptFacts(
+        path=path,
         title=title,
         folder=folder_path.name,
         tracked=tracker is not None,
@@ -222,28 +207,21 @@ def open_dist_ckpt(
         **found,
     )
     words = said.wording(facts)
-    contents.description.append(words.description)
+    contents.description.extend(words.description)
     contents.evidence[roles.WEIGHT] = words.weight_evidence
     if words.optimizer_evidence is not None:
         contents.evidence[roles.OPTIMIZER_STATE] = words.optimizer_evidence
     contents.missing[roles.OPTIMIZER_STATE] = words.optimizer_error
-    contents.missing[roles.GRADIENT] = (
-        f"{path}: a {title} saves no gradients (model, optimizer state, {COMMON})"
-    )
+    contents.missing[roles.GRADIENT] = words.gradient_error
     return contents.finish()
 
 
-def _sharding(root: dict) -> object:
-    """``common.pt``'s ``optimizer.param_state_sharding_type`` (the distributed optimizer's;
-    a ChainedOptimizer's, ``optimizer.<N>.``, where its optimizers agree), or None."""
-    optim = root.get("optimizer")
-    if not isinstance(optim, dict):
-        return None
-    if optim and all(is_int(k) for k in optim):
-        kinds = [p.get("param_state_sharding_type") if isinstance(p, dict) else None
-                 for p in optim.values()]
-        return kinds[0] if all(k == kinds[0] for k in kinds) else None
-    return optim.get("param_state_sharding_type")
+def _shardings(optim) -> list:
+    """The ``param_state_sharding_type`` of ``common.pt``'s optimizer, or of each of a
+    ChainedOptimizer's (``{0: ..., 1: ...}``); None for one that says none."""
+    chain = isinstance(optim, dict) and optim and all(is_int(k) for k in optim)
+    return [p.get("param_state_sharding_type") if isinstance(p, dict) else None
+            for p in (optim.values() if chain else [optim])]
 
 
 def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState | None:
@@ -293,21 +271,16 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
 
 
 def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
-    """The optimizers of ``common.pt``'s ``optimizer``, each with where it is: the one, or
-    a ``ChainedOptimizer``'s (``{0: ..., 1: ...}``, ``ChainedOptimizer.state_dict``: under
-    expert parallelism ``get_megatron_optimizer`` chains the dense parameters' optimizer and
-    the experts'; their moments are saved per parameter as one optimizer's are, by name,
-    when they are plain or distributed ``fully_reshardable``)."""
+    """The optimizers of ``common.pt``'s ``optimizer``, each with where it is: the one, or a
+    ``ChainedOptimizer``'s (``{0: ..., 1: ...}``), each plain or ``fully_reshardable``."""
     if not isinstance(optim, dict) or not optim or not all(is_int(k) for k in optim):
         return [("optimizer", optim)]
     if sorted(optim) != list(range(len(optim))):
         raise InputError(
-            f"{common_file}: the chained optimizers are numbered {sorted(optim)[:8]}, "
-            "not 0, 1, ..."
+            f"{common_file}: the chained optimizers are numbered {sorted(optim)[:8]}, not 0, 1, ..."
         )
-    kinds = [p.get("param_state_sharding_type") if isinstance(p, dict) else None
-             for p in optim.values()]
-    if any(k != kinds[0] for k in kinds) or kinds[0] not in (None, _FULLY):
+    kinds = _shardings(optim)
+    if any(k != kinds[0] for k in kinds) or kinds[0] not in (None, said.FULLY):
         raise InputError(
             f"{common_file}: the chained optimizers are saved as {visible(repr(kinds))[:80]} "
             "beside moments per parameter (optimizer.state.*); gradclip reads them plain or "
@@ -318,7 +291,7 @@ def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
 
 def _groups_and_step(optim, where: str, common_file: Path) -> tuple[list, object]:
     """One optimizer's param groups and the step of its moments, from ``common.pt``."""
-    fully = isinstance(optim, dict) and optim.get("param_state_sharding_type") == _FULLY
+    fully = isinstance(optim, dict) and optim.get("param_state_sharding_type") == said.FULLY
     if isinstance(optim, dict) and "param_groups" not in optim and "optimizer" in optim:
         # Mixed precision (Float16OptimizerWithFloat16Params.state_dict): torch's state dict
         # one level down, beside the fp32 main params (in .metadata: fp32_param entries)
@@ -351,13 +324,10 @@ def _step_value(step) -> object:
 
 def _fp32_params(folder, split, weights: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
     """The optimizer's fp32 main params by model name, where it saves them per parameter
-    (none: ``{}``): ``optimizer.state.fp32_param.<key>`` (``Float16OptimizerWithFloat16Params
-    .sharded_state_dict``, core_v0.16.1) or ``fully_reshardable``'s ``optimizer.state.param
-    .<key>``, chunked as the model's tensor is. Megatron copies it into the model's parameter
-    after each step, rounded (``_copy_main_params_to_model_params``), so each chunk, when
-    read, must round to the model's chunk (``rounds_to``), else the file is refused: the two
-    copies disagree. A 16-bit parameter with moments but no fp32 copy, where others have
-    one, is refused too."""
+    (``optimizer.state.fp32_param.<key>``, or ``fully_reshardable``'s
+    ``optimizer.state.param.<key>``) chunked as the model's tensor is; ``{}`` for none. Each
+    chunk, when read, must round to the model's (``refuse_unrounded``); a 16-bit parameter
+    with moments but no fp32 copy, where others have one, is refused too."""
     where = folder.metadata_file
     out: dict[str, StoredTensor] = {}
     moments: set[str] = set()
@@ -412,13 +382,8 @@ def _checked(name: str, kind: str, main: Piece, model: Piece):
     """``main.read`` that first checks the chunk rounds to the model's chunk."""
 
     def read() -> torch.Tensor:
-        value, rounded = main.read(), model.read()
-        if not rounds_to(value, rounded):
-            raise InputError(
-                f"{main.file}: {visible(name)}'s fp32 main param ({kind}) "
-                f"rounded to {str(rounded.dtype).removeprefix('torch.')} is not the model's "
-                "tensor: the optimizer's weights and the model's disagree"
-            )
+        value = main.read()
+        refuse_unrounded(main.file, name, kind, value, model.read())
         return value
 
     return read

@@ -48,10 +48,9 @@ from ..master_copy import rounds_to
 from .facts import Buckets
 from .model import EXPERT, SIXTEEN, dtypes, model_order
 from .pipeline import copy_name
-from .tensor_parallel import assembled
+from .tracker import DISTRIBUTED
 
 ALIGN = 64  # a parameter starts at a multiple of 64 elements of its bucket (core_v0.16.1)
-DISTRIBUTED = "distrib_optim.pt"  # the legacy format's distributed optimizer state
 
 
 @dataclass(frozen=True)
@@ -159,10 +158,8 @@ _CHAINED = re.compile(r"chained_(\d+)\.optimizer\.distributed\.")
 
 
 def sharding_of(folder: dcp_folder.DcpFolder, root: dict) -> str | None:
-    """The distributed optimizer's ``param_state_sharding_type`` when its state is what the
-    folder holds (``DistributedOptimizer.sharded_state_dict``: ``dp_reshardable``, Megatron-LM's
-    default, saves each grad-buffer bucket as flat tensors under ``optimizer.distributed.``),
-    else None."""
+    """The distributed optimizer's ``param_state_sharding_type``, shown, where its state is
+    what the folder holds (``dp_reshardable``'s buckets, ``optimizer.distributed.``), else None."""
     optim = root.get("optimizer")
     sharding = optim.get("param_state_sharding_type") if isinstance(optim, dict) else None
     if sharding is None and not any(k.startswith("optimizer.distributed.") for k in folder.tensors):
@@ -171,10 +168,7 @@ def sharding_of(folder: dcp_folder.DcpFolder, root: dict) -> str | None:
 
 
 def chained_count(folder: dcp_folder.DcpFolder) -> int:
-    """How many chained distributed optimizers the folder holds buckets of
-    (``ChainedOptimizer.sharded_state_dict`` prefixes each one's ``chained_N.``, as under
-    expert parallelism, where ``get_megatron_optimizer`` chains the dense parameters'
-    optimizer and the experts'), 0 for none."""
+    """How many chained distributed optimizers (``chained_N.``) the folder holds buckets of."""
     found = {m.group(1) for k in folder.tensors if (m := _CHAINED.match(k))}
     return len(found)
 
@@ -182,14 +176,10 @@ def chained_count(folder: dcp_folder.DcpFolder) -> int:
 def chained_bucketed(
     folder: dcp_folder.DcpFolder, split, weights, root: dict, common_file: Path
 ) -> tuple[OptimizerState, tuple[Buckets, ...], dict[str, StoredTensor]]:
-    """A ``ChainedOptimizer``'s distributed optimizers' ``dp_reshardable`` state, each one's
-    under its ``chained_N.`` prefix (``ChainedOptimizer.sharded_state_dict``, core_v0.16.1).
-
-    Under expert parallelism ``get_megatron_optimizer`` chains the dense parameters'
-    optimizer and the experts' (its param groups' ``is_expert_parallel`` True), whose
-    buckets (``dp_group_idx_N``, N the expert-parallel rank) hold that rank's experts. Each
-    is read as one distributed optimizer (``bucketed``) over its own parameters: the split
-    experts (``experts.experts.<e>``), or the rest. Any other chain is refused."""
+    """The two chained distributed optimizers of expert parallelism, each under its
+    ``chained_N.`` prefix (``ChainedOptimizer.sharded_state_dict``), read by ``bucketed``
+    over its own parameters: the experts' (its param groups' ``is_expert_parallel``; its
+    ``dp_group_idx_N`` the expert-parallel rank), or the rest. Another chain is refused."""
     optim = root.get("optimizer")
     parts = list(optim.values()) if isinstance(optim, dict) else []
     shardings = [p.get("param_state_sharding_type") if isinstance(p, dict) else p for p in parts]
@@ -243,19 +233,17 @@ def bucketed(
 ) -> tuple[OptimizerState, Buckets, dict[str, StoredTensor]]:
     """The distributed optimizer's ``dp_reshardable`` state as per-parameter moments, and
     each parameter's ``param`` (its fp32 main copy, assembled over tensor-parallel ranks as
-    the moments are: under mixed precision the weights Adam updates).
+    the moments are).
 
     ``DistributedOptimizer.sharded_param_state_dp_reshardable`` (core_v0.16.1) saves each
-    bucket as flat tensors of its ``numel_unpadded`` elements, ``optimizer.distributed
-    .dp_group_idx_N.gbuf_idx_G.dtype_(param, grad).bucket_idx_K.{param,exp_avg,exp_avg_sq}``,
-    one chunk per parameter's range (or padding's) on each data-parallel rank, and the param
-    groups as ``...dp_group_idx_N.optimizer``. ``N`` is the rank in the model-parallel group
-    (tensor-parallel rank fastest), whose buckets hold that rank's parameters
-    (``_holdings``). The places are rebuilt by ``buckets`` from the model's order, the
-    buffers by parameter dtype, each bucket closing at its saved length, and checked before
-    any moment is read: one bucket size closes them all so, every chunk lies within one
-    parameter or between two, and each ``param`` rounds to the model's tensor (its shard)
-    in every group (``rounds_to``). Else the checkpoint is refused, naming the file."""
+    bucket flat,
+    ``optimizer.distributed.dp_group_idx_N.gbuf_idx_G.dtype_(param, grad).bucket_idx_K.*``
+    (``param``, ``exp_avg``, ``exp_avg_sq``), N the model-parallel rank (``_holdings``),
+    one chunk per parameter's range (or padding's) on each data-parallel rank. The places,
+    rebuilt by ``buckets`` (one buffer per parameter dtype, each bucket closing at its
+    saved length), are checked before any moment is read: one bucket size closes them all,
+    every chunk lies within one parameter or between two, and each ``param`` rounds to the
+    model's tensor (its shard); else the checkpoint is refused, naming the file."""
     where = folder.metadata_file
     whose = f" ({prefix}*)" if prefix else ""
 
@@ -321,7 +309,9 @@ def bucketed(
                     )
                 tensors.append(entry)
             sizes = [t["param"].shape[0] for t in tensors]
-            numels = {n: _numel(shards[n], weights[n]) for n in names}
+            numels = {
+                n: weights[n].numel() if shards[n] is None else shards[n].numel for n in names
+            }
             layout = buckets(names, numels, sizes=sizes)
             laid = [b.numel_unpadded for b in layout]
             if laid != sizes:
@@ -364,7 +354,7 @@ def bucketed(
             moments = dict(held_by[main[name]][1])
         else:  # one shard per tensor-parallel rank, at the model's chunk
             moments = {
-                key: assembled(f"{name}.{key}", weights[name].shape, held_by.values(), key)
+                key: _assembled(f"{name}.{key}", weights[name].shape, held_by.values(), key)
                 for key in ("param", "exp_avg", "exp_avg_sq")
             }
         mains[name] = dcp_folder.renamed(moments.pop("param"), name)
@@ -445,16 +435,11 @@ def _writer(piece: Piece, unfit) -> int:
     return int(found.group(1))
 
 
-def _numel(shard: Piece | None, weight: StoredTensor) -> int:
-    return weight.numel() if shard is None else shard.numel
-
-
 def _bucket_groups(
     folder: dcp_folder.DcpFolder, ranks: int, prefix: str = ""
 ) -> tuple[int | float, dict]:
-    """The distributed optimizer's param groups (``DistributedOptimizer.state_dict``'s, saved
-    as one object per model-parallel rank): the one Adam step of every parameter, and the
-    hyperparameters."""
+    """The one Adam step and the hyperparameters of the distributed optimizer's param groups
+    (one object per model-parallel rank)."""
     where = folder.metadata_file
     groups: list = []
     for rank in range(ranks):
@@ -510,10 +495,26 @@ def _cut(read, lo: int, hi: int):
     return lambda: read()[lo:hi]
 
 
+def _assembled(name: str, shape, shards, key: str) -> StoredTensor:
+    """A split parameter's ``key`` (a moment, or its fp32 main param) as one fp32 tensor of
+    the model's ``shape``: each tensor-parallel rank's, flat in its buckets' ranges, the
+    piece at its shard's place."""
+    return StoredTensor(name, shape, torch.float32, [_placed(s, m[key]) for s, m in shards])
+
+
+def _placed(shard: Piece, flat: StoredTensor) -> Piece:
+    def read() -> torch.Tensor:
+        return torch.cat([p.read() for p in flat.pieces]).view(shard.shape)
+
+    files = {p.file for p in flat.pieces}
+    file = files.pop() if len(files) == 1 else None
+    return Piece(tuple(shard.offsets), tuple(shard.shape), read, file)
+
+
 # ----------------------------------------------------------------- legacy: distrib_optim.pt
 
 
-def distrib_optim(rank) -> str | None:
+def distrib_optim(rank) -> None:
     """The distributed optimizer's state: ``distrib_optim.pt``'s flat buffers, each
     parameter's slice found by Megatron's grad-buffer layout and checked (module doc)."""
     file = rank.file.parent / DISTRIBUTED
@@ -573,7 +574,6 @@ def distrib_optim(rank) -> str | None:
     group = {**{k: v for k, v in groups[0].items() if k != "params"}, "params": sorted(state)}
     rank.optimizer = OptimizerState([group], state, None, rank.file)
     rank.distributed = True
-    return None
 
 
 def _buffers(rank, file: Path) -> list[tuple[torch.dtype, dict]]:

@@ -1,15 +1,13 @@
 """Megatron legacy checkpoints: ``iter_NNNNNNN/mp_rank_XX/model_optim_rng.pt``.
 
 Megatron-LM's ``save_checkpoint`` with ``--ckpt-format torch`` (core_v0.16.1,
-``megatron/training/checkpointing.py``) has each tensor-parallel rank ``XX``
-of the first data-parallel rank ``torch.save`` one file,
+``megatron/training/checkpointing.py``) has each tensor-parallel rank ``XX`` of the first
+data-parallel rank ``torch.save`` one file,
 ``<save>/iter_0000003/mp_rank_XX/model_optim_rng.pt``, then writes the tracker
-``<save>/latest_checkpointed_iteration.txt`` (``megatron`` follows it to
-either format). The file holds ``args`` (an ``argparse.Namespace``, read as
-inert data: ``files/megatron_pickle``), ``iteration``, ``checkpoint_version``,
-``model`` (the module's ``state_dict_for_save_checkpoint``: tensors by name,
-with ``*._extra_state`` entries for Transformer Engine's state, skipped here),
-``optimizer``, ``opt_param_scheduler`` and ``rng_state``.
+(``megatron`` follows it to either format).
+The file holds ``args`` (an ``argparse.Namespace``, read as inert data:
+``files/megatron_pickle``), ``iteration``, ``model`` (tensors by name; Transformer
+Engine's ``*._extra_state`` entries skipped), ``optimizer`` and ``rng_state``.
 
 ``optimizer`` is the Megatron optimizer's ``state_dict()``:
 
@@ -18,28 +16,20 @@ with ``*._extra_state`` entries for Transformer Engine's state, skipped here),
 * ``Float16OptimizerWithFloat16Params`` (bf16, fp16): ``{"optimizer": <torch's>,
   "grad_scaler": ..., "fp32_from_fp16_params": [[fp32 copy, ...] per group]}``:
   each group's fp32 master copies of its 16-bit parameters, in group order.
-  These masters are the weights reported (the model's own copy is rounded);
+  These masters are the weights reported (the model's own copy is rounded), each checked
+  to round to the model's tensor (``master_copy.rounds_to``), else the file is refused;
 * ``ChainedOptimizer`` of several: a list of the above, one per optimizer;
 * the distributed optimizer (``--use-distributed-optimizer``) saves only its param
-  groups there, and the state in ``distrib_optim.pt`` beside the file
-  (``DistributedOptimizer.save_parameter_state``, ``get_parameter_state_dp_zero``):
-  ``{"buckets_coalesced": True, <buffer index>: {(param dtype, grad dtype): {"param",
-  "exp_avg", "exp_avg_sq": flat fp32 tensors, "numel_unpadded": n}}}``, one flat tensor
-  per grad buffer of Megatron's DDP (``_ParamAndGradBuffer``): its parameters in reverse
-  model order, each starting at a multiple of 64 elements within its bucket, the buckets
-  side by side with their end padding dropped (a bucket closes once it holds
-  ``bucket_size`` elements: ``--ddp-bucket-size``, ``--ddp-num-buckets``, or
-  ``max(40M, 1M x data-parallel size)``; one bucket without ``--overlap-grad-reduce``
-  and on every pipeline stage after the first; tied over pipeline stages, the first
-  stage's word embeddings and the last stage's copy each in a bucket of their own).
-  Several data-parallel ranks each step their share of every bucket, which
-  ``get_parameter_state_dp_zero`` gathers in the first's file: the same layout.
-  That layout is rebuilt here and checked before any moment is read: the buffer's
-  length is ``numel_unpadded``, every padding element is 0 in all three tensors (the
-  shards start zeroed), and each parameter's ``param`` slice rounded to the model's
-  dtype is the model's tensor, bit for bit; else the file is refused. The ``param``
-  slices are the fp32 masters, the weights reported. Adam's ``step`` is the param
-  groups' (``DistributedOptimizer.state_dict`` puts the one step of every parameter there).
+  groups there (with Adam's one ``step``), and its state in ``distrib_optim.pt`` beside
+  the file (``get_parameter_state_dp_zero``, which gathers every data-parallel rank's
+  share): per grad buffer of Megatron's DDP, flat fp32 ``param``, ``exp_avg`` and
+  ``exp_avg_sq`` of ``numel_unpadded`` elements, the buckets side by side. Each
+  parameter's slice is placed by Megatron's bucket layout (``distributed_optimizer``;
+  one bucket without ``--overlap-grad-reduce`` and on every pipeline stage after the
+  first, else closed at ``--ddp-bucket-size``, ``--ddp-num-buckets`` or ``max(40M, 1M x
+  data-parallel size)`` elements) and checked before any moment is read: every padding
+  element is 0 and each ``param`` slice rounds to the model's tensor, else the file is
+  refused. The ``param`` slices are the fp32 masters, the weights reported.
 
 Recognised by content: an ``iter_N/`` folder holding ``mp_rank_XX/model_optim_rng.pt``;
 the save folder, by its tracker (``megatron``, which hands a legacy iteration here).
@@ -56,31 +46,25 @@ counts them: decided from Megatron's module names and checked against
 
 Pipeline parallelism (``mp_rank_XX_YYY``: stage YYY, when ``args.pipeline_model_parallel_size``
 is above 1; ``get_checkpoint_name`` gives an expert rank the same suffix without it): each
-stage saves its own layers as its ``TransformerBlock``'s ``ModuleList`` numbers them, from
-0 (only the ``torch_dist`` format renames them by ``layer_number``). The global number is
-the stage's offset, computed from the args as ``get_num_layers_to_build`` and
-``get_transformer_layer_offset`` do (an even split, ``decoder_first/last_pipeline_num_layers``,
-``account_for_embedding/loss_in_pipeline_split``), and each stage must hold exactly its
-count of layers; a custom layout (``pipeline_model_parallel_layout``) and multi-token
-prediction are refused. Tied (``untie_embeddings_and_output_weights`` False), the last
-stage's ``output_layer.weight`` is a copy of the first stage's word embeddings, marked
-``shared``, which ``get_main_grads_for_grad_norm`` skips: it is left out, with its
-optimizer state.
+stage numbers its own layers from 0. The global number is the stage's offset, computed from
+the args as Megatron-core builds the stages (``pipeline``: an even split,
+``decoder_first/last_pipeline_num_layers``, ``account_for_embedding/loss_in_pipeline_split``),
+and each stage must hold exactly its count of layers; a custom layout
+(``pipeline_model_parallel_layout``) and multi-token prediction are refused. Tied
+(``untie_embeddings_and_output_weights`` False), the last stage's ``output_layer.weight``
+is a copy of the first stage's word embeddings, marked ``shared``, which
+``get_main_grads_for_grad_norm`` skips: it is left out, with its optimizer state.
 
 A virtual (interleaved) pipeline (``virtual_pipeline_model_parallel_size`` V in the args):
-each stage builds V model chunks (``get_model``, a ``vp_stage`` each) and its file holds
-them as ``model0`` ... ``model{V-1}`` instead of ``model`` (``generate_state_dict``), each
-numbering its layers from 0; chunk v of every stage comes before chunk v + 1 of any (4
-layers, 2 stages, 2 chunks: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3), each
-chunk's offset and count computed as ``get_transformer_layer_offset`` and
-``get_num_layers_to_build`` do with a ``vp_stage``, and the chunks of all stages must hold
-every layer once. The file's one optimizer covers its chunks: ``_get_param_groups`` lists
-each group's parameters chunk by chunk, each chunk's in its model order, the order read
-here (each chunk's names under its key, ``model1.decoder.layers.0...``, until renamed by
-the global layer). With the distributed optimizer, ``distrib_optim.pt`` holds one grad
-buffer per chunk and dtype, chunk by chunk, only the first chunk's bucketed (``get_model``
-gives the others' DDP ``disable_bucketing``). A chunk missing or left over, a file with
-both ``model`` and chunks, or chunks the args do not say, is refused, naming the file.
+each stage's file holds V model chunks, ``model0`` ... ``model{V-1}`` instead of ``model``
+(``generate_state_dict``), each numbering its layers from 0; chunk v of every stage comes
+before chunk v + 1 of any (4 layers, 2 stages, 2 chunks: stage 0 holds layers 0 and 2,
+stage 1 layers 1 and 3), and the chunks of all stages must hold every layer once. The
+file's one optimizer lists each group's parameters chunk by chunk (``_get_param_groups``),
+the order read here. With the distributed optimizer, ``distrib_optim.pt`` holds one grad
+buffer per chunk and dtype, only the first chunk's bucketed (``get_model``). A chunk
+missing or left over, a file with both ``model`` and chunks, or chunks the args do not
+say, is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -106,12 +90,13 @@ from gradclip_cli.source.vocabulary import step_value
 from ..dcp_frameworks import refuse_key
 from ..draft import Draft
 from ..paths import inside
+from ..tensor_parallel import hidden_size, merged, split_axis, whole_shards
 from ..torch_optim import is_optimizer_state, optimizer_state
-from .distributed_optimizer import DISTRIBUTED, distrib_optim
-from .model import BUFFER, SIXTEEN
-from .pipeline import by_layer, global_names, pipeline_line, stage_layers, stages_optimizer
-from .tensor_parallel import joined, split_axes
-from .tracker import FILE, RANK, is_legacy
+from . import facts as said
+from .distributed_optimizer import distrib_optim
+from .model import BUFFER, SIXTEEN, refuse_unrounded
+from .pipeline import by_layer, global_names, stage_layers
+from .tracker import DISTRIBUTED, FILE, RANK, is_legacy
 
 KIND = "megatron-legacy"
 _EXTRA = "._extra_state"
@@ -133,35 +118,10 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     refuse_key(path, key, "a Megatron legacy checkpoint")
     if os.path.isdir(path) and is_legacy(path):
         return open_iteration(path, path, None, trust_pickle=trust_pickle, verify=verify).finish()
-    return _open_rank(
-        path, path if os.path.isdir(path) else path.parent, trust_pickle=trust_pickle, verify=verify
+    rank = path if os.path.isdir(path) else path.parent  # one rank alone, said so
+    return open_iteration(
+        path, rank.parent, None, trust_pickle=trust_pickle, verify=verify, only=rank.name
     ).finish()
-
-
-def _open_rank(path: Path, rank_folder: Path, *, trust_pickle: bool, verify: bool) -> Draft:
-    """One rank alone (a tensor-parallel rank, or a pipeline stage's): its own shards and
-    layers, said to cover that rank only."""
-    contents = open_iteration(
-        path,
-        rank_folder.parent,
-        None,
-        trust_pickle=trust_pickle,
-        verify=verify,
-        only=rank_folder.name,
-    )
-    siblings = [n for n in os.listdir(rank_folder.parent) if RANK.fullmatch(n)]
-    if len(siblings) > 1:
-        stage = RANK.fullmatch(rank_folder.name).group(2)
-        contents.description.append(
-            f"covers {rank_folder.name} only, one of {len(siblings)} "
-            + (
-                "ranks of the pipeline stages: its layers and shards"
-                if stage
-                else "tensor-parallel ranks: its shards"
-            )
-            + f" alone; {visible(rank_folder.parent.name)}/ holds the whole model"
-        )
-    return contents
 
 
 def open_iteration(
@@ -177,20 +137,25 @@ def open_iteration(
     every = [r for stage in stages for r in stage]
     first = every[0]
     step = _same(every, "iteration", lambda r: r.iteration)
-    pipelined = first.stage is not None
-    layers = stage_layers(stages) if pipelined else None
+    layers = stage_layers(stages) if first.stage is not None else None
     names: list[str] = []
     weights: dict[str, StoredTensor] = {}
     kinds: dict[str, int | None] = {}
-    parts: list[tuple[OptimizerState | None, str | None, dict[str, str]]] = []
+    groups: list[tuple[dict, dict[str, dict]]] = []  # param groups, their state by global name
+    why: tuple[str, str] | None = None  # why there is no optimizer state (the first stage's)
     tied: list[str] = []
     for ranks in stages:
-        local, local_kinds = split_axes(ranks)
+        local, local_kinds = _split_axes(ranks)
         files = [r.file for r in ranks]
         rename, copies = global_names(ranks[0], local, layers) if layers else ({}, [])
         tied += [rename.get(n, n) for n in copies]
-        optimizer, note = _optimizer(ranks, local, local_kinds)
-        masters = optimizer is not None and ranks[0].masters  # the float16 optimizer's fp32
+        stage_why = next((w for w in [_rank_optimizer(r) for r in ranks] if w), None)
+        why = why or stage_why
+        if stage_why is None:
+            for group, state in _joined_state(ranks, local_kinds):
+                kept = {rename.get(n, n): e for n, e in state.items() if n not in copies}
+                groups.append((group, kept))  # a tied copy's state left out, as the copy is
+        masters = stage_why is None and ranks[0].masters  # the float16 optimizer's fp32
         for n in local:
             if n in copies:
                 continue
@@ -202,14 +167,20 @@ def open_iteration(
                 )
             names.append(g)
             kinds[g] = local_kinds[n]
-            weights[g] = joined(
-                g, [(r.masters if masters else r.weights)[n] for r in ranks], local_kinds[n], files
-            )
-        parts.append((optimizer, note, {n: rename.get(n, n) for n in local if n not in copies}))
+            shards = [(r.masters if masters else r.weights)[n] for r in ranks]
+            weights[g] = merged(g, whole_shards(g, shards, files), local_kinds[n])
     if layers:  # the model's order: an interleaved pipeline's stages hold its layers apart
         names = by_layer(names)
         weights = {n: weights[n] for n in names}
-    optimizer, note = stages_optimizer(parts, names) if layers else parts[0][:2]
+    optimizer = None
+    if why is None:  # one optimizer by the model's order
+        order = {n: i for i, n in enumerate(names)}
+        optimizer = OptimizerState(
+            [{**group, "params": [order[n] for n in held]} for group, held in groups],
+            {order[n]: entry for _, held in groups for n, entry in held.items()},
+            {order[n]: n for _, held in groups for n in held},
+            first.file,
+        )
     contents = Draft(
         path=path,
         kind=KIND,
@@ -223,25 +194,7 @@ def open_iteration(
         folder=folder,
         trusted_pickle=any(r.trusted for r in every),
     )
-    masters = optimizer is not None and first.masters
-    if masters:
-        note = (note or "") + (
-            f"the optimizer state and the weights (its fp32 params) are {DISTRIBUTED}'s: "
-            "the distributed optimizer's flat grad buffers, each parameter's slice placed by "
-            "Megatron's bucket layout and checked against the model's tensors"
-            if first.distributed
-            else "the weights are the optimizer's fp32 masters "
-            "(fp32_from_fp16_params); the model holds them rounded"
-        )
     contents.weights = weights or None
-    said = f"a Megatron legacy checkpoint: {_pattern(pipelined)}/{FILE}"
-    contents.evidence[roles.WEIGHT] = (
-        f"a Megatron legacy checkpoint: {_pattern(pipelined)}/{DISTRIBUTED}'s param"
-        if masters and first.distributed
-        else f"{said}'s optimizer fp32_from_fp16_params"
-        if masters
-        else f"{said}'s model"
-    )
     contents.order = list(names)
     buffers = {}
     for ranks in stages:  # integer tensors: never weights (replicated or not, rank 0's)
@@ -250,63 +203,46 @@ def open_iteration(
             buffers[rename.get(n, n)] = StoredTensor.whole(rename.get(n, n), t, ranks[0].file)
     if buffers:
         contents.buffers = buffers
-    if optimizer is None and note:
-        contents.missing[roles.OPTIMIZER_STATE] = note
     if optimizer is not None:
         contents.optimizers.append(optimizer)
-        contents.evidence[roles.OPTIMIZER_STATE] = (
-            f"a Megatron legacy checkpoint: {_pattern(pipelined)}/{DISTRIBUTED}"
-            if first.distributed
-            else f"{said}'s optimizer"
-        )
     contents.step = step
-    contents.missing[roles.GRADIENT] = (
-        f"{path}: a Megatron legacy checkpoint saves no gradients (model, optimizer state, {FILE})"
+    state, lacking = why or (said.BUCKETS if first.distributed else said.PER_PARAMETER, "")
+    facts = said.LegacyFacts(
+        path=path,
+        folder=folder.name,
+        tracked=tracker is not None,
+        step=step,
+        ranks=tuple(r.file.parent.name for r in every),
+        tensors=len(names),
+        skipped=len(first.skipped),
+        state=state,
+        masters=optimizer is not None and bool(first.masters),
+        lacking=lacking,
+        split=sum(1 for k in kinds.values() if k is not None),
+        stages=tuple(
+            said.Stage(r[0].file.parent.name, r[0].stage, tuple(
+                (key, *span) for key, span in zip(r[0].chunks, layers["spans"][r[0].stage])
+            ))
+            for r in (stages if layers else [])
+        ),
+        tied=bool(tied),
+        siblings=sum(1 for n in os.listdir(folder) if RANK.fullmatch(n)) if only else 0,
+        tensor_rank=first.tensor_rank or 0,
     )
-    via = f" ({tracker.name} names {folder.name})" if tracker is not None else ""
-    at = f" at iteration {step}" if step is not None else ""
-    rank_names = ", ".join(r.file.parent.name for r in every)
-    if not pipelined:
-        held = (
-            f"{len(every)} tensor-parallel rank(s) ({rank_names})"
-            if only is None
-            else f"tensor-parallel rank {rank_names}"
-        )
-    elif only is None:
-        held = (
-            f"{len(stages)} pipeline stages of {len(stages[0])} tensor-parallel rank(s) "
-            f"({rank_names})"
-        )
-    else:
-        held = f"pipeline stage {first.stage}'s tensor-parallel rank {first.tensor_rank}"
-        held += f" ({rank_names})"
-    contents.description.append(
-        f"Megatron legacy checkpoint{via}{at}: {held}, {len(names)} model tensors "
-        f"({len(first.skipped)} _extra_state entries skipped per rank)"
-    )
-    if layers:
-        contents.description.append(pipeline_line(stages, layers, tied))
-    if any(len(ranks) > 1 for ranks in stages):
-        split = sum(1 for k in kinds.values() if k is not None)
-        contents.description.append(
-            f"{split} tensors split across the ranks (measured as their shards together), "
-            f"{len(names) - split} replicated (counted once, from "
-            + ("each stage's mp_rank_00_YYY" if pipelined else "mp_rank_00")
-            + ", as Megatron's get_grad_norm_fp32 does)"
-        )
-    if note:
-        contents.description.append(note)
+    words = said.legacy_wording(facts)
+    contents.description.extend(words.description)
+    contents.evidence[roles.WEIGHT] = words.weight_evidence
+    if words.optimizer_evidence is not None:
+        contents.evidence[roles.OPTIMIZER_STATE] = words.optimizer_evidence
+    contents.missing[roles.OPTIMIZER_STATE] = words.optimizer_error
+    contents.missing[roles.GRADIENT] = words.gradient_error
     return contents
-
-
-def _pattern(pipelined: bool) -> str:
-    return "mp_rank_XX_YYY" if pipelined else "mp_rank_XX"
 
 
 class _Rank:
     """One ``mp_rank_XX/model_optim_rng.pt``: its model tensors and optimizer state, loaded."""
 
-    def __init__(self, file: Path, root: dict, trusted: bool):
+    def __init__(self, file: Path, root: dict, trusted: bool, reading: dict[str, bool]):
         self.file = file
         self.root = root
         self.trusted = trusted
@@ -322,7 +258,7 @@ class _Rank:
         self.optimizer: OptimizerState | None = None
         self.names: dict[int, str] = {}
         self.distributed = False
-        self.reading: dict[str, bool] = {"trust_pickle": False, "verify": False}
+        self.reading = reading  # how distrib_optim.pt beside it is read
         self.stage: int | None = None  # the pipeline stage of an mp_rank_XX_YYY folder
         self.tensor_rank: int | None = None
 
@@ -377,10 +313,7 @@ def _chunks(root: Mapping, args: Mapping, file: Path) -> list[str]:
         raise InputError(
             f"{file}: holds {held}, but its args set no virtual_pipeline_model_parallel_size"
         )
-    if (
-        not is_int(virtual)
-        or found != [f"model{i}" for i in range(virtual)]
-    ):
+    if not is_int(virtual) or found != [f"model{i}" for i in range(virtual)]:
         raise InputError(
             f"{file}: holds {held}, but its args set virtual_pipeline_model_parallel_size "
             f"{visible(repr(virtual))[:40]}" + (": the chunks are incomplete" if found else "")
@@ -472,9 +405,8 @@ def _load_rank(folder: Path, name: str, *, trust_pickle: bool, verify: bool) -> 
         ckpt = load_checkpoint(file, trust_pickle=trust_pickle, verify=verify)
     if not isinstance(ckpt.root, Mapping):
         raise InputError(f"{file}: not a Megatron checkpoint: not a dict")
-    rank = _Rank(file, dict(ckpt.root), ckpt.trusted_pickle)
-    rank.reading = {"trust_pickle": trust_pickle, "verify": verify}
-    return rank
+    reading = {"trust_pickle": trust_pickle, "verify": verify}
+    return _Rank(file, dict(ckpt.root), ckpt.trusted_pickle, reading)
 
 
 def _read_ranks(
@@ -530,17 +462,12 @@ def _same(ranks: list[_Rank], what: str, get) -> Any:
 # ----------------------------------------------------------------- optimizer
 
 
-_DISTRIBUTED_NOTE = (
-    "its optimizer is Megatron's distributed optimizer, whose state save_checkpoint writes "
-    f"to {DISTRIBUTED} beside {FILE}, and there is none: moments not measured"
-)
-
-
-def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | str:
-    """``[(torch state dict, fp32 masters per group or None, where)]``, or why there are none."""
+def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | tuple[str, str]:
+    """``[(torch state dict, fp32 masters per group or None, where)]``, or why there are none
+    (``facts.NONE``, or ``facts.MISSING`` and the rank's folder)."""
     value = rank.root.get("optimizer")
     if value is None:
-        return "no optimizer state saved (--no-save-optim)"
+        return said.NONE, ""
     chained = value if isinstance(value, list) else [value]
     out = []
     for i, one in enumerate(chained):
@@ -559,18 +486,20 @@ def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | str:
             out.append((inner, masters, f"{where}.optimizer"))
         elif isinstance(inner, Mapping) and "state" not in inner:
             # The distributed optimizer's state_dict(): param groups without their params.
-            return f"{rank.file.parent.name}/: {_DISTRIBUTED_NOTE}"
+            return said.MISSING, rank.file.parent.name
         else:
             raise InputError(f"{rank.file}: {where} is not a Megatron optimizer state dict")
     return out
 
 
-def _rank_optimizer(rank: _Rank) -> str | None:
-    """Fill ``rank.optimizer`` (ids renumbered across a chain), ``names`` and ``masters``."""
+def _rank_optimizer(rank: _Rank) -> tuple[str, str] | None:
+    """Fill ``rank.optimizer`` (ids renumbered across a chain), ``names`` and ``masters``;
+    or why there is no optimizer state (``_torch_states``)."""
     if os.path.isfile(rank.file.parent / DISTRIBUTED):
-        return distrib_optim(rank)
+        distrib_optim(rank)
+        return None
     found = _torch_states(rank)
-    if isinstance(found, str):
+    if isinstance(found, tuple):
         return found
     states = [optimizer_state(value, rank.file, where) for value, _, where in found]
     merged, renumbered = chained(states, rank.file)
@@ -587,7 +516,7 @@ def _rank_optimizer(rank: _Rank) -> str | None:
         for g, group in enumerate(opt.param_groups):
             members = [renumber[p] for p in group["params"]]
             group_masters.append((members, masters[g], f"{where}: fp32_from_fp16_params[{g}]"))
-    weights = _stored_weights(rank)
+    weights = {n: StoredTensor.whole(n, t, rank.file) for n, t in rank.weights.items()}
     rank.names = map_names(merged, Model(weights, list(weights)))
     rank.optimizer = merged
     for members, masters, where in group_masters:
@@ -596,8 +525,7 @@ def _rank_optimizer(rank: _Rank) -> str | None:
         sixteen = [
             rank.names[p]
             for p in members
-            if p in rank.names
-            and rank.weights[rank.names[p]].dtype in SIXTEEN
+            if p in rank.names and rank.weights[rank.names[p]].dtype in SIXTEEN
         ]
         if len(sixteen) != len(masters):
             raise InputError(
@@ -613,6 +541,8 @@ def _rank_optimizer(rank: _Rank) -> str | None:
                 raise InputError(
                     f"{rank.file}: {where} holds no fp32 tensor of {visible(name)}'s shape"
                 )
+            # Copied into the model, rounded, after each step: else the two disagree.
+            refuse_unrounded(rank.file, name, "fp32_from_fp16_params", master, rank.weights[name])
             rank.masters[name] = master
     for name, weight in rank.weights.items():
         if rank.masters and name not in rank.masters:
@@ -620,24 +550,44 @@ def _rank_optimizer(rank: _Rank) -> str | None:
     return None
 
 
-def _stored_weights(rank: _Rank) -> dict[str, StoredTensor]:
-    return {n: StoredTensor.whole(n, t, rank.file) for n, t in rank.weights.items()}
+def _split_axes(ranks: list[_Rank]) -> tuple[list[str], dict[str, int | None]]:
+    """The model's names (rank 0's order), and each one's split axis (None: replicated)."""
+    first = ranks[0]
+    names = list(first.weights)
+    for rank in ranks[1:]:
+        if list(rank.weights) != names:
+            other = next(iter(set(rank.weights) ^ set(names)), None)
+            which = f" ({visible(other)} is in one only)" if other is not None else ""
+            raise InputError(
+                f"{rank.file}: its model tensors differ from "
+                f"{first.file.parent.name}'s{which}: the ranks are not one model"
+            )
+        for n in names:
+            a, b = first.weights[n], rank.weights[n]
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise InputError(
+                    f"{rank.file}: {visible(n)} is {list(b.shape)} {b.dtype}, "
+                    f"{list(a.shape)} {a.dtype} in {first.file.parent.name}: the "
+                    "ranks are not one model"
+                )
+    if len(ranks) == 1:
+        return names, dict.fromkeys(names)
+    shapes = {n: tuple(t.shape) for n, t in first.weights.items()}
+    hidden = hidden_size(first.args, shapes)
+    return names, {n: split_axis(n, shapes[n], hidden, first.file) for n in names}
 
 
-def _optimizer(
-    ranks: list[_Rank], names: list[str], kinds: dict[str, int | None]
-) -> tuple[OptimizerState | None, str | None]:
-    notes = {_rank_optimizer(r) for r in ranks}
-    if notes != {None}:
-        return None, next(n for n in notes if n is not None)
+def _joined_state(
+    ranks: list[_Rank], kinds: dict[str, int | None]
+) -> list[tuple[dict, dict[str, dict]]]:
+    """Each param group of the ranks' optimizer with its parameters' state by name, a split
+    parameter's tensors joined as its weights are."""
     first = ranks[0]
     by_name = [{n: pid for pid, n in r.names.items()} for r in ranks]
-    groups = []
-    state: dict[int, dict] = {}
-    param_names: dict[int, str] = {}
-    order = {n: i for i, n in enumerate(names)}
+    out = []
     for group in first.optimizer.param_groups:
         members = [first.names[p] for p in group["params"] if p in first.names]
+        state = {}
         for name in members:
             entries = [r.optimizer.state.get(by_name[i].get(name)) for i, r in enumerate(ranks)]
             if any(e is None for e in entries):
@@ -658,15 +608,11 @@ def _optimizer(
                             f"{ranks[-1].file}: its {key} of {visible(name)} "
                             "differs in shape from mp_rank_00's"
                         )
-                    entry[key] = joined(
-                        f"{name}.{key}",
-                        [s.read() for s in shards],
-                        kinds[name],
-                        [r.file for r in ranks],
-                    )
+                    read = [s.read() for s in shards]
+                    whole = whole_shards(f"{name}.{key}", read, [r.file for r in ranks])
+                    entry[key] = merged(f"{name}.{key}", whole, kinds[name])
                 else:
                     entry[key] = value
-            state[order[name]] = entry
-            param_names[order[name]] = name
-        groups.append({**group, "params": [order[n] for n in members]})
-    return OptimizerState(groups, state, param_names, first.file), None
+            state[name] = entry
+        out.append((group, state))
+    return out

@@ -1,6 +1,7 @@
-"""The model's tensors in Megatron's checkpoints: which are buffers, and how the
+"""The model's tensors in Megatron's checkpoints: which are buffers, how the
 ``torch_dist`` format's stacked layers and experts (``megatron`` states the rules) split
-into one tensor each, in Megatron's parameter order."""
+into one tensor each, in Megatron's parameter order, and the check that an fp32 main
+param is the model's tensor."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import Piece, StoredTensor
 
 from .. import dcp_folder
+from ..master_copy import rounds_to
 
 # A buffer Megatron saves among the model's tensors, in both formats: the router's expert
 # bias (``TopKRouter``'s ``register_buffer('expert_bias')``, core_v0.16.1), which no
@@ -44,25 +46,18 @@ def split_layers(folder: dcp_folder.DcpFolder) -> dict[str, list[tuple[str, Stor
                 )
             parts = _split_axis(name, tensor, _LAYERS)
         if _EXPERTS.match(name):
-            parts = [each for n, t in parts for each in _experts(folder, key, n, t)]
+            # SequentialMLP.sharded_state_dict (core_v0.16.1): the global expert index an axis
+            # after the layer's; a chunk may hold several experts (GroupedMLP's local ones).
+            flat = next((t for _, t in parts if len(t.shape) < 2), None)
+            if flat is not None:
+                raise InputError(
+                    f"{folder.metadata_file}: {visible(repr(key))} is named as a Mixture of "
+                    f"Experts' stacked experts (experts.experts.) but has shape "
+                    f"{list(flat.shape)}: no expert axis to split"
+                )
+            parts = [each for n, t in parts for each in _split_axis(n, t, _EXPERTS)]
         out[key] = parts
     return out
-
-
-def _experts(folder, key: str, name: str, tensor: StoredTensor) -> list[tuple[str, StoredTensor]]:
-    """A layer's stacked experts (``SequentialMLP.sharded_state_dict``, core_v0.16.1: each
-    local expert's tensors under ``experts.experts.``, the global expert index an axis
-    prepended after the layer's) as one tensor per expert, named as Megatron's
-    ``singleton_local_shards`` keys name it: ``...mlp.experts.experts.3.linear_fc1.weight``.
-    A chunk may hold several experts (``GroupedMLP`` saves a rank's local experts as one):
-    each is cut out of it by its offset."""
-    if len(tensor.shape) < 2:
-        raise InputError(
-            f"{folder.metadata_file}: {visible(repr(key))} is named as a Mixture of Experts' "
-            f"stacked experts (experts.experts.) but has shape {list(tensor.shape)}: "
-            "no expert axis to split"
-        )
-    return _split_axis(name, tensor, _EXPERTS)
 
 
 def _split_axis(name: str, tensor: StoredTensor, stacked: re.Pattern) -> list:
@@ -84,13 +79,6 @@ def _split_axis(name: str, tensor: StoredTensor, stacked: re.Pattern) -> list:
 
 def _sliced(read, i: int):
     return lambda: read()[i]
-
-
-def named(split) -> dict[str, tuple[str, StoredTensor]]:
-    """``{key + '#' + layer name: (name, tensor)}`` flattened, keys keeping their kind."""
-    return {
-        f"{key}#{name}": (name, tensor) for key, parts in split.items() for name, tensor in parts
-    }
 
 
 def model_order(split) -> list[str]:
@@ -124,3 +112,15 @@ def _index(name: str, head: str) -> int:
 def dtypes(weights: dict[str, StoredTensor], names) -> str:
     """The model's dtypes of ``names``, as words (``bfloat16``)."""
     return "/".join(sorted({str(weights[n].dtype).removeprefix("torch.") for n in names}))
+
+
+def refuse_unrounded(file, name: str, kind: str, main: torch.Tensor, model: torch.Tensor) -> None:
+    """Refuses ``file`` where ``name``'s fp32 main param (``kind``) does not round to the
+    model's tensor (``rounds_to``): Megatron copies it, rounded, into the model after each
+    step (``_copy_main_params_to_model_params``), so the two copies disagree."""
+    if not rounds_to(main, model):
+        raise InputError(
+            f"{file}: {visible(name)}'s fp32 main param ({kind}) "
+            f"rounded to {str(model.dtype).removeprefix('torch.')} is not the model's "
+            "tensor: the optimizer's weights and the model's disagree"
+        )

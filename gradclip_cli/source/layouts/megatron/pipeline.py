@@ -10,12 +10,11 @@ from math import inf
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source.interface import OptimizerState
 from gradclip_cli.source.untrusted import is_count
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _ANY_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
-_COPY = "output_layer.weight"  # a tied last stage's copy of embedding.word_embeddings.weight
+COPY = "output_layer.weight"  # a tied last stage's copy of embedding.word_embeddings.weight
 
 
 def stage_layers(stages: list[list]) -> dict:
@@ -85,7 +84,7 @@ def stage_layers(stages: list[list]) -> dict:
     if not isinstance(untie, bool):
         raise InputError(
             f"{rank.file}: its args do not say untie_embeddings_and_output_weights: gradclip "
-            f"cannot tell whether the last stage's {_COPY} is the embedding's copy"
+            f"cannot tell whether the last stage's {COPY} is the embedding's copy"
         )
     for ranks in stages:  # each chunk of each stage holds exactly the layers its args give it
         stage = ranks[0].stage
@@ -170,7 +169,7 @@ def _held_layers(rank, key: str) -> set[int]:
 
 def copy_name(rank) -> str:
     """The name a tied last stage's copy of the embedding has here: its last chunk's."""
-    return f"{rank.chunks[-1]}.{_COPY}" if len(rank.chunks) > 1 else _COPY
+    return f"{rank.chunks[-1]}.{COPY}" if len(rank.chunks) > 1 else COPY
 
 
 def global_names(rank, local: list[str], layers: dict) -> tuple[dict, list[str]]:
@@ -210,60 +209,3 @@ def by_layer(names: list[str]) -> list[str]:
     start = next((i for i, n in enumerate(numbers) if n is not None), len(names))
     keys = [n if n is not None else -1 if i < start else inf for i, n in enumerate(numbers)]
     return [name for _, name in sorted(zip(keys, names), key=lambda pair: pair[0])]
-
-
-def pipeline_line(stages: list[list], layers: dict, tied: list[str]) -> str:
-    virtual = len(stages[0][0].chunks) > 1
-    held = ("; " if virtual else ", ").join(
-        ", ".join(
-            _span(offset, count) + (f" ({key})" if virtual else "")
-            for key, (offset, count) in zip(r[0].chunks, layers["spans"][r[0].stage])
-        )
-        + f" in {r[0].file.parent.name}"
-        for r in stages
-    )
-    line = (
-        (
-            f"decoder layers {held}: each virtual pipeline chunk numbers its own from 0, "
-            "named here by the global layer (the args' num_layers, pipeline split and "
-            f"virtual_pipeline_model_parallel_size {len(stages[0][0].chunks)})"
-        )
-        if virtual
-        else f"decoder layers {held}: each stage numbers its own from 0, named here by the "
-        "global layer (the args' num_layers and pipeline split)"
-    )
-    if tied:
-        line += (
-            f"; the last stage's {_COPY} is its copy of embedding.word_embeddings.weight "
-            "(tied): not counted, as Megatron's grad norm skips the shared copy"
-        )
-    return line
-
-
-def _span(offset: int, count: int) -> str:
-    if count == 0:
-        return "none"
-    return str(offset) if count == 1 else f"{offset}-{offset + count - 1}"
-
-
-def stages_optimizer(
-    parts: list[tuple[OptimizerState | None, str | None, dict[str, str]]], names: list[str]
-) -> tuple[OptimizerState | None, str | None]:
-    """The stages' optimizers as one, by global names (a tied copy's state left out)."""
-    notes = [note for optimizer, note, _ in parts if optimizer is None]
-    if notes:
-        return None, notes[0]
-    order = {n: i for i, n in enumerate(names)}
-    groups, state, param_names = [], {}, {}
-    for optimizer, _, rename in parts:
-        for group in optimizer.param_groups:
-            members = []
-            for pid in group["params"]:
-                name = rename.get(optimizer.param_names.get(pid))
-                if name is None:
-                    continue  # the tied embedding's copy
-                members.append(order[name])
-                state[order[name]] = optimizer.state[pid]
-                param_names[order[name]] = name
-            groups.append({**group, "params": members})
-    return OptimizerState(groups, state, param_names, parts[0][0].file), None

@@ -1,13 +1,7 @@
-"""Which folders are Megatron's iterations, and the tracker that names the newest.
-
-Megatron-LM's ``save_checkpoint`` writes ``<save>/iter_0000003/`` in either format, then
-``<save>/latest_checkpointed_iteration.txt``, the tracker naming the newest iteration
-(its number, or ``release``). An iteration folder is ``torch_dist``'s (``is_dist_ckpt``:
-``metadata.json`` with ``sharded_backend`` beside ``common.pt`` and ``.metadata``) or the
-legacy format's (``is_legacy``: ``mp_rank_XX/model_optim_rng.pt``). Recognising such a
-folder is Megatron's: a layout built on Megatron's ``torch_dist`` folders (NeMo 2's
-``weights/``) uses ``is_dist_ckpt`` on its own folder and comes before ``megatron`` in
-``LAYOUTS``.
+"""Which folders are Megatron's iterations (``is_dist_ckpt``, ``is_legacy``), and the tracker,
+``latest_checkpointed_iteration.txt``, that names the newest (its number, or ``release``).
+A layout built on Megatron's ``torch_dist`` folders (NeMo 2's ``weights/``) uses
+``is_dist_ckpt`` on its own folder and comes before ``megatron`` in ``LAYOUTS``.
 """
 
 from __future__ import annotations
@@ -25,6 +19,7 @@ from ..paths import inside, json_head_keys
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON, JSON = "common.pt", "metadata.json"  # a torch_dist iteration's own files
 FILE = "model_optim_rng.pt"  # a legacy rank's file, in its mp_rank_XX/
+DISTRIBUTED = "distrib_optim.pt"  # beside it, the distributed optimizer's state
 RANK = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){1,2})?")
 
 
