@@ -18,24 +18,23 @@ import torch
 from tests.cli.support import rel_err
 from tests.distributed.launch import same_under_torchrun
 
-from .support import QUANTITIES, TOL, RunsCode, adam_measured, norm, one_line_exit_3
+from .support import (
+    QUANTITIES,
+    TOL,
+    RunsCode,
+    adam_measured,
+    grouped_optimizer,
+    inspect_json,
+    matches_reference,
+    norm,
+    one_line_exit_3,
+)
 
 STEPS = (1, 2, 3)
 
 
 def _reference(run: Path, step: int) -> dict:
     return torch.load(run / "reference" / f"step_{step}.pt", weights_only=True)
-
-
-def _optimizer(ref: dict) -> tuple[dict, dict]:
-    hyper = {n: g for g in ref["groups"] for n in g["params"]}
-    return ref["state"], hyper
-
-
-def _inspect(gradclip, folder: Path, what: str) -> dict:
-    result = gradclip("inspect", folder, "--what", what, "--format", "json")
-    assert result.code == 0, result.err
-    return result.json()
 
 
 def test_the_fixture_is_nemos_layout(nemo_run):
@@ -54,7 +53,7 @@ def test_the_fixture_is_nemos_layout(nemo_run):
 @pytest.mark.parametrize("step", STEPS)
 def test_weights_against_nemos_loader(gradclip, nemo_run, step):
     weights = _reference(nemo_run, step)["weights"]
-    doc = _inspect(gradclip, nemo_run / "run" / f"step_{step}", "weights")
+    doc = inspect_json(gradclip, nemo_run / "run" / f"step_{step}", "weights")
     assert (doc["format"], doc["step"], doc["what"]) == ("nemo", step, "weights")
     rows = {t["name"]: t for t in doc["tensors"]}
     assert set(rows) == set(weights)
@@ -68,30 +67,24 @@ def test_weights_against_nemos_loader(gradclip, nemo_run, step):
 @pytest.mark.parametrize("what", QUANTITIES)
 def test_every_quantity_against_nemos_loader(gradclip, nemo_run, step, what):
     ref = _reference(nemo_run, step)
-    expected = adam_measured(*_optimizer(ref), what)
-    doc = _inspect(gradclip, nemo_run / "run" / f"step_{step}", what)
+    expected = adam_measured(*grouped_optimizer(ref), what)
+    doc = inspect_json(gradclip, nemo_run / "run" / f"step_{step}", what)
     assert (doc["format"], doc["step"], doc["what"]) == ("nemo", step, what)
-    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
-    rows = {t["name"]: t for t in doc["tensors"]}
-    assert set(rows) == set(expected)
-    for name, row in rows.items():
-        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
-        weight = ref["weights"][name]
-        assert rel_err(row["ratio"], norm([expected[name]]) / norm([weight])) <= TOL, name
+    matches_reference(doc, expected, ref["weights"])
 
 
 def test_its_weights_folder_reads_as_the_checkpoint(gradclip, nemo_run):
     folder = nemo_run / "run" / "step_2"
     for what in ("weights", "update"):
-        whole = _inspect(gradclip, folder, what)
-        assert _inspect(gradclip, folder / "weights", what)["tensors"] == whole["tensors"]
+        whole = inspect_json(gradclip, folder, what)
+        assert inspect_json(gradclip, folder / "weights", what)["tensors"] == whole["tensors"]
 
 
 def test_the_report_names_nemo(gradclip, nemo_run):
     result = gradclip("inspect", nemo_run / "run" / "step_3", "--what", "weights")
     assert result.code == 0, result.err
     assert "NeMo 2 checkpoint at iteration 3: 28 model tensors" in " ".join(result.out.split())
-    assert _inspect(gradclip, nemo_run / "run" / "step_3", "auto")["what"] == "exp_avg"
+    assert inspect_json(gradclip, nemo_run / "run" / "step_3", "auto")["what"] == "exp_avg"
 
 
 def test_no_gradients_says_what_it_holds(gradclip, nemo_run):
