@@ -397,3 +397,20 @@ def verl_tied_run(verl_run, tmp_path_factory) -> Path:
     (one optimizer state) under two names in each rank's model file."""
     python = os.environ[VERL_VARIABLE]
     return run_generator(python, "verl_run.py", tmp_path_factory.mktemp("verl_tied"), 2, "tied")
+
+
+NEMO_VARIABLE = "GRADCLIP_NEMO_PYTHON"
+
+
+@pytest.fixture(scope="session")
+def nemo_run(tmp_path_factory) -> Path:
+    """NeMo 2's own trainer, strategy and ``ModelCheckpoint`` on the CPU (``nemo2_run.py``):
+    ``run/step_{1,2,3}/`` (``weights/`` and ``context/``) and ``reference/step_N.pt`` (what
+    NeMo's ``MegatronCheckpointIO`` reads back). NeMo pins its own stack (megatron-core
+    0.15.3, lightning 2.4), so it has a venv of its own, named by ``GRADCLIP_NEMO_PYTHON``
+    (``.ci/run`` builds it); without it the tests are skipped, saying so."""
+    python = os.environ.get(NEMO_VARIABLE)
+    if not python or not os.access(python, os.X_OK):
+        pytest.skip(f"{NEMO_VARIABLE} does not name the python of a venv with nemo-toolkit "
+                    "2.7.3 (.ci/run builds one)")
+    return run_generator(python, "nemo2_run.py", tmp_path_factory.mktemp("nemo"), 0)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cli.support import rel_err
 from tests.distributed.launch import same_under_torchrun  # noqa: F401  (the tests import it here)
 
 TOL = 1e-6  # the contract's accuracy; the references are float64
@@ -62,6 +63,30 @@ def adam_measured(state: dict, hyper: dict, what: str) -> dict[str, torch.Tensor
             "update": h["lr"] * m / (v.sqrt() + h["eps"]),
         }[what]
     return out
+
+
+def grouped_optimizer(ref: dict) -> tuple[dict, dict]:
+    """A reference's ``state`` and ``groups`` (each naming its ``params``) as ``{name: state}``
+    and ``{name: hyperparameters}``, as ``adam_measured`` takes them."""
+    return ref["state"], {n: g for g in ref["groups"] for n in g["params"]}
+
+
+def inspect_json(gradclip, folder: Path, what: str) -> dict:
+    """``gradclip inspect FOLDER --what WHAT --format json``, which must succeed."""
+    result = gradclip("inspect", folder, "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    return result.json()
+
+
+def matches_reference(doc: dict, expected: dict, weights: dict) -> None:
+    """Each tensor's norm and ratio, and the total, within ``TOL`` of the float64 reference
+    (``expected`` by name; ``weights``: the loader's weights, for the ratios)."""
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+        assert rel_err(row["ratio"], norm([expected[name]]) / norm([weights[name]])) <= TOL, name
 
 
 def one_line_exit_3(result, *words: str) -> None:

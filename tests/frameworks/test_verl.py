@@ -22,6 +22,9 @@ from .support import (
     TOL,
     RunsCode,
     adam_measured,
+    grouped_optimizer,
+    inspect_json,
+    matches_reference,
     norm,
     one_line_exit_3,
     same_under_torchrun,
@@ -36,18 +39,6 @@ def _actor(run: Path, step: int) -> Path:
 
 def _reference(run: Path, step: int) -> dict:
     return torch.load(run / "reference" / f"global_step_{step}.pt", weights_only=True)
-
-
-def _optimizer(ref: dict) -> tuple[dict, dict]:
-    """``{name: state}`` and ``{name: hyperparameters}`` as ``adam_measured`` takes them."""
-    hyper = {n: g for g in ref["groups"] for n in g["params"]}
-    return ref["state"], hyper
-
-
-def _inspect(gradclip, folder: Path, what: str) -> dict:
-    result = gradclip("inspect", folder, "--what", what, "--format", "json")
-    assert result.code == 0, result.err
-    return result.json()
 
 
 def test_the_fixture_is_verls_layout(verl_run):
@@ -71,7 +62,7 @@ def test_the_fixture_is_verls_layout(verl_run):
 @pytest.mark.parametrize("step", STEPS)
 def test_weights_against_verls_loader(gradclip, verl_run, step):
     weights = _reference(verl_run, step)["weights"]
-    doc = _inspect(gradclip, _actor(verl_run, step), "weights")
+    doc = inspect_json(gradclip, _actor(verl_run, step), "weights")
     assert (doc["format"], doc["step"], doc["what"]) == ("verl-fsdp", step, "weights")
     rows = {t["name"]: t for t in doc["tensors"]}
     assert set(rows) == set(weights)
@@ -85,33 +76,27 @@ def test_weights_against_verls_loader(gradclip, verl_run, step):
 @pytest.mark.parametrize("what", QUANTITIES)
 def test_every_quantity_against_verls_loader(gradclip, verl_run, step, what):
     ref = _reference(verl_run, step)
-    expected = adam_measured(*_optimizer(ref), what)
-    doc = _inspect(gradclip, _actor(verl_run, step), what)
+    expected = adam_measured(*grouped_optimizer(ref), what)
+    doc = inspect_json(gradclip, _actor(verl_run, step), what)
     assert (doc["format"], doc["step"], doc["what"]) == ("verl-fsdp", step, what)
-    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
-    rows = {t["name"]: t for t in doc["tensors"]}
-    assert set(rows) == set(expected)
-    for name, row in rows.items():
-        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
-        weight = ref["weights"][name]
-        assert rel_err(row["ratio"], norm([expected[name]]) / norm([weight])) <= TOL, name
+    matches_reference(doc, expected, ref["weights"])
 
 
 def test_second_moment_against_verls_loader(gradclip, verl_run):
     """``grad_rms`` is the square root of the bias-corrected ``exp_avg_sq``: its norm
     squared is the sum of ``exp_avg_sq / (1 - beta2^step)``, checked here from the raw
     moments."""
-    state, hyper = _optimizer(_reference(verl_run, 2))
+    state, hyper = grouped_optimizer(_reference(verl_run, 2))
     total = sum(
         float(s["exp_avg_sq"].double().sum()) / (1 - hyper[n]["betas"][1] ** float(s["step"]))
         for n, s in state.items()
     )
-    doc = _inspect(gradclip, _actor(verl_run, 2), "grad_rms")
+    doc = inspect_json(gradclip, _actor(verl_run, 2), "grad_rms")
     assert rel_err(doc["total_norm"] ** 2, total) <= 2 * TOL
 
 
 def test_auto_measures_the_first_moment(gradclip, verl_run):
-    assert _inspect(gradclip, _actor(verl_run, 2), "auto")["what"] == "exp_avg"
+    assert inspect_json(gradclip, _actor(verl_run, 2), "auto")["what"] == "exp_avg"
 
 
 def test_no_gradients_says_what_it_holds(gradclip, verl_run):
@@ -124,7 +109,7 @@ def test_no_gradients_says_what_it_holds(gradclip, verl_run):
 def test_trust_pickle_reads_torchs_own_dtensors_alike(gradclip, verl_run):
     """With --trust-pickle torch unpickles its real DTensors: the same numbers."""
     for what in ("weights", "update"):
-        plain = _inspect(gradclip, _actor(verl_run, 2), what)
+        plain = inspect_json(gradclip, _actor(verl_run, 2), what)
         trusted = gradclip(
             "inspect", _actor(verl_run, 2), "--what", what, "--format", "json", "--trust-pickle"
         )
@@ -137,14 +122,14 @@ def test_tied_embedding_is_one_parameter(gradclip, verl_tied_run):
     moments once, under the embedding's name, as verl's loader has them."""
     ref = _reference(verl_tied_run, 2)
     assert "lm_head.weight" in ref["weights"] and "lm_head.weight" not in ref["state"]
-    weights = _inspect(gradclip, _actor(verl_tied_run, 2), "weights")
+    weights = inspect_json(gradclip, _actor(verl_tied_run, 2), "weights")
     rows = {t["name"]: t for t in weights["tensors"]}
     assert set(rows) == set(ref["weights"])
     for name, row in rows.items():
         assert rel_err(row["norm"], norm([ref["weights"][name]])) <= TOL, name
     for what in QUANTITIES:
-        expected = adam_measured(*_optimizer(ref), what)
-        doc = _inspect(gradclip, _actor(verl_tied_run, 2), what)
+        expected = adam_measured(*grouped_optimizer(ref), what)
+        doc = inspect_json(gradclip, _actor(verl_tied_run, 2), what)
         rows = {t["name"]: t for t in doc["tensors"]}
         assert set(rows) == set(expected), what
         for name, row in rows.items():

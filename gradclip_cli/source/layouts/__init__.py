@@ -37,6 +37,7 @@ from . import (
     lightning,
     litgpt,
     megatron,
+    nemo,
     olmo_core,
     olmo_core_gradients,
     single_file,
@@ -48,6 +49,7 @@ from .deepspeed import universal as deepspeed_universal
 from .megatron import legacy as megatron_legacy
 
 LAYOUTS: tuple[Layout, ...] = (
+    nemo,  # its weights/ is a Megatron torch_dist folder: before megatron
     megatron,  # its folders hold a DCP folder and common.pt: before any flat mapping
     megatron_legacy,  # iter_N/mp_rank_XX/model_optim_rng.pt
     deepspeed_universal,  # holds DeepSpeed's model state files: before deepspeed

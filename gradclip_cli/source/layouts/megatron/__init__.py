@@ -273,6 +273,10 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
 def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
     """The optimizers of ``common.pt``'s ``optimizer``, each with where it is: the one, or a
     ``ChainedOptimizer``'s (``{0: ..., 1: ...}``), each plain or ``fully_reshardable``."""
+    if isinstance(optim, list) and len(optim) == 1:
+        # Lightning's list of its optimizers' states, as NeMo 2's MegatronCheckpointIO saves
+        # common.pt (one MegatronOptimizerModule: one optimizer)
+        return [("optimizer.0", optim[0])]
     if not isinstance(optim, dict) or not optim or not all(is_int(k) for k in optim):
         return [("optimizer", optim)]
     if sorted(optim) != list(range(len(optim))):
@@ -391,6 +395,8 @@ def _checked(name: str, kind: str, main: Piece, model: Piece):
 
 def _iteration(root: dict, common_file: Path, folder: Path) -> int | None:
     value = root.get("iteration")
+    if value is None:  # Lightning's optimizer steps, as NeMo 2's common.pt holds them
+        value = root.get("global_step")
     if value is None:
         args = root.get("args")
         value = args.state.get("iteration") if isinstance(args, NamespaceState) else None
