@@ -14,7 +14,11 @@ order modules happen to load in is one edit away from breaking):
   writes which file, and passes that to the sink;
 - no module imports a private (underscore) name from another folder (a
   module whose package differs): what folders share is public, and a
-  private name stays free to change within its own folder.
+  private name stays free to change within its own folder;
+- no layout (``source/layouts/``) imports ``source/what.py``: a layout hands
+  over an inventory, and choosing what to measure from it comes after; a
+  layout that names optimizer state by shape uses ``source/naming.py``, as
+  ``what.py`` does.
 """
 
 from __future__ import annotations
@@ -191,6 +195,23 @@ def test_the_crossings_are_seen_where_they_are():
         _crossing("distributed", "sink")
     assert ("gradclip_cli.sink.write_back", "gradclip_cli.source.interface") in \
         _crossing("sink", "source")
+
+
+def _layouts_importing(module: str) -> list[str]:
+    return sorted(name for name, deps in GRAPH.items()
+                  if name.startswith("gradclip_cli.source.layouts") and module in deps)
+
+
+def test_layouts_import_nothing_of_what():
+    assert _layouts_importing("gradclip_cli.source.what") == []
+
+
+def test_the_layouts_imports_are_seen_where_they_are():
+    # the shared naming of optimizer state: imported by layouts, by what.py and previous.py
+    assert "gradclip_cli.source.layouts.deepspeed.plain" in \
+        _layouts_importing("gradclip_cli.source.naming")
+    assert "gradclip_cli.source.naming" in GRAPH["gradclip_cli.source.what"]
+    assert "gradclip_cli.source.what" in GRAPH["gradclip_cli.source.previous"]
 
 
 def test_no_private_name_is_imported_across_folders():

@@ -6,7 +6,9 @@ Two kinds of source live under ``source/``:
   ``Checkpoint``: the stored object, untouched;
 * *layouts* (``source/layouts/``) know how one checkpoint is laid out across
   files and keys and give ``Contents``: named tensors (gradients, weights),
-  the optimizer state, the step, and a description for the report.
+  the optimizer state, the step, and a description for the report. It is an
+  inventory, read-only once handed over: a layout fills a ``Draft``
+  (``source/layouts/draft.py``) and hands over what its ``finish()`` makes.
 
 The layout contract (``Layout``, ``Contents``, ``StoredTensor``, ``Piece``,
 and for a layout ``clip`` can write, ``WriteBack`` and its ``WriteBackPlan``)
@@ -20,6 +22,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import torch
@@ -219,7 +222,7 @@ def chained(states: list[OptimizerState], file: Path | None) -> tuple[OptimizerS
     """Several optimizers' states as one, each one's ids renumbered after the last's.
 
     Their param groups follow one another, so the model's order maps them all
-    at once (``source/what.interleave``); ``param_names`` are kept where every
+    at once (``source/naming.interleave``); ``param_names`` are kept where every
     state has them. Returns the state and, per input, its id -> new id.
     """
     groups: list[dict[str, Any]] = []
@@ -241,9 +244,25 @@ def chained(states: list[OptimizerState], file: Path | None) -> tuple[OptimizerS
     return OptimizerState(groups, state, names or None, file), renumbered
 
 
-@dataclass
+NOTHING: Mapping[str, Any] = MappingProxyType({})
+
+
+def _frozen(mapping: Mapping | None) -> Mapping | None:
+    """A read-only copy of ``mapping`` (the values are shared: lazy handles, not data)."""
+    if mapping is None or isinstance(mapping, MappingProxyType):
+        return mapping
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True)
 class Contents:
-    """What a layout found in a checkpoint; every field a layout cannot fill stays empty.
+    """What a layout found in a checkpoint: an inventory, read-only to everyone who reads it.
+
+    A layout builds it once (``source/layouts/draft.py``'s ``Draft``) and hands it over;
+    no field is assigned afterwards and no collection changes (sequences are tuples,
+    mappings read-only views: ``dataclasses.replace`` gives another inventory). The
+    tensors are ``StoredTensor`` handles: the mappings hold them, never their data.
+    Every field a layout cannot fill stays empty.
 
     Attributes:
         path: the PATH the user gave.
@@ -257,17 +276,16 @@ class Contents:
         gradients: saved gradients by name, in checkpoint order, or None.
         gradient_key: where the gradients were found (the ``--key`` path).
         skipped: names of non-floating-point entries next to the gradients.
-        weights: the model's parameters by name, in model order where the
-            layout knows it (``model_order``), or None.
-        model_order: True when ``weights`` is in the model's parameter order
-            (torch state_dict order); False when the files sort the names
-            (safetensors headers and HF indexes do), in which case optimizer
-            state without ``param_names`` cannot be mapped from it alone.
-        model_order_names: the model's parameter names in order, when the
-            layout learned it elsewhere (rebuilding the model from its config).
-        optimizer: the optimizer state, or None; several optimizers (Lightning
-            can hold a list) are reported by ``optimizers``.
-        optimizers: every optimizer state, ``optimizer`` being the first.
+        weights: the model's parameters by name, in the files' order, or None
+            (the same mapping as ``gradients`` where one flat mapping is both).
+        order: the model's parameter names in the model's order when the layout
+            knows it: the weights' own order (torch state_dict order), or an order
+            learned elsewhere (rebuilding the model from its config, a framework's
+            parameter list); None when it does not (safetensors headers and HF
+            indexes sort the names), in which case optimizer state without
+            ``param_names`` cannot be mapped to names from the weights alone.
+        optimizers: every optimizer state (Lightning can hold a list), the first
+            also as ``optimizer``.
         step: the training step when the checkpoint records one.
         checkpoint: for a single-file source, the loaded file (clip writes it back).
         shards: for a set of files (HF sharded, DCP's Hugging Face layout),
@@ -277,41 +295,66 @@ class Contents:
         folder: for a set of files, the folder that holds them, which clip
             writes back as a folder (an index's folder; DCP's Hugging Face
             layout has no index).
+        trusted_pickle: some file was read with ``--trust-pickle``'s full unpickler.
+        missing: why something a command may ask for is absent, for its message,
+            keyed by role (``source/roles.py``): ``GRADIENT`` (why no gradients were
+            found, for ``--what grads``), ``OPTIMIZER_STATE`` (why optimizer state the
+            checkpoint holds is not read, for ``--what exp_avg`` and the rest), and
+            ``PARAMETER_NAMES`` (why optimizer state keeps its parameter ids as names
+            although the checkpoint holds the model: the layout's own cause, which
+            ``what.named_by_id`` words in the report as it words every layout's).
+        buffers: a model's buffers (running statistics, counters): never weights or
+            gradients.
+        evidence: role (``GRADIENT``, ``WEIGHT``, ``OPTIMIZER_STATE``) -> the evidence
+            for it, for the report (``source/roles.py``): "a state_dict: torch's
+            _metadata", "a 'grads' key".
+        keyed: the role ``--key`` named (``WEIGHT``, ``OPTIMIZER_STATE``), which
+            ``--what auto`` then measures. General: every layout that reads ``--key``
+            below its top level can name an entry that is not gradients (a single
+            file's and a DCP folder's do).
+        fused_weights: weights under the optimizer's name for a parameter the model
+            stores under other names (split into pieces, or beside an adapter), for
+            ``ratio`` and for checking the optimizer's ``param_names`` against the
+            model. General: any framework whose optimizer steps a parameter the
+            checkpoint stores otherwise (torchtitan's fused ``wqkv``, torchtune's
+            LoRA adapter) fills it.
     """
 
     path: Path
     kind: str
-    description: list[str] = field(default_factory=list)
-    files: list[Path] = field(default_factory=list)
-    gradients: dict[str, StoredTensor] | None = None
+    description: tuple[str, ...] = ()
+    files: tuple[Path, ...] = ()
+    gradients: Mapping[str, StoredTensor] | None = None
     gradient_key: str = ""
-    skipped: list[str] = field(default_factory=list)
-    weights: dict[str, StoredTensor] | None = None
-    model_order: bool = True
-    model_order_names: list[str] | None = None
-    optimizers: list[OptimizerState] = field(default_factory=list)
+    skipped: tuple[str, ...] = ()
+    weights: Mapping[str, StoredTensor] | None = None
+    order: tuple[str, ...] | None = None
+    optimizers: tuple[OptimizerState, ...] = ()
     step: int | None = None
     checkpoint: Checkpoint | None = None
-    shards: list[Checkpoint] = field(default_factory=list)
+    shards: tuple[Checkpoint, ...] = ()
     index: Path | None = None
     folder: Path | None = None
     trusted_pickle: bool = False
-    gradient_error: str | None = None  # why no gradients were found, for --what grads
-    # Why optimizer state the checkpoint holds is not read, for --what exp_avg and the rest.
-    optimizer_error: str | None = None
-    # A model's buffers (running statistics, counters): never weights or gradients.
-    buffers: dict[str, StoredTensor] | None = None
-    # role ("gradient", "weight", "optimizer state") -> the evidence for it, for the report
-    # (``source/roles.py``): "a state_dict: torch's _metadata", "a 'grads' key".
-    evidence: dict[str, str] = field(default_factory=dict)
-    # The role ``--key`` named ("weight", "optimizer state"), which ``auto`` then measures.
+    missing: Mapping[str, str] = field(default_factory=lambda: NOTHING)
+    buffers: Mapping[str, StoredTensor] | None = None
+    evidence: Mapping[str, str] = field(default_factory=lambda: NOTHING)
     keyed: str | None = None
-    # Weights under the optimizer's name for a parameter the model stores split (ratio only).
-    fused_weights: dict[str, StoredTensor] = field(default_factory=dict)
-    # Why optimizer state keeps its parameter ids as names although the checkpoint holds
-    # the model (weights stored sorted, no param_names): the layout's own cause, which
-    # ``what.named_by_id`` words in the report, as it words every layout's.
-    unmapped: str | None = None
+    fused_weights: Mapping[str, StoredTensor] = field(default_factory=lambda: NOTHING)
+
+    def __post_init__(self) -> None:
+        # Whatever built it (a layout's draft, ``dataclasses.replace``), its collections are
+        # read-only: sequences as tuples, mappings as read-only copies. One flat mapping
+        # that is both gradients and weights stays one.
+        same = self.gradients is not None and self.gradients is self.weights
+        for name in ("description", "files", "skipped", "optimizers", "shards"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.order is not None:
+            object.__setattr__(self, "order", tuple(self.order))
+        for name in ("weights", "gradients", "missing", "buffers", "evidence", "fused_weights"):
+            object.__setattr__(self, name, _frozen(getattr(self, name)))
+        if same:
+            object.__setattr__(self, "gradients", self.weights)
 
     @property
     def optimizer(self) -> OptimizerState | None:
@@ -345,7 +388,10 @@ class Layout(Protocol):
     * tensors are handed over as ``StoredTensor``: mapped, or as pieces read
       on demand, never all copied into memory at once; replicated pieces
       are kept once;
-    * ``description`` says what was read and what is not covered.
+    * ``description`` says what was read and what is not covered;
+    * the answer is built once and never changed afterwards, by the layout or
+      anyone else (``Contents`` is frozen; a layout fills a ``Draft`` and
+      returns ``draft.finish()``).
 
     ``write_back(contents) -> WriteBack``, for a layout that ``clip`` can
     write (a set of files; a single file needs none): which files are

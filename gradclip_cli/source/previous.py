@@ -34,7 +34,7 @@ unscaling; a ``GradScaler`` step skipped for an inf leaves the step counter
 where it was, and the pair is refused as not consecutive.
 
 Layouts need no code of their own: the states come from ``Contents.optimizers``
-and are named by ``source.what.map_names``, as ``--what exp_avg`` names them.
+and are named by ``source.naming.map_names``, as ``--what exp_avg`` names them.
 
 For other commands (``autopsy``): ``reconstruct(curr, prev)`` gives a
 ``Reconstruction`` or raises ``NotDetermined``; ``gradients_between(curr,
@@ -53,9 +53,10 @@ import torch
 from gradclip_cli.core import optimizer_math as om
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import optimizers
+from gradclip_cli.source import optimizers, roles
 from gradclip_cli.source.interface import Contents, Derivation, OptimizerState, StoredTensor
-from gradclip_cli.source.what import Selection, map_names, optimizer_state, report_order
+from gradclip_cli.source.naming import Model, map_names
+from gradclip_cli.source.what import Selection, optimizer_state, report_order
 
 # The cross-check's bound, in units of the state's rounding (unit roundoff: 2^-24 for
 # float32 state, 2^-8 for bfloat16): torch's moment updates keep the residual below 9
@@ -270,7 +271,7 @@ def reconstruct(curr: Contents, prev: Contents) -> Reconstruction:
     for contents in (curr, prev):
         opt = optimizer_state(contents)
         if opt is None:
-            why = contents.optimizer_error or "it holds no optimizer state"
+            why = contents.missing.get(roles.OPTIMIZER_STATE) or "it holds no optimizer state"
             raise NotDetermined(f"{contents.path}: --previous: {why}; the gradients are "
                                 "reconstructed from two optimizer states")
         if isinstance(opt, str):
@@ -287,7 +288,7 @@ def reconstruct(curr: Contents, prev: Contents) -> Reconstruction:
     rule = rule_of(kind, opt.param_groups)
     if isinstance(rule, str):
         raise refuse(f"{kind.name}: {rule}")
-    names, names_prev = map_names(curr, opt), map_names(prev, opt_prev)
+    names, names_prev = map_names(opt, Model.of(curr)), map_names(opt_prev, Model.of(prev))
     by_name_prev = {n: pid for pid, n in names_prev.items()}
     group_of = {pid: g for g in opt.param_groups for pid in g["params"]}
     group_of_prev = {pid: g for g in opt_prev.param_groups for pid in g["params"]}

@@ -39,6 +39,8 @@ from gradclip_cli.source.interface import Contents, StoredTensor
 
 GRADIENT, WEIGHT, BUFFER, OPTIMIZER_STATE, OTHER = (
     "gradient", "weight", "buffer", "optimizer state", "other")
+# Not a tensor's role: the optimizer's parameter names, a key of ``Contents.missing``.
+PARAMETER_NAMES = "parameter names"
 MARK_KEY = "gradclip"  # what save_grads writes beside the gradients
 MARK_GRADIENTS = "gradients"
 BUFFER_NAMES = ("running_mean", "running_var", "num_batches_tracked")
@@ -158,17 +160,3 @@ def role_counts(contents: Contents) -> dict[str, int]:
     for role in describe(contents):
         counts[role.role] = counts.get(role.role, 0) + 1
     return counts
-
-
-def settle(contents: Contents) -> Contents:
-    """Buffers apart from weights, whatever layout opened the checkpoint: buffers are
-    never weights or gradients."""
-    if contents.weights:
-        same = contents.weights is contents.gradients
-        params, buffers = split_buffers(contents.weights)
-        if buffers:
-            contents.weights = params or None
-            contents.buffers = {**(contents.buffers or {}), **buffers}
-            if same:
-                contents.gradients = contents.weights
-    return contents

@@ -87,9 +87,9 @@ def test_sharded_set_is_one_total_and_a_shard_alone_says_so(tmp_path):
     assert rel_err(total, ref_norm(state.values(), 2.0)) <= 1e-6
     shard = open_checkpoint(tmp_path / "model-00002-of-00003.safetensors")
     assert shard.kind == "safetensors"
-    assert shard.description == [
+    assert shard.description == (
         "covers shard model-00002-of-00003.safetensors only; the whole checkpoint is indexed "
-        "by model.safetensors.index.json"]
+        "by model.safetensors.index.json",)
 
 
 def test_a_folder_of_no_known_layout_is_refused(tmp_path):

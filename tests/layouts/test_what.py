@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradclip_cli.source.what import interleave
+from gradclip_cli.source.naming import interleave
 
 A, B, C = (4, 4), (4,), (8, 4)
 
@@ -39,7 +39,7 @@ def test_frozen_parameters_are_skipped_only_when_there_are_spare_ones():
 def test_ambiguity_among_stateless_parameters_alone_is_not_ambiguous():
     """torch.optim keeps a frozen parameter in its group without state (shape None): where
     only such parameters could swap places, the ones with state are placed once."""
-    from gradclip_cli.source.what import _unique_where_stateful
+    from gradclip_cli.source.naming import _unique_where_stateful
 
     model = [C, B, A, (3,), (2, 2), (2,)]  # the last two frozen, in both groups, no state
     groups = [[C, A, None], [B, (3,), None]]
@@ -106,7 +106,7 @@ def test_unique_where_stateful_agrees_with_every_placement_enumerated():
     import itertools
     import random
 
-    from gradclip_cli.source.what import _fits, _unique_where_stateful
+    from gradclip_cli.source.naming import _fits, _unique_where_stateful
 
     def placements(model, groups):
         items = [(g, j) for g, group in enumerate(groups) for j in range(len(group))]

@@ -1,7 +1,8 @@
 """Checkpoint layouts: how one checkpoint is laid out across files and keys.
 
 Each module here recognises one layout by content and opens it into
-``Contents`` (see ``source/interface.py`` for the contract a layout keeps).
+``Contents`` (see ``source/interface.py`` for the contract a layout keeps),
+filling a ``Draft`` (``draft.py``) and handing over what ``finish`` makes of it.
 Adding a layout is one module and one line in ``LAYOUTS``; order matters:
 the first layout that recognises a path opens it, so a framework folder
 (which may hold a sharded index) comes before the bare index.
@@ -24,7 +25,6 @@ from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
 from gradclip_cli.source.files.megatron_pickle import NamespaceState
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, Layout, WriteBack, written_whole
-from gradclip_cli.source.roles import settle
 
 from . import (
     accelerate_fsdp,
@@ -89,11 +89,11 @@ def open_checkpoint(
         # and a torchtitan weights-only export would be too.
         for layout in _DCP_FRAMEWORKS:
             if layout.recognises(path.parent):
-                return settle(layout.open(path.parent, key=key, trust_pickle=trust_pickle,
-                                          verify=verify))
+                return layout.open(path.parent, key=key, trust_pickle=trust_pickle,
+                                   verify=verify)
     for layout in LAYOUTS:
         if layout.recognises(path):
-            return settle(layout.open(path, key=key, trust_pickle=trust_pickle, verify=verify))
+            return layout.open(path, key=key, trust_pickle=trust_pickle, verify=verify)
     if os.path.isdir(path):
         indexes = sorted(n for n in os.listdir(path) if n.endswith(hf_sharded.INDEX_SUFFIX))
         if len(indexes) > 1:
@@ -135,9 +135,9 @@ _INERT = {("argparse", "Namespace"): NamespaceState}
 
 def open_file(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     """One checkpoint file: a framework's own file (a Lightning ``.ckpt``, recognised by its
-    keys) or a plain one (``single_file``), its roles settled."""
+    keys) or a plain one (``single_file``)."""
     with allowing(_INERT):
         ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
     if lightning.claims(ckpt.root):
-        return settle(lightning.contents(ckpt, key=key))
-    return settle(single_file.contents_of(ckpt, key=key))
+        return lightning.contents(ckpt, key=key).finish()
+    return single_file.contents_of(ckpt, key=key).finish()

@@ -31,6 +31,7 @@ from gradclip_cli.source.interface import Contents
 
 from . import dcp, hf_trainer
 from .dcp_folder import DcpFolder, read_folder
+from .draft import Draft
 from .paths import inside
 
 KIND = "accelerate-fsdp"
@@ -59,7 +60,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         raise InputError(
             f"{path}: holds {len(models)} FSDP models ({visible(', '.join(models))}); "
             "give the folder of the one to read")
-    contents = Contents(path=path, kind=KIND)
+    contents = Draft(path=path, kind=KIND)
     contents.step = hf_trainer.global_step(path)
     model = _read_part(path, models[0], verify=verify, trust_pickle=trust_pickle)
     contents.weights = dcp.model_weights(model)
@@ -80,7 +81,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     if key is not None:
         dcp.fill_gradients(contents, model, key, f"{said} ({models[0]}/)")
     else:
-        contents.gradient_error = f"{path}: an accelerate FSDP checkpoint holds no gradients"
+        contents.missing[roles.GRADIENT] = \
+            f"{path}: an accelerate FSDP checkpoint holds no gradients"
     if os.path.exists(path / hf_trainer.STATE):
         contents.files.append(path / hf_trainer.STATE)
     step = f" at global_step {contents.step}" if contents.step is not None else ""
@@ -89,7 +91,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         f"accelerate FSDP checkpoint{step}: {visible(models[0])}/ "
         f"({len(contents.weights or {})} weights), "
         + (f"{held} (optimizer state)" if held else "no optimizer state"))
-    return contents
+    return contents.finish()
 
 
 def _read_part(path: Path, name: str, *, verify: bool, trust_pickle: bool) -> DcpFolder:

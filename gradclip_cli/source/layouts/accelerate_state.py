@@ -44,6 +44,7 @@ from gradclip_cli.source.interface import Contents, stored
 from gradclip_cli.source.vocabulary import step_value
 
 from .dcp_frameworks import refuse_key
+from .draft import Draft
 from .paths import member
 from .torch_optim import optimizer_state
 
@@ -79,7 +80,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             f"{path}: an accelerate save_state folder of several models or optimizers "
             f"({visible(', '.join(more))}); gradclip reads one model and its optimizer: "
             "give the file to read")
-    contents = Contents(path=path, kind=KIND)
+    contents = Draft(path=path, kind=KIND)
     model_name = next(n for n in MODEL_FILES if n in names)
     model_file = member(path, model_name)
     ckpt = load_checkpoint(model_file, trust_pickle=trust_pickle, verify=verify)
@@ -87,7 +88,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         raise InputError(f"{model_file}: model weights should be name -> tensor")
     contents.weights = stored({str(k): v for k, v in ckpt.root.items()}, model_file)
     # torch.save of a state_dict keeps module order; a safetensors header sorts names.
-    contents.model_order = ckpt.format != "safetensors"
+    contents.weights_sorted = ckpt.format == "safetensors"
     contents.evidence[roles.WEIGHT] = f"an accelerate save_state folder: {visible(model_name)}"
     contents.files.append(model_file)
     contents.trusted_pickle |= ckpt.trusted_pickle
@@ -102,17 +103,17 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         contents.trusted_pickle |= opt_ckpt.trusted_pickle
         contents.step = _optimizer_step(opt.state)
         read.append(OPTIMIZER)
-        if opt.param_names is None and not contents.model_order:
+        if opt.param_names is None and contents.weights_sorted:
             # The report words it (what.named_by_id), as for every layout.
-            contents.unmapped = f"{visible(model_name)} sorts its names"
+            contents.missing[roles.PARAMETER_NAMES] = f"{visible(model_name)} sorts its names"
 
-    contents.gradient_error = f"{path}: an accelerate save_state folder holds no gradients"
+    contents.missing[roles.GRADIENT] = f"{path}: an accelerate save_state folder holds no gradients"
     step = f" at step {contents.step}" if contents.step is not None else ""
     unread = sorted(n for n in names if n not in read and n.endswith((".bin", ".pkl")))
     contents.description.append(
         f"accelerate save_state folder{step}: {', '.join(read)}"
         + (f" ({visible(', '.join(unread))} not read)" if unread else ""))
-    return contents
+    return contents.finish()
 
 
 def _optimizer_step(state: dict) -> int | None:

@@ -24,6 +24,7 @@ from gradclip_cli.source.vocabulary import OPTIMIZER_KEYS, STEP_KEYS, WEIGHT_KEY
 
 from .dcp_folder import DcpFolder, hold_gradient_chunks, read_folder, recognises, renamed
 from .dcp_frameworks import fqn_optimizer
+from .draft import Draft
 
 __all__ = ["KIND", "SAID", "fill_gradients", "first_under", "holds_optimizer_state",
            "model_weights", "open", "open_as", "optimizer", "optimizer_tops", "recognises",
@@ -36,16 +37,16 @@ _LIGHTNING_OPTIMIZER = re.compile(r"optimizer_\d+")
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
-    return open_as(path, SAID, key=key, trust_pickle=trust_pickle, verify=verify)
+    return open_as(path, SAID, key=key, trust_pickle=trust_pickle, verify=verify).finish()
 
 
 def open_as(path: Path, said: str, *, key: str | None, trust_pickle: bool,
-            verify: bool) -> Contents:
+            verify: bool) -> Draft:
     """``open``, the evidence naming the layout as ``said`` (a Lightning sharded folder is
     a DCP folder with ``meta.pt``)."""
     folder = read_folder(path, verify=verify, trust_pickle=trust_pickle)
-    contents = Contents(path=path, kind=KIND, files=folder.files, index=folder.metadata_file,
-                        folder=folder.folder, trusted_pickle=folder.trusted)
+    contents = Draft(path=path, kind=KIND, files=folder.files, index=folder.metadata_file,
+                     folder=folder.folder, trusted_pickle=folder.trusted)
     for top in WEIGHT_KEYS:
         contents.weights = folder.under(top) or None
         if contents.weights:
@@ -95,7 +96,7 @@ def model_weights(folder: DcpFolder) -> dict[str, StoredTensor] | None:
     return found
 
 
-def fill_gradients(contents: Contents, folder: DcpFolder, key: str | None,
+def fill_gradients(contents: Draft, folder: DcpFolder, key: str | None,
                    said: str = SAID) -> None:
     """The gradients of ``folder`` by the ``--key`` rule: everything under ``--key``, else
     the one of ``GRADIENT_KEYS`` present, else a flat name -> tensor state dict; the
@@ -137,10 +138,10 @@ def fill_gradients(contents: Contents, folder: DcpFolder, key: str | None,
     candidates = present or _candidate_tops(folder)
     hint = (f"; candidates for --key: {', '.join(visible(t) for t in candidates)}"
             if candidates else "")
-    contents.gradient_error = f"{meta_file}: {why} (top-level keys: {_tops(paths)}){hint}"
+    contents.missing[roles.GRADIENT] = f"{meta_file}: {why} (top-level keys: {_tops(paths)}){hint}"
 
 
-def _named(contents: Contents, folder: DcpFolder, key: str, said: str) -> bool:
+def _named(contents: Draft, folder: DcpFolder, key: str, said: str) -> bool:
     """``--key`` naming an optimizer's state or the model's weights: taken as such, never
     as gradients (True), as ``single_file`` does for one file."""
     top = ".".join(part for part in key.split(".") if part)
@@ -158,9 +159,9 @@ def _named(contents: Contents, folder: DcpFolder, key: str, said: str) -> bool:
         contents.keyed = roles.OPTIMIZER_STATE
         contents.evidence[roles.OPTIMIZER_STATE] = f"{said}: --key {shown}: state and " \
             "param_groups"
-        contents.gradient_error = (f"{folder.metadata_file}: --key {shown} holds an "
-                                   "optimizer's state dict (state and param_groups), not "
-                                   "gradients")
+        contents.missing[roles.GRADIENT] = (f"{folder.metadata_file}: --key {shown} holds an "
+                                            "optimizer's state dict (state and param_groups), not "
+                                            "gradients")
         return True
     weights = folder.under(top)
     evidence = roles.weight_evidence(weights) if weights else None
@@ -171,8 +172,8 @@ def _named(contents: Contents, folder: DcpFolder, key: str, said: str) -> bool:
     contents.weights = weights
     contents.keyed = roles.WEIGHT
     contents.evidence[roles.WEIGHT] = f"{said}: --key {shown}: {evidence}"
-    contents.gradient_error = (f"{folder.metadata_file}: --key {shown} holds a model's "
-                               f"weights ({evidence}), not gradients")
+    contents.missing[roles.GRADIENT] = (f"{folder.metadata_file}: --key {shown} holds a model's "
+                                        f"weights ({evidence}), not gradients")
     return True
 
 
@@ -220,7 +221,7 @@ def _candidate_tops(folder: DcpFolder) -> list[str]:
     return out
 
 
-def _set_gradients(contents: Contents, found: dict[str, StoredTensor], where: str,
+def _set_gradients(contents: Draft, found: dict[str, StoredTensor], where: str,
                    meta_file: Path) -> None:
     floating = {n: renamed(t, n) for n, t in found.items()
                 if t.dtype.is_floating_point or t.dtype.is_complex}
@@ -229,7 +230,8 @@ def _set_gradients(contents: Contents, found: dict[str, StoredTensor], where: st
     if floating:
         contents.gradients = floating
     else:
-        contents.gradient_error = f"{meta_file}: no floating-point gradients under {where!r}"
+        contents.missing[roles.GRADIENT] = \
+            f"{meta_file}: no floating-point gradients under {where!r}"
 
 
 def _tops(paths) -> str:

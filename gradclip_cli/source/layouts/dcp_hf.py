@@ -53,6 +53,7 @@ from gradclip_cli.source.interface import (
 from gradclip_cli.source.untrusted import is_count
 
 from .dcp_folder import check_tiling, piece_name
+from .draft import Draft
 from .paths import inside
 
 KIND = "dcp-hf"
@@ -120,12 +121,12 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         check_tiling(path, name, size, [(p.offsets, p.shape) for p in found])
         tensors[name] = StoredTensor(name, size, dtypes[name], found)
     floating = {n: t for n, t in tensors.items() if t.dtype.is_floating_point}
-    contents = Contents(path=path, kind=KIND, files=list(files), shards=shards, folder=path,
-                        model_order=False,
-                        gradients=floating or None, weights=floating or None,
-                        skipped=[n for n in tensors if n not in floating])
+    contents = Draft(path=path, kind=KIND, files=list(files), shards=shards, folder=path,
+                     weights_sorted=True,
+                     gradients=floating or None, weights=floating or None,
+                     skipped=[n for n in tensors if n not in floating])
     if not floating:
-        contents.gradient_error = f"{path}: no floating-point tensors in its shards"
+        contents.missing[roles.GRADIENT] = f"{path}: no floating-point tensors in its shards"
     contents.evidence[roles.GRADIENT] = contents.evidence[roles.WEIGHT] = (
         f"DCP's Hugging Face layout: safetensors shards with {SHARDING_KEY}, a flat name -> "
         "tensor set that nothing marks as something else")
@@ -133,7 +134,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     contents.description.append(
         f"DCP Hugging Face layout: {len(tensors)} tensors in {chunks} pieces, "
         f"{len(files)} safetensors files")
-    return contents
+    return contents.finish()
 
 
 @dataclass(frozen=True)

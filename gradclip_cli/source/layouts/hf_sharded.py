@@ -32,6 +32,7 @@ from gradclip_cli.source.interface import (
     written_whole,
 )
 
+from .draft import Draft
 from .paths import MAX_JSON_BYTES, inside, json_head_keys, read_json
 
 KIND = "hf-sharded"
@@ -76,10 +77,10 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     assert index is not None  # recognises() said so
     shards, tensors = read_set(index, trust_pickle=trust_pickle, verify=verify,
                                folder=path if os.path.isdir(path) else None)
-    contents = Contents(path=path, kind=KIND, files=[index, *(s.path for s in shards)],
-                        shards=shards, index=index, folder=index.parent,
-                        model_order=False,
-                        trusted_pickle=any(s.trusted_pickle for s in shards))
+    contents = Draft(path=path, kind=KIND, files=[index, *(s.path for s in shards)],
+                     shards=shards, index=index, folder=index.parent,
+                     weights_sorted=True,
+                     trusted_pickle=any(s.trusted_pickle for s in shards))
     contents.description.append(
         f"{visible(index.name)}: {len(tensors)} tensors in {len(shards)} shards")
     if key is not None:
@@ -95,18 +96,18 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     if evidence is not None:
         contents.weights = floating or None
         contents.evidence[roles.WEIGHT] = evidence
-        contents.gradient_error = f"{index}: the set is a model's weights ({evidence}), " \
+        contents.missing[roles.GRADIENT] = f"{index}: the set is a model's weights ({evidence}), " \
             "not gradients"
-        return contents
+        return contents.finish()
     contents.gradients = floating or None
     contents.evidence[roles.GRADIENT] = "a set of name -> tensor shards that nothing marks " \
         "as weights"
     if not floating:
-        contents.gradient_error = f"{index}: no floating-point tensors in the set"
+        contents.missing[roles.GRADIENT] = f"{index}: no floating-point tensors in the set"
     # The same tensors are the weights should the set be a model saved without its
     # config: --what weights measures them; no ratio of a tensor to itself.
     contents.weights = contents.gradients
-    return contents
+    return contents.finish()
 
 
 def read_set(

@@ -34,6 +34,7 @@ from gradclip_cli.source.vocabulary import step_after, step_value
 
 from . import hf_sharded
 from .dcp_frameworks import refuse_key
+from .draft import Draft
 from .paths import member, read_json
 from .torch_optim import optimizer_state
 
@@ -59,7 +60,7 @@ def recognises(path: Path) -> bool:
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     refuse_key(path, key, "a Trainer checkpoint")
-    contents = Contents(path=path, kind=KIND)
+    contents = Draft(path=path, kind=KIND)
     contents.step = global_step(path)
     _read_weights(contents, path, trust_pickle=trust_pickle, verify=verify)
     optimizer_file = member(path, OPTIMIZER) if os.path.exists(path / OPTIMIZER) else None
@@ -69,14 +70,14 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         contents.evidence[roles.OPTIMIZER_STATE] = f"the Trainer's {OPTIMIZER}"
         contents.files.append(optimizer_file)
         contents.trusted_pickle |= ckpt.trusted_pickle
-    if contents.optimizer is not None and contents.optimizer.param_names is None \
-            and not contents.model_order:
-        contents.model_order_names = model_order_from_config(path, len(contents.weights or {}))
-    contents.gradient_error = f"{path}: a Trainer checkpoint holds no gradients"
+    if contents.optimizers and contents.optimizers[0].param_names is None \
+            and contents.weights_sorted:
+        contents.order = model_order_from_config(path, len(contents.weights or {}))
+    contents.missing[roles.GRADIENT] = f"{path}: a Trainer checkpoint holds no gradients"
     held = ", ".join(visible(p.name) for p in contents.files)
     step = f" at global_step {contents.step}" if contents.step is not None else ""
     contents.description.insert(0, f"Trainer checkpoint{step}: {held}")
-    return contents
+    return contents.finish()
 
 
 def global_step(folder: Path) -> int | None:
@@ -99,7 +100,7 @@ def global_step(folder: Path) -> int | None:
     return step
 
 
-def _read_weights(contents: Contents, folder: Path, *, trust_pickle: bool,
+def _read_weights(contents: Draft, folder: Path, *, trust_pickle: bool,
                   verify: bool) -> None:
     for name in INDEX_FILES:
         if os.path.exists(folder / name):
@@ -108,7 +109,7 @@ def _read_weights(contents: Contents, folder: Path, *, trust_pickle: bool,
                                                   folder=folder)
             contents.weights = tensors
             contents.evidence[roles.WEIGHT] = f"the Trainer's {visible(name)}"
-            contents.model_order = False  # an index sorts its names
+            contents.weights_sorted = True  # an index sorts its names
             contents.files += [index, *(s.path for s in shards)]
             contents.trusted_pickle |= any(s.trusted_pickle for s in shards)
             return
@@ -121,7 +122,7 @@ def _read_weights(contents: Contents, folder: Path, *, trust_pickle: bool,
             contents.weights = stored({str(k): v for k, v in ckpt.root.items()}, file)
             contents.evidence[roles.WEIGHT] = f"the Trainer's {visible(name)}"
             # torch.save of a state_dict keeps module order; safetensors sorts names.
-            contents.model_order = ckpt.format != "safetensors"
+            contents.weights_sorted = ckpt.format == "safetensors"
             contents.files.append(file)
             contents.trusted_pickle |= ckpt.trusted_pickle
             return

@@ -35,6 +35,7 @@ from gradclip_cli.source.interface import Checkpoint, Contents, stored
 from gradclip_cli.source.vocabulary import step_value
 
 from . import dcp
+from .draft import Draft
 from .paths import member
 from .single_file import fill_from_root
 from .torch_optim import optimizer_state
@@ -67,7 +68,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         0, f"Lightning sharded checkpoint"
         f"{f' (Lightning {version})' if isinstance(version, str) else ''}: "
         f"{len(out.weights or {})} weights, {len(out.optimizers)} optimizer state(s)")
-    return out
+    return out.finish()
 
 
 def write_back(contents: Contents):
@@ -90,11 +91,11 @@ def claims(root: Any) -> bool:
             and (VERSION_KEY in root or isinstance(root.get("optimizer_states"), list)))
 
 
-def contents(ckpt: Checkpoint, *, key: str | None) -> Contents:
+def contents(ckpt: Checkpoint, *, key: str | None) -> Draft:
     root = ckpt.root
     path = ckpt.path
-    out = Contents(path=path, kind=KIND, files=[path], checkpoint=ckpt,
-                   trusted_pickle=ckpt.trusted_pickle)
+    out = Draft(path=path, kind=KIND, files=[path], checkpoint=ckpt,
+                trusted_pickle=ckpt.trusted_pickle)
     # Modules may keep non-tensor extra state in a state_dict; only tensors are weights.
     weights = {k: v for k, v in root["state_dict"].items() if isinstance(v, torch.Tensor)}
     # Gradients only where the file holds a gradient mapping: the state_dict

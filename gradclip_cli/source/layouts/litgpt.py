@@ -28,6 +28,7 @@ from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.interface import Contents
 
 from . import single_file
+from .draft import Draft
 from .paths import member
 
 KIND = "litgpt"
@@ -45,7 +46,7 @@ def recognises(path: Path) -> bool:
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     file = member(path, MODEL_FILE)
     ckpt = load_checkpoint(file, trust_pickle=trust_pickle, verify=verify)
-    contents = Contents(
+    contents = Draft(
         path=path, kind=KIND, files=[file], checkpoint=ckpt, trusted_pickle=ckpt.trusted_pickle
     )
     single_file.fill_from_root(contents, ckpt.root, file, key, metadata=ckpt.metadata)
@@ -57,4 +58,4 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         held = "the model's weights"
     step = f" at step {contents.step}" if contents.step is not None else ""
     contents.description.append(f"litgpt checkpoint{step}: {MODEL_FILE}, {held}")
-    return contents
+    return contents.finish()

@@ -29,6 +29,7 @@ checkpoint). Read by ``megatron.open_dist_ckpt`` under this layout's kind and ti
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
 from gradclip_cli.errors import InputError
@@ -68,8 +69,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             path, inside(path, _WEIGHTS, named_by=path), None, kind=KIND, title=TITLE,
             trust_pickle=trust_pickle, verify=verify,
         )
-    contents.files.insert(0, io)
-    return contents
+    return replace(contents, files=(io, *contents.files))
 
 
 def _path_text(*parts) -> str:

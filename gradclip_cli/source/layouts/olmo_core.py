@@ -34,6 +34,7 @@ from gradclip_cli.source.interface import Contents
 
 from . import dcp_folder
 from . import dcp_frameworks as frameworks
+from .draft import Draft
 from .paths import inside, read_json
 
 KIND = "olmo-core"
@@ -57,7 +58,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     dcp_path = inside(path, _DCP, named_by=path)
     folder = dcp_folder.read_folder(dcp_path, verify=verify, trust_pickle=trust_pickle)
     train = inside(path, f"{_TRAIN}/rank0.pt", named_by=path)
-    contents = Contents(
+    contents = Draft(
         path=path,
         kind=KIND,
         files=[path / _JSON, train, *folder.files],
@@ -80,7 +81,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         contents.optimizers.append(optimizer)
         contents.evidence[roles.OPTIMIZER_STATE] = f"{said}'s optim entries"
     contents.step = _step(path, train)
-    contents.gradient_error = (
+    contents.missing[roles.GRADIENT] = (
         f"{path}: an OLMo-core checkpoint saves no gradients "
         "(model and optimizer state, trainer state)"
     )
@@ -91,7 +92,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         f"optimizer state for {len(optimizer.state) if optimizer else 0} parameters; "
         f"{len(folder.files) - 1} DCP files"
     )
-    return contents
+    return contents.finish()
 
 
 def _step(path: Path, train: Path) -> int | None:

@@ -36,6 +36,7 @@ from gradclip_cli.source.vocabulary import step_after
 
 from . import dcp, dcp_folder
 from . import dcp_frameworks as frameworks
+from .draft import Draft
 from .paths import inside
 
 KIND = "olmo-core-gradients"
@@ -82,10 +83,10 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     contents.step = step
     contents.description.insert(0, f"OLMo-core gradient dump at step {step}: "
                                     f"{visible(folder.name)}/ of {DUMPER}/")
-    return contents
+    return contents.finish()
 
 
-def _full(path: Path, full: Path, *, trust_pickle: bool, verify: bool) -> Contents:
+def _full(path: Path, full: Path, *, trust_pickle: bool, verify: bool) -> Draft:
     """The DCP folder of whole gradients, by parameter name."""
     found = dcp_folder.read_folder(full, verify=verify, trust_pickle=trust_pickle)
     if not found.tensors or not all(len(p) == 1 for p in found.paths.values()):
@@ -93,8 +94,8 @@ def _full(path: Path, full: Path, *, trust_pickle: bool, verify: bool) -> Conten
             f"{found.metadata_file}: not a gradient dump: its entries are not one flat "
             "name -> tensor mapping"
         )
-    contents = Contents(path=path, kind=KIND, files=found.files, index=found.metadata_file,
-                        folder=found.folder, trusted_pickle=found.trusted)
+    contents = Draft(path=path, kind=KIND, files=found.files, index=found.metadata_file,
+                     folder=found.folder, trusted_pickle=found.trusted)
     contents.gradients = dict(found.tensors)
     contents.evidence[roles.GRADIENT] = (
         f"{_SAID}, {FULL}/: saved in pre_optim_step, the gradients the optimizer stepped on"
@@ -106,7 +107,7 @@ def _full(path: Path, full: Path, *, trust_pickle: bool, verify: bool) -> Conten
     return contents
 
 
-def _sampled(path: Path, sampled: Path, *, verify: bool) -> Contents:
+def _sampled(path: Path, sampled: Path, *, verify: bool) -> Draft:
     """One safetensors file per parameter, each the first rows of its gradient."""
     try:
         names = sorted(os.listdir(sampled))
@@ -139,7 +140,7 @@ def _sampled(path: Path, sampled: Path, *, verify: bool) -> Contents:
         rows.add(n)
     if not gradients:
         raise InputError(f"{sampled}: holds no sampled gradient")
-    contents = Contents(path=path, kind=KIND, files=files)
+    contents = Draft(path=path, kind=KIND, files=files)
     contents.gradients = gradients
     contents.evidence[roles.GRADIENT] = (
         f"{_SAID}, {SAMPLED}/: saved in pre_optim_step, the first rows of each gradient"

@@ -19,18 +19,19 @@ import torch
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import locate, roles, select_gradients
-from gradclip_cli.source.interface import Checkpoint, Contents, stored
+from gradclip_cli.source.interface import Checkpoint, stored
 from gradclip_cli.source.vocabulary import GRADIENT_KEYS, OPTIMIZER_KEYS, WEIGHT_KEYS, step_of
 
+from .draft import Draft
 from .paths import read_json
 from .torch_optim import is_optimizer_state, optimizer_state
 
 
-def contents_of(ckpt: Checkpoint, *, key: str | None) -> Contents:
+def contents_of(ckpt: Checkpoint, *, key: str | None) -> Draft:
     """A loaded file that is no framework's own (``layouts.open_file`` asks them first)."""
     path = ckpt.path
-    contents = Contents(path=path, kind=ckpt.format, files=[path], checkpoint=ckpt,
-                        trusted_pickle=ckpt.trusted_pickle)
+    contents = Draft(path=path, kind=ckpt.format, files=[path], checkpoint=ckpt,
+                     trusted_pickle=ckpt.trusted_pickle)
     fill_from_root(contents, ckpt.root, path, key, metadata=ckpt.metadata)
     index = _index_listing(path)
     if index is not None:
@@ -41,7 +42,7 @@ def contents_of(ckpt: Checkpoint, *, key: str | None) -> Contents:
     return contents
 
 
-def fill_from_root(contents: Contents, root: Any, path: Path, key: str | None,
+def fill_from_root(contents: Draft, root: Any, path: Path, key: str | None,
                    metadata: Mapping[str, str] | None = None) -> None:
     """Gradients, weights and optimizer state of a loaded file's ``root``, each by its
     evidence (``source/roles.py``): a ``--key`` that names optimizer state or a model's
@@ -57,15 +58,15 @@ def fill_from_root(contents: Contents, root: Any, path: Path, key: str | None,
         # torch.save(optimizer.state_dict()): accelerate's optimizer.bin, a script's opt.pt.
         contents.optimizers.append(optimizer_state(root, path, "the file"))
         contents.evidence[roles.OPTIMIZER_STATE] = "a state dict with state and param_groups"
-        contents.gradient_error = (f"{path}: the file is an optimizer's state dict "
-                                   "(state and param_groups), not gradients")
+        contents.missing[roles.GRADIENT] = (f"{path}: the file is an optimizer's state dict "
+                                            "(state and param_groups), not gradients")
         return
     try:
         selection = select_gradients(root, key, path=path)
     except InputError as error:
         if key is not None:
             raise
-        contents.gradient_error = str(error)
+        contents.missing[roles.GRADIENT] = str(error)
     else:
         _gradients(contents, root, path, key, selection, metadata)
     _others(contents, root, path)
@@ -82,8 +83,8 @@ def _gradients(contents, root, path, key, selection, metadata) -> None:
             contents.weights, contents.buffers = roles.split_buffers(
                 stored({str(k): v for k, v in root.items() if hasattr(v, "dtype")}, path))
             contents.evidence[roles.WEIGHT] = evidence
-            contents.gradient_error = (f"{path}: the file is a model's weights ({evidence}), "
-                                       "not gradients")
+            contents.missing[roles.GRADIENT] = (
+                f"{path}: the file is a model's weights ({evidence}), not gradients")
             return
         else:
             contents.evidence[roles.GRADIENT] = (
@@ -99,7 +100,7 @@ def _gradients(contents, root, path, key, selection, metadata) -> None:
     contents.skipped = list(selection.skipped)
 
 
-def _named(contents: Contents, root: Any, path: Path, key: str) -> bool:
+def _named(contents: Draft, root: Any, path: Path, key: str) -> bool:
     """``--key`` naming optimizer state or a model's weights: taken as such (True); one
     leading inside them is refused."""
     for entry, value in locate.enclosing(root, key, path=path):
@@ -114,8 +115,9 @@ def _named(contents: Contents, root: Any, path: Path, key: str) -> bool:
         contents.optimizers.append(optimizer_state(node, path, repr(key)))
         contents.keyed = roles.OPTIMIZER_STATE
         contents.evidence[roles.OPTIMIZER_STATE] = f"--key {shown}: state and param_groups"
-        contents.gradient_error = (f"{path}: --key {shown} holds an optimizer's state dict "
-                                   "(state and param_groups), not gradients")
+        contents.missing[roles.GRADIENT] = (
+            f"{path}: --key {shown} holds an optimizer's state dict (state and param_groups), "
+            "not gradients")
         return True
     evidence = roles.weight_evidence(node) if isinstance(node, Mapping) and node else None
     if evidence is None and key in WEIGHT_KEYS and isinstance(node, Mapping) and node:
@@ -127,8 +129,8 @@ def _named(contents: Contents, root: Any, path: Path, key: str) -> bool:
     contents.weights, contents.buffers = roles.split_buffers(stored(tensors, path))
     contents.evidence[roles.WEIGHT] = f"--key {shown}: {evidence}"
     contents.keyed = roles.WEIGHT
-    contents.gradient_error = (f"{path}: --key {shown} holds a model's weights ({evidence}), "
-                               "not gradients")
+    contents.missing[roles.GRADIENT] = (
+        f"{path}: --key {shown} holds a model's weights ({evidence}), not gradients")
     return True
 
 
@@ -154,7 +156,7 @@ def _whole(value: Any) -> str | None:
     return None if evidence is None else f"a model's weights ({evidence})"
 
 
-def _others(contents: Contents, root: Any, path: Path, skip: str | None = None) -> None:
+def _others(contents: Draft, root: Any, path: Path, skip: str | None = None) -> None:
     """The weights, optimizer state and step a file keeps beside what was chosen."""
     if not isinstance(root, Mapping):
         return

@@ -35,6 +35,7 @@ from gradclip_cli.source.interface import Contents
 
 from . import dcp_folder
 from . import dcp_frameworks as frameworks
+from .draft import Draft
 
 KIND = "torchtitan"
 _OPTIMIZER, _TRAIN_STATE = "optimizer", "train_state"
@@ -86,7 +87,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             f"{folder.metadata_file}: not a torchtitan checkpoint: no train_state.step "
             "and optimizer state, nor a step-N/ folder of model tensors alone"
         )
-    contents = Contents(
+    contents = Draft(
         path=path,
         kind=KIND,
         files=folder.files,
@@ -103,7 +104,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             f"a torchtitan weights-only export: {visible(os.path.basename(os.path.normpath(path)))}"
             "/ of model tensors alone")
         contents.step = frameworks.step_folder_number(path, "step-")
-        contents.gradient_error = (
+        contents.missing[roles.GRADIENT] = (
             f"{path}: a torchtitan weights-only export (a step-N/ folder holding only the "
             "model's state dict) saves no gradients"
         )
@@ -111,7 +112,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             f"torchtitan weights-only export at step {contents.step}: {len(weights)} model "
             "tensors, no optimizer state"
         )
-        return contents
+        return contents.finish()
     optimizer = frameworks.fqn_optimizer(
         folder,
         {k: str(p[1]) for k, p in folder.paths.items() if len(p) == 2 and p[0] == _OPTIMIZER},
@@ -125,13 +126,13 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     contents.step = frameworks.int_value(
         folder.value(step_key), folder.metadata_file, "train_state.step"
     )
-    contents.gradient_error = (
+    contents.missing[roles.GRADIENT] = (
         f"{path}: a torchtitan checkpoint saves no gradients (model, optimizer, lr_scheduler, "
         "dataloader, train_state)"
     )
     fused, notes = frameworks.fused_weights(optimizer, weights)
     contents.fused_weights = fused
-    contents.model_order_names = _model_order(list(weights), fused)
+    contents.order = _model_order(list(weights), fused)
     contents.description.append(
         f"torchtitan checkpoint at step {contents.step}: {len(weights)} model tensors, "
         f"optimizer state for {len(optimizer.state) if optimizer else 0} parameters; "
@@ -143,7 +144,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             "name and weights stored split as wq, wk, wv: ratio compares the same elements"
         )
     contents.description.extend(notes)
-    return contents
+    return contents.finish()
 
 
 def _model_order(names: list[str], fused: dict) -> list[str]:

@@ -55,6 +55,7 @@ from gradclip_cli.source.vocabulary import step_value
 
 from . import dcp_frameworks as frameworks
 from . import hf_sharded
+from .draft import Draft
 from .paths import inside
 from .torch_optim import is_optimizer_state, optimizer_state
 
@@ -104,7 +105,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     else:
         number, epoch = _epoch_folders(path)[-1]
         output = path
-    contents = Contents(path=path, kind=KIND)
+    contents = Draft(path=path, kind=KIND)
     checkpointer = _read_weights(contents, epoch, trust_pickle=trust_pickle, verify=verify)
     lines = [f"torchtune epoch_{number}{checkpointer}"]
     recipe_file = output / RECIPE_STATE
@@ -145,22 +146,22 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     step = f" at step {contents.step}" if contents.step is not None else ""
     contents.description.append(f"{lines[0]}{step} {', '.join(lines[1:])}".rstrip())
     held = contents.optimizers[0] if contents.optimizers else None
-    if held is not None and held.param_names is None and not contents.model_order \
-            and not contents.model_order_names:
+    if held is not None and held.param_names is None and contents.weights_sorted \
+            and not contents.order:
         # FullModelHFCheckpointer: Hugging Face's names, sorted, beside an optimizer of
         # torchtune's own model order: measured exactly under its ids, said why.
-        contents.unmapped = (
+        contents.missing[roles.PARAMETER_NAMES] = (
             f"{visible(epoch.name)}'s Hugging Face shards sort their names and the optimizer "
             f"in {RECIPE_STATE} is in torchtune's own model order"
         )  # worded in the report by what.named_by_id, as for every layout
-    contents.gradient_error = (
+    contents.missing[roles.GRADIENT] = (
         f"{path}: a torchtune checkpoint saves no gradients (the model's weights, and "
         f"the optimizer in {RECIPE_STATE})"
     )
-    return contents
+    return contents.finish()
 
 
-def _read_weights(contents: Contents, epoch: Path, *, trust_pickle: bool, verify: bool) -> str:
+def _read_weights(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: bool) -> str:
     """The epoch's model into ``contents``; what its files are, for the report."""
     for name in _INDEXES:
         if os.path.exists(epoch / name):
@@ -169,7 +170,7 @@ def _read_weights(contents: Contents, epoch: Path, *, trust_pickle: bool, verify
                 index, trust_pickle=trust_pickle, verify=verify, folder=epoch
             )
             contents.weights = tensors
-            contents.model_order = False  # Hugging Face names, in the index's order
+            contents.weights_sorted = True  # Hugging Face names, in the index's order
             contents.files += [index, *(s.path for s in shards)]
             contents.trusted_pickle |= any(s.trusted_pickle for s in shards)
             contents.evidence[roles.WEIGHT] = f"torchtune's {visible(epoch.name)}/{name}"
@@ -195,13 +196,13 @@ def _read_weights(contents: Contents, epoch: Path, *, trust_pickle: bool, verify
         contents.files.append(file)
         contents.trusted_pickle |= ckpt.trusted_pickle
     contents.weights = weights or None
-    contents.model_order = in_order  # torch.save of one state dict keeps the model's order
+    contents.weights_sorted = not in_order  # torch.save of one state dict keeps the model's order
     shown = ", ".join(visible(n) for n in shards)
     contents.evidence[roles.WEIGHT] = f"torchtune's {visible(epoch.name)}/{shown}"
     return ""
 
 
-def _read_adapter(contents: Contents, epoch: Path, *, trust_pickle: bool, verify: bool) -> str:
+def _read_adapter(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: bool) -> str:
     """LoRA's ``adapter_model.pt`` (``get_adapter_state_dict``: the adapter's weights in the
     model's order): the weights of the parameters LoRA trains, which the model shard holds
     merged into its own. Its optimizer was given every parameter of the LoRA model, in
@@ -232,7 +233,7 @@ def _read_adapter(contents: Contents, epoch: Path, *, trust_pickle: bool, verify
         module = name.rsplit(".", 1)[0]
         if last[module] == i:
             order += by_module.get(module, [])
-    contents.model_order_names = order
+    contents.order = order
     return f"{ADAPTER} (LoRA: {len(adapter)} adapter tensors, merged into the model shard)"
 
 

@@ -48,6 +48,7 @@ from gradclip_cli.source.vocabulary import step_after
 
 from .dcp_folder import check_tiling
 from .dcp_frameworks import refuse_key
+from .draft import Draft
 from .paths import inside, read_json
 from .torch_optim import optimizer_state
 
@@ -81,7 +82,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             buffers[name] = StoredTensor.whole(name, values[0], models[0].path)
         else:
             weights[name] = _joined(name, values, models, "model")
-    contents = Contents(
+    contents = Draft(
         path=path, kind=KIND, weights=weights or None,
         buffers=buffers or None, trusted_pickle=reader.trusted,
     )
@@ -96,7 +97,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         )
     contents.files = list(reader.files)
     contents.step = step_after(path.resolve().parent.name, "global_step_")
-    contents.gradient_error = (
+    contents.missing[roles.GRADIENT] = (
         f"{path}: a verl FSDP checkpoint saves no gradients (model and optimizer shards, "
         "extra state)"
     )
@@ -107,7 +108,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         f"verl FSDP{version} checkpoint{at}: {visible(path.name)}/, {world} ranks; "
         f"{len(weights)} sharded model tensors{state}"
     )
-    return contents
+    return contents.finish()
 
 
 def _world(path: Path) -> tuple[int, str]:

@@ -15,6 +15,7 @@ from gradclip_cli.escaping import visible
 from gradclip_cli.source import roles
 from gradclip_cli.source.interface import Contents
 
+from ..draft import Draft
 from ..hf_trainer import STATE
 from .reader import mp_name, span
 
@@ -166,13 +167,13 @@ def _universal(f: DeepSpeedFacts, where: str) -> Wording:
                    "a DeepSpeed universal checkpoint holds no gradients")
 
 
-def worded(contents: Contents, facts: DeepSpeedFacts) -> Contents:
-    """``contents`` with the step, the description and the evidence of ``facts``."""
+def worded(contents: Draft, facts: DeepSpeedFacts) -> Contents:
+    """``contents`` finished with the step, the description and the evidence of ``facts``."""
     words = wording(facts)
     contents.step = facts.step if facts.trainer_step is None else facts.trainer_step
-    contents.gradient_error = f"{contents.path}: {words.no_gradients}"
+    contents.missing[roles.GRADIENT] = f"{contents.path}: {words.no_gradients}"
     contents.description.extend(words.description)
     contents.evidence[roles.WEIGHT] = words.weight_evidence
     if words.optimizer_evidence is not None:
         contents.evidence[roles.OPTIMIZER_STATE] = words.optimizer_evidence
-    return contents
+    return contents.finish()

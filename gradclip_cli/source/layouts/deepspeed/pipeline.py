@@ -14,7 +14,6 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import (
     Checkpoint,
-    Contents,
     OptimizerState,
     StoredTensor,
     chained,
@@ -22,6 +21,7 @@ from gradclip_cli.source.interface import (
 from gradclip_cli.source.untrusted import is_int
 
 from ..dcp_hf import same_bits
+from ..draft import Draft
 from ..master_copy import head_key
 from ..torch_optim import is_optimizer_state, optimizer_state
 from . import model_parallel
@@ -39,7 +39,7 @@ from .reader import (
 )
 
 
-def read(reader: Reader, given: Path, kind: str) -> tuple[Contents, DeepSpeedFacts]:
+def read(reader: Reader, given: Path, kind: str) -> tuple[Draft, DeepSpeedFacts]:
     """A pipeline without ZeRO: each stage's ``mp_rank_XX_model_states.pt`` holds no
     ``module`` and its ``optimizer`` is torch's state dict over the stage's parameters,
     whose weights are the layer files'. Each tensor-parallel rank is read as a pipeline of
@@ -65,7 +65,7 @@ def read(reader: Reader, given: Path, kind: str) -> tuple[Contents, DeepSpeedFac
         params, optimizer, split = model_parallel.tensor_parallel(parts, where)
     contents = reader.contents(given, kind)
     contents.weights = params
-    contents.model_order_names = list(params)
+    contents.order = list(params)
     contents.buffers = buffers or None
     contents.optimizers = [optimizer]
     dp = first.root.get("dp_world_size")
@@ -89,7 +89,7 @@ def read_rank(
     Stages hold consecutive layers in order, and DeepSpeed hands each stage's optimizer
     that stage's parameters: with several stages, stage ``XX``'s optimizer holds the next
     as many parameters of the layers in index order as its param groups list, mapped to
-    names by shape within them (``what.map_names``); one stage's optimizer may hold fewer
+    names by shape within them (``naming.map_names``); one stage's optimizer may hold fewer
     (parameters left out of it, frozen). Counts or shapes that disagree are refused, and
     tied layers (``refuse_tied_layers``).
     """

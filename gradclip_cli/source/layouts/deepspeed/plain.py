@@ -13,11 +13,12 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source.interface import Checkpoint, Contents, OptimizerState, StoredTensor
+from gradclip_cli.source.interface import Checkpoint, OptimizerState, StoredTensor
+from gradclip_cli.source.naming import Model, map_names
 from gradclip_cli.source.untrusted import is_int
 from gradclip_cli.source.vocabulary import step_value
-from gradclip_cli.source.what import map_names
 
+from ..draft import Draft
 from ..master_copy import head_key, rounds_to
 from ..torch_optim import is_optimizer_state, optimizer_state
 from .facts import PLAIN, DeepSpeedFacts
@@ -25,7 +26,7 @@ from .model_parallel import Part, check_tensor_parallel, dimensions, tensor_para
 from .reader import PLAIN_STATES, Reader, complete, module_state, mp_name
 
 
-def read(reader: Reader, given: Path, kind: str) -> tuple[Contents, DeepSpeedFacts]:
+def read(reader: Reader, given: Path, kind: str) -> tuple[Draft, DeepSpeedFacts]:
     """The folder's model state files, one model-parallel rank each (``read_ranks`` where
     there are several): the ``module`` is the model's state dict (parameters and the
     buffers ``buffer_names`` lists), the ``optimizer`` as ``plain_optimizer`` reads it."""
@@ -41,7 +42,7 @@ def read(reader: Reader, given: Path, kind: str) -> tuple[Contents, DeepSpeedFac
     optimizer, masters = plain_optimizer(model, params, kind)
     contents = reader.contents(given, kind)
     contents.weights = {**params, **masters}
-    contents.model_order_names = list(params)
+    contents.order = list(params)
     contents.buffers = buffers or None
     dp = model.root.get("dp_world_size")
     facts = DeepSpeedFacts(PLAIN, **reader.saved(model), parameters=None,
@@ -59,7 +60,7 @@ def read(reader: Reader, given: Path, kind: str) -> tuple[Contents, DeepSpeedFac
 
 def read_ranks(
     reader: Reader, given: Path, kind: str, count: int
-) -> tuple[Contents, DeepSpeedFacts]:
+) -> tuple[Draft, DeepSpeedFacts]:
     """Tensor-parallel ranks without ZeRO: each rank's file read as ``read`` reads one, then
     joined as ZeRO's model-parallel ranks are (``model_parallel.tensor_parallel``)."""
     parts, low = [], set()
@@ -82,7 +83,7 @@ def read_ranks(
     first = parts[0]
     contents = reader.contents(given, kind)
     contents.weights = weights
-    contents.model_order_names = list(weights)
+    contents.order = list(weights)
     contents.optimizers = [optimizer]
     trained = with_state(optimizer)
     facts = reader.saved(first.model)
@@ -107,10 +108,8 @@ def named_in_order(
     optimizer: OptimizerState, weights: dict[str, StoredTensor], file: Path, kind: str
 ) -> dict[int, str]:
     """The names of ``optimizer``'s parameters, from the order of the module's ``weights``
-    (``what.map_names``, the contract's one interleaving that fits every shape)."""
-    return map_names(
-        Contents(path=file, kind=kind, weights=weights, model_order_names=list(weights)), optimizer
-    )
+    (``naming.map_names``, the contract's one interleaving that fits every shape)."""
+    return map_names(optimizer, Model(weights, list(weights)))
 
 
 def with_state(optimizer: OptimizerState) -> list:
@@ -236,7 +235,7 @@ def plain_optimizer(
             f"{len(probe)} of the module's parameters are a master rounded to their dtype: "
             "the masters and the module disagree"
         )
-    names = map_names(Contents(path=file, kind=kind, weights=probe), optimizer)
+    names = map_names(optimizer, Model(probe, list(probe)))
     optimizer.param_names = names
     masters = {}
     for g, (group, held) in enumerate(zip(optimizer.param_groups, groups)):

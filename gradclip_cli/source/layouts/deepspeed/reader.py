@@ -21,10 +21,11 @@ from gradclip_cli.source.files import megatron_pickle
 from gradclip_cli.source.files.deepspeed_pickle import GLOBALS
 from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.files.weights_pickle import allowing
-from gradclip_cli.source.interface import Checkpoint, Contents, StoredTensor
+from gradclip_cli.source.interface import Checkpoint, StoredTensor
 from gradclip_cli.source.untrusted import is_count
 from gradclip_cli.source.vocabulary import step_value
 
+from ..draft import Draft
 from ..paths import inside, tagged_folder
 
 # A model-parallel rank's model states (``zero_pp_rank_R_`` before it under ZeRO 3):
@@ -79,9 +80,9 @@ class Reader:
         return {"folder": self.folder.name, "step": step_value(model.root.get("global_steps")),
                 "version": version if isinstance(version, str) else None}
 
-    def contents(self, given: Path, kind: str) -> Contents:
-        """An empty ``Contents`` of ``kind`` for ``given``, naming every file read so far."""
-        return Contents(path=given, kind=kind, files=list(self.files), trusted_pickle=self.trusted)
+    def contents(self, given: Path, kind: str) -> Draft:
+        """An empty ``Draft`` of ``kind`` for ``given``, naming every file read so far."""
+        return Draft(path=given, kind=kind, files=list(self.files), trusted_pickle=self.trusted)
 
 
 def recognises_folder(path: Path, latest: str, is_step_folder: Callable[[Path], bool]) -> bool:

@@ -15,9 +15,10 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source.interface import Checkpoint, Contents, OptimizerState, Piece, StoredTensor
+from gradclip_cli.source.interface import Checkpoint, OptimizerState, Piece, StoredTensor
 from gradclip_cli.source.untrusted import is_count, is_int
 
+from ..draft import Draft
 from . import model_parallel
 from .facts import ZERO, DeepSpeedFacts
 from .model_parallel import Part, check_pipeline_ranks, join_stages
@@ -37,7 +38,7 @@ _MAX_RANKS = 1 << 16
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def read(reader: Reader, given: Path, kind: str) -> tuple[Contents, DeepSpeedFacts]:
+def read(reader: Reader, given: Path, kind: str) -> tuple[Draft, DeepSpeedFacts]:
     """The folder's ZeRO checkpoint: each model-parallel rank read as one of its own
     (``read_part``), then its pipeline stages and tensor-parallel ranks joined."""
     folder = reader.folder
@@ -71,9 +72,9 @@ def read(reader: Reader, given: Path, kind: str) -> tuple[Contents, DeepSpeedFac
     order = [k for k in module if k in weights] if isinstance(module, Mapping) else []
     if len(order) == len(weights):
         weights = {n: weights[n] for n in order}
-        contents.model_order_names = order
+        contents.order = order
     else:
-        contents.model_order = False
+        contents.weights_sorted = True
     contents.weights = weights
     contents.optimizers = [optimizer]
     return contents, DeepSpeedFacts(

@@ -94,6 +94,7 @@ from gradclip_cli.source.vocabulary import step_after
 
 from .. import dcp_folder
 from .. import dcp_frameworks as frameworks
+from ..draft import Draft
 from ..paths import inside, read_json
 from . import distributed_optimizer as distributed
 from . import facts as said
@@ -116,7 +117,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     if legacy.is_legacy(folder_path):  # the tracker names a legacy iteration
         return legacy.open_iteration(
             path, folder_path, tracker, trust_pickle=trust_pickle, verify=verify
-        )
+        ).finish()
     return open_dist_ckpt(
         path, folder_path, tracker, kind=KIND, title=TITLE,
         trust_pickle=trust_pickle, verify=verify,
@@ -149,7 +150,7 @@ def open_dist_ckpt(
     files = [folder_path / JSON, common_file, *folder.files]
     if tracker is not None:
         files.insert(0, tracker)
-    contents = Contents(
+    contents = Draft(
         path=path,
         kind=kind,
         files=files,
@@ -210,9 +211,9 @@ def open_dist_ckpt(
     contents.evidence[roles.WEIGHT] = words.weight_evidence
     if words.optimizer_evidence is not None:
         contents.evidence[roles.OPTIMIZER_STATE] = words.optimizer_evidence
-    contents.optimizer_error = words.optimizer_error
-    contents.gradient_error = words.gradient_error
-    return contents
+    contents.missing[roles.OPTIMIZER_STATE] = words.optimizer_error
+    contents.missing[roles.GRADIENT] = words.gradient_error
+    return contents.finish()
 
 
 def _shardings(optim) -> list:

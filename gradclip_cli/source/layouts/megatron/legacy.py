@@ -35,7 +35,7 @@ Recognised by content: an ``iter_N/`` folder holding ``mp_rank_XX/model_optim_rn
 the save folder, by its tracker (``megatron``, which hands a legacy iteration here).
 
 Parameter ids map to names by the model's order group by group
-(``what.map_names``, the contract's one interleaving that fits every shape).
+(``naming.map_names``, the contract's one interleaving that fits every shape).
 
 Tensor parallelism (``mp_rank_00``, ``mp_rank_01``...): each rank saves its own
 shards under the same names; a split parameter is measured as its shards together,
@@ -83,11 +83,12 @@ from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor, chained
+from gradclip_cli.source.naming import Model, map_names
 from gradclip_cli.source.untrusted import is_count, is_int
 from gradclip_cli.source.vocabulary import step_value
-from gradclip_cli.source.what import map_names
 
 from ..dcp_frameworks import refuse_key
+from ..draft import Draft
 from ..paths import inside
 from ..tensor_parallel import hidden_size, merged, split_axis, whole_shards
 from ..torch_optim import is_optimizer_state, optimizer_state
@@ -116,11 +117,11 @@ def _is_rank(folder: Path) -> bool:
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     refuse_key(path, key, "a Megatron legacy checkpoint")
     if os.path.isdir(path) and is_legacy(path):
-        return open_iteration(path, path, None, trust_pickle=trust_pickle, verify=verify)
+        return open_iteration(path, path, None, trust_pickle=trust_pickle, verify=verify).finish()
     rank = path if os.path.isdir(path) else path.parent  # one rank alone, said so
     return open_iteration(
         path, rank.parent, None, trust_pickle=trust_pickle, verify=verify, only=rank.name
-    )
+    ).finish()
 
 
 def open_iteration(
@@ -131,7 +132,7 @@ def open_iteration(
     trust_pickle: bool,
     verify: bool,
     only: str | None = None,
-) -> Contents:
+) -> Draft:
     stages = _read_stages(folder, trust_pickle=trust_pickle, verify=verify, only=only)
     every = [r for stage in stages for r in stage]
     first = every[0]
@@ -180,7 +181,7 @@ def open_iteration(
             {order[n]: n for _, held in groups for n in held},
             first.file,
         )
-    contents = Contents(
+    contents = Draft(
         path=path,
         kind=KIND,
         files=([tracker] if tracker else [])
@@ -194,7 +195,7 @@ def open_iteration(
         trusted_pickle=any(r.trusted for r in every),
     )
     contents.weights = weights or None
-    contents.model_order_names = list(names)
+    contents.order = list(names)
     buffers = {}
     for ranks in stages:  # integer tensors: never weights (replicated or not, rank 0's)
         rename = global_names(ranks[0], list(ranks[0].buffers), layers)[0] if layers else {}
@@ -233,8 +234,8 @@ def open_iteration(
     contents.evidence[roles.WEIGHT] = words.weight_evidence
     if words.optimizer_evidence is not None:
         contents.evidence[roles.OPTIMIZER_STATE] = words.optimizer_evidence
-    contents.optimizer_error = words.optimizer_error
-    contents.gradient_error = words.gradient_error
+    contents.missing[roles.OPTIMIZER_STATE] = words.optimizer_error
+    contents.missing[roles.GRADIENT] = words.gradient_error
     return contents
 
 
@@ -516,8 +517,7 @@ def _rank_optimizer(rank: _Rank) -> tuple[str, str] | None:
             members = [renumber[p] for p in group["params"]]
             group_masters.append((members, masters[g], f"{where}: fp32_from_fp16_params[{g}]"))
     weights = {n: StoredTensor.whole(n, t, rank.file) for n, t in rank.weights.items()}
-    probe = Contents(path=rank.file, kind=KIND, weights=weights)
-    rank.names = map_names(probe, merged)
+    rank.names = map_names(merged, Model(weights, list(weights)))
     rank.optimizer = merged
     for members, masters, where in group_masters:
         # The float16 optimizer keeps an fp32 master of each 16-bit parameter of a group, in
