@@ -154,13 +154,14 @@ class SpikeDetector:
     def _accept(self, x: float) -> None:
         # The spread is kept as a standard deviation, each square taken relative to
         # the largest term: a finite norm anywhere in float's range (1e154 squared,
-        # 1e308 summed) keeps a finite mean and spread, never an OverflowError or an
-        # infinite std that would hide every later spike.
+        # 1e308 summed) keeps a finite spread, never an OverflowError or an infinite
+        # std that would hide every later spike. Only a warm-up mean whose sum rounds
+        # past float's largest is inf, as IEEE rounds it (``fsum``).
         self.accepted += 1
         if self.accepted <= self.warmup:
             self._seed.append(x)
             n = len(self._seed)
-            self.mean = math.fsum(v / n for v in self._seed)
+            self.mean = fsum([v / n for v in self._seed])
             self.spread = _rms([v - self.mean for v in self._seed], [1 / n] * n)
             if self.accepted == self.warmup:
                 self._seed = []
@@ -184,7 +185,20 @@ def _rms(values: list[float], weights: list[float]) -> float:
     top = max(abs(v) for v in values)
     if top == 0 or not math.isfinite(top):
         return top
-    return top * math.sqrt(math.fsum(w * (v / top) ** 2 for v, w in zip(values, weights)))
+    return top * math.sqrt(fsum([w * (v / top) ** 2 for v, w in zip(values, weights)]))
+
+
+def fsum(values: list[float]) -> float:
+    """``math.fsum`` (the correctly rounded sum of finite floats), where an exact sum that
+    rounds past float's largest is ``inf``, as IEEE rounding has it: ``math.fsum`` raises
+    OverflowError there, and also when only a partial sum overflows (three thirds of
+    float's largest). Then twice the correctly rounded half-sum is the correctly rounded
+    sum, or ``inf``: halving is exact but for subnormal terms, whose lost bit (2**-1075)
+    cannot move a sum this large across a rounding boundary, save at an exact tie."""
+    try:
+        return math.fsum(values)
+    except OverflowError:
+        return 2.0 * math.fsum([v * 0.5 for v in values])
 
 
 def _ratio(rise: float, std: float) -> float:
@@ -720,7 +734,7 @@ def _fsum_in_python(r: torch.Tensor, terms: torch.Tensor, columns: torch.Tensor)
     """``r`` with ``columns`` summed by ``math.fsum`` itself."""
     if columns.numel():
         values = terms.index_select(1, columns).T.contiguous().tolist()
-        r[columns] = torch.tensor([math.fsum(c) for c in values], dtype=F64)
+        r[columns] = torch.tensor([fsum(c) for c in values], dtype=F64)
     return r
 
 

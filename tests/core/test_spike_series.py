@@ -11,14 +11,23 @@ from __future__ import annotations
 import math
 import random
 import struct
+import sys
+from fractions import Fraction
 from unittest import mock
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradclip_cli.core import spikes
-from gradclip_cli.core.spikes import SpikeDetector, SpikeDetectors, _fsum_columns, _python_squares
+from gradclip_cli.core.spikes import (
+    SpikeDetector,
+    SpikeDetectors,
+    _fsum_columns,
+    _python_squares,
+    fsum,
+)
 
 
 def bits(x: float) -> bytes:
@@ -324,3 +333,27 @@ def test_the_timing_benchmark_steps_both_ways_to_the_same_decisions():
         seconds = spike_series_bench.one_run(count, 0, time.perf_counter)
         assert {k: len(v) for k, v in seconds.items()} == {
             "floats": spike_series_bench.STEPS, "tensors": spike_series_bench.STEPS}
+
+
+def _rounded(exact: Fraction) -> float:
+    """An exact value rounded to float64 as IEEE does: past float's largest by half its
+    last place (2**970) or more, inf."""
+    return math.inf if exact >= Fraction(sys.float_info.max) + 2**970 else float(exact)
+
+
+def test_sums_near_floats_largest_round_as_ieee_where_math_fsum_raises():
+    # math.fsum raises "intermediate overflow" on sums near float's largest; the
+    # warm-up mean and spread then take IEEE's rounding of the exact sum, which is inf
+    # past float's largest, in the scalar detector and the many-series one alike.
+    top = sys.float_info.max
+    with pytest.raises(OverflowError):
+        math.fsum([top / 3] * 3)
+    for terms in ([top / 3] * 3, [top / 3, top / 3, 1.0, -1.0], [top, top], [top, -top, top],
+                  [top / 2, top / 4, top / 8, top / 8]):
+        assert fsum(terms) == _rounded(sum(map(Fraction, terms))), terms
+    detector = SpikeDetector(2.5, 0.97, 3)
+    for _ in range(3):
+        detector.update(top)
+    assert detector.mean == _rounded(Fraction(top / 3) * 3)
+    check_against_scalar([{0: top, 1: 1.0}] * 3 + [{0: top / 3, 1: 2.0}] * 4, warmup=3)
+    check_against_scalar([{0: top, 1: top / 3, 2: 1e300}] * 6, warmup=3, scores=False)
