@@ -44,7 +44,7 @@ def test_zero3_with_frozen_parameters():
     assert said.optimizer_evidence == (
         "a DeepSpeed checkpoint: zero_pp_rank_*_mp_rank_00_optim_states.pt (2 ranks)"
     )
-    assert said.no_gradients == "a DeepSpeed checkpoint holds no gradients"
+    assert said.gradient_error == "a DeepSpeed checkpoint holds no gradients"
 
 
 def test_one_data_parallel_rank_names_its_file():
@@ -204,7 +204,7 @@ def test_a_universal_checkpoint():
     )
     assert said.weight_evidence == (
         "a DeepSpeed universal checkpoint: zero/<name>/fp32.pt, the fp32 master weights")
-    assert said.no_gradients == "a DeepSpeed universal checkpoint holds no gradients"
+    assert said.gradient_error == "a DeepSpeed universal checkpoint holds no gradients"
     unsaved = wording(_facts(UNIVERSAL, frozen=5, unsaved=tuple("abcde"),
                              model_files=("mp_rank_00_model_states.pt",)))
     assert unsaved.description[1] == (

@@ -54,6 +54,7 @@ from gradclip_cli.source.untrusted import is_count
 
 from .dcp_folder import check_tiling, piece_name
 from .draft import Draft
+from .master_copy import same_bits
 from .paths import inside
 
 KIND = "dcp-hf"
@@ -170,13 +171,6 @@ def write_back(contents: Contents) -> WriteBack:
                             tuple(copied.get(Path(s.path), ()))) for s in contents.shards)
     counted = sum(1 for t in (contents.gradients or {}).values() if t.pieces)
     return WriteBack(WriteBackPlan(contents.folder, files, counted), held)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two stored copies are one tensor: the same dtype, shape and bits, a NaN
-    included (a copy is written from the same tensor, so even its NaN payloads match)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _shards(folder: Path) -> list[Path]:

@@ -12,8 +12,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from gradclip_cli.source import roles
 from gradclip_cli.source.interface import Checkpoint, Contents, OptimizerState, StoredTensor
 from gradclip_cli.source.roles import split_buffers
+
+
+@dataclass(frozen=True)
+class Wording:
+    """A layout's report sentences, made from its facts record by one function
+    (``megatron/facts.py``, ``deepspeed/facts.py``), which ``Draft.say`` puts in place.
+
+    ``description``: the report header's lines about the checkpoint. ``weight_evidence``,
+    ``optimizer_evidence``: why its tensors are weights and optimizer state.
+    ``optimizer_error``, ``gradient_error``: why no moments or no gradients are measured,
+    where none are.
+    """
+
+    description: tuple[str, ...]
+    weight_evidence: str
+    optimizer_evidence: str | None = None
+    optimizer_error: str | None = None
+    gradient_error: str | None = None
 
 
 @dataclass(slots=True)  # a field Contents does not have is an error, not a new attribute
@@ -49,6 +68,15 @@ class Draft:
     evidence: dict[str, str] = field(default_factory=dict)
     keyed: str | None = None
     fused_weights: dict[str, StoredTensor] = field(default_factory=dict)
+
+    def say(self, words: Wording) -> None:
+        """Put a layout's sentences in place: description lines, evidence, what is missing."""
+        self.description.extend(words.description)
+        self.evidence[roles.WEIGHT] = words.weight_evidence
+        if words.optimizer_evidence is not None:
+            self.evidence[roles.OPTIMIZER_STATE] = words.optimizer_evidence
+        self.missing[roles.OPTIMIZER_STATE] = words.optimizer_error
+        self.missing[roles.GRADIENT] = words.gradient_error
 
     def finish(self) -> Contents:
         """The inventory: these findings, read-only from here on. Buffers are set apart

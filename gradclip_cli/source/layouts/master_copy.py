@@ -13,6 +13,10 @@ find out what happened: refusing it as "the weights disagree" (``torch.equal``,
 which holds NaN unequal to itself) would hide the finding behind a false
 refusal. A NaN on one side only is a real disagreement and stays one. An
 infinity must match an infinity of the same sign, as any other value.
+
+Copies of one tensor (a DCP piece replicated on ranks, a layer tied across pipeline
+stages) are one rule stricter: written from the same tensor, they are the same bits
+(``same_bits``), a NaN included.
 """
 
 from __future__ import annotations
@@ -37,3 +41,10 @@ def head_key(value: torch.Tensor, dtype: torch.dtype, count: int = 64) -> tuple:
     nan = head.isnan()
     values = torch.where(nan, torch.zeros_like(head), head)
     return (tuple(value.shape), dtype, tuple(values.tolist()), tuple(nan.tolist()))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two stored copies are one tensor: the same dtype, shape and bits, a NaN
+    included (a copy is written from the same tensor, so even its NaN payloads match)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))

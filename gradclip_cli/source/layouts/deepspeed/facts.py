@@ -9,13 +9,12 @@ and how it is said are tested apart (``tests/layouts/test_deepspeed_facts.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import roles
 from gradclip_cli.source.interface import Contents
 
-from ..draft import Draft
+from ..draft import Draft, Wording
 from ..hf_trainer import STATE
 from .reader import mp_name, span
 
@@ -52,14 +51,6 @@ class DeepSpeedFacts:
     unsaved: tuple[str, ...] = ()  # UNIVERSAL: frozen parameters without an fp32.pt
     named_by: str = ""  # the tag file that named the folder: latest, latest_universal
     trainer_step: int | None = None  # a Hugging Face Trainer's global_step around the folder
-
-
-@dataclass(frozen=True)
-class Wording:
-    description: tuple[str, ...]
-    weight_evidence: str
-    optimizer_evidence: str | None
-    no_gradients: str  # "a DeepSpeed checkpoint holds no gradients"
 
 
 def wording(facts: DeepSpeedFacts) -> Wording:
@@ -140,7 +131,8 @@ def wording(facts: DeepSpeedFacts) -> Wording:
         if f.step is not None and f.step != f.trainer_step:
             lines.append(f"DeepSpeed counts {f.step} steps (global_steps), the Trainer "
                          f"{f.trainer_step}: the Trainer's global_step is the step reported")
-    return Wording(tuple(lines), weight, optimizer, "a DeepSpeed checkpoint holds no gradients")
+    return Wording(tuple(lines), weight, optimizer,
+                   gradient_error="a DeepSpeed checkpoint holds no gradients")
 
 
 def _ranks_of(stages: int, tp: int) -> str:
@@ -164,16 +156,12 @@ def _universal(f: DeepSpeedFacts, where: str) -> Wording:
                  f"zero/optimizer_state.pt, their parameters from {f.model_files[0]}'s "
                  "param_shapes")
     return Wording(tuple(lines), f"{said}fp32.pt, the fp32 master weights", optimizer,
-                   "a DeepSpeed universal checkpoint holds no gradients")
+                   gradient_error="a DeepSpeed universal checkpoint holds no gradients")
 
 
 def worded(contents: Draft, facts: DeepSpeedFacts) -> Contents:
     """``contents`` finished with the step, the description and the evidence of ``facts``."""
     words = wording(facts)
     contents.step = facts.step if facts.trainer_step is None else facts.trainer_step
-    contents.missing[roles.GRADIENT] = f"{contents.path}: {words.no_gradients}"
-    contents.description.extend(words.description)
-    contents.evidence[roles.WEIGHT] = words.weight_evidence
-    if words.optimizer_evidence is not None:
-        contents.evidence[roles.OPTIMIZER_STATE] = words.optimizer_evidence
+    contents.say(replace(words, gradient_error=f"{contents.path}: {words.gradient_error}"))
     return contents.finish()

@@ -20,9 +20,8 @@ from gradclip_cli.source.interface import (
 )
 from gradclip_cli.source.untrusted import is_int
 
-from ..dcp_hf import same_bits
 from ..draft import Draft
-from ..master_copy import head_key
+from ..master_copy import head_key, same_bits
 from ..torch_optim import is_optimizer_state, optimizer_state
 from . import model_parallel
 from .facts import PIPELINE, DeepSpeedFacts
@@ -140,7 +139,7 @@ def refuse_tied_layers(params: dict[str, StoredTensor]) -> None:
     """Two layers' identical weight matrices (2 dimensions or more): one module tied across
     layers (``TiedLayerSpec``), saved by each; refused rather than counted twice.
 
-    Copies of one tensor are identical bits (``dcp_hf.same_bits``), a NaN included: a tied
+    Copies of one tensor are identical bits (``master_copy.same_bits``), a NaN included: a tied
     layer that diverged saves the same NaN in each copy and is refused as any tied layer,
     where ``torch.equal`` (a NaN unequal to itself) would count it twice."""
     seen: dict[tuple, list[tuple[str, torch.Tensor]]] = {}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from gradclip_cli.escaping import visible
 
+from ..draft import Wording
 from .pipeline import COPY
 from .tracker import COMMON, DISTRIBUTED, FILE, JSON, TRACKER
 
@@ -58,15 +59,6 @@ class DistCkptFacts:
     sixteen: str = ""  # the model's 16-bit dtypes ("bfloat16"), "" for none
     mains: int = 0  # 16-bit tensors measured from their fp32 main params
     main_dtypes: str = ""  # those tensors' dtypes
-
-
-@dataclass(frozen=True)
-class Wording:
-    description: tuple[str, ...]  # the report's lines about the checkpoint
-    weight_evidence: str
-    optimizer_evidence: str | None
-    optimizer_error: str | None  # why no moments are measured, where none are
-    gradient_error: str
 
 
 def wording(facts: DistCkptFacts) -> Wording:

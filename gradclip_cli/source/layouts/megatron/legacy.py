@@ -79,7 +79,7 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import load_checkpoint, roles
+from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor, chained
@@ -230,12 +230,7 @@ def open_iteration(
         tensor_rank=first.tensor_rank or 0,
     )
     words = said.legacy_wording(facts)
-    contents.description.extend(words.description)
-    contents.evidence[roles.WEIGHT] = words.weight_evidence
-    if words.optimizer_evidence is not None:
-        contents.evidence[roles.OPTIMIZER_STATE] = words.optimizer_evidence
-    contents.missing[roles.OPTIMIZER_STATE] = words.optimizer_error
-    contents.missing[roles.GRADIENT] = words.gradient_error
+    contents.say(words)
     return contents
 
 
