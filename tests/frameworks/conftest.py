@@ -374,6 +374,16 @@ def litgpt_run(framework_python, tmp_path_factory) -> Path:
     return run_generator(framework_python, "litgpt_run.py", out, 0) / "out" / "pretrain"
 
 
+def _venv_python(variable: str, framework: str) -> str:
+    """The python that ``variable`` names, a framework's own venv; the test is skipped,
+    saying so, where it names none."""
+    python = os.environ.get(variable)
+    if not python or not os.access(python, os.X_OK):
+        pytest.skip(f"{variable} does not name the python of a venv with {framework} "
+                    "(.ci/run builds one)")
+    return python
+
+
 VERL_VARIABLE = "GRADCLIP_VERL_PYTHON"
 
 
@@ -384,10 +394,7 @@ def verl_run(tmp_path_factory) -> Path:
     manager's ``load_checkpoint`` reads back). verl pins its own dependencies (ray,
     transformers...), so it has a venv of its own, named by ``GRADCLIP_VERL_PYTHON``
     (``.ci/run`` builds it); without it the tests are skipped, saying so."""
-    python = os.environ.get(VERL_VARIABLE)
-    if not python or not os.access(python, os.X_OK):
-        pytest.skip(f"{VERL_VARIABLE} does not name the python of a venv with verl 0.9.1 "
-                    "(.ci/run builds one)")
+    python = _venv_python(VERL_VARIABLE, "verl 0.9.1")
     return run_generator(python, "verl_run.py", tmp_path_factory.mktemp("verl"), 2)
 
 
@@ -409,8 +416,5 @@ def nemo_run(tmp_path_factory) -> Path:
     NeMo's ``MegatronCheckpointIO`` reads back). NeMo pins its own stack (megatron-core
     0.15.3, lightning 2.4), so it has a venv of its own, named by ``GRADCLIP_NEMO_PYTHON``
     (``.ci/run`` builds it); without it the tests are skipped, saying so."""
-    python = os.environ.get(NEMO_VARIABLE)
-    if not python or not os.access(python, os.X_OK):
-        pytest.skip(f"{NEMO_VARIABLE} does not name the python of a venv with nemo-toolkit "
-                    "2.7.3 (.ci/run builds one)")
+    python = _venv_python(NEMO_VARIABLE, "nemo-toolkit 2.7.3")
     return run_generator(python, "nemo2_run.py", tmp_path_factory.mktemp("nemo"), 0)

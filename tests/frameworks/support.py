@@ -89,6 +89,17 @@ def matches_reference(doc: dict, expected: dict, weights: dict) -> None:
         assert rel_err(row["ratio"], norm([expected[name]]) / norm([weights[name]])) <= TOL, name
 
 
+def weights_match_reference(doc: dict, weights: dict) -> None:
+    """Each weight's norm and shape, and the total, as the loader's ``weights`` give them
+    (norms within ``TOL`` of float64)."""
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(weights)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([weights[name]])) <= TOL, name
+        assert tuple(row["shape"]) == tuple(weights[name].shape), name
+    assert rel_err(doc["total_norm"], norm(weights.values())) <= TOL
+
+
 def one_line_exit_3(result, *words: str) -> None:
     assert result.code == 3, (result.code, result.err)
     assert len(result.err_lines) == 1, result.err

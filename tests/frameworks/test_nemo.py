@@ -15,19 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli.support import rel_err
 from tests.distributed.launch import same_under_torchrun
 
 from .support import (
     QUANTITIES,
-    TOL,
     RunsCode,
     adam_measured,
     grouped_optimizer,
     inspect_json,
     matches_reference,
-    norm,
     one_line_exit_3,
+    weights_match_reference,
 )
 
 STEPS = (1, 2, 3)
@@ -55,12 +53,7 @@ def test_weights_against_nemos_loader(gradclip, nemo_run, step):
     weights = _reference(nemo_run, step)["weights"]
     doc = inspect_json(gradclip, nemo_run / "run" / f"step_{step}", "weights")
     assert (doc["format"], doc["step"], doc["what"]) == ("nemo", step, "weights")
-    rows = {t["name"]: t for t in doc["tensors"]}
-    assert set(rows) == set(weights)
-    for name, row in rows.items():
-        assert rel_err(row["norm"], norm([weights[name]])) <= TOL, name
-        assert tuple(row["shape"]) == tuple(weights[name].shape), name
-    assert rel_err(doc["total_norm"], norm(weights.values())) <= TOL
+    weights_match_reference(doc, weights)
 
 
 @pytest.mark.parametrize("step", STEPS)

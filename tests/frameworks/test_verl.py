@@ -28,6 +28,7 @@ from .support import (
     norm,
     one_line_exit_3,
     same_under_torchrun,
+    weights_match_reference,
 )
 
 STEPS = (1, 2)
@@ -64,12 +65,7 @@ def test_weights_against_verls_loader(gradclip, verl_run, step):
     weights = _reference(verl_run, step)["weights"]
     doc = inspect_json(gradclip, _actor(verl_run, step), "weights")
     assert (doc["format"], doc["step"], doc["what"]) == ("verl-fsdp", step, "weights")
-    rows = {t["name"]: t for t in doc["tensors"]}
-    assert set(rows) == set(weights)
-    for name, row in rows.items():
-        assert rel_err(row["norm"], norm([weights[name]])) <= TOL, name
-        assert tuple(row["shape"]) == tuple(weights[name].shape), name
-    assert rel_err(doc["total_norm"], norm(weights.values())) <= TOL
+    weights_match_reference(doc, weights)
 
 
 @pytest.mark.parametrize("step", STEPS)
