@@ -14,6 +14,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -262,10 +263,11 @@ dist.destroy_process_group()
 """
 
 
-def test_under_ddp_every_rank_clips_the_spike_alike(tmp_path):
+def _ddp_ranks(folder: Path) -> list[tuple[int, str, str]]:
+    """``DDP_RANK`` on two gloo ranks in ``folder``: each rank's exit code, output, errors."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", DDP_RANK, str(rank), str(tmp_path)],
+            [sys.executable, "-c", DDP_RANK, str(rank), str(folder)],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -273,10 +275,25 @@ def test_under_ddp_every_rank_clips_the_spike_alike(tmp_path):
         )  # fmt: skip
         for rank in range(2)
     ]
-    seen = []
+    ranks = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err
+        ranks.append((proc.returncode, out, err))
+    return ranks
+
+
+def test_under_ddp_every_rank_clips_the_spike_alike(tmp_path):
+    ranks = _ddp_ranks(tmp_path)
+    if any(code < 0 for code, _, _ in ranks):
+        # A gloo rank can abort in C++ at teardown under load ("terminate called without
+        # an active exception", SIGABRT), as tests/layouts/conftest._spawn_two_ranks says:
+        # a rank killed by a signal runs again once, in a fresh folder.
+        tmp_path = tmp_path / "again"
+        tmp_path.mkdir()
+        ranks = _ddp_ranks(tmp_path)
+    seen = []
+    for code, out, err in ranks:
+        assert code == 0, err
         seen.append(json.loads(out.splitlines()[-1]))
     assert seen[0] == seen[1]  # the same coefficient on both ranks, bit for bit
     records = read_log(tmp_path / "grads.jsonl")  # rank 0 alone wrote it
