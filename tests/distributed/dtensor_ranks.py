@@ -239,4 +239,3 @@ def run_rank(rank: int, world: int, outdir: str) -> None:
             results[check.__name__] = {"error": f"{type(error).__name__}: {error}"}
         dist.barrier()
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()

@@ -11,7 +11,8 @@ import json
 import math
 
 import pytest
-import torch.multiprocessing as mp
+
+from tests import gloo
 
 from .dtensor_ranks import run_rank
 
@@ -20,7 +21,7 @@ RTOL = 1e-6
 
 def _spawn(world: int, tmp_path_factory) -> list[dict]:
     outdir = tmp_path_factory.mktemp(f"dtensor{world}")
-    mp.spawn(run_rank, args=(world, str(outdir)), nprocs=world, join=True)
+    gloo.spawn(run_rank, world, str(outdir), nprocs=world)
     return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -6,14 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch.multiprocessing as mp
+
+from tests import gloo
 
 from .torch_fsdp_clip_ranks import run_rank
 
 
 def _spawn(world: int, tmp_path_factory) -> list[dict]:
     outdir = tmp_path_factory.mktemp(f"torch_fsdp{world}")
-    mp.spawn(run_rank, args=(world, str(outdir)), nprocs=world, join=True)
+    gloo.spawn(run_rank, world, str(outdir), nprocs=world)
     return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(world)]
 
 

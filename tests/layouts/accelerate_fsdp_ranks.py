@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from .dcp_ranks import sharded_mlp
 
@@ -54,4 +53,3 @@ def save_rank(rank: int, world: int, outdir: str) -> None:
         if accelerator.is_main_process:
             TrainerState(global_step=step, max_steps=STEPS).save_to_json(
                 os.path.join(folder, "trainer_state.json"))
-    dist.destroy_process_group()

@@ -139,25 +139,25 @@ def lightning_sharded(tmp_path_factory) -> Path:
 def _spawn_two_ranks(save_rank, tmp_path_factory, name: str) -> Path:
     """Run ``save_rank(rank, 2, outdir)`` on two spawned gloo ranks; the folder it wrote.
 
-    A gloo rank process can abort in C++ ("terminate called without an active
-    exception", SIGABRT: seen once in a CI run here, in the DCP fixture, where
-    the same code passed before and after). A rank killed by a signal is run
-    again once in a fresh folder; an exception the script raises, or a second
-    abort, fails the fixture.
+    Each rank closes its group with the other and leaves without the interpreter's
+    teardown (``tests.gloo``), where a gloo rank used to abort after writing its files.
+    A rank killed by a signal all the same is run again once in a fresh folder; an
+    exception the script raises, or a second abort, fails the fixture.
     """
-    import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessExitedException
+
+    from tests import gloo
 
     outdir = tmp_path_factory.mktemp(name)
     try:
-        mp.spawn(save_rank, args=(2, str(outdir)), nprocs=2, join=True)
+        gloo.spawn(save_rank, 2, str(outdir), nprocs=2)
         return outdir
     except ProcessExitedException as exited:
         if exited.signal_name is None:
             raise
         warnings.warn(f"{name} fixture: {exited}; run again", stacklevel=2)
     outdir = tmp_path_factory.mktemp(name)
-    mp.spawn(save_rank, args=(2, str(outdir)), nprocs=2, join=True)
+    gloo.spawn(save_rank, 2, str(outdir), nprocs=2)
     return outdir
 
 

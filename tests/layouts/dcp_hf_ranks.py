@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from .dcp_ranks import sharded_mlp
 
@@ -64,4 +63,3 @@ def save_rank(rank: int, world: int, outdir: str) -> None:
     if rank == 0:
         torch.save(whole, os.path.join(outdir, "reference.pt"))
         torch.save(whole_grads, os.path.join(outdir, "grads_reference.pt"))
-    dist.destroy_process_group()

@@ -59,4 +59,3 @@ def save_rank(rank: int, world: int, outdir: str) -> None:
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state, "grads": grads, "step": STEPS},
              checkpoint_id=os.path.join(outdir, "checkpoint"))
-    dist.destroy_process_group()

@@ -212,25 +212,12 @@ def _pipelines(out: str) -> None:
 def spawn(worker, out: Path, *args, nprocs: int = WORLD) -> None:
     """``worker(rank, port, out, *args)`` in ``nprocs`` spawned processes, ``port`` a free one
     for their process group (the DeepSpeed run scripts of this folder share it)."""
-    import torch.multiprocessing as mp
+    from tests import gloo
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_closing, args=(worker, port, os.fspath(out), *args), nprocs=nprocs)
-
-
-def _closing(rank: int, worker, *args) -> None:
-    """``worker(rank, *args)``, then the process group closed by every rank together: left
-    to the interpreter's exit, a gloo group's threads aborted a rank now and then under
-    load ("terminate called without an active exception", SIGABRT) after its files were
-    written, and the run failed."""
-    import torch.distributed as dist
-
-    worker(rank, *args)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    gloo.spawn(worker, port, os.fspath(out), *args, nprocs=nprocs)
 
 
 def build(out: Path, runs: tuple = RUNS) -> None:

@@ -17,7 +17,6 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 
 from .dcp_ranks import trained
 
@@ -59,5 +58,3 @@ def save_rank(rank: int, world: int, outdir: str) -> None:
         torch.save(whole, os.path.join(outdir, "reference.pt"))
         with open(os.path.join(actor, "fsdp_config.json"), "w") as f:
             json.dump({"FSDP_version": 2, "world_size": world}, f)
-    dist.barrier()
-    dist.destroy_process_group()
