@@ -3,9 +3,11 @@ check), report, write a copy."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from .. import clipping, options
@@ -20,7 +22,7 @@ from ..report import ClipReport
 from ..report.groups import nonfinite_counts
 from ..sink.atomic import links_kept
 from ..sink.write_back import execute
-from .common import load_for_writing, measure, speaks, tensor_writers
+from .common import Loaded, load_for_writing, measure, speaks, tensor_writers
 from .output import Output
 
 
@@ -66,7 +68,7 @@ def run(
         refused = clipping.refusal(before, maxima, [t.dtype for t in held], p=p, limit=limit,
                                    allow_nonfinite=allow_nonfinite)
         if refused is not None:
-            return _refuse(report_out, path, *refused, functools.partial(report, loaded))
+            return _refuse(report_out, report(loaded), *refused)
         if not speaks() and owners is None:
             return 0  # one file: rank 0 scales, checks and writes it (set_owners)
         share = _Share(read, loaded, p, dev, steps, None if owners is None else session, owners)
@@ -99,7 +101,8 @@ class _Share:
     those of the set's files it writes, ``owners``, a replicated piece in every rank that
     writes a copy), and their total norm once changed."""
 
-    def __init__(self, read, loaded, p, device, steps, session, owners):
+    def __init__(self, read: Callable[[], Loaded], loaded: Loaded, p: float, device, steps,
+                 session: launcher.Session | None, owners: dict[str, int] | None):
         self.read, self.loaded, self.p, self.device = read, loaded, p, device
         self.steps, self.session, self.owners = steps, session, owners
 
@@ -156,15 +159,14 @@ def _resolved(target: str) -> str:
     return os.path.realpath(target) if os.path.islink(target) else target
 
 
-def _refuse(report_out: Output, path: str, why: str, then: str, report) -> int:
+def _refuse(report_out: Output, report: ClipReport, why: str, then: str) -> int:
     """Exit 1, nothing written: a finding, which the CI formats report as one in place of
     what was clipped (a report file is never left missing, or stale from an earlier
-    run); ``report(refused=line)`` makes it. The table and JSON have the line on stderr
-    alone."""
+    run). The table and JSON have the line on stderr alone."""
     if not speaks():
         return 1
-    message = f"{visible(str(path))}: {why}; refusing to clip, nothing written{then}"
+    message = f"{visible(str(report.source))}: {why}; refusing to clip, nothing written{then}"
     print(f"gradclip: {message}", file=sys.stderr)
     if entry(report_out.format).carries_refusals:
-        report_out.emit(report(refused=message), verdict=False)
+        report_out.emit(dataclasses.replace(report, refused=message), verdict=False)
     return 1
