@@ -13,7 +13,7 @@ from pathlib import Path
 from .. import clipping, options
 from ..core import Coefficient, clamp_elements_, scale_elements_
 from ..distributed import launcher
-from ..distributed.sets import set_owners
+from ..distributed.sets import shard_owners
 from ..errors import OutputError, UsageError
 from ..format import entry
 from ..format.text import visible
@@ -53,27 +53,28 @@ def run(
         if plan is not None and plan.folder is not None:
             target = str(options.set_output(plan.folder, output, in_place))
         report_out.check(reads=[*loaded.contents.files, loaded.contents.path], writes=[target])
-        held = loaded.held_tensors()
-        if value is not None and any(t.is_complex() for t in held):
+        dtypes = [t.dtype for t in loaded.held_tensors()]
+        if value is not None and any(dtype.is_complex for dtype in dtypes):
             raise UsageError("--clip-value cannot clamp complex gradients (complex numbers "
                              "have no order); use --max-norm")
         # Under a launcher the ranks share the reading for this first norm; for a
         # set, by shards: each rank goes on to clip and write the shards it read.
-        owners = set_owners(session, plan)
+        owners = shard_owners(session, plan)
         owned = measure(loaded, p, dev, steps, "computing norms", session=session,
                         files=owners).owned
         before, maxima = owned.total(), owned.max_abs.tolist()
         report = functools.partial(_report, before, source=path, output=target, norm_type=p,
                                    max_norm=limit, clip_value=value)
-        refused = clipping.refusal(before, maxima, [t.dtype for t in held], p=p, limit=limit,
+        refused = clipping.refusal(before, maxima, dtypes, p=p, limit=limit,
                                    allow_nonfinite=allow_nonfinite)
         if refused is not None:
             return _refuse(report_out, report(loaded), *refused)
         if not speaks() and owners is None:
-            return 0  # one file: rank 0 scales, checks and writes it (set_owners)
+            return 0  # one file: rank 0 scales, checks and writes it; the others are done
         share = _Share(read, loaded, p, dev, steps, None if owners is None else session, owners)
-        done = clipping.to_norm(before, limit, [t.dtype for t in held], share.scaled) \
-            if limit is not None else clipping.to_value(value, maxima, held, share.clamped)
+        del loaded  # the share's now: a lowering reads the file again in its place
+        done = clipping.to_norm(before, limit, dtypes, share.scaled) if limit is not None \
+            else clipping.to_value(value, maxima, share.loaded.held_tensors(), share.clamped)
         loaded = share.loaded
         if loaded.write_back is None:
             raise OutputError(f"{target}: cannot write a {loaded.contents.kind} checkpoint")
