@@ -92,6 +92,23 @@ def clip_output(source: str, output: str | None, in_place: bool) -> str:
     return target
 
 
+def set_output(folder: Path, output: str | None, in_place: bool) -> Path:
+    """Where ``clip`` writes a sharded set, which is written as a folder: ``-o`` names it;
+    default ``<folder>.clipped``; never inside the input, nor one that exists."""
+    if in_place:
+        return folder
+    target = Path(output) if output is not None else folder.with_name(f"{folder.name}.clipped")
+    real_folder = Path(os.path.realpath(folder))
+    if real_folder in Path(os.path.realpath(target)).parents:
+        # The input is never changed without --in-place, not even by a new entry.
+        raise UsageError(f"{target}: inside the input folder {folder}; a clipped set is "
+                         "written as a new folder beside it (or use --in-place)")
+    if target.exists():
+        raise UsageError(f"{target}: exists; a clipped set is written as a new folder "
+                         "(or use --in-place)")
+    return target
+
+
 def report_file(output_file: Path | str | None, *, reads: Iterable[Path | str] = (),
                 writes: Iterable[Path | str] = (), writes_known: bool = True) -> Path | None:
     """``--output-file``: refused now, not after the work, when it cannot be a file or

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,10 +17,11 @@ from ..errors import InputError
 from ..format.text import visible
 from ..measuring import Measurement
 from ..progress import Steps
+from ..sink.unshared import unshare_other_entries
 from ..source import Checkpoint
 from ..source.files.pages import PageReleaser
 from ..source.interface import Contents, WriteBackPlan
-from ..source.layouts import open_checkpoint
+from ..source.layouts import open_checkpoint, write_back
 from ..source.what import Selection, select
 
 # torch's intra-op threads become gradclip's own workers (see tensor_power_sums).
@@ -41,6 +43,8 @@ class Loaded:
     selection: Selection
     elements: Elements | None = None
     write_back: WriteBackPlan | None = None  # clip: how the layout writes it back
+    # clip: the other entries that shared storage with a gradient, given their own copy
+    unshared: list[str] = field(default_factory=list)
 
     @property
     def checkpoint(self) -> Checkpoint | None:
@@ -99,6 +103,30 @@ def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: S
         elements = selection.elements if selection.elements is not None else \
             distinct_elements(held)
     return Loaded(contents, selection, elements)
+
+
+def load_for_writing(path: Path, key: str | None, trust_pickle: bool, verify: bool,
+                     steps: Steps, what: str) -> Loaded:
+    """``load`` for clip, which changes gradients in place and writes them back: with its
+    layout's write-back plan (``layouts.write_back``), every gradient held in one piece,
+    and every other entry that shares storage with one given its own copy
+    (``sink/unshared.py``).
+
+    Where the layout holds its gradients anew for clip, each a gradient of its
+    own that clip scales in place and the sink writes back where it was (a DCP
+    set's chunk by chunk, its Hugging Face layout's piece by piece), those are
+    chosen; other checkpoints keep what ``load`` chose."""
+    loaded = load(path, key, trust_pickle, verify, steps, what, gradients_only=True)
+    back = write_back(loaded.contents)
+    if back is not None and back.gradients is not None:
+        contents = dataclasses.replace(loaded.contents, gradients=back.gradients)
+        selection = select(contents, "grads", gradients_only=True)
+        loaded = Loaded(contents, selection,
+                        distinct_elements([t.held for t in selection.tensors]))
+    loaded.write_back = None if back is None else back.plan
+    loaded.unshared = unshare_other_entries(loaded.checkpoint, loaded.key,
+                                            loaded.held_tensors())
+    return loaded
 
 
 def nbytes(tensors) -> int:
