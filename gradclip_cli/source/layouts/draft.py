@@ -74,14 +74,11 @@ class Draft:
         """Put a layout's sentences in place: description lines, evidence, what is missing
         (each said replaces what was; what is not said stays)."""
         self.description.extend(words.description)
-        for place, role, said in (
-                (self.evidence, roles.WEIGHT, words.weight_evidence),
-                (self.evidence, roles.OPTIMIZER_STATE, words.optimizer_evidence),
-                (self.evidence, roles.GRADIENT, words.gradient_evidence),
-                (self.missing, roles.OPTIMIZER_STATE, words.optimizer_error),
-                (self.missing, roles.GRADIENT, words.gradient_error)):
-            if said is not None:
-                place[role] = said
+        said = (roles.WEIGHT, roles.OPTIMIZER_STATE, roles.GRADIENT)
+        evidence = (words.weight_evidence, words.optimizer_evidence, words.gradient_evidence)
+        errors = (None, words.optimizer_error, words.gradient_error)
+        self.evidence.update((r, s) for r, s in zip(said, evidence) if s is not None)
+        self.missing.update((r, s) for r, s in zip(said, errors) if s is not None)
 
     def finish(self) -> Contents:
         """The inventory: these findings, read-only from here on. Buffers are set apart

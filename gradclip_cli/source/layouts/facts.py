@@ -1,12 +1,10 @@
 """What a layout found for each role, as facts, and the one function that words them.
 
 A layout records where a role's tensors were and what showed them to be that role
-(``Found``), and, where it holds no gradients, why (``NoGradients``: it saves none;
-``NotGradients``: what was asked for is something else); ``wording`` makes the report's
-evidence and messages from them, as one ``Wording`` that ``Draft.say`` puts in place. So
-what was found and how it is said are tested apart (``tests/layouts/test_facts.py``).
-Megatron and DeepSpeed record facts of their own (``megatron/facts.py``,
-``deepspeed/facts.py``), worded into the same ``Wording``.
+(``Found``), and why it holds no gradients (``NoGradients``: it saves none; ``NotGradients``:
+what was asked for is something else); ``wording`` makes the report's evidence and messages
+of them into the ``Wording`` that ``Draft.say`` puts in place (as ``megatron/facts.py`` and
+``deepspeed/facts.py`` do theirs), so facts and words are tested apart (``test_facts.py``).
 """
 
 from __future__ import annotations
@@ -35,27 +33,22 @@ _OPTIMIZER = f"an optimizer's state dict ({_STATE_DICT})"
 
 @dataclass(frozen=True)
 class Found:
-    """One role's tensors: what showed them to be that role (``by``), where they were
-    (``names``: keys, entries or files, as stored; shown escaped) and which layout says so
-    (``layout``, as the report names it: "a DCP checkpoint"; "" for a file of no framework's).
-    ``detail``: what completes the evidence (``roles.weight_evidence``'s result, what
-    holds a flat mapping, what a framework's files hold), already worded."""
+    """One role's tensors: what showed them to be that role, where they were, who says so."""
 
     role: str
-    by: str
-    names: tuple[str, ...] = ()
-    layout: str = ""
-    detail: str = ""
+    by: str  # KEY, ENTRY, MARK, FLAT, UNMARKED, PROOF, STATE or FILES
+    names: tuple[str, ...] = ()  # the keys, entries or files that held them, as stored
+    layout: str = ""  # the layout, as the report names it ("a DCP checkpoint"); "" a plain file
+    detail: str = ""  # what completes it, already worded: roles.weight_evidence's result...
 
 
 @dataclass(frozen=True)
 class NoGradients:
-    """``path``, a checkpoint of ``layout``'s, keeps no gradients; ``saves``: what it keeps
-    instead, where the layout names it (None: nothing named)."""
+    """``path``, a checkpoint of ``layout``'s, keeps no gradients."""
 
     path: Path
     layout: str
-    saves: tuple[str, ...] | None = None
+    saves: tuple[str, ...] | None = None  # what it keeps instead (None: it holds none, unsaid)
 
 
 @dataclass(frozen=True)
@@ -80,8 +73,8 @@ def wording(*facts: Found | NoGradients | NotGradients) -> Wording:
             if fact.by == UNMARKED:
                 said[roles.WEIGHT] = said[fact.role]
         elif isinstance(fact, NoGradients):
-            error = f"{fact.path}: {fact.layout} " + ("holds no gradients" if fact.saves is None
-                                                      else "saves no gradients") + (
+            verb = "holds" if fact.saves is None else "saves"
+            error = f"{fact.path}: {fact.layout} {verb} no gradients" + (
                 f" ({', '.join(fact.saves)})" if fact.saves else "")
         else:
             held = _OPTIMIZER if fact.role == roles.OPTIMIZER_STATE else \
@@ -97,6 +90,7 @@ def evidence(fact: Found) -> str:
     f, shown = fact, [visible(n) for n in fact.names]
     at = f"{f.layout}: " if f.layout else ""
     entries = [visible(repr(n)) for n in f.names]
+    kind = "entry" if len(entries) == 1 else "entries"
     if f.by == MARK:
         return f"{f.layout}, {shown[0]}: {f.detail}" if f.layout else \
             "gradclip's mark: save_grads wrote it"
@@ -105,11 +99,11 @@ def evidence(fact: Found) -> str:
         return f"{at}--key {shown[0]}" + (f": {proof}" if proof else "")
     if f.by == ENTRY and f.layout:
         also = f", {_STATE_DICT}" if f.role == roles.OPTIMIZER_STATE else ""
-        return f"{at}its {', '.join(entries)} {_entries(entries)}{also}"
+        return f"{at}its {', '.join(entries)} {kind}{also}"
     if f.by == ENTRY:
         if f.role == roles.GRADIENT:
             return f"a {entries[0]} key"
-        return f"the {' and '.join(entries)} {_entries(entries)}" + (
+        return f"the {' and '.join(entries)} {kind}" + (
             f": {f.detail}" if f.detail else "")
     if f.by in (FLAT, UNMARKED):
         other = "something else" if f.by == UNMARKED else "weights"
@@ -120,7 +114,3 @@ def evidence(fact: Found) -> str:
         return f"{at}{f.detail}"
     owned = f"{f.layout} " if f.layout.endswith("'s") else at  # FILES
     return owned + ", ".join(shown) + (f", {f.detail}" if f.detail else "")
-
-
-def _entries(shown: list[str]) -> str:
-    return "entry" if len(shown) == 1 else "entries"

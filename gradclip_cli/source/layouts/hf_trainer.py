@@ -46,7 +46,6 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 # The loggers transformers writes through (its own, and the hub client's it calls).
 TRANSFORMERS_LOGGERS = ("transformers", "huggingface_hub")
-_SAID = "the Trainer's"
 
 
 def recognises(path: Path) -> bool:
@@ -69,7 +68,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     if optimizer_file is not None:
         ckpt = load_checkpoint(optimizer_file, trust_pickle=trust_pickle, verify=verify)
         contents.optimizers.append(optimizer_state(ckpt.root, optimizer_file, "the file"))
-        contents.say(wording(Found(roles.OPTIMIZER_STATE, FILES, (OPTIMIZER,), _SAID)))
+        contents.say(wording(Found(roles.OPTIMIZER_STATE, FILES, (OPTIMIZER,), "the Trainer's")))
         contents.files.append(optimizer_file)
         contents.trusted_pickle |= ckpt.trusted_pickle
     if contents.optimizers and contents.optimizers[0].param_names is None \
@@ -110,7 +109,7 @@ def _read_weights(contents: Draft, folder: Path, *, trust_pickle: bool,
             shards, tensors = hf_sharded.read_set(index, trust_pickle=trust_pickle, verify=verify,
                                                   folder=folder)
             contents.weights = tensors
-            contents.say(wording(Found(roles.WEIGHT, FILES, (name,), _SAID)))
+            contents.say(wording(Found(roles.WEIGHT, FILES, (name,), "the Trainer's")))
             contents.weights_sorted = True  # an index sorts its names
             contents.files += [index, *(s.path for s in shards)]
             contents.trusted_pickle |= any(s.trusted_pickle for s in shards)
@@ -122,7 +121,7 @@ def _read_weights(contents: Draft, folder: Path, *, trust_pickle: bool,
             if not isinstance(ckpt.root, dict):
                 raise InputError(f"{file}: model weights should be name -> tensor")
             contents.weights = stored({str(k): v for k, v in ckpt.root.items()}, file)
-            contents.say(wording(Found(roles.WEIGHT, FILES, (name,), _SAID)))
+            contents.say(wording(Found(roles.WEIGHT, FILES, (name,), "the Trainer's")))
             # torch.save of a state_dict keeps module order; safetensors sorts names.
             contents.weights_sorted = ckpt.format == "safetensors"
             contents.files.append(file)
