@@ -32,6 +32,7 @@ from gradclip_cli.source.interface import Contents
 from . import dcp, hf_trainer
 from .dcp_folder import DcpFolder, read_folder
 from .draft import Draft
+from .facts import FILES, Found, NoGradients, wording
 from .paths import inside
 
 KIND = "accelerate-fsdp"
@@ -65,7 +66,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     model = _read_part(path, models[0], verify=verify, trust_pickle=trust_pickle)
     contents.weights = dcp.model_weights(model)
     said = "an accelerate FSDP checkpoint"
-    contents.evidence[roles.WEIGHT] = f"{said}: {models[0]}/"
+    contents.say(wording(Found(roles.WEIGHT, FILES, (f"{models[0]}/",), said)))
     contents.files += model.files
     optimizers = _parts(path, _OPTIMIZER)
     for name in optimizers:
@@ -76,13 +77,12 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         contents.optimizers += [dcp.optimizer(part, top) for top in tops]
         contents.files += part.files
     if optimizers:
-        contents.evidence[roles.OPTIMIZER_STATE] = \
-            f"{said}: {', '.join(f'{n}/' for n in optimizers)}"
+        contents.say(wording(Found(roles.OPTIMIZER_STATE, FILES,
+                                   tuple(f"{n}/" for n in optimizers), said)))
     if key is not None:
         dcp.fill_gradients(contents, model, key, f"{said} ({models[0]}/)")
     else:
-        contents.missing[roles.GRADIENT] = \
-            f"{path}: an accelerate FSDP checkpoint holds no gradients"
+        contents.say(wording(NoGradients(path, said)))
     if os.path.exists(path / hf_trainer.STATE):
         contents.files.append(path / hf_trainer.STATE)
     step = f" at global_step {contents.step}" if contents.step is not None else ""

@@ -45,6 +45,7 @@ from gradclip_cli.source.vocabulary import step_value
 
 from .dcp_frameworks import refuse_key
 from .draft import Draft
+from .facts import FILES, Found, NoGradients, wording
 from .paths import member
 from .torch_optim import optimizer_state
 
@@ -54,6 +55,7 @@ OPTIMIZER = "optimizer.bin"
 RANDOM_STATES = "random_states_0.pkl"
 # The Trainer's own files: a checkpoint-N/ folder is the Trainer's layout (hf_trainer).
 _TRAINER_FILES = ("trainer_state.json", "optimizer.pt")
+_SAID = "an accelerate save_state folder"
 _NUMBERED = re.compile(r"(model|pytorch_model|optimizer)_(\d+)\.(safetensors|bin)")
 
 
@@ -89,7 +91,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     contents.weights = stored({str(k): v for k, v in ckpt.root.items()}, model_file)
     # torch.save of a state_dict keeps module order; a safetensors header sorts names.
     contents.weights_sorted = ckpt.format == "safetensors"
-    contents.evidence[roles.WEIGHT] = f"an accelerate save_state folder: {visible(model_name)}"
+    contents.say(wording(Found(roles.WEIGHT, FILES, (model_name,), _SAID)))
     contents.files.append(model_file)
     contents.trusted_pickle |= ckpt.trusted_pickle
     read = [model_name]
@@ -98,7 +100,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         opt_ckpt = load_checkpoint(optimizer_file, trust_pickle=trust_pickle, verify=verify)
         opt = optimizer_state(opt_ckpt.root, optimizer_file, "the file")
         contents.optimizers.append(opt)
-        contents.evidence[roles.OPTIMIZER_STATE] = f"an accelerate save_state folder: {OPTIMIZER}"
+        contents.say(wording(Found(roles.OPTIMIZER_STATE, FILES, (OPTIMIZER,), _SAID)))
         contents.files.append(optimizer_file)
         contents.trusted_pickle |= opt_ckpt.trusted_pickle
         contents.step = _optimizer_step(opt.state)
@@ -107,7 +109,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             # The report words it (what.named_by_id), as for every layout.
             contents.missing[roles.PARAMETER_NAMES] = f"{visible(model_name)} sorts its names"
 
-    contents.missing[roles.GRADIENT] = f"{path}: an accelerate save_state folder holds no gradients"
+    contents.say(wording(NoGradients(path, _SAID)))
     step = f" at step {contents.step}" if contents.step is not None else ""
     unread = sorted(n for n in names if n not in read and n.endswith((".bin", ".pkl")))
     contents.description.append(

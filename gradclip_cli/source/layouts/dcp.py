@@ -25,6 +25,7 @@ from gradclip_cli.source.vocabulary import OPTIMIZER_KEYS, STEP_KEYS, WEIGHT_KEY
 from .dcp_folder import DcpFolder, hold_gradient_chunks, read_folder, recognises, renamed
 from .dcp_frameworks import fqn_optimizer
 from .draft import Draft
+from .facts import ENTRY, KEY, UNMARKED, Found, NotGradients, wording
 
 __all__ = ["KIND", "SAID", "fill_gradients", "first_under", "holds_optimizer_state",
            "model_weights", "open", "open_as", "optimizer", "optimizer_tops", "recognises",
@@ -50,7 +51,7 @@ def open_as(path: Path, said: str, *, key: str | None, trust_pickle: bool,
     for top in WEIGHT_KEYS:
         contents.weights = folder.under(top) or None
         if contents.weights:
-            contents.evidence[roles.WEIGHT] = f"{said}: its {top!r} entry"
+            contents.say(wording(Found(roles.WEIGHT, ENTRY, (top,), said)))
             break
     fill_gradients(contents, folder, key, said)
     # A --key that names the model or an optimizer measures that alone (the --key rule).
@@ -58,10 +59,7 @@ def open_as(path: Path, said: str, *, key: str | None, trust_pickle: bool,
     for name in tops:
         contents.optimizers.append(optimizer(folder, name))
     if tops:
-        shown = ", ".join(repr(t) for t in tops)
-        contents.evidence[roles.OPTIMIZER_STATE] = \
-            f"{said}: its {shown} {'entry' if len(tops) == 1 else 'entries'}, state and " \
-            "param_groups"
+        contents.say(wording(Found(roles.OPTIMIZER_STATE, ENTRY, tuple(tops), said)))
     for k, p in folder.paths.items():
         if len(p) == 1 and p[0] in _STEP_KEYS:
             contents.step = folder.step(k)
@@ -118,21 +116,21 @@ def fill_gradients(contents: Draft, folder: DcpFolder, key: str | None,
             raise InputError(f"{meta_file}: --key {key!r}: no tensors under it "
                              f"(top-level keys: {_tops(paths)})")
         _set_gradients(contents, found, ".".join(wanted), meta_file)
-        contents.evidence[roles.GRADIENT] = f"{said}: --key {visible(key)}"
+        contents.say(wording(Found(roles.GRADIENT, KEY, (key,), said)))
         return
     present = [g for g in GRADIENT_KEYS if any(p[0] == g and len(p) > 1 for p in paths.values())]
     if len(present) == 1:
         found = {".".join(map(str, p[1:])): tensors[k] for k, p in paths.items()
                  if p[0] == present[0] and len(p) > 1 and k in tensors}
         _set_gradients(contents, found, present[0], meta_file)
-        contents.evidence[roles.GRADIENT] = f"{said}: its {present[0]!r} entry"
+        contents.say(wording(Found(roles.GRADIENT, ENTRY, (present[0],), said)))
         return
     if all(len(p) == 1 for p in paths.values()) and tensors:
         # A flat name -> tensor state dict: the --key rule's "whole file" (and the model).
         _set_gradients(contents, dict(tensors), "", meta_file)
         contents.weights = contents.gradients
-        flat = f"{said}: a flat name -> tensor state dict that nothing marks as something else"
-        contents.evidence[roles.GRADIENT] = contents.evidence[roles.WEIGHT] = flat
+        contents.say(wording(Found(roles.GRADIENT, UNMARKED, (), said,
+                                   "a flat name -> tensor state dict")))
         return
     why = "several gradient entries" if present else "no gradients"
     candidates = present or _candidate_tops(folder)
@@ -157,11 +155,8 @@ def _named(contents: Draft, folder: DcpFolder, key: str, said: str) -> bool:
     if holds_optimizer_state(folder, top):
         contents.optimizers = [optimizer(folder, top)]
         contents.keyed = roles.OPTIMIZER_STATE
-        contents.evidence[roles.OPTIMIZER_STATE] = f"{said}: --key {shown}: state and " \
-            "param_groups"
-        contents.missing[roles.GRADIENT] = (f"{folder.metadata_file}: --key {shown} holds an "
-                                            "optimizer's state dict (state and param_groups), not "
-                                            "gradients")
+        contents.say(wording(Found(roles.OPTIMIZER_STATE, KEY, (key,), said),
+                             NotGradients(folder.metadata_file, roles.OPTIMIZER_STATE, key=key)))
         return True
     weights = folder.under(top)
     evidence = roles.weight_evidence(weights) if weights else None
@@ -171,9 +166,8 @@ def _named(contents: Draft, folder: DcpFolder, key: str, said: str) -> bool:
         return False
     contents.weights = weights
     contents.keyed = roles.WEIGHT
-    contents.evidence[roles.WEIGHT] = f"{said}: --key {shown}: {evidence}"
-    contents.missing[roles.GRADIENT] = (f"{folder.metadata_file}: --key {shown} holds a model's "
-                                        f"weights ({evidence}), not gradients")
+    contents.say(wording(Found(roles.WEIGHT, KEY, (key,), said, evidence),
+                         NotGradients(folder.metadata_file, roles.WEIGHT, evidence, key=key)))
     return True
 
 

@@ -54,6 +54,7 @@ from gradclip_cli.source.untrusted import is_count
 
 from .dcp_folder import check_tiling, piece_name
 from .draft import Draft
+from .facts import UNMARKED, Found, wording
 from .master_copy import same_bits
 from .paths import inside
 
@@ -128,9 +129,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
                      skipped=[n for n in tensors if n not in floating])
     if not floating:
         contents.missing[roles.GRADIENT] = f"{path}: no floating-point tensors in its shards"
-    contents.evidence[roles.GRADIENT] = contents.evidence[roles.WEIGHT] = (
-        f"DCP's Hugging Face layout: safetensors shards with {SHARDING_KEY}, a flat name -> "
-        "tensor set that nothing marks as something else")
+    held = f"safetensors shards with {SHARDING_KEY}, a flat name -> tensor set"
+    contents.say(wording(Found(roles.GRADIENT, UNMARKED, (), "DCP's Hugging Face layout", held)))
     chunks = sum(len(p) for p in pieces.values())
     contents.description.append(
         f"DCP Hugging Face layout: {len(tensors)} tensors in {chunks} pieces, "

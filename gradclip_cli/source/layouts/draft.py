@@ -19,20 +19,21 @@ from gradclip_cli.source.roles import split_buffers
 
 @dataclass(frozen=True)
 class Wording:
-    """A layout's report sentences, made from its facts record by one function
-    (``megatron/facts.py``, ``deepspeed/facts.py``), which ``Draft.say`` puts in place.
+    """A layout's report sentences, made from its facts by one function (``facts.py``,
+    ``megatron/facts.py``, ``deepspeed/facts.py``), which ``Draft.say`` puts in place.
 
     ``description``: the report header's lines about the checkpoint. ``weight_evidence``,
-    ``optimizer_evidence``: why its tensors are weights and optimizer state.
-    ``optimizer_error``, ``gradient_error``: why no moments or no gradients are measured,
-    where none are.
+    ``optimizer_evidence``, ``gradient_evidence``: why its tensors are weights, optimizer
+    state, gradients. ``optimizer_error``, ``gradient_error``: why no moments or no
+    gradients are measured, where none are. None: nothing said.
     """
 
-    description: tuple[str, ...]
-    weight_evidence: str
+    description: tuple[str, ...] = ()
+    weight_evidence: str | None = None
     optimizer_evidence: str | None = None
     optimizer_error: str | None = None
     gradient_error: str | None = None
+    gradient_evidence: str | None = None
 
 
 @dataclass(slots=True)  # a field Contents does not have is an error, not a new attribute
@@ -70,13 +71,14 @@ class Draft:
     fused_weights: dict[str, StoredTensor] = field(default_factory=dict)
 
     def say(self, words: Wording) -> None:
-        """Put a layout's sentences in place: description lines, evidence, what is missing."""
+        """Put a layout's sentences in place: description lines, evidence, what is missing
+        (each said replaces what was; what is not said stays)."""
         self.description.extend(words.description)
-        self.evidence[roles.WEIGHT] = words.weight_evidence
-        if words.optimizer_evidence is not None:
-            self.evidence[roles.OPTIMIZER_STATE] = words.optimizer_evidence
-        self.missing[roles.OPTIMIZER_STATE] = words.optimizer_error
-        self.missing[roles.GRADIENT] = words.gradient_error
+        said = (roles.WEIGHT, roles.OPTIMIZER_STATE, roles.GRADIENT)
+        evidence = (words.weight_evidence, words.optimizer_evidence, words.gradient_evidence)
+        errors = (None, words.optimizer_error, words.gradient_error)
+        self.evidence.update((r, s) for r, s in zip(said, evidence) if s is not None)
+        self.missing.update((r, s) for r, s in zip(said, errors) if s is not None)
 
     def finish(self) -> Contents:
         """The inventory: these findings, read-only from here on. Buffers are set apart

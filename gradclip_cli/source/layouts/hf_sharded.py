@@ -33,6 +33,7 @@ from gradclip_cli.source.interface import (
 )
 
 from .draft import Draft
+from .facts import FLAT, PROOF, Found, NotGradients, wording
 from .paths import MAX_JSON_BYTES, inside, json_head_keys, read_json
 
 KIND = "hf-sharded"
@@ -95,13 +96,11 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     evidence = roles.weight_evidence(tensors, folder=index.parent)
     if evidence is not None:
         contents.weights = floating or None
-        contents.evidence[roles.WEIGHT] = evidence
-        contents.missing[roles.GRADIENT] = f"{index}: the set is a model's weights ({evidence}), " \
-            "not gradients"
+        contents.say(wording(Found(roles.WEIGHT, PROOF, detail=evidence),
+                             NotGradients(index, roles.WEIGHT, evidence, file="the set")))
         return contents.finish()
     contents.gradients = floating or None
-    contents.evidence[roles.GRADIENT] = "a set of name -> tensor shards that nothing marks " \
-        "as weights"
+    contents.say(wording(Found(roles.GRADIENT, FLAT, detail="a set of name -> tensor shards")))
     if not floating:
         contents.missing[roles.GRADIENT] = f"{index}: no floating-point tensors in the set"
     # The same tensors are the weights should the set be a model saved without its

@@ -35,6 +35,7 @@ from gradclip_cli.source.vocabulary import step_after, step_value
 from . import hf_sharded
 from .dcp_frameworks import refuse_key
 from .draft import Draft
+from .facts import FILES, Found, NoGradients, wording
 from .paths import member, read_json
 from .torch_optim import optimizer_state
 
@@ -67,13 +68,13 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     if optimizer_file is not None:
         ckpt = load_checkpoint(optimizer_file, trust_pickle=trust_pickle, verify=verify)
         contents.optimizers.append(optimizer_state(ckpt.root, optimizer_file, "the file"))
-        contents.evidence[roles.OPTIMIZER_STATE] = f"the Trainer's {OPTIMIZER}"
+        contents.say(wording(Found(roles.OPTIMIZER_STATE, FILES, (OPTIMIZER,), "the Trainer's")))
         contents.files.append(optimizer_file)
         contents.trusted_pickle |= ckpt.trusted_pickle
     if contents.optimizers and contents.optimizers[0].param_names is None \
             and contents.weights_sorted:
         contents.order = model_order_from_config(path, len(contents.weights or {}))
-    contents.missing[roles.GRADIENT] = f"{path}: a Trainer checkpoint holds no gradients"
+    contents.say(wording(NoGradients(path, "a Trainer checkpoint")))
     held = ", ".join(visible(p.name) for p in contents.files)
     step = f" at global_step {contents.step}" if contents.step is not None else ""
     contents.description.insert(0, f"Trainer checkpoint{step}: {held}")
@@ -108,7 +109,7 @@ def _read_weights(contents: Draft, folder: Path, *, trust_pickle: bool,
             shards, tensors = hf_sharded.read_set(index, trust_pickle=trust_pickle, verify=verify,
                                                   folder=folder)
             contents.weights = tensors
-            contents.evidence[roles.WEIGHT] = f"the Trainer's {visible(name)}"
+            contents.say(wording(Found(roles.WEIGHT, FILES, (name,), "the Trainer's")))
             contents.weights_sorted = True  # an index sorts its names
             contents.files += [index, *(s.path for s in shards)]
             contents.trusted_pickle |= any(s.trusted_pickle for s in shards)
@@ -120,7 +121,7 @@ def _read_weights(contents: Draft, folder: Path, *, trust_pickle: bool,
             if not isinstance(ckpt.root, dict):
                 raise InputError(f"{file}: model weights should be name -> tensor")
             contents.weights = stored({str(k): v for k, v in ckpt.root.items()}, file)
-            contents.evidence[roles.WEIGHT] = f"the Trainer's {visible(name)}"
+            contents.say(wording(Found(roles.WEIGHT, FILES, (name,), "the Trainer's")))
             # torch.save of a state_dict keeps module order; safetensors sorts names.
             contents.weights_sorted = ckpt.format == "safetensors"
             contents.files.append(file)

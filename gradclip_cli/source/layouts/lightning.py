@@ -29,13 +29,14 @@ from typing import Any
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.interface import Checkpoint, Contents, stored
 from gradclip_cli.source.vocabulary import step_value
 
 from . import dcp
 from .draft import Draft
+from .facts import FILES, Found, wording
 from .paths import member
 from .single_file import fill_from_root
 from .torch_optim import optimizer_state
@@ -111,8 +112,9 @@ def contents(ckpt: Checkpoint, *, key: str | None) -> Draft:
     for i, state in enumerate(states):
         out.optimizers.append(optimizer_state(state, path, f"optimizer_states[{i}]"))
     out.step = _global_step(root, path)
-    out.evidence.setdefault("weight", "Lightning's state_dict")
-    out.evidence.setdefault("optimizer state", "Lightning's optimizer_states")
+    out.say(wording(*(Found(role, FILES, (entry,), "Lightning's") for role, entry in (
+        (roles.WEIGHT, "state_dict"), (roles.OPTIMIZER_STATE, "optimizer_states"))
+        if role not in out.evidence)))
     version = root.get(VERSION_KEY)
     out.description.append(
         f"Lightning checkpoint{f' (Lightning {version})' if isinstance(version, str) else ''}: "

@@ -35,10 +35,12 @@ from gradclip_cli.source.interface import Contents
 from . import dcp_folder
 from . import dcp_frameworks as frameworks
 from .draft import Draft
+from .facts import FILES, Found, NoGradients, wording
 from .paths import inside, read_json
 
 KIND = "olmo-core"
 _JSON, _TRAIN, _DCP = ".metadata.json", "train", "model_and_optim"
+_SAID = "an OLMo-core checkpoint"
 
 
 def recognises(path: Path) -> bool:
@@ -72,19 +74,17 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         if len(p) == 2 and p[0] == "model" and k in folder.tensors
     }
     contents.weights = weights or None
-    said = f"an OLMo-core checkpoint: {_JSON} and {_DCP}/"
-    contents.evidence[roles.WEIGHT] = f"{said}'s model entries"
+    said = f"{_JSON} and {_DCP}/'s"
+    found = [Found(roles.WEIGHT, FILES, (f"{said} model entries",), _SAID)]
     optimizer = frameworks.fqn_optimizer(
         folder, {k: str(p[1]) for k, p in folder.paths.items() if len(p) == 2 and p[0] == "optim"}
     )
     if optimizer is not None:
         contents.optimizers.append(optimizer)
-        contents.evidence[roles.OPTIMIZER_STATE] = f"{said}'s optim entries"
+        found.append(Found(roles.OPTIMIZER_STATE, FILES, (f"{said} optim entries",), _SAID))
     contents.step = _step(path, train)
-    contents.missing[roles.GRADIENT] = (
-        f"{path}: an OLMo-core checkpoint saves no gradients "
-        "(model and optimizer state, trainer state)"
-    )
+    contents.say(wording(*found, NoGradients(path, _SAID, (
+        "model and optimizer state", "trainer state"))))
     version = stated.get("version")
     made = f" (OLMo-core {visible(str(version))})" if isinstance(version, str) else ""
     contents.description.append(

@@ -37,6 +37,7 @@ from gradclip_cli.source.vocabulary import step_after
 from . import dcp, dcp_folder
 from . import dcp_frameworks as frameworks
 from .draft import Draft
+from .facts import MARK, Found, wording
 from .paths import inside
 
 KIND = "olmo-core-gradients"
@@ -97,9 +98,8 @@ def _full(path: Path, full: Path, *, trust_pickle: bool, verify: bool) -> Draft:
     contents = Draft(path=path, kind=KIND, files=found.files, index=found.metadata_file,
                      folder=found.folder, trusted_pickle=found.trusted)
     contents.gradients = dict(found.tensors)
-    contents.evidence[roles.GRADIENT] = (
-        f"{_SAID}, {FULL}/: saved in pre_optim_step, the gradients the optimizer stepped on"
-    )
+    contents.say(wording(Found(roles.GRADIENT, MARK, (f"{FULL}/",), _SAID,
+                               "saved in pre_optim_step, the gradients the optimizer stepped on")))
     contents.description.append(
         f"{len(found.tensors)} whole gradients in {found.chunk_count} chunks, "
         f"{len(found.files) - 1} DCP files"
@@ -142,9 +142,8 @@ def _sampled(path: Path, sampled: Path, *, verify: bool) -> Draft:
         raise InputError(f"{sampled}: holds no sampled gradient")
     contents = Draft(path=path, kind=KIND, files=files)
     contents.gradients = gradients
-    contents.evidence[roles.GRADIENT] = (
-        f"{_SAID}, {SAMPLED}/: saved in pre_optim_step, the first rows of each gradient"
-    )
+    contents.say(wording(Found(roles.GRADIENT, MARK, (f"{SAMPLED}/",), _SAID,
+                               "saved in pre_optim_step, the first rows of each gradient")))
     shown = ", ".join(str(n) for n in sorted(rows))
     contents.description.append(
         f"a sample, not the whole gradients: the first {shown} rows (dimension 0) of each "

@@ -23,6 +23,7 @@ from gradclip_cli.source.interface import Checkpoint, stored
 from gradclip_cli.source.vocabulary import GRADIENT_KEYS, OPTIMIZER_KEYS, WEIGHT_KEYS, step_of
 
 from .draft import Draft
+from .facts import ENTRY, FLAT, KEY, MARK, PROOF, STATE, Found, NotGradients, wording
 from .paths import read_json
 from .torch_optim import is_optimizer_state, optimizer_state
 
@@ -57,9 +58,8 @@ def fill_from_root(contents: Draft, root: Any, path: Path, key: str | None,
     if key is None and is_optimizer_state(root):
         # torch.save(optimizer.state_dict()): accelerate's optimizer.bin, a script's opt.pt.
         contents.optimizers.append(optimizer_state(root, path, "the file"))
-        contents.evidence[roles.OPTIMIZER_STATE] = "a state dict with state and param_groups"
-        contents.missing[roles.GRADIENT] = (f"{path}: the file is an optimizer's state dict "
-                                            "(state and param_groups), not gradients")
+        contents.say(wording(Found(roles.OPTIMIZER_STATE, STATE),
+                             NotGradients(path, roles.OPTIMIZER_STATE)))
         return
     try:
         selection = select_gradients(root, key, path=path)
@@ -78,23 +78,21 @@ def _gradients(contents, root, path, key, selection, metadata) -> None:
         evidence = roles.weight_evidence(root, file=path, folder=path.parent)
         if marked:
             roles.contradiction(root, f"{path}: gradclip's mark")
-            contents.evidence[roles.GRADIENT] = "gradclip's mark: save_grads wrote it"
+            contents.say(wording(Found(roles.GRADIENT, MARK)))
         elif evidence is not None:
             contents.weights, contents.buffers = roles.split_buffers(
                 stored({str(k): v for k, v in root.items() if hasattr(v, "dtype")}, path))
-            contents.evidence[roles.WEIGHT] = evidence
-            contents.missing[roles.GRADIENT] = (
-                f"{path}: the file is a model's weights ({evidence}), not gradients")
+            contents.say(wording(Found(roles.WEIGHT, PROOF, detail=evidence),
+                                 NotGradients(path, roles.WEIGHT, evidence)))
             return
         else:
-            contents.evidence[roles.GRADIENT] = (
-                "a flat name -> tensor mapping that nothing marks as weights")
+            contents.say(wording(Found(roles.GRADIENT, FLAT,
+                                       detail="a flat name -> tensor mapping")))
     else:
         shown = selection.key
         roles.contradiction(locate.at_key(root, shown), f"{path}: the key {visible(repr(shown))}")
-        contents.evidence[roles.GRADIENT] = (
-            "gradclip's mark: save_grads wrote it" if marked else
-            f"--key {visible(shown)}" if key is not None else f"a {visible(repr(shown))} key")
+        contents.say(wording(Found(roles.GRADIENT, MARK if marked else
+                                   KEY if key is not None else ENTRY, (shown,))))
     contents.gradients = stored(selection.tensors, path)
     contents.gradient_key = selection.key
     contents.skipped = list(selection.skipped)
@@ -114,10 +112,8 @@ def _named(contents: Draft, root: Any, path: Path, key: str) -> bool:
     if is_optimizer_state(node):
         contents.optimizers.append(optimizer_state(node, path, repr(key)))
         contents.keyed = roles.OPTIMIZER_STATE
-        contents.evidence[roles.OPTIMIZER_STATE] = f"--key {shown}: state and param_groups"
-        contents.missing[roles.GRADIENT] = (
-            f"{path}: --key {shown} holds an optimizer's state dict (state and param_groups), "
-            "not gradients")
+        contents.say(wording(Found(roles.OPTIMIZER_STATE, KEY, (key,)),
+                             NotGradients(path, roles.OPTIMIZER_STATE, key=key)))
         return True
     evidence = roles.weight_evidence(node) if isinstance(node, Mapping) and node else None
     if evidence is None and key in WEIGHT_KEYS and isinstance(node, Mapping) and node:
@@ -127,10 +123,9 @@ def _named(contents: Draft, root: Any, path: Path, key: str) -> bool:
         return False
     tensors = {str(k): v for k, v in node.items() if isinstance(v, torch.Tensor)}
     contents.weights, contents.buffers = roles.split_buffers(stored(tensors, path))
-    contents.evidence[roles.WEIGHT] = f"--key {shown}: {evidence}"
     contents.keyed = roles.WEIGHT
-    contents.missing[roles.GRADIENT] = (
-        f"{path}: --key {shown} holds a model's weights ({evidence}), not gradients")
+    contents.say(wording(Found(roles.WEIGHT, KEY, (key,), detail=evidence),
+                         NotGradients(path, roles.WEIGHT, evidence, key=key)))
     return True
 
 
@@ -163,8 +158,8 @@ def _others(contents: Draft, root: Any, path: Path, skip: str | None = None) -> 
     if contents.weights is None:
         # The usual names, else any top-level entry that is recognisably a model's
         # state dict (torch's _metadata, buffers).
-        found = [(name, f"the {visible(repr(name))} entry") for name in WEIGHT_KEYS]
-        found += [(str(k), f"the {visible(repr(str(k)))} entry: {e}") for k, v in root.items()
+        found = [(name, "") for name in WEIGHT_KEYS]
+        found += [(str(k), e) for k, v in root.items()
                   if str(k) not in WEIGHT_KEYS and isinstance(v, Mapping)
                   and (e := roles.weight_evidence(v)) is not None]
         for name, evidence in found:
@@ -172,7 +167,8 @@ def _others(contents: Draft, root: Any, path: Path, skip: str | None = None) -> 
             if name != skip and isinstance(weights, Mapping) and weights and all(
                     isinstance(v, torch.Tensor) for v in weights.values()):
                 contents.weights = stored({str(k): v for k, v in weights.items()}, path)
-                contents.evidence.setdefault(roles.WEIGHT, evidence)
+                if roles.WEIGHT not in contents.evidence:
+                    contents.say(wording(Found(roles.WEIGHT, ENTRY, (name,), detail=evidence)))
                 break
     if not contents.optimizers:
         # The usual names first, then any top-level entry shaped as one (state and
@@ -182,10 +178,8 @@ def _others(contents: Draft, root: Any, path: Path, skip: str | None = None) -> 
         found = [n for n in names if n != skip and is_optimizer_state(root.get(n))]
         for name in found:
             contents.optimizers.append(optimizer_state(root[name], path, repr(name)))
-        if found:
-            entries = " and ".join(visible(repr(n)) for n in found)
-            contents.evidence.setdefault(
-                roles.OPTIMIZER_STATE, f"the {entries} {'entries' if len(found) > 1 else 'entry'}")
+        if found and roles.OPTIMIZER_STATE not in contents.evidence:
+            contents.say(wording(Found(roles.OPTIMIZER_STATE, ENTRY, tuple(found))))
     contents.step = step_of(root)
 
 

@@ -36,6 +36,7 @@ from gradclip_cli.source.interface import Contents
 from . import dcp_folder
 from . import dcp_frameworks as frameworks
 from .draft import Draft
+from .facts import FILES, PROOF, Found, NoGradients, wording
 
 KIND = "torchtitan"
 _OPTIMIZER, _TRAIN_STATE = "optimizer", "train_state"
@@ -100,14 +101,13 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     }
     contents.weights = weights or None
     if kind == "export":
-        contents.evidence[roles.WEIGHT] = (
-            f"a torchtitan weights-only export: {visible(os.path.basename(os.path.normpath(path)))}"
-            "/ of model tensors alone")
+        export = "a torchtitan weights-only export"
+        folder_name = visible(os.path.basename(os.path.normpath(path)))
+        contents.say(wording(
+            Found(roles.WEIGHT, PROOF, (), export, f"{folder_name}/ of model tensors alone"),
+            NoGradients(path, f"{export} (a step-N/ folder holding only the model's state "
+                        "dict)", ())))
         contents.step = frameworks.step_folder_number(path, "step-")
-        contents.missing[roles.GRADIENT] = (
-            f"{path}: a torchtitan weights-only export (a step-N/ folder holding only the "
-            "model's state dict) saves no gradients"
-        )
         contents.description.append(
             f"torchtitan weights-only export at step {contents.step}: {len(weights)} model "
             "tensors, no optimizer state"
@@ -117,19 +117,18 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         folder,
         {k: str(p[1]) for k, p in folder.paths.items() if len(p) == 2 and p[0] == _OPTIMIZER},
     )
-    said = "a torchtitan checkpoint: .metadata's train_state.step"
-    contents.evidence[roles.WEIGHT] = f"{said}, model keys at the top level"
+    said, marked = "a torchtitan checkpoint", (".metadata's train_state.step",)
+    found = [Found(roles.WEIGHT, FILES, marked, said, "model keys at the top level")]
     if optimizer is not None:
         contents.optimizers.append(optimizer)
-        contents.evidence[roles.OPTIMIZER_STATE] = f"{said}, optimizer.state.<fqn> entries"
+        found.append(Found(roles.OPTIMIZER_STATE, FILES, marked, said,
+                           "optimizer.state.<fqn> entries"))
     step_key = next(k for k, p in folder.paths.items() if p == (_TRAIN_STATE, "step"))
     contents.step = frameworks.int_value(
         folder.value(step_key), folder.metadata_file, "train_state.step"
     )
-    contents.missing[roles.GRADIENT] = (
-        f"{path}: a torchtitan checkpoint saves no gradients (model, optimizer, lr_scheduler, "
-        "dataloader, train_state)"
-    )
+    contents.say(wording(*found, NoGradients(path, said, (
+        "model", "optimizer", "lr_scheduler", "dataloader", "train_state"))))
     fused, notes = frameworks.fused_weights(optimizer, weights)
     contents.fused_weights = fused
     contents.order = _model_order(list(weights), fused)

@@ -56,11 +56,13 @@ from gradclip_cli.source.vocabulary import step_value
 from . import dcp_frameworks as frameworks
 from . import hf_sharded
 from .draft import Draft
+from .facts import FILES, Found, NoGradients, wording
 from .paths import inside
 from .torch_optim import is_optimizer_state, optimizer_state
 
 KIND = "torchtune"
 RECIPE_STATE = "recipe_state/recipe_state.pt"
+_SAID = "torchtune's"
 _EPOCH = re.compile(r"epoch_(\d+)")
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.(bin|safetensors|pt)")
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -125,9 +127,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         if epochs_run == number + 1:
             if optimizer is not None:
                 contents.optimizers.append(optimizer)
-                contents.evidence[roles.OPTIMIZER_STATE] = (
-                    f"torchtune's {RECIPE_STATE}, epochs_run {epochs_run}"
-                )
+                contents.say(wording(Found(roles.OPTIMIZER_STATE, FILES, (RECIPE_STATE,),
+                                           _SAID, f"epochs_run {epochs_run}")))
             total = recipe.get("total_epochs")
             of = f" of {total}" if isinstance(total, int) else ""
             lines.append(f"with {RECIPE_STATE} (epochs_run {epochs_run}{of})")
@@ -154,10 +155,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             f"{visible(epoch.name)}'s Hugging Face shards sort their names and the optimizer "
             f"in {RECIPE_STATE} is in torchtune's own model order"
         )  # worded in the report by what.named_by_id, as for every layout
-    contents.missing[roles.GRADIENT] = (
-        f"{path}: a torchtune checkpoint saves no gradients (the model's weights, and "
-        f"the optimizer in {RECIPE_STATE})"
-    )
+    contents.say(wording(NoGradients(path, "a torchtune checkpoint", (
+        "the model's weights", f"and the optimizer in {RECIPE_STATE}"))))
     return contents.finish()
 
 
@@ -173,7 +172,7 @@ def _read_weights(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: b
             contents.weights_sorted = True  # Hugging Face names, in the index's order
             contents.files += [index, *(s.path for s in shards)]
             contents.trusted_pickle |= any(s.trusted_pickle for s in shards)
-            contents.evidence[roles.WEIGHT] = f"torchtune's {visible(epoch.name)}/{name}"
+            contents.say(wording(Found(roles.WEIGHT, FILES, (f"{epoch.name}/{name}",), _SAID)))
             return " (Hugging Face shards)"
     shards = [n for n in _names(epoch) if _SHARD.fullmatch(n)]
     weights: dict[str, StoredTensor] = {}
@@ -197,8 +196,8 @@ def _read_weights(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: b
         contents.trusted_pickle |= ckpt.trusted_pickle
     contents.weights = weights or None
     contents.weights_sorted = not in_order  # torch.save of one state dict keeps the model's order
-    shown = ", ".join(visible(n) for n in shards)
-    contents.evidence[roles.WEIGHT] = f"torchtune's {visible(epoch.name)}/{shown}"
+    contents.say(wording(Found(roles.WEIGHT, FILES, (f"{epoch.name}/{', '.join(shards)}",),
+                               _SAID)))
     return ""
 
 

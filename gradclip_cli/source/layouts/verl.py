@@ -49,6 +49,7 @@ from gradclip_cli.source.vocabulary import step_after
 from .dcp_folder import check_tiling
 from .dcp_frameworks import refuse_key
 from .draft import Draft
+from .facts import FILES, Found, NoGradients, wording
 from .paths import inside, read_json
 from .torch_optim import optimizer_state
 
@@ -86,21 +87,18 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         path=path, kind=KIND, weights=weights or None,
         buffers=buffers or None, trusted_pickle=reader.trusted,
     )
-    said = f"a verl FSDP checkpoint: model_world_size_{world}_rank_R.pt"
-    contents.evidence[roles.WEIGHT] = f"{said}, each rank's shards"
+    said = "a verl FSDP checkpoint"
+    found = [Found(roles.WEIGHT, FILES, (f"model_world_size_{world}_rank_R.pt",), said,
+                   "each rank's shards")]
     optimizers = reader.present("optim")
     if optimizers:
         contents.optimizers.append(_optimizer(reader, world, weights))
-        contents.evidence[roles.OPTIMIZER_STATE] = (
-            f"a verl FSDP checkpoint: optim_world_size_{world}_rank_R.pt, torch's optimizer "
-            "state of each rank's shards"
-        )
+        found.append(Found(roles.OPTIMIZER_STATE, FILES, (f"optim_world_size_{world}_rank_R.pt",),
+                           said, "torch's optimizer state of each rank's shards"))
     contents.files = list(reader.files)
     contents.step = step_after(path.resolve().parent.name, "global_step_")
-    contents.missing[roles.GRADIENT] = (
-        f"{path}: a verl FSDP checkpoint saves no gradients (model and optimizer shards, "
-        "extra state)"
-    )
+    contents.say(wording(*found, NoGradients(path, said, (
+        "model and optimizer shards", "extra state"))))
     at = f" at global step {contents.step}" if contents.step is not None else ""
     state = f", optimizer state for {len(contents.optimizers[0].state)} parameters" \
         if contents.optimizers else ", no optimizer state"
