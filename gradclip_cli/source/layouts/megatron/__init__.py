@@ -254,7 +254,7 @@ def _chained(optim, common_file: Path) -> tuple[list[tuple[str, object]], dict]:
     kinds = [p.get("param_state_sharding_type") if isinstance(p, dict) else None
              for p in (optim.values() if chain else [optim])]
     found = {"state": said.PER_PARAMETER}
-    if set(kinds) == {said.FULLY}:
+    if all(k == said.FULLY for k in kinds):
         found = {"state": said.FULLY, "chained": len(optim) if chain else 0}
     if not chain:
         return [("optimizer", optim)], found

@@ -280,8 +280,8 @@ def bucketed(
             tensors = []
             for k in sorted(per_bucket):
                 entry = per_bucket[k]
-                keys = set(entry) == {"param", "exp_avg", "exp_avg_sq"}
-                if not keys or len({t.shape for t in entry.values()}) != 1:
+                complete = set(entry) == {"param", "exp_avg", "exp_avg_sq"}
+                if not complete or len({t.shape for t in entry.values()}) != 1:
                     raise unfit(f"{which}bucket {k} of grad buffer {g} is not param, exp_avg "
                                 "and exp_avg_sq of one length")
                 tensors.append(entry)

@@ -1,7 +1,7 @@
 """The model's tensors in Megatron's checkpoints: which are buffers, how the
 ``torch_dist`` format's stacked layers and experts (``megatron`` states the rules) split
-into one tensor each, in Megatron's parameter order, and the check that an fp32 main
-param is the model's tensor."""
+into one tensor each, in Megatron's parameter order, the check that an fp32 main param is
+the model's tensor, and ``refuse_if``, the package's refusal of a file in one line."""
 
 from __future__ import annotations
 
