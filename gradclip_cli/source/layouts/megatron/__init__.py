@@ -99,7 +99,7 @@ from ..paths import inside, read_json
 from . import distributed_optimizer as distributed
 from . import facts as said
 from . import legacy
-from .model import BUFFER, MOMENT, OPTIMIZER, SIXTEEN, dtypes, refuse_unrounded, split_layers
+from .model import BUFFER, MOMENT, OPTIMIZER, SIXTEEN, checked, dtypes, refuse_if, split_layers
 from .tracker import COMMON, JSON, TRACKER, is_dist_ckpt, iteration_folder
 
 KIND = "megatron"
@@ -135,25 +135,18 @@ def open_dist_ckpt(
         inside(folder_path, JSON, named_by=folder_path), what="Megatron checkpoint metadata"
     )
     backend = stated.get("sharded_backend") if isinstance(stated, dict) else None
-    if backend != "torch_dist":
-        raise InputError(
-            f"{folder_path / JSON}: sharded_backend is "
-            f"{visible(repr(backend))[:40]}; gradclip reads torch_dist"
-        )
+    refuse_if(backend != "torch_dist", folder_path / JSON,
+              f"sharded_backend is {visible(repr(backend))[:40]}; gradclip reads torch_dist")
     folder = dcp_folder.read_folder(folder_path, verify=verify, trust_pickle=trust_pickle)
     common_file = inside(folder_path, COMMON, named_by=folder_path)
     with allowing(GLOBALS):
         common = load_checkpoint(common_file, trust_pickle=trust_pickle, verify=verify)
     root = common.root
-    if not isinstance(root, dict):
-        raise InputError(f"{common_file}: not Megatron's common state: not a dict")
-    files = [folder_path / JSON, common_file, *folder.files]
-    if tracker is not None:
-        files.insert(0, tracker)
+    refuse_if(not isinstance(root, dict), common_file, "not Megatron's common state: not a dict")
     contents = Draft(
         path=path,
         kind=kind,
-        files=files,
+        files=[*([tracker] if tracker else []), folder_path / JSON, common_file, *folder.files],
         index=folder.metadata_file,
         folder=folder_path,
         trusted_pickle=folder.trusted or common.trusted_pickle,
@@ -164,23 +157,15 @@ def open_dist_ckpt(
     weights = {n: t for n, t in weights.items() if n not in buffers}
     contents.weights = weights or None
     contents.buffers = buffers or None
-    optimizer = _optimizer(folder, split, root, common_file)
-    mains = _fp32_params(folder, split, weights)
-    found: dict = {"state": said.PER_PARAMETER if optimizer is not None else said.NONE}
-    if optimizer is not None and set(_shardings(root.get("optimizer"))) == {said.FULLY}:
-        optim = root["optimizer"]  # a ChainedOptimizer's under expert parallelism: {0: ..., 1: ...}
-        chained = 0 if "param_state_sharding_type" in optim else len(optim)
-        found.update(state=said.FULLY, chained=chained)
+    optimizer, found = _optimizer(split, root, common_file)
+    mains = _fp32_params(folder, split, weights, optimizer)
     sharding = distributed.sharding_of(folder, root) if optimizer is None else None
     chain = distributed.chained_count(folder) if optimizer is None else 0
     if chain or sharding == repr("dp_reshardable"):
-        if chain:
-            optimizer, buckets, mains = distributed.chained_bucketed(
-                folder, split, weights, root, common_file
-            )
-        else:
-            optimizer, one, mains = distributed.bucketed(folder, split, weights)
-            buckets = (one,)
+        optimizer, buckets, mains = (
+            distributed.chained_bucketed(folder, split, weights, root, common_file) if chain
+            else distributed.bucketed(folder, split, weights)
+        )
         found.update(state=said.BUCKETS, chained=len(buckets) if chain else 0, buckets=buckets)
     elif sharding is not None:
         sixteen = [n for n, t in weights.items() if t.dtype in SIXTEEN]
@@ -211,15 +196,9 @@ def open_dist_ckpt(
     return contents.finish()
 
 
-def _shardings(optim) -> list:
-    """The ``param_state_sharding_type`` of ``common.pt``'s optimizer, or of each of a
-    ChainedOptimizer's (``{0: ..., 1: ...}``); None for one that says none."""
-    chain = isinstance(optim, dict) and optim and all(is_int(k) for k in optim)
-    return [p.get("param_state_sharding_type") if isinstance(p, dict) else None
-            for p in (optim.values() if chain else [optim])]
-
-
-def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState | None:
+def _optimizer(split, root: dict, common_file: Path) -> tuple[OptimizerState | None, dict]:
+    """The optimizer state saved per parameter (``optimizer.state.*``), and the facts of
+    where it was read from (``_chained``); None and ``facts.NONE`` where there is none."""
     moments: dict[str, dict] = {}
     for key, parts in split.items():
         found = MOMENT.fullmatch(key)
@@ -230,28 +209,25 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
                 tensor, f"{name}.{found.group(1)}"
             )
     if not moments:
-        return None
+        return None, {"state": said.NONE}
     groups: list[dict] = []
     steps = []
-    for where, optim in _chained(root.get("optimizer"), common_file):
+    chain, found = _chained(root.get("optimizer"), common_file)
+    for where, optim in chain:
         mine, step = _groups_and_step(optim, where, common_file)
         groups += mine
         steps.append(step)
-    if len({repr(_step_value(s)) for s in steps}) != 1:
-        raise InputError(
-            f"{common_file}: the chained optimizers' steps differ "
-            f"({', '.join(visible(repr(_step_value(s))) for s in steps)}), and Megatron does not "
-            "save which parameters each holds"
-        )
+    # Each step shown as a plain number (``common_step`` is a 0-dim tensor).
+    shown = [repr(s.item() if isinstance(s, torch.Tensor) and s.numel() == 1 else s) for s in steps]
+    refuse_if(len(set(shown)) != 1, common_file,
+              f"the chained optimizers' steps differ ({', '.join(visible(s) for s in shown)}), "
+              "and Megatron does not save which parameters each holds")
     step = steps[0]
     # The groups' members are not saved (Megatron drops their ``params``); only lr, betas and
     # eps enter the measured quantities, so any number of groups that agree on them is one.
-    if not distributed.one_setting(groups, ("lr", "betas", "eps")):
-        raise InputError(
-            f"{common_file}: the optimizer's {len(groups)} param groups differ in "
-            "lr, betas or eps, and Megatron does not save which parameters each "
-            "holds"
-        )
+    refuse_if(not distributed.one_setting(groups, ("lr", "betas", "eps")), common_file,
+              f"the optimizer's {len(groups)} param groups differ in lr, betas or eps, and "
+              "Megatron does not save which parameters each holds")
     names = list(moments)
     group = {
         **{k: v for k, v in groups[0].items() if k not in ("params", "step")},
@@ -262,30 +238,33 @@ def _optimizer(folder, split, root: dict, common_file: Path) -> OptimizerState |
         {i: {**moments[n], "step": step} for i, n in enumerate(names)},
         dict(enumerate(names)),
         common_file,
-    )
+    ), found
 
 
-def _chained(optim, common_file: Path) -> list[tuple[str, object]]:
+def _chained(optim, common_file: Path) -> tuple[list[tuple[str, object]], dict]:
     """The optimizers of ``common.pt``'s ``optimizer``, each with where it is: the one, or a
-    ``ChainedOptimizer``'s (``{0: ..., 1: ...}``), each plain or ``fully_reshardable``."""
+    ``ChainedOptimizer``'s (``{0: ..., 1: ...}`` under expert parallelism), each plain or
+    ``fully_reshardable``; and the facts of their state: ``facts.FULLY`` (with the chain's
+    length, 0 for one optimizer) where every one says ``fully_reshardable``."""
     if isinstance(optim, list) and len(optim) == 1:
         # Lightning's list of its optimizers' states, as NeMo 2's MegatronCheckpointIO saves
         # common.pt (one MegatronOptimizerModule: one optimizer)
-        return [("optimizer.0", optim[0])]
-    if not isinstance(optim, dict) or not optim or not all(is_int(k) for k in optim):
-        return [("optimizer", optim)]
-    if sorted(optim) != list(range(len(optim))):
-        raise InputError(
-            f"{common_file}: the chained optimizers are numbered {sorted(optim)[:8]}, not 0, 1, ..."
-        )
-    kinds = _shardings(optim)
-    if any(k != kinds[0] for k in kinds) or kinds[0] not in (None, said.FULLY):
-        raise InputError(
-            f"{common_file}: the chained optimizers are saved as {visible(repr(kinds))[:80]} "
-            "beside moments per parameter (optimizer.state.*); gradclip reads them plain or "
-            "each fully_reshardable"
-        )
-    return [(f"optimizer.{k}", optim[k]) for k in range(len(optim))]
+        return [("optimizer.0", optim[0])], {"state": said.PER_PARAMETER}
+    chain = isinstance(optim, dict) and optim and all(is_int(k) for k in optim)
+    kinds = [p.get("param_state_sharding_type") if isinstance(p, dict) else None
+             for p in (optim.values() if chain else [optim])]
+    found = {"state": said.PER_PARAMETER}
+    if all(k == said.FULLY for k in kinds):
+        found = {"state": said.FULLY, "chained": len(optim) if chain else 0}
+    if not chain:
+        return [("optimizer", optim)], found
+    refuse_if(sorted(optim) != list(range(len(optim))), common_file,
+              f"the chained optimizers are numbered {sorted(optim)[:8]}, not 0, 1, ...")
+    refuse_if(any(k != kinds[0] for k in kinds) or kinds[0] not in (None, said.FULLY), common_file,
+              f"the chained optimizers are saved as {visible(repr(kinds))[:80]} beside moments "
+              "per parameter (optimizer.state.*); gradclip reads them plain or each "
+              "fully_reshardable")
+    return [(f"optimizer.{k}", optim[k]) for k in range(len(optim))], found
 
 
 def _groups_and_step(optim, where: str, common_file: Path) -> tuple[list, object]:
@@ -297,75 +276,53 @@ def _groups_and_step(optim, where: str, common_file: Path) -> tuple[list, object
         optim, where = optim["optimizer"], f"{where}.optimizer"
     state = optim.get("state") if isinstance(optim, dict) else None
     groups = optim.get("param_groups") if isinstance(optim, dict) else None
-    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
-        raise InputError(
-            f"{common_file}: holds no {where}.param_groups (the moments' betas, lr and eps)"
-        )
+    bad = not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups)
+    refuse_if(bad, common_file, f"holds no {where}.param_groups (the moments' betas, lr and eps)")
     if fully:  # the distributed optimizer's param groups hold the step, saved as they are
         step = distributed.one_step(groups)
-        if step is None:
-            raise InputError(
-                f"{common_file}: the distributed optimizer's {where}.param_groups give no one "
-                "step (fully_reshardable keeps the moments' step there)"
-            )
+        refuse_if(step is None, common_file, f"the distributed optimizer's {where}.param_groups "
+                  "give no one step (fully_reshardable keeps the moments' step there)")
         return groups, step
     if not isinstance(state, dict) or "common_step" not in state:
         raise InputError(f"{common_file}: holds no {where}.state.common_step (the moments' step)")
     return groups, state["common_step"]
 
 
-def _step_value(step) -> object:
-    """A step as a plain number to compare (``common_step`` is a 0-dim tensor)."""
-    if isinstance(step, torch.Tensor) and step.numel() == 1:
-        return step.item()
-    return step
-
-
-def _fp32_params(folder, split, weights: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
+def _fp32_params(folder, split, weights: dict[str, StoredTensor],
+                 optimizer: OptimizerState | None) -> dict[str, StoredTensor]:
     """The optimizer's fp32 main params by model name, where it saves them per parameter
     (``optimizer.state.fp32_param.<key>``, or ``fully_reshardable``'s
     ``optimizer.state.param.<key>``) chunked as the model's tensor is; ``{}`` for none. Each
     chunk, when read, must round to the model's (``refuse_unrounded``); a 16-bit parameter
-    with moments but no fp32 copy, where others have one, is refused too."""
+    with moments in ``optimizer`` but no fp32 copy, where others have one, is refused too."""
     where = folder.metadata_file
     out: dict[str, StoredTensor] = {}
-    moments: set[str] = set()
+    moments = set(optimizer.param_names.values()) if optimizer is not None else set()
     kinds: set[str] = set()
     for key, parts in split.items():
         found = MOMENT.fullmatch(key)
-        if found and found.group(1) not in _MAIN:
-            moments.update(name for name, _ in parts)
         if not found or found.group(1) not in _MAIN:
             continue
         kind = f"optimizer.state.{found.group(1)}"
         kinds.add(kind)
         for name, main in parts:
             model = weights.get(name)
-            if model is None:
-                raise InputError(
-                    f"{where}: holds {visible(repr(key))[:120]}, the fp32 main param of "
-                    f"{visible(name)}, which the model does not hold"
-                )
-            if (
-                main.dtype != torch.float32
-                or main.shape != model.shape
-                or sorted((p.offsets, p.shape) for p in main.pieces)
-                != sorted((p.offsets, p.shape) for p in model.pieces)
-            ):
-                raise InputError(
-                    f"{where}: {visible(repr(key))[:120]} is not an fp32 tensor chunked as the "
-                    f"model's {visible(name)} ({model.dtype}, shape {list(model.shape)}): not "
-                    "its fp32 main param"
-                )
+            refuse_if(model is None, where, f"holds {visible(repr(key))[:120]}, the fp32 main "
+                      f"param of {visible(name)}, which the model does not hold")
+            chunks = [sorted((p.offsets, p.shape) for p in t.pieces) for t in (main, model)]
+            fp32 = main.dtype == torch.float32 and main.shape == model.shape
+            refuse_if(not fp32 or chunks[0] != chunks[1], where,
+                      f"{visible(repr(key))[:120]} is not an fp32 tensor chunked as the model's "
+                      f"{visible(name)} ({model.dtype}, shape {list(model.shape)}): not its "
+                      "fp32 main param")
             by_place = {(p.offsets, p.shape): p for p in model.pieces}
             pieces = [
-                Piece(p.offsets, p.shape, _checked(name, kind, p, by_place[(p.offsets, p.shape)]),
+                Piece(p.offsets, p.shape, checked(name, kind, p, by_place[(p.offsets, p.shape)]),
                       p.file)
                 for p in main.pieces
             ]
             out[name] = StoredTensor(name, main.shape, torch.float32, pieces)
-    if len(kinds) > 1:
-        raise InputError(f"{where}: holds both {' and '.join(sorted(kinds))} entries")
+    refuse_if(len(kinds) > 1, where, f"holds both {' and '.join(sorted(kinds))} entries")
     # In the model's order, so the parameter named is the same on every run.
     missing = [n for n in weights if n in moments and n not in out and weights[n].dtype in SIXTEEN]
     if out and missing:
@@ -375,17 +332,6 @@ def _fp32_params(folder, split, weights: dict[str, StoredTensor]) -> dict[str, S
             "have their fp32 main params: the mixed-precision state is incomplete"
         )
     return out
-
-
-def _checked(name: str, kind: str, main: Piece, model: Piece):
-    """``main.read`` that first checks the chunk rounds to the model's chunk."""
-
-    def read() -> torch.Tensor:
-        value = main.read()
-        refuse_unrounded(main.file, name, kind, value, model.read())
-        return value
-
-    return read
 
 
 def _iteration(root: dict, common_file: Path, folder: Path) -> int | None:

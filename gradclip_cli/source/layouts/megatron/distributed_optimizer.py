@@ -46,7 +46,7 @@ from gradclip_cli.source.untrusted import is_number
 from .. import dcp_folder
 from ..master_copy import rounds_to
 from .facts import Buckets
-from .model import EXPERT, SIXTEEN, dtypes, model_order
+from .model import EXPERT, SIXTEEN, dtypes, model_order, refuse_if
 from .pipeline import copy_name
 from .tracker import DISTRIBUTED
 
@@ -183,36 +183,26 @@ def chained_bucketed(
     optim = root.get("optimizer")
     parts = list(optim.values()) if isinstance(optim, dict) else []
     shardings = [p.get("param_state_sharding_type") if isinstance(p, dict) else p for p in parts]
-    if shardings != ["dp_reshardable"] * 2:
-        raise InputError(
-            f"{common_file}: the optimizer is a ChainedOptimizer of distributed optimizers "
-            f"saved as {visible(repr(shardings))[:80]}; gradclip reads the two of expert "
-            "parallelism (the dense parameters' and the experts'), each dp_reshardable"
-        )
+    refuse_if(shardings != ["dp_reshardable"] * 2, common_file,
+              "the optimizer is a ChainedOptimizer of distributed optimizers saved as "
+              f"{visible(repr(shardings))[:80]}; gradclip reads the two of expert parallelism "
+              "(the dense parameters' and the experts'), each dp_reshardable")
     count = chained_count(folder)
-    if count != 2:
-        raise InputError(
-            f"{folder.metadata_file}: holds the buckets of {count} chained distributed "
-            f"optimizers (chained_N.optimizer.distributed.*), where {common_file.name} "
-            "lists 2"
-        )
+    refuse_if(count != 2, folder.metadata_file, f"holds the buckets of {count} chained "
+              "distributed optimizers (chained_N.optimizer.distributed.*), where "
+              f"{common_file.name} lists 2")
     experts = {name for name in weights if EXPERT.match(name)}
     flags = [
         _bucket_groups(folder, 1, f"chained_{k}.")[1].get("is_expert_parallel") for k in (0, 1)
     ]
-    if sorted(flags, key=repr) != [False, True]:
-        raise InputError(
-            f"{folder.metadata_file}: the chained distributed optimizers' param groups say "
-            f"is_expert_parallel {visible(repr(flags))[:60]}, not one dense and one expert "
-            "optimizer: gradclip cannot tell which parameters each holds"
-        )
+    refuse_if(sorted(flags, key=repr) != [False, True], folder.metadata_file,
+              "the chained distributed optimizers' param groups say is_expert_parallel "
+              f"{visible(repr(flags))[:60]}, not one dense and one expert optimizer: gradclip "
+              "cannot tell which parameters each holds")
     states, read, mains = [], [], {}
     for k, expert in enumerate(flags):
-        state, facts, main = bucketed(
-            folder,
-            split,
-            weights,
-            f"chained_{k}.",
+        state, (facts,), main = bucketed(
+            folder, split, weights, f"chained_{k}.",
             experts if expert else set(weights) - experts,
             "expert-parallel" if expert else "model-parallel",
         )
@@ -224,13 +214,9 @@ def chained_bucketed(
 
 
 def bucketed(
-    folder: dcp_folder.DcpFolder,
-    split,
-    weights,
-    prefix: str = "",
-    only: set[str] | None = None,
-    ranked: str = "model-parallel",
-) -> tuple[OptimizerState, Buckets, dict[str, StoredTensor]]:
+    folder: dcp_folder.DcpFolder, split, weights, prefix: str = "",
+    only: set[str] | None = None, ranked: str = "model-parallel",
+) -> tuple[OptimizerState, tuple[Buckets], dict[str, StoredTensor]]:
     """The distributed optimizer's ``dp_reshardable`` state as per-parameter moments, and
     each parameter's ``param`` (its fp32 main copy, assembled over tensor-parallel ranks as
     the moments are).
@@ -258,11 +244,8 @@ def bucketed(
         if not key.startswith(f"{prefix}optimizer.distributed."):
             continue
         part = _BUCKET.fullmatch(key[len(prefix) :])
-        if part is None:
-            raise InputError(
-                f"{where}: holds {visible(repr(key))[:120]}, not a bucket's param, exp_avg or "
-                "exp_avg_sq of Megatron's dp_reshardable distributed optimizer"
-            )
+        refuse_if(part is None, where, f"holds {visible(repr(key))[:120]}, not a bucket's param, "
+                  "exp_avg or exp_avg_sq of Megatron's dp_reshardable distributed optimizer")
         per_buffer = found.setdefault(int(part.group(1)), {})
         dtype, entry = per_buffer.setdefault(int(part.group(2)), (part.group(3), {}))
         if dtype != part.group(3):
@@ -288,10 +271,8 @@ def bucketed(
             by_dtype.setdefault(str(weights[name].dtype), []).append(name)
         buffer_dtypes = [found[rank][g][0] for g in sorted(found[rank])]
         if sorted(found[rank]) != list(range(len(found[rank]))) or buffer_dtypes != list(by_dtype):
-            raise unfit(
-                f"{which}grad buffers of {buffer_dtypes}, the model's parameters are "
-                f"{list(by_dtype)}"
-            )
+            raise unfit(f"{which}grad buffers of {buffer_dtypes}, the model's parameters are "
+                        f"{list(by_dtype)}")
         for g, names in zip(sorted(found[rank]), by_dtype.values()):
             dtype, per_bucket = found[rank][g]
             if sorted(per_bucket) != list(range(len(per_bucket))):
@@ -299,14 +280,10 @@ def bucketed(
             tensors = []
             for k in sorted(per_bucket):
                 entry = per_bucket[k]
-                if (
-                    set(entry) != {"param", "exp_avg", "exp_avg_sq"}
-                    or len({t.shape for t in entry.values()}) != 1
-                ):
-                    raise unfit(
-                        f"{which}bucket {k} of grad buffer {g} is not param, exp_avg and "
-                        "exp_avg_sq of one length"
-                    )
+                complete = set(entry) == {"param", "exp_avg", "exp_avg_sq"}
+                if not complete or len({t.shape for t in entry.values()}) != 1:
+                    raise unfit(f"{which}bucket {k} of grad buffer {g} is not param, exp_avg "
+                                "and exp_avg_sq of one length")
                 tensors.append(entry)
             sizes = [t["param"].shape[0] for t in tensors]
             numels = {
@@ -315,13 +292,11 @@ def bucketed(
             layout = buckets(names, numels, sizes=sizes)
             laid = [b.numel_unpadded for b in layout]
             if laid != sizes:
-                raise unfit(
-                    f"buckets of {laid} elements laid out, {which}grad buffer {g} holds {sizes}"
-                )
+                raise unfit(f"buckets of {laid} elements laid out, {which}grad buffer {g} "
+                            f"holds {sizes}")
             if not fits_one_bucket_size(layout):
-                raise unfit(
-                    f"{which}grad buffer {g}'s buckets close where no one bucket size closes them"
-                )
+                raise unfit(f"{which}grad buffer {g}'s buckets close where no one bucket size "
+                            "closes them")
             count += len(layout)
             for k, (bucket, entry) in enumerate(zip(layout, tensors)):
                 _check_chunks(entry, bucket, unfit, f"{which}bucket {k}")
@@ -361,7 +336,7 @@ def bucketed(
         state[index[name]] = {**moments, "step": step}
     group = {**group, "params": sorted(state)}
     facts = Buckets("the distributed optimizer's", count, ranks, ranked, prefix)
-    return OptimizerState([group], state, {i: order[i] for i in state}, where), facts, mains
+    return OptimizerState([group], state, {i: order[i] for i in state}, where), (facts,), mains
 
 
 _WRITER = re.compile(r"__(\d+)_\d+\.distcp")  # DCP's file of process R: __R_K.distcp
@@ -444,11 +419,8 @@ def _bucket_groups(
     groups: list = []
     for rank in range(ranks):
         name = prefix + _GROUPS.format(rank)
-        if name not in folder.meta.entries:
-            raise InputError(
-                f"{where}: holds no {name} (the distributed optimizer's param groups: "
-                "its step, betas, lr and eps)"
-            )
+        refuse_if(name not in folder.meta.entries, where, f"holds no {name} (the distributed "
+                  "optimizer's param groups: its step, betas, lr and eps)")
         value = folder.value(name)
         if isinstance(value, list) and len(value) == 1:
             value = value[0]  # the object as Megatron's torch_dist saves it: in a list
@@ -456,14 +428,10 @@ def _bucket_groups(
         if not isinstance(mine, list) or not mine or not all(isinstance(g, dict) for g in mine):
             raise InputError(f"{where}: {name} is not the distributed optimizer's param groups")
         groups += mine
-    if not one_setting(groups):
-        raise InputError(
-            f"{where}: the distributed optimizer's param groups differ in lr, betas or eps, "
-            "and Megatron does not save which parameters each holds"
-        )
+    refuse_if(not one_setting(groups), where, "the distributed optimizer's param groups differ "
+              "in lr, betas or eps, and Megatron does not save which parameters each holds")
     step = one_step(groups)
-    if step is None:
-        raise InputError(f"{where}: the distributed optimizer's param groups give no one step")
+    refuse_if(step is None, where, "the distributed optimizer's param groups give no one step")
     return step, {k: v for k, v in groups[0].items() if k not in ("params", "step")}
 
 
@@ -521,38 +489,25 @@ def distrib_optim(rank) -> None:
     value = rank.root.get("optimizer")
     inner = value.get("optimizer") if isinstance(value, Mapping) else None
     groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
-    if (
-        not isinstance(groups, list)
-        or not groups
-        or not all(isinstance(g, Mapping) for g in groups)
-    ):
-        raise InputError(
-            f"{rank.file}: beside {DISTRIBUTED}, its optimizer is not one distributed "
-            "optimizer's param groups (several optimizers, or none): gradclip reads one"
-        )
-    if not one_setting(groups):
-        raise InputError(
-            f"{rank.file}: its param groups differ in lr, betas or eps, and {DISTRIBUTED} "
-            "does not say which parameter is in which group"
-        )
+    bad = not isinstance(groups, list) or not groups
+    refuse_if(bad or not all(isinstance(g, Mapping) for g in groups), rank.file,
+              f"beside {DISTRIBUTED}, its optimizer is not one distributed optimizer's param "
+              "groups (several optimizers, or none): gradclip reads one")
+    refuse_if(not one_setting(groups), rank.file, "its param groups differ in lr, betas or eps, "
+              f"and {DISTRIBUTED} does not say which parameter is in which group")
     step = one_step(groups)
-    if step is None:
-        raise InputError(
-            f"{rank.file}: its param groups give no one Adam step (the distributed "
-            f"optimizer saves it there; {DISTRIBUTED} holds none)"
-        )
+    refuse_if(step is None, rank.file, "its param groups give no one Adam step (the distributed "
+              f"optimizer saves it there; {DISTRIBUTED} holds none)")
     buffers = _buffers(rank, file)
     order = {name: pid for pid, name in enumerate(rank.weights)}
     by_buffer: dict[tuple[str, torch.dtype], list[str]] = {}
     for name in order:  # Megatron's DDP: one grad buffer per chunk and dtype, model order
         by_buffer.setdefault((_chunk_of(rank, name), rank.weights[name].dtype), []).append(name)
-    if [d for d, _ in buffers] != [d for _, d in by_buffer]:
-        chunks = f" of {len(rank.chunks)} model chunks" if len(rank.chunks) > 1 else ""
-        raise InputError(
-            f"{file}: holds grad buffers of {[str(d) for d, _ in buffers]}, the model's "
-            f"parameters{chunks} are {[str(d) for _, d in by_buffer]}: gradclip cannot tell "
-            "which elements are whose"
-        )
+    chunks = f" of {len(rank.chunks)} model chunks" if len(rank.chunks) > 1 else ""
+    refuse_if([d for d, _ in buffers] != [d for _, d in by_buffer], file,
+              f"holds grad buffers of {[str(d) for d, _ in buffers]}, the model's parameters"
+              f"{chunks} are {[str(d) for _, d in by_buffer]}: gradclip cannot tell which "
+              "elements are whose")
     own = _own_bucket(rank)
     state: dict[int, dict] = {}
     for (dtype, tensors), ((chunk, _), names) in zip(buffers, by_buffer.items()):
@@ -581,19 +536,17 @@ def _buffers(rank, file: Path) -> list[tuple[torch.dtype, dict]]:
     by buffer index, as get_parameter_state_dp_zero saves them."""
     with allowing(GLOBALS):
         root = load_checkpoint(file, **rank.reading).root
-    if not isinstance(root, Mapping) or root.get("buckets_coalesced") is not True:
-        raise InputError(
-            f"{file}: not a distributed optimizer's parameter state of coalesced buckets "
-            "(get_parameter_state_dp_zero, core_v0.16.1)"
-        )
+    refuse_if(not isinstance(root, Mapping) or root.get("buckets_coalesced") is not True, file,
+              "not a distributed optimizer's parameter state of coalesced buckets "
+              "(get_parameter_state_dp_zero, core_v0.16.1)")
     indices = sorted(k for k in root if k != "buckets_coalesced")
-    if indices != list(range(len(indices))) or not indices:
-        raise InputError(f"{file}: its grad buffers are not numbered 0, 1, ...")
+    bad = indices != list(range(len(indices))) or not indices
+    refuse_if(bad, file, "its grad buffers are not numbered 0, 1, ...")
     out = []
     for index in indices:
         entry = root[index]
-        if not isinstance(entry, Mapping) or len(entry) != 1:
-            raise InputError(f"{file}: grad buffer {index} is not one (param, grad) dtype's")
+        bad = not isinstance(entry, Mapping) or len(entry) != 1
+        refuse_if(bad, file, f"grad buffer {index} is not one (param, grad) dtype's")
         ((dtypes, tensors),) = entry.items()
         n = tensors.get("numel_unpadded") if isinstance(tensors, Mapping) else None
         if (
@@ -638,9 +591,8 @@ def _own_bucket(rank) -> set[str]:
     (``shared_embedding``: ``LanguageModule.setup_embeddings_and_output_layer``,
     ``_ParamAndGradBuffer``'s ``_does_param_require_new_bucket``)."""
     size = rank.args.get("pipeline_model_parallel_size")
-    if rank.stage is None or not isinstance(size, int) or size < 2:
-        return set()
-    if rank.args.get("untie_embeddings_and_output_weights") is not False:
+    untied = rank.args.get("untie_embeddings_and_output_weights") is not False
+    if rank.stage is None or not isinstance(size, int) or size < 2 or untied:
         return set()
     if rank.stage == 0:  # in the first chunk
         prefix = f"{rank.chunks[0]}." if len(rank.chunks) > 1 else ""

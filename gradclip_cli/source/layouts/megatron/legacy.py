@@ -94,7 +94,7 @@ from ..tensor_parallel import hidden_size, merged, split_axis, whole_shards
 from ..torch_optim import is_optimizer_state, optimizer_state
 from . import facts as said
 from .distributed_optimizer import distrib_optim
-from .model import BUFFER, SIXTEEN, refuse_unrounded
+from .model import BUFFER, SIXTEEN, refuse_if, refuse_unrounded
 from .pipeline import by_layer, global_names, stage_layers
 from .tracker import DISTRIBUTED, FILE, RANK, is_legacy
 
@@ -125,12 +125,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
 
 
 def open_iteration(
-    path: Path,
-    folder: Path,
-    tracker: Path | None,
-    *,
-    trust_pickle: bool,
-    verify: bool,
+    path: Path, folder: Path, tracker: Path | None, *, trust_pickle: bool, verify: bool,
     only: str | None = None,
 ) -> Draft:
     stages = _read_stages(folder, trust_pickle=trust_pickle, verify=verify, only=only)
@@ -160,11 +155,8 @@ def open_iteration(
             if n in copies:
                 continue
             g = rename.get(n, n)
-            if g in weights:
-                raise InputError(
-                    f"{ranks[0].file}: holds {visible(g)}, which an earlier pipeline stage "
-                    "or chunk holds too: the stages are not one model"
-                )
+            refuse_if(g in weights, ranks[0].file, f"holds {visible(g)}, which an earlier "
+                      "pipeline stage or chunk holds too: the stages are not one model")
             names.append(g)
             kinds[g] = local_kinds[n]
             shards = [(r.masters if masters else r.weights)[n] for r in ranks]
@@ -184,11 +176,8 @@ def open_iteration(
     contents = Draft(
         path=path,
         kind=KIND,
-        files=([tracker] if tracker else [])
-        + [
-            f
-            for r in every
-            for f in (r.file, r.file.parent / DISTRIBUTED)
+        files=([tracker] if tracker else []) + [
+            f for r in every for f in (r.file, r.file.parent / DISTRIBUTED)
             if r.distributed or f == r.file
         ],
         folder=folder,
@@ -201,8 +190,7 @@ def open_iteration(
         rename = global_names(ranks[0], list(ranks[0].buffers), layers)[0] if layers else {}
         for n, t in ranks[0].buffers.items():
             buffers[rename.get(n, n)] = StoredTensor.whole(rename.get(n, n), t, ranks[0].file)
-    if buffers:
-        contents.buffers = buffers
+    contents.buffers = buffers or None
     if optimizer is not None:
         contents.optimizers.append(optimizer)
     contents.step = step
@@ -229,8 +217,7 @@ def open_iteration(
         siblings=sum(1 for n in os.listdir(folder) if RANK.fullmatch(n)) if only else 0,
         tensor_rank=first.tensor_rank or 0,
     )
-    words = said.legacy_wording(facts)
-    contents.say(words)
+    contents.say(said.legacy_wording(facts))
     return contents
 
 
@@ -263,10 +250,8 @@ class _Rank:
         file = self.file
         prefix = f"{key}." if len(self.chunks) > 1 else ""
         for name, value in model.items():
-            if not isinstance(name, str):
-                raise InputError(
-                    f"{file}: its {key} is keyed by {visible(repr(name))[:40]}, not by names"
-                )
+            refuse_if(not isinstance(name, str), file,
+                      f"its {key} is keyed by {visible(repr(name))[:40]}, not by names")
             name = prefix + name
             if name.endswith(_EXTRA):
                 self.skipped.append(name)  # Transformer Engine's state (None without it)
@@ -292,30 +277,20 @@ def _chunks(root: Mapping, args: Mapping, file: Path) -> list[str]:
     )
     virtual = args.get("virtual_pipeline_model_parallel_size")
     if "model" in root and not found and virtual is None:
-        if not isinstance(root["model"], Mapping):
-            raise InputError(f"{file}: its model is not a state dict")
+        refuse_if(not isinstance(root["model"], Mapping), file, "its model is not a state dict")
         return ["model"]
-    if not found and "model" not in root:
-        raise InputError(f"{file}: holds no 'model' state dict")
-    held = (
-        f"{len(found)} virtual pipeline chunk(s) ({', '.join(found)})"
-        if found
-        else "one model, no virtual pipeline chunks (model0, model1...)"
-    )
-    if "model" in root and found:
-        raise InputError(f"{file}: holds both a model and {held}: gradclip cannot tell which")
-    if virtual is None:
-        raise InputError(
-            f"{file}: holds {held}, but its args set no virtual_pipeline_model_parallel_size"
-        )
-    if not is_int(virtual) or found != [f"model{i}" for i in range(virtual)]:
-        raise InputError(
-            f"{file}: holds {held}, but its args set virtual_pipeline_model_parallel_size "
-            f"{visible(repr(virtual))[:40]}" + (": the chunks are incomplete" if found else "")
-        )
+    refuse_if(not found and "model" not in root, file, "holds no 'model' state dict")
+    held = (f"{len(found)} virtual pipeline chunk(s) ({', '.join(found)})" if found
+            else "one model, no virtual pipeline chunks (model0, model1...)")
+    refuse_if("model" in root and found, file,
+              f"holds both a model and {held}: gradclip cannot tell which")
+    refuse_if(virtual is None, file,
+              f"holds {held}, but its args set no virtual_pipeline_model_parallel_size")
+    refuse_if(not is_int(virtual) or found != [f"model{i}" for i in range(virtual)], file,
+              f"holds {held}, but its args set virtual_pipeline_model_parallel_size "
+              f"{visible(repr(virtual))[:40]}" + (": the chunks are incomplete" if found else ""))
     bad = next((k for k in found if not isinstance(root[k], Mapping)), None)
-    if bad is not None:
-        raise InputError(f"{file}: its {bad} is not a state dict")
+    refuse_if(bad is not None, file, f"its {bad} is not a state dict")
     return found
 
 
@@ -332,10 +307,8 @@ def _read_stages(
     if not suffixed:
         return [_read_ranks(folder, found, only=only, trust_pickle=trust_pickle, verify=verify)]
     plain = next((n for n in found if n not in suffixed), None)
-    if plain is not None:
-        raise InputError(
-            f"{folder}: holds both {plain} and {suffixed[0]}: not one checkpoint's ranks"
-        )
+    refuse_if(plain is not None, folder,
+              f"holds both {plain} and {suffixed[0]}: not one checkpoint's ranks")
     expert = next((n for n in found if RANK.fullmatch(n).group(2).count("_") != 1), None)
     if expert is not None:
         raise InputError(
@@ -348,28 +321,20 @@ def _read_stages(
         match = RANK.fullmatch(rank.file.parent.name)
         rank.tensor_rank, rank.stage = int(match.group(1)), int(match.group(2)[1:])
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            size = rank.args.get(key)
-            if not is_count(size, 1):
-                raise InputError(
-                    f"{rank.file}: its args give no {key}, so its folder's _YYY cannot be "
-                    "told a pipeline stage"
-                )
+            refuse_if(not is_count(rank.args.get(key), 1), rank.file, f"its args give no {key}, "
+                      "so its folder's _YYY cannot be told a pipeline stage")
         expert_size = rank.args.get("expert_model_parallel_size")
         pipeline = rank.args["pipeline_model_parallel_size"]
-        if pipeline == 1 or expert_size not in (None, 1):
-            raise InputError(
-                f"{rank.file}: its args say pipeline_model_parallel_size {pipeline}, "
-                f"expert_model_parallel_size {expert_size}: an expert-parallel rank; "
-                "gradclip reads tensor- and pipeline-parallel ranks only"
-            )
-        if rank.stage >= pipeline or rank.tensor_rank >= rank.args["tensor_model_parallel_size"]:
-            raise InputError(
-                f"{rank.file}: its folder names stage {rank.stage}, tensor-parallel rank "
-                f"{rank.tensor_rank}, but its args say pipeline_model_parallel_size "
-                f"{pipeline}, tensor_model_parallel_size "
-                f"{rank.args['tensor_model_parallel_size']}"
-            )
-        sizes.setdefault((rank.args["tensor_model_parallel_size"], pipeline), rank)
+        tensor = rank.args["tensor_model_parallel_size"]
+        refuse_if(pipeline == 1 or expert_size not in (None, 1), rank.file,
+                  f"its args say pipeline_model_parallel_size {pipeline}, "
+                  f"expert_model_parallel_size {expert_size}: an expert-parallel rank; "
+                  "gradclip reads tensor- and pipeline-parallel ranks only")
+        refuse_if(rank.stage >= pipeline or rank.tensor_rank >= tensor, rank.file,
+                  f"its folder names stage {rank.stage}, tensor-parallel rank {rank.tensor_rank}, "
+                  f"but its args say pipeline_model_parallel_size {pipeline}, "
+                  f"tensor_model_parallel_size {tensor}")
+        sizes.setdefault((tensor, pipeline), rank)
     if len(sizes) > 1:
         (a, first), (b, other) = list(sizes.items())[:2]
         raise InputError(
@@ -380,26 +345,21 @@ def _read_stages(
     if only is not None:
         return [ranks]
     expected = [f"mp_rank_{t:02d}_{s:03d}" for s in range(pipeline) for t in range(tensor)]
-    if sorted(expected) != found:
-        missing = next((e for e in expected if e not in found), None)
-        raise InputError(
-            f"{folder}: holds {', '.join(found)}"
-            + (f" but no {missing}" if missing else "")
-            + f": its args say {tensor} tensor- x {pipeline} pipeline-parallel ranks; "
-            "the ranks are incomplete"
-        )
+    missing = next((e for e in expected if e not in found), None)
+    refuse_if(sorted(expected) != found, folder, f"holds {', '.join(found)}"
+              + (f" but no {missing}" if missing else "")
+              + f": its args say {tensor} tensor- x {pipeline} pipeline-parallel ranks; "
+              "the ranks are incomplete")
     by_name = {r.file.parent.name: r for r in ranks}
     return [[by_name[f"mp_rank_{t:02d}_{s:03d}"] for t in range(tensor)] for s in range(pipeline)]
 
 
 def _load_rank(folder: Path, name: str, *, trust_pickle: bool, verify: bool) -> _Rank:
     file = inside(folder, f"{name}/{FILE}", named_by=folder)
-    if not os.path.isfile(file):
-        raise InputError(f"{file}: missing (its rank folder {name}/ has no {FILE})")
+    refuse_if(not os.path.isfile(file), file, f"missing (its rank folder {name}/ has no {FILE})")
     with allowing(GLOBALS):
         ckpt = load_checkpoint(file, trust_pickle=trust_pickle, verify=verify)
-    if not isinstance(ckpt.root, Mapping):
-        raise InputError(f"{file}: not a Megatron checkpoint: not a dict")
+    refuse_if(not isinstance(ckpt.root, Mapping), file, "not a Megatron checkpoint: not a dict")
     reading = {"trust_pickle": trust_pickle, "verify": verify}
     return _Rank(file, dict(ckpt.root), ckpt.trusted_pickle, reading)
 
@@ -409,26 +369,19 @@ def _read_ranks(
 ) -> list[_Rank]:
     """One stage's tensor-parallel ranks, ``mp_rank_00``, ``mp_rank_01``..."""
     expected = [f"mp_rank_{r:02d}" for r in range(len(found))]
-    if only is None and found != expected:
-        missing = next(e for e in expected if e not in found)
-        raise InputError(
-            f"{folder}: holds {', '.join(found)} but no {missing}: the "
-            "tensor-parallel ranks are incomplete"
-        )
+    missing = next((e for e in expected if e not in found), None)
+    refuse_if(only is None and found != expected, folder, f"holds {', '.join(found)} but no "
+              f"{missing}: the tensor-parallel ranks are incomplete")
     ranks = [_load_rank(folder, n, trust_pickle=trust_pickle, verify=verify) for n in found]
     for rank in ranks:
         size = rank.args.get("tensor_model_parallel_size")
-        if only is None and isinstance(size, int) and size != len(ranks):
-            raise InputError(
-                f"{rank.file}: its args say tensor_model_parallel_size {size}, "
-                f"but {folder.name}/ holds {len(ranks)} mp_rank folder(s)"
-            )
+        refuse_if(only is None and isinstance(size, int) and size != len(ranks), rank.file,
+                  f"its args say tensor_model_parallel_size {size}, but {folder.name}/ holds "
+                  f"{len(ranks)} mp_rank folder(s)")
         pipeline = rank.args.get("pipeline_model_parallel_size")
-        if isinstance(pipeline, int) and pipeline != 1:
-            raise InputError(
-                f"{rank.file}: its args say pipeline_model_parallel_size "
-                f"{pipeline}, but its folder's name gives no pipeline stage (mp_rank_XX_YYY)"
-            )
+        refuse_if(isinstance(pipeline, int) and pipeline != 1, rank.file,
+                  f"its args say pipeline_model_parallel_size {pipeline}, but its folder's name "
+                  "gives no pipeline stage (mp_rank_XX_YYY)")
     return ranks
 
 
@@ -437,20 +390,15 @@ def _iteration(root: Mapping, args: Mapping, file: Path) -> int | None:
     if value is None:
         return None
     step = step_value(value)
-    if step is None:
-        raise InputError(f"{file}: iteration is {visible(repr(value))[:40]}, not a step")
+    refuse_if(step is None, file, f"iteration is {visible(repr(value))[:40]}, not a step")
     return step
 
 
 def _same(ranks: list[_Rank], what: str, get) -> Any:
     value = get(ranks[0])
     for rank in ranks[1:]:
-        if get(rank) != value:
-            raise InputError(
-                f"{rank.file}: {what} {get(rank)}, but "
-                f"{ranks[0].file.parent.name}'s is {value}: the ranks are not "
-                "one checkpoint"
-            )
+        refuse_if(get(rank) != value, rank.file, f"{what} {get(rank)}, but "
+                  f"{ranks[0].file.parent.name}'s is {value}: the ranks are not one checkpoint")
     return value
 
 
@@ -472,12 +420,9 @@ def _torch_states(rank: _Rank) -> list[tuple[Any, list | None, str]] | tuple[str
             out.append((one, None, where))
         elif is_optimizer_state(inner):
             masters = one.get("fp32_from_fp16_params")
-            if masters is not None and not (
-                isinstance(masters, list) and all(isinstance(g, list) for g in masters)
-            ):
-                raise InputError(
-                    f"{rank.file}: {where}.fp32_from_fp16_params is not a list of groups"
-                )
+            groups = isinstance(masters, list) and all(isinstance(g, list) for g in masters)
+            refuse_if(masters is not None and not groups, rank.file,
+                      f"{where}.fp32_from_fp16_params is not a list of groups")
             out.append((inner, masters, f"{where}.optimizer"))
         elif isinstance(inner, Mapping) and "state" not in inner:
             # The distributed optimizer's state_dict(): param groups without their params.
@@ -503,11 +448,8 @@ def _rank_optimizer(rank: _Rank) -> tuple[str, str] | None:
     for opt, renumber, (_, masters, where) in zip(states, renumbered, found):
         if masters is None:
             continue
-        if len(masters) != len(opt.param_groups):
-            raise InputError(
-                f"{rank.file}: {where} has {len(opt.param_groups)} param groups "
-                f"but fp32_from_fp16_params {len(masters)}"
-            )
+        refuse_if(len(masters) != len(opt.param_groups), rank.file, f"{where} has "
+                  f"{len(opt.param_groups)} param groups but fp32_from_fp16_params {len(masters)}")
         for g, group in enumerate(opt.param_groups):
             members = [renumber[p] for p in group["params"]]
             group_masters.append((members, masters[g], f"{where}: fp32_from_fp16_params[{g}]"))
@@ -522,20 +464,12 @@ def _rank_optimizer(rank: _Rank) -> tuple[str, str] | None:
             for p in members
             if p in rank.names and rank.weights[rank.names[p]].dtype in SIXTEEN
         ]
-        if len(sixteen) != len(masters):
-            raise InputError(
-                f"{rank.file}: {where} holds {len(masters)} tensors for the "
-                f"group's {len(sixteen)} 16-bit parameters"
-            )
+        refuse_if(len(sixteen) != len(masters), rank.file, f"{where} holds {len(masters)} "
+                  f"tensors for the group's {len(sixteen)} 16-bit parameters")
         for name, master in zip(sixteen, masters):
-            if (
-                not isinstance(master, torch.Tensor)
-                or master.shape != rank.weights[name].shape
-                or not master.dtype.is_floating_point
-            ):
-                raise InputError(
-                    f"{rank.file}: {where} holds no fp32 tensor of {visible(name)}'s shape"
-                )
+            fits = isinstance(master, torch.Tensor) and master.shape == rank.weights[name].shape
+            refuse_if(not fits or not master.dtype.is_floating_point, rank.file,
+                      f"{where} holds no fp32 tensor of {visible(name)}'s shape")
             # Copied into the model, rounded, after each step: else the two disagree.
             refuse_unrounded(rank.file, name, "fp32_from_fp16_params", master, rank.weights[name])
             rank.masters[name] = master
@@ -559,12 +493,9 @@ def _split_axes(ranks: list[_Rank]) -> tuple[list[str], dict[str, int | None]]:
             )
         for n in names:
             a, b = first.weights[n], rank.weights[n]
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise InputError(
-                    f"{rank.file}: {visible(n)} is {list(b.shape)} {b.dtype}, "
-                    f"{list(a.shape)} {a.dtype} in {first.file.parent.name}: the "
-                    "ranks are not one model"
-                )
+            refuse_if(a.shape != b.shape or a.dtype != b.dtype, rank.file,
+                      f"{visible(n)} is {list(b.shape)} {b.dtype}, {list(a.shape)} {a.dtype} in "
+                      f"{first.file.parent.name}: the ranks are not one model")
     if len(ranks) == 1:
         return names, dict.fromkeys(names)
     shapes = {n: tuple(t.shape) for n, t in first.weights.items()}
@@ -596,13 +527,10 @@ def _joined_state(
             for key, value in entries[0].items():
                 if isinstance(value, StoredTensor):
                     shards = [e.get(key) for e in entries]
-                    if not all(
-                        isinstance(s, StoredTensor) and s.shape == value.shape for s in shards
-                    ):
-                        raise InputError(
-                            f"{ranks[-1].file}: its {key} of {visible(name)} "
-                            "differs in shape from mp_rank_00's"
-                        )
+                    same = all(isinstance(s, StoredTensor) and s.shape == value.shape
+                               for s in shards)
+                    refuse_if(not same, ranks[-1].file,
+                              f"its {key} of {visible(name)} differs in shape from mp_rank_00's")
                     read = [s.read() for s in shards]
                     whole = whole_shards(f"{name}.{key}", read, [r.file for r in ranks])
                     entry[key] = merged(f"{name}.{key}", whole, kinds[name])

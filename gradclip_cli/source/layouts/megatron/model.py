@@ -1,7 +1,7 @@
 """The model's tensors in Megatron's checkpoints: which are buffers, how the
 ``torch_dist`` format's stacked layers and experts (``megatron`` states the rules) split
-into one tensor each, in Megatron's parameter order, and the check that an fp32 main
-param is the model's tensor."""
+into one tensor each, in Megatron's parameter order, the check that an fp32 main param is
+the model's tensor, and ``refuse_if``, the package's refusal of a file in one line."""
 
 from __future__ import annotations
 
@@ -38,12 +38,9 @@ def split_layers(folder: dcp_folder.DcpFolder) -> dict[str, list[tuple[str, Stor
         name = model_key.group(2) if model_key else key
         parts = [(name, tensor)]
         if _LAYERS.match(name) and tensor.shape:
-            if any(piece.shape[0] != 1 for piece in tensor.pieces):
-                raise InputError(
-                    f"{folder.metadata_file}: {visible(repr(key))} is stacked by layer "
-                    f"(shape {list(tensor.shape)}) but a chunk holds several layers: "
-                    "its layers cannot be told apart"
-                )
+            refuse_if(any(piece.shape[0] != 1 for piece in tensor.pieces), folder.metadata_file,
+                      f"{visible(repr(key))} is stacked by layer (shape {list(tensor.shape)}) "
+                      "but a chunk holds several layers: its layers cannot be told apart")
             parts = _split_axis(name, tensor, _LAYERS)
         if _EXPERTS.match(name):
             # SequentialMLP.sharded_state_dict (core_v0.16.1): the global expert index an axis
@@ -112,6 +109,25 @@ def _index(name: str, head: str) -> int:
 def dtypes(weights: dict[str, StoredTensor], names) -> str:
     """The model's dtypes of ``names``, as words (``bfloat16``)."""
     return "/".join(sorted({str(weights[n].dtype).removeprefix("torch.") for n in names}))
+
+
+def refuse_if(bad: object, file, why: str) -> None:
+    """Refuses ``file`` in one line, its name then ``why``, where ``bad`` holds. ``why`` is
+    made before the check: a sentence that cannot be made when the check passes is raised
+    by its own ``if``."""
+    if bad:
+        raise InputError(f"{file}: {why}")
+
+
+def checked(name: str, kind: str, main: Piece, model: Piece):
+    """``main.read`` that first checks the chunk rounds to the model's chunk."""
+
+    def read() -> torch.Tensor:
+        value = main.read()
+        refuse_unrounded(main.file, name, kind, value, model.read())
+        return value
+
+    return read
 
 
 def refuse_unrounded(file, name: str, kind: str, main: torch.Tensor, model: torch.Tensor) -> None:

@@ -12,6 +12,8 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.untrusted import is_count
 
+from .model import refuse_if
+
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _ANY_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
 COPY = "output_layer.weight"  # a tied last stage's copy of embedding.word_embeddings.weight
@@ -81,11 +83,9 @@ def stage_layers(stages: list[list]) -> dict:
             f"of num_layers {layers} once"
         )
     untie = args.get("untie_embeddings_and_output_weights")
-    if not isinstance(untie, bool):
-        raise InputError(
-            f"{rank.file}: its args do not say untie_embeddings_and_output_weights: gradclip "
-            f"cannot tell whether the last stage's {COPY} is the embedding's copy"
-        )
+    refuse_if(not isinstance(untie, bool), rank.file, "its args do not say "
+              "untie_embeddings_and_output_weights: gradclip cannot tell whether the last "
+              f"stage's {COPY} is the embedding's copy")
     for ranks in stages:  # each chunk of each stage holds exactly the layers its args give it
         stage = ranks[0].stage
         for key, (_, count) in zip(ranks[0].chunks, spans[stage]):
@@ -97,11 +97,10 @@ def stage_layers(stages: list[list]) -> dict:
                     f"give pipeline stage {stage}{chunk} {count} layer(s) of {layers}: "
                     "gradclip cannot tell which global layer each stage holds"
                 )
-        if not untie and stage == size - 1 and copy_name(ranks[0]) not in ranks[0].weights:
-            raise InputError(
-                f"{ranks[0].file}: its args say the output layer is tied to the embedding, "
-                f"but the last stage holds no {copy_name(ranks[0])}"
-            )
+        copy = copy_name(ranks[0])
+        refuse_if(not untie and stage == size - 1 and copy not in ranks[0].weights, ranks[0].file,
+                  f"its args say the output layer is tied to the embedding, but the last stage "
+                  f"holds no {copy}")
     return {"spans": spans, "tied": not untie, "size": size}
 
 
