@@ -195,7 +195,7 @@ class Derivation:
         return cls((tensor,), lambda t: t, tuple(tensor.shape), 1.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerState:
     """A ``torch.optim.Optimizer.state_dict()`` (or a framework's equivalent), as stored.
 

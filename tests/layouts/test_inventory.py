@@ -39,6 +39,10 @@ def test_no_field_can_be_assigned(contents):
     for field in dataclasses.fields(Contents):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(contents, field.name, getattr(contents, field.name))
+    for optimizer in contents.optimizers:  # an optimizer's state is no workspace either
+        for field in dataclasses.fields(OptimizerState):
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(optimizer, field.name, getattr(optimizer, field.name))
 
 
 def test_no_mapping_takes_an_item(contents):

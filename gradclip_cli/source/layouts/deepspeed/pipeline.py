@@ -6,6 +6,7 @@ the file names and the ranks' numbering are in the package's docstring.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -124,7 +125,8 @@ def read_rank(
                 f"hold {len(own)} for this stage: the layer files and the optimizer "
                 "disagree (a layer file missing?)"
             )
-        optimizer.param_names = named_in_order(optimizer, {n: params[n] for n in own}, file, kind)
+        optimizer = replace(optimizer, param_names=named_in_order(
+            optimizer, {n: params[n] for n in own}, file, kind))
         optimizers.append(optimizer)
     if len(models) > 1 and taken != len(order):
         raise InputError(

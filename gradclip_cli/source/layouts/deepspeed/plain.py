@@ -75,7 +75,8 @@ def read_ranks(
                 "tensor-parallel ranks of a checkpoint without ZeRO by their optimizers"
             )
         if optimizer.param_names is None:
-            optimizer.param_names = named_in_order(optimizer, params, model.path, kind)
+            optimizer = replace(optimizer, param_names=named_in_order(optimizer, params,
+                                                                      model.path, kind))
         low.update(module_dtypes(params, masters).split("/") if masters else ())
         parts.append(part(model, {**params, **masters}, optimizer))
     check_tensor_parallel(parts, reader.folder)
@@ -236,7 +237,7 @@ def plain_optimizer(
             "the masters and the module disagree"
         )
     names = map_names(optimizer, Model(probe, list(probe)))
-    optimizer.param_names = names
+    optimizer = replace(optimizer, param_names=names)
     masters = {}
     for g, (group, held) in enumerate(zip(optimizer.param_groups, groups)):
         for pid, master in zip(group["params"], held):

@@ -72,6 +72,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -443,7 +444,7 @@ def _rank_optimizer(rank: _Rank) -> tuple[str, str] | None:
         return found
     states = [optimizer_state(value, rank.file, where) for value, _, where in found]
     merged, renumbered = chained(states, rank.file)
-    merged.param_names = None  # Megatron's ids map through the model's order
+    merged = replace(merged, param_names=None)  # Megatron's ids map through the model's order
     group_masters: list[tuple[list[int], list, str]] = []
     for opt, renumber, (_, masters, where) in zip(states, renumbered, found):
         if masters is None:
