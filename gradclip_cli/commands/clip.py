@@ -133,14 +133,14 @@ def _report(before, loaded, done: clipping.Clipped | None = None, **given) -> Cl
     """The report of a clip (``done``), or of a refusal (``refused``: nothing written, the
     norms the input's)."""
     total, plan = float(before.norm[0]), loaded.write_back
+    # A DCP set is clipped chunk by chunk (its HF layout piece by piece); the report
+    # counts its tensors, refused or not.
+    given.update(num_tensors=(plan is not None and plan.tensor_count) or len(loaded.tensors))
     if done is None:
         done = clipping.Clipped(total, False)
-        given.update(num_tensors=len(loaded.tensors))
     else:
         given.update(
-            # A DCP set is clipped chunk by chunk (its HF layout piece by piece); the
-            # report counts its tensors.
-            num_tensors=plan.tensor_count or len(loaded.tensors), unshared=loaded.unshared,
+            unshared=loaded.unshared,
             # One file replaced by a new one: its other names keep the old bytes.
             other_links_unchanged=0 if plan.folder is not None
             else links_kept(_resolved(given["output"])))
