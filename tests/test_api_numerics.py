@@ -108,3 +108,40 @@ def test_total_beyond_float64_clips_instead_of_zeroing():
     assert math.isinf(float(total))  # the float64 result cannot hold 2e308
     torch.testing.assert_close(w.grad, torch.full((4,), 0.5, dtype=torch.float64),
                                rtol=1e-12, atol=0)
+
+
+def _log10_norm(tensors, p: float) -> float:
+    """log10 of the p-norm, from float64 power sums (finite where the norm is not)."""
+    return math.log10(sum(float(t.double().abs().pow(p).sum()) for t in tensors)) / p
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("p", [0.003, 0.02, 0.05])
+def test_tiny_p_norm_overflows_as_it_should_never_to_zero(dtype, p):
+    # Below p = 1 a tensor's norm is up to n ** (1/p) times its largest |x|: its
+    # root can overflow float64 though its power sum does not. That is a total
+    # beyond the range, not a NaN among the elements to leave out.
+    grads = [(torch.rand(35, generator=torch.Generator().manual_seed(0)) + 0.5).to(dtype)]
+    expected = _log10_norm(grads, p)
+    out_max = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
+    total = float(get_total_norm(grads, p))
+    if expected > math.log10(out_max):
+        assert total == math.inf
+    else:
+        assert abs(math.log10(total) - expected) <= 1e-6 / math.log(10)
+
+
+def test_monitor_group_whose_norm_overflows_is_inf_not_zero(tmp_path):
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    model(torch.randn(3, 8)).sum().backward()
+    p = 0.003
+    record = GradMonitor(model, tmp_path / "log.jsonl", None, norm_type=p).step()
+    assert _log10_norm([model.weight.grad], p) > 309  # beyond float64
+    assert record["groups"]["weight"] == "inf"
+    assert record["total_norm"] == "inf"
+    bias = record["groups"]["bias"]
+    assert abs(math.log10(bias) - _log10_norm([model.bias.grad], p)) <= 1e-6
+    assert record["nonfinite"] == {"nan": 0, "posinf": 0, "neginf": 0}

@@ -348,7 +348,9 @@ def _finish_rows(rows: Rows, tensors: Sequence[torch.Tensor],
         # an inf among the elements, unless the accumulation could overflow.
         finite = torch.isfinite(norm)
         bad = ~finite
-        if not safe:
+        # Below p = 1 the root can overflow where the sum did not: the norm is
+        # at least the largest |x| (never underflows) and up to n ** (1/p) times it.
+        if not safe or norm_type < 1:
             bad = bad & ~_finite_max(rows, tensors, bad)
         scale = torch.where(finite & (norm > 0), norm * unit, 0.0)
         power_sum = (scale > 0).to(F64)
