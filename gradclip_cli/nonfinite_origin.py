@@ -17,15 +17,19 @@ Two places, because they answer different failures (issue 42, item 4):
   locates it. Post-accumulate-grad hooks record that order once, during the
   first backward, and are then removed.
 
-"Forward order" is the order in which modules first finished their forward:
-a module's hook runs when its ``forward`` returns, so a leaf that makes a NaN
-finishes before the container around it, and before every module that
-receives the NaN. Forwards run without gradients (evaluation under
-``torch.no_grad``) are not looked at: they give no gradients.
+"Forward order" is the order in which modules first finished their forward
+in this step: a module's hook runs when its ``forward`` returns, so a leaf
+that makes a NaN finishes before the container around it, and before every
+module that receives the NaN. It is this step's order, not the first step's:
+a layer a step may skip (LayerDrop, an expert no token was routed to) first
+finishes steps after the modules it feeds. Forwards run without gradients
+(evaluation under ``torch.no_grad``) are not looked at: they give no
+gradients.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterable, Mapping
 
@@ -45,7 +49,8 @@ class NonfiniteLocator:
     def __init__(self, model: torch.nn.Module):
         self._names: dict[int, str] = {}  # id(module) -> its name in the model
         self._slot: dict[int, int] = {}  # id(module) -> its place in forward order
-        self._order: list[str] = []  # module names in forward order
+        self._order: list[str] = []  # module names by slot (first forward ever)
+        self._position: dict[int, int] = {}  # slot -> its place in this step's forward order
         # Per device: a bool flag per slot ("all finite"), and the 0-dim views the
         # hooks AND into.
         self._flags: dict[torch.device, torch.Tensor] = {}
@@ -73,6 +78,7 @@ class NonfiniteLocator:
             return
         if self._stale:
             self._stale = False
+            self._position = {}
             for flags in self._flags.values():
                 flags.fill_(True)
         key = id(module)
@@ -80,6 +86,7 @@ class NonfiniteLocator:
         if slot is None:
             slot = self._slot[key] = len(self._order)
             self._order.append(self._names.get(key, type(module).__name__))
+        self._position.setdefault(slot, len(self._position))
         for t in _tensors(output):
             if not t.numel() or not (t.is_floating_point() or t.is_complex()):
                 continue
@@ -143,12 +150,14 @@ class NonfiniteLocator:
     def _first_forward(self) -> str | None:
         if not self._flags:
             return None
-        first = None
+        hits = []
         for flags in self._flags.values():
-            hit = (~flags).nonzero().flatten().tolist()  # the one read per device
-            if hit and (first is None or hit[0] < first):
-                first = hit[0]
-        return None if first is None else self._order[first]
+            hits += (~flags).nonzero().flatten().tolist()  # the one read per device
+        if not hits:
+            return None
+        # Slots number modules by their first forward ever; this step's order decides.
+        first = min(hits, key=lambda slot: (self._position.get(slot, math.inf), slot))
+        return self._order[first]
 
     def _first_backward(self, params: Iterable[torch.Tensor], names: Mapping[int, str]):
         params = list(params)
