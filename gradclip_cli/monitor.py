@@ -202,8 +202,9 @@ class GradMonitor:
             accumulated the gradients, whose gradient holds one}``, and
             ``null`` on clean steps. Forward hooks keep a flag per module on
             the device (read only on a non-finite step: a clean step reads
-            nothing more); the accumulation order is recorded once, in the
-            first backward. The hooks stay on the model.
+            nothing more); the accumulation order is recorded in the first
+            backward, and in later ones until every parameter has had a
+            gradient. The forward hooks stay on the model.
         tensorboard: a folder to write TensorBoard scalars to as well (torch's
             ``SummaryWriter``; needs ``pip install 'gradclip[tensorboard]'``,
             else ``ImportError`` here): each logged step's total and group

@@ -24,7 +24,11 @@ module that receives the NaN. It is this step's order, not the first step's:
 a layer a step may skip (LayerDrop, an expert no token was routed to) first
 finishes steps after the modules it feeds. Forwards run without gradients
 (evaluation under ``torch.no_grad``) are not looked at: they give no
-gradients.
+gradients. Likewise the accumulation order is that of the latest step
+recorded: the hooks stay on until every parameter has had a gradient, so
+that one first given a gradient on a later step takes its place among the
+others (a parameter that never gets one keeps them on, at a Python call per
+parameter and backward).
 """
 
 from __future__ import annotations
@@ -56,7 +60,9 @@ class NonfiniteLocator:
         self._flags: dict[torch.device, torch.Tensor] = {}
         self._views: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._accumulated: list[weakref.ref] = []  # parameters, in accumulation order
-        self._seen: set[int] = set()
+        self._this_step: list[weakref.ref] = []  # those accumulated since the last step
+        self._seen: set[int] = set()  # accumulated in this step
+        self._ever: set[int] = set()  # accumulated in some step
         self._handles = []
         self._grad_handles = []
         self._stale = False
@@ -123,16 +129,24 @@ class NonfiniteLocator:
     def _accumulated_hook(self, param: torch.Tensor) -> None:
         if id(param) not in self._seen:
             self._seen.add(id(param))
-            self._accumulated.append(weakref.ref(param))
+            self._ever.add(id(param))
+            self._this_step.append(weakref.ref(param))
 
     # -- per step --------------------------------------------------------------
 
     def step_taken(self) -> None:
         """The monitor was called for a step: the next forward starts the next step's
-        flags (reset then, on the device, so this call costs nothing), and once an
-        order has been recorded its hooks come off: backward runs as without them."""
+        flags (reset then, on the device, so this call costs nothing); the step's
+        accumulation order goes first in the order, ahead of parameters it did not
+        reach, and once every parameter has been seen the hooks come off: backward
+        runs as without them."""
         self._stale = True
-        if self._accumulated and self._grad_handles:
+        if self._this_step:
+            ids = self._seen
+            self._accumulated = self._this_step + [
+                r for r in self._accumulated if id(r()) not in ids]
+            self._this_step, self._seen = [], set()
+        if self._grad_handles and len(self._ever) >= len(self._grad_handles):
             for handle in self._grad_handles:
                 handle.remove()
             self._grad_handles = []

@@ -332,3 +332,26 @@ def test_a_layer_first_run_on_a_later_step_is_named_where_it_ran(tmp_path):
     assert order.first_nonfinite() == "layers.1"  # its output, before layers.2's and head's
     assert record["nonfinite_origin"]["forward"] == "layers.1"
 
+
+def test_a_layer_first_given_a_gradient_on_a_later_step_is_named_where_it_was(tmp_path):
+    model = LayerDrop()
+    order = AccumulationOrder(model)
+
+    def nan_grad(module, grad_output):
+        return (grad_output[0] * math.nan,)
+
+    x = torch.rand(3, 4)
+    with GradMonitor(model, tmp_path / "grads.jsonl", None, locate_nonfinite=True) as monitor:
+        model.skip = {1}
+        model(x).sum().backward()
+        assert monitor.step(0)["nonfinite_origin"] is None
+        model.skip = set()
+        model.layers[1].register_full_backward_pre_hook(nan_grad)
+        model.zero_grad()
+        order.order.clear()
+        model(x).sum().backward()
+        record = monitor.step(1)
+    assert record["nonfinite_origin"]["forward"] is None
+    # layers.2 and head were accumulated first and stayed finite; layers.1 is where it began.
+    assert order.first_nonfinite(model) in ("layers.1.weight", "layers.1.bias")
+    assert record["nonfinite_origin"]["backward"] == order.first_nonfinite(model)
