@@ -202,8 +202,9 @@ class GradMonitor:
             accumulated the gradients, whose gradient holds one}``, and
             ``null`` on clean steps. Forward hooks keep a flag per module on
             the device (read only on a non-finite step: a clean step reads
-            nothing more); the accumulation order is recorded once, in the
-            first backward. The hooks stay on the model.
+            nothing more); the accumulation order is recorded in the first
+            backward, and in later ones until every parameter has had a
+            gradient. The forward hooks stay on the model.
         tensorboard: a folder to write TensorBoard scalars to as well (torch's
             ``SummaryWriter``; needs ``pip install 'gradclip[tensorboard]'``,
             else ``ImportError`` here): each logged step's total and group
@@ -351,12 +352,15 @@ class GradMonitor:
             return api.clip_grad_norm_(
                 params, max_norm, self.norm_type, error_if_nonfinite, foreach
             )
-        _, coef = self._observe(step, measured, float(max_norm))
+        max_norm = float(max_norm)
+        total_norm = measured.sums.total.norm[0]
+        # A refused clip scales nothing, and its line says so (no clip_coef).
+        refused = error_if_nonfinite and not math.isfinite(float(total_norm))
+        _, coef = self._observe(step, measured, max_norm, scales=not refused)
         first = measured.grads[0]
         wide = torch.float64 in measured.types
-        total_norm = measured.sums.total.norm[0]
         total = total_norm.to(first.device, torch.float64 if wide else torch.float32)
-        if error_if_nonfinite and not math.isfinite(float(total_norm)):
+        if refused:
             raise RuntimeError(
                 f"The total norm of order {self.norm_type} for gradients from "
                 "`parameters` is non-finite, so it cannot be clipped. To disable "
@@ -497,6 +501,8 @@ class GradMonitor:
         step: int,
         m: _Measurement,
         max_norm: float | None = None,
+        *,
+        scales: bool = True,
     ) -> tuple[dict[str, Any], Coefficient | None]:
         """Judge one measurement, dump if needed, log it.
 
@@ -505,7 +511,8 @@ class GradMonitor:
         spike rule's limit taken where it is the smaller; without, the spike
         clip's when ``clip_spikes`` clips this step, else None. The record's
         ``clip_coef`` and ``clipped_to`` say what that coefficient does
-        wherever it changes the gradients (is not 1).
+        wherever it changes the gradients (is not 1). ``scales=False``: the caller
+        will not scale this step (``error_if_nonfinite`` refused it): no coefficient.
         """
         total_norm = float(m.sums.total.norm[0])
         norms = m.sums.groups.norm
@@ -530,12 +537,12 @@ class GradMonitor:
         clipped_to = coef = None
         # A limit of 0 comes from a history of zero gradients: there is no
         # scale to clip to, and clipping would zero every gradient.
-        if (self.clip_spikes and judged.spike and judged.limit is not None and judged.limit > 0
-                and (max_norm is None or judged.limit < max_norm)):
+        if (scales and self.clip_spikes and judged.spike and judged.limit is not None
+                and judged.limit > 0 and (max_norm is None or judged.limit < max_norm)):
             clipped_to = judged.limit
             # torch's formula, in float64 from the total already read back.
             coef = Coefficient.of(min(1.0, clipped_to / (total_norm + EPS)))
-        elif max_norm is not None:
+        elif scales and max_norm is not None:
             # From the summary already read back, as the drop-in's on the CPU: known to
             # the host (see core.clipping.scale_), and a total beyond the returned
             # dtype's range (inf there) still clips to max_norm instead of to zero.

@@ -17,15 +17,23 @@ Two places, because they answer different failures (issue 42, item 4):
   locates it. Post-accumulate-grad hooks record that order once, during the
   first backward, and are then removed.
 
-"Forward order" is the order in which modules first finished their forward:
-a module's hook runs when its ``forward`` returns, so a leaf that makes a NaN
-finishes before the container around it, and before every module that
-receives the NaN. Forwards run without gradients (evaluation under
-``torch.no_grad``) are not looked at: they give no gradients.
+"Forward order" is the order in which modules first finished their forward
+in this step: a module's hook runs when its ``forward`` returns, so a leaf
+that makes a NaN finishes before the container around it, and before every
+module that receives the NaN. It is this step's order, not the first step's:
+a layer a step may skip (LayerDrop, an expert no token was routed to) first
+finishes steps after the modules it feeds. Forwards run without gradients
+(evaluation under ``torch.no_grad``) are not looked at: they give no
+gradients. Likewise the accumulation order is that of the latest step
+recorded: the hooks stay on until every parameter has had a gradient, so
+that one first given a gradient on a later step takes its place among the
+others (a parameter that never gets one keeps them on, at a Python call per
+parameter and backward).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterable, Mapping
 
@@ -45,13 +53,16 @@ class NonfiniteLocator:
     def __init__(self, model: torch.nn.Module):
         self._names: dict[int, str] = {}  # id(module) -> its name in the model
         self._slot: dict[int, int] = {}  # id(module) -> its place in forward order
-        self._order: list[str] = []  # module names in forward order
+        self._order: list[str] = []  # module names by slot (first forward ever)
+        self._position: dict[int, int] = {}  # slot -> its place in this step's forward order
         # Per device: a bool flag per slot ("all finite"), and the 0-dim views the
         # hooks AND into.
         self._flags: dict[torch.device, torch.Tensor] = {}
         self._views: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._accumulated: list[weakref.ref] = []  # parameters, in accumulation order
-        self._seen: set[int] = set()
+        self._this_step: list[weakref.ref] = []  # those accumulated since the last step
+        self._seen: set[int] = set()  # accumulated in this step
+        self._ever: set[int] = set()  # accumulated in some step
         self._handles = []
         self._grad_handles = []
         self._stale = False
@@ -73,6 +84,7 @@ class NonfiniteLocator:
             return
         if self._stale:
             self._stale = False
+            self._position = {}
             for flags in self._flags.values():
                 flags.fill_(True)
         key = id(module)
@@ -80,6 +92,7 @@ class NonfiniteLocator:
         if slot is None:
             slot = self._slot[key] = len(self._order)
             self._order.append(self._names.get(key, type(module).__name__))
+        self._position.setdefault(slot, len(self._position))
         for t in _tensors(output):
             if not t.numel() or not (t.is_floating_point() or t.is_complex()):
                 continue
@@ -116,16 +129,24 @@ class NonfiniteLocator:
     def _accumulated_hook(self, param: torch.Tensor) -> None:
         if id(param) not in self._seen:
             self._seen.add(id(param))
-            self._accumulated.append(weakref.ref(param))
+            self._ever.add(id(param))
+            self._this_step.append(weakref.ref(param))
 
     # -- per step --------------------------------------------------------------
 
     def step_taken(self) -> None:
         """The monitor was called for a step: the next forward starts the next step's
-        flags (reset then, on the device, so this call costs nothing), and once an
-        order has been recorded its hooks come off: backward runs as without them."""
+        flags (reset then, on the device, so this call costs nothing); the step's
+        accumulation order goes first in the order, ahead of parameters it did not
+        reach, and once every parameter has been seen the hooks come off: backward
+        runs as without them."""
         self._stale = True
-        if self._accumulated and self._grad_handles:
+        if self._this_step:
+            ids = self._seen
+            self._accumulated = self._this_step + [
+                r for r in self._accumulated if id(r()) not in ids]
+            self._this_step, self._seen = [], set()
+        if self._grad_handles and len(self._ever) >= len(self._grad_handles):
             for handle in self._grad_handles:
                 handle.remove()
             self._grad_handles = []
@@ -143,12 +164,14 @@ class NonfiniteLocator:
     def _first_forward(self) -> str | None:
         if not self._flags:
             return None
-        first = None
+        hits = []
         for flags in self._flags.values():
-            hit = (~flags).nonzero().flatten().tolist()  # the one read per device
-            if hit and (first is None or hit[0] < first):
-                first = hit[0]
-        return None if first is None else self._order[first]
+            hits += (~flags).nonzero().flatten().tolist()  # the one read per device
+        if not hits:
+            return None
+        # Slots number modules by their first forward ever; this step's order decides.
+        first = min(hits, key=lambda slot: (self._position.get(slot, math.inf), slot))
+        return self._order[first]
 
     def _first_backward(self, params: Iterable[torch.Tensor], names: Mapping[int, str]):
         params = list(params)

@@ -162,8 +162,16 @@ class _SteppedParameters(torch.nn.Module):
     def module(self) -> torch.nn.Module:
         return self._module[0]
 
+    def named_modules(self, memo: set | None = None, prefix: str = "",
+                      remove_duplicate: bool = True):
+        """The module's own modules: where ``locate_nonfinite``'s forward hooks go."""
+        return self.module.named_modules(memo, prefix, remove_duplicate)
+
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True):
+        if self.optimizer is None:  # before the first step (locate_nonfinite's hooks): all
+            yield from self.module.named_parameters(prefix, recurse, remove_duplicate)
+            return
         stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         if (prefix, recurse, remove_duplicate) == ("", True, True):
             named = zip(*self._listing.named(self.module))

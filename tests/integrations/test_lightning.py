@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -212,3 +215,51 @@ def test_a_resumed_fit_continues_the_steps_with_a_new_history(tmp_path):
     for record, (_, total, groups) in zip(records[8:], reference.seen, strict=True):
         assert_norms_match(record, total, groups)
     assert records[7]["z"] is not None and records[8]["z"] is None
+
+
+class Poisoned(Regressor):
+    """At step ``POISON_AT`` the hidden layer's output holds a NaN, or (``in_backward``)
+    the gradient flowing back into ``net.2`` from its output does."""
+
+    def __init__(self, in_backward: bool):
+        super().__init__()
+        self.in_backward = in_backward
+        self.net[0].register_forward_hook(self._forward_nan)
+        self.net[2].register_full_backward_pre_hook(self._backward_nan)
+
+    def _poisoned(self) -> bool:
+        return self.global_step == POISON_AT
+
+    def _forward_nan(self, module, args, output):
+        return output * math.nan if self._poisoned() and not self.in_backward else output
+
+    def _backward_nan(self, module, grad_output):
+        if self._poisoned() and self.in_backward:
+            return (grad_output[0] * math.nan,)
+        return None
+
+
+POISON_AT = 3
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_locate_nonfinite_names_the_module_and_the_parameter(tmp_path, in_backward):
+    torch.manual_seed(0)
+    x = torch.randn(64, 6)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :1]),
+                                         batch_size=16)
+    trainer = pl.Trainer(
+        max_steps=POISON_AT + 1, accelerator="cpu", devices=1,
+        callbacks=[GradMonitorCallback(tmp_path / "grads.jsonl", None, locate_nonfinite=True)],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(Poisoned(in_backward), loader)
+    records = [json.loads(line) for line in (tmp_path / "grads.jsonl").read_text().splitlines()]
+    assert [r["nonfinite_origin"] for r in records[:POISON_AT]] == [None] * POISON_AT
+    if in_backward:  # the forward was clean; net.2's own gradients are the first NaN ones
+        assert records[POISON_AT]["nonfinite_origin"]["forward"] is None
+        assert records[POISON_AT]["nonfinite_origin"]["backward"] in ("net.2.weight",
+                                                                      "net.2.bias")
+    else:
+        assert records[POISON_AT]["nonfinite_origin"]["forward"] == "net.0"

@@ -201,3 +201,21 @@ def test_trend_of_the_log_alone_says_the_monitor_clipped(callback_run, gradclip)
         f"logged steps to total norm 1, clip_coef down to "
         f"{min(r['clip_coef'] for r in read_log(log) if r['clip_coef'] is not None):.3g}: the "
         "logged norms are from before its clipping, the optimizer saw the clipped gradients"]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("clip_spikes", [False, True])
+def test_a_clip_refused_by_error_if_nonfinite_logs_no_coefficient(tmp_path, bad, clip_spikes):
+    model = regressor()
+    model(torch.ones(2, 6)).sum().backward()
+    model[0].weight.grad[0, 0] = bad
+    before = grads64(model)
+    with GradMonitor(model, tmp_path / "grads.jsonl", None, clip_spikes=clip_spikes) as monitor:
+        with pytest.raises(RuntimeError, match="non-finite"):
+            monitor.clip_grad_norm_(max_norm=1.0, step=0, error_if_nonfinite=True)
+    for b, a in zip(before, grads64(model)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    [record] = read_log(tmp_path / "grads.jsonl")
+    # Nothing was scaled, so nothing is said to have been (trend counts these as clipped).
+    assert record["total_norm"] == str(bad)
+    assert record["clip_coef"] is None and record["clipped_to"] is None

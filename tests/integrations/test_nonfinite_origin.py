@@ -273,3 +273,85 @@ def test_an_output_changed_in_place_by_its_parent_names_the_parent(tmp_path):
         model(torch.rand(3, 4) + 1).sum().backward()
         record = monitor.step(1)
     assert record["nonfinite_origin"]["forward"] == "0"
+
+
+class LayerDrop(torch.nn.Module):
+    """A stack whose layers a step may skip (LayerDrop, stochastic depth): a layer's
+    first forward and first gradient can come steps after the others'."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.embed = torch.nn.Linear(4, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 1)
+        self.skip: set[int] = set()
+
+    def forward(self, x):
+        h = self.embed(x)
+        for i, layer in enumerate(self.layers):
+            if i not in self.skip:
+                h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+class ForwardOrder:
+    """The test's own record of which modules' outputs held a non-finite value, in the
+    order they finished this step's forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.finished: list[tuple[str, bool]] = []
+        for name, module in model.named_modules():
+            module.register_forward_hook(
+                lambda m, a, out, name=name: self.finished.append(
+                    (name, not torch.isfinite(out).all())))
+
+    def first_nonfinite(self) -> str:
+        return next(name for name, bad in self.finished if bad)
+
+
+def test_a_layer_first_run_on_a_later_step_is_named_where_it_ran(tmp_path):
+    model = LayerDrop()
+    culprit = model.layers[1]
+    corrupt = {"on": False}
+    culprit.register_forward_hook(
+        lambda m, a, out: out * math.nan if corrupt["on"] else out)
+    order = ForwardOrder(model)
+    x = torch.rand(3, 4)
+    with GradMonitor(model, tmp_path / "grads.jsonl", None, locate_nonfinite=True) as monitor:
+        model.skip = {1}  # dropped on the first steps: it finishes first at step 2
+        for step in range(2):
+            model.zero_grad()
+            model(x).sum().backward()
+            assert monitor.step(step)["nonfinite_origin"] is None
+        model.skip, corrupt["on"] = set(), True
+        model.zero_grad()
+        order.finished.clear()
+        model(x).sum().backward()
+        record = monitor.step(2)
+    assert order.first_nonfinite() == "layers.1"  # its output, before layers.2's and head's
+    assert record["nonfinite_origin"]["forward"] == "layers.1"
+
+
+def test_a_layer_first_given_a_gradient_on_a_later_step_is_named_where_it_was(tmp_path):
+    model = LayerDrop()
+    order = AccumulationOrder(model)
+
+    def nan_grad(module, grad_output):
+        return (grad_output[0] * math.nan,)
+
+    x = torch.rand(3, 4)
+    with GradMonitor(model, tmp_path / "grads.jsonl", None, locate_nonfinite=True) as monitor:
+        model.skip = {1}
+        model(x).sum().backward()
+        assert monitor.step(0)["nonfinite_origin"] is None
+        model.skip = set()
+        model.layers[1].register_full_backward_pre_hook(nan_grad)
+        model.zero_grad()
+        order.order.clear()
+        model(x).sum().backward()
+        record = monitor.step(1)
+    assert record["nonfinite_origin"]["forward"] is None
+    # layers.2 and head were accumulated first and stayed finite; layers.1 is where it began.
+    assert order.first_nonfinite(model) in ("layers.1.weight", "layers.1.bias")
+    assert record["nonfinite_origin"]["backward"] == order.first_nonfinite(model)
