@@ -516,3 +516,33 @@ def test_an_event_file_without_a_norm_tag_lists_its_tags(gradclip, tmp_path):
     assert "'train/loss'" in result.err and "--tag" in result.err
     result = gradclip("trend", event_file, "--tag", "train/lr", "--format", "json")
     assert result.code == 0 and len(_points(result)) == tr.STEPS
+
+
+def test_a_hostile_framework_tag_in_the_norm_audit_is_escaped(gradclip, tmp_path):
+    """The audit names the framework's tag: escaped in the table and the -q verdict, as
+    every other name is, so it can neither colour the terminal nor start a line of its
+    own (a GitHub workflow command)."""
+    tr.needs("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path / "run"
+    run.mkdir()
+    norms = {step: 1.0 + step / 16 for step in range(12)}  # exact in float32
+    (run / "grads.jsonl").write_text("".join(
+        json.dumps({"schema": "gradclip.monitor/1", "step": s, "total_norm": v,
+                    "norm_type": 2.0}) + "\n" for s, v in norms.items()))
+    tag = "<b>\x1b[31m\n::error::pwned/grad_norm"
+    writer = SummaryWriter(str(run / "tb"))
+    for step, value in norms.items():
+        writer.add_scalar(tag, 1.5 * value if step == 4 else value, step)
+    writer.close()
+    table = gradclip("trend", run)
+    assert table.code == 1, table.err  # the audit disagrees at step 4
+    assert "DISAGREE at 1 of 12" in unwrapped(table.out)
+    quiet = gradclip("trend", run, "-q")
+    assert quiet.code == 1
+    for out in (table.out, quiet.out, quiet.err):
+        assert "\x1b" not in out
+        assert not any(line.lstrip().startswith("::error::") for line in out.splitlines())
+    assert len(quiet.out.splitlines()) == 1
+    assert "\\x1b[31m\\n::error::pwned/grad_norm" in quiet.out
