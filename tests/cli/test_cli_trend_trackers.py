@@ -287,9 +287,14 @@ def test_sqlite_of_another_schema_is_exit_3(gradclip, tmp_path):
     assert "neither MLflow's store" in result.err and str(other) in result.err
 
 
-def test_trackio_project_database(gradclip, tmp_path_factory):
+@pytest.fixture(scope="session")
+def trackio_db(tmp_path_factory):
     tr.needs("trackio")
-    db = tr.write_trackio(tmp_path_factory.mktemp("trackio"), runs=("calm-run", "run-two"))
+    return tr.write_trackio(tmp_path_factory.mktemp("trackio"), runs=("calm-run", "run-two"))
+
+
+def test_trackio_project_database(gradclip, trackio_db):
+    db = trackio_db
     result = gradclip("trend", db)
     assert result.code == 2 and "calm-run" in result.err and "run-two" in result.err
     result = gradclip("trend", db, "--run", "calm-run", "--format", "json", "--fail-on", "any")
@@ -546,3 +551,27 @@ def test_a_hostile_framework_tag_in_the_norm_audit_is_escaped(gradclip, tmp_path
         assert not any(line.lstrip().startswith("::error::") for line in out.splitlines())
     assert len(quiet.out.splitlines()) == 1
     assert "\\x1b[31m\\n::error::pwned/grad_norm" in quiet.out
+
+
+def _folder_state(folder) -> dict:
+    """Every entry of ``folder`` and the folder itself: size, mtime (ns), bytes."""
+    state = {".": folder.stat().st_mtime_ns}
+    for entry in sorted(folder.iterdir()):
+        st = entry.stat()
+        state[entry.name] = (st.st_size, st.st_mtime_ns, entry.read_bytes())
+    return state
+
+
+@pytest.mark.parametrize("store", ["trackio", "mlflow"])
+def test_a_trackers_database_and_its_folder_are_left_as_they_were(
+        gradclip, trackio_db, mlflow_stores, tmp_path, store):
+    """trackio keeps its database in WAL mode: a read-only open still made the
+    -wal and -shm files beside a database that had none (its writer gone)."""
+    db = tmp_path / "store" / "runs.db"
+    db.parent.mkdir()
+    shutil.copy(trackio_db if store == "trackio" else mlflow_stores / "mlflow.db", db)
+    before = _folder_state(db.parent)
+    result = gradclip("trend", db, "--run", "calm-run", "--format", "json",
+                      "--fail-on", "any")
+    _assert_series(result, float32=False)
+    assert _folder_state(db.parent) == before
