@@ -11,7 +11,8 @@ with ``--tag``. The families, in the order they are preferred:
 
 1. gradclip's own tags (``tracker_tags``): ``gradclip/total_norm`` and a
    ``gradclip/norm/<group>`` per group, with or without a logger's prefix
-   (the Trainer's TensorBoard and W&B callbacks write ``train/...``);
+   (the Trainer's TensorBoard and W&B callbacks write ``train/...``), p from
+   ``gradclip/norm_type`` where it is logged (2 where not);
 2. Lightning's ``grad_norm`` utility: ``grad_<p>_norm_total`` and
    ``grad_<p>_norm/<parameter>`` (the p-norm, p read from the name);
 3. the total alone, as the frameworks log it: ``grad_norm`` (Trainer,
@@ -305,15 +306,31 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
     by_group = {g: dict(_checked(scalars[t], f"{source}: tag {visible(repr(t))}"))
                 for g, t in groups.items()}
     p = family.norm_type
+    stated_p = _stated_norm_types(scalars, family, source)
     entries = tuple(
-        LoggedNorms(step, value, p, {g: points[step] for g, points in by_group.items()
-                                     if step in points})
+        LoggedNorms(step, value, stated_p.get(step, p),
+                    {g: points[step] for g, points in by_group.items() if step in points})
         for step, value in total) if by_group else tuple(
-        LoggedNorms(step, value, p) for step, value in total)
+        LoggedNorms(step, value, stated_p.get(step, p)) for step, value in total)
     if not entries:
         raise InputError(f"{where}: no points")
     note = f"tag {visible(repr(family.total))} {how}"
     return TrackerSeries(run, family.total, len(groups), entries, note)
+
+
+def _stated_norm_types(scalars, family: _Family, source: str) -> dict[int, float]:
+    """p by step where gradclip's writers logged it (``gradclip/norm_type``, under the
+    total's prefix: they log it only where p is not 2, ``tracker_scalars``); empty for
+    any other family."""
+    if family.rank != 0:
+        return {}
+    tag = family.total[: -len(tracker_tags.TOTAL_NORM)] + tracker_tags.NORM_TYPE
+    where = f"{source}: tag {visible(repr(tag))}"
+    stated = dict(_checked(scalars.get(tag, []), where))
+    for step, p in stated.items():
+        if not p > 0:
+            raise InputError(f"{where}: step {step}: a norm type must be > 0, got {p:g}")
+    return stated
 
 
 def _checked(points, where: str):
