@@ -176,6 +176,23 @@ def test_several_runs_refused_with_names_or_chosen(gradclip, tmp_path):
     assert set(_points(result).values()) == {3.0}
 
 
+def test_runs_of_one_name_are_refused_with_names_that_pick_one(gradclip, tmp_path):
+    """TensorBoard runs have no id: the refusal of a --run that names two offers what
+    tells them apart, their names as listed, and following it reads the one named."""
+    tr.needs("tensorboard")
+    tr.write_torch_tensorboard(tmp_path / "logs" / "a" / "run")
+    tr.write_torch_tensorboard(tmp_path / "logs" / "b" / "run",
+                               norms={s: 3.0 for s in tr.NORMS})
+    result = gradclip("trend", tmp_path / "logs", "--run", "run")
+    assert result.code == 2
+    listed = str(tmp_path / "logs" / "b" / "run")
+    assert listed in result.err and "an id" not in result.err
+    assert "--run" in result.err_lines[-1].split("):")[-1]  # the suggestion names the flag
+    result = gradclip("trend", tmp_path / "logs", "--run", listed, "--format", "json")
+    assert result.code == 0, result.err
+    assert set(_points(result).values()) == {3.0}
+
+
 def test_a_resumed_run_supersedes_the_steps_it_logs_again(gradclip, tmp_path):
     tr.needs("tensorboard")
     folder = tmp_path / "resumed"

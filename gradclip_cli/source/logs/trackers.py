@@ -182,9 +182,12 @@ def choose_runs(stores: list[list[TrackerRun]], choice: Choice, where: str
     for runs in stores:
         matches = [r for r in runs if _is_named(r, choice.run)]
         if len(matches) > 1:
+            # A TensorBoard run has no id: its name is its folder, whole as listed.
+            tell = ("give --run ID" if all(r.id for r in matches) else
+                    "give --run with one's whole name, as listed")
             raise UsageError(f"{where}: --run {visible(choice.run)} names "
                              f"{len(matches)} {runs[0].tracker} runs "
-                             f"({_names(r.label for r in matches)}): give an id")
+                             f"({_names(r.label for r in matches)}): {tell}")
         chosen += matches
     if stores and not chosen:
         every = [r.label for runs in stores for r in runs]
