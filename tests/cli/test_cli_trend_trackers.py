@@ -193,6 +193,20 @@ def test_runs_of_one_name_are_refused_with_names_that_pick_one(gradclip, tmp_pat
     assert set(_points(result).values()) == {3.0}
 
 
+def test_a_run_named_whole_is_read_though_another_ends_with_its_name(gradclip, tmp_path,
+                                                                   monkeypatch):
+    tr.needs("tensorboard")
+    tr.write_torch_tensorboard(tmp_path / "logs" / "b", norms={s: 1.0 for s in tr.NORMS})
+    tr.write_torch_tensorboard(tmp_path / "logs" / "x" / "logs" / "b",
+                               norms={s: 3.0 for s in tr.NORMS})
+    monkeypatch.chdir(tmp_path)
+    result = gradclip("trend", "logs")
+    assert result.code == 2 and "(logs/b, logs/x/logs/b)" in result.err
+    result = gradclip("trend", "logs", "--run", "logs/b", "--format", "json")
+    assert result.code == 0, result.err
+    assert set(_points(result).values()) == {1.0}
+
+
 def test_a_resumed_run_supersedes_the_steps_it_logs_again(gradclip, tmp_path):
     tr.needs("tensorboard")
     folder = tmp_path / "resumed"

@@ -180,7 +180,9 @@ def choose_runs(stores: list[list[TrackerRun]], choice: Choice, where: str
         return [runs[0] for runs in stores]
     chosen = []
     for runs in stores:
-        matches = [r for r in runs if _is_named(r, choice.run)]
+        # A name given whole picks its run, though another's name ends with it.
+        matches = ([r for r in runs if choice.run in (r.name, r.id)]
+                   or [r for r in runs if r.name.endswith("/" + choice.run)])
         if len(matches) > 1:
             # A TensorBoard run has no id: its name is its folder, whole as listed.
             tell = ("give --run ID" if all(r.id for r in matches) else
@@ -194,10 +196,6 @@ def choose_runs(stores: list[list[TrackerRun]], choice: Choice, where: str
         raise UsageError(f"{where}: no run named {visible(choice.run)}; its runs: "
                          f"{_names(every)}")
     return chosen
-
-
-def _is_named(run: TrackerRun, name: str) -> bool:
-    return name in (run.name, run.id) or run.name.endswith("/" + name)
 
 
 def _names(names: Iterable[str]) -> str:
