@@ -251,6 +251,21 @@ def test_mlflow_file_store(gradclip, mlflow_stores):
         assert "MLflow" in " ".join(result.json()["notes"])
 
 
+def test_mlflow_file_store_runs_are_picked_by_their_names_as_logged(gradclip, tmp_path):
+    """meta.yaml keeps a run's name as YAML writes it (quoted, escaped, folded across
+    lines); --run takes the name the run was given."""
+    tr.needs("mlflow")
+    names = ("tab\there", "it's: a run", " ".join(["word"] * 20))
+    tr.write_mlflow({"file:./mlruns": {name: {s: float(i + 1) for s in range(8)}
+                                       for i, name in enumerate(names)}}, cwd=tmp_path)
+    refused = gradclip("trend", tmp_path / "mlruns")
+    assert refused.code == 2 and "it's: a run" in refused.err
+    for i, name in enumerate(names):
+        result = gradclip("trend", tmp_path / "mlruns", "--run", name, "--format", "json")
+        assert result.code == 0, (name, result.err)
+        assert set(_points(result).values()) == {float(i + 1)}, name
+
+
 # NaN at step 5, +inf at 20, -inf at the newest: MLflow's SQLite store keeps inf as
 # +-1.8e308 and NaN as a flag.
 NONFINITE = {**tr.NORMS, 5: math.nan, 20: math.inf, 39: -math.inf}
