@@ -128,6 +128,61 @@ def test_nonfinite_values_are_nonfinite_points(gradclip, tmp_path):
     assert by_step[10]["total_norm"] == "nan" and by_step[39]["total_norm"] == "inf"
 
 
+def _tensor_scalar_events(folder, tensors):
+    """An event file (torch's writer) whose summaries are 0-dim tensors: ``tensors``
+    maps step -> {tag: TensorProto}."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(folder))
+    for step, by_tag in tensors.items():
+        writer._get_file_writer().add_summary(Summary(value=[
+            Summary.Value(tag=tag, tensor=tensor) for tag, tensor in by_tag.items()]), step)
+    writer.close()
+    return tr._event_file(folder)
+
+
+def test_bfloat16_and_half_tensor_scalars_read_as_stored(gradclip, tmp_path):
+    """A tensor summary of a half or bfloat16 scalar (tensorboard's make_ndarray has no
+    numpy bfloat16: it raised) reads as the value stored."""
+    tr.needs("tensorboard")
+    import torch
+    from tensorboard.compat.proto import types_pb2
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+
+    def bits(value, dtype):  # the 16 bits the proto keeps in half_val
+        return int(torch.tensor(value, dtype=dtype).view(torch.int16)) & 0xFFFF
+
+    stored = {dtype: {s: float(torch.tensor(v, dtype=dtype)) for s, v in tr.NORMS.items()}
+              for dtype in (torch.bfloat16, torch.float16)}
+    event_file = _tensor_scalar_events(tmp_path / "run", {s: {
+        "train/grad_norm": TensorProto(dtype=types_pb2.DT_BFLOAT16,
+                                       half_val=[bits(v, torch.bfloat16)]),
+        "half/grad_norm": TensorProto(dtype=types_pb2.DT_HALF,
+                                      half_val=[bits(v, torch.float16)])}
+        for s, v in tr.NORMS.items()})
+    for tag, dtype in (("train/grad_norm", torch.bfloat16), ("half/grad_norm", torch.float16)):
+        result = gradclip("trend", event_file, "--tag", tag, "--format", "json",
+                          "--fail-on", "any")
+        assert result.code == 1, result.err
+        assert _points(result) == stored[dtype]
+        assert [p["step"] for p in result.json()["points"] if p["spike"]] == [tr.SPIKE_STEP]
+
+
+def test_a_scalar_tensor_holding_two_values_is_exit_3_naming_it(gradclip, tmp_path):
+    tr.needs("tensorboard")
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+
+    event_file = _tensor_scalar_events(tmp_path / "run", {
+        0: {"grad_norm": TensorProto(dtype=1, float_val=[1.0])},
+        1: {"grad_norm": TensorProto(dtype=1, float_val=[1.0, 2.0])}})
+    result = gradclip("trend", event_file)
+    assert result.code == 3
+    assert "Traceback" not in result.err
+    assert result.err_lines == [f"gradclip: {event_file}: tag 'grad_norm' at step 1: a "
+                                "0-dim tensor that does not hold one value (a damaged event?)"]
+
+
 def test_huge_steps_are_kept_and_negative_steps_refused(gradclip, tmp_path):
     tr.needs("tensorboard")
     big = 2**62
