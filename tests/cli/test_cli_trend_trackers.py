@@ -538,6 +538,26 @@ def test_each_frameworks_total_is_found_by_name(gradclip, tmp_path, tag):
     assert any(f"tag '{tag}' found by name" in n for n in result.json()["notes"])
 
 
+@pytest.mark.parametrize("lookalike", ["grad_1.2.3_norm_total", "grad_._norm_total",
+                                       "grad_0_norm_total", "grad_0.0_norm_total"])
+def test_a_tag_shaped_as_lightnings_without_a_p_above_0_is_no_norm(gradclip, tmp_path,
+                                                                   lookalike):
+    """Lightning's grad_norm refuses p <= 0 and writes p as a float: a tag of that shape
+    with no such p is another tag, and the framework's total beside it is read."""
+    tr.needs("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step, value in tr.NORMS.items():
+        writer.add_scalar(lookalike, 1.0, step)
+        writer.add_scalar("train/grad_norm", value, step)
+    writer.close()
+    result = gradclip("trend", tmp_path / "run", "--format", "json", "--fail-on", "any")
+    assert result.code == 1, result.err
+    assert result.json()["norm_type"] == 2.0
+    assert _points(result) == {s: tr.float32(v) for s, v in tr.NORMS.items()}
+
+
 def test_gradclip_tags_read_back_with_groups_and_preferred(gradclip, tmp_path):
     """gradclip's own scheme (tracker_tags), under the Trainer's train/ prefix, beside the
     framework's own total: gradclip's is read (it has the groups) and the other named."""

@@ -63,7 +63,8 @@ TRACKERS: tuple[Tracker, ...] = (
 MAX_DEPTH = 4
 DEFAULT_NORM_TYPE = 2.0
 NORM_TAGS = ("grad_norm", "grad_norm/total", "grad-norm")
-_LIGHTNING_TOTAL = re.compile(r"^grad_([0-9.]+|inf)_norm_total$")
+# Lightning's grad_norm writes p as Python writes a float (2.0, inf) and refuses p <= 0.
+_LIGHTNING_TOTAL = re.compile(r"^grad_([0-9]+(?:\.[0-9]+)?|inf)_norm_total$")
 _NAMES_SHOWN = 8
 
 
@@ -224,7 +225,7 @@ def _families(tags: Iterable[str]) -> list[_Family]:
         prefix, name = tag.rpartition("/")[0::2] if "/" in tag else ("", tag)
         prefix = prefix + "/" if prefix else ""
         match = _LIGHTNING_TOTAL.match(name)
-        if match and "gradclip/" not in prefix:
+        if match and "gradclip/" not in prefix and float(match.group(1)) > 0:
             p = float(match.group(1))
             families.append(_Family(1, tag, f"{prefix}grad_{match.group(1)}_norm/", p,
                                     "Lightning's grad_norm"))
