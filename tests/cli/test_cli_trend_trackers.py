@@ -415,6 +415,26 @@ def test_wandb_offline_run(gradclip, wandb_run):
         _assert_series(result, float32=False)
 
 
+def test_wandb_runs_are_picked_by_the_names_wandb_init_gave_them(gradclip, wandb_run,
+                                                                  tmp_path):
+    """Two offline runs under one wandb/: listed by their W&B names, and --run with one's
+    name (as wandb.init(name=...) gave it, as W&B shows it) reads that run."""
+    tr.needs("wandb")
+    other = tr.write_wandb_offline(tmp_path / "other", name="other-run",
+                                   norms={s: 3.0 for s in tr.NORMS})
+    shutil.copytree(wandb_run.parent, tmp_path / "both" / "wandb")
+    shutil.copytree(other, tmp_path / "both" / "wandb" / other.name)
+    result = gradclip("trend", tmp_path / "both")
+    assert result.code == 2
+    assert "calm-run (id " in result.err and "other-run (id " in result.err
+    result = gradclip("trend", tmp_path / "both", "--run", "other-run", "--format", "json")
+    assert result.code == 0, result.err
+    assert set(_points(result).values()) == {3.0}
+    run_id = other.name.rsplit("-", 1)[-1]
+    result = gradclip("trend", tmp_path / "both", "--run", run_id, "--format", "json")
+    assert set(_points(result).values()) == {3.0}
+
+
 def test_wandb_steps_of_the_trainers_step_metric(gradclip, tmp_path):
     """The Trainer's W&B callback steps every key by train/global_step (define_metric),
     not by W&B's count of log calls."""
