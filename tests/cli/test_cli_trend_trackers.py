@@ -514,6 +514,29 @@ def test_lightning_tensorboard_and_csv_loggers(gradclip, lightning_run):
     assert any("grad_2.0_norm_total" in note for note in doc["notes"])
 
 
+def test_a_csv_column_name_with_line_breaks_reads_back_whole(gradclip, tmp_path):
+    """CSVLogger quotes a key holding a line break; the group is read under its whole
+    name (a newline, U+0085 included), never the name less its line breaks."""
+    tr.needs("lightning")
+    from lightning.pytorch.loggers import CSVLogger
+
+    from gradclip_cli import tracker_tags
+
+    group = "d.<b>\n|\x85x"
+    logger = CSVLogger(str(tmp_path), name="lg", version=0)
+    for step, value in tr.NORMS.items():
+        logger.log_metrics({tracker_tags.TOTAL_NORM: value,
+                            tracker_tags.group_norm(group): value / 2}, step=step)
+    logger.save()
+    version = tmp_path / "lg" / "version_0"
+    for given in (version, version / "metrics.csv"):
+        result = gradclip("trend", given, "--format", "json", "--fail-on", "any")
+        assert result.code == 1, result.err
+        for point in result.json()["points"]:
+            assert point["groups"] == {group: tr.NORMS[point["step"]] / 2}
+        assert result.json()["points"][tr.SPIKE_STEP]["spike_groups"] == [group]
+
+
 @pytest.fixture(scope="session")
 def trainer_tensorboard_run(tmp_path_factory):
     tr.needs("transformers")
