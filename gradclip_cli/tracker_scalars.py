@@ -30,7 +30,7 @@ from typing import Any
 
 from . import tracker_tags
 
-NORM_TYPE = tracker_tags.PREFIX + "norm_type"
+NORM_TYPE = tracker_tags.NORM_TYPE
 
 TENSORBOARD_EXTRA = "pip install 'gradclip[tensorboard]'"
 

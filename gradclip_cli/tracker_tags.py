@@ -13,6 +13,8 @@ TOTAL_NORM = "gradclip/total_norm"
 GROUP_NORM_PREFIX = "gradclip/norm/"
 CLIP_COEF = "gradclip/clip_coef"
 SPIKE = "gradclip/spike"
+# p, logged only where it is not 2 (absent means the 2-norm).
+NORM_TYPE = "gradclip/norm_type"
 
 
 def group_norm(group: str) -> str:

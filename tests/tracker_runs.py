@@ -111,7 +111,8 @@ def write_trackio(folder: Path, *, runs: tuple[str, ...] = ("calm-run",)) -> Pat
     return folder / "proj.db"
 
 
-def write_wandb_offline(folder: Path, *, global_step: bool = False) -> Path:
+def write_wandb_offline(folder: Path, *, global_step: bool = False, name: str = "calm-run",
+                        norms: dict[int, float] | None = None) -> Path:
     """``wandb`` in offline mode; returns the run's ``wandb/offline-run-*`` folder.
 
     ``global_step``: log as the Hugging Face Trainer's W&B callback does:
@@ -130,8 +131,8 @@ def write_wandb_offline(folder: Path, *, global_step: bool = False) -> Path:
         """
     start = textwrap.dedent(f"""
         import wandb
-        {_NORMS_FROM_JSON.format(json.dumps(NORMS))}
-        run = wandb.init(project="p", name="calm-run", dir={str(folder)!r})
+        {_NORMS_FROM_JSON.format(json.dumps(NORMS if norms is None else norms))}
+        run = wandb.init(project="p", name={name!r}, dir={str(folder)!r})
         """)
     _write_in_process(start + textwrap.dedent(logging) + "run.finish()\n", folder,
                       {"WANDB_MODE": "offline", "WANDB_SILENT": "true",

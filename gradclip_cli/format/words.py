@@ -287,8 +287,9 @@ def audit_lines(report: TrendReport) -> list[str]:
     which, over how many steps, within what tolerance, and where they disagree."""
     lines = []
     for a in report.audits:
-        pair = (f"{a.framework.kind} ({visible(a.framework.source)}) against "
-                f"{a.gradclip.kind} ({visible(a.gradclip.source)})")
+        # A kind names the tracker's tag, as the file spells it: escaped as any name.
+        pair = (f"{visible(a.framework.kind)} ({visible(a.framework.source)}) against "
+                f"{visible(a.gradclip.kind)} ({visible(a.gradclip.source)})")
         within = f"{a.tolerance:.2g} relative ({a.precision} totals)"
         n = len(a.compared)
         if a.agrees:
@@ -309,7 +310,7 @@ def audit_verdict(report: TrendReport) -> str:
     first = bad[0].disagreements[0]
     return (f"FAIL: the logged total norm disagrees with gradclip's at {steps} step(s) "
             f"(step {first.step}: {fmt(first.framework)} logged by "
-            f"{bad[0].framework.kind}, {fmt(first.gradclip)} by gradclip); the framework "
+            f"{visible(bad[0].framework.kind)}, {fmt(first.gradclip)} by gradclip); the framework "
             "computed its norm over other gradients (exit 1)")
 
 

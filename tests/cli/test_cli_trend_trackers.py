@@ -128,6 +128,61 @@ def test_nonfinite_values_are_nonfinite_points(gradclip, tmp_path):
     assert by_step[10]["total_norm"] == "nan" and by_step[39]["total_norm"] == "inf"
 
 
+def _tensor_scalar_events(folder, tensors):
+    """An event file (torch's writer) whose summaries are 0-dim tensors: ``tensors``
+    maps step -> {tag: TensorProto}."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(folder))
+    for step, by_tag in tensors.items():
+        writer._get_file_writer().add_summary(Summary(value=[
+            Summary.Value(tag=tag, tensor=tensor) for tag, tensor in by_tag.items()]), step)
+    writer.close()
+    return tr._event_file(folder)
+
+
+def test_bfloat16_and_half_tensor_scalars_read_as_stored(gradclip, tmp_path):
+    """A tensor summary of a half or bfloat16 scalar (tensorboard's make_ndarray has no
+    numpy bfloat16: it raised) reads as the value stored."""
+    tr.needs("tensorboard")
+    import torch
+    from tensorboard.compat.proto import types_pb2
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+
+    def bits(value, dtype):  # the 16 bits the proto keeps in half_val
+        return int(torch.tensor(value, dtype=dtype).view(torch.int16)) & 0xFFFF
+
+    stored = {dtype: {s: float(torch.tensor(v, dtype=dtype)) for s, v in tr.NORMS.items()}
+              for dtype in (torch.bfloat16, torch.float16)}
+    event_file = _tensor_scalar_events(tmp_path / "run", {s: {
+        "train/grad_norm": TensorProto(dtype=types_pb2.DT_BFLOAT16,
+                                       half_val=[bits(v, torch.bfloat16)]),
+        "half/grad_norm": TensorProto(dtype=types_pb2.DT_HALF,
+                                      half_val=[bits(v, torch.float16)])}
+        for s, v in tr.NORMS.items()})
+    for tag, dtype in (("train/grad_norm", torch.bfloat16), ("half/grad_norm", torch.float16)):
+        result = gradclip("trend", event_file, "--tag", tag, "--format", "json",
+                          "--fail-on", "any")
+        assert result.code == 1, result.err
+        assert _points(result) == stored[dtype]
+        assert [p["step"] for p in result.json()["points"] if p["spike"]] == [tr.SPIKE_STEP]
+
+
+def test_a_scalar_tensor_holding_two_values_is_exit_3_naming_it(gradclip, tmp_path):
+    tr.needs("tensorboard")
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+
+    event_file = _tensor_scalar_events(tmp_path / "run", {
+        0: {"grad_norm": TensorProto(dtype=1, float_val=[1.0])},
+        1: {"grad_norm": TensorProto(dtype=1, float_val=[1.0, 2.0])}})
+    result = gradclip("trend", event_file)
+    assert result.code == 3
+    assert "Traceback" not in result.err
+    assert result.err_lines == [f"gradclip: {event_file}: tag 'grad_norm' at step 1: a "
+                                "0-dim tensor that does not hold one value (a damaged event?)"]
+
+
 def test_huge_steps_are_kept_and_negative_steps_refused(gradclip, tmp_path):
     tr.needs("tensorboard")
     big = 2**62
@@ -176,6 +231,37 @@ def test_several_runs_refused_with_names_or_chosen(gradclip, tmp_path):
     assert set(_points(result).values()) == {3.0}
 
 
+def test_runs_of_one_name_are_refused_with_names_that_pick_one(gradclip, tmp_path):
+    """TensorBoard runs have no id: the refusal of a --run that names two offers what
+    tells them apart, their names as listed, and following it reads the one named."""
+    tr.needs("tensorboard")
+    tr.write_torch_tensorboard(tmp_path / "logs" / "a" / "run")
+    tr.write_torch_tensorboard(tmp_path / "logs" / "b" / "run",
+                               norms={s: 3.0 for s in tr.NORMS})
+    result = gradclip("trend", tmp_path / "logs", "--run", "run")
+    assert result.code == 2
+    listed = str(tmp_path / "logs" / "b" / "run")
+    assert listed in result.err and "an id" not in result.err
+    assert "--run" in result.err_lines[-1].split("):")[-1]  # the suggestion names the flag
+    result = gradclip("trend", tmp_path / "logs", "--run", listed, "--format", "json")
+    assert result.code == 0, result.err
+    assert set(_points(result).values()) == {3.0}
+
+
+def test_a_run_named_whole_is_read_though_another_ends_with_its_name(gradclip, tmp_path,
+                                                                   monkeypatch):
+    tr.needs("tensorboard")
+    tr.write_torch_tensorboard(tmp_path / "logs" / "b", norms={s: 1.0 for s in tr.NORMS})
+    tr.write_torch_tensorboard(tmp_path / "logs" / "x" / "logs" / "b",
+                               norms={s: 3.0 for s in tr.NORMS})
+    monkeypatch.chdir(tmp_path)
+    result = gradclip("trend", "logs")
+    assert result.code == 2 and "(logs/b, logs/x/logs/b)" in result.err
+    result = gradclip("trend", "logs", "--run", "logs/b", "--format", "json")
+    assert result.code == 0, result.err
+    assert set(_points(result).values()) == {1.0}
+
+
 def test_a_resumed_run_supersedes_the_steps_it_logs_again(gradclip, tmp_path):
     tr.needs("tensorboard")
     folder = tmp_path / "resumed"
@@ -218,6 +304,21 @@ def test_mlflow_file_store(gradclip, mlflow_stores):
         result = gradclip("trend", given, "--format", "json", "--fail-on", "any")
         _assert_series(result, float32=False)
         assert "MLflow" in " ".join(result.json()["notes"])
+
+
+def test_mlflow_file_store_runs_are_picked_by_their_names_as_logged(gradclip, tmp_path):
+    """meta.yaml keeps a run's name as YAML writes it (quoted, escaped, folded across
+    lines); --run takes the name the run was given."""
+    tr.needs("mlflow")
+    names = ("tab\there", "it's: a run", " ".join(["word"] * 20))
+    tr.write_mlflow({"file:./mlruns": {name: {s: float(i + 1) for s in range(8)}
+                                       for i, name in enumerate(names)}}, cwd=tmp_path)
+    refused = gradclip("trend", tmp_path / "mlruns")
+    assert refused.code == 2 and "it's: a run" in refused.err
+    for i, name in enumerate(names):
+        result = gradclip("trend", tmp_path / "mlruns", "--run", name, "--format", "json")
+        assert result.code == 0, (name, result.err)
+        assert set(_points(result).values()) == {float(i + 1)}, name
 
 
 # NaN at step 5, +inf at 20, -inf at the newest: MLflow's SQLite store keeps inf as
@@ -287,9 +388,14 @@ def test_sqlite_of_another_schema_is_exit_3(gradclip, tmp_path):
     assert "neither MLflow's store" in result.err and str(other) in result.err
 
 
-def test_trackio_project_database(gradclip, tmp_path_factory):
+@pytest.fixture(scope="session")
+def trackio_db(tmp_path_factory):
     tr.needs("trackio")
-    db = tr.write_trackio(tmp_path_factory.mktemp("trackio"), runs=("calm-run", "run-two"))
+    return tr.write_trackio(tmp_path_factory.mktemp("trackio"), runs=("calm-run", "run-two"))
+
+
+def test_trackio_project_database(gradclip, trackio_db):
+    db = trackio_db
     result = gradclip("trend", db)
     assert result.code == 2 and "calm-run" in result.err and "run-two" in result.err
     result = gradclip("trend", db, "--run", "calm-run", "--format", "json", "--fail-on", "any")
@@ -307,6 +413,26 @@ def test_wandb_offline_run(gradclip, wandb_run):
     for given in (wandb_run.parent.parent, wandb_run, next(wandb_run.glob("*.wandb"))):
         result = gradclip("trend", given, "--format", "json", "--fail-on", "any")
         _assert_series(result, float32=False)
+
+
+def test_wandb_runs_are_picked_by_the_names_wandb_init_gave_them(gradclip, wandb_run,
+                                                                  tmp_path):
+    """Two offline runs under one wandb/: listed by their W&B names, and --run with one's
+    name (as wandb.init(name=...) gave it, as W&B shows it) reads that run."""
+    tr.needs("wandb")
+    other = tr.write_wandb_offline(tmp_path / "other", name="other-run",
+                                   norms={s: 3.0 for s in tr.NORMS})
+    shutil.copytree(wandb_run.parent, tmp_path / "both" / "wandb")
+    shutil.copytree(other, tmp_path / "both" / "wandb" / other.name)
+    result = gradclip("trend", tmp_path / "both")
+    assert result.code == 2
+    assert "calm-run (id " in result.err and "other-run (id " in result.err
+    result = gradclip("trend", tmp_path / "both", "--run", "other-run", "--format", "json")
+    assert result.code == 0, result.err
+    assert set(_points(result).values()) == {3.0}
+    run_id = other.name.rsplit("-", 1)[-1]
+    result = gradclip("trend", tmp_path / "both", "--run", run_id, "--format", "json")
+    assert set(_points(result).values()) == {3.0}
 
 
 def test_wandb_steps_of_the_trainers_step_metric(gradclip, tmp_path):
@@ -388,6 +514,29 @@ def test_lightning_tensorboard_and_csv_loggers(gradclip, lightning_run):
     assert any("grad_2.0_norm_total" in note for note in doc["notes"])
 
 
+def test_a_csv_column_name_with_line_breaks_reads_back_whole(gradclip, tmp_path):
+    """CSVLogger quotes a key holding a line break; the group is read under its whole
+    name (a newline, U+0085 included), never the name less its line breaks."""
+    tr.needs("lightning")
+    from lightning.pytorch.loggers import CSVLogger
+
+    from gradclip_cli import tracker_tags
+
+    group = "d.<b>\n|\x85x"
+    logger = CSVLogger(str(tmp_path), name="lg", version=0)
+    for step, value in tr.NORMS.items():
+        logger.log_metrics({tracker_tags.TOTAL_NORM: value,
+                            tracker_tags.group_norm(group): value / 2}, step=step)
+    logger.save()
+    version = tmp_path / "lg" / "version_0"
+    for given in (version, version / "metrics.csv"):
+        result = gradclip("trend", given, "--format", "json", "--fail-on", "any")
+        assert result.code == 1, result.err
+        for point in result.json()["points"]:
+            assert point["groups"] == {group: tr.NORMS[point["step"]] / 2}
+        assert result.json()["points"][tr.SPIKE_STEP]["spike_groups"] == [group]
+
+
 @pytest.fixture(scope="session")
 def trainer_tensorboard_run(tmp_path_factory):
     tr.needs("transformers")
@@ -430,6 +579,26 @@ def test_each_frameworks_total_is_found_by_name(gradclip, tmp_path, tag):
     assert result.code == 1
     assert _points(result) == {s: tr.float32(v) for s, v in tr.NORMS.items()}
     assert any(f"tag '{tag}' found by name" in n for n in result.json()["notes"])
+
+
+@pytest.mark.parametrize("lookalike", ["grad_1.2.3_norm_total", "grad_._norm_total",
+                                       "grad_0_norm_total", "grad_0.0_norm_total"])
+def test_a_tag_shaped_as_lightnings_without_a_p_above_0_is_no_norm(gradclip, tmp_path,
+                                                                   lookalike):
+    """Lightning's grad_norm refuses p <= 0 and writes p as a float: a tag of that shape
+    with no such p is another tag, and the framework's total beside it is read."""
+    tr.needs("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step, value in tr.NORMS.items():
+        writer.add_scalar(lookalike, 1.0, step)
+        writer.add_scalar("train/grad_norm", value, step)
+    writer.close()
+    result = gradclip("trend", tmp_path / "run", "--format", "json", "--fail-on", "any")
+    assert result.code == 1, result.err
+    assert result.json()["norm_type"] == 2.0
+    assert _points(result) == {s: tr.float32(v) for s, v in tr.NORMS.items()}
 
 
 def test_gradclip_tags_read_back_with_groups_and_preferred(gradclip, tmp_path):
@@ -516,3 +685,57 @@ def test_an_event_file_without_a_norm_tag_lists_its_tags(gradclip, tmp_path):
     assert "'train/loss'" in result.err and "--tag" in result.err
     result = gradclip("trend", event_file, "--tag", "train/lr", "--format", "json")
     assert result.code == 0 and len(_points(result)) == tr.STEPS
+
+
+def test_a_hostile_framework_tag_in_the_norm_audit_is_escaped(gradclip, tmp_path):
+    """The audit names the framework's tag: escaped in the table and the -q verdict, as
+    every other name is, so it can neither colour the terminal nor start a line of its
+    own (a GitHub workflow command)."""
+    tr.needs("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path / "run"
+    run.mkdir()
+    norms = {step: 1.0 + step / 16 for step in range(12)}  # exact in float32
+    (run / "grads.jsonl").write_text("".join(
+        json.dumps({"schema": "gradclip.monitor/1", "step": s, "total_norm": v,
+                    "norm_type": 2.0}) + "\n" for s, v in norms.items()))
+    tag = "<b>\x1b[31m\n::error::pwned/grad_norm"
+    writer = SummaryWriter(str(run / "tb"))
+    for step, value in norms.items():
+        writer.add_scalar(tag, 1.5 * value if step == 4 else value, step)
+    writer.close()
+    table = gradclip("trend", run)
+    assert table.code == 1, table.err  # the audit disagrees at step 4
+    assert "DISAGREE at 1 of 12" in unwrapped(table.out)
+    quiet = gradclip("trend", run, "-q")
+    assert quiet.code == 1
+    for out in (table.out, quiet.out, quiet.err):
+        assert "\x1b" not in out
+        assert not any(line.lstrip().startswith("::error::") for line in out.splitlines())
+    assert len(quiet.out.splitlines()) == 1
+    assert "\\x1b[31m\\n::error::pwned/grad_norm" in quiet.out
+
+
+def _folder_state(folder) -> dict:
+    """Every entry of ``folder`` and the folder itself: size, mtime (ns), bytes."""
+    state = {".": folder.stat().st_mtime_ns}
+    for entry in sorted(folder.iterdir()):
+        st = entry.stat()
+        state[entry.name] = (st.st_size, st.st_mtime_ns, entry.read_bytes())
+    return state
+
+
+@pytest.mark.parametrize("store", ["trackio", "mlflow"])
+def test_a_trackers_database_and_its_folder_are_left_as_they_were(
+        gradclip, trackio_db, mlflow_stores, tmp_path, store):
+    """trackio keeps its database in WAL mode: a read-only open still made the
+    -wal and -shm files beside a database that had none (its writer gone)."""
+    db = tmp_path / "store" / "runs.db"
+    db.parent.mkdir()
+    shutil.copy(trackio_db if store == "trackio" else mlflow_stores / "mlflow.db", db)
+    before = _folder_state(db.parent)
+    result = gradclip("trend", db, "--run", "calm-run", "--format", "json",
+                      "--fail-on", "any")
+    _assert_series(result, float32=False)
+    assert _folder_state(db.parent) == before

@@ -124,6 +124,30 @@ def test_the_loops_scalars_are_the_logs_numbers_in_float32(plain_loop):
     assert not math.isnan(points["gradclip/norm/2"][LOOP_NAN])
 
 
+def test_trend_reads_a_1_norm_monitors_tensorboard_back_as_1_norms(gradclip, tmp_path):
+    """A monitor of another p writes gradclip/norm_type beside its norms; trend of its
+    TensorBoard files reports that p, as trend of its log does, never the 2-norm."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    monitor = GradMonitor(model, tmp_path / "grads.jsonl", None, norm_type=1.0,
+                          tensorboard=tmp_path / "tb")
+    for step in range(8):
+        x = torch.randn(32, 6)
+        torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+        monitor.step(step)
+        model.zero_grad()
+    monitor.close()
+    records = read_log(tmp_path / "grads.jsonl")
+    r = gradclip("trend", tmp_path / "tb", "--format", "json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert doc["norm_type"] == 1.0
+    assert [p["total_norm"] for p in doc["points"]] == [float32(x["total_norm"])
+                                                        for x in records]
+    wrong = gradclip("trend", tmp_path / "tb", "--norm-type", "2")
+    assert wrong.code == 2 and "p=1" in wrong.err
+
+
 def test_without_tensorboard_the_monitor_is_refused_naming_the_extra(tmp_path):
     folder = str(tmp_path / "tb")
     code = ("import sys; sys.modules['tensorboard'] = None\n"

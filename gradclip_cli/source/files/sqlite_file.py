@@ -2,7 +2,14 @@
 
 ``sqlite3`` opens it through a ``file:`` URI with ``mode=ro`` (SQLite's
 read-only open: nothing is written, not even a journal), so reading a run's
-database while its tracker writes it changes nothing. A database another
+database while its tracker writes it changes nothing. A database in WAL mode
+(trackio's) is the exception: SQLite makes its ``-wal`` and ``-shm`` files
+beside it for any reader, read-only or not, and deletes them when the last
+connection closes. So where there is no ``-wal`` file (no connection has the
+database open: its writer is gone) it is opened ``immutable``, as one whose
+pages all lie in the file, and nothing is made beside it; where a writer
+has it open, its files are there already and are used as SQLite shares
+them. A database another
 process holds locked is waited for a little, then reported (exit 3), never
 read half-way. Errors name the file; nothing of its content is quoted.
 """
@@ -10,6 +17,7 @@ read half-way. Errors name the file; nothing of its content is quoted.
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +54,8 @@ def _failure(path: Path, error: sqlite3.Error) -> InputError:
 def read_only(path: Path) -> Iterator[sqlite3.Connection]:
     """A read-only connection to ``path``; SQLite errors become ``InputError`` naming it."""
     uri = Path(path).absolute().as_uri() + "?mode=ro"
+    if _closed_wal(path):
+        uri += "&immutable=1"
     try:
         connection = sqlite3.connect(uri, uri=True, timeout=LOCK_WAIT)
     except sqlite3.Error as error:
@@ -56,6 +66,22 @@ def read_only(path: Path) -> Iterator[sqlite3.Connection]:
         raise _failure(path, error) from None
     finally:
         connection.close()
+
+
+# The header's file format write and read versions (bytes 18 and 19): 2 in WAL mode
+# (https://www.sqlite.org/fileformat2.html, "The Database Header").
+_WAL_VERSIONS = (18, 20, b"\x02\x02")
+
+
+def _closed_wal(path: Path) -> bool:
+    """Whether ``path`` is in WAL mode with no ``-wal`` file beside it: no connection
+    has it open, every page is in the file."""
+    start, end, wal = _WAL_VERSIONS
+    try:
+        head = read_head(path, end, what="an SQLite database")
+    except InputError:
+        return False  # the open reports it
+    return head[start:end] == wal and not os.path.lexists(f"{path}-wal")
 
 
 def columns(connection: sqlite3.Connection) -> dict[str, set[str]]:

@@ -9,6 +9,7 @@ folder. Values are float64 as written (Lightning logs a tensor's value).
 from __future__ import annotations
 
 import csv
+import io
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,13 +38,20 @@ def runs(claimed: Sequence[Path]) -> list[TrackerRun]:
 def given(path: Path) -> list[TrackerRun] | None:
     if path.suffix != ".csv":
         return None
-    header = read_text(path, "a CSV file").split("\n", 1)[0]
-    return [_run(path)] if STEP in next(csv.reader([header]), []) else None
+    header = next(_rows(read_text(path, "a CSV file")), [])
+    return [_run(path)] if STEP in header else None
+
+
+def _rows(text: str):
+    """The CSV rows of ``text``, read as csv wants its input (``newline=""``): a quoted
+    key's line breaks stay in the key (``splitlines`` dropped them, and split on
+    U+0085 and U+2028 too)."""
+    return csv.reader(io.StringIO(text, newline=""))
 
 
 def read_scalars(file: Path) -> dict[str, Points]:
     shown = visible(str(file))
-    rows = csv.reader(read_text(file, "a Lightning metrics.csv").splitlines())
+    rows = _rows(read_text(file, "a Lightning metrics.csv"))
     header = next(rows, None)
     if not header or STEP not in header:
         raise InputError(f"{shown}: no \"step\" column: not a Lightning CSVLogger file")

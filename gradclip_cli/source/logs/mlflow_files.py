@@ -1,11 +1,13 @@
 """MLflow's file store (``mlruns/<experiment>/<run>/``), read as text without mlflow.
 
 A run folder holds ``meta.yaml`` (``run_id``, ``run_name``,
-``lifecycle_stage``) and ``metrics/<key>``, one file per metric (a key with
-``/`` is a nested path), a line per logged value: ``<timestamp> <value>
-<step>``, the value as Python writes a float (``nan``, ``inf``, ``-inf``
-too). Values are float64. A deleted run (``lifecycle_stage: deleted``) is
-not a run.
+``lifecycle_stage``), ``tags/<key>`` (a file per tag holding its value as
+given: ``mlflow.runName`` is the run's name, which meta.yaml keeps as YAML
+writes it, quoted, escaped or folded across lines) and ``metrics/<key>``,
+one file per metric (a key with ``/`` is a nested path), a line per logged
+value: ``<timestamp> <value> <step>``, the value as Python writes a float
+(``nan``, ``inf``, ``-inf`` too). Values are float64. A deleted run
+(``lifecycle_stage: deleted``) is not a run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
 NAME = "MLflow"
 META = "meta.yaml"
 METRICS = "metrics"
+RUN_NAME_TAG = Path("tags", "mlflow.runName")
 
 
 def claims(path: Path, is_dir: bool) -> bool:
@@ -45,9 +48,16 @@ def runs(claimed: Sequence[Path]) -> list[TrackerRun]:
         if meta.get("lifecycle_stage") == "deleted":
             continue
         run_id = meta.get("run_id") or folder.name
-        found.append(TrackerRun(NAME, meta.get("run_name") or run_id, run_id, folder,
+        name = _run_name(folder) or meta.get("run_name") or run_id
+        found.append(TrackerRun(NAME, name, run_id, folder,
                                 lambda folder=folder: read_scalars(folder)))
     return found
+
+
+def _run_name(folder: Path) -> str | None:
+    """The run's name as it was given (its ``mlflow.runName`` tag), where MLflow kept it."""
+    tag = folder / RUN_NAME_TAG
+    return read_text(tag, "an MLflow run's name") if os.path.isfile(tag) else None
 
 
 def given(path: Path) -> list[TrackerRun] | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -116,7 +117,9 @@ def _read_file(file: Path, scalars: dict[str, Points], doubles: set[str], loader
             if kind == "simple_value":
                 number = value.simple_value
             elif kind == "tensor":
-                number = _tensor_scalar(value.tensor, tensor_util)
+                number = _tensor_scalar(value.tensor, tensor_util,
+                                        f"{shown}: tag {visible(repr(value.tag))} at step "
+                                        f"{event.step}")
                 if number is None:
                     continue
                 if value.tensor.dtype != DT_FLOAT:
@@ -133,14 +136,38 @@ def _read_file(file: Path, scalars: dict[str, Points], doubles: set[str], loader
 
 
 DT_FLOAT = 1
-_FLOAT_DTYPES = frozenset({DT_FLOAT, 2, 14, 19})  # DT_DOUBLE, DT_BFLOAT16, DT_HALF too
+DT_BFLOAT16 = 14
+_FLOAT_DTYPES = frozenset({DT_FLOAT, 2, DT_BFLOAT16, 19})  # DT_DOUBLE, DT_HALF too
 
 
-def _tensor_scalar(tensor, tensor_util) -> float | None:
-    """A 0-dim floating tensor's value; None for any other tensor (text, a histogram)."""
-    if tensor.dtype in _FLOAT_DTYPES and not tensor.tensor_shape.dim:
-        return float(tensor_util.make_ndarray(tensor).item())
-    return None
+def _tensor_scalar(tensor, tensor_util, where: str) -> float | None:
+    """A 0-dim floating tensor's value; None for any other tensor (text, a histogram).
+    One that holds other than one value is exit 3 (``make_ndarray`` raised)."""
+    if tensor.dtype not in _FLOAT_DTYPES or tensor.tensor_shape.dim:
+        return None
+    try:
+        values = (_bfloat16_values(tensor) if tensor.dtype == DT_BFLOAT16
+                  else tensor_util.make_ndarray(tensor).reshape(-1).tolist())
+    except ValueError:  # numpy's: content not a whole number of elements, or too many
+        values = []
+    if len(values) != 1:
+        raise InputError(f"{where}: a 0-dim tensor that does not hold one value "
+                         "(a damaged event?)")
+    return float(values[0])
+
+
+def _bfloat16_values(tensor) -> list[float]:
+    """A DT_BFLOAT16 tensor's values (numpy, and so ``make_ndarray``, has no bfloat16): each
+    the upper 16 bits of a float32, in ``half_val`` or as 2 little-endian bytes in
+    ``tensor_content``."""
+    content = tensor.tensor_content
+    if content:
+        if len(content) % 2:
+            raise ValueError("not a whole number of bfloat16 elements")
+        bits = [int.from_bytes(content[i:i + 2], "little") for i in range(0, len(content), 2)]
+    else:
+        bits = list(tensor.half_val)
+    return [struct.unpack("<f", struct.pack("<I", (b & 0xFFFF) << 16))[0] for b in bits]
 
 
 TRACKER = Tracker(NAME, EXTRA, claims, runs, given)

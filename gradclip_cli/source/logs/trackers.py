@@ -11,7 +11,8 @@ with ``--tag``. The families, in the order they are preferred:
 
 1. gradclip's own tags (``tracker_tags``): ``gradclip/total_norm`` and a
    ``gradclip/norm/<group>`` per group, with or without a logger's prefix
-   (the Trainer's TensorBoard and W&B callbacks write ``train/...``);
+   (the Trainer's TensorBoard and W&B callbacks write ``train/...``), p from
+   ``gradclip/norm_type`` where it is logged (2 where not);
 2. Lightning's ``grad_norm`` utility: ``grad_<p>_norm_total`` and
    ``grad_<p>_norm/<parameter>`` (the p-norm, p read from the name);
 3. the total alone, as the frameworks log it: ``grad_norm`` (Trainer,
@@ -62,7 +63,8 @@ TRACKERS: tuple[Tracker, ...] = (
 MAX_DEPTH = 4
 DEFAULT_NORM_TYPE = 2.0
 NORM_TAGS = ("grad_norm", "grad_norm/total", "grad-norm")
-_LIGHTNING_TOTAL = re.compile(r"^grad_([0-9.]+|inf)_norm_total$")
+# Lightning's grad_norm writes p as Python writes a float (2.0, inf) and refuses p <= 0.
+_LIGHTNING_TOTAL = re.compile(r"^grad_([0-9]+(?:\.[0-9]+)?|inf)_norm_total$")
 _NAMES_SHOWN = 8
 
 
@@ -179,21 +181,22 @@ def choose_runs(stores: list[list[TrackerRun]], choice: Choice, where: str
         return [runs[0] for runs in stores]
     chosen = []
     for runs in stores:
-        matches = [r for r in runs if _is_named(r, choice.run)]
+        # A name given whole picks its run, though another's name ends with it.
+        matches = ([r for r in runs if choice.run in (r.name, r.id)]
+                   or [r for r in runs if r.name.endswith("/" + choice.run)])
         if len(matches) > 1:
+            # A TensorBoard run has no id: its name is its folder, whole as listed.
+            tell = ("give --run ID" if all(r.id for r in matches) else
+                    "give --run with one's whole name, as listed")
             raise UsageError(f"{where}: --run {visible(choice.run)} names "
                              f"{len(matches)} {runs[0].tracker} runs "
-                             f"({_names(r.label for r in matches)}): give an id")
+                             f"({_names(r.label for r in matches)}): {tell}")
         chosen += matches
     if stores and not chosen:
         every = [r.label for runs in stores for r in runs]
         raise UsageError(f"{where}: no run named {visible(choice.run)}; its runs: "
                          f"{_names(every)}")
     return chosen
-
-
-def _is_named(run: TrackerRun, name: str) -> bool:
-    return name in (run.name, run.id) or run.name.endswith("/" + name)
 
 
 def _names(names: Iterable[str]) -> str:
@@ -222,7 +225,7 @@ def _families(tags: Iterable[str]) -> list[_Family]:
         prefix, name = tag.rpartition("/")[0::2] if "/" in tag else ("", tag)
         prefix = prefix + "/" if prefix else ""
         match = _LIGHTNING_TOTAL.match(name)
-        if match and "gradclip/" not in prefix:
+        if match and "gradclip/" not in prefix and float(match.group(1)) > 0:
             p = float(match.group(1))
             families.append(_Family(1, tag, f"{prefix}grad_{match.group(1)}_norm/", p,
                                     "Lightning's grad_norm"))
@@ -305,15 +308,31 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
     by_group = {g: dict(_checked(scalars[t], f"{source}: tag {visible(repr(t))}"))
                 for g, t in groups.items()}
     p = family.norm_type
+    stated_p = _stated_norm_types(scalars, family, source)
     entries = tuple(
-        LoggedNorms(step, value, p, {g: points[step] for g, points in by_group.items()
-                                     if step in points})
+        LoggedNorms(step, value, stated_p.get(step, p),
+                    {g: points[step] for g, points in by_group.items() if step in points})
         for step, value in total) if by_group else tuple(
-        LoggedNorms(step, value, p) for step, value in total)
+        LoggedNorms(step, value, stated_p.get(step, p)) for step, value in total)
     if not entries:
         raise InputError(f"{where}: no points")
     note = f"tag {visible(repr(family.total))} {how}"
     return TrackerSeries(run, family.total, len(groups), entries, note)
+
+
+def _stated_norm_types(scalars, family: _Family, source: str) -> dict[int, float]:
+    """p by step where gradclip's writers logged it (``gradclip/norm_type``, under the
+    total's prefix: they log it only where p is not 2, ``tracker_scalars``); empty for
+    any other family."""
+    if family.rank != 0:
+        return {}
+    tag = family.total[: -len(tracker_tags.TOTAL_NORM)] + tracker_tags.NORM_TYPE
+    where = f"{source}: tag {visible(repr(tag))}"
+    stated = dict(_checked(scalars.get(tag, []), where))
+    for step, p in stated.items():
+        if not p > 0:
+            raise InputError(f"{where}: step {step}: a norm type must be > 0, got {p:g}")
+    return stated
 
 
 def _checked(points, where: str):

@@ -36,7 +36,7 @@ def recognises(head: str) -> bool:
 
 # The key a Trainer logs its own total under, and the tag of p in gradclip's entries.
 GRAD_NORM = "grad_norm"
-NORM_TYPE_TAG = tracker_tags.PREFIX + "norm_type"
+NORM_TYPE_TAG = tracker_tags.NORM_TYPE
 
 
 def _history(path: Path) -> tuple[str, list]:

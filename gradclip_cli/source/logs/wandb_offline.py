@@ -40,7 +40,34 @@ def claims(path: Path, is_dir: bool) -> bool:
 
 def _run(file: Path) -> TrackerRun:
     run_id = file.stem.removeprefix("run-")
-    return TrackerRun(NAME, file.parent.name, run_id, file, lambda: read_scalars(file))
+    name = _display_name(file) or file.parent.name
+    return TrackerRun(NAME, name, run_id, file, lambda: read_scalars(file))
+
+
+# The run record (its name) follows the header; a file whose first records hold
+# none keeps its folder's name.
+_NAME_RECORDS = 8
+
+
+def _display_name(file: Path) -> str | None:
+    """The run's name as W&B shows it (``wandb.init(name=...)``, the run record's
+    ``display_name``); None where it cannot be read here (no wandb, a damaged file:
+    reading the run's scalars says why)."""
+    try:
+        datastore, proto = _modules(file)
+        with open(file, "rb") as handle:
+            store = _open(datastore, file, handle)
+            for _ in range(_NAME_RECORDS):
+                data = store.scan_data()
+                if data is None:
+                    return None
+                record = proto.Record()
+                record.ParseFromString(data)
+                if record.WhichOneof("record_type") == "run":
+                    return record.run.display_name or None
+    except Exception:  # noqa: BLE001 (a missing extra, the reader's asserts, DecodeError)
+        return None
+    return None
 
 
 def runs(claimed: Sequence[Path]) -> list[TrackerRun]:
