@@ -41,6 +41,10 @@ class InputError(GradclipError):
     exit_code = 3
 
 
+class MissingExtraError(InputError):
+    """Reading the input needs an optional extra that is not installed (exit 3)."""
+
+
 class UnsafeCheckpointError(InputError):
     """The file needs full unpickling, which runs code from the file (exit 3)."""
 

@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from gradclip_cli.errors import GradclipError, InputError
+from gradclip_cli.errors import GradclipError, InputError, MissingExtraError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.exclude import Exclusion
 from gradclip_cli.source.files import sqlite_file, training_args
@@ -285,7 +285,8 @@ def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
                     unread: list[str], *, alone: bool) -> list[Series]:
     """The trackers' runs under ``path``, a series each. Where other series may be
     there (``alone`` False) and no --tag/--run was given, one that cannot be read
-    (several runs, no norm tag, a missing extra) is noted in ``unread``, not fatal."""
+    (several runs, no norm tag) is noted in ``unread``, not fatal; a missing extra is
+    exit 3, naming it and the ``--exclude`` that leaves the run out."""
     found = []
     try:
         runs = trackers.choose_runs(stores, choice, str(path))
@@ -297,6 +298,12 @@ def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
     for run in runs:
         try:
             read = trackers.norm_series(run, choice)
+        except MissingExtraError as error:
+            # Never a note: the judged series and the norm audit may rest on this run.
+            if alone:
+                raise
+            raise MissingExtraError(f"{error}; or leave it out: --exclude "
+                                    f"{visible(_top_name(path, run.source))}") from None
         except GradclipError as error:
             if alone or choice.tag is not None:
                 raise
@@ -305,6 +312,15 @@ def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
         found.append(Series(TRACKER, (run.source,), tuple(e.step for e in read.entries),
                             read.per_group, trackers.KIND, read.entries, read))
     return found
+
+
+def _top_name(folder: Path, source: Path) -> str:
+    """The name, in ``folder``, of the child that holds ``source`` (what ``--exclude``
+    matches a run folder's listing against)."""
+    try:
+        return Path(source).relative_to(folder).parts[0]
+    except (ValueError, IndexError):
+        return Path(source).name
 
 
 def _log_series(kind: str, log: LogKind, path: Path) -> Series:

@@ -665,6 +665,33 @@ def test_a_trackers_store_that_cannot_be_chosen_from_leaves_the_run_folder_reada
     assert chosen.code == 0 and "tracker" in {s["kind"] for s in chosen.json()["series"]}
 
 
+def test_a_run_folders_tracker_without_its_extra_is_exit_3_whose_exclude_works(
+        gradclip, trainer_tensorboard_run, tmp_path):
+    """The run folder's TensorBoard run may be the finest series or disagree with the
+    others: without the extra that reads it, the verdict would change silently. It is
+    exit 3 naming the file and the extra, and the --exclude it offers leaves it out."""
+    output_dir = tmp_path / "out"
+    shutil.copytree(trainer_tensorboard_run, output_dir)
+    (event,) = output_dir.rglob("events.out.tfevents.*")
+    top = event.relative_to(output_dir).parts[0]
+    block = ("import sys; sys.modules['tensorboard'] = None; "
+             "from gradclip_cli.cli import main; main()")
+
+    def without_tensorboard(*args):
+        return subprocess.run([sys.executable, "-c", block, "trend", str(output_dir), *args],
+                              capture_output=True, text=True, timeout=600)
+
+    refused = without_tensorboard()
+    assert refused.returncode == 3 and refused.stdout == ""
+    (line,) = refused.stderr.splitlines()
+    assert line.startswith(f"gradclip: {event}: ")
+    assert "pip install 'gradclip[tensorboard]'" in line and line.endswith(f"--exclude {top}")
+    followed = without_tensorboard("--exclude", top, "--format", "json")
+    assert followed.returncode in (0, 1), followed.stderr
+    doc = json.loads(followed.stdout)
+    assert {p["source"] for p in doc["points"]} == {str(output_dir / "trainer_state.json")}
+
+
 def test_mlflow_metric_line_cut_short_is_exit_3(gradclip, mlflow_stores, tmp_path):
     shutil.copytree(mlflow_stores / "mlruns", tmp_path / "mlruns")
     (metric,) = (tmp_path / "mlruns").glob("*/*/metrics/train/grad_norm")

@@ -29,7 +29,7 @@ import struct
 from collections.abc import Sequence
 from pathlib import Path
 
-from gradclip_cli.errors import InputError
+from gradclip_cli.errors import InputError, MissingExtraError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
 
@@ -69,14 +69,15 @@ def _run(folder: Path, files: list[Path]) -> TrackerRun:
                       stores_float32=lambda tag: tag not in doubles)
 
 
-def _modules():
+def _modules(where: Path):
     try:
         from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.util import tensor_util
     except ImportError:
-        raise InputError("reading TensorBoard event files needs the tensorboard package: "
-                         "pip install 'gradclip[tensorboard]'") from None
+        raise MissingExtraError(f"{visible(str(where))}: reading TensorBoard event files needs "
+                                "the tensorboard package: pip install 'gradclip[tensorboard]'"
+                                ) from None
     return RawEventFileLoader, Event, tensor_util
 
 
@@ -85,7 +86,7 @@ def read_scalars(files: Sequence[Path], doubles: set[str] | None = None
     """Every scalar of ``files`` by tag, ``(step, value)`` in file order; the tags
     written as tensors of another dtype than float32 (float64, say) are added to
     ``doubles``."""
-    loader, event_type, tensor_util = _modules()
+    loader, event_type, tensor_util = _modules(files[0])
     scalars: dict[str, Points] = {}
     doubles = set() if doubles is None else doubles
     for file in files:

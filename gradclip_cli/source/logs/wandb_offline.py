@@ -20,7 +20,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from gradclip_cli.errors import InputError
+from gradclip_cli.errors import InputError, MissingExtraError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
 from gradclip_cli.source.untrusted import is_number
@@ -94,15 +94,15 @@ def _modules(file: Path):
 
         installed = version("wandb")
     except Exception:  # noqa: BLE001 (PackageNotFoundError, or a broken install)
-        raise InputError(needs) from None
+        raise MissingExtraError(needs) from None
     if not TESTED[0] <= _version(installed) < TESTED[1]:
-        raise InputError(f"{needs}; wandb {visible(installed)} is installed, whose reader "
+        raise MissingExtraError(f"{needs}; wandb {visible(installed)} is installed, whose reader "
                          "gradclip is not tested with")
     try:
         from wandb.proto import wandb_internal_pb2
         from wandb.sdk.internal import datastore
     except ImportError:
-        raise InputError(needs) from None
+        raise MissingExtraError(needs) from None
     return datastore, wandb_internal_pb2
 
 
