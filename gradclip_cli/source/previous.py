@@ -288,7 +288,12 @@ def reconstruct(curr: Contents, prev: Contents) -> Reconstruction:
     rule = rule_of(kind, opt.param_groups)
     if isinstance(rule, str):
         raise refuse(f"{kind.name}: {rule}")
-    names, names_prev = map_names(opt, Model.of(curr)), map_names(opt_prev, Model.of(prev))
+    names = map_names(opt, Model.of(curr))
+    # Before its first step no state places PREV's parameters by shape (groups that split
+    # the model's order, decay and no-decay, fit it several ways); the same groups of the
+    # same ids are CURR's parameters.
+    names_prev = names if _stateless_twin(opt_prev, opt, prev, names.values()) \
+        else map_names(opt_prev, Model.of(prev))
     by_name_prev = {n: pid for pid, n in names_prev.items()}
     group_of = {pid: g for g in opt.param_groups for pid in g["params"]}
     group_of_prev = {pid: g for g in opt_prev.param_groups for pid in g["params"]}
@@ -495,6 +500,17 @@ def _plain(value):
     if isinstance(value, (list, tuple)):
         return tuple(_plain(v) for v in value)
     return value
+
+
+def _stateless_twin(opt_prev: OptimizerState, opt: OptimizerState, prev: Contents,
+                    names) -> bool:
+    """PREV's optimizer before its first step: no per-parameter state, the same groups of
+    the same ids as CURR's, and PREV's weights (where it has them) under CURR's names."""
+    if opt_prev.state or [list(g["params"]) for g in opt_prev.param_groups] != \
+            [list(g["params"]) for g in opt.param_groups]:
+        return False
+    weights = prev.weights
+    return not weights or all(n in weights or n in prev.fused_weights for n in names)
 
 
 def _zeros(like: StoredTensor) -> StoredTensor:

@@ -94,6 +94,22 @@ def test_first_step_pairs_with_the_model_before_any_step(gradclip, adam_run):
     _assert_matches(result.json(), adam_run.grads(1), 1e-5)
 
 
+def test_first_step_with_groups_that_split_the_model_order(gradclip, tmp_path):
+    """Weights with L2 decay in one group, biases without in another (the common split):
+    before the first step the groups hold no state to place them by shape, and the
+    parameters are the ones CURR's groups hold."""
+    def make(m):
+        return optim.Adam([{"params": [m.a.weight, m.b.weight], "weight_decay": 0.3},
+                           {"params": [m.a.bias, m.b.bias], "weight_decay": 0.0}], lr=1e-2)
+
+    run = train(tmp_path, make, steps=2)
+    for step in (1, 2):
+        result = gradclip("inspect", run.checkpoint(step), "--previous",
+                          run.checkpoint(step - 1), "--group-by", "tensor", "--format", "json")
+        assert result.code == 0, result.err
+        _assert_matches(result.json(), run.grads(step), 1e-5)
+
+
 # ----------------------------------------------------------------- refusals
 
 
