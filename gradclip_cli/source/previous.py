@@ -390,22 +390,24 @@ class _Builder:
         reads = (first, reads_prev[0], *([weight] if decay else []))
         self.derivations.append(Derivation(reads, gradient, shape))
         unit = max(om.unit_roundoff(s.dtype) for s in (first, checked))
+        tiny = max(om.smallest_subnormal(s.dtype) for s in (first, checked))
         self.units.add(unit)
-        self.checks.append(self._check(num, group, beta1, beta2, unit, first, checked,
+        self.checks.append(self._check(num, group, beta1, beta2, unit, tiny, first, checked,
                                        entry, reads_prev))
         self.names.append(name)
         self.weights.append(weight)
         self.steps.append(t)
 
-    def _check(self, num, group, beta1, beta2, unit, first, checked, entry, reads_prev):
+    def _check(self, num, group, beta1, beta2, unit, tiny, first, checked, entry, reads_prev):
         rule = self.rule
         if rule.check == "exp_inf":
             eps = num(group.get("eps"), "eps")
             compute = partial(om.infinity_norm_residual, beta1=beta1, beta2=beta2, eps=eps,
-                              unit=unit)
+                              unit=unit, tiny=tiny)
             return Derivation((first, reads_prev[0], checked, reads_prev[1]), compute,
                               tuple(first.shape))
-        second = partial(om.second_moment_residual, beta1=beta1, beta2=beta2, unit=unit)
+        second = partial(om.second_moment_residual, beta1=beta1, beta2=beta2, unit=unit,
+                         tiny=tiny)
         if rule.running_max is None:
             return Derivation((first, reads_prev[0], checked, reads_prev[1]), second,
                               tuple(first.shape))
