@@ -289,6 +289,8 @@ def reconstruct(curr: Contents, prev: Contents) -> Reconstruction:
     if isinstance(rule, str):
         raise refuse(f"{kind.name}: {rule}")
     names = map_names(opt, Model.of(curr))
+    if not opt_prev.state and (other := _other_shape(curr, prev, names.values())):
+        raise refuse(other)
     # Before its first step no state places PREV's parameters by shape (groups that split
     # the model's order, decay and no-decay, fit it several ways); the same groups of the
     # same ids are CURR's parameters.
@@ -513,6 +515,18 @@ def _stateless_twin(opt_prev: OptimizerState, opt: OptimizerState, prev: Content
         return False
     weights = prev.weights
     return not weights or all(n in weights or n in prev.fused_weights for n in names)
+
+
+def _other_shape(curr: Contents, prev: Contents, names) -> str | None:
+    """A parameter whose weights differ in shape between the two checkpoints: before its
+    first step PREV's optimizer holds no state to compare, its weights do."""
+    now, before = curr.weights or {}, prev.weights or {}
+    for name in names:
+        if name in now and name in before and tuple(now[name].shape) != \
+                tuple(before[name].shape):
+            return (f"parameter {visible(name)} has shape {list(before[name].shape)} in "
+                    f"{prev.path} and {list(now[name].shape)} in {curr.path}")
+    return None
 
 
 def _zeros(like: StoredTensor) -> StoredTensor:

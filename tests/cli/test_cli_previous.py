@@ -180,6 +180,23 @@ def test_other_parameter_shapes(gradclip, tmp_path):
     _refused(result, 3, "has shape", "[8, 12]", "[16, 12]", path)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-group", "decay-groups"])
+def test_other_parameter_shapes_before_the_first_step(gradclip, tmp_path, split):
+    """PREV saved before any step holds no state to compare shapes by: its weights do."""
+    def make(m):
+        if split:
+            return optim.AdamW([{"params": [m.a.weight, m.b.weight], "weight_decay": 0.1},
+                                {"params": [m.a.bias, m.b.bias], "weight_decay": 0.0}])
+        return optim.AdamW(m.parameters())
+
+    wide = train(tmp_path / "wide", make, steps=1)
+    narrow = Net(0, hidden=8)
+    path = tmp_path / "narrow-0.pt"
+    torch.save({"model": narrow.state_dict(), "optimizer": make(narrow).state_dict()}, path)
+    result = gradclip("inspect", wide.checkpoint(1), "--previous", path)
+    _refused(result, 3, "has shape", "[8, 12]", "[16, 12]", path)
+
+
 def test_other_parameter_names(gradclip, tmp_path, adam_run):
     model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
     opt = _adam_l2(model)
