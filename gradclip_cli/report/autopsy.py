@@ -155,9 +155,11 @@ class AutopsyReport:
 
 def finest(series: Sequence[QuantitySeries]) -> QuantitySeries:
     """The series a spike is looked for in: gradient norms (a log or dumps) over the
-    optimizer's quantities, then the most points, then per group, then a log."""
-    return max(series, key=lambda s: (s.what == "grads", len(s.observations), s.per_group,
-                                      s.kind == LOG))
+    optimizer's quantities, then the most points, then per group, then a log. The
+    monitor's dumps come last: written at its spikes alone, they are no run's series
+    beside any other (a run's checkpoints, with no log given)."""
+    return max(series, key=lambda s: (s.kind != DUMPS, s.what == "grads",
+                                      len(s.observations), s.per_group, s.kind == LOG))
 
 
 def judge(series: QuantitySeries, z: float, alpha: float, warmup: int) -> TrendReport:

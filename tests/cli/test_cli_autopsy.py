@@ -239,6 +239,25 @@ def test_exclude_leaves_an_input_out_and_says_so(gradclip, torch_spiked):
     assert doc["step"] == SPIKE
 
 
+def test_without_the_log_the_checkpoints_are_judged_not_the_dumps(gradclip, torch_spiked,
+                                                                  tmp_path):
+    """The monitor dumps at its spikes alone: beside the run's checkpoints (no log given)
+    they are not the finest series, and the checkpoints' spike is explained."""
+    folder = tmp_path / "run"
+    for sub in ("checkpoints", A.DUMPS):
+        shutil.copytree(torch_spiked.folder / sub, folder / sub)
+    r, doc = autopsy_json(gradclip, folder)
+    assert r.code == 1, r.err
+    assert doc["status"] == "explained" and "(14 checkpoints)" in doc["finest"]
+    # trend's own judgement of the same checkpoints (the quantity auto picks: exp_avg).
+    t = gradclip("trend", folder / "checkpoints", "--fail-on", "any", "--format", "json").json()
+    assert t["what"] == "exp_avg"
+    flagged = [p for p in t["points"] if p["spike"]]
+    newest = int(flagged[-1]["source"].rsplit("step-", 1)[1].removesuffix(".pt"))
+    assert doc["step"] == newest  # no log: checkpoints at their own numbers
+    assert doc["groups"][0]["name"] == torch_spiked.layer
+
+
 def test_the_trainer_checkpoints_are_placed_at_their_own_numbers(gradclip, trainer_spiked):
     _, doc = autopsy_json(gradclip, trainer_spiked.folder)
     layer = by_name(doc)[trainer_spiked.layer]
