@@ -334,6 +334,34 @@ def test_logs_of_two_runs(gradclip, torch_spiked, torch_clean):
     assert str(torch_spiked.folder / A.LOG) in line and str(torch_clean.folder / A.LOG) in line
 
 
+def test_a_log_grouped_otherwise_says_so_and_the_way_out_works(gradclip, tmp_path):
+    """One run's log written with GradMonitor(group_by="tensor") beside its checkpoints
+    (grouped by layer): no group in common is refused, but not as two runs' inputs, and
+    what the message suggests works."""
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"fc1": torch.nn.Linear(4, 8), "fc2": torch.nn.Linear(8, 1)})
+    optimizer = torch.optim.Adam(model.parameters())
+    (tmp_path / "checkpoints").mkdir()
+    with GradMonitor(model, tmp_path / A.LOG, None, group_by="tensor") as monitor:
+        for step in range(12):
+            model["fc2"](model["fc1"](torch.randn(8, 4)).tanh()).pow(2).mean().backward()
+            monitor.step(step)
+            optimizer.step()
+            optimizer.zero_grad()
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step + 1}, tmp_path / "checkpoints" / f"step-{step + 1}.pt")
+    r = gradclip("autopsy", tmp_path)
+    assert r.code == 2
+    line = one_line(r)
+    assert "grouped otherwise than by layer" in line and "--exclude" in line
+    assert "fc1.weight" in line  # the log's groups, named
+    for args in ([tmp_path / A.LOG], [tmp_path, "--exclude", A.LOG]):
+        r = gradclip("autopsy", *args)
+        assert r.code in (0, 1), r.err
+
+
 def test_a_dump_of_another_run(gradclip, torch_spiked, torch_clean, tmp_path):
     folder = tmp_path / "run"
     shutil.copytree(torch_clean.folder, folder)
