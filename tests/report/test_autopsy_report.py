@@ -131,6 +131,15 @@ def test_a_clean_step_given_is_nothing_with_its_changes():
     assert "nothing to explain" in report.verdict
 
 
+def test_a_step_given_before_the_rule_can_judge_is_insufficient():
+    """Fewer than 5 points before it: the rule has not judged it, so it is not clean."""
+    a = noise(16, 60)
+    report = autopsy([log({"a": a})], step=3)
+    assert report.status == INSUFFICIENT and report.step == 3
+    assert "too few points before it to judge (3; the rule needs 5" in report.verdict
+    assert autopsy([log({"a": a})], step=5).status == NOTHING  # 5 earlier: judged
+
+
 def test_coarse_series_give_changes_from_the_nearest_points():
     a, b = noise(17, 60), noise(18, 60)
     b[40] *= 50
