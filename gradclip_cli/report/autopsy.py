@@ -421,11 +421,13 @@ def _verdict(step: int, status: str, groups: list[GroupAutopsy], total_onset: On
             f"{-first.lead} steps after the total"
     parts = [f"step {step}: {what}; began in {first.name} at step {o.step} ({how}, "
              f"{lead}; {o.source})"]
-    moved = [f"{_quantity(q)} {times(c.ratio)}" for q, c in first.changes.items()
+    # A quantity with no point on one side of the spike has no change to state.
+    stated = {q: c for q, c in first.changes.items() if c.ratio is not None}
+    moved = [f"{_quantity(q)} {times(c.ratio)}" for q, c in stated.items()
              if q != o.what or c.after_step != o.step]
     if moved:
-        sources = sorted({c.before_source for c in first.changes.values() if c.before_source}
-                         | {c.after_source for c in first.changes.values() if c.after_source})
+        sources = sorted({c.before_source for c in stated.values() if c.before_source}
+                         | {c.after_source for c in stated.values() if c.after_source})
         parts.append(f"across the spike {', '.join(moved)} ({_sources(sources)})")
     if first.outliers is not None:
         out = first.outliers
