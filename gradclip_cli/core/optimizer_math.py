@@ -204,6 +204,16 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
+def smallest_subnormal(dtype: torch.dtype) -> float:
+    """The smallest positive value of a floating dtype (2^-24 for float16, 2^-149 for
+    float32): below ``finfo.tiny`` rounding is absolute, at most half of it, whatever the
+    value (gradual underflow)."""
+    if dtype.is_complex:
+        dtype = dtype.to_real()
+    info = torch.finfo(dtype)
+    return info.tiny * info.eps
+
+
 def average_input(average: torch.Tensor, previous: torch.Tensor, beta: float) -> torch.Tensor:
     """``(m_t - beta * m_{t-1}) / (1 - beta)``: what an exponential average
     ``m_t = beta * m_{t-1} + (1 - beta) * x_t`` took at its last update.
@@ -261,7 +271,8 @@ def _in_units(residual: torch.Tensor, scale: torch.Tensor, unit: float,
 
 def second_moment_residual(exp_avg: torch.Tensor, prev_exp_avg: torch.Tensor,
                            exp_avg_sq: torch.Tensor, prev_exp_avg_sq: torch.Tensor, *,
-                           beta1: float, beta2: float, unit: float) -> torch.Tensor:
+                           beta1: float, beta2: float, unit: float,
+                           tiny: float = 0.0) -> torch.Tensor:
     """How far the second moments disagree with the first, elementwise, in units of the
     state's rounding.
 
@@ -279,9 +290,17 @@ def second_moment_residual(exp_avg: torch.Tensor, prev_exp_avg: torch.Tensor,
     and the values measured on real runs. Complex state counts its real and
     imaginary parts apart, as torch's ``view_as_real`` does.
 
+    ``tiny``: the state dtype's smallest subnormal (``smallest_subnormal``).
+    Below its smallest normal a rounding errs by up to ``tiny / 2`` whatever the
+    value (float16's ``(1 - beta2) * g**2`` is there for any ``|g|`` under
+    0.25), so the size above gains ``tiny / unit`` times
+    ``2 + 3 (1 - beta2) |x| / (1 - beta1)``: at most 4 such roundings in ``v_t``,
+    3 in ``m_t`` carried into ``x**2`` as its relative ones are.
+
     References: torch.optim.Adam ``_single_tensor_adam``; Higham, "Accuracy and
     Stability of Numerical Algorithms", 2nd ed., section 2.2 (the model of
-    rounding: ``fl(a op b) = (a op b)(1 + d)``, ``|d| <= u``).
+    rounding: ``fl(a op b) = (a op b)(1 + d) + e``, ``|d| <= u``, ``|e| <= tiny / 2``,
+    ``d e = 0``).
     """
     m, mp, v, vp = (_real(t) for t in (exp_avg, prev_exp_avg, exp_avg_sq, prev_exp_avg_sq))
     x = mp.mul(-beta1).add_(m).div_(1.0 - beta1)
@@ -290,17 +309,22 @@ def second_moment_residual(exp_avg: torch.Tensor, prev_exp_avg: torch.Tensor,
     square = x.square()
     residual = v - vp * beta2 - square * (1.0 - beta2)
     scale = v.abs().add_(vp.abs(), alpha=beta2).add_(square.add_(drift), alpha=1.0 - beta2)
+    if tiny:
+        scale.add_(x.abs().mul_(3 * (1.0 - beta2) / (1.0 - beta1)).add_(2.0), alpha=tiny / unit)
     return _in_units(residual, scale, unit, finite)
 
 
 def infinity_norm_residual(exp_avg: torch.Tensor, prev_exp_avg: torch.Tensor,
                            exp_inf: torch.Tensor, prev_exp_inf: torch.Tensor, *,
-                           beta1: float, beta2: float, eps: float, unit: float) -> torch.Tensor:
+                           beta1: float, beta2: float, eps: float, unit: float,
+                           tiny: float = 0.0) -> torch.Tensor:
     """Adamax's check, elementwise in units of the state's rounding: its weighted infinity
     norm must be ``u_t = max(beta2 * u_{t-1}, |x| + eps)``, ``x`` the first moment's input.
 
     The residual ``u_t - max(beta2 * u_{t-1}, |x| + eps)`` is divided by ``unit``
-    times ``u_t + beta2 * u_{t-1} + |x| + eps + (|m_t| + |m_{t-1}|) / (1 - beta1)``.
+    times ``u_t + beta2 * u_{t-1} + |x| + eps + (|m_t| + |m_{t-1}|) / (1 - beta1)``,
+    plus ``tiny / unit`` times ``2 + 3 / (1 - beta1)`` for roundings in the
+    subnormals (``second_moment_residual``).
 
     References: Kingma & Ba 2015, Algorithm 2 (AdaMax); torch.optim.Adamax
     ``_single_tensor_adamax`` (``torch.maximum(exp_inf.mul_(beta2),
@@ -312,6 +336,8 @@ def infinity_norm_residual(exp_avg: torch.Tensor, prev_exp_avg: torch.Tensor,
     residual = u - torch.maximum(up * beta2, x + eps)
     scale = (u.abs().add_(up.abs(), alpha=beta2).add_(x).add_(eps)
              .add_(m.abs().add_(mp.abs()).div_(1.0 - beta1)))
+    if tiny:
+        scale.add_((2.0 + 3.0 / (1.0 - beta1)) * tiny / unit)
     return _in_units(residual, scale, unit, finite)
 
 

@@ -33,7 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..core.spikes import SpikeDetector, group_threshold
+from ..core.spikes import MIN_HISTORY, SpikeDetector, group_threshold
 from .model import INSUFFICIENT_HISTORY
 from .trend import FAIL_ON_ANY, Observation, TrendReport, build_trend_report, group_thresholds
 
@@ -155,9 +155,11 @@ class AutopsyReport:
 
 def finest(series: Sequence[QuantitySeries]) -> QuantitySeries:
     """The series a spike is looked for in: gradient norms (a log or dumps) over the
-    optimizer's quantities, then the most points, then per group, then a log."""
-    return max(series, key=lambda s: (s.what == "grads", len(s.observations), s.per_group,
-                                      s.kind == LOG))
+    optimizer's quantities, then the most points, then per group, then a log. The
+    monitor's dumps come last: written at its spikes alone, they are no run's series
+    beside any other (a run's checkpoints, with no log given)."""
+    return max(series, key=lambda s: (s.kind != DUMPS, s.what == "grads",
+                                      len(s.observations), s.per_group, s.kind == LOG))
 
 
 def judge(series: QuantitySeries, z: float, alpha: float, warmup: int) -> TrendReport:
@@ -208,8 +210,15 @@ def build_autopsy_report(
                      tuple(p.groups.get(g.name) for p in shown))
         for g in groups
     ]
-    status = EXPLAINED if flagged else NOTHING
+    # A step the rule could not judge (fewer than MIN_HISTORY points before it) is not
+    # a clean one: too few points, as without --step.
+    judged_at = point.z is not None or any(z is not None for z in point.group_z.values())
+    status = EXPLAINED if flagged else NOTHING if judged_at else INSUFFICIENT
     verdict = _verdict(step, status, report_groups, total_onset, main, outlier_k, point)
+    if status == INSUFFICIENT:
+        before = sum(p.step < step for p in judged.points)
+        verdict = (f"step {step}: nothing to explain: too few points before it to judge "
+                   f"({before}; the rule needs {MIN_HISTORY} earlier points) in {main.label}")
     return AutopsyReport(step=step, status=status, groups=report_groups, verdict=verdict,
                          total_onset=total_onset, total_around=tuple(p.total_norm for p in shown),
                          around_steps=around_steps, **common)
@@ -412,11 +421,13 @@ def _verdict(step: int, status: str, groups: list[GroupAutopsy], total_onset: On
             f"{-first.lead} steps after the total"
     parts = [f"step {step}: {what}; began in {first.name} at step {o.step} ({how}, "
              f"{lead}; {o.source})"]
-    moved = [f"{_quantity(q)} {times(c.ratio)}" for q, c in first.changes.items()
+    # A quantity with no point on one side of the spike has no change to state.
+    stated = {q: c for q, c in first.changes.items() if c.ratio is not None}
+    moved = [f"{_quantity(q)} {times(c.ratio)}" for q, c in stated.items()
              if q != o.what or c.after_step != o.step]
     if moved:
-        sources = sorted({c.before_source for c in first.changes.values() if c.before_source}
-                         | {c.after_source for c in first.changes.values() if c.after_source})
+        sources = sorted({c.before_source for c in stated.values() if c.before_source}
+                         | {c.after_source for c in stated.values() if c.after_source})
         parts.append(f"across the spike {', '.join(moved)} ({_sources(sources)})")
     if first.outliers is not None:
         out = first.outliers

@@ -171,7 +171,10 @@ def _same_groups(series: list[QuantitySeries]) -> None:
         b = {g for o in s.observations for g in o.groups}
         if not a & b:
             raise UsageError(f"{s.label}: none of its groups is one of {grouped[0].label}'s "
-                             f"({', '.join(sorted(a)[:3])}, ...): not one run's inputs")
+                             f"({', '.join(sorted(a)[:3])}, ...): not one run's inputs, or "
+                             "a log grouped otherwise than by layer (checkpoints and dumps "
+                             "are grouped by layer, as GradMonitor's default group_by); "
+                             "give the log alone, or leave it out with --exclude")
 
 
 # -- the step explained ------------------------------------------------------------------

@@ -288,7 +288,14 @@ def reconstruct(curr: Contents, prev: Contents) -> Reconstruction:
     rule = rule_of(kind, opt.param_groups)
     if isinstance(rule, str):
         raise refuse(f"{kind.name}: {rule}")
-    names, names_prev = map_names(opt, Model.of(curr)), map_names(opt_prev, Model.of(prev))
+    names = map_names(opt, Model.of(curr))
+    if not opt_prev.state and (other := _other_shape(curr, prev, names.values())):
+        raise refuse(other)
+    # Before its first step no state places PREV's parameters by shape (groups that split
+    # the model's order, decay and no-decay, fit it several ways); the same groups of the
+    # same ids are CURR's parameters.
+    names_prev = names if _stateless_twin(opt_prev, opt, prev, names.values()) \
+        else map_names(opt_prev, Model.of(prev))
     by_name_prev = {n: pid for pid, n in names_prev.items()}
     group_of = {pid: g for g in opt.param_groups for pid in g["params"]}
     group_of_prev = {pid: g for g in opt_prev.param_groups for pid in g["params"]}
@@ -385,22 +392,24 @@ class _Builder:
         reads = (first, reads_prev[0], *([weight] if decay else []))
         self.derivations.append(Derivation(reads, gradient, shape))
         unit = max(om.unit_roundoff(s.dtype) for s in (first, checked))
+        tiny = max(om.smallest_subnormal(s.dtype) for s in (first, checked))
         self.units.add(unit)
-        self.checks.append(self._check(num, group, beta1, beta2, unit, first, checked,
+        self.checks.append(self._check(num, group, beta1, beta2, unit, tiny, first, checked,
                                        entry, reads_prev))
         self.names.append(name)
         self.weights.append(weight)
         self.steps.append(t)
 
-    def _check(self, num, group, beta1, beta2, unit, first, checked, entry, reads_prev):
+    def _check(self, num, group, beta1, beta2, unit, tiny, first, checked, entry, reads_prev):
         rule = self.rule
         if rule.check == "exp_inf":
             eps = num(group.get("eps"), "eps")
             compute = partial(om.infinity_norm_residual, beta1=beta1, beta2=beta2, eps=eps,
-                              unit=unit)
+                              unit=unit, tiny=tiny)
             return Derivation((first, reads_prev[0], checked, reads_prev[1]), compute,
                               tuple(first.shape))
-        second = partial(om.second_moment_residual, beta1=beta1, beta2=beta2, unit=unit)
+        second = partial(om.second_moment_residual, beta1=beta1, beta2=beta2, unit=unit,
+                         tiny=tiny)
         if rule.running_max is None:
             return Derivation((first, reads_prev[0], checked, reads_prev[1]), second,
                               tuple(first.shape))
@@ -495,6 +504,29 @@ def _plain(value):
     if isinstance(value, (list, tuple)):
         return tuple(_plain(v) for v in value)
     return value
+
+
+def _stateless_twin(opt_prev: OptimizerState, opt: OptimizerState, prev: Contents,
+                    names) -> bool:
+    """PREV's optimizer before its first step: no per-parameter state, the same groups of
+    the same ids as CURR's, and PREV's weights (where it has them) under CURR's names."""
+    if opt_prev.state or [list(g["params"]) for g in opt_prev.param_groups] != \
+            [list(g["params"]) for g in opt.param_groups]:
+        return False
+    weights = prev.weights
+    return not weights or all(n in weights or n in prev.fused_weights for n in names)
+
+
+def _other_shape(curr: Contents, prev: Contents, names) -> str | None:
+    """A parameter whose weights differ in shape between the two checkpoints: before its
+    first step PREV's optimizer holds no state to compare, its weights do."""
+    now, before = curr.weights or {}, prev.weights or {}
+    for name in names:
+        if name in now and name in before and tuple(now[name].shape) != \
+                tuple(before[name].shape):
+            return (f"parameter {visible(name)} has shape {list(before[name].shape)} in "
+                    f"{prev.path} and {list(now[name].shape)} in {curr.path}")
+    return None
 
 
 def _zeros(like: StoredTensor) -> StoredTensor:

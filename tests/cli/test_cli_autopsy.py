@@ -239,6 +239,25 @@ def test_exclude_leaves_an_input_out_and_says_so(gradclip, torch_spiked):
     assert doc["step"] == SPIKE
 
 
+def test_without_the_log_the_checkpoints_are_judged_not_the_dumps(gradclip, torch_spiked,
+                                                                  tmp_path):
+    """The monitor dumps at its spikes alone: beside the run's checkpoints (no log given)
+    they are not the finest series, and the checkpoints' spike is explained."""
+    folder = tmp_path / "run"
+    for sub in ("checkpoints", A.DUMPS):
+        shutil.copytree(torch_spiked.folder / sub, folder / sub)
+    r, doc = autopsy_json(gradclip, folder)
+    assert r.code == 1, r.err
+    assert doc["status"] == "explained" and "(14 checkpoints)" in doc["finest"]
+    # trend's own judgement of the same checkpoints (the quantity auto picks: exp_avg).
+    t = gradclip("trend", folder / "checkpoints", "--fail-on", "any", "--format", "json").json()
+    assert t["what"] == "exp_avg"
+    flagged = [p for p in t["points"] if p["spike"]]
+    newest = int(flagged[-1]["source"].rsplit("step-", 1)[1].removesuffix(".pt"))
+    assert doc["step"] == newest  # no log: checkpoints at their own numbers
+    assert doc["groups"][0]["name"] == torch_spiked.layer
+
+
 def test_the_trainer_checkpoints_are_placed_at_their_own_numbers(gradclip, trainer_spiked):
     _, doc = autopsy_json(gradclip, trainer_spiked.folder)
     layer = by_name(doc)[trainer_spiked.layer]
@@ -313,6 +332,34 @@ def test_logs_of_two_runs(gradclip, torch_spiked, torch_clean):
     assert r.code == 2
     line = one_line(r)
     assert str(torch_spiked.folder / A.LOG) in line and str(torch_clean.folder / A.LOG) in line
+
+
+def test_a_log_grouped_otherwise_says_so_and_the_way_out_works(gradclip, tmp_path):
+    """One run's log written with GradMonitor(group_by="tensor") beside its checkpoints
+    (grouped by layer): no group in common is refused, but not as two runs' inputs, and
+    what the message suggests works."""
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"fc1": torch.nn.Linear(4, 8), "fc2": torch.nn.Linear(8, 1)})
+    optimizer = torch.optim.Adam(model.parameters())
+    (tmp_path / "checkpoints").mkdir()
+    with GradMonitor(model, tmp_path / A.LOG, None, group_by="tensor") as monitor:
+        for step in range(12):
+            model["fc2"](model["fc1"](torch.randn(8, 4)).tanh()).pow(2).mean().backward()
+            monitor.step(step)
+            optimizer.step()
+            optimizer.zero_grad()
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step + 1}, tmp_path / "checkpoints" / f"step-{step + 1}.pt")
+    r = gradclip("autopsy", tmp_path)
+    assert r.code == 2
+    line = one_line(r)
+    assert "grouped otherwise than by layer" in line and "--exclude" in line
+    assert "fc1.weight" in line  # the log's groups, named
+    for args in ([tmp_path / A.LOG], [tmp_path, "--exclude", A.LOG]):
+        r = gradclip("autopsy", *args)
+        assert r.code in (0, 1), r.err
 
 
 def test_a_dump_of_another_run(gradclip, torch_spiked, torch_clean, tmp_path):

@@ -94,6 +94,22 @@ def test_first_step_pairs_with_the_model_before_any_step(gradclip, adam_run):
     _assert_matches(result.json(), adam_run.grads(1), 1e-5)
 
 
+def test_first_step_with_groups_that_split_the_model_order(gradclip, tmp_path):
+    """Weights with L2 decay in one group, biases without in another (the common split):
+    before the first step the groups hold no state to place them by shape, and the
+    parameters are the ones CURR's groups hold."""
+    def make(m):
+        return optim.Adam([{"params": [m.a.weight, m.b.weight], "weight_decay": 0.3},
+                           {"params": [m.a.bias, m.b.bias], "weight_decay": 0.0}], lr=1e-2)
+
+    run = train(tmp_path, make, steps=2)
+    for step in (1, 2):
+        result = gradclip("inspect", run.checkpoint(step), "--previous",
+                          run.checkpoint(step - 1), "--group-by", "tensor", "--format", "json")
+        assert result.code == 0, result.err
+        _assert_matches(result.json(), run.grads(step), 1e-5)
+
+
 # ----------------------------------------------------------------- refusals
 
 
@@ -161,6 +177,23 @@ def test_other_parameter_shapes(gradclip, tmp_path):
     path = tmp_path / "narrow.pt"
     torch.save({"model": narrow_model.state_dict(), "optimizer": opt.state_dict()}, path)
     result = gradclip("inspect", wide.checkpoint(3), "--previous", path)
+    _refused(result, 3, "has shape", "[8, 12]", "[16, 12]", path)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-group", "decay-groups"])
+def test_other_parameter_shapes_before_the_first_step(gradclip, tmp_path, split):
+    """PREV saved before any step holds no state to compare shapes by: its weights do."""
+    def make(m):
+        if split:
+            return optim.AdamW([{"params": [m.a.weight, m.b.weight], "weight_decay": 0.1},
+                                {"params": [m.a.bias, m.b.bias], "weight_decay": 0.0}])
+        return optim.AdamW(m.parameters())
+
+    wide = train(tmp_path / "wide", make, steps=1)
+    narrow = Net(0, hidden=8)
+    path = tmp_path / "narrow-0.pt"
+    torch.save({"model": narrow.state_dict(), "optimizer": make(narrow).state_dict()}, path)
+    result = gradclip("inspect", wide.checkpoint(1), "--previous", path)
     _refused(result, 3, "has shape", "[8, 12]", "[16, 12]", path)
 
 

@@ -131,6 +131,29 @@ def test_a_clean_step_given_is_nothing_with_its_changes():
     assert "nothing to explain" in report.verdict
 
 
+def test_a_step_given_before_the_rule_can_judge_is_insufficient():
+    """Fewer than 5 points before it: the rule has not judged it, so it is not clean."""
+    a = noise(16, 60)
+    report = autopsy([log({"a": a})], step=3)
+    assert report.status == INSUFFICIENT and report.step == 3
+    assert "too few points before it to judge (3; the rule needs 5" in report.verdict
+    assert autopsy([log({"a": a})], step=5).status == NOTHING  # 5 earlier: judged
+
+
+def test_the_verdict_states_no_change_without_a_point_on_each_side():
+    """Checkpoints that end before the spike give exp_avg a before and no after: the
+    verdict names no such change, nor their files."""
+    a, b = noise(17, 60), noise(18, 60)
+    b[40] *= 50
+    moments = log({"a": noise(19, 30), "b": noise(20, 30)}, "ckpts", what="exp_avg",
+                  kind=CHECKPOINTS)
+    report = autopsy([log({"a": a, "b": b}), moments])
+    first = report.groups[0]
+    assert report.step == 40 and first.name == "b"
+    assert first.changes["exp_avg"].ratio is None and first.changes["exp_avg"].before_step == 29
+    assert "exp_avg" not in report.verdict and "ckpts" not in report.verdict
+
+
 def test_coarse_series_give_changes_from_the_nearest_points():
     a, b = noise(17, 60), noise(18, 60)
     b[40] *= 50

@@ -103,6 +103,53 @@ def test_reconstructed_gradients_are_the_step_s_gradients(tmp_path, case, dtype)
                     assert abs(_norm(g) - _norm(ref)) <= 1e-5 * _norm(ref), (name, t)
 
 
+# float16 state: eps raised where its default (1e-8) underflows to 0 and the run diverges.
+FP16_CASES = {
+    "Adam L2": (lambda m: optim.Adam(m.parameters(), lr=1e-3, eps=1e-4, weight_decay=0.1),
+                0.9, "exp_avg", 0.1),
+    "AdamW amsgrad": (lambda m: optim.AdamW(m.parameters(), lr=1e-3, eps=1e-4, amsgrad=True,
+                                        weight_decay=0.1), 0.9, "exp_avg", 0.0),
+    "Adamax L2": (lambda m: optim.Adamax(m.parameters(), lr=1e-3, eps=1e-4, weight_decay=0.1),
+                  0.9, "exp_avg", 0.1),
+    "RMSprop centered": (lambda m: optim.RMSprop(m.parameters(), lr=1e-3, eps=1e-4,
+                                             centered=True, alpha=0.95), 0.95, "grad_avg", 0.0),
+}
+
+
+@pytest.mark.parametrize("case", list(FP16_CASES))
+def test_float16_state_whose_second_moments_underflow(tmp_path, case):
+    """float16's ``(1 - beta2) * g**2`` falls among its subnormals (below 6.1e-5) for
+    any |g| under 0.25, where rounding errs by up to half of 2^-24 whatever the value:
+    a true pair is one step apart all the same, and its gradients are the step's."""
+    make, beta1, first, decay = FP16_CASES[case]
+    run = train(tmp_path, make, steps=4, dtype=torch.float16)
+    unit, tiny = om.unit_roundoff(torch.float16), 2.0**-24
+    for t in (1, 4):
+        got = _pair(run, t)
+        assert got.refusal is None, got.refusal
+        assert got.disagreement.max_units <= CHECK_BOUND
+        curr = torch.load(run.checkpoint(t), weights_only=True)
+        prev = torch.load(run.checkpoint(t - 1), weights_only=True)
+        order = list(curr["model"])
+        true = run.grads(t)
+        assert set(got.gradients) == set(true)
+        for name, g in got.gradients.items():
+            ref = true[name].double()
+            i = order.index(name)
+            m = curr["optimizer"]["state"][i][first]
+            m_prev = prev["optimizer"]["state"][i][first] if t > 1 else torch.zeros_like(m)
+            # The relative bound of the other dtypes, and each element's first moment
+            # rounded in the subnormals: tiny / 2 in m_t, carried as x's is.
+            bound = unit * (_norm(m) / (1 - beta1) + 3 * _norm(m_prev)
+                            + 4 * (_norm(ref) + decay * _norm(prev["model"][name]))) \
+                + 2 * tiny * ref.numel() ** 0.5 / (1 - beta1)
+            assert _norm(g - ref) <= bound, (name, t, _norm(g - ref), bound)
+    # Another run's states are still told apart.
+    other = train(tmp_path / "other", make, steps=4, dtype=torch.float16, seed=1)
+    got = gradients_between(_open(run.checkpoint(4)), _open(other.checkpoint(3)))
+    assert got.gradients is None and "not one" in got.refusal
+
+
 def test_maximize_gives_the_gradient_not_its_negation(tmp_path):
     run = train(tmp_path, CASES["Adam maximize L2"][0], steps=3)
     got = _pair(run, 3)
