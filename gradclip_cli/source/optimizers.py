@@ -133,24 +133,22 @@ def _rms(entry, group, num, key="exp_avg_sq", beta=None) -> Derivation:
                       tuple(v.shape))
 
 
-def _adam(amsgrad: bool):
-    second = "max_exp_avg_sq" if amsgrad else "exp_avg_sq"
-
-    def derive(what, entry, group, num):
-        if what == "exp_avg":
-            return _first_moment(entry, group, num)
-        if what == "grad_rms":
-            return _rms(entry, group, num, second)
-        b1, b2 = num.betas(group)
-        m, v = num.tensor(entry, "exp_avg"), num.tensor(entry, second)
-        # DeepSpeed's and apex's Adam (bias_correction) and transformers' old AdamW
-        # (correct_bias) may step without debiasing the moments.
-        debias = not any(_off(group.get(k, True)) for k in ("bias_correction", "correct_bias"))
-        return Derivation((m, v), partial(om.adam_update, lr=num(group.get("lr"), "lr"),
-                                          beta1=b1, beta2=b2, eps=num(group.get("eps"), "eps"),
-                                          step=num.step(entry), debias=debias),
-                          tuple(m.shape))
-    return derive
+def _adam(what, entry, group, num):
+    # torch.optim takes amsgrad per param group: each group's step reads its own.
+    second = "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
+    if what == "exp_avg":
+        return _first_moment(entry, group, num)
+    if what == "grad_rms":
+        return _rms(entry, group, num, second)
+    b1, b2 = num.betas(group)
+    m, v = num.tensor(entry, "exp_avg"), num.tensor(entry, second)
+    # DeepSpeed's and apex's Adam (bias_correction) and transformers' old AdamW
+    # (correct_bias) may step without debiasing the moments.
+    debias = not any(_off(group.get(k, True)) for k in ("bias_correction", "correct_bias"))
+    return Derivation((m, v), partial(om.adam_update, lr=num(group.get("lr"), "lr"),
+                                      beta1=b1, beta2=b2, eps=num(group.get("eps"), "eps"),
+                                      step=num.step(entry), debias=debias),
+                      tuple(m.shape))
 
 
 def _nadam(what, entry, group, num):
@@ -343,16 +341,14 @@ def identify(opt: OptimizerState) -> Kind:
             return kind("SparseAdam", {
                 "exp_avg": None, "grad_rms": None,
                 "update": "its last step moved only the rows its last (sparse) gradient "
-                          "held, which the state does not record"}, _adam(False))
+                          "held, which the state does not record"}, _adam)
         if "amsgrad" not in hyper and "decoupled_weight_decay" in hyper:
             return kind("RAdam", dict.fromkeys(QUANTITIES), _radam)
-        amsgrad = every(lambda g: bool(g.get("amsgrad")))
-        if not amsgrad and any(g.get("amsgrad") for g in groups):
-            return kind("Adam", {q: "some groups use AMSGrad and some do not"
-                                 for q in QUANTITIES}, None)
         decoupled = every(lambda g: bool(g.get("decoupled_weight_decay")))
-        name = ("AdamW" if decoupled else "Adam") + (" (AMSGrad)" if amsgrad else "")
-        return kind(name, dict.fromkeys(QUANTITIES), _adam(amsgrad))
+        amsgrad = (" (AMSGrad)" if every(lambda g: bool(g.get("amsgrad"))) else
+                   " (AMSGrad in some groups)" if any(g.get("amsgrad") for g in groups) else "")
+        return kind(("AdamW" if decoupled else "Adam") + amsgrad, dict.fromkeys(QUANTITIES),
+                    _adam)
     held = ", ".join(visible(k) for k in tensor_keys) or "none"
     return kind("an unknown optimizer", {q: f"gradclip knows no rule for its state keys ({held})"
                                          for q in QUANTITIES}, None)
