@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -62,6 +62,9 @@ class Kind:
     # Its state is made for every parameter when it is built (Adagrad's, step 0), not at
     # the parameter's first step with a gradient.
     state_when_built: bool = False
+    # quantity -> what it is under this optimizer's own rule, for the report's "measured:"
+    # line, where the general words (``source/what.py``'s ``EXPLAIN``: Adam's) would not say it
+    explains: Mapping[str, str] = field(default_factory=dict)
 
     def gives(self, what: str) -> bool:
         return self.derive is not None and self.refusals.get(what, "") is None
@@ -232,6 +235,8 @@ def _hf_adafactor(what, entry, group, num):
 
 
 _NEEDS_GRAD = "its last step needs the last gradient itself, which the state does not hold"
+_FACTORED = ("gradient RMS from its second-moment estimate, factored into row and column "
+             "averages for a matrix")
 
 
 def identify(opt: OptimizerState) -> Kind:
@@ -257,10 +262,12 @@ def identify(opt: OptimizerState) -> Kind:
         return kind("Adafactor (transformers)", {
             "exp_avg": "its exp_avg averages the scaled updates, not the gradients",
             "grad_rms": None,
-            "update": None if beta1 else "without beta1 " + _NEEDS_GRAD}, _hf_adafactor)
+            "update": None if beta1 else "without beta1 " + _NEEDS_GRAD}, _hf_adafactor,
+            explains={"grad_rms": _FACTORED})
     if keys.keys() & {"row_var", "col_var", "variance"} or "beta2_decay" in hyper:
         return kind("Adafactor", {"exp_avg": "it keeps no first moment", "grad_rms": None,
-                                  "update": _NEEDS_GRAD}, _adafactor)
+                                  "update": _NEEDS_GRAD}, _adafactor,
+                    explains={"grad_rms": _FACTORED})
     if "mu_product" in keys or "momentum_decay" in hyper:
         return kind("NAdam", {"exp_avg": None, "grad_rms": None, "update": _NEEDS_GRAD},
                     _nadam)
@@ -270,7 +277,9 @@ def identify(opt: OptimizerState) -> Kind:
                                            "moment"}, _adamax)
     if "sum" in keys or "lr_decay" in hyper:
         return kind("Adagrad", {"exp_avg": "it keeps no first moment", "grad_rms": None,
-                                "update": _NEEDS_GRAD}, _adagrad, state_when_built=True)
+                                "update": _NEEDS_GRAD}, _adagrad, state_when_built=True,
+                    explains={"grad_rms": "gradient RMS over all its steps, "
+                                          "sqrt((sum - initial_accumulator_value) / step)"})
     if "acc_delta" in keys or "rho" in hyper:
         return kind("Adadelta", {"exp_avg": "it keeps no first moment (its acc_delta "
                                             "averages the squared steps)",
@@ -295,7 +304,10 @@ def identify(opt: OptimizerState) -> Kind:
         return kind("RMSprop", {
             "exp_avg": None if centered else "uncentered, it keeps no first moment",
             "grad_rms": None,
-            "update": None if momentum else "without momentum " + _NEEDS_GRAD}, _rmsprop)
+            "update": None if momentum else "without momentum " + _NEEDS_GRAD}, _rmsprop,
+            explains={"exp_avg": "gradient average grad_avg / (1 - alpha^step), each "
+                                 "parameter's own step",
+                      "grad_rms": "gradient RMS, sqrt(square_avg / (1 - alpha^step))"})
     trust = bool(hyper & _TRUST_RATIO)
     if {"exp_avg", "exp_avg_sq"} <= keys.keys() and trust:
         # LAMB (DeepSpeed's, apex's, timm's, torch-optimizer's) keeps Adam's moments but

@@ -296,7 +296,8 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
     reason = naming.ids_reason(opt, model)
     return Selection(
         what=what, names=[p.name for p in params], tensors=described, ties={}, skipped=[],
-        key="", explain=f"{kind.name} {EXPLAIN[what]}", derivations=derived, weights=weights,
+        key="", explain=f"{kind.name} {kind.explains.get(what, EXPLAIN[what])}",
+        derivations=derived, weights=weights,
         evidence=contents.evidence.get(roles.OPTIMIZER_STATE, f"the {contents.kind} layout"),
         optimizer=kind.name,
         ids_note=None if reason is None else named_by_id(reason),

@@ -176,3 +176,24 @@ def test_amsgrad_in_some_groups_follows_each_groups_own_rule(gradclip, tmp_path)
         assert rel_err(doc["total_norm"], ref_norm(reference.values(), 2)) <= TOL, what
         for row in doc["tensors"]:
             assert rel_err(row["norm"], ref_norm([reference[row["name"]]], 2)) <= TOL, what
+
+
+@pytest.mark.parametrize("name, make, what, says, not_said", [
+    ("Adagrad", lambda m: torch.optim.Adagrad(m.parameters(), lr=0.01), "grad_rms",
+     "(sum - initial_accumulator_value) / step", "debiased"),
+    ("RMSprop", lambda m: torch.optim.RMSprop(m.parameters(), lr=0.01, centered=True),
+     "exp_avg", "grad_avg / (1 - alpha^step)", "beta1"),
+    ("Adafactor", lambda m: torch.optim.Adafactor(m.parameters(), lr=0.01), "grad_rms",
+     "factored", "debiased"),
+])
+def test_the_measured_line_states_the_optimizers_own_rule(gradclip, tmp_path, name, make,
+                                                          what, says, not_said):
+    """The report says what was measured (docs/reference/optimizers.md): Adagrad's RMS is
+    over all steps, RMSprop's average is ``grad_avg`` debiased with ``alpha``, Adafactor's
+    second moment is a factored estimate, not Adam's debiased ``exp_avg_sq``."""
+    path = tmp_path / "opt.pt"
+    _train(path, Net(), make)
+    result = gradclip("inspect", path, "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    explain = result.json()["measured"]["explain"]
+    assert explain.startswith(name) and says in explain and not_said not in explain, explain
