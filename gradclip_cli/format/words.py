@@ -140,8 +140,9 @@ def measured_line(report: InspectReport) -> str | None:
     check = report.measured.get("cross_check")
     checked = f"; {visible(check['summary'])}" if isinstance(check, dict) and \
         check.get("summary") else ""
+    chosen = report.measured.get("chosen")
     return (f"measured: {visible(explain)}" + (f" ({visible(evidence)})" if evidence else "")
-            + checked)
+            + (f"; {visible(chosen)}" if chosen else "") + checked)
 
 
 def unchecked_total(report: InspectReport) -> str:

@@ -310,3 +310,25 @@ def test_the_last_line_names_what_was_judged(gradclip, tmp_path, monkeypatch, wi
         assert plural in last and last.endswith("(exit 1)"), r.out
         assert max(len(line) for line in r.out.splitlines()) <= width
         assert verdict(r.out) == expected
+
+
+@pytest.mark.parametrize("what", ["weights", "exp_avg"])
+def test_auto_says_what_it_chose_and_why_without_a_threshold(gradclip, tmp_path, what):
+    """docs/reference/contract.md: under ``--what auto`` "the report says which was used
+    and why", with or without ``--max-norm``: the measured line, in every format that has
+    one, and JSON's ``measured``. Named on the command line, nothing is said of auto."""
+    path, _ = MAKERS[what](tmp_path, nan=False)
+    why = "--what auto: no gradients saved"
+    doc = gradclip("inspect", path, "--format", "json").json()
+    assert doc["what"] == what and doc["measured"]["chosen"] == why
+    measured = [line for line in logical_lines(gradclip("inspect", path).out)
+                if line.startswith("measured: ")]
+    assert measured == [f"measured: {doc['measured']['explain']} "
+                        f"({doc['measured']['evidence']}); {why}"]
+    junit = ET.fromstring(gradclip("inspect", path, "--format", "junit").out)
+    assert measured[0] in junit.find("testsuite/system-out").text.splitlines()
+    markdown = gradclip("inspect", path, "--format", "markdown").out
+    assert why.replace(":", "\\:") in markdown
+    named = gradclip("inspect", path, "--what", what, "--format", "json").json()
+    assert "chosen" not in named["measured"]
+    assert why not in gradclip("inspect", path, "--what", what).out
