@@ -22,6 +22,9 @@ def assert_evidence_everywhere(gradclip, path, what: str, measured: str, evidenc
     assert doc["what"] == measured
     assert doc["measured"]["evidence"] == evidence
     line = f"measured: {doc['measured']['explain']} ({evidence})"
+    if what == "auto" and measured != "grads":  # auto says why it chose other than gradients
+        assert doc["measured"]["chosen"] == "--what auto: no gradients saved"
+        line += "; --what auto: no gradients saved"
     table = gradclip("inspect", path, "--what", what)
     assert table.code == 0
     assert line in logical_lines(table.out), table.out

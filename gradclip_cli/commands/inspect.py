@@ -86,7 +86,7 @@ def build(
         allow_nonfinite=allow_nonfinite, group_by=group_by, skipped=loaded.skipped,
         what=selection.what, step=step.step, roles=role_counts(contents),
         optimizer=selection.optimizer, chosen_by_auto=what == "auto",
-        **inspect_header(contents, selection, step, check),
+        **inspect_header(contents, selection, step, check, auto=what == "auto"),
     )  # fmt: skip
 
 

@@ -16,9 +16,17 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..report.model import NONFINITE
+from ..report.model import NONFINITE, OVERFLOW
 from .words import fmt as number
-from .words import judged_in, nonfinite_rows, origin_text, threshold_applied, z_text
+from .words import (
+    judged_in,
+    nonfinite_rows,
+    origin_text,
+    overflowed_total,
+    threshold_applied,
+    unchecked_total,
+    z_text,
+)
 
 if TYPE_CHECKING:
     from ..report import ClipReport, InspectReport
@@ -52,11 +60,20 @@ def inspect_findings(report: InspectReport) -> list[Finding]:
         if t.nonfinite.total:
             found.append(Finding(severity, t.group, f"non-finite {what.plural}",
                                  f"tensor {t.name} (group {t.group}): {_counts(t.nonfinite)}"))
-    if report.max_norm is not None and report.total_norm > report.max_norm:
+    exceeded = report.max_norm is not None and report.total_norm > report.max_norm
+    if exceeded:
         found.append(Finding(ERROR, TOTAL, f"{what.attribute} total norm exceeds --max-norm",
                              f"{what.attribute} total norm {number(report.total_norm)} > "
                              f"--max-norm {number(report.max_norm)}"
                              f"{threshold_applied(report)}"))
+    # Exit 1 with no tensor at fault: the total itself is the finding, so that a
+    # failing run is never a lone ::notice or a JUnit suite without failures.
+    if report.status == OVERFLOW and not exceeded:
+        found.append(Finding(ERROR, TOTAL, f"{what.attribute} total norm beyond float64's range",
+                             overflowed_total(report)))
+    if report.status == NONFINITE and report.allow_nonfinite:
+        found.append(Finding(ERROR, TOTAL, f"{what.attribute} total norm not checked "
+                             "against --max-norm", unchecked_total(report)))
     return found
 
 

@@ -69,6 +69,26 @@ def wrap(text: str, width: int, indent: str = "  ") -> list[str]:
     return lines or [""]
 
 
+def wrap_from_end(text: str, width: int, indent: str = "  ") -> list[str]:
+    """As ``wrap``, but the lines fill from the end: the last line holds as much of the
+    text's end as fits. For a verdict, whose last line scripts read (``tail -1``): its
+    tail names what was judged ("... applied to the weights (--what auto: no gradients
+    saved) (exit 1)"), where a wrap from the start left "  gradients saved) (exit 1)"."""
+    words = text.split(" ")
+    lines: list[str] = []
+    while words:
+        take = 1
+        if cell_len(" ".join(words)) <= width:  # the first line: no indent
+            take = len(words)
+        while take < len(words) and \
+                cell_len(indent + " ".join(words[-take - 1:])) <= width:
+            take += 1
+        lines.append(" ".join(words[-take:]))
+        del words[-take:]
+    lines.reverse()
+    return [lines[0], *(indent + line for line in lines[1:])]
+
+
 def report_width(out: TextIO) -> int:
     """``COLUMNS`` when set (in pipes too); else the terminal's width; else ``PIPE_WIDTH``.
 

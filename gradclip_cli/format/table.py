@@ -28,7 +28,16 @@ from rich.text import Text
 
 from ..report.model import NONFINITE, OK, SPIKE
 from . import findings as F
-from .fitting import MIN_NAME_WIDTH, Column, fit, report_width, shorten, shown_columns, wrap
+from .fitting import (
+    MIN_NAME_WIDTH,
+    Column,
+    fit,
+    report_width,
+    shorten,
+    shown_columns,
+    wrap,
+    wrap_from_end,
+)
 from .shown import (
     MAX_GROUPS,
     MAX_SPARK_GROUPS,
@@ -141,8 +150,14 @@ def _nonfinite_cell(n: NonFinite) -> Text:
 
 def print_verdict(report: InspectReport, out: TextIO) -> None:
     """The verdict alone (``--quiet``), fitted to the width like every line."""
-    console = _console(out)
-    _print_prose(console, verdict_line(report), style=_verdict_style(report.status != OK))
+    _print_verdict(_console(out), report)
+
+
+def _print_verdict(console: Console, report: InspectReport) -> None:
+    # Filled from the end: the last line, which scripts read, names what was judged.
+    style = _verdict_style(report.status != OK)
+    for line in wrap_from_end(verdict_line(report), console.width):
+        console.print(Text(line, style=style))
 
 
 def print_findings(report: InspectReport, err: TextIO) -> None:
@@ -268,7 +283,7 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
             text = (f"shares elements (each counted once): "
                     f"{shorten(visible(t.name), max(width // 2, 12))} with " + ", ".join(names))
             _print_prose(console, text, style="dim")
-    _print_prose(console, verdict_line(report), style=_verdict_style(report.status != OK))
+    _print_verdict(console, report)
 
 
 def print_clip_summary(report: ClipReport, out: TextIO) -> None:

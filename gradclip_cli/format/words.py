@@ -140,8 +140,28 @@ def measured_line(report: InspectReport) -> str | None:
     check = report.measured.get("cross_check")
     checked = f"; {visible(check['summary'])}" if isinstance(check, dict) and \
         check.get("summary") else ""
+    chosen = report.measured.get("chosen")
     return (f"measured: {visible(explain)}" + (f" ({visible(evidence)})" if evidence else "")
-            + checked)
+            + (f"; {visible(chosen)}" if chosen else "") + checked)
+
+
+def unchecked_total(report: InspectReport) -> str:
+    """A NaN total that ``--max-norm`` could not be compared with under ``--allow-nonfinite``
+    (a finding all the same): the verdict's words, and the CI formats' finding."""
+    total = f"{judged_in(report).attribute} total norm"
+    return (f"{total} {fmt(report.total_norm)} (p={fmt_p(report.norm_type)}): --max-norm "
+            f"{fmt(report.max_norm)} could not be checked; non-finite values allowed by "
+            f"--allow-nonfinite{threshold_applied(report)}")
+
+
+def overflowed_total(report: InspectReport) -> str:
+    """A total beyond float64's range (a finding of its own): the verdict's words, and the
+    CI formats' finding."""
+    about = report.total_norm_log10
+    about = f"about 10^{about:.6g}, " if about is not None and math.isfinite(about) else ""
+    return (f"{judged_in(report).attribute} total norm {BEYOND_FLOAT64} "
+            f"({about}p={fmt_p(report.norm_type)}) is beyond float64's range"
+            f"{threshold_applied(report)}")
 
 
 def verdict_line(report: InspectReport) -> str:
@@ -153,18 +173,9 @@ def verdict_line(report: InspectReport) -> str:
     total = f"{what.attribute} total norm"
     applied = threshold_applied(report)
     if report.status == NONFINITE and report.allow_nonfinite:
-        return (
-            f"FAIL: {total} {fmt(report.total_norm)} (p={p}): --max-norm "
-            f"{fmt(report.max_norm)} could not be checked; non-finite values allowed by "
-            f"--allow-nonfinite{applied} (exit 1)"
-        )
+        return f"FAIL: {unchecked_total(report)} (exit 1)"
     if report.status == OVERFLOW:
-        about = report.total_norm_log10
-        about = f"about 10^{about:.6g}, " if about is not None and math.isfinite(about) else ""
-        return (
-            f"FAIL: {total} {BEYOND_FLOAT64} ({about}p={p}) is beyond float64's range"
-            f"{applied} (exit 1)"
-        )
+        return f"FAIL: {overflowed_total(report)} (exit 1)"
     if report.status == NONFINITE:
         n = report.nonfinite
         tensors = sum(1 for t in report.tensors if t.nonfinite.total)

@@ -187,18 +187,27 @@ def build_inspect_report(
     )
 
 
-def inspect_header(contents, selection, step, check=None) -> dict[str, Any]:
+# Why ``--what auto`` measured something other than gradients (docs/reference/contract.md:
+# "the report says which was used and why"); the verdict's threshold clause says the same.
+AUTO_CHOSE = "--what auto: no gradients saved"
+
+
+def inspect_header(contents, selection, step, check=None, auto: bool = False
+                   ) -> dict[str, Any]:
     """The header of an inspect report, worded from what the layout and the selection
     found (``source/``): ``description`` (the layout's lines, then the step's note, why
     ids name the rows, the buffers set apart, what was measured, the ``--previous``
     cross-check's lines), ``notes`` (those of them every format carries: the step's,
-    the ids'), and ``measured`` (its account in the JSON document)."""
+    the ids'), and ``measured`` (its account in the JSON document; ``chosen``: why
+    ``--what auto`` (``auto``) chose other than gradients)."""
     notes = [*([step.note] if step.note else []),
              *([selection.ids_note] if selection.ids_note else [])]
+    chosen = AUTO_CHOSE if auto and selection.what != "grads" else None
     description = [*contents.description, *notes, *_buffers_apart(contents, selection.what),
-                   f"measured: {selection.measured}", *([] if check is None else check.lines)]
+                   f"measured: {selection.measured}" + (f"; {chosen}" if chosen else ""),
+                   *([] if check is None else check.lines)]
     measured = {"what": selection.what, "explain": selection.explain,
-                "evidence": selection.evidence,
+                "evidence": selection.evidence, **({"chosen": chosen} if chosen else {}),
                 **({} if check is None else {"cross_check": check.disagreement.as_json()})}
     return {"description": description, "notes": notes, "measured": measured}
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -62,6 +62,9 @@ class Kind:
     # Its state is made for every parameter when it is built (Adagrad's, step 0), not at
     # the parameter's first step with a gradient.
     state_when_built: bool = False
+    # quantity -> what it is under this optimizer's own rule, for the report's "measured:"
+    # line, where the general words (``source/what.py``'s ``EXPLAIN``: Adam's) would not say it
+    explains: Mapping[str, str] = field(default_factory=dict)
 
     def gives(self, what: str) -> bool:
         return self.derive is not None and self.refusals.get(what, "") is None
@@ -133,24 +136,22 @@ def _rms(entry, group, num, key="exp_avg_sq", beta=None) -> Derivation:
                       tuple(v.shape))
 
 
-def _adam(amsgrad: bool):
-    second = "max_exp_avg_sq" if amsgrad else "exp_avg_sq"
-
-    def derive(what, entry, group, num):
-        if what == "exp_avg":
-            return _first_moment(entry, group, num)
-        if what == "grad_rms":
-            return _rms(entry, group, num, second)
-        b1, b2 = num.betas(group)
-        m, v = num.tensor(entry, "exp_avg"), num.tensor(entry, second)
-        # DeepSpeed's and apex's Adam (bias_correction) and transformers' old AdamW
-        # (correct_bias) may step without debiasing the moments.
-        debias = not any(_off(group.get(k, True)) for k in ("bias_correction", "correct_bias"))
-        return Derivation((m, v), partial(om.adam_update, lr=num(group.get("lr"), "lr"),
-                                          beta1=b1, beta2=b2, eps=num(group.get("eps"), "eps"),
-                                          step=num.step(entry), debias=debias),
-                          tuple(m.shape))
-    return derive
+def _adam(what, entry, group, num):
+    # torch.optim takes amsgrad per param group: each group's step reads its own.
+    second = "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
+    if what == "exp_avg":
+        return _first_moment(entry, group, num)
+    if what == "grad_rms":
+        return _rms(entry, group, num, second)
+    b1, b2 = num.betas(group)
+    m, v = num.tensor(entry, "exp_avg"), num.tensor(entry, second)
+    # DeepSpeed's and apex's Adam (bias_correction) and transformers' old AdamW
+    # (correct_bias) may step without debiasing the moments.
+    debias = not any(_off(group.get(k, True)) for k in ("bias_correction", "correct_bias"))
+    return Derivation((m, v), partial(om.adam_update, lr=num(group.get("lr"), "lr"),
+                                      beta1=b1, beta2=b2, eps=num(group.get("eps"), "eps"),
+                                      step=num.step(entry), debias=debias),
+                      tuple(m.shape))
 
 
 def _nadam(what, entry, group, num):
@@ -234,6 +235,8 @@ def _hf_adafactor(what, entry, group, num):
 
 
 _NEEDS_GRAD = "its last step needs the last gradient itself, which the state does not hold"
+_FACTORED = ("gradient RMS from its second-moment estimate, factored into row and column "
+             "averages for a matrix")
 
 
 def identify(opt: OptimizerState) -> Kind:
@@ -259,10 +262,12 @@ def identify(opt: OptimizerState) -> Kind:
         return kind("Adafactor (transformers)", {
             "exp_avg": "its exp_avg averages the scaled updates, not the gradients",
             "grad_rms": None,
-            "update": None if beta1 else "without beta1 " + _NEEDS_GRAD}, _hf_adafactor)
+            "update": None if beta1 else "without beta1 " + _NEEDS_GRAD}, _hf_adafactor,
+            explains={"grad_rms": _FACTORED})
     if keys.keys() & {"row_var", "col_var", "variance"} or "beta2_decay" in hyper:
         return kind("Adafactor", {"exp_avg": "it keeps no first moment", "grad_rms": None,
-                                  "update": _NEEDS_GRAD}, _adafactor)
+                                  "update": _NEEDS_GRAD}, _adafactor,
+                    explains={"grad_rms": _FACTORED})
     if "mu_product" in keys or "momentum_decay" in hyper:
         return kind("NAdam", {"exp_avg": None, "grad_rms": None, "update": _NEEDS_GRAD},
                     _nadam)
@@ -272,7 +277,9 @@ def identify(opt: OptimizerState) -> Kind:
                                            "moment"}, _adamax)
     if "sum" in keys or "lr_decay" in hyper:
         return kind("Adagrad", {"exp_avg": "it keeps no first moment", "grad_rms": None,
-                                "update": _NEEDS_GRAD}, _adagrad, state_when_built=True)
+                                "update": _NEEDS_GRAD}, _adagrad, state_when_built=True,
+                    explains={"grad_rms": "gradient RMS over all its steps, "
+                                          "sqrt((sum - initial_accumulator_value) / step)"})
     if "acc_delta" in keys or "rho" in hyper:
         return kind("Adadelta", {"exp_avg": "it keeps no first moment (its acc_delta "
                                             "averages the squared steps)",
@@ -297,7 +304,10 @@ def identify(opt: OptimizerState) -> Kind:
         return kind("RMSprop", {
             "exp_avg": None if centered else "uncentered, it keeps no first moment",
             "grad_rms": None,
-            "update": None if momentum else "without momentum " + _NEEDS_GRAD}, _rmsprop)
+            "update": None if momentum else "without momentum " + _NEEDS_GRAD}, _rmsprop,
+            explains={"exp_avg": "gradient average grad_avg / (1 - alpha^step), each "
+                                 "parameter's own step",
+                      "grad_rms": "gradient RMS, sqrt(square_avg / (1 - alpha^step))"})
     trust = bool(hyper & _TRUST_RATIO)
     if {"exp_avg", "exp_avg_sq"} <= keys.keys() and trust:
         # LAMB (DeepSpeed's, apex's, timm's, torch-optimizer's) keeps Adam's moments but
@@ -343,16 +353,14 @@ def identify(opt: OptimizerState) -> Kind:
             return kind("SparseAdam", {
                 "exp_avg": None, "grad_rms": None,
                 "update": "its last step moved only the rows its last (sparse) gradient "
-                          "held, which the state does not record"}, _adam(False))
+                          "held, which the state does not record"}, _adam)
         if "amsgrad" not in hyper and "decoupled_weight_decay" in hyper:
             return kind("RAdam", dict.fromkeys(QUANTITIES), _radam)
-        amsgrad = every(lambda g: bool(g.get("amsgrad")))
-        if not amsgrad and any(g.get("amsgrad") for g in groups):
-            return kind("Adam", {q: "some groups use AMSGrad and some do not"
-                                 for q in QUANTITIES}, None)
         decoupled = every(lambda g: bool(g.get("decoupled_weight_decay")))
-        name = ("AdamW" if decoupled else "Adam") + (" (AMSGrad)" if amsgrad else "")
-        return kind(name, dict.fromkeys(QUANTITIES), _adam(amsgrad))
+        amsgrad = (" (AMSGrad)" if every(lambda g: bool(g.get("amsgrad"))) else
+                   " (AMSGrad in some groups)" if any(g.get("amsgrad") for g in groups) else "")
+        return kind(("AdamW" if decoupled else "Adam") + amsgrad, dict.fromkeys(QUANTITIES),
+                    _adam)
     held = ", ".join(visible(k) for k in tensor_keys) or "none"
     return kind("an unknown optimizer", {q: f"gradclip knows no rule for its state keys ({held})"
                                          for q in QUANTITIES}, None)

@@ -111,8 +111,8 @@ class Rule:
 def rule_of(kind: optimizers.Kind, groups: list[dict]) -> Rule | str:
     """The rule for ``kind``, or why its pair does not determine the gradient."""
     name = kind.name
-    if kind.derive is None and name in ("Adam", "AdamW"):
-        return kind.why_not("exp_avg")  # some groups use AMSGrad and some do not
+    if name.endswith("(AMSGrad in some groups)"):
+        return "some groups use AMSGrad and some do not"
     if name in ("Adam", "AdamW", "NAdam", "RAdam"):
         return Rule("exp_avg", "exp_avg_sq")
     if name in ("Adam (AMSGrad)", "AdamW (AMSGrad)"):

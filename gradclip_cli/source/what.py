@@ -251,7 +251,16 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
     if not kind.gives(what):
         raise _unavailable(contents, what, f"{kind.name}: {kind.why_not(what)}")
     model = naming.Model.of(contents)
-    names = naming.map_names(opt, model)
+    try:
+        names = naming.map_names(opt, model)
+    except InputError as error:
+        # No optimizer quantity can be named here: offer what needs no mapping.
+        offer = [w for w, held in (("grads", contents.gradients), ("weights", contents.weights))
+                 if held]
+        if not offer:
+            raise
+        raise InputError(f"{error}; available: "
+                         + ", ".join(f"--what {w}" for w in offer)) from None
     if len(set(names.values())) < len(names):
         twice = next(n for n in names.values() if list(names.values()).count(n) > 1)
         raise InputError(f"{contents.path}: two of its {len(contents.optimizers)} optimizers "
@@ -296,7 +305,8 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
     reason = naming.ids_reason(opt, model)
     return Selection(
         what=what, names=[p.name for p in params], tensors=described, ties={}, skipped=[],
-        key="", explain=f"{kind.name} {EXPLAIN[what]}", derivations=derived, weights=weights,
+        key="", explain=f"{kind.name} {kind.explains.get(what, EXPLAIN[what])}",
+        derivations=derived, weights=weights,
         evidence=contents.evidence.get(roles.OPTIMIZER_STATE, f"the {contents.kind} layout"),
         optimizer=kind.name,
         ids_note=None if reason is None else named_by_id(reason),

@@ -150,3 +150,50 @@ def test_refusals_name_the_optimizer(gradclip, tmp_path, name, make, closure):
         result = gradclip("inspect", path, "--what", what)
         assert result.code == 3, (what, result.out)
         assert f"--what {what}: {name}: " in result.err, result.err
+
+
+def test_amsgrad_in_some_groups_follows_each_groups_own_rule(gradclip, tmp_path):
+    """torch.optim.Adam takes ``amsgrad`` per param group: each group's step reads its own
+    second moment (``max_exp_avg_sq`` where the group uses AMSGrad), so every quantity is
+    determined; ``update`` is the change torch made (no weight decay here)."""
+    path = tmp_path / "adam.pt"
+    state, _, taken = _train(path, Net(), lambda m: torch.optim.Adam(
+        [{"params": m.a.parameters(), "amsgrad": True, "betas": (0.8, 0.9)},
+         {"params": m.b.parameters()}], lr=0.01))
+    names = [n for n, _ in Net().named_parameters()]
+    groups = {i: g for g in state["param_groups"] for i in g["params"]}
+    moment, rms = {}, {}
+    for i, entry in state["state"].items():
+        b1, b2 = groups[i]["betas"]
+        t = float(entry["step"])
+        second = entry["max_exp_avg_sq" if groups[i]["amsgrad"] else "exp_avg_sq"]
+        moment[names[i]] = entry["exp_avg"] / (1 - b1**t)
+        rms[names[i]] = (second / (1 - b2**t)).sqrt()
+    assert any(not torch.equal(e["max_exp_avg_sq"], e["exp_avg_sq"])
+               for e in state["state"].values() if "max_exp_avg_sq" in e)
+    for what, reference in (("exp_avg", moment), ("grad_rms", rms), ("update", taken)):
+        doc = gradclip("inspect", path, "--what", what, "--format", "json").json()
+        assert rel_err(doc["total_norm"], ref_norm(reference.values(), 2)) <= TOL, what
+        for row in doc["tensors"]:
+            assert rel_err(row["norm"], ref_norm([reference[row["name"]]], 2)) <= TOL, what
+
+
+@pytest.mark.parametrize("name, make, what, says, not_said", [
+    ("Adagrad", lambda m: torch.optim.Adagrad(m.parameters(), lr=0.01), "grad_rms",
+     "(sum - initial_accumulator_value) / step", "debiased"),
+    ("RMSprop", lambda m: torch.optim.RMSprop(m.parameters(), lr=0.01, centered=True),
+     "exp_avg", "grad_avg / (1 - alpha^step)", "beta1"),
+    ("Adafactor", lambda m: torch.optim.Adafactor(m.parameters(), lr=0.01), "grad_rms",
+     "factored", "debiased"),
+])
+def test_the_measured_line_states_the_optimizers_own_rule(gradclip, tmp_path, name, make,
+                                                          what, says, not_said):
+    """The report says what was measured (docs/reference/optimizers.md): Adagrad's RMS is
+    over all steps, RMSprop's average is ``grad_avg`` debiased with ``alpha``, Adafactor's
+    second moment is a factored estimate, not Adam's debiased ``exp_avg_sq``."""
+    path = tmp_path / "opt.pt"
+    _train(path, Net(), make)
+    result = gradclip("inspect", path, "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    explain = result.json()["measured"]["explain"]
+    assert explain.startswith(name) and says in explain and not_said not in explain, explain

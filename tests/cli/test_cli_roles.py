@@ -374,7 +374,8 @@ def test_param_names_that_do_not_match_the_weights(gradclip, tmp_path):
     assert result.code == 3
     assert result.err_lines == [
         f"gradclip: {path}: the optimizer's param_names name proj.bias, which the "
-        "checkpoint's weights do not hold: the two disagree"]
+        "checkpoint's weights do not hold: the two disagree; available: --what weights"]
+    assert gradclip("inspect", path, "--what", "weights").code == 0
 
 
 @pytest.mark.parametrize("flags", [(), ("--key", "grads")])

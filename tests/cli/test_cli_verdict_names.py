@@ -287,3 +287,48 @@ def test_compare_ok_and_exceeded_name_the_quantity(gradclip, tmp_path):
     assert r.out.startswith("OK: Adam exp_avg total ratio ")
     r = gradclip("compare", a / "step_1.pt", a / "step_3.pt", "--fail-above", "1.0001", "-q")
     assert r.code == 1 and r.out.startswith("FAIL: Adam exp_avg norms: ")
+
+
+@pytest.mark.parametrize("width", [80, 120])
+@pytest.mark.parametrize("what", ["weights", "exp_avg"])
+def test_the_last_line_names_what_was_judged(gradclip, tmp_path, monkeypatch, width, what):
+    """``inspect f.pt --max-norm X -q | tail -1``, and the table's last line, name the
+    quantity judged where the verdict is longer than the width (``--what auto``'s clause):
+    never a tail such as "  gradients saved) (exit 1)" under a verdict on weights. Every
+    line still fits the width, and the lines read back as the verdict whole."""
+    monkeypatch.setenv("COLUMNS", str(width))
+    path, tensors = MAKERS[what](tmp_path, nan=False)
+    plural, attribute = NAMES[what]
+    expected = (f"FAIL: {attribute} total norm {ref_norm(tensors, 2):.6g} (p=2) exceeds "
+                f"--max-norm {MAX_NORM:g}; --max-norm applied to the {plural} (--what auto: no "
+                "gradients saved) (exit 1)")
+    assert len(expected) > width
+    for flags in (["-q"], ["--no-progress"]):
+        r = gradclip("inspect", path, "--max-norm", MAX_NORM, *flags)
+        assert r.code == 1, r.err
+        last = r.out.splitlines()[-1]
+        assert plural in last and last.endswith("(exit 1)"), r.out
+        assert max(len(line) for line in r.out.splitlines()) <= width
+        assert verdict(r.out) == expected
+
+
+@pytest.mark.parametrize("what", ["weights", "exp_avg"])
+def test_auto_says_what_it_chose_and_why_without_a_threshold(gradclip, tmp_path, what):
+    """docs/reference/contract.md: under ``--what auto`` "the report says which was used
+    and why", with or without ``--max-norm``: the measured line, in every format that has
+    one, and JSON's ``measured``. Named on the command line, nothing is said of auto."""
+    path, _ = MAKERS[what](tmp_path, nan=False)
+    why = "--what auto: no gradients saved"
+    doc = gradclip("inspect", path, "--format", "json").json()
+    assert doc["what"] == what and doc["measured"]["chosen"] == why
+    measured = [line for line in logical_lines(gradclip("inspect", path).out)
+                if line.startswith("measured: ")]
+    assert measured == [f"measured: {doc['measured']['explain']} "
+                        f"({doc['measured']['evidence']}); {why}"]
+    junit = ET.fromstring(gradclip("inspect", path, "--format", "junit").out)
+    assert measured[0] in junit.find("testsuite/system-out").text.splitlines()
+    markdown = gradclip("inspect", path, "--format", "markdown").out
+    assert why.replace(":", "\\:") in markdown
+    named = gradclip("inspect", path, "--what", what, "--format", "json").json()
+    assert "chosen" not in named["measured"]
+    assert why not in gradclip("inspect", path, "--what", what).out

@@ -55,3 +55,20 @@ def test_the_hard_link_note_reads_whole_at_every_path_length(monkeypatch, width)
     # The raw text does break between the two words for some lengths: what the old
     # assertion tripped over.
     assert split_somewhere
+
+
+def test_a_verdict_filled_from_the_end_fits_and_reads_whole():
+    from gradclip_cli.format.fitting import wrap_from_end
+
+    text = ("FAIL: AdamW exp_avg total norm 33.9735 (p=2) exceeds --max-norm 0.001; --max-norm "
+            "applied to the AdamW exp_avg (--what auto: no gradients saved) (exit 1)")
+    longest_word = max(map(len, text.split()))
+    for width in range(longest_word + 2, len(text) + 3):
+        lines = wrap_from_end(text, width)
+        assert all(len(line) <= width for line in lines), (width, lines)
+        assert logical_lines("\n".join(lines)) == [text]
+        assert lines[0].startswith("FAIL:") and lines[-1].endswith("(exit 1)")
+        # Filled from the end: no line but the first could take a word from the line above.
+        for above, line in zip(lines, lines[1:]):
+            assert len(line) + 1 + len(above.split()[-1]) > width, (width, lines)
+    assert wrap_from_end(text, len(text)) == [text]

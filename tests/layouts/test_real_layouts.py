@@ -86,7 +86,8 @@ def test_trainer_checkpoint_auto_is_exp_avg_and_says_so(gradclip, trainer_run):
     measured = gradclip("inspect", trainer_run, "--format", "json").json()["measured"]
     assert measured == {
         "what": "exp_avg", "evidence": "the Trainer's optimizer.pt",
-        "explain": "AdamW first moment exp_avg / (1 - beta1^step), each parameter's own step"}
+        "explain": "AdamW first moment exp_avg / (1 - beta1^step), each parameter's own step",
+        "chosen": "--what auto: no gradients saved"}
 
 
 def test_trainer_checkpoint_weights_and_no_grads(gradclip, trainer_run):

@@ -132,7 +132,7 @@ def test_a_weight_whose_shape_no_state_has_is_a_contradiction_naming_both_files(
             f"gradclip: {folder / 'optimizer.bin'}: state.{pid}'s exp_avg has shape [2, 48], "
             "which no parameter of model.safetensors has (model.safetensors holds 3.weight as "
             "[2, 47]): the optimizer state and the model weights of this checkpoint "
-            "contradict each other")
+            "contradict each other; available: --what weights")
     # The weights alone are measured as they are: nothing maps state to them.
     assert gradclip("inspect", folder, "--what", "weights").code == 0
 

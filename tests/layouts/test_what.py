@@ -89,7 +89,14 @@ def test_an_ambiguous_grouping_is_exit_3(gradclip, tmp_path):
     assert result.err_lines == [
         f"gradclip: {path}: cannot map optimizer state to parameter names: the param groups "
         "fit the model's parameter order in more than one way (parameters of equal shape), "
-        "and the optimizer stored no param_names"]
+        "and the optimizer stored no param_names; available: --what weights"]
+    # The refusal offers what works here (every optimizer quantity needs the names), and
+    # following it measures that.
+    for what in ("exp_avg", "grad_rms", "update"):
+        refused = gradclip("inspect", path, "--what", what)
+        assert refused.code == 3 and refused.err_lines == result.err_lines
+    followed = gradclip("inspect", path, "--what", "weights", "--format", "json")
+    assert followed.code == 0 and followed.json()["what"] == "weights"
 
 
 @pytest.mark.parametrize("what", ["exp_avg", "weights", "update"])
