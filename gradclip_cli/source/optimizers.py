@@ -110,6 +110,15 @@ class Numbers:
                              f"betas ({b1}, {b2}) outside [0, 1)")
         return b1, b2
 
+    def eps(self, group: dict) -> float:
+        """The group's ``eps``, at least 0 (torch.optim refuses a negative one: under
+        ``sqrt(v_hat) + eps`` it would make a step of any size)."""
+        eps = self(group.get("eps"), "eps")
+        if eps < 0:
+            raise InputError(f"{self.opt.file}: the param group of {visible(self.name)} has "
+                             f"eps {eps!r}, below 0")
+        return eps
+
     def tensor(self, entry: dict, key: str) -> StoredTensor:
         value = entry.get(key)
         if not isinstance(value, StoredTensor):
@@ -149,7 +158,7 @@ def _adam(what, entry, group, num):
     # (correct_bias) may step without debiasing the moments.
     debias = not any(_off(group.get(k, True)) for k in ("bias_correction", "correct_bias"))
     return Derivation((m, v), partial(om.adam_update, lr=num(group.get("lr"), "lr"),
-                                      beta1=b1, beta2=b2, eps=num(group.get("eps"), "eps"),
+                                      beta1=b1, beta2=b2, eps=num.eps(group),
                                       step=num.step(entry), debias=debias),
                       tuple(m.shape))
 
@@ -168,7 +177,7 @@ def _radam(what, entry, group, num):
     b1, b2 = num.betas(group)
     m, v = num.tensor(entry, "exp_avg"), num.tensor(entry, "exp_avg_sq")
     return Derivation((m, v), partial(om.radam_update, lr=num(group.get("lr"), "lr"), beta1=b1,
-                                      beta2=b2, eps=num(group.get("eps"), "eps"),
+                                      beta2=b2, eps=num.eps(group),
                                       step=num.step(entry)), tuple(m.shape))
 
 

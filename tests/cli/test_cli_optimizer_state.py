@@ -197,3 +197,20 @@ def test_the_measured_line_states_the_optimizers_own_rule(gradclip, tmp_path, na
     assert result.code == 0, result.err
     explain = result.json()["measured"]["explain"]
     assert explain.startswith(name) and says in explain and not_said not in explain, explain
+
+
+@pytest.mark.parametrize("make", [lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+                                  lambda m: torch.optim.RAdam(m.parameters(), lr=0.01)])
+def test_a_negative_eps_is_corrupt_state_not_an_update(gradclip, tmp_path, make):
+    """torch.optim refuses eps < 0; in a saved group it would put any size of step
+    under sqrt(v_hat) + eps: the update is exit 3 naming it, the moments still measure."""
+    path = tmp_path / "run.pt"
+    _train(path, Net(), make, steps=2)
+    saved = torch.load(path)
+    saved["optimizer"]["param_groups"][0]["eps"] = -1e-8
+    torch.save(saved, path)
+    result = gradclip("inspect", path, "--what", "update")
+    assert result.code == 3
+    assert result.err_lines == [f"gradclip: {path}: the param group of a.weight has eps "
+                                "-1e-08, below 0"]
+    assert gradclip("inspect", path, "--what", "exp_avg").code == 0
