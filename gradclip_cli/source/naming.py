@@ -85,8 +85,8 @@ def map_names(opt: OptimizerState, model: Model) -> dict[int, str]:
     lists its parameters in model order, but the groups may split that order
     (the HF Trainer's decay and no-decay groups), so the mapping is the one
     interleaving of the groups that matches every state tensor's shape
-    (``interleave``). None or several: ``InputError`` with the reason. Where no order
-    can be had (``ids_reason``), the ids themselves: ``state.N``.
+    (``interleave``). None: ``InputError`` with the reason; several: ``AmbiguousOrder``.
+    Where no order can be had (``ids_reason``), the ids themselves: ``state.N``.
     """
     if opt.param_names is not None:
         if model.weights:
@@ -105,7 +105,7 @@ def map_names(opt: OptimizerState, model: Model) -> dict[int, str]:
         # Its ids are the only names there are, and the total does not depend on them.
         if model.weights:
             check_state_fits_weights(opt, model)
-        return {pid: f"state.{pid}" for g in opt.param_groups for pid in sorted(g["params"])}
+        return by_ids(opt)
     order = _model_order(opt, model)
     shapes = {n: tuple(model.weights[n].shape) if model.weights and n in model.weights
               else None for n in order}
@@ -123,9 +123,8 @@ def map_names(opt: OptimizerState, model: Model) -> dict[int, str]:
             f"{len(order)} model parameters fits the param groups (sizes {sizes}) by shape, "
             "and the optimizer stored no param_names")
     if placed == "ambiguous":
-        raise InputError(
-            f"{opt.file}: cannot map optimizer state to parameter names: the param groups fit "
-            "the model's parameter order in more than one way (parameters of equal shape), and "
+        raise AmbiguousOrder(
+            f"{opt.file}: cannot map optimizer state to parameter names: {AMBIGUOUS}, and "
             "the optimizer stored no param_names")
     names = {}
     for model_index, spot in enumerate(placed):
@@ -133,6 +132,21 @@ def map_names(opt: OptimizerState, model: Model) -> dict[int, str]:
             g, j = spot
             names[groups[g][j][0]] = order[model_index]
     return dict(sorted(names.items()))
+
+
+AMBIGUOUS = ("the param groups fit the model's parameter order in more than one way "
+             "(parameters of equal shape)")
+
+
+class AmbiguousOrder(InputError):
+    """Several placements of the param groups in the model's order fit every shape
+    (``AMBIGUOUS``): a layout that needs the names refuses; what measures the state
+    itself measures it under its ids (``by_ids``), as it would with no order at all."""
+
+
+def by_ids(opt: OptimizerState) -> dict[int, str]:
+    """Parameter id -> ``state.N``: the state under its ids, in id order."""
+    return {pid: f"state.{pid}" for g in opt.param_groups for pid in sorted(g["params"])}
 
 
 def ids_reason(opt: OptimizerState, model: Model) -> str | None:

@@ -251,8 +251,13 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
     if not kind.gives(what):
         raise _unavailable(contents, what, f"{kind.name}: {kind.why_not(what)}")
     model = naming.Model.of(contents)
+    reason = None
     try:
         names = naming.map_names(opt, model)
+    except naming.AmbiguousOrder:
+        # No one placement: the ids are the names, as with no order at all (the
+        # totals do not depend on them), never a guess among the placements.
+        names, reason = naming.by_ids(opt), naming.AMBIGUOUS
     except InputError as error:
         # No optimizer quantity can be named here: offer what needs no mapping.
         offer = [w for w, held in (("grads", contents.gradients), ("weights", contents.weights))
@@ -302,7 +307,7 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
     weights = None
     if contents.weights:
         weights = [contents.weights.get(p.name, contents.fused_weights.get(p.name)) for p in params]
-    reason = naming.ids_reason(opt, model)
+    reason = reason or naming.ids_reason(opt, model)
     return Selection(
         what=what, names=[p.name for p in params], tensors=described, ties={}, skipped=[],
         key="", explain=f"{kind.name} {kind.explains.get(what, EXPLAIN[what])}",

@@ -76,7 +76,10 @@ def test_a_trainer_grouping_through_the_cli(gradclip, tmp_path):
         assert abs(row["norm"] - float(m.norm())) <= 1e-6 * float(m.norm())
 
 
-def test_an_ambiguous_grouping_is_exit_3(gradclip, tmp_path):
+def test_an_ambiguous_grouping_is_measured_under_ids(gradclip, tmp_path):
+    """Groups that fit the model's order two ways name no parameter: the state is measured
+    under its ids and the report says why, as where there is no order at all; no name is
+    guessed."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     a, b = model[0].weight, model[1].weight
     adam = torch.optim.Adam([{"params": [b, model[0].bias]}, {"params": [a, model[1].bias]}])
@@ -84,19 +87,22 @@ def test_an_ambiguous_grouping_is_exit_3(gradclip, tmp_path):
     adam.step()
     path = tmp_path / "run.pt"
     torch.save({"model": model.state_dict(), "optimizer": adam.state_dict()}, path)
-    result = gradclip("inspect", path)
-    assert result.code == 3
-    assert result.err_lines == [
-        f"gradclip: {path}: cannot map optimizer state to parameter names: the param groups "
-        "fit the model's parameter order in more than one way (parameters of equal shape), "
-        "and the optimizer stored no param_names; available: --what weights"]
-    # The refusal offers what works here (every optimizer quantity needs the names), and
-    # following it measures that.
-    for what in ("exp_avg", "grad_rms", "update"):
-        refused = gradclip("inspect", path, "--what", what)
-        assert refused.code == 3 and refused.err_lines == result.err_lines
-    followed = gradclip("inspect", path, "--what", "weights", "--format", "json")
-    assert followed.code == 0 and followed.json()["what"] == "weights"
+    state = adam.state_dict()["state"]
+    beta1 = adam.param_groups[0]["betas"][0]
+    for what in ("auto", "exp_avg"):
+        result = gradclip("inspect", path, "--what", what, "--format", "json")
+        assert result.code == 0, result.err
+        doc = result.json()
+        assert doc["what"] == "exp_avg"
+        assert sorted(t["name"] for t in doc["tensors"]) == [f"state.{i}" for i in range(4)]
+        for t in doc["tensors"]:
+            entry = state[int(t["name"].split(".")[1])]
+            m = entry["exp_avg"].double() / (1 - beta1 ** float(entry["step"]))
+            assert abs(t["norm"] - float(m.norm())) <= 1e-6 * float(m.norm())
+    table = gradclip("inspect", path)
+    assert ("optimizer state named by parameter id (state.N): the param groups fit the "
+            "model's parameter order in more than one way") in " ".join(table.out.split())
+    assert gradclip("inspect", path, "--what", "update").code == 0
 
 
 @pytest.mark.parametrize("what", ["exp_avg", "weights", "update"])
