@@ -3,6 +3,7 @@ numbers against float64, the JSON schema, --plot, and every bad input."""
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from tests.core.spike_reference import group_z
 from tests.schemas import validate
 from tests.trainer_runs import SPIKE_STEP, STEPS, train_checkpointed_with_spike, train_with_spike
 
@@ -284,6 +286,24 @@ def test_monitor_log_spike_names_the_group(gradclip, tmp_path):
     newest = doc["points"][-1]
     assert newest["spike_groups"] == ["b"] and newest["source"] == str(log)
     assert newest["groups"] == {"a": 0.8, "b": 60.0}
+
+
+@pytest.mark.parametrize("fmt", ["github", "junit"])
+def test_a_group_finding_states_the_groups_threshold_not_the_totals(gradclip, tmp_path, fmt):
+    """Five groups judged at once must each pass the groups' z (spike-rule.md), not --z:
+    the finding that names a spiking group states the threshold it crossed."""
+    log = tmp_path / "grads.jsonl"
+    names = ("a", "b", "c", "d", "e")
+    lines = [monitor_line(s, 1.0 + 0.01 * (s % 3), {n: 0.8 + 0.01 * (s % 2) for n in names})
+             for s in range(30)]
+    lines.append(monitor_line(30, 1.5, {**{n: 0.8 for n in names}, "e": 60.0}))
+    log.write_text("".join(lines))
+    r = gradclip("trend", log, "--format", fmt)
+    assert r.code == 1, r.err
+    text = html.unescape(r.out)  # junit writes ">" as "&gt;"
+    found = [line for line in text.splitlines() if "group e norm 60" in line]
+    assert len(found) == 1, r.out
+    assert f"z > {group_z(2.5, 5):.3g}"[1:] in found[0] and "> 2.5" not in found[0]
 
 
 def test_a_logs_groups_are_the_monitors_and_group_by_is_refused_on_it(gradclip, tmp_path):
