@@ -107,6 +107,27 @@ def test_earlier_spike_fails_only_with_fail_on_any(gradclip, tmp_path):
     assert (r.code, r.json()["status"]) == (1, "spike")
 
 
+def test_fail_on_any_verdict_counts_spikes_and_nonfinite_points_apart(gradclip, tmp_path):
+    """Spikes at steps 8 and 12, a NaN at step 10: the verdict says one non-finite point
+    and two spikes, as the points' own flags say, not "non-finite gradients at 3 points"."""
+    save_run(tmp_path / "run", [s for s in range(14) if s != 10],
+             spikes={8: {"transformer.h.0": 100}, 12: {"transformer.h.1": 100}})
+    grads = layer_grads(10)
+    grads["transformer.h.2.mlp.weight"][0, 0] = math.nan
+    torch.save({"grads": grads, "step": 10}, tmp_path / "run" / "grads-10.pt")
+    doc = gradclip("trend", tmp_path / "run", "--fail-on", "any", "--format", "json").json()
+    nonfinite = [p["step"] for p in doc["points"] if p["total_norm"] == "nan"]
+    spikes = [p["step"] for p in doc["points"] if p["spike"] and p["step"] not in nonfinite]
+    assert (nonfinite, spikes) == ([10], [8, 12])
+    for args in (["-q"], ["--format", "markdown"]):
+        r = gradclip("trend", tmp_path / "run", "--fail-on", "any", *args)
+        verdict = next(line for line in logical_lines(r.out) if "FAIL" in line)
+        verdict = verdict.replace("\\", "")  # Markdown's escapes off
+        assert r.code == 1 and not verdict.startswith("FAIL: non-finite"), verdict
+        assert ("at 3 point(s): 1 non-finite (step 10), 2 spike(s) (steps 8, 12); the last "
+                "at step 12") in verdict, verdict
+
+
 def test_points_are_ordered_by_step_entry_then_by_the_number_in_the_name(gradclip, tmp_path):
     # Names sort 1, 10, 2 as text; the step entries order them.
     save_run(tmp_path / "a", (1, 10, 2), name="ckpt_{step}.pt")
