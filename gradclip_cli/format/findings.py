@@ -114,7 +114,8 @@ def trend_findings(report: TrendReport) -> list[Finding]:
         for g in p.spike_groups:
             found.append(Finding(severity, g, f"{spike} at {at}",
                                  f"{p.source}: group {g} norm {number(p.groups[g])}, "
-                                 f"z {z_text(p.group_z[g])} > {report.z_threshold:g}", p.source))
+                                 f"z {z_text(p.group_z[g])} > "
+                                 f"{report.groups_threshold_at(p):.3g}", p.source))
     # The norm audit: each step where a framework's logged total disagrees with gradclip's.
     for a in report.disagreeing:
         for d in a.disagreements:

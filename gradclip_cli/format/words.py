@@ -253,13 +253,27 @@ def trend_verdict(report: TrendReport) -> str:
                   + (f"; groups {groups}" if groups else "") + origin_text(last))
         if report.fail_on == "newest":
             return f"FAIL: {kind} at the newest point ({detail}){_earlier(report)} (exit 1)"
-        return (f"FAIL: {kind} at {len(failing)} point(s); the last at {detail} (exit 1)")
+        return f"FAIL: {_failing_kinds(failing, what)}; the last at {detail} (exit 1)"
     if report.status == INSUFFICIENT_HISTORY:
         return (f"OK: too little history to judge the {what.plural} (a point needs 5 earlier "
                 f"points){_earlier(report)} (exit 0)")
     scope = "the newest point" if report.fail_on == "newest" else f"{len(report.points)} points"
     return (f"OK: no spike or non-finite {what.attribute} norm at {scope}{_earlier(report)} "
             "(exit 0)")
+
+
+def _failing_kinds(failing: list[TrendPoint], what) -> str:
+    """``--fail-on any``'s failing points, non-finite and spikes counted apart: a spike
+    is not a non-finite point, nor the reverse."""
+    nonfinite = [p for p in failing if p.is_nonfinite]
+    spikes = [p for p in failing if not p.is_nonfinite]
+    if not spikes:
+        return f"non-finite {what.plural} at {len(nonfinite)} point(s)"
+    if not nonfinite:
+        return f"{what.attribute} spike at {len(spikes)} point(s)"
+    return (f"{what.attribute} spike or non-finite {what.plural} at {len(failing)} point(s): "
+            f"{len(nonfinite)} non-finite ({_steps(nonfinite)}), {len(spikes)} spike(s) "
+            f"({_steps(spikes)})")
 
 
 def origin_text(p: TrendPoint) -> str:

@@ -144,6 +144,11 @@ class TrendReport:
         """The groups' thresholds in force over these points (``group_thresholds``)."""
         return group_thresholds((len(p.groups) for p in self.points), self.z_threshold)
 
+    def groups_threshold_at(self, point: TrendPoint) -> float:
+        """The z each of ``point``'s groups had to exceed (``group_threshold``): the
+        total's ``z_threshold`` for one group, higher for several judged at once."""
+        return group_threshold(self.z_threshold, len(point.groups))
+
     @property
     def failing(self) -> list[TrendPoint]:
         """The points that make the exit code 1 under ``fail_on``."""

@@ -3,6 +3,7 @@ numbers against float64, the JSON schema, --plot, and every bad input."""
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from tests.core.spike_reference import group_z
 from tests.schemas import validate
 from tests.trainer_runs import SPIKE_STEP, STEPS, train_checkpointed_with_spike, train_with_spike
 
@@ -103,6 +105,27 @@ def test_earlier_spike_fails_only_with_fail_on_any(gradclip, tmp_path):
     assert (r.code, doc["status"]) == (0, "ok")
     r = gradclip("trend", tmp_path / "run", "--format", "json", "--fail-on", "any")
     assert (r.code, r.json()["status"]) == (1, "spike")
+
+
+def test_fail_on_any_verdict_counts_spikes_and_nonfinite_points_apart(gradclip, tmp_path):
+    """Spikes at steps 8 and 12, a NaN at step 10: the verdict says one non-finite point
+    and two spikes, as the points' own flags say, not "non-finite gradients at 3 points"."""
+    save_run(tmp_path / "run", [s for s in range(14) if s != 10],
+             spikes={8: {"transformer.h.0": 100}, 12: {"transformer.h.1": 100}})
+    grads = layer_grads(10)
+    grads["transformer.h.2.mlp.weight"][0, 0] = math.nan
+    torch.save({"grads": grads, "step": 10}, tmp_path / "run" / "grads-10.pt")
+    doc = gradclip("trend", tmp_path / "run", "--fail-on", "any", "--format", "json").json()
+    nonfinite = [p["step"] for p in doc["points"] if p["total_norm"] == "nan"]
+    spikes = [p["step"] for p in doc["points"] if p["spike"] and p["step"] not in nonfinite]
+    assert (nonfinite, spikes) == ([10], [8, 12])
+    for args in (["-q"], ["--format", "markdown"]):
+        r = gradclip("trend", tmp_path / "run", "--fail-on", "any", *args)
+        verdict = next(line for line in logical_lines(r.out) if "FAIL" in line)
+        verdict = verdict.replace("\\", "")  # Markdown's escapes off
+        assert r.code == 1 and not verdict.startswith("FAIL: non-finite"), verdict
+        assert ("at 3 point(s): 1 non-finite (step 10), 2 spike(s) (steps 8, 12); the last "
+                "at step 12") in verdict, verdict
 
 
 def test_points_are_ordered_by_step_entry_then_by_the_number_in_the_name(gradclip, tmp_path):
@@ -284,6 +307,24 @@ def test_monitor_log_spike_names_the_group(gradclip, tmp_path):
     newest = doc["points"][-1]
     assert newest["spike_groups"] == ["b"] and newest["source"] == str(log)
     assert newest["groups"] == {"a": 0.8, "b": 60.0}
+
+
+@pytest.mark.parametrize("fmt", ["github", "junit"])
+def test_a_group_finding_states_the_groups_threshold_not_the_totals(gradclip, tmp_path, fmt):
+    """Five groups judged at once must each pass the groups' z (spike-rule.md), not --z:
+    the finding that names a spiking group states the threshold it crossed."""
+    log = tmp_path / "grads.jsonl"
+    names = ("a", "b", "c", "d", "e")
+    lines = [monitor_line(s, 1.0 + 0.01 * (s % 3), {n: 0.8 + 0.01 * (s % 2) for n in names})
+             for s in range(30)]
+    lines.append(monitor_line(30, 1.5, {**{n: 0.8 for n in names}, "e": 60.0}))
+    log.write_text("".join(lines))
+    r = gradclip("trend", log, "--format", fmt)
+    assert r.code == 1, r.err
+    text = html.unescape(r.out)  # junit writes ">" as "&gt;"
+    found = [line for line in text.splitlines() if "group e norm 60" in line]
+    assert len(found) == 1, r.out
+    assert f"z > {group_z(2.5, 5):.3g}"[1:] in found[0] and "> 2.5" not in found[0]
 
 
 def test_a_logs_groups_are_the_monitors_and_group_by_is_refused_on_it(gradclip, tmp_path):
