@@ -20,6 +20,20 @@ _INVISIBLE = {
 }  # fmt: skip
 
 
+def kept_visible(text: object) -> str:
+    """Text built of ``visible`` pieces (a verdict, an error message), shown as it is.
+
+    A character that is still not shown (a piece someone forgot to pass through
+    ``visible``) is escaped as ``visible`` escapes it, so the line stays inert;
+    a backslash is not doubled again: it begins ``visible``'s own escapes, and
+    doubling it would show a name otherwise than every table row shows it.
+    """
+    text = str(text)
+    if text.isprintable() and text.isascii():
+        return text
+    return "".join(ch if ch == "\\" or _shown(ch) else _escape(ch) for ch in text)
+
+
 def _escape(ch: str) -> str:
     code = ord(ch)
     if ch == "\\":

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, TextIO
 
 from . import findings as F
-from .text import visible
+from .text import kept_visible, visible
 from .words import audit_lines, compare_verdict, fmt, fmt_p, trend_verdict, verdict_line
 
 if TYPE_CHECKING:
@@ -35,10 +35,13 @@ def escape_property(text: str) -> str:
     return escape_data(text).replace(":", "%3A").replace(",", "%2C")
 
 
-def command(kind: str, message: str, **properties: str) -> str:
-    """One workflow command line: ``::kind key=value,...::message``."""
+def command(kind: str, message: str, *, verdict: bool = False, **properties: str) -> str:
+    """One workflow command line: ``::kind key=value,...::message``. A ``verdict`` is
+    made of ``visible()`` pieces already (``kept_visible``: its names show as in
+    every other line)."""
     props = ",".join(f"{k}={escape_property(visible(v))}" for k, v in properties.items())
-    return f"::{kind}{' ' + props if props else ''}::{escape_data(visible(message))}\n"
+    shown = kept_visible(message) if verdict else visible(message)
+    return f"::{kind}{' ' + props if props else ''}::{escape_data(shown)}\n"
 
 
 def _write(out: TextIO, source: str, found: list[F.Finding], verdict: str) -> None:
@@ -46,7 +49,7 @@ def _write(out: TextIO, source: str, found: list[F.Finding], verdict: str) -> No
         out.write(command(f.severity, f.message, file=f.source or source,
                           title=f"gradclip: {f.title}"))
     if not any(f.severity == F.ERROR for f in found):
-        out.write(command("notice", verdict, file=source, title="gradclip"))
+        out.write(command("notice", verdict, verdict=True, file=source, title="gradclip"))
 
 
 def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
@@ -56,7 +59,7 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
 
 
 def render_clip(report: ClipReport, out: TextIO) -> None:
-    verdict = (f"{report.source} -> {report.output}: gradient total norm "
+    verdict = (f"{visible(report.source)} -> {visible(report.output)}: gradient total norm "
                f"(p={fmt_p(report.norm_type)}) "
                f"{fmt(report.total_norm_before)} -> {fmt(report.total_norm_after)}")
     _write(out, report.source, F.clip_findings(report), verdict)

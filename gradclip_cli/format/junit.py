@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, TextIO
 
 from . import findings as F
-from .text import visible
+from .text import kept_visible, visible
 from .words import (
     audit_lines,
     compare_verdict,
@@ -49,6 +49,11 @@ def xml_text(text: object) -> str:
     return _NOT_XML_CHAR.sub("", visible(text))
 
 
+def _xml_verdict(text: str) -> str:
+    """A verdict, made of ``visible()`` pieces already (``kept_visible``), as XML text."""
+    return _NOT_XML_CHAR.sub("", kept_visible(text))
+
+
 def _suite(name: str, cases: Iterable[str], found: list[F.Finding], summary: str,
            details: dict[str, str] | None = None, notes: Iterable[str] = ()) -> ET.Element:
     """The document; ``details`` gives some testcases a ``<system-out>`` line (their norm)."""
@@ -69,7 +74,7 @@ def _suite(name: str, cases: Iterable[str], found: list[F.Finding], summary: str
         if details and n in details:
             ET.SubElement(case, "system-out").text = xml_text(details[n])
     out = ET.SubElement(suite, "system-out")
-    out.text = "\n".join([xml_text(summary), *(xml_text(note) for note in notes),
+    out.text = "\n".join([_xml_verdict(summary), *(xml_text(note) for note in notes),
                            *(xml_text(f"warning: {w.title}: {w.message}") for w in warnings)])
     return root
 

@@ -25,7 +25,7 @@ from .shown import (
     points_to_show,
     sparkline,
 )
-from .text import visible
+from .text import kept_visible, visible
 from .words import (
     audit_lines,
     compare_verdict,
@@ -52,7 +52,11 @@ _WWW = re.compile(r"(?i)(?<=www)\.")
 
 def escape(text: object) -> str:
     """``text`` as literal Markdown text, safe inside a table cell."""
-    return _WWW.sub(r"\\.", visible(text).translate(_ESCAPES))
+    return _markup(visible(text))
+
+
+def _markup(line: str) -> str:
+    return _WWW.sub(r"\\.", line.translate(_ESCAPES))
 
 
 def _table(header: list[str], rows: list[list[str]], align: list[str]) -> str:
@@ -77,7 +81,8 @@ def _num(x: float | None) -> str:
 
 
 def _verdict(text: str, failed: bool) -> str:
-    return f"**{'❌' if failed else '✅'} {escape(text)}**\n\n"
+    # A verdict is made of visible() pieces already: its names show as in the rows.
+    return f"**{'❌' if failed else '✅'} {_markup(kept_visible(text))}**\n\n"
 
 
 def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:

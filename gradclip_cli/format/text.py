@@ -6,6 +6,6 @@ messages name keys and paths), and a source never imports a format.
 
 from __future__ import annotations
 
-from ..escaping import visible
+from ..escaping import kept_visible, visible
 
-__all__ = ["visible"]
+__all__ = ["kept_visible", "visible"]
