@@ -66,7 +66,7 @@ def run(
         report = functools.partial(_report, before, source=path, output=target, norm_type=p,
                                    max_norm=limit, clip_value=value)
         refused = clipping.refusal(before, maxima, dtypes, p=p, limit=limit,
-                                   allow_nonfinite=allow_nonfinite)
+                                   allow_nonfinite=allow_nonfinite, value=value)
         if refused is not None:
             return _refuse(report_out, report(loaded), *refused)
         if not speaks() and owners is None:

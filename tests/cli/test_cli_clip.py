@@ -492,3 +492,34 @@ def test_allow_nonfinite_table_warns_in_a_sentence(gradclip, tmp_path):
     assert result.code == 0, result.err
     assert ("warning: gradients holding 1 non-finite value were clipped under "
             "--allow-nonfinite") in " ".join(result.out.split())
+
+
+@pytest.mark.parametrize(("dtype", "value"), [
+    (torch.float32, "1e-50"),  # below half float32's smallest subnormal (1.4e-45)
+    (torch.float16, "1e-9"),  # below half float16's (6e-8)
+])  # fmt: skip
+def test_clip_value_that_rounds_to_zero_in_the_dtype_refuses(gradclip, tmp_path, dtype, value):
+    # torch casts the bound to the tensor's dtype: a bound that rounds to 0 there
+    # would set every gradient to 0, which clip never does silently.
+    path = tmp_path / "g.pt"
+    torch.save({"grads": {"w": torch.tensor([1.0, -0.5, 1e-3]).to(dtype)}}, path)
+    before = sha256(path)
+    for extra in ([], ["--format", "json"]):
+        result = gradclip("clip", path, "--clip-value", value, *extra)
+        assert result.code == 1, result.err
+        assert_no_report(result)
+        assert str(path) in result.err and "zero" in result.err
+        assert "Traceback" not in result.err and len(result.err_lines) <= 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.pt"] and sha256(path) == before
+
+
+def test_clip_value_that_rounds_to_zero_in_one_dtype_only_clamps(gradclip, tmp_path):
+    # 1e-50 is 0 in float32 but not in float64: the float64 gradient keeps a value.
+    path = tmp_path / "g.pt"
+    grads = {"a": torch.tensor([1.0, -2.0]), "b": torch.tensor([3.0, -0.0], dtype=torch.float64)}
+    torch.save({"grads": grads}, path)
+    result = gradclip("clip", path, "--clip-value", "1e-50", "-o", tmp_path / "o.pt")
+    assert result.code == 0, result.err
+    out = torch.load(tmp_path / "o.pt", weights_only=True)["grads"]
+    for name, grad in grads.items():  # torch's clamp, the bound in the tensor's dtype
+        assert torch.equal(out[name], grad.clamp(-1e-50, 1e-50))
