@@ -523,3 +523,19 @@ def test_clip_value_that_rounds_to_zero_in_one_dtype_only_clamps(gradclip, tmp_p
     out = torch.load(tmp_path / "o.pt", weights_only=True)["grads"]
     for name, grad in grads.items():  # torch's clamp, the bound in the tensor's dtype
         assert torch.equal(out[name], grad.clamp(-1e-50, 1e-50))
+
+
+@pytest.mark.parametrize(("fmt", "shown"), [
+    ("github", "bad\\nname.pt"), ("junit", "bad\\nname.pt"),
+    ("markdown", "bad\\\\nname.pt"),  # the backslash that shows the newline, escaped
+])  # fmt: skip
+def test_refusal_shows_a_hostile_name_escaped_once(gradclip, tmp_path, fmt, shown):
+    # The refusal's line names the file as every other line does: a newline in the
+    # name shown as \n, not as \\n (a backslash the name does not hold).
+    path = tmp_path / "bad\nname.pt"
+    torch.save({"grads": {"w": torch.tensor([1.0, math.nan])}}, path)
+    result = gradclip("clip", path, "--max-norm", "1", "--format", fmt)
+    assert result.code == 1
+    refusal = [line for line in result.out.splitlines() if "refusing to clip" in line]
+    twice = shown.replace("\\", "\\\\")
+    assert refusal and all(shown in line and twice not in line for line in refusal)
