@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import zipfile
 
 import pytest
@@ -539,3 +540,20 @@ def test_refusal_shows_a_hostile_name_escaped_once(gradclip, tmp_path, fmt, show
     refusal = [line for line in result.out.splitlines() if "refusing to clip" in line]
     twice = shown.replace("\\", "\\\\")
     assert refusal and all(shown in line and twice not in line for line in refusal)
+
+
+@pytest.mark.parametrize("fmt", ["table", "markdown", "github", "junit"])
+def test_every_report_says_the_coefficient_was_lowered(gradclip, tmp_path, fmt):
+    # As test_bf16_clip_keeps_bf16: torch's coefficient, rounded to bf16, leaves the
+    # total above 3.3. The contract: the coefficient is lowered, and the report says so.
+    g = torch.Generator().manual_seed(11)
+    grads = {f"l.{i}.w": torch.randn(200, generator=g).bfloat16() for i in range(3)}
+    path = tmp_path / "b.pt"
+    torch.save({"grads": grads}, path)
+    torch_coef = min(1.0, 3.3 / (ref_norm(grads.values(), 2) + 1e-6))
+    result = gradclip("clip", path, "--max-norm", "3.3", "--format", fmt)
+    assert result.code == 0, result.err
+    text = " ".join(result.out.split())
+    assert "coefficient lowered from" in text and "(torch's)" in text
+    shown = re.search(r"lowered from (\S+) \(torch's\)", text).group(1)
+    assert rel_err(float(shown), torch_coef) <= 1e-5  # six digits
