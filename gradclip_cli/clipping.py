@@ -1,8 +1,8 @@
 """What ``clip`` does with the gradients it measured: refuse, scale or clamp, and check.
 
 The decisions on plain data, apart from files and ranks (``commands/clip.py``
-wires them): ``refusal`` (a non-finite total, or a coefficient that would round
-every gradient to zero), ``to_norm`` (torch's coefficient, computed exactly, and
+wires them): ``refusal`` (a non-finite total, or a coefficient or clamp bound
+that would round every gradient to zero), ``to_norm`` (torch's coefficient, computed exactly, and
 lowered until the stored total is within the limit, as ``inspect --max-norm``
 measures it) and ``to_value`` (the clamp). The tensor math is the core's
 (``core/clipping.py``); changing the gradients in place, reading them again and
@@ -49,14 +49,16 @@ class Clipped:
 
 
 def refusal(total: PowerSums, maxima: Sequence[float], dtypes: Sequence[torch.dtype], *,
-            p: float, limit: float | None, allow_nonfinite: bool) -> tuple[str, str] | None:
+            p: float, limit: float | None, allow_nonfinite: bool,
+            value: float | None = None) -> tuple[str, str] | None:
     """Why not to clip, and what would clip anyway; None to go on.
 
     ``total``: the gradients' total as one piece; ``maxima`` and ``dtypes``: each
     held tensor's largest magnitude and stored dtype. A total with NaN or
-    infinities is refused unless ``allow_nonfinite``; a coefficient that would
-    round every gradient to zero is refused always. Every rank has the same
-    total, so every rank decides (and exits) alike.
+    infinities is refused unless ``allow_nonfinite``; a coefficient (``limit``)
+    or a clamp bound (``value``) that would round every gradient to zero is
+    refused always. Every rank has the same total, so every rank decides (and
+    exits) alike.
     """
     nan, posinf, neginf = (int(c[0]) for c in (total.nan, total.posinf, total.neginf))
     if nan + posinf + neginf:
@@ -64,6 +66,11 @@ def refusal(total: PowerSums, maxima: Sequence[float], dtypes: Sequence[torch.dt
             return None
         return (f"gradient total norm is {float(total.norm[0])} ({nan} NaN, {posinf} +inf, "
                 f"{neginf} -inf)", " (--allow-nonfinite clips anyway)")
+    if value is not None:
+        if not clamp_zeroes_everything(maxima, dtypes, value):
+            return None
+        return (f"--clip-value {value:g} rounds to zero in the gradients' dtype "
+                f"({_dtype_names(dtypes)}), which would set every gradient to zero", "")
     if limit is None:
         return None
     coef = exact_clip_coefficient(total, limit)
@@ -116,6 +123,19 @@ def zeroes_everything(maxima: Sequence[float], dtypes: Sequence[torch.dtype],
     return bool(nonzero) and all(rounds_to_zero(m, dtype, coef) for m, dtype in nonzero)
 
 
+def clamp_zeroes_everything(maxima: Sequence[float], dtypes: Sequence[torch.dtype],
+                            value: float) -> bool:
+    """Whether clamping to ``[-value, value]`` would set every nonzero gradient element to zero.
+
+    torch casts the bound to each tensor's dtype: where it rounds to zero there,
+    every element of the tensor becomes zero; elsewhere a nonzero element stays
+    nonzero. Gradients that are all zero already are no evidence either way.
+    """
+    nonzero = [dtype for m, dtype in zip(maxima, dtypes) if m > 0]
+    one = Coefficient.of(1.0)
+    return bool(nonzero) and all(rounds_to_zero(value, dtype, one) for dtype in nonzero)
+
+
 def clamp_changes(maxima: Sequence[float], tensors: Sequence[torch.Tensor],
                   value: float) -> bool:
     """Whether clamping ``tensors`` to ``[-value, value]`` changes some element.
@@ -129,6 +149,10 @@ def clamp_changes(maxima: Sequence[float], tensors: Sequence[torch.Tensor],
         if m > value or (math.isnan(m) and bool((t.abs() > value).any())):
             return True
     return False
+
+
+def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+    return ", ".join(sorted({str(dtype).removeprefix("torch.") for dtype in dtypes}))
 
 
 def _described(total: PowerSums) -> str:

@@ -67,3 +67,20 @@ def test_a_clamp_changes_what_lies_beyond_the_bound_even_beside_a_nan():
     assert not clipping.clamp_changes([math.nan], [nan_small], 1.0)
     done = clipping.to_value(1.0, [2.0], [torch.tensor([2.0])], lambda value: value)
     assert done.changed and done.after == 1.0 and done.coef is None and not done.lowered
+
+
+def test_a_clamp_bound_that_rounds_to_zero_in_every_dtype_is_refused():
+    # The reference is torch's own clamp: the bound is cast to the tensor's dtype.
+    # (float64's half subnormal is 0.0 itself, which --clip-value refuses as a usage error.)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        info = torch.finfo(dtype)
+        smallest = info.smallest_normal * info.eps
+        for value in (smallest * 0.5, smallest * 0.51):
+            t = torch.tensor([1.0, -0.25], dtype=dtype)
+            zeroed = not bool(t.clamp(-value, value).any())
+            refused = clipping.refusal(total(t), [1.0], [dtype], p=2.0, limit=None,
+                                       allow_nonfinite=False, value=value)
+            assert (refused is not None) is zeroed, (dtype, value)
+    # One dtype keeps a value: not every gradient would be zero.
+    assert clipping.refusal(total(torch.ones(2)), [1.0, 1.0], [torch.float32, torch.float64],
+                            p=2.0, limit=None, allow_nonfinite=False, value=1e-50) is None

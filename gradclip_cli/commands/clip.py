@@ -66,7 +66,7 @@ def run(
         report = functools.partial(_report, before, source=path, output=target, norm_type=p,
                                    max_norm=limit, clip_value=value)
         refused = clipping.refusal(before, maxima, dtypes, p=p, limit=limit,
-                                   allow_nonfinite=allow_nonfinite)
+                                   allow_nonfinite=allow_nonfinite, value=value)
         if refused is not None:
             return _refuse(report_out, report(loaded), *refused)
         if not speaks() and owners is None:
@@ -163,11 +163,12 @@ def _resolved(target: str) -> str:
 def _refuse(report_out: Output, report: ClipReport, why: str, then: str) -> int:
     """Exit 1, nothing written: a finding, which the CI formats report as one in place of
     what was clipped (a report file is never left missing, or stale from an earlier
-    run). The table and JSON have the line on stderr alone."""
+    run). The table and JSON have the line on stderr alone. The message goes to the
+    formats as it is: each escapes the file's name its own way, once."""
     if not speaks():
         return 1
-    message = f"{visible(str(report.source))}: {why}; refusing to clip, nothing written{then}"
-    print(f"gradclip: {message}", file=sys.stderr)
+    message = f"{report.source}: {why}; refusing to clip, nothing written{then}"
+    print(f"gradclip: {visible(message)}", file=sys.stderr)
     if entry(report_out.format).carries_refusals:
         report_out.emit(dataclasses.replace(report, refused=message), verdict=False)
     return 1

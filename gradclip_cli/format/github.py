@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, TextIO
 
 from . import findings as F
 from .text import kept_visible, visible
-from .words import audit_lines, compare_verdict, fmt, fmt_p, trend_verdict, verdict_line
+from .words import (
+    audit_lines,
+    coef_lowered_line,
+    compare_verdict,
+    fmt,
+    fmt_p,
+    trend_verdict,
+    verdict_line,
+)
 
 if TYPE_CHECKING:
     from ..report import ClipReport, FailureReport, InspectReport
@@ -62,6 +70,9 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
     verdict = (f"{visible(report.source)} -> {visible(report.output)}: gradient total norm "
                f"(p={fmt_p(report.norm_type)}) "
                f"{fmt(report.total_norm_before)} -> {fmt(report.total_norm_after)}")
+    lowered = coef_lowered_line(report)
+    if lowered is not None:
+        verdict += f"; {lowered}"
     _write(out, report.source, F.clip_findings(report), verdict)
 
 

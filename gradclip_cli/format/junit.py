@@ -25,6 +25,7 @@ from . import findings as F
 from .text import kept_visible, visible
 from .words import (
     audit_lines,
+    coef_lowered_line,
     compare_verdict,
     fmt,
     fmt_p,
@@ -102,8 +103,9 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
 def render_clip(report: ClipReport, out: TextIO) -> None:
     summary = report.refused or (f"{report.source} -> {report.output}: gradient total norm "
                                  f"{report.total_norm_before} -> {report.total_norm_after}")
+    lowered = coef_lowered_line(report)
     _write(_suite(f"gradclip clip {report.source}", [F.TOTAL], F.clip_findings(report),
-                  summary), out)
+                  summary, notes=[] if lowered is None else [lowered]), out)
 
 
 def render_trend(report: TrendReport, out: TextIO) -> None:

@@ -28,6 +28,7 @@ from .shown import (
 from .text import kept_visible, visible
 from .words import (
     audit_lines,
+    coef_lowered_line,
     compare_verdict,
     fmt,
     fmt_p,
@@ -147,6 +148,9 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
         ["clipped", "yes" if report.clipped else "no"],
         ["non-finite values", _counts(report.nonfinite)],
     ], ["left", "right"]))
+    lowered = coef_lowered_line(report)
+    if lowered is not None:
+        out.write(f"\n{escape(lowered)}\n")
 
 
 def render_trend(report: TrendReport, out: TextIO) -> None:

@@ -51,6 +51,7 @@ from .text import visible
 from .words import (
     audit_lines,
     clip_summary,
+    coef_lowered_line,
     compare_verdict,
     fmt,
     fmt_p,
@@ -302,13 +303,9 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
         console.print(Text(shorten(source, width), style="bold"))
         console.print(Text(shorten(f"-> {output}", width), style="bold"))
     _print_prose(console, clip_summary(report))
-    if report.coef_lowered:
-        torch_coef, coef = fmt(report.clip_coef_torch), fmt(report.clip_coef)
-        if torch_coef == coef:  # six digits hide a change of a few units in the last place
-            torch_coef, coef = f"{report.clip_coef_torch:.17g}", f"{report.clip_coef:.17g}"
-        _print_prose(console, f"coefficient lowered from {torch_coef} (torch's) to {coef}: "
-                              "rounded to the stored dtype, the clipped total would exceed "
-                              "--max-norm")
+    lowered = coef_lowered_line(report)
+    if lowered is not None:
+        _print_prose(console, lowered)
     if report.unshared:
         entries = plural(len(report.unshared), "non-gradient entry", "non-gradient entries")
         _print_prose(console, f"kept the values of {entries}"

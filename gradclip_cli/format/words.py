@@ -212,6 +212,18 @@ def clip_summary(report: ClipReport) -> str:
             f"{fmt(report.total_norm_after)}; {plural(report.num_tensors, 'tensor')} {what}")
 
 
+def coef_lowered_line(report: ClipReport) -> str | None:
+    """Where clip lowered torch's coefficient (``--max-norm`` on a narrow dtype), the
+    line that says so, in every format; else None."""
+    if not report.coef_lowered:
+        return None
+    torch_coef, coef = fmt(report.clip_coef_torch), fmt(report.clip_coef)
+    if torch_coef == coef:  # six digits hide a change of a few units in the last place
+        torch_coef, coef = f"{report.clip_coef_torch:.17g}", f"{report.clip_coef:.17g}"
+    return (f"coefficient lowered from {torch_coef} (torch's) to {coef}: rounded to the "
+            "stored dtype, the clipped total would exceed --max-norm")
+
+
 def _fmt_coef(report: ClipReport) -> str:
     # A coefficient below float64's range still scaled exactly (as factors).
     if report.clip_coef == 0.0 and report.clip_coef_log2 is not None \

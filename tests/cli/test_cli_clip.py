@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import zipfile
 
 import pytest
@@ -492,3 +493,67 @@ def test_allow_nonfinite_table_warns_in_a_sentence(gradclip, tmp_path):
     assert result.code == 0, result.err
     assert ("warning: gradients holding 1 non-finite value were clipped under "
             "--allow-nonfinite") in " ".join(result.out.split())
+
+
+@pytest.mark.parametrize(("dtype", "value"), [
+    (torch.float32, "1e-50"),  # below half float32's smallest subnormal (1.4e-45)
+    (torch.float16, "1e-9"),  # below half float16's (6e-8)
+])  # fmt: skip
+def test_clip_value_that_rounds_to_zero_in_the_dtype_refuses(gradclip, tmp_path, dtype, value):
+    # torch casts the bound to the tensor's dtype: a bound that rounds to 0 there
+    # would set every gradient to 0, which clip never does silently.
+    path = tmp_path / "g.pt"
+    torch.save({"grads": {"w": torch.tensor([1.0, -0.5, 1e-3]).to(dtype)}}, path)
+    before = sha256(path)
+    for extra in ([], ["--format", "json"]):
+        result = gradclip("clip", path, "--clip-value", value, *extra)
+        assert result.code == 1, result.err
+        assert_no_report(result)
+        assert str(path) in result.err and "zero" in result.err
+        assert "Traceback" not in result.err and len(result.err_lines) <= 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.pt"] and sha256(path) == before
+
+
+def test_clip_value_that_rounds_to_zero_in_one_dtype_only_clamps(gradclip, tmp_path):
+    # 1e-50 is 0 in float32 but not in float64: the float64 gradient keeps a value.
+    path = tmp_path / "g.pt"
+    grads = {"a": torch.tensor([1.0, -2.0]), "b": torch.tensor([3.0, -0.0], dtype=torch.float64)}
+    torch.save({"grads": grads}, path)
+    result = gradclip("clip", path, "--clip-value", "1e-50", "-o", tmp_path / "o.pt")
+    assert result.code == 0, result.err
+    out = torch.load(tmp_path / "o.pt", weights_only=True)["grads"]
+    for name, grad in grads.items():  # torch's clamp, the bound in the tensor's dtype
+        assert torch.equal(out[name], grad.clamp(-1e-50, 1e-50))
+
+
+@pytest.mark.parametrize(("fmt", "shown"), [
+    ("github", "bad\\nname.pt"), ("junit", "bad\\nname.pt"),
+    ("markdown", "bad\\\\nname.pt"),  # the backslash that shows the newline, escaped
+])  # fmt: skip
+def test_refusal_shows_a_hostile_name_escaped_once(gradclip, tmp_path, fmt, shown):
+    # The refusal's line names the file as every other line does: a newline in the
+    # name shown as \n, not as \\n (a backslash the name does not hold).
+    path = tmp_path / "bad\nname.pt"
+    torch.save({"grads": {"w": torch.tensor([1.0, math.nan])}}, path)
+    result = gradclip("clip", path, "--max-norm", "1", "--format", fmt)
+    assert result.code == 1
+    refusal = [line for line in result.out.splitlines() if "refusing to clip" in line]
+    twice = shown.replace("\\", "\\\\")
+    assert refusal and all(shown in line and twice not in line for line in refusal)
+
+
+@pytest.mark.parametrize("fmt", ["table", "markdown", "github", "junit"])
+def test_every_report_says_the_coefficient_was_lowered(gradclip, tmp_path, fmt):
+    # As test_bf16_clip_keeps_bf16: torch's coefficient, rounded to bf16, leaves the
+    # total above 3.3. The contract: the coefficient is lowered, and the report says so.
+    g = torch.Generator().manual_seed(11)
+    grads = {f"l.{i}.w": torch.randn(200, generator=g).bfloat16() for i in range(3)}
+    path = tmp_path / "b.pt"
+    torch.save({"grads": grads}, path)
+    torch_coef = min(1.0, 3.3 / (ref_norm(grads.values(), 2) + 1e-6))
+    result = gradclip("clip", path, "--max-norm", "3.3", "--format", fmt)
+    assert result.code == 0, result.err
+    text = " ".join(result.out.split())
+    assert "coefficient lowered from" in text and "(torch's)" in text
+    shown = re.search(r"lowered from (\S+) \(torch's\)", text).group(1)
+    assert rel_err(float(shown), torch_coef) <= 1e-5  # six digits
