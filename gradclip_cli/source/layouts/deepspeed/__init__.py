@@ -170,6 +170,22 @@ def near_miss(path: Path) -> str | None:
     )
 
 
+def rank_file_alone(path: Path) -> str | None:
+    """Why one ZeRO rank file given alone cannot be measured: an optimizer file holds one
+    rank's slice of the flat partitions, a ZeRO 3 model state file empty placeholders for
+    the weights; only the folder's files read together give the parameters. None for any
+    other file (ZeRO 1/2's ``mp_rank_XX_model_states.pt`` holds the whole module)."""
+    name = path.name
+    if not (OPTIM_STATES.fullmatch(name)
+            or (MODEL_STATES.fullmatch(name) and not PLAIN_STATES.fullmatch(name))):
+        return None
+    if not os.path.isfile(path) or _folder_kind(path.parent) != ZERO:
+        return None
+    return (f"{path}: one rank's file of the DeepSpeed ZeRO checkpoint {path.parent}, whose "
+            "rank files hold the weights and optimizer state only together (flat partitions "
+            f"over the ranks); give the folder: {path.parent}")
+
+
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     refuse_key(path, key, "a DeepSpeed checkpoint")
     folder, named_by = path, ""
