@@ -111,7 +111,8 @@ def open_checkpoint(
             "a litgpt step-N/, a torchtune output or epoch_N/ folder, or a "
             "torch.distributed.checkpoint folder: .metadata, or safetensors shards with "
             "DCP_SHARDING_INFO)")
-    alone = deepspeed.rank_file_alone(path) or dcp.data_file_alone(path)
+    alone = (deepspeed.rank_file_alone(path) or verl.rank_file_alone(path)
+             or dcp.data_file_alone(path))
     if alone is not None:
         raise InputError(alone)
     return open_file(path, key=key, trust_pickle=trust_pickle, verify=verify)

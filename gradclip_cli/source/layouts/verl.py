@@ -68,6 +68,20 @@ def recognises(path: Path) -> bool:
         return False
 
 
+def rank_file_alone(path: Path) -> str | None:
+    """Why one rank's model or optimizer file given alone cannot be measured: it holds that
+    rank's shards of each tensor (DTensors), placed only by the folder's files read
+    together. None for any other file."""
+    found = _FILE.fullmatch(path.name)
+    if found is None or found.group(1) == "extra_state" or not os.path.isfile(path):
+        return None
+    if not recognises(path.parent):
+        return None
+    return (f"{path}: one rank's file of the verl FSDP checkpoint {path.parent}, whose rank "
+            "files hold each tensor's shards, measured only together; give the folder: "
+            f"{path.parent}")
+
+
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     refuse_key(path, key, "a verl FSDP checkpoint")
     world, version = _world(path)
