@@ -178,17 +178,20 @@ def test_reading_never_imports_deepspeed(deepspeed_runs):
         assert json.loads(run.stdout)["what"] == "update"
 
 
-@pytest.mark.parametrize(("stage", "name"), [
-    (2, _optim(0)), (3, _optim(1)), (3, "zero_pp_rank_0_mp_rank_00_model_states.pt")])
+@pytest.mark.parametrize(("run", "name"), [
+    ("zero2", _optim(0)), ("zero3", _optim(1)),
+    ("zero3", "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+    ("pipe2_zero1", "mp_rank_01_model_states.pt")])
 @pytest.mark.parametrize("trust", [(), ("--trust-pickle",)])
-def test_a_zero_rank_file_alone_is_refused_naming_its_folder(deepspeed_runs, stage, name,
-                                                             trust):
-    """One rank's file holds a slice of the flat partitions (its optimizer file) or empty
-    placeholders for the weights (ZeRO 3's model state file): it was read as a plain file,
+def test_a_file_of_a_split_checkpoint_alone_is_refused_naming_its_folder(
+        deepspeed_runs, run, name, trust):
+    """One rank's file holds a slice of the flat partitions (its optimizer file), empty
+    placeholders for the weights (ZeRO 3's model state file) or no module at all (a
+    pipeline stage's file beside the layer files): it was read as a plain file,
     ZeRO 3's weights reported as norm 0 with exit 0 and, under --trust-pickle, an optimizer
     file's master weights offered as a --key of gradients. The refusal names the folder,
     and the folder, as it says, reads."""
-    folder = deepspeed_runs / f"zero{stage}" / TAG
+    folder = deepspeed_runs / run / TAG
     file = folder / name
     for fmt in ("table", "json"):
         result = run_cli("inspect", file, *trust, "--no-progress", "--format", fmt)

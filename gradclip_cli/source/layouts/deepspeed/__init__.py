@@ -171,19 +171,35 @@ def near_miss(path: Path) -> str | None:
 
 
 def rank_file_alone(path: Path) -> str | None:
-    """Why one ZeRO rank file given alone cannot be measured: an optimizer file holds one
-    rank's slice of the flat partitions, a ZeRO 3 model state file empty placeholders for
-    the weights; only the folder's files read together give the parameters. None for any
-    other file (ZeRO 1/2's ``mp_rank_XX_model_states.pt`` holds the whole module)."""
+    """Why one rank's file of a DeepSpeed ZeRO step folder given alone cannot be measured:
+    an optimizer file holds one rank's slice of the flat partitions, a ZeRO 3 model state
+    file empty placeholders for the weights, a pipeline stage's file no module (its layers
+    are the layer files, each read alone as its weights), a model-parallel rank's file that
+    rank's shards; only the folder's files read together give the parameters. None for any
+    other file, and for ZeRO 1/2's one ``mp_rank_00_model_states.pt``, which holds the whole
+    module (without ZeRO such a file is read as its folder: ``recognises``)."""
     name = path.name
-    if not (OPTIM_STATES.fullmatch(name)
-            or (MODEL_STATES.fullmatch(name) and not PLAIN_STATES.fullmatch(name))):
+    if not (OPTIM_STATES.fullmatch(name) or MODEL_STATES.fullmatch(name)) \
+            or not os.path.isfile(path):
         return None
-    if not os.path.isfile(path) or _folder_kind(path.parent) != ZERO:
+    folder = path.parent
+    kind = _folder_kind(folder)
+    if kind != ZERO or (PLAIN_STATES.fullmatch(name) and _whole_module(folder)):
         return None
-    return (f"{path}: one rank's file of the DeepSpeed ZeRO checkpoint {path.parent}, whose "
-            "rank files hold the weights and optimizer state only together (flat partitions "
-            f"over the ranks); give the folder: {path.parent}")
+    return (f"{path}: one of the files of the DeepSpeed checkpoint {folder}, which hold the "
+            "weights and optimizer state only together (split over its ranks or stages); "
+            f"give the folder: {folder}")
+
+
+def _whole_module(folder: Path) -> bool:
+    """Whether the folder's one ``mp_rank_XX_model_states.pt`` holds the whole module: one
+    model-parallel rank, no pipeline layer files."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return (sum(1 for n in names if PLAIN_STATES.fullmatch(n)) == 1
+            and not any(LAYER_STATES.fullmatch(n) for n in names))
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
