@@ -143,3 +143,18 @@ def test_one_rank_file_alone_names_its_folder(gradclip, verl_fsdp2_files, trust,
     one_line_exit_3(result, str(file), f"give the folder: {folder}")
     assert "--trust-pickle" not in result.err
     assert _inspect(gradclip, folder, "weights")["what"] == "weights"
+
+
+@pytest.mark.parametrize("trust", [(), ("--trust-pickle",)], ids=["restricted", "trusted"])
+@pytest.mark.parametrize(("name", "first"), [("model_world_size_2_rank_0.pt", "0.weight"),
+                                             ("optim_world_size_2_rank_1.pt", "state.0.exp_avg")])
+def test_a_file_of_dtensors_alone_is_refused_by_what_it_holds(gradclip, verl_fsdp2_files,
+                                                               tmp_path, trust, name, first):
+    """``torch.save`` of one rank's FSDP2 state dict outside any layout: it was refused
+    asking for --trust-pickle, under which torch's DTensor error came out naming no file.
+    Either way it is one line naming the file and the first DTensor in it."""
+    file = tmp_path / "state.pt"
+    shutil.copyfile(_actor(verl_fsdp2_files) / name, file)
+    result = gradclip("inspect", file, *trust)
+    one_line_exit_3(result, str(file), f"{first} is a DTensor", "one rank's shards")
+    assert "--trust-pickle" not in result.err and "RuntimeError" not in result.err
