@@ -8,6 +8,9 @@ the model under one of ``WEIGHT_KEYS`` (``get_state_dict``'s ``model``),
 the optimizer under one of ``OPTIMIZER_KEYS`` (or Lightning's
 ``optimizer_0``, ``optimizer_1``...), saved gradients under ``grads`` (the
 ``--key`` rule), the step under ``step`` or ``global_step``.
+
+A ``.distcp`` data file given alone is refused naming its folder: only the
+``.metadata`` beside it says where each tensor's bytes lie (``data_file_alone``).
 """
 
 from __future__ import annotations

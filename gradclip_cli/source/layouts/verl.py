@@ -24,6 +24,10 @@ state (ids in the model's order, as torch numbers them). A verl checkpoint
 saves no gradients. Recognised by content: a folder holding
 ``model_world_size_W_rank_R.pt`` files. The step is N of the parent folder's
 name ``global_step_N``, verl's trainer's.
+
+One rank's model or optimizer file given alone is refused naming the folder
+(``rank_file_alone``): its DTensor shards are placed only by all the ranks'
+files together.
 """
 
 from __future__ import annotations

@@ -75,6 +75,12 @@ are: a split parameter its shards side by side, a replicated one once, from its 
 tensor-parallel rank 0 (``model_parallel.tensor_parallel``). DeepSpeed's pipeline engine
 takes ZeRO 1 at most.
 
+One rank's file of a ZeRO folder given alone (an optimizer file, a ZeRO 3 model state
+file, a model-parallel rank's or pipeline stage's ``mp_rank_XX_model_states.pt``) is
+refused, naming the folder: it holds the parameters only with the others
+(``rank_file_alone``). ZeRO 1/2's one ``mp_rank_00_model_states.pt`` holds the whole
+module and is read as a file.
+
 Every file goes through the restricted reader, with DeepSpeed's own pickled
 classes mapped to inert stand-ins (``files/deepspeed_pickle.py``), and the
 ``argparse.Namespace`` (and numpy RNG state) of Megatron's client state read as
