@@ -594,3 +594,16 @@ def test_a_model_and_optimizer_one_level_down_are_never_gradients(gradclip, tmp_
             assert line.startswith(f"gradclip: {meta}: --key {key!r} {relation} {entry!r}, ")
             assert line.endswith(top_only)
     assert not (tmp_path / "o").exists()
+
+
+def test_one_data_file_alone_names_its_folder(gradclip, dcp_checkpoint):
+    """A ``.distcp`` file given alone was read as a torch zip and refused as corrupt; it is
+    one of the folder's data files, which only its ``.metadata`` can place: the refusal
+    says so and names the folder, and the folder, as it says, reads."""
+    files = sorted(dcp_checkpoint.glob("*.distcp"))
+    assert len(files) == 2
+    for file in files:
+        line = _fails(gradclip, file, file, f"index {dcp_checkpoint / '.metadata'}")
+        assert line.endswith(f"give the folder: {dcp_checkpoint}"), line
+        assert "corrupt" not in line, line
+    assert gradclip("inspect", dcp_checkpoint, "--format", "json").code == 0

@@ -123,3 +123,22 @@ def test_a_shard_linked_from_outside_is_refused(gradclip, hf_dcp, tmp_path):
     result = gradclip("inspect", folder)
     assert result.code == 3 and str(second.name) in result.err
 
+
+
+def test_one_shard_alone_says_it_covers_that_shard_only(gradclip, hf_dcp):
+    """One rank's shard given alone was reported as if it held the whole tensors (``2.weight``
+    1 x 10 of 3 x 10) with nothing said: the report says it covers that shard only and
+    names the folder, and its numbers are that file's pieces."""
+    folder, _ = hf_dcp
+    for file in sorted(folder.glob("*.safetensors")):
+        result = gradclip("inspect", file, "--format", "json")
+        assert result.code == 0, result.err
+        doc = result.json()
+        assert (f"covers shard {file.name} only, its pieces of each tensor "
+                f"(DCP_SHARDING_INFO); the whole checkpoint is the folder {folder}"
+                in doc["description"]), doc["description"]
+        with safe_open(str(file), framework="pt") as f:
+            pieces = [f.get_tensor(k) for k in f.keys()]
+        assert rel_err(doc["total_norm"], _norm(pieces)) <= TOL
+        table = gradclip("inspect", file)
+        assert f"covers shard {file.name} only" in " ".join(table.out.split())

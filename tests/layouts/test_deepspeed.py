@@ -178,11 +178,40 @@ def test_reading_never_imports_deepspeed(deepspeed_runs):
         assert json.loads(run.stdout)["what"] == "update"
 
 
-def test_a_rank_file_alone_is_refused_naming_deepspeeds_class(deepspeed_runs):
-    """Outside the layout, DeepSpeed's pickled classes are not on the allow-list."""
-    file = deepspeed_runs / "zero2" / TAG / _optim(0)
-    line = assert_refused(run_cli("inspect", file, "--no-progress"), file)
-    assert "deepspeed.runtime" in line
+@pytest.mark.parametrize(("run", "name"), [
+    ("zero2", _optim(0)), ("zero3", _optim(1)),
+    ("zero3", "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+    ("pipe2_zero1", "mp_rank_01_model_states.pt")])
+@pytest.mark.parametrize("trust", [(), ("--trust-pickle",)])
+def test_a_file_of_a_split_checkpoint_alone_is_refused_naming_its_folder(
+        deepspeed_runs, run, name, trust):
+    """One rank's file holds a slice of the flat partitions (its optimizer file), empty
+    placeholders for the weights (ZeRO 3's model state file) or no module at all (a
+    pipeline stage's file beside the layer files): it was read as a plain file,
+    ZeRO 3's weights reported as norm 0 with exit 0 and, under --trust-pickle, an optimizer
+    file's master weights offered as a --key of gradients. The refusal names the folder,
+    and the folder, as it says, reads."""
+    folder = deepspeed_runs / run / TAG
+    file = folder / name
+    for fmt in ("table", "json"):
+        result = run_cli("inspect", file, *trust, "--no-progress", "--format", fmt)
+        assert result.code == 3, (result.code, result.err)
+        line = result.err_lines[-1]
+        assert str(file) in line and line.endswith(f"give the folder: {folder}"), line
+        assert "--key" not in line and "--trust-pickle" not in line, line
+        if fmt == "json":
+            assert json.loads(result.out)["error"] == line.removeprefix("gradclip: ")
+    assert _inspect(folder, "weights")["what"] == "weights"
+
+
+def test_zero1_module_file_alone_holds_the_whole_module(deepspeed_runs):
+    """ZeRO 1/2's mp_rank_00_model_states.pt holds every weight whole: read as one file."""
+    file = deepspeed_runs / "zero1" / TAG / "mp_rank_00_model_states.pt"
+    doc = _inspect(file, "weights")
+    expected = _expected(torch.load(deepspeed_runs / "zero1.reference.pt"), "weights")
+    assert {t["name"] for t in doc["tensors"]} == set(expected)
+    total = math.sqrt(sum(float(v.norm()) ** 2 for v in expected.values()))
+    assert doc["total_norm"] == pytest.approx(total, rel=RTOL)
 
 
 # ------------------------------------------------------------------ broken and hostile

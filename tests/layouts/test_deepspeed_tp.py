@@ -497,3 +497,15 @@ def test_without_zero_a_rank_without_its_optimizer(plain_copy):
     file = plain_copy / MODEL.format(1)
     _rewrite(file, lambda root: root.update(optimizer=None))
     assert_refused(run_cli("inspect", plain_copy), file, "holds no optimizer state")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_model_parallel_ranks_file_alone_names_the_folder(deepspeed_tp_runs, rank):
+    """Under ZeRO each tensor-parallel rank's mp_rank_XX_model_states.pt holds that rank's
+    shards: given alone it was measured as the model's whole weights, exit 0. The refusal
+    names the folder, and the folder, as it says, reads."""
+    folder = deepspeed_tp_runs / "zero1_core" / "global_step2"
+    file = folder / f"mp_rank_{rank:02d}_model_states.pt"
+    line = assert_refused(run_cli("inspect", file, "--no-progress"), file)
+    assert line.endswith(f"give the folder: {folder}"), line
+    assert _inspect(folder, "--what", "weights")["what"] == "weights"

@@ -129,3 +129,32 @@ def test_a_rank_outside_the_world_is_refused(gradclip, verl_fsdp2_files, tmp_pat
     one_line_exit_3(
         gradclip("inspect", copy), "model_world_size_2_rank_2.pt", "rank 2 of a world of 2"
     )
+
+
+@pytest.mark.parametrize("trust", [(), ("--trust-pickle",)], ids=["restricted", "trusted"])
+@pytest.mark.parametrize("name", ["model_world_size_2_rank_0.pt", "optim_world_size_2_rank_1.pt"])
+def test_one_rank_file_alone_names_its_folder(gradclip, verl_fsdp2_files, trust, name):
+    """One rank's file given alone was refused as unsafe, and under the --trust-pickle the
+    refusal offered, failed with torch's DTensor error, naming no file: the refusal names
+    the folder, and the folder, as it says, reads."""
+    folder = _actor(verl_fsdp2_files)
+    file = folder / name
+    result = gradclip("inspect", file, *trust)
+    one_line_exit_3(result, str(file), f"give the folder: {folder}")
+    assert "--trust-pickle" not in result.err
+    assert _inspect(gradclip, folder, "weights")["what"] == "weights"
+
+
+@pytest.mark.parametrize("trust", [(), ("--trust-pickle",)], ids=["restricted", "trusted"])
+@pytest.mark.parametrize(("name", "first"), [("model_world_size_2_rank_0.pt", "0.weight"),
+                                             ("optim_world_size_2_rank_1.pt", "state.0.exp_avg")])
+def test_a_file_of_dtensors_alone_is_refused_by_what_it_holds(gradclip, verl_fsdp2_files,
+                                                               tmp_path, trust, name, first):
+    """``torch.save`` of one rank's FSDP2 state dict outside any layout: it was refused
+    asking for --trust-pickle, under which torch's DTensor error came out naming no file.
+    Either way it is one line naming the file and the first DTensor in it."""
+    file = tmp_path / "state.pt"
+    shutil.copyfile(_actor(verl_fsdp2_files) / name, file)
+    result = gradclip("inspect", file, *trust)
+    one_line_exit_3(result, str(file), f"{first} is a DTensor", "one rank's shards")
+    assert "--trust-pickle" not in result.err and "RuntimeError" not in result.err

@@ -16,12 +16,16 @@ which also says when the file is a shard of an indexed set).
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
+from gradclip_cli.source.files.dtensor_pickle import GLOBALS as DTENSOR_GLOBALS
+from gradclip_cli.source.files.dtensor_pickle import DTensorShard
 from gradclip_cli.source.files.megatron_pickle import NamespaceState
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, Layout, WriteBack, written_whole
@@ -111,6 +115,10 @@ def open_checkpoint(
             "a litgpt step-N/, a torchtune output or epoch_N/ folder, or a "
             "torch.distributed.checkpoint folder: .metadata, or safetensors shards with "
             "DCP_SHARDING_INFO)")
+    alone = (deepspeed.rank_file_alone(path) or verl.rank_file_alone(path)
+             or dcp.data_file_alone(path))
+    if alone is not None:
+        raise InputError(alone)
     return open_file(path, key=key, trust_pickle=trust_pickle, verify=verify)
 
 
@@ -135,9 +143,47 @@ _INERT = {("argparse", "Namespace"): NamespaceState}
 
 def open_file(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     """One checkpoint file: a framework's own file (a Lightning ``.ckpt``, recognised by its
-    keys) or a plain one (``single_file``)."""
-    with allowing(_INERT):
+    keys) or a plain one (``single_file``). A file of ``DTensor``s (read as their stand-ins,
+    ``DTensorShard``) is one rank's shards, which no file alone places: refused."""
+    with allowing({**_INERT, **DTENSOR_GLOBALS}):
         ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
+    _refuse_shards(path, ckpt.root, trusted=ckpt.trusted_pickle)
     if lightning.claims(ckpt.root):
         return lightning.contents(ckpt, key=key).finish()
     return single_file.contents_of(ckpt, key=key).finish()
+
+
+def _refuse_shards(path: Path, root, *, trusted: bool) -> None:
+    """``InputError`` when the loaded ``root`` holds a ``DTensor``: ``torch.save`` of one
+    rank's sharded state dict (FSDP2, tensor parallelism), whose shards only all the ranks'
+    files together place. A trusted load's real ``DTensor`` counts too."""
+    real = None
+    if trusted and "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor as real
+    kinds = (DTensorShard,) if real is None else (DTensorShard, real)
+    found = _first_of(root, kinds)
+    if found is not None:
+        raise InputError(
+            f"{path}: {visible(found)} is a DTensor: the file holds one rank's shards of a "
+            "distributed model, which it alone does not place; give a folder that holds "
+            "every rank's (dcp.save), or a full state dict")
+
+
+def _first_of(value, kinds, name: str = "", depth: int = 0) -> str | None:
+    """The dotted name of the first entry in ``value`` (dicts, lists, tuples) that is one of
+    ``kinds``, or None."""
+    if isinstance(value, kinds):
+        return name or "the file's content"
+    if depth > 16:
+        return None
+    if isinstance(value, Mapping):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _first_of(item, kinds, f"{name}.{key}" if name else str(key), depth + 1)
+        if found is not None:
+            return found
+    return None

@@ -8,6 +8,9 @@ the model under one of ``WEIGHT_KEYS`` (``get_state_dict``'s ``model``),
 the optimizer under one of ``OPTIMIZER_KEYS`` (or Lightning's
 ``optimizer_0``, ``optimizer_1``...), saved gradients under ``grads`` (the
 ``--key`` rule), the step under ``step`` or ``global_step``.
+
+A ``.distcp`` data file given alone is refused naming its folder: only the
+``.metadata`` beside it says where each tensor's bytes lie (``data_file_alone``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,15 @@ from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor
 from gradclip_cli.source.locate import GRADIENT_KEYS
 from gradclip_cli.source.vocabulary import OPTIMIZER_KEYS, STEP_KEYS, WEIGHT_KEYS
 
-from .dcp_folder import DcpFolder, hold_gradient_chunks, read_folder, recognises, renamed
+from .dcp_folder import (
+    METADATA_NAME,
+    DcpFolder,
+    hold_gradient_chunks,
+    read_folder,
+    read_metadata,
+    recognises,
+    renamed,
+)
 from .dcp_frameworks import fqn_optimizer
 from .draft import Draft
 from .facts import ENTRY, KEY, UNMARKED, Found, NotGradients, wording
@@ -35,6 +46,24 @@ KIND = "dcp"
 SAID = "a DCP checkpoint"  # how the report's evidence names the layout
 _STEP_KEYS = STEP_KEYS
 _LIGHTNING_OPTIMIZER = re.compile(r"optimizer_\d+")
+
+
+def data_file_alone(path: Path) -> str | None:
+    """Why a DCP data file given alone cannot be read: its folder's ``.metadata`` (the
+    index) lists it as one of its storage files, and only that index says where each
+    tensor's bytes lie in it. None for any other file."""
+    meta_file = path.parent / METADATA_NAME
+    if path.name == METADATA_NAME or not recognises(meta_file):
+        return None
+    try:
+        meta = read_metadata(meta_file)
+    except InputError:
+        return None
+    if not any(location.relative_path == path.name for location in meta.locations.values()):
+        return None
+    return (f"{path}: one data file of the torch.distributed.checkpoint folder "
+            f"{path.parent}, readable only through its index {meta_file}; give the folder: "
+            f"{path.parent}")
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:

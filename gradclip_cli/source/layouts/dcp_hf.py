@@ -173,6 +173,15 @@ def write_back(contents: Contents) -> WriteBack:
     return WriteBack(WriteBackPlan(contents.folder, files, counted), held)
 
 
+def set_of(path: Path, metadata) -> Path | None:
+    """The folder of which the safetensors file ``path`` (header ``metadata``) is one shard
+    among several, by its ``DCP_SHARDING_INFO``: the pieces it holds are parts of the
+    tensors whose full size only the folder's shards together give. None otherwise."""
+    if SHARDING_KEY not in (metadata or {}) or not recognises(path.parent):
+        return None
+    return path.parent if len(_shards(path.parent)) > 1 else None
+
+
 def _shards(folder: Path) -> list[Path]:
     return sorted(folder / n for n in os.listdir(folder) if n.endswith(SUFFIX))
 

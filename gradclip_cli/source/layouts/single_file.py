@@ -22,6 +22,7 @@ from gradclip_cli.source import locate, roles, select_gradients
 from gradclip_cli.source.interface import Checkpoint, stored
 from gradclip_cli.source.vocabulary import GRADIENT_KEYS, OPTIMIZER_KEYS, WEIGHT_KEYS, step_of
 
+from . import dcp_hf
 from .draft import Draft
 from .facts import ENTRY, FLAT, KEY, MARK, PROOF, STATE, Found, NotGradients, wording
 from .paths import read_json
@@ -40,6 +41,10 @@ def contents_of(ckpt: Checkpoint, *, key: str | None) -> Draft:
             f"covers shard {visible(path.name)} only; the whole checkpoint is indexed by "
             f"{visible(index.name)}")
         contents.index = index
+    elif (folder := dcp_hf.set_of(path, ckpt.metadata)) is not None:
+        contents.description.append(
+            f"covers shard {visible(path.name)} only, its pieces of each tensor "
+            f"({dcp_hf.SHARDING_KEY}); the whole checkpoint is the folder {folder}")
     return contents
 
 

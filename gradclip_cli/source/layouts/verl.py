@@ -24,6 +24,10 @@ state (ids in the model's order, as torch numbers them). A verl checkpoint
 saves no gradients. Recognised by content: a folder holding
 ``model_world_size_W_rank_R.pt`` files. The step is N of the parent folder's
 name ``global_step_N``, verl's trainer's.
+
+One rank's model or optimizer file given alone is refused naming the folder
+(``rank_file_alone``): its DTensor shards are placed only by all the ranks'
+files together.
 """
 
 from __future__ import annotations
@@ -66,6 +70,20 @@ def recognises(path: Path) -> bool:
         )
     except OSError:
         return False
+
+
+def rank_file_alone(path: Path) -> str | None:
+    """Why one rank's model or optimizer file given alone cannot be measured: it holds that
+    rank's shards of each tensor (DTensors), placed only by the folder's files read
+    together. None for any other file."""
+    found = _FILE.fullmatch(path.name)
+    if found is None or found.group(1) == "extra_state" or not os.path.isfile(path):
+        return None
+    if not recognises(path.parent):
+        return None
+    return (f"{path}: one rank's file of the verl FSDP checkpoint {path.parent}, whose rank "
+            "files hold each tensor's shards, measured only together; give the folder: "
+            f"{path.parent}")
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:

@@ -75,6 +75,12 @@ are: a split parameter its shards side by side, a replicated one once, from its 
 tensor-parallel rank 0 (``model_parallel.tensor_parallel``). DeepSpeed's pipeline engine
 takes ZeRO 1 at most.
 
+One rank's file of a ZeRO folder given alone (an optimizer file, a ZeRO 3 model state
+file, a model-parallel rank's or pipeline stage's ``mp_rank_XX_model_states.pt``) is
+refused, naming the folder: it holds the parameters only with the others
+(``rank_file_alone``). ZeRO 1/2's one ``mp_rank_00_model_states.pt`` holds the whole
+module and is read as a file.
+
 Every file goes through the restricted reader, with DeepSpeed's own pickled
 classes mapped to inert stand-ins (``files/deepspeed_pickle.py``), and the
 ``argparse.Namespace`` (and numpy RNG state) of Megatron's client state read as
@@ -168,6 +174,38 @@ def near_miss(path: Path) -> str | None:
         "rank files (mp_rank_XX_model_states.pt, or ZeRO's model state files beside "
         "zero_pp_rank_R_mp_rank_XX_optim_states.pt)"
     )
+
+
+def rank_file_alone(path: Path) -> str | None:
+    """Why one rank's file of a DeepSpeed ZeRO step folder given alone cannot be measured:
+    an optimizer file holds one rank's slice of the flat partitions, a ZeRO 3 model state
+    file empty placeholders for the weights, a pipeline stage's file no module (its layers
+    are the layer files, each read alone as its weights), a model-parallel rank's file that
+    rank's shards; only the folder's files read together give the parameters. None for any
+    other file, and for ZeRO 1/2's one ``mp_rank_00_model_states.pt``, which holds the whole
+    module (without ZeRO such a file is read as its folder: ``recognises``)."""
+    name = path.name
+    if not (OPTIM_STATES.fullmatch(name) or MODEL_STATES.fullmatch(name)) \
+            or not os.path.isfile(path):
+        return None
+    folder = path.parent
+    kind = _folder_kind(folder)
+    if kind != ZERO or (PLAIN_STATES.fullmatch(name) and _whole_module(folder)):
+        return None
+    return (f"{path}: one of the files of the DeepSpeed checkpoint {folder}, which hold the "
+            "weights and optimizer state only together (split over its ranks or stages); "
+            f"give the folder: {folder}")
+
+
+def _whole_module(folder: Path) -> bool:
+    """Whether the folder's one ``mp_rank_XX_model_states.pt`` holds the whole module: one
+    model-parallel rank, no pipeline layer files."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return (sum(1 for n in names if PLAIN_STATES.fullmatch(n)) == 1
+            and not any(LAYER_STATES.fullmatch(n) for n in names))
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
