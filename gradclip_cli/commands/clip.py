@@ -49,6 +49,13 @@ def run(
     with progress_steps(not progress or not speaks()) as steps:
         read = functools.partial(load_for_writing, path, key, trust_pickle, verify, steps, what)
         loaded = read()
+        if loaded.contents.shard_of is not None:
+            # Its norm is this file's alone: scaled by it, the set's total would not be
+            # the one asked for (inspect says so; clip writes nothing).
+            folder = visible(str(loaded.contents.shard_of))
+            raise UsageError(f"{visible(path)}: one shard of the set in {folder}: clip scales "
+                             "by the total norm of every gradient of the set, which this file "
+                             f"alone does not hold; clip the set: gradclip clip {folder}")
         plan = loaded.write_back
         if plan is not None and plan.folder is not None:
             target = str(options.set_output(plan.folder, output, in_place))

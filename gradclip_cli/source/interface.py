@@ -295,6 +295,10 @@ class Contents:
         folder: for a set of files, the folder that holds them, which clip
             writes back as a folder (an index's folder; DCP's Hugging Face
             layout has no index).
+        shard_of: for one file of a set given alone (a shard an index lists, a
+            file of DCP's Hugging Face layout), the set's folder: its norms are
+            that file's alone, which the report says, and which clip refuses to
+            scale by (the set's total is another).
         trusted_pickle: some file was read with ``--trust-pickle``'s full unpickler.
         missing: why something a command may ask for is absent, for its message,
             keyed by role (``source/roles.py``): ``GRADIENT`` (why no gradients were
@@ -335,6 +339,7 @@ class Contents:
     shards: tuple[Checkpoint, ...] = ()
     index: Path | None = None
     folder: Path | None = None
+    shard_of: Path | None = None
     trusted_pickle: bool = False
     missing: Mapping[str, str] = field(default_factory=lambda: NOTHING)
     buffers: Mapping[str, StoredTensor] | None = None

@@ -193,3 +193,40 @@ def test_in_place_through_a_link_to_the_set_keeps_the_link(gradclip, tmp_path):
     assert os.listdir(tmp_path / "links") == ["grads"]
     assert sorted(os.listdir(tmp_path / "real")) == ["grads"]
     assert gradclip("inspect", folder, "--max-norm", "0.5").code == 0
+
+
+def test_clip_of_one_shard_alone_is_refused_and_its_suggestion_clips_the_set(gradclip, tmp_path):
+    """One shard's norm is not the set's: scaled by it, the set would not be clipped to
+    --max-norm. Exit 2, nothing written; the command it offers clips the whole set."""
+    from huggingface_hub import save_torch_state_dict
+
+    folder = tmp_path / "grads"
+    folder.mkdir()
+    g = torch.Generator().manual_seed(6)
+    grads = {f"h.{i}.w": torch.randn(300, generator=g) * (i + 1) for i in range(6)}
+    save_torch_state_dict(grads, folder, filename_pattern="grads{suffix}.safetensors",
+                          max_shard_size=2000)
+    index = json.loads((folder / "grads.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1
+    shard = folder / files[0]
+    before = _digests(folder)
+    result = gradclip("clip", shard, "--max-norm", "1", "-o", tmp_path / "one.safetensors")
+    assert result.code == 2 and result.out == ""
+    (line,) = result.err.splitlines()
+    assert line == (f"gradclip: {shard}: one shard of the set in {folder}: clip scales by the "
+                    "total norm of every gradient of the set, which this file alone does not "
+                    f"hold; clip the set: gradclip clip {folder}")
+    assert sorted(os.listdir(tmp_path)) == ["grads"] and _digests(folder) == before
+    followed = gradclip("clip", folder, "--max-norm", "1", "-o", tmp_path / "clipped",
+                        "--format", "json")
+    assert followed.code == 0, followed.err
+    clipped = {}
+    for name in files:
+        with safe_open(str(tmp_path / "clipped" / name), framework="pt") as file:
+            clipped.update({n: file.get_tensor(n) for n in file.keys()})
+    assert clipped.keys() == grads.keys()
+    assert rel_err(_norm(clipped.values()), 1.0) < 1e-6
+    inspected = gradclip("inspect", shard, "--format", "json")
+    assert inspected.code == 0  # inspect measures the one shard, and says so
+    assert inspected.json()["num_tensors"] < len(grads)

@@ -198,6 +198,20 @@ def test_clip_refuses_an_existing_output(gradclip, grads, tmp_path):
     assert os.listdir(taken) == [] and _digests(grads) == before
 
 
+def test_clip_of_one_file_of_the_set_is_refused(gradclip, grads, tmp_path):
+    """A file holds pieces of the tensors: its norm is not the set's. Exit 2, nothing
+    written; the folder it names clips (the tests above)."""
+    shard = sorted(grads.glob("*.safetensors"))[0]
+    before = _digests(grads)
+    result = gradclip("clip", shard, "--max-norm", "1", "-o", tmp_path / "one.safetensors")
+    assert result.code == 2 and result.out == ""
+    assert result.err.splitlines() == [
+        f"gradclip: {shard}: one shard of the set in {grads}: clip scales by the total norm "
+        "of every gradient of the set, which this file alone does not hold; clip the set: "
+        f"gradclip clip {grads}"]
+    assert not (tmp_path / "one.safetensors").exists() and _digests(grads) == before
+
+
 def _save(folder: Path, tensors: dict[str, torch.Tensor], files: int) -> None:
     """``tensors`` saved by ``dcp.save`` in this process (one rank) in DCP's HF layout,
     spread over ``files`` safetensors files."""

@@ -63,6 +63,7 @@ class Draft:
     shards: list[Checkpoint] = field(default_factory=list)
     index: Path | None = None
     folder: Path | None = None
+    shard_of: Path | None = None
     trusted_pickle: bool = False
     missing: dict[str, str] = field(default_factory=dict)
     buffers: dict[str, StoredTensor] | None = None

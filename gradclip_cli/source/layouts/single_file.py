@@ -35,16 +35,20 @@ def contents_of(ckpt: Checkpoint, *, key: str | None) -> Draft:
     contents = Draft(path=path, kind=ckpt.format, files=[path], checkpoint=ckpt,
                      trusted_pickle=ckpt.trusted_pickle)
     fill_from_root(contents, ckpt.root, path, key, metadata=ckpt.metadata)
-    index = _index_listing(path)
+    index, shards = _index_listing(path)
     if index is not None:
         contents.description.append(
             f"covers shard {visible(path.name)} only; the whole checkpoint is indexed by "
             f"{visible(index.name)}")
         contents.index = index
+        if shards > 1:  # an index of one file: that file is the whole set
+            contents.shard_of = index.parent
     elif (folder := dcp_hf.set_of(path, ckpt.metadata)) is not None:
         contents.description.append(
             f"covers shard {visible(path.name)} only, its pieces of each tensor "
-            f"({dcp_hf.SHARDING_KEY}); the whole checkpoint is the folder {folder}")
+            f"({dcp_hf.SHARDING_KEY}); the whole checkpoint is the folder "
+            f"{visible(str(folder))}")
+        contents.shard_of = folder
     return contents
 
 
@@ -188,13 +192,14 @@ def _others(contents: Draft, root: Any, path: Path, skip: str | None = None) -> 
     contents.step = step_of(root)
 
 
-def _index_listing(path: Path) -> Path | None:
-    """An index beside ``path`` whose ``weight_map`` lists this file, if there is one."""
+def _index_listing(path: Path) -> tuple[Path | None, int]:
+    """An index beside ``path`` whose ``weight_map`` lists this file, if there is one, and
+    how many files it lists."""
     folder = path.parent
     try:
         names = [n for n in os.listdir(folder) if n.endswith(".index.json")]
     except OSError:
-        return None
+        return None, 0
     for name in sorted(names):
         candidate = folder / name
         try:
@@ -203,5 +208,5 @@ def _index_listing(path: Path) -> Path | None:
             continue
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if isinstance(weight_map, dict) and path.name in weight_map.values():
-            return candidate
-    return None
+            return candidate, len({f for f in weight_map.values() if isinstance(f, str)})
+    return None, 0
