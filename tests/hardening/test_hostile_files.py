@@ -315,6 +315,26 @@ def test_zip_headers_that_lie(tmp_path, good_zip, kind, verify):
         assert_refused(result, path)
 
 
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
+@pytest.mark.parametrize("entry", ["data/0", "data.pkl"])
+def test_deflated_entries_are_refused(tmp_path, entry, verify):
+    """A torch zip re-packed with deflate: torch.load(mmap=True) took a compressed
+    entry's bytes for the tensor's (a norm of 1e37 with exit 0, --verify passing);
+    a deflated data.pkl inflates in memory whatever its size."""
+    plain = tmp_path / "plain.pt"
+    torch.save({"grads": {"w": torch.linspace(-1, 1, 1000)}}, plain)
+    path = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(path, "w") as dst:
+        for info in src.infolist():
+            method = zipfile.ZIP_DEFLATED if info.filename.endswith(entry) else zipfile.ZIP_STORED
+            dst.writestr(info.filename, src.read(info.filename), compress_type=method)
+    assert torch.equal(torch.load(path)["grads"]["w"], torch.linspace(-1, 1, 1000))
+    flags = ["--verify"] if verify else []
+    assert entry in assert_refused(run_cli("inspect", path, "-q", *flags), path, "compressed")
+    assert_refused(run_cli("clip", path, "--max-norm", "1", "-q", *flags), path)
+    assert not (tmp_path / "deflated.clipped.pt").exists()
+
+
 # --- safetensors headers that lie -------------------------------------------------
 
 SAFETENSORS_LIES = {
