@@ -7,6 +7,7 @@ names the file, no traceback, and (for payloads) no marker file.
 from __future__ import annotations
 
 import builtins
+import json
 import os
 import struct
 import subprocess
@@ -199,6 +200,28 @@ def test_lying_sizes_in_data_pkl(tmp_path, good_zip, edit):
         assert abs(json.loads(result.out)["total_norm"] - 1000**0.5) < 1e-6
     else:
         assert_refused(result, path)
+
+
+@pytest.mark.parametrize("storage", [b"BFloat16Storage", b"HalfStorage", b"ByteStorage"])
+def test_a_storage_whose_dtype_lies(tmp_path, good_zip, storage):
+    """float32 bytes declared as a narrower dtype: torch.load refuses the record's size;
+    read as declared they were other numbers (bf16 halves of ones: a norm of 22.4, exit 0)."""
+    path = tmp_path / "lie.pt"
+    rewrite_zip(good_zip, path, {"data.pkl": lambda b: b.replace(b"FloatStorage", storage)})
+    with pytest.raises(RuntimeError, match="does not match expected size"):
+        torch.load(path, weights_only=True)
+    assert_refused(run_cli("inspect", path, "-q"), path, "data/0")
+
+
+def test_an_odd_sized_storage_is_read(tmp_path):
+    """torch.save of a float view of a 10-byte storage writes all 10 bytes with numel 2."""
+    path = tmp_path / "odd.pt"
+    raw = torch.arange(10, dtype=torch.uint8)
+    torch.save({"grads": {"y": raw[:8].view(torch.float32)}}, path)
+    result = run_cli("inspect", path, "-q", "--format", "json")
+    assert result.code == 0, result.err
+    expected = raw[:8].view(torch.float32).double().norm().item()
+    assert json.loads(result.out)["total_norm"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_truncated_data_entry(tmp_path, good_zip):
