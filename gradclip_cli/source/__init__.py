@@ -65,7 +65,14 @@ def select_gradients(
         if tensor.device.type == "meta":
             raise InputError(f"{where}gradient {name!r} is a meta tensor: it has no data "
                              "(saved from a model on the meta device)")
+        if str(tensor.dtype) in _PACKED_DTYPES:
+            raise InputError(f"{where}gradient {name!r} is {str(tensor.dtype)[6:]} (two "
+                             "4-bit floats packed per byte), which torch cannot compute with")
     return selection
+
+
+# Storage-only dtypes: torch reads them but no kernel (not even a copy) takes them.
+_PACKED_DTYPES = {"torch.float4_e2m1fn_x2"}
 
 
 def load_checkpoint(

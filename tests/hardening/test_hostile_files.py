@@ -462,3 +462,19 @@ def test_nested_and_meta_gradients_name_the_file_and_the_tensor(tmp_path, make, 
         assert repr(name) in line, line
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.pt"]
+
+
+@pytest.mark.parametrize("kind", ["zip", "safetensors"])
+def test_packed_float4_gradients_name_the_file_and_the_tensor(tmp_path, kind):
+    """float4_e2m1fn_x2 loads but no torch kernel takes it: the error named neither
+    the file nor the tensor ("gradclip: NotImplementedError: copy_kernel ...")."""
+    packed = torch.arange(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    if kind == "zip":
+        path = tmp_path / "f4.pt"
+        torch.save({"grads": {"ok": torch.ones(3), "w": packed}}, path)
+    else:
+        path = tmp_path / "f4.safetensors"
+        header = {"ok": f32(0, 3), "w": {"dtype": "F4", "shape": [8], "data_offsets": [12, 16]}}
+        path.write_bytes(safetensors_bytes(header, bytes(12) + bytes(range(4))))
+    line = assert_refused(run_cli("inspect", path, "-q"), path, "float4_e2m1fn_x2")
+    assert "'w'" in line
