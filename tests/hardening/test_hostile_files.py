@@ -464,7 +464,7 @@ def test_nested_and_meta_gradients_name_the_file_and_the_tensor(tmp_path, make, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.pt"]
 
 
-@pytest.mark.parametrize("kind", ["zip", "safetensors"])
+@pytest.mark.parametrize("kind", ["zip", "safetensors", "sharded"])
 def test_packed_float4_gradients_name_the_file_and_the_tensor(tmp_path, kind):
     """float4_e2m1fn_x2 loads but no torch kernel takes it: the error named neither
     the file nor the tensor ("gradclip: NotImplementedError: copy_kernel ...")."""
@@ -476,5 +476,11 @@ def test_packed_float4_gradients_name_the_file_and_the_tensor(tmp_path, kind):
         path = tmp_path / "f4.safetensors"
         header = {"ok": f32(0, 3), "w": {"dtype": "F4", "shape": [8], "data_offsets": [12, 16]}}
         path.write_bytes(safetensors_bytes(header, bytes(12) + bytes(range(4))))
-    line = assert_refused(run_cli("inspect", path, "-q"), path, "float4_e2m1fn_x2")
+    if kind == "sharded":
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {"ok": path.name, "w": path.name}}))
+        result = run_cli("inspect", tmp_path, "-q")
+    else:
+        result = run_cli("inspect", path, "-q")
+    line = assert_refused(result, path, "float4_e2m1fn_x2")
     assert "'w'" in line
