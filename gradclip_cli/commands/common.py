@@ -18,7 +18,7 @@ from ..format.text import visible
 from ..measuring import Measurement
 from ..progress import Steps
 from ..sink.unshared import unshare_other_entries
-from ..source import Checkpoint
+from ..source import PACKED_DTYPES, Checkpoint
 from ..source.files.pages import PageReleaser
 from ..source.interface import Contents, WriteBackPlan
 from ..source.layouts import open_checkpoint, write_back
@@ -161,6 +161,12 @@ def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label:
     each shard from the rank that read it) rather than bytes. ``weights``:
     also the measured names' weights (``ratio``), where all are held.
     """
+    for tensor in loaded.selection.tensors:
+        if str(tensor.dtype) in PACKED_DTYPES:
+            where = tensor.pieces[0].file if tensor.pieces else None
+            raise InputError(f"{visible(str(where or loaded.contents.path))}: {tensor.name!r} "
+                             f"is {str(tensor.dtype)[6:]} (two 4-bit floats packed per byte), "
+                             "which torch cannot compute with")
     owners = None if files is None or loaded.elements is None else \
         _piece_owners(loaded, files)
     return measuring.measure(loaded.selection, p, device, elements=loaded.elements,

@@ -7,6 +7,7 @@ names the file, no traceback, and (for payloads) no marker file.
 from __future__ import annotations
 
 import builtins
+import json
 import os
 import struct
 import subprocess
@@ -201,6 +202,28 @@ def test_lying_sizes_in_data_pkl(tmp_path, good_zip, edit):
         assert_refused(result, path)
 
 
+@pytest.mark.parametrize("storage", [b"BFloat16Storage", b"HalfStorage", b"ByteStorage"])
+def test_a_storage_whose_dtype_lies(tmp_path, good_zip, storage):
+    """float32 bytes declared as a narrower dtype: torch.load refuses the record's size;
+    read as declared they were other numbers (bf16 halves of ones: a norm of 22.4, exit 0)."""
+    path = tmp_path / "lie.pt"
+    rewrite_zip(good_zip, path, {"data.pkl": lambda b: b.replace(b"FloatStorage", storage)})
+    with pytest.raises(RuntimeError, match="does not match expected size"):
+        torch.load(path, weights_only=True)
+    assert_refused(run_cli("inspect", path, "-q"), path, "data/0")
+
+
+def test_an_odd_sized_storage_is_read(tmp_path):
+    """torch.save of a float view of a 10-byte storage writes all 10 bytes with numel 2."""
+    path = tmp_path / "odd.pt"
+    raw = torch.arange(10, dtype=torch.uint8)
+    torch.save({"grads": {"y": raw[:8].view(torch.float32)}}, path)
+    result = run_cli("inspect", path, "-q", "--format", "json")
+    assert result.code == 0, result.err
+    expected = raw[:8].view(torch.float32).double().norm().item()
+    assert json.loads(result.out)["total_norm"] == pytest.approx(expected, rel=1e-6)
+
+
 def test_truncated_data_entry(tmp_path, good_zip):
     path = tmp_path / "cut.pt"
     rewrite_zip(good_zip, path, {"data/0": lambda b: b[:400]})
@@ -315,6 +338,26 @@ def test_zip_headers_that_lie(tmp_path, good_zip, kind, verify):
         assert_refused(result, path)
 
 
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
+@pytest.mark.parametrize("entry", ["data/0", "data.pkl"])
+def test_deflated_entries_are_refused(tmp_path, entry, verify):
+    """A torch zip re-packed with deflate: torch.load(mmap=True) took a compressed
+    entry's bytes for the tensor's (a norm of 1e37 with exit 0, --verify passing);
+    a deflated data.pkl inflates in memory whatever its size."""
+    plain = tmp_path / "plain.pt"
+    torch.save({"grads": {"w": torch.linspace(-1, 1, 1000)}}, plain)
+    path = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(path, "w") as dst:
+        for info in src.infolist():
+            method = zipfile.ZIP_DEFLATED if info.filename.endswith(entry) else zipfile.ZIP_STORED
+            dst.writestr(info.filename, src.read(info.filename), compress_type=method)
+    assert torch.equal(torch.load(path)["grads"]["w"], torch.linspace(-1, 1, 1000))
+    flags = ["--verify"] if verify else []
+    assert entry in assert_refused(run_cli("inspect", path, "-q", *flags), path, "compressed")
+    assert_refused(run_cli("clip", path, "--max-norm", "1", "-q", *flags), path)
+    assert not (tmp_path / "deflated.clipped.pt").exists()
+
+
 # --- safetensors headers that lie -------------------------------------------------
 
 SAFETENSORS_LIES = {
@@ -419,3 +462,25 @@ def test_nested_and_meta_gradients_name_the_file_and_the_tensor(tmp_path, make, 
         assert repr(name) in line, line
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.pt"]
+
+
+@pytest.mark.parametrize("kind", ["zip", "safetensors", "sharded"])
+def test_packed_float4_gradients_name_the_file_and_the_tensor(tmp_path, kind):
+    """float4_e2m1fn_x2 loads but no torch kernel takes it: the error named neither
+    the file nor the tensor ("gradclip: NotImplementedError: copy_kernel ...")."""
+    packed = torch.arange(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    if kind == "zip":
+        path = tmp_path / "f4.pt"
+        torch.save({"grads": {"ok": torch.ones(3), "w": packed}}, path)
+    else:
+        path = tmp_path / "f4.safetensors"
+        header = {"ok": f32(0, 3), "w": {"dtype": "F4", "shape": [8], "data_offsets": [12, 16]}}
+        path.write_bytes(safetensors_bytes(header, bytes(12) + bytes(range(4))))
+    if kind == "sharded":
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {"ok": path.name, "w": path.name}}))
+        result = run_cli("inspect", tmp_path, "-q")
+    else:
+        result = run_cli("inspect", path, "-q")
+    line = assert_refused(result, path, "float4_e2m1fn_x2")
+    assert "'w'" in line

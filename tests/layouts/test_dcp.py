@@ -397,6 +397,24 @@ def test_verify_checks_every_chunks_crc(gradclip, dcp_checkpoint, reference, tmp
     _fails(gradclip, folder, shard, "checksum mismatch", what="grads", verify=True)
 
 
+def test_verify_of_a_chunk_whose_zip64_record_points_past_the_end(gradclip, dcp_checkpoint,
+                                                                  tmp_path):
+    """A chunk's zip64 end record naming a central directory at an offset beyond any
+    file: exit 3 naming the shard (zipfile raised OverflowError from the chunk's bytes)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = _copy(dcp_checkpoint, tmp_path)
+    meta = FileSystemReader(folder).read_metadata()
+    info = meta.storage_data[_location(meta, "grads.0.weight", 1)]
+    shard = folder / info.relative_path
+    data = bytearray(shard.read_bytes())
+    record = data.find(b"PK\x06\x06", info.offset, info.offset + info.length)
+    assert record > 0  # torch.save writes zip64 end records
+    data[record + 55] ^= 0xFF  # the top byte of the central directory's offset
+    shard.write_bytes(bytes(data))
+    _fails(gradclip, folder, shard, what="grads", verify=True)
+
+
 def test_chunk_pointed_at_another_tensors_bytes(gradclip, dcp_checkpoint, tmp_path):
     folder = _copy(dcp_checkpoint, tmp_path)
 

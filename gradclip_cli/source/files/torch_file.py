@@ -129,6 +129,13 @@ def _check_zip_directory(path: Path) -> None:
             spans = []
             with open(path, "rb") as raw:
                 for info in archive.infolist():
+                    if info.compress_type != zipfile.ZIP_STORED:
+                        # torch.save stores every entry; torch.load(mmap=True) maps a
+                        # compressed one's bytes as the tensor's, and inflating a
+                        # data.pkl costs what it claims, not what the file holds.
+                        raise zipfile.BadZipFile(
+                            f"entry {info.filename!r} is compressed (torch.save stores "
+                            "entries uncompressed)")
                     if info.header_offset + info.compress_size > size:
                         raise zipfile.BadZipFile(f"entry {info.filename!r} runs past the end")
                     spans.append((_local_span(raw, info, size), info.filename))

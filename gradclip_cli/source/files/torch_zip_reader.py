@@ -298,6 +298,12 @@ def _read(path: Path, attempt: Attempt, span: tuple[int, int] | None = None) -> 
                 # torch.load refuses this too, but with mmap=True it maps a
                 # storage of the claimed size over a smaller file.
                 raise Outside(f"{name} is smaller than its storage", damaged=True)
+            if length // marker.dtype.itemsize != numel:
+                # torch.save writes numel = nbytes // itemsize (an odd-sized storage
+                # keeps its tail); more than that is a lying dtype or numel, which
+                # torch.load refuses and torch.load(mmap=True) reads as other numbers.
+                raise Outside(f"{name} holds {length} bytes, not the {numel} "
+                              f"{marker.dtype} elements its storage claims", damaged=True)
             if not overall:
                 if span is None:
                     overall.append(

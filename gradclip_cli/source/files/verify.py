@@ -38,7 +38,8 @@ def verify_torch_zip(path: Path, span: tuple[int, int] | None = None) -> None:
                 _check_entry(path, archive, info)
     except zipfile.BadZipFile as error:
         raise InputError(f"{path}: truncated or corrupt zip archive: {error}") from None
-    except (OSError, EOFError, ValueError, NotImplementedError) as error:
+    except (OSError, EOFError, ValueError, OverflowError, NotImplementedError) as error:
+        # OverflowError: an offset past any file, seeked in a chunk's in-memory copy.
         raise InputError(f"{path}: cannot read zip archive: {error}") from None
 
 
