@@ -14,8 +14,8 @@ Two places, because they answer different failures (issue 42, item 4):
 * A NaN made in the backward pass (a gradient that overflows, the derivative
   of ``sqrt`` at 0) leaves the forward clean. The first parameter, in the
   order autograd accumulated the gradients, whose gradient is non-finite
-  locates it. Post-accumulate-grad hooks record that order once, during the
-  first backward, and are then removed.
+  locates it. Post-accumulate-grad hooks record that order (see below for
+  how long they stay on).
 
 "Forward order" is the order in which modules first finished their forward
 in this step: a module's hook runs when its ``forward`` returns, so a leaf

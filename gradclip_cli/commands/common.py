@@ -18,7 +18,7 @@ from ..format.text import visible
 from ..measuring import Measurement
 from ..progress import Steps
 from ..sink.unshared import unshare_other_entries
-from ..source import PACKED_DTYPES, Checkpoint
+from ..source import Checkpoint, packed_dtype
 from ..source.files.pages import PageReleaser
 from ..source.interface import Contents, WriteBackPlan
 from ..source.layouts import open_checkpoint, write_back
@@ -162,11 +162,10 @@ def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label:
     also the measured names' weights (``ratio``), where all are held.
     """
     for tensor in loaded.selection.tensors:
-        if str(tensor.dtype) in PACKED_DTYPES:
+        if (packed := packed_dtype(tensor.dtype)) is not None:
             where = tensor.pieces[0].file if tensor.pieces else None
             raise InputError(f"{visible(str(where or loaded.contents.path))}: {tensor.name!r} "
-                             f"is {str(tensor.dtype)[6:]} (two 4-bit floats packed per byte), "
-                             "which torch cannot compute with")
+                             f"is {packed}")
     owners = None if files is None or loaded.elements is None else \
         _piece_owners(loaded, files)
     return measuring.measure(loaded.selection, p, device, elements=loaded.elements,

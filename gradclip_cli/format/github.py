@@ -101,4 +101,4 @@ def render_autopsy(report, out: TextIO) -> None:
     source = report.finest
     for note in report.notes:
         out.write(command("notice", note, title="gradclip autopsy"))
-    _write(out, source, F.autopsy_findings(report), report.verdict)
+    _write(out, source, F.autopsy_findings(report), visible(report.verdict))

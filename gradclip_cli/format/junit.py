@@ -51,7 +51,8 @@ def xml_text(text: object) -> str:
 
 
 def _xml_verdict(text: str) -> str:
-    """A verdict, made of ``visible()`` pieces already (``kept_visible``), as XML text."""
+    """A verdict, made of ``visible()`` pieces already (``kept_visible``), as XML text: a
+    renderer makes a raw one (autopsy's, a refusal) ``visible`` before handing it here."""
     return _NOT_XML_CHAR.sub("", kept_visible(text))
 
 
@@ -101,8 +102,8 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
 
 
 def render_clip(report: ClipReport, out: TextIO) -> None:
-    summary = report.refused or (f"{report.source} -> {report.output}: gradient total norm "
-                                 f"{report.total_norm_before} -> {report.total_norm_after}")
+    summary = visible(report.refused or f"{report.source} -> {report.output}: gradient total "
+                      f"norm {report.total_norm_before} -> {report.total_norm_after}")
     lowered = coef_lowered_line(report)
     _write(_suite(f"gradclip clip {report.source}", [F.TOTAL], F.clip_findings(report),
                   summary, notes=[] if lowered is None else [lowered]), out)
@@ -143,4 +144,4 @@ def render_autopsy(report, out: TextIO) -> None:
         f"{q} {A.change_text(g, q)}" for q in g.changes) + f", outliers {A.outliers_text(g)}"
         for g in report.groups}
     _write(_suite("gradclip autopsy", [F.TOTAL, *(g.name for g in report.groups)],
-                  F.autopsy_findings(report), report.verdict, details, report.notes), out)
+                  F.autopsy_findings(report), visible(report.verdict), details, report.notes), out)

@@ -82,7 +82,8 @@ def _num(x: float | None) -> str:
 
 
 def _verdict(text: str, failed: bool) -> str:
-    # A verdict is made of visible() pieces already: its names show as in the rows.
+    # A verdict is made of visible() pieces already (a raw one, autopsy's or a refusal,
+    # is made visible by its renderer): its names show as in the rows.
     return f"**{'❌' if failed else '✅'} {_markup(kept_visible(text))}**\n\n"
 
 
@@ -138,7 +139,7 @@ def _ratio_cell(shown: bool, ratio: float | None) -> list[str]:
 def render_clip(report: ClipReport, out: TextIO) -> None:
     out.write(f"### gradclip clip: {escape(report.source)}\n\n")
     if report.refused is not None:  # nothing was written: no table of what was
-        out.write(_verdict(f"FAIL: {report.refused}", True))
+        out.write(_verdict(f"FAIL: {visible(report.refused)}", True))
         return
     out.write(_table(["", "value"], [
         ["output", escape(report.output)],
@@ -227,7 +228,7 @@ def render_autopsy(report, out: TextIO) -> None:
     from . import autopsy_rows as A
 
     out.write("### gradclip autopsy\n\n")
-    out.write(_verdict(report.verdict, report.status == "explained"))
+    out.write(_verdict(visible(report.verdict), report.status == "explained"))
     out.write("".join(f"- {escape(line)}\n" for line in A.header(report)) + "\n")
     rows = A.shown(report)
     if not rows:

@@ -20,8 +20,8 @@ from gradclip_cli.source.files.special import special_kind
 from gradclip_cli.source.interface import Checkpoint, GradientSelection
 
 __all__ = [
-    "PACKED_DTYPES", "Checkpoint", "GradientSelection", "READERS", "check_input",
-    "load_checkpoint", "select_gradients",
+    "Checkpoint", "GradientSelection", "READERS", "check_input", "load_checkpoint",
+    "packed_dtype", "select_gradients",
 ]
 
 _HEAD_BYTES = 64  # enough for every magic number below
@@ -65,14 +65,22 @@ def select_gradients(
         if tensor.device.type == "meta":
             raise InputError(f"{where}gradient {name!r} is a meta tensor: it has no data "
                              "(saved from a model on the meta device)")
-        if str(tensor.dtype) in PACKED_DTYPES:
-            raise InputError(f"{where}gradient {name!r} is {str(tensor.dtype)[6:]} (two "
-                             "4-bit floats packed per byte), which torch cannot compute with")
+        if (packed := packed_dtype(tensor.dtype)) is not None:
+            raise InputError(f"{where}gradient {name!r} is {packed}")
     return selection
 
 
 # Storage-only dtypes: torch reads them but no kernel (not even a copy) takes them.
-PACKED_DTYPES = {"torch.float4_e2m1fn_x2"}
+_PACKED = {"torch.float4_e2m1fn_x2"}
+
+
+def packed_dtype(dtype: object) -> str | None:
+    """What a storage-only ``dtype`` (a torch dtype) is, for a refusal's message; None for
+    any other."""
+    if str(dtype) not in _PACKED:
+        return None
+    return (f"{str(dtype).removeprefix('torch.')} (two 4-bit floats packed per byte), which "
+            "torch cannot compute with")
 
 
 def load_checkpoint(

@@ -244,6 +244,9 @@ def _hf_adafactor(what, entry, group, num):
 
 
 _NEEDS_GRAD = "its last step needs the last gradient itself, which the state does not hold"
+# The end of the name of an Adam whose param groups differ in amsgrad (each measured by its
+# own rule; ``source/previous.py`` refuses such a pair).
+SOME_AMSGRAD = " (AMSGrad in some groups)"
 _FACTORED = ("gradient RMS from its second-moment estimate, factored into row and column "
              "averages for a matrix")
 
@@ -367,7 +370,7 @@ def identify(opt: OptimizerState) -> Kind:
             return kind("RAdam", dict.fromkeys(QUANTITIES), _radam)
         decoupled = every(lambda g: bool(g.get("decoupled_weight_decay")))
         amsgrad = (" (AMSGrad)" if every(lambda g: bool(g.get("amsgrad"))) else
-                   " (AMSGrad in some groups)" if any(g.get("amsgrad") for g in groups) else "")
+                   SOME_AMSGRAD if any(g.get("amsgrad") for g in groups) else "")
         return kind(("AdamW" if decoupled else "Adam") + amsgrad, dict.fromkeys(QUANTITIES),
                     _adam)
     held = ", ".join(visible(k) for k in tensor_keys) or "none"

@@ -111,7 +111,7 @@ class Rule:
 def rule_of(kind: optimizers.Kind, groups: list[dict]) -> Rule | str:
     """The rule for ``kind``, or why its pair does not determine the gradient."""
     name = kind.name
-    if name.endswith("(AMSGrad in some groups)"):
+    if name.endswith(optimizers.SOME_AMSGRAD):
         return "some groups use AMSGrad and some do not"
     if name in ("Adam", "AdamW", "NAdam", "RAdam"):
         return Rule("exp_avg", "exp_avg_sq")
