@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError
+from ..format.text import visible
 from ..progress import Steps
 from ..report import NonFinite
 from ..report.groups import group_sums, nonfinite_counts

@@ -94,7 +94,9 @@ def render_error(failure: FailureReport, out: TextIO) -> None:
     """One ``::error`` naming the input (when known), so the job's annotations say why
     it has no report."""
     file = {"file": failure.file} if failure.file else {}
-    out.write(command("error", failure.message, **file, title=f"gradclip: {failure.title}"))
+    # The message is made visible once already, as stderr shows it.
+    out.write(command("error", failure.message, verdict=True, **file,
+                      title=f"gradclip: {failure.title}"))
 
 
 def render_autopsy(report, out: TextIO) -> None:

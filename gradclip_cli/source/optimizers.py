@@ -40,6 +40,7 @@ import torch
 from gradclip_cli.core import optimizer_math as om
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import Derivation, OptimizerState, StoredTensor
 from gradclip_cli.source.untrusted import is_number
 
@@ -84,12 +85,12 @@ class Numbers:
             value = value.read()
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                raise InputError(f"{self.opt.file}: parameter {visible(self.name)}: {what} is "
+                raise InputError(f"{self.opt.file}: parameter {self.name}: {what} is "
                                  f"a tensor of {value.numel()} values, not a number")
             value = value.item()
         if not is_number(value) or not math.isfinite(value):
-            raise InputError(f"{self.opt.file}: parameter {visible(self.name)}: {what} is "
-                             f"{visible(repr(value))}, not a finite number")
+            raise InputError(f"{self.opt.file}: parameter {self.name}: {what} is "
+                             f"{quoted(value)}, not a finite number")
         return float(value)
 
     def step(self, entry: dict) -> float:

@@ -54,6 +54,7 @@ from gradclip_cli.core import optimizer_math as om
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import optimizers, roles
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import Contents, Derivation, OptimizerState, StoredTensor
 from gradclip_cli.source.naming import Model, map_names
 from gradclip_cli.source.what import Selection, optimizer_state, report_order
@@ -439,9 +440,9 @@ class _Builder:
         for key in keys:
             a, b = group.get(key), group_prev.get(key)
             if _plain(a) != _plain(b):
-                raise self.refuse(f"{visible(key)} differs for parameter {visible(name)}: "
-                                  f"{visible(repr(_plain(b)))} in {self.prev.path}, "
-                                  f"{visible(repr(_plain(a)))} in {self.curr.path}")
+                raise self.refuse(f"{key} differs for parameter {name}: "
+                                  f"{quoted(_plain(b))} in {self.prev.path}, "
+                                  f"{quoted(_plain(a))} in {self.curr.path}")
 
     def _l2_key_matters(self, group: dict) -> bool:
         return not _decoupled(group, self.rule)

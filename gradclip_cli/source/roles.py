@@ -124,10 +124,11 @@ def not_gradients(said: str, key: str, relation: str, entry: str, whole: str,
     an optimizer's state dict (``whole`` says which, and why): not gradients. gradclip
     measures such an entry only whole, as what it is, where ``measured_whole``; else
     (below a DCP folder's top level) not at all."""
-    remedy = (f"gradclip measures it whole (gradclip inspect --key {visible(entry)})"
+    remedy = (f"gradclip measures it whole (gradclip inspect --key {entry})"
               if measured_whole else
               "gradclip reads a DCP folder's weights and optimizer state at its top level only")
-    return InputError(f"{said}: --key {visible(repr(key))} {relation} {visible(repr(entry))}, "
+    # Raw: the line is escaped once, whole, where it is shown.
+    return InputError(f"{said}: --key '{key}' {relation} '{entry}', "
                       f"{whole}: not gradients; {remedy}")
 
 

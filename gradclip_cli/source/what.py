@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from gradclip_cli.core import Elements
 from gradclip_cli.errors import InputError, UsageError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source import naming, optimizers, roles
 from gradclip_cli.source.interface import (
     Contents,
@@ -269,7 +268,7 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
     if len(set(names.values())) < len(names):
         twice = next(n for n in names.values() if list(names.values()).count(n) > 1)
         raise InputError(f"{contents.path}: two of its {len(contents.optimizers)} optimizers "
-                         f"hold parameter {visible(twice)}: they are not one training's parts")
+                         f"hold parameter {twice}: they are not one training's parts")
     group_of = {pid: group for group in opt.param_groups for pid in group["params"]}
     params = []
     stepped = {pid for pid in names if optimizers.stepped(kind, opt.state.get(pid))}
@@ -291,13 +290,13 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
         for t in d.reads[1:]:
             if tuple(d.reads[0].shape) == d.shape and tuple(t.shape) != d.shape:
                 raise InputError(
-                    f"{opt.file}: parameter {visible(p.name)}: {visible(_key_of(d.reads[0]))} "
-                    f"{list(d.shape)} and {visible(_key_of(t))} {list(t.shape)} differ in "
+                    f"{opt.file}: parameter {p.name}: {_key_of(d.reads[0])} "
+                    f"{list(d.shape)} and {_key_of(t)} {list(t.shape)} differ in "
                     "shape")
         weight = contents.weights.get(p.name) if contents.weights else None
         if weight is not None and tuple(weight.shape) != d.shape:
-            raise InputError(f"{opt.file}: parameter {visible(p.name)}: "
-                             f"{visible(_key_of(d.reads[0]))} implies shape {list(d.shape)}, "
+            raise InputError(f"{opt.file}: parameter {p.name}: "
+                             f"{_key_of(d.reads[0])} implies shape {list(d.shape)}, "
                              f"which does not fit the weight's shape {list(weight.shape)}")
         derived.append(d)
     described = [d.reads[0] if d.scale is not None or tuple(d.reads[0].shape) == d.shape

@@ -164,3 +164,39 @@ def test_deep_tuples_and_tuple_keys_in_the_fast_reader(tmp_path):
     for _ in range(DEPTH):  # compared level by level: == on the tuples would recurse
         (read_key,) = read_key
     assert read_key == ("k",)
+
+
+@pytest.mark.parametrize("key", ["a\\k", "a\tk"])
+def test_a_key_that_needs_escapes_is_escaped_once(gradclip, tmp_path, key):
+    """``--key`` echoed in its errors as every name is shown (``visible``, once): it was
+    quoted with repr() and then escaped again (``'a\\\\\\\\k'`` for ``a\\k``)."""
+    from gradclip_cli.escaping import visible
+
+    path = tmp_path / "g.pt"
+    torch.save({"grads": {"w": torch.ones(2)}, "x": {key: torch.ones(2)}}, path)
+    for args in ((f"{key}.y",), (f"x.{key}.y",), ("x." + key,)):
+        r = gradclip("inspect", path, "--key", *args)
+        line = r.err_lines[-1]
+        assert r.code == 3 and f"'{visible(args[0])}'" in line, line
+
+
+def test_a_key_inside_optimizer_state_is_named_escaped_once(gradclip, tmp_path):
+    """A ``--key`` inside an optimizer's state dict stored under a name with a backslash:
+    the refusal named both through repr() and visible() before the line was escaped as a
+    whole (each backslash shown four times over)."""
+    from gradclip_cli.escaping import visible
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    entry = "opt\\x"
+    path = tmp_path / "g.pt"
+    torch.save({entry: opt.state_dict(), "model": model.state_dict()}, path)
+    r = gradclip("inspect", path, "--key", f"{entry}.state")
+    line = r.err_lines[-1]
+    assert r.code == 3, r.err
+    assert f"--key '{visible(entry + '.state')}' lies inside '{visible(entry)}'" in line, line
+    assert f"(gradclip inspect --key {visible(entry)})" in line, line
+    followed = gradclip("inspect", path, "--key", entry)  # the suggestion, unescaped
+    assert followed.code == 0, followed.err

@@ -101,6 +101,28 @@ def test_every_format_carries_the_failure(gradclip, tmp_path, fmt, case):  # noq
         check_markdown(r.out, message, code)
 
 
+@pytest.mark.parametrize("command", ["inspect", "trend"])
+@pytest.mark.parametrize("fmt", ["json", "junit", "github", "markdown"])
+def test_a_name_that_needs_escapes_is_escaped_once_in_every_format(
+        gradclip, tmp_path, fmt, command):  # noqa: F811
+    """A backslash and a control character in the name: stderr shows it ``visible`` once;
+    junit's ``<error>`` and github's ``::error`` showed the stderr line escaped again
+    (``a\\\\b``: a backslash the name does not hold), unlike their own ``file``."""
+    missing = tmp_path / "back\\slash\ttab.pt"
+    r = gradclip(command, missing, "--format", fmt)
+    assert r.code == 3, r.err
+    message = stderr_message(r)
+    assert message.startswith(f"{visible(missing)}: "), message
+    if fmt == "json":
+        assert r.json()["error"] == message
+    elif fmt == "junit":
+        check_junit(r.out, message, 3)
+    elif fmt == "github":
+        check_github(r.out, message, 3, str(missing))
+    else:
+        check_markdown(r.out, message, 3)
+
+
 @pytest.mark.parametrize("fmt", ["json", "junit", "github", "markdown"])
 def test_the_failure_goes_to_the_output_file(gradclip, tmp_path, fmt):  # noqa: F811
     report = tmp_path / "report.out"

@@ -131,6 +131,24 @@ def test_a_rank_outside_the_world_is_refused(gradclip, verl_fsdp2_files, tmp_pat
     )
 
 
+
+def test_a_name_one_rank_alone_holds_is_shown_escaped_once(gradclip, verl_fsdp2_files,
+                                                          tmp_path):
+    """A tensor's name that rank 1's file holds and rank 0's does not, quoted plainly in
+    the error and escaped once with its line."""
+    from gradclip_cli.escaping import visible
+
+    hostile = "w\\x\t1"
+    copy = tmp_path / "actor"
+    shutil.copytree(_actor(verl_fsdp2_files), copy)
+    file = copy / "model_world_size_2_rank_1.pt"
+    state = torch.load(file, weights_only=False)
+    first = next(iter(state))
+    torch.save({(hostile if k == first else k): v for k, v in state.items()}, file)
+    result = gradclip("inspect", copy)
+    one_line_exit_3(result, f"names other tensors than model_world_size_2_rank_0.pt "
+                            f"('{visible(hostile)}'): the ranks' files are not of one model")
+
 @pytest.mark.parametrize("trust", [(), ("--trust-pickle",)], ids=["restricted", "trusted"])
 @pytest.mark.parametrize("name", ["model_world_size_2_rank_0.pt", "optim_world_size_2_rank_1.pt"])
 def test_one_rank_file_alone_names_its_folder(gradclip, verl_fsdp2_files, trust, name):

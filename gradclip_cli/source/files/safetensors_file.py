@@ -19,7 +19,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.small_file import open_regular
 from gradclip_cli.source.interface import Checkpoint
@@ -79,7 +78,7 @@ def read_header(path: Path) -> SafetensorsHeader:
             raw = file.read(header_size)
     except OSError as error:
         raise InputError(f"{path}: cannot read: {error.strerror or error}") from None
-    header = parse_json(raw, where=f"{visible(str(path))}: corrupt safetensors header",
+    header = parse_json(raw, where=f"{path}: corrupt safetensors header",
                         what="JSON")
     if not isinstance(header, dict):
         raise InputError(f"{path}: corrupt safetensors header: not a JSON object")

@@ -29,23 +29,29 @@ from pathlib import Path
 from typing import BinaryIO
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.special import special_kind
 
 EXCERPT_CHARS = 80  # what a message may quote of a file's content (a long shard name fits)
 
 
+def quoted(value: object) -> str:
+    """``value`` for an error message: text quoted plainly ('...'), raw; anything else as
+    repr() writes it. The message is escaped once, whole, where it is shown."""
+    return f"'{value}'" if isinstance(value, str) else repr(value)
+
+
 def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
-    """A short, escaped cut of ``value`` (content from a file) for a message: text quoted,
+    """A short cut of ``value`` (content from a file) for a message, raw (the message is
+    escaped once, whole, where it is shown): text quoted,
     a number or constant as written, a container by its kind alone (it may be nested
     too deeply to write out)."""
     if isinstance(value, bytes):
         value = value.decode("utf-8", errors="replace")
     if isinstance(value, str):
-        return visible(repr(value[:limit])) + ("..." if len(value) > limit else "")
+        return quoted(value[:limit]) + ("..." if len(value) > limit else "")
     if value is None or isinstance(value, (bool, int, float)):
         text = repr(value)
-        return visible(text[:limit]) + ("..." if len(text) > limit else "")
+        return text[:limit] + ("..." if len(text) > limit else "")
     kinds = {dict: "an object", list: "a list", tuple: "a tuple"}
     return kinds.get(type(value), f"a {type(value).__name__}")
 
@@ -55,8 +61,8 @@ def check_inside(path: Path, folder: Path, *, what: str) -> None:
     real_folder = Path(os.path.realpath(folder))
     real = Path(os.path.realpath(path))
     if real != real_folder and real_folder not in real.parents:
-        raise InputError(f"{visible(str(path))}: {what} leads outside the checkpoint's "
-                         f"folder (to {visible(str(real))}); refusing to read it")
+        raise InputError(f"{path}: {what} leads outside the checkpoint's "
+                         f"folder (to {real}); refusing to read it")
 
 
 def read_small_file(path: Path, *, limit: int, what: str, folder: Path | None = None) -> bytes:
@@ -70,7 +76,7 @@ def read_small_file(path: Path, *, limit: int, what: str, folder: Path | None = 
         check_inside(path, folder, what=what)
     data = _read(path, limit + 1, what, size_limit=limit)
     if len(data) > limit:
-        raise InputError(f"{visible(str(path))}: more than {limit} bytes is too large "
+        raise InputError(f"{path}: more than {limit} bytes is too large "
                          f"for {what}")
     return data
 
@@ -85,11 +91,11 @@ def _read(path: Path, count: int, what: str, size_limit: int | None = None) -> b
     with open_regular(path, what) as file:
         size = os.fstat(file.fileno()).st_size
         if size_limit is not None and size > size_limit:
-            raise InputError(f"{visible(str(path))}: {size} bytes is too large for {what}")
+            raise InputError(f"{path}: {size} bytes is too large for {what}")
         try:
             return file.read(count)
         except OSError as error:
-            raise InputError(f"{visible(str(path))}: cannot read ({what}): "
+            raise InputError(f"{path}: cannot read ({what}): "
                              f"{error.strerror or error}") from None
 
 
@@ -102,7 +108,7 @@ def open_regular(path: Path, what: str) -> Iterator[BinaryIO]:
     between returns at once instead of waiting for a writer, and ``fstat`` on the
     descriptor must agree. ``InputError`` naming ``path`` (and ``what``) otherwise.
     """
-    shown = visible(str(path))
+    shown = str(path)
     try:
         info = os.stat(path)
         _check_regular(shown, info, what)

@@ -163,7 +163,7 @@ def fill_gradients(contents: Draft, folder: DcpFolder, key: str | None,
         return
     why = "several gradient entries" if present else "no gradients"
     candidates = present or _candidate_tops(folder)
-    hint = (f"; candidates for --key: {', '.join(visible(t) for t in candidates)}"
+    hint = (f"; candidates for --key: {', '.join(candidates)}"
             if candidates else "")
     contents.missing[roles.GRADIENT] = f"{meta_file}: {why} (top-level keys: {_tops(paths)}){hint}"
 
@@ -254,12 +254,12 @@ def _set_gradients(contents: Draft, found: dict[str, StoredTensor], where: str,
         contents.gradients = floating
     else:
         contents.missing[roles.GRADIENT] = \
-            f"{meta_file}: no floating-point gradients under {where!r}"
+            f"{meta_file}: no floating-point gradients under '{where}'"
 
 
 def _tops(paths) -> str:
     tops = list(dict.fromkeys(str(p[0]) for p in paths.values()))
-    shown = ", ".join(visible(repr(t)) for t in tops[:8])
+    shown = ", ".join(f"'{t}'" for t in tops[:8])
     return shown + (f" and {len(tops) - 8} more" if len(tops) > 8 else "")
 
 

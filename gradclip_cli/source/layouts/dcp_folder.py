@@ -58,7 +58,6 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError, UnsafeCheckpointError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.dcp_metadata import (
     MAX_METADATA_BYTES,
     METADATA_NAME,
@@ -69,7 +68,7 @@ from gradclip_cli.source.files.dcp_metadata import (
     looks_like_dcp_metadata,
     read_dcp_metadata,
 )
-from gradclip_cli.source.files.small_file import read_small_file
+from gradclip_cli.source.files.small_file import quoted, read_small_file
 from gradclip_cli.source.files.torch_zip_reader import (
     restricted_read,
     storage_patch,
@@ -264,13 +263,13 @@ def _check_byte_ranges(meta: DcpMetadata, files: dict[str, Path]) -> None:
         for start, end, fqn in ranges:
             if end > size:
                 raise InputError(
-                    f"{file}: truncated: {meta.path.name} puts {visible(repr(fqn))} at bytes "
+                    f"{file}: truncated: {meta.path.name} puts '{fqn}' at bytes "
                     f"{start}..{end}, past its end ({size} bytes)")
         for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
             if start < end:
                 raise InputError(
-                    f"{meta.path}: stores {visible(repr(first))} and {visible(repr(second))} "
-                    f"in overlapping bytes of {visible(name)}")
+                    f"{meta.path}: stores '{first}' and '{second}' "
+                    f"in overlapping bytes of {name}")
 
 
 def _tiling(meta: DcpMetadata, key: str, entry: TensorEntry) -> list[Chunk]:
@@ -284,7 +283,7 @@ def check_tiling(where: Path, key: str, size, boxes) -> None:
     """That ``boxes`` (``(offsets, sizes)`` each, distinct) tile a tensor of ``size``
     exactly: none reaches past it, none overlaps another, no element is left out.
     ``InputError`` naming ``where`` otherwise."""
-    shown = visible(repr(key))
+    shown = f"'{key}'"
     for offsets, sizes in boxes:
         if len(offsets) != len(size) or len(sizes) != len(size):
             raise InputError(f"{where}: a chunk of {shown} at {list(offsets)} has "
@@ -364,7 +363,7 @@ def _stored(meta: DcpMetadata, key: str, entry: TensorEntry,
     for chunk in _tiling(meta, key, entry):
         location = meta.locations.get((key, chunk.offsets))
         if location is None:
-            raise InputError(f"{meta.path}: lists a chunk of {visible(repr(key))} at "
+            raise InputError(f"{meta.path}: lists a chunk of '{key}' at "
                              f"{list(chunk.offsets)} but not where it is stored")
         file = files[location.relative_path]
         pieces.append(_ChunkPiece(
@@ -384,7 +383,7 @@ def _chunk_reader(file: Path, location: Location, key: str, dtype: torch.dtype,
                    if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
             raise InputError(f"{file}: bytes {location.offset}..{location.offset + location.length}"
                              f" hold {got}, not the {dtype} chunk {list(sizes)} of "
-                             f"{visible(repr(key))}")
+                             f"'{key}'")
         return value.detach()
     return read
 
@@ -396,7 +395,7 @@ def _blob(file: Path, location: Location, key: str):
         return restricted_read(file, span)
     except Outside as outside:
         where = f"{file}: bytes {location.offset}..{location.offset + location.length} " \
-                f"({visible(repr(key))})"
+                f"('{key}')"
         if outside.unsafe:
             what = f" (it references {outside.culprit})" if outside.culprit else ""
             raise UnsafeCheckpointError(
@@ -413,13 +412,13 @@ def _value(meta: DcpMetadata, key: str, tensors: dict[str, StoredTensor],
         return tensors[key].read()
     location = meta.locations.get((key, None))
     if location is None:
-        raise InputError(f"{meta.path}: lists {visible(repr(key))} but not where it is stored")
+        raise InputError(f"{meta.path}: lists '{key}' but not where it is stored")
     return _blob(files[location.relative_path], location, key)
 
 
 def _optimizer(meta: DcpMetadata, top: str, paths, tensors, files) -> OptimizerState:
     """``get_state_dict``'s optimizer state (or a plain ``optimizer.state_dict()``), flattened."""
-    bad = f"{meta.path}: {visible(repr(top))} is not an optimizer state dict"
+    bad = f"{meta.path}: '{top}' is not an optimizer state dict"
     state: dict[object, dict[str, object]] = {}
     groups: dict[int, dict[str, object]] = {}
     for k, p in paths.items():
@@ -427,7 +426,7 @@ def _optimizer(meta: DcpMetadata, top: str, paths, tensors, files) -> OptimizerS
             continue
         if p[1] == "state":
             if len(p) != 4 or not isinstance(p[3], str):
-                raise InputError(f"{bad}: state entry {visible(repr(k))} is not <param>.<key>")
+                raise InputError(f"{bad}: state entry '{k}' is not <param>.<key>")
             entry = state.setdefault(p[2], {})
             tensor = tensors.get(k)
             if tensor is not None and tensor.shape:  # moments; a 0-dim step is read now
@@ -436,7 +435,7 @@ def _optimizer(meta: DcpMetadata, top: str, paths, tensors, files) -> OptimizerS
                 entry[p[3]] = _value(meta, k, tensors, files)
         elif p[1] == "param_groups":
             if len(p) != 4 or not isinstance(p[2], int) or not isinstance(p[3], str):
-                raise InputError(f"{bad}: param group entry {visible(repr(k))} is not "
+                raise InputError(f"{bad}: param group entry '{k}' is not "
                                  "<index>.<key>")
             groups.setdefault(p[2], {})[p[3]] = _value(meta, k, tensors, files)
     ids: dict[object, int] = {}
@@ -455,12 +454,12 @@ def _optimizer(meta: DcpMetadata, top: str, paths, tensors, files) -> OptimizerS
                 q = str(q)
                 numbered.add(q)
             if q in ids:
-                raise InputError(f"{bad}: parameter {visible(repr(q))} is in two param groups")
+                raise InputError(f"{bad}: parameter '{q}' is in two param groups")
             ids[q] = len(ids)
         param_groups.append({**group, "params": [ids[str(q)] for q in params]})
     for q in state:
         if q not in ids:
-            raise InputError(f"{bad}: state holds {visible(repr(q))}, which no param group lists")
+            raise InputError(f"{bad}: state holds '{q}', which no param group lists")
     names = {i: q for q, i in ids.items() if isinstance(q, str) and q not in numbered}
     return OptimizerState(param_groups, {ids[q]: e for q, e in state.items()},
                           names if len(names) == len(ids) and names else None, meta.path)
@@ -473,6 +472,6 @@ def _step(meta: DcpMetadata, key: str, tensors, files) -> int | None:
     step = step_value(value)
     if step is None:
         shown = int(value) if isinstance(value, float) and value.is_integer() else value
-        raise InputError(f"{meta.path}: {visible(repr(key))} is {visible(repr(shown))}, "
+        raise InputError(f"{meta.path}: '{key}' is {quoted(shown)}, "
                          "not a step count")
     return step

@@ -27,6 +27,7 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import OptimizerState, Piece, StoredTensor
 from gradclip_cli.source.vocabulary import step_after, step_value
 
@@ -50,7 +51,7 @@ def fqn_optimizer(folder: DcpFolder, entries: dict[str, str]) -> OptimizerState 
         fqn, _, name = rest.rpartition(".")
         if head not in ("state", "param_groups") or not fqn or not name:
             raise InputError(
-                f"{where}: optimizer entry {visible(repr(key))} is not "
+                f"{where}: optimizer entry '{key}' is not "
                 "state.<parameter>.<key> or param_groups.<parameter>.<key>"
             )
         if head == "state":
@@ -66,7 +67,7 @@ def fqn_optimizer(folder: DcpFolder, entries: dict[str, str]) -> OptimizerState 
     for fqn in state:
         if fqn not in hyper:
             raise InputError(
-                f"{where}: the optimizer holds state for {visible(repr(fqn))} "
+                f"{where}: the optimizer holds state for '{fqn}' "
                 "but no hyperparameters (param_groups) for it"
             )
     groups: list[dict] = []
@@ -173,7 +174,7 @@ def refuse_key(path: Path, key: str | None, what: str) -> None:
     optimizer state are named by the layout, so a ``--key`` would only mislabel them."""
     if key is not None:
         raise InputError(
-            f"{path}: --key {visible(repr(key))}: {what} saves no gradients and "
+            f"{path}: --key '{key}': {what} saves no gradients and "
             "gradclip names its weights and optimizer state itself: drop --key "
             "(--what chooses what is measured)"
         )
@@ -191,5 +192,5 @@ def int_value(value, where: Path, what: str) -> int:
     if step is None:
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
             value = value.item()
-        raise InputError(f"{where}: {what} is {visible(repr(value))[:60]}, not a step count")
+        raise InputError(f"{where}: {what} is {quoted(value)[:60]}, not a step count")
     return step

@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.safetensors_file import read_header
@@ -88,14 +87,14 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         if set(offsets) != set(ckpt.root):
             extra = sorted(set(ckpt.root) ^ set(offsets))[0]
             raise InputError(f"{file}: {SHARDING_KEY} and the tensors disagree about "
-                             f"{visible(repr(extra))}")
+                             f"'{extra}'")
         for name, tensor in ckpt.root.items():
             at = offsets[name]
             if len(at) != tensor.dim():
-                raise InputError(f"{file}: {SHARDING_KEY} places {visible(repr(name))} at "
+                raise InputError(f"{file}: {SHARDING_KEY} places '{name}' at "
                                  f"{at}, but it has {tensor.dim()} dimensions")
             if dtypes.setdefault(name, tensor.dtype) != tensor.dtype:
-                raise InputError(f"{file}: {visible(repr(name))} is {tensor.dtype} here and "
+                raise InputError(f"{file}: '{name}' is {tensor.dtype} here and "
                                  f"{dtypes[name]} in another file")
             piece = _ShardPiece(tuple(at), tuple(tensor.shape), lambda t=tensor: t, file,
                                 tensor)
@@ -109,7 +108,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             if not same_bits(first.held, tensor):
                 # Replicated state is written by every rank alike and counts once; a
                 # piece that differs would silently lose one copy's values.
-                raise InputError(f"{file}: holds {visible(repr(name))} at {at}, where "
+                raise InputError(f"{file}: holds '{name}' at {at}, where "
                                  f"{first.file.name} holds other values")
             # Kept once; where the copy lies is kept for clip, which writes it back.
             known[same[0]] = _ShardPiece(first.offsets, first.shape, first.read, first.file,
@@ -191,14 +190,14 @@ def _sharding_info(file: Path, metadata: dict[str, str] | None) -> dict[str, lis
     if text is None:
         raise InputError(f"{file}: no {SHARDING_KEY} in its metadata, as the folder's other "
                          "shards have")
-    info = parse_json(text, where=f"{visible(str(file))}: {SHARDING_KEY}", what="JSON")
+    info = parse_json(text, where=f"{file}: {SHARDING_KEY}", what="JSON")
     if not isinstance(info, dict):
         raise InputError(f"{file}: {SHARDING_KEY} is not a JSON object")
     out = {}
     for name, entry in info.items():
         offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
         if not isinstance(offsets, list) or not all(is_count(o) for o in offsets):
-            raise InputError(f"{file}: {SHARDING_KEY} gives {visible(repr(name))} no list "
+            raise InputError(f"{file}: {SHARDING_KEY} gives '{name}' no list "
                              "of offsets >= 0")
         out[name] = offsets
     return out

@@ -136,19 +136,19 @@ def read_set(
             name = str(name)
             owner = weight_map.get(name)
             if owner is None:
-                raise InputError(f"{shard_path}: holds {visible(repr(name))}, which "
+                raise InputError(f"{shard_path}: holds '{name}', which "
                                  f"{index.name} does not list")
             if owner != shard_name:
-                raise InputError(f"{shard_path}: holds {visible(repr(name))}, which "
-                                 f"{index.name} puts in {visible(owner)}")
+                raise InputError(f"{shard_path}: holds '{name}', which "
+                                 f"{index.name} puts in {owner}")
             if name in found:
-                raise InputError(f"{shard_path}: {visible(repr(name))} is stored twice")
+                raise InputError(f"{shard_path}: '{name}' is stored twice")
             if not hasattr(tensor, "dtype"):
-                raise InputError(f"{shard_path}: entry {visible(repr(name))} is not a tensor")
+                raise InputError(f"{shard_path}: entry '{name}' is not a tensor")
             found[name] = StoredTensor.whole(name, tensor, shard_path)
         missing = [n for n in names if n not in found]
         if missing:
-            raise InputError(f"{shard_path}: lacks {visible(repr(missing[0]))}"
+            raise InputError(f"{shard_path}: lacks '{missing[0]}'"
                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
                              + f", which {index.name} puts there")
         shards.append(ckpt)

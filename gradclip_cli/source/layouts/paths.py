@@ -13,7 +13,6 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.files.small_file import (
     check_inside,
@@ -49,7 +48,7 @@ def inside(folder: Path, name: object, *, named_by: Path) -> Path:
     if real != real_folder and real_folder not in real.parents:
         raise InputError(
             f"{named_by}: {excerpt(name)} leads outside its folder "
-            f"(to {visible(str(real))}); refused")
+            f"(to {real}); refused")
     return candidate
 
 
@@ -74,7 +73,7 @@ def read_json(path: Path, *, what: str, folder: Path | None = None) -> Any:
     real path inside ``folder`` when given); ``InputError`` naming it when it is missing,
     huge, special or not JSON (``files.json_text``)."""
     raw = read_small_file(path, limit=MAX_JSON_BYTES, what=what, folder=folder)
-    return parse_json(raw, where=visible(str(path)), what=what)
+    return parse_json(raw, where=str(path), what=what)
 
 
 def member(folder: Path, name: str) -> Path:

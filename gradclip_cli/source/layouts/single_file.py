@@ -99,7 +99,7 @@ def _gradients(contents, root, path, key, selection, metadata) -> None:
                                        detail="a flat name -> tensor mapping")))
     else:
         shown = selection.key
-        roles.contradiction(locate.at_key(root, shown), f"{path}: the key {visible(repr(shown))}")
+        roles.contradiction(locate.at_key(root, shown), f"{path}: the key '{shown}'")
         contents.say(wording(Found(roles.GRADIENT, MARK if marked else
                                    KEY if key is not None else ENTRY, (shown,))))
     contents.gradients = stored(selection.tensors, path)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import OptimizerState, StoredTensor
 from gradclip_cli.source.untrusted import is_int
 
@@ -57,7 +57,7 @@ def optimizer_state(value: Any, file: Path, where: str) -> OptimizerState:
     state: dict[int, dict[str, Any]] = {}
     for pid, entry in value["state"].items():
         if not is_int(pid):
-            raise bad(f"state is keyed by {visible(repr(pid))}, not by integer parameter ids")
+            raise bad(f"state is keyed by {quoted(pid)}, not by integer parameter ids")
         if pid not in seen:
             raise bad(f"state holds parameter {pid}, which no param group lists")
         if not isinstance(entry, Mapping):
@@ -85,7 +85,7 @@ def _by_id(value: Mapping, bad) -> Mapping:
         raise bad("its param groups name a parameter twice")
     strangers = [k for k in value["state"] if k not in ids]
     if strangers:
-        raise bad(f"state holds {visible(repr(strangers[0]))}, which no param group names")
+        raise bad(f"state holds {quoted(strangers[0])}, which no param group names")
     return {
         "state": {ids[k]: v for k, v in value["state"].items()},
         "param_groups": [{**g, "params": [ids[p] for p in g["params"]],

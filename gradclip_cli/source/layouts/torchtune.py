@@ -50,6 +50,7 @@ from typing import Any
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, roles
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor, stored
 from gradclip_cli.source.vocabulary import step_value
 
@@ -241,7 +242,7 @@ def _count(recipe: Mapping, key: str, file: Path) -> int:
     if value is None or value == 0:
         raise InputError(
             f"{file}: not a torchtune recipe state: {key} is "
-            f"{visible(repr(recipe.get(key)))[:60]}, not a count of epochs"
+            f"{quoted(recipe.get(key))[:60]}, not a count of epochs"
         )
     return value
 

@@ -45,6 +45,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, roles
 from gradclip_cli.source.files.dtensor_pickle import GLOBALS, DTensorShard, placement
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Checkpoint, Contents, Piece, StoredTensor
 from gradclip_cli.source.untrusted import is_count
@@ -241,11 +242,11 @@ def _check_rank(ckpt: Checkpoint, rank: int, world: int) -> None:
     """Every shard of rank ``rank``'s file lies on a mesh of the world's ranks, at the
     file's rank (a copy of another rank's file under this name is refused)."""
     for name, value in _shards(ckpt.root):
-        shown = visible(repr(name))
+        shown = quoted(name)
         other = next((p[1] for p in value.placements if p[0] == "other"), None)
         if other is not None:
             raise InputError(
-                f"{ckpt.path}: {shown} is placed {visible(other)}, not as FSDP shards "
+                f"{ckpt.path}: {shown} is placed {other}, not as FSDP shards "
                 "(Shard or Replicate), which is all gradclip reads of a DTensor"
             )
         if value.coordinate is None:
@@ -282,7 +283,7 @@ def _names(models: list[Checkpoint]) -> list[str]:
         names = list(model.root)
         if names != first or not all(isinstance(n, str) for n in names):
             extra = [n for n in names if n not in first] or [n for n in first if n not in names]
-            which = visible(repr(extra[0]))[:80] if extra else "its names in another order"
+            which = quoted(extra[0])[:80] if extra else "its names in another order"
             raise InputError(
                 f"{model.path}: names other tensors than {models[0].path.name} ({which}): "
                 "the ranks' files are not of one model"
@@ -296,12 +297,12 @@ def _joined(name: str, values: list[Any], files: list[Checkpoint], what: str) ->
     for value, ckpt in zip(values, files):
         if not isinstance(value, DTensorShard):
             raise InputError(
-                f"{ckpt.path}: {what} entry {visible(repr(name))} is "
+                f"{ckpt.path}: {what} entry {quoted(name)} is "
                 f"{type(value).__name__}, where {files[0].path.name} holds a DTensor's shard"
             )
         if value.shape != values[0].shape or value.dtype != values[0].dtype:
             raise InputError(
-                f"{ckpt.path}: {visible(repr(name))} is a {list(value.shape)} "
+                f"{ckpt.path}: {quoted(name)} is a {list(value.shape)} "
                 f"{str(value.dtype).removeprefix('torch.')} tensor, in "
                 f"{files[0].path.name} a {list(values[0].shape)} "
                 f"{str(values[0].dtype).removeprefix('torch.')} one"

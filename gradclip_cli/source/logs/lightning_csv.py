@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.logs import read_text
 from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
 
@@ -66,7 +67,7 @@ def read_scalars(file: Path) -> dict[str, Points]:
         try:
             step = int(row[at])
         except ValueError:
-            raise InputError(f"{shown}:{number}: step {visible(repr(row[at]))[:40]} is "
+            raise InputError(f"{shown}:{number}: step {quoted(row[at])[:40]} is "
                              "not a whole number") from None
         for key, cell in zip(header, row):
             if key == STEP or key == "epoch" or cell == "":

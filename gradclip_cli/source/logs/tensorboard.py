@@ -31,6 +31,7 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError, MissingExtraError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
 
 NAME = "TensorBoard"
@@ -119,7 +120,7 @@ def _read_file(file: Path, scalars: dict[str, Points], doubles: set[str], loader
                 number = value.simple_value
             elif kind == "tensor":
                 number = _tensor_scalar(value.tensor, tensor_util,
-                                        f"{shown}: tag {visible(repr(value.tag))} at step "
+                                        f"{shown}: tag {quoted(value.tag)} at step "
                                         f"{event.step}")
                 if number is None:
                     continue

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.untrusted import is_number
 from gradclip_cli.source.vocabulary import step_value
 
@@ -78,10 +79,10 @@ def checked_point(step: object, value: object, where: str) -> tuple[int, float]:
     if counted is None:
         if is_number(step) and step < 0:
             raise InputError(f"{where}: step {step:g} is negative; a training step counts from 0")
-        raise InputError(f"{where}: step {visible(repr(step))[:40]} is not a whole number")
+        raise InputError(f"{where}: step {quoted(step)[:40]} is not a whole number")
     step = counted
     if not is_number(value):
-        raise InputError(f"{where}: step {step}: value {visible(repr(value))[:40]} "
+        raise InputError(f"{where}: step {step}: value {quoted(value)[:40]} "
                          "is not a number")
     value = float(value)
     if value < 0 and math.isfinite(value):  # judged, it would pass as a calm step

@@ -37,6 +37,7 @@ from pathlib import Path
 from gradclip_cli import tracker_tags
 from gradclip_cli.errors import InputError, UsageError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.logs import (
     LoggedNorms,
     LogKind,
@@ -259,7 +260,7 @@ def framework_totals(run: TrackerRun) -> list[tuple[str, dict[int, float]]]:
     for family in _families(scalars):
         if family.rank == 0 or family.norm_type != DEFAULT_NORM_TYPE:
             continue  # gradclip's own tag; a total of another p is no 2-norm to compare
-        where = f"{visible(str(run.source))}: tag {visible(repr(family.total))}"
+        where = f"{visible(str(run.source))}: tag {quoted(family.total)}"
         found.append((family.total, dict(_checked(scalars[family.total], where))))
     return found
 
@@ -272,9 +273,9 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
     if choice.tag is not None:
         if choice.tag not in scalars:
             known = [f.total for f in families] or sorted(scalars)
-            raise UsageError(f"{source}: no tag {visible(repr(choice.tag))} in run "
+            raise UsageError(f"{source}: no tag {quoted(choice.tag)} in run "
                              f"{run.label}; its {'norm ' if families else ''}tags: "
-                             f"{_names(visible(repr(t)) for t in known) or 'none'}")
+                             f"{_names(quoted(t) for t in known) or 'none'}")
         family = next((f for f in families if f.total == choice.tag), None)
         if family is None:
             family = _Family(3, choice.tag, None, DEFAULT_NORM_TYPE, "--tag")
@@ -286,13 +287,13 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
             raise InputError(f"{source}: run {run.label} logs no gradient norm under a tag "
                              f"trend knows ({', '.join(NORM_TAGS)}, grad_<p>_norm_total, "
                              f"{tracker_tags.TOTAL_NORM}); its {len(scalars)} tag(s): "
-                             f"{_names(visible(repr(t)) for t in sorted(scalars))}; "
+                             f"{_names(quoted(t) for t in sorted(scalars))}; "
                              "give --tag NAME")
         best = min(f.rank for f in families)
         first = [f for f in families if f.rank == best]
         if len(first) > 1:
             raise UsageError(f"{source}: run {run.label} holds {len(first)} gradient-norm "
-                             f"tags ({_names(visible(repr(f.total)) for f in first)}); "
+                             f"tags ({_names(quoted(f.total) for f in first)}); "
                              "give --tag NAME to read one")
         family = first[0]
         others = [f.total for f in families if f is not family]
@@ -303,9 +304,9 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
         tag[len(family.group_prefix):]: tag for tag in scalars
         if tag.startswith(family.group_prefix) and tag != family.total
         and len(tag) > len(family.group_prefix)}
-    where = f"{source}: tag {visible(repr(family.total))}"
+    where = f"{source}: tag {quoted(family.total)}"
     total = _checked(scalars[family.total], where)
-    by_group = {g: dict(_checked(scalars[t], f"{source}: tag {visible(repr(t))}"))
+    by_group = {g: dict(_checked(scalars[t], f"{source}: tag {quoted(t)}"))
                 for g, t in groups.items()}
     p = family.norm_type
     stated_p = _stated_norm_types(scalars, family, source)
@@ -327,7 +328,7 @@ def _stated_norm_types(scalars, family: _Family, source: str) -> dict[int, float
     if family.rank != 0:
         return {}
     tag = family.total[: -len(tracker_tags.TOTAL_NORM)] + tracker_tags.NORM_TYPE
-    where = f"{source}: tag {visible(repr(tag))}"
+    where = f"{source}: tag {quoted(tag)}"
     stated = dict(_checked(scalars.get(tag, []), where))
     for step, p in stated.items():
         if not p > 0:

@@ -12,6 +12,7 @@ from pathlib import Path
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.megatron_pickle import NamespaceState
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import Checkpoint, OptimizerState, StoredTensor, chained
 from gradclip_cli.source.untrusted import is_count, is_int
 
@@ -60,14 +61,14 @@ def check_tensor_parallel(parts: list[Part], folder: Path) -> tuple[int, int]:
             ("args.tensor_model_parallel_size", args.get("tensor_model_parallel_size")),
         ):
             if size is not None and (not is_int(size) or size != n):
-                raise InputError(f"{file}: {key} is {visible(repr(size))[:40]}, but {held}")
+                raise InputError(f"{file}: {key} is {quoted(size)[:40]}, but {held}")
         for key, size in (
             ("pp_degree", dims.get("pp_degree")),
             ("args.pipeline_model_parallel_size", args.get("pipeline_model_parallel_size")),
         ):
             if size is not None and size != 1:
                 raise InputError(
-                    f"{file}: {key} is {visible(repr(size))[:40]}; gradclip "
+                    f"{file}: {key} is {quoted(size)[:40]}; gradclip "
                     "reads DeepSpeed checkpoints of tensor-parallel ranks only"
                 )
     return 1, n
@@ -88,7 +89,7 @@ def check_pipeline_ranks(parts: list[Part], folder: Path) -> tuple[int, int] | N
     if not is_count(tp, 1) or pp * tp != n:
         raise InputError(
             f"{parts[0].model.path}: a pipeline checkpoint whose "
-            f"checkpoint_parallel_dimensions are {visible(repr(dims))[:80]}, for {n} rank "
+            f"checkpoint_parallel_dimensions are {quoted(dims)[:80]}, for {n} rank "
             "files: pp_degree x tp_degree should count them"
         )
     for p in parts:
@@ -103,7 +104,7 @@ def check_pipeline_ranks(parts: list[Part], folder: Path) -> tuple[int, int] | N
         ):
             if size != expected:
                 raise InputError(
-                    f"{p.model.path}: its {key} is {visible(repr(size))[:80]}, but "
+                    f"{p.model.path}: its {key} is {quoted(size)[:80]}, but "
                     f"{folder.name}/ holds {n} rank files, {pp} pipeline stages x {tp} "
                     "tensor-parallel rank(s): the ranks are not one checkpoint"
                 )

@@ -13,6 +13,7 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import Checkpoint, OptimizerState, StoredTensor
 from gradclip_cli.source.naming import Model, map_names
 from gradclip_cli.source.untrusted import is_int
@@ -143,7 +144,7 @@ def check_saved_without_zero(
     stage = zero.get("stage") if isinstance(zero, Mapping) else 0
     if model.root.get("param_shapes") is not None or stage not in (0, None, False):
         raise InputError(
-            f"{model.path}: saved by ZeRO (stage {visible(repr(stage))[:20]}, or param_shapes "
+            f"{model.path}: saved by ZeRO (stage {quoted(stage)[:20]}, or param_shapes "
             "recorded), but the folder holds no zero_pp_rank_*_optim_states.pt: the "
             "optimizer's files are missing"
         )
@@ -163,7 +164,7 @@ def check_saved_without_zero(
         ):
             if not is_int(size) or size != expected:
                 raise InputError(
-                    f"{model.path}: {key} is {visible(repr(size))[:40]}, but the folder holds "
+                    f"{model.path}: {key} is {quoted(size)[:40]}, but the folder holds "
                     f"{held}; gradclip reads DeepSpeed pipeline stages without ZeRO, all of them"
                 )
         return
@@ -176,7 +177,7 @@ def check_saved_without_zero(
     ):
         if size is not None and size != 1:
             raise InputError(
-                f"{model.path}: {key} is {visible(repr(size))[:40]}, but the folder holds "
+                f"{model.path}: {key} is {quoted(size)[:40]}, but the folder holds "
                 f"{mp_name(0)} alone: the other ranks' model state files are missing"
             )
 

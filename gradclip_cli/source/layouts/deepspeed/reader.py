@@ -15,11 +15,10 @@ from typing import Any
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files import megatron_pickle
 from gradclip_cli.source.files.deepspeed_pickle import GLOBALS
-from gradclip_cli.source.files.small_file import excerpt
+from gradclip_cli.source.files.small_file import excerpt, quoted
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Checkpoint, StoredTensor
 from gradclip_cli.source.untrusted import is_count
@@ -135,13 +134,13 @@ def shape_group(group: Any, model: Checkpoint, key: str, seen: set[str]) -> Shap
     for name, shape in group.items():
         if not isinstance(name, str) or name in seen:
             raise InputError(
-                f"{model.path}: {key} names {visible(repr(name))} twice or not as a string"
+                f"{model.path}: {key} names {quoted(name)} twice or not as a string"
             )
         if not isinstance(shape, (tuple, list)) or not all(
             is_count(d) and d < 1 << 62 for d in shape
         ):
             raise InputError(
-                f"{model.path}: {key} gives {visible(name)} the shape {visible(repr(shape))}"
+                f"{model.path}: {key} gives {name} the shape {quoted(shape)}"
             )
         seen.add(name)
         shapes[name] = tuple(shape)
@@ -182,7 +181,7 @@ def named_tensors(
     params, held = {}, {}
     for key, value in state.items():
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
-            raise InputError(f"{file}: " + refusal.format(visible(repr(key))[:60]))
+            raise InputError(f"{file}: " + refusal.format(quoted(key)[:60]))
         name = prefix + key
         tensor = StoredTensor.whole(name, value, file)
         if name in buffers or not value.dtype.is_floating_point:

@@ -15,6 +15,7 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import Checkpoint, OptimizerState, Piece, StoredTensor
 from gradclip_cli.source.untrusted import is_count, is_int
 
@@ -255,7 +256,7 @@ def stage_and_world(ckpt: Checkpoint) -> tuple[int, int]:
     stage = osd.get("zero_stage")
     if not is_int(stage) or not 1 <= stage <= 3:
         raise InputError(
-            f"{ckpt.path}: not a ZeRO optimizer state: zero_stage is {visible(repr(stage))}"
+            f"{ckpt.path}: not a ZeRO optimizer state: zero_stage is {quoted(stage)}"
         )
     count = osd.get("partition_count")
     # ZeRO 1/2 store one count per group (expert groups may differ); zero_to_fp32 takes
@@ -263,7 +264,7 @@ def stage_and_world(ckpt: Checkpoint) -> tuple[int, int]:
     counts = list(count) if isinstance(count, (list, tuple)) and count else [count]
     if not all(is_count(c, 1) and c <= _MAX_RANKS for c in counts):
         raise InputError(
-            f"{ckpt.path}: partition_count is {visible(repr(count))}, not a number of ranks"
+            f"{ckpt.path}: partition_count is {quoted(count)}, not a number of ranks"
         )
     return stage, max(counts)
 
@@ -326,7 +327,7 @@ def check_partition_sizes(optims: list[Checkpoint], flats, stage: int) -> list[i
             if not _counts(pads, len(stored)):
                 raise InputError(
                     f"{optims[r].path}: group_paddings is "
-                    f"{visible(repr(pads))}, not one padding per group"
+                    f"{quoted(pads)}, not one padding per group"
                 )
             stored = [n + p for n, p in zip(stored, pads)]
         return stored

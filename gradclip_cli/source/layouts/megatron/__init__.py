@@ -87,6 +87,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, OptimizerState, Piece, StoredTensor
 from gradclip_cli.source.untrusted import is_int
@@ -136,7 +137,7 @@ def open_dist_ckpt(
     )
     backend = stated.get("sharded_backend") if isinstance(stated, dict) else None
     refuse_if(backend != "torch_dist", folder_path / JSON,
-              f"sharded_backend is {visible(repr(backend))[:40]}; gradclip reads torch_dist")
+              f"sharded_backend is {quoted(backend)[:40]}; gradclip reads torch_dist")
     folder = dcp_folder.read_folder(folder_path, verify=verify, trust_pickle=trust_pickle)
     common_file = inside(folder_path, COMMON, named_by=folder_path)
     with allowing(GLOBALS):
@@ -261,7 +262,7 @@ def _chained(optim, common_file: Path) -> tuple[list[tuple[str, object]], dict]:
     refuse_if(sorted(optim) != list(range(len(optim))), common_file,
               f"the chained optimizers are numbered {sorted(optim)[:8]}, not 0, 1, ...")
     refuse_if(any(k != kinds[0] for k in kinds) or kinds[0] not in (None, said.FULLY), common_file,
-              f"the chained optimizers are saved as {visible(repr(kinds))[:80]} beside moments "
+              f"the chained optimizers are saved as {quoted(kinds)[:80]} beside moments "
               "per parameter (optimizer.state.*); gradclip reads them plain or each "
               "fully_reshardable")
     return [(f"optimizer.{k}", optim[k]) for k in range(len(optim))], found
@@ -307,12 +308,12 @@ def _fp32_params(folder, split, weights: dict[str, StoredTensor],
         kinds.add(kind)
         for name, main in parts:
             model = weights.get(name)
-            refuse_if(model is None, where, f"holds {visible(repr(key))[:120]}, the fp32 main "
+            refuse_if(model is None, where, f"holds {quoted(key)[:120]}, the fp32 main "
                       f"param of {visible(name)}, which the model does not hold")
             chunks = [sorted((p.offsets, p.shape) for p in t.pieces) for t in (main, model)]
             fp32 = main.dtype == torch.float32 and main.shape == model.shape
             refuse_if(not fp32 or chunks[0] != chunks[1], where,
-                      f"{visible(repr(key))[:120]} is not an fp32 tensor chunked as the model's "
+                      f"{quoted(key)[:120]} is not an fp32 tensor chunked as the model's "
                       f"{visible(name)} ({model.dtype}, shape {list(model.shape)}): not its "
                       "fp32 main param")
             by_place = {(p.offsets, p.shape): p for p in model.pieces}

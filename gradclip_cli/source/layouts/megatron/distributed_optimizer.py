@@ -39,6 +39,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.megatron_pickle import GLOBALS
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import OptimizerState, Piece, StoredTensor, chained
 from gradclip_cli.source.untrusted import is_number
@@ -185,7 +186,7 @@ def chained_bucketed(
     shardings = [p.get("param_state_sharding_type") if isinstance(p, dict) else p for p in parts]
     refuse_if(shardings != ["dp_reshardable"] * 2, common_file,
               "the optimizer is a ChainedOptimizer of distributed optimizers saved as "
-              f"{visible(repr(shardings))[:80]}; gradclip reads the two of expert parallelism "
+              f"{quoted(shardings)[:80]}; gradclip reads the two of expert parallelism "
               "(the dense parameters' and the experts'), each dp_reshardable")
     count = chained_count(folder)
     refuse_if(count != 2, folder.metadata_file, f"holds the buckets of {count} chained "
@@ -197,7 +198,7 @@ def chained_bucketed(
     ]
     refuse_if(sorted(flags, key=repr) != [False, True], folder.metadata_file,
               "the chained distributed optimizers' param groups say is_expert_parallel "
-              f"{visible(repr(flags))[:60]}, not one dense and one expert optimizer: gradclip "
+              f"{quoted(flags)[:60]}, not one dense and one expert optimizer: gradclip "
               "cannot tell which parameters each holds")
     states, read, mains = [], [], {}
     for k, expert in enumerate(flags):
@@ -244,14 +245,14 @@ def bucketed(
         if not key.startswith(f"{prefix}optimizer.distributed."):
             continue
         part = _BUCKET.fullmatch(key[len(prefix) :])
-        refuse_if(part is None, where, f"holds {visible(repr(key))[:120]}, not a bucket's param, "
+        refuse_if(part is None, where, f"holds {quoted(key)[:120]}, not a bucket's param, "
                   "exp_avg or exp_avg_sq of Megatron's dp_reshardable distributed optimizer")
         per_buffer = found.setdefault(int(part.group(1)), {})
         dtype, entry = per_buffer.setdefault(int(part.group(2)), (part.group(3), {}))
         if dtype != part.group(3):
             raise unfit(f"grad buffer {part.group(2)} holds buckets of two dtypes")
         if tensor.dtype != torch.float32 or len(tensor.shape) != 1:
-            raise unfit(f"{visible(repr(key))[:120]} is not a flat fp32 tensor")
+            raise unfit(f"{quoted(key)[:120]} is not a flat fp32 tensor")
         entry.setdefault(int(part.group(5)), {})[part.group(6)] = tensor
     ranks = len(found)
     if sorted(found) != list(range(ranks)):

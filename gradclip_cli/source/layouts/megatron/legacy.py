@@ -82,6 +82,7 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, OptimizerState, StoredTensor, chained
 from gradclip_cli.source.naming import Model, map_names
@@ -252,7 +253,7 @@ class _Rank:
         prefix = f"{key}." if len(self.chunks) > 1 else ""
         for name, value in model.items():
             refuse_if(not isinstance(name, str), file,
-                      f"its {key} is keyed by {visible(repr(name))[:40]}, not by names")
+                      f"its {key} is keyed by {quoted(name)[:40]}, not by names")
             name = prefix + name
             if name.endswith(_EXTRA):
                 self.skipped.append(name)  # Transformer Engine's state (None without it)
@@ -289,7 +290,7 @@ def _chunks(root: Mapping, args: Mapping, file: Path) -> list[str]:
               f"holds {held}, but its args set no virtual_pipeline_model_parallel_size")
     refuse_if(not is_int(virtual) or found != [f"model{i}" for i in range(virtual)], file,
               f"holds {held}, but its args set virtual_pipeline_model_parallel_size "
-              f"{visible(repr(virtual))[:40]}" + (": the chunks are incomplete" if found else ""))
+              f"{quoted(virtual)[:40]}" + (": the chunks are incomplete" if found else ""))
     bad = next((k for k in found if not isinstance(root[k], Mapping)), None)
     refuse_if(bad is not None, file, f"its {bad} is not a state dict")
     return found
@@ -391,7 +392,7 @@ def _iteration(root: Mapping, args: Mapping, file: Path) -> int | None:
     if value is None:
         return None
     step = step_value(value)
-    refuse_if(step is None, file, f"iteration is {visible(repr(value))[:40]}, not a step")
+    refuse_if(step is None, file, f"iteration is {quoted(value)[:40]}, not a step")
     return step
 
 

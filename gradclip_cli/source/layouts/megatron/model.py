@@ -11,6 +11,7 @@ import torch
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import Piece, StoredTensor
 
 from .. import dcp_folder
@@ -39,7 +40,7 @@ def split_layers(folder: dcp_folder.DcpFolder) -> dict[str, list[tuple[str, Stor
         parts = [(name, tensor)]
         if _LAYERS.match(name) and tensor.shape:
             refuse_if(any(piece.shape[0] != 1 for piece in tensor.pieces), folder.metadata_file,
-                      f"{visible(repr(key))} is stacked by layer (shape {list(tensor.shape)}) "
+                      f"{quoted(key)} is stacked by layer (shape {list(tensor.shape)}) "
                       "but a chunk holds several layers: its layers cannot be told apart")
             parts = _split_axis(name, tensor, _LAYERS)
         if _EXPERTS.match(name):
@@ -48,7 +49,7 @@ def split_layers(folder: dcp_folder.DcpFolder) -> dict[str, list[tuple[str, Stor
             flat = next((t for _, t in parts if len(t.shape) < 2), None)
             if flat is not None:
                 raise InputError(
-                    f"{folder.metadata_file}: {visible(repr(key))} is named as a Mixture of "
+                    f"{folder.metadata_file}: {quoted(key)} is named as a Mixture of "
                     f"Experts' stacked experts (experts.experts.) but has shape "
                     f"{list(flat.shape)}: no expert axis to split"
                 )

@@ -10,6 +10,7 @@ from math import inf
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.untrusted import is_count
 
 from .model import refuse_if
@@ -41,12 +42,12 @@ def stage_layers(stages: list[list]) -> dict:
     layout = args.get("pipeline_model_parallel_layout")
     if layout is not None:
         raise refuse(
-            f"its args set pipeline_model_parallel_layout {visible(repr(layout))[:40]} "
+            f"its args set pipeline_model_parallel_layout {quoted(layout)[:40]} "
             "(a custom layout)"
         )
     for key in ("mtp_num_layers", "standalone_embedding_stage"):
         if args.get(key):
-            raise refuse(f"its args set {key} {visible(repr(args[key]))[:40]}")
+            raise refuse(f"its args set {key} {quoted(args[key])[:40]}")
     first, last, embedding, loss = _split(args)
     if first is not None or last is not None:
         if embedding or loss:
