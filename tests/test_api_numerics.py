@@ -145,3 +145,17 @@ def test_monitor_group_whose_norm_overflows_is_inf_not_zero(tmp_path):
     bias = record["groups"]["bias"]
     assert abs(math.log10(bias) - _log10_norm([model.bias.grad], p)) <= 1e-6
     assert record["nonfinite"] == {"nan": 0, "posinf": 0, "neginf": 0}
+
+
+@pytest.mark.parametrize("p", [0.01, 0.011])
+def test_tiny_p_root_of_subnormals_is_the_norm_not_inf(p):
+    # Subnormal float64 values at p = 0.01: the power sum over the largest |x|
+    # is 4,096, whose root (4096 ** 100 = 2^1200) overflows alone, though the
+    # norm, 2^-1074 times it, is about 2^126: within float64's range.
+    grads = [torch.full((4096,), 2.0**-1074, dtype=torch.float64),
+             torch.full((10,), 2.0**-1000, dtype=torch.float64)]
+    expected = _log10_norm(grads, p)
+    assert expected < math.log10(torch.finfo(torch.float64).max)
+    for given in (grads, grads[:1]):
+        total = float(get_total_norm(given, p))
+        assert abs(math.log10(total) - _log10_norm(given, p)) <= 1e-6 / math.log(10)

@@ -58,6 +58,10 @@ class PowerSums:
             finite = self.scale
         else:
             finite = self.scale * self.power_sum.pow(1.0 / self.norm_type)
+            # Below p = 1 the root alone can overflow where the norm does not (a
+            # scale far below 1: subnormal values at p = 0.01): there the norm is
+            # formed from the logarithms, inf only where it is beyond float64's range.
+            finite = torch.where(torch.isinf(finite), torch.exp2(self.log2_norm), finite)
         inf = torch.full_like(finite, math.inf)
         out = torch.where(self.posinf + self.neginf > 0, inf, finite)
         return torch.where(self.nan > 0, torch.full_like(finite, math.nan), out)

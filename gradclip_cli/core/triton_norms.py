@@ -24,7 +24,8 @@ How the sum stays accurate at any size and magnitude (the contract's 1e-6):
   ~1e-8). Other p are summed in float64 (p = 1 would keep the sum's whole
   error, p < 1 magnify it), their terms from a float64 ``exp2(p log2 y)``
   (float32's ``log2`` is 2 ulp off, which p times the exponent would
-  magnify).
+  magnify), with ``y`` scaled in float64: below p = 1 the terms a float32
+  ``y`` would flush, ``2^(-149 p)`` of the largest each, are not negligible.
 * Tiles, then a tensor's programs, are combined in float64, each sum carried
   with its own exponent and rescaled to the larger one (``S 2^(p (E - E'))``),
   so nothing overflows or underflows there either (float64 tensors are summed
@@ -56,6 +57,13 @@ BLOCK_PROGRAMS = 256
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+# The largest finite p the kernel takes. A tile's largest term, (m 2^-k)^p with
+# m 2^-k in [0.5, 1), is at least 2^-p: up to p = 512 it stays 510 binades above
+# float64's smallest normal, and the terms it loses there are below 2^-510 of it.
+# Beyond, it nears the subnormals (p = 1e6 summed to 0): larger p take the
+# _foreach path, which divides by the largest |x| first.
+LARGEST_ORDER = 512.0
+
 F64 = torch.float64
 
 # Why the kernel failed to build or launch on this machine, once it has: from then
@@ -81,7 +89,8 @@ def interpreted() -> bool:
 
 def usable(tensors: Sequence[torch.Tensor], norm_type: float) -> bool:
     """Whether the fused kernel serves ``tensors`` (one device, one dtype): CUDA
-    tensors of a floating dtype it reads, p > 0 or inf, and Triton importable.
+    tensors of a floating dtype it reads, 0 < p <= ``LARGEST_ORDER`` or inf, and Triton
+    importable.
     ``GRADCLIP_TRITON=0`` turns it off (to compare with the ``_foreach`` path);
     ``GRADCLIP_TRITON=interpret`` with ``TRITON_INTERPRET=1`` serves CPU tensors
     too, so that the tests run every caller's path through the interpreter."""
@@ -92,7 +101,8 @@ def usable(tensors: Sequence[torch.Tensor], norm_type: float) -> bool:
     on_cpu = choice == "interpret" and interpreted() and first.device.type == "cpu"
     if not (first.device.type == "cuda" or on_cpu):
         return False
-    if first.dtype not in DTYPES or not norm_type > 0:
+    if first.dtype not in DTYPES or not (0 < norm_type <= LARGEST_ORDER
+                                         or norm_type == math.inf):
         return False
     if any(t.layout != torch.strided or not t.is_contiguous() for t in tensors):
         return False
@@ -126,7 +136,7 @@ class TensorSums:
         if math.isinf(self.norm_type):
             finite = self.max_abs
         else:
-            finite = _times_power_of_two(self.power_sum.pow(1.0 / self.norm_type), self.exponent)
+            finite = _root(self.power_sum, self.norm_type, self.exponent)
         return _with_nonfinite(finite, self.nan, self.posinf + self.neginf)
 
     def maxima(self) -> torch.Tensor:
@@ -142,7 +152,7 @@ class TensorSums:
             top = self.exponent.max()
             shift = (self.exponent - top).to(F64) * self.norm_type
             total = (self.power_sum * torch.exp2(shift)).sum()
-            finite = _times_power_of_two(total.pow(1.0 / self.norm_type), top)
+            finite = _root(total, self.norm_type, top)
         return _with_nonfinite(finite, nan, inf)
 
     def total_power_sum(self) -> torch.Tensor:
@@ -155,6 +165,15 @@ class TensorSums:
         else:
             finite = (self.power_sum * torch.exp2(self.exponent.to(F64) * self.norm_type)).sum()
         return _with_nonfinite(finite, nan, inf)
+
+
+def _root(power_sum: torch.Tensor, norm_type: float, exponent: torch.Tensor) -> torch.Tensor:
+    """``power_sum^(1/p) 2^exponent``. Below p = 1 the root alone can overflow where the
+    norm does not (subnormal values at p = 0.01): there it is formed from logarithms,
+    inf only where the norm is beyond float64's range."""
+    direct = _times_power_of_two(power_sum.pow(1.0 / norm_type), exponent)
+    logs = torch.exp2(power_sum.log2() / norm_type + exponent.to(F64))
+    return torch.where(torch.isinf(direct), logs, direct)
 
 
 def _times_power_of_two(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
@@ -387,7 +406,9 @@ def _kernels() -> _Kernels | None:
                 elif MODE == 2:
                     s = tl.sum(y * y, axis=0).to(tl.float64)
                 else:
-                    y64 = y.to(tl.float64)
+                    # Scaled in float64: a float32 y would flush the terms below 2^-149
+                    # of the tile's largest, 2^(-149 p) each, 1e-5 of the sum at p = 0.1.
+                    y64 = a.to(tl.float64) * f1.to(tl.float64) * f2.to(tl.float64)
                     term = tl.where(y64 > 0, tl.exp2(p * tl.log2(tl.maximum(y64, 1e-300))), 0.0)
                     s = tl.sum(term, axis=0)
                 s = tl.where(m > 0, s, 0.0)

@@ -43,6 +43,20 @@ def test_inspect_total_beyond_float64_is_a_finding(gradclip, huge):
     assert verdict(table.out).startswith("FAIL: gradient total norm > 1.8e308")
 
 
+def test_inspect_tiny_p_norm_of_subnormals_is_within_range(gradclip, tmp_path):
+    # At p = 0.01 the root of 4,096 equal subnormals overflows alone (4096 ** 100),
+    # the norm (2^-1074 times it, about 8.5e37) does not: it passes a limit above it.
+    path = tmp_path / "sub.pt"
+    torch.save({"w": torch.full((4096,), 2.0**-1074, dtype=torch.float64)}, path)
+    expected = 2.0 ** (math.log2(4096) / 0.01 - 1074)
+    result = gradclip("inspect", path, "--norm-type", "0.01", "--max-norm", "1e38",
+                      "--format", "json")
+    assert result.code == 0, result.err
+    doc = _json(result)
+    assert doc["overflow"] is False and doc["status"] == "ok"
+    assert rel_err(as_float(doc["total_norm"]), expected) <= 1e-9
+
+
 @pytest.mark.parametrize("max_norm,each", [(1e308, 0.5e308), (1.0, 0.5), (1e-300, 0.5e-300)])
 def test_clip_total_beyond_float64_scales_exactly(gradclip, huge, tmp_path, max_norm, each):
     out = tmp_path / "c.pt"

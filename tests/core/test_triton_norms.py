@@ -226,3 +226,54 @@ def test_a_kernel_that_cannot_run_here_falls_back_once_with_a_warning(tn, monkey
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert float(kernels.total_on_device(x, 2.0)) == 13.0  # no second warning
+
+
+@pytest.mark.parametrize("p", [0.1, 0.25])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_small_orders_keep_terms_far_below_the_tiles_largest(tn, dtype, p):
+    # Below p = 1 an element 2^-160 of its tile's largest still adds 2^(-160 p) of
+    # the largest's term (2^-16 at p = 0.1): scaled in float32 it would vanish.
+    info = torch.finfo(dtype)
+    x = torch.full((255,), info.smallest_normal * 4, dtype=F64)
+    x[::64] = info.max / 2
+    x = x.to(dtype)
+    wide = x.to(F64)
+    top = float(wide.abs().max())
+    want = top * float(torch.linalg.vector_norm(wide / top, p))
+    sums = tn.tensor_sums([x.to(DEVICE)], p)
+    assert math.isclose(float(sums.norms()[0]), want, rel_tol=1e-6)
+    assert math.isclose(float(sums.total_norm()), want, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("p", [1100.0, 1e6])
+def test_an_order_beyond_the_kernels_range_is_left_to_the_foreach_path(tn, monkeypatch, p):
+    # A tile's largest term is (m 2^-k)^p >= 2^-p: at p = 1e6 every term underflowed,
+    # and the norm of [3, 1, -2.5] came out 0. The _foreach path divides by the
+    # largest |x| first (its largest term is 1).
+    from gradclip_cli.core import kernels
+
+    monkeypatch.setenv("GRADCLIP_TRITON", "interpret")
+    x = [torch.tensor([0.5, 0.25, -0.5], device=DEVICE), torch.tensor([3.0, 1.0, -2.5])]
+    for t in x:
+        wide = t.to("cpu", F64)
+        top = float(wide.abs().max())
+        want = top * float(torch.linalg.vector_norm(wide / top, p))
+        assert math.isclose(float(kernels.total_on_device([t.to(DEVICE)], p)), want,
+                            rel_tol=1e-6)
+        rows = kernels.sums_by_foreach([t.to(DEVICE)], p)
+        assert math.isclose(float(rows.norm[0] * (1 if rows.unit is None else rows.unit)),
+                            want, rel_tol=1e-6)
+    assert tn.usable(x, 512.0) and not tn.usable(x, p)
+
+
+def test_a_root_that_overflows_alone_gives_the_norm(tn):
+    # Subnormal float64 values at p = 0.01: the root of the scaled sum (4096 ** 100)
+    # overflows float64, the norm (2^-1074 times it, about 2^126) does not.
+    p = 0.01
+    x = [torch.full((4096,), 2.0**-1074, dtype=F64), torch.full((10,), 2.0**-1000, dtype=F64)]
+    logs = [math.log2(float(t.abs().pow(p).sum())) / p for t in x]
+    total_log = math.log2(sum(float(t.abs().pow(p).sum()) for t in x)) / p
+    sums = tn.tensor_sums([t.to(DEVICE) for t in x], p)
+    got = [math.log2(float(v)) for v in sums.norms()]
+    assert all(abs(a - b) <= 1e-6 / math.log(2) for a, b in zip(got, logs))
+    assert abs(math.log2(float(sums.total_norm())) - total_log) <= 1e-6 / math.log(2)
