@@ -60,13 +60,13 @@ def select_gradients(
     where = f"{path}: " if path is not None else ""
     for name, tensor in selection.tensors.items():
         if tensor.is_nested:
-            raise InputError(f"{where}gradient {name!r} is a nested tensor; gradclip measures "
+            raise InputError(f"{where}gradient '{name}' is a nested tensor; gradclip measures "
                              "dense tensors only")
         if tensor.device.type == "meta":
-            raise InputError(f"{where}gradient {name!r} is a meta tensor: it has no data "
+            raise InputError(f"{where}gradient '{name}' is a meta tensor: it has no data "
                              "(saved from a model on the meta device)")
         if (packed := packed_dtype(tensor.dtype)) is not None:
-            raise InputError(f"{where}gradient {name!r} is {packed}")
+            raise InputError(f"{where}gradient '{name}' is {packed}")
     return selection
 
 

@@ -47,14 +47,14 @@ def select_gradients(
         if name in tensors or name in skipped:
             # {"a.b": x, "a": {"b": y}} flattens to one name twice; never merge silently.
             raise InputError(
-                f"{where}two gradient entries flatten to the same name {name!r}"
+                f"{where}two gradient entries flatten to the same name '{name}'"
             )
         if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
             tensors[name] = value
         else:
             skipped.append(name)
     if not tensors:
-        under = f"under {_shown_key(key_path)!r}" if key_path else "in the file"
+        under = f"under '{_shown_key(key_path)}'" if key_path else "in the file"
         raise InputError(
             f"{where}no floating-point gradients found {under} "
             f"({len(skipped)} entries, none a floating-point tensor)"
@@ -105,7 +105,7 @@ def _follow(root: Any, key: str, where: str) -> tuple[str, ...]:
     parts = [part for part in key.split(".") if part]
     shown = key
     if not parts:
-        raise InputError(f"{where}--key {shown!r} is empty")
+        raise InputError(f"{where}--key '{shown}' is empty")
     node, key_path = root, ()
     while parts:
         # Prefer the longest run of parts that names one entry.
@@ -118,7 +118,7 @@ def _follow(root: Any, key: str, where: str) -> tuple[str, ...]:
         else:
             if not key_path and isinstance(root, Mapping) and _is_flat(root):
                 raise InputError(
-                    f"{where}--key {shown!r}: no entry {parts[0]!r}; the file itself "
+                    f"{where}--key '{shown}': no entry '{parts[0]}'; the file itself "
                     "is a flat name -> tensor mapping: omit --key"
                 )
             found = _shown_key(key_path) or "the top level"
@@ -126,12 +126,12 @@ def _follow(root: Any, key: str, where: str) -> tuple[str, ...]:
                 kind = type(node).__name__
                 found += f" (a {kind} of {len(node)}: positions 0 to {len(node) - 1})"
             raise InputError(
-                f"{where}--key {shown!r}: no entry {parts[0]!r} at {found}; "
+                f"{where}--key '{shown}': no entry '{parts[0]}' at {found}; "
                 f"{_hint(root)}"
             )
     if not isinstance(node, (Mapping, list, tuple)):
         raise InputError(
-            f"{where}--key {shown!r} leads to a {type(node).__name__}, not a mapping of "
+            f"{where}--key '{shown}' leads to a {type(node).__name__}, not a mapping of "
             f"gradients; {_hint(root)}"
         )
     return key_path
@@ -172,7 +172,7 @@ def _default_key_path(root: Any, where: str) -> tuple[str, ...]:
     if len(listed) == 1:
         name, value = listed[0]
         raise InputError(
-            f"{where}{name!r} is a {type(value).__name__} of {len(value)}, not a name -> tensor "
+            f"{where}'{name}' is a {type(value).__name__} of {len(value)}, not a name -> tensor "
             f"mapping; --key {name} reads it with positions as names (0 to {len(value) - 1})"
         )
     raise InputError(
@@ -215,7 +215,7 @@ def _leaves(node: Any, where: str = "") -> Iterator[tuple[str, Any]]:
             if isinstance(value, (Mapping, list, tuple)) and value:
                 if id(value) in on_path:
                     raise InputError(
-                        f"{where}{'.'.join((*prefix, name))!r} contains itself"
+                        f"{where}'{'.'.join((*prefix, name))}' contains itself"
                     )
                 prefix.append(name)
                 on_path.append(id(value))

@@ -316,7 +316,7 @@ def _checked(path: Path, root) -> DcpMetadata:
         if type(key) is not str:
             raise _Bad("a state_dict_metadata key is not a string")
         if type(item) is _BytesStorage:
-            _fields(item, _BytesStorage, f"entry {key!r}", ())
+            _fields(item, _BytesStorage, f"entry '{key}'", ())
             entries[key] = BYTES
         else:
             entries[key] = _tensor_entry(key, item)
@@ -327,7 +327,7 @@ def _checked(path: Path, root) -> DcpMetadata:
     for index, info in storage.items():
         where = _index(index)
         if where in locations:
-            raise _Bad(f"storage_data lists {where[0]!r} at {where[1]} twice")
+            raise _Bad(f"storage_data lists '{where[0]}' at {where[1]} twice")
         locations[where] = _location(where[0], info)
     paths: dict[str, tuple[str | int, ...]] = {}
     planner = fields.get("planner_data")
@@ -350,7 +350,7 @@ def _checked(path: Path, root) -> DcpMetadata:
 
 
 def _tensor_entry(key: str, item) -> TensorEntry:
-    what = f"entry {key!r}"
+    what = f"entry '{key}'"
     fields = _fields(item, _TensorStorage, what, ("properties", "size", "chunks"))
     size = _size(fields.get("size"), f"{what} size")
     properties = fields.get("properties")
@@ -389,12 +389,12 @@ def _index(index) -> tuple[str, tuple[int, ...] | None]:
     offset = fields.get("offset")
     hint = fields.get("index")
     if hint is not None and type(hint) is not int:
-        raise _Bad(f"storage_data key {fqn!r} has a bad index hint")
-    return fqn, None if offset is None else _size(offset, f"storage_data key {fqn!r} offset")
+        raise _Bad(f"storage_data key '{fqn}' has a bad index hint")
+    return fqn, None if offset is None else _size(offset, f"storage_data key '{fqn}' offset")
 
 
 def _location(fqn: str, info) -> Location:
-    what = f"storage of {fqn!r}"
+    what = f"storage of '{fqn}'"
     fields = _fields(info, _StorageInfo, what,
                      ("relative_path", "offset", "length", "transform_descriptors"))
     name = fields.get("relative_path")
@@ -434,10 +434,10 @@ def _from_objects(path: Path, root) -> DcpMetadata:
             continue
         dtype = item.properties.dtype
         if not isinstance(dtype, torch.dtype):
-            raise _Bad(f"entry {key!r} has no dtype")
-        size = tuple(_int(d, f"entry {key!r} size") for d in item.size)
-        chunks = tuple(Chunk(tuple(_int(o, f"entry {key!r} offsets") for o in c.offsets),
-                             tuple(_int(n, f"entry {key!r} sizes") for n in c.sizes))
+            raise _Bad(f"entry '{key}' has no dtype")
+        size = tuple(_int(d, f"entry '{key}' size") for d in item.size)
+        chunks = tuple(Chunk(tuple(_int(o, f"entry '{key}' offsets") for o in c.offsets),
+                             tuple(_int(n, f"entry '{key}' sizes") for n in c.sizes))
                        for c in item.chunks)
         entries[key] = TensorEntry(dtype, size, chunks)
     locations: dict[tuple[str, tuple[int, ...] | None], Location] = {}
@@ -446,16 +446,16 @@ def _from_objects(path: Path, root) -> DcpMetadata:
         if type(fqn) is not str:
             raise _Bad("a storage_data key has no fqn")
         offset = None if index.offset is None else tuple(
-            _int(o, f"storage_data key {fqn!r} offset") for o in index.offset)
+            _int(o, f"storage_data key '{fqn}' offset") for o in index.offset)
         if (fqn, offset) in locations:
-            raise _Bad(f"storage_data lists {fqn!r} at {offset} twice")
+            raise _Bad(f"storage_data lists '{fqn}' at {offset} twice")
         if getattr(info, "transform_descriptors", None):
-            raise _Bad(f"storage of {fqn!r} was written through stream transforms")
+            raise _Bad(f"storage of '{fqn}' was written through stream transforms")
         if type(info.relative_path) is not str:
-            raise _Bad(f"storage of {fqn!r} has no relative_path")
+            raise _Bad(f"storage of '{fqn}' has no relative_path")
         locations[(fqn, offset)] = Location(
-            info.relative_path, _int(info.offset, f"storage of {fqn!r} offset"),
-            _int(info.length, f"storage of {fqn!r} length"))
+            info.relative_path, _int(info.offset, f"storage of '{fqn}' offset"),
+            _int(info.length, f"storage of '{fqn}' length"))
     paths: dict[str, tuple[str | int, ...]] = {}
     planner = getattr(root, "planner_data", None)
     if isinstance(planner, dict):

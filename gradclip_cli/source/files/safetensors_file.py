@@ -121,7 +121,7 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
 
 def _entry(path: Path, name: str, info: object, buffer_size: int) -> TensorEntry:
     def corrupt(why: str) -> InputError:
-        return InputError(f"{path}: corrupt safetensors header: tensor {name!r} {why}")
+        return InputError(f"{path}: corrupt safetensors header: tensor '{name}' {why}")
 
     if not isinstance(info, dict):
         raise corrupt("is not described by a JSON object")

@@ -134,17 +134,17 @@ def _check_zip_directory(path: Path) -> None:
                         # compressed one's bytes as the tensor's, and inflating a
                         # data.pkl costs what it claims, not what the file holds.
                         raise zipfile.BadZipFile(
-                            f"entry {info.filename!r} is compressed (torch.save stores "
+                            f"entry '{info.filename}' is compressed (torch.save stores "
                             "entries uncompressed)")
                     if info.header_offset + info.compress_size > size:
-                        raise zipfile.BadZipFile(f"entry {info.filename!r} runs past the end")
+                        raise zipfile.BadZipFile(f"entry '{info.filename}' runs past the end")
                     spans.append((_local_span(raw, info, size), info.filename))
             # torch's reader trusts the central directory: an entry pointed at
             # another's bytes would load that data as a tensor, silently.
             spans.sort()
             for ((_, end), name), ((begin, _), after) in zip(spans, spans[1:]):
                 if begin < end:
-                    raise zipfile.BadZipFile(f"entries {name!r} and {after!r} overlap")
+                    raise zipfile.BadZipFile(f"entries '{name}' and '{after}' overlap")
     except zipfile.BadZipFile as error:
         raise InputError(f"{path}: truncated or corrupt zip archive: {error}") from None
     except (OSError, EOFError, ValueError, NotImplementedError) as error:
@@ -158,15 +158,15 @@ def _local_span(raw, info: zipfile.ZipInfo, size: int) -> tuple[int, int]:
     raw.seek(info.header_offset)
     local = raw.read(30)
     if len(local) < 30 or local[:4] != ZIP_MAGIC:
-        raise zipfile.BadZipFile(f"entry {info.filename!r} has no local header")
+        raise zipfile.BadZipFile(f"entry '{info.filename}' has no local header")
     name_len = int.from_bytes(local[26:28], "little")
     extra_len = int.from_bytes(local[28:30], "little")
     name = raw.read(name_len)
     if name.decode("utf-8", "replace") != info.orig_filename:
-        raise zipfile.BadZipFile(f"entry {info.filename!r} points at another entry's header")
+        raise zipfile.BadZipFile(f"entry '{info.filename}' points at another entry's header")
     end = info.header_offset + 30 + name_len + extra_len + info.compress_size
     if end > size:
-        raise zipfile.BadZipFile(f"entry {info.filename!r} runs past the end")
+        raise zipfile.BadZipFile(f"entry '{info.filename}' runs past the end")
     return info.header_offset, end
 
 

@@ -59,7 +59,7 @@ def _check_entry(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) ->
 
 
 def _mismatch(path: Path, entry: str) -> IntegrityError:
-    return IntegrityError(f"{path}: checksum mismatch in entry {entry!r}: the data is damaged")
+    return IntegrityError(f"{path}: checksum mismatch in entry '{entry}': the data is damaged")
 
 
 def verify_safetensors(path: Path) -> None:
@@ -68,10 +68,10 @@ def verify_safetensors(path: Path) -> None:
     position = 0
     for entry in header.entries:
         if entry.begin < position:
-            raise IntegrityError(f"{path}: tensor {entry.name!r} overlaps the one before it")
+            raise IntegrityError(f"{path}: tensor '{entry.name}' overlaps the one before it")
         if entry.begin > position:
             raise IntegrityError(
-                f"{path}: unexplained bytes {position}..{entry.begin} before tensor {entry.name!r}"
+                f"{path}: unexplained bytes {position}..{entry.begin} before tensor '{entry.name}'"
             )
         position = entry.end
     if position != header.buffer_size:

@@ -142,7 +142,7 @@ def fill_gradients(contents: Draft, folder: DcpFolder, key: str | None,
             if k in tensors and full.startswith(prefix + ".") and full != prefix:
                 found[full[len(prefix) + 1:]] = tensors[k]
         if not found:
-            raise InputError(f"{meta_file}: --key {key!r}: no tensors under it "
+            raise InputError(f"{meta_file}: --key '{key}': no tensors under it "
                              f"(top-level keys: {_tops(paths)})")
         _set_gradients(contents, found, ".".join(wanted), meta_file)
         contents.say(wording(Found(roles.GRADIENT, KEY, (key,), said)))

@@ -119,7 +119,7 @@ def fused_weights(
         moment = optimizer.state.get(pid, {}).get("exp_avg")
         why = _why_not_fused(parts, moment)
         if why:
-            notes.append(f"no ratio for {name}: {why}")
+            notes.append(f"no ratio for {visible(name)}: {why}")
             continue
         found[name] = _end_to_end(name, tuple(moment.shape), parts)
     return found, notes

@@ -74,7 +74,7 @@ def recognises(path: Path) -> bool:
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     if key:
-        raise InputError(f"{path}: --key {key!r}: a DCP Hugging Face folder holds one flat "
+        raise InputError(f"{path}: --key '{key}': a DCP Hugging Face folder holds one flat "
                          "name -> tensor mapping; omit --key")
     pieces: dict[str, list[_ShardPiece]] = {}
     dtypes: dict[str, torch.dtype] = {}

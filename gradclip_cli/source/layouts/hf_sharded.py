@@ -85,7 +85,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     contents.description.append(
         f"{visible(index.name)}: {len(tensors)} tensors in {len(shards)} shards")
     if key is not None:
-        raise InputError(f"{index}: --key {key!r} does not apply: a sharded set is one flat "
+        raise InputError(f"{index}: --key '{key}' does not apply: a sharded set is one flat "
                          "mapping of name -> tensor")
     # A set is one flat name -> tensor mapping: its tensors are what the
     # --key rule calls the whole file (gradients, when saved as such).
