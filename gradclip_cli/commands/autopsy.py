@@ -111,6 +111,7 @@ def build(
         logs, points = _read_inputs(paths, how, steps, output, trackers.Choice(tag, run_name),
                                     exclusion)
         series, inputs, notes, placed = series_of(logs, points)
+        notes = [n for point in points for n in point.notes] + notes  # --verify's gaps
         notes += exclusion.notes()  # what --exclude left out, as trend says it
         main = finest(series)
         explained = explained_step(main, step, series, z, alpha, warmup)
@@ -178,4 +179,4 @@ def _read_checkpoint(item: run_inputs.Input, how: MeasureOptions, steps) -> Chec
             measured["update_to_weights"] = (
                 ratio(total_w, m.total_norm),
                 {g: ratio(weights[g], u) for g, u in m.groups.items() if g in weights})
-    return CheckpointPoint(item.path, step, "grads" in measured, measured, shapes)
+    return CheckpointPoint(item.path, step, "grads" in measured, measured, shapes, m.notes)

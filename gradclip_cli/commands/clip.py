@@ -159,7 +159,7 @@ def _report(before, loaded, done: clipping.Clipped | None = None, **given) -> Cl
         clip_coef=None if coef is None else coef.value,
         clip_coef_log2=None if coef is None else coef.log2,
         clip_coef_torch=done.torch_coef.value if done.lowered else None,
-        coef_lowered=done.lowered)
+        coef_lowered=done.lowered, notes=list(loaded.contents.notes))
 
 
 def _resolved(target: str) -> str:

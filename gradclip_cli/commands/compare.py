@@ -45,7 +45,8 @@ def run(
         totals=(ra.total_norm, rb.total_norm), groups_a=ra.groups, groups_b=rb.groups,
         nonfinite=_nonfinite(ra) or _nonfinite(rb), fail_above=limit,
     )  # fmt: skip
-    report = replace(report, optimizer=one_optimizer({ra.optimizer, rb.optimizer}))
+    report = replace(report, optimizer=one_optimizer({ra.optimizer, rb.optimizer}),
+                     notes=(*ra.notes, *rb.notes))
     output.emit(report)
     return exit_code(report)
 

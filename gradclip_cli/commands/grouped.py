@@ -63,6 +63,9 @@ class Measured:
     optimizer: str | None = None  # whose rule gave an optimizer quantity ("Adam")
     # The same parameters' weights, where asked for and all held: (total, groups).
     weights: tuple[float, dict[str, float]] | None = None
+    # Its layout's notes (``Contents.notes``: what ``--verify`` could not check), each
+    # naming the input.
+    notes: tuple[str, ...] = ()
 
 
 def measure_checkpoint(path: Path, how: MeasureOptions, steps: Steps,
@@ -102,6 +105,7 @@ def measure_grouped(loaded: Loaded, path: Path, how: MeasureOptions, steps: Step
         step_note=step.note,
         optimizer=loaded.selection.optimizer,
         weights=weight_groups,
+        notes=tuple(f"{visible(str(path))}: {note}" for note in loaded.contents.notes),
     )  # fmt: skip
 
 

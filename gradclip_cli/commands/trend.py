@@ -121,6 +121,7 @@ def build(
             kinds.check(str(path), LOGGED_WHAT, logged=True)
         observations: list[Observation] = []
         step_notes: list[str] = []
+        unchecked: list[str] = []  # what --verify could not check
         optimizers: set[str | None] = set()
         logged = dict(logs)
         for item in inputs:
@@ -136,6 +137,7 @@ def build(
             m = measure_grouped(loaded, item.path, how, steps, item.folder_step)
             del loaded  # its mapping goes before the next checkpoint is opened
             optimizers.add(m.optimizer)
+            unchecked += m.notes
             if m.step_note is not None:
                 step_notes.append(f"{visible(str(item.path))}: {m.step_note}")
             observations.append(Observation(
@@ -143,7 +145,7 @@ def build(
                 groups=m.groups, nonfinite=m.nonfinite, what=m.what))
     observations, copies = one_point_per_step(observations)
     found = found_in_runs(runs)
-    found["notes"] += (step_notes + copies + exclusion.notes()
+    found["notes"] += (unchecked + step_notes + copies + exclusion.notes()
                        + monitor_clipping_notes(logs, runs))
     if logs:
         group_by = (LOGGED_GROUPS if len(logs) == len(inputs)

@@ -73,6 +73,8 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
     lowered = coef_lowered_line(report)
     if lowered is not None:
         verdict += f"; {lowered}"
+    for note in report.notes:  # what --verify could not check
+        out.write(command("notice", note, file=report.source, title="gradclip clip: note"))
     _write(out, report.source, F.clip_findings(report), verdict)
 
 
@@ -87,6 +89,8 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
 
 
 def render_compare(report: CompareReport, out: TextIO) -> None:
+    for note in report.notes:  # what --verify could not check
+        out.write(command("notice", note, title="gradclip compare: note"))
     _write(out, report.b, F.compare_findings(report), compare_verdict(report))
 
 

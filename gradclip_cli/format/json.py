@@ -97,6 +97,8 @@ def inspect_document(report: InspectReport, *, top: int = 0) -> dict[str, Any]:
 def clip_document(report: ClipReport) -> dict[str, Any]:
     doc = asdict(report)
     del doc["refused"]  # a refused clip has no document: its line on stderr says why
+    if not report.notes:
+        del doc["notes"]  # an extra, where there is one
     doc["nonfinite"] = nonfinite_object(report.nonfinite)
     for k in ("norm_type", "max_norm", "clip_value", "total_norm_before", "clip_coef",
               "total_norm_after", "clip_coef_log2", "clip_coef_torch"):
@@ -185,6 +187,7 @@ def compare_document(report: CompareReport) -> dict[str, Any]:
         "total": _compare_row(report.total),
         "groups": [{"name": g.name, **_compare_row(g)} for g in report.groups],
         "status": report.status,
+        **({"notes": list(report.notes)} if report.notes else {}),  # an extra
     }
 
 

@@ -106,7 +106,8 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
                       f"norm {report.total_norm_before} -> {report.total_norm_after}")
     lowered = coef_lowered_line(report)
     _write(_suite(f"gradclip clip {report.source}", [F.TOTAL], F.clip_findings(report),
-                  summary, notes=[] if lowered is None else [lowered]), out)
+                  summary, notes=[*([] if lowered is None else [lowered]),
+                                  *(f"note: {n}" for n in report.notes)]), out)
 
 
 def render_trend(report: TrendReport, out: TextIO) -> None:
@@ -118,7 +119,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
 def render_compare(report: CompareReport, out: TextIO) -> None:
     cases = [F.TOTAL, *(g.name for g in report.groups)]
     _write(_suite(f"gradclip compare {report.a} {report.b}", cases, F.compare_findings(report),
-                  compare_verdict(report)), out)
+                  compare_verdict(report), notes=[f"note: {n}" for n in report.notes]), out)
 
 
 def render_error(failure: FailureReport, out: TextIO) -> None:

@@ -152,6 +152,8 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
     lowered = coef_lowered_line(report)
     if lowered is not None:
         out.write(f"\n{escape(lowered)}\n")
+    if report.notes:  # what --verify could not check
+        out.write("\n" + "".join(f"- {escape(note)}\n" for note in report.notes))
 
 
 def render_trend(report: TrendReport, out: TextIO) -> None:
@@ -198,6 +200,8 @@ def _finite(values):
 def render_compare(report: CompareReport, out: TextIO) -> None:
     out.write(f"### gradclip compare: {escape(report.a)} → {escape(report.b)}\n\n")
     out.write(_verdict(compare_verdict(report), report.status != "ok"))
+    if report.notes:  # what --verify could not check
+        out.write("".join(f"- {escape(note)}\n" for note in report.notes) + "\n")
     flagged = {id(g) for g in report.beyond}
     if report.fail_above is not None:
         flagged |= {id(g) for g in report.one_sided}

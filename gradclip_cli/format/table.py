@@ -303,6 +303,8 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
         console.print(Text(shorten(source, width), style="bold"))
         console.print(Text(shorten(f"-> {output}", width), style="bold"))
     _print_prose(console, clip_summary(report))
+    for note in report.notes:  # escaped where made
+        _print_prose(console, note)
     lowered = coef_lowered_line(report)
     if lowered is not None:
         _print_prose(console, lowered)
@@ -409,6 +411,8 @@ def render_compare(report: CompareReport, out: TextIO) -> None:
         console.print(Text(f"{side}: {shorten(visible(path), max(width - 3, MIN_NAME_WIDTH))}"))
     _print_prose(console, f"{report.what}, p={fmt_p(report.norm_type)}, groups by "
                           f"{visible(report.group_by)}; largest change first")
+    for note in report.notes:  # escaped where made
+        _print_prose(console, note)
     rows = [*report.groups[:MAX_GROUPS], report.total]
 
     def flagged(g: CompareRow) -> bool:

@@ -197,10 +197,10 @@ def inspect_header(contents, selection, step, check=None, auto: bool = False
     """The header of an inspect report, worded from what the layout and the selection
     found (``source/``): ``description`` (the layout's lines, then the step's note, why
     ids name the rows, the buffers set apart, what was measured, the ``--previous``
-    cross-check's lines), ``notes`` (those of them every format carries: the step's,
-    the ids'), and ``measured`` (its account in the JSON document; ``chosen``: why
+    cross-check's lines), ``notes`` (those of them every format carries: the layout's,
+    the step's, the ids'), and ``measured`` (its account in the JSON document; ``chosen``: why
     ``--what auto`` (``auto``) chose other than gradients)."""
-    notes = [*([step.note] if step.note else []),
+    notes = [*contents.notes, *([step.note] if step.note else []),
              *([selection.ids_note] if selection.ids_note else [])]
     chosen = AUTO_CHOSE if auto and selection.what != "grads" else None
     description = [*contents.description, *notes, *_buffers_apart(contents, selection.what),

@@ -59,6 +59,7 @@ class CompareReport:
     groups: list[CompareRow]
     status: str
     optimizer: str | None = None  # whose rule gave an optimizer quantity, for the words
+    notes: tuple[str, ...] = ()  # the checkpoints' layout notes (what --verify could not check)
 
     @property
     def beyond(self) -> list[CompareRow]:

@@ -121,6 +121,8 @@ class ClipReport:
     # Why nothing was written (exit 1, a finding): the line on stderr. The output is
     # then where the copy would have gone, and the norms are the input's.
     refused: str | None = None
+    # The layout's notes (``Contents.notes``): what ``--verify`` could not check.
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

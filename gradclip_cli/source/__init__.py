@@ -5,10 +5,12 @@ Adding a kind is one new module and one line in ``READERS``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import errno
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,15 +37,35 @@ class Reader:
     recognises: Callable[[bytes], bool]  # given the file's first bytes
     load: Callable[..., Checkpoint]  # load(path, *, trust_pickle) -> Checkpoint
     verify: Callable[[Path], None] | None = None  # raises IntegrityError; None: no checksums
+    # What ``--verify`` cannot check in this kind, for the report; None: every checksum.
+    unchecked: str | None = None
 
 
 READERS: tuple[Reader, ...] = (
     Reader("torch-zip", torch_file.is_torch_zip, torch_file.load_torch_zip,
            verify.verify_torch_zip),
     Reader("safetensors", safetensors_file.is_safetensors, safetensors_file.load_safetensors,
-           verify.verify_safetensors),
-    Reader("torch-legacy", torch_file.is_pickle, torch_file.load_torch_legacy),
+           verify.verify_safetensors,
+           "safetensors stores no checksums: only the header's layout was checked"),
+    Reader("torch-legacy", torch_file.is_pickle, torch_file.load_torch_legacy, None,
+           "a legacy torch file (not a zip) stores no checksums: nothing was checked"),
 )  # fmt: skip
+
+# Files read under ``--verify`` whose kind stores no checksums, while ``unverified`` runs.
+_UNVERIFIED: contextvars.ContextVar[dict[Path, str] | None] = \
+    contextvars.ContextVar("gradclip_unverified", default=None)
+
+
+@contextlib.contextmanager
+def unverified() -> Iterator[dict[Path, str]]:
+    """Collect, for the report, each file ``load_checkpoint`` read under ``verify`` that
+    stores no checksums: path -> what ``--verify`` could not check (``Reader.unchecked``)."""
+    found: dict[Path, str] = {}
+    token = _UNVERIFIED.set(found)
+    try:
+        yield found
+    finally:
+        _UNVERIFIED.reset(token)
 
 
 def select_gradients(
@@ -101,6 +123,8 @@ def load_checkpoint(
     reader = _reader_for(path, _read_head(path))
     if verify and reader.verify is not None:
         reader.verify(path)
+    if verify and reader.unchecked is not None and (found := _UNVERIFIED.get()) is not None:
+        found[path] = reader.unchecked
     return reader.load(path, trust_pickle=trust_pickle)
 
 

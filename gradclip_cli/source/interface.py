@@ -322,6 +322,8 @@ class Contents:
             model. General: any framework whose optimizer steps a parameter the
             checkpoint stores otherwise (torchtitan's fused ``wqkv``, torchtune's
             LoRA adapter) fills it.
+        notes: lines of ``description`` every format carries, not the table and json
+            alone: what ``--verify`` could not check (a file that stores no checksums).
     """
 
     path: Path
@@ -346,13 +348,14 @@ class Contents:
     evidence: Mapping[str, str] = field(default_factory=lambda: NOTHING)
     keyed: str | None = None
     fused_weights: Mapping[str, StoredTensor] = field(default_factory=lambda: NOTHING)
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Whatever built it (a layout's draft, ``dataclasses.replace``), its collections are
         # read-only: sequences as tuples, mappings as read-only copies. One flat mapping
         # that is both gradients and weights stays one.
         same = self.gradients is not None and self.gradients is self.weights
-        for name in ("description", "files", "skipped", "optimizers", "shards"):
+        for name in ("description", "files", "skipped", "optimizers", "shards", "notes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.order is not None:
             object.__setattr__(self, "order", tuple(self.order))

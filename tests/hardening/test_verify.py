@@ -112,3 +112,83 @@ def test_verify_cost_on_200mb(tmp_path):
         start = time.perf_counter()
         assert run_cli("inspect", path, "-q", "--format", "json", *extra).code == 0
         print(f"{label:8s} {time.perf_counter() - start:.2f} s")
+
+
+_FORMATS = ["table", "json", "markdown", "github", "junit"]
+
+
+@pytest.mark.parametrize("format", _FORMATS)
+def test_legacy_file_says_verify_checked_nothing(tmp_path, format):
+    """A legacy torch file stores no checksums: --verify cannot see a flipped data byte, so
+    the report says nothing was checked (in every format), and the exit code stays."""
+    path = tmp_path / "g.pt"
+    torch.save({"grads": {"w": torch.ones(256)}}, path, _use_new_zipfile_serialization=False)
+    clean = run_cli("inspect", path, "--format", "json")
+    _flip(path, path.stat().st_size - 1, bit=3)  # the last float's high byte
+    damaged = run_cli("inspect", path, "--format", "json")
+    assert damaged.code == clean.code == 0 and damaged.out != clean.out  # the damage is read
+    result = run_cli("inspect", path, "--verify", "--format", format)
+    assert result.code == 0, result.err
+    assert "stores no checksums" in result.out and "nothing was checked" in result.out
+    if format == "json":
+        import json
+        description = json.loads(result.out)["description"]
+        assert any("nothing was checked" in line for line in description), description
+    plain = run_cli("inspect", path, "--format", format)  # without --verify: no such note
+    assert "checksums" not in plain.out
+
+
+@pytest.mark.parametrize("format", _FORMATS)
+def test_safetensors_says_verify_checked_the_header_alone(tmp_path, format):
+    """safetensors stores no checksums: --verify checks the header's layout, not the data."""
+    path = tmp_path / "g.safetensors"
+    path.write_bytes(safetensors_bytes({"w": f32(0, 2)}, struct.pack("<2f", 3.0, 4.0)))
+    result = run_cli("inspect", path, "--verify", "--format", format)
+    assert result.code == 0, result.err
+    assert "stores no checksums" in result.out and "header" in result.out
+    assert "checksums" not in run_cli("inspect", path, "--format", format).out
+
+
+@pytest.mark.parametrize("format", _FORMATS)
+def test_torch_zip_verified_has_no_such_note(tmp_path, format):
+    path = tmp_path / "g.pt"
+    torch.save({"grads": {"w": torch.ones(4)}}, path)
+    result = run_cli("inspect", path, "--verify", "--format", format)
+    assert result.code == 0 and "checksums" not in result.out
+
+
+def _legacy(folder: Path, name: str, step: int, scale: float = 1.0) -> Path:
+    path = folder / name
+    torch.save({"grads": {"w": torch.ones(16) * scale}, "step": step}, path,
+               _use_new_zipfile_serialization=False)
+    return path
+
+
+def _command_args(command: str, tmp_path: Path) -> list[object]:
+    a = _legacy(tmp_path, "a.pt", 1)
+    b = _legacy(tmp_path, "b.pt", 2, scale=2.0)
+    return {"clip": ["clip", a, "--max-norm", "1", "--output", tmp_path / "out.pt"],
+            "trend": ["trend", a, b],
+            "compare": ["compare", a, b],
+            "autopsy": ["autopsy", a, b]}[command]
+
+
+@pytest.mark.parametrize("format", _FORMATS)
+@pytest.mark.parametrize("command", ["clip", "trend", "compare", "autopsy"])
+def test_legacy_files_say_verify_checked_nothing_in_every_command(tmp_path, command, format):
+    """Every command that takes --verify says, as a note, that a legacy torch file (no
+    checksums) could not be checked; without --verify, no such note; the exit code is the
+    one without it."""
+    args = _command_args(command, tmp_path)
+    plain = run_cli(*args, "--format", format)
+    result = run_cli(*args, "--verify", "--format", format)
+    assert result.code == plain.code, result.err
+    assert "stores no checksums" in result.out and "nothing was checked" in result.out
+    assert "a.pt" in result.out
+    if format == "json":
+        from ..json_schemas import assert_valid
+        notes = assert_valid(result.out)["notes"]  # the schemas allow it
+        assert any("a.pt" in n and "nothing was checked" in n for n in notes), notes
+        if command != "clip":  # clip reads one file
+            assert any("b.pt" in n and "nothing was checked" in n for n in notes), notes
+    assert "checksums" not in plain.out

@@ -15,6 +15,7 @@ which also says when the file is a shard of an indexed set).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping
@@ -22,13 +23,15 @@ from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
-from gradclip_cli.source import load_checkpoint
+from gradclip_cli.source import load_checkpoint, unverified
 from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
+from gradclip_cli.source.files.deepspeed_pickle import GLOBALS as DEEPSPEED_GLOBALS
 from gradclip_cli.source.files.dtensor_pickle import GLOBALS as DTENSOR_GLOBALS
 from gradclip_cli.source.files.dtensor_pickle import DTensorShard
 from gradclip_cli.source.files.megatron_pickle import NamespaceState
 from gradclip_cli.source.files.weights_pickle import allowing
 from gradclip_cli.source.interface import Contents, Layout, WriteBack, written_whole
+from gradclip_cli.source.roles import OPTIMIZER_STATE
 
 from . import (
     accelerate_fsdp,
@@ -83,9 +86,31 @@ def open_checkpoint(
 ) -> Contents:
     """Open ``path`` (a file, an index or a checkpoint folder) as ``Contents``.
 
-    Every failure is an ``InputError`` with one line naming the file.
+    Under ``verify``, a file whose kind stores no checksums (a legacy torch file,
+    safetensors) is named in ``Contents.notes`` with what could not be checked: the
+    user asked for a check that was not (all) made. Every failure is an ``InputError``
+    with one line naming the file.
     """
-    path = Path(path)
+    with unverified() as found:
+        contents = _open(Path(path), key=key, trust_pickle=trust_pickle, verify=verify)
+    if not found:
+        return contents
+    return dataclasses.replace(contents, notes=(*contents.notes, *_unverified_notes(found)))
+
+
+def _unverified_notes(found: dict[Path, str]) -> list[str]:
+    """One note per thing ``--verify`` could not check, naming its files (a few)."""
+    by_gap: dict[str, list[str]] = {}
+    for file, gap in found.items():
+        by_gap.setdefault(gap, []).append(file.name)
+    notes = []
+    for gap, names in by_gap.items():
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        notes.append(f"--verify: {visible(', '.join(names[:3]))}{more}: {gap}")
+    return notes
+
+
+def _open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     if path.name == METADATA_NAME and os.path.isfile(path):
         # A DCP folder's .metadata given itself, in a folder a framework lays out its own
         # way: read as that folder. Read as a plain DCP folder, Megatron's flat keys

@@ -70,6 +70,7 @@ class Draft:
     evidence: dict[str, str] = field(default_factory=dict)
     keyed: str | None = None
     fused_weights: dict[str, StoredTensor] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def say(self, words: Wording) -> None:
         """Put a layout's sentences in place: description lines, evidence, what is missing
