@@ -21,6 +21,7 @@ from .words import fmt as number
 from .words import (
     judged_in,
     nonfinite_rows,
+    nonfinite_words,
     origin_text,
     overflowed_total,
     threshold_applied,
@@ -95,13 +96,13 @@ def trend_findings(report: TrendReport) -> list[Finding]:
     ``--fail-on`` covers, warnings for the others."""
     failing = {id(p) for p in report.failing}
     what = judged_in(report)
-    nonfinite, spike = f"non-finite {what.plural}", f"{what.attribute} spike"
+    spike = f"{what.attribute} spike"
     found = []
     for p in report.points:
         severity = ERROR if id(p) in failing else WARNING
         at = f"step {p.step}" if p.step is not None else p.source
         if not math.isfinite(p.total_norm) or (p.nonfinite is not None and p.nonfinite.total):
-            found.append(Finding(severity, TOTAL, f"{nonfinite} at {at}",
+            found.append(Finding(severity, TOTAL, f"{nonfinite_words([p], what)} at {at}",
                                  f"{p.source}: total norm {number(p.total_norm)}"
                                  f"{origin_text(p)}", p.source))
         elif total_spiked(p, report):
@@ -109,7 +110,7 @@ def trend_findings(report: TrendReport) -> list[Finding]:
                                  f"{p.source}: total norm {number(p.total_norm)}, "
                                  f"z {z_text(p.z)} > {report.z_threshold:g}", p.source))
         for g in p.nonfinite_groups:
-            found.append(Finding(severity, g, f"{nonfinite} at {at}",
+            found.append(Finding(severity, g, f"{nonfinite_words([p], what)} at {at}",
                                  f"{p.source}: group {g} norm {number(p.groups[g])}", p.source))
         for g in p.spike_groups:
             found.append(Finding(severity, g, f"{spike} at {at}",
@@ -135,7 +136,11 @@ def compare_findings(report: CompareReport) -> list[Finding]:
         rows = [report.total] if report.total.nonfinite else []
         for g in rows + nonfinite_rows(report):
             series = TOTAL if g is report.total else g.name
-            found.append(Finding(ERROR, series, f"non-finite {what.plural}",
+            # A NaN norm says its values hold a NaN; an infinite one may be finite values
+            # beyond float64's range (compare holds no counts): the norm, as the verdict.
+            nan = any(v is not None and math.isnan(v) for v in (g.a, g.b))
+            title = f"non-finite {what.plural}" if nan else f"non-finite {what.attribute} norm"
+            found.append(Finding(ERROR, series, title,
                                  f"{g.name}: norm {number(g.a)} in A, {number(g.b)} in B"))
     t = report.total
     if report.total_beyond:

@@ -36,6 +36,7 @@ from .words import (
     group_rule,
     judged_in,
     measured_line,
+    point_state,
     ratio_cell,
     trend_verdict,
     verdict_line,
@@ -172,7 +173,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
     shown = points_to_show(report)
     rows = []
     for p in shown:
-        state = "non-finite" if p.is_nonfinite else "**spike**" if p.spike else ""
+        state = point_state(p) if p.is_nonfinite else "**spike**" if p.spike else ""
         groups = ", ".join(escape(g) for g in p.spike_groups + p.nonfinite_groups)
         rows.append(["\\-" if p.step is None else str(p.step), escape(p.source),
                      _num(p.total_norm), escape(z_text(p.z)),

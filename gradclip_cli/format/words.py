@@ -237,7 +237,7 @@ def _fmt_coef(report: ClipReport) -> str:
 def point_state(p: TrendPoint) -> str:
     """A trend row's one word: non-finite, SPIKE, (history) before it is judged, or ok."""
     if p.is_nonfinite:
-        return "non-finite"
+        return "overflow" if p.overflowed else "non-finite"
     if p.spike:
         return "SPIKE"
     if p.z is None and not any(v is not None for v in p.group_z.values()):
@@ -256,9 +256,9 @@ def trend_verdict(report: TrendReport) -> str:
     if report.disagreeing and not failing:
         return audit_verdict(report)
     if failing:
-        kind = (f"non-finite {what.plural}" if report.status == NONFINITE
-                else f"{what.attribute} spike")
         last = failing[-1]
+        kind = (nonfinite_words([last], what) if report.status == NONFINITE
+                else f"{what.attribute} spike")
         where = f"step {last.step}" if last.step is not None else visible(last.source)
         groups = ", ".join(visible(g) for g in (last.nonfinite_groups + last.spike_groups))
         detail = (f"{where}: total norm {fmt(last.total_norm)}, z {z_text(last.z)}"
@@ -280,23 +280,39 @@ def _failing_kinds(failing: list[TrendPoint], what) -> str:
     nonfinite = [p for p in failing if p.is_nonfinite]
     spikes = [p for p in failing if not p.is_nonfinite]
     if not spikes:
-        return f"non-finite {what.plural} at {len(nonfinite)} point(s)"
+        return f"{nonfinite_words(nonfinite, what)} at {len(nonfinite)} point(s)"
     if not nonfinite:
         return f"{what.attribute} spike at {len(spikes)} point(s)"
-    return (f"{what.attribute} spike or non-finite {what.plural} at {len(failing)} point(s): "
-            f"{len(nonfinite)} non-finite ({_steps(nonfinite)}), {len(spikes)} spike(s) "
-            f"({_steps(spikes)})")
+    return (f"{what.attribute} spike or {nonfinite_words(nonfinite, what)} at {len(failing)} "
+            f"point(s): {len(nonfinite)} {_flagged_word(nonfinite)} ({_steps(nonfinite)}), "
+            f"{len(spikes)} spike(s) ({_steps(spikes)})")
+
+
+def nonfinite_words(points: list[TrendPoint], what) -> str:
+    """What flagged non-finite ``points`` hold: ``non-finite gradients``, or, where every
+    one's counts say its values are finite (``TrendPoint.overflowed``), a norm beyond
+    float64's range, as ``inspect`` says of such a total."""
+    overflowed = [p.overflowed for p in points]
+    if all(overflowed):
+        return f"{what.attribute} norm beyond float64's range"
+    if any(overflowed):
+        return f"non-finite {what.plural} or {what.attribute} norm beyond float64's range"
+    return f"non-finite {what.plural}"
+
+
+def _flagged_word(points: list[TrendPoint]) -> str:
+    """How non-finite ``points`` are counted: ``non-finite``, ``overflow`` where every one
+    overflowed, ``non-finite or overflow`` where both."""
+    overflowed = {p.overflowed for p in points}
+    return {frozenset({True}): "overflow", frozenset({False}): "non-finite"}.get(
+        frozenset(overflowed), "non-finite or overflow")
 
 
 def origin_text(p: TrendPoint) -> str:
     """``"; began in forward at M, backward at P"``: where the monitor located a non-finite
     value (``locate_nonfinite``), or nothing when it did not."""
-    if p.nonfinite_origin is None or not p.is_nonfinite:
-        return ""
-    forward, backward = p.nonfinite_origin
-    parts = [f"forward output of {visible(forward)}" if forward else "forward clean",
-             f"first non-finite gradient {visible(backward)}" if backward else ""]
-    return "; began: " + ", ".join(part for part in parts if part)
+    words = p.origin_words(visible)
+    return f"; began: {words}" if words else ""
 
 
 def _steps(points: list[TrendPoint]) -> str:
@@ -313,7 +329,8 @@ def _earlier(report: TrendReport) -> str:
     earlier = report.points[:-1]
     nonfinite = [p for p in earlier if p.is_nonfinite]
     spikes = [p for p in earlier if p.spike and not p.is_nonfinite]
-    parts = [f"{len(nonfinite)} non-finite ({_steps(nonfinite)})" if nonfinite else "",
+    parts = [f"{len(nonfinite)} {_flagged_word(nonfinite)} ({_steps(nonfinite)})"
+             if nonfinite else "",
              f"{len(spikes)} spike(s) ({_steps(spikes)})" if spikes else ""]
     said = [part for part in parts if part]
     return f"; earlier: {', '.join(said)}" if said else ""

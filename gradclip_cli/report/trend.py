@@ -69,8 +69,26 @@ class TrendPoint:
         return counted or not math.isfinite(self.total_norm) or bool(self.nonfinite_groups)
 
     @property
+    def overflowed(self) -> bool:
+        """Flagged for a norm beyond float64's range, not for non-finite values: the counts
+        say every value is finite (inspect's overflow), yet a norm is inf."""
+        return (self.is_nonfinite and self.nonfinite is not None and self.nonfinite.total == 0
+                and not any(math.isnan(v) for v in (self.total_norm, *self.groups.values())))
+
+    @property
     def judged(self) -> bool:
         return self.z is not None
+
+    def origin_words(self, show=str) -> str:
+        """``"forward output of M"`` or ``"forward clean"``, then ``", first non-finite
+        gradient P"``: where the monitor located a non-finite value (``locate_nonfinite``),
+        the names through ``show``; "" when it did not locate one here."""
+        if self.nonfinite_origin is None or not self.is_nonfinite:
+            return ""
+        forward, backward = self.nonfinite_origin
+        parts = [f"forward output of {show(forward)}" if forward else "forward clean",
+                 f"first non-finite gradient {show(backward)}" if backward else ""]
+        return ", ".join(part for part in parts if part)
 
 
 @dataclass(frozen=True)

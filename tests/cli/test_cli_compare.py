@@ -86,6 +86,24 @@ def test_nonfinite_norm_is_a_finding(gradclip, tmp_path):
                                 "b": "nan", "ratio": "nan"}
 
 
+def test_a_norm_beyond_float64s_range_is_not_called_non_finite_gradients(gradclip, tmp_path):
+    """float64 gradients of finite values whose norm is beyond float64's range: the
+    table's verdict said "non-finite gradient norm", but github's and junit's findings
+    "non-finite gradients", which none of them is."""
+    a = {k: v.double() for k, v in layer_grads(1).items()}
+    b = {k: v.clone() for k, v in a.items()}
+    b["transformer.h.2.mlp.weight"].fill_(1e308)
+    assert all(bool(v.isfinite().all()) for v in b.values())
+    assert math.isinf(ref_norm(b.values(), 2))
+    torch.save({"grads": a}, tmp_path / "a.pt")
+    torch.save({"grads": b}, tmp_path / "b.pt")
+    for fmt in ("table", "github", "junit", "markdown"):
+        r = gradclip("compare", tmp_path / "a.pt", tmp_path / "b.pt", "--format", fmt)
+        assert r.code == 1, r.err
+        assert "non-finite gradients" not in r.out, r.out
+        assert "non-finite gradient norm" in r.out.replace("\\", ""), r.out
+
+
 def test_zero_norms(gradclip, tmp_path):
     zeros = {f"{layer}.w": torch.zeros(4) for layer in LAYERS}
     torch.save({"grads": zeros}, tmp_path / "a.pt")

@@ -275,6 +275,29 @@ def test_nonfinite_newest_point_is_status_nonfinite(gradclip, tmp_path):
     assert newest["nonfinite_groups"] == ["transformer.h.0"]
 
 
+def test_a_total_beyond_float64s_range_is_not_called_non_finite_gradients(gradclip, tmp_path):
+    """float64 gradients of finite values whose 2-norm is beyond float64's range (inspect:
+    overflow): the newest point fails (JSON status stays ``nonfinite``, the contract's
+    set), but every verdict said "non-finite gradients", which none of them is."""
+    save_run(tmp_path / "run", range(8))
+    huge = {k: v.double() for k, v in layer_grads(8).items()}
+    huge["transformer.h.0.mlp.weight"].fill_(1e308)
+    torch.save({"grads": huge, "step": 8}, tmp_path / "run" / "grads-8.pt")
+    values = torch.cat([v.flatten() for v in huge.values()])
+    assert bool(values.isfinite().all()) and math.isinf(float(values.norm()))
+    doc = gradclip("trend", tmp_path / "run", "--format", "json").json()
+    newest = doc["points"][-1]
+    assert doc["status"] == "nonfinite" and newest["total_norm"] == "inf"
+    assert newest["nonfinite"] == {"nan": 0, "posinf": 0, "neginf": 0}
+    for args in ((), ("-q",), ("--format", "markdown"), ("--format", "github"),
+                 ("--format", "junit"), ("--fail-on", "any")):
+        r = gradclip("trend", tmp_path / "run", *args)
+        assert r.code == 1, r.err
+        text = html.unescape(unwrapped(r.out)).replace("\\", "")
+        assert "non-finite gradient" not in text, text
+        assert "gradient norm beyond float64's range" in text, text
+
+
 def test_too_little_history_is_exit_0_insufficient_history(gradclip, tmp_path):
     save_run(tmp_path / "run", range(5), spikes={4: {"transformer.h.0": 1000}})
     r = gradclip("trend", tmp_path / "run", "--format", "json")
