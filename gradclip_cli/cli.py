@@ -33,7 +33,8 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 PROG = "gradclip"
 COMPLETE_VAR = "_GRADCLIP_COMPLETE"  # click's completion protocol (see --show-completion)
 SUMMARY = ("Gradient diagnostics for PyTorch checkpoints: accurate norms, non-finite flags, "
-           "clipped copies. Exit codes: 0 ok, 1 finding, 2 usage error, 3 unreadable input.")
+           "clipped copies. Exit codes: 0 ok, 1 finding, 2 usage error, 3 unreadable input "
+           "or unwritable output.")
 PATH_HELP = ("PATH is a checkpoint: a torch.save or .safetensors file, a sharded index or its "
              "folder, a DCP folder, a training framework's checkpoint folder (Trainer "
              "checkpoint-N/, Lightning, DeepSpeed, accelerate, Megatron, ...).")
@@ -423,7 +424,8 @@ def compare(a, b, fail_above, what, group_by, key, norm_type, device, format, ou
              "group's onset, how many steps before the total), what changed across it "
              "(gradients, Adam's moments, the update, the weights) and which group first."
              "\n\nThe same PATHs as trend: run folders, checkpoints, monitor logs and their "
-             "dumps, trainer_state.json. Exit 1 when it explains a spike or non-finite step.")
+             "dumps, trainer_state.json, trackers' files. Exit 1 when it explains a spike or "
+             "non-finite step.")
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...")
 @click.option("--step", type=V.count("--step", 0), metavar="S", help="Explain step S "
          "(default: the newest spike or non-finite step of the finest series).")

@@ -163,9 +163,11 @@ def compare_findings(report: CompareReport) -> list[Finding]:
 
 
 def autopsy_findings(report) -> list[Finding]:
-    """An explained spike is one error: the verdict, under the group it began in."""
+    """An explained spike or non-finite step is one error: the verdict, under the group it
+    began in."""
     if report.status != "explained":
         return []
     began = next((g for g in report.groups if g.onset is not None), None)
     series = TOTAL if began is None else began.name
-    return [Finding(ERROR, series, f"spike at step {report.step}", report.verdict)]
+    what = "non-finite" if report.nonfinite else "spike"
+    return [Finding(ERROR, series, f"{what} at step {report.step}", report.verdict)]

@@ -147,6 +147,7 @@ class AutopsyReport:
     alpha: float = 0.97
     warmup: int = 25
     spikes: tuple[int, ...] = field(default_factory=tuple)  # every flagged step of the finest
+    nonfinite: bool = False  # the explained step is non-finite, not a spike
 
     def group_thresholds(self) -> list[tuple[int, float]]:
         """The groups' threshold in force (``report.trend.group_thresholds``)."""
@@ -221,7 +222,7 @@ def build_autopsy_report(
                    f"({before}; the rule needs {MIN_HISTORY} earlier points) in {main.label}")
     return AutopsyReport(step=step, status=status, groups=report_groups, verdict=verdict,
                          total_onset=total_onset, total_around=tuple(p.total_norm for p in shown),
-                         around_steps=around_steps, **common)
+                         around_steps=around_steps, nonfinite=point.is_nonfinite, **common)
 
 
 # -- per group -------------------------------------------------------------------------
@@ -419,7 +420,11 @@ def _verdict(step: int, status: str, groups: list[GroupAutopsy], total_onset: On
     else:
         lead = f"{first.lead} steps before the total" if first.lead > 0 else \
             f"{-first.lead} steps after the total"
-    parts = [f"step {step}: {what}; began in {first.name} at step {o.step} ({how}, "
+    # The monitor's own finding (locate_nonfinite), where its log holds one: the groups'
+    # onsets cannot order a NaN that reached several groups within one step.
+    located = point.origin_words()
+    located = f"; located by the monitor: {located}" if located else ""
+    parts = [f"step {step}: {what}{located}; began in {first.name} at step {o.step} ({how}, "
              f"{lead}; {o.source})"]
     # A quantity with no point on one side of the spike has no change to state.
     stated = {q: c for q, c in first.changes.items() if c.ratio is not None}

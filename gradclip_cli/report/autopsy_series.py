@@ -1,7 +1,10 @@
 """The autopsy's series: norm logs and measured checkpoints placed at their steps.
 
 A monitor log and its dumps number steps as the training loop called the
-monitor; a checkpoint records the optimizer steps taken, so it holds the
+monitor, and so does every other norm log (the monitor's TensorBoard scalars,
+its tags in a framework's loggers, a Trainer's ``trainer_state.json``, whose
+steps are the callback's): logs are placed at their own steps, as ``trend``
+places them. A checkpoint records the optimizer steps taken, so it holds the
 state after the gradient of the step the log numbers ``N`` when the log
 counts from 1, ``N - 1`` when it counts from 0 (``_offset``). Inputs of two
 runs are refused: other parameters, other groups, or a dump whose norm is
@@ -16,7 +19,7 @@ from pathlib import Path
 
 from ..errors import InputError, UsageError
 from ..escaping import visible
-from ..source.logs import monitor_log
+from ..source.logs import monitor_log, trackers
 from .autopsy import CHECKPOINTS, DUMPS, LOG, InputUsed, QuantitySeries, flagged_steps, judge
 from .model import NonFinite
 from .trend import Observation, one_point_per_step
@@ -70,26 +73,20 @@ def series_of(logs: list[tuple], points: list[CheckpointPoint]):
     notes = [note] if note else []
     inputs: list[InputUsed] = []
     series: list[QuantitySeries] = []
-    for path, entries, kind in logs:
+    for path, entries, _ in logs:
         steps_ = [e.step for e in entries]
         if any(s is None for s in steps_):
             raise UsageError(f"{visible(str(path))}: an entry without a step; the autopsy "
                              "places every point at its step")
-        shift = offset if kind is not monitor_log.KIND else 0
-        inputs.append(InputUsed(str(path), "grads", tuple(s - shift for s in steps_)))
+        inputs.append(InputUsed(str(path), "grads", tuple(steps_)))
     # Every log of one kind is one series (two logs of one run's steps agree; of two runs,
-    # one_point_per_step refuses them, naming both).
+    # one_point_per_step refuses them, naming both). Each tracker's series is one of its
+    # own: two trackers of one run (Lightning's TensorBoard and CSV loggers) keep the same
+    # values at two precisions (TensorBoard's float32).
     for kind in {k for _, _, k in logs}:
-        observations = [Observation(str(p), e.step - (offset if k is not monitor_log.KIND
-                                                      else 0), e.total_norm, dict(e.groups),
-                                    None if e.nonfinite is None else _nonfinite(e.nonfinite))
-                        for p, entries, k in logs if k is kind for e in entries]
-        observations, copies = one_point_per_step(sorted(observations, key=lambda o: o.step))
-        notes += copies
-        files = sorted({p for p, _, k in logs if k is kind})
-        label = visible(str(files[0])) + (f" and {len(files) - 1} more" if len(files) > 1
-                                          else "")
-        series.append(QuantitySeries("grads", LOG, label, tuple(observations)))
+        ours = [(p, entries) for p, entries, k in logs if k is kind]
+        for part in [[one] for one in ours] if kind is trackers.KIND else [ours]:
+            notes += _log_series(part, series)
     placed: dict[int, list[CheckpointPoint]] = {}
     by_quantity: dict[tuple[str, str], list[Observation]] = {}
     first_shapes: tuple[Path, dict] | None = None
@@ -115,6 +112,20 @@ def series_of(logs: list[tuple], points: list[CheckpointPoint]):
     _same_gradients(series)
     _same_groups(series)
     return series, inputs, notes, placed
+
+
+def _log_series(logs: list[tuple], series: list[QuantitySeries]) -> list[str]:
+    """One gradient-norm series of ``logs`` (``(file, entries)`` each), appended to
+    ``series``; the notes on copies of a step."""
+    observations = [Observation(str(p), e.step, e.total_norm, dict(e.groups),
+                                None if e.nonfinite is None else _nonfinite(e.nonfinite),
+                                nonfinite_origin=getattr(e, "nonfinite_origin", None))
+                    for p, entries in logs for e in entries]
+    observations, copies = one_point_per_step(sorted(observations, key=lambda o: o.step))
+    files = sorted({p for p, _ in logs})
+    label = visible(str(files[0])) + (f" and {len(files) - 1} more" if len(files) > 1 else "")
+    series.append(QuantitySeries("grads", LOG, label, tuple(observations)))
+    return copies
 
 
 def _nonfinite(counts) -> NonFinite:

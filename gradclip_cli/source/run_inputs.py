@@ -152,13 +152,14 @@ def expand_every(path: Path, why_not_checkpoint, choice: trackers.Choice,
         yield Input(path)
         return
     found_run = run_folder.discover(path, "auto", choice, exclusion)
+    found = False  # a folder of trackers' files alone (TensorBoard's) is a run, as to trend
     for series in () if found_run is None else found_run.series:
         if series.kind == run_folder.TRACKER:
+            found = True
             yield Input(series.paths[0], series.log, None, series.entries)
     numbered = run_folder.numbered_folders(path, exclusion)
     for number, child in numbered:
         yield from expand(child, why_not, number)
-    found = False
     for child in exclusion.keep(children(path)):
         if child.is_file():
             kind = log_kind(child)

@@ -300,6 +300,26 @@ def test_markdown_github_junit_and_output_file(gradclip, torch_spiked, tmp_path)
     validate(json.loads(out.read_text()), "autopsy-1")
 
 
+def test_a_non_finite_step_is_not_called_a_spike_in_github_and_junit(gradclip, tmp_path):
+    """A NaN gradient at the newest of 8 saved steps: the verdict says non-finite, but
+    github's ``::error`` title and junit's ``<failure>`` message said "spike at step 8"."""
+    g = torch.Generator().manual_seed(3)
+    for step in range(1, 9):
+        grads = {"a.w": torch.randn(6, generator=g), "b.w": torch.randn(4, generator=g)}
+        if step == 8:
+            grads["a.w"][2] = math.nan
+        torch.save({"step": step, "grads": grads}, tmp_path / f"g{step}.pt")
+    doc = gradclip("autopsy", tmp_path, "--format", "json").json()
+    assert doc["step"] == 8 and doc["status"] == "explained"
+    gh = gradclip("autopsy", tmp_path, "--format", "github")
+    (error,) = [line for line in gh.out.splitlines() if line.startswith("::error")]
+    assert "non-finite at step 8" in error and "spike" not in error, error
+    junit = gradclip("autopsy", tmp_path, "--format", "junit")
+    root = ET.fromstring(junit.out.split("\n", 1)[1])
+    (failure,) = root.iter("failure")
+    assert failure.get("message") == "non-finite at step 8", failure.get("message")
+
+
 def test_plot_draws_a_png(gradclip, torch_spiked, tmp_path):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "autopsy.png"
@@ -477,3 +497,95 @@ def test_a_trainer_folder_at_every_grain(gradclip, hf_run_folder, tmp_path):
     assert doc["finest"].endswith("trainer_state.json")
     assert all(g["onset"] is None for g in doc["groups"])
     assert "holds the total only" in doc["verdict"]
+
+
+@pytest.fixture(scope="session")
+def tensorboard_run(tmp_path_factory):
+    """The README's plain loop (step 50 a bad batch that blows up fc2), its GradMonitor
+    writing the log, the dumps and TensorBoard event files (``tensorboard=``)."""
+    pytest.importorskip("tensorboard")
+    from gradclip_cli import GradMonitor
+
+    folder = tmp_path_factory.mktemp("autopsy_tb")
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"fc1": torch.nn.Linear(32, 64), "fc2": torch.nn.Linear(64, 1)})
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = torch.randn(4096, 32), torch.randn(4096, 1)
+    monitor = GradMonitor(model, log=folder / "grads.jsonl", dump_dir=folder / "spikes",
+                          tensorboard=folder / "runs")
+    for step in range(60):
+        batch = torch.randint(0, 4096, (256,))
+        loss = torch.nn.functional.mse_loss(model.fc2(model.fc1(x[batch]).tanh()), y[batch])
+        if step == 50:
+            loss = loss + 1e3 * model.fc2.weight.square().sum()
+        loss.backward()
+        monitor.clip_grad_norm_(max_norm=1.0, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.close()
+    return folder
+
+
+def test_a_folder_of_tensorboard_files_is_read_as_trend_reads_it(gradclip, tensorboard_run):
+    # trend reads a folder of event files as one run; so does the autopsy, which explains
+    # the spike of step 50 in fc2 from the monitor's TensorBoard scalars alone.
+    r, doc = autopsy_json(gradclip, tensorboard_run / "runs")
+    assert r.code == 1 and doc["step"] == 50, r.err
+    assert doc["groups"][0]["name"] == "fc2" and doc["groups"][0]["onset"] == 50
+
+
+def test_the_monitors_tensorboard_scalars_sit_at_its_logs_steps(gradclip, tensorboard_run):
+    # The monitor writes its log (counting from 0), the dump of step 50 and its TensorBoard
+    # scalars, all numbered as the loop called it: read together they are one run, each
+    # series at the log's steps (a checkpoint alone counts optimizer steps taken).
+    logged = [json.loads(line)["step"] for line in
+              (tensorboard_run / "grads.jsonl").read_text().splitlines()]
+    r, doc = autopsy_json(gradclip, tensorboard_run)
+    assert r.code == 1 and doc["step"] == 50, r.err
+    assert doc["groups"][0]["name"] == "fc2" and doc["groups"][0]["onset"] == 50
+    series = [i["steps"] for i in doc["inputs"] if not i["source"].endswith(".pt")]
+    assert series == [logged, logged]
+
+
+def test_a_lightning_run_logging_to_tensorboard_and_csv_is_one_run(gradclip, tmp_path):
+    # Lightning's loggers side by side (TensorBoard and CSV, a common pair), each given
+    # gradclip's tags by the callback: the same values, TensorBoard's rounded to float32.
+    # One run: the autopsy explains the spike (fc's gradients x100 at step 30).
+    pl = pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from gradclip_cli.integrations.lightning import GradMonitorCallback
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.fc(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    class Inject(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 30:
+                pl_module.fc.weight.grad.mul_(100)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(2560, 8), torch.randn(2560, 1))
+    trainer = pl.Trainer(
+        max_steps=40, log_every_n_steps=1, accelerator="cpu", devices=1,
+        logger=[TensorBoardLogger(tmp_path / "tb"), CSVLogger(tmp_path / "csv")],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Inject(), GradMonitorCallback(tmp_path / "grads.jsonl", tmp_path / "dumps")],
+    )  # fmt: skip
+    trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=64))
+    r, doc = autopsy_json(gradclip, tmp_path)
+    assert r.code == 1 and doc["step"] == 30, r.err
+    assert doc["groups"][0]["name"] == "fc" and doc["groups"][0]["onset"] == 30
+    trackers = [i for i in doc["inputs"]
+                if i["source"].endswith("metrics.csv") or "tfevents" in i["source"]]
+    assert len(trackers) == 2 and all(i["steps"] == list(range(40)) for i in trackers)
