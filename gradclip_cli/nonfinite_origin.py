@@ -6,8 +6,11 @@ Two places, because they answer different failures (issue 42, item 4):
   downstream of it is NaN: the first non-finite gradient in backward order is
   always the last layer's. What locates it is the first module, in forward
   order, whose output held a non-finite value. A forward hook on every module
-  ANDs "this output is all finite" into a flag of its own, on the output's
-  device: no host read, one ``aminmax`` pass over each output.
+  keeps, in a flag of its own on the output's device, the earliest call of
+  the step whose output was not all finite: no host read, one ``aminmax``
+  pass over each output. The call, not the module's first finish, places it:
+  a module called twice (one dropout applied at several places) receives in
+  its second call the NaN a module between the calls made.
   The flags are read only on a step whose gradients are non-finite.
   (OLMo-core's ``NaNCheckerCallback`` does this half with a host check per
   module; pytorch#160016 and #143658 ask for it.)
@@ -17,12 +20,12 @@ Two places, because they answer different failures (issue 42, item 4):
   locates it. Post-accumulate-grad hooks record that order (see below for
   how long they stay on).
 
-"Forward order" is the order in which modules first finished their forward
-in this step: a module's hook runs when its ``forward`` returns, so a leaf
-that makes a NaN finishes before the container around it, and before every
-module that receives the NaN. It is this step's order, not the first step's:
-a layer a step may skip (LayerDrop, an expert no token was routed to) first
-finishes steps after the modules it feeds. Forwards run without gradients
+"Forward order" is the order in which modules' calls finished in this step:
+a module's hook runs when its ``forward`` returns, so a leaf that makes a NaN
+finishes before the container around it, and before every module that
+receives the NaN. It is this step's order, not the first step's: a layer a
+step may skip (LayerDrop, an expert no token was routed to) first finishes
+steps after the modules it feeds. Forwards run without gradients
 (evaluation under ``torch.no_grad``) are not looked at: they give no
 gradients. Likewise the accumulation order is that of the latest step
 recorded: the hooks stay on until every parameter has had a gradient, so
@@ -33,13 +36,15 @@ parameter and backward).
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Iterable, Mapping
 
 import torch
 
 __all__ = ["NonfiniteLocator"]
+
+# A module's flag while none of its outputs in the step held a non-finite value.
+CLEAN = 2**62
 
 
 class NonfiniteLocator:
@@ -54,9 +59,9 @@ class NonfiniteLocator:
         self._names: dict[int, str] = {}  # id(module) -> its name in the model
         self._slot: dict[int, int] = {}  # id(module) -> its place in forward order
         self._order: list[str] = []  # module names by slot (first forward ever)
-        self._position: dict[int, int] = {}  # slot -> its place in this step's forward order
-        # Per device: a bool flag per slot ("all finite"), and the 0-dim views the
-        # hooks AND into.
+        self._calls = 0  # module calls finished in this step's forwards
+        # Per device: a flag per slot (the step's first call whose output was not all
+        # finite, or CLEAN), and the 0-dim views the hooks lower.
         self._flags: dict[torch.device, torch.Tensor] = {}
         self._views: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._accumulated: list[weakref.ref] = []  # parameters, in accumulation order
@@ -69,9 +74,13 @@ class NonfiniteLocator:
         self._last = None  # (weak reference, version) of the output checked last
         modules = list(model.named_modules(remove_duplicate=True))
         self._capacity = len(modules)
+        # Run eagerly under torch.compile (a graph break per hooked module): traced, the
+        # flags' views mutated in place stop aot_autograd ("non-differentiable view
+        # input mutations"), and the call count would be a constant of the graph.
+        hook = torch.compiler.disable(self._forward_hook)
         for name, module in modules:
             self._names[id(module)] = name or type(module).__name__
-            self._handles.append(module.register_forward_hook(self._forward_hook))
+            self._handles.append(module.register_forward_hook(hook))
         for param in model.parameters():
             if param.requires_grad:
                 self._grad_handles.append(
@@ -84,24 +93,26 @@ class NonfiniteLocator:
             return
         if self._stale:
             self._stale = False
-            self._position = {}
+            self._calls = 0
             for flags in self._flags.values():
-                flags.fill_(True)
+                flags.fill_(CLEAN)
         key = id(module)
         slot = self._slot.get(key)
         if slot is None:
             slot = self._slot[key] = len(self._order)
             self._order.append(self._names.get(key, type(module).__name__))
-        self._position.setdefault(slot, len(self._position))
+        call = self._calls
+        self._calls += 1
         for t in _tensors(output):
             if not t.numel() or not (t.is_floating_point() or t.is_complex()):
                 continue
             if self._checked(t):
                 continue  # a container returning its last child's output: seen already
             with torch.no_grad():
-                # "Every output so far was finite", ANDed into the flag on the device,
-                # no read (the flag starts True; the next step's first forward resets it).
-                self._view(slot, t.device).logical_and_(_all_finite(t.detach()))
+                # The first call whose output was not all finite, kept on the device,
+                # no read (the flag starts CLEAN; the next step's first forward resets it).
+                view = self._view(slot, t.device)
+                torch.minimum(view, torch.where(_all_finite(t.detach()), CLEAN, call), out=view)
 
     def _checked(self, t: torch.Tensor) -> bool:
         """Whether ``t`` itself, unchanged, was the output checked last (then the
@@ -116,10 +127,10 @@ class NonfiniteLocator:
         if view is None:
             flags = self._flags.get(device)
             if flags is None:
-                flags = self._flags[device] = torch.ones(self._capacity, dtype=torch.bool,
-                                                         device=device)
+                flags = self._flags[device] = torch.full((self._capacity,), CLEAN,
+                                                         dtype=torch.int64, device=device)
             if slot >= flags.numel():  # a module added to the model after the monitor
-                grown = torch.ones(2 * slot + 1, dtype=torch.bool, device=device)
+                grown = torch.full((2 * slot + 1,), CLEAN, dtype=torch.int64, device=device)
                 grown[: flags.numel()] = flags
                 flags = self._flags[device] = grown
                 self._views = {k: v for k, v in self._views.items() if k[1] != device}
@@ -166,12 +177,12 @@ class NonfiniteLocator:
             return None
         hits = []
         for flags in self._flags.values():
-            hits += (~flags).nonzero().flatten().tolist()  # the one read per device
+            calls = flags.tolist()  # the one read per device
+            hits += [(call, slot) for slot, call in enumerate(calls) if call != CLEAN]
         if not hits:
             return None
-        # Slots number modules by their first forward ever; this step's order decides.
-        first = min(hits, key=lambda slot: (self._position.get(slot, math.inf), slot))
-        return self._order[first]
+        # Slots number modules by their first forward ever; this step's calls decide.
+        return self._order[min(hits)[1]]
 
     def _first_backward(self, params: Iterable[torch.Tensor], names: Mapping[int, str]):
         params = list(params)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,7 +22,7 @@ import torch
 from benchmarks import host_ops
 from gradclip_cli import GradMonitor
 from tests.cli.conftest import gradclip  # noqa: F401
-from tests.cli.support import logical_lines
+from tests.cli.support import REPO, logical_lines
 
 transformers = pytest.importorskip("transformers")
 
@@ -355,3 +358,135 @@ def test_a_layer_first_given_a_gradient_on_a_later_step_is_named_where_it_was(tm
     # layers.2 and head were accumulated first and stayed finite; layers.1 is where it began.
     assert order.first_nonfinite(model) in ("layers.1.weight", "layers.1.bias")
     assert record["nonfinite_origin"]["backward"] == order.first_nonfinite(model)
+
+
+class SharedDropout(torch.nn.Module):
+    """One dropout module called twice, before and after ``mid`` (a common shape:
+    GPT-style models apply ``self.drop`` at several places)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.drop = torch.nn.Dropout(0.1)
+        self.embed = torch.nn.Linear(4, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.drop(self.mid(self.drop(self.embed(x)))))
+
+
+@pytest.mark.parametrize("culprit", ["mid", "drop"])
+def test_a_module_called_twice_is_placed_by_the_call_whose_output_went_bad(tmp_path, culprit):
+    # drop finishes first (its first call) and again after mid: a NaN made by mid
+    # reaches drop's second call, which must not place drop ahead of mid; a NaN made
+    # by drop's first call is drop's.
+    model = SharedDropout()
+    corrupt = {"on": False, "calls": 0}
+
+    def nan_out(module, args, out):
+        corrupt["calls"] += 1
+        return out * math.nan if corrupt["on"] and corrupt["calls"] == 1 else out
+
+    getattr(model, culprit).register_forward_hook(nan_out)
+    order = ForwardOrder(model)
+    x = torch.rand(3, 4)
+    with GradMonitor(model, tmp_path / "grads.jsonl", None, locate_nonfinite=True) as monitor:
+        model(x).sum().backward()
+        assert monitor.step(0)["nonfinite_origin"] is None
+        corrupt.update(on=True, calls=0)
+        order.finished.clear()
+        model.zero_grad()
+        model(x).sum().backward()
+        record = monitor.step(1)
+    assert order.first_nonfinite() == culprit
+    assert record["nonfinite_origin"]["forward"] == culprit
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="inductor compiles C++ on the CPU")
+def test_a_compiled_model_runs_and_names_the_module(tmp_path):
+    # torch.compile traced the hooks into the graph, and aot_autograd refused their
+    # in-place writes to views of one flags tensor: the training step raised.
+    model = SharedDropout()
+    compiled = torch.compile(model)
+    x = torch.rand(3, 4)
+    with GradMonitor(model, tmp_path / "grads.jsonl", None, locate_nonfinite=True) as monitor:
+        records = []
+        for step in range(3):
+            model.zero_grad()
+            with torch.no_grad():
+                model.mid.bias[0] = math.nan if step == 1 else 0.0
+            compiled(x).sum().backward()
+            records.append(monitor.step(step)["nonfinite_origin"])
+    assert records[0] is None and records[2] is None
+    assert records[1]["forward"] == "mid"
+
+
+def test_autopsy_of_a_non_finite_step_states_where_the_monitor_located_it(tmp_path,
+                                                                         gradclip):  # noqa: F811
+    # A NaN made in backward through layers.1 reaches embed below it within the same
+    # step: the groups' onsets tie, and the monitor's origin is what places it.
+    model = LayerDrop()
+    order = AccumulationOrder(model)
+    x = torch.rand(3, 4)
+    log = tmp_path / "grads.jsonl"
+    with GradMonitor(model, log, None, locate_nonfinite=True) as monitor:
+        for step in range(3):
+            model.zero_grad()
+            model(x).sum().backward()
+            monitor.step(step)
+        handle = model.layers[1].register_full_backward_pre_hook(
+            lambda module, grad_output: (grad_output[0] * math.nan,))
+        model.zero_grad()
+        order.order.clear()
+        model(x).sum().backward()
+        record = monitor.step(3)
+        handle.remove()
+    assert record["nonfinite_origin"]["backward"] == order.first_nonfinite(model)
+    result = gradclip("autopsy", log)
+    verdict = " ".join(result.out.split())  # the verdict wraps at the path's length
+    assert (f"step 3: non-finite; located by the monitor: forward clean, first non-finite "
+            f"gradient {order.first_nonfinite(model)}; began in") in verdict
+    as_json = gradclip("autopsy", log, "--format", "json").json()
+    assert f"first non-finite gradient {order.first_nonfinite(model)}" in as_json["verdict"]
+
+
+DTENSOR_OUTPUT = """
+import json, sys, math, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+from gradclip_cli import GradMonitor
+folder = sys.argv[1]
+dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=0,
+                        world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+
+class ToDTensor(torch.nn.Module):  # an output left as a DTensor (use_local_output=False)
+    poison = False
+    def forward(self, x):
+        x = x * math.nan if self.poison else x
+        return DTensor.from_local(x, mesh, [Replicate()])
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), ToDTensor())
+origins = []
+with GradMonitor(model, f"{folder}/grads.jsonl", None, locate_nonfinite=True) as monitor:
+    for step in range(2):
+        model[1].poison = step == 1
+        model.zero_grad()
+        model(torch.rand(3, 4)).full_tensor().sum().backward()
+        origins.append(monitor.step(step)["nonfinite_origin"])
+print(json.dumps(origins), flush=True)
+from tests import gloo
+gloo.leave()
+"""
+
+
+def test_a_module_whose_output_is_a_dtensor_is_watched(tmp_path):
+    # A bool flag ANDed in place with a DTensor raised an AssertionError in DTensor's
+    # dispatch: the forward of a tensor-parallel model keeping DTensor outputs stopped.
+    proc = subprocess.run([sys.executable, "-c", DTENSOR_OUTPUT, str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    origins = json.loads(proc.stdout.splitlines()[-1])
+    assert origins[0] is None and origins[1]["forward"] == "1"
