@@ -22,6 +22,7 @@ from ..report import ClipReport
 from ..report.groups import nonfinite_counts
 from ..sink.atomic import links_kept
 from ..sink.write_back import execute
+from ..source.layouts import LAYOUTS
 from .common import Loaded, load_for_writing, measure, speaks, tensor_writers
 from .output import Output
 
@@ -52,10 +53,14 @@ def run(
         if loaded.contents.shard_of is not None:
             # Its norm is this file's alone: scaled by it, the set's total would not be
             # the one asked for (inspect says so; clip writes nothing).
-            folder = visible(str(loaded.contents.shard_of))
+            shard_of = loaded.contents.shard_of
+            folder = visible(str(shard_of))
+            whole = f"clip the set: gradclip clip {folder}" if any(
+                layout.recognises(shard_of) for layout in LAYOUTS) else \
+                "the set's index is not there to read it by (a '*.index.json')"
             raise UsageError(f"{visible(path)}: one shard of the set in {folder}: clip scales "
                              "by the total norm of every gradient of the set, which this file "
-                             f"alone does not hold; clip the set: gradclip clip {folder}")
+                             f"alone does not hold; {whole}")
         plan = loaded.write_back
         if plan is not None and plan.folder is not None:
             target = str(options.set_output(plan.folder, output, in_place))

@@ -295,8 +295,9 @@ class Contents:
         folder: for a set of files, the folder that holds them, which clip
             writes back as a folder (an index's folder; DCP's Hugging Face
             layout has no index).
-        shard_of: for one file of a set given alone (a shard an index lists, a
-            file of DCP's Hugging Face layout), the set's folder: its norms are
+        shard_of: for one file of a set given alone (a shard an index lists, or
+            whose name counts it one of several, a file of DCP's Hugging Face
+            layout), the set's folder: its norms are
             that file's alone, which the report says, and which clip refuses to
             scale by (the set's total is another).
         trusted_pickle: some file was read with ``--trust-pickle``'s full unpickler.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..escaping import visible
-from .vocabulary import NUMBERED_NAME, last_number
+from .vocabulary import NUMBERED_NAME, SHARD_NAME, last_number
 
 _SCANNED = 1000  # children looked at for a hint; a refusal never waits on a huge folder
 
@@ -39,10 +39,10 @@ def run_folder_message(path: str) -> str | None:
     p = Path(path)
     if not p.is_dir():
         return None
-    from .layouts import LAYOUTS, deepspeed, hf_sharded
+    from .layouts import LAYOUTS, hf_sharded, near_miss
 
-    if any(layout.recognises(p) for layout in LAYOUTS) or deepspeed.near_miss(p) is not None:
-        return None  # a layout's own refusal says more (DeepSpeed's: what is missing)
+    if any(layout.recognises(p) for layout in LAYOUTS) or near_miss(p) is not None:
+        return None  # a layout's own refusal says more (DeepSpeed's, DCP's: what is missing)
     try:
         children = sorted(c for _, c in zip(range(_SCANNED), p.iterdir()))
     except OSError:
@@ -51,11 +51,26 @@ def run_folder_message(path: str) -> str | None:
         return None  # a sharded set's folder: its shards number parts, not steps
     folders = [c for c in children if NUMBERED_NAME.fullmatch(c.name) and c.is_dir()]
     files = [c for c in children if _step_of_name(c.name) is not None and is_checkpoint_file(c)]
+    shards = [c for c in files if SHARD_NAME.fullmatch(c.name)]
+    if shards and not folders and len(shards) == len(files):
+        # model-00001-of-00002.safetensors ..: one checkpoint's parts, whose index is gone.
+        span = f"{visible(shards[0].name)} .. {visible(shards[-1].name)}" \
+            if len(shards) > 1 else visible(shards[0].name)
+        one = visible(os.path.join(path, shards[0].name))
+        return (f"{visible(path)}: the shards of one sharded checkpoint ({span}) without the "
+                "index that lists their tensors (a '*.index.json', which the save writes "
+                "last): the set is read through its index; to measure one shard alone, "
+                f"'gradclip inspect {one}'")
     trend = f"for norms over the run use 'gradclip trend {visible(path)}'"
+    # One file with a number in its name (bf16.pt, gpt2.pt) beside other checkpoints is no
+    # run of per-step files, nor the newest of them.
+    if len(files) == 1 and any(c != files[0] and is_checkpoint_file(c) for c in children):
+        files = []
     numbered = folders or files
     if numbered:
         numbered.sort(key=lambda c: (_step_of_name(c.name) or 0, c.name))
-        what = "numbered checkpoints" if folders else "per-step checkpoint files"
+        what = ("numbered checkpoint" if folders else "per-step checkpoint file") + \
+            ("s" if len(numbered) > 1 else "")
         span = visible(numbered[0].name) if len(numbered) == 1 else \
             f"{visible(numbered[0].name)} .. {visible(numbered[-1].name)}"
         newest = visible(os.path.join(path, numbered[-1].name))

@@ -34,6 +34,9 @@ STEP_NAME = re.compile(r"(?:checkpoint-|global_step_?|step[-_]?|iter_)(\d+)")
 # ... and the names a run's folder numbers its checkpoints by: those, and accelerate's
 # checkpoint_N (it numbers saves).
 NUMBERED_NAME = re.compile(rf"{STEP_NAME.pattern}|checkpoint_(\d+)")
+# A shard of a sharded set, as Hugging Face names them (model-00002-of-00003.safetensors):
+# its number K and the set's count M. The numbers count parts, not steps.
+SHARD_NAME = re.compile(r".+-(\d+)-of-(\d+)\.(?:safetensors|bin|pt|pth)")
 # The last number in a name: the order trend gives names STEP_NAME does not know.
 LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 

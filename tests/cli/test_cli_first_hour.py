@@ -145,3 +145,29 @@ def test_a_plain_unreadable_file_gets_no_trend_hint(gradclip, tmp_path):
     path.write_text("not a checkpoint")
     r = gradclip("inspect", path)
     assert r.code == 3 and "gradclip trend" not in r.err
+
+
+def test_inspect_of_the_samples_folder_does_not_call_it_a_run(gradclip):
+    # The folder a newcomer tries first: seven unrelated checkpoints, one of them with a
+    # number in its name (bf16.pt). It is no run of per-step files, bf16.pt no newest
+    # step, and trend of it refuses (two files at step 100): inspect says what it is.
+    from tests.test_readme import REPO
+
+    folder = REPO / "sample_checkpoints"
+    r = gradclip("inspect", folder)
+    assert r.code == 3 and len(r.err_lines) == 1, r.err
+    assert "a run's folder" not in r.err and "newest" not in r.err, r.err
+    assert "not a checkpoint gradclip knows" in r.err
+
+
+def test_a_run_of_one_per_step_file_is_named_in_the_singular(gradclip, tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    torch.save({"grads": {"w": torch.ones(3)}}, folder / "step_5.pt")
+    r = gradclip("inspect", folder)
+    assert r.code == 3 and len(r.err_lines) == 1, r.err
+    assert r.err_lines[0] == (
+        f"gradclip: {folder}: a run's folder of 1 per-step checkpoint file (step_5.pt), not "
+        f"one checkpoint: for norms over the run use 'gradclip trend {folder}'; to inspect "
+        f"the newest, 'gradclip inspect {folder / 'step_5.pt'}'")
+    assert gradclip("inspect", folder / "step_5.pt").code == 0

@@ -297,6 +297,28 @@ def test_truncated_model_shard(gradclip, copy):
     one_line_exit_3(gradclip("inspect", copy / "epoch_1", "--what", "weights"), SHARD)
 
 
+def test_an_unfinished_hugging_face_save_is_refused(gradclip, torchtune_runs, tmp_path):
+    """``FullModelHFCheckpointer`` writes ``model-0000K-of-0000M.safetensors`` one by one and
+    its index last: a save stopped before its last shard leaves the first ones and no index.
+    The epoch is refused naming the missing shard (the shards present were measured as the
+    whole model, exit 0). Here the real shard of a save is split in two as the
+    checkpointer splits a model, and the second never written."""
+    from safetensors.torch import save_file
+
+    out = tmp_path / "out"
+    shutil.copytree(torchtune_runs / "hf", out)
+    epoch = out / "epoch_1"
+    weights = _hf_shard(out, 1)
+    names = list(weights)
+    half = {k: weights[k] for k in names[: len(names) // 2]}
+    save_file(half, epoch / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    (epoch / "model-00001-of-00001.safetensors").unlink()
+    (epoch / "model.safetensors.index.json").unlink()
+    for what in ("weights", "exp_avg"):
+        result = gradclip("inspect", epoch, "--what", what)
+        one_line_exit_3(result, "model-00002-of-00002.safetensors", "missing")
+
+
 # --------------------------------------------------------------------- under torchrun
 
 

@@ -195,29 +195,43 @@ def test_in_place_through_a_link_to_the_set_keeps_the_link(gradclip, tmp_path):
     assert gradclip("inspect", folder, "--max-norm", "0.5").code == 0
 
 
-def test_clip_of_one_shard_alone_is_refused_and_its_suggestion_clips_the_set(gradclip, tmp_path):
-    """One shard's norm is not the set's: scaled by it, the set would not be clipped to
-    --max-norm. Exit 2, nothing written; the command it offers clips the whole set."""
+def _sharded_grads(tmp_path: Path, seed: int) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Six gradients saved by huggingface_hub as a set of several shards with its index,
+    in ``tmp_path / "grads"``; the folder and the gradients."""
     from huggingface_hub import save_torch_state_dict
 
     folder = tmp_path / "grads"
     folder.mkdir()
-    g = torch.Generator().manual_seed(6)
+    g = torch.Generator().manual_seed(seed)
     grads = {f"h.{i}.w": torch.randn(300, generator=g) * (i + 1) for i in range(6)}
     save_torch_state_dict(grads, folder, filename_pattern="grads{suffix}.safetensors",
                           max_shard_size=2000)
-    index = json.loads((folder / "grads.safetensors.index.json").read_text())
-    files = sorted(set(index["weight_map"].values()))
-    assert len(files) > 1
-    shard = folder / files[0]
+    return folder, grads
+
+
+def _assert_shard_clip_refused(gradclip, shard: Path, folder: Path, tmp_path: Path,
+                               remedy: str) -> None:
+    """clip of ``shard`` alone: exit 2, one line ending in ``remedy``, nothing written."""
     before = _digests(folder)
     result = gradclip("clip", shard, "--max-norm", "1", "-o", tmp_path / "one.safetensors")
     assert result.code == 2 and result.out == ""
     (line,) = result.err.splitlines()
     assert line == (f"gradclip: {shard}: one shard of the set in {folder}: clip scales by the "
                     "total norm of every gradient of the set, which this file alone does not "
-                    f"hold; clip the set: gradclip clip {folder}")
+                    f"hold; {remedy}")
     assert sorted(os.listdir(tmp_path)) == ["grads"] and _digests(folder) == before
+
+
+def test_clip_of_one_shard_alone_is_refused_and_its_suggestion_clips_the_set(gradclip, tmp_path):
+    """One shard's norm is not the set's: scaled by it, the set would not be clipped to
+    --max-norm. Exit 2, nothing written; the command it offers clips the whole set."""
+    folder, grads = _sharded_grads(tmp_path, seed=6)
+    index = json.loads((folder / "grads.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1
+    shard = folder / files[0]
+    _assert_shard_clip_refused(gradclip, shard, folder, tmp_path,
+                               f"clip the set: gradclip clip {folder}")
     followed = gradclip("clip", folder, "--max-norm", "1", "-o", tmp_path / "clipped",
                         "--format", "json")
     assert followed.code == 0, followed.err
@@ -230,3 +244,36 @@ def test_clip_of_one_shard_alone_is_refused_and_its_suggestion_clips_the_set(gra
     inspected = gradclip("inspect", shard, "--format", "json")
     assert inspected.code == 0  # inspect measures the one shard, and says so
     assert inspected.json()["num_tensors"] < len(grads)
+
+
+def test_a_set_whose_index_is_gone_is_no_run_and_its_shards_say_what_they_cover(
+        gradclip, tmp_path):
+    """A sharded set without its index (a save cut before the index, a copy by '*'):
+    the folder is one checkpoint's parts, not a run of per-step files (their numbers
+    count shards); a shard given alone says it covers itself only, and clip refuses
+    to scale it by its own norm, offering no command that cannot work."""
+    folder, _ = _sharded_grads(tmp_path, seed=7)
+    (folder / "grads.safetensors.index.json").unlink()
+    files = sorted(os.listdir(folder))
+    assert len(files) > 1
+    shard = folder / files[0]
+
+    refused = gradclip("inspect", folder)
+    assert refused.code == 3 and refused.out == ""
+    (line,) = refused.err.splitlines()
+    assert "run's folder" not in line and "trend" not in line
+    assert line.startswith(f"gradclip: {folder}: the shards of one sharded checkpoint")
+    assert line.endswith(f"to measure one shard alone, 'gradclip inspect {shard}'")
+
+    followed = gradclip("inspect", shard, "--format", "json")
+    assert followed.code == 0, followed.err
+    doc = followed.json()
+    with safe_open(str(shard), framework="pt") as file:
+        held = [file.get_tensor(n) for n in file.keys()]
+    assert rel_err(float(doc["total_norm"]), _norm(held)) < 1e-6
+    count = len(files)
+    assert (f"covers shard {files[0]} only: its name counts it one of {count} shards, and no "
+            "index beside it lists the set") in doc["description"]
+
+    _assert_shard_clip_refused(gradclip, shard, folder, tmp_path,
+                               "the set's index is not there to read it by (a '*.index.json')")

@@ -11,7 +11,9 @@ Every shard is opened by the file readers (so safetensors and torch shards
 alike are mapped, checked and weights-only), and the set is checked to be
 what the index says: each shard inside the folder, each name in the shard the
 index names and in no other. The tensors form one mapping in index order: one
-total across shards.
+total across shards. A shard given alone is measured alone, and the report says
+so (``clip`` refuses it); shards whose index is gone are refused, naming it:
+their numbers count parts, not steps.
 """
 
 from __future__ import annotations

@@ -20,13 +20,24 @@ from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import locate, roles, select_gradients
 from gradclip_cli.source.interface import Checkpoint, stored
-from gradclip_cli.source.vocabulary import GRADIENT_KEYS, OPTIMIZER_KEYS, WEIGHT_KEYS, step_of
+from gradclip_cli.source.vocabulary import (
+    GRADIENT_KEYS,
+    OPTIMIZER_KEYS,
+    SHARD_NAME,
+    WEIGHT_KEYS,
+    step_of,
+)
 
 from . import dcp_hf
 from .draft import Draft
 from .facts import ENTRY, FLAT, KEY, MARK, PROOF, STATE, Found, NotGradients, wording
 from .paths import read_json
-from .torch_optim import is_optimizer_state, optimizer_state
+from .torch_optim import (
+    MASTER_WEIGHT_KEYS,
+    is_optimizer_state,
+    optimizer_state,
+    wraps_optimizer_state,
+)
 
 
 def contents_of(ckpt: Checkpoint, *, key: str | None) -> Draft:
@@ -49,7 +60,19 @@ def contents_of(ckpt: Checkpoint, *, key: str | None) -> Draft:
             f"({dcp_hf.SHARDING_KEY}); the whole checkpoint is the folder "
             f"{visible(str(folder))}")
         contents.shard_of = folder
+    elif (count := _counted_shards(path)) is not None:
+        contents.description.append(
+            f"covers shard {visible(path.name)} only: its name counts it one of {count} "
+            "shards, and no index beside it lists the set")
+        contents.shard_of = path.parent
     return contents
+
+
+def _counted_shards(path: Path) -> int | None:
+    """How many shards the name of ``path`` says its set has (``-0000K-of-0000M``), where
+    more than one; else None."""
+    match = SHARD_NAME.fullmatch(path.name)
+    return int(match.group(2)) if match and int(match.group(2)) > 1 else None
 
 
 def fill_from_root(contents: Draft, root: Any, path: Path, key: str | None,

@@ -9,7 +9,9 @@ through a checkpointer at the end of every epoch:
   ``FullModelHFCheckpointer`` writes Hugging Face shards
   (``model-0000K-of-0000M.safetensors`` or ``.bin``) with their index, under
   Hugging Face names, in no model order. Files of the base checkpoint's
-  folder (tokenizer, ``config.json``) are copied beside them;
+  folder (tokenizer, ``config.json``) are copied beside them. The shards are
+  written one by one and the index last: an epoch lacking a shard that the
+  shards' names count (``-of-0000M``) is refused, naming it;
 * ``<output_dir>/recipe_state/recipe_state.pt``: at every epoch but the
   last, overwritten each time: ``optimizer`` (the optimizer's
   ``state_dict()``; with ``optimizer_in_bwd`` one state dict per parameter,
@@ -176,6 +178,7 @@ def _read_weights(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: b
             contents.say(wording(Found(roles.WEIGHT, FILES, (f"{epoch.name}/{name}",), _SAID)))
             return " (Hugging Face shards)"
     shards = [n for n in _names(epoch) if _SHARD.fullmatch(n)]
+    _check_complete(epoch, shards)
     weights: dict[str, StoredTensor] = {}
     in_order = True
     for name in shards:
@@ -200,6 +203,23 @@ def _read_weights(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: b
     contents.say(wording(Found(roles.WEIGHT, FILES, (f"{epoch.name}/{', '.join(shards)}",),
                                _SAID)))
     return ""
+
+
+def _check_complete(epoch: Path, shards: list[str]) -> None:
+    """Every shard that the shards' own names count (``model-0000K-of-0000M``: K from 1 to
+    M) is there. ``FullModelHFCheckpointer`` writes its shards one by one and the index
+    last, so a save that did not finish leaves the first shards and no index: read as
+    they are, they would pass for the whole model."""
+    for name in shards:
+        _, total, suffix = _SHARD.fullmatch(name).groups()
+        for k in range(1, int(total) + 1):
+            wanted = f"model-{k:05d}-of-{total}.{suffix}"
+            if wanted not in shards:
+                raise InputError(
+                    f"{epoch / wanted}: missing: {visible(name)} is one of {int(total)} "
+                    "shards and this one is not there (a save that did not finish: "
+                    "torchtune writes the shards one by one, then their index)"
+                )
 
 
 def _read_adapter(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: bool) -> str:
