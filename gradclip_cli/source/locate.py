@@ -230,8 +230,12 @@ def _leaves(node: Any, where: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def _is_optimizer_state(node: Any) -> bool:
-    """A ``torch.optim.Optimizer.state_dict()``: its tensors are moments, never gradients."""
-    return isinstance(node, Mapping) and "state" in node and "param_groups" in node
+    """A ``torch.optim.Optimizer.state_dict()``, or a mixed-precision wrapper's state around
+    one: its tensors are moments and master weights, never gradients."""
+    from gradclip_cli.source.layouts.torch_optim import wraps_optimizer_state
+
+    return isinstance(node, Mapping) and (
+        "state" in node and "param_groups" in node or wraps_optimizer_state(node))
 
 
 def _gradient_shaped(value: Any) -> bool:

@@ -204,6 +204,39 @@ def test_a_file_of_a_split_checkpoint_alone_is_refused_naming_its_folder(
     assert _inspect(folder, "weights")["what"] == "weights"
 
 
+@pytest.mark.parametrize(("run", "name", "holds"), [
+    ("zero2", _optim(0), "one rank's ZeRO optimizer partition"),
+    ("zero3", _optim(1), "one rank's ZeRO optimizer partition"),
+    ("zero3", "zero_pp_rank_0_mp_rank_00_model_states.pt", "ZeRO 3's empty placeholders"),
+    ("pipe2_zero1", "mp_rank_01_model_states.pt", "one of 2 model-parallel ranks' shards")])
+@pytest.mark.parametrize("trust", [(), ("--trust-pickle",)])
+def test_a_rank_file_copied_out_of_its_folder_is_refused_by_its_content(
+        deepspeed_runs, tmp_path, run, name, holds, trust):
+    """The same rank files, copied away from the folder's other files (renamed, or alone
+    under their own name): recognised by what they hold, not where they lie. ZeRO 3's
+    model state file was read as weights of norm 0 with exit 0, and under --trust-pickle
+    an optimizer file's flat master weights were offered as a --key of gradients (followed,
+    their norm was reported as a gradient norm, exit 0)."""
+    source = deepspeed_runs / run / TAG / name
+    (tmp_path / "alone").mkdir()
+    for file in (tmp_path / "model.pt", tmp_path / "alone" / name):
+        shutil.copyfile(source, file)
+        for fmt in ("table", "json"):
+            result = run_cli("inspect", file, *trust, "--no-progress", "--format", fmt)
+            assert result.code == 3, (result.code, result.err, result.out)
+            line = result.err_lines[-1]
+            # Alone under its own name, a stage's file is its folder's (incomplete) ranks.
+            named = file.parent if file.name == "mp_rank_01_model_states.pt" else file
+            assert str(named) in line, line
+            assert file.name != "model.pt" or "DeepSpeed" in line and holds in line, line
+            assert "--key" not in line and "--trust-pickle" not in line, line
+            if fmt == "json":
+                assert json.loads(result.out)["error"] == line.removeprefix("gradclip: ")
+        for what in ("weights", "exp_avg"):
+            result = run_cli("inspect", file, *trust, "--no-progress", "--what", what)
+            assert result.code == 3 and str(named) in result.err_lines[-1], result.err
+
+
 def test_zero1_module_file_alone_holds_the_whole_module(deepspeed_runs):
     """ZeRO 1/2's mp_rank_00_model_states.pt holds every weight whole: read as one file."""
     file = deepspeed_runs / "zero1" / TAG / "mp_rank_00_model_states.pt"

@@ -217,6 +217,17 @@ def test_a_model_without_megatrons_names_is_refused(deepspeed_tp_runs):
         )
 
 
+@pytest.mark.parametrize("what", ["auto", "weights"])
+def test_a_rank_file_copied_out_of_its_folder_is_refused(deepspeed_tp_runs, tmp_path, what):
+    """Without ZeRO, tensor-parallel rank 1's model state file read in its folder is the
+    folder; copied out (renamed), its own shards were reported as the model's with exit 0.
+    Its ``mp_world_size`` says it is one of two ranks: refused, naming the file."""
+    file = tmp_path / "model.pt"
+    shutil.copyfile(deepspeed_tp_runs / "zero0_core" / "global_step2" / MODEL.format(1), file)
+    assert_refused(run_cli("inspect", file, "--what", what, "--no-progress"), file,
+                   "one of 2 model-parallel ranks' shards", "give that folder")
+
+
 def test_clip_refuses_and_writes_nothing(deepspeed_tp_runs, tmp_path):
     out = tmp_path / "out"
     result = run_cli("clip", deepspeed_tp_runs / "zero1_core", "--max-norm", "0.1", "-o", out)

@@ -37,6 +37,89 @@ def _paths(run: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("what", WHATS)
+def test_the_file_copied_out_of_its_folder_keeps_the_buffer_apart(deepspeed_runs, tmp_path,
+                                                                 what):
+    """The model state file renamed, away from its folder, is read as a file: its
+    ``buffer_names`` still say ``scale`` is a buffer. It was measured as a weight (the
+    weight total 1.9x the parameters', exit 0)."""
+    file = tmp_path / "model.pt"
+    shutil.copyfile(deepspeed_runs / "zero0" / TAG / MODEL, file)
+    expected = _expected(torch.load(deepspeed_runs / "zero0.reference.pt"), what)
+    doc = _inspect(file, what)
+    assert {t["name"] for t in doc["tensors"]} == set(expected)
+    total = torch.cat([v.flatten() for v in expected.values()]).norm().item()
+    assert doc["total_norm"] == pytest.approx(total, rel=RTOL)
+    assert doc["roles"].get("buffer") == 1
+
+
+@pytest.mark.parametrize("run", MIXED)
+def test_the_mixed_precision_file_alone_says_what_its_optimizer_holds(deepspeed_runs,
+                                                                      tmp_path, run):
+    """fp16/bf16 without ZeRO, the model state file renamed away from its folder: its
+    'optimizer' is DeepSpeed's FP16_UnfusedOptimizer state around the moments, which a
+    file alone is not read as. The refusal said it "holds no optimizer state"; it says
+    what it holds, and both ways out it offers work: --what weights, and the file under
+    its own name in a folder of its own (read as the folder is)."""
+    file = tmp_path / "model.pt"
+    shutil.copyfile(deepspeed_runs / run / TAG / MODEL, file)
+    line = assert_refused(run_cli("inspect", file, "--what", "exp_avg"), file)
+    assert "no optimizer state" not in line
+    assert "FP16_UnfusedOptimizer" in line and "optimizer_state_dict" in line
+    assert "available: --what weights" in line and "a folder of its own" in line
+    assert _inspect(file, "weights")["what"] == "weights"
+    alone = tmp_path / "alone" / MODEL
+    alone.parent.mkdir()
+    shutil.copyfile(file, alone)
+    expected, _ = _mixed_expected(deepspeed_runs / run, "exp_avg")
+    total = torch.cat([v.flatten() for v in expected.values()]).norm().item()
+    assert _inspect(alone, "exp_avg")["total_norm"] == pytest.approx(total, rel=RTOL)
+
+
+def test_the_fused_fp16_optimizer_file_alone_says_what_it_holds(deepspeed_runs, tmp_path):
+    """FP16_Optimizer's flat groups, which not even the folder is read with: the refusal
+    names them and offers the weights alone."""
+    file = tmp_path / "model.pt"
+    shutil.copyfile(deepspeed_runs / "zero0_fp16" / TAG / MODEL, file)
+
+    def edit(root):
+        wrapper = root["optimizer"]
+        wrapper["fp32_groups_flat"] = [torch.cat([t.flatten() for t in g])
+                                       for g in wrapper.pop("fp32_groups")]
+    _rewrite(file, edit)
+    line = assert_refused(run_cli("inspect", file, "--what", "exp_avg"), file)
+    assert "no optimizer state" not in line and "a folder of its own" not in line
+    assert "FP16_Optimizer" in line and "fp32_groups_flat" in line
+    assert "available: --what weights" in line
+    assert _inspect(file, "weights")["what"] == "weights"
+
+
+@pytest.mark.parametrize("run", MIXED)
+def test_the_mixed_precision_file_alone_offers_no_master_weights_as_gradients(
+        deepspeed_runs, tmp_path, run):
+    """Its 'optimizer' wrapper keeps the fp32 master weights in fp32_groups: they were
+    offered as --key candidates for gradients, and the key measured them as a gradient
+    norm with exit 0. No candidate is offered, such a key is refused, and the ways out
+    it names work."""
+    file = tmp_path / "model.pt"
+    shutil.copyfile(deepspeed_runs / run / TAG / MODEL, file)
+    line = assert_refused(run_cli("inspect", file, "--what", "grads"), file)
+    assert "fp32_groups" not in line and "candidates for --key" not in line
+    assert "available: --what weights" in line
+    for key in ("optimizer.fp32_groups", "optimizer.fp32_groups.0"):
+        line = assert_refused(run_cli("inspect", file, "--key", key), file)
+        assert line.endswith(f"--key '{key}' is in 'optimizer.fp32_groups', a mixed-precision "
+                             "optimizer's fp32 master weights: not gradients; the model's "
+                             "weights are measured with --what weights")
+    assert _inspect(file, "weights")["what"] == "weights"
+    line = assert_refused(run_cli("inspect", file, "--key", "optimizer"), file)
+    assert line.endswith("(gradclip inspect --key optimizer.optimizer_state_dict)")
+    result = run_cli("inspect", file, "--key", "optimizer.optimizer_state_dict",
+                     "--format", "json")
+    assert result.code == 0, result.err
+    assert json.loads(result.out)["what"] != "grads"
+
+
+@pytest.mark.parametrize("what", WHATS)
 def test_fp32_numbers_match_a_plain_adamw_run(deepspeed_runs, what):
     reference = torch.load(deepspeed_runs / "zero0.reference.pt")
     expected = _expected(reference, what)

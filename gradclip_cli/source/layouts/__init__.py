@@ -169,13 +169,24 @@ _INERT = {("argparse", "Namespace"): NamespaceState}
 def open_file(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:
     """One checkpoint file: a framework's own file (a Lightning ``.ckpt``, recognised by its
     keys) or a plain one (``single_file``). A file of ``DTensor``s (read as their stand-ins,
-    ``DTensorShard``) is one rank's shards, which no file alone places: refused."""
-    with allowing({**_INERT, **DTENSOR_GLOBALS}):
+    ``DTensorShard``) is one rank's shards, which no file alone places: refused, as is one
+    rank's file of a DeepSpeed checkpoint away from its folder (its pickled DeepSpeed
+    objects read as inert stand-ins: ``deepspeed.rank_content_alone``). A DeepSpeed model
+    state file's fp16/bf16 optimizer wrapper is not read as a file's: the reason why says
+    what it holds (``deepspeed.optimizer_alone``)."""
+    with allowing({**_INERT, **DTENSOR_GLOBALS, **DEEPSPEED_GLOBALS}):
         ckpt = load_checkpoint(path, trust_pickle=trust_pickle, verify=verify)
     _refuse_shards(path, ckpt.root, trusted=ckpt.trusted_pickle)
+    alone = deepspeed.rank_content_alone(path, ckpt.root)
+    if alone is not None:
+        raise InputError(alone)
     if lightning.claims(ckpt.root):
         return lightning.contents(ckpt, key=key).finish()
-    return single_file.contents_of(ckpt, key=key).finish()
+    contents = single_file.contents_of(ckpt, key=key)
+    unread = deepspeed.optimizer_alone(ckpt.root)
+    if unread is not None and not contents.optimizers:
+        contents.missing.setdefault(OPTIMIZER_STATE, unread)
+    return contents.finish()
 
 
 def _refuse_shards(path: Path, root, *, trusted: bool) -> None:

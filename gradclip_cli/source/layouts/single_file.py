@@ -137,12 +137,17 @@ def _named(contents: Draft, root: Any, path: Path, key: str) -> bool:
         whole = _whole(value)
         if whole is not None:
             raise roles.not_gradients(str(path), key, "lies inside", entry, whole)
+        master = key[len(entry) + 1:].split(".", 1)[0]
+        if wraps_optimizer_state(value) and master in MASTER_WEIGHT_KEYS:
+            raise InputError(f"{path}: --key '{key}' is in '{entry}.{master}', a "
+                             "mixed-precision optimizer's fp32 master weights: not gradients; "
+                             "the model's weights are measured with --what weights")
     node = locate.at_key(root, key, path=path)
     shown = visible(key)
     if key.rsplit(".", 1)[-1] in GRADIENT_KEYS and isinstance(node, Mapping):
-        roles.contradiction(node, f"{path}: --key {shown}")  # a gradient key holding weights
+        roles.contradiction(node, f"{path}: --key {key}")  # a gradient key holding weights
     if is_optimizer_state(node):
-        contents.optimizers.append(optimizer_state(node, path, repr(key)))
+        contents.optimizers.append(optimizer_state(node, path, f"'{key}'"))
         contents.keyed = roles.OPTIMIZER_STATE
         contents.say(wording(Found(roles.OPTIMIZER_STATE, KEY, (key,)),
                              NotGradients(path, roles.OPTIMIZER_STATE, key=key)))
@@ -199,6 +204,9 @@ def _others(contents: Draft, root: Any, path: Path, skip: str | None = None) -> 
             if name != skip and isinstance(weights, Mapping) and weights and all(
                     isinstance(v, torch.Tensor) for v in weights.values()):
                 contents.weights = stored({str(k): v for k, v in weights.items()}, path)
+                listed = _listed_buffers(root, name, contents.weights)
+                if listed:
+                    contents.buffers = {n: contents.weights.pop(n) for n in listed}
                 if roles.WEIGHT not in contents.evidence:
                     contents.say(wording(Found(roles.WEIGHT, ENTRY, (name,), detail=evidence)))
                 break
@@ -209,10 +217,21 @@ def _others(contents: Draft, root: Any, path: Path, skip: str | None = None) -> 
         names = [*OPTIMIZER_KEYS, *(str(k) for k in root if str(k) not in OPTIMIZER_KEYS)]
         found = [n for n in names if n != skip and is_optimizer_state(root.get(n))]
         for name in found:
-            contents.optimizers.append(optimizer_state(root[name], path, repr(name)))
+            contents.optimizers.append(optimizer_state(root[name], path, f"'{name}'"))
         if found and roles.OPTIMIZER_STATE not in contents.evidence:
             contents.say(wording(Found(roles.OPTIMIZER_STATE, ENTRY, tuple(found))))
     contents.step = step_of(root)
+
+
+def _listed_buffers(root: Mapping, name: str, weights: Mapping[str, Any]) -> list[str]:
+    """The entries of ``root[name]`` that the file's ``buffer_names`` lists beside its
+    ``module`` (DeepSpeed's model state file, read as a file away from its folder): buffers
+    of any name or dtype, never weights."""
+    names = root.get("buffer_names")
+    if name != "module" or not isinstance(names, (list, tuple)) \
+            or not all(isinstance(n, str) for n in names):
+        return []
+    return [n for n in names if n in weights]
 
 
 def _index_listing(path: Path) -> tuple[Path | None, int]:

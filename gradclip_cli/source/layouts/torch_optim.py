@@ -26,6 +26,20 @@ def is_optimizer_state(value: Any) -> bool:
             and isinstance(value.get("param_groups"), (list, tuple)))
 
 
+# Beside a wrapped optimizer's state dict, the fp32 master weights of mixed precision
+# (DeepSpeed's FP16_Optimizer, its unfused and bf16 kin, ZeRO's partitions).
+MASTER_WEIGHT_KEYS = ("fp32_groups", "fp32_groups_flat", "single_partition_of_fp32_groups",
+                      "fp32_flat_groups")
+
+
+def wraps_optimizer_state(value: Any) -> bool:
+    """A mixed-precision optimizer wrapper's state: torch's state dict under
+    ``optimizer_state_dict`` and fp32 master weights beside it. Its tensors are moments
+    and weights, never gradients."""
+    return (isinstance(value, Mapping) and is_optimizer_state(value.get("optimizer_state_dict"))
+            and any(k in value for k in MASTER_WEIGHT_KEYS))
+
+
 def optimizer_state(value: Any, file: Path, where: str) -> OptimizerState:
     """``value`` (a state dict found at ``where`` in ``file``) as ``OptimizerState``."""
 

@@ -79,7 +79,8 @@ One rank's file of a ZeRO folder given alone (an optimizer file, a ZeRO 3 model 
 file, a model-parallel rank's or pipeline stage's ``mp_rank_XX_model_states.pt``) is
 refused, naming the folder: it holds the parameters only with the others
 (``rank_file_alone``). ZeRO 1/2's one ``mp_rank_00_model_states.pt`` holds the whole
-module and is read as a file.
+module and is read as a file. The same file away from its folder (copied out, renamed) is
+recognised by what it holds and refused alike (``rank_content_alone``).
 
 Every file goes through the restricted reader, with DeepSpeed's own pickled
 classes mapped to inert stand-ins (``files/deepspeed_pickle.py``), and the
@@ -91,15 +92,18 @@ imported.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import Contents
+from gradclip_cli.source.untrusted import is_int
 
 from .. import hf_trainer
 from ..dcp_frameworks import refuse_key
+from ..torch_optim import is_optimizer_state
 from . import pipeline, plain, zero
 from .facts import PIPELINE, PLAIN, ZERO, worded
 from .reader import (
@@ -109,6 +113,7 @@ from .reader import (
     PLAIN_STATES,
     Reader,
     follow_latest,
+    mp_name,
     recognises_folder,
 )
 
@@ -195,6 +200,62 @@ def rank_file_alone(path: Path) -> str | None:
     return (f"{path}: one of the files of the DeepSpeed checkpoint {folder}, which hold the "
             "weights and optimizer state only together (split over its ranks or stages); "
             f"give the folder: {folder}")
+
+
+def rank_content_alone(path: Path, root: object) -> str | None:
+    """Why a file that holds one rank's part of a DeepSpeed checkpoint, given away from its
+    folder's other files (copied out, renamed), cannot be measured: recognised by what it
+    holds (``ds_version`` beside an optimizer partition, ZeRO 3's placeholders for the
+    weights, or ``mp_world_size`` above 1), as ``rank_file_alone`` recognises it by its
+    name and its folder. None for any other content, and for a file that holds the whole
+    module (ZeRO 1/2's, or one rank's without ZeRO)."""
+    if not isinstance(root, Mapping) or not isinstance(root.get("ds_version"), str):
+        return None
+    holds = None
+    optimizer = root.get("optimizer_state_dict")
+    module, shapes = root.get("module"), root.get("param_shapes")
+    ranks = root.get("mp_world_size")
+    if isinstance(optimizer, Mapping) and any(k in optimizer for k in _PARTITION_KEYS):
+        holds = "one rank's ZeRO optimizer partition"
+    elif is_int(ranks) and ranks > 1:
+        holds = f"one of {ranks} model-parallel ranks' shards, by its mp_world_size"
+    elif isinstance(module, Mapping) and isinstance(shapes, list) and any(
+            isinstance(group, Mapping) and name in module
+            and getattr(module[name], "shape", shape) != shape
+            for group in shapes for name, shape in group.items()):
+        holds = "ZeRO 3's empty placeholders for the weights"
+    if holds is None:
+        return None
+    return (f"{path}: one rank's file of a DeepSpeed checkpoint, holding {holds}: the "
+            "weights and optimizer state are only in its folder's rank files together; give "
+            "that folder (global_stepN/)")
+
+
+def optimizer_alone(root: object) -> str | None:
+    """Why the optimizer state in DeepSpeed's model state file saved without ZeRO under
+    fp16/bf16, read as a file away from its folder (renamed), is not measured: what its
+    ``optimizer`` holds (a wrapper around torch's state dict, which only the folder's reader
+    reads: ``plain.plain_optimizer``), and where the unfused one is read. None for any other
+    content."""
+    if not isinstance(root, Mapping) or not isinstance(root.get("ds_version"), str):
+        return None
+    value = root.get("optimizer")
+    if not isinstance(value, Mapping) or not is_optimizer_state(value.get("optimizer_state_dict")):
+        return None
+    if "fp32_groups_flat" in value:
+        return ("its 'optimizer' is DeepSpeed's fused FP16_Optimizer state (the moments in "
+                "optimizer_state_dict, the fp32 master weights in fp32_groups_flat, one flat "
+                "buffer per param group), which gradclip does not read")
+    return ("its 'optimizer' is DeepSpeed's fp16/bf16 FP16_UnfusedOptimizer state (the "
+            "moments in optimizer_state_dict, the fp32 master weights in fp32_groups), which "
+            "gradclip reads in a DeepSpeed checkpoint only: give the file as "
+            f"{mp_name(0)}_model_states.pt in a folder of its own")
+
+
+# What a ZeRO optimizer rank file's ``optimizer_state_dict`` holds beside the wrapped
+# optimizer's state: its rank's slice of the flat partitions (stages 1/2, and 3).
+_PARTITION_KEYS = ("zero_stage", "partition_count", "single_partition_of_fp32_groups",
+                   "fp32_flat_groups")
 
 
 def _whole_module(folder: Path) -> bool:
