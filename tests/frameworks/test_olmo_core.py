@@ -143,6 +143,19 @@ def test_dcp_metadata_naming_other_code_is_refused(gradclip, copy, tmp_path):
     assert not marker.exists()
 
 
+def test_the_trainer_state_given_alone_names_its_checkpoint(gradclip, copy):
+    """``stepN/train/`` (or its ``rankR.pt``) is the trainer's state alone: the refusal
+    names the checkpoint folder to give instead. ``train/`` was called a run's folder of
+    per-step checkpoint files (the rank in ``rank0.pt`` taken for a step), with ``trend``
+    of it and ``inspect`` of ``rank0.pt`` offered, and that file's refusal offered
+    ``--trust-pickle``: each of them failed."""
+    for part in (copy / "train", copy / "train" / "rank0.pt"):
+        for flags in ((), ("--trust-pickle",)):
+            result = gradclip("inspect", part, *flags)
+            one_line_exit_3(result, "OLMo-core checkpoint", f"give the checkpoint folder: {copy}")
+            assert "gradclip trend" not in result.err and "--trust-pickle" not in result.err
+
+
 # --------------------------------------------------------------------- under torchrun
 
 

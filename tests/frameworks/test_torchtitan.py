@@ -184,6 +184,50 @@ def test_metadata_that_is_not_a_pickle(gradclip, copy):
     one_line_exit_3(gradclip("inspect", copy), "not DCP metadata", ".metadata")
 
 
+def _renamed(old: str, new: str):
+    """A ``rewrite_metadata`` change: every key, index and planner path naming ``old``
+    names ``new`` (the data files stay as they are: their bytes are found by offset)."""
+    import dataclasses
+
+    def rename(meta):
+        meta.state_dict_metadata = {
+            k.replace(old, new): v for k, v in meta.state_dict_metadata.items()
+        }
+        meta.storage_data = {
+            dataclasses.replace(i, fqn=i.fqn.replace(old, new)): v
+            for i, v in meta.storage_data.items()
+        }
+        meta.planner_data = {
+            k.replace(old, new): tuple(str(p).replace(old, new) for p in v)
+            for k, v in meta.planner_data.items()
+        }
+
+    return rename
+
+
+def test_a_fused_parameters_name_is_escaped_in_the_table(gradclip, copy):
+    """A module's name is the checkpoint's data: the table's line naming the fused
+    parameters shows a terminal escape in it escaped, as the rows do (it was printed raw)."""
+    rewrite_metadata(copy, _renamed("layers.0.attention", "layers.0.att\x1b[31mention"))
+    result = gradclip("inspect", copy, "--what", "exp_avg")
+    assert result.code == 0, result.err
+    assert "\x1b" not in result.out
+    assert "att\\x1b[31mention.qkv_linear.wqkv.weight" in result.out.replace("\n  ", "")
+
+
+def test_a_step_folder_without_its_metadata_says_so(gradclip, copy):
+    """A copy or an interrupted save that lost ``.metadata`` leaves data files no reader
+    can place: the refusal names the missing index, and offers no command that fails (it
+    offered ``trend`` of the folder and ``inspect`` of a ``.distcp``, taking the rank's
+    number in ``__0_0.distcp`` for a step)."""
+    (copy / ".metadata").unlink()
+    for command in (("inspect", copy), ("inspect", copy, "--format", "json")):
+        result = gradclip(*command)
+        assert result.code == 3 and len(result.err_lines) == 1, result.err
+        assert ".metadata" in result.err and "no .metadata" in result.err, result.err
+        assert "gradclip trend" not in result.err and "per-step" not in result.err
+
+
 # --------------------------------------------------------------------- under torchrun
 
 

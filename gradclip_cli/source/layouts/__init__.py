@@ -128,7 +128,7 @@ def _open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> C
         if len(indexes) > 1:
             raise InputError(f"{path}: holds several indexes ({visible(', '.join(indexes))}); "
                              "give the one to read")
-        hint = deepspeed.near_miss(path)
+        hint = near_miss(path)
         if hint is not None:
             raise InputError(hint)
         raise InputError(
@@ -141,10 +141,18 @@ def _open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> C
             "torch.distributed.checkpoint folder: .metadata, or safetensors shards with "
             "DCP_SHARDING_INFO)")
     alone = (deepspeed.rank_file_alone(path) or verl.rank_file_alone(path)
-             or dcp.data_file_alone(path))
+             or dcp.data_file_alone(path) or olmo_core.train_state_alone(path))
     if alone is not None:
         raise InputError(alone)
     return open_file(path, key=key, trust_pickle=trust_pickle, verify=verify)
+
+
+def near_miss(path: Path) -> str | None:
+    """Why a folder that is almost a checkpoint, or a part of one, cannot be read
+    (DeepSpeed's missing files, a DCP folder without its index, OLMo-core's trainer state),
+    in one line; None for any other path."""
+    return (deepspeed.near_miss(path) or dcp.index_missing(path)
+            or olmo_core.train_state_alone(path))
 
 
 def write_back(contents: Contents) -> WriteBack | None:

@@ -10,11 +10,13 @@ the optimizer under one of ``OPTIMIZER_KEYS`` (or Lightning's
 ``--key`` rule), the step under ``step`` or ``global_step``.
 
 A ``.distcp`` data file given alone is refused naming its folder: only the
-``.metadata`` beside it says where each tensor's bytes lie (``data_file_alone``).
+``.metadata`` beside it says where each tensor's bytes lie (``data_file_alone``);
+so are data files whose folder lost its ``.metadata`` (``index_missing``).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -48,10 +50,40 @@ _STEP_KEYS = STEP_KEYS
 _LIGHTNING_OPTIMIZER = re.compile(r"optimizer_\d+")
 
 
+_DATA_SUFFIX = ".distcp"  # torch's FileSystemWriter names its data files __R_N.distcp
+
+
+def index_missing(path: Path) -> str | None:
+    """Why a folder of DCP data files (or one of them) without the ``.metadata`` that
+    indexes them cannot be read: only that index says which tensor's bytes lie where (an
+    interrupted save writes it last; a copy by ``*`` leaves the hidden file behind). None
+    where the folder has its index, or holds no such file."""
+    given_file = not os.path.isdir(path)
+    if given_file and not path.name.endswith(_DATA_SUFFIX):
+        return None  # every file opened comes here: no listing for the others
+    folder = path.parent if given_file else path
+    if os.path.lexists(folder / METADATA_NAME):
+        return None
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(_DATA_SUFFIX))
+    except OSError:
+        return None
+    if not names or (given_file and path.name not in names):
+        return None
+    held = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+    return (f"{path}: torch.distributed.checkpoint data files ({held}) with no "
+            f"{METADATA_NAME} beside them, the index that says where each tensor lies in "
+            "them: they cannot be read without it (a save that did not finish, or a copy "
+            f"that left the hidden {METADATA_NAME} behind)")
+
+
 def data_file_alone(path: Path) -> str | None:
     """Why a DCP data file given alone cannot be read: its folder's ``.metadata`` (the
     index) lists it as one of its storage files, and only that index says where each
     tensor's bytes lie in it. None for any other file."""
+    missing = index_missing(path)
+    if missing is not None:
+        return missing
     meta_file = path.parent / METADATA_NAME
     if path.name == METADATA_NAME or not recognises(meta_file):
         return None

@@ -14,7 +14,9 @@
   ``get_optimizer_state_dict`` with ``flatten_optimizer_state_dict``).
 
 Recognised by content: a folder holding ``.metadata.json``, ``train/`` and
-``model_and_optim/.metadata``. The step is ``global_step`` of
+``model_and_optim/.metadata``. ``train/`` or one of its files given alone is
+refused naming the checkpoint's folder (``train_state_alone``): the trainer's
+state holds no tensor gradclip measures. The step is ``global_step`` of
 ``train/rank0.pt``, read from its pickle's opcodes without unpickling (the
 numpy RNG state would need numpy's reconstructors: ``files/pickle_scan``),
 else the folder's ``stepN`` name.
@@ -50,6 +52,19 @@ def recognises(path: Path) -> bool:
         and os.path.isdir(path / _TRAIN)
         and os.path.isfile(path / _DCP / METADATA_NAME)
     )
+
+
+def train_state_alone(path: Path) -> str | None:
+    """Why ``stepN/train/`` or a file in it, given alone, is not measured: the trainer's
+    state per rank (step, data position, RNG states), no weights or optimizer state. None
+    for any other path."""
+    train = path if os.path.isdir(path) else path.parent
+    step = train.parent
+    if train.name != _TRAIN or not recognises(step):
+        return None
+    return (f"{path}: the trainer's state of the OLMo-core checkpoint {step} (its step, data "
+            "position and RNG states), which holds no weights or optimizer state; give the "
+            f"checkpoint folder: {step}")
 
 
 def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Contents:

@@ -139,8 +139,9 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     )
     if fused:
         contents.description.append(
-            f"fused parameters {', '.join(fused)} have optimizer state under their fused "
-            "name and weights stored split as wq, wk, wv: ratio compares the same elements"
+            f"fused parameters {', '.join(visible(n) for n in fused)} have optimizer state "
+            "under their fused name and weights stored split as wq, wk, wv: ratio compares "
+            "the same elements"
         )
     contents.description.extend(notes)
     return contents.finish()
