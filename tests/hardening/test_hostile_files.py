@@ -241,6 +241,36 @@ def test_missing_data_entry(tmp_path, good_zip):
     assert_refused(run_cli("inspect", path, "-q"), path)
 
 
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
+@pytest.mark.parametrize("entry", ["data/0", "data.pkl"])
+def test_an_entry_name_twice_reads_what_torch_load_reads(tmp_path, entry, verify):
+    """A second entry of the same name appended to a real torch.save zip (another tensor's
+    bytes, or another pickle): which one a zip reader takes is its own choice, so the
+    numbers must be the ones torch.load gives, and clip's copy must read back through
+    torch.load scaled from them."""
+    path = tmp_path / "twice.pt"
+    torch.save({"grads": {"w": torch.full((4,), 1.0)}}, path)
+    other = tmp_path / "other.pt"
+    torch.save({"grads": {"w": torch.full((4,), 3.0)}, "x": 1}, other)
+    with zipfile.ZipFile(other) as src:
+        body = src.read(next(n for n in src.namelist() if n.endswith("/" + entry)))
+    with zipfile.ZipFile(path) as src:
+        name = next(n for n in src.namelist() if n.endswith("/" + entry))
+    with warnings.catch_warnings(), zipfile.ZipFile(path, "a") as dst:
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicate name
+        dst.writestr(zipfile.ZipInfo(name), body)
+    expected = torch.load(path, weights_only=True)["grads"]["w"].double().norm().item()
+    result = run_cli("inspect", path, "--format", "json", *(["--verify"] if verify else []))
+    if result.code != 0:
+        assert_refused(result, path)
+        return
+    assert json.loads(result.out)["total_norm"] == pytest.approx(expected, rel=1e-12)
+    out = tmp_path / "out.pt"
+    assert run_cli("clip", path, "--max-norm", "1", "-o", out, "-q").code == 0
+    clipped = torch.load(out, weights_only=True)["grads"]["w"].double().norm().item()
+    assert clipped == pytest.approx(min(1.0, 1.0 / (expected + 1e-6)) * expected, rel=1e-6)
+
+
 # --- zip structures that lie ------------------------------------------------------
 
 
