@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -144,6 +145,23 @@ def test_the_readme_links_only_to_files_the_repository_has():
         assert (REPO / target).exists(), target
 
 
+def test_every_page_written_by_hand_is_two_clicks_from_the_readme():
+    # A newcomer starts at the README (on GitHub or in a clone): every guide and reference
+    # page is linked from it or from a page it links (the docs' front page among them).
+    def links(page: Path) -> set[Path]:
+        text = page.read_text(encoding="utf-8")
+        return {(page.parent / t).resolve() for t in LINK.findall(text) if "://" not in t}
+
+    readme = REPO / "README.md"
+    reached = links(readme)
+    for page in list(reached):
+        if page.suffix == ".md" and page.is_file():
+            reached |= links(page)
+    written = {p.resolve() for p in DOCS.rglob("*.md") if "_examples" not in p.parts}
+    unreached = sorted(p.relative_to(REPO).as_posix() for p in written - reached)
+    assert not unreached
+
+
 def test_no_page_or_code_names_a_file_the_repository_lacks():
     # The contract the code's comments cite is the site's own page.
     assert (DOCS / "reference" / "contract.md").is_file()
@@ -211,6 +229,66 @@ def test_getting_started_installs_as_the_readme_does():
     shown = re.findall(r"^    (python3 -m venv .*)$", page, re.MULTILINE)
     assert shown == list(two_commands())
     assert "torch, click, rich\nand safetensors" in page
+
+
+def test_getting_starteds_schema_check_runs_as_shown(tmp_path):
+    # The Python block a newcomer copies to validate a document: run from the clone's root,
+    # it must run as it stands (jsonschema is the test extra's, as the page says).
+    page = (DOCS / "getting-started.md").read_text(encoding="utf-8")
+    (block,) = [b for b in re.findall(r"^```python\n(.*?)\n```$", page, re.M | re.S)
+                if "jsonschema.validate" in b]
+    script = tmp_path / "check.py"
+    script.write_text(block + '\nprint("valid", document["schema"])\n', encoding="utf-8")
+    bin_dir = str(Path(sys.executable).parent)  # where `gradclip` is installed
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"]}
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.stdout == "valid gradclip.inspect/1\n", done.stderr[-2000:]
+
+
+def test_the_python_api_page_names_every_public_name_and_keyword():
+    import inspect
+
+    import gradclip
+
+    page = (DOCS / "guides" / "python-api.md").read_text(encoding="utf-8")
+    listed = page.split("Public names (`gradclip.__all__`)", 1)[1].split("\n\n", 1)[0]
+    for name in gradclip.__all__:
+        assert f"`{name}`" in listed, name
+    for function in ("inspect", "trend", "autopsy"):
+        heading = re.search(rf"^## `{function}\((.*?)\)`", page, re.MULTILINE)
+        assert heading is not None, function
+        shown = re.findall(r"(\w+)=", heading.group(1))
+        keywords = [name for name, p in inspect.signature(getattr(gradclip, function))
+                    .parameters.items() if p.kind is p.KEYWORD_ONLY]
+        assert shown == keywords, function
+
+
+def test_the_help_says_what_the_contract_says():
+    from click.testing import CliRunner
+
+    from gradclip_cli.cli import app
+
+    def help_of(*command: str) -> str:
+        done = CliRunner().invoke(app, [*command, "--help"], prog_name="gradclip")
+        assert done.exit_code == 0, done.output
+        return " ".join(done.output.split())
+
+    # Exit 3: the input cannot be read, or the output cannot be written.
+    assert "3 unreadable input or unwritable output" in help_of()
+    # autopsy takes the same PATHs as trend, the trackers' files among them.
+    assert "a tracker's files" in help_of("trend")
+    assert "trackers' files" in help_of("autopsy")
+
+
+def test_the_exit_codes_page_gives_every_commands_findings():
+    # The README sends a reader there for "every case": each command's exit 1 is on it.
+    from gradclip_cli.cli import app
+
+    page = (DOCS / "reference" / "exit-codes.md").read_text(encoding="utf-8")
+    (findings,) = [line for line in page.splitlines() if line.startswith("| 1 |")]
+    for command in app.list_commands(click.Context(app, info_name="gradclip")):
+        assert f"`{command}`" in findings, command
 
 
 def test_the_readme_is_a_front_page_with_a_contents_line_for_each_recipe():
