@@ -327,6 +327,8 @@ def reconstruct(curr: Contents, prev: Contents) -> Reconstruction:
             if not _same_groups(opt_prev, opt):
                 raise
             names_prev = names
+    if reason != AMBIGUOUS and _same_groups(opt_prev, opt):
+        names_prev = _unplaced_from(names_prev, names, opt_prev, prev)
     by_name_prev = {n: pid for pid, n in names_prev.items()}
     group_of = {pid: g for g in opt.param_groups for pid in g["params"]}
     group_of_prev = {pid: g for g in opt_prev.param_groups for pid in g["params"]}
@@ -548,6 +550,27 @@ def _same_groups(opt_prev: OptimizerState, opt: OptimizerState) -> bool:
     """The same param groups of the same ids in both states (one run's optimizer)."""
     return [list(g["params"]) for g in opt_prev.param_groups] == \
         [list(g["params"]) for g in opt.param_groups]
+
+
+def _unplaced_from(names_prev: dict[int, str], names: dict[int, str],
+                   opt_prev: OptimizerState, prev: Contents) -> dict[int, str]:
+    """PREV's names with its stateless parameters named as CURR names the same ids.
+
+    A parameter with no state in PREV (no gradient before CURR's step) has no shape
+    there, so where the groups split the model's order it fits several places and
+    stays unplaced (``naming.map_names``); with the same groups of the same ids (one
+    run's optimizer) it is CURR's parameter of that id, where PREV's weights (if held)
+    have that name and no other id of PREV already carries it."""
+    taken = set(names_prev.values())
+    weights = prev.weights
+    out = dict(names_prev)
+    for pid, name in names.items():
+        if pid in out or opt_prev.state.get(pid) or name in taken:
+            continue
+        if weights and name not in weights and name not in prev.fused_weights:
+            continue
+        out[pid] = name
+    return dict(sorted(out.items()))
 
 
 def _stateless_twin(opt_prev: OptimizerState, opt: OptimizerState, prev: Contents,

@@ -410,6 +410,28 @@ def test_a_parameter_whose_first_gradient_came_at_that_step(gradclip, tmp_path):
     _assert_matches(result.json(), run.grads(3), 1e-5)
 
 
+def test_a_first_gradient_at_that_step_with_groups_that_split_the_model_order(gradclip,
+                                                                              tmp_path):
+    """Weights with decay in one group, biases in another, and layer b without a gradient
+    before step 3: PREV holds no state for b's weight and bias, so its state alone places
+    them two ways; the same groups of the same ids are CURR's parameters (they were
+    refused as parameters PREV's optimizer does not hold)."""
+    def make(m):
+        return optim.AdamW([{"params": [m.a.weight, m.b.weight], "weight_decay": 0.1},
+                            {"params": [m.a.bias, m.b.bias], "weight_decay": 0.0}], lr=1e-2)
+
+    def late(step, opt):
+        if step < 3:
+            for group in opt.param_groups:
+                group["params"][1].grad = None  # b.weight, b.bias
+
+    run = train(tmp_path, make, steps=3, before_step=late)
+    assert set(torch.load(run.checkpoint(2), weights_only=True)["optimizer"]["state"]) == {0, 2}
+    result = gradclip("inspect", run.checkpoint(3), "--previous", run.checkpoint(2),
+                      "--group-by", "tensor", "--format", "json")
+    assert result.code == 0, result.err
+    _assert_matches(result.json(), run.grads(3), 1e-5)
+
 def test_complex_parameters(gradclip, tmp_path):
     # torch's Adam views complex state as real pairs; the gradient is linear in the
     # moments, and its norm counts |z| as torch does.
