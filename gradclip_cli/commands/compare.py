@@ -14,7 +14,7 @@ from ..report.compare import build_compare_report
 from ..report.outcome import exit_code
 from ..report.trend import OneKind, one_optimizer
 from .common import speaks
-from .grouped import Measured, MeasureOptions, measure_checkpoint
+from .grouped import Measured, MeasureOptions, measurable, measure_checkpoint
 from .output import Output
 
 
@@ -33,7 +33,7 @@ def run(
     if session is not None:
         dev = session.device
     how = MeasureOptions(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
-    kinds = OneKind(what, "compare")
+    kinds = OneKind(what, "compare", lambda: measurable([a, b], key, trust_pickle))
     with progress_steps(quiet or not progress or not speaks()) as steps:
         # One at a time: A's pages are released before B is read.
         ra = measure_checkpoint(a, how, steps)

@@ -13,8 +13,9 @@ from ..progress import Steps
 from ..report import NonFinite
 from ..report.groups import group_sums, nonfinite_counts
 from ..report.trend import LOGGED_WHAT
-from ..source.layouts import LAYOUTS
+from ..source.layouts import LAYOUTS, open_checkpoint
 from ..source.vocabulary import CheckpointStep, checkpoint_step, last_number
+from ..source.what import available
 from .common import Loaded, Releasers, load, measure
 
 
@@ -48,6 +49,22 @@ def why_not_checkpoint(path: Path, key: str | None, trust_pickle: bool, steps: S
     except InputError as error:
         return str(error).removeprefix(f"{path}: ")
     return None
+
+
+def measurable(paths: list[Path], key: str | None, trust_pickle: bool) -> list[str]:
+    """The ``--what`` choices that succeed on every checkpoint of ``paths``
+    (``source.what.available``), in the order ``--what`` lists them; none where one
+    cannot be opened. Each is opened anew: only a refusal's offer asks for it."""
+    common: list[str] | None = None
+    for path in paths:
+        try:
+            found = available(open_checkpoint(path, key=key, trust_pickle=trust_pickle))
+        except InputError:
+            return []
+        common = found if common is None else [w for w in common if w in found]
+        if not common:
+            return []
+    return common or []
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from ..source.exclude import Exclusion
 from ..source.logs import LogKind, trackers
 from ..source.run_folder import RunFolder
 from .common import load, speaks
-from .grouped import MeasureOptions, measure_grouped, why_not_checkpoint
+from .grouped import MeasureOptions, measurable, measure_grouped, why_not_checkpoint
 from .norm_audit import norm_audits
 from .output import Output
 
@@ -116,7 +116,8 @@ def build(
                 "group_by), which cannot be grouped again: leave --group-by out")
         p = one_norm_type(requested_p, logs)
         how = MeasureOptions(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
-        kinds = OneKind(what)
+        checkpoints = [i.path for i in inputs if not isinstance(i.kind, LogKind)]
+        kinds = OneKind(what, "trend", lambda: measurable(checkpoints, key, trust_pickle))
         for path, _ in logs:
             kinds.check(str(path), LOGGED_WHAT, logged=True)
         observations: list[Observation] = []

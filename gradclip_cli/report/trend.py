@@ -11,7 +11,7 @@ groups that moved.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -365,9 +365,12 @@ class OneKind:
     ``command`` ("trend" or "compare") words the way out.
     """
 
-    def __init__(self, requested: str, command: str = "trend"):
+    def __init__(self, requested: str, command: str = "trend",
+                 common: Callable[[], Sequence[str]] | None = None):
         self.requested = requested
         self.command = command
+        # The --what choices every input measures (asked only when two kinds meet).
+        self.common = common
         self.first: tuple[str, str] | None = None  # (source, what)
         self.logs = False
 
@@ -392,14 +395,13 @@ class OneKind:
         compare = self.command == "compare"
         if logged or self.logs:
             fix = "a log holds gradient norms only: trend the logs and the checkpoints apart"
-        elif "weights" in (what0, what):
-            # The one that measures weights by default holds nothing else to measure;
-            # the other holds optimizer state or gradients, and a model's weights too
-            # wherever its layout keeps them.
-            fix = ("give --what weights to measure both alike" if compare else
-                   "give --what weights to measure every checkpoint alike, or trend them apart")
+        elif offer := list(self.common() if self.common is not None else ()):
+            # Only what every input measures: following the offer succeeds on each.
+            flags = " or ".join(f"--what {w}" for w in offer)
+            fix = (f"give {flags} to measure both alike" if compare else
+                   f"give {flags} to measure every checkpoint alike, or trend them apart")
         else:
-            # Neither holds for sure what the other measures: no flag makes them one series.
+            # No --what measures every input: no flag makes them one series.
             fix = "no --what measures both alike" if compare else "trend them apart"
         rule = ("compare needs one quantity on both sides" if compare
                 else "one trend judges one quantity")

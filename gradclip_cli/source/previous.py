@@ -56,8 +56,15 @@ from gradclip_cli.escaping import visible
 from gradclip_cli.source import optimizers, roles
 from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import Contents, Derivation, OptimizerState, StoredTensor
-from gradclip_cli.source.naming import Model, map_names
-from gradclip_cli.source.what import Selection, optimizer_state, report_order
+from gradclip_cli.source.naming import (
+    AMBIGUOUS,
+    AmbiguousOrder,
+    Model,
+    by_ids,
+    ids_reason,
+    map_names,
+)
+from gradclip_cli.source.what import Selection, named_by_id, optimizer_state, report_order
 
 # The cross-check's bound, in units of the state's rounding (unit roundoff: 2^-24 for
 # float32 state, 2^-8 for bfloat16): torch's moment updates keep the residual below 9
@@ -179,6 +186,8 @@ class Reconstruction:
     curr: str
     prev: str
     rule: str
+    # Where the state is named by parameter id (state.N): why (``what.named_by_id``).
+    ids_note: str | None = None
 
     @property
     def state_dtypes(self) -> list[str]:
@@ -231,7 +240,7 @@ class Reconstruction:
         return Selection(
             what="grads", names=list(self.names), tensors=described, ties={}, skipped=[],
             key="", explain=EXPLAIN.format(step=self.step), derivations=list(self.derivations),
-            weights=weights, evidence=self.evidence)
+            weights=weights, evidence=self.evidence, ids_note=self.ids_note)
 
 
 @dataclass
@@ -289,14 +298,37 @@ def reconstruct(curr: Contents, prev: Contents) -> Reconstruction:
     rule = rule_of(kind, opt.param_groups)
     if isinstance(rule, str):
         raise refuse(f"{kind.name}: {rule}")
-    names = map_names(opt, Model.of(curr))
+    model = Model.of(curr)
+    try:
+        names, reason = map_names(opt, model), ids_reason(opt, model)
+    except AmbiguousOrder:
+        # No one placement by shape: the state under its ids, as --what exp_avg measures it
+        # (names are never guessed); PREV is paired id by id where its groups are CURR's.
+        names, reason = by_ids(opt), AMBIGUOUS
     if not opt_prev.state and (other := _other_shape(curr, prev, names.values())):
         raise refuse(other)
     # Before its first step no state places PREV's parameters by shape (groups that split
     # the model's order, decay and no-decay, fit it several ways); the same groups of the
     # same ids are CURR's parameters.
-    names_prev = names if _stateless_twin(opt_prev, opt, prev, names.values()) \
-        else map_names(opt_prev, Model.of(prev))
+    if _stateless_twin(opt_prev, opt, prev, names.values()):
+        names_prev = names
+    elif reason == AMBIGUOUS:
+        if not _same_groups(opt_prev, opt):
+            raise refuse(f"{curr.path}'s optimizer state is named by parameter id ({AMBIGUOUS}"
+                         f"), and the param groups of {prev.path} hold other ids: the two "
+                         "cannot be paired id by id")
+        names_prev = by_ids(opt_prev)
+    else:
+        try:
+            names_prev = map_names(opt_prev, Model.of(prev))
+        except AmbiguousOrder:
+            # CURR's placement is one; PREV's state (a parameter without a gradient yet)
+            # fits several: the same groups of the same ids are CURR's parameters.
+            if not _same_groups(opt_prev, opt):
+                raise
+            names_prev = names
+    if reason != AMBIGUOUS and _same_groups(opt_prev, opt):
+        names_prev = _unplaced_from(names_prev, names, opt_prev, prev)
     by_name_prev = {n: pid for pid, n in names_prev.items()}
     group_of = {pid: g for g in opt.param_groups for pid in g["params"]}
     group_of_prev = {pid: g for g in opt_prev.param_groups for pid in g["params"]}
@@ -309,6 +341,7 @@ def reconstruct(curr: Contents, prev: Contents) -> Reconstruction:
                      f"{visible(which)}")
 
     out = _Builder(curr, prev, kind.name, rule, refuse)
+    out.ids_note = None if reason is None else named_by_id(reason)
     order = report_order(curr, list(names.values()))
     for pid, name in sorted(names.items(), key=lambda item: order.get(item[1], len(order))):
         pid_prev = by_name_prev[name]
@@ -329,6 +362,7 @@ class _Builder:
         self.steps: list[float] = []
         self.idle: list[str] = []
         self.units: set[float] = set()
+        self.ids_note: str | None = None
 
     def add(self, name: str, opt: OptimizerState, entry: dict | None, group: dict,
             opt_prev: OptimizerState, entry_prev: dict | None, group_prev: dict) -> None:
@@ -379,6 +413,11 @@ class _Builder:
                 reads_prev.append(_zeros(num.tensor(entry, rule.running_max)))
         weight = self._weight(name)
         decay = self._l2(name, num, group)
+        if decay and weight is None and self.ids_note is not None:
+            raise refuse(f"parameter {visible(name)}: {self.kind}'s weight decay {decay:g} "
+                         "enters its moments as decay * weights before the step, and the "
+                         "state is named by parameter id: which of the weights in "
+                         f"{self.prev.path} is its is not known")
         if decay and weight is None:
             raise refuse(f"parameter {visible(name)}: {self.kind}'s weight decay "
                          f"{decay:g} enters its moments as decay * weights before the step, "
@@ -480,7 +519,7 @@ class _Builder:
             kind=self.kind, names=self.names, derivations=self.derivations, checks=self.checks,
             weights=self.weights, steps=self.steps, idle=self.idle, unit=max(self.units),
             check=check, curr=str(self.curr.path), prev=str(self.prev.path),
-            rule=self.rule.first)
+            rule=self.rule.first, ids_note=self.ids_note)
 
 
 # Group keys that say whether weight decay is decoupled: torch's decoupled_weight_decay
@@ -507,12 +546,38 @@ def _plain(value):
     return value
 
 
+def _same_groups(opt_prev: OptimizerState, opt: OptimizerState) -> bool:
+    """The same param groups of the same ids in both states (one run's optimizer)."""
+    return [list(g["params"]) for g in opt_prev.param_groups] == \
+        [list(g["params"]) for g in opt.param_groups]
+
+
+def _unplaced_from(names_prev: dict[int, str], names: dict[int, str],
+                   opt_prev: OptimizerState, prev: Contents) -> dict[int, str]:
+    """PREV's names with its stateless parameters named as CURR names the same ids.
+
+    A parameter with no state in PREV (no gradient before CURR's step) has no shape
+    there, so where the groups split the model's order it fits several places and
+    stays unplaced (``naming.map_names``); with the same groups of the same ids (one
+    run's optimizer) it is CURR's parameter of that id, where PREV's weights (if held)
+    have that name and no other id of PREV already carries it."""
+    taken = set(names_prev.values())
+    weights = prev.weights
+    out = dict(names_prev)
+    for pid, name in names.items():
+        if pid in out or opt_prev.state.get(pid) or name in taken:
+            continue
+        if weights and name not in weights and name not in prev.fused_weights:
+            continue
+        out[pid] = name
+    return dict(sorted(out.items()))
+
+
 def _stateless_twin(opt_prev: OptimizerState, opt: OptimizerState, prev: Contents,
                     names) -> bool:
     """PREV's optimizer before its first step: no per-parameter state, the same groups of
     the same ids as CURR's, and PREV's weights (where it has them) under CURR's names."""
-    if opt_prev.state or [list(g["params"]) for g in opt_prev.param_groups] != \
-            [list(g["params"]) for g in opt.param_groups]:
+    if opt_prev.state or not _same_groups(opt_prev, opt):
         return False
     weights = prev.weights
     return not weights or all(n in weights or n in prev.fused_weights for n in names)

@@ -231,3 +231,53 @@ def test_sides_that_measure_two_quantities_are_refused_in_compare_words(gradclip
         f"gradclip: {tmp_path / 'b.pt'} measures exp_avg (first moment exp_avg / (1 - "
         f"beta1^step), each parameter's own step) but {tmp_path / 'a.pt'} measures grads; "
         "compare needs one quantity on both sides: no --what measures both alike"]
+
+
+def _adam_step(model):
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("command", ["compare", "trend"])
+def test_a_side_without_weights_is_never_offered_weights(gradclip, tmp_path, command):
+    """A model's state_dict against a gradients-only file: --what weights fails on the
+    gradients' side, so the refusal offers none (following it would be exit 3)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    _adam_step(model)
+    torch.save(model.state_dict(), tmp_path / "a.pt")
+    torch.save({"grads": {n: p.grad for n, p in model.named_parameters()}}, tmp_path / "b.pt")
+    paths = [tmp_path / "a.pt", tmp_path / "b.pt"]
+    r = gradclip(command, *paths)
+    assert r.code == 2 and len(r.err_lines) == 1, r.err
+    assert "give --what" not in r.err, r.err
+    assert r.err.rstrip().endswith("no --what measures both alike" if command == "compare"
+                                   else "trend them apart"), r.err
+    assert gradclip(command, *paths, "--what", "weights").code == 3
+
+
+@pytest.mark.parametrize("command", ["compare", "trend"])
+def test_sides_that_both_hold_the_weights_are_offered_weights(gradclip, tmp_path, command):
+    """Saved gradients beside the model against Adam's state beside the model: auto measures
+    grads on one side, exp_avg on the other, and --what weights measures both alike; the
+    refusal offers it, and following it gives the weights' norms."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = _adam_step(model)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    torch.save({"grads": grads, "model": model.state_dict()}, tmp_path / "a.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "b.pt")
+    paths = [tmp_path / "a.pt", tmp_path / "b.pt"]
+    r = gradclip(command, *paths)
+    assert r.code == 2 and len(r.err_lines) == 1, r.err
+    assert "give --what weights to measure" in r.err, r.err
+    assert "--what exp_avg" not in r.err and "--what grads" not in r.err, r.err
+    follow = gradclip(command, *paths, "--what", "weights", "--format", "json")
+    assert follow.code == 0, follow.err
+    want = float(torch.cat([p.detach().double().flatten() for p in model.parameters()]).norm())
+    doc = follow.json()
+    got = ([doc["total"]["a"], doc["total"]["b"]] if command == "compare"
+           else [p["total_norm"] for p in doc["points"]])
+    assert got == pytest.approx([want, want], rel=1e-6)

@@ -410,6 +410,28 @@ def test_a_parameter_whose_first_gradient_came_at_that_step(gradclip, tmp_path):
     _assert_matches(result.json(), run.grads(3), 1e-5)
 
 
+def test_a_first_gradient_at_that_step_with_groups_that_split_the_model_order(gradclip,
+                                                                              tmp_path):
+    """Weights with decay in one group, biases in another, and layer b without a gradient
+    before step 3: PREV holds no state for b's weight and bias, so its state alone places
+    them two ways; the same groups of the same ids are CURR's parameters (they were
+    refused as parameters PREV's optimizer does not hold)."""
+    def make(m):
+        return optim.AdamW([{"params": [m.a.weight, m.b.weight], "weight_decay": 0.1},
+                            {"params": [m.a.bias, m.b.bias], "weight_decay": 0.0}], lr=1e-2)
+
+    def late(step, opt):
+        if step < 3:
+            for group in opt.param_groups:
+                group["params"][1].grad = None  # b.weight, b.bias
+
+    run = train(tmp_path, make, steps=3, before_step=late)
+    assert set(torch.load(run.checkpoint(2), weights_only=True)["optimizer"]["state"]) == {0, 2}
+    result = gradclip("inspect", run.checkpoint(3), "--previous", run.checkpoint(2),
+                      "--group-by", "tensor", "--format", "json")
+    assert result.code == 0, result.err
+    _assert_matches(result.json(), run.grads(3), 1e-5)
+
 def test_complex_parameters(gradclip, tmp_path):
     # torch's Adam views complex state as real pairs; the gradient is linear in the
     # moments, and its norm counts |z| as torch does.
@@ -442,3 +464,55 @@ def test_complex_parameters(gradclip, tmp_path):
         <= 1e-5
     assert doc["tensors"][0]["dtype"] == "complex128"
     assert doc["measured"]["cross_check"]["max_units"] <= CHECK_BOUND
+
+
+def _two_way_groups(tmp_path, make):
+    """Three steps of ``make``'s optimizer over groups that fit the model's order two ways
+    (every weight in one, every bias in the other; LayerNorm's weight has a bias's shape)."""
+    from gradclip_cli import save_grads
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.LayerNorm(5),
+                                torch.nn.Linear(5, 5))
+    opt = make([{"params": [model[0].weight, model[1].weight, model[2].weight],
+                 "weight_decay": 0.1},
+                {"params": [model[0].bias, model[1].bias, model[2].bias],
+                 "weight_decay": 0.0}])
+    for step in (1, 2, 3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).square().sum().backward()
+        save_grads(model, tmp_path / f"grads-{step}.pt")
+        opt.step()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                   tmp_path / f"step-{step}.pt")
+
+
+def test_l2_decay_under_parameter_ids_says_the_weights_are_unnamed(gradclip, tmp_path):
+    """Adam's L2 decay needs each parameter's weights, which state named by id cannot pick
+    out: exit 3 saying so (the weights are there), not that PREV holds none."""
+    _two_way_groups(tmp_path, lambda groups: optim.Adam(groups, lr=1e-2))
+    result = gradclip("inspect", tmp_path / "step-3.pt", "--previous", tmp_path / "step-2.pt")
+    _refused(result, 3, "named by parameter id", "weight decay 0.1")
+    assert "holds no weights" not in result.err
+
+
+def test_groups_that_fit_the_model_order_two_ways_are_paired_by_id(gradclip, tmp_path):
+    """AdamW with every weight decayed and every bias not, beside a model whose LayerNorm
+    weight and biases have one shape: the groups fit its order two ways, so --what exp_avg
+    measures the state under its ids (state.N); so does --previous, pairing the two states
+    id by id (one run's groups), and the gradients are those the steps used."""
+    _two_way_groups(tmp_path, lambda groups: optim.AdamW(groups, lr=1e-2))
+    ids = dict(enumerate(["0.weight", "1.weight", "2.weight", "0.bias", "1.bias", "2.bias"]))
+    alone = gradclip("inspect", tmp_path / "step-3.pt", "--what", "exp_avg", "--format", "json")
+    assert alone.code == 0 and "state.0" in {t["name"] for t in alone.json()["tensors"]}
+    result = gradclip("inspect", tmp_path / "step-3.pt", "--previous", tmp_path / "step-2.pt",
+                      "--group-by", "tensor", "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    grads = torch.load(tmp_path / "grads-3.pt", weights_only=True)["grads"]
+    assert rel_err(doc["total_norm"], ref_norm(grads.values(), 2)) <= 1e-6
+    rows = {row["name"]: row["norm"] for row in doc["tensors"]}
+    assert set(rows) == {f"state.{i}" for i in ids}
+    for i, name in ids.items():
+        assert rel_err(rows[f"state.{i}"], ref_norm([grads[name]], 2)) <= 1e-5, name
+    assert any("named by parameter id" in line for line in doc["description"]), doc["description"]
