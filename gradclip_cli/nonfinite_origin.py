@@ -27,7 +27,9 @@ receives the NaN. It is this step's order, not the first step's: a layer a
 step may skip (LayerDrop, an expert no token was routed to) first finishes
 steps after the modules it feeds. Forwards run without gradients
 (evaluation under ``torch.no_grad``) are not looked at: they give no
-gradients. Likewise the accumulation order is that of the latest step
+gradients. Modules and parameters registered on the model after the
+locator was made are watched from their registration on (torch's global
+registration hooks, held weakly). Likewise the accumulation order is that of the latest step
 recorded: the hooks stay on until every parameter has had a gradient, so
 that one first given a gradient on a later step takes its place among the
 others (a parameter that never gets one keeps them on, at a Python call per
@@ -71,26 +73,86 @@ class NonfiniteLocator:
         self._handles = []
         self._grad_handles = []
         self._stale = False
+        self._regrown = False  # a parameter was added: hook every one again at the next forward
         self._last = None  # (weak reference, version) of the output checked last
         modules = list(model.named_modules(remove_duplicate=True))
         self._capacity = len(modules)
+        self._model = weakref.ref(model)
+        self._paths: dict[int, str] = {}  # id(module) -> its dotted path ("" for the model)
         # Run eagerly under torch.compile (a graph break per hooked module): traced, the
         # flags' views mutated in place stop aot_autograd ("non-differentiable view
         # input mutations"), and the call count would be a constant of the graph.
-        hook = torch.compiler.disable(self._forward_hook)
+        self._hook = torch.compiler.disable(self._forward_hook)
         for name, module in modules:
-            self._names[id(module)] = name or type(module).__name__
-            self._handles.append(module.register_forward_hook(hook))
-        for param in model.parameters():
-            if param.requires_grad:
-                self._grad_handles.append(
-                    param.register_post_accumulate_grad_hook(self._accumulated_hook))
+            self._watch(name, module)
+        self._hook_gradients()
+        # A module or parameter set on a watched module later (a layer grown, an
+        # adapter put in place of a layer) is watched from then on, before its first
+        # forward: else a NaN it makes would be placed in the first watched module it
+        # reaches. torch calls these hooks on every registration, in any model (only
+        # then, never in a forward); they hold this locator weakly.
+        me = weakref.ref(self)
+
+        def on_module(parent, name, module):
+            locator = me()
+            if locator is not None:
+                locator._registered(parent, name, module)
+
+        def on_parameter(parent, name, param):
+            locator = me()
+            if locator is not None and id(parent) in locator._paths and param is not None:
+                locator._regrown = True
+
+        self._global_handles = [
+            torch.nn.modules.module.register_module_module_registration_hook(on_module),
+            torch.nn.modules.module.register_module_parameter_registration_hook(on_parameter),
+        ]
+        weakref.finalize(self, _remove_all, list(self._global_handles))
 
     # -- hooks ---------------------------------------------------------------
+
+    def _watch(self, path: str, module: torch.nn.Module) -> None:
+        if id(module) in self._paths:
+            return
+        self._paths[id(module)] = path
+        self._names[id(module)] = path or type(module).__name__
+        self._handles.append(module.register_forward_hook(self._hook))
+
+    def _registered(self, parent, name: str, module) -> None:
+        """A module set on ``parent`` (torch's registration hook): watched, with
+        its submodules and parameters, where ``parent`` is a watched module."""
+        path = self._paths.get(id(parent))
+        if path is None or not isinstance(module, torch.nn.Module):
+            return
+        prefix = f"{path}.{name}" if path else name
+        for sub, child in module.named_modules(prefix=prefix, remove_duplicate=True):
+            self._watch(sub, child)
+        if any(p.requires_grad for p in module.parameters()):
+            self._regrown = True
+
+    def _hook_gradients(self) -> None:
+        """Record the accumulation order of every parameter of the model that
+        requires a gradient, anew: on a parameter first watched now, the next
+        backward places it among all the others (hooks on it alone would put it
+        first). Called when the locator is made and at the first forward after
+        a parameter was added (torch's registration hooks run before the model
+        holds it)."""
+        self._regrown = False
+        model = self._model()
+        if model is None:
+            return
+        for handle in self._grad_handles:
+            handle.remove()
+        self._grad_handles = [
+            param.register_post_accumulate_grad_hook(self._accumulated_hook)
+            for param in model.parameters() if param.requires_grad]
+        self._ever = set()
 
     def _forward_hook(self, module, args, output) -> None:
         if not torch.is_grad_enabled():
             return
+        if self._regrown:
+            self._hook_gradients()
         if self._stale:
             self._stale = False
             self._calls = 0
@@ -201,9 +263,14 @@ class NonfiniteLocator:
         return names[id(ordered[hit[0]])] if hit else None
 
     def remove(self) -> None:
-        for handle in [*self._handles, *self._grad_handles]:
+        for handle in [*self._handles, *self._grad_handles, *self._global_handles]:
             handle.remove()
-        self._handles, self._grad_handles = [], []
+        self._handles, self._grad_handles, self._global_handles = [], [], []
+
+
+def _remove_all(handles) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _all_finite(t: torch.Tensor) -> torch.Tensor:

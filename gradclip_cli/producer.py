@@ -14,6 +14,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from gradclip_cli.core.elements import apart, distinct_elements
 from gradclip_cli.distributed import dtensor
 from gradclip_cli.sink.atomic import atomic_write
 from gradclip_cli.sink.safetensors_file import write_safetensors
@@ -34,8 +35,13 @@ def save_grads(model: torch.nn.Module, path: str | os.PathLike[str], /, **extra:
     too).
 
     Each gradient is a detached copy moved to the CPU: later optimizer steps,
-    ``zero_grad()`` or in-place updates do not change what was saved. Names are
-    those of ``model.named_parameters()``:
+    ``zero_grad()`` or in-place updates do not change what was saved.
+    Gradients that share elements (overlapping views of one buffer, one tensor
+    given to two parameters, an expansion) are copied together and stay views
+    of one copy, so that ``gradclip inspect`` counts each element once and
+    reports the total the drop-ins and ``GradMonitor`` give for them; a
+    ``.safetensors`` file cannot hold such views (``ValueError``: save to a
+    ``.pt`` path). Names are those of ``model.named_parameters()``:
 
     - parameters whose ``.grad`` is ``None`` (frozen, or unused in the
       backward pass) are left out;
@@ -70,7 +76,8 @@ def save_grads(model: torch.nn.Module, path: str | os.PathLike[str], /, **extra:
     Raises:
         ValueError: no parameter has a gradient; ``extra`` has a ``grads``
             entry; or, for ``.safetensors``, an ``extra`` value is not a
-            ``str`` or a gradient is not a dense floating-point tensor.
+            ``str``, a gradient is not a dense floating-point tensor, or
+            gradients share elements.
         gradclip_cli.errors.OutputError: the file could not be written (or
             ``torch.save`` failed on an ``extra`` value); ``path`` is untouched.
 
@@ -127,7 +134,44 @@ def _detached_grads(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         if dist.is_initialized() and dist.get_rank() != 0:
             return None
         grads = whole
-    return {name: g.detach().to("cpu", copy=True) for (name, _), g in zip(named, grads)}
+    return dict(zip((name for name, _ in named), _cpu_copies(grads)))
+
+
+def _cpu_copies(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Detached copies of ``grads`` on the CPU, sharing elements where the gradients do.
+
+    A gradient whose elements no other one names is copied as it is. Gradients
+    that share elements (overlapping views of one buffer, one tensor given to
+    two parameters, an expansion of fewer stored elements) are copied as one
+    span of their storage and rebuilt as the same views of the copy:
+    ``torch.save`` then stores each element once, and ``gradclip inspect``
+    counts and clips it once, as the monitor and the drop-ins do (separate
+    copies would count it once per view: the file would not inspect to the
+    total the monitor logged).
+    """
+    grads = [g.detach() for g in grads]
+    copies = [g.to("cpu", copy=True) for g in grads] if apart(grads) else [None] * len(grads)
+    if all(c is not None for c in copies):
+        return copies
+    elements = distinct_elements(grads)
+    spans: dict[tuple, list[int]] = {}
+    for i, g in enumerate(grads):
+        shared = g.layout == torch.strided and g.numel() and (
+            elements.shares[i] or elements.count(i) != g.numel())
+        if shared:
+            key = (g.device, g.untyped_storage().data_ptr(), g.dtype)
+            spans.setdefault(key, []).append(i)
+        else:
+            copies[i] = g.to("cpu", copy=True)
+    for members in spans.values():
+        views = [grads[i] for i in members]
+        lo = min(v.storage_offset() for v in views)
+        hi = max(v.storage_offset() + sum((n - 1) * s for n, s in zip(v.shape, v.stride()))
+                 for v in views) + 1
+        span = views[0].as_strided((hi - lo,), (1,), lo).to("cpu", copy=True)
+        for i, v in zip(members, views):
+            copies[i] = span.as_strided(v.shape, v.stride(), v.storage_offset() - lo)
+    return copies
 
 
 def _text_metadata(extra: Mapping[str, Any]) -> dict[str, str] | None:
@@ -144,6 +188,18 @@ def _text_metadata(extra: Mapping[str, Any]) -> dict[str, str] | None:
     return dict(extra) or None
 
 
+def _sharing(grads: list[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of the first gradient whose elements another one shares or it repeats."""
+    tensors = [g for _, g in grads]
+    if apart(tensors):
+        return None
+    elements = distinct_elements(tensors)
+    for i, (name, g) in enumerate(grads):
+        if g.numel() and (elements.shares[i] or elements.count(i) != g.numel()):
+            return name
+    return None
+
+
 def _safetensors_writer(
     grads: dict[str, torch.Tensor], metadata: dict[str, str] | None
 ) -> Callable[[BinaryIO], None]:
@@ -154,6 +210,13 @@ def _safetensors_writer(
                 f"save_grads: gradient {name!r} ({grad.dtype}, {grad.layout}) "
                 "cannot be stored in a .safetensors file; save to a .pt path instead"
             )
+    shared = _sharing(list(grads.items()))
+    if shared:
+        raise ValueError(
+            f"save_grads: gradient {shared!r} shares elements with another or repeats its own "
+            "(views of one buffer, an expansion); a .safetensors file would store, and "
+            "gradclip inspect count, each element once per view: save to a .pt path instead"
+        )
     # Widest elements first, as the safetensors library orders them: with the
     # header padded to 8 bytes, every tensor then starts at a multiple of its
     # element size, which readers that map the file need to view it in place.

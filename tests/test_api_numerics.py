@@ -159,3 +159,20 @@ def test_tiny_p_root_of_subnormals_is_the_norm_not_inf(p):
     for given in (grads, grads[:1]):
         total = float(get_total_norm(given, p))
         assert abs(math.log10(total) - _log10_norm(given, p)) <= 1e-6 / math.log(10)
+
+
+@pytest.mark.parametrize("foreach", [None, False, True])
+@pytest.mark.parametrize("p", [0.5, 1.0, 2.0, 7.0])
+def test_float64_subnormal_gradients_of_several_sizes_total_to_1e_6(p, foreach):
+    # float64 gradients of a few units of the smallest subnormal: each tensor's
+    # norm is itself subnormal, and the small tensor's, rounded to float64 alone,
+    # is a few percent off, which p < 1 carries into the total.
+    # Exact reference: every value scaled by 2^1000 (exact), summed in float64.
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(2000, generator=g, dtype=torch.float64) * 2.0**-1072,
+             torch.randn(2, generator=g, dtype=torch.float64) * 2.0**-1072]
+    up = [t * 2.0**1000 for t in grads]
+    expected = float(torch.linalg.vector_norm(torch.cat(up), p)) * 2.0**-1000
+    total = float(get_total_norm(grads, p, foreach=foreach))
+    # The total is a float64 subnormal too: it holds it to one unit in its last place.
+    assert abs(total - expected) <= 1e-6 * expected + 2.0**-1074

@@ -352,8 +352,17 @@ def _finish_rows(rows: Rows, tensors: Sequence[torch.Tensor],
         # at least the largest |x| (never underflows) and up to n ** (1/p) times it.
         if not safe or norm_type < 1:
             bad = bad & ~_finite_max(rows, tensors, bad)
-        scale = torch.where(finite & (norm > 0), norm * unit, 0.0)
-        power_sum = (scale > 0).to(F64)
+        live = finite & (norm > 0)
+        if rows.unit is None:
+            scale = torch.where(live, norm, 0.0)
+            power_sum = live.to(F64)
+        else:
+            # Norms of values divided by ``unit``: kept as ``unit`` and ``norm ** p``.
+            # ``norm * unit`` would round a row's norm to float64 alone, a float64
+            # subnormal (5e-324 apart) where the gradients are, which p < 1 carries
+            # into the total. Rows whose ``norm ** p`` underflowed are not trusted.
+            scale = torch.where(live, torch.full_like(norm, unit), 0.0)
+            power_sum = torch.where(live, pointwise_pow(norm, norm_type), 0.0)
         suspect = ~bad & ~trusted & ~(safe & (norm == 0))
         max_abs = torch.where(bad, norm, math.nan)
     if bool(suspect.any()):

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from gradclip_cli import GradMonitor
+from gradclip_cli import GradMonitor, save_grads
 from gradclip_cli import clip_grad_norm_ as gradclip_clip_grad_norm_
 from gradclip_cli.core.spikes import FEW_SERIES, SpikeDetector
 from tests.cli.support import REPO, as_float, ref_norm
@@ -355,6 +355,42 @@ def test_an_expanded_gradient_counts_and_scales_its_stored_element_once(tmp_path
     assert math.isclose(float(model.b.grad[0]), 4.0 / (5.0 + 1e-6), rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("name", [n for n, _ in layouts()])
+def test_saved_gradients_that_share_elements_inspect_to_the_logged_total(tmp_path, gradclip,
+                                                                         name):
+    # save_grads (what a dump writes) of gradients that share storage elements:
+    # `gradclip inspect` of the file reports the total the monitor logged for
+    # them, each stored element once, not the total of separate copies.
+    tensors = dict(layouts())[name]
+    model = torch.nn.Module()
+    for i, t in enumerate(tensors):
+        param = torch.nn.Parameter(torch.zeros(t.shape))
+        param.grad = t
+        model.register_parameter(f"p{i}", param)
+    want = ref_distinct_norm(tensors, 2.0) if name != "separate storages" else ref_norm(
+        [t.double() for t in tensors], 2.0)
+    logged = GradMonitor(model, tmp_path / "grads.jsonl", None).step(0)["total_norm"]
+    assert math.isclose(logged, want, rel_tol=1e-6)
+    save_grads(model, tmp_path / "grads.pt", step=0)
+    report = inspect_dump(gradclip, tmp_path / "grads.pt")
+    assert math.isclose(as_float(report["total_norm"]), logged, rel_tol=1e-6)
+    rows = {row["name"]: row for row in report["tensors"]}  # a tie is listed once
+    for i, t in enumerate(tensors):
+        if f"p{i}" in rows:
+            assert rows[f"p{i}"]["shape"] == list(t.shape)
+            assert math.isclose(as_float(rows[f"p{i}"]["norm"]), ref_distinct_norm([t], 2.0),
+                                rel_tol=1e-6)
+    # A .safetensors file cannot hold views of one copy: refused, never miscounted.
+    if name in ("separate storages", "disjoint views of one buffer"):
+        save_grads(model, tmp_path / "grads.safetensors")
+        report = inspect_dump(gradclip, tmp_path / "grads.safetensors")
+        assert math.isclose(as_float(report["total_norm"]), logged, rel_tol=1e-6)
+    else:
+        with pytest.raises(ValueError, match="save to a .pt path"):
+            save_grads(model, tmp_path / "grads.safetensors")
+        assert not (tmp_path / "grads.safetensors").exists()
+
+
 @pytest.mark.parametrize("clip_spikes", [False, True])
 def test_clip_grad_norm_of_a_total_beyond_float32_clips_as_the_drop_in(tmp_path, clip_spikes):
     """Float32 gradients whose total (1.2e39) is beyond float32's range: the returned
@@ -417,7 +453,7 @@ def test_bad_options_are_refused_when_made(tmp_path, options, message):
 DDP_RANK = """
 import json, os, sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from gradclip_cli import GradMonitor
+from gradclip_cli import GradMonitor, save_grads
 rank, world, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
                         world_size=world)
