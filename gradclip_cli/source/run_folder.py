@@ -303,7 +303,7 @@ def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
             if alone:
                 raise
             raise MissingExtraError(f"{error}; or leave it out: --exclude "
-                                    f"{visible(_top_name(path, run.source))}") from None
+                                    f"{_top_name(path, run.source)}") from None
         except GradclipError as error:
             if alone or choice.tag is not None:
                 raise
@@ -425,13 +425,13 @@ def tracker_file(path: Path, choice: trackers.Choice) -> RunFolder | None:
     runs = trackers.given_runs(path)
     if runs is None:
         if sqlite_file.is_sqlite(path):
-            raise InputError(f"{visible(str(path))}: an SQLite database, but neither "
+            raise InputError(f"{path}: an SQLite database, but neither "
                              "MLflow's store (tables runs, metrics) nor a trackio project "
                              "(table metrics with run_name, step, metrics)")
         return None
     if not runs:
-        raise InputError(f"{visible(str(path))}: a tracker's store with no runs")
-    run, = trackers.choose_runs([runs], choice, visible(str(path)))
+        raise InputError(f"{path}: a tracker's store with no runs")
+    run, = trackers.choose_runs([runs], choice, str(path))
     read = trackers.norm_series(run, choice)
     series = Series(TRACKER, (run.source,), tuple(e.step for e in read.entries),
                     read.per_group, trackers.KIND, read.entries, read)

@@ -226,3 +226,48 @@ def test_a_count_in_a_torchtune_recipe_state_error(gradclip, tmp_path):
     line = _shown_once(gradclip("inspect", tmp_path / "out"), HOSTILE)
     assert line.endswith(f"recipe_state.pt: not a torchtune recipe state: epochs_run is "
                          f"'{visible(HOSTILE)}', not a count of epochs"), line
+
+
+def test_a_tensorboard_folder_named_in_trend_errors(gradclip, tmp_path):
+    """A tracker's folder (its path) in a point refused, and in a damaged event file."""
+    from tests import tracker_runs as tr
+
+    tr.needs("tensorboard")
+    folder = tmp_path / HOSTILE
+    events = tr.write_torch_tensorboard(folder, norms={0: 1.0, 1: -1.0})
+    r = gradclip("trend", folder)
+    assert r.code == 3, r.err
+    line = r.err_lines[-1]
+    assert line == (f"gradclip: {visible(events)}: tag '{tr.TAG}': step 1: a norm must be "
+                    ">= 0, got -1"), line
+    events.write_bytes(events.read_bytes()[:-7])
+    r = gradclip("trend", folder, "--format", "json")
+    assert r.code == 3, r.err
+    line = r.err_lines[-1]
+    assert line.startswith(f"gradclip: {visible(events)}: truncated or damaged at byte"), line
+    assert json.loads(r.out)["error"] == line.removeprefix("gradclip: ")
+
+
+def test_a_monitor_log_named_in_trend_errors(gradclip, tmp_path):
+    """gradclip's own norm log (GradMonitor's), a line damaged: named file:line."""
+    import torch
+
+    from gradclip import GradMonitor
+
+    log = tmp_path / HOSTILE / "grads.jsonl"
+    log.parent.mkdir()
+    model = torch.nn.Linear(2, 2)
+    monitor = GradMonitor(model, log, None)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        monitor.step()
+    monitor.close()
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text(lines[0] + "{}\n" + "".join(lines[2:]))
+    r = gradclip("trend", log, "--format", "github")
+    assert r.code == 3, r.err
+    line = r.err_lines[-1]
+    assert line.startswith(f"gradclip: {visible(log)}:2: "), line
+    assert r.out.startswith("::error ") and r.out.rstrip("\n").endswith(
+        "::" + line.removeprefix("gradclip: ")), r.out
