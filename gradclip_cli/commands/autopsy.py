@@ -110,6 +110,8 @@ def build(
     with progress_steps(not progress or not speaks()) as steps:
         logs, points = _read_inputs(paths, how, steps, output, trackers.Choice(tag, run_name),
                                     exclusion)
+        # Notes are escaped where made (each name through visible()), as inspect's and
+        # trend's are; every format shows them as they are (kept_visible).
         series, inputs, notes, placed = series_of(logs, points)
         notes = [n for point in points for n in point.notes] + notes  # --verify's gaps
         notes += exclusion.notes()  # what --exclude left out, as trend says it

@@ -76,7 +76,7 @@ def count_outliers(step: int, placed: dict[int, list], how: MeasureOptions, step
     if grads is None:
         return {}, [f"outliers: no gradient of step {step} among the inputs (a monitor dump "
                     "of that step holds one, or checkpoints of that step and the one before "
-                    "with Adam's state)", *(f"outliers: {why}" for why in refused)]
+                    "with Adam's state)", *(f"outliers: {visible(why)}" for why in refused)]
     moment = second_moment_rms(step - 1, placed, how, steps)
     if moment is None:
         return {}, [f"outliers: no optimizer state of step {step - 1} (the step before) "

@@ -145,6 +145,8 @@ def build(
                 groups=m.groups, nonfinite=m.nonfinite, what=m.what))
     observations, copies = one_point_per_step(observations)
     found = found_in_runs(runs)
+    # Notes are escaped where made (each name through visible()), as inspect's are; every
+    # format shows them as they are (kept_visible), adding only its own quoting.
     found["notes"] += (unchecked + step_notes + copies + exclusion.notes()
                        + monitor_clipping_notes(logs, runs))
     if logs:

@@ -106,8 +106,8 @@ def series_of(logs: list[tuple], points: list[CheckpointPoint]):
         observations, copies = one_point_per_step(sorted(observations, key=lambda o: o.step))
         notes += copies
         sources = [o.source for o in observations]
-        label = visible(sources[0]) if len(sources) == 1 else \
-            f"{visible(sources[0])} .. {visible(sources[-1])} ({len(sources)} {kind})"
+        label = sources[0] if len(sources) == 1 else \
+            f"{sources[0]} .. {sources[-1]} ({len(sources)} {kind})"
         series.append(QuantitySeries(what, kind, label, tuple(observations)))
     _same_gradients(series)
     _same_groups(series)
@@ -123,7 +123,7 @@ def _log_series(logs: list[tuple], series: list[QuantitySeries]) -> list[str]:
                     for p, entries in logs for e in entries]
     observations, copies = one_point_per_step(sorted(observations, key=lambda o: o.step))
     files = sorted({p for p, _ in logs})
-    label = visible(str(files[0])) + (f" and {len(files) - 1} more" if len(files) > 1 else "")
+    label = str(files[0]) + (f" and {len(files) - 1} more" if len(files) > 1 else "")
     series.append(QuantitySeries("grads", LOG, label, tuple(observations)))
     return copies
 
