@@ -111,7 +111,7 @@ def build(
                                      exclusion)
         if logs and regroup:
             raise UsageError(
-                f"{visible(str(logs[0][0]))}: --group-by groups a checkpoint's tensors; a "
+                f"{logs[0][0]}: --group-by groups a checkpoint's tensors; a "
                 "norm log holds the norms of the groups it was written with (GradMonitor's "
                 "group_by), which cannot be grouped again: leave --group-by out")
         p = one_norm_type(requested_p, logs)

@@ -271,3 +271,38 @@ def test_a_monitor_log_named_in_trend_errors(gradclip, tmp_path):
     assert line.startswith(f"gradclip: {visible(log)}:2: "), line
     assert r.out.startswith("::error ") and r.out.rstrip("\n").endswith(
         "::" + line.removeprefix("gradclip: ")), r.out
+
+
+def _monitor_run(log, scale: float = 1.0, steps: int = 3) -> None:
+    """A GradMonitor log of ``steps`` steps, its gradients all ``scale``."""
+    import torch
+
+    from gradclip import GradMonitor
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    model = torch.nn.Linear(2, 2)
+    monitor = GradMonitor(model, log, None)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, scale)
+        monitor.step()
+    monitor.close()
+
+
+def test_norm_logs_named_in_trend_and_autopsy_refusals(gradclip, tmp_path):
+    """Two runs' logs giving one step other norms, and --group-by on a log: each path
+    once escaped, in trend's and autopsy's refusals."""
+    a, b = tmp_path / HOSTILE / "a.jsonl", tmp_path / HOSTILE / "b.jsonl"
+    _monitor_run(a)
+    _monitor_run(b, scale=2.0)
+    for command in ("trend", "autopsy"):
+        r = gradclip(command, a, b, "--format", "json")
+        assert r.code == 2, r.err
+        line = r.err_lines[-1]
+        assert line.startswith(f"gradclip: {visible(b)} and {visible(a)} both give step 0, "
+                               "with other norms"), line
+        assert json.loads(r.out)["error"] == line.removeprefix("gradclip: ")
+    r = gradclip("trend", a, "--group-by", "module")
+    assert r.code == 2, r.err
+    assert r.err_lines[-1].startswith(f"gradclip: {visible(a)}: --group-by groups a "
+                                      "checkpoint's tensors"), r.err
