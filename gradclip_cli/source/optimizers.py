@@ -96,18 +96,18 @@ class Numbers:
     def step(self, entry: dict) -> float:
         step = self(entry.get("step"), "step")
         if step < 1:
-            raise InputError(f"{self.opt.file}: parameter {visible(self.name)}: step "
+            raise InputError(f"{self.opt.file}: parameter {self.name}: step "
                              f"{step:g}: the state is not an average of anything yet")
         return step
 
     def betas(self, group: dict) -> tuple[float, float]:
         betas = group.get("betas")
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-            raise InputError(f"{self.opt.file}: the param group of {visible(self.name)} has "
+            raise InputError(f"{self.opt.file}: the param group of {self.name} has "
                              "no betas (beta1, beta2)")
         b1, b2 = self(betas[0], "beta1"), self(betas[1], "beta2")
         if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise InputError(f"{self.opt.file}: the param group of {visible(self.name)} has "
+            raise InputError(f"{self.opt.file}: the param group of {self.name} has "
                              f"betas ({b1}, {b2}) outside [0, 1)")
         return b1, b2
 
@@ -116,15 +116,15 @@ class Numbers:
         ``sqrt(v_hat) + eps`` it would make a step of any size)."""
         eps = self(group.get("eps"), "eps")
         if eps < 0:
-            raise InputError(f"{self.opt.file}: the param group of {visible(self.name)} has "
+            raise InputError(f"{self.opt.file}: the param group of {self.name} has "
                              f"eps {eps!r}, below 0")
         return eps
 
     def tensor(self, entry: dict, key: str) -> StoredTensor:
         value = entry.get(key)
         if not isinstance(value, StoredTensor):
-            raise InputError(f"{self.opt.file}: parameter {visible(self.name)} has no "
-                             f"{visible(key)} while its optimizer keeps one")
+            raise InputError(f"{self.opt.file}: parameter {self.name} has no "
+                             f"{key} while its optimizer keeps one")
         return value
 
 

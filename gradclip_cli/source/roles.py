@@ -112,7 +112,7 @@ def contradiction(gradients: Mapping[str, Any], said: str) -> None:
     buffers = [str(n) for n in gradients if str(n).rsplit(".", 1)[-1] in BUFFER_NAMES]
     if buffers:
         raise InputError(f"{said} says gradients, but it holds a model's buffers "
-                         f"({visible(buffers[0])}): gradients have no running statistics")
+                         f"({buffers[0]}): gradients have no running statistics")
     if isinstance(getattr(gradients, "_metadata", None), Mapping):
         raise InputError(f"{said} says gradients, but it is a model's state_dict (torch's "
                          "_metadata): a module's weights, not gradients")

@@ -306,3 +306,26 @@ def test_norm_logs_named_in_trend_and_autopsy_refusals(gradclip, tmp_path):
     assert r.code == 2, r.err
     assert r.err_lines[-1].startswith(f"gradclip: {visible(a)}: --group-by groups a "
                                       "checkpoint's tensors"), r.err
+
+
+def test_a_parameter_name_in_an_optimizer_group_error(gradclip, tmp_path):
+    """An Adam group whose betas leave [0, 1), named by its parameter, escaped once."""
+    import torch
+
+    from tests.previous_runs import train
+
+    def save(model, opt):
+        state = model.state_dict()
+        first = next(iter(state))
+        saved = opt.state_dict()
+        saved["param_groups"][0]["betas"] = (0.9, 1.5)
+        return {"model": {(HOSTILE if k == first else k): v for k, v in state.items()},
+                "optimizer": saved}
+
+    run = train(tmp_path, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), steps=3,
+                save=save)
+    r = gradclip("inspect", run.checkpoint(3), "--what", "update")
+    assert r.code == 3, r.err
+    line = r.err_lines[-1]
+    assert line.endswith(f"the param group of {visible(HOSTILE)} has betas (0.9, 1.5) "
+                         "outside [0, 1)"), line

@@ -79,7 +79,7 @@ def wording(*facts: Found | NoGradients | NotGradients) -> Wording:
         else:
             held = _OPTIMIZER if fact.role == roles.OPTIMIZER_STATE else \
                 f"a model's weights ({fact.proof})"
-            where = f"{fact.file} is" if fact.key is None else f"--key {visible(fact.key)} holds"
+            where = f"{fact.file} is" if fact.key is None else f"--key {fact.key} holds"
             error = f"{fact.path}: {where} {held}, not gradients"
     return Wording((), said.get(roles.WEIGHT), said.get(roles.OPTIMIZER_STATE),
                    gradient_error=error, gradient_evidence=said.get(roles.GRADIENT))
