@@ -329,3 +329,20 @@ def test_a_parameter_name_in_an_optimizer_group_error(gradclip, tmp_path):
     line = r.err_lines[-1]
     assert line.endswith(f"the param group of {visible(HOSTILE)} has betas (0.9, 1.5) "
                          "outside [0, 1)"), line
+
+
+def test_a_run_folder_named_in_inspects_refusal(gradclip, tmp_path):
+    """inspect of a run's folder says what it is and where to go, the folder once escaped."""
+    import torch
+
+    folder = tmp_path / HOSTILE
+    folder.mkdir()
+    for step in (1, 2):
+        torch.save({"w": torch.ones(2)}, folder / f"step_{step}.pt")
+    r = gradclip("inspect", folder)
+    assert r.code == 3, r.err
+    assert r.err_lines[-1] == (
+        f"gradclip: {visible(folder)}: a run's folder of 2 per-step checkpoint files "
+        f"(step_1.pt .. step_2.pt), not one checkpoint: for norms over the run use 'gradclip "
+        f"trend {visible(folder)}'; to inspect the newest, 'gradclip inspect "
+        f"{visible(folder / 'step_2.pt')}'"), r.err
