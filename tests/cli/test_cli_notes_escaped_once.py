@@ -129,3 +129,18 @@ def test_inspect_notes(gradclip, tmp_path):
             "header's layout was checked")
     # JSON: among the description's lines (its "notes" is an extra of other reports).
     _assert_in_every_format(gradclip, "inspect", [path, "--verify"], note, "description")
+
+
+def test_autopsy_verdict_names_the_outliers_inputs_once(gradclip, tmp_path):
+    """The outlier counts' inputs in the verdict (a raw line the formats escape) and in
+    the JSON (raw paths, as every source there)."""
+    from benchmarks import autopsy_rates as A
+
+    run = A.make_run("torch", 0, True, tmp_path / HOSTILE / "run")
+    doc = json.loads(_shown(gradclip, "autopsy", run.folder, fmt="json"))
+    counted = next(g["outlier_counts"] for g in doc["groups"] if g["outlier_counts"])
+    grads = counted["grads_source"]
+    assert grads.startswith(str(tmp_path / HOSTILE)), grads  # raw in JSON
+    table = _shown(gradclip, "autopsy", run.folder, fmt="table")
+    assert f"({visible(grads)}; v_hat from {visible(counted['moment_source'])})" in table, \
+        [line for line in table.splitlines() if "v_hat from" in line]
