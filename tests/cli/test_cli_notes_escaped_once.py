@@ -144,3 +144,20 @@ def test_autopsy_verdict_names_the_outliers_inputs_once(gradclip, tmp_path):
     table = _shown(gradclip, "autopsy", run.folder, fmt="table")
     assert f"({visible(grads)}; v_hat from {visible(counted['moment_source'])})" in table, \
         [line for line in table.splitlines() if "v_hat from" in line]
+
+
+def test_inspect_measured_line(gradclip, tmp_path):
+    """The measured line's evidence (a buffer's name) is a description line, escaped where
+    made: markdown and junit show it once, as the table and the JSON do."""
+    import torch
+
+    buffer = f"{HOSTILE}.running_mean"
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(3), buffer: torch.ones(2)}, path)
+    line = (f"measured: model weights, 1 buffers apart (a model's buffers: {visible(buffer)}); "
+            "--what auto: no gradients saved")
+    doc = json.loads(_shown(gradclip, "inspect", path, fmt="json"))
+    assert line in doc["description"], doc["description"]
+    assert line in _shown(gradclip, "inspect", path, fmt="table").splitlines()
+    assert f"{note_md(line)}\n" in _shown(gradclip, "inspect", path, fmt="markdown")
+    assert line in _shown(gradclip, "inspect", path, fmt="junit")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import roles
+from gradclip_cli.source.files.small_file import quoted
 
 from .draft import Wording
 
@@ -89,7 +90,7 @@ def evidence(fact: Found) -> str:
     """The report's evidence for one role, from what showed it."""
     f, shown = fact, [visible(n) for n in fact.names]
     at = f"{f.layout}: " if f.layout else ""
-    entries = [visible(repr(n)) for n in f.names]
+    entries = [visible(quoted(n)) for n in f.names]
     kind = "entry" if len(entries) == 1 else "entries"
     if f.by == MARK:
         return f"{f.layout}, {shown[0]}: {f.detail}" if f.layout else \
