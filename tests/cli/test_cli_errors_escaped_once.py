@@ -346,3 +346,18 @@ def test_a_run_folder_named_in_inspects_refusal(gradclip, tmp_path):
         f"(step_1.pt .. step_2.pt), not one checkpoint: for norms over the run use 'gradclip "
         f"trend {visible(folder)}'; to inspect the newest, 'gradclip inspect "
         f"{visible(folder / 'step_2.pt')}'"), r.err
+
+
+def test_a_buffer_name_as_the_proof_of_weights(gradclip, tmp_path):
+    """--what grads on a model's weights: the buffer that shows them weights, in the
+    refusal, escaped once (and once in the measured line: tests/cli/test_cli_notes_...)."""
+    import torch
+
+    buffer = f"{HOSTILE}.running_mean"
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(3), buffer: torch.ones(2)}, path)
+    r = gradclip("inspect", path, "--what", "grads")
+    assert r.code == 3, r.err
+    line = r.err_lines[-1]
+    assert (f"the file is a model's weights (a model's buffers: {visible(buffer)}), not "
+            "gradients") in line, line

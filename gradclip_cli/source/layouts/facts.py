@@ -9,7 +9,7 @@ of them into the ``Wording`` that ``Draft.say`` puts in place (as ``megatron/fac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gradclip_cli.escaping import visible
@@ -87,8 +87,9 @@ def wording(*facts: Found | NoGradients | NotGradients) -> Wording:
 
 
 def evidence(fact: Found) -> str:
-    """The report's evidence for one role, from what showed it."""
-    f, shown = fact, [visible(n) for n in fact.names]
+    """The report's evidence for one role, from what showed it: a description line,
+    escaped here (its names and ``detail`` arrive raw, as refusals quote them too)."""
+    f, shown = replace(fact, detail=visible(fact.detail)), [visible(n) for n in fact.names]
     at = f"{f.layout}: " if f.layout else ""
     entries = [visible(quoted(n)) for n in f.names]
     kind = "entry" if len(entries) == 1 else "entries"
