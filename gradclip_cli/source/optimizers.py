@@ -39,7 +39,6 @@ import torch
 
 from gradclip_cli.core import optimizer_math as om
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import Derivation, OptimizerState, StoredTensor
 from gradclip_cli.source.untrusted import is_number
@@ -374,7 +373,7 @@ def identify(opt: OptimizerState) -> Kind:
                    SOME_AMSGRAD if any(g.get("amsgrad") for g in groups) else "")
         return kind(("AdamW" if decoupled else "Adam") + amsgrad, dict.fromkeys(QUANTITIES),
                     _adam)
-    held = ", ".join(visible(k) for k in tensor_keys) or "none"
+    held = ", ".join(map(str, tensor_keys)) or "none"  # raw: a refusal's, escaped where shown
     return kind("an unknown optimizer", {q: f"gradclip knows no rule for its state keys ({held})"
                                          for q in QUANTITIES}, None)
 
@@ -427,5 +426,5 @@ def derive(kind: Kind, what: str, opt: OptimizerState, name: str, entry: dict,
 
 def holds(kind: Kind) -> str:
     """What ``kind`` keeps per parameter, for people: ``AdamW (exp_avg, exp_avg_sq)``."""
-    keys = ", ".join(visible(k) for k in kind.keys) or "empty"
+    keys = ", ".join(map(str, kind.keys)) or "empty"  # raw: said in refusals, escaped where shown
     return f"{kind.name} state ({keys})"

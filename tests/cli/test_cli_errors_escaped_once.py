@@ -361,3 +361,29 @@ def test_a_buffer_name_as_the_proof_of_weights(gradclip, tmp_path):
     line = r.err_lines[-1]
     assert (f"the file is a model's weights (a model's buffers: {visible(buffer)}), not "
             "gradients") in line, line
+
+
+def test_an_unknown_optimizers_state_key_in_a_refusal(gradclip, tmp_path):
+    """A torch.optim.Optimizer of a script's own, whose state key gradclip knows no rule
+    for: --what exp_avg names the key once escaped."""
+    import torch
+
+    class Custom(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p][HOSTILE] = p.grad.clone()
+
+    model = torch.nn.Linear(2, 1)
+    opt = Custom(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    r = gradclip("inspect", path, "--what", "exp_avg")
+    assert r.code == 3, r.err
+    line = r.err_lines[-1]
+    assert f"state keys ({visible(HOSTILE)})" in line, line
