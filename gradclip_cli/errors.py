@@ -2,7 +2,9 @@
 
 Every layer raises one of these with a one-line message; the CLI prints it
 and exits with ``exit_code``. Anything else escaping is a bug (shown with
-``--debug``).
+``--debug``). The message is built raw: names, keys and paths as the file and
+the command line give them (``quoted()`` where one is quoted), never passed
+through ``visible()``; the CLI escapes the whole line once, where it is shown.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from . import values
 from .errors import REPORT_FILE_FLAG, UsageError
-from .escaping import visible
 from .sink.atomic import check_folder, check_target
 
 if TYPE_CHECKING:
@@ -133,8 +132,8 @@ def report_file(output_file: Path | str | None, *, reads: Iterable[Path | str] =
         for path in paths:
             why = _same_or_inside(output_file, path)
             if why is not None:
-                raise UsageError(f"{REPORT_FILE_FLAG} {visible(str(output_file))}: "
-                                 f"{why} {role} {visible(str(path))}; the report would "
+                raise UsageError(f"{REPORT_FILE_FLAG} {output_file}: "
+                                 f"{why} {role} {path}; the report would "
                                  "replace it; nothing was written")
     if writes_known:
         check_folder(output_file)

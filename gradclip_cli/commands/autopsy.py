@@ -35,7 +35,6 @@ from pathlib import Path
 from .. import options, values
 from ..distributed import launcher
 from ..errors import InputError
-from ..format.text import visible
 from ..progress import progress_steps
 from ..report import parse_group_by
 from ..report.autopsy import build_autopsy_report, finest, ratio
@@ -110,6 +109,8 @@ def build(
     with progress_steps(not progress or not speaks()) as steps:
         logs, points = _read_inputs(paths, how, steps, output, trackers.Choice(tag, run_name),
                                     exclusion)
+        # Notes are escaped where made (each name through visible()), as inspect's and
+        # trend's are; every format shows them as they are (kept_visible).
         series, inputs, notes, placed = series_of(logs, points)
         notes = [n for point in points for n in point.notes] + notes  # --verify's gaps
         notes += exclusion.notes()  # what --exclude left out, as trend says it
@@ -148,7 +149,7 @@ def _read_inputs(paths: list[Path], how: MeasureOptions, steps, output: Output |
             output.check(reads=[item.path])
         points.append(point)
     if not logs and not points:
-        raise InputError(f"{visible(str(paths[0]))}: no checkpoint or norm log to read")
+        raise InputError(f"{paths[0]}: no checkpoint or norm log to read")
     return logs, points
 
 
@@ -161,7 +162,7 @@ def _read_checkpoint(item: run_inputs.Input, how: MeasureOptions, steps) -> Chec
     step = None
     quantities = available(contents)
     if not quantities:
-        raise InputError(f"{visible(str(item.path))}: holds no gradients, optimizer state or "
+        raise InputError(f"{item.path}: holds no gradients, optimizer state or "
                          "weights that gradclip measures")
     for what in quantities:
         selection = select(contents, what)

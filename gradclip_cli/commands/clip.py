@@ -54,11 +54,11 @@ def run(
             # Its norm is this file's alone: scaled by it, the set's total would not be
             # the one asked for (inspect says so; clip writes nothing).
             shard_of = loaded.contents.shard_of
-            folder = visible(str(shard_of))
+            folder = str(shard_of)
             whole = f"clip the set: gradclip clip {folder}" if any(
                 layout.recognises(shard_of) for layout in LAYOUTS) else \
                 "the set's index is not there to read it by (a '*.index.json')"
-            raise UsageError(f"{visible(path)}: one shard of the set in {folder}: clip scales "
+            raise UsageError(f"{path}: one shard of the set in {folder}: clip scales "
                              "by the total norm of every gradient of the set, which this file "
                              f"alone does not hold; {whole}")
         plan = loaded.write_back

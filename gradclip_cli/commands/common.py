@@ -20,6 +20,7 @@ from ..progress import Steps
 from ..sink.unshared import unshare_other_entries
 from ..source import Checkpoint, packed_dtype
 from ..source.files.pages import PageReleaser
+from ..source.files.small_file import quoted
 from ..source.interface import Contents, WriteBackPlan
 from ..source.layouts import open_checkpoint, write_back
 from ..source.what import Selection, select
@@ -75,7 +76,7 @@ class Loaded:
         """The tensors themselves, for changing them in place (clip)."""
         held = [t.held for t in self.selection.tensors]
         if any(h is None for h in held):
-            raise InputError(f"{visible(str(self.contents.path))}: clip needs every gradient "
+            raise InputError(f"{self.contents.path}: clip needs every gradient "
                              "in one piece; this checkpoint stores some in several")
         return held
 
@@ -164,7 +165,7 @@ def measure(loaded: Loaded, p: float, device: torch.device, steps: Steps, label:
     for tensor in loaded.selection.tensors:
         if (packed := packed_dtype(tensor.dtype)) is not None:
             where = tensor.pieces[0].file if tensor.pieces else None
-            raise InputError(f"{visible(str(where or loaded.contents.path))}: {tensor.name!r} "
+            raise InputError(f"{where or loaded.contents.path}: {quoted(tensor.name)} "
                              f"is {packed}")
     owners = None if files is None or loaded.elements is None else \
         _piece_owners(loaded, files)

@@ -25,7 +25,7 @@ from .grouped import MeasureOptions
 def gradients_at(step: int, placed: dict[int, list], how: MeasureOptions, steps,
                  why_not: list[str] | None = None
                  ) -> tuple[dict[str, torch.Tensor], str] | None:
-    """The gradients of ``step`` by parameter name, and the input they come from; None
+    """The gradients of ``step`` by parameter name, and the input they come from (raw); None
     when no input holds them (the reasons a pair of states did not go to ``why_not``).
 
     A monitor dump of that step (``save_grads``'s file), else two checkpoints whose
@@ -36,7 +36,7 @@ def gradients_at(step: int, placed: dict[int, list], how: MeasureOptions, steps,
         if point.gradients:
             loaded = load(point.path, how.key, how.trust_pickle, how.verify, steps, "grads")
             return ({n: t.read() for n, t in zip(loaded.names, loaded.tensors)},
-                    visible(str(point.path)))
+                    str(point.path))
     states = [[p for p in placed.get(s, []) if "exp_avg" in p.measured] for s in (step, step - 1)]
     for curr in states[0]:
         for prev in states[1]:
@@ -45,8 +45,8 @@ def gradients_at(step: int, placed: dict[int, list], how: MeasureOptions, steps,
                                 verify=how.verify) for p in (curr, prev)))
             if found.gradients is not None:
                 return ({n: g for n, g in found.gradients.items()},
-                        f"the gradients reconstructed from {visible(str(prev.path))} and "
-                        f"{visible(str(curr.path))} (their Adam states, steps apart by one)")
+                        f"the gradients reconstructed from {prev.path} and "
+                        f"{curr.path} (their Adam states, steps apart by one)")
             if why_not is not None:
                 why_not.append(found.refusal)
     return None
@@ -62,7 +62,7 @@ def second_moment_rms(step: int, placed: dict[int, list], how: MeasureOptions, s
             rms = {}
             for name, d in zip(loaded.names, loaded.selection.derivations):
                 rms[name] = d.compute(*[t.read() for t in d.reads])
-            return rms, visible(str(point.path))
+            return rms, str(point.path)
     return None
 
 
@@ -76,7 +76,7 @@ def count_outliers(step: int, placed: dict[int, list], how: MeasureOptions, step
     if grads is None:
         return {}, [f"outliers: no gradient of step {step} among the inputs (a monitor dump "
                     "of that step holds one, or checkpoints of that step and the one before "
-                    "with Adam's state)", *(f"outliers: {why}" for why in refused)]
+                    "with Adam's state)", *(f"outliers: {visible(why)}" for why in refused)]
     moment = second_moment_rms(step - 1, placed, how, steps)
     if moment is None:
         return {}, [f"outliers: no optimizer state of step {step - 1} (the step before) "
@@ -90,6 +90,7 @@ def count_outliers(step: int, placed: dict[int, list], how: MeasureOptions, step
         c[0] += adam_outliers(tensor, rms[name], k)
         c[1] += tensor.numel()
     if not counts:
-        return {}, [f"outliers: {g_source} and {m_source} name no parameter alike"]
+        return {}, [f"outliers: {visible(g_source)} and {visible(m_source)} name no parameter "
+                    "alike"]
     return ({group: Outliers(c, n, g_source, m_source) for group, (c, n) in counts.items()},
             [])

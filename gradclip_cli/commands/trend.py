@@ -111,7 +111,7 @@ def build(
                                      exclusion)
         if logs and regroup:
             raise UsageError(
-                f"{visible(str(logs[0][0]))}: --group-by groups a checkpoint's tensors; a "
+                f"{logs[0][0]}: --group-by groups a checkpoint's tensors; a "
                 "norm log holds the norms of the groups it was written with (GradMonitor's "
                 "group_by), which cannot be grouped again: leave --group-by out")
         p = one_norm_type(requested_p, logs)
@@ -146,6 +146,8 @@ def build(
                 groups=m.groups, nonfinite=m.nonfinite, what=m.what))
     observations, copies = one_point_per_step(observations)
     found = found_in_runs(runs)
+    # Notes are escaped where made (each name through visible()), as inspect's are; every
+    # format shows them as they are (kept_visible), adding only its own quoting.
     found["notes"] += (unchecked + step_notes + copies + exclusion.notes()
                        + monitor_clipping_notes(logs, runs))
     if logs:

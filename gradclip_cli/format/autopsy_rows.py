@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..report.autopsy import QUANTITIES, times
-from .text import visible
+from .text import kept_visible, visible
 from .words import group_rule
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def header(report: AutopsyReport) -> list[str]:
     if "update_to_weights" in quantities(report):
         lines.append("changes are after / before; upd/w: update_to_weights, the update's "
                      "RMS over the weights' RMS")
-    lines += [visible(n) for n in report.notes]
+    lines += [kept_visible(n) for n in report.notes]  # escaped where made
     return lines
 
 

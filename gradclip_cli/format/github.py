@@ -43,13 +43,13 @@ def escape_property(text: str) -> str:
     return escape_data(text).replace(":", "%3A").replace(",", "%2C")
 
 
-def command(kind: str, message: str, *, verdict: bool = False, **properties: str) -> str:
-    """One workflow command line: ``::kind key=value,...::message``. A ``verdict`` is
-    made of ``visible()`` pieces already (``kept_visible``: its names show as in
-    every other line)."""
+def command(kind: str, message: str, *, shown: bool = False, **properties: str) -> str:
+    """One workflow command line: ``::kind key=value,...::message``. A ``shown`` message
+    (a verdict, a note, an error line) is made of ``visible()`` pieces already
+    (``kept_visible``: its names show as in every other line)."""
     props = ",".join(f"{k}={escape_property(visible(v))}" for k, v in properties.items())
-    shown = kept_visible(message) if verdict else visible(message)
-    return f"::{kind}{' ' + props if props else ''}::{escape_data(shown)}\n"
+    text = kept_visible(message) if shown else visible(message)
+    return f"::{kind}{' ' + props if props else ''}::{escape_data(text)}\n"
 
 
 def _write(out: TextIO, source: str, found: list[F.Finding], verdict: str) -> None:
@@ -57,12 +57,13 @@ def _write(out: TextIO, source: str, found: list[F.Finding], verdict: str) -> No
         out.write(command(f.severity, f.message, file=f.source or source,
                           title=f"gradclip: {f.title}"))
     if not any(f.severity == F.ERROR for f in found):
-        out.write(command("notice", verdict, verdict=True, file=source, title="gradclip"))
+        out.write(command("notice", verdict, shown=True, file=source, title="gradclip"))
 
 
 def render_inspect(report: InspectReport, out: TextIO, *, top: int = 0) -> None:
     for note in report.notes:  # what the file's name or layout would mislead about
-        out.write(command("notice", note, file=report.source, title="gradclip inspect: note"))
+        out.write(command("notice", note, shown=True, file=report.source,
+                          title="gradclip inspect: note"))
     _write(out, report.source, F.inspect_findings(report), verdict_line(report))
 
 
@@ -74,7 +75,8 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
     if lowered is not None:
         verdict += f"; {lowered}"
     for note in report.notes:  # what --verify could not check
-        out.write(command("notice", note, file=report.source, title="gradclip clip: note"))
+        out.write(command("notice", note, shown=True, file=report.source,
+                          title="gradclip clip: note"))
     _write(out, report.source, F.clip_findings(report), verdict)
 
 
@@ -82,15 +84,15 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
     # Each finding names its point's own file; the notice, the newest point's.
     newest = report.points[-1].source if report.points else ""
     for note in report.notes:  # where each series of a run folder came from
-        out.write(command("notice", note, title="gradclip trend: run folder"))
+        out.write(command("notice", note, shown=True, title="gradclip trend: run folder"))
     for line in audit_lines(report):  # a disagreement is also an error finding below
-        out.write(command("notice", line, title="gradclip trend: norm audit"))
+        out.write(command("notice", line, shown=True, title="gradclip trend: norm audit"))
     _write(out, newest, F.trend_findings(report), trend_verdict(report))
 
 
 def render_compare(report: CompareReport, out: TextIO) -> None:
     for note in report.notes:  # what --verify could not check
-        out.write(command("notice", note, title="gradclip compare: note"))
+        out.write(command("notice", note, shown=True, title="gradclip compare: note"))
     _write(out, report.b, F.compare_findings(report), compare_verdict(report))
 
 
@@ -99,12 +101,12 @@ def render_error(failure: FailureReport, out: TextIO) -> None:
     it has no report."""
     file = {"file": failure.file} if failure.file else {}
     # The message is made visible once already, as stderr shows it.
-    out.write(command("error", failure.message, verdict=True, **file,
+    out.write(command("error", failure.message, shown=True, **file,
                       title=f"gradclip: {failure.title}"))
 
 
 def render_autopsy(report, out: TextIO) -> None:
     source = report.finest
     for note in report.notes:
-        out.write(command("notice", note, title="gradclip autopsy"))
+        out.write(command("notice", note, shown=True, title="gradclip autopsy"))
     _write(out, source, F.autopsy_findings(report), visible(report.verdict))

@@ -50,15 +50,17 @@ def xml_text(text: object) -> str:
     return _NOT_XML_CHAR.sub("", visible(text))
 
 
-def _xml_verdict(text: str) -> str:
-    """A verdict, made of ``visible()`` pieces already (``kept_visible``), as XML text: a
-    renderer makes a raw one (autopsy's, a refusal) ``visible`` before handing it here."""
+def _xml_shown(text: str) -> str:
+    """A line made of ``visible()`` pieces already (``kept_visible``: a verdict, a note), as
+    XML text: a renderer makes a raw one (autopsy's verdict, a refusal) ``visible`` before
+    handing it here."""
     return _NOT_XML_CHAR.sub("", kept_visible(text))
 
 
 def _suite(name: str, cases: Iterable[str], found: list[F.Finding], summary: str,
            details: dict[str, str] | None = None, notes: Iterable[str] = ()) -> ET.Element:
-    """The document; ``details`` gives some testcases a ``<system-out>`` line (their norm)."""
+    """The document; ``details`` gives some testcases a ``<system-out>`` line (their norm);
+    ``notes``: lines made of ``visible()`` pieces already, as every format shows them."""
     names = list(dict.fromkeys([*cases, *(f.series for f in found)]))
     errors = {n: [f for f in found if f.series == n and f.severity == F.ERROR] for n in names}
     warnings = [f for f in found if f.severity == F.WARNING]
@@ -76,7 +78,7 @@ def _suite(name: str, cases: Iterable[str], found: list[F.Finding], summary: str
         if details and n in details:
             ET.SubElement(case, "system-out").text = xml_text(details[n])
     out = ET.SubElement(suite, "system-out")
-    out.text = "\n".join([_xml_verdict(summary), *(xml_text(note) for note in notes),
+    out.text = "\n".join([_xml_shown(summary), *(_xml_shown(note) for note in notes),
                            *(xml_text(f"warning: {w.title}: {w.message}") for w in warnings)])
     return root
 
@@ -132,7 +134,7 @@ def render_error(failure: FailureReport, out: TextIO) -> None:
                           errors="1", skipped="0")
     case = ET.SubElement(suite, "testcase", classname=xml_text(name), name=F.RUN)
     error = ET.SubElement(case, "error", message=xml_text(failure.title), type="gradclip")
-    error.text = _xml_verdict(failure.message)  # made visible once, as stderr shows it
+    error.text = _xml_shown(failure.message)  # made visible once, as stderr shows it
     _write(root, out)
 
 

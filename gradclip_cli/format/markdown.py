@@ -57,6 +57,12 @@ def escape(text: object) -> str:
     return _markup(visible(text))
 
 
+def escape_shown(text: str) -> str:
+    """A line made of ``visible()`` pieces already (a note, the measured line, an audit),
+    as literal Markdown text: its escapes are not escaped again (``kept_visible``)."""
+    return _markup(kept_visible(text))
+
+
 def _markup(line: str) -> str:
     return _WWW.sub(r"\\.", line.translate(_ESCAPES))
 
@@ -97,9 +103,9 @@ def render_inspect(report: InspectReport, out: TextIO, *, top: int = 5) -> None:
               f"groups by {escape(report.group_by)}\n\n")
     measured = measured_line(report)
     if measured is not None:
-        out.write(f"{escape(measured)}\n\n")
+        out.write(f"{escape_shown(measured)}\n\n")
     for note in report.notes:  # what the file's name or layout would mislead about
-        out.write(f"note\\: {escape(note)}\n\n")
+        out.write(f"note\\: {escape_shown(note)}\n\n")
     shown = groups_to_show(report)
     # ratio: each norm over the norm of the same parameters' weights, where the
     # checkpoint holds them (the update-to-weight ratio, for --what update).
@@ -154,7 +160,7 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
     if lowered is not None:
         out.write(f"\n{escape(lowered)}\n")
     if report.notes:  # what --verify could not check
-        out.write("\n" + "".join(f"- {escape(note)}\n" for note in report.notes))
+        out.write("\n" + "".join(f"- {escape_shown(note)}\n" for note in report.notes))
 
 
 def render_trend(report: TrendReport, out: TextIO) -> None:
@@ -166,10 +172,10 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
               f"({escape(group_rule(report.group_thresholds()))}"
               f"alpha {report.alpha:g}, warmup {report.warmup})\n\n")
     if report.notes:  # where each series of a run folder came from
-        out.write("".join(f"- {escape(note)}\n" for note in report.notes) + "\n")
+        out.write("".join(f"- {escape_shown(note)}\n" for note in report.notes) + "\n")
     audits = audit_lines(report)  # the norm audit
     if audits:
-        out.write("".join(f"- {escape(line)}\n" for line in audits) + "\n")
+        out.write("".join(f"- {escape_shown(line)}\n" for line in audits) + "\n")
     shown = points_to_show(report)
     rows = []
     for p in shown:
@@ -202,7 +208,7 @@ def render_compare(report: CompareReport, out: TextIO) -> None:
     out.write(f"### gradclip compare: {escape(report.a)} → {escape(report.b)}\n\n")
     out.write(_verdict(compare_verdict(report), report.status != "ok"))
     if report.notes:  # what --verify could not check
-        out.write("".join(f"- {escape(note)}\n" for note in report.notes) + "\n")
+        out.write("".join(f"- {escape_shown(note)}\n" for note in report.notes) + "\n")
     flagged = {id(g) for g in report.beyond}
     if report.fail_above is not None:
         flagged |= {id(g) for g in report.one_sided}
@@ -234,7 +240,7 @@ def render_autopsy(report, out: TextIO) -> None:
 
     out.write("### gradclip autopsy\n\n")
     out.write(_verdict(visible(report.verdict), report.status == "explained"))
-    out.write("".join(f"- {escape(line)}\n" for line in A.header(report)) + "\n")
+    out.write("".join(f"- {escape_shown(line)}\n" for line in A.header(report)) + "\n")
     rows = A.shown(report)
     if not rows:
         return

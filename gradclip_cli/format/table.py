@@ -47,7 +47,7 @@ from .shown import (
     points_to_show,
     sparkline,
 )
-from .text import visible
+from .text import kept_visible, visible
 from .words import (
     audit_lines,
     clip_summary,
@@ -346,8 +346,8 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
                  f"groups by {visible(report.group_by)}; spike: z > {report.z_threshold:g} "
                  f"({group_rule(report.group_thresholds())}"
                  f"alpha {report.alpha:g}, warmup {report.warmup})")
-    for note in report.notes:  # where each series of a run folder came from
-        _print_prose(console, visible(note))
+    for note in report.notes:  # where each series of a run folder came from: escaped where made
+        _print_prose(console, kept_visible(note))
     for line in audit_lines(report):  # already made visible
         _print_prose(console, line)
     shown = points_to_show(report)

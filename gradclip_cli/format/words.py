@@ -138,11 +138,12 @@ def measured_line(report: InspectReport) -> str | None:
         return None
     # Gradients reconstructed with --previous: the cross-check goes with the evidence.
     check = report.measured.get("cross_check")
-    checked = f"; {visible(check['summary'])}" if isinstance(check, dict) and \
+    checked = f"; {check['summary']}" if isinstance(check, dict) and \
         check.get("summary") else ""
     chosen = report.measured.get("chosen")
-    return (f"measured: {visible(explain)}" + (f" ({visible(evidence)})" if evidence else "")
-            + (f"; {visible(chosen)}" if chosen else "") + checked)
+    # Its pieces are the description's, escaped where made: each format shows them as made.
+    return (f"measured: {explain}" + (f" ({evidence})" if evidence else "")
+            + (f"; {chosen}" if chosen else "") + checked)
 
 
 def unchecked_total(report: InspectReport) -> str:

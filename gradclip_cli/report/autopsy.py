@@ -52,7 +52,8 @@ class QuantitySeries:
 
     ``observations`` are in step order, one per step, each measuring ``what``
     (``update_to_weights``: each group's update RMS over its weights' RMS).
-    ``label`` names the inputs for people: the log's file, or the first and last file.
+    ``label`` names the inputs for people: the log's file, or the first and last file;
+    raw, as the report's ``finest`` and verdict are (each format escapes them once).
     """
 
     what: str

@@ -76,7 +76,7 @@ def series_of(logs: list[tuple], points: list[CheckpointPoint]):
     for path, entries, _ in logs:
         steps_ = [e.step for e in entries]
         if any(s is None for s in steps_):
-            raise UsageError(f"{visible(str(path))}: an entry without a step; the autopsy "
+            raise UsageError(f"{path}: an entry without a step; the autopsy "
                              "places every point at its step")
         inputs.append(InputUsed(str(path), "grads", tuple(steps_)))
     # Every log of one kind is one series (two logs of one run's steps agree; of two runs,
@@ -92,7 +92,7 @@ def series_of(logs: list[tuple], points: list[CheckpointPoint]):
     first_shapes: tuple[Path, dict] | None = None
     for point in points:
         if point.step is None:
-            raise UsageError(f"{visible(str(point.path))}: no step (none recorded, no number "
+            raise UsageError(f"{point.path}: no step (none recorded, no number "
                              "in its name); the autopsy places every input at its step")
         first_shapes = _same_parameters(point, first_shapes)
         at = point.step if point.gradients else point.step - offset
@@ -106,8 +106,8 @@ def series_of(logs: list[tuple], points: list[CheckpointPoint]):
         observations, copies = one_point_per_step(sorted(observations, key=lambda o: o.step))
         notes += copies
         sources = [o.source for o in observations]
-        label = visible(sources[0]) if len(sources) == 1 else \
-            f"{visible(sources[0])} .. {visible(sources[-1])} ({len(sources)} {kind})"
+        label = sources[0] if len(sources) == 1 else \
+            f"{sources[0]} .. {sources[-1]} ({len(sources)} {kind})"
         series.append(QuantitySeries(what, kind, label, tuple(observations)))
     _same_gradients(series)
     _same_groups(series)
@@ -123,7 +123,7 @@ def _log_series(logs: list[tuple], series: list[QuantitySeries]) -> list[str]:
                     for p, entries in logs for e in entries]
     observations, copies = one_point_per_step(sorted(observations, key=lambda o: o.step))
     files = sorted({p for p, _ in logs})
-    label = visible(str(files[0])) + (f" and {len(files) - 1} more" if len(files) > 1 else "")
+    label = str(files[0]) + (f" and {len(files) - 1} more" if len(files) > 1 else "")
     series.append(QuantitySeries("grads", LOG, label, tuple(observations)))
     return copies
 
@@ -140,14 +140,14 @@ def _same_parameters(point: CheckpointPoint, first: tuple[Path, dict] | None):
     path0, shapes0 = first
     shared = shapes0.keys() & point.shapes.keys()
     if not shared:
-        raise InputError(f"{visible(str(point.path))}: none of its parameters is one of "
-                         f"{visible(str(path0))}'s: not one run's checkpoints")
+        raise InputError(f"{point.path}: none of its parameters is one of "
+                         f"{path0}'s: not one run's checkpoints")
     for name in sorted(shared):
         if shapes0[name] != point.shapes[name]:
             raise InputError(
-                f"{visible(str(point.path))}: parameter {visible(name)} has shape "
+                f"{point.path}: parameter {name} has shape "
                 f"{list(point.shapes[name])}, but {list(shapes0[name])} in "
-                f"{visible(str(path0))}: not one run's checkpoints")
+                f"{path0}: not one run's checkpoints")
     return first
 
 
@@ -164,8 +164,8 @@ def _same_gradients(series: list[QuantitySeries]) -> None:
                     continue
                 if not _close(o.total_norm, logged.total_norm):
                     raise UsageError(
-                        f"{visible(o.source)}: its gradients' norm {o.total_norm:.6g} is not "
-                        f"the {logged.total_norm:.6g} that {visible(logged.source)} logs at "
+                        f"{o.source}: its gradients' norm {o.total_norm:.6g} is not "
+                        f"the {logged.total_norm:.6g} that {logged.source} logs at "
                         f"step {o.step}: not one run's; give one run's inputs")
 
 

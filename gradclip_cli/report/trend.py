@@ -198,9 +198,9 @@ def order_by_step(observations: Sequence[Observation]) -> list[Observation]:
         if after.step < before.step:
             unknown = next(o for o in observations if o.step is None)
             raise UsageError(
-                f"{visible(unknown.source)}: no step (none recorded, no number in its "
-                f"name), so the points keep the order given, but {visible(after.source)} "
-                f"(step {after.step}) comes after {visible(before.source)} (step "
+                f"{unknown.source}: no step (none recorded, no number in its "
+                f"name), so the points keep the order given, but {after.source} "
+                f"(step {after.step}) comes after {before.source} (step "
                 f"{before.step}): give the inputs in step order, or leave out those "
                 "without a step")
     return list(observations)
@@ -229,7 +229,7 @@ def one_point_per_step(observations: Sequence[Observation]) -> tuple[list[Observ
             copies.setdefault((obs.source, seen.source), []).append(obs.step)
         else:
             raise UsageError(
-                f"{visible(obs.source)} and {visible(seen.source)} both give step {obs.step}, "
+                f"{obs.source} and {seen.source} both give step {obs.step}, "
                 f"with other norms ({_apart(obs, seen)}): one trend judges one run's series, "
                 "each step once; give one of them, or leave one out with --exclude GLOB")
     notes = []
@@ -383,7 +383,7 @@ class OneKind:
     def check(self, source: str, what: str, *, logged: bool = False) -> None:
         if logged and self.requested not in ("auto", what):
             raise UsageError(
-                f"--what {self.requested}: {visible(source)} logs gradient norms ({what}) "
+                f"--what {self.requested}: {source} logs gradient norms ({what}) "
                 f"only, which cannot be measured as {self.requested}; trend one kind at a time")
         self.logs |= logged
         if self.first is None:
@@ -407,8 +407,8 @@ class OneKind:
                 else "one trend judges one quantity")
         from ..source.what import EXPLAIN
 
-        raise UsageError(f"{visible(source)} measures {what} ({EXPLAIN[what]}) but "
-                         f"{visible(source0)} measures {what0}; {rule}: {fix}")
+        raise UsageError(f"{source} measures {what} ({EXPLAIN[what]}) but "
+                         f"{source0} measures {what0}; {rule}: {fix}")
 
 
 def one_norm_type(requested: float | None, logs: list[tuple[Path, list]]) -> float:

@@ -187,7 +187,7 @@ def _members(source: Path, shards: dict) -> list[tuple[str, os.DirEntry]]:
                 folders.append((Path(entry.path), name + "/"))
             elif not entry.is_file(follow_symlinks=False):
                 kind = special_kind(entry.stat(follow_symlinks=False).st_mode)
-                raise OutputError(f"{visible(entry.path)} is {kind}, which cannot be "
+                raise OutputError(f"{entry.path} is {kind}, which cannot be "
                                   "copied into the new folder")
     return members
 

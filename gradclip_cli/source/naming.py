@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 from gradclip_cli.core import distinct_elements
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source import roles
 from gradclip_cli.source.interface import NOTHING, Contents, OptimizerState, StoredTensor
 
@@ -98,7 +97,7 @@ def map_names(opt: OptimizerState, model: Model) -> dict[int, str]:
             if strangers:
                 more = f" and {len(strangers) - 1} more" if len(strangers) > 1 else ""
                 raise InputError(
-                    f"{opt.file}: the optimizer's param_names name {visible(strangers[0])}"
+                    f"{opt.file}: the optimizer's param_names name {strangers[0]}"
                     f"{more}, which the checkpoint's weights do not hold: the two disagree")
         return dict(sorted(opt.param_names.items()))
     if ids_reason(opt, model) is not None:
@@ -200,9 +199,9 @@ def check_state_fits_weights(opt: OptimizerState, model: Model) -> None:
         odd = next((n for n, t in params.items() if tuple(t.shape) not in wanted), None)
         named = next(iter(params.values()), None) if odd is None else params[odd]
         weights_file = named.pieces[0].file if named is not None and named.pieces else None
-        where = visible(weights_file.name) if weights_file is not None else "the model's weights"
+        where = weights_file.name if weights_file is not None else "the model's weights"
         other = "" if odd is None else \
-            f" ({where} holds {visible(odd)} as {list(params[odd].shape)})"
+            f" ({where} holds {odd} as {list(params[odd].shape)})"
         fits = (f"which no parameter of {where} has" if held[shape] == 0 else
                 f"as {count} state tensors do, which only {held[shape]} parameter(s) of "
                 f"{where} have")

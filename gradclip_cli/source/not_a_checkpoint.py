@@ -14,7 +14,6 @@ import stat
 from pathlib import Path
 
 from ..errors import InputError
-from ..escaping import visible
 from .vocabulary import NUMBERED_NAME, SHARD_NAME, last_number
 
 _SCANNED = 1000  # children looked at for a hint; a refusal never waits on a huge folder
@@ -54,14 +53,14 @@ def run_folder_message(path: str) -> str | None:
     shards = [c for c in files if SHARD_NAME.fullmatch(c.name)]
     if shards and not folders and len(shards) == len(files):
         # model-00001-of-00002.safetensors ..: one checkpoint's parts, whose index is gone.
-        span = f"{visible(shards[0].name)} .. {visible(shards[-1].name)}" \
-            if len(shards) > 1 else visible(shards[0].name)
-        one = visible(os.path.join(path, shards[0].name))
-        return (f"{visible(path)}: the shards of one sharded checkpoint ({span}) without the "
+        span = f"{shards[0].name} .. {shards[-1].name}" \
+            if len(shards) > 1 else shards[0].name
+        one = os.path.join(path, shards[0].name)
+        return (f"{path}: the shards of one sharded checkpoint ({span}) without the "
                 "index that lists their tensors (a '*.index.json', which the save writes "
                 "last): the set is read through its index; to measure one shard alone, "
                 f"'gradclip inspect {one}'")
-    trend = f"for norms over the run use 'gradclip trend {visible(path)}'"
+    trend = f"for norms over the run use 'gradclip trend {path}'"
     # One file with a number in its name (bf16.pt, gpt2.pt) beside other checkpoints is no
     # run of per-step files, nor the newest of them.
     if len(files) == 1 and any(c != files[0] and is_checkpoint_file(c) for c in children):
@@ -71,15 +70,15 @@ def run_folder_message(path: str) -> str | None:
         numbered.sort(key=lambda c: (_step_of_name(c.name) or 0, c.name))
         what = ("numbered checkpoint" if folders else "per-step checkpoint file") + \
             ("s" if len(numbered) > 1 else "")
-        span = visible(numbered[0].name) if len(numbered) == 1 else \
-            f"{visible(numbered[0].name)} .. {visible(numbered[-1].name)}"
-        newest = visible(os.path.join(path, numbered[-1].name))
-        return (f"{visible(path)}: a run's folder of {len(numbered)} {what} ({span}), not one "
+        span = numbered[0].name if len(numbered) == 1 else \
+            f"{numbered[0].name} .. {numbered[-1].name}"
+        newest = os.path.join(path, numbered[-1].name)
+        return (f"{path}: a run's folder of {len(numbered)} {what} ({span}), not one "
                 f"checkpoint: {trend}; to inspect the newest, 'gradclip inspect {newest}'")
     logs = [c for c in children if c.suffix in (".json", ".jsonl") and _is_log(c)]
     if logs:
-        return (f"{visible(path)}: a run's folder with a log of gradient norms "
-                f"({visible(logs[0].name)}), not one checkpoint: {trend}")
+        return (f"{path}: a run's folder with a log of gradient norms "
+                f"({logs[0].name}), not one checkpoint: {trend}")
     return None
 
 

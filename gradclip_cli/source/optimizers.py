@@ -39,7 +39,6 @@ import torch
 
 from gradclip_cli.core import optimizer_math as om
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import Derivation, OptimizerState, StoredTensor
 from gradclip_cli.source.untrusted import is_number
@@ -96,18 +95,18 @@ class Numbers:
     def step(self, entry: dict) -> float:
         step = self(entry.get("step"), "step")
         if step < 1:
-            raise InputError(f"{self.opt.file}: parameter {visible(self.name)}: step "
+            raise InputError(f"{self.opt.file}: parameter {self.name}: step "
                              f"{step:g}: the state is not an average of anything yet")
         return step
 
     def betas(self, group: dict) -> tuple[float, float]:
         betas = group.get("betas")
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-            raise InputError(f"{self.opt.file}: the param group of {visible(self.name)} has "
+            raise InputError(f"{self.opt.file}: the param group of {self.name} has "
                              "no betas (beta1, beta2)")
         b1, b2 = self(betas[0], "beta1"), self(betas[1], "beta2")
         if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise InputError(f"{self.opt.file}: the param group of {visible(self.name)} has "
+            raise InputError(f"{self.opt.file}: the param group of {self.name} has "
                              f"betas ({b1}, {b2}) outside [0, 1)")
         return b1, b2
 
@@ -116,15 +115,15 @@ class Numbers:
         ``sqrt(v_hat) + eps`` it would make a step of any size)."""
         eps = self(group.get("eps"), "eps")
         if eps < 0:
-            raise InputError(f"{self.opt.file}: the param group of {visible(self.name)} has "
+            raise InputError(f"{self.opt.file}: the param group of {self.name} has "
                              f"eps {eps!r}, below 0")
         return eps
 
     def tensor(self, entry: dict, key: str) -> StoredTensor:
         value = entry.get(key)
         if not isinstance(value, StoredTensor):
-            raise InputError(f"{self.opt.file}: parameter {visible(self.name)} has no "
-                             f"{visible(key)} while its optimizer keeps one")
+            raise InputError(f"{self.opt.file}: parameter {self.name} has no "
+                             f"{key} while its optimizer keeps one")
         return value
 
 
@@ -374,7 +373,7 @@ def identify(opt: OptimizerState) -> Kind:
                    SOME_AMSGRAD if any(g.get("amsgrad") for g in groups) else "")
         return kind(("AdamW" if decoupled else "Adam") + amsgrad, dict.fromkeys(QUANTITIES),
                     _adam)
-    held = ", ".join(visible(k) for k in tensor_keys) or "none"
+    held = ", ".join(map(str, tensor_keys)) or "none"  # raw: a refusal's, escaped where shown
     return kind("an unknown optimizer", {q: f"gradclip knows no rule for its state keys ({held})"
                                          for q in QUANTITIES}, None)
 
@@ -427,5 +426,5 @@ def derive(kind: Kind, what: str, opt: OptimizerState, name: str, entry: dict,
 
 def holds(kind: Kind) -> str:
     """What ``kind`` keeps per parameter, for people: ``AdamW (exp_avg, exp_avg_sq)``."""
-    keys = ", ".join(visible(k) for k in kind.keys) or "empty"
+    keys = ", ".join(map(str, kind.keys)) or "empty"  # raw: said in refusals, escaped where shown
     return f"{kind.name} state ({keys})"

@@ -222,7 +222,7 @@ class Reconstruction:
             raise NotDetermined(
                 f"{self.curr}, {self.prev}: {self.check} disagrees with the gradient the first "
                 f"moments give by {found.max_units:.3g} units of the state's rounding at "
-                f"{visible(found.tensor)} (bound {CHECK_BOUND:g}): the two states are not one "
+                f"{found.tensor} (bound {CHECK_BOUND:g}): the two states are not one "
                 f"{self.kind} step apart")
         return found
 
@@ -338,7 +338,7 @@ def reconstruct(curr: Contents, prev: Contents) -> Reconstruction:
     if missing or extra:
         where, which = (prev.path, missing[0]) if missing else (curr.path, extra[0])
         raise refuse(f"the parameters differ: {where}'s optimizer holds no parameter "
-                     f"{visible(which)}")
+                     f"{which}")
 
     out = _Builder(curr, prev, kind.name, rule, refuse)
     out.ids_note = None if reason is None else named_by_id(reason)
@@ -369,7 +369,7 @@ class _Builder:
         rule, refuse = self.rule, self.refuse
         if not entry:
             if entry_prev:
-                raise refuse(f"parameter {visible(name)} has optimizer state in "
+                raise refuse(f"parameter {name} has optimizer state in "
                              f"{self.prev.path} but none in {self.curr.path}")
             return  # never stepped in either: no gradient to give
         num, num_prev = optimizers.Numbers(opt, name), optimizers.Numbers(opt_prev, name)
@@ -401,11 +401,11 @@ class _Builder:
         for key, stored, before in zip((rule.first, rule.check, rule.running_max), currs,
                                        reads_prev):
             if tuple(stored.shape) != shape:
-                raise InputError(f"{self.curr.path}: parameter {visible(name)}: "
-                                 f"{visible(key)} {list(stored.shape)} and "
-                                 f"{visible(rule.first)} {shape} differ in shape")
+                raise InputError(f"{self.curr.path}: parameter {name}: "
+                                 f"{key} {list(stored.shape)} and "
+                                 f"{rule.first} {shape} differ in shape")
             if before is not None and tuple(before.shape) != shape:
-                raise refuse(f"parameter {visible(name)} has shape {list(before.shape)} in "
+                raise refuse(f"parameter {name} has shape {list(before.shape)} in "
                              f"{self.prev.path} and {list(shape)} in {self.curr.path}")
         if first_prev is None:
             reads_prev = [_zeros(s) for s in (first, checked)]
@@ -419,12 +419,12 @@ class _Builder:
                          "state is named by parameter id: which of the weights in "
                          f"{self.prev.path} is its is not known")
         if decay and weight is None:
-            raise refuse(f"parameter {visible(name)}: {self.kind}'s weight decay "
+            raise refuse(f"parameter {name}: {self.kind}'s weight decay "
                          f"{decay:g} enters its moments as decay * weights before the step, "
                          f"and {self.prev.path} holds no weights for it")
         if weight is not None and tuple(weight.shape) != shape:
             if decay:
-                raise refuse(f"parameter {visible(name)}: the weight in {self.prev.path} has "
+                raise refuse(f"parameter {name}: the weight in {self.prev.path} has "
                              f"shape {list(weight.shape)}, its state {list(shape)}")
             weight = None  # held otherwise (a fused parameter): no ratio, nothing else
         maximize = bool(group.get("maximize"))
@@ -493,7 +493,7 @@ class _Builder:
             return 0.0
         if self.rule.decouples and not any(k in group for k in _DECOUPLING_KEYS):
             raise self.refuse(
-                f"parameter {visible(name)}: weight_decay {decay:g} with no record of whether "
+                f"parameter {name}: weight_decay {decay:g} with no record of whether "
                 f"it was decoupled (AdamW) or added to the gradient (Adam): the groups of "
                 f"{self.curr.path} store neither decoupled_weight_decay nor adam_w_mode, and "
                 "the two rules give different gradients")
@@ -590,7 +590,7 @@ def _other_shape(curr: Contents, prev: Contents, names) -> str | None:
     for name in names:
         if name in now and name in before and tuple(now[name].shape) != \
                 tuple(before[name].shape):
-            return (f"parameter {visible(name)} has shape {list(before[name].shape)} in "
+            return (f"parameter {name} has shape {list(before[name].shape)} in "
                     f"{prev.path} and {list(now[name].shape)} in {curr.path}")
     return None
 
@@ -602,10 +602,10 @@ def _zeros(like: StoredTensor) -> StoredTensor:
 def _apart(name: str, t: float, t_prev: float, curr, prev) -> str:
     """Why a pair of steps other than t-1 and t gives no single gradient, and what it gives."""
     if t < t_prev:
-        return (f"parameter {visible(name)} is at step {t:g} in {curr} and {t_prev:g} in "
+        return (f"parameter {name} is at step {t:g} in {curr} and {t_prev:g} in "
                 f"{prev}: give the earlier checkpoint as --previous")
     k = t - t_prev
-    return (f"parameter {visible(name)} is at step {t_prev:g} in {prev} and {t:g} in {curr}, "
+    return (f"parameter {name} is at step {t_prev:g} in {prev} and {t:g} in {curr}, "
             f"{k:g} optimizer steps apart: such a pair determines only a weighted sum of "
             f"those {k:g} gradients, (m_t - beta1^{k:g} m_(t-{k:g})) / (1 - beta1) = "
             f"sum of beta1^j g_(t-j) over j < {k:g}, no single step's gradient")

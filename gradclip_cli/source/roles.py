@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source import optimizers
 from gradclip_cli.source.interface import Contents, StoredTensor
 
@@ -98,9 +97,9 @@ def weight_evidence(mapping: Mapping[str, Any], *, file: Path | None = None,
     names = [str(n) for n in mapping]
     buffers = [n for n in names if n.rsplit(".", 1)[-1] in BUFFER_NAMES]
     if buffers:
-        return f"a model's buffers: {visible(buffers[0])}"
+        return f"a model's buffers: {buffers[0]}"
     if file is not None and _WEIGHT_FILE.fullmatch(file.name):
-        return f"a model's weight file name: {visible(file.name)}"
+        return f"a model's weight file name: {file.name}"
     if folder is not None and os.path.isfile(folder / "config.json"):
         return "a model folder: config.json beside it"
     return None
@@ -112,7 +111,7 @@ def contradiction(gradients: Mapping[str, Any], said: str) -> None:
     buffers = [str(n) for n in gradients if str(n).rsplit(".", 1)[-1] in BUFFER_NAMES]
     if buffers:
         raise InputError(f"{said} says gradients, but it holds a model's buffers "
-                         f"({visible(buffers[0])}): gradients have no running statistics")
+                         f"({buffers[0]}): gradients have no running statistics")
     if isinstance(getattr(gradients, "_metadata", None), Mapping):
         raise InputError(f"{said} says gradients, but it is a model's state_dict (torch's "
                          "_metadata): a module's weights, not gradients")

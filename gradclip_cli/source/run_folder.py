@@ -84,7 +84,7 @@ class Series:
         else:
             what = "checkpoints"
         groups = "per group" if self.per_group else "total only"
-        return f"{self.source} ({what}, {self.points} points{span}, {groups})"
+        return f"{visible(str(self.source))} ({what}, {self.points} points{span}, {groups})"
 
 
 @dataclass(frozen=True)
@@ -163,18 +163,19 @@ class RunFolder:
     monitor_clipping: MonitorClipping | None = None
 
     def notes(self) -> list[str]:
-        """What was found and chosen, one line each: where every series came from."""
+        """What was found and chosen, one line each: where every series came from.
+        Escaped where made, as inspect's notes are: every format shows them as they are."""
         lines = [f"judged: {self.judged.describe()}"]
         for i, series in enumerate(self.series):
             if series is not self.judged:
                 lines.append(f"not judged: {series.describe()}: {self.why_not[i]}")
-        lines += [f"not read: {why}" for why in self.unread]
-        lines += [f"{s.source}: {s.tracker.choice_note}" for s in self.series
+        lines += [f"not read: {visible(why)}" for why in self.unread]  # a refusal's raw line
+        lines += [f"{visible(str(s.source))}: {s.tracker.choice_note}" for s in self.series
                   if s.tracker is not None]
         if self.judged.kind == TRAINER_STATE:
             monitors = [s for s in self.series if s.kind == MONITOR]
             where = (
-                f"{monitors[0].source}, coarser, has every layer's: trend it alone"
+                f"{visible(str(monitors[0].source))}, coarser, has every layer's: trend it alone"
                 if monitors
                 else "a GradMonitor log beside it would give every layer's norm"
             )
@@ -200,10 +201,10 @@ class RunFolder:
         )
         if clip is None:
             return None if by_monitor is None else f"clipping: {by_monitor}"
-        where = str(clip.source) if clip.source is not None else ""
+        where = visible(str(clip.source)) if clip.source is not None else ""
         if clip.max_grad_norm is None:
             known = "" if by_monitor is None else f"; {by_monitor}"
-            return f"clipping: unknown ({clip.why_unknown}){known}"
+            return f"clipping: unknown ({visible(clip.why_unknown)}){known}"
         if not clip.clipped:
             why = (": a NaN, which is never > 0" if math.isnan(clip.max_grad_norm)
                    else ": an infinite limit, which changes no gradient"
@@ -303,7 +304,7 @@ def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
             if alone:
                 raise
             raise MissingExtraError(f"{error}; or leave it out: --exclude "
-                                    f"{visible(_top_name(path, run.source))}") from None
+                                    f"{_top_name(path, run.source)}") from None
         except GradclipError as error:
             if alone or choice.tag is not None:
                 raise
@@ -425,13 +426,13 @@ def tracker_file(path: Path, choice: trackers.Choice) -> RunFolder | None:
     runs = trackers.given_runs(path)
     if runs is None:
         if sqlite_file.is_sqlite(path):
-            raise InputError(f"{visible(str(path))}: an SQLite database, but neither "
+            raise InputError(f"{path}: an SQLite database, but neither "
                              "MLflow's store (tables runs, metrics) nor a trackio project "
                              "(table metrics with run_name, step, metrics)")
         return None
     if not runs:
-        raise InputError(f"{visible(str(path))}: a tracker's store with no runs")
-    run, = trackers.choose_runs([runs], choice, visible(str(path)))
+        raise InputError(f"{path}: a tracker's store with no runs")
+    run, = trackers.choose_runs([runs], choice, str(path))
     read = trackers.norm_series(run, choice)
     series = Series(TRACKER, (run.source,), tuple(e.step for e in read.entries),
                     read.per_group, trackers.KIND, read.entries, read)

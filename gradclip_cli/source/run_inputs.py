@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError, UsageError
-from ..escaping import visible
 from . import run_folder
 from .exclude import Exclusion
 from .layouts import accelerate_fsdp
@@ -89,7 +88,7 @@ def kept(paths: list[Path], exclusion: Exclusion) -> list[Path]:
     """The inputs ``--exclude`` leaves in; none left is exit 2."""
     kept = [path for path in paths if not exclusion.excludes(path)]
     if not kept:
-        raise UsageError(f"--exclude leaves out every input ({visible(str(paths[0]))} ...)")
+        raise UsageError(f"--exclude leaves out every input ({paths[0]} ...)")
     return kept
 
 
@@ -173,5 +172,5 @@ def expand_every(path: Path, why_not_checkpoint, choice: trackers.Choice,
                     found = True
                     yield Input(inner, log_kind(inner))
     if not numbered and not found:
-        raise InputError(f"{visible(str(path))}: neither a checkpoint nor a folder of "
+        raise InputError(f"{path}: neither a checkpoint nor a folder of "
                          "checkpoints, trainer_state.json or gradclip monitor logs")

@@ -226,3 +226,164 @@ def test_a_count_in_a_torchtune_recipe_state_error(gradclip, tmp_path):
     line = _shown_once(gradclip("inspect", tmp_path / "out"), HOSTILE)
     assert line.endswith(f"recipe_state.pt: not a torchtune recipe state: epochs_run is "
                          f"'{visible(HOSTILE)}', not a count of epochs"), line
+
+
+def test_a_tensorboard_folder_named_in_trend_errors(gradclip, tmp_path):
+    """A tracker's folder (its path) in a point refused, and in a damaged event file."""
+    from tests import tracker_runs as tr
+
+    tr.needs("tensorboard")
+    folder = tmp_path / HOSTILE
+    events = tr.write_torch_tensorboard(folder, norms={0: 1.0, 1: -1.0})
+    r = gradclip("trend", folder)
+    assert r.code == 3, r.err
+    line = r.err_lines[-1]
+    assert line == (f"gradclip: {visible(events)}: tag '{tr.TAG}': step 1: a norm must be "
+                    ">= 0, got -1"), line
+    events.write_bytes(events.read_bytes()[:-7])
+    r = gradclip("trend", folder, "--format", "json")
+    assert r.code == 3, r.err
+    line = r.err_lines[-1]
+    assert line.startswith(f"gradclip: {visible(events)}: truncated or damaged at byte"), line
+    assert json.loads(r.out)["error"] == line.removeprefix("gradclip: ")
+
+
+def test_a_monitor_log_named_in_trend_errors(gradclip, tmp_path):
+    """gradclip's own norm log (GradMonitor's), a line damaged: named file:line."""
+    import torch
+
+    from gradclip import GradMonitor
+
+    log = tmp_path / HOSTILE / "grads.jsonl"
+    log.parent.mkdir()
+    model = torch.nn.Linear(2, 2)
+    monitor = GradMonitor(model, log, None)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        monitor.step()
+    monitor.close()
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text(lines[0] + "{}\n" + "".join(lines[2:]))
+    r = gradclip("trend", log, "--format", "github")
+    assert r.code == 3, r.err
+    line = r.err_lines[-1]
+    assert line.startswith(f"gradclip: {visible(log)}:2: "), line
+    assert r.out.startswith("::error ") and r.out.rstrip("\n").endswith(
+        "::" + line.removeprefix("gradclip: ")), r.out
+
+
+def _monitor_run(log, scale: float = 1.0, steps: int = 3) -> None:
+    """A GradMonitor log of ``steps`` steps, its gradients all ``scale``."""
+    import torch
+
+    from gradclip import GradMonitor
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    model = torch.nn.Linear(2, 2)
+    monitor = GradMonitor(model, log, None)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, scale)
+        monitor.step()
+    monitor.close()
+
+
+def test_norm_logs_named_in_trend_and_autopsy_refusals(gradclip, tmp_path):
+    """Two runs' logs giving one step other norms, and --group-by on a log: each path
+    once escaped, in trend's and autopsy's refusals."""
+    a, b = tmp_path / HOSTILE / "a.jsonl", tmp_path / HOSTILE / "b.jsonl"
+    _monitor_run(a)
+    _monitor_run(b, scale=2.0)
+    for command in ("trend", "autopsy"):
+        r = gradclip(command, a, b, "--format", "json")
+        assert r.code == 2, r.err
+        line = r.err_lines[-1]
+        assert line.startswith(f"gradclip: {visible(b)} and {visible(a)} both give step 0, "
+                               "with other norms"), line
+        assert json.loads(r.out)["error"] == line.removeprefix("gradclip: ")
+    r = gradclip("trend", a, "--group-by", "module")
+    assert r.code == 2, r.err
+    assert r.err_lines[-1].startswith(f"gradclip: {visible(a)}: --group-by groups a "
+                                      "checkpoint's tensors"), r.err
+
+
+def test_a_parameter_name_in_an_optimizer_group_error(gradclip, tmp_path):
+    """An Adam group whose betas leave [0, 1), named by its parameter, escaped once."""
+    import torch
+
+    from tests.previous_runs import train
+
+    def save(model, opt):
+        state = model.state_dict()
+        first = next(iter(state))
+        saved = opt.state_dict()
+        saved["param_groups"][0]["betas"] = (0.9, 1.5)
+        return {"model": {(HOSTILE if k == first else k): v for k, v in state.items()},
+                "optimizer": saved}
+
+    run = train(tmp_path, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), steps=3,
+                save=save)
+    r = gradclip("inspect", run.checkpoint(3), "--what", "update")
+    assert r.code == 3, r.err
+    line = r.err_lines[-1]
+    assert line.endswith(f"the param group of {visible(HOSTILE)} has betas (0.9, 1.5) "
+                         "outside [0, 1)"), line
+
+
+def test_a_run_folder_named_in_inspects_refusal(gradclip, tmp_path):
+    """inspect of a run's folder says what it is and where to go, the folder once escaped."""
+    import torch
+
+    folder = tmp_path / HOSTILE
+    folder.mkdir()
+    for step in (1, 2):
+        torch.save({"w": torch.ones(2)}, folder / f"step_{step}.pt")
+    r = gradclip("inspect", folder)
+    assert r.code == 3, r.err
+    assert r.err_lines[-1] == (
+        f"gradclip: {visible(folder)}: a run's folder of 2 per-step checkpoint files "
+        f"(step_1.pt .. step_2.pt), not one checkpoint: for norms over the run use 'gradclip "
+        f"trend {visible(folder)}'; to inspect the newest, 'gradclip inspect "
+        f"{visible(folder / 'step_2.pt')}'"), r.err
+
+
+def test_a_buffer_name_as_the_proof_of_weights(gradclip, tmp_path):
+    """--what grads on a model's weights: the buffer that shows them weights, in the
+    refusal, escaped once (and once in the measured line: tests/cli/test_cli_notes_...)."""
+    import torch
+
+    buffer = f"{HOSTILE}.running_mean"
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(3), buffer: torch.ones(2)}, path)
+    r = gradclip("inspect", path, "--what", "grads")
+    assert r.code == 3, r.err
+    line = r.err_lines[-1]
+    assert (f"the file is a model's weights (a model's buffers: {visible(buffer)}), not "
+            "gradients") in line, line
+
+
+def test_an_unknown_optimizers_state_key_in_a_refusal(gradclip, tmp_path):
+    """A torch.optim.Optimizer of a script's own, whose state key gradclip knows no rule
+    for: --what exp_avg names the key once escaped."""
+    import torch
+
+    class Custom(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p][HOSTILE] = p.grad.clone()
+
+    model = torch.nn.Linear(2, 1)
+    opt = Custom(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    r = gradclip("inspect", path, "--what", "exp_avg")
+    assert r.code == 3, r.err
+    line = r.err_lines[-1]
+    assert f"state keys ({visible(HOSTILE)})" in line, line

@@ -52,7 +52,8 @@ def parse_json(data: bytes | str, *, where: str, what: str = "JSON", line: bool 
     """The document in ``data``; ``InputError`` "``where``: not ``what``: <why, where>".
 
     ``where`` names the file (and the line, for one line of a log: ``line``,
-    whose places are then columns alone), already made visible by the caller.
+    whose places are then columns alone), raw: the message is escaped once, whole, where
+    it is shown.
     """
     if isinstance(data, bytes):
         try:

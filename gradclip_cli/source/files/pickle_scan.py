@@ -15,7 +15,6 @@ import zipfile
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.untrusted import is_int
 
 # A trainer's state pickle is a few KB; its tensors live in other zip entries.
@@ -53,12 +52,12 @@ def top_level_int(path: Path, key: str) -> int | None:
             data = archive.read(info)
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as error:
         raise InputError(
-            f"{path}: not a readable torch.save zip file: {visible(str(error))[:80]}"
+            f"{path}: not a readable torch.save zip file: {str(error)[:80]}"
         ) from None
     try:
         ops = [(op, arg) for op, arg, _ in pickletools.genops(data)]
     except Exception as error:  # pickletools raises ValueError and others on damage
-        raise InputError(f"{path}: a damaged pickle: {visible(str(error))[:80]}") from None
+        raise InputError(f"{path}: a damaged pickle: {str(error)[:80]}") from None
     try:
         value = _root_dict(ops).get(key)
     except (IndexError, ValueError):  # an opcode with too little on the stack, no mark

@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.small_file import read_head
 
 HEADER = b"SQLite format 3\x00"
@@ -41,13 +40,13 @@ def is_sqlite(path: Path) -> bool:
 
 def _failure(path: Path, error: sqlite3.Error) -> InputError:
     text = str(error)
-    shown = visible(str(path))
+    shown = str(path)  # raw: the message is escaped once, whole, where it is shown
     if "locked" in text or "busy" in text:
         return InputError(f"{shown}: the database is locked (its tracker is writing it?); "
                           "try again when the write ends")
     if "not a database" in text or "malformed" in text or "corrupt" in text:
-        return InputError(f"{shown}: not a readable SQLite database ({visible(text)[:80]})")
-    return InputError(f"{shown}: cannot read the SQLite database ({visible(text)[:80]})")
+        return InputError(f"{shown}: not a readable SQLite database ({text[:80]})")
+    return InputError(f"{shown}: cannot read the SQLite database ({text[:80]})")
 
 
 @contextlib.contextmanager

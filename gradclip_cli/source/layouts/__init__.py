@@ -126,7 +126,7 @@ def _open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> C
     if os.path.isdir(path):
         indexes = sorted(n for n in os.listdir(path) if n.endswith(hf_sharded.INDEX_SUFFIX))
         if len(indexes) > 1:
-            raise InputError(f"{path}: holds several indexes ({visible(', '.join(indexes))}); "
+            raise InputError(f"{path}: holds several indexes ({', '.join(indexes)}); "
                              "give the one to read")
         hint = near_miss(path)
         if hint is not None:
@@ -208,7 +208,7 @@ def _refuse_shards(path: Path, root, *, trusted: bool) -> None:
     found = _first_of(root, kinds)
     if found is not None:
         raise InputError(
-            f"{path}: {visible(found)} is a DTensor: the file holds one rank's shards of a "
+            f"{path}: {found} is a DTensor: the file holds one rank's shards of a "
             "distributed model, which it alone does not place; give a folder that holds "
             "every rank's (dcp.save), or a full state dict")
 

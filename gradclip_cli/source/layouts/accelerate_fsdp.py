@@ -59,7 +59,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     models = _parts(path, _MODEL)
     if len(models) > 1:
         raise InputError(
-            f"{path}: holds {len(models)} FSDP models ({visible(', '.join(models))}); "
+            f"{path}: holds {len(models)} FSDP models ({', '.join(models)}); "
             "give the folder of the one to read")
     contents = Draft(path=path, kind=KIND)
     contents.step = hf_trainer.global_step(path)

@@ -80,7 +80,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     if more:
         raise InputError(
             f"{path}: an accelerate save_state folder of several models or optimizers "
-            f"({visible(', '.join(more))}); gradclip reads one model and its optimizer: "
+            f"({', '.join(more)}); gradclip reads one model and its optimizer: "
             "give the file to read")
     contents = Draft(path=path, kind=KIND)
     model_name = next(n for n in MODEL_FILES if n in names)

@@ -9,11 +9,12 @@ of them into the ``Wording`` that ``Draft.say`` puts in place (as ``megatron/fac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import roles
+from gradclip_cli.source.files.small_file import quoted
 
 from .draft import Wording
 
@@ -79,17 +80,18 @@ def wording(*facts: Found | NoGradients | NotGradients) -> Wording:
         else:
             held = _OPTIMIZER if fact.role == roles.OPTIMIZER_STATE else \
                 f"a model's weights ({fact.proof})"
-            where = f"{fact.file} is" if fact.key is None else f"--key {visible(fact.key)} holds"
+            where = f"{fact.file} is" if fact.key is None else f"--key {fact.key} holds"
             error = f"{fact.path}: {where} {held}, not gradients"
     return Wording((), said.get(roles.WEIGHT), said.get(roles.OPTIMIZER_STATE),
                    gradient_error=error, gradient_evidence=said.get(roles.GRADIENT))
 
 
 def evidence(fact: Found) -> str:
-    """The report's evidence for one role, from what showed it."""
-    f, shown = fact, [visible(n) for n in fact.names]
+    """The report's evidence for one role, from what showed it: a description line,
+    escaped here (its names and ``detail`` arrive raw, as refusals quote them too)."""
+    f, shown = replace(fact, detail=visible(fact.detail)), [visible(n) for n in fact.names]
     at = f"{f.layout}: " if f.layout else ""
-    entries = [visible(repr(n)) for n in f.names]
+    entries = [visible(quoted(n)) for n in f.names]
     kind = "entry" if len(entries) == 1 else "entries"
     if f.by == MARK:
         return f"{f.layout}, {shown[0]}: {f.detail}" if f.layout else \

@@ -97,7 +97,7 @@ def global_step(folder: Path) -> int | None:
     named = step_after(folder.resolve().name, "checkpoint-")
     if named is not None and named != step:
         raise InputError(f"{state_file}: says global_step {step}, but the folder is "
-                         f"{visible(folder.resolve().name)}")
+                         f"{folder.resolve().name}")
     return step
 
 
@@ -201,6 +201,6 @@ def check_module_counts(config_file: Path, document: object, stored: int) -> Non
                 pending.append((f"{name}.", value))
             elif key in MODULE_COUNT_KEYS and is_int(value) and value > stored:
                 raise InputError(
-                    f"{visible(str(config_file))}: says {excerpt(name)} is {value}, more "
+                    f"{config_file}: says {excerpt(name)} is {value}, more "
                     f"than the {stored} weight tensors the checkpoint holds; refusing to "
                     "build the model it describes")

@@ -119,7 +119,7 @@ def _sampled(path: Path, sampled: Path, *, verify: bool) -> Draft:
         match = _SAMPLE.fullmatch(file_name)
         if match is None:
             raise InputError(
-                f"{sampled / visible(file_name)}: not a sampled gradient "
+                f"{sampled / file_name}: not a sampled gradient "
                 "(<name>_first<n>.safetensors)"
             )
         name, n = match.group(1), int(match.group(2))
@@ -134,7 +134,7 @@ def _sampled(path: Path, sampled: Path, *, verify: bool) -> Draft:
                 f"{list(tensor.shape)}"
             )
         if name in gradients:
-            raise InputError(f"{file}: a second sample of {visible(name)}")
+            raise InputError(f"{file}: a second sample of {name}")
         gradients[name] = StoredTensor.whole(name, tensor, file)
         files.append(file)
         rows.add(n)

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import Piece, StoredTensor
 from gradclip_cli.source.untrusted import is_count
 
@@ -70,7 +69,7 @@ def split_axis(name: str, shape: tuple[int, ...], hidden: int | None, file: Path
 
     def unfit(why: str) -> InputError:
         return InputError(
-            f"{file}: {visible(name)} (shape {list(shape)}) {why}; "
+            f"{file}: {name} (shape {list(shape)}) {why}; "
             "gradclip cannot tell how it is split across tensor-parallel ranks"
         )
 

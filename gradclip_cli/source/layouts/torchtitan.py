@@ -102,7 +102,7 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
     contents.weights = weights or None
     if kind == "export":
         export = "a torchtitan weights-only export"
-        folder_name = visible(os.path.basename(os.path.normpath(path)))
+        folder_name = os.path.basename(os.path.normpath(path))
         contents.say(wording(
             Found(roles.WEIGHT, PROOF, (), export, f"{folder_name}/ of model tensors alone"),
             NoGradients(path, f"{export} (a step-N/ folder holding only the model's state "

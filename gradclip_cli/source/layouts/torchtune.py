@@ -192,7 +192,7 @@ def _read_weights(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: b
         ).items():
             if k in weights:
                 raise InputError(
-                    f"{file}: holds {visible(k)}, which {visible(shards[0])} holds too"
+                    f"{file}: holds {k}, which {shards[0]} holds too"
                 )
             weights[k] = v
         in_order &= ckpt.format != "safetensors" and len(shards) == 1
@@ -216,7 +216,7 @@ def _check_complete(epoch: Path, shards: list[str]) -> None:
             wanted = f"model-{k:05d}-of-{total}.{suffix}"
             if wanted not in shards:
                 raise InputError(
-                    f"{epoch / wanted}: missing: {visible(name)} is one of {int(total)} "
+                    f"{epoch / wanted}: missing: {name} is one of {int(total)} "
                     "shards and this one is not there (a save that did not finish: "
                     "torchtune writes the shards one by one, then their index)"
                 )
@@ -280,7 +280,7 @@ def _optimizer(recipe: Mapping, file: Path) -> OptimizerState | None:
     state: dict[int, Any] = {}
     groups: list[dict[str, Any]] = []
     for pid, (name, one) in enumerate(value.items()):
-        where = f"'optimizer' of {visible(str(name))}"
+        where = f"'optimizer' of {name}"
         if not isinstance(name, str) or not is_optimizer_state(one):
             raise InputError(f"{file}: {where} is not an optimizer state dict")
         if len(one["param_groups"]) != 1 or len(one["param_groups"][0].get("params", ())) != 1:

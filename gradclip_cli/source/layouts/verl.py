@@ -340,7 +340,7 @@ def _optimizer(reader: _Reader, world: int, weights: dict[str, StoredTensor]):
                 joined = _joined(f"{pid}.{quantity}", values, files, "optimizer")
                 if pid < len(shapes) and joined.shape != shapes[pid]:
                     raise InputError(
-                        f"{files[0].path}: parameter {pid}'s {visible(quantity)} has the shape "
+                        f"{files[0].path}: parameter {pid}'s {quantity} has the shape "
                         f"{list(joined.shape)}, the model's parameter {pid} {list(shapes[pid])}"
                     )
                 entry[quantity] = joined

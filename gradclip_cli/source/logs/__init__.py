@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.small_file import read_small_file
 
 
@@ -55,5 +54,5 @@ def read_text(path: Path, what: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise InputError(f"{visible(str(path))}: not UTF-8 text (byte {error.start})") from None
+        raise InputError(f"{path}: not UTF-8 text (byte {error.start})") from None
 

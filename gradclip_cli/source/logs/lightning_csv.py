@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.logs import read_text
 from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
@@ -51,7 +50,7 @@ def _rows(text: str):
 
 
 def read_scalars(file: Path) -> dict[str, Points]:
-    shown = visible(str(file))
+    shown = str(file)
     rows = _rows(read_text(file, "a Lightning metrics.csv"))
     header = next(rows, None)
     if not header or STEP not in header:

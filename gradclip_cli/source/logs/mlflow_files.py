@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.logs import read_text
 from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
 
@@ -81,7 +80,7 @@ def _read_metric(file: Path) -> Points:
     for number, line in enumerate(read_text(file, "an MLflow metric").splitlines(), 1):
         if not line.strip():
             continue
-        where = f"{visible(str(file))}:{number}"
+        where = f"{file}:{number}"
         fields = line.split()
         # Three fields since MLflow 1.0; a line cut short (a write in progress, a
         # damaged file) is refused, never read as another step.

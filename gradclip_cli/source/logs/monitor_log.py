@@ -114,19 +114,19 @@ def read(path: Path) -> list[LoggedNorms]:
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        where = f"{visible(str(path))}:{number}"
+        where = f"{path}:{number}"
         obj = parse_json(line, where=where, what="a JSON object", line=True)
         entry = _entry(obj, where)
         if entries and entry.step <= entries[-1].step:
             _resumed(entries, entry.step, where)
         entries.append(entry)
-    shown = visible(str(path))
+    shown = str(path)
     if not entries:  # one line: the error says what the warning would have
         unended = " (its last line has no newline: a write in progress?)" \
             if unfinished.strip() else ""
         raise InputError(f"{shown}: a {SCHEMA} log with no complete entries{unended}")
     if unfinished.strip():
-        print(f"gradclip: warning: {shown}:{len(lines) + 1}: last line has no newline "
+        print(f"gradclip: warning: {visible(shown)}:{len(lines) + 1}: last line has no newline "
               "(a write in progress?); skipped", file=sys.stderr)
     return entries
 
@@ -137,7 +137,7 @@ def _resumed(entries: list[LoggedNorms], step: int, where: str) -> None:
     kept = [e for e in entries if e.step < step]
     superseded = len(entries) - len(kept)
     entries[:] = kept
-    print(f"gradclip: warning: {where}: step {step} follows step {last}: a run resumed "
+    print(f"gradclip: warning: {visible(where)}: step {step} follows step {last}: a run resumed "
           f"from an earlier step; the {superseded} earlier line(s) for steps {step}-{last} "
           "are superseded", file=sys.stderr)
 

@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gradclip_cli.errors import InputError, MissingExtraError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
 
@@ -76,7 +75,7 @@ def _modules(where: Path):
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.util import tensor_util
     except ImportError:
-        raise MissingExtraError(f"{visible(str(where))}: reading TensorBoard event files needs "
+        raise MissingExtraError(f"{where}: reading TensorBoard event files needs "
                                 "the tensorboard package: pip install 'gradclip[tensorboard]'"
                                 ) from None
     return RawEventFileLoader, Event, tensor_util
@@ -97,7 +96,7 @@ def read_scalars(files: Sequence[Path], doubles: set[str] | None = None
 
 def _read_file(file: Path, scalars: dict[str, Points], doubles: set[str], loader,
                event_type, tensor_util) -> None:
-    shown = visible(str(file))
+    shown = str(file)
     try:
         size = os.stat(file).st_size
         records = loader(str(file)).Load()

@@ -43,7 +43,7 @@ class TrackerRun:
     @property
     def label(self) -> str:
         same = not self.id or self.id == self.name
-        return visible(self.name) if same else f"{visible(self.name)} (id {visible(self.id)})"
+        return self.name if same else f"{self.name} (id {self.id})"
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def in_step_order(points: Points, where: str) -> Points:
                 continue  # the same point written twice: one point
             before = len(kept)
             kept = [p for p in kept if p[0] < step]
-            print(f"gradclip: warning: {where}: step {step} follows step {last}: a run "
+            print(f"gradclip: warning: {visible(where)}: step {step} follows step {last}: a run "
                   f"resumed from an earlier step; the {before - len(kept)} earlier point(s) "
                   f"for steps {step}-{last} are superseded", file=sys.stderr)
         kept.append((step, value))

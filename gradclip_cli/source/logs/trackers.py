@@ -94,8 +94,8 @@ class TrackerSeries:
     def describe(self) -> str:
         groups = f" and {self.group_tags} per-group tag(s)" if self.group_tags else ""
         float32 = ", stored as float32" if self.run.stores_float32(self.tag) else ""
-        return (f"{self.run.tracker} tag {visible(repr(self.tag))}{groups} of run "
-                f"{self.run.label}{float32}")
+        return (f"{self.run.tracker} tag {visible(quoted(self.tag))}{groups} of run "
+                f"{visible(self.run.label)}{float32}")
 
 
 def _never(head: str) -> bool:
@@ -103,7 +103,7 @@ def _never(head: str) -> bool:
 
 
 def _read_needs_choice(path: Path) -> list[LoggedNorms]:
-    raise InputError(f"{visible(str(path))}: a tracker's series is read with its --tag/--run")
+    raise InputError(f"{path}: a tracker's series is read with its --tag/--run")
 
 
 # What ``trend`` sees of a tracker series: a log whose entries are read already.
@@ -189,13 +189,13 @@ def choose_runs(stores: list[list[TrackerRun]], choice: Choice, where: str
             # A TensorBoard run has no id: its name is its folder, whole as listed.
             tell = ("give --run ID" if all(r.id for r in matches) else
                     "give --run with one's whole name, as listed")
-            raise UsageError(f"{where}: --run {visible(choice.run)} names "
+            raise UsageError(f"{where}: --run {choice.run} names "
                              f"{len(matches)} {runs[0].tracker} runs "
                              f"({_names(r.label for r in matches)}): {tell}")
         chosen += matches
     if stores and not chosen:
         every = [r.label for runs in stores for r in runs]
-        raise UsageError(f"{where}: no run named {visible(choice.run)}; its runs: "
+        raise UsageError(f"{where}: no run named {choice.run}; its runs: "
                          f"{_names(every)}")
     return chosen
 
@@ -260,7 +260,7 @@ def framework_totals(run: TrackerRun) -> list[tuple[str, dict[int, float]]]:
     for family in _families(scalars):
         if family.rank == 0 or family.norm_type != DEFAULT_NORM_TYPE:
             continue  # gradclip's own tag; a total of another p is no 2-norm to compare
-        where = f"{visible(str(run.source))}: tag {quoted(family.total)}"
+        where = f"{run.source}: tag {quoted(family.total)}"
         found.append((family.total, dict(_checked(scalars[family.total], where))))
     return found
 
@@ -268,7 +268,7 @@ def framework_totals(run: TrackerRun) -> list[tuple[str, dict[int, float]]]:
 def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
     """The run's gradient norms: the tag the rule (or ``--tag``) names, its groups."""
     scalars = run.scalars()
-    source = visible(str(run.source))
+    source = str(run.source)
     families = _families(scalars)
     if choice.tag is not None:
         if choice.tag not in scalars:
@@ -298,7 +298,7 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
         family = first[0]
         others = [f.total for f in families if f is not family]
         how = f"found by name ({family.origin})" + (
-            f"; also there, not read: {_names(visible(repr(t)) for t in others)}"
+            f"; also there, not read: {_names(visible(quoted(t)) for t in others)}"
             if others else "")
     groups = {} if family.group_prefix is None else {
         tag[len(family.group_prefix):]: tag for tag in scalars
@@ -317,7 +317,7 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
         LoggedNorms(step, value, stated_p.get(step, p)) for step, value in total)
     if not entries:
         raise InputError(f"{where}: no points")
-    note = f"tag {visible(repr(family.total))} {how}"
+    note = f"tag {visible(quoted(family.total))} {how}"
     return TrackerSeries(run, family.total, len(groups), entries, note)
 
 

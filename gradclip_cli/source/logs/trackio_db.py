@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files import sqlite_file
 from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
 from gradclip_cli.source.untrusted import is_number
@@ -95,7 +94,7 @@ def read_scalars(db: Path, name: str, run_id: str | None) -> dict[str, Points]:
             except (TypeError, ValueError):
                 logged = None
             if not isinstance(logged, dict):
-                raise InputError(f"{visible(str(db))}: run {visible(str(name))}: step "
+                raise InputError(f"{db}: run {name}: step "
                                  f"{step}: metrics is not a JSON object")
             for key, value in logged.items():
                 number = _number(value)

@@ -20,7 +20,6 @@ from pathlib import Path
 
 from gradclip_cli import tracker_tags
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.json_text import parse_json
 from gradclip_cli.source.logs import LoggedNorms, LogKind, read_text
 from gradclip_cli.source.untrusted import is_number
@@ -40,7 +39,7 @@ NORM_TYPE_TAG = tracker_tags.NORM_TYPE
 
 
 def _history(path: Path) -> tuple[str, list]:
-    shown = visible(str(path))
+    shown = str(path)
     state = parse_json(read_text(path, "a Trainer state"), where=shown, what="a Trainer state")
     history = state.get("log_history") if isinstance(state, dict) else None
     if not isinstance(history, list):
@@ -51,9 +50,9 @@ def _history(path: Path) -> tuple[str, list]:
 def _number(entry: dict, key: str, where: str) -> float:
     norm = entry[key]
     if not is_number(norm):
-        raise InputError(f"{where}: {visible(key)} must be a number")
+        raise InputError(f"{where}: {key} must be a number")
     if norm < 0:
-        raise InputError(f"{where}: {visible(key)} must be >= 0, got {norm:g}")
+        raise InputError(f"{where}: {key} must be >= 0, got {norm:g}")
     return float(norm)
 
 
@@ -72,7 +71,7 @@ def _points(shown: str, history: list, key: str) -> list[tuple[int, dict, int | 
         if step is not None and last is not None and step <= last:
             # The Trainer logs in step order, and a resumed run starts from its
             # checkpoint's own log_history: a step again is no Trainer's log.
-            raise InputError(f"{shown}: log_history[{i}]: {visible(key)} of step {step} after "
+            raise InputError(f"{shown}: log_history[{i}]: {key} of step {step} after "
                              f"one of step {last}; a Trainer logs each step once, in order")
         points.append((i, entry, step))
     return points

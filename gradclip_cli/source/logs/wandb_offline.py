@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gradclip_cli.errors import InputError, MissingExtraError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.logs.tracker import Points, Tracker, TrackerRun
 from gradclip_cli.source.untrusted import is_number
 
@@ -87,7 +86,7 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 def _modules(file: Path):
-    needs = (f"{visible(str(file))}: reading a W&B run file needs the wandb package, "
+    needs = (f"{file}: reading a W&B run file needs the wandb package, "
              f"{REQUIREMENT} (its datastore reader): pip install 'gradclip[wandb]'")
     try:
         from importlib.metadata import version
@@ -96,7 +95,7 @@ def _modules(file: Path):
     except Exception:  # noqa: BLE001 (PackageNotFoundError, or a broken install)
         raise MissingExtraError(needs) from None
     if not TESTED[0] <= _version(installed) < TESTED[1]:
-        raise MissingExtraError(f"{needs}; wandb {visible(installed)} is installed, whose reader "
+        raise MissingExtraError(f"{needs}; wandb {installed} is installed, whose reader "
                          "gradclip is not tested with")
     try:
         from wandb.proto import wandb_internal_pb2
@@ -120,7 +119,7 @@ def _open(datastore, file: Path, handle):
 
 def read_scalars(file: Path) -> dict[str, Points]:
     datastore, proto = _modules(file)
-    shown = visible(str(file))
+    shown = str(file)
     scalars: dict[str, Points] = {}
     try:
         handle = open(file, "rb")  # noqa: SIM115 (closed below)

@@ -97,7 +97,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import Contents
 from gradclip_cli.source.untrusted import is_int
 
@@ -175,7 +174,7 @@ def near_miss(path: Path) -> str | None:
     if not marked:
         return None
     return (
-        f"{path}: holds DeepSpeed's {visible(marked[0])}, but not a checkpoint's set of "
+        f"{path}: holds DeepSpeed's {marked[0]}, but not a checkpoint's set of "
         "rank files (mp_rank_XX_model_states.pt, or ZeRO's model state files beside "
         "zero_pp_rank_R_mp_rank_XX_optim_states.pt)"
     )

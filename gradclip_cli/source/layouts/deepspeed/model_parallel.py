@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.megatron_pickle import NamespaceState
 from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import Checkpoint, OptimizerState, StoredTensor, chained
@@ -118,7 +117,7 @@ def check_pipeline_ranks(parts: list[Part], folder: Path) -> tuple[int, int] | N
             for name in p.weights:
                 if name in seen:
                     raise InputError(
-                        f"{p.model.path}: holds {visible(name)}, which {seen[name].name} holds "
+                        f"{p.model.path}: holds {name}, which {seen[name].name} holds "
                         "too (a layer tied across pipeline stages); gradclip does not read tied "
                         "stages"
                     )
@@ -173,7 +172,7 @@ def check_alike(parts: list[Part]) -> None:
             other = next((n for n in mine.keys() ^ theirs.keys()), None) or next(
                 (n for n in mine if mine[n] != theirs.get(n)), None
             )
-            which = f" ({visible(other)})" if other is not None else ""
+            which = f" ({other})" if other is not None else ""
             raise InputError(
                 f"{part.model.path}: its parameters differ from {first.model.path.name}'s"
                 f"{which}: the ranks are not one model"
@@ -224,7 +223,7 @@ def tensor_parallel(
         for part in parts[1:]:
             if part.optimizer.state[pid].get("step") != entry.get("step"):
                 raise InputError(
-                    f"{held_in(part.optimizer, pid)}: Adam's step of {visible(name)} differs "
+                    f"{held_in(part.optimizer, pid)}: Adam's step of {name} differs "
                     f"from {held_in(first.optimizer, pid).name}'s: the ranks are not one "
                     "checkpoint"
                 )

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import (
     Checkpoint,
     OptimizerState,
@@ -153,8 +152,8 @@ def refuse_tied_layers(params: dict[str, StoredTensor]) -> None:
         for other, earlier in seen.get(key, ()):
             if same_bits(value, earlier):
                 raise InputError(
-                    f"{stored.pieces[0].file}: holds {visible(name)}, equal to "
-                    f"{visible(other)} (a layer tied across layers, saved by each); "
+                    f"{stored.pieces[0].file}: holds {name}, equal to "
+                    f"{other} (a layer tied across layers, saved by each); "
                     "gradclip does not read tied pipeline layers"
                 )
         seen.setdefault(key, []).append((name, value))

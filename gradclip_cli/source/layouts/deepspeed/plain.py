@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import Checkpoint, OptimizerState, StoredTensor
 from gradclip_cli.source.naming import Model, map_names
@@ -246,7 +245,7 @@ def plain_optimizer(
             # of its shape.
             name = names.get(pid)
             if name is None or tuple(master.shape) != tuple(params[name].shape):
-                shown = visible(name) if name is not None else f"parameter {pid}"
+                shown = name if name is not None else f"parameter {pid}"
                 raise InputError(
                     f"{file}: 'optimizer'.fp32_groups[{g}] holds no fp32 tensor of {shown}'s shape"
                 )

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.interface import Checkpoint, Contents, OptimizerState, StoredTensor
 
 from ..dcp_frameworks import refuse_key
@@ -173,7 +172,7 @@ class _Universal(Reader):
         if value.shape != shape and not (value.dim() == 1 and value.numel() == shape.numel()):
             raise InputError(
                 f"{ckpt.path}: holds a tensor of shape {list(value.shape)}, where the model "
-                f"state gives {visible(name)} the shape {list(shape)}"
+                f"state gives {name} the shape {list(shape)}"
             )
         return StoredTensor.whole(name, value.detach().view(shape), ckpt.path)
 
@@ -193,7 +192,7 @@ class _Universal(Reader):
         if module is not None and module.numel() and not rounds_to(master.read(), module.read()):
             raise InputError(
                 f"{master.pieces[0].file}: rounded to {str(module.dtype).removeprefix('torch.')} "
-                f"is not {visible(name)} of the model state file: the masters and the module "
+                f"is not {name} of the model state file: the masters and the module "
                 "disagree"
             )
         return master

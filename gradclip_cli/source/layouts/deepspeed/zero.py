@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import Checkpoint, OptimizerState, Piece, StoredTensor
 from gradclip_cli.source.untrusted import is_count, is_int
@@ -183,7 +182,7 @@ def frozen_parameters(
             if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
                 raise InputError(
                     f"{ckpt.path}: frozen_param_fragments holds no "
-                    f"floating-point tensor for {visible(name)}"
+                    f"floating-point tensor for {name}"
                 )
             row.append(tensor)
         fragments.append(row)
@@ -195,7 +194,7 @@ def frozen_parameters(
             tensor = fragments[0][i]
             if tensor.numel() != numel:
                 raise InputError(
-                    f"{files[0]}: frozen_param_fragments gives {visible(name)} "
+                    f"{files[0]}: frozen_param_fragments gives {name} "
                     f"{tensor.numel()} elements, its shape {list(shape)}"
                 )
             out[name] = StoredTensor.whole(name, tensor.reshape(shape), files[0])
@@ -206,7 +205,7 @@ def frozen_parameters(
             tensor = fragments[r][i]
             if tensor.dim() != 1 or tensor.numel() != part:
                 raise InputError(
-                    f"{files[r]}: frozen_param_fragments gives {visible(name)} "
+                    f"{files[r]}: frozen_param_fragments gives {name} "
                     f"{tensor.numel()} elements, not a flat part of {part} "
                     f"({numel} over {world} ranks)"
                 )
@@ -388,7 +387,7 @@ def zero2_places(shapes: list[Shapes], flats, world: int, first: Checkpoint) -> 
             if offset + numel > avail:
                 raise InputError(
                     f"{first.path}: the partitions of group {g} hold {avail} elements over "
-                    f"{world} ranks, fewer than param_shapes needs ({visible(name)} ends at "
+                    f"{world} ranks, fewer than param_shapes needs ({name} ends at "
                     f"{offset + numel})"
                 )
             at = 0
@@ -420,7 +419,7 @@ def zero3_places(shapes: list[Shapes], flats, world: int, first: Checkpoint) -> 
             if offset + part > avail:
                 raise InputError(
                     f"{first.path}: the flat buffers hold {avail} elements per rank, "
-                    f"fewer than param_shapes needs ({visible(name)} ends at "
+                    f"fewer than param_shapes needs ({name} ends at "
                     f"{offset + part})"
                 )
             place = []

@@ -221,7 +221,7 @@ def _optimizer(split, root: dict, common_file: Path) -> tuple[OptimizerState | N
     # Each step shown as a plain number (``common_step`` is a 0-dim tensor).
     shown = [repr(s.item() if isinstance(s, torch.Tensor) and s.numel() == 1 else s) for s in steps]
     refuse_if(len(set(shown)) != 1, common_file,
-              f"the chained optimizers' steps differ ({', '.join(visible(s) for s in shown)}), "
+              f"the chained optimizers' steps differ ({', '.join(shown)}), "
               "and Megatron does not save which parameters each holds")
     step = steps[0]
     # The groups' members are not saved (Megatron drops their ``params``); only lr, betas and
@@ -309,12 +309,12 @@ def _fp32_params(folder, split, weights: dict[str, StoredTensor],
         for name, main in parts:
             model = weights.get(name)
             refuse_if(model is None, where, f"holds {quoted(key)[:120]}, the fp32 main "
-                      f"param of {visible(name)}, which the model does not hold")
+                      f"param of {name}, which the model does not hold")
             chunks = [sorted((p.offsets, p.shape) for p in t.pieces) for t in (main, model)]
             fp32 = main.dtype == torch.float32 and main.shape == model.shape
             refuse_if(not fp32 or chunks[0] != chunks[1], where,
                       f"{quoted(key)[:120]} is not an fp32 tensor chunked as the model's "
-                      f"{visible(name)} ({model.dtype}, shape {list(model.shape)}): not its "
+                      f"{name} ({model.dtype}, shape {list(model.shape)}): not its "
                       "fp32 main param")
             by_place = {(p.offsets, p.shape): p for p in model.pieces}
             pieces = [
@@ -328,7 +328,7 @@ def _fp32_params(folder, split, weights: dict[str, StoredTensor],
     missing = [n for n in weights if n in moments and n not in out and weights[n].dtype in SIXTEEN]
     if out and missing:
         raise InputError(
-            f"{where}: holds no {kinds.pop()} of {visible(missing[0])} "
+            f"{where}: holds no {kinds.pop()} of {missing[0]} "
             f"({weights[missing[0]].dtype}, with moments), where the other 16-bit parameters "
             "have their fp32 main params: the mixed-precision state is incomplete"
         )

@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.megatron_pickle import GLOBALS
 from gradclip_cli.source.files.small_file import quoted
@@ -318,7 +317,7 @@ def bucketed(
                                 else ""
                             )
                             raise unfit(
-                                f"{visible(name)}'s slice of {which}bucket {k}'s param"
+                                f"{name}'s slice of {which}bucket {k}'s param"
                                 f"{rounded} is not its weight",
                                 piece.file or where,
                             )
@@ -368,7 +367,7 @@ def _holdings(order, weights, found, unfit) -> tuple[list[dict[str, Piece | None
                         writer = _writer(piece, unfit)
                         if owner.setdefault(writer, rank) != rank:
                             raise unfit(
-                                f"{visible(piece.file.name)} holds buckets of model-parallel "
+                                f"{piece.file.name} holds buckets of model-parallel "
                                 f"groups {owner[writer]} and {rank}"
                             )
     tp = max(len(weights[name].pieces) for name in order)
@@ -384,7 +383,7 @@ def _holdings(order, weights, found, unfit) -> tuple[list[dict[str, Piece | None
             writer = _writer(piece, unfit)
             if writer not in owner:
                 raise unfit(
-                    f"{visible(name)} has a chunk in {visible(piece.file.name)}, which holds "
+                    f"{name} has a chunk in {piece.file.name}, which holds "
                     "no model-parallel group's buckets"
                 )
             groups.append(owner[writer])
@@ -397,7 +396,7 @@ def _holdings(order, weights, found, unfit) -> tuple[list[dict[str, Piece | None
                 held[rank][name] = piece
         else:
             raise unfit(
-                f"{visible(name)}'s {len(pieces)} chunks are not one per tensor-parallel rank "
+                f"{name}'s {len(pieces)} chunks are not one per tensor-parallel rank "
                 f"of one pipeline stage (written by model-parallel ranks {groups})"
             )
         main[name] = groups[0]
@@ -407,7 +406,7 @@ def _holdings(order, weights, found, unfit) -> tuple[list[dict[str, Piece | None
 def _writer(piece: Piece, unfit) -> int:
     found = _WRITER.fullmatch(piece.file.name) if piece.file is not None else None
     if found is None:
-        raise unfit(f"a chunk in {visible(str(piece.file))}, not a process's __R_K.distcp")
+        raise unfit(f"a chunk in {piece.file}, not a process's __R_K.distcp")
     return int(found.group(1))
 
 
@@ -623,5 +622,5 @@ def _check_layout(file: Path, dtype, tensors: dict, places: dict, weights: dict)
             if torch.count_nonzero(tensors[key][cursor:start]):
                 raise unfit(f"a padding element of {key} is not 0")
         if not rounds_to(tensors["param"][start:stop], weights[name].reshape(-1).to(dtype)):
-            raise unfit(f"{visible(name)}'s slice of param is not the model's tensor")
+            raise unfit(f"{name}'s slice of param is not the model's tensor")
         cursor = stop

@@ -79,7 +79,6 @@ from typing import Any
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint
 from gradclip_cli.source.files.megatron_pickle import GLOBALS, NamespaceState
 from gradclip_cli.source.files.small_file import quoted
@@ -157,7 +156,7 @@ def open_iteration(
             if n in copies:
                 continue
             g = rename.get(n, n)
-            refuse_if(g in weights, ranks[0].file, f"holds {visible(g)}, which an earlier "
+            refuse_if(g in weights, ranks[0].file, f"holds {g}, which an earlier "
                       "pipeline stage or chunk holds too: the stages are not one model")
             names.append(g)
             kinds[g] = local_kinds[n]
@@ -264,7 +263,7 @@ class _Rank:
                 self.buffers[name] = value
             else:
                 raise InputError(
-                    f"{file}: its model entry {visible(name)} is a "
+                    f"{file}: its model entry {name} is a "
                     f"{type(value).__name__}, not a tensor"
                 )
 
@@ -471,7 +470,7 @@ def _rank_optimizer(rank: _Rank) -> tuple[str, str] | None:
         for name, master in zip(sixteen, masters):
             fits = isinstance(master, torch.Tensor) and master.shape == rank.weights[name].shape
             refuse_if(not fits or not master.dtype.is_floating_point, rank.file,
-                      f"{where} holds no fp32 tensor of {visible(name)}'s shape")
+                      f"{where} holds no fp32 tensor of {name}'s shape")
             # Copied into the model, rounded, after each step: else the two disagree.
             refuse_unrounded(rank.file, name, "fp32_from_fp16_params", master, rank.weights[name])
             rank.masters[name] = master
@@ -488,7 +487,7 @@ def _split_axes(ranks: list[_Rank]) -> tuple[list[str], dict[str, int | None]]:
     for rank in ranks[1:]:
         if list(rank.weights) != names:
             other = next(iter(set(rank.weights) ^ set(names)), None)
-            which = f" ({visible(other)} is in one only)" if other is not None else ""
+            which = f" ({other} is in one only)" if other is not None else ""
             raise InputError(
                 f"{rank.file}: its model tensors differ from "
                 f"{first.file.parent.name}'s{which}: the ranks are not one model"
@@ -496,7 +495,7 @@ def _split_axes(ranks: list[_Rank]) -> tuple[list[str], dict[str, int | None]]:
         for n in names:
             a, b = first.weights[n], rank.weights[n]
             refuse_if(a.shape != b.shape or a.dtype != b.dtype, rank.file,
-                      f"{visible(n)} is {list(b.shape)} {b.dtype}, {list(a.shape)} {a.dtype} in "
+                      f"{n} is {list(b.shape)} {b.dtype}, {list(a.shape)} {a.dtype} in "
                       f"{first.file.parent.name}: the ranks are not one model")
     if len(ranks) == 1:
         return names, dict.fromkeys(names)
@@ -522,7 +521,7 @@ def _joined_state(
                 missing = ranks[next(i for i, e in enumerate(entries) if e is None)]
                 raise InputError(
                     f"{missing.file}: holds no optimizer state for "
-                    f"{visible(name)}, which {first.file.parent.name} has: the "
+                    f"{name}, which {first.file.parent.name} has: the "
                     "ranks are not one checkpoint"
                 )
             entry = {}
@@ -532,7 +531,7 @@ def _joined_state(
                     same = all(isinstance(s, StoredTensor) and s.shape == value.shape
                                for s in shards)
                     refuse_if(not same, ranks[-1].file,
-                              f"its {key} of {visible(name)} differs in shape from mp_rank_00's")
+                              f"its {key} of {name} differs in shape from mp_rank_00's")
                     read = [s.read() for s in shards]
                     whole = whole_shards(f"{name}.{key}", read, [r.file for r in ranks])
                     entry[key] = merged(f"{name}.{key}", whole, kinds[name])

@@ -10,7 +10,6 @@ import re
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.interface import Piece, StoredTensor
 
@@ -137,7 +136,7 @@ def refuse_unrounded(file, name: str, kind: str, main: torch.Tensor, model: torc
     step (``_copy_main_params_to_model_params``), so the two copies disagree."""
     if not rounds_to(main, model):
         raise InputError(
-            f"{file}: {visible(name)}'s fp32 main param ({kind}) "
+            f"{file}: {name}'s fp32 main param ({kind}) "
             f"rounded to {str(model.dtype).removeprefix('torch.')} is not the model's "
             "tensor: the optimizer's weights and the model's disagree"
         )

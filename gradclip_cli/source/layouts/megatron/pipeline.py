@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from math import inf
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.untrusted import is_count
 
@@ -191,7 +190,7 @@ def global_names(rank, local: list[str], layers: dict) -> tuple[dict, list[str]]
             rename[name] = f"decoder.layers.{number}.{match.group(2)}"
         elif _ANY_LAYER.search(plain):
             raise InputError(
-                f"{rank.file}: {visible(name)} is a layer outside decoder.layers: gradclip "
+                f"{rank.file}: {name} is a layer outside decoder.layers: gradclip "
                 "cannot tell which global layer it is"
             )
         elif keyed:
