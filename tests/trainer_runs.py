@@ -43,6 +43,28 @@ def train_with_spike(output_dir: Path, report_to: tuple[str, ...] = ()) -> Path:
     return state
 
 
+# The overflowing run: at its last step the loss is scaled so far that every gradient
+# stays finite (float32 reaches 3.4e38) while the squares torch's float32 norm sums
+# do not: the Trainer logs grad_norm inf for finite gradients.
+OVERFLOW_STEPS = 8
+OVERFLOW_SCALE = 1e25
+
+
+def train_overflowing(output_dir: Path, report_to: tuple[str, ...] = ()) -> dict[int, float]:
+    """Run the Trainer into ``output_dir`` with its last step's gradients finite but too
+    large for torch's float32 norm; return each step's float64 gradient norm (as gradclip
+    measures it: finite at the last step too), taken before the Trainer clips."""
+    norms: dict[int, float] = {}
+
+    def measure(step, model):
+        norms[step] = _float64_norms(model)["total"]
+
+    _train(output_dir, steps=OVERFLOW_STEPS, spike_step=OVERFLOW_STEPS, save=False,
+           max_grad_norm=1.0, report_to=report_to, spike_scale=OVERFLOW_SCALE,
+           after_backward=measure)
+    return norms
+
+
 def train_checkpointed_with_spike(output_dir: Path) -> CheckpointedRun:
     """A shorter run that saves a Trainer checkpoint every step, spike at
     ``CHECKPOINTED_SPIKE_STEP``.
@@ -59,7 +81,8 @@ def train_checkpointed_with_spike(output_dir: Path) -> CheckpointedRun:
 
 
 def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
-           max_grad_norm: float, report_to: tuple[str, ...] = ()
+           max_grad_norm: float, report_to: tuple[str, ...] = (),
+           spike_scale: float = SPIKE_SCALE, after_backward=None
            ) -> tuple[Path, list[list[str]]]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -77,7 +100,13 @@ def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
             loss = super().compute_loss(model, inputs, *args, **kwargs)
             # global_step counts finished optimizer steps; this step logs as +1.
             if self.state.global_step + 1 == spike_step:
-                loss = loss * SPIKE_SCALE
+                loss = loss * spike_scale
+            return loss
+
+        def training_step(self, model, inputs, *args, **kwargs):
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            if after_backward is not None:  # the gradients as backward left them
+                after_backward(self.state.global_step + 1, model)
             return loss
 
     saving = {"save_strategy": "steps", "save_steps": 1, "lr_scheduler_type": "constant"} \

@@ -766,3 +766,43 @@ def test_a_trackers_database_and_its_folder_are_left_as_they_were(
                       "--fail-on", "any")
     _assert_series(result, float32=False)
     assert _folder_state(db.parent) == before
+
+
+@pytest.fixture(scope="session")
+def trainer_overflow_run(tmp_path_factory):
+    tr.needs("transformers")
+    tr.needs("tensorboard")
+    from tests.trainer_runs import train_overflowing
+
+    output_dir = tmp_path_factory.mktemp("hf_overflow")
+    return output_dir, train_overflowing(output_dir, report_to=("tensorboard",))
+
+
+def test_a_logged_infinite_norm_of_finite_gradients_is_not_called_non_finite_gradients(
+        gradclip, trainer_overflow_run):
+    """The Trainer logs torch's float32 norm: at the last step every gradient is finite
+    (float64 norm ~1e26) but its squares overflow float32, so it logs grad_norm inf. A
+    logged total holds no element counts: the verdict names the norm that is inf, as
+    compare's does, never "non-finite gradients", in the table, -q, github and junit."""
+    from tests.trainer_runs import OVERFLOW_STEPS
+
+    output_dir, reference = trainer_overflow_run
+    last = reference[OVERFLOW_STEPS]
+    assert math.isfinite(last) and last > 1e20  # the gradients themselves were finite
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    logged = {e["step"]: e["grad_norm"] for e in state["log_history"] if "grad_norm" in e}
+    assert logged[OVERFLOW_STEPS] == math.inf
+    event_file = next(output_dir.rglob("events.out.tfevents.*"))
+    for given in (output_dir / "trainer_state.json", event_file):
+        doc = gradclip("trend", given, "--format", "json").json()
+        assert doc["status"] == "nonfinite" and doc["points"][-1]["total_norm"] == "inf"
+        table = gradclip("trend", given)
+        assert table.code == 1
+        verdict = table.out.strip().splitlines()[-1]
+        assert verdict.startswith("FAIL: non-finite gradient norm at the newest point"), verdict
+        quiet = gradclip("trend", given, "-q")
+        assert quiet.code == 1 and "non-finite gradient norm" in quiet.out + quiet.err
+        for fmt in ("github", "junit", "markdown"):
+            out = gradclip("trend", given, "--format", fmt).out
+            assert "non-finite gradient norm" in out, (fmt, out)
+            assert "non-finite gradients" not in out, (fmt, out)
