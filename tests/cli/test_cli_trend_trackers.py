@@ -806,3 +806,30 @@ def test_a_logged_infinite_norm_of_finite_gradients_is_not_called_non_finite_gra
             out = gradclip("trend", given, "--format", fmt).out
             assert "non-finite gradient norm" in out, (fmt, out)
             assert "non-finite gradients" not in out, (fmt, out)
+
+
+def test_lightning_csv_runs_of_two_experiments_are_picked_by_the_names_listed(gradclip,
+                                                                            tmp_path):
+    """Lightning's ``CSVLogger(save_dir, name=EXPERIMENT)`` numbers each experiment's
+    versions from 0: two experiments under one folder hold two ``version_0/``. The
+    refusal lists the runs by names that tell them apart, and ``--run`` with one of them
+    (or its tail, ``exp_b/version_0``) reads that run: exp_b's spike, not exp_a's calm."""
+    tr.needs("lightning")
+    from lightning.pytorch.loggers import CSVLogger
+
+    norms = {"exp_a": {s: 1.0 for s in tr.NORMS}, "exp_b": tr.NORMS}
+    for name, series in norms.items():
+        logger = CSVLogger(str(tmp_path / "logs"), name=name, version=0)
+        for step, value in series.items():
+            logger.log_metrics({"grad_norm": value}, step=step)
+        logger.save()
+    refused = gradclip("trend", tmp_path / "logs")
+    assert refused.code == 2, refused.err
+    listed = refused.err.split("(", 1)[1].split(")", 1)[0].split(", ")
+    assert len(listed) == 2 and len(set(listed)) == 2, refused.err
+    picked = next(name for name in listed if "exp_b" in name)
+    for run in (picked, "exp_b/version_0"):
+        result = gradclip("trend", tmp_path / "logs", "--run", run, "--format", "json",
+                          "--fail-on", "any")
+        assert result.code == 1, result.err
+        assert _points(result) == tr.NORMS
