@@ -833,3 +833,36 @@ def test_lightning_csv_runs_of_two_experiments_are_picked_by_the_names_listed(gr
                           "--fail-on", "any")
         assert result.code == 1, result.err
         assert _points(result) == tr.NORMS
+
+
+def test_a_wandb_run_resumed_offline_is_one_run(gradclip, tmp_path):
+    """``wandb.init(id=ID, resume="allow")`` offline writes each session to a folder of its
+    own with the same id (``wandb sync`` makes them one run). They are one run, read in
+    the order the sessions ran: the resumed session's steps supersede the first's from
+    where it resumed, as a resumed TensorBoard run's do; never a refusal whose
+    ``--run`` (name or id) names both again."""
+    tr.needs("wandb")
+    first = {s: 2.0 for s in range(25)}  # the session that stopped at step 24
+    resumed_from = 10
+    again = {s: v for s, v in tr.NORMS.items() if s >= resumed_from}
+    tr._write_in_process(f"""
+        import time
+        import wandb
+        for norms in ({first!r}, {again!r}):
+            run = wandb.init(project="p", id="resumed1", name="long-run", resume="allow")
+            for step, value in norms.items():
+                run.log({{"train/grad_norm": value}}, step=step)
+            run.finish()
+            time.sleep(1.5)  # a later session: a later folder name
+        """, tmp_path, {"WANDB_MODE": "offline", "WANDB_SILENT": "true",
+                        "WANDB_DIR": str(tmp_path)})
+    folders = sorted((tmp_path / "wandb").glob("offline-run-*-resumed1"))
+    assert len(folders) == 2, folders
+    expected = {**{s: 2.0 for s in range(resumed_from)}, **again}
+    for run in ((), ("--run", "resumed1"), ("--run", "long-run")):
+        result = gradclip("trend", tmp_path / "wandb", *run, "--format", "json",
+                          "--fail-on", "any")
+        assert result.code == 1, result.err
+        assert _points(result) == expected
+        assert [p["step"] for p in result.json()["points"] if p["spike"]] == [tr.SPIKE_STEP]
+        assert "superseded" in result.err
