@@ -65,6 +65,21 @@ def train_overflowing(output_dir: Path, report_to: tuple[str, ...] = ()) -> dict
     return norms
 
 
+EVALUATED_STEPS = 20
+EVALUATED_SPIKE_STEP = 15
+EVAL_STEPS = 5
+
+
+def train_evaluated(output_dir: Path, report_to: tuple[str, ...]) -> Path:
+    """A 20-step run that also evaluates every ``EVAL_STEPS`` steps (each evaluation is a
+    log call of its own), spike at ``EVALUATED_SPIKE_STEP``; returns its
+    ``trainer_state.json``."""
+    state, _ = _train(output_dir, steps=EVALUATED_STEPS, spike_step=EVALUATED_SPIKE_STEP,
+                      save=False, max_grad_norm=1.0, report_to=report_to,
+                      eval_steps=EVAL_STEPS)
+    return state
+
+
 def train_checkpointed_with_spike(output_dir: Path) -> CheckpointedRun:
     """A shorter run that saves a Trainer checkpoint every step, spike at
     ``CHECKPOINTED_SPIKE_STEP``.
@@ -82,8 +97,8 @@ def train_checkpointed_with_spike(output_dir: Path) -> CheckpointedRun:
 
 def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
            max_grad_norm: float, report_to: tuple[str, ...] = (),
-           spike_scale: float = SPIKE_SCALE, after_backward=None
-           ) -> tuple[Path, list[list[str]]]:
+           spike_scale: float = SPIKE_SCALE, after_backward=None,
+           eval_steps: int | None = None) -> tuple[Path, list[list[str]]]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -99,7 +114,7 @@ def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
         def compute_loss(self, model, inputs, *args, **kwargs):
             loss = super().compute_loss(model, inputs, *args, **kwargs)
             # global_step counts finished optimizer steps; this step logs as +1.
-            if self.state.global_step + 1 == spike_step:
+            if model.training and self.state.global_step + 1 == spike_step:
                 loss = loss * spike_scale
             return loss
 
@@ -111,13 +126,16 @@ def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
 
     saving = {"save_strategy": "steps", "save_steps": 1, "lr_scheduler_type": "constant"} \
         if save else {"save_strategy": "no"}
+    if eval_steps is not None:
+        saving.update(eval_strategy="steps", eval_steps=eval_steps, per_device_eval_batch_size=4)
     args = TrainingArguments(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4,
         learning_rate=1e-3, logging_steps=1, report_to=list(report_to), use_cpu=True, seed=0,
         data_seed=0, max_grad_norm=max_grad_norm, disable_tqdm=True,
         dataloader_num_workers=0, **saving,
     )  # fmt: skip
-    trainer = SpikeTrainer(model=model, args=args, train_dataset=dataset)
+    trainer = SpikeTrainer(model=model, args=args, train_dataset=dataset,
+                           eval_dataset=dataset[:8] if eval_steps is not None else None)
     _train_on_one_thread(trainer)
     trainer.save_state()
     name_of = {id(p): n for n, p in model.named_parameters()}

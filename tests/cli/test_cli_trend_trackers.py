@@ -14,6 +14,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -866,3 +867,30 @@ def test_a_wandb_run_resumed_offline_is_one_run(gradclip, tmp_path):
         assert _points(result) == expected
         assert [p["step"] for p in result.json()["points"] if p["spike"]] == [tr.SPIKE_STEP]
         assert "superseded" in result.err
+
+
+def test_trainer_report_to_trackio_points_sit_at_the_trainers_steps(gradclip, tmp_path):
+    """The Trainer's trackio callback logs without ``step=`` (trackio then numbers its
+    log calls from 0, evaluations included) and puts the Trainer's step in every row
+    as ``train/global_step``: each point sits at the Trainer's step, as
+    ``trainer_state.json`` numbers it, and the spike at its own step."""
+    tr.needs("transformers")
+    tr.needs("trackio")
+    from tests.trainer_runs import EVALUATED_SPIKE_STEP
+
+    root = Path(__file__).resolve().parents[2]
+    output_dir = tmp_path / "out"
+    tr._write_in_process(f"""
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, {str(root)!r})
+        from tests.trainer_runs import train_evaluated
+        train_evaluated(Path({str(output_dir)!r}), report_to=("trackio",))
+        """, tmp_path, {"TRACKIO_DIR": str(tmp_path / "trackio"), "HF_HOME": str(tmp_path / "hf")})
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    logged = {e["step"]: e["grad_norm"] for e in state["log_history"] if "grad_norm" in e}
+    database = next((tmp_path / "trackio").glob("*.db"))
+    result = gradclip("trend", database, "--format", "json", "--fail-on", "any")
+    assert result.code == 1, result.err
+    assert _points(result) == logged
+    assert [p["step"] for p in result.json()["points"] if p["spike"]] == [EVALUATED_SPIKE_STEP]
