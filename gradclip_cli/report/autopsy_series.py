@@ -6,7 +6,8 @@ its tags in a framework's loggers, a Trainer's ``trainer_state.json``, whose
 steps are the callback's): logs are placed at their own steps, as ``trend``
 places them. A checkpoint records the optimizer steps taken, so it holds the
 state after the gradient of the step the log numbers ``N`` when the log
-counts from 1, ``N - 1`` when it counts from 0 (``_offset``). Inputs of two
+counts from 1, ``N - 1`` when it counts from 0 (``_offset``; a tracker's series
+too: Lightning's loggers count from 0). Inputs of two
 runs are refused: other parameters, other groups, or a dump whose norm is
 not its step's logged one.
 """
@@ -47,9 +48,12 @@ class CheckpointPoint:
 
 def _offset(logs) -> tuple[int, str | None]:
     """How many steps a checkpoint's count of optimizer steps is ahead of the log's numbers:
-    1 when a monitor log counts from 0, else 0; and the note that says so."""
-    for path, entries, kind in logs:
-        if kind is monitor_log.KIND and entries:
+    1 when the log counts from 0, else 0; and the note that says so. A monitor log
+    decides where there is one; else the first other log (a tracker's series: Lightning's
+    loggers number a step's values from 0, the Trainer's integrations from 1)."""
+    ordered = sorted(logs, key=lambda log: log[2] is not monitor_log.KIND)
+    for path, entries, _ in ordered:
+        if entries:
             first = entries[0].step
             if first == 0:
                 return 1, (f"steps: {visible(str(path))} counts from 0 (its first step), so a "
