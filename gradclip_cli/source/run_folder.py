@@ -18,7 +18,8 @@ A run folder keeps the same run several times over, at different grains:
 ``discover`` lists them all and chooses the one a trend judges: the finest
 grained (most points), then one that logs gradients themselves over
 checkpoints (whose ``auto`` may be a moment), then one with per-group norms
-(the layer that spiked) over the total alone. Judging several series at once
+(the layer that spiked) over the total alone, then one that keeps the
+numbers as logged over a float32 copy (TensorBoard's). Judging several series at once
 would count each step twice. The others are named with the reason they
 were not judged.
 
@@ -386,12 +387,19 @@ def _clipping(path: Path, folders: list[tuple[int, Path]]) -> Clipping | None:
         return Clipping(None, file, str(error))
 
 
+def _float32(s: Series) -> bool:
+    """Whether a tracker kept the series' values as float32 (TensorBoard): of two copies of
+    one run's steps, the other keeps the numbers as logged."""
+    return s.tracker is not None and s.tracker.run.stores_float32(s.tracker.tag)
+
+
 def _choose(series: list[Series], what: str) -> tuple[Series, dict[int, str]]:
     """The finest-grained series ``what`` allows; why each other one is not judged."""
     logs_allowed = what in ("auto", "grads")
 
     def rank(s: Series) -> tuple:
-        return (s.points, s.kind != CHECKPOINTS, s.per_group, s.kind == MONITOR)
+        return (s.points, s.kind != CHECKPOINTS, s.per_group, not _float32(s),
+                s.kind == MONITOR)
 
     allowed = [s for s in series if logs_allowed or s.kind == CHECKPOINTS]
     judged = max(allowed, key=rank)
@@ -410,6 +418,9 @@ def _choose(series: list[Series], what: str) -> tuple[Series, dict[int, str]]:
             )
         elif judged.per_group and not s.per_group:
             why_not[i] = "as many points, total only"
+        elif _float32(s) and not _float32(judged):
+            why_not[i] = ("as many points, stored as float32 (the judged series keeps the "
+                          "numbers as logged)")
         else:
             why_not[i] = "as many points as the judged series"
         if s.kind == CHECKPOINTS and judged.kind != CHECKPOINTS and s.points < judged.points:

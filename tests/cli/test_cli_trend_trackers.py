@@ -894,3 +894,28 @@ def test_trainer_report_to_trackio_points_sit_at_the_trainers_steps(gradclip, tm
     assert result.code == 1, result.err
     assert _points(result) == logged
     assert [p["step"] for p in result.json()["points"] if p["spike"]] == [EVALUATED_SPIKE_STEP]
+
+
+def test_of_two_copies_of_a_run_the_float64_one_is_judged(gradclip, tmp_path):
+    """Lightning Fabric's loggers side by side (``fabric.log_dict`` hands each the same
+    float64 numbers): its TensorBoardLogger stores them as float32, its CSVLogger as
+    written. The two series have every step; the one that kept the logged numbers is
+    judged, the float32 copy named as not judged."""
+    tr.needs("lightning")
+    tr.needs("tensorboard")
+    from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+
+    loggers = [TensorBoardLogger(str(tmp_path), name="lightning_logs", version=0),
+               CSVLogger(str(tmp_path), name="lightning_logs", version=0)]
+    for step, value in tr.NORMS.items():
+        for logger in loggers:
+            logger.log_metrics({"grad_norm": value}, step=step)
+    for logger in loggers:
+        logger.finalize("success")
+    version = tmp_path / "lightning_logs" / "version_0"
+    assert any(tr.float32(v) != v for v in tr.NORMS.values())
+    result = gradclip("trend", version, "--format", "json", "--fail-on", "any")
+    assert result.code == 1, result.err
+    assert _points(result) == tr.NORMS
+    judged = [s["source"] for s in result.json()["series"] if s["judged"]]
+    assert judged == [str(version / "metrics.csv")]
