@@ -65,6 +65,30 @@ def train_overflowing(output_dir: Path, report_to: tuple[str, ...] = ()) -> dict
     return norms
 
 
+OVERFLOW_AUDIT_STEPS = 10
+OVERFLOW_AUDIT_STEP = 7
+
+
+def train_callback_overflowing(output_dir: Path) -> dict[int, float]:
+    """gradclip's Trainer callback clipping (``max_norm=1``, the Trainer's off) and logging
+    ``output_dir/grads.jsonl``, while the Trainer logs its own ``grad_norm`` (torch's
+    float32 norm); at ``OVERFLOW_AUDIT_STEP`` the gradients are finite but their squares
+    overflow float32, so the Trainer logs inf. Returns each step's float64 gradient norm,
+    taken before either measured it."""
+    from gradclip_cli.integrations.transformers import GradMonitorCallback
+
+    norms: dict[int, float] = {}
+
+    def measure(step, model):
+        norms[step] = _float64_norms(model)["total"]
+
+    monitor = GradMonitorCallback(output_dir / "grads.jsonl", dump_dir=None, max_norm=1.0)
+    _train(output_dir, steps=OVERFLOW_AUDIT_STEPS, spike_step=OVERFLOW_AUDIT_STEP, save=False,
+           max_grad_norm=0.0, spike_scale=OVERFLOW_SCALE, after_backward=measure,
+           callbacks=(monitor,))
+    return norms
+
+
 EVALUATED_STEPS = 20
 EVALUATED_SPIKE_STEP = 15
 EVAL_STEPS = 5
@@ -98,7 +122,8 @@ def train_checkpointed_with_spike(output_dir: Path) -> CheckpointedRun:
 def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
            max_grad_norm: float, report_to: tuple[str, ...] = (),
            spike_scale: float = SPIKE_SCALE, after_backward=None,
-           eval_steps: int | None = None) -> tuple[Path, list[list[str]]]:
+           eval_steps: int | None = None, callbacks: tuple = ()
+           ) -> tuple[Path, list[list[str]]]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -135,7 +160,8 @@ def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
         dataloader_num_workers=0, **saving,
     )  # fmt: skip
     trainer = SpikeTrainer(model=model, args=args, train_dataset=dataset,
-                           eval_dataset=dataset[:8] if eval_steps is not None else None)
+                           eval_dataset=dataset[:8] if eval_steps is not None else None,
+                           callbacks=list(callbacks))
     _train_on_one_thread(trainer)
     trainer.save_state()
     name_of = {id(p): n for n, p in model.named_parameters()}

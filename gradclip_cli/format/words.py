@@ -376,12 +376,24 @@ def audit_lines(report: TrendReport) -> list[str]:
 def audit_verdict(report: TrendReport) -> str:
     """The verdict when the only finding is a norm audit that disagrees."""
     bad = report.disagreeing
-    steps = sum(len(a.disagreements) for a in bad)
+    found = [d for a in bad for d in a.disagreements]
     first = bad[0].disagreements[0]
-    return (f"FAIL: the logged total norm disagrees with gradclip's at {steps} step(s) "
+    # An infinite logged total of gradients whose exact norm is finite is the framework's
+    # arithmetic overflowing (torch's float32 norm of gradients near 1e20), not a norm of
+    # other gradients.
+    overflowed = [d for d in found if math.isinf(d.framework) and math.isfinite(d.gradclip)]
+    if len(overflowed) == len(found):
+        cause = ("the framework's norm overflowed (inf where the gradients' norm is finite: "
+                 "its float32 or float16 sum of squares passed the dtype's range)")
+    elif overflowed:
+        cause = (f"the framework computed its norm over other gradients, or overflowed "
+                 f"({len(overflowed)} step(s) inf where the gradients' norm is finite)")
+    else:
+        cause = "the framework computed its norm over other gradients"
+    return (f"FAIL: the logged total norm disagrees with gradclip's at {len(found)} step(s) "
             f"(step {first.step}: {fmt(first.framework)} logged by "
-            f"{visible(bad[0].framework.kind)}, {fmt(first.gradclip)} by gradclip); the framework "
-            "computed its norm over other gradients (exit 1)")
+            f"{visible(bad[0].framework.kind)}, {fmt(first.gradclip)} by gradclip); "
+            f"{cause} (exit 1)")
 
 
 # -- compare --------------------------------------------------------------------
