@@ -252,7 +252,7 @@ def discover(path: Path, what: str, choice: trackers.Choice | None = None,
         return None
     unread: list[str] = []
     logs = _monitor_logs(path, exclusion)
-    state = _newest_trainer_state(path, folders, unread)
+    state = _newest_trainer_state(path, folders, unread, exclusion)
     if state is not None:
         logs.append(state)
     tracked = _tracker_series(path, stores, choice, unread, alone=not folders and not logs)
@@ -340,17 +340,21 @@ def _monitor_logs(path: Path, exclusion: Exclusion | None = None) -> list[Series
 
 
 def _newest_trainer_state(
-    path: Path, folders: list[tuple[int, Path]], unread: list[str]
+    path: Path, folders: list[tuple[int, Path]], unread: list[str],
+    exclusion: Exclusion | None = None,
 ) -> Series | None:
     """The folder's own ``trainer_state.json``, or the last checkpoint's when that one
-    logs later steps (the run went on after ``save_state``, or never called it).
-    One that cannot be read as a series is added to ``unread`` with why."""
+    logs later steps (the run went on after ``save_state``, or never called it), less
+    what ``--exclude`` leaves out. One that cannot be read as a series is added to
+    ``unread`` with why."""
     candidates = [path / TRAINER_STATE_FILE]
     if folders:
         candidates.append(folders[-1][1] / TRAINER_STATE_FILE)
     read = []
     for file in candidates:
         if not os.path.isfile(file) or log_kind(file) is not trainer_state.KIND:
+            continue
+        if exclusion is not None and exclusion.excludes(file):
             continue
         try:
             read.append(_log_series(TRAINER_STATE, trainer_state.KIND, file))

@@ -919,3 +919,16 @@ def test_of_two_copies_of_a_run_the_float64_one_is_judged(gradclip, tmp_path):
     assert _points(result) == tr.NORMS
     judged = [s["source"] for s in result.json()["series"] if s["judged"]]
     assert judged == [str(version / "metrics.csv")]
+
+
+def test_exclude_leaves_out_a_run_folders_trainer_state(gradclip, trainer_tensorboard_run):
+    """``--exclude trainer_state.json`` leaves the Trainer's state out of the run folder as
+    it leaves out any other input there: the TensorBoard series is judged, and a note
+    says what was left out."""
+    output_dir = trainer_tensorboard_run
+    result = gradclip("trend", output_dir, "--exclude", "trainer_state.json",
+                      "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert [s["kind"] for s in doc["series"]] == ["tracker"]
+    assert any(n.startswith("left out: ") and "trainer_state.json" in n for n in doc["notes"])
