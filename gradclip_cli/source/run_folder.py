@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from gradclip_cli.errors import GradclipError, InputError, MissingExtraError
+from gradclip_cli.errors import GradclipError, InputError, MissingExtraError, UsageError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.exclude import Exclusion
 from gradclip_cli.source.files import sqlite_file, training_args
@@ -266,6 +267,7 @@ def discover(path: Path, what: str, choice: trackers.Choice | None = None,
         return None
     if not series:
         raise InputError(f"{path}: {unread[0]}")
+    _copies_agree(path, series)
     judged, why_not = _choose(series, what)
     monitors = [s for s in series if s.kind == MONITOR]
     monitor_clipping = MonitorClipping.of(max(monitors, key=lambda s: s.points)) \
@@ -389,6 +391,55 @@ def _clipping(path: Path, folders: list[tuple[int, Path]]) -> Clipping | None:
         return Clipping(training_args.max_grad_norm(file), file)
     except InputError as error:
         return Clipping(None, file, str(error))
+
+
+def _copies_agree(path: Path, series: list[Series]) -> None:
+    """The framework's own total, where the folder keeps it twice (``trainer_state.json``'s
+    ``grad_norm`` and a tracker's ``train/grad_norm``, two trackers' ``grad_norm``), is
+    one logged number: copies equal at every step both hold (to float32, which
+    TensorBoard keeps). Where they are not, the folder holds two runs (an ``output_dir``
+    trained into again, without its tracker): judging either as the folder's run could
+    be the old one, so exit 2 naming both and the ``--exclude`` that leaves one out."""
+    copies = []
+    for s in series:
+        if s.kind == TRAINER_STATE:
+            try:
+                norms = trainer_state.framework_totals(s.paths[0])
+            except GradclipError:
+                continue
+            copies.append((trainer_state.GRAD_NORM, s, trainer_state.GRAD_NORM, norms))
+        elif s.kind == TRACKER and s.tracker is not None:
+            copies += [(trackers.total_name(tag), s, tag, norms)
+                       for tag, norms in s.tracker.totals]
+    for i, (name, a, a_tag, a_norms) in enumerate(copies):
+        for other, b, b_tag, b_norms in copies[i + 1:]:
+            if other != name or a is b:
+                continue
+            step = next((k for k in sorted(a_norms.keys() & b_norms.keys())
+                         if not _same_logged(a_norms[k], b_norms[k])), None)
+            if step is None:
+                continue
+            raise UsageError(
+                f"{visible(str(path))}: two runs' series: {visible(repr(a_tag))} of "
+                f"{visible(a.source)} and {visible(repr(b_tag))} of {visible(b.source)} are "
+                f"copies of one logged total, yet differ at step {step} "
+                f"({a_norms[step]:.6g} and {b_norms[step]:.6g}); leave one run out: "
+                f"--exclude {visible(_top_name(path, a.paths[0]))} or --exclude "
+                f"{visible(_top_name(path, b.paths[0]))}")
+
+
+def _same_logged(a: float, b: float) -> bool:
+    """One logged number, each copy kept as float64 or float32 (TensorBoard's)."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b or _to_float32(a) == _to_float32(b)
+
+
+def _to_float32(value: float) -> float:
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:  # beyond float32: TensorBoard's copy of it is inf
+        return math.copysign(math.inf, value)
 
 
 def _float32(s: Series) -> bool:

@@ -932,3 +932,31 @@ def test_exclude_leaves_out_a_run_folders_trainer_state(gradclip, trainer_tensor
     doc = result.json()
     assert [s["kind"] for s in doc["series"]] == ["tracker"]
     assert any(n.startswith("left out: ") and "trainer_state.json" in n for n in doc["notes"])
+
+
+def test_a_run_folder_holding_another_runs_tracker_copy_is_refused(gradclip,
+                                                                   trainer_tensorboard_run,
+                                                                   tmp_path):
+    """An ``output_dir`` trained into twice: the first run reported to TensorBoard (40
+    steps, spike at 30), the second did not (10 steps, spike at 7) and wrote
+    ``trainer_state.json`` anew. The TensorBoard ``train/grad_norm`` and the state's
+    ``grad_norm`` are copies of one logged number, yet differ (from step 1: the second
+    run's data is other): two runs, so
+    neither is judged as the folder's run (the old one has more points); exit 2 naming
+    both, and the ``--exclude`` it suggests leaves the old run out."""
+    from tests.trainer_runs import _train
+
+    output_dir = tmp_path / "out"
+    shutil.copytree(trainer_tensorboard_run, output_dir)
+    _train(output_dir, steps=10, spike_step=7, save=False, max_grad_norm=1.0)
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    logged = {e["step"]: e["grad_norm"] for e in state["log_history"] if "grad_norm" in e}
+    refused = gradclip("trend", output_dir)
+    assert refused.code == 2, refused.err
+    assert "trainer_state.json" in refused.err and "events.out.tfevents" in refused.err
+    assert "differ at step 1 " in refused.err and "--exclude runs" in refused.err
+    result = gradclip("trend", output_dir, "--exclude", "runs", "--format", "json",
+                      "--fail-on", "any")
+    assert result.code == 1, result.err
+    assert _points(result) == logged
+    assert [p["step"] for p in result.json()["points"] if p["spike"]] == [7]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gradclip_cli import tracker_tags
-from gradclip_cli.errors import InputError, UsageError
+from gradclip_cli.errors import GradclipError, InputError, UsageError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.logs import (
@@ -86,6 +86,9 @@ class TrackerSeries:
     group_tags: int  # how many per-group tags came with it
     entries: tuple[LoggedNorms, ...]
     choice_note: str  # how the tag was chosen, and what else the run holds
+    # The framework totals the run logged (``framework_totals``), read with the series:
+    # copies of one logged number, which a run folder's other copies must match.
+    totals: tuple[tuple[str, dict[int, float]], ...] = ()
 
     @property
     def per_group(self) -> bool:
@@ -255,7 +258,10 @@ def framework_totals(run: TrackerRun) -> list[tuple[str, dict[int, float]]]:
     """The totals a framework logged itself in ``run`` (``grad_norm``, Lightning's
     ``grad_2.0_norm_total``, Megatron's ``grad-norm``, under any logger's prefix),
     each ``(tag, {step: norm})``: what the norm audit holds against gradclip's own."""
-    scalars = run.scalars()
+    return _framework_totals(run.scalars(), run)
+
+
+def _framework_totals(scalars, run: TrackerRun) -> list[tuple[str, dict[int, float]]]:
     found = []
     for family in _families(scalars):
         if family.rank == 0 or family.norm_type != DEFAULT_NORM_TYPE:
@@ -263,6 +269,15 @@ def framework_totals(run: TrackerRun) -> list[tuple[str, dict[int, float]]]:
         where = f"{visible(str(run.source))}: tag {quoted(family.total)}"
         found.append((family.total, dict(_checked(scalars[family.total], where))))
     return found
+
+
+def total_name(tag: str) -> str:
+    """A framework total's name less the logger's prefix (``train/grad_norm`` ->
+    ``grad_norm``): copies of one logged number share it."""
+    for name in NORM_TAGS:
+        if _split_prefix(tag, name)[1] is not None:
+            return name
+    return tag.rpartition("/")[2]
 
 
 def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
@@ -318,7 +333,11 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
     if not entries:
         raise InputError(f"{where}: no points")
     note = f"tag {visible(repr(family.total))} {how}"
-    return TrackerSeries(run, family.total, len(groups), entries, note)
+    try:
+        totals = tuple(_framework_totals(scalars, run))
+    except GradclipError:
+        totals = ()  # a damaged tag beside the one read: no copy to hold others against
+    return TrackerSeries(run, family.total, len(groups), entries, note, totals)
 
 
 def _stated_norm_types(scalars, family: _Family, source: str) -> dict[int, float]:
