@@ -960,3 +960,24 @@ def test_a_run_folder_holding_another_runs_tracker_copy_is_refused(gradclip,
     assert result.code == 1, result.err
     assert _points(result) == logged
     assert [p["step"] for p in result.json()["points"] if p["spike"]] == [7]
+
+
+def test_an_mlflow_logged_models_metrics_are_not_a_run(gradclip, tmp_path):
+    """MLflow 3 keeps a LoggedModel in ``mlruns/<experiment>/models/<model_id>/``, its own
+    ``meta.yaml`` and ``metrics/`` (each line also naming the run that logged it): the
+    run's metrics linked to the model, not a run. One run, read as such; never a refusal
+    listing the model as a run that ``--run`` cannot read."""
+    tr.needs("mlflow")
+    tr._write_in_process(f"""
+        import json
+        import mlflow
+        {tr._NORMS_FROM_JSON.format(json.dumps(tr.NORMS))}
+        mlflow.set_tracking_uri("file:./mlruns")
+        with mlflow.start_run(run_name="the-run"):
+            model = mlflow.initialize_logged_model(name="the-model")
+            for step, value in NORMS.items():
+                mlflow.log_metric({tr.TAG!r}, value, step=step, model_id=model.model_id)
+        """, tmp_path, {"MLFLOW_ALLOW_FILE_STORE": "true"})
+    assert list((tmp_path / "mlruns").glob("*/models/*/metrics"))
+    result = gradclip("trend", tmp_path / "mlruns", "--format", "json", "--fail-on", "any")
+    _assert_series(result, float32=False)
