@@ -298,6 +298,10 @@ def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
             raise
         unread.append(str(error))
         return []
+    # --tag reads the runs that log it: each tracker names a key its own way (the
+    # Trainer's TensorBoard and W&B 'train/grad_norm', MLflow's 'grad_norm'), so a run
+    # without it is noted, and refused only when no run of the folder has it.
+    untagged: list[GradclipError] = []
     for run in runs:
         try:
             read = trackers.norm_series(run, choice)
@@ -307,6 +311,9 @@ def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
                 raise
             raise MissingExtraError(f"{error}; or leave it out: --exclude "
                                     f"{visible(_top_name(path, run.source))}") from None
+        except trackers.NoSuchTag as error:
+            untagged.append(error)
+            continue
         except GradclipError as error:
             if alone or choice.tag is not None:
                 raise
@@ -314,6 +321,9 @@ def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
             continue
         found.append(Series(TRACKER, (run.source,), tuple(e.step for e in read.entries),
                             read.per_group, trackers.KIND, read.entries, read))
+    if untagged and not found:
+        raise untagged[0]
+    unread += [str(error) for error in untagged]
     return found
 
 

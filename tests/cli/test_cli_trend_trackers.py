@@ -981,3 +981,32 @@ def test_an_mlflow_logged_models_metrics_are_not_a_run(gradclip, tmp_path):
     assert list((tmp_path / "mlruns").glob("*/models/*/metrics"))
     result = gradclip("trend", tmp_path / "mlruns", "--format", "json", "--fail-on", "any")
     _assert_series(result, float32=False)
+
+
+def test_tag_reads_the_runs_of_a_folder_that_log_it(gradclip, trainer_tensorboard_run,
+                                                    tmp_path):
+    """An ``output_dir`` whose Trainer reported to TensorBoard (``train/grad_norm``) and
+    MLflow (``grad_norm``): ``--tag`` names one tracker's tag, and reads the runs that
+    log it; a run without it is noted, not a refusal that no ``--tag`` could pass."""
+    tr.needs("mlflow")
+    output_dir = tmp_path / "out"
+    shutil.copytree(trainer_tensorboard_run, output_dir)
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    logged = {e["step"]: e["grad_norm"] for e in state["log_history"] if "grad_norm" in e}
+    tr.write_mlflow({"sqlite:///mlflow.db": {"the-run": logged}}, cwd=output_dir,
+                    tag="grad_norm")
+    for tag, store, values in (("train/grad_norm", "runs", {s: tr.float32(v) for s, v
+                                                             in logged.items()}),
+                               ("grad_norm", "mlflow.db", logged)):
+        result = gradclip("trend", output_dir, "--tag", tag, "--format", "json")
+        assert result.code == 0, (tag, result.err)
+        doc = result.json()
+        trackers = [s for s in doc["series"] if s["kind"] == "tracker"]
+        assert len(trackers) == 1 and f"/{store}" in trackers[0]["source"], trackers
+        series = [s for s in doc["series"] if s["judged"]]
+        assert series == trackers or series[0]["kind"] == "trainer-state"
+        assert any(f"no tag {tag!r}" in n for n in doc["notes"]), doc["notes"]
+        got = gradclip("trend", output_dir, "--tag", tag, "--exclude", "trainer_state.json",
+                       "--format", "json")
+        assert got.code == 0, got.err
+        assert _points(got) == values

@@ -69,6 +69,10 @@ _LIGHTNING_TOTAL = re.compile(r"^grad_([0-9]+(?:\.[0-9]+)?|inf)_norm_total$")
 _NAMES_SHOWN = 8
 
 
+class NoSuchTag(UsageError):
+    """``--tag`` names no tag of this run (in a folder, another run may log it)."""
+
+
 @dataclass(frozen=True)
 class Choice:
     """``--tag`` and ``--run``: None lets the rule decide (and refuse where it cannot)."""
@@ -288,7 +292,7 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
     if choice.tag is not None:
         if choice.tag not in scalars:
             known = [f.total for f in families] or sorted(scalars)
-            raise UsageError(f"{source}: no tag {quoted(choice.tag)} in run "
+            raise NoSuchTag(f"{source}: no tag {quoted(choice.tag)} in run "
                              f"{run.label}; its {'norm ' if families else ''}tags: "
                              f"{_names(quoted(t) for t in known) or 'none'}")
         family = next((f for f in families if f.total == choice.tag), None)
