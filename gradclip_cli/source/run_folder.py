@@ -467,6 +467,10 @@ def _choose(series: list[Series], what: str) -> tuple[Series, dict[int, str]]:
                 s.kind == MONITOR)
 
     allowed = [s for s in series if logs_allowed or s.kind == CHECKPOINTS]
+    if not allowed:  # a folder of logs alone (a tracker's run): no checkpoint to measure
+        raise UsageError(f"--what {what}: {visible(series[0].source)} logs gradient norms "
+                         f"(grads) only, which cannot be measured as {what}; trend one kind "
+                         "at a time")
     judged = max(allowed, key=rank)
     why_not = {}
     for i, s in enumerate(series):

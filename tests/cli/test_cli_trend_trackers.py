@@ -1010,3 +1010,16 @@ def test_tag_reads_the_runs_of_a_folder_that_log_it(gradclip, trainer_tensorboar
                        "--format", "json")
         assert got.code == 0, got.err
         assert _points(got) == values
+
+
+@pytest.mark.parametrize("what", ["exp_avg", "weights"])
+def test_what_other_than_grads_on_a_folder_of_tracker_files_is_a_usage_error(gradclip,
+                                                                            tb_runs, what):
+    """A folder holding a tracker's run alone logs gradient norms only: ``--what exp_avg``
+    is exit 2 naming the run's file, as for the file given alone; never a crash."""
+    folder = tb_runs["simple"].parent
+    for given in (folder, tb_runs["simple"]):
+        result = gradclip("trend", given, "--what", what)
+        assert result.code == 2, result.err
+        assert f"--what {what}: " in result.err and "gradient norms" in result.err
+        assert "Error" not in result.err and str(tb_runs["simple"]) in result.err
