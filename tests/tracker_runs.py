@@ -212,12 +212,16 @@ LIGHTNING_CHECKPOINTED_STEPS = 14
 LIGHTNING_CHECKPOINTED_SPIKE_STEP = 10
 
 
-def train_lightning_checkpointed(folder: Path) -> Path:
+def train_lightning_checkpointed(folder: Path, *, steps: int = LIGHTNING_CHECKPOINTED_STEPS,
+                                 spike_step: int = LIGHTNING_CHECKPOINTED_SPIKE_STEP,
+                                 log_every_n_steps: int = 1) -> Path:
     """A real Lightning run with Adam, no clipping, logging its total gradient norm
     (Lightning's ``grad_norm``) from ``on_before_optimizer_step`` through a CSVLogger
     into ``folder/lightning_logs/version_0/``, and a ``ModelCheckpoint`` after every
     step into ``folder/ckpts/step=N.ckpt``; the loss is scaled 1000-fold at
-    ``LIGHTNING_CHECKPOINTED_SPIKE_STEP``. Lightning's loggers number a step's values by
+    ``LIGHTNING_CHECKPOINTED_SPIKE_STEP`` (``spike_step``); ``log_every_n_steps`` as
+    Lightning's (it logs the steps N with N + 1 a multiple). Lightning's loggers number a
+    step's values by
     ``trainer.global_step`` before its update (from 0), while ``step=N.ckpt`` holds the
     state after N updates: the spike's gradient is first in ``step=11.ckpt``. Returns
     the checkpoints' folder."""
@@ -238,8 +242,7 @@ def train_lightning_checkpointed(folder: Path) -> Path:
         def training_step(self, batch, batch_idx):
             x, y = batch
             loss = torch.nn.functional.mse_loss(self.l2(torch.tanh(self.l1(x))), y)
-            return loss * 1000.0 if self.global_step == LIGHTNING_CHECKPOINTED_SPIKE_STEP \
-                else loss
+            return loss * 1000.0 if self.global_step == spike_step else loss
 
         def on_before_optimizer_step(self, optimizer):
             self.log("grad_norm", grad_norm(self, norm_type=2)["grad_2.0_norm_total"])
@@ -247,11 +250,10 @@ def train_lightning_checkpointed(folder: Path) -> Path:
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
-    data = torch.utils.data.TensorDataset(torch.randn(LIGHTNING_CHECKPOINTED_STEPS * 4, 4),
-                                          torch.randn(LIGHTNING_CHECKPOINTED_STEPS * 4, 1))
+    data = torch.utils.data.TensorDataset(torch.randn(steps * 4, 4), torch.randn(steps * 4, 1))
     checkpoints = ModelCheckpoint(dirpath=str(folder / "ckpts"), every_n_train_steps=1,
                                   save_top_k=-1, filename="{step}")
-    trainer = pl.Trainer(max_steps=LIGHTNING_CHECKPOINTED_STEPS, log_every_n_steps=1,
+    trainer = pl.Trainer(max_steps=steps, log_every_n_steps=log_every_n_steps,
                          logger=CSVLogger(str(folder), name="lightning_logs", version=0),
                          callbacks=[checkpoints], enable_progress_bar=False,
                          enable_model_summary=False, accelerator="cpu", devices=1)

@@ -591,8 +591,9 @@ def test_a_lightning_run_logging_to_tensorboard_and_csv_is_one_run(gradclip, tmp
     assert len(trackers) == 2 and all(i["steps"] == list(range(40)) for i in trackers)
 
 
+@pytest.mark.parametrize("every", [1, 5])
 def test_a_lightning_loggers_steps_from_0_place_its_checkpoints_at_the_step_they_took_in(
-        gradclip, tmp_path):
+        gradclip, tmp_path, every):
     """Lightning's loggers (CSVLogger here) number a step's gradient norm from 0
     (``trainer.global_step`` before its update), while ``step=N.ckpt`` holds the state after
     N updates: as with a monitor log counting from 0, the checkpoint of N is placed at
@@ -601,8 +602,11 @@ def test_a_lightning_loggers_steps_from_0_place_its_checkpoints_at_the_step_they
     from tests import tracker_runs as tr
 
     tr.needs("lightning")
-    ckpts = tr.train_lightning_checkpointed(tmp_path)
-    spike = tr.LIGHTNING_CHECKPOINTED_SPIKE_STEP
+    # Every 5th step, as Lightning's log_every_n_steps (default 50) picks them: 4, 9, ...
+    # numbered from 0 though the first is 4; the spike at 44, the 9th logged step.
+    spike = tr.LIGHTNING_CHECKPOINTED_SPIKE_STEP if every == 1 else 44
+    ckpts = tr.train_lightning_checkpointed(tmp_path, steps=spike + 4 * every,
+                                            spike_step=spike, log_every_n_steps=every)
     log = tmp_path / "lightning_logs" / "version_0" / "metrics.csv"
     result, doc = autopsy_json(gradclip, log, ckpts)
     assert result.code == 1, result.err
