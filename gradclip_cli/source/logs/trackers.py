@@ -265,13 +265,14 @@ def framework_totals(run: TrackerRun) -> list[tuple[str, dict[int, float]]]:
     return _framework_totals(run.scalars(), run)
 
 
-def _framework_totals(scalars, run: TrackerRun) -> list[tuple[str, dict[int, float]]]:
+def _framework_totals(scalars, run: TrackerRun, warn: bool = True
+                      ) -> list[tuple[str, dict[int, float]]]:
     found = []
     for family in _families(scalars):
         if family.rank == 0 or family.norm_type != DEFAULT_NORM_TYPE:
             continue  # gradclip's own tag; a total of another p is no 2-norm to compare
         where = f"{visible(str(run.source))}: tag {quoted(family.total)}"
-        found.append((family.total, dict(_checked(scalars[family.total], where))))
+        found.append((family.total, dict(_checked(scalars[family.total], where, warn))))
     return found
 
 
@@ -338,7 +339,7 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
         raise InputError(f"{where}: no points")
     note = f"tag {visible(repr(family.total))} {how}"
     try:
-        totals = tuple(_framework_totals(scalars, run))
+        totals = tuple(_framework_totals(scalars, run, warn=False))
     except GradclipError:
         totals = ()  # a damaged tag beside the one read: no copy to hold others against
     return TrackerSeries(run, family.total, len(groups), entries, note, totals)
@@ -359,5 +360,5 @@ def _stated_norm_types(scalars, family: _Family, source: str) -> dict[int, float
     return stated
 
 
-def _checked(points, where: str):
-    return in_step_order([checked_point(s, v, where) for s, v in points], where)
+def _checked(points, where: str, warn: bool = True):
+    return in_step_order([checked_point(s, v, where) for s, v in points], where, warn)
