@@ -206,3 +206,56 @@ def train_lightning(folder: Path) -> dict[int, dict[str, float]]:
                          gradient_clip_val=1.0)
     trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=4))
     return reference
+
+
+LIGHTNING_CHECKPOINTED_STEPS = 14
+LIGHTNING_CHECKPOINTED_SPIKE_STEP = 10
+
+
+def train_lightning_checkpointed(folder: Path, *, steps: int = LIGHTNING_CHECKPOINTED_STEPS,
+                                 spike_step: int = LIGHTNING_CHECKPOINTED_SPIKE_STEP,
+                                 log_every_n_steps: int = 1) -> Path:
+    """A real Lightning run with Adam, no clipping, logging its total gradient norm
+    (Lightning's ``grad_norm``) from ``on_before_optimizer_step`` through a CSVLogger
+    into ``folder/lightning_logs/version_0/``, and a ``ModelCheckpoint`` after every
+    step into ``folder/ckpts/step=N.ckpt``; the loss is scaled 1000-fold at
+    ``LIGHTNING_CHECKPOINTED_SPIKE_STEP`` (``spike_step``); ``log_every_n_steps`` as
+    Lightning's (it logs the steps N with N + 1 a multiple). Lightning's loggers number a
+    step's values by
+    ``trainer.global_step`` before its update (from 0), while ``step=N.ckpt`` holds the
+    state after N updates: the spike's gradient is first in ``step=11.ckpt``. Returns
+    the checkpoints' folder."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.utilities import grad_norm
+
+    torch.manual_seed(0)
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.l1 = torch.nn.Linear(4, 8)
+            self.l2 = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.l2(torch.tanh(self.l1(x))), y)
+            return loss * 1000.0 if self.global_step == spike_step else loss
+
+        def on_before_optimizer_step(self, optimizer):
+            self.log("grad_norm", grad_norm(self, norm_type=2)["grad_2.0_norm_total"])
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    data = torch.utils.data.TensorDataset(torch.randn(steps * 4, 4), torch.randn(steps * 4, 1))
+    checkpoints = ModelCheckpoint(dirpath=str(folder / "ckpts"), every_n_train_steps=1,
+                                  save_top_k=-1, filename="{step}")
+    trainer = pl.Trainer(max_steps=steps, log_every_n_steps=log_every_n_steps,
+                         logger=CSVLogger(str(folder), name="lightning_logs", version=0),
+                         callbacks=[checkpoints], enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", devices=1)
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=4))
+    return folder / "ckpts"

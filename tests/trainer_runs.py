@@ -43,6 +43,67 @@ def train_with_spike(output_dir: Path, report_to: tuple[str, ...] = ()) -> Path:
     return state
 
 
+# The overflowing run: at its last step the loss is scaled so far that every gradient
+# stays finite (float32 reaches 3.4e38) while the squares torch's float32 norm sums
+# do not: the Trainer logs grad_norm inf for finite gradients.
+OVERFLOW_STEPS = 8
+OVERFLOW_SCALE = 1e25
+
+
+def train_overflowing(output_dir: Path, report_to: tuple[str, ...] = ()) -> dict[int, float]:
+    """Run the Trainer into ``output_dir`` with its last step's gradients finite but too
+    large for torch's float32 norm; return each step's float64 gradient norm (as gradclip
+    measures it: finite at the last step too), taken before the Trainer clips."""
+    norms: dict[int, float] = {}
+
+    def measure(step, model):
+        norms[step] = _float64_norms(model)["total"]
+
+    _train(output_dir, steps=OVERFLOW_STEPS, spike_step=OVERFLOW_STEPS, save=False,
+           max_grad_norm=1.0, report_to=report_to, spike_scale=OVERFLOW_SCALE,
+           after_backward=measure)
+    return norms
+
+
+OVERFLOW_AUDIT_STEPS = 10
+OVERFLOW_AUDIT_STEP = 7
+
+
+def train_callback_overflowing(output_dir: Path) -> dict[int, float]:
+    """gradclip's Trainer callback clipping (``max_norm=1``, the Trainer's off) and logging
+    ``output_dir/grads.jsonl``, while the Trainer logs its own ``grad_norm`` (torch's
+    float32 norm); at ``OVERFLOW_AUDIT_STEP`` the gradients are finite but their squares
+    overflow float32, so the Trainer logs inf. Returns each step's float64 gradient norm,
+    taken before either measured it."""
+    from gradclip_cli.integrations.transformers import GradMonitorCallback
+
+    norms: dict[int, float] = {}
+
+    def measure(step, model):
+        norms[step] = _float64_norms(model)["total"]
+
+    monitor = GradMonitorCallback(output_dir / "grads.jsonl", dump_dir=None, max_norm=1.0)
+    _train(output_dir, steps=OVERFLOW_AUDIT_STEPS, spike_step=OVERFLOW_AUDIT_STEP, save=False,
+           max_grad_norm=0.0, spike_scale=OVERFLOW_SCALE, after_backward=measure,
+           callbacks=(monitor,))
+    return norms
+
+
+EVALUATED_STEPS = 20
+EVALUATED_SPIKE_STEP = 15
+EVAL_STEPS = 5
+
+
+def train_evaluated(output_dir: Path, report_to: tuple[str, ...]) -> Path:
+    """A 20-step run that also evaluates every ``EVAL_STEPS`` steps (each evaluation is a
+    log call of its own), spike at ``EVALUATED_SPIKE_STEP``; returns its
+    ``trainer_state.json``."""
+    state, _ = _train(output_dir, steps=EVALUATED_STEPS, spike_step=EVALUATED_SPIKE_STEP,
+                      save=False, max_grad_norm=1.0, report_to=report_to,
+                      eval_steps=EVAL_STEPS)
+    return state
+
+
 def train_checkpointed_with_spike(output_dir: Path) -> CheckpointedRun:
     """A shorter run that saves a Trainer checkpoint every step, spike at
     ``CHECKPOINTED_SPIKE_STEP``.
@@ -59,7 +120,9 @@ def train_checkpointed_with_spike(output_dir: Path) -> CheckpointedRun:
 
 
 def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
-           max_grad_norm: float, report_to: tuple[str, ...] = ()
+           max_grad_norm: float, report_to: tuple[str, ...] = (),
+           spike_scale: float = SPIKE_SCALE, after_backward=None,
+           eval_steps: int | None = None, callbacks: tuple = ()
            ) -> tuple[Path, list[list[str]]]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -76,19 +139,29 @@ def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
         def compute_loss(self, model, inputs, *args, **kwargs):
             loss = super().compute_loss(model, inputs, *args, **kwargs)
             # global_step counts finished optimizer steps; this step logs as +1.
-            if self.state.global_step + 1 == spike_step:
-                loss = loss * SPIKE_SCALE
+            if model.training and self.state.global_step + 1 == spike_step:
+                loss = loss * spike_scale
+            return loss
+
+        def training_step(self, model, inputs, *args, **kwargs):
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            if after_backward is not None:  # the gradients as backward left them
+                after_backward(self.state.global_step + 1, model)
             return loss
 
     saving = {"save_strategy": "steps", "save_steps": 1, "lr_scheduler_type": "constant"} \
         if save else {"save_strategy": "no"}
+    if eval_steps is not None:
+        saving.update(eval_strategy="steps", eval_steps=eval_steps, per_device_eval_batch_size=4)
     args = TrainingArguments(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4,
         learning_rate=1e-3, logging_steps=1, report_to=list(report_to), use_cpu=True, seed=0,
         data_seed=0, max_grad_norm=max_grad_norm, disable_tqdm=True,
         dataloader_num_workers=0, **saving,
     )  # fmt: skip
-    trainer = SpikeTrainer(model=model, args=args, train_dataset=dataset)
+    trainer = SpikeTrainer(model=model, args=args, train_dataset=dataset,
+                           eval_dataset=dataset[:8] if eval_steps is not None else None,
+                           callbacks=list(callbacks))
     _train_on_one_thread(trainer)
     trainer.save_state()
     name_of = {id(p): n for n, p in model.named_parameters()}

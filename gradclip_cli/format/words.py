@@ -290,15 +290,31 @@ def _failing_kinds(failing: list[TrendPoint], what) -> str:
 
 
 def nonfinite_words(points: list[TrendPoint], what) -> str:
-    """What flagged non-finite ``points`` hold: ``non-finite gradients``, or, where every
-    one's counts say its values are finite (``TrendPoint.overflowed``), a norm beyond
-    float64's range, as ``inspect`` says of such a total."""
-    overflowed = [p.overflowed for p in points]
-    if all(overflowed):
-        return f"{what.attribute} norm beyond float64's range"
-    if any(overflowed):
-        return f"non-finite {what.plural} or {what.attribute} norm beyond float64's range"
-    return f"non-finite {what.plural}"
+    """What flagged non-finite ``points`` hold: ``non-finite gradients``; where a point's
+    counts say its values are finite (``TrendPoint.overflowed``), a norm beyond float64's
+    range, as ``inspect`` says of such a total; where it holds no counts (a logged total:
+    a Trainer's ``grad_norm``, a tracker's tag) and no norm of it is NaN, a non-finite
+    norm, as ``compare`` says: an infinite logged norm may be finite gradients whose
+    squares overflowed the logger's float32 arithmetic (torch's norm of 1e20s)."""
+    kinds = {_nonfinite_kind(p) for p in points}
+    words = {VALUES: f"non-finite {what.plural}", NORM: f"non-finite {what.attribute} norm",
+             BEYOND_RANGE: f"{what.attribute} norm beyond float64's range"}
+    return " or ".join(words[k] for k in (VALUES, NORM, BEYOND_RANGE) if k in kinds)
+
+
+VALUES, NORM, BEYOND_RANGE = "values", "norm", "beyond-range"
+
+
+def _nonfinite_kind(p: TrendPoint) -> str:
+    """What a non-finite point is known to hold: non-finite values (counted, or a NaN
+    norm: no overflow makes one), a norm beyond float64's range (counted finite), or
+    only a non-finite norm (no counts, no NaN)."""
+    if p.overflowed:
+        return BEYOND_RANGE
+    if p.nonfinite is None and not any(
+            math.isnan(v) for v in (p.total_norm, *p.groups.values())):
+        return NORM
+    return VALUES
 
 
 def _flagged_word(points: list[TrendPoint]) -> str:
@@ -361,12 +377,24 @@ def audit_lines(report: TrendReport) -> list[str]:
 def audit_verdict(report: TrendReport) -> str:
     """The verdict when the only finding is a norm audit that disagrees."""
     bad = report.disagreeing
-    steps = sum(len(a.disagreements) for a in bad)
+    found = [d for a in bad for d in a.disagreements]
     first = bad[0].disagreements[0]
-    return (f"FAIL: the logged total norm disagrees with gradclip's at {steps} step(s) "
+    # An infinite logged total of gradients whose exact norm is finite is the framework's
+    # arithmetic overflowing (torch's float32 norm of gradients near 1e20), not a norm of
+    # other gradients.
+    overflowed = [d for d in found if math.isinf(d.framework) and math.isfinite(d.gradclip)]
+    if len(overflowed) == len(found):
+        cause = ("the framework's norm overflowed (inf where the gradients' norm is finite: "
+                 "its float32 or float16 sum of squares passed the dtype's range)")
+    elif overflowed:
+        cause = (f"the framework computed its norm over other gradients, or overflowed "
+                 f"({len(overflowed)} step(s) inf where the gradients' norm is finite)")
+    else:
+        cause = "the framework computed its norm over other gradients"
+    return (f"FAIL: the logged total norm disagrees with gradclip's at {len(found)} step(s) "
             f"(step {first.step}: {fmt(first.framework)} logged by "
-            f"{visible(bad[0].framework.kind)}, {fmt(first.gradclip)} by gradclip); the framework "
-            "computed its norm over other gradients (exit 1)")
+            f"{visible(bad[0].framework.kind)}, {fmt(first.gradclip)} by gradclip); "
+            f"{cause} (exit 1)")
 
 
 # -- compare --------------------------------------------------------------------

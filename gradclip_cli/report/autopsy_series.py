@@ -6,7 +6,8 @@ its tags in a framework's loggers, a Trainer's ``trainer_state.json``, whose
 steps are the callback's): logs are placed at their own steps, as ``trend``
 places them. A checkpoint records the optimizer steps taken, so it holds the
 state after the gradient of the step the log numbers ``N`` when the log
-counts from 1, ``N - 1`` when it counts from 0 (``_offset``). Inputs of two
+counts from 1, ``N - 1`` when it counts from 0 (``_offset``; a tracker's series
+too: Lightning's loggers count from 0). Inputs of two
 runs are refused: other parameters, other groups, or a dump whose norm is
 not its step's logged one.
 """
@@ -47,22 +48,40 @@ class CheckpointPoint:
 
 def _offset(logs) -> tuple[int, str | None]:
     """How many steps a checkpoint's count of optimizer steps is ahead of the log's numbers:
-    1 when a monitor log counts from 0, else 0; and the note that says so."""
-    for path, entries, kind in logs:
-        if kind is monitor_log.KIND and entries:
+    1 when the log counts from 0, else 0; and the note that says so. A monitor log
+    decides where there is one; else the first other log (a tracker's series: Lightning's
+    loggers number a step's values from 0, the Trainer's integrations from 1)."""
+    ordered = sorted(logs, key=lambda log: log[2] is not monitor_log.KIND)
+    for path, entries, _ in ordered:
+        if entries:
             first = entries[0].step
-            if first == 0:
-                return 1, (f"steps: {visible(str(path))} counts from 0 (its first step), so a "
+            every = _spacing([e.step for e in entries])
+            # Logged every d steps: a loop counting from 1 logs d, 2d, ... (the Trainer's
+            # logging_steps); one counting from 0 logs d-1, 2d-1, ... (Lightning's
+            # log_every_n_steps logs the step N with N + 1 a multiple of it).
+            if first == 0 or (every > 1 and first % every == every - 1):
+                how = "its first step" if first == 0 else f"its first step, one every {every}"
+                return 1, (f"steps: {visible(str(path))} counts from 0 ({how}), so a "
                            "checkpoint of step N (the state after N optimizer steps) is placed "
                            "at step N-1, the step whose gradient it took in last")
-            if first == 1:
-                return 0, (f"steps: {visible(str(path))} counts from 1 (its first step), so "
+            if first == 1 or (every > 1 and first % every == 0):
+                how = "its first step" if first == 1 else f"its first step, one every {every}"
+                return 0, (f"steps: {visible(str(path))} counts from 1 ({how}), so "
                            "a checkpoint of step N (the state after N optimizer steps) is "
                            "placed at step N")
             return 0, (f"steps: {visible(str(path))} starts at step {first}, which says "
                        "nothing of how it counts (a monitor attached mid-run?): checkpoints "
                        "are placed at their own step numbers")
     return 0, None
+
+
+def _spacing(steps: list) -> int:
+    """The steps' common spacing (the gcd of their differences); 1 where unknown."""
+    found = [s for s in steps if s is not None]
+    every = 0
+    for a, b in zip(found, found[1:]):
+        every = math.gcd(every, b - a)
+    return every if every > 0 else 1
 
 
 def series_of(logs: list[tuple], points: list[CheckpointPoint]):

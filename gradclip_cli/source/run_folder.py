@@ -18,7 +18,8 @@ A run folder keeps the same run several times over, at different grains:
 ``discover`` lists them all and chooses the one a trend judges: the finest
 grained (most points), then one that logs gradients themselves over
 checkpoints (whose ``auto`` may be a moment), then one with per-group norms
-(the layer that spiked) over the total alone. Judging several series at once
+(the layer that spiked) over the total alone, then one that keeps the
+numbers as logged over a float32 copy (TensorBoard's). Judging several series at once
 would count each step twice. The others are named with the reason they
 were not judged.
 
@@ -32,13 +33,15 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from gradclip_cli.errors import GradclipError, InputError, MissingExtraError
+from gradclip_cli.errors import GradclipError, InputError, MissingExtraError, UsageError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.exclude import Exclusion
 from gradclip_cli.source.files import sqlite_file, training_args
+from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.logs import LoggedNorms, LogKind, monitor_log, trackers, trainer_state
 from gradclip_cli.source.logs.recognise import log_kind
 from gradclip_cli.source.vocabulary import last_number
@@ -252,7 +255,7 @@ def discover(path: Path, what: str, choice: trackers.Choice | None = None,
         return None
     unread: list[str] = []
     logs = _monitor_logs(path, exclusion)
-    state = _newest_trainer_state(path, folders, unread)
+    state = _newest_trainer_state(path, folders, unread, exclusion)
     if state is not None:
         logs.append(state)
     tracked = _tracker_series(path, stores, choice, unread, alone=not folders and not logs)
@@ -266,6 +269,7 @@ def discover(path: Path, what: str, choice: trackers.Choice | None = None,
         return None
     if not series:
         raise InputError(f"{path}: {unread[0]}")
+    _copies_agree(path, series)
     judged, why_not = _choose(series, what)
     monitors = [s for s in series if s.kind == MONITOR]
     monitor_clipping = MonitorClipping.of(max(monitors, key=lambda s: s.points)) \
@@ -296,6 +300,10 @@ def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
             raise
         unread.append(str(error))
         return []
+    # --tag reads the runs that log it: each tracker names a key its own way (the
+    # Trainer's TensorBoard and W&B 'train/grad_norm', MLflow's 'grad_norm'), so a run
+    # without it is noted, and refused only when no run of the folder has it.
+    untagged: list[GradclipError] = []
     for run in runs:
         try:
             read = trackers.norm_series(run, choice)
@@ -305,6 +313,9 @@ def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
                 raise
             raise MissingExtraError(f"{error}; or leave it out: --exclude "
                                     f"{_top_name(path, run.source)}") from None
+        except trackers.NoSuchTag as error:
+            untagged.append(error)
+            continue
         except GradclipError as error:
             if alone or choice.tag is not None:
                 raise
@@ -312,6 +323,9 @@ def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
             continue
         found.append(Series(TRACKER, (run.source,), tuple(e.step for e in read.entries),
                             read.per_group, trackers.KIND, read.entries, read))
+    if untagged and not found:
+        raise untagged[0]
+    unread += [str(error) for error in untagged]
     return found
 
 
@@ -340,17 +354,21 @@ def _monitor_logs(path: Path, exclusion: Exclusion | None = None) -> list[Series
 
 
 def _newest_trainer_state(
-    path: Path, folders: list[tuple[int, Path]], unread: list[str]
+    path: Path, folders: list[tuple[int, Path]], unread: list[str],
+    exclusion: Exclusion | None = None,
 ) -> Series | None:
     """The folder's own ``trainer_state.json``, or the last checkpoint's when that one
-    logs later steps (the run went on after ``save_state``, or never called it).
-    One that cannot be read as a series is added to ``unread`` with why."""
+    logs later steps (the run went on after ``save_state``, or never called it), less
+    what ``--exclude`` leaves out. One that cannot be read as a series is added to
+    ``unread`` with why."""
     candidates = [path / TRAINER_STATE_FILE]
     if folders:
         candidates.append(folders[-1][1] / TRAINER_STATE_FILE)
     read = []
     for file in candidates:
         if not os.path.isfile(file) or log_kind(file) is not trainer_state.KIND:
+            continue
+        if exclusion is not None and exclusion.excludes(file):
             continue
         try:
             read.append(_log_series(TRAINER_STATE, trainer_state.KIND, file))
@@ -387,14 +405,73 @@ def _clipping(path: Path, folders: list[tuple[int, Path]]) -> Clipping | None:
         return Clipping(None, file, str(error))
 
 
+def _copies_agree(path: Path, series: list[Series]) -> None:
+    """The framework's own total, where the folder keeps it twice (``trainer_state.json``'s
+    ``grad_norm`` and a tracker's ``train/grad_norm``, two trackers' ``grad_norm``), is
+    one logged number: copies equal at every step both hold (to float32, which
+    TensorBoard keeps). Where they are not, the folder holds two runs (an ``output_dir``
+    trained into again, without its tracker): judging either as the folder's run could
+    be the old one, so exit 2 naming both and the ``--exclude`` that leaves one out."""
+    copies = []
+    for s in series:
+        if s.kind == TRAINER_STATE:
+            try:
+                norms = trainer_state.framework_totals(s.paths[0])
+            except GradclipError:
+                continue
+            copies.append((trainer_state.GRAD_NORM, s, trainer_state.GRAD_NORM, norms))
+        elif s.kind == TRACKER and s.tracker is not None:
+            copies += [(trackers.total_name(tag), s, tag, norms)
+                       for tag, norms in s.tracker.totals]
+    for i, (name, a, a_tag, a_norms) in enumerate(copies):
+        for other, b, b_tag, b_norms in copies[i + 1:]:
+            if other != name or a is b:
+                continue
+            step = next((k for k in sorted(a_norms.keys() & b_norms.keys())
+                         if not _same_logged(a_norms[k], b_norms[k])), None)
+            if step is None:
+                continue
+            raise UsageError(
+                f"{path}: two runs' series: {quoted(a_tag)} of {a.source} and "
+                f"{quoted(b_tag)} of {b.source} are copies of one logged total, yet differ "
+                f"at step {step} ({a_norms[step]:.6g} and {b_norms[step]:.6g}); leave one run "
+                f"out: --exclude {_top_name(path, a.paths[0])} or --exclude "
+                f"{_top_name(path, b.paths[0])}")
+
+
+def _same_logged(a: float, b: float) -> bool:
+    """One logged number, each copy kept as float64 or float32 (TensorBoard's)."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b or _to_float32(a) == _to_float32(b)
+
+
+def _to_float32(value: float) -> float:
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:  # beyond float32: TensorBoard's copy of it is inf
+        return math.copysign(math.inf, value)
+
+
+def _float32(s: Series) -> bool:
+    """Whether a tracker kept the series' values as float32 (TensorBoard): of two copies of
+    one run's steps, the other keeps the numbers as logged."""
+    return s.tracker is not None and s.tracker.run.stores_float32(s.tracker.tag)
+
+
 def _choose(series: list[Series], what: str) -> tuple[Series, dict[int, str]]:
     """The finest-grained series ``what`` allows; why each other one is not judged."""
     logs_allowed = what in ("auto", "grads")
 
     def rank(s: Series) -> tuple:
-        return (s.points, s.kind != CHECKPOINTS, s.per_group, s.kind == MONITOR)
+        return (s.points, s.kind != CHECKPOINTS, s.per_group, not _float32(s),
+                s.kind == MONITOR)
 
     allowed = [s for s in series if logs_allowed or s.kind == CHECKPOINTS]
+    if not allowed:  # a folder of logs alone (a tracker's run): no checkpoint to measure
+        raise UsageError(f"--what {what}: {series[0].source} logs gradient norms "
+                         f"(grads) only, which cannot be measured as {what}; trend one kind "
+                         "at a time")
     judged = max(allowed, key=rank)
     why_not = {}
     for i, s in enumerate(series):
@@ -411,6 +488,9 @@ def _choose(series: list[Series], what: str) -> tuple[Series, dict[int, str]]:
             )
         elif judged.per_group and not s.per_group:
             why_not[i] = "as many points, total only"
+        elif _float32(s) and not _float32(judged):
+            why_not[i] = ("as many points, stored as float32 (the judged series keeps the "
+                          "numbers as logged)")
         else:
             why_not[i] = "as many points as the judged series"
         if s.kind == CHECKPOINTS and judged.kind != CHECKPOINTS and s.points < judged.points:

@@ -589,3 +589,43 @@ def test_a_lightning_run_logging_to_tensorboard_and_csv_is_one_run(gradclip, tmp
     trackers = [i for i in doc["inputs"]
                 if i["source"].endswith("metrics.csv") or "tfevents" in i["source"]]
     assert len(trackers) == 2 and all(i["steps"] == list(range(40)) for i in trackers)
+
+
+@pytest.mark.parametrize("every", [1, 5])
+def test_a_lightning_loggers_steps_from_0_place_its_checkpoints_at_the_step_they_took_in(
+        gradclip, tmp_path, every):
+    """Lightning's loggers (CSVLogger here) number a step's gradient norm from 0
+    (``trainer.global_step`` before its update), while ``step=N.ckpt`` holds the state after
+    N updates: as with a monitor log counting from 0, the checkpoint of N is placed at
+    N-1, so the spike's change is read from ``step=10.ckpt`` to ``step=11.ckpt`` (the
+    first to hold its gradient), with the file's numbers, never from the two before it."""
+    from tests import tracker_runs as tr
+
+    tr.needs("lightning")
+    # Every 5th step, as Lightning's log_every_n_steps (default 50) picks them: 4, 9, ...
+    # numbered from 0 though the first is 4; the spike at 44, the 9th logged step.
+    spike = tr.LIGHTNING_CHECKPOINTED_SPIKE_STEP if every == 1 else 44
+    ckpts = tr.train_lightning_checkpointed(tmp_path, steps=spike + 4 * every,
+                                            spike_step=spike, log_every_n_steps=every)
+    log = tmp_path / "lightning_logs" / "version_0" / "metrics.csv"
+    result, doc = autopsy_json(gradclip, log, ckpts)
+    assert result.code == 1, result.err
+    assert doc["step"] == spike and doc["status"] == "explained"
+
+    def exp_avg_norms(optimizer_steps: int) -> dict[str, float]:
+        ckpt = torch.load(ckpts / f"step={optimizer_steps}.ckpt", weights_only=False)
+        names = list(ckpt["state_dict"])
+        opt = ckpt["optimizer_states"][0]
+        beta1 = opt["param_groups"][0]["betas"][0]
+        m = {names[i]: s["exp_avg"].double() / (1 - beta1 ** float(s["step"]))
+             for i, s in opt["state"].items()}
+        return {layer: _norm64([m[n] for n in _group(names, layer)]) for layer in ("l1", "l2")}
+
+    before, after = exp_avg_norms(spike), exp_avg_norms(spike + 1)
+    for layer, group in by_name(doc).items():
+        change = group["changes"]["exp_avg"]
+        assert change["after_source"].endswith(f"step={spike + 1}.ckpt"), change
+        assert change["before"] == pytest.approx(before[layer], rel=1e-6)
+        assert change["after"] == pytest.approx(after[layer], rel=1e-6)
+    # The spike reached Adam (no clipping): exp_avg moved far more than 1x.
+    assert all(g["changes"]["exp_avg"]["ratio"] > 3 for g in doc["groups"])

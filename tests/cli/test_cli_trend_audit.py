@@ -136,3 +136,24 @@ def test_the_python_apis_exit_code_counts_the_audit(half_norm_run):
     report = gradclip_cli.trend(half_norm_run.output_dir)
     assert report.status == "ok" and report.disagreeing
     assert gradclip_cli.exit_code(report) == 1
+
+
+def test_a_framework_total_that_overflowed_is_said_to_have_overflowed(gradclip, tmp_path):
+    """The Trainer's own grad_norm is torch's float32 norm: at a step whose gradients are
+    finite but whose squares pass float32's range it logs inf, while gradclip's monitor
+    logs the finite norm. The audit finds the step, and the verdict says the framework's
+    norm overflowed, not that it was taken over other gradients (it was not)."""
+    pytest.importorskip("transformers")
+    from tests.trainer_runs import OVERFLOW_AUDIT_STEP, train_callback_overflowing
+
+    reference = train_callback_overflowing(tmp_path)
+    assert math.isfinite(reference[OVERFLOW_AUDIT_STEP])
+    result = gradclip("trend", tmp_path, "--format", "json")
+    assert result.code == 1, result.err
+    (audit,) = result.json()["audit"]
+    (found,) = audit["disagreements"]
+    assert found["step"] == OVERFLOW_AUDIT_STEP and found["framework"] == "inf"
+    assert found["gradclip"] == pytest.approx(reference[OVERFLOW_AUDIT_STEP], rel=1e-6)
+    verdict = gradclip("trend", tmp_path).out.strip().splitlines()[-1]
+    assert verdict.startswith("FAIL: the logged total norm disagrees"), verdict
+    assert "overflowed" in verdict and "other gradients" not in verdict, verdict

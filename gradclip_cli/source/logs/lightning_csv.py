@@ -3,7 +3,8 @@
 One header row (``step``, ``epoch`` and every key logged), then a row per
 logged step, a cell left empty where that key was not logged; values as
 Python writes floats (``nan``, ``inf``). The run is the ``version_N``
-folder. Values are float64 as written (Lightning logs a tensor's value).
+folder, named by its path as found (``logs/exp_b/version_0``). Values are
+float64 as written (Lightning logs a tensor's value).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ def claims(path: Path, is_dir: bool) -> bool:
 
 
 def _run(file: Path) -> TrackerRun:
-    return TrackerRun(NAME, file.parent.name, "", file, lambda: read_scalars(file))
+    # Named by its folder as found, as a TensorBoard run is: each experiment
+    # (``CSVLogger(name=...)``) numbers its versions from 0, so ``version_0`` alone may
+    # be two runs; ``--run version_0`` or ``exp_b/version_0`` picks by the name's tail.
+    return TrackerRun(NAME, str(file.parent), "", file, lambda: read_scalars(file))
 
 
 def runs(claimed: Sequence[Path]) -> list[TrackerRun]:

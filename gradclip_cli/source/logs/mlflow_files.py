@@ -7,7 +7,9 @@ writes it, quoted, escaped or folded across lines) and ``metrics/<key>``,
 one file per metric (a key with ``/`` is a nested path), a line per logged
 value: ``<timestamp> <value> <step>``, the value as Python writes a float
 (``nan``, ``inf``, ``-inf`` too). Values are float64. A deleted run
-(``lifecycle_stage: deleted``) is not a run.
+(``lifecycle_stage: deleted``) is not a run, nor is an MLflow 3 LoggedModel
+(``<experiment>/models/<model_id>/``, its ``meta.yaml`` a ``model_id``, no
+``run_id``), whose metrics are its run's, linked to it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def runs(claimed: Sequence[Path]) -> list[TrackerRun]:
         meta = _meta(folder)
         if meta.get("lifecycle_stage") == "deleted":
             continue
+        if "model_id" in meta and "run_id" not in meta:
+            continue  # a LoggedModel (models/<model_id>/): its run's metrics, linked
         run_id = meta.get("run_id") or folder.name
         name = _run_name(folder) or meta.get("run_name") or run_id
         found.append(TrackerRun(NAME, name, run_id, folder,

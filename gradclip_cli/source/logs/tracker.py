@@ -90,12 +90,13 @@ def checked_point(step: object, value: object, where: str) -> tuple[int, float]:
     return step, value
 
 
-def in_step_order(points: Points, where: str) -> Points:
+def in_step_order(points: Points, where: str, warn: bool = True) -> Points:
     """A tag's points as one run: a step at or below one written before it starts the
     run over from there (a run resumed from a checkpoint logs its steps again), so
     the earlier points from that step on are superseded, with a warning, as
     TensorBoard purges "orphaned" events and as the monitor log does
-    (``monitor_log._resumed``). Never a mixed series."""
+    (``monitor_log._resumed``). Never a mixed series. ``warn`` False: read again
+    (another use of a tag already read), without a second warning."""
     kept: Points = []
     for step, value in points:
         if kept and step <= kept[-1][0]:
@@ -104,9 +105,10 @@ def in_step_order(points: Points, where: str) -> Points:
                 continue  # the same point written twice: one point
             before = len(kept)
             kept = [p for p in kept if p[0] < step]
-            print(f"gradclip: warning: {visible(where)}: step {step} follows step {last}: a run "
-                  f"resumed from an earlier step; the {before - len(kept)} earlier point(s) "
-                  f"for steps {step}-{last} are superseded", file=sys.stderr)
+            if warn:
+                print(f"gradclip: warning: {visible(where)}: step {step} follows step {last}: "
+                      f"a run resumed from an earlier step; the {before - len(kept)} earlier "
+                      f"point(s) for steps {step}-{last} are superseded", file=sys.stderr)
         kept.append((step, value))
     return kept
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gradclip_cli import tracker_tags
-from gradclip_cli.errors import InputError, UsageError
+from gradclip_cli.errors import GradclipError, InputError, UsageError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.files.small_file import quoted
 from gradclip_cli.source.logs import (
@@ -69,6 +69,10 @@ _LIGHTNING_TOTAL = re.compile(r"^grad_([0-9]+(?:\.[0-9]+)?|inf)_norm_total$")
 _NAMES_SHOWN = 8
 
 
+class NoSuchTag(UsageError):
+    """``--tag`` names no tag of this run (in a folder, another run may log it)."""
+
+
 @dataclass(frozen=True)
 class Choice:
     """``--tag`` and ``--run``: None lets the rule decide (and refuse where it cannot)."""
@@ -86,6 +90,9 @@ class TrackerSeries:
     group_tags: int  # how many per-group tags came with it
     entries: tuple[LoggedNorms, ...]
     choice_note: str  # how the tag was chosen, and what else the run holds
+    # The framework totals the run logged (``framework_totals``), read with the series:
+    # copies of one logged number, which a run folder's other copies must match.
+    totals: tuple[tuple[str, dict[int, float]], ...] = ()
 
     @property
     def per_group(self) -> bool:
@@ -255,14 +262,27 @@ def framework_totals(run: TrackerRun) -> list[tuple[str, dict[int, float]]]:
     """The totals a framework logged itself in ``run`` (``grad_norm``, Lightning's
     ``grad_2.0_norm_total``, Megatron's ``grad-norm``, under any logger's prefix),
     each ``(tag, {step: norm})``: what the norm audit holds against gradclip's own."""
-    scalars = run.scalars()
+    return _framework_totals(run.scalars(), run)
+
+
+def _framework_totals(scalars, run: TrackerRun, warn: bool = True
+                      ) -> list[tuple[str, dict[int, float]]]:
     found = []
     for family in _families(scalars):
         if family.rank == 0 or family.norm_type != DEFAULT_NORM_TYPE:
             continue  # gradclip's own tag; a total of another p is no 2-norm to compare
         where = f"{run.source}: tag {quoted(family.total)}"
-        found.append((family.total, dict(_checked(scalars[family.total], where))))
+        found.append((family.total, dict(_checked(scalars[family.total], where, warn))))
     return found
+
+
+def total_name(tag: str) -> str:
+    """A framework total's name less the logger's prefix (``train/grad_norm`` ->
+    ``grad_norm``): copies of one logged number share it."""
+    for name in NORM_TAGS:
+        if _split_prefix(tag, name)[1] is not None:
+            return name
+    return tag.rpartition("/")[2]
 
 
 def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
@@ -273,7 +293,7 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
     if choice.tag is not None:
         if choice.tag not in scalars:
             known = [f.total for f in families] or sorted(scalars)
-            raise UsageError(f"{source}: no tag {quoted(choice.tag)} in run "
+            raise NoSuchTag(f"{source}: no tag {quoted(choice.tag)} in run "
                              f"{run.label}; its {'norm ' if families else ''}tags: "
                              f"{_names(quoted(t) for t in known) or 'none'}")
         family = next((f for f in families if f.total == choice.tag), None)
@@ -317,8 +337,12 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
         LoggedNorms(step, value, stated_p.get(step, p)) for step, value in total)
     if not entries:
         raise InputError(f"{where}: no points")
-    note = f"tag {visible(quoted(family.total))} {how}"
-    return TrackerSeries(run, family.total, len(groups), entries, note)
+    note = f"tag {visible(repr(family.total))} {how}"
+    try:
+        totals = tuple(_framework_totals(scalars, run, warn=False))
+    except GradclipError:
+        totals = ()  # a damaged tag beside the one read: no copy to hold others against
+    return TrackerSeries(run, family.total, len(groups), entries, note, totals)
 
 
 def _stated_norm_types(scalars, family: _Family, source: str) -> dict[int, float]:
@@ -336,5 +360,5 @@ def _stated_norm_types(scalars, family: _Family, source: str) -> dict[int, float
     return stated
 
 
-def _checked(points, where: str):
-    return in_step_order([checked_point(s, v, where) for s, v in points], where)
+def _checked(points, where: str, warn: bool = True):
+    return in_step_order([checked_point(s, v, where) for s, v in points], where, warn)

@@ -4,7 +4,9 @@ Table ``metrics`` (``run_name``, ``step``, ``metrics``; ``run_id`` in newer
 trackio), a row per ``trackio.log`` call whose ``metrics`` is a JSON object
 of key -> value; trackio writes a NaN as ``"NaN"`` and the infinities as
 ``"Infinity"``/``"-Infinity"`` (``utils.serialize_values``). Values that
-are not numbers (media, tables) are not scalars. Values are float64. A run
+are not numbers (media, tables) are not scalars. Values are float64. A row
+is at its ``step``, or at its ``train/global_step`` where it logs one (the
+Hugging Face Trainer's callback: its ``step`` counts log calls). A run
 is its ``run_id`` where the table has one (two runs may share a name), else
 its name.
 """
@@ -25,6 +27,10 @@ NAME = "trackio"
 SUFFIXES = (".db",)
 _COLUMNS = {"run_name", "step", "metrics"}
 _WORDS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+# The Hugging Face Trainer's trackio callback logs without ``step=`` (trackio then
+# numbers the log calls from 0, evaluations included) and puts the Trainer's own
+# step in every row under this key: the row's values sit at that step.
+TRAINER_STEP = "train/global_step"
 
 
 def _has_run_id(tables: dict[str, set[str]]) -> bool:
@@ -96,6 +102,9 @@ def read_scalars(db: Path, name: str, run_id: str | None) -> dict[str, Points]:
             if not isinstance(logged, dict):
                 raise InputError(f"{db}: run {name}: step "
                                  f"{step}: metrics is not a JSON object")
+            trainer_step = logged.get(TRAINER_STEP)
+            if type(trainer_step) is int and trainer_step >= 0:
+                step = trainer_step
             for key, value in logged.items():
                 number = _number(value)
                 if number is not None:

@@ -9,7 +9,9 @@ through the wandb package's own reader, ``wandb.sdk.internal.datastore``
 internal to wandb and was removed in wandb 0.30, so the versions it is
 used with are pinned (``TESTED``); any other installed version is refused
 (exit 3) naming the extra, never guessed at. The file is opened read-only
-(the reader's own ``open_for_scan`` opens it for writing too).
+(the reader's own ``open_for_scan`` opens it for writing too). A run resumed
+offline (``wandb.init(id=ID, resume=...)``) is a folder per session, all of one
+id: one run, its sessions read in the order they ran.
 """
 
 from __future__ import annotations
@@ -37,10 +39,39 @@ def claims(path: Path, is_dir: bool) -> bool:
     return not is_dir and path.suffix == SUFFIX and path.parent.name.startswith(RUN_FOLDERS)
 
 
+def _run_id(file: Path) -> str:
+    return file.stem.removeprefix("run-")
+
+
 def _run(file: Path) -> TrackerRun:
-    run_id = file.stem.removeprefix("run-")
     name = _display_name(file) or file.parent.name
-    return TrackerRun(NAME, name, run_id, file, lambda: read_scalars(file))
+    return TrackerRun(NAME, name, _run_id(file), file, lambda: read_scalars(file))
+
+
+def _started(file: Path) -> str:
+    """``YYYYMMDD_HHMMSS`` of the session's folder (an id may hold ``-`` itself)."""
+    return file.parent.name.removeprefix("offline-").removeprefix("run-").split("-", 1)[0]
+
+
+def _sessions(files: list[Path]) -> TrackerRun:
+    """One run written by several sessions (``wandb.init(id=ID, resume=...)`` offline:
+    a folder each, ``<kind>-<YYYYMMDD_HHMMSS>-<id>``), read in the order they ran, as
+    one series: the resumed session's steps supersede the earlier ones from there
+    (``in_step_order``), as ``wandb sync`` makes them one run. Its source is the folder
+    that holds the sessions' folders."""
+    files = sorted(files, key=lambda f: (_started(f), str(f)))
+    last = files[-1]
+    name = _display_name(last) or last.parent.name
+
+    def scalars() -> dict[str, Points]:
+        merged: dict[str, Points] = {}
+        for file in files:
+            for key, points in read_scalars(file).items():
+                merged.setdefault(key, []).extend(points)
+        return merged
+
+    source = Path(os.path.commonpath([f.parent for f in files]))
+    return TrackerRun(NAME, name, _run_id(last), source, scalars)
 
 
 # The run record (its name) follows the header; a file whose first records hold
@@ -70,7 +101,11 @@ def _display_name(file: Path) -> str | None:
 
 
 def runs(claimed: Sequence[Path]) -> list[TrackerRun]:
-    return [_run(file) for file in sorted(claimed)]
+    by_id: dict[str, list[Path]] = {}
+    for file in sorted(claimed):
+        by_id.setdefault(_run_id(file), []).append(file)
+    return [_run(files[0]) if len(files) == 1 else _sessions(files)
+            for files in by_id.values()]
 
 
 def given(path: Path) -> list[TrackerRun] | None:
