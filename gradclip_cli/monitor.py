@@ -177,8 +177,9 @@ class GradMonitor:
             ``depth:N``, ``regex:PATTERN``.
         z, alpha, warmup: the spike rule's threshold, averaging factor and
             warm-up length (``gradclip trend``'s ``--z``, ``--alpha``, ``--warmup``).
-            Spikes are flagged in the log from the 6th logged step, as
-            ``trend`` flags them, but dumped only once the series that spiked
+            Spikes are flagged in the log from the 6th logged step (of a
+            series whose earlier norms were all exactly 0, the 6th from its
+            first nonzero one), as ``trend`` flags them, but dumped only once the series that spiked
             has ``warmup`` earlier points: the first steps of a run move fast,
             and their spikes would use up ``max_dumps``.
         clip_spikes: also clip spikes (ZClip): on a logged step whose total
@@ -186,8 +187,11 @@ class GradMonitor:
             of the history (``step()`` does this too; ``clip_grad_norm_``
             takes the smaller of that and ``max_norm``). Steps that are not
             spikes, and spikes of a group that leave the total below its
-            limit, are not changed by it. A spike is judged only on logged
-            steps, so with ``every=N`` only they are clipped.
+            limit, are not changed by it, nor are steps the rule does not
+            judge (the first 5 logged steps; after steps whose total was
+            exactly 0, those and the first 5 from the first nonzero one). A
+            spike is judged only on logged steps, so with ``every=N`` only
+            they are clipped.
         max_dumps: at most this many dumps are written (0: none). The *first*
             ones are kept and later ones skipped (their log line says
             ``"dump": null``): when a run diverges it usually spikes or goes
@@ -535,8 +539,9 @@ class GradMonitor:
         nonfinite = nonfinite_object(nonfinite_counts(m.sums.total)[0])
         spike = judged.spike or bool(spike_groups)
         clipped_to = coef = None
-        # A limit of 0 comes from a history of zero gradients: there is no
-        # scale to clip to, and clipping would zero every gradient.
+        # A history of zero gradients is no history (core.spikes): such a step
+        # is not judged. A limit of 0 is kept from clipping all the same, as
+        # clipping to it would zero every gradient.
         if (scales and self.clip_spikes and judged.spike and judged.limit is not None
                 and judged.limit > 0 and (max_norm is None or judged.limit < max_norm)):
             clipped_to = judged.limit

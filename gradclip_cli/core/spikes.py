@@ -4,10 +4,11 @@ A point is a spike when its z-score against the run's own history is above a
 threshold: ``z = (x - mean) / std``, where ``mean`` and ``var`` are
 exponential moving averages (factor ``alpha``) of the earlier points, seeded
 by the plain mean and variance of the first ``warmup`` of them. Points with
-fewer than ``MIN_HISTORY`` earlier points are not judged. Three refinements,
+fewer than ``MIN_HISTORY`` earlier points are not judged. Four refinements,
 each measured on real short runs (BENCHMARKS.md, "Spike-rule rates" and the
 autopsy's rates; ``benchmarks/spike_rates.py``,
-``benchmarks/autopsy_rates_olmo_core.py``):
+``benchmarks/autopsy_rates_olmo_core.py``; the last in
+``tests/integrations/test_zero_history.py``):
 
 - ``std`` is at least ``MIN_RELATIVE_STD`` (one half) of ``|mean|``. Mini-batch
   noise in small models and early steps moves a norm by up to 1.8x its
@@ -29,6 +30,21 @@ autopsy's rates; ``benchmarks/spike_rates.py``,
   in 7 runs (2.34x to 3.45x the running mean); at 5 groups' 3.02 (2.51x
   under the floor) 4 are left, in 4 runs, while every injected
   20-100x spike of one group still scored z 16.9 or more (BENCHMARKS.md).
+- A history of exact zeros is no history: it says nothing of a norm's scale.
+  Where every earlier point is exactly 0 (``zeros()``: mean and spread both
+  0), the point is not judged, and the series' first nonzero point starts
+  its history afresh: the warm-up seeds from it and ``MIN_HISTORY`` counts
+  from it. Under DDP, FSDP or DeepSpeed's flat gradient buffers a parameter
+  no step has used yet (an MoE expert no token reached, a branch gated off
+  at init) has a gradient of exact zeros, not None. Against a history of
+  zeros (std 0) its first nonzero norm scored z = inf, entered the history
+  as its limit, 0, and every later point was a spike: in a real run whose
+  one layer was gated off for 10 steps, that layer was flagged at 30 of the
+  30 steps after its gate opened, now at none; a total that was 0 made
+  every later step a spike of limit 0, which ``clip_spikes`` cannot clip
+  to, so it clipped none (a real 10x spike included). A series that was
+  nonzero and decays toward 0 keeps its history (its mean is not 0);
+  non-finite points are as before.
 
 References:
     Kumar et al., "ZClip: Adaptive Spike Mitigation for LLM Pre-Training",
@@ -130,10 +146,13 @@ class SpikeDetector:
         """
         x = float(x)
         threshold = self.threshold if threshold is None else threshold
+        finite = math.isfinite(x)
+        if finite and x != 0 and self.accepted and self.zeros():
+            self._restart()  # earlier points all 0: x starts the history
         earlier, self.seen = self.seen, self.seen + 1
-        if not math.isfinite(x):
+        if not finite:
             return Judgement(None, False, True)
-        if earlier < MIN_HISTORY or self.accepted == 0:
+        if earlier < MIN_HISTORY or self.zeros():
             self._accept(x)
             return Judgement(None, False, False)
         std = self.std()
@@ -142,6 +161,16 @@ class SpikeDetector:
         spike = z > threshold
         self._accept(limit if spike else x)
         return Judgement(z, spike, False, limit)
+
+    def zeros(self) -> bool:
+        """Whether the history is no history: no point yet, or only exact zeros (its
+        mean and spread both 0). It says nothing of the norm's scale."""
+        return self.mean == 0 and self.spread == 0
+
+    def _restart(self) -> None:
+        self.seen = self.accepted = 0
+        self.mean = self.spread = 0.0
+        self._seed = []
 
     def std(self) -> float:
         """The history's standard deviation, floored at ``MIN_RELATIVE_STD * |mean|``."""
@@ -202,8 +231,9 @@ def fsum(values: list[float]) -> float:
 
 
 def _ratio(rise: float, std: float) -> float:
-    # std is 0 only for a history of zeros (a layer whose gradient was zero):
-    # any rise from there is infinitely many standard deviations.
+    # A judged history is never all zeros (that is no history), so std is 0 only
+    # where half of a subnormal mean rounds to 0 over a spread of 0: any rise from
+    # there is infinitely many standard deviations, as the tensors' x / +0 is.
     if std == 0:
         return 0.0 if rise == 0 else math.copysign(math.inf, rise)
     return rise / std
@@ -219,6 +249,10 @@ _SPLIT = 134217729.0  # 2**27 + 1: Veltkamp's split of a float64 into two halves
 # The others, about one in ten, are squared by Python itself.
 _SAFE_SQUARE_ERROR = 0.45
 _TINY_RATIO = 2.0**-450  # below it Dekker's exact product can underflow
+# A warm-up with a point this large has a mean or a spread that is not 0: where
+# the mean is 0 the spread is at least the point over the square root of the
+# warm-up's length, far above float64's smallest.
+_TINY_SEED = 2.0**-900
 _ZERO = torch.zeros((), dtype=torch.float64)
 # Columns in doubt that math.fsum sums faster than a second pass of TwoSums would.
 _FEW_IN_DOUBT = 48
@@ -387,6 +421,24 @@ class SpikeDetectors:
         history, and every ``x`` is finite; None (nothing changed) otherwise."""
         seen, accepted = self._in_step
         judged = seen >= MIN_HISTORY and accepted > 0
+        # Series whose history is only zeros (no history: not judged), if any. A
+        # seed column with a point of at least _TINY_SEED has a mean or a spread
+        # that is not 0, one of zeros has both 0: the exact mean and spread are
+        # needed only where the largest point is tiny but not 0.
+        zeros = None
+        if accepted > 0:
+            if self._stale is not None:
+                top = self.seed[: self._stale].abs().amax(dim=0)
+                if bool(((top > 0) & (top < _TINY_SEED)).any()):
+                    self._settle()
+                else:
+                    zeros = top == 0
+            if self._stale is None:
+                zeros = (self._mean == 0) & (self._spread == 0)
+            if not bool(zeros.any()):
+                zeros = None
+            elif bool((zeros & (x != 0) & torch.isfinite(x)).any()):
+                return None  # a series starts its history afresh: counts part
         if judged and self._stale is not None and not scores:
             decided = self._decide_from_seed(x, accepted, threshold)
             if decided is None:
@@ -407,6 +459,9 @@ class SpikeDetectors:
         else:
             nan = torch.full_like(x, math.nan)
             z, limit, spike = nan, nan, torch.zeros_like(x, dtype=torch.bool)
+        if judged and zeros is not None:
+            spike = spike & ~zeros
+            z, limit = (torch.where(zeros, math.nan, t) for t in (z, limit))
         value = torch.where(spike, limit, x) if judged else x
         # x itself too: an infinite x is a spike, and its value the finite limit.
         if not (_finite(x, value) if judged else _finite(x)):
@@ -434,6 +489,8 @@ class SpikeDetectors:
         if accepted >= self.warmup and self.seed.numel():
             self.seed = torch.zeros((0, len(self)), dtype=F64)
         every = torch.full_like(spike, judged)
+        if judged and zeros is not None:
+            every &= ~zeros
         return Judgements(every, z, spike, torch.zeros_like(spike), limit)
 
     def _decide_from_seed(self, x: torch.Tensor, n: int, threshold: float):
@@ -491,11 +548,19 @@ class SpikeDetectors:
             state = tuple(t[series] for t in (self.seen, self.accepted, self.mean, self.spread))
         seen, accepted, mean, spread = state
         finite = torch.isfinite(x)
-        judged = finite & (seen >= MIN_HISTORY) & (accepted > 0)
+        # A history of zeros (mean and spread 0; none at all, too) is no history:
+        # a finite nonzero point starts it afresh (SpikeDetector._restart).
+        zeros = (mean == 0) & (spread == 0)
+        restart = zeros & finite & (x != 0) & (accepted > 0)
+        if bool(restart.any()):
+            seen = torch.where(restart, 0, seen)
+            accepted = torch.where(restart, 0, accepted)
+        judged = finite & (seen >= MIN_HISTORY) & ~zeros
         std = torch.maximum(spread, mean.abs() * MIN_RELATIVE_STD)
         rise = x - mean
-        # _ratio: std is 0 only for a history of zeros, where 0 / 0 is 0 and any
-        # rise is infinite (IEEE's x / +0 is inf with the sign of x).
+        # _ratio: std is 0 only where half a subnormal mean rounds to 0 over a spread
+        # of 0, where 0 / 0 is 0 and any rise is infinite (IEEE's x / +0 is inf with
+        # the sign of x).
         z = torch.nan_to_num(rise / std, nan=0.0, posinf=math.inf, neginf=-math.inf)
         limit = mean + std * threshold
         spike = judged & (z > threshold)

@@ -269,7 +269,7 @@ def trend_verdict(report: TrendReport) -> str:
         return f"FAIL: {_failing_kinds(failing, what)}; the last at {detail} (exit 1)"
     if report.status == INSUFFICIENT_HISTORY:
         return (f"OK: too little history to judge the {what.plural} (a point needs 5 earlier "
-                f"points){_earlier(report)} (exit 0)")
+                f"points, counted from its series' first nonzero norm){_earlier(report)} (exit 0)")
     scope = "the newest point" if report.fail_on == "newest" else f"{len(report.points)} points"
     return (f"OK: no spike or non-finite {what.attribute} norm at {scope}{_earlier(report)} "
             "(exit 0)")

@@ -212,15 +212,17 @@ def build_autopsy_report(
                      tuple(p.groups.get(g.name) for p in shown))
         for g in groups
     ]
-    # A step the rule could not judge (fewer than MIN_HISTORY points before it) is not
-    # a clean one: too few points, as without --step.
+    # A step the rule could not judge (fewer than MIN_HISTORY points before it, counted
+    # from its series' first nonzero norm) is not a clean one: too few points, as
+    # without --step.
     judged_at = point.z is not None or any(z is not None for z in point.group_z.values())
     status = EXPLAINED if flagged else NOTHING if judged_at else INSUFFICIENT
     verdict = _verdict(step, status, report_groups, total_onset, main, outlier_k, point)
     if status == INSUFFICIENT:
         before = sum(p.step < step for p in judged.points)
         verdict = (f"step {step}: nothing to explain: too few points before it to judge "
-                   f"({before}; the rule needs {MIN_HISTORY} earlier points) in {main.label}")
+                   f"({before}; the rule needs {MIN_HISTORY} earlier points, counted from "
+                   f"the first nonzero norm) in {main.label}")
     return AutopsyReport(step=step, status=status, groups=report_groups, verdict=verdict,
                          total_onset=total_onset, total_around=tuple(p.total_norm for p in shown),
                          around_steps=around_steps, nonfinite=point.is_nonfinite, **common)

@@ -16,16 +16,21 @@ def reference(series, z=2.5, alpha=0.97, warmup=25):
 
     mean and var: plain over the first ``warmup`` finite points, exponential
     after; std floored at half of |mean|; a spike enters the history as
-    mean + z * std.
+    mean + z * std. Earlier points that are all exactly 0 are no history: the
+    first nonzero point is not judged and the history (and the count of
+    earlier points) starts from it.
     """
     history: list[float] = []
     mean = var = 0.0
+    start = 0  # where the history starts
     out = []
     for i, x in enumerate(series):
         if not math.isfinite(x):
             out.append((None, False, None))
             continue
-        if i < MIN_HISTORY or not history:
+        if history and x != 0 and not any(history):  # zeros only: start afresh at x
+            history, mean, var, start = [], 0.0, 0.0, i
+        if i - start < MIN_HISTORY or not any(history):
             out.append((None, False, None))
             kept = x
         else:

@@ -29,6 +29,8 @@ from gradclip_cli.core.spikes import (
     fsum,
 )
 
+from .spike_reference import reference
+
 
 def bits(x: float) -> bytes:
     return struct.pack("<d", x)
@@ -145,6 +147,64 @@ def test_many_real_looking_series_through_warmup_and_after():
     check_against_scalar(steps, warmup=7, alpha=0.9)
     check_against_scalar(steps, scores=False)  # the monitor's way: decisions only
     check_against_scalar(steps[:20], scores=False)  # its state read mid-warm-up
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(0, 12), min_size=3, max_size=3),
+    st.lists(st.lists(norms, min_size=3, max_size=3), min_size=1, max_size=30),
+    st.sampled_from([1, 4, 25]),
+    st.booleans(),
+)
+def test_series_led_by_zeros_are_judged_as_their_own_detectors_would(zeros, rows, warmup, scores):
+    # Each series starts with its own run of exact zeros, then any points (tiny,
+    # zero, non-finite among them): bit for bit, with every series at every step
+    # (in step while the counts agree) and with series that start late.
+    every = [{k: 0.0 if t < zeros[k] else rows[t][k] for k in range(3)}
+             for t in range(len(rows))]
+    check_against_scalar(every, warmup=warmup, scores=scores)
+    lead = max(zeros)
+    late = [{k: 0.0 for k in range(3) if t >= lead - zeros[k]} for t in range(lead)]
+    check_against_scalar(late + [dict(enumerate(r)) for r in rows], warmup=warmup, scores=scores)
+
+
+def test_series_whose_first_points_are_zero_start_their_history_at_their_first_nonzero():
+    # Layers whose gradient is exact zeros for their first steps (an MoE expert no token
+    # reached, a gated branch): each starts at its own step, some never; the tensors
+    # judge each as its own detector, in step and out of it, during warm-up and after.
+    rng = random.Random(11)
+    starts = [0, 1, 4, 5, 6, 12, 30, 31, 70, None]
+    steps = []
+    for t in range(80):
+        step = {}
+        for k, start in enumerate(starts):
+            on = start is not None and t >= start
+            step[k] = (1 + k) * rng.lognormvariate(0, 0.3) if on else 0.0
+        if t in (3, 40):
+            step[7] = math.nan
+        if t == 50:
+            step[5] *= 20  # a real spike, after a zero start
+        steps.append(step)
+    for warmup in (1, 7, 25):
+        check_against_scalar(steps, warmup=warmup)
+        check_against_scalar(steps, warmup=warmup, scores=False)
+    check_against_scalar(steps[:20], scores=False)  # state read mid-warm-up
+    check_series_against_scalar(steps, few=4, warmup=7)
+    # And against the rule as written (tests/core/spike_reference.py).
+    every = SpikeDetectors()
+    every.add(len(starts))
+    got = [every.update(torch.tensor([s[k] for k in range(len(starts))], dtype=torch.float64))
+           for s in steps]
+    for k in range(len(starts)):
+        want = reference([s[k] for s in steps])
+        for t, (j, (score, spike, limit)) in enumerate(zip(got, want)):
+            assert bool(j.spike[k]) == spike and bool(j.judged[k]) == (score is not None), (t, k)
+            if score is not None:
+                assert float(j.z[k]) == pytest.approx(score, rel=1e-9, abs=1e-9), (t, k)
+                assert float(j.limit[k]) == pytest.approx(limit, rel=1e-9), (t, k)
+    assert [(t, k) for t, j in enumerate(got) for k in j.spike.nonzero().flatten().tolist()] == [
+        (50, 5)
+    ]
 
 
 @settings(max_examples=200, deadline=None)

@@ -88,12 +88,62 @@ def test_a_lasting_rise_is_taken_in():
     assert not any(flags[-50:])
 
 
-def test_a_history_of_zeros_makes_any_rise_infinite():
-    detector = SpikeDetector()
-    for _ in range(6):
-        assert not detector.update(0.0).spike
-    judged = detector.update(1e-30)
-    assert judged.spike and judged.z == math.inf and judged.limit == 0.0
+def check_against_reference(series, **rule):
+    detector = SpikeDetector(**rule)
+    got = [detector.update(x) for x in series]
+    want = reference(series, **rule)
+    for i, (judged, (score, spike, limit)) in enumerate(zip(got, want)):
+        assert judged.spike == spike, (i, judged)
+        assert (judged.z is None) == (score is None), (i, judged, score)
+        assert (judged.limit is None) == (limit is None), i
+        if score is not None:
+            assert judged.z == pytest.approx(score, rel=1e-9, abs=1e-9), i
+            assert judged.limit == pytest.approx(limit, rel=1e-9), i
+    return got
+
+
+@pytest.mark.parametrize("zeros", [1, 4, 5, 6, 30])
+@pytest.mark.parametrize("warmup", [1, 3, 25])
+def test_a_history_of_zeros_is_no_history(zeros, warmup):
+    # A layer whose gradient is exact zeros for its first steps (a gated branch, an
+    # MoE expert no token reached): its first nonzero point starts the history,
+    # and it is judged from the fifth point after that on, against those points.
+    series = [0.0] * zeros + noisy(zeros, n=60)
+    series[zeros + 30] *= 10
+    got = check_against_reference(series, warmup=warmup)
+    assert [i for i, j in enumerate(got) if j.spike] == [zeros + 30]
+    assert [i for i, j in enumerate(got) if j.z is None] == list(range(zeros + 5))
+    # Judged as the same series without its zeros.
+    alone = SpikeDetector(warmup=warmup)
+    assert [alone.update(x) for x in series[zeros:]] == got[zeros:]
+
+
+def test_zeros_before_a_first_nonzero_point_are_not_judged_whatever_comes():
+    # A tiny first nonzero point starts the history too; the zeros after it are in it.
+    got = check_against_reference([0.0] * 8 + [1e-30] + [0.0] * 3 + [1.0, 2.0, 50.0])
+    assert [i for i, j in enumerate(got) if j.z is not None] == [13, 14]
+
+
+def test_a_series_that_stays_zero_is_never_judged():
+    got = check_against_reference([0.0] * 40)
+    assert all(j.z is None and j.limit is None and not j.spike for j in got)
+
+
+@pytest.mark.parametrize("warmup", [3, 25])
+def test_a_series_that_decays_to_zero_keeps_its_history(warmup):
+    # Nonzero first: its running mean is not 0, zeros are judged, and a rise after
+    # them is judged against that history (a spike when it is one).
+    series = noisy(3, n=40) + [0.0] * 20 + [1.2, 30.0]
+    got = check_against_reference(series, warmup=warmup)
+    assert all(j.z is not None and not j.spike for j in got[40:61])
+    assert got[61].spike
+
+
+def test_non_finite_points_among_the_zeros_are_non_finite():
+    series = [0.0, math.nan, 0.0, 0.0, math.inf, 0.0, 1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 9.0]
+    got = check_against_reference(series)
+    assert [i for i, j in enumerate(got) if j.nonfinite] == [1, 4]
+    assert [i for i, j in enumerate(got) if j.z is not None] == [11, 12] and got[12].spike
 
 
 @pytest.mark.parametrize("bad", [{"z": 0}, {"z": math.inf}, {"alpha": 1.0}, {"warmup": 0}])
