@@ -167,8 +167,9 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
             atomic_write(Path(output_file), lambda file: file.write(document.encode("utf-8")))
             return
         except GradclipError as error:
-            if str(error) != message:  # --output-file itself was the error: say it once
-                print(f"gradclip: {error}", file=sys.stderr)
+            second = visible(str(error))
+            if second != message:  # --output-file itself was the error: say it once
+                print(f"gradclip: {second}", file=sys.stderr)
     sys.stdout.write(document)
     sys.stdout.flush()
 
