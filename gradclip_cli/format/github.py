@@ -100,6 +100,9 @@ def render_error(failure: FailureReport, out: TextIO) -> None:
     """One ``::error`` naming the input (when known), so the job's annotations say why
     it has no report."""
     file = {"file": failure.file} if failure.file else {}
+    for note in failure.notes:  # what --verify could not check
+        out.write(command("notice", note, shown=True, **file,
+                          title=f"gradclip {failure.command}: note"))
     # The message is made visible once already, as stderr shows it.
     out.write(command("error", failure.message, shown=True, **file,
                       title=f"gradclip: {failure.title}"))

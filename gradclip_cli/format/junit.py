@@ -135,6 +135,9 @@ def render_error(failure: FailureReport, out: TextIO) -> None:
     case = ET.SubElement(suite, "testcase", classname=xml_text(name), name=F.RUN)
     error = ET.SubElement(case, "error", message=xml_text(failure.title), type="gradclip")
     error.text = _xml_shown(failure.message)  # made visible once, as stderr shows it
+    if failure.notes:  # what --verify could not check
+        ET.SubElement(suite, "system-out").text = "\n".join(
+            _xml_shown(f"note: {note}") for note in failure.notes)
     _write(root, out)
 
 
