@@ -113,7 +113,8 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
 
 
 def render_trend(report: TrendReport, out: TextIO) -> None:
-    # The notes (where each series of a run folder came from) follow the verdict.
+    # The notes (where each series came from, what --verify could not check...) follow
+    # the verdict.
     _write(_suite("gradclip trend", [F.TOTAL, *report.groups], F.trend_findings(report),
                   trend_verdict(report), notes=[*report.notes, *audit_lines(report)]), out)
 

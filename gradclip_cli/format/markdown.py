@@ -179,7 +179,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
               f"p={escape(fmt_p(report.norm_type))}; spike: z \\> {report.z_threshold:g} "
               f"({escape(group_rule(report.group_thresholds()))}"
               f"alpha {report.alpha:g}, warmup {report.warmup})\n\n")
-    if report.notes:  # where each series of a run folder came from
+    if report.notes:  # where each series came from, what --verify could not check...
         out.write("".join(f"- {escape_shown(note)}\n" for note in report.notes) + "\n")
     audits = audit_lines(report)  # the norm audit
     if audits:

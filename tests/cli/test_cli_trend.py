@@ -772,3 +772,23 @@ def test_monitor_log_in_two_norm_types_names_the_file_and_where_p_changes(gradcl
             assert rel_err(point["total_norm"], want) < 1e-5
         other = "1" if p == "2" else "2"
         assert any(f"p={other}" in n and "left out" in n for n in doc["notes"]), doc["notes"]
+
+
+def test_a_single_monitor_logs_notes_are_not_called_a_run_folder(gradclip, tmp_path):
+    """trend given one monitor log file (no folder): its notes (here, the steps the
+    monitor clipped) reached GitHub as notices titled "run folder"."""
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    log = tmp_path / "grads.jsonl"
+    with GradMonitor(model, log=log, dump_dir=None) as monitor:
+        for step in range(8):
+            model.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().mul(100).backward()
+            monitor.clip_grad_norm_(max_norm=1e-3, step=step)
+    r = gradclip("trend", log, "--format", "github")
+    assert r.code == 0, r.err
+    notices = [line for line in r.out.splitlines() if line.startswith("::notice title=")]
+    assert notices, r.out  # the note on what the monitor clipped
+    assert not any("run folder" in line for line in notices), notices
