@@ -443,14 +443,10 @@ def _one_norm_type_per_log(requested: float | None, logs: list[tuple[Path, list]
         if len(stated) < 2:
             kept.append((path, entries))
             continue
-        runs = [words for _, words in _norm_type_runs(entries)]
         if requested not in stated:
-            shown = runs[:4] + ([f"and {len(runs) - 4} more changes"] if len(runs) > 4 else [])
             flags = " or ".join(f"--norm-type {p:g}" for p in stated)
-            raise InputError(f"{path}: logs norms with {', then '.join(shown)} (a monitor "
-                             "recreated with another norm_type appended to it); trend "
-                             f"compares one kind of norm: give {flags} to trend that p's "
-                             "lines alone")
+            raise InputError(f"{path}: {mixed_norm_types(entries)}; trend compares one "
+                             f"kind of norm: give {flags} to trend that p's lines alone")
         left = [words for p, words in _norm_type_runs(entries) if p != requested]
         out = sum(entry.norm_type != requested for entry in entries)
         notes.append(f"{visible(str(path))}: {out} line(s) in another p left out "
@@ -458,6 +454,17 @@ def _one_norm_type_per_log(requested: float | None, logs: list[tuple[Path, list]
                      f"--norm-type {requested:g} reads the lines of p={requested:g} alone")
         kept.append((path, [entry for entry in entries if entry.norm_type == requested]))
     return kept, notes
+
+
+def mixed_norm_types(entries: list) -> str | None:
+    """Where a log's entries change p, in words ("logs norms with p=2 at steps 0-7, then
+    p=1 at steps 8-11 (a monitor recreated ...)"); None for a log in one p."""
+    if len({entry.norm_type for entry in entries}) < 2:
+        return None
+    runs = [words for _, words in _norm_type_runs(entries)]
+    shown = runs[:4] + ([f"and {len(runs) - 4} more changes"] if len(runs) > 4 else [])
+    return (f"logs norms with {', then '.join(shown)} (a monitor recreated with another "
+            "norm_type appended to it)")
 
 
 def _norm_type_runs(entries: list) -> list[tuple[float, str]]:
