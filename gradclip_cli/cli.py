@@ -132,8 +132,8 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
     """One line on stderr; with a CI format also that format's failure document.
 
     ``notes``: what the run had found for its report before it failed (already
-    ``visible``: what ``--verify`` could not check), on stderr before the error
-    line and in the failure document: the user is told of a check not made.
+    ``visible``: what ``--verify`` could not check), in the failure document: the
+    user is told of a check not made. stderr keeps its one line (the contract).
 
     ``--format json`` prints the contract's ``gradclip.error/1`` object,
     ``junit`` a testcase with an ``<error>``, ``github`` an ``::error`` line,
@@ -148,8 +148,6 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
     from .format.text import visible
 
     message = visible(message)
-    for note in notes:
-        print(f"gradclip: note: {note}", file=sys.stderr)
     print(f"gradclip: {message}", file=sys.stderr)
     if format not in failure_formats():
         return
