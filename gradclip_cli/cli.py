@@ -127,8 +127,13 @@ def _shared(command):
 
 def _report_error(message: str, code: int, *, format: str | None, source: object,
                   command: str = "gradclip", output_file: Path | None = None,
-                  inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = ()) -> None:
+                  inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = (),
+                  notes: tuple[str, ...] = ()) -> None:
     """One line on stderr; with a CI format also that format's failure document.
+
+    ``notes``: what the run had found for its report before it failed (already
+    ``visible``: what ``--verify`` could not check), in the failure document: the
+    user is told of a check not made. stderr keeps its one line (the contract).
 
     ``--format json`` prints the contract's ``gradclip.error/1`` object,
     ``junit`` a testcase with an ``<error>``, ``github`` an ``::error`` line,
@@ -153,7 +158,7 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
 
     failure = FailureReport(command=command, message=message, exit_code=code,
                             source=None if source is None else str(source),
-                            file=inputs[0] if len(inputs) == 1 else None)
+                            file=inputs[0] if len(inputs) == 1 else None, notes=notes)
     buffer = io.StringIO()
     FORMATS[format].render_error(failure, buffer)
     document = buffer.getvalue()
@@ -167,8 +172,9 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
             atomic_write(Path(output_file), lambda file: file.write(document.encode("utf-8")))
             return
         except GradclipError as error:
-            if str(error) != message:  # --output-file itself was the error: say it once
-                print(f"gradclip: {error}", file=sys.stderr)
+            second = visible(str(error))
+            if second != message:  # --output-file itself was the error: say it once
+                print(f"gradclip: {second}", file=sys.stderr)
     sys.stdout.write(document)
     sys.stdout.flush()
 
@@ -228,40 +234,42 @@ def _run(body, *, command: str, debug: bool, format: str | None = None, source: 
     Under a launcher every rank ends with the same code and rank 0 alone
     reports (``_settle``).
     """
-    failed, code, message = _outcome(body, debug)
+    failed, code, message, notes = _outcome(body, debug)
     code, message, speaks = _settle(failed, code, message)
     if message is not None and speaks:
         _report_error(message, code, format=format, source=source, command=command,
-                      output_file=output_file, inputs=inputs, outputs=outputs)
+                      output_file=output_file, inputs=inputs, outputs=outputs, notes=notes)
     raise click.exceptions.Exit(code)
 
 
-def _outcome(body, debug: bool) -> tuple[bool, int, str | None]:
-    """(failed, exit code, message to report) of running ``body``."""
+def _outcome(body, debug: bool) -> tuple[bool, int, str | None, tuple[str, ...]]:
+    """(failed, exit code, message to report, the notes made before it failed) of running
+    ``body``."""
     try:
-        return False, body(), None
+        return False, body(), None, ()
     except GradclipError as error:
         if debug:
             traceback.print_exc()
-        return True, error.exit_code, None if getattr(error, "quiet", False) else str(error)
+        message = None if getattr(error, "quiet", False) else str(error)
+        return True, error.exit_code, message, error.notes
     except SystemExit:
         # rich's Console ends the process with SystemExit(1) when stdout is a
         # closed pipe; that is not a finding.
-        return True, 141, None
+        return True, 141, None, ()
     except KeyboardInterrupt:
         print("gradclip: interrupted", file=sys.stderr)
-        return True, 130, None
+        return True, 130, None, ()
     except BrokenPipeError:
         # The reader went away (`gradclip ... | head`): stop quietly, as shell tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return True, 141, None
+        return True, 141, None, ()
     except MemoryError:
-        return True, 3, "out of memory"
+        return True, 3, "out of memory", ()
     except (OSError, RuntimeError, ValueError) as error:
         if debug:
             traceback.print_exc()
         first_line = str(error).splitlines()[0] if str(error) else ""
-        return True, 3, f"{type(error).__name__}: {first_line} (run with --debug for details)"
+        return True, 3, f"{type(error).__name__}: {first_line} (run with --debug for details)", ()
 
 
 def _settle(failed: bool, code: int, message: str | None) -> tuple[int, str | None, bool]:

@@ -9,6 +9,8 @@ through ``visible()``; the CLI escapes the whole line once, where it is shown.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class GradclipError(Exception):
     """Base class: a message for the user and the exit code it maps to.
@@ -20,10 +22,19 @@ class GradclipError(Exception):
     """
 
     exit_code = 3
+    # What the run had learned for its report before it failed, already ``visible``:
+    # what ``--verify`` could not check. The failure document carries them (a user who
+    # asked for a check that was not made is told so, refused or not).
+    notes: tuple[str, ...] = ()
 
     @property
     def message(self) -> str:
         return str(self)
+
+    def noting(self, notes: Iterable[str]) -> GradclipError:
+        """This error, carrying ``notes`` too (each once, in order)."""
+        self.notes = tuple(dict.fromkeys((*self.notes, *notes)))
+        return self
 
 
 class UsageError(GradclipError):

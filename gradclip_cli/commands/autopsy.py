@@ -40,6 +40,7 @@ from ..report import parse_group_by
 from ..report.autopsy import build_autopsy_report, finest, ratio
 from ..report.autopsy_series import CheckpointPoint, explained_step, series_of
 from ..report.outcome import exit_code
+from ..report.trend import mixed_norm_types
 from ..source import run_inputs
 from ..source.exclude import Exclusion
 from ..source.layouts import open_checkpoint
@@ -142,6 +143,10 @@ def _read_inputs(paths: list[Path], how: MeasureOptions, steps, output: Output |
     for item in inputs:
         if item.kind is not None:
             entries = item.kind.read(item.path) if item.entries is None else list(item.entries)
+            if (mixed := mixed_norm_types(entries)) is not None:
+                # The jump where p changes is no spike of the gradients.
+                raise InputError(f"{item.path}: {mixed}; autopsy reads one kind of norm: "
+                                 "give it the lines of one p in a file of their own")
             logs.append((item.path, entries, item.kind))
             continue
         point = _read_checkpoint(item, how, steps)

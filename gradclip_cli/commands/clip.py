@@ -14,7 +14,7 @@ from .. import clipping, options
 from ..core import Coefficient, clamp_elements_, scale_elements_
 from ..distributed import launcher
 from ..distributed.sets import shard_owners
-from ..errors import OutputError, UsageError
+from ..errors import GradclipError, OutputError, UsageError
 from ..format import entry
 from ..format.text import visible
 from ..progress import progress_steps
@@ -47,64 +47,70 @@ def run(
     session = launcher.join(dev, device, [path])
     if session is not None:
         dev = session.device
-    with progress_steps(not progress or not speaks()) as steps:
-        read = functools.partial(load_for_writing, path, key, trust_pickle, verify, steps, what)
-        loaded = read()
-        if loaded.contents.shard_of is not None:
-            # Its norm is this file's alone: scaled by it, the set's total would not be
-            # the one asked for (inspect says so; clip writes nothing).
-            shard_of = loaded.contents.shard_of
-            folder = str(shard_of)
-            whole = f"clip the set: gradclip clip {folder}" if any(
-                layout.recognises(shard_of) for layout in LAYOUTS) else \
-                "the set's index is not there to read it by (a '*.index.json')"
-            raise UsageError(f"{path}: one shard of the set in {folder}: clip scales "
-                             "by the total norm of every gradient of the set, which this file "
-                             f"alone does not hold; {whole}")
-        plan = loaded.write_back
-        if plan is not None and plan.folder is not None:
-            target = str(options.set_output(plan.folder, output, in_place))
-        report_out.check(reads=[*loaded.contents.files, loaded.contents.path], writes=[target])
-        dtypes = [t.dtype for t in loaded.held_tensors()]
-        if value is not None and any(dtype.is_complex for dtype in dtypes):
-            raise UsageError("--clip-value cannot clamp complex gradients (complex numbers "
-                             "have no order); use --max-norm")
-        # Under a launcher the ranks share the reading for this first norm; for a
-        # set, by shards: each rank goes on to clip and write the shards it read.
-        owners = shard_owners(session, plan)
-        owned = measure(loaded, p, dev, steps, "computing norms", session=session,
-                        files=owners).owned
-        before, maxima = owned.total(), owned.max_abs.tolist()
-        report = functools.partial(_report, before, source=path, output=target, norm_type=p,
-                                   max_norm=limit, clip_value=value)
-        refused = clipping.refusal(before, maxima, dtypes, p=p, limit=limit,
-                                   allow_nonfinite=allow_nonfinite, value=value)
-        if refused is not None:
-            return _refuse(report_out, report(loaded), *refused)
-        if not speaks() and owners is None:
-            return 0  # one file: rank 0 scales, checks and writes it; the others are done
-        share = _Share(read, loaded, p, dev, steps, None if owners is None else session, owners)
-        del loaded  # the share's now: a lowering reads the file again in its place
-        done = clipping.to_norm(before, limit, dtypes, share.scaled) if limit is not None \
-            else clipping.to_value(value, maxima, share.loaded.held_tensors(), share.clamped)
-        loaded = share.loaded
-        if loaded.write_back is None:
-            raise OutputError(f"{target}: cannot write a {loaded.contents.kind} checkpoint")
-        # The report is drawn (and a --output-file staged) before the checkpoint is
-        # written: nothing can fail over the report once the clipped copy exists.
-        pending = report_out.prepare(report(loaded, done))
-        steps.begin("writing")
-        try:
-            c = loaded.contents  # what was loaded and the held gradients, clipped in place
-            execute(loaded.write_back, target, filter(None, (c.checkpoint, *c.shards)),
-                    {n: t.held for n, t in (c.gradients or {}).items()},
-                    in_place=in_place, ranks=share.session, owners=owners)
-        except BaseException:
-            if pending is not None:
-                pending.discard()
-            raise
-    if pending is not None:
-        pending.deliver()
+    notes: tuple[str, ...] = ()  # what --verify could not check: a failure says it too
+    try:
+        with progress_steps(not progress or not speaks()) as steps:
+            read = functools.partial(load_for_writing, path, key, trust_pickle, verify, steps, what)
+            loaded = read()
+            notes = loaded.contents.notes
+            if loaded.contents.shard_of is not None:
+                # Its norm is this file's alone: scaled by it, the set's total would not be
+                # the one asked for (inspect says so; clip writes nothing).
+                shard_of = loaded.contents.shard_of
+                folder = str(shard_of)
+                whole = f"clip the set: gradclip clip {folder}" if any(
+                    layout.recognises(shard_of) for layout in LAYOUTS) else \
+                    "the set's index is not there to read it by (a '*.index.json')"
+                raise UsageError(f"{path}: one shard of the set in {folder}: clip scales "
+                                 "by the total norm of every gradient of the set, which this file "
+                                 f"alone does not hold; {whole}")
+            plan = loaded.write_back
+            if plan is not None and plan.folder is not None:
+                target = str(options.set_output(plan.folder, output, in_place))
+            report_out.check(reads=[*loaded.contents.files, loaded.contents.path], writes=[target])
+            dtypes = [t.dtype for t in loaded.held_tensors()]
+            if value is not None and any(dtype.is_complex for dtype in dtypes):
+                raise UsageError("--clip-value cannot clamp complex gradients (complex numbers "
+                                 "have no order); use --max-norm")
+            # Under a launcher the ranks share the reading for this first norm; for a
+            # set, by shards: each rank goes on to clip and write the shards it read.
+            owners = shard_owners(session, plan)
+            owned = measure(loaded, p, dev, steps, "computing norms", session=session,
+                            files=owners).owned
+            before, maxima = owned.total(), owned.max_abs.tolist()
+            report = functools.partial(_report, before, source=path, output=target, norm_type=p,
+                                       max_norm=limit, clip_value=value)
+            refused = clipping.refusal(before, maxima, dtypes, p=p, limit=limit,
+                                       allow_nonfinite=allow_nonfinite, value=value)
+            if refused is not None:
+                return _refuse(report_out, report(loaded), *refused)
+            if not speaks() and owners is None:
+                return 0  # one file: rank 0 scales, checks and writes it; the others are done
+            share = _Share(read, loaded, p, dev, steps, None if owners is None else session, owners)
+            del loaded  # the share's now: a lowering reads the file again in its place
+            done = clipping.to_norm(before, limit, dtypes, share.scaled) if limit is not None \
+                else clipping.to_value(value, maxima, share.loaded.held_tensors(), share.clamped)
+            loaded = share.loaded
+            if loaded.write_back is None:
+                raise OutputError(f"{target}: cannot write a {loaded.contents.kind} checkpoint")
+            # The report is drawn (and a --output-file staged) before the checkpoint is
+            # written: nothing can fail over the report once the clipped copy exists.
+            pending = report_out.prepare(report(loaded, done))
+            steps.begin("writing")
+            try:
+                c = loaded.contents  # what was loaded and the held gradients, clipped in place
+                execute(loaded.write_back, target, filter(None, (c.checkpoint, *c.shards)),
+                        {n: t.held for n, t in (c.gradients or {}).items()},
+                        in_place=in_place, ranks=share.session, owners=owners)
+            except BaseException:
+                if pending is not None:
+                    pending.discard()
+                raise
+        if pending is not None:
+            pending.deliver()
+    except GradclipError as error:
+        error.noting(notes)
+        raise
     return 0
 
 
@@ -180,6 +186,8 @@ def _refuse(report_out: Output, report: ClipReport, why: str, then: str) -> int:
     if not speaks():
         return 1
     message = f"{report.source}: {why}; refusing to clip, nothing written{then}"
+    for note in report.notes:  # what --verify could not check, as a failure says it
+        print(f"gradclip: note: {note}", file=sys.stderr)
     print(f"gradclip: {visible(message)}", file=sys.stderr)
     if entry(report_out.format).carries_refusals:
         report_out.emit(dataclasses.replace(report, refused=message), verdict=False)

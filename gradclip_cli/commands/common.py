@@ -13,7 +13,7 @@ import torch
 from .. import measuring
 from ..core import Elements, distinct_elements
 from ..distributed import launcher
-from ..errors import InputError
+from ..errors import GradclipError, InputError
 from ..format.text import visible
 from ..measuring import Measurement
 from ..progress import Steps
@@ -96,7 +96,11 @@ def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: S
     if contents.trusted_pickle and speaks():
         print(f"gradclip: warning: {visible(str(path))}: loaded with --trust-pickle "
               "(full unpickling; code in the file may have run)", file=sys.stderr)
-    selection = select(contents, what, gradients_only=gradients_only)
+    try:
+        selection = select(contents, what, gradients_only=gradients_only)
+    except GradclipError as error:
+        error.noting(contents.notes)  # what --verify could not check: the failure says it
+        raise
     elements = None
     held = [t.held for t in selection.tensors]
     if selection.what == "grads" and all(h is not None for h in held):

@@ -114,7 +114,7 @@ def build(
                 f"{logs[0][0]}: --group-by groups a checkpoint's tensors; a "
                 "norm log holds the norms of the groups it was written with (GradMonitor's "
                 "group_by), which cannot be grouped again: leave --group-by out")
-        p = one_norm_type(requested_p, logs)
+        p, logs, cut = one_norm_type(requested_p, logs)
         how = MeasureOptions(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
         checkpoints = [i.path for i in inputs if not isinstance(i.kind, LogKind)]
         kinds = OneKind(what, "trend", lambda: measurable(checkpoints, key, trust_pickle))
@@ -148,7 +148,7 @@ def build(
     found = found_in_runs(runs)
     # Notes are escaped where made (each name through visible()), as inspect's are; every
     # format shows them as they are (kept_visible), adding only its own quoting.
-    found["notes"] += (unchecked + step_notes + copies + exclusion.notes()
+    found["notes"] += (cut + unchecked + step_notes + copies + exclusion.notes()
                        + monitor_clipping_notes(logs, runs))
     if logs:
         group_by = (LOGGED_GROUPS if len(logs) == len(inputs)

@@ -83,8 +83,10 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
 def render_trend(report: TrendReport, out: TextIO) -> None:
     # Each finding names its point's own file; the notice, the newest point's.
     newest = report.points[-1].source if report.points else ""
-    for note in report.notes:  # where each series of a run folder came from
-        out.write(command("notice", note, shown=True, title="gradclip trend: run folder"))
+    # The notes: where each series of a run folder came from, what the monitor clipped,
+    # what --verify could not check... about a run folder or not: "note", as compare's.
+    for note in report.notes:
+        out.write(command("notice", note, shown=True, title="gradclip trend: note"))
     for line in audit_lines(report):  # a disagreement is also an error finding below
         out.write(command("notice", line, shown=True, title="gradclip trend: norm audit"))
     _write(out, newest, F.trend_findings(report), trend_verdict(report))
@@ -100,6 +102,9 @@ def render_error(failure: FailureReport, out: TextIO) -> None:
     """One ``::error`` naming the input (when known), so the job's annotations say why
     it has no report."""
     file = {"file": failure.file} if failure.file else {}
+    for note in failure.notes:  # what --verify could not check
+        out.write(command("notice", note, shown=True, **file,
+                          title=f"gradclip {failure.command}: note"))
     # The message is made visible once already, as stderr shows it.
     out.write(command("error", failure.message, shown=True, **file,
                       title=f"gradclip: {failure.title}"))

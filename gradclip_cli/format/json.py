@@ -216,8 +216,11 @@ def render_compare(report: CompareReport, out: TextIO) -> None:
 
 
 def error_document(failure: FailureReport) -> dict[str, Any]:
-    return {"schema": ERROR_SCHEMA, "exit_code": failure.exit_code, "error": failure.message,
-            "source": failure.source}
+    document = {"schema": ERROR_SCHEMA, "exit_code": failure.exit_code,
+                "error": failure.message, "source": failure.source}
+    if failure.notes:  # what --verify could not check (an extra key, as other reports')
+        document["notes"] = list(failure.notes)
+    return document
 
 
 def render_error(failure: FailureReport, out: TextIO) -> None:

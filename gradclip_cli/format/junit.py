@@ -113,7 +113,8 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
 
 
 def render_trend(report: TrendReport, out: TextIO) -> None:
-    # The notes (where each series of a run folder came from) follow the verdict.
+    # The notes (where each series came from, what --verify could not check...) follow
+    # the verdict.
     _write(_suite("gradclip trend", [F.TOTAL, *report.groups], F.trend_findings(report),
                   trend_verdict(report), notes=[*report.notes, *audit_lines(report)]), out)
 
@@ -135,6 +136,9 @@ def render_error(failure: FailureReport, out: TextIO) -> None:
     case = ET.SubElement(suite, "testcase", classname=xml_text(name), name=F.RUN)
     error = ET.SubElement(case, "error", message=xml_text(failure.title), type="gradclip")
     error.text = _xml_shown(failure.message)  # made visible once, as stderr shows it
+    if failure.notes:  # what --verify could not check
+        ET.SubElement(suite, "system-out").text = "\n".join(
+            _xml_shown(f"note: {note}") for note in failure.notes)
     _write(root, out)
 
 

@@ -147,6 +147,7 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
     out.write(f"### gradclip clip: {escape(report.source)}\n\n")
     if report.refused is not None:  # nothing was written: no table of what was
         out.write(_verdict(f"FAIL: {visible(report.refused)}", True))
+        _notes(report.notes, out)
         return
     out.write(_table(["", "value"], [
         ["output", escape(report.output)],
@@ -159,8 +160,15 @@ def render_clip(report: ClipReport, out: TextIO) -> None:
     lowered = coef_lowered_line(report)
     if lowered is not None:
         out.write(f"\n{escape(lowered)}\n")
-    if report.notes:  # what --verify could not check
-        out.write("\n" + "".join(f"- {escape_shown(note)}\n" for note in report.notes))
+    if report.notes:
+        out.write("\n")
+    _notes(report.notes, out)
+
+
+def _notes(notes, out: TextIO) -> None:
+    """The report's notes (what --verify could not check), one item each; each already
+    ``visible``."""
+    out.write("".join(f"- {escape_shown(note)}\n" for note in notes))
 
 
 def render_trend(report: TrendReport, out: TextIO) -> None:
@@ -171,7 +179,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
               f"p={escape(fmt_p(report.norm_type))}; spike: z \\> {report.z_threshold:g} "
               f"({escape(group_rule(report.group_thresholds()))}"
               f"alpha {report.alpha:g}, warmup {report.warmup})\n\n")
-    if report.notes:  # where each series of a run folder came from
+    if report.notes:  # where each series came from, what --verify could not check...
         out.write("".join(f"- {escape_shown(note)}\n" for note in report.notes) + "\n")
     audits = audit_lines(report)  # the norm audit
     if audits:
@@ -232,6 +240,7 @@ def render_error(failure: FailureReport, out: TextIO) -> None:
     source = f": {escape(failure.source)}" if failure.source else ""
     out.write(f"### gradclip {escape(failure.command)}{source}\n\n")
     out.write(_verdict(f"FAIL: {failure.kind}: {failure.message} (exit {failure.exit_code})", True))
+    _notes(failure.notes, out)
 
 
 def render_autopsy(report, out: TextIO) -> None:

@@ -346,7 +346,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
                  f"groups by {visible(report.group_by)}; spike: z > {report.z_threshold:g} "
                  f"({group_rule(report.group_thresholds())}"
                  f"alpha {report.alpha:g}, warmup {report.warmup})")
-    for note in report.notes:  # where each series of a run folder came from: escaped where made
+    for note in report.notes:  # where each series came from, ...: escaped where made
         _print_prose(console, kept_visible(note))
     for line in audit_lines(report):  # already made visible
         _print_prose(console, line)

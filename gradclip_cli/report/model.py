@@ -142,6 +142,9 @@ class FailureReport:
     exit_code: int
     source: str | None
     file: str | None = None
+    # What the run had found for its report before it failed, each already ``visible``:
+    # what ``--verify`` could not check (``GradclipError.notes``).
+    notes: tuple[str, ...] = ()
 
     @property
     def kind(self) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..core.spikes import SpikeDetector, group_threshold
-from ..errors import UsageError
+from ..errors import InputError, UsageError
 from ..escaping import visible
 from .model import INSUFFICIENT_HISTORY, NONFINITE, OK, SPIKE, NonFinite
 from .norm_audit import NormAudit
@@ -411,11 +411,17 @@ class OneKind:
                          f"{source0} measures {what0}; {rule}: {fix}")
 
 
-def one_norm_type(requested: float | None, logs: list[tuple[Path, list]]) -> float:
-    """The p every point uses: ``--norm-type``, else the one the logs state, else 2.
+def one_norm_type(requested: float | None, logs: list[tuple[Path, list]]
+                  ) -> tuple[float, list[tuple[Path, list]], list[str]]:
+    """The p every point uses: ``--norm-type``, else the one the logs state, else 2;
+    the logs' entries in that p; notes on the lines left out.
 
-    A log's norms cannot be re-measured, so a log in another p is exit 2.
+    A log's norms cannot be re-measured, so a log in another p is exit 2. A log
+    that holds several p's (a monitor recreated with another ``norm_type``
+    appending to it) is exit 3 naming the steps of each, unless ``--norm-type``
+    names one of them: its lines alone are read, and a note says which were not.
     """
+    logs, notes = _one_norm_type_per_log(requested, logs)
     stated = {(entry.norm_type, path) for path, entries in logs for entry in entries}
     p = requested
     for log_p, path in sorted(stated, key=lambda s: str(s[1])):
@@ -425,7 +431,62 @@ def one_norm_type(requested: float | None, logs: list[tuple[Path, list]]) -> flo
             given = "--norm-type" if requested is not None else "another input"
             raise UsageError(f"{path}: logs norms with p={log_p:g}, but {given} uses "
                              f"p={p:g}; trend compares one kind of norm")
-    return 2.0 if p is None else p
+    return 2.0 if p is None else p, logs, notes
+
+
+def _one_norm_type_per_log(requested: float | None, logs: list[tuple[Path, list]]
+                           ) -> tuple[list[tuple[Path, list]], list[str]]:
+    """Each log's entries in one p (``one_norm_type``), and a note per log cut to it."""
+    kept, notes = [], []
+    for path, entries in logs:
+        stated = list(dict.fromkeys(entry.norm_type for entry in entries))
+        if len(stated) < 2:
+            kept.append((path, entries))
+            continue
+        if requested not in stated:
+            flags = " or ".join(f"--norm-type {p:g}" for p in stated)
+            raise InputError(f"{path}: {mixed_norm_types(entries)}; trend compares one "
+                             f"kind of norm: give {flags} to trend that p's lines alone")
+        left = [words for p, words in _norm_type_runs(entries) if p != requested]
+        out = sum(entry.norm_type != requested for entry in entries)
+        notes.append(f"{visible(str(path))}: {out} line(s) in another p left out "
+                     f"({', '.join(left[:4])}{', ...' if len(left) > 4 else ''}): "
+                     f"--norm-type {requested:g} reads the lines of p={requested:g} alone")
+        kept.append((path, [entry for entry in entries if entry.norm_type == requested]))
+    return kept, notes
+
+
+def mixed_norm_types(entries: list) -> str | None:
+    """Where a log's entries change p, in words ("logs norms with p=2 at steps 0-7, then
+    p=1 at steps 8-11 (a monitor recreated ...)"); None for a log in one p."""
+    if len({entry.norm_type for entry in entries}) < 2:
+        return None
+    runs = [words for _, words in _norm_type_runs(entries)]
+    shown = runs[:4] + ([f"and {len(runs) - 4} more changes"] if len(runs) > 4 else [])
+    return (f"logs norms with {', then '.join(shown)} (a monitor recreated with another "
+            "norm_type appended to it)")
+
+
+def _norm_type_runs(entries: list) -> list[tuple[float, str]]:
+    """Each run of consecutive entries in one p: that p, and the run in words: "p=2 at
+    steps 0-7" (by the entries' order where a step is not logged: "p=2 at entries 1-8")."""
+    runs: list[list[int]] = []
+    for i, entry in enumerate(entries):
+        if i and entries[i - 1].norm_type == entry.norm_type:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    words = []
+    for run in runs:
+        first, last = entries[run[0]], entries[run[-1]]
+        if first.step is not None and last.step is not None:
+            where = f"step {first.step}" if len(run) == 1 else \
+                f"steps {first.step}-{last.step}"
+        else:
+            where = f"entry {run[0] + 1}" if len(run) == 1 else \
+                f"entries {run[0] + 1}-{run[-1] + 1}"
+        words.append((first.norm_type, f"p={first.norm_type:g} at {where}"))
+    return words
 
 
 def found_in_runs(runs: list[RunFolder]) -> dict:

@@ -208,13 +208,15 @@ class OptimizerState:
     maps ids to model names when the optimizer stored them (torch >= 2.6
     with named parameters; DeepSpeed's ``param_shapes``), else is None and
     ``source/what.py`` recovers the mapping from the model's order.
-    ``file`` is where the state was read (for messages).
+    ``file`` is where the state was read (for messages); ``key`` the ``--key`` that
+    names this state alone (a file's top-level ``optimizer_d``), None where none does.
     """
 
     param_groups: list[dict[str, Any]]
     state: dict[int, dict[str, Any]]
     param_names: dict[int, str] | None = None
     file: Path | None = None
+    key: str | None = None
 
 
 def chained(states: list[OptimizerState], file: Path | None) -> tuple[OptimizerState,

@@ -23,6 +23,8 @@ from the model's order group by group (``source/naming.py``).
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
 from dataclasses import dataclass
 
 from gradclip_cli.core import Elements
@@ -167,6 +169,24 @@ def available(contents: Contents) -> list[str]:
     return found
 
 
+def _keyed(contents: Contents, what: str) -> list[str]:
+    """Where several optimizers are measured as one by no rule (different kinds), each
+    that a ``--key`` names alone, as the flags that measure it: ``--key optimizer_g``
+    where it gives ``what``, else ``--key optimizer_d --what update`` per quantity it
+    gives (each one tried, as ``available`` does)."""
+    if not isinstance(optimizer_state(contents), str):
+        return []
+    offers = []
+    for opt in contents.optimizers:
+        if opt.key is None or "." in opt.key:  # a dotted --key is a path: not this name
+            continue
+        alone = dataclasses.replace(contents, optimizers=(opt,))
+        gives = [w for w in available(alone) if w in optimizers.QUANTITIES]
+        flag = f"--key {shlex.quote(opt.key)}"
+        offers += [flag] if what in gives else [f"{flag} --what {w}" for w in gives]
+    return offers
+
+
 def holdings(contents: Contents) -> str:
     """What the optimizer state holds per parameter, named for people."""
     if not contents.optimizers:
@@ -180,8 +200,9 @@ def _unavailable(contents: Contents, what: str, why: str, gradients_only: bool =
     if gradients_only:
         # clip changes gradients only: never offer weights or optimizer state.
         return InputError(f"{path}: {why}; clip changes saved gradients only")
-    offer = [w for w in available(contents) if w != what]
-    options = ", ".join(f"--what {w}" for w in offer) if offer else "nothing gradclip measures"
+    offer = [f"--what {w}" for w in available(contents) if w != what]
+    offer += _keyed(contents, what)
+    options = ", ".join(offer) if offer else "nothing gradclip measures"
     held = holdings(contents)
     keys = held[held.find("("):] if "(" in held else held
     held = "" if not contents.optimizers or keys in why else f"it holds {held}; "

@@ -629,3 +629,25 @@ def test_a_lightning_loggers_steps_from_0_place_its_checkpoints_at_the_step_they
         assert change["after"] == pytest.approx(after[layer], rel=1e-6)
     # The spike reached Adam (no clipping): exp_avg moved far more than 1x.
     assert all(g["changes"]["exp_avg"]["ratio"] > 3 for g in doc["groups"])
+
+
+def test_a_log_in_two_norm_types_is_refused_not_explained_as_a_spike(gradclip, tmp_path):
+    """A monitor recreated with norm_type=1 appending to a log of p=2: the step where
+    p changed was explained as a spike (exit 1), a jump made by the change of norm. It
+    is exit 3 naming the file and the steps of each p."""
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    log = tmp_path / "grads.jsonl"
+    for p, steps in ((2.0, range(0, 10)), (1.0, range(10, 14))):
+        with GradMonitor(model, log=log, dump_dir=None, norm_type=p) as monitor:
+            for step in steps:
+                model.zero_grad()
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                monitor.step(step)
+    r = gradclip("autopsy", log)
+    assert r.code == 3, (r.out, r.err)
+    line = r.err_lines[-1]
+    assert line.startswith(f"gradclip: {log}: "), line
+    assert "p=2 at steps 0-9" in line and "p=1 at steps 10-13" in line, line

@@ -387,3 +387,19 @@ def test_an_unknown_optimizers_state_key_in_a_refusal(gradclip, tmp_path):
     assert r.code == 3, r.err
     line = r.err_lines[-1]
     assert f"state keys ({visible(HOSTILE)})" in line, line
+
+
+def test_a_report_file_that_cannot_hold_the_failure_document_is_named_once_escaped(
+        gradclip, tmp_path):
+    # The run fails on --output-file's folder; writing the failure document there fails
+    # again with the same error, which was printed a second time, raw (an escape
+    # sequence reached the terminal).
+    report = tmp_path / f"{HOSTILE}\x1b[31m" / "report.json"
+    r = gradclip("inspect", tmp_path / "missing.pt", "--format", "json",
+                 "--output-file", report)
+    assert r.code == 3, r.err
+    assert "\x1b" not in r.err, r.err
+    lines = [line for line in r.err_lines if "cannot write" in line]
+    assert lines == [f"gradclip: {visible(report)}: cannot write: the folder "
+                     f"{visible(report.parent)} does not exist"], r.err
+    assert r.json()["exit_code"] == 3

@@ -728,3 +728,67 @@ def test_mixed_kinds_suggest_only_what_every_checkpoint_holds(gradclip, tmp_path
     doc = gradclip("trend", *paths, "--what", "weights", "--format", "json").json()
     want = float(torch.cat([p.detach().double().flatten() for p in model.parameters()]).norm())
     assert [p["total_norm"] for p in doc["points"]] == pytest.approx([want, want], rel=1e-6)
+
+
+def test_monitor_log_in_two_norm_types_names_the_file_and_where_p_changes(gradclip, tmp_path):
+    """A monitor recreated with another norm_type appending to the same log: trend said
+    "another input" uses the other p (exit 2), though there is one file. It is the file's
+    content that is inconsistent (exit 3): the refusal names the file, the steps of each
+    p, and the --norm-type that reads one p's lines alone; each suggestion succeeds."""
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    log = tmp_path / "grads.jsonl"
+    logged = {}
+    for p, steps in ((2.0, range(0, 8)), (1.0, range(8, 14))):
+        with GradMonitor(model, log=log, dump_dir=None, norm_type=p) as monitor:
+            for step in steps:
+                model.zero_grad()
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                grads = [q.grad.double().flatten() for q in model.parameters()]
+                logged[step] = (p, float(torch.cat(grads).norm(p)))
+                monitor.step(step)
+
+    r = gradclip("trend", log)
+    assert r.code == 3, r.err
+    line = r.err_lines[-1]
+    assert "another input" not in line, line
+    assert line.startswith(f"gradclip: {log}: "), line
+    assert "p=2 at steps 0-7" in line and "p=1 at steps 8-13" in line, line
+    suggested = [("2", range(0, 8)), ("1", range(8, 14))]
+    for p, _ in suggested:
+        assert f"--norm-type {p}" in line, line
+    for p, steps in suggested:
+        ok = gradclip("trend", log, "--norm-type", p, "--format", "json")
+        assert ok.code == 0, ok.err
+        doc = ok.json()
+        validate(doc, "trend-1")
+        assert doc["norm_type"] == float(p)
+        assert [q["step"] for q in doc["points"]] == list(steps)
+        for point in doc["points"]:
+            want_p, want = logged[point["step"]]
+            assert want_p == float(p)
+            assert rel_err(point["total_norm"], want) < 1e-5
+        other = "1" if p == "2" else "2"
+        assert any(f"p={other}" in n and "left out" in n for n in doc["notes"]), doc["notes"]
+
+
+def test_a_single_monitor_logs_notes_are_not_called_a_run_folder(gradclip, tmp_path):
+    """trend given one monitor log file (no folder): its notes (here, the steps the
+    monitor clipped) reached GitHub as notices titled "run folder"."""
+    from gradclip_cli import GradMonitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    log = tmp_path / "grads.jsonl"
+    with GradMonitor(model, log=log, dump_dir=None) as monitor:
+        for step in range(8):
+            model.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().mul(100).backward()
+            monitor.clip_grad_norm_(max_norm=1e-3, step=step)
+    r = gradclip("trend", log, "--format", "github")
+    assert r.code == 0, r.err
+    notices = [line for line in r.out.splitlines() if line.startswith("::notice title=")]
+    assert notices, r.out  # the note on what the monitor clipped
+    assert not any("run folder" in line for line in notices), notices

@@ -142,7 +142,7 @@ def test_every_format_says_where_the_series_came_from_and_that_the_trainer_clipp
     assert "- judged\\: " in markdown and "- clipping\\: the Trainer clipped" in markdown
     github = gradclip("trend", run.output_dir, "--format", "github").out.splitlines()
     notices = [line for line in github
-               if line.startswith("::notice title=gradclip trend%3A run folder")]
+               if line.startswith("::notice title=gradclip trend%3A note")]
     assert len(notices) == len(
         gradclip("trend", run.output_dir, "--format", "json").json()["notes"]
     )

@@ -192,3 +192,54 @@ def test_legacy_files_say_verify_checked_nothing_in_every_command(tmp_path, comm
         if command != "clip":  # clip reads one file
             assert any("b.pt" in n and "nothing was checked" in n for n in notes), notes
     assert "checksums" not in plain.out
+
+
+def _refused_clip(kind: str, folder: Path) -> tuple[list[object], int, str]:
+    """clip arguments that refuse (exit 1, 2 or 3) a file storing no checksums, the code,
+    and the words --verify's note uses for that kind."""
+    legacy = "nothing was checked"
+    if kind == "nonfinite":  # a finding: refused to clip (exit 1)
+        path = folder / "g.pt"
+        torch.save({"grads": {"w": torch.tensor([1.0, float("nan")])}}, path,
+                   _use_new_zipfile_serialization=False)
+        return ["clip", path, "--max-norm", "1"], 1, legacy
+    if kind == "usage":  # exit 2: --clip-value on complex gradients
+        path = folder / "g.pt"
+        torch.save({"grads": {"w": torch.ones(2, dtype=torch.complex64)}}, path,
+                   _use_new_zipfile_serialization=False)
+        return ["clip", path, "--clip-value", "1"], 2, legacy
+    if kind == "input":  # exit 3: --key names nothing in the file
+        path = folder / "g.pt"
+        torch.save({"grads": {"w": torch.ones(2)}}, path, _use_new_zipfile_serialization=False)
+        return ["clip", path, "--max-norm", "1", "--key", "nope"], 3, legacy
+    path = folder / "g.safetensors"  # exit 1 on a safetensors file
+    path.write_bytes(safetensors_bytes({"w": f32(0, 2)},
+                                       struct.pack("<2f", 3.0, float("inf"))))
+    return ["clip", path, "--max-norm", "1"], 1, "header"
+
+
+@pytest.mark.parametrize("format", _FORMATS)
+@pytest.mark.parametrize("kind", ["nonfinite", "usage", "input", "safetensors"])
+def test_a_refused_clip_still_says_what_verify_could_not_check(tmp_path, kind, format):
+    """clip --verify refusing a file that stores no checksums (exit 1, 2 or 3) says, as a
+    run it does not refuse does, that the check asked for was not made: in the document
+    of every format that writes one; an exit-1 refusal also on stderr where the format
+    writes none (table, json); an exit 2 or 3 keeps stderr to its one line."""
+    args, code, words = _refused_clip(kind, tmp_path)
+    out = tmp_path / "out.pt"
+    result = run_cli(*args, "--verify", "--format", format, "--output", out)
+    assert result.code == code, result.err
+    assert not out.exists()
+    writes_document = format in ("markdown", "github", "junit") or (
+        format == "json" and code != 1)
+    if format == "table" and code != 1:
+        assert len(result.err_lines) == 1 and not result.out, (result.out, result.err)
+        return
+    shown = result.out if writes_document else result.err
+    assert "stores no checksums" in shown and words in shown, (result.out, result.err)
+    if format == "json" and code != 1:
+        from ..json_schemas import assert_valid
+        notes = assert_valid(result.out)["notes"]
+        assert any("stores no checksums" in n for n in notes), notes
+    plain = run_cli(*args, "--format", format, "--output", out)  # without --verify: none
+    assert plain.code == code and "checksums" not in plain.out + plain.err

@@ -165,7 +165,12 @@ def test_optimizers_of_different_kinds_are_refused(gradclip, tmp_path):
     assert result.code == 3
     line = result.err_lines[0]
     assert "it holds 2 optimizers of different kinds (Muon, AdamW)" in line, line
-    assert line.endswith("available: --what weights"), line
+    # Muon's state gives no quantity; AdamW's, asked for by its key, is measured alone.
+    assert line.endswith("available: --what weights, --key optimizer_adamw"), line
+    alone = gradclip("inspect", path, "--what", "exp_avg", "--key", "optimizer_adamw",
+                     "--format", "json")
+    assert alone.code == 0, alone.err
+    assert len(alone.json()["tensors"]) == len(adamw.state_dict()["state"])
 
 
 def test_the_same_optimizer_saved_twice_is_refused(gradclip, tmp_path):
@@ -178,3 +183,51 @@ def test_the_same_optimizer_saved_twice_is_refused(gradclip, tmp_path):
     result = gradclip("inspect", path, "--what", "exp_avg")
     assert result.code == 3
     assert "two of its 2 optimizers hold parameter generator.0.weight" in result.err_lines[0]
+
+
+def _offers(line: str) -> list[list[str]]:
+    """The flag sets a refusal offers ("available: --key a, --key b --what update")."""
+    listed = line.rsplit("available: ", 1)[1]
+    return [offer.split() for offer in listed.split(", ")]
+
+
+@pytest.mark.parametrize("make_d, d_gives", [
+    (lambda p: torch.optim.AdamW(p, lr=1e-3, betas=BETAS), "exp_avg"),
+    (lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), "update"),
+], ids=["adam-adamw", "adam-sgd"])
+@pytest.mark.parametrize("with_model", [True, False], ids=["model", "no-model"])
+def test_optimizers_of_different_kinds_offer_each_by_its_key(gradclip, tmp_path, make_d,
+                                                             d_gives, with_model):
+    """A GAN's optimizer_g and optimizer_d of different kinds: the refusal offered
+    nothing (or the weights alone), though --key names each optimizer, which is measured
+    alone. The refusal lists each --key (with the --what it gives where --what exp_avg
+    is not one), and following each offer succeeds, measuring that optimizer alone."""
+    model, (g, d) = _trained(lambda m: [
+        torch.optim.Adam(m.generator.parameters(), lr=1e-2, betas=BETAS),
+        make_d(m.discriminator.parameters())])
+    path = tmp_path / "gan.pt"
+    saved = {"optimizer_g": g.state_dict(), "optimizer_d": d.state_dict()}
+    torch.save({**({"model": model.state_dict()} if with_model else {}), **saved}, path)
+    result = gradclip("inspect", path, "--what", "exp_avg")
+    assert result.code == 3, result.err
+    line = result.err_lines[-1]
+    assert "it holds 2 optimizers of different kinds" in line, line
+    offers = _offers(line)
+    want_d = ["--key", "optimizer_d"] + ([] if d_gives == "exp_avg" else ["--what", d_gives])
+    assert ["--key", "optimizer_g"] in offers and want_d in offers, line
+    weights = model.state_dict()
+    for offer in offers:
+        args = offer if "--what" in offer else ["--what", "exp_avg", *offer]
+        run = gradclip("inspect", path, *args, "--format", "json")
+        assert run.code == 0, (offer, run.err)
+        doc = run.json()
+        if "--key" not in offer:
+            continue  # the weights
+        key = offer[offer.index("--key") + 1]
+        assert doc["what"] == args[args.index("--what") + 1]
+        state = saved[key]
+        assert len(doc["tensors"]) == len(state["state"])
+        if doc["what"] == "exp_avg":
+            prefix = "generator." if key == "optimizer_g" else "discriminator."
+            ref = _reference(weights, [(state, prefix)])
+            assert rel_err(doc["total_norm"], _norm(r[0] for r in ref.values())) <= TOL

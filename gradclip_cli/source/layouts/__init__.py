@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from gradclip_cli.errors import InputError
+from gradclip_cli.errors import GradclipError, InputError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source import load_checkpoint, unverified
 from gradclip_cli.source.files.dcp_metadata import METADATA_NAME
@@ -92,7 +92,11 @@ def open_checkpoint(
     with one line naming the file.
     """
     with unverified() as found:
-        contents = _open(Path(path), key=key, trust_pickle=trust_pickle, verify=verify)
+        try:
+            contents = _open(Path(path), key=key, trust_pickle=trust_pickle, verify=verify)
+        except GradclipError as error:
+            error.noting(_unverified_notes(found))
+            raise
     if not found:
         return contents
     return dataclasses.replace(contents, notes=(*contents.notes, *_unverified_notes(found)))

@@ -40,8 +40,10 @@ def wraps_optimizer_state(value: Any) -> bool:
             and any(k in value for k in MASTER_WEIGHT_KEYS))
 
 
-def optimizer_state(value: Any, file: Path, where: str) -> OptimizerState:
-    """``value`` (a state dict found at ``where`` in ``file``) as ``OptimizerState``."""
+def optimizer_state(value: Any, file: Path, where: str, key: str | None = None
+                    ) -> OptimizerState:
+    """``value`` (a state dict found at ``where`` in ``file``; ``key``: the ``--key`` that
+    names it alone) as ``OptimizerState``."""
 
     def bad(why: str) -> InputError:
         return InputError(f"{file}: {where} is not an optimizer state dict: {why}")
@@ -82,7 +84,7 @@ def optimizer_state(value: Any, file: Path, where: str) -> OptimizerState:
             for k, v in entry.items()
         }
     complete = len(names) == len(seen)
-    return OptimizerState(groups, state, names if complete and names else None, file)
+    return OptimizerState(groups, state, names if complete and names else None, file, key)
 
 
 def _by_id(value: Mapping, bad) -> Mapping:
