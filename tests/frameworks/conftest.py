@@ -374,6 +374,15 @@ def litgpt_run(framework_python, tmp_path_factory) -> Path:
     return run_generator(framework_python, "litgpt_run.py", out, 0) / "out" / "pretrain"
 
 
+@pytest.fixture(scope="session")
+def litgpt_lora_run(framework_python, tmp_path_factory) -> Path:
+    """``litgpt finetune_lora``'s own output folder, 2 steps each saved: ``step-00000{1,2}/``
+    (``lit_model.pth.lora``, the adapter alone) and ``final/`` (the adapter, and the base
+    model with it merged in)."""
+    out = tmp_path_factory.mktemp("litgpt_lora")
+    return run_generator(framework_python, "litgpt_lora_run.py", out, 0) / "out"
+
+
 def _venv_python(variable: str, framework: str) -> str:
     """The python that ``variable`` names, a framework's own venv; the test is skipped,
     saying so, where it names none."""
