@@ -352,7 +352,8 @@ def torchtune_runs(framework_python, tmp_path_factory) -> Path:
     ``run/`` and ``in_bwd/`` (``optimizer_in_bwd``), each ``epoch_{0,1,2}/`` and
     ``recipe_state/recipe_state.pt``; ``hf/``, 2 epochs saved by
     ``FullModelHFCheckpointer``; ``lora/``, 2 epochs of ``lora_finetune_single_device``;
-    ``reference/lora_names.json``."""
+    ``lora_adapter/``, 2 epochs of it with ``save_adapter_weights_only`` (the adapter alone,
+    no model shard, saved by ``FullModelHFCheckpointer``); ``reference/lora_names.json``."""
     out = tmp_path_factory.mktemp("torchtune")
     return run_generator(framework_python, "torchtune_run.py", out, 0)
 
