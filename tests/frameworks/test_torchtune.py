@@ -273,6 +273,26 @@ def test_adapter_only_epoch_measures_its_optimizer_under_its_ids(gradclip, torch
     assert any("adapter" in line and "ids" in line for line in doc["description"])
 
 
+@pytest.mark.parametrize("name", ["adapter_model.pt", "adapter_model.safetensors"])
+def test_an_adapter_file_alone_is_the_adapters_weights(gradclip, torchtune_runs, name):
+    """The adapter's file given alone (torchtune's names in ``.pt``, PEFT's in
+    ``.safetensors``): its tensors are the adapter's weights, never called the model's."""
+    file = torchtune_runs / "lora_adapter" / "epoch_0" / name
+    if name.endswith(".pt"):
+        adapter = torch.load(file, weights_only=True)
+    else:
+        with safe_open(str(file), "pt") as f:
+            adapter = {k: f.get_tensor(k) for k in f.keys()}
+    result = gradclip("inspect", file, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["what"] == "weights"
+    assert "adapter" in doc["measured"]["explain"]
+    assert "model weights" not in doc["measured"]["explain"]
+    assert rel_err(doc["total_norm"], norm(adapter.values())) <= TOL
+    assert {t["name"] for t in doc["tensors"]} == set(adapter)
+
+
 def test_every_adapter_only_refusal_offers_only_what_works(gradclip, torchtune_runs, tmp_path):
     from tests.cli.support import walk_refusals
 
