@@ -293,6 +293,17 @@ def test_an_adapter_file_alone_is_the_adapters_weights(gradclip, torchtune_runs,
     assert {t["name"] for t in doc["tensors"]} == set(adapter)
 
 
+def test_trend_of_adapter_only_epochs_names_the_adapters_weights(gradclip, torchtune_runs):
+    """``--what auto`` meets the optimizer's moments at epoch 0 and the adapter's weights
+    alone at epoch 1: refused, the weights called the adapter's, and the offer works."""
+    run = torchtune_runs / "lora_adapter"
+    result = gradclip("trend", run)
+    assert result.code == 2 and len(result.err_lines) == 1, result.err
+    assert "adapter's weights" in result.err and "model weights" not in result.err
+    assert "--what weights" in result.err
+    assert gradclip("trend", run, "--what", "weights").code == 0
+
+
 def test_every_adapter_only_refusal_offers_only_what_works(gradclip, torchtune_runs, tmp_path):
     from tests.cli.support import walk_refusals
 
