@@ -134,7 +134,8 @@ def build(
             loaded = load(item.path, how.key, how.trust_pickle, how.verify, steps, how.what)
             if output is not None:
                 output.check(reads=loaded.contents.files)
-            kinds.check(str(item.path), loaded.selection.what)  # before measuring it
+            kinds.check(str(item.path), loaded.selection.what,  # before measuring it
+                        explain=loaded.selection.explain)
             m = measure_grouped(loaded, item.path, how, steps, item.folder_step)
             del loaded  # its mapping goes before the next checkpoint is opened
             optimizers.add(m.optimizer)

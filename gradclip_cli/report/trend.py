@@ -380,7 +380,10 @@ class OneKind:
             return self.first[1]
         return LOGGED_WHAT if self.requested == "auto" else self.requested
 
-    def check(self, source: str, what: str, *, logged: bool = False) -> None:
+    def check(self, source: str, what: str, *, logged: bool = False,
+              explain: str | None = None) -> None:
+        """``explain``: what ``source`` measures, as its selection words it (an adapter's
+        weights are not the model's); else the quantity's own wording."""
         if logged and self.requested not in ("auto", what):
             raise UsageError(
                 f"--what {self.requested}: {source} logs gradient norms ({what}) "
@@ -407,7 +410,7 @@ class OneKind:
                 else "one trend judges one quantity")
         from ..source.what import EXPLAIN
 
-        raise UsageError(f"{source} measures {what} ({EXPLAIN[what]}) but "
+        raise UsageError(f"{source} measures {what} ({explain or EXPLAIN[what]}) but "
                          f"{source0} measures {what0}; {rule}: {fix}")
 
 

@@ -327,6 +327,9 @@ class Contents:
             LoRA adapter) fills it.
         notes: lines of ``description`` every format carries, not the table and json
             alone: what ``--verify`` could not check (a file that stores no checksums).
+        weights_of: whose weights ``weights`` are where they are not the model's (a
+            LoRA adapter saved alone: "the LoRA adapter's"), for the report's account
+            of what ``--what weights`` measured; "" for the model's.
     """
 
     path: Path
@@ -352,6 +355,7 @@ class Contents:
     keyed: str | None = None
     fused_weights: Mapping[str, StoredTensor] = field(default_factory=lambda: NOTHING)
     notes: tuple[str, ...] = ()
+    weights_of: str = ""
 
     def __post_init__(self) -> None:
         # Whatever built it (a layout's draft, ``dataclasses.replace``), its collections are

@@ -50,6 +50,17 @@ _WEIGHT_FILE = re.compile(
     r"layer_\d+(-model_\d+)?-model_states\.pt")  # a DeepSpeed PipelineModule layer's weights
 
 
+# An adapter's weights saved apart from its model: PEFT's (and torchtune's) adapter_model.*.
+_ADAPTER_FILE = re.compile(r"adapter_model\.(safetensors|bin|pth|pt)")
+ADAPTERS = "an adapter's"
+
+
+def weights_of(file: Path | None) -> str:
+    """Whose weights a weight file named ``file`` holds where they are not the model's
+    (``Contents.weights_of``): an adapter's, saved apart from its model; "" otherwise."""
+    return ADAPTERS if file is not None and _ADAPTER_FILE.fullmatch(file.name) else ""
+
+
 @dataclass(frozen=True)
 class Role:
     """One tensor's role and the evidence for it; for optimizer state, whose and which."""
@@ -98,6 +109,8 @@ def weight_evidence(mapping: Mapping[str, Any], *, file: Path | None = None,
     buffers = [n for n in names if n.rsplit(".", 1)[-1] in BUFFER_NAMES]
     if buffers:
         return f"a model's buffers: {buffers[0]}"
+    if weights_of(file):
+        return f"an adapter's weight file name: {file.name}"
     if file is not None and _WEIGHT_FILE.fullmatch(file.name):
         return f"a model's weight file name: {file.name}"
     if folder is not None and os.path.isfile(folder / "config.json"):

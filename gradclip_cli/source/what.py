@@ -232,6 +232,8 @@ def _raw(contents: Contents, what: str, gradients_only: bool = False) -> Selecti
         weights = [contents.weights.get(n) for n in names]
     role = roles.GRADIENT if what == "grads" else roles.WEIGHT
     explain = EXPLAIN[what]
+    if what == "weights" and contents.weights_of:
+        explain = f"{contents.weights_of} weights, not the model's"
     if what == "weights" and contents.buffers:
         explain += f", {len(contents.buffers)} buffers apart"
     return Selection(

@@ -352,7 +352,8 @@ def torchtune_runs(framework_python, tmp_path_factory) -> Path:
     ``run/`` and ``in_bwd/`` (``optimizer_in_bwd``), each ``epoch_{0,1,2}/`` and
     ``recipe_state/recipe_state.pt``; ``hf/``, 2 epochs saved by
     ``FullModelHFCheckpointer``; ``lora/``, 2 epochs of ``lora_finetune_single_device``;
-    ``reference/lora_names.json``."""
+    ``lora_adapter/``, 2 epochs of it with ``save_adapter_weights_only`` (the adapter alone,
+    no model shard, saved by ``FullModelHFCheckpointer``); ``reference/lora_names.json``."""
     out = tmp_path_factory.mktemp("torchtune")
     return run_generator(framework_python, "torchtune_run.py", out, 0)
 
@@ -372,6 +373,15 @@ def litgpt_run(framework_python, tmp_path_factory) -> Path:
     ``out/pretrain/``, holding ``step-0000000{1,2}/lit_model.pth``."""
     out = tmp_path_factory.mktemp("litgpt")
     return run_generator(framework_python, "litgpt_run.py", out, 0) / "out" / "pretrain"
+
+
+@pytest.fixture(scope="session")
+def litgpt_lora_run(framework_python, tmp_path_factory) -> Path:
+    """``litgpt finetune_lora``'s own output folder, 2 steps each saved: ``step-00000{1,2}/``
+    (``lit_model.pth.lora``, the adapter alone) and ``final/`` (the adapter, and the base
+    model with it merged in)."""
+    out = tmp_path_factory.mktemp("litgpt_lora")
+    return run_generator(framework_python, "litgpt_lora_run.py", out, 0) / "out"
 
 
 def _venv_python(variable: str, framework: str) -> str:

@@ -88,3 +88,72 @@ def test_every_refusal_offers_only_what_works(gradclip, litgpt_run, tmp_path):
     folder = _folder(litgpt_run, 2)
     refusals, followed = walk_refusals(gradclip, [folder, folder / "lit_model.pth"], tmp_path)
     assert refusals >= 4 and followed > 2
+
+
+# ------------------------------------------------------------------ finetune_lora
+
+
+def _adapter(litgpt_lora_run, folder: str) -> dict[str, torch.Tensor]:
+    return torch.load(litgpt_lora_run / folder / "lit_model.pth.lora", weights_only=True)["model"]
+
+
+def test_the_lora_fixture_is_litgpts_finetune_output(litgpt_lora_run):
+    names = sorted(p.name for p in litgpt_lora_run.iterdir() if p.name.startswith(("step", "fin")))
+    assert names == ["final", "step-000001", "step-000002"]
+    for folder in ("step-000001", "step-000002"):
+        files = {p.name for p in (litgpt_lora_run / folder).iterdir()}
+        assert {"lit_model.pth.lora", "model_config.yaml"} <= files
+        assert "lit_model.pth" not in files  # the adapter alone, no model, no optimizer
+    adapter = _adapter(litgpt_lora_run, "step-000002")
+    assert adapter and all(".lora_" in name for name in adapter)
+
+
+@pytest.mark.parametrize("given", ["folder", "file"])
+def test_a_lora_step_measures_the_adapters_weights(gradclip, litgpt_lora_run, given):
+    """A ``step-N/`` of ``finetune_lora`` holds the adapter's weights alone: measured as
+    the adapter's, at the folder's step, never called the model's."""
+    folder = litgpt_lora_run / "step-000002"
+    adapter = _adapter(litgpt_lora_run, "step-000002")
+    path = folder if given == "folder" else folder / "lit_model.pth.lora"
+    result = gradclip("inspect", path, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["what"], doc["step"], doc["format"]) == ("weights", 2, "litgpt-lora")
+    assert "LoRA adapter" in doc["measured"]["explain"]
+    assert "model weights" not in doc["measured"]["explain"]
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(adapter)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([adapter[name]])) <= TOL, name
+    assert rel_err(doc["total_norm"], norm(adapter.values())) <= TOL
+    table = gradclip("inspect", path)
+    assert table.code == 0 and "LoRA adapter" in table.out
+    refused = gradclip("inspect", path, "--what", "exp_avg")
+    assert refused.code == 3 and "--what weights" in refused.err
+    assert path.name in refused.err
+
+
+def test_trend_over_the_lora_out_folder(gradclip, litgpt_lora_run):
+    result = gradclip("trend", litgpt_lora_run, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["what"] == "weights"
+    assert [p["step"] for p in doc["points"]] == [1, 2]
+    for point, folder in zip(doc["points"], ("step-000001", "step-000002")):
+        expected = norm(_adapter(litgpt_lora_run, folder).values())
+        assert rel_err(point["total_norm"], expected) <= TOL
+
+
+def test_the_lora_final_folder_is_the_merged_model(gradclip, litgpt_lora_run):
+    merged = torch.load(litgpt_lora_run / "final" / "lit_model.pth", weights_only=True)
+    doc = gradclip("inspect", litgpt_lora_run / "final", "--format", "json").json()
+    assert doc["what"] == "weights" and doc["format"] == "litgpt"
+    assert rel_err(doc["total_norm"], norm(merged.values())) <= TOL
+
+
+def test_every_lora_refusal_offers_only_what_works(gradclip, litgpt_lora_run, tmp_path):
+    from tests.cli.support import walk_refusals
+
+    folder = litgpt_lora_run / "step-000002"
+    refusals, followed = walk_refusals(gradclip, [folder, folder / "lit_model.pth.lora"], tmp_path)
+    assert refusals >= 2 and followed >= 2

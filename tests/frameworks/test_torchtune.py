@@ -216,6 +216,103 @@ def test_lora_adapter_moments_named_by_the_lora_models_order(gradclip, torchtune
     assert rel_err(doc["total_norm"], norm(weights.values())) <= TOL
 
 
+# ------------------------------------------------- LoRA, adapter weights only
+
+
+def test_the_adapter_only_fixture_holds_no_model_shard(torchtune_runs):
+    run = torchtune_runs / "lora_adapter"
+    for epoch in (0, 1):
+        files = {p.name for p in (run / f"epoch_{epoch}").iterdir()}
+        assert {"adapter_model.pt", "adapter_model.safetensors", "adapter_config.json"} <= files
+        assert not any(n.startswith("model-") for n in files)
+    assert torch.load(run / RECIPE, weights_only=True)["epochs_run"] == 1
+
+
+def test_adapter_only_epochs_measure_the_adapters_weights(gradclip, torchtune_runs):
+    """``save_adapter_weights_only``: an epoch holds the adapter alone. Its weights are
+    measured as the adapter's, never called the model's; the output folder's epochs make
+    a trend of them, at torchtune's steps."""
+    run = torchtune_runs / "lora_adapter"
+    for epoch, step in ((0, 2), (1, 4)):
+        adapter = torch.load(run / f"epoch_{epoch}" / "adapter_model.pt", weights_only=True)
+        result = gradclip("inspect", run / f"epoch_{epoch}", "--what", "weights",
+                          "--format", "json")
+        assert result.code == 0, result.err
+        doc = result.json()
+        assert (doc["format"], doc["step"]) == ("torchtune", step)
+        assert "LoRA adapter" in doc["measured"]["explain"]
+        assert "model weights" not in doc["measured"]["explain"]
+        rows = {t["name"]: t for t in doc["tensors"]}
+        assert set(rows) == set(adapter)
+        for name, row in rows.items():
+            assert rel_err(row["norm"], norm([adapter[name]])) <= TOL, name
+        assert rel_err(doc["total_norm"], norm(adapter.values())) <= TOL
+    trend = gradclip("trend", run, "--what", "weights", "--format", "json")
+    assert trend.code == 0, trend.err
+    assert [p["step"] for p in trend.json()["points"]] == [2, 4]
+
+
+@pytest.mark.parametrize("what", QUANTITIES)
+def test_adapter_only_epoch_measures_its_optimizer_under_its_ids(gradclip, torchtune_runs, what):
+    """The optimizer was given every parameter of the LoRA model; an adapter-only epoch
+    holds no model to name them by: measured exactly under the ids, the report saying why."""
+    run = torchtune_runs / "lora_adapter"
+    saved = torch.load(run / RECIPE, weights_only=True)["optimizer"]
+    group = saved["param_groups"][0]
+    state = {f"state.{p}": s for p, s in saved["state"].items()}
+    expected = adam_measured(state, {n: group for n in state}, what)
+    result = gradclip("inspect", run / "epoch_0", "--what", what, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert (doc["step"], doc["what"]) == (2, what)
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert set(rows) == set(expected)
+    for name, row in rows.items():
+        assert rel_err(row["norm"], norm([expected[name]])) <= TOL, name
+    assert any("adapter" in line and "ids" in line for line in doc["description"])
+
+
+@pytest.mark.parametrize("name", ["adapter_model.pt", "adapter_model.safetensors"])
+def test_an_adapter_file_alone_is_the_adapters_weights(gradclip, torchtune_runs, name):
+    """The adapter's file given alone (torchtune's names in ``.pt``, PEFT's in
+    ``.safetensors``): its tensors are the adapter's weights, never called the model's."""
+    file = torchtune_runs / "lora_adapter" / "epoch_0" / name
+    if name.endswith(".pt"):
+        adapter = torch.load(file, weights_only=True)
+    else:
+        with safe_open(str(file), "pt") as f:
+            adapter = {k: f.get_tensor(k) for k in f.keys()}
+    result = gradclip("inspect", file, "--format", "json")
+    assert result.code == 0, result.err
+    doc = result.json()
+    assert doc["what"] == "weights"
+    assert "adapter" in doc["measured"]["explain"]
+    assert "model weights" not in doc["measured"]["explain"]
+    assert rel_err(doc["total_norm"], norm(adapter.values())) <= TOL
+    assert {t["name"] for t in doc["tensors"]} == set(adapter)
+
+
+def test_trend_of_adapter_only_epochs_names_the_adapters_weights(gradclip, torchtune_runs):
+    """``--what auto`` meets the optimizer's moments at epoch 0 and the adapter's weights
+    alone at epoch 1: refused, the weights called the adapter's, and the offer works."""
+    run = torchtune_runs / "lora_adapter"
+    result = gradclip("trend", run)
+    assert result.code == 2 and len(result.err_lines) == 1, result.err
+    assert "adapter's weights" in result.err and "model weights" not in result.err
+    assert "--what weights" in result.err
+    assert gradclip("trend", run, "--what", "weights").code == 0
+
+
+def test_every_adapter_only_refusal_offers_only_what_works(gradclip, torchtune_runs, tmp_path):
+    from tests.cli.support import walk_refusals
+
+    run = torchtune_runs / "lora_adapter"
+    paths = [run / "epoch_0", run / "epoch_1", run]
+    refusals, followed = walk_refusals(gradclip, paths, tmp_path)
+    assert refusals >= 2 * len(paths) and followed >= len(paths)
+
+
 # ------------------------------------------------------- FullModelHFCheckpointer
 
 

@@ -24,6 +24,12 @@ every parameter of the LoRA model (state only for the adapter's). Its
 ``named_parameters()`` order, which gives the optimizer's ids their names, is
 written from torchtune's own model as ``OUT/reference/lora_names.json``: the
 tests' reference. The other files are read as the recipe wrote them.
+
+A fifth (``OUT/lora_adapter``, 2 epochs) runs the LoRA recipe with
+``save_adapter_weights_only: True`` and ``FullModelHFCheckpointer``: each
+``epoch_N/`` holds the adapter alone (``adapter_model.pt`` under torchtune's
+names, ``adapter_model.safetensors`` under PEFT's, ``adapter_config.json``),
+no model shard.
 """
 
 from __future__ import annotations
@@ -106,7 +112,13 @@ def _inputs(out: Path) -> Path:
 
 
 def _config(
-    out: Path, name: str, base: Path, in_bwd: bool, hf: bool = False, lora: bool = False
+    out: Path,
+    name: str,
+    base: Path,
+    in_bwd: bool,
+    hf: bool = False,
+    lora: bool = False,
+    adapter_only: bool = False,
 ) -> Path:
     model = "\n".join(f"  {k}: {v}" for k, v in MODEL.items())
     builder = "lora_llama2" if lora else "llama2"
@@ -149,7 +161,7 @@ lr_scheduler:
   _component_: torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup
   num_warmup_steps: 0
   num_cycles: 0.0
-save_adapter_weights_only: False
+save_adapter_weights_only: {adapter_only}
 optimizer:
   _component_: torch.optim.AdamW
   lr: 0.001
@@ -186,9 +198,10 @@ def main(out: Path) -> None:
         ("in_bwd", True, False, False),
         ("hf", False, True, False),
         ("lora", False, False, True),
+        ("lora_adapter", False, True, True),
     )
     for name, in_bwd, hf, lora in runs:
-        config = _config(out, name, base, in_bwd, hf, lora)
+        config = _config(out, name, base, in_bwd, hf, lora, adapter_only=name == "lora_adapter")
         recipe = "lora_finetune_single_device" if lora else "full_finetune_single_device"
         done = subprocess.run(
             [

@@ -71,6 +71,7 @@ class Draft:
     keyed: str | None = None
     fused_weights: dict[str, StoredTensor] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    weights_of: str = ""
 
     def say(self, words: Wording) -> None:
         """Put a layout's sentences in place: description lines, evidence, what is missing

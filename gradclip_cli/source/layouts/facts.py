@@ -62,6 +62,7 @@ class NotGradients:
     proof: str = ""
     key: str | None = None
     file: str = "the file"
+    whose: str = "a model's"  # whose weights they are: an adapter's (roles.weights_of)
 
 
 def wording(*facts: Found | NoGradients | NotGradients) -> Wording:
@@ -79,7 +80,7 @@ def wording(*facts: Found | NoGradients | NotGradients) -> Wording:
                 f" ({', '.join(fact.saves)})" if fact.saves else "")
         else:
             held = _OPTIMIZER if fact.role == roles.OPTIMIZER_STATE else \
-                f"a model's weights ({fact.proof})"
+                f"{fact.whose} weights ({fact.proof})"
             where = f"{fact.file} is" if fact.key is None else f"--key {fact.key} holds"
             error = f"{fact.path}: {where} {held}, not gradients"
     return Wording((), said.get(roles.WEIGHT), said.get(roles.OPTIMIZER_STATE),

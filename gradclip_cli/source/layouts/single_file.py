@@ -114,8 +114,10 @@ def _gradients(contents, root, path, key, selection, metadata) -> None:
         elif evidence is not None:
             contents.weights, contents.buffers = roles.split_buffers(
                 stored({str(k): v for k, v in root.items() if hasattr(v, "dtype")}, path))
+            contents.weights_of = roles.weights_of(path)
             contents.say(wording(Found(roles.WEIGHT, PROOF, detail=evidence),
-                                 NotGradients(path, roles.WEIGHT, evidence)))
+                                 NotGradients(path, roles.WEIGHT, evidence,
+                                              whose=contents.weights_of or "a model's")))
             return
         else:
             contents.say(wording(Found(roles.GRADIENT, FLAT,

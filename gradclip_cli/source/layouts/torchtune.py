@@ -33,6 +33,15 @@ parameter of the LoRA model, with state for the adapter's alone: the
 model's order with the adapter's tensors in place names them
 (``_read_adapter``).
 
+Saved with ``save_adapter_weights_only``, an epoch holds the adapter alone
+(``adapter_model.pt``, and from ``FullModelHFCheckpointer`` the same tensors
+under PEFT's names in ``adapter_model.safetensors`` with
+``adapter_config.json``), no model shard: ``--what weights`` measures the
+adapter's weights, said to be the adapter's, not the model's; the optimizer,
+whose ids count every parameter of the LoRA model, has no model here to name
+them, and is measured exactly under its ids, the report saying why
+(``_adapter_alone``).
+
 The step: torchtune counts ``global_step = epochs_run * steps_per_epoch``
 (``full_finetune_single_device.py``, every epoch the same length), and the
 recipe state says how many optimizer steps ran (``steps_run``, else the
@@ -70,6 +79,7 @@ _EPOCH = re.compile(r"epoch_(\d+)")
 _SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.(bin|safetensors|pt)")
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 ADAPTER = "adapter_model.pt"
+ADAPTERS = "the LoRA adapter's"
 
 
 def recognises(path: Path) -> bool:
@@ -84,9 +94,11 @@ def _names(path: Path) -> list[str]:
 
 
 def _epoch_number(path: Path) -> int | None:
-    """N of a folder named ``epoch_N`` that holds a torchtune model shard, else None."""
+    """N of a folder named ``epoch_N`` that holds a torchtune model shard (or, saved with
+    ``save_adapter_weights_only``, the LoRA adapter alone), else None."""
     named = _EPOCH.fullmatch(os.path.basename(os.path.abspath(path)))
-    if named is None or not any(_SHARD.fullmatch(n) for n in _names(path)):
+    names = _names(path)
+    if named is None or not (any(_SHARD.fullmatch(n) for n in names) or ADAPTER in names):
         return None
     return int(named.group(1))
 
@@ -145,7 +157,8 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
             f"without an optimizer: no {RECIPE_STATE} (torchtune writes one at every "
             "epoch but the last)"
         )
-    if os.path.isfile(epoch / ADAPTER):
+    adapter_only = contents.weights_of != ""
+    if os.path.isfile(epoch / ADAPTER) and not adapter_only:
         lines.append(_read_adapter(contents, epoch, trust_pickle=trust_pickle, verify=verify))
     step = f" at step {contents.step}" if contents.step is not None else ""
     contents.description.append(f"{lines[0]}{step} {', '.join(lines[1:])}".rstrip())
@@ -155,11 +168,15 @@ def open(path: Path, *, key: str | None, trust_pickle: bool, verify: bool) -> Co
         # FullModelHFCheckpointer: Hugging Face's names, sorted, beside an optimizer of
         # torchtune's own model order: measured exactly under its ids, said why.
         contents.missing[roles.PARAMETER_NAMES] = (
+            f"{visible(epoch.name)} holds the LoRA adapter's weights alone "
+            "(save_adapter_weights_only), no model to give the optimizer's ids, which count "
+            "every parameter of the LoRA model, their names" if adapter_only else
             f"{visible(epoch.name)}'s Hugging Face shards sort their names and the optimizer "
             f"in {RECIPE_STATE} is in torchtune's own model order"
         )  # worded in the report by what.named_by_id, as for every layout
+    weights = f"{ADAPTERS} weights" if adapter_only else "the model's weights"
     contents.say(wording(NoGradients(path, "a torchtune checkpoint", (
-        "the model's weights", f"and the optimizer in {RECIPE_STATE}"))))
+        weights, f"and the optimizer in {RECIPE_STATE}"))))
     return contents.finish()
 
 
@@ -178,6 +195,8 @@ def _read_weights(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: b
             contents.say(wording(Found(roles.WEIGHT, FILES, (f"{epoch.name}/{name}",), _SAID)))
             return " (Hugging Face shards)"
     shards = [n for n in _names(epoch) if _SHARD.fullmatch(n)]
+    if not shards:
+        return _adapter_alone(contents, epoch, trust_pickle=trust_pickle, verify=verify)
     _check_complete(epoch, shards)
     weights: dict[str, StoredTensor] = {}
     in_order = True
@@ -203,6 +222,27 @@ def _read_weights(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: b
     contents.say(wording(Found(roles.WEIGHT, FILES, (f"{epoch.name}/{', '.join(shards)}",),
                                _SAID)))
     return ""
+
+
+def _adapter_alone(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: bool) -> str:
+    """``save_adapter_weights_only``: ``adapter_model.pt`` (torchtune's names; the Hugging
+    Face checkpointer also writes ``adapter_model.safetensors``, the same tensors under
+    PEFT's names) is all the epoch holds of the model: read as the adapter's weights, never
+    the model's. No order maps the optimizer's ids (every parameter of the LoRA model) to
+    them: the model's own names are not here."""
+    file = inside(epoch, ADAPTER, named_by=epoch)
+    ckpt = load_checkpoint(file, trust_pickle=trust_pickle, verify=verify)
+    contents.files.append(file)
+    contents.trusted_pickle |= ckpt.trusted_pickle
+    if not isinstance(ckpt.root, Mapping):
+        raise InputError(f"{file}: not a LoRA adapter: not name -> tensor")
+    adapter = stored({str(k): v for k, v in ckpt.root.items() if hasattr(v, "dtype")}, file)
+    contents.weights, contents.weights_of = adapter or None, ADAPTERS
+    contents.weights_sorted = True  # the adapter's tensors, not the optimizer's model order
+    contents.say(wording(Found(roles.WEIGHT, FILES, (f"{epoch.name}/{ADAPTER}",), _SAID,
+                               "the LoRA adapter's tensors (lora_a, lora_b)")))
+    return (f" ({ADAPTER}: {ADAPTERS} weights alone, {len(adapter)} tensors; "
+            "save_adapter_weights_only: no model shard)")
 
 
 def _check_complete(epoch: Path, shards: list[str]) -> None:
