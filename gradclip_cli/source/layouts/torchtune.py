@@ -224,19 +224,25 @@ def _read_weights(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: b
     return ""
 
 
-def _adapter_alone(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: bool) -> str:
-    """``save_adapter_weights_only``: ``adapter_model.pt`` (torchtune's names; the Hugging
-    Face checkpointer also writes ``adapter_model.safetensors``, the same tensors under
-    PEFT's names) is all the epoch holds of the model: read as the adapter's weights, never
-    the model's. No order maps the optimizer's ids (every parameter of the LoRA model) to
-    them: the model's own names are not here."""
+def _adapter_tensors(contents: Draft, epoch: Path, *, trust_pickle: bool,
+                     verify: bool) -> Mapping[str, StoredTensor]:
+    """The tensors of the epoch's ``adapter_model.pt``, its file among ``contents``'."""
     file = inside(epoch, ADAPTER, named_by=epoch)
     ckpt = load_checkpoint(file, trust_pickle=trust_pickle, verify=verify)
     contents.files.append(file)
     contents.trusted_pickle |= ckpt.trusted_pickle
     if not isinstance(ckpt.root, Mapping):
         raise InputError(f"{file}: not a LoRA adapter: not name -> tensor")
-    adapter = stored({str(k): v for k, v in ckpt.root.items() if hasattr(v, "dtype")}, file)
+    return stored({str(k): v for k, v in ckpt.root.items() if hasattr(v, "dtype")}, file)
+
+
+def _adapter_alone(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: bool) -> str:
+    """``save_adapter_weights_only``: ``adapter_model.pt`` (torchtune's names; the Hugging
+    Face checkpointer also writes ``adapter_model.safetensors``, the same tensors under
+    PEFT's names) is all the epoch holds of the model: read as the adapter's weights, never
+    the model's. No order maps the optimizer's ids (every parameter of the LoRA model) to
+    them: the model's own names are not here."""
+    adapter = _adapter_tensors(contents, epoch, trust_pickle=trust_pickle, verify=verify)
     contents.weights, contents.weights_of = adapter or None, ADAPTERS
     contents.weights_sorted = True  # the adapter's tensors, not the optimizer's model order
     contents.say(wording(Found(roles.WEIGHT, FILES, (f"{epoch.name}/{ADAPTER}",), _SAID,
@@ -269,13 +275,7 @@ def _read_adapter(contents: Draft, epoch: Path, *, trust_pickle: bool, verify: b
     ``named_parameters()`` order, where a ``LoRALinear``'s ``lora_a`` and ``lora_b`` follow
     its own ``weight`` (and ``bias``): that order is rebuilt here, so the optimizer's ids
     map by position, and the adapter's weights give ``ratio``."""
-    file = inside(epoch, ADAPTER, named_by=epoch)
-    ckpt = load_checkpoint(file, trust_pickle=trust_pickle, verify=verify)
-    contents.files.append(file)
-    contents.trusted_pickle |= ckpt.trusted_pickle
-    if not isinstance(ckpt.root, Mapping):
-        raise InputError(f"{file}: not a LoRA adapter: not name -> tensor")
-    adapter = stored({str(k): v for k, v in ckpt.root.items() if hasattr(v, "dtype")}, file)
+    adapter = _adapter_tensors(contents, epoch, trust_pickle=trust_pickle, verify=verify)
     contents.fused_weights = adapter
     base = list(contents.weights or {})
     by_module: dict[str, list[str]] = {}
