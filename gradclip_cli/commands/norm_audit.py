@@ -68,8 +68,16 @@ def framework_series(path: Path) -> list[NormSeries]:
 
 
 def _monitor(path: Path, entries) -> NormSeries:
-    return NormSeries(str(path), MONITOR_LOG,
-                      {e.step: e.total_norm for e in entries if e.step is not None})
+    # A later line of a step (a resumed run's) replaces the earlier one, in both maps.
+    norms, scaled = {}, {}
+    for e in entries:
+        if e.step is None:
+            continue
+        norms[e.step] = e.total_norm
+        scaled.pop(e.step, None)
+        if e.clip_coef is not None:
+            scaled[e.step] = e.total_norm * e.clip_coef
+    return NormSeries(str(path), MONITOR_LOG, norms, scaled)
 
 
 def _in_file(path: Path) -> list[NormSeries]:
