@@ -6,13 +6,16 @@ same run folder, or among the inputs given; else the ``gradclip/total_norm``
 its Trainer callback put in that same ``log_history``. A reader of another
 framework total a tracker logged in the run folder (TensorBoard, MLflow,
 W&B, trackio, Lightning's CSV: its ``grad_norm`` tag, ``trackers.framework_totals``)
-is audited the same way.
+is audited the same way, and so is every run of a store that holds several (a
+Lightning fit resumed into a new logger version), which trend judges none of
+without ``--run``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import GradclipError
 from ..report.norm_audit import NormAudit, NormSeries, audit_norms
 from ..source import run_folder
 from ..source.logs import monitor_log, trackers, trainer_state
@@ -34,11 +37,20 @@ def norm_audits(runs: list[RunFolder], logs: list[tuple[Path, object, list]]) ->
         monitors = [_monitor(s.paths[0], s.entries) for s in run.series
                     if s.kind == run_folder.MONITOR]
         groups.append((states, monitors))
-        for series in run.series:
-            if series.kind != run_folder.TRACKER or series.tracker is None or not monitors:
+        if not monitors:
+            continue
+        tracked = [s.tracker.run for s in run.series
+                   if s.kind == run_folder.TRACKER and s.tracker is not None]
+        for tracker_run in tracked + list(run.audited_runs):
+            try:
+                totals = trackers.framework_totals(tracker_run)
+            except GradclipError:
+                # A run not read as a series (its note says why) that cannot be read.
+                if tracker_run not in run.audited_runs:
+                    raise
                 continue
-            for tag, norms in trackers.framework_totals(series.tracker.run):
-                framework = NormSeries(str(series.paths[0]), f"{series.tracker.run.tracker} "
+            for tag, norms in totals:
+                framework = NormSeries(str(tracker_run.source), f"{tracker_run.tracker} "
                                        f"{tag}", norms)
                 for gradclip in monitors:
                     audit = audit_norms(framework, gradclip)
@@ -68,8 +80,16 @@ def framework_series(path: Path) -> list[NormSeries]:
 
 
 def _monitor(path: Path, entries) -> NormSeries:
-    return NormSeries(str(path), MONITOR_LOG,
-                      {e.step: e.total_norm for e in entries if e.step is not None})
+    # A later line of a step (a resumed run's) replaces the earlier one, in both maps.
+    norms, scaled = {}, {}
+    for e in entries:
+        if e.step is None:
+            continue
+        norms[e.step] = e.total_norm
+        scaled.pop(e.step, None)
+        if e.clip_coef is not None:
+            scaled[e.step] = e.total_norm * e.clip_coef
+    return NormSeries(str(path), MONITOR_LOG, norms, scaled)
 
 
 def _in_file(path: Path) -> list[NormSeries]:

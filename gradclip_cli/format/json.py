@@ -168,6 +168,8 @@ def _audit(audit: NormAudit) -> dict[str, Any]:
              "relative_difference": number(d.relative)}
             for d in audit.disagreements
         ],
+        # Steps whose framework total is the norm of the gradients gradclip had clipped.
+        "after_gradclip_clip": list(audit.after_clip),
     }
 
 

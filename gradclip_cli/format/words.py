@@ -362,6 +362,11 @@ def audit_lines(report: TrendReport) -> list[str]:
         pair = (f"{visible(a.framework.kind)} ({visible(a.framework.source)}) against "
                 f"{visible(a.gradclip.kind)} ({visible(a.gradclip.source)})")
         within = f"{a.tolerance:.2g} relative ({a.precision} totals)"
+        if a.after_clip:
+            shown = ", ".join(map(str, a.after_clip[:5]))
+            more = f" and {len(a.after_clip) - 5} more" if len(a.after_clip) > 5 else ""
+            within += (f" (step{'s' if len(a.after_clip) > 1 else ''} {shown}{more} logged "
+                       "after gradclip's clip: the norm of the clipped gradients)")
         n = len(a.compared)
         if a.agrees:
             lines.append(f"norm audit: {pair}: agree at all {n} step(s), within {within}")

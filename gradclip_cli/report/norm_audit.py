@@ -40,6 +40,14 @@ tests/report/test_norm_audit.py), which at ``sqrt(m) * u`` stays below
 (the half of the parameters an expert-parallel bug left out, a 34% gap)
 does not; a gap below 0.4% goes unseen. gradclip's side is float64,
 certified (its error is far below either term).
+
+A framework may log its total after gradclip scaled the gradients: Lightning
+calls a LightningModule's ``on_before_optimizer_step`` (where its docs log
+``grad_norm``) after the callbacks', so after the callback's spike clip. At a
+step gradclip scaled, a framework total that agrees with the norm the
+gradients were left with (``total_norm * clip_coef``, gradclip's series'
+``scaled``) is of the same gradients, measured later: it agrees, and the audit
+names the step (``after_clip``) instead of calling it a norm of other gradients.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Unit roundoff (half an ulp of 1) of each dtype a logged norm may be stored in,
 # and the dtype torch accumulates its squares in for gradients of that dtype.
@@ -69,6 +77,9 @@ class NormSeries:
     source: str
     kind: str
     norms: Mapping[int, float]
+    # Steps where gradclip scaled the gradients after measuring them: the total norm
+    # they were left with (``total_norm * clip_coef``). Empty for a framework's series.
+    scaled: Mapping[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,8 @@ class NormAudit:
     tolerance: float  # relative
     compared: tuple[int, ...]  # the steps both series hold, in order
     disagreements: tuple[Disagreement, ...]
+    # Steps where the framework's total is that of the gradients gradclip had scaled.
+    after_clip: tuple[int, ...] = ()
 
     @property
     def agrees(self) -> bool:
@@ -159,10 +172,16 @@ def audit_norms(framework: NormSeries, gradclip: NormSeries) -> NormAudit | None
     # A difference below the smallest normal float32 is none: subnormal totals
     # lose their relative precision in any dtype.
     tiny = 2.0**-126
-    found = []
+    found, after_clip = [], []
     for step in steps:
         a, b = framework.norms[step], gradclip.norms[step]
         rel = relative_difference(a, b)
-        if rel > limit and not (math.isfinite(a) and math.isfinite(b) and abs(a - b) <= tiny):
+        if rel <= limit or (math.isfinite(a) and math.isfinite(b) and abs(a - b) <= tiny):
+            continue
+        scaled = gradclip.scaled.get(step)
+        if scaled is not None and relative_difference(a, scaled) <= limit:
+            after_clip.append(step)
+        else:
             found.append(Disagreement(step, a, b, rel))
-    return NormAudit(framework, gradclip, precision, limit, steps, tuple(found))
+    return NormAudit(framework, gradclip, precision, limit, steps, tuple(found),
+                     tuple(after_clip))

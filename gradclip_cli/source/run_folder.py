@@ -164,6 +164,10 @@ class RunFolder:
     # What the folder's GradMonitor log says of its own clipping (the finest
     # log when there are several); None: no monitor log.
     monitor_clipping: MonitorClipping | None = None
+    # Trackers' runs not read as a series (a store of several runs, no --run: a
+    # Lightning fit resumed into a new logger version): the norm audit still holds
+    # each one's framework total against the monitor log.
+    audited_runs: tuple[trackers.TrackerRun, ...] = ()
 
     def notes(self) -> list[str]:
         """What was found and chosen, one line each: where every series came from.
@@ -258,7 +262,9 @@ def discover(path: Path, what: str, choice: trackers.Choice | None = None,
     state = _newest_trainer_state(path, folders, unread, exclusion)
     if state is not None:
         logs.append(state)
-    tracked = _tracker_series(path, stores, choice, unread, alone=not folders and not logs)
+    audited: list[trackers.TrackerRun] = []
+    tracked = _tracker_series(path, stores, choice, unread, audited,
+                              alone=not folders and not logs)
     series: list[Series] = [
         Series(CHECKPOINTS, tuple(f for _, f in folders), tuple(n for n, _ in folders), True)
     ] if folders else []
@@ -275,7 +281,7 @@ def discover(path: Path, what: str, choice: trackers.Choice | None = None,
     monitor_clipping = MonitorClipping.of(max(monitors, key=lambda s: s.points)) \
         if monitors else None
     return RunFolder(path, tuple(series), judged, why_not, clipping, tuple(unread),
-                     monitor_clipping)
+                     monitor_clipping, tuple(audited))
 
 
 def _children(path: Path, exclusion: Exclusion | None = None) -> list[Path]:
@@ -287,11 +293,13 @@ def _children(path: Path, exclusion: Exclusion | None = None) -> list[Path]:
 
 
 def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
-                    unread: list[str], *, alone: bool) -> list[Series]:
+                    unread: list[str], audited: list[trackers.TrackerRun], *,
+                    alone: bool) -> list[Series]:
     """The trackers' runs under ``path``, a series each. Where other series may be
     there (``alone`` False) and no --tag/--run was given, one that cannot be read
-    (several runs, no norm tag) is noted in ``unread``, not fatal; a missing extra is
-    exit 3, naming it and the ``--exclude`` that leaves the run out."""
+    (several runs, no norm tag) is noted in ``unread``, not fatal; several runs are
+    added to ``audited`` (the norm audit reads each). A missing extra is exit 3,
+    naming it and the ``--exclude`` that leaves the run out."""
     found = []
     try:
         runs = trackers.choose_runs(stores, choice, str(path))
@@ -299,6 +307,7 @@ def _tracker_series(path: Path, stores: list, choice: trackers.Choice,
         if alone or choice.run is not None:
             raise
         unread.append(str(error))
+        audited += [run for runs in stores for run in runs]
         return []
     # --tag reads the runs that log it: each tracker names a key its own way (the
     # Trainer's TensorBoard and W&B 'train/grad_norm', MLflow's 'grad_norm'), so a run

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from gradclip_cli import GradMonitor
+from tests.json_schemas import assert_valid
 
 from .support import read_log
 
@@ -199,7 +200,7 @@ class Regressor(pl.LightningModule):
 
 
 def lightning_fit(folder: Path, steps: int, every: int = 1, loggers: bool = True,
-                  **callback_options) -> None:
+                  module: type = Regressor, **callback_options) -> None:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     from gradclip_cli.integrations.lightning import GradMonitorCallback
@@ -216,7 +217,7 @@ def lightning_fit(folder: Path, steps: int, every: int = 1, loggers: bool = True
         if loggers else False, log_every_n_steps=every, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder,
     )  # fmt: skip
-    trainer.fit(Regressor(), loader)
+    trainer.fit(module(), loader)
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +274,99 @@ def test_a_trainer_without_a_logger_logs_nothing_and_says_nothing(tmp_path, recw
     lightning_fit(tmp_path, 3, loggers=False)
     assert len(read_log(tmp_path / "grads.jsonl")) == 3
     assert not [w for w in recwarn if "no logger configured" in str(w.message)]
+
+
+class LoggingItsGradNorm(Regressor):
+    """Logs Lightning's own ``grad_norm`` from its ``on_before_optimizer_step``, as
+    Lightning's docs show it: Lightning calls the module's hook after the callbacks', so
+    this total is of the gradients as gradclip's spike clip left them."""
+
+    def on_before_optimizer_step(self, optimizer):
+        from lightning.pytorch.utilities import grad_norm
+
+        self.log_dict(grad_norm(self, norm_type=2))
+
+
+def test_a_framework_total_logged_after_the_spike_clip_is_no_disagreement(gradclip, tmp_path):
+    lightning_fit(tmp_path, PL_STEPS, module=LoggingItsGradNorm, clip_spikes=True)
+    records = read_log(tmp_path / "grads.jsonl")
+    spike = records[PL_SPIKE]
+    assert spike["clip_coef"] is not None  # the callback scaled the spike's gradients
+    logged = {int(r["step"]): float(r["grad_2.0_norm_total"]) for r in csv_rows(tmp_path / "csv")}
+    assert sorted(logged) == list(range(PL_STEPS))
+    # Lightning's float32 total of that step is the clipped gradients' norm, not the
+    # logged one: float32 sums of 2 x 16 + 16 + 1 squares are within 1e-5 of it.
+    before, after = float(spike["total_norm"]), float(spike["total_norm"]) * spike["clip_coef"]
+    assert logged[PL_SPIKE] == pytest.approx(after, rel=1e-5)
+    assert logged[PL_SPIKE] < before / 10
+    result = gradclip("trend", tmp_path, "--format", "json")
+    assert result.code == 0, result.out  # the spike is not the newest point
+    audits = assert_valid(result.out)["audit"]
+    assert {a["framework"]["kind"] for a in audits} == {
+        "Lightning CSVLogger grad_2.0_norm_total", "TensorBoard grad_2.0_norm_total"}
+    for audit in audits:
+        assert audit["agrees"] and audit["steps_compared"] == PL_STEPS
+        assert audit["after_gradclip_clip"] == [PL_SPIKE]
+    table = gradclip("trend", tmp_path)
+    assert table.code == 0, table.out
+    assert "disagree" not in table.out.lower()
+    assert f"step {PL_SPIKE} logged after gradclip's clip" in " ".join(table.out.split())
+
+
+class LoggingTheFirstLayersNorm(Regressor):
+    """Logs a wrong framework total: Lightning's ``grad_norm`` of the first layer alone,
+    under the total's own tag (what a norm computed over part of the model looks like)."""
+
+    def on_before_optimizer_step(self, optimizer):
+        from lightning.pytorch.utilities import grad_norm
+
+        self.log_dict(grad_norm(self.net[0], norm_type=2))
+
+
+def test_a_resumed_fits_two_logger_versions_are_both_audited(gradclip, tmp_path):
+    """A fit resumed from its checkpoint logs to a new version of each logger (version_0:
+    steps 0-5, version_1: steps 6-11) and appends to the one monitor log: each version's
+    framework total is held against the log, though trend judges neither version."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from gradclip_cli.integrations.lightning import GradMonitorCallback
+
+    x = torch.randn(256, 6, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+    checkpoint = tmp_path / "first.ckpt"
+    for steps, resume in ((6, None), (12, checkpoint)):
+        torch.manual_seed(0)
+        trainer = pl.Trainer(
+            max_steps=steps, accelerator="cpu", devices=1, log_every_n_steps=1,
+            callbacks=[GradMonitorCallback(tmp_path / "grads.jsonl", None)],
+            logger=[TensorBoardLogger(tmp_path, name="tb"), CSVLogger(tmp_path, name="csv")],
+            enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=tmp_path,
+        )  # fmt: skip
+        trainer.fit(LoggingTheFirstLayersNorm(),
+                    torch.utils.data.DataLoader(data, batch_size=32), ckpt_path=resume)
+        if resume is None:
+            trainer.save_checkpoint(checkpoint)
+    records = read_log(tmp_path / "grads.jsonl")
+    assert [r["step"] for r in records] == list(range(12))
+    logged = {}
+    for version, steps in (("version_0", range(6)), ("version_1", range(6, 12))):
+        rows = csv_rows(tmp_path / "csv" / version)
+        got = {int(r["step"]): float(r["grad_2.0_norm_total"]) for r in rows}
+        assert sorted(got) == list(steps)
+        logged.update(got)
+    # The first layer's norm is well below the whole's at every step: 12 disagreements.
+    for record in records:
+        assert logged[record["step"]] < 0.99 * record["total_norm"]
+    result = gradclip("trend", tmp_path, "--format", "json")
+    doc = assert_valid(result.out)
+    assert result.code == 1, result.out
+    found = {}
+    for audit in doc["audit"]:
+        found.setdefault(audit["framework"]["kind"], set()).update(
+            d["step"] for d in audit["disagreements"])
+    assert found == {"Lightning CSVLogger grad_2.0_norm_total": set(range(12)),
+                     "TensorBoard grad_2.0_norm_total": set(range(12))}
 
 
 # -- The Trainer: report_to=["tensorboard"] and trainer_state.json ---------------------------

@@ -134,3 +134,17 @@ def test_zero_and_subnormal_totals_agree():
 def test_series_without_a_common_step_are_not_audited():
     assert audit_norms(NormSeries("a", "k", {1: 1.0}), NormSeries("b", "k", {2: 1.0})) is None
     assert audit_norms(NormSeries("a", "k", {}), NormSeries("b", "k", {2: 1.0})) is None
+
+
+def test_a_total_of_the_gradients_gradclip_clipped_agrees_and_is_named():
+    """At a step gradclip scaled (total 300, clip_coef 0.01: left at 3.0), a framework
+    total of the clipped gradients (3.0 in float32) is the same gradients measured later;
+    one of neither the gradients before nor after the clip is still a disagreement, and a
+    step gradclip did not scale is judged against its total alone."""
+    clipped = float(torch.tensor(300.0 * 0.01, dtype=torch.float32))
+    fw = {1: 1.0, 2: clipped, 3: 2.0, 4: 3.0}
+    gc = NormSeries("b", "k", {1: 1.0, 2: 300.0, 3: 300.0, 4: 30.0},
+                    scaled={2: 300.0 * 0.01, 3: 300.0 * 0.01})
+    audit = audit_norms(NormSeries("a", "k", fw), gc)
+    assert audit.after_clip == (2,)
+    assert [d.step for d in audit.disagreements] == [3, 4]
