@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from ..format.text import visible
 from ..measuring import Measurement
 from ..progress import Steps
 from ..sink.unshared import unshare_other_entries
-from ..source import Checkpoint, packed_dtype
+from ..source import Checkpoint, packed_dtype, roles
 from ..source.files.pages import PageReleaser
 from ..source.files.small_file import quoted
 from ..source.interface import Contents, WriteBackPlan
@@ -92,10 +93,20 @@ def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: S
     changes gradients and nothing else.
     """
     steps.begin("loading")
-    contents = open_checkpoint(path, key=key, trust_pickle=trust_pickle, verify=verify)
+    try:
+        contents = open_checkpoint(path, key=key, trust_pickle=trust_pickle, verify=verify)
+    except roles.KeyNotGradients as error:
+        if not gradients_only:
+            raise  # inspect's remedy: the entry measured whole
+        raise InputError(f"{error.refusal}; {_clippable(path, trust_pickle, verify)}") from None
     if contents.trusted_pickle and speaks():
         print(f"gradclip: warning: {visible(str(path))}: loaded with --trust-pickle "
               "(full unpickling; code in the file may have run)", file=sys.stderr)
+    named = contents.missing.get(roles.GRADIENT)
+    if gradients_only and contents.keyed is not None and named:
+        # --key names the weights or an optimizer's state whole: inspect measures them.
+        raise InputError(f"{named}; {_clippable(path, trust_pickle, verify)}").noting(
+            contents.notes)
     try:
         selection = select(contents, what, gradients_only=gradients_only)
     except GradclipError as error:
@@ -108,6 +119,19 @@ def load(path: Path, key: str | None, trust_pickle: bool, verify: bool, steps: S
         elements = selection.elements if selection.elements is not None else \
             distinct_elements(held)
     return Loaded(contents, selection, elements)
+
+
+def _clippable(path: Path, trust_pickle: bool, verify: bool) -> str:
+    """What clip can clip in the checkpoint at ``path``, as a refusal of a ``--key`` that
+    names no gradients ends: the ``--key`` of the saved gradients that the contract's
+    default rule finds there, else none (clip never offers weights or optimizer state)."""
+    try:
+        contents = open_checkpoint(path, key=None, trust_pickle=trust_pickle, verify=verify)
+        found = select(contents, "grads", gradients_only=True).key
+    except InputError:
+        return "clip changes saved gradients only; available: none (no saved gradients found)"
+    offer = f"--key {shlex.quote(found)}" if found else "the same command without --key"
+    return f"clip changes saved gradients only; available: {offer}"
 
 
 def load_for_writing(path: Path, key: str | None, trust_pickle: bool, verify: bool,

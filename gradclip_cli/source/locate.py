@@ -68,6 +68,15 @@ def at_key(root: Any, key: str, *, path: Path | str | None = None) -> Any:
     return _at(root, _follow(root, key, where))
 
 
+def names_alone(root: Any, key: str, value: Any) -> bool:
+    """True where the dotted ``key`` leads to ``value`` itself in ``root``: the ``--key``
+    that names it (an entry whose own name has empty parts, ``a..b``, has none)."""
+    try:
+        return at_key(root, key) is value
+    except InputError:
+        return False
+
+
 def enclosing(root: Any, key: str, *, path: Path | str | None = None
               ) -> list[tuple[str, Any]]:
     """The entries the dotted ``key`` passes through on its way, outermost first: each
@@ -122,6 +131,12 @@ def _follow(root: Any, key: str, where: str) -> tuple[str, ...]:
                     "is a flat name -> tensor mapping: omit --key"
                 )
             found = _shown_key(key_path) or "the top level"
+            if key_path and not isinstance(node, (Mapping, list, tuple)):
+                # A number, a string: nothing below it to index or name.
+                raise InputError(
+                    f"{where}--key '{shown}': '{found}' holds a value of type "
+                    f"{type(node).__name__}, not a mapping or list; {_hint(root)}"
+                )
             if isinstance(node, (list, tuple)):
                 kind = type(node).__name__
                 found += f" (a {kind} of {len(node)}: positions 0 to {len(node) - 1})"

@@ -130,8 +130,20 @@ def contradiction(gradients: Mapping[str, Any], said: str) -> None:
                          "_metadata): a module's weights, not gradients")
 
 
+class KeyNotGradients(InputError):
+    """A ``--key`` that names, holds or lies inside a model's weights or an optimizer's
+    state: not gradients. The message offers what ``inspect`` measures there;
+    ``refusal`` is the line without that remedy, for ``clip``, which changes saved
+    gradients only and words its own (the contract: "clip never offers weights or
+    optimizer state")."""
+
+    def __init__(self, message: str, refusal: str):
+        super().__init__(message)
+        self.refusal = refusal
+
+
 def not_gradients(said: str, key: str, relation: str, entry: str, whole: str,
-                  measured_whole: bool = True) -> InputError:
+                  measured_whole: bool = True) -> KeyNotGradients:
     """A ``--key`` that ``relation`` (lies inside, holds, is) ``entry``, a model's weights or
     an optimizer's state dict (``whole`` says which, and why): not gradients. gradclip
     measures such an entry only whole, as what it is, where ``measured_whole``; else
@@ -140,8 +152,8 @@ def not_gradients(said: str, key: str, relation: str, entry: str, whole: str,
               if measured_whole else
               "gradclip reads a DCP folder's weights and optimizer state at its top level only")
     # Raw: the line is escaped once, whole, where it is shown.
-    return InputError(f"{said}: --key '{key}' {relation} '{entry}', "
-                      f"{whole}: not gradients; {remedy}")
+    refusal = f"{said}: --key '{key}' {relation} '{entry}', {whole}: not gradients"
+    return KeyNotGradients(f"{refusal}; {remedy}", refusal)
 
 
 def describe(contents: Contents) -> list[Role]:

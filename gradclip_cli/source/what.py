@@ -172,13 +172,14 @@ def available(contents: Contents) -> list[str]:
 def _keyed(contents: Contents, what: str) -> list[str]:
     """Where several optimizers are measured as one by no rule (different kinds), each
     that a ``--key`` names alone, as the flags that measure it: ``--key optimizer_g``
-    where it gives ``what``, else ``--key optimizer_d --what update`` per quantity it
-    gives (each one tried, as ``available`` does)."""
+    (``--key optimizer_states.0`` in Lightning's list) where it gives ``what``, else
+    ``--key optimizer_d --what update`` per quantity it gives (each one tried, as
+    ``available`` does)."""
     if not isinstance(optimizer_state(contents), str):
         return []
     offers = []
     for opt in contents.optimizers:
-        if opt.key is None or "." in opt.key:  # a dotted --key is a path: not this name
+        if opt.key is None:
             continue
         alone = dataclasses.replace(contents, optimizers=(opt,))
         gives = [w for w in available(alone) if w in optimizers.QUANTITIES]

@@ -238,6 +238,15 @@ def test_key_naming_optimizer_state_measures_it_as_such(gradclip, runs):
         assert refused.code == 3 and "holds an optimizer's state dict" in refused.err
 
 
+# What each command offers after a --key that is not gradients: inspect measures the
+# entry whole; clip changes saved gradients only, and these files hold none.
+_REMEDY = {
+    "inspect": ": not gradients; gradclip measures it whole (gradclip inspect --key {entry})",
+    "clip": ": not gradients; clip changes saved gradients only; available: none (no saved "
+            "gradients found)",
+}
+
+
 @pytest.mark.parametrize(("key", "entry", "whole"), [
     ("optimizer.state.0", "optimizer", "an optimizer's state dict"),
     ("optimizer_states.0.state", "optimizer_states.0", "an optimizer's state dict"),
@@ -260,8 +269,7 @@ def test_a_key_inside_weights_or_optimizer_state_is_refused(gradclip, runs, tmp_
         assert len(result.err_lines) == 1
         assert result.err_lines[0].startswith(
             f"gradclip: {path}: --key {key!r} lies inside {entry!r}, {whole}")
-        assert result.err_lines[0].endswith(
-            f": not gradients; gradclip measures it whole (gradclip inspect --key {entry})")
+        assert result.err_lines[0].endswith(_REMEDY[command[0]].format(entry=entry))
     assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
     whole_entry = gradclip("inspect", path, "--key", entry, "--format", "json")
     assert whole_entry.code == 0, whole_entry.err
@@ -289,12 +297,48 @@ def test_a_key_holding_weights_or_optimizer_state_is_refused(gradclip, runs, tmp
         assert len(result.err_lines) == 1
         assert result.err_lines[0].startswith(
             f"gradclip: {path}: --key {key!r} holds {entry!r}, {whole}")
-        assert result.err_lines[0].endswith(
-            f": not gradients; gradclip measures it whole (gradclip inspect --key {entry})")
+        assert result.err_lines[0].endswith(_REMEDY[command[0]].format(entry=entry))
     assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
     whole_entry = gradclip("inspect", path, "--key", entry, "--format", "json")
     assert whole_entry.code == 0, whole_entry.err
     assert whole_entry.json()["what"] == ("weights" if "weights" in whole else "exp_avg")
+
+
+@pytest.mark.parametrize(("key", "whole"), [
+    ("optimizer.state.0", "optimizer"), ("optimizer", None), ("model", None)])
+def test_clip_offers_the_saved_gradients_key_alone(gradclip, runs, tmp_path, key, whole):
+    """clip of a --key in (or naming) optimizer state or the weights offered
+    'gradclip inspect --key optimizer', optimizer state, which clip never changes. It
+    offers the --key of the gradients saved beside, and following it clips them: the
+    output's total is --max-norm (float64 reference), nothing else changed."""
+    run = runs["AdamW"]
+    path = tmp_path / "ck.pt"
+    grads = {n: torch.randn(*t.shape, generator=torch.Generator().manual_seed(i))
+             for i, (n, t) in enumerate(run.params.items())}
+    torch.save({"model": run.state, "optimizer": run.opt, "grads": grads}, path)
+    before = path.read_bytes()
+    result = gradclip("clip", path, "--key", key, "--max-norm", "0.5")
+    assert result.code == 3 and result.out == ""
+    assert len(result.err_lines) == 1, result.err
+    line = result.err_lines[0]
+    assert "inspect" not in line and "--what" not in line, line
+    assert line.endswith("; clip changes saved gradients only; available: --key grads"), line
+    assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
+    inspect = gradclip("inspect", path, "--key", key)  # inspect's own offer is unchanged
+    if whole is None:
+        assert inspect.code == 0, inspect.err
+    else:
+        assert inspect.code == 3
+        assert inspect.err_lines[0].endswith(_REMEDY["inspect"].format(entry=whole))
+    out = tmp_path / "out.pt"
+    done = gradclip("clip", path, "--key", "grads", "--max-norm", "0.5", "-o", out,
+                    "--format", "json")
+    assert done.code == 0, done.err
+    assert rel_err(done.json()["total_norm_before"], ref_norm(grads.values(), 2)) <= TOL
+    clipped = torch.load(out, weights_only=True)
+    assert rel_err(ref_norm(clipped["grads"].values(), 2), 0.5) <= 1e-5
+    assert torch.equal(clipped["optimizer"]["state"][0]["exp_avg"],
+                       run.opt["state"][0]["exp_avg"])
 
 
 def test_key_naming_weights_is_never_clipped(gradclip, runs, tmp_path):

@@ -110,19 +110,25 @@ def test_auto_is_grads_and_key_reaches_any_entry(gradclip, dcp_checkpoint, refer
     assert keyed.code == 0, keyed.err
     assert rel_err(keyed.json()["total_norm"], _norm(reference["model"].values())) <= TOL
     # Part of the optimizer's state (one parameter's moments and its step) or of the
-    # model is not gradients, as in one file: exit 3 for inspect and clip alike.
+    # model is not gradients, as in one file: exit 3 for inspect and clip alike. inspect
+    # measures the entry whole; clip offers the saved gradients' --key alone.
     meta = dcp_checkpoint / ".metadata"
     for key, entry, whole in (
             ("optim.state.0.weight", "optim", "an optimizer's state dict"),
             ("model.0", "model", "a model's weights")):
-        for command in (["inspect"], ["clip", "--max-norm", "1e-9", "-o", tmp_path / "o"]):
+        for command, remedy in (
+                (["inspect"], f"gradclip measures it whole (gradclip inspect --key {entry})"),
+                (["clip", "--max-norm", "1e-9", "-o", tmp_path / "o"],
+                 "clip changes saved gradients only; available: --key grads")):
             part = gradclip(*command, dcp_checkpoint, "--key", key)
             assert part.code == 3 and part.out == ""
             assert part.err_lines[0].startswith(
                 f"gradclip: {meta}: --key {key!r} lies inside {entry!r}, {whole}")
-            assert part.err_lines[0].endswith(
-                f"not gradients; gradclip measures it whole (gradclip inspect --key {entry})")
+            assert part.err_lines[0].endswith(f"not gradients; {remedy}"), part.err
     assert not (tmp_path / "o").exists()
+    offered = gradclip("clip", dcp_checkpoint, "--key", "grads", "--max-norm", "1e-9",
+                       "-o", tmp_path / "o")
+    assert offered.code == 0, offered.err
 
 
 @pytest.mark.parametrize(("key", "what"), [("model", "weights"), ("optim", "exp_avg")])
@@ -610,7 +616,10 @@ def test_a_model_and_optimizer_one_level_down_are_never_gradients(gradclip, tmp_
             assert result.code == 3 and result.out == "" and len(result.err_lines) == 1
             line = result.err_lines[0]
             assert line.startswith(f"gradclip: {meta}: --key {key!r} {relation} {entry!r}, ")
-            assert line.endswith(top_only)
+            # clip never offers weights or optimizer state: the folder saves no gradients.
+            assert line.endswith(top_only if command == ["inspect"] else
+                                 "not gradients; clip changes saved gradients only; "
+                                 "available: none (no saved gradients found)"), line
     assert not (tmp_path / "o").exists()
 
 

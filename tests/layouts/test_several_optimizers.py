@@ -33,10 +33,11 @@ class _Parts(torch.nn.Module):
                                                  torch.nn.Linear(7, 1))
 
 
-@pytest.fixture(scope="session")
-def lightning_gan(tmp_path_factory) -> Path:
-    """A real ``lightning`` GAN: manual optimization, two Adam optimizers, 3 steps each."""
-    import lightning as L
+def _lightning_gan(out: Path, make_d, checkpoint_every: int | None = None) -> Path:
+    """A real ``lightning`` GAN in ``out``: manual optimization, Adam for the generator and
+    ``make_d`` for the discriminator, 3 steps each, saved by the Trainer as ``gan.ckpt``
+    (and, with ``checkpoint_every``, by ``ModelCheckpoint`` every that many steps)."""
+    L = pytest.importorskip("lightning")
     from torch.utils.data import DataLoader, TensorDataset
 
     class GAN(L.LightningModule):
@@ -63,19 +64,39 @@ def lightning_gan(tmp_path_factory) -> Path:
 
         def configure_optimizers(self):
             return [torch.optim.Adam(self.generator.parameters(), lr=1e-2, betas=BETAS),
-                    torch.optim.Adam(self.discriminator.parameters(), lr=2e-2, betas=BETAS)]
+                    make_d(self.discriminator.parameters())]
 
     torch.manual_seed(4)
     data = TensorDataset(torch.randn(24, 5))
-    out = tmp_path_factory.mktemp("lightning_gan")
+    saving = checkpoint_every is not None
+    callbacks = [L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=out / "checkpoints", every_n_train_steps=checkpoint_every, save_top_k=-1)
+    ] if saving else []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = L.Trainer(max_epochs=1, limit_train_batches=3, accelerator="cpu", devices=1,
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, default_root_dir=out)
+                            logger=False, enable_checkpointing=saving, callbacks=callbacks,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=out)
         trainer.fit(GAN(), DataLoader(data, batch_size=8))
         trainer.save_checkpoint(out / "gan.ckpt")
     return out / "gan.ckpt"
+
+
+@pytest.fixture(scope="session")
+def lightning_gan(tmp_path_factory) -> Path:
+    """A real ``lightning`` GAN: manual optimization, two Adam optimizers, 3 steps each."""
+    return _lightning_gan(tmp_path_factory.mktemp("lightning_gan"),
+                          lambda p: torch.optim.Adam(p, lr=2e-2, betas=BETAS))
+
+
+@pytest.fixture(scope="session")
+def lightning_gan_sgd(tmp_path_factory) -> Path:
+    """A real ``lightning`` GAN of two kinds: Adam for the generator, SGD with momentum for
+    the discriminator; ``ModelCheckpoint`` saved it every 2 steps too (``checkpoints/``)."""
+    return _lightning_gan(tmp_path_factory.mktemp("lightning_gan_sgd"),
+                          lambda p: torch.optim.SGD(p, lr=2e-2, momentum=0.9),
+                          checkpoint_every=2)
 
 
 def _reference(weights: dict, states: list[tuple[dict, str]]) -> dict[str, tuple]:
@@ -231,3 +252,112 @@ def test_optimizers_of_different_kinds_offer_each_by_its_key(gradclip, tmp_path,
             prefix = "generator." if key == "optimizer_g" else "discriminator."
             ref = _reference(weights, [(state, prefix)])
             assert rel_err(doc["total_norm"], _norm(r[0] for r in ref.values())) <= TOL
+
+
+def _lightning_references(path: Path) -> dict[str, tuple[dict[str, torch.Tensor], int]]:
+    """Per ``--key`` of a Lightning GAN of Adam (generator) and SGD with momentum
+    (discriminator): ``{what: name -> float64 tensor}`` that optimizer alone gives,
+    from the raw file: Adam's bias-corrected ``exp_avg`` and its step, SGD's
+    ``lr * momentum_buffer`` (torch.optim.SGD's step without Nesterov)."""
+    saved = torch.load(path, weights_only=True)
+    weights = saved["state_dict"]
+    adam, sgd = saved["optimizer_states"]
+    adam_ref = _reference(weights, [(adam, "generator.")])
+    names = [n for n in weights if n.startswith("discriminator.")]
+    group = sgd["param_groups"][0]
+    sgd_update = {name: group["lr"] * sgd["state"][pid]["momentum_buffer"].double()
+                  for pid, name in zip(group["params"], names, strict=True)}
+    return {"optimizer_states.0": {"exp_avg": {n: r[0] for n, r in adam_ref.items()},
+                                   "update": {n: r[1] for n, r in adam_ref.items()}},
+            "optimizer_states.1": {"update": sgd_update}}
+
+
+@pytest.mark.parametrize("asked", ["exp_avg", "update"])
+def test_lightning_optimizers_of_different_kinds_offer_each_by_its_index(
+        gradclip, lightning_gan_sgd, asked):
+    """A Lightning GAN with Adam for G and SGD with momentum for D keeps both in the
+    ``optimizer_states`` list: the refusal offered nothing but the weights, and
+    ``--key optimizer_states.0`` measured both optimizers (and was refused as the pair).
+    The refusal lists ``--key optimizer_states.N`` (with the --what it gives where not
+    the one asked), and each offer measures that optimizer alone, under the model's
+    names, against a float64 reference."""
+    refs = _lightning_references(lightning_gan_sgd)
+    result = gradclip("inspect", lightning_gan_sgd, "--what", asked)
+    assert result.code == 3, result.err
+    assert len(result.err_lines) == 1, result.err
+    line = result.err_lines[0]
+    assert str(lightning_gan_sgd) in line
+    assert "it holds 2 optimizers of different kinds (Adam, SGD)" in line, line
+    offers = _offers(line)
+    want = [["--key", "optimizer_states.0"],
+            ["--key", "optimizer_states.1"] + ([] if asked == "update" else
+                                               ["--what", "update"])]
+    assert all(w in offers for w in want), line
+    keyed = [o for o in offers if "--key" in o]
+    assert len(keyed) == 2, line  # SGD gives no exp_avg, so nothing else for it
+    for offer in keyed:
+        args = offer if "--what" in offer else ["--what", asked, *offer]
+        run = gradclip("inspect", lightning_gan_sgd, *args, "--format", "json")
+        assert run.code == 0, (offer, run.err)
+        doc = run.json()
+        key, what = args[args.index("--key") + 1], args[args.index("--what") + 1]
+        assert doc["what"] == what
+        ref = refs[key][what]
+        assert sorted(t["name"] for t in doc["tensors"]) == sorted(ref), offer
+        assert rel_err(doc["total_norm"], _norm(ref.values())) <= TOL, offer
+        for row in doc["tensors"]:
+            assert rel_err(row["norm"], _norm([ref[row["name"]]])) <= TOL, row["name"]
+
+
+@pytest.mark.parametrize(("key", "said"), [
+    ("optimizer_states.2", "no entry '2' at optimizer_states (a list of 2: positions 0 to 1)"),
+    ("optimizer_states.-1", "no entry '-1' at optimizer_states (a list of 2: positions 0 to 1)"),
+    ("global_step.0", "'global_step' holds a value of type int, not a mapping or list"),
+    ("optimizer_states.0\x1b[31m", "no entry '0\\x1b[31m' at optimizer_states"),
+])
+def test_a_lightning_key_past_the_list_or_into_a_number_is_one_line(
+        gradclip, lightning_gan_sgd, key, said):
+    """An index past the list's end, a negative one, or a --key into a number: exit 3,
+    one line naming the file and the key (escaped as every error line is)."""
+    for command in (["inspect"], ["clip", "--max-norm", "1"]):
+        result = gradclip(*command, lightning_gan_sgd, "--key", key)
+        assert result.code == 3, result.err
+        assert result.err_lines == [result.err.strip()], result.err
+        line = result.err_lines[0]
+        assert "\x1b" not in line
+        shown = key.replace("\x1b", "\\x1b")
+        assert line.startswith(f"gradclip: {lightning_gan_sgd}: --key '{shown}': "), line
+        assert said in line, line
+
+
+def test_lightning_optimizers_of_different_kinds_over_time(gradclip, lightning_gan_sgd):
+    """compare and trend over ModelCheckpoint's saves of the same GAN: refused as the pair
+    (offering the keys), measured per optimizer by ``--key optimizer_states.N``."""
+    saves = sorted((lightning_gan_sgd.parent / "checkpoints").iterdir(),
+                   key=lambda p: p.stat().st_mtime_ns)
+    assert len(saves) >= 2, saves
+    a, b = saves[0], saves[-1]
+    refused = gradclip("compare", a, b, "--what", "exp_avg")
+    assert refused.code == 3, refused.err
+    offers = _offers(refused.err_lines[-1])
+    assert ["--key", "optimizer_states.0"] in offers, refused.err
+    assert ["--key", "optimizer_states.1", "--what", "update"] in offers, refused.err
+    for key, what in (("optimizer_states.0", "exp_avg"), ("optimizer_states.1", "update")):
+        ref_a = _lightning_references(a)[key][what]
+        ref_b = _lightning_references(b)[key][what]
+        doc = gradclip("compare", a, b, "--key", key, "--what", what, "--format", "json")
+        assert doc.code == 0, doc.err
+        total = doc.json()["total"]
+        assert rel_err(total["a"], _norm(ref_a.values())) <= TOL
+        assert rel_err(total["b"], _norm(ref_b.values())) <= TOL
+        trend = gradclip("trend", *saves, "--key", key, "--what", what, "--format", "json")
+        assert trend.code == 0, trend.err
+        points = trend.json()["points"]
+        assert trend.json()["what"] == what and len(points) == len(saves)
+        for point, save in zip(points, sorted(saves, key=_step_of), strict=True):
+            ref = _lightning_references(save)[key][what]
+            assert rel_err(point["total_norm"], _norm(ref.values())) <= TOL, save
+
+
+def _step_of(path: Path) -> int:
+    return torch.load(path, weights_only=True)["global_step"]

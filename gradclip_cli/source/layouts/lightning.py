@@ -6,7 +6,10 @@
 Recognised by those keys (``state_dict`` plus Lightning's version or its
 ``optimizer_states`` list), not by the ``.ckpt`` suffix. The model's
 ``state_dict`` is in module order, so optimizer state without
-``param_names`` maps onto it (``source/what.py``). Gradients saved beside
+``param_names`` maps onto it (``source/what.py``). Several optimizers (a
+GAN's) are measured together where one rule serves them all; of different
+kinds (Adam beside SGD), ``--key optimizer_states.N`` measures the N-th
+alone, still mapped onto the model's names. Gradients saved beside
 (``GradMonitor`` / ``save_grads`` under ``grads``) are found by the usual
 ``--key`` rule.
 
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 
 from gradclip_cli.errors import InputError
-from gradclip_cli.source import load_checkpoint, roles
+from gradclip_cli.source import load_checkpoint, locate, roles
 from gradclip_cli.source.files.small_file import excerpt
 from gradclip_cli.source.interface import Checkpoint, Contents, stored
 from gradclip_cli.source.vocabulary import step_value
@@ -105,12 +108,17 @@ def contents(ckpt: Checkpoint, *, key: str | None) -> Draft:
     rest = {k: v for k, v in root.items() if k not in ("state_dict", "optimizer_states")}
     fill_from_root(out, root if key is not None else rest, path, key)
     out.weights = stored({str(k): v for k, v in weights.items()}, path)
-    out.optimizers = []
     states = root.get("optimizer_states", [])
     if not isinstance(states, list):
         raise InputError(f"{path}: Lightning 'optimizer_states' is not a list")
-    for i, state in enumerate(states):
-        out.optimizers.append(optimizer_state(state, path, f"optimizer_states[{i}]"))
+    if out.keyed != roles.OPTIMIZER_STATE:
+        # Every optimizer, each named by the --key that measures it alone (a GAN's two of
+        # different kinds, which no one rule measures together); --key optimizer_states.N
+        # keeps the one fill_from_root took, mapped onto the model's names all the same.
+        out.optimizers = [
+            optimizer_state(state, path, f"optimizer_states[{i}]",
+                            key if locate.names_alone(root, key, state) else None)
+            for i, state in enumerate(states) for key in [f"optimizer_states.{i}"]]
     out.step = _global_step(root, path)
     out.say(wording(*(Found(role, FILES, (entry,), "Lightning's") for role, entry in (
         (roles.WEIGHT, "state_dict"), (roles.OPTIMIZER_STATE, "optimizer_states"))

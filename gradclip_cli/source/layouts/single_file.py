@@ -219,7 +219,8 @@ def _others(contents: Draft, root: Any, path: Path, skip: str | None = None) -> 
         names = [*OPTIMIZER_KEYS, *(str(k) for k in root if str(k) not in OPTIMIZER_KEYS)]
         found = [n for n in names if n != skip and is_optimizer_state(root.get(n))]
         for name in found:
-            contents.optimizers.append(optimizer_state(root[name], path, f"'{name}'", name))
+            alone = name if locate.names_alone(root, name, root[name]) else None
+            contents.optimizers.append(optimizer_state(root[name], path, f"'{name}'", alone))
         if found and roles.OPTIMIZER_STATE not in contents.evidence:
             contents.say(wording(Found(roles.OPTIMIZER_STATE, ENTRY, tuple(found))))
     contents.step = step_of(root)
