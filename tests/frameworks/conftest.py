@@ -375,13 +375,26 @@ def litgpt_run(framework_python, tmp_path_factory) -> Path:
     return run_generator(framework_python, "litgpt_run.py", out, 0) / "out" / "pretrain"
 
 
+def _litgpt_finetune(python: str, tmp_path_factory, method: str) -> Path:
+    out = tmp_path_factory.mktemp(f"litgpt_{method}")
+    return run_generator(python, "litgpt_finetune_run.py", out, 0, method) / "out"
+
+
+@pytest.fixture(scope="session", params=["lora", "adapter", "adapter_v2"])
+def litgpt_adapter_run(request, framework_python, tmp_path_factory) -> tuple[Path, str]:
+    """``litgpt finetune_<method>``'s own output folder and the method, for each of litgpt's
+    adapter fine-tunings, 2 steps each saved: ``step-00000{1,2}/`` (``lit_model.pth.<method>``,
+    the adapter alone) and ``final/`` (the adapter; LoRA's also the base model with it merged
+    in)."""
+    method = request.param
+    return _litgpt_finetune(framework_python, tmp_path_factory, method), method
+
+
 @pytest.fixture(scope="session")
-def litgpt_lora_run(framework_python, tmp_path_factory) -> Path:
-    """``litgpt finetune_lora``'s own output folder, 2 steps each saved: ``step-00000{1,2}/``
-    (``lit_model.pth.lora``, the adapter alone) and ``final/`` (the adapter, and the base
-    model with it merged in)."""
-    out = tmp_path_factory.mktemp("litgpt_lora")
-    return run_generator(framework_python, "litgpt_lora_run.py", out, 0) / "out"
+def litgpt_full_run(framework_python, tmp_path_factory) -> Path:
+    """``litgpt finetune_full``'s own output folder, 2 steps each saved: ``step-00000{1,2}/``
+    (``lit_model.pth``, the training state) and ``final/`` (``{"model": ...}``)."""
+    return _litgpt_finetune(framework_python, tmp_path_factory, "full")
 
 
 def _venv_python(variable: str, framework: str) -> str:

@@ -90,70 +90,139 @@ def test_every_refusal_offers_only_what_works(gradclip, litgpt_run, tmp_path):
     assert refusals >= 4 and followed > 2
 
 
-# ------------------------------------------------------------------ finetune_lora
+# ------------------------------------------------------- finetune_lora, _adapter, _adapter_v2
+
+# Whose weights each method's file holds, as the report says it, and the tensors it keeps.
+WHOSE = {"lora": "the LoRA adapter's", "adapter": "the LLaMA-Adapter's",
+         "adapter_v2": "the LLaMA-Adapter v2's"}
+KIND = {"lora": "litgpt-lora", "adapter": "litgpt-adapter", "adapter_v2": "litgpt-adapter-v2"}
+KEPT = {"lora": (".lora_",), "adapter": ("adapter_wte", "gating_factor"),
+        "adapter_v2": ("adapter_", "gating_factor", "norm_", "ln_f")}
 
 
-def _adapter(litgpt_lora_run, folder: str) -> dict[str, torch.Tensor]:
-    return torch.load(litgpt_lora_run / folder / "lit_model.pth.lora", weights_only=True)["model"]
+def _adapter(run, method: str, folder: str) -> dict[str, torch.Tensor]:
+    return torch.load(run / folder / f"lit_model.pth.{method}", weights_only=True)["model"]
 
 
-def test_the_lora_fixture_is_litgpts_finetune_output(litgpt_lora_run):
-    names = sorted(p.name for p in litgpt_lora_run.iterdir() if p.name.startswith(("step", "fin")))
+def test_the_adapter_fixture_is_litgpts_finetune_output(litgpt_adapter_run):
+    run, method = litgpt_adapter_run
+    names = sorted(p.name for p in run.iterdir() if p.name.startswith(("step", "fin")))
     assert names == ["final", "step-000001", "step-000002"]
-    for folder in ("step-000001", "step-000002"):
-        files = {p.name for p in (litgpt_lora_run / folder).iterdir()}
-        assert {"lit_model.pth.lora", "model_config.yaml"} <= files
-        assert "lit_model.pth" not in files  # the adapter alone, no model, no optimizer
-    adapter = _adapter(litgpt_lora_run, "step-000002")
-    assert adapter and all(".lora_" in name for name in adapter)
+    for folder in names:
+        files = {p.name for p in (run / folder).iterdir()}
+        assert {f"lit_model.pth.{method}", "model_config.yaml"} <= files
+        # the adapter alone, no model, no optimizer; LoRA's final/ merges it into the model
+        assert ("lit_model.pth" in files) == (method == "lora" and folder == "final")
+    adapter = _adapter(run, method, "step-000002")
+    assert adapter and all(any(k in name for k in KEPT[method]) for name in adapter)
+    assert not any(name.endswith(("qkv.weight", "wte.weight")) and "adapter" not in name
+                   for name in adapter)
 
 
-@pytest.mark.parametrize("given", ["folder", "file"])
-def test_a_lora_step_measures_the_adapters_weights(gradclip, litgpt_lora_run, given):
-    """A ``step-N/`` of ``finetune_lora`` holds the adapter's weights alone: measured as
-    the adapter's, at the folder's step, never called the model's."""
-    folder = litgpt_lora_run / "step-000002"
-    adapter = _adapter(litgpt_lora_run, "step-000002")
-    path = folder if given == "folder" else folder / "lit_model.pth.lora"
+def _says_the_adapters(doc: dict, method: str) -> None:
+    explain = doc["measured"]["explain"]
+    assert explain.startswith(f"{WHOSE[method]} weights, not the model's"), explain
+    assert "model weights" not in explain
+
+
+@pytest.mark.parametrize("given", ["folder", "file", "final"])
+def test_an_adapter_checkpoint_measures_the_adapters_weights(gradclip, litgpt_adapter_run,
+                                                             given):
+    """A ``step-N/`` of ``finetune_lora``/``_adapter``/``_adapter_v2``, its file alone, and the
+    adapter in ``final/``: the adapter's weights alone, measured as the adapter's, at the
+    folder's step (``final/`` has none), never called the model's."""
+    run, method = litgpt_adapter_run
+    folder = run / ("final" if given == "final" else "step-000002")
+    adapter = _adapter(run, method, folder.name)
+    file = folder / f"lit_model.pth.{method}"
+    path = folder if given == "folder" else file  # LoRA's final/ folder is the merged model
     result = gradclip("inspect", path, "--format", "json")
     assert result.code == 0, result.err
     doc = result.json()
-    assert (doc["what"], doc["step"], doc["format"]) == ("weights", 2, "litgpt-lora")
-    assert "LoRA adapter" in doc["measured"]["explain"]
-    assert "model weights" not in doc["measured"]["explain"]
+    step = None if given == "final" else 2
+    assert (doc["what"], doc.get("step"), doc["format"]) == ("weights", step, KIND[method])
+    _says_the_adapters(doc, method)
     rows = {t["name"]: t for t in doc["tensors"]}
     assert set(rows) == set(adapter)
     for name, row in rows.items():
         assert rel_err(row["norm"], norm([adapter[name]])) <= TOL, name
     assert rel_err(doc["total_norm"], norm(adapter.values())) <= TOL
     table = gradclip("inspect", path)
-    assert table.code == 0 and "LoRA adapter" in table.out
-    refused = gradclip("inspect", path, "--what", "exp_avg")
-    assert refused.code == 3 and "--what weights" in refused.err
-    assert path.name in refused.err
+    assert table.code == 0 and f"{WHOSE[method]} weights, not the model's" in table.out
+    for what in ("grads", "exp_avg"):
+        refused = gradclip("inspect", path, "--what", what)
+        assert refused.code == 3 and "--what weights" in refused.err, refused.err
+        assert path.name in refused.err
 
 
-def test_trend_over_the_lora_out_folder(gradclip, litgpt_lora_run):
-    result = gradclip("trend", litgpt_lora_run, "--format", "json")
+def test_an_adapter_checkpoint_is_never_clipped(gradclip, litgpt_adapter_run, tmp_path):
+    """No gradients: clip refuses, offering nothing (clip never offers weights), and writes
+    nothing."""
+    run, method = litgpt_adapter_run
+    folder = run / "step-000002"
+    for path in (folder, folder / f"lit_model.pth.{method}"):
+        out = tmp_path / "clipped.pt"
+        refused = gradclip("clip", path, "--max-norm", "1", "-o", out)
+        assert refused.code == 3 and not out.exists()
+        assert f"saves no gradients ({WHOSE[method]} weights)" in refused.err
+        assert "--" not in refused.err.replace("--max-norm", "")
+
+
+def test_trend_and_compare_over_an_adapter_run(gradclip, litgpt_adapter_run):
+    run, method = litgpt_adapter_run
+    result = gradclip("trend", run, "--format", "json")
     assert result.code == 0, result.err
     doc = result.json()
     assert doc["what"] == "weights"
     assert [p["step"] for p in doc["points"]] == [1, 2]
-    for point, folder in zip(doc["points"], ("step-000001", "step-000002")):
-        expected = norm(_adapter(litgpt_lora_run, folder).values())
-        assert rel_err(point["total_norm"], expected) <= TOL
+    expected = [norm(_adapter(run, method, f"step-00000{s}").values()) for s in (1, 2)]
+    for point, total in zip(doc["points"], expected):
+        assert rel_err(point["total_norm"], total) <= TOL
+    result = gradclip("compare", run / "step-000001", run / "step-000002", "--format", "json")
+    assert result.code == 0, result.err
+    total = result.json()["total"]
+    assert rel_err(total["a"], expected[0]) <= TOL and rel_err(total["b"], expected[1]) <= TOL
 
 
-def test_the_lora_final_folder_is_the_merged_model(gradclip, litgpt_lora_run):
-    merged = torch.load(litgpt_lora_run / "final" / "lit_model.pth", weights_only=True)
-    doc = gradclip("inspect", litgpt_lora_run / "final", "--format", "json").json()
+def test_the_lora_final_folder_is_the_merged_model(gradclip, litgpt_adapter_run):
+    run, method = litgpt_adapter_run
+    if method != "lora":
+        pytest.skip("only LoRA's final/ holds a merged model")
+    merged = torch.load(run / "final" / "lit_model.pth", weights_only=True)
+    doc = gradclip("inspect", run / "final", "--format", "json").json()
     assert doc["what"] == "weights" and doc["format"] == "litgpt"
     assert rel_err(doc["total_norm"], norm(merged.values())) <= TOL
 
 
-def test_every_lora_refusal_offers_only_what_works(gradclip, litgpt_lora_run, tmp_path):
+def test_every_adapter_refusal_offers_only_what_works(gradclip, litgpt_adapter_run, tmp_path):
     from tests.cli.support import walk_refusals
 
-    folder = litgpt_lora_run / "step-000002"
-    refusals, followed = walk_refusals(gradclip, [folder, folder / "lit_model.pth.lora"], tmp_path)
-    assert refusals >= 2 and followed >= 2
+    run, method = litgpt_adapter_run
+    folder = run / "step-000002"
+    paths = [folder, folder / f"lit_model.pth.{method}", run / "final"]
+    refusals, followed = walk_refusals(gradclip, paths, tmp_path)
+    assert refusals >= 6 and followed >= 6
+
+
+# ------------------------------------------------------------------ finetune_full
+
+
+def test_a_full_finetune_is_read_as_litgpts_training_state(gradclip, litgpt_full_run):
+    """``finetune_full``'s ``step-N/lit_model.pth`` (model, optimizer, scheduler, iter_num,
+    step_count) is the litgpt layout's, as pretraining's; its ``final/`` the model alone."""
+    run = litgpt_full_run
+    saved = torch.load(run / "step-000002" / "lit_model.pth", weights_only=True)
+    assert {"model", "optimizer", "scheduler", "step_count"} <= set(saved)
+    expected = _first_moments(saved)
+    doc = gradclip("inspect", run / "step-000002", "--format", "json").json()
+    assert (doc["what"], doc["step"], doc["format"]) == ("exp_avg", saved["step_count"], "litgpt")
+    assert rel_err(doc["total_norm"], norm(expected.values())) <= TOL
+    final = torch.load(run / "final" / "lit_model.pth", weights_only=True)["model"]
+    doc = gradclip("inspect", run / "final", "--format", "json").json()
+    assert (doc["what"], doc["format"]) == ("weights", "litgpt")
+    assert "adapter" not in doc["measured"]["explain"]
+    assert rel_err(doc["total_norm"], norm(final.values())) <= TOL
+    trend = gradclip("trend", run, "--format", "json")
+    assert trend.code == 0, trend.err
+    assert [(p["step"], trend.json()["what"]) for p in trend.json()["points"]] == [
+        (1, "exp_avg"), (2, "exp_avg")]

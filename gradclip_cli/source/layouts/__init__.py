@@ -43,7 +43,7 @@ from . import (
     hf_trainer,
     lightning,
     litgpt,
-    litgpt_lora,
+    litgpt_adapter,
     megatron,
     nemo,
     olmo_core,
@@ -67,8 +67,8 @@ LAYOUTS: tuple[Layout, ...] = (
     accelerate_state,  # model.safetensors beside optimizer.bin, none of the Trainer's files
     hf_trainer,
     torchtune,  # its epoch_N/ may hold a Hugging Face index: before hf_sharded
-    litgpt,  # final/ holds the merged model beside the adapter: before litgpt_lora
-    litgpt_lora,
+    litgpt,  # LoRA's final/ holds the merged model beside the adapter: before litgpt_adapter
+    litgpt_adapter,
     hf_sharded,
     olmo_core,
     olmo_core_gradients,  # its full_gradients/ is a plain DCP folder: before dcp
