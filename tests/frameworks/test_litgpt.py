@@ -125,21 +125,25 @@ def _says_the_adapters(doc: dict, method: str) -> None:
     assert "model weights" not in explain
 
 
-@pytest.mark.parametrize("given", ["folder", "file", "final"])
+@pytest.mark.parametrize("given", ["folder", "file", "final", "copied"])
 def test_an_adapter_checkpoint_measures_the_adapters_weights(gradclip, litgpt_adapter_run,
-                                                             given):
-    """A ``step-N/`` of ``finetune_lora``/``_adapter``/``_adapter_v2``, its file alone, and the
-    adapter in ``final/``: the adapter's weights alone, measured as the adapter's, at the
-    folder's step (``final/`` has none), never called the model's."""
+                                                             given, tmp_path):
+    """A ``step-N/`` of ``finetune_lora``/``_adapter``/``_adapter_v2``, its file alone, the
+    adapter in ``final/``, and the file copied away from its folder (no ``model_config.yaml``
+    beside it): the adapter's weights alone, measured as the adapter's, at the folder's step
+    (``final/`` and a copy have none), never called the model's."""
     run, method = litgpt_adapter_run
     folder = run / ("final" if given == "final" else "step-000002")
     adapter = _adapter(run, method, folder.name)
     file = folder / f"lit_model.pth.{method}"
     path = folder if given == "folder" else file  # LoRA's final/ folder is the merged model
+    if given == "copied":
+        path = tmp_path / file.name
+        shutil.copyfile(file, path)
     result = gradclip("inspect", path, "--format", "json")
     assert result.code == 0, result.err
     doc = result.json()
-    step = None if given == "final" else 2
+    step = None if given in ("final", "copied") else 2
     assert (doc["what"], doc.get("step"), doc["format"]) == ("weights", step, KIND[method])
     _says_the_adapters(doc, method)
     rows = {t["name"]: t for t in doc["tensors"]}

@@ -21,7 +21,8 @@ adapter merged in (``merge_lora``), which the ``litgpt`` layout reads first;
 the two LLaMA-Adapters' ``final/`` holds the adapter alone, read here.
 
 Recognised by content: a folder holding one of those files and
-``model_config.yaml``, or that file itself. What it holds is measured as what
+``model_config.yaml``, or that file itself, also when copied away from its
+folder (the file name is litgpt's alone; a copy has no step). What it holds is measured as what
 it is, the adapter's weights, not the model's (kind ``litgpt-lora``,
 ``litgpt-adapter`` or ``litgpt-adapter-v2``); the step is the folder's number,
 litgpt's ``step_count`` (optimizer steps) when it saved.
@@ -84,7 +85,11 @@ def _folder_of(path: Path) -> Path | None:
 
 def recognises(path: Path) -> bool:
     folder = _folder_of(path)
-    return folder is not None and os.path.isfile(folder / CONFIG_FILE) and any(
+    if folder is None:
+        return False
+    if folder != path:  # the file itself: its name is litgpt's alone, config or not
+        return True
+    return os.path.isfile(folder / CONFIG_FILE) and any(
         os.path.isfile(folder / name) for name in METHODS)
 
 
