@@ -218,28 +218,70 @@ def _refused_clip(kind: str, folder: Path) -> tuple[list[object], int, str]:
     return ["clip", path, "--max-norm", "1"], 1, "header"
 
 
+def _verify_notes(path: Path) -> list[str]:
+    """What --verify could not check in the file ``path``, as inspect's report of it says:
+    the reference for what a refusal after reading it says."""
+    from ..json_schemas import assert_valid
+
+    result = run_cli("inspect", path, "--verify", "--format", "json", "--allow-nonfinite")
+    assert result.code == 0, result.err
+    notes = [d for d in assert_valid(result.out)["description"] if d.startswith("--verify")]
+    assert notes, result.out
+    return notes
+
+
+def _said_on_stderr(result, plain, notes: list[str]) -> None:
+    """stderr holds the one error line the run without --verify prints (``plain``), then
+    one 'note:' line per note."""
+    assert len(plain.err_lines) == 1, plain.err
+    assert result.err_lines == [*plain.err_lines, *(f"gradclip: note: {n}" for n in notes)]
+
+
 @pytest.mark.parametrize("format", _FORMATS)
 @pytest.mark.parametrize("kind", ["nonfinite", "usage", "input", "safetensors"])
 def test_a_refused_clip_still_says_what_verify_could_not_check(tmp_path, kind, format):
     """clip --verify refusing a file that stores no checksums (exit 1, 2 or 3) says, as a
     run it does not refuse does, that the check asked for was not made: in the document
-    of every format that writes one; an exit-1 refusal also on stderr where the format
-    writes none (table, json); an exit 2 or 3 keeps stderr to its one line."""
+    of every format that writes one, stderr keeping its one error line; where the format
+    writes none (the table; JSON at exit 1), on stderr as 'note:' lines after the error
+    line, which stays one line and the first."""
     args, code, words = _refused_clip(kind, tmp_path)
+    notes = _verify_notes(args[1])
     out = tmp_path / "out.pt"
+    plain = run_cli(*args, "--format", format, "--output", out)  # without --verify: none
+    assert plain.code == code and "checksums" not in plain.out + plain.err
     result = run_cli(*args, "--verify", "--format", format, "--output", out)
     assert result.code == code, result.err
     assert not out.exists()
     writes_document = format in ("markdown", "github", "junit") or (
         format == "json" and code != 1)
-    if format == "table" and code != 1:
-        assert len(result.err_lines) == 1 and not result.out, (result.out, result.err)
-        return
-    shown = result.out if writes_document else result.err
-    assert "stores no checksums" in shown and words in shown, (result.out, result.err)
+    if writes_document:
+        _said_on_stderr(result, plain, [])
+        assert "stores no checksums" in result.out and words in result.out, result.out
+    else:
+        _said_on_stderr(result, plain, notes)
+        assert all(words in n for n in notes), notes
     if format == "json" and code != 1:
         from ..json_schemas import assert_valid
-        notes = assert_valid(result.out)["notes"]
-        assert any("stores no checksums" in n for n in notes), notes
-    plain = run_cli(*args, "--format", format, "--output", out)  # without --verify: none
-    assert plain.code == code and "checksums" not in plain.out + plain.err
+        assert assert_valid(result.out)["notes"] == notes
+
+
+@pytest.mark.parametrize("path_kind", ["legacy", "safetensors"])
+def test_a_refused_inspect_shows_the_notes_after_its_error_line(tmp_path, path_kind):
+    """inspect --verify refused (exit 3: --what names a quantity the file does not hold)
+    after reading a file that stores no checksums: the table's stderr is the error line,
+    then what --verify could not check, as clip's refusals say it; under -q, as -q shows a
+    report without its notes, the error line alone."""
+    if path_kind == "legacy":
+        path = _legacy(tmp_path, "g.pt", 1)
+    else:
+        path = tmp_path / "g.safetensors"
+        path.write_bytes(safetensors_bytes({"w": f32(0, 2)}, struct.pack("<2f", 3.0, 4.0)))
+    notes = _verify_notes(path)
+    plain = run_cli("inspect", path, "--what", "exp_avg")
+    result = run_cli("inspect", path, "--verify", "--what", "exp_avg")
+    assert result.code == plain.code == 3 and not result.out, (result.out, result.err)
+    assert str(path) in plain.err
+    _said_on_stderr(result, plain, notes)
+    quiet = run_cli("inspect", path, "--verify", "--what", "exp_avg", "-q")
+    assert quiet.code == 3 and quiet.err_lines == plain.err_lines  # -q: the error line alone
