@@ -285,3 +285,93 @@ def test_a_refused_inspect_shows_the_notes_after_its_error_line(tmp_path, path_k
     _said_on_stderr(result, plain, notes)
     quiet = run_cli("inspect", path, "--verify", "--what", "exp_avg", "-q")
     assert quiet.code == 3 and quiet.err_lines == plain.err_lines  # -q: the error line alone
+
+
+# -- refusals over several inputs keep the notes of those read ------------------------------
+
+
+def _notes_of(*args: object) -> list[str]:
+    """--verify's notes in the JSON report of a run that succeeds: the reference for what a
+    refused run over the same inputs says of them."""
+    from ..json_schemas import assert_valid
+
+    result = run_cli(*args, "--verify", "--format", "json")
+    assert result.code in (0, 1), result.err
+    return [n for n in assert_valid(result.out)["notes"] if "--verify" in n]
+
+
+def _damaged_zip(folder: Path) -> Path:
+    """A torch zip that loads (torch.load checks no CRC) but fails --verify (exit 3)."""
+    path = folder / "z3.pt"
+    torch.save({"grads": {"w": torch.ones(256)}, "step": 3}, path)
+    _, offset = _entry_data_offset(path, "data/0")
+    _flip(path, offset + 100, bit=3)
+    return path
+
+
+def _weights(folder: Path) -> Path:
+    """A legacy torch file of a model's weights: with gradients beside it, a mix of kinds
+    (exit 2), read (and noted) before it is refused."""
+    path = folder / "w3.pt"
+    torch.save(torch.nn.Linear(4, 16).state_dict(), path, _use_new_zipfile_serialization=False)
+    return path
+
+
+def _refused_over_several(command: str, failure: str, folder: Path
+                          ) -> tuple[list[object], int, list[str]]:
+    """Arguments of a run that reads a legacy torch file and a safetensors file (compare:
+    the legacy one alone) under --verify and then is refused; its exit code; the notes it
+    must carry, as the runs that succeed over the same inputs word them."""
+    a = _legacy(folder, "a1.pt", 1)
+    s = folder / "g2.safetensors"
+    s.write_bytes(safetensors_bytes({"w": f32(0, 16)}, struct.pack("<16f", *[2.0] * 16)))
+    read = [a] if command == "compare" else [a, s]
+    before = [n for n in _notes_of(command, a, s) if any(n.startswith(f"{p}: ") for p in read)]
+    if failure == "damaged":
+        return [command, *read, _damaged_zip(folder)], 3, before
+    w = _weights(folder)
+    return [command, *read, w], 2, before + _notes_of("trend", w, "--what", "weights")
+
+
+_SEVERAL = [("trend", "damaged"), ("trend", "mixed"), ("compare", "damaged"),
+            ("compare", "mixed"), ("autopsy", "damaged")]
+
+
+@pytest.mark.parametrize("format", _FORMATS)
+@pytest.mark.parametrize("command, failure", _SEVERAL)
+def test_a_refusal_over_several_inputs_keeps_the_notes_of_those_read(tmp_path, command,
+                                                                     failure, format):
+    """trend, compare and autopsy refused (exit 2 or 3) at an input after others were read
+    under --verify still say what --verify could not check in each input read (the one
+    refused included): the same notes a run over them that succeeds gives, each once, in
+    every format; the table as note lines after its one error line."""
+    import xml.etree.ElementTree as ET
+
+    from ..json_schemas import assert_valid
+
+    args, code, notes = _refused_over_several(command, failure, tmp_path)
+    assert notes and len(notes) == len(set(notes)), notes
+    result = run_cli(*args, "--verify", "--format", format)
+    assert result.code == code, result.err
+    error = result.err_lines[0]
+    assert error.startswith("gradclip: ") and str(args[-1]) in error, result.err
+    if format == "table":
+        assert result.err_lines == [error] + [f"gradclip: note: {n}" for n in notes]
+        assert not result.out
+        return
+    assert result.err_lines == [error]  # the document carries the notes
+    if format == "json":
+        document = assert_valid(result.out)
+        assert document["exit_code"] == code and f"gradclip: {document['error']}" == error
+        assert document["notes"] == notes
+    elif format == "github":
+        shown = [line.split("::", 2)[2] for line in result.out.splitlines()
+                 if line.startswith("::notice ")]
+        assert shown == notes, result.out
+    elif format == "junit":
+        texts = [e.text or "" for e in ET.fromstring(result.out).iter("system-out")]
+        assert "\n".join(texts).splitlines() == [f"note: {n}" for n in notes], result.out
+    else:  # markdown: one item each, escaped as markdown escapes (a backslash before)
+        shown = [line[2:] for line in result.out.splitlines() if line.startswith("- ")]
+        assert [line.replace("\\", "") for line in shown] == notes, result.out
+        assert not any("\\" in n for n in notes)  # so the unescaping above is exact
