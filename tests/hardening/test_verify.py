@@ -375,3 +375,44 @@ def test_a_refusal_over_several_inputs_keeps_the_notes_of_those_read(tmp_path, c
         shown = [line[2:] for line in result.out.splitlines() if line.startswith("- ")]
         assert [line.replace("\\", "") for line in shown] == notes, result.out
         assert not any("\\" in n for n in notes)  # so the unescaping above is exact
+
+
+def _adam_states(folder: Path, steps: int) -> list[Path]:
+    """Legacy torch files of a model and its Adam state after steps 1..``steps``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    paths = []
+    for step in range(1, steps + 1):
+        model(torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        paths.append(folder / f"s{step}.pt")
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                   paths[-1], _use_new_zipfile_serialization=False)
+    return paths
+
+
+@pytest.mark.parametrize("format", ["table", "json"])
+def test_inspect_previous_says_what_verify_could_not_check_in_both_files(tmp_path, format):
+    """inspect --previous PREV --verify reads two files: the report says what --verify could
+    not check in each (PREV's was left out), and a refusal of the pair (steps 1 and 3: not
+    consecutive, exit 3) says it of both too."""
+    from ..json_schemas import assert_valid
+
+    s1, s2, s3 = _adam_states(tmp_path, 3)
+    pair = ["--what", "grads", "--verify", "--format", "json"]
+    done = run_cli("inspect", s2, "--previous", s1, *pair)
+    assert done.code == 0, done.err
+    shown = [d for d in assert_valid(done.out)["description"] if d.startswith("--verify")]
+    assert shown == _verify_notes(s2) + _verify_notes(s1)
+    notes = _verify_notes(s3) + _verify_notes(s1)
+    plain = run_cli("inspect", s3, "--previous", s1, "--what", "grads", "--format", format)
+    result = run_cli("inspect", s3, "--previous", s1, "--what", "grads", "--verify",
+                     "--format", format)
+    assert result.code == plain.code == 3, result.err
+    if format == "json":
+        assert assert_valid(result.out)["notes"] == notes
+        assert result.err_lines == plain.err_lines
+    else:
+        _said_on_stderr(result, plain, notes)
