@@ -23,7 +23,7 @@ import click
 from click.shell_completion import get_completion_class
 
 from . import values as V
-from .errors import REPORT_FILE_FLAG, GradclipError
+from .errors import REPORT_FILE_FLAG, GradclipError, stderr_lines
 from .format import described as described_formats
 from .format import failure_formats
 
@@ -128,12 +128,15 @@ def _shared(command):
 def _report_error(message: str, code: int, *, format: str | None, source: object,
                   command: str = "gradclip", output_file: Path | None = None,
                   inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = (),
-                  notes: tuple[str, ...] = ()) -> None:
-    """One line on stderr; with a CI format also that format's failure document.
+                  notes: tuple[str, ...] = (), quiet: bool = False) -> None:
+    """One error line on stderr; with a CI format also that format's failure document.
 
     ``notes``: what the run had found for its report before it failed (already
-    ``visible``: what ``--verify`` could not check), in the failure document: the
-    user is told of a check not made. stderr keeps its one line (the contract).
+    ``visible``: what ``--verify`` could not check): the user is told of a check not
+    made. They go in the failure document, stderr keeping its one line; where the format
+    writes none (the table), on stderr as ``note:`` lines after the error line
+    (``errors.stderr_lines``), as clip's exit-1 refusal says them; under ``-q`` the
+    error line alone, as ``-q`` shows a report's verdict line without its notes.
 
     ``--format json`` prints the contract's ``gradclip.error/1`` object,
     ``junit`` a testcase with an ``<error>``, ``github`` an ``::error`` line,
@@ -148,8 +151,10 @@ def _report_error(message: str, code: int, *, format: str | None, source: object
     from .format.text import visible
 
     message = visible(message)
-    print(f"gradclip: {message}", file=sys.stderr)
-    if format not in failure_formats():
+    documented = format in failure_formats()
+    for line in stderr_lines(message, () if documented or quiet else notes):
+        print(line, file=sys.stderr)
+    if not documented:
         return
     import io
 
@@ -228,7 +233,7 @@ def _command(name: str):
 
 def _run(body, *, command: str, debug: bool, format: str | None = None, source: object = None,
          output_file: Path | None = None, inputs: tuple[str, ...] = (),
-         outputs: tuple[str, ...] = ()) -> None:
+         outputs: tuple[str, ...] = (), quiet: bool = False) -> None:
     """Run a command body, turning every error into one line and an exit code.
 
     Under a launcher every rank ends with the same code and rank 0 alone
@@ -238,7 +243,8 @@ def _run(body, *, command: str, debug: bool, format: str | None = None, source: 
     code, message, speaks = _settle(failed, code, message)
     if message is not None and speaks:
         _report_error(message, code, format=format, source=source, command=command,
-                      output_file=output_file, inputs=inputs, outputs=outputs, notes=notes)
+                      output_file=output_file, inputs=inputs, outputs=outputs, notes=notes,
+                      quiet=quiet)
     raise click.exceptions.Exit(code)
 
 
@@ -318,7 +324,7 @@ def inspect(path, key, norm_type, device, format, output_file, max_norm, allow_n
             what=what, previous=previous,
         )
 
-    _run(body, command="inspect", debug=debug, format=format, source=path,
+    _run(body, command="inspect", debug=debug, quiet=quiet, format=format, source=path,
          output_file=_output_file(output_file),
          inputs=(path,) if previous is None else (path, previous))
 
@@ -351,7 +357,7 @@ def clip(path, max_norm, clip_value, output, in_place, key, norm_type, device, f
             output_file=_output_file(output_file), what=what,
         )
 
-    _run(body, command="clip", debug=debug, format=format, source=path,
+    _run(body, command="clip", debug=debug, quiet=quiet, format=format, source=path,
          output_file=_output_file(output_file), inputs=(path,),
          outputs=(output,) if output else ())
 
@@ -398,7 +404,7 @@ def trend(paths, what, group_by, z, alpha, warmup, fail_on, plot, key, norm_type
             tag=tag, run_name=run_name, exclude=tuple(exclude),
         )
 
-    _run(body, command="trend", debug=debug, format=format, source=" ".join(paths),
+    _run(body, command="trend", debug=debug, quiet=quiet, format=format, source=" ".join(paths),
          output_file=_output_file(output_file), inputs=tuple(paths),
          outputs=(plot,) if plot else ())
 
@@ -424,7 +430,7 @@ def compare(a, b, fail_above, what, group_by, key, norm_type, device, format, ou
             output_file=_output_file(output_file), progress=not (quiet or no_progress),
         )
 
-    _run(body, command="compare", debug=debug, format=format, source=f"{a} {b}",
+    _run(body, command="compare", debug=debug, quiet=quiet, format=format, source=f"{a} {b}",
          output_file=_output_file(output_file), inputs=(a, b))
 
 
@@ -459,7 +465,7 @@ def autopsy(paths, step, window, outlier_k, plot, key, device, format, output_fi
             tag=tag, run_name=run_name, exclude=tuple(exclude),
         )
 
-    _run(body, command="autopsy", debug=debug, format=format, source=" ".join(paths),
+    _run(body, command="autopsy", debug=debug, quiet=quiet, format=format, source=" ".join(paths),
          output_file=_output_file(output_file), inputs=tuple(paths),
          outputs=(plot,) if plot else ())
 

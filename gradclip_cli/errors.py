@@ -43,6 +43,18 @@ class UsageError(GradclipError):
     exit_code = 2
 
 
+def stderr_lines(message: str, notes: Iterable[str] = ()) -> list[str]:
+    """What stderr shows of a refused run: the one error line (``message``, made visible
+    once, by the caller), then one ``note:`` line per note (each ``visible`` where made).
+
+    The error stays one line and the first, whatever the notes say: a script that reads
+    stderr's first line reads the error. Notes come here only where the format's output
+    carries none (the table; JSON for clip's exit-1 refusal): what ``--verify`` could not
+    check is said once, wherever the format shows it.
+    """
+    return [f"gradclip: {message}", *(f"gradclip: note: {note}" for note in notes)]
+
+
 # How a message about ``--output-file`` itself begins: such an error is reported on
 # stdout, never written to that file (it may be an input).
 REPORT_FILE_FLAG = "--output-file"

@@ -47,7 +47,7 @@ from ..source.layouts import open_checkpoint
 from ..source.logs import trackers
 from ..source.what import available, select
 from .common import Loaded, speaks
-from .grouped import MeasureOptions, measure_grouped, why_not_checkpoint
+from .grouped import MeasureOptions, ReadNotes, measure_grouped, why_not_checkpoint
 from .outliers import count_outliers
 from .output import Output
 
@@ -107,13 +107,16 @@ def build(
     rule = parse_group_by(GROUP_BY)
     how = MeasureOptions(key, 2.0, dev, rule, GROUP_BY, trust_pickle, verify, session)
     exclusion = Exclusion(tuple(exclude))
-    with progress_steps(not progress or not speaks()) as steps:
+    # What --verify could not check in each checkpoint read: a refusal at a later input,
+    # or after all were read, says it too.
+    read = ReadNotes()
+    with progress_steps(not progress or not speaks()) as steps, read.carried():
         logs, points = _read_inputs(paths, how, steps, output, trackers.Choice(tag, run_name),
-                                    exclusion)
+                                    exclusion, read)
         # Notes are escaped where made (each name through visible()), as inspect's and
         # trend's are; every format shows them as they are (kept_visible).
         series, inputs, notes, placed = series_of(logs, points)
-        notes = [n for point in points for n in point.notes] + notes  # --verify's gaps
+        notes = read.notes + notes  # --verify's gaps
         notes += exclusion.notes()  # what --exclude left out, as trend says it
         main = finest(series)
         explained = explained_step(main, step, series, z, alpha, warmup)
@@ -131,9 +134,10 @@ def build(
 
 
 def _read_inputs(paths: list[Path], how: MeasureOptions, steps, output: Output | None,
-                 choice: trackers.Choice, exclusion: Exclusion
+                 choice: trackers.Choice, exclusion: Exclusion, read: ReadNotes
                  ) -> tuple[list[tuple], list[CheckpointPoint]]:
-    """The norm logs (``(file, entries, LogKind)`` each) and the checkpoints, measured."""
+    """The norm logs (``(file, entries, LogKind)`` each) and the checkpoints, measured;
+    each checkpoint's notes in ``read``."""
     logs, points = [], []
     inputs = run_inputs.once([
         item for path in run_inputs.kept(paths, exclusion)
@@ -149,19 +153,23 @@ def _read_inputs(paths: list[Path], how: MeasureOptions, steps, output: Output |
                                  "give it the lines of one p in a file of their own")
             logs.append((item.path, entries, item.kind))
             continue
-        point = _read_checkpoint(item, how, steps)
-        if output is not None:
-            output.check(reads=[item.path])
+        with read.carried(item.path):
+            point = _read_checkpoint(item, how, steps, read)
+            if output is not None:
+                output.check(reads=[item.path])
         points.append(point)
     if not logs and not points:
         raise InputError(f"{paths[0]}: no checkpoint or norm log to read")
     return logs, points
 
 
-def _read_checkpoint(item: run_inputs.Input, how: MeasureOptions, steps) -> CheckpointPoint:
-    """Every quantity the checkpoint determines, grouped; its parameters' shapes."""
+def _read_checkpoint(item: run_inputs.Input, how: MeasureOptions, steps, read: ReadNotes
+                     ) -> CheckpointPoint:
+    """Every quantity the checkpoint determines, grouped; its parameters' shapes. Its
+    notes go in ``read`` once it is open."""
     contents = open_checkpoint(item.path, key=how.key, trust_pickle=how.trust_pickle,
                                verify=how.verify)
+    read.add(item.path, contents.notes)
     measured: dict[str, tuple[float, dict[str, float]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     step = None
@@ -185,4 +193,4 @@ def _read_checkpoint(item: run_inputs.Input, how: MeasureOptions, steps) -> Chec
             measured["update_to_weights"] = (
                 ratio(total_w, m.total_norm),
                 {g: ratio(weights[g], u) for g, u in m.groups.items() if g in weights})
-    return CheckpointPoint(item.path, step, "grads" in measured, measured, shapes, m.notes)
+    return CheckpointPoint(item.path, step, "grads" in measured, measured, shapes)

@@ -14,7 +14,7 @@ from .. import clipping, options
 from ..core import Coefficient, clamp_elements_, scale_elements_
 from ..distributed import launcher
 from ..distributed.sets import shard_owners
-from ..errors import GradclipError, OutputError, UsageError
+from ..errors import GradclipError, OutputError, UsageError, stderr_lines
 from ..format import entry
 from ..format.text import visible
 from ..progress import progress_steps
@@ -186,9 +186,12 @@ def _refuse(report_out: Output, report: ClipReport, why: str, then: str) -> int:
     if not speaks():
         return 1
     message = f"{report.source}: {why}; refusing to clip, nothing written{then}"
-    for note in report.notes:  # what --verify could not check, as a failure says it
-        print(f"gradclip: note: {note}", file=sys.stderr)
-    print(f"gradclip: {visible(message)}", file=sys.stderr)
-    if entry(report_out.format).carries_refusals:
+    documented = entry(report_out.format).carries_refusals
+    # What --verify could not check: in the document where there is one, else on stderr
+    # after the error line (not under -q), as a failure (exit 2 or 3) says it.
+    for line in stderr_lines(visible(message),
+                             () if documented or report_out.quiet else report.notes):
+        print(line, file=sys.stderr)
+    if documented:
         report_out.emit(dataclasses.replace(report, refused=message), verdict=False)
     return 1

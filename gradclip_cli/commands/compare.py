@@ -14,7 +14,7 @@ from ..report.compare import build_compare_report
 from ..report.outcome import exit_code
 from ..report.trend import OneKind, one_optimizer
 from .common import speaks
-from .grouped import Measured, MeasureOptions, measurable, measure_checkpoint
+from .grouped import Measured, MeasureOptions, ReadNotes, measurable, measure_checkpoint
 from .output import Output
 
 
@@ -34,19 +34,22 @@ def run(
         dev = session.device
     how = MeasureOptions(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
     kinds = OneKind(what, "compare", lambda: measurable([a, b], key, trust_pickle))
+    read = ReadNotes()  # a refusal at B still says what --verify could not check in A
     with progress_steps(quiet or not progress or not speaks()) as steps:
         # One at a time: A's pages are released before B is read.
-        ra = measure_checkpoint(a, how, steps)
-        kinds.check(str(a), ra.what)
-        rb = measure_checkpoint(b, how, steps)
-        kinds.check(str(b), rb.what)
+        with read.carried(a):
+            ra = measure_checkpoint(a, how, steps, read=read)
+            kinds.check(str(a), ra.what)
+        with read.carried(b):
+            rb = measure_checkpoint(b, how, steps, read=read)
+            kinds.check(str(b), rb.what)
     report = build_compare_report(
         a=str(a), b=str(b), what=kinds.what, norm_type=p, group_by=group_by,
         totals=(ra.total_norm, rb.total_norm), groups_a=ra.groups, groups_b=rb.groups,
         nonfinite=_nonfinite(ra) or _nonfinite(rb), fail_above=limit,
     )  # fmt: skip
     report = replace(report, optimizer=one_optimizer({ra.optimizer, rb.optimizer}),
-                     notes=(*ra.notes, *rb.notes))
+                     notes=tuple(read.notes))
     output.emit(report)
     return exit_code(report)
 

@@ -4,10 +4,12 @@ from each checkpoint they read (``inspect`` reports a row per tensor besides).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import GradclipError, InputError
 from ..format.text import visible
 from ..progress import Steps
 from ..report import NonFinite
@@ -80,16 +82,54 @@ class Measured:
     optimizer: str | None = None  # whose rule gave an optimizer quantity ("Adam")
     # The same parameters' weights, where asked for and all held: (total, groups).
     weights: tuple[float, dict[str, float]] | None = None
-    # Its layout's notes (``Contents.notes``: what ``--verify`` could not check), each
-    # naming the input.
-    notes: tuple[str, ...] = ()
+
+
+class ReadNotes:
+    """The notes of the inputs a command has read so far (``Contents.notes``: what
+    ``--verify`` could not check), each naming its input, once each, in reading order.
+
+    A failure met while reading them, or after, carries them all (``GradclipError.notes``):
+    a run refused at its third checkpoint still says, in every format, that ``--verify``
+    checked nothing in the first two, as the report it would have made says.
+    """
+
+    def __init__(self) -> None:
+        self._notes: dict[str, None] = {}
+
+    @property
+    def notes(self) -> list[str]:
+        return list(self._notes)
+
+    def add(self, path: Path, notes: Iterable[str]) -> None:
+        """``path`` was read: its layout's ``notes``, each named by it (escaped here)."""
+        self._notes.update(dict.fromkeys(f"{visible(str(path))}: {note}" for note in notes))
+
+    @contextmanager
+    def carried(self, path: Path | None = None) -> Iterator[None]:
+        """A ``GradclipError`` raised inside carries every note added so far, then its own:
+        with ``path`` (the input being read), those it has of that input (its layout's,
+        where opening or selecting failed), named and added as the input's."""
+        try:
+            yield
+        except GradclipError as error:
+            own = error.notes
+            if path is not None:
+                self.add(path, own)
+                own = ()
+            error.notes = ()
+            error.noting((*self._notes, *own))
+            raise
 
 
 def measure_checkpoint(path: Path, how: MeasureOptions, steps: Steps,
-                       folder_step: int | None = None) -> Measured:
+                       folder_step: int | None = None, *,
+                       read: ReadNotes | None = None) -> Measured:
     """Load (any layout), select ``how.what`` and measure one checkpoint, grouped;
-    its pages are released as they are read."""
+    its pages are released as they are read. ``read``: where its notes go as soon as it
+    is loaded, so that a failure measuring it carries them too."""
     loaded = load(path, how.key, how.trust_pickle, how.verify, steps, how.what)
+    if read is not None:
+        read.add(path, loaded.contents.notes)
     return measure_grouped(loaded, path, how, steps, folder_step)
 
 
@@ -122,7 +162,6 @@ def measure_grouped(loaded: Loaded, path: Path, how: MeasureOptions, steps: Step
         step_note=step.note,
         optimizer=loaded.selection.optimizer,
         weights=weight_groups,
-        notes=tuple(f"{visible(str(path))}: {note}" for note in loaded.contents.notes),
     )  # fmt: skip
 
 

@@ -44,7 +44,13 @@ from ..source.exclude import Exclusion
 from ..source.logs import LogKind, trackers
 from ..source.run_folder import RunFolder
 from .common import load, speaks
-from .grouped import MeasureOptions, measurable, measure_grouped, why_not_checkpoint
+from .grouped import (
+    MeasureOptions,
+    ReadNotes,
+    measurable,
+    measure_grouped,
+    why_not_checkpoint,
+)
 from .norm_audit import norm_audits
 from .output import Output
 
@@ -106,7 +112,10 @@ def build(
     if session is not None:
         dev = session.device
     exclusion = Exclusion(tuple(exclude))
-    with progress_steps(not progress or not speaks()) as steps:
+    # What --verify could not check in each checkpoint read: a refusal at a later input,
+    # or after all were read, says it too.
+    read = ReadNotes()
+    with progress_steps(not progress or not speaks()) as steps, read.carried():
         inputs, runs, logs = _inputs(paths, what, key, trust_pickle, steps, tag, run_name,
                                      exclusion)
         if logs and regroup:
@@ -122,44 +131,46 @@ def build(
             kinds.check(str(path), LOGGED_WHAT, logged=True)
         observations: list[Observation] = []
         step_notes: list[str] = []
-        unchecked: list[str] = []  # what --verify could not check
         optimizers: set[str | None] = set()
         logged = dict(logs)
         for item in inputs:
             if isinstance(item.kind, LogKind):
                 observations += logged_observations(item.path, logged[item.path])
                 continue
-            # One at a time: loading checkpoint i+1 on a thread while i was
-            # measured made trend slower, not faster (BENCHMARKS.md, "trend").
-            loaded = load(item.path, how.key, how.trust_pickle, how.verify, steps, how.what)
-            if output is not None:
-                output.check(reads=loaded.contents.files)
-            kinds.check(str(item.path), loaded.selection.what,  # before measuring it
-                        explain=loaded.selection.explain)
-            m = measure_grouped(loaded, item.path, how, steps, item.folder_step)
+            with read.carried(item.path):
+                # One at a time: loading checkpoint i+1 on a thread while i was
+                # measured made trend slower, not faster (BENCHMARKS.md, "trend").
+                loaded = load(item.path, how.key, how.trust_pickle, how.verify, steps,
+                              how.what)
+                read.add(item.path, loaded.contents.notes)
+                if output is not None:
+                    output.check(reads=loaded.contents.files)
+                kinds.check(str(item.path), loaded.selection.what,  # before measuring it
+                            explain=loaded.selection.explain)
+                m = measure_grouped(loaded, item.path, how, steps, item.folder_step)
             del loaded  # its mapping goes before the next checkpoint is opened
             optimizers.add(m.optimizer)
-            unchecked += m.notes
             if m.step_note is not None:
                 step_notes.append(f"{visible(str(item.path))}: {m.step_note}")
             observations.append(Observation(
                 source=str(item.path), step=m.step, total_norm=m.total_norm,
                 groups=m.groups, nonfinite=m.nonfinite, what=m.what))
-    observations, copies = one_point_per_step(observations)
-    found = found_in_runs(runs)
-    # Notes are escaped where made (each name through visible()), as inspect's are; every
-    # format shows them as they are (kept_visible), adding only its own quoting.
-    found["notes"] += (cut + unchecked + step_notes + copies + exclusion.notes()
-                       + monitor_clipping_notes(logs, runs))
-    if logs:
-        group_by = (LOGGED_GROUPS if len(logs) == len(inputs)
-                    else f"{group_by} (checkpoints), {LOGGED_GROUPS} (logs)")
-    audits = norm_audits(runs, [(item.path, item.kind, logged[item.path]) for item in inputs
-                                if isinstance(item.kind, LogKind)])
-    report = build_trend_report(
-        order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by, z=z,
-        alpha=alpha, warmup=warmup, fail_on=fail_on, audits=audits, **found,
-    )  # fmt: skip
+    with read.carried():  # refused after reading (two runs' norms at one step)
+        observations, copies = one_point_per_step(observations)
+        found = found_in_runs(runs)
+        # Notes are escaped where made (each name through visible()), as inspect's are;
+        # every format shows them as they are (kept_visible), adding only its own quoting.
+        found["notes"] += (cut + read.notes + step_notes + copies + exclusion.notes()
+                           + monitor_clipping_notes(logs, runs))
+        if logs:
+            group_by = (LOGGED_GROUPS if len(logs) == len(inputs)
+                        else f"{group_by} (checkpoints), {LOGGED_GROUPS} (logs)")
+        audits = norm_audits(runs, [(item.path, item.kind, logged[item.path])
+                                    for item in inputs if isinstance(item.kind, LogKind)])
+        report = build_trend_report(
+            order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by,
+            z=z, alpha=alpha, warmup=warmup, fail_on=fail_on, audits=audits, **found,
+        )  # fmt: skip
     return replace(report, optimizer=one_optimizer(optimizers))
 
 

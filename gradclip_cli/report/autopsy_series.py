@@ -40,7 +40,6 @@ class CheckpointPoint:
     gradients: bool  # holds saved gradients: a dump, numbered as the monitor numbers steps
     measured: dict[str, tuple[float, dict[str, float]]]  # what -> (total, groups)
     shapes: dict[str, tuple[int, ...]]  # parameter -> shape, for the same-run check
-    notes: tuple[str, ...] = ()  # its layout's (``Contents.notes``), naming the input
 
 
 # -- placing steps and making series --------------------------------------------------------

@@ -218,28 +218,201 @@ def _refused_clip(kind: str, folder: Path) -> tuple[list[object], int, str]:
     return ["clip", path, "--max-norm", "1"], 1, "header"
 
 
+def _verify_notes(path: Path) -> list[str]:
+    """What --verify could not check in the file ``path``, as inspect's report of it says:
+    the reference for what a refusal after reading it says."""
+    from ..json_schemas import assert_valid
+
+    result = run_cli("inspect", path, "--verify", "--format", "json", "--allow-nonfinite")
+    assert result.code == 0, result.err
+    notes = [d for d in assert_valid(result.out)["description"] if d.startswith("--verify")]
+    assert notes, result.out
+    return notes
+
+
+def _said_on_stderr(result, plain, notes: list[str]) -> None:
+    """stderr holds the one error line the run without --verify prints (``plain``), then
+    one 'note:' line per note."""
+    assert len(plain.err_lines) == 1, plain.err
+    assert result.err_lines == [*plain.err_lines, *(f"gradclip: note: {n}" for n in notes)]
+
+
 @pytest.mark.parametrize("format", _FORMATS)
 @pytest.mark.parametrize("kind", ["nonfinite", "usage", "input", "safetensors"])
 def test_a_refused_clip_still_says_what_verify_could_not_check(tmp_path, kind, format):
     """clip --verify refusing a file that stores no checksums (exit 1, 2 or 3) says, as a
     run it does not refuse does, that the check asked for was not made: in the document
-    of every format that writes one; an exit-1 refusal also on stderr where the format
-    writes none (table, json); an exit 2 or 3 keeps stderr to its one line."""
+    of every format that writes one, stderr keeping its one error line; where the format
+    writes none (the table; JSON at exit 1), on stderr as 'note:' lines after the error
+    line, which stays one line and the first."""
     args, code, words = _refused_clip(kind, tmp_path)
+    notes = _verify_notes(args[1])
     out = tmp_path / "out.pt"
+    plain = run_cli(*args, "--format", format, "--output", out)  # without --verify: none
+    assert plain.code == code and "checksums" not in plain.out + plain.err
     result = run_cli(*args, "--verify", "--format", format, "--output", out)
     assert result.code == code, result.err
     assert not out.exists()
     writes_document = format in ("markdown", "github", "junit") or (
         format == "json" and code != 1)
-    if format == "table" and code != 1:
-        assert len(result.err_lines) == 1 and not result.out, (result.out, result.err)
-        return
-    shown = result.out if writes_document else result.err
-    assert "stores no checksums" in shown and words in shown, (result.out, result.err)
+    if writes_document:
+        _said_on_stderr(result, plain, [])
+        assert "stores no checksums" in result.out and words in result.out, result.out
+    else:
+        _said_on_stderr(result, plain, notes)
+        assert all(words in n for n in notes), notes
     if format == "json" and code != 1:
         from ..json_schemas import assert_valid
-        notes = assert_valid(result.out)["notes"]
-        assert any("stores no checksums" in n for n in notes), notes
-    plain = run_cli(*args, "--format", format, "--output", out)  # without --verify: none
-    assert plain.code == code and "checksums" not in plain.out + plain.err
+        assert assert_valid(result.out)["notes"] == notes
+
+
+@pytest.mark.parametrize("path_kind", ["legacy", "safetensors"])
+def test_a_refused_inspect_shows_the_notes_after_its_error_line(tmp_path, path_kind):
+    """inspect --verify refused (exit 3: --what names a quantity the file does not hold)
+    after reading a file that stores no checksums: the table's stderr is the error line,
+    then what --verify could not check, as clip's refusals say it; under -q, as -q shows a
+    report without its notes, the error line alone."""
+    if path_kind == "legacy":
+        path = _legacy(tmp_path, "g.pt", 1)
+    else:
+        path = tmp_path / "g.safetensors"
+        path.write_bytes(safetensors_bytes({"w": f32(0, 2)}, struct.pack("<2f", 3.0, 4.0)))
+    notes = _verify_notes(path)
+    plain = run_cli("inspect", path, "--what", "exp_avg")
+    result = run_cli("inspect", path, "--verify", "--what", "exp_avg")
+    assert result.code == plain.code == 3 and not result.out, (result.out, result.err)
+    assert str(path) in plain.err
+    _said_on_stderr(result, plain, notes)
+    quiet = run_cli("inspect", path, "--verify", "--what", "exp_avg", "-q")
+    assert quiet.code == 3 and quiet.err_lines == plain.err_lines  # -q: the error line alone
+
+
+# -- refusals over several inputs keep the notes of those read ------------------------------
+
+
+def _notes_of(*args: object) -> list[str]:
+    """--verify's notes in the JSON report of a run that succeeds: the reference for what a
+    refused run over the same inputs says of them."""
+    from ..json_schemas import assert_valid
+
+    result = run_cli(*args, "--verify", "--format", "json")
+    assert result.code in (0, 1), result.err
+    return [n for n in assert_valid(result.out)["notes"] if "--verify" in n]
+
+
+def _damaged_zip(folder: Path) -> Path:
+    """A torch zip that loads (torch.load checks no CRC) but fails --verify (exit 3)."""
+    path = folder / "z3.pt"
+    torch.save({"grads": {"w": torch.ones(256)}, "step": 3}, path)
+    _, offset = _entry_data_offset(path, "data/0")
+    _flip(path, offset + 100, bit=3)
+    return path
+
+
+def _weights(folder: Path) -> Path:
+    """A legacy torch file of a model's weights: with gradients beside it, a mix of kinds
+    (exit 2), read (and noted) before it is refused."""
+    path = folder / "w3.pt"
+    torch.save(torch.nn.Linear(4, 16).state_dict(), path, _use_new_zipfile_serialization=False)
+    return path
+
+
+def _refused_over_several(command: str, failure: str, folder: Path
+                          ) -> tuple[list[object], int, list[str]]:
+    """Arguments of a run that reads a legacy torch file and a safetensors file (compare:
+    the legacy one alone) under --verify and then is refused; its exit code; the notes it
+    must carry, as the runs that succeed over the same inputs word them."""
+    a = _legacy(folder, "a1.pt", 1)
+    s = folder / "g2.safetensors"
+    s.write_bytes(safetensors_bytes({"w": f32(0, 16)}, struct.pack("<16f", *[2.0] * 16)))
+    read = [a] if command == "compare" else [a, s]
+    before = [n for n in _notes_of(command, a, s) if any(n.startswith(f"{p}: ") for p in read)]
+    if failure == "damaged":
+        return [command, *read, _damaged_zip(folder)], 3, before
+    w = _weights(folder)
+    return [command, *read, w], 2, before + _notes_of("trend", w, "--what", "weights")
+
+
+_SEVERAL = [("trend", "damaged"), ("trend", "mixed"), ("compare", "damaged"),
+            ("compare", "mixed"), ("autopsy", "damaged")]
+
+
+@pytest.mark.parametrize("format", _FORMATS)
+@pytest.mark.parametrize("command, failure", _SEVERAL)
+def test_a_refusal_over_several_inputs_keeps_the_notes_of_those_read(tmp_path, command,
+                                                                     failure, format):
+    """trend, compare and autopsy refused (exit 2 or 3) at an input after others were read
+    under --verify still say what --verify could not check in each input read (the one
+    refused included): the same notes a run over them that succeeds gives, each once, in
+    every format; the table as note lines after its one error line."""
+    import xml.etree.ElementTree as ET
+
+    from ..json_schemas import assert_valid
+
+    args, code, notes = _refused_over_several(command, failure, tmp_path)
+    assert notes and len(notes) == len(set(notes)), notes
+    result = run_cli(*args, "--verify", "--format", format)
+    assert result.code == code, result.err
+    error = result.err_lines[0]
+    assert error.startswith("gradclip: ") and str(args[-1]) in error, result.err
+    if format == "table":
+        assert result.err_lines == [error] + [f"gradclip: note: {n}" for n in notes]
+        assert not result.out
+        return
+    assert result.err_lines == [error]  # the document carries the notes
+    if format == "json":
+        document = assert_valid(result.out)
+        assert document["exit_code"] == code and f"gradclip: {document['error']}" == error
+        assert document["notes"] == notes
+    elif format == "github":
+        shown = [line.split("::", 2)[2] for line in result.out.splitlines()
+                 if line.startswith("::notice ")]
+        assert shown == notes, result.out
+    elif format == "junit":
+        texts = [e.text or "" for e in ET.fromstring(result.out).iter("system-out")]
+        assert "\n".join(texts).splitlines() == [f"note: {n}" for n in notes], result.out
+    else:  # markdown: one item each, escaped as markdown escapes (a backslash before)
+        shown = [line[2:] for line in result.out.splitlines() if line.startswith("- ")]
+        assert [line.replace("\\", "") for line in shown] == notes, result.out
+        assert not any("\\" in n for n in notes)  # so the unescaping above is exact
+
+
+def _adam_states(folder: Path, steps: int) -> list[Path]:
+    """Legacy torch files of a model and its Adam state after steps 1..``steps``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    paths = []
+    for step in range(1, steps + 1):
+        model(torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        paths.append(folder / f"s{step}.pt")
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                   paths[-1], _use_new_zipfile_serialization=False)
+    return paths
+
+
+@pytest.mark.parametrize("format", ["table", "json"])
+def test_inspect_previous_says_what_verify_could_not_check_in_both_files(tmp_path, format):
+    """inspect --previous PREV --verify reads two files: the report says what --verify could
+    not check in each (PREV's was left out), and a refusal of the pair (steps 1 and 3: not
+    consecutive, exit 3) says it of both too."""
+    from ..json_schemas import assert_valid
+
+    s1, s2, s3 = _adam_states(tmp_path, 3)
+    pair = ["--what", "grads", "--verify", "--format", "json"]
+    done = run_cli("inspect", s2, "--previous", s1, *pair)
+    assert done.code == 0, done.err
+    shown = [d for d in assert_valid(done.out)["description"] if d.startswith("--verify")]
+    assert shown == _verify_notes(s2) + _verify_notes(s1)
+    notes = _verify_notes(s3) + _verify_notes(s1)
+    plain = run_cli("inspect", s3, "--previous", s1, "--what", "grads", "--format", format)
+    result = run_cli("inspect", s3, "--previous", s1, "--what", "grads", "--verify",
+                     "--format", format)
+    assert result.code == plain.code == 3, result.err
+    if format == "json":
+        assert assert_valid(result.out)["notes"] == notes
+        assert result.err_lines == plain.err_lines
+    else:
+        _said_on_stderr(result, plain, notes)
