@@ -193,4 +193,5 @@ def _read_checkpoint(item: run_inputs.Input, how: MeasureOptions, steps) -> Chec
             measured["update_to_weights"] = (
                 ratio(total_w, m.total_norm),
                 {g: ratio(weights[g], u) for g, u in m.groups.items() if g in weights})
-    return CheckpointPoint(item.path, step, "grads" in measured, measured, shapes, m.notes)
+    return CheckpointPoint(item.path, step, "grads" in measured, measured, shapes, m.notes,
+                           contents.kind)
