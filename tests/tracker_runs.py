@@ -214,7 +214,8 @@ LIGHTNING_CHECKPOINTED_SPIKE_STEP = 10
 
 def train_lightning_checkpointed(folder: Path, *, steps: int = LIGHTNING_CHECKPOINTED_STEPS,
                                  spike_step: int = LIGHTNING_CHECKPOINTED_SPIKE_STEP,
-                                 log_every_n_steps: int = 1) -> Path:
+                                 log_every_n_steps: int = 1,
+                                 resumed_at: int | None = None) -> Path:
     """A real Lightning run with Adam, no clipping, logging its total gradient norm
     (Lightning's ``grad_norm``) from ``on_before_optimizer_step`` through a CSVLogger
     into ``folder/lightning_logs/version_0/``, and a ``ModelCheckpoint`` after every
@@ -223,8 +224,10 @@ def train_lightning_checkpointed(folder: Path, *, steps: int = LIGHTNING_CHECKPO
     Lightning's (it logs the steps N with N + 1 a multiple). Lightning's loggers number a
     step's values by
     ``trainer.global_step`` before its update (from 0), while ``step=N.ckpt`` holds the
-    state after N updates: the spike's gradient is first in ``step=11.ckpt``. Returns
-    the checkpoints' folder."""
+    state after N updates: the spike's gradient is first in ``step=11.ckpt``.
+    ``resumed_at``: the run stops after that many steps and a new ``Trainer`` resumes it
+    from ``step=<resumed_at>.ckpt`` (``fit(ckpt_path=...)``), logging into ``version_1/``
+    from the step it resumed at. Returns the checkpoints' folder."""
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -251,11 +254,21 @@ def train_lightning_checkpointed(folder: Path, *, steps: int = LIGHTNING_CHECKPO
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
     data = torch.utils.data.TensorDataset(torch.randn(steps * 4, 4), torch.randn(steps * 4, 1))
-    checkpoints = ModelCheckpoint(dirpath=str(folder / "ckpts"), every_n_train_steps=1,
-                                  save_top_k=-1, filename="{step}")
-    trainer = pl.Trainer(max_steps=steps, log_every_n_steps=log_every_n_steps,
-                         logger=CSVLogger(str(folder), name="lightning_logs", version=0),
-                         callbacks=[checkpoints], enable_progress_bar=False,
-                         enable_model_summary=False, accelerator="cpu", devices=1)
-    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=4))
+
+    def fit(max_steps: int, version: int, ckpt_path: str | None = None) -> None:
+        checkpoints = ModelCheckpoint(dirpath=str(folder / "ckpts"), every_n_train_steps=1,
+                                      save_top_k=-1, filename="{step}")
+        trainer = pl.Trainer(max_steps=max_steps, log_every_n_steps=log_every_n_steps,
+                             logger=CSVLogger(str(folder), name="lightning_logs",
+                                              version=version),
+                             callbacks=[checkpoints], enable_progress_bar=False,
+                             enable_model_summary=False, accelerator="cpu", devices=1)
+        trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=4),
+                    ckpt_path=ckpt_path)
+
+    if resumed_at is None:
+        fit(steps, 0)
+    else:
+        fit(resumed_at, 0)
+        fit(steps, 1, str(folder / "ckpts" / f"step={resumed_at}.ckpt"))
     return folder / "ckpts"

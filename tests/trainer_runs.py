@@ -104,6 +104,17 @@ def train_evaluated(output_dir: Path, report_to: tuple[str, ...]) -> Path:
     return state
 
 
+def train_resumed_with_spike(output_dir: Path, resumed_at: int) -> CheckpointedRun:
+    """The checkpointed run (every step saved, no clipping), stopped after ``resumed_at``
+    steps and resumed by a new ``Trainer`` from ``checkpoint-<resumed_at>``
+    (``train(resume_from_checkpoint=...)``), logging to TensorBoard (``runs/``: the
+    resumed run's event file from step ``resumed_at + 1``)."""
+    _, groups = _train(output_dir, steps=CHECKPOINTED_STEPS, spike_step=CHECKPOINTED_SPIKE_STEP,
+                       save=True, max_grad_norm=0.0, report_to=("tensorboard",),
+                       resumed_at=resumed_at)
+    return CheckpointedRun(output_dir, CHECKPOINTED_STEPS, CHECKPOINTED_SPIKE_STEP, groups)
+
+
 def train_checkpointed_with_spike(output_dir: Path) -> CheckpointedRun:
     """A shorter run that saves a Trainer checkpoint every step, spike at
     ``CHECKPOINTED_SPIKE_STEP``.
@@ -122,10 +133,16 @@ def train_checkpointed_with_spike(output_dir: Path) -> CheckpointedRun:
 def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
            max_grad_norm: float, report_to: tuple[str, ...] = (),
            spike_scale: float = SPIKE_SCALE, after_backward=None,
-           eval_steps: int | None = None, callbacks: tuple = ()
-           ) -> tuple[Path, list[list[str]]]:
+           eval_steps: int | None = None, callbacks: tuple = (),
+           resumed_at: int | None = None) -> tuple[Path, list[list[str]]]:
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
@@ -162,7 +179,17 @@ def _train(output_dir: Path, *, steps: int, spike_step: int, save: bool,
     trainer = SpikeTrainer(model=model, args=args, train_dataset=dataset,
                            eval_dataset=dataset[:8] if eval_steps is not None else None,
                            callbacks=list(callbacks))
-    _train_on_one_thread(trainer)
+    if resumed_at is not None:  # stopped there, then resumed by a Trainer of its own
+        class Stop(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                control.should_training_stop = state.global_step >= resumed_at
+
+        trainer.add_callback(Stop())
+        _train_on_one_thread(trainer)
+        trainer = SpikeTrainer(model=model, args=args, train_dataset=dataset,
+                               callbacks=list(callbacks))
+    _train_on_one_thread(trainer, resume=None if resumed_at is None else
+                         str(output_dir / f"checkpoint-{resumed_at}"))
     trainer.save_state()
     name_of = {id(p): n for n, p in model.named_parameters()}
     groups = [[name_of[id(p)] for p in g["params"]] for g in trainer.optimizer.param_groups]
@@ -257,7 +284,7 @@ def train_run_folder(output_dir: Path) -> RunFolder:
                      RUN_FOLDER_SPIKE_LAYER, args.max_grad_norm, reference)
 
 
-def _train_on_one_thread(trainer) -> None:
+def _train_on_one_thread(trainer, resume: str | None = None) -> None:
     import torch
 
     # One thread: on a shared 2-core machine, intra-op threads over such tiny
@@ -265,7 +292,7 @@ def _train_on_one_thread(trainer) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
     finally:
         torch.set_num_threads(threads)
 

@@ -40,13 +40,13 @@ from ..report import parse_group_by
 from ..report.autopsy import build_autopsy_report, finest, ratio
 from ..report.autopsy_series import CheckpointPoint, explained_step, series_of
 from ..report.outcome import exit_code
-from ..report.trend import mixed_norm_types
+from ..report.trend import TagRead, mixed_norm_types
 from ..source import run_inputs
 from ..source.exclude import Exclusion
 from ..source.layouts import open_checkpoint
 from ..source.logs import trackers
 from ..source.what import available, select
-from .common import Loaded, speaks
+from .common import Loaded, speaks, tag_read
 from .grouped import MeasureOptions, ReadNotes, measure_grouped, why_not_checkpoint
 from .outliers import count_outliers
 from .output import Output
@@ -111,14 +111,19 @@ def build(
     # or after all were read, says it too.
     read = ReadNotes()
     with progress_steps(not progress or not speaks()) as steps, read.carried():
-        logs, points = _read_inputs(paths, how, steps, output, trackers.Choice(tag, run_name),
-                                    exclusion, read)
+        logs, points, tagged = _read_inputs(paths, how, steps, output,
+                                            trackers.Choice(tag, run_name), exclusion, read)
         # Notes are escaped where made (each name through visible()), as inspect's and
         # trend's are; every format shows them as they are (kept_visible).
         series, inputs, notes, placed = series_of(logs, points)
         notes = read.notes + notes  # --verify's gaps
         notes += exclusion.notes()  # what --exclude left out, as trend says it
         main = finest(series)
+        # The values of a tag --tag named, where they are the series explained.
+        if tagged is not None and main.label not in tagged.sources:
+            tagged = None
+        if tagged is not None and tagged.note() is not None:
+            notes.append(tagged.note())
         explained = explained_step(main, step, series, z, alpha, warmup)
         outliers = {}
         if explained is not None:
@@ -127,7 +132,8 @@ def build(
             notes += outlier_notes
     return build_autopsy_report(
         series, step=explained, window=window, outlier_k=outlier_k,
-        z=z, alpha=alpha, warmup=warmup, outliers=outliers, notes=notes, inputs=inputs)
+        z=z, alpha=alpha, warmup=warmup, outliers=outliers, notes=notes, inputs=inputs,
+        tag=tagged)
 
 
 # -- reading ---------------------------------------------------------------------------
@@ -135,15 +141,17 @@ def build(
 
 def _read_inputs(paths: list[Path], how: MeasureOptions, steps, output: Output | None,
                  choice: trackers.Choice, exclusion: Exclusion, read: ReadNotes
-                 ) -> tuple[list[tuple], list[CheckpointPoint]]:
+                 ) -> tuple[list[tuple], list[CheckpointPoint], TagRead | None]:
     """The norm logs (``(file, entries, LogKind)`` each) and the checkpoints, measured;
-    each checkpoint's notes in ``read``."""
+    each checkpoint's notes in ``read``; the tag ``--tag`` named, where a log holds its
+    values (``tag_read``)."""
     logs, points = [], []
     inputs = run_inputs.once([
         item for path in run_inputs.kept(paths, exclusion)
         for item in run_inputs.expand_every(
             path, lambda p: why_not_checkpoint(p, how.key, how.trust_pickle, steps), choice,
             exclusion)])
+    tagged = tag_read(inputs)
     for item in inputs:
         if item.kind is not None:
             entries = item.kind.read(item.path) if item.entries is None else list(item.entries)
@@ -160,7 +168,7 @@ def _read_inputs(paths: list[Path], how: MeasureOptions, steps, output: Output |
         points.append(point)
     if not logs and not points:
         raise InputError(f"{paths[0]}: no checkpoint or norm log to read")
-    return logs, points
+    return logs, points, tagged
 
 
 def _read_checkpoint(item: run_inputs.Input, how: MeasureOptions, steps, read: ReadNotes
@@ -193,4 +201,5 @@ def _read_checkpoint(item: run_inputs.Input, how: MeasureOptions, steps, read: R
             measured["update_to_weights"] = (
                 ratio(total_w, m.total_norm),
                 {g: ratio(weights[g], u) for g, u in m.groups.items() if g in weights})
-    return CheckpointPoint(item.path, step, "grads" in measured, measured, shapes)
+    return CheckpointPoint(item.path, step, "grads" in measured, measured, shapes,
+                           layout=contents.kind)

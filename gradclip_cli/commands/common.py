@@ -14,16 +14,18 @@ import torch
 from .. import measuring
 from ..core import Elements, distinct_elements
 from ..distributed import launcher
-from ..errors import GradclipError, InputError
+from ..errors import GradclipError, InputError, UsageError
 from ..format.text import visible
 from ..measuring import Measurement
 from ..progress import Steps
+from ..report.trend import TagRead
 from ..sink.unshared import unshare_other_entries
 from ..source import Checkpoint, packed_dtype, roles
 from ..source.files.pages import PageReleaser
 from ..source.files.small_file import quoted
 from ..source.interface import Contents, WriteBackPlan
 from ..source.layouts import open_checkpoint, write_back
+from ..source.run_inputs import Input
 from ..source.what import Selection, select
 
 # torch's intra-op threads become gradclip's own workers (see tensor_power_sums).
@@ -235,3 +237,25 @@ def _piece_owners(loaded: Loaded, files: dict[str, int]) -> list[int]:
     owners = tensor_owners(loaded, files)
     owners += [owners[i] for i, c in enumerate(loaded.elements.covered) if not isinstance(c, int)]
     return owners
+
+
+def tag_read(inputs: list[Input]) -> TagRead | None:
+    """The tag ``--tag`` named, where some inputs are its values (``trend``'s and the
+    autopsy's); None where none is.
+
+    A tag whose name is no gradient norm's (``train/loss``) beside other inputs
+    (checkpoints, a monitor log) would be judged with gradient norms as one
+    run's: exit 2, as two quantities are (``report.trend.OneKind``).
+    """
+    tagged = [i for i in inputs if i.tracker is not None and i.tracker.given]
+    if not tagged:
+        return None
+    read = TagRead(tagged[0].tracker.tag, tagged[0].tracker.named_as_norm,
+                   tuple(str(i.path) for i in tagged))
+    others = [i for i in inputs if i.tracker is None or not i.tracker.given]
+    if others and not read.named_as_norm:
+        raise UsageError(f"{tagged[0].path}: tag {quoted(read.name)} (given with --tag) is "
+                         f"no gradient norm by its name, but {others[0].path} is read with "
+                         "it as one run's norms; one quantity at a time: give the tag's "
+                         "file alone")
+    return read

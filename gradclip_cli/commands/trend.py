@@ -43,7 +43,7 @@ from ..source import run_inputs
 from ..source.exclude import Exclusion
 from ..source.logs import LogKind, trackers
 from ..source.run_folder import RunFolder
-from .common import load, speaks
+from .common import load, speaks, tag_read
 from .grouped import (
     MeasureOptions,
     ReadNotes,
@@ -123,6 +123,7 @@ def build(
                 f"{logs[0][0]}: --group-by groups a checkpoint's tensors; a "
                 "norm log holds the norms of the groups it was written with (GradMonitor's "
                 "group_by), which cannot be grouped again: leave --group-by out")
+        tagged = tag_read(inputs)  # the points are the values of a tag --tag named
         p, logs, cut = one_norm_type(requested_p, logs)
         how = MeasureOptions(key, p, dev, rule, group_by, trust_pickle, verify, session, what)
         checkpoints = [i.path for i in inputs if not isinstance(i.kind, LogKind)]
@@ -160,6 +161,7 @@ def build(
         found = found_in_runs(runs)
         # Notes are escaped where made (each name through visible()), as inspect's are;
         # every format shows them as they are (kept_visible), adding only its own quoting.
+        found["notes"] += [] if tagged is None or tagged.note() is None else [tagged.note()]
         found["notes"] += (cut + read.notes + step_notes + copies + exclusion.notes()
                            + monitor_clipping_notes(logs, runs))
         if logs:
@@ -171,7 +173,7 @@ def build(
             order_by_step(observations), what=kinds.what, norm_type=p, group_by=group_by,
             z=z, alpha=alpha, warmup=warmup, fail_on=fail_on, audits=audits, **found,
         )  # fmt: skip
-    return replace(report, optimizer=one_optimizer(optimizers))
+    return replace(report, optimizer=one_optimizer(optimizers), tag=tagged)
 
 
 def _inputs(paths: list[Path], what: str, key: str | None, trust_pickle: bool, steps: Steps,

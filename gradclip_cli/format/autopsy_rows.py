@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..report.autopsy import QUANTITIES, times
+from ..report.trend import tag_words
 from .text import kept_visible, visible
 from .words import group_rule
 
@@ -38,16 +39,19 @@ def quantities(report: AutopsyReport) -> list[str]:
 def header(report: AutopsyReport) -> list[str]:
     """The lines above the table: what was explained, from what, and the notes."""
     step = "-" if report.step is None else str(report.step)
-    lines = [f"step {step} of {visible(report.finest)} (window {report.window}, outliers "
+    # A tag --tag named: its values, not the total of gradient norms (``TagRead``).
+    total = "total" if report.tag is None else tag_words(report.tag.name)
+    of = "" if report.tag is None else f"{total} of "
+    lines = [f"step {step} of {of}{visible(report.finest)} (window {report.window}, outliers "
              f"beyond {report.outlier_k:g} sqrt(v_hat)); spike: z > {report.z_threshold:g} "
              f"({group_rule(report.group_thresholds())}"
              f"alpha {report.alpha:g}, warmup {report.warmup})"]
     if report.total_onset is not None:
         o = report.total_onset
         how = "non-finite" if o.nonfinite else "crossed the rule"
-        lines.append(f"total: onset at step {o.step} ({how})")
+        lines.append(f"{total}: onset at step {o.step} ({how})")
     elif report.step is not None:
-        lines.append("total: did not cross the rule within the window")
+        lines.append(f"{total}: did not cross the rule within the window")
     if "update_to_weights" in quantities(report):
         lines.append("changes are after / before; upd/w: update_to_weights, the update's "
                      "RMS over the weights' RMS")

@@ -95,7 +95,7 @@ def trend_findings(report: TrendReport) -> list[Finding]:
     """One per spiking or non-finite series at each point; errors for the points
     ``--fail-on`` covers, warnings for the others."""
     failing = {id(p) for p in report.failing}
-    what = judged_in(report)
+    what = judged_in(report, show=str)  # names raw: each format escapes them
     spike = f"{what.attribute} spike"
     found = []
     for p in report.points:
@@ -103,11 +103,11 @@ def trend_findings(report: TrendReport) -> list[Finding]:
         at = f"step {p.step}" if p.step is not None else p.source
         if not math.isfinite(p.total_norm) or (p.nonfinite is not None and p.nonfinite.total):
             found.append(Finding(severity, TOTAL, f"{nonfinite_words([p], what)} at {at}",
-                                 f"{p.source}: total norm {number(p.total_norm)}"
+                                 f"{p.source}: {what.total} {number(p.total_norm)}"
                                  f"{origin_text(p)}", p.source))
         elif total_spiked(p, report):
             found.append(Finding(severity, TOTAL, f"{spike} at {at}",
-                                 f"{p.source}: total norm {number(p.total_norm)}, "
+                                 f"{p.source}: {what.total} {number(p.total_norm)}, "
                                  f"z {z_text(p.z)} > {report.z_threshold:g}", p.source))
         for g in p.nonfinite_groups:
             found.append(Finding(severity, g, f"{nonfinite_words([p], what)} at {at}",

@@ -134,6 +134,11 @@ def trend_document(report: TrendReport) -> dict[str, Any]:
             for p in report.points
         ],
         "status": report.status,
+        # The tracker tag --tag named, where the points are its values (an extra): "what"
+        # says grads, as a log's points do; this says which scalar they are.
+        "tag": None if report.tag is None else {
+            "name": report.tag.name, "given_with": "--tag",
+            "named_as_gradient_norm": report.tag.named_as_norm},
         # Where the points came from when a run folder held several series (extras).
         "series": [
             {"source": s.source, "kind": s.kind, "points": s.points, "per_group": s.per_group,
@@ -281,6 +286,10 @@ def autopsy_document(report) -> dict[str, Any]:
         "alpha": report.alpha,
         "warmup": report.warmup,
         "notes": list(report.notes),
+        # The tracker tag --tag named, where the finest series is its values (an extra).
+        "tag": None if report.tag is None else {
+            "name": report.tag.name, "given_with": "--tag",
+            "named_as_gradient_norm": report.tag.named_as_norm},
     }
 
 

@@ -38,6 +38,7 @@ from .words import (
     measured_line,
     point_state,
     ratio_cell,
+    trend_quantity,
     trend_verdict,
     verdict_line,
     z_text,
@@ -175,8 +176,8 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
     out.write("### gradclip trend\n\n")
     out.write(_verdict(trend_verdict(report),
                        report.status in (SPIKE, NONFINITE) or bool(report.disagreeing)))
-    out.write(f"{len(report.points)} points, {escape(report.what)}, "
-              f"p={escape(fmt_p(report.norm_type))}; spike: z \\> {report.z_threshold:g} "
+    out.write(f"{len(report.points)} points, {escape_shown(trend_quantity(report))}; "
+              f"spike: z \\> {report.z_threshold:g} "
               f"({escape(group_rule(report.group_thresholds()))}"
               f"alpha {report.alpha:g}, warmup {report.warmup})\n\n")
     if report.notes:  # where each series came from, what --verify could not check...
@@ -192,7 +193,8 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
         rows.append(["\\-" if p.step is None else str(p.step), escape(p.source),
                      _num(p.total_norm), escape(z_text(p.z)),
                      state, groups])
-    out.write(_table(["step", "source", "total norm", "z", "", "spiking groups"], rows,
+    out.write(_table(["step", "source", escape_shown(judged_in(report).total), "z", "",
+                      "spiking groups"], rows,
                      ["right", "left", "right", "right", "left", "left"]))
     if len(shown) < len(report.points):
         out.write(f"\n{len(report.points) - len(shown):,} unremarkable points not shown.\n")

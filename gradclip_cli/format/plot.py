@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..report.trend import tag_words
 from ..sink import atomic_write
 from .text import visible
 
@@ -79,7 +80,9 @@ def write_trend_plot(report: TrendReport, path: Path) -> None:
     if finite:
         ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel(f"{report.what} norm (p={report.norm_type:g})")
+    # A tag --tag named is that tag's values, not a norm (``TagRead``).
+    ax.set_ylabel(f"{report.what} norm (p={report.norm_type:g})" if report.tag is None
+                  else _label(tag_words(report.tag.name, str)))
     ax.set_title(plot_title(report))
     _save(fig, ax, path)
 
@@ -115,7 +118,8 @@ def write_autopsy_plot(report, path: Path) -> None:
     if finite:
         ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("gradient norm (the finest series)")
+    ax.set_ylabel("gradient norm (the finest series)" if report.tag is None
+                  else _label(tag_words(report.tag.name, str)))
     ax.set_title(_label(f"gradclip autopsy: {report.status}; rings mark each group's onset"))
     _save(fig, ax, path)
 

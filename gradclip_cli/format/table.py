@@ -63,6 +63,7 @@ from .words import (
     point_groups,
     point_state,
     ratio_cell,
+    trend_quantity,
     trend_verdict,
     verdict_line,
     z_text,
@@ -342,7 +343,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
     console = _console(out)
     width = console.width
     _print_prose(console,
-                 f"{len(report.points)} points, {report.what}, p={fmt_p(report.norm_type)}, "
+                 f"{len(report.points)} points, {trend_quantity(report)}, "
                  f"groups by {visible(report.group_by)}; spike: z > {report.z_threshold:g} "
                  f"({group_rule(report.group_thresholds())}"
                  f"alpha {report.alpha:g}, warmup {report.warmup})")
@@ -354,7 +355,7 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
     columns = [
         Column("step", ["-" if p.step is None else str(p.step) for p in shown]),
         Column("source", [visible(p.source) for p in shown], justify="left", name=True),
-        Column("total norm", [fmt(p.total_norm) for p in shown]),
+        Column(judged_in(report).total, [fmt(p.total_norm) for p in shown]),
         Column("z", [z_text(p.z) for p in shown]),
         Column("", [_point_verdict(p) for p in shown], justify="left"),
         Column("spiking groups", [point_groups(p) for p in shown], justify="left", name=True,
@@ -394,8 +395,9 @@ def render_trend(report: TrendReport, out: TextIO) -> None:
             Column("", [_spark(values, spark_width) for _, values in series],
                    justify="left"),
         ]
-        _print_table(console, _fit_table("norms over time (log scale; ! non-finite)", columns,
-                                         width, shorten_first=True))
+        over_time = "norms" if report.tag is None else "values"  # a tag --tag named
+        _print_table(console, _fit_table(f"{over_time} over time (log scale; ! non-finite)",
+                                         columns, width, shorten_first=True))
         if len(groups) > len(ranked):
             _print_prose(console, f"... {len(groups) - len(ranked)} smaller groups", style="dim")
     failed = report.status in (NONFINITE, SPIKE) or bool(report.disagreeing)

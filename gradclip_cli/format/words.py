@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..report.model import EXCEEDED, INSUFFICIENT_HISTORY, NONFINITE, OVERFLOW
+from ..report.trend import tag_words
 from .text import visible
 
 if TYPE_CHECKING:
@@ -99,6 +100,11 @@ class Judged:
     plural: str
     attribute: str
     max_header: str
+    # A point's number: "{attribute} {norm}" ("gradient norm"), and the row's, as the
+    # verdict and the table's column say it ("total norm"); a tag --tag named is a
+    # value of that tag, not a norm (``TagRead``).
+    norm: str = "norm"
+    total: str = "total norm"
 
 
 _NAMED = {"grads": ("gradients", "gradient", "max |g|"),
@@ -114,8 +120,15 @@ def judged(what: str, optimizer: str | None = None) -> Judged:
     return Judged(what, name, name, "max abs")
 
 
-def judged_in(report) -> Judged:
-    """What ``report`` (inspect, trend or compare) judged."""
+def judged_in(report, show=visible) -> Judged:
+    """What ``report`` (inspect, trend or compare) judged: a trend of a tag that ``--tag``
+    named judged that tag's values, whatever its name ("'train/loss' (given with --tag)
+    spike"). ``show``: how a name from a file is made safe (``str`` for findings, whose
+    names each format escapes)."""
+    tag = getattr(report, "tag", None)
+    if tag is not None:
+        name = tag_words(tag.name, show)
+        return Judged(report.what, f"{name} values", name, "max abs", "value", "value")
     return judged(report.what, getattr(report, "optimizer", None))
 
 
@@ -235,6 +248,14 @@ def _fmt_coef(report: ClipReport) -> str:
 
 # -- trend ----------------------------------------------------------------------
 
+def trend_quantity(report: TrendReport) -> str:
+    """What a trend's points are, as its header says it: ``grads, p=2``; a tag that
+    ``--tag`` named, as the tag (``'train/loss' (given with --tag)``), made visible."""
+    if report.tag is not None:
+        return judged_in(report).attribute
+    return f"{visible(report.what)}, p={fmt_p(report.norm_type)}"
+
+
 def point_state(p: TrendPoint) -> str:
     """A trend row's one word: non-finite, SPIKE, (history) before it is judged, or ok."""
     if p.is_nonfinite:
@@ -262,7 +283,7 @@ def trend_verdict(report: TrendReport) -> str:
                 else f"{what.attribute} spike")
         where = f"step {last.step}" if last.step is not None else visible(last.source)
         groups = ", ".join(visible(g) for g in (last.nonfinite_groups + last.spike_groups))
-        detail = (f"{where}: total norm {fmt(last.total_norm)}, z {z_text(last.z)}"
+        detail = (f"{where}: {what.total} {fmt(last.total_norm)}, z {z_text(last.z)}"
                   + (f"; groups {groups}" if groups else "") + origin_text(last))
         if report.fail_on == "newest":
             return f"FAIL: {kind} at the newest point ({detail}){_earlier(report)} (exit 1)"
@@ -271,7 +292,8 @@ def trend_verdict(report: TrendReport) -> str:
         return (f"OK: too little history to judge the {what.plural} (a point needs 5 earlier "
                 f"points, counted from its series' first nonzero norm){_earlier(report)} (exit 0)")
     scope = "the newest point" if report.fail_on == "newest" else f"{len(report.points)} points"
-    return (f"OK: no spike or non-finite {what.attribute} norm at {scope}{_earlier(report)} "
+    return (f"OK: no spike or non-finite {what.attribute} {what.norm} at {scope}"
+            f"{_earlier(report)} "
             "(exit 0)")
 
 
@@ -297,8 +319,9 @@ def nonfinite_words(points: list[TrendPoint], what) -> str:
     norm, as ``compare`` says: an infinite logged norm may be finite gradients whose
     squares overflowed the logger's float32 arithmetic (torch's norm of 1e20s)."""
     kinds = {_nonfinite_kind(p) for p in points}
-    words = {VALUES: f"non-finite {what.plural}", NORM: f"non-finite {what.attribute} norm",
-             BEYOND_RANGE: f"{what.attribute} norm beyond float64's range"}
+    words = {VALUES: f"non-finite {what.plural}",
+             NORM: f"non-finite {what.attribute} {what.norm}",
+             BEYOND_RANGE: f"{what.attribute} {what.norm} beyond float64's range"}
     return " or ".join(words[k] for k in (VALUES, NORM, BEYOND_RANGE) if k in kinds)
 
 

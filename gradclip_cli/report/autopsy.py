@@ -35,7 +35,15 @@ from dataclasses import dataclass, field
 
 from ..core.spikes import MIN_HISTORY, SpikeDetector, group_threshold
 from .model import INSUFFICIENT_HISTORY
-from .trend import FAIL_ON_ANY, Observation, TrendReport, build_trend_report, group_thresholds
+from .trend import (
+    FAIL_ON_ANY,
+    Observation,
+    TagRead,
+    TrendReport,
+    build_trend_report,
+    group_thresholds,
+    tag_words,
+)
 
 EXPLAINED, NOTHING, INSUFFICIENT = "explained", "nothing", "insufficient"
 # Quantities in the order a report lists them.
@@ -149,6 +157,9 @@ class AutopsyReport:
     warmup: int = 25
     spikes: tuple[int, ...] = field(default_factory=tuple)  # every flagged step of the finest
     nonfinite: bool = False  # the explained step is non-finite, not a spike
+    # The tracker tag --tag named, where the finest series is its values: the verdict
+    # names it, not "the total" of gradient norms.
+    tag: TagRead | None = None
 
     def group_thresholds(self) -> list[tuple[int, float]]:
         """The groups' threshold in force (``report.trend.group_thresholds``)."""
@@ -177,19 +188,23 @@ def flagged_steps(report: TrendReport) -> list[int]:
 def build_autopsy_report(
     series: Sequence[QuantitySeries], *, step: int | None, window: int, outlier_k: float,
     z: float, alpha: float, warmup: int, outliers: dict[str, Outliers] | None = None,
-    notes: Sequence[str] = (), inputs: Sequence[InputUsed] = (),
+    notes: Sequence[str] = (), inputs: Sequence[InputUsed] = (), tag: TagRead | None = None,
 ) -> AutopsyReport:
     """The autopsy of ``step`` (None: the newest flagged step of the finest series).
 
     ``outliers``: per group, where the command could count them (a gradient of the
-    explained step and the second moment of the step before).
+    explained step and the second moment of the step before). ``tag``: the tag
+    ``--tag`` named, where ``series``' finest is its values.
     """
     main = finest(series)
     judged = judge(main, z, alpha, warmup)
     spikes = flagged_steps(judged)
     common = dict(window=window, outlier_k=outlier_k, finest=main.label, notes=tuple(notes),
                   inputs=list(inputs), z_threshold=z, alpha=alpha, warmup=warmup,
-                  spikes=tuple(spikes))
+                  spikes=tuple(spikes), tag=tag)
+    # What the finest series is, for the verdict (raw, as the label: formats escape it).
+    judged_in = main.label if tag is None else f"{tag_words(tag.name, str)} of {main.label}"
+    total_of = f"the total of {main.label}" if tag is None else judged_in
     if step is None:
         if not spikes:
             insufficient = judged.status == INSUFFICIENT_HISTORY
@@ -197,7 +212,7 @@ def build_autopsy_report(
             why = (f"too few points to judge ({len(main.observations)}; the rule needs 5 "
                    "earlier points)" if insufficient else "no spike and no non-finite step")
             return AutopsyReport(step=None, status=status, groups=[],
-                                 verdict=f"nothing to explain: {why} in {main.label}", **common)
+                                 verdict=f"nothing to explain: {why} in {judged_in}", **common)
         step = spikes[-1]
     point = next(p for p in judged.points if p.step == step)
     flagged = point.spike or point.is_nonfinite
@@ -217,12 +232,13 @@ def build_autopsy_report(
     # without --step.
     judged_at = point.z is not None or any(z is not None for z in point.group_z.values())
     status = EXPLAINED if flagged else NOTHING if judged_at else INSUFFICIENT
-    verdict = _verdict(step, status, report_groups, total_onset, main, outlier_k, point)
+    verdict = _verdict(step, status, report_groups, total_onset, main, outlier_k, point,
+                       judged_in, total_of)
     if status == INSUFFICIENT:
         before = sum(p.step < step for p in judged.points)
         verdict = (f"step {step}: nothing to explain: too few points before it to judge "
                    f"({before}; the rule needs {MIN_HISTORY} earlier points, counted from "
-                   f"the first nonzero norm) in {main.label}")
+                   f"the first nonzero norm) in {judged_in}")
     return AutopsyReport(step=step, status=status, groups=report_groups, verdict=verdict,
                          total_onset=total_onset, total_around=tuple(p.total_norm for p in shown),
                          around_steps=around_steps, nonfinite=point.is_nonfinite, **common)
@@ -395,21 +411,23 @@ def times(r: float | None) -> str:
 
 
 def _verdict(step: int, status: str, groups: list[GroupAutopsy], total_onset: Onset | None,
-             main: QuantitySeries, k: float, point) -> str:
+             main: QuantitySeries, k: float, point, judged_in: str, total_of: str) -> str:
+    """``judged_in``: the finest series for people (its file, or a tag of it);
+    ``total_of``: its total (``the total of FILE``)."""
     if status == NOTHING:
         return (f"step {step}: nothing to explain: neither its total nor any group crossed "
-                f"the spike rule or went non-finite in {main.label}")
+                f"the spike rule or went non-finite in {judged_in}")
     what = "non-finite" if point.is_nonfinite else "spike"
     began = [g for g in groups if g.onset is not None]
     if not groups:
-        return (f"step {step}: {what} in the total of {main.label}; no input holds per-group "
+        return (f"step {step}: {what} in {total_of}; no input holds per-group "
                 "norms, so it cannot be placed in a layer (a GradMonitor log holds every "
                 "layer's)")
     if not began:
         hint = "" if main.per_group else (
             f"; {main.label} holds the total only, and a GradMonitor log beside it would "
             "give every layer's norm at every step")
-        return (f"step {step}: {what} in the total of {main.label}; no group's own series "
+        return (f"step {step}: {what} in {total_of}; no group's own series "
                 f"crossed the rule within the window{hint}")
     first = began[0]
     o = first.onset

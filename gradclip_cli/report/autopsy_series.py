@@ -15,6 +15,7 @@ not its step's logged one.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,16 +41,29 @@ class CheckpointPoint:
     gradients: bool  # holds saved gradients: a dump, numbered as the monitor numbers steps
     measured: dict[str, tuple[float, dict[str, float]]]  # what -> (total, groups)
     shapes: dict[str, tuple[int, ...]]  # parameter -> shape, for the same-run check
+    layout: str | None = None  # its layout's kind (``Contents.kind``: "lightning", ...)
 
 
 # -- placing steps and making series --------------------------------------------------------
 
 
-def _offset(logs) -> tuple[int, str | None]:
+# How the loggers of the framework whose checkpoints these are count steps: Lightning's
+# (and gradclip's Lightning callback) number a step's values by ``global_step`` before its
+# update, from 0; the Trainer's (and its callback) by ``global_step`` after it, from 1.
+COUNTS_FROM = {"lightning": ("Lightning", 0), "hf-trainer": ("the Trainer", 1)}
+
+
+def _offset(logs, points: Sequence[CheckpointPoint] = ()) -> tuple[int, str | None]:
     """How many steps a checkpoint's count of optimizer steps is ahead of the log's numbers:
     1 when the log counts from 0, else 0; and the note that says so. A monitor log
     decides where there is one; else the first other log (a tracker's series: Lightning's
-    loggers number a step's values from 0, the Trainer's integrations from 1)."""
+    loggers number a step's values from 0, the Trainer's integrations from 1).
+
+    A log whose first step says nothing of how it counts (a run resumed from a
+    checkpoint: Lightning's from ``step=5.ckpt`` logs 5, 6, ...; the Trainer's from
+    ``checkpoint-5`` logs 6, 7, ...) counts as the framework whose checkpoints
+    ``points`` are (``COUNTS_FROM``), where they are all one framework's.
+    """
     ordered = sorted(logs, key=lambda log: log[2] is not monitor_log.KIND)
     for path, entries, _ in ordered:
         if entries:
@@ -68,8 +82,17 @@ def _offset(logs) -> tuple[int, str | None]:
                 return 0, (f"steps: {visible(str(path))} counts from 1 ({how}), so "
                            "a checkpoint of step N (the state after N optimizer steps) is "
                            "placed at step N")
-            return 0, (f"steps: {visible(str(path))} starts at step {first}, which says "
-                       "nothing of how it counts (a monitor attached mid-run?): checkpoints "
+            says_nothing = (f"steps: {visible(str(path))} starts at step {first}, which says "
+                            "nothing of how it counts")
+            framework = {COUNTS_FROM.get(p.layout) for p in points if not p.gradients}
+            if len(framework) == 1 and None not in framework:
+                (name, start), = framework
+                placed = "N-1, the step whose gradient it took in last" if start == 0 else "N"
+                return 1 - start, (f"{says_nothing} (a run resumed from a checkpoint?); the "
+                                   f"checkpoints are {name}'s, whose loggers count from "
+                                   f"{start}, so a checkpoint of step N (the state after N "
+                                   f"optimizer steps) is placed at step {placed}")
+            return 0, (f"{says_nothing} (a monitor attached mid-run?): checkpoints "
                        "are placed at their own step numbers")
     return 0, None
 
@@ -87,7 +110,7 @@ def series_of(logs: list[tuple], points: list[CheckpointPoint]):
     """The quantity series of norm logs (``(file, entries, LogKind)`` each) and measured
     checkpoints (steps placed), the inputs used, notes, and the checkpoints by placed step
     (for the outlier count)."""
-    offset, note = _offset(logs)
+    offset, note = _offset(logs, points)
     notes = [note] if note else []
     inputs: list[InputUsed] = []
     series: list[QuantitySeries] = []

@@ -35,6 +35,14 @@ class Input:
     kind: LogKind | None = None
     folder_step: int | None = None
     entries: tuple | None = None  # a log's entries, when run-folder discovery read them
+    # The tag and run of a tracker's series: what a report names as the quantity judged
+    # where --tag named the tag.
+    tracker: trackers.TrackerSeries | None = None
+
+    @classmethod
+    def of_series(cls, series: run_folder.Series) -> Input:
+        """A run folder's log series (its file, its entries as read, its tracker's tag)."""
+        return cls(series.paths[0], series.log, None, series.entries, series.tracker)
 
 
 def expand(path: Path, why_not_checkpoint, folder_step: int | None = None, *,
@@ -60,7 +68,7 @@ def expand(path: Path, why_not_checkpoint, folder_step: int | None = None, *,
             return
         if runs is not None:
             runs.append(tracked)
-        yield Input(tracked.judged.paths[0], tracked.judged.log, None, tracked.judged.entries)
+        yield Input.of_series(tracked.judged)
         return
     # accelerate's FSDP folder numbers its parts (pytorch_model_fsdp_0/, optimizer_0/):
     # one checkpoint, not a run.
@@ -70,7 +78,7 @@ def expand(path: Path, why_not_checkpoint, folder_step: int | None = None, *,
             if runs is not None:
                 runs.append(run)
             if run.judged.kind != run_folder.CHECKPOINTS:
-                yield Input(run.judged.paths[0], run.judged.log, None, run.judged.entries)
+                yield Input.of_series(run.judged)
                 return
         numbered = run_folder.numbered_folders(path, exclusion)
         if numbered:
@@ -144,8 +152,7 @@ def expand_every(path: Path, why_not_checkpoint, choice: trackers.Choice,
         if tracked is None:
             yield Input(path, log_kind(path))
         else:
-            yield Input(tracked.judged.paths[0], tracked.judged.log, None,
-                              tracked.judged.entries)
+            yield Input.of_series(tracked.judged)
         return
     if accelerate_fsdp.recognises(path) or why_not(path) is None:
         yield Input(path)
@@ -155,7 +162,7 @@ def expand_every(path: Path, why_not_checkpoint, choice: trackers.Choice,
     for series in () if found_run is None else found_run.series:
         if series.kind == run_folder.TRACKER:
             found = True
-            yield Input(series.paths[0], series.log, None, series.entries)
+            yield Input.of_series(series)
     numbered = run_folder.numbered_folders(path, exclusion)
     for number, child in numbered:
         yield from expand(child, why_not, number)

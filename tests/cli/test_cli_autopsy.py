@@ -591,6 +591,29 @@ def test_a_lightning_run_logging_to_tensorboard_and_csv_is_one_run(gradclip, tmp
     assert len(trackers) == 2 and all(i["steps"] == list(range(40)) for i in trackers)
 
 
+def _lightning_exp_avg_norms(ckpts, optimizer_steps: int) -> dict[str, float]:
+    """Adam's bias-corrected exp_avg per layer of ``step=N.ckpt`` (float64)."""
+    ckpt = torch.load(ckpts / f"step={optimizer_steps}.ckpt", weights_only=False)
+    names = list(ckpt["state_dict"])
+    opt = ckpt["optimizer_states"][0]
+    beta1 = opt["param_groups"][0]["betas"][0]
+    m = {names[i]: s["exp_avg"].double() / (1 - beta1 ** float(s["step"]))
+         for i, s in opt["state"].items()}
+    return {layer: _norm64([m[n] for n in _group(names, layer)]) for layer in ("l1", "l2")}
+
+
+def _assert_exp_avg_read_across(doc, ckpts, spike: int) -> None:
+    """Each group's exp_avg change is read from ``step=<spike>.ckpt`` to
+    ``step=<spike + 1>.ckpt``, the first to hold the spike's gradient, as the files hold it."""
+    before = _lightning_exp_avg_norms(ckpts, spike)
+    after = _lightning_exp_avg_norms(ckpts, spike + 1)
+    for layer, group in by_name(doc).items():
+        change = group["changes"]["exp_avg"]
+        assert change["after_source"].endswith(f"step={spike + 1}.ckpt"), change
+        assert change["before"] == pytest.approx(before[layer], rel=1e-6)
+        assert change["after"] == pytest.approx(after[layer], rel=1e-6)
+
+
 @pytest.mark.parametrize("every", [1, 5])
 def test_a_lightning_loggers_steps_from_0_place_its_checkpoints_at_the_step_they_took_in(
         gradclip, tmp_path, every):
@@ -612,22 +635,34 @@ def test_a_lightning_loggers_steps_from_0_place_its_checkpoints_at_the_step_they
     assert result.code == 1, result.err
     assert doc["step"] == spike and doc["status"] == "explained"
 
-    def exp_avg_norms(optimizer_steps: int) -> dict[str, float]:
-        ckpt = torch.load(ckpts / f"step={optimizer_steps}.ckpt", weights_only=False)
-        names = list(ckpt["state_dict"])
-        opt = ckpt["optimizer_states"][0]
-        beta1 = opt["param_groups"][0]["betas"][0]
-        m = {names[i]: s["exp_avg"].double() / (1 - beta1 ** float(s["step"]))
-             for i, s in opt["state"].items()}
-        return {layer: _norm64([m[n] for n in _group(names, layer)]) for layer in ("l1", "l2")}
-
-    before, after = exp_avg_norms(spike), exp_avg_norms(spike + 1)
-    for layer, group in by_name(doc).items():
-        change = group["changes"]["exp_avg"]
-        assert change["after_source"].endswith(f"step={spike + 1}.ckpt"), change
-        assert change["before"] == pytest.approx(before[layer], rel=1e-6)
-        assert change["after"] == pytest.approx(after[layer], rel=1e-6)
+    _assert_exp_avg_read_across(doc, ckpts, spike)
     # The spike reached Adam (no clipping): exp_avg moved far more than 1x.
+    assert all(g["changes"]["exp_avg"]["ratio"] > 3 for g in doc["groups"])
+
+
+def test_a_resumed_lightning_runs_log_places_its_checkpoints_as_lightning_counts(
+        gradclip, tmp_path):
+    """A Lightning run resumed from ``step=5.ckpt`` logs (``version_1/metrics.csv``, every
+    step) from step 5 on: its first step says nothing of how it counts, and the
+    checkpoints were placed at their own numbers, so the spike at step 12 was read from
+    ``step=11.ckpt`` to ``step=12.ckpt``, before its gradient reached Adam (exp_avg
+    1.2x, exit 1). The checkpoints are Lightning's, whose loggers count from 0: each is
+    placed at N-1, and the change is read from ``step=12.ckpt`` to ``step=13.ckpt``."""
+    from tests import tracker_runs as tr
+
+    tr.needs("lightning")
+    spike = 12
+    ckpts = tr.train_lightning_checkpointed(tmp_path, steps=spike + 4, spike_step=spike,
+                                            resumed_at=5)
+    log = tmp_path / "lightning_logs" / "version_1" / "metrics.csv"
+    result, doc = autopsy_json(gradclip, log, ckpts)
+    assert result.code == 1, result.err
+    assert doc["step"] == spike and doc["status"] == "explained"
+    assert doc["inputs"][0]["steps"] == list(range(5, spike + 4))  # as Lightning logged them
+    assert any(f"{log} starts at step 5" in n and "Lightning's" in n
+               and "placed at step N-1" in n for n in doc["notes"]), doc["notes"]
+
+    _assert_exp_avg_read_across(doc, ckpts, spike)
     assert all(g["changes"]["exp_avg"]["ratio"] > 3 for g in doc["groups"])
 
 
@@ -651,3 +686,33 @@ def test_a_log_in_two_norm_types_is_refused_not_explained_as_a_spike(gradclip, t
     line = r.err_lines[-1]
     assert line.startswith(f"gradclip: {log}: "), line
     assert "p=2 at steps 0-9" in line and "p=1 at steps 10-13" in line, line
+
+
+def test_a_resumed_trainer_runs_log_places_its_checkpoints_as_the_trainer_counts(
+        gradclip, tmp_path):
+    """The Trainer resumed from ``checkpoint-4`` (``resume_from_checkpoint``) writes a
+    TensorBoard file of its own from step 5 on: a first step that says nothing of how it
+    counts. The checkpoints are the Trainer's, whose loggers count from 1: ``checkpoint-N``
+    stays at N, the spike logged at step 10 is read from ``checkpoint-9`` to
+    ``checkpoint-10``, and the note says why."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tensorboard")
+    from tests.trainer_runs import train_resumed_with_spike
+
+    run = train_resumed_with_spike(tmp_path / "out", resumed_at=4)
+    # The resumed Trainer's event file: the newer of the two runs/ wrote.
+    event_file = max(run.output_dir.glob("runs/*/events.out.tfevents.*"),
+                     key=lambda f: f.stat().st_mtime_ns)
+    checkpoints = sorted(run.output_dir.glob("checkpoint-*"))
+    result, doc = autopsy_json(gradclip, event_file, *checkpoints)
+    assert result.code == 1, result.err
+    assert doc["step"] == run.spike_step and doc["status"] == "explained"
+    logged = next(i for i in doc["inputs"] if i["source"] == str(event_file))
+    assert logged["steps"] == list(range(5, run.steps + 1))  # as the Trainer logged them
+    assert any(f"{event_file} starts at step 5" in n and "the Trainer's" in n
+               and "placed at step N" in n for n in doc["notes"]), doc["notes"]
+    for group in doc["groups"]:
+        change = group["changes"]["exp_avg"]
+        assert change["before_source"].endswith(f"checkpoint-{run.spike_step - 1}"), change
+        assert change["after_source"].endswith(f"checkpoint-{run.spike_step}"), change
+        assert change["ratio"] > 3  # no clipping: the spike reached Adam

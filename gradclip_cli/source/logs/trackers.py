@@ -24,6 +24,11 @@ The first family present is read, and the report says which tag, and what
 else was there; two of one family (``grad_norm`` and ``train/grad_norm``,
 Lightning's 2-norm and inf-norm) are exit 2 naming them and ``--tag``,
 never a series mixed of both.
+
+``--tag`` reads any scalar (``train/loss`` too): the series remembers that
+``--tag`` named it, and whether its name is a gradient norm's by the rule
+above (``named_as_norm``), so that the reports name the tag as the quantity
+judged, never "gradient norm" for what may be a loss.
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ DEFAULT_NORM_TYPE = 2.0
 NORM_TAGS = ("grad_norm", "grad_norm/total", "grad-norm")
 # Lightning's grad_norm writes p as Python writes a float (2.0, inf) and refuses p <= 0.
 _LIGHTNING_TOTAL = re.compile(r"^grad_([0-9]+(?:\.[0-9]+)?|inf)_norm_total$")
+# A group's norm under a family's group prefix (gradclip/norm/<group>, Lightning's
+# grad_<p>_norm/<parameter>, grad_norm/<group>), under any logger's prefix.
+_GROUP_NORM = re.compile(r"(?:^|/)(?:gradclip/norm|grad_(?:[0-9]+(?:\.[0-9]+)?|inf)_norm"
+                         r"|grad_norm)/.")
 _NAMES_SHOWN = 8
 
 
@@ -93,6 +102,8 @@ class TrackerSeries:
     # The framework totals the run logged (``framework_totals``), read with the series:
     # copies of one logged number, which a run folder's other copies must match.
     totals: tuple[tuple[str, dict[int, float]], ...] = ()
+    given: bool = False  # ``--tag`` named the tag (else the rule found it by name)
+    named_as_norm: bool = True  # whether the tag's name is a gradient norm's (``named_as_norm``)
 
     @property
     def per_group(self) -> bool:
@@ -258,6 +269,14 @@ def _split_prefix(tag: str, name: str) -> tuple[str, str | None]:
     return "", None
 
 
+def named_as_norm(tag: str) -> bool:
+    """Whether ``tag``'s name is a gradient norm's by the rule that finds them by name: a
+    family's total (``gradclip/total_norm``, ``grad_<p>_norm_total``, ``grad_norm``, ...)
+    or a group's norm under one (``gradclip/norm/<group>``, ``grad_<p>_norm/<parameter>``,
+    ``grad_norm/<group>``), under any logger's prefix. ``train/loss`` is not."""
+    return bool(_families([tag])) or _GROUP_NORM.search(tag) is not None
+
+
 def framework_totals(run: TrackerRun) -> list[tuple[str, dict[int, float]]]:
     """The totals a framework logged itself in ``run`` (``grad_norm``, Lightning's
     ``grad_2.0_norm_total``, Megatron's ``grad-norm``, under any logger's prefix),
@@ -337,12 +356,14 @@ def norm_series(run: TrackerRun, choice: Choice) -> TrackerSeries:
         LoggedNorms(step, value, stated_p.get(step, p)) for step, value in total)
     if not entries:
         raise InputError(f"{where}: no points")
-    note = f"tag {visible(repr(family.total))} {how}"
+    note = f"tag {visible(quoted(family.total))} {how}"
     try:
         totals = tuple(_framework_totals(scalars, run, warn=False))
     except GradclipError:
         totals = ()  # a damaged tag beside the one read: no copy to hold others against
-    return TrackerSeries(run, family.total, len(groups), entries, note, totals)
+    return TrackerSeries(run, family.total, len(groups), entries, note, totals,
+                         given=choice.tag is not None,
+                         named_as_norm=named_as_norm(family.total))
 
 
 def _stated_norm_types(scalars, family: _Family, source: str) -> dict[int, float]:
