@@ -411,15 +411,19 @@ def audit_verdict(report: TrendReport) -> str:
     # arithmetic overflowing (torch's float32 norm of gradients near 1e20), not a norm of
     # other gradients.
     overflowed = [d for d in found if math.isinf(d.framework) and math.isfinite(d.gradclip)]
+    # Two logs of one run (a CSV and a TensorBoard logger) may disagree at the same step:
+    # the verdict counts steps.
+    steps = {d.step for d in found}
     if len(overflowed) == len(found):
         cause = ("the framework's norm overflowed (inf where the gradients' norm is finite: "
                  "its float32 or float16 sum of squares passed the dtype's range)")
     elif overflowed:
         cause = (f"the framework computed its norm over other gradients, or overflowed "
-                 f"({len(overflowed)} step(s) inf where the gradients' norm is finite)")
+                 f"({len({d.step for d in overflowed})} step(s) inf where the gradients' "
+                 "norm is finite)")
     else:
         cause = "the framework computed its norm over other gradients"
-    return (f"FAIL: the logged total norm disagrees with gradclip's at {len(found)} step(s) "
+    return (f"FAIL: the logged total norm disagrees with gradclip's at {len(steps)} step(s) "
             f"(step {first.step}: {fmt(first.framework)} logged by "
             f"{visible(bad[0].framework.kind)}, {fmt(first.gradclip)} by gradclip); "
             f"{cause} (exit 1)")

@@ -367,6 +367,12 @@ def test_a_resumed_fits_two_logger_versions_are_both_audited(gradclip, tmp_path)
             d["step"] for d in audit["disagreements"])
     assert found == {"Lightning CSVLogger grad_2.0_norm_total": set(range(12)),
                      "TensorBoard grad_2.0_norm_total": set(range(12))}
+    # Two logs of one run disagree at the same 12 steps: the verdict counts steps, not the
+    # disagreements of each log.
+    table = gradclip("trend", tmp_path)
+    assert table.code == 1
+    said = " ".join(table.out.split())  # wherever the terminal wraps it
+    assert "FAIL: the logged total norm disagrees with gradclip's at 12 step(s) " in said
 
 
 # -- The Trainer: report_to=["tensorboard"] and trainer_state.json ---------------------------
