@@ -115,9 +115,12 @@ class MonitorClipping:
 
     source: Path
     logged: int
-    clipped: int
+    clipped: int  # steps scaled by a number (a NaN coefficient clips nothing to anything)
     limits: tuple[float, ...]  # the distinct ``clipped_to``, smallest first
     smallest_coef: float | None
+    # Non-finite steps the monitor scaled by a NaN coefficient, as torch's clip_grad_norm_
+    # does: every gradient of the step NaN, clipped to no limit.
+    nan_steps: tuple[int | None, ...] = ()
 
     @classmethod
     def of(cls, series: Series) -> MonitorClipping:
@@ -127,19 +130,32 @@ class MonitorClipping:
     def of_log(cls, path: Path, entries) -> MonitorClipping:
         """From a monitor log's entries (``LoggedNorms``)."""
         scaled = [e for e in entries if e.clip_coef is not None]
-        limits = sorted({e.clipped_to for e in scaled if e.clipped_to is not None})
-        coefs = [e.clip_coef for e in scaled if not math.isnan(e.clip_coef)]
-        return cls(path, len(entries), len(scaled), tuple(limits),
-                   min(coefs) if coefs else None)
+        clipped = [e for e in scaled if not math.isnan(e.clip_coef)]
+        limits = sorted({e.clipped_to for e in clipped if e.clipped_to is not None})
+        coefs = [e.clip_coef for e in clipped]
+        return cls(path, len(entries), len(clipped), tuple(limits),
+                   min(coefs) if coefs else None,
+                   tuple(e.step for e in scaled if math.isnan(e.clip_coef)))
 
     def note(self) -> str:
         """The note for a log trended by itself, where the monitor clipped."""
+        if not self.clipped:  # NaN coefficients alone
+            return f"clipping: {self.words()}"
         return (f"clipping: {self.words()}: the logged norms are from before its clipping, "
                 "the optimizer saw the clipped gradients")
 
     def words(self) -> str:
         """``gradclip's GradMonitor (grads.jsonl) clipped 30 of 30 logged steps ...``."""
         who = f"gradclip's GradMonitor ({visible(str(self.source))})"
+        nan = ""
+        if self.nan_steps:
+            shown = ", ".join(str(s) for s in self.nan_steps[:5])
+            more = ", ..." if len(self.nan_steps) > 5 else ""
+            nan = (f"; clip_coef NaN at {len(self.nan_steps)} non-finite step(s) "
+                   f"({shown}{more}): their gradients scaled to NaN, as torch's "
+                   "clip_grad_norm_ does")
+        if not self.clipped and nan:
+            return f"{who} clipped none of its {self.logged} logged steps{nan}"
         if not self.clipped:
             return f"{who} records no clipping in its {self.logged} logged steps"
         if len(self.limits) == 1:
@@ -150,7 +166,7 @@ class MonitorClipping:
             to = ""
         coef = "" if self.smallest_coef is None else \
             f", clip_coef down to {self.smallest_coef:.3g}"
-        return f"{who} clipped {self.clipped} of {self.logged} logged steps{to}{coef}"
+        return f"{who} clipped {self.clipped} of {self.logged} logged steps{to}{coef}{nan}"
 
 
 @dataclass(frozen=True)

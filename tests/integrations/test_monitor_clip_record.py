@@ -219,3 +219,29 @@ def test_a_clip_refused_by_error_if_nonfinite_logs_no_coefficient(tmp_path, bad,
     # Nothing was scaled, so nothing is said to have been (trend counts these as clipped).
     assert record["total_norm"] == str(bad)
     assert record["clip_coef"] is None and record["clipped_to"] is None
+
+
+def test_a_nan_coefficient_is_no_clip_to_the_limit_in_trends_note(tmp_path, gradclip):
+    """A step whose total is NaN is scaled by NaN (torch's formula): trend's note counts it
+    apart, by its step, not as a step clipped to max_norm."""
+    model = regressor()
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(0))
+    log = tmp_path / "grads.jsonl"
+    with GradMonitor(model, log, None) as monitor:
+        for step in range(6):
+            model.zero_grad()
+            (model(x * 10).pow(2).sum()).backward()
+            if step == 3:
+                model[0].weight.grad[0, 0] = math.nan
+            monitor.clip_grad_norm_(max_norm=1.0, step=step)
+    records = read_log(log)
+    coefs = [r["clip_coef"] for r in records]
+    assert coefs[3] == "nan" and all(isinstance(c, float) and c < 1 for i, c in
+                                     enumerate(coefs) if i != 3)
+    doc = gradclip("trend", log, "--format", "json").json()
+    assert doc["notes"] == [
+        f"clipping: gradclip's GradMonitor ({log}) clipped 5 of 6 logged steps to total "
+        f"norm 1, clip_coef down to {min(c for i, c in enumerate(coefs) if i != 3):.3g}; "
+        "clip_coef NaN at 1 non-finite step(s) (3): their gradients scaled to NaN, as torch's "
+        "clip_grad_norm_ does: the logged norms are from before its clipping, the optimizer "
+        "saw the clipped gradients"]
