@@ -35,6 +35,7 @@ from pathlib import Path
 from .. import options, values
 from ..distributed import launcher
 from ..errors import InputError
+from ..format.text import visible
 from ..progress import progress_steps
 from ..report import parse_group_by
 from ..report.autopsy import build_autopsy_report, finest, ratio
@@ -45,7 +46,8 @@ from ..source import run_inputs
 from ..source.exclude import Exclusion
 from ..source.layouts import open_checkpoint
 from ..source.logs import trackers
-from ..source.what import available, select
+from ..source.optimizers import QUANTITIES as OPTIMIZER_QUANTITIES
+from ..source.what import available, select, undetermined
 from .common import Loaded, speaks, tag_read
 from .grouped import MeasureOptions, ReadNotes, measure_grouped, why_not_checkpoint
 from .outliers import count_outliers
@@ -201,5 +203,12 @@ def _read_checkpoint(item: run_inputs.Input, how: MeasureOptions, steps, read: R
             measured["update_to_weights"] = (
                 ratio(total_w, m.total_norm),
                 {g: ratio(weights[g], u) for g, u in m.groups.items() if g in weights})
+    # A quantity its optimizer's rule gives that this checkpoint's state does not (a
+    # param group's stored lr 0 at a schedule's end): no change is stated across it, and
+    # the note says why, where a 0 would have read as "update 0x".
+    for what in OPTIMIZER_QUANTITIES:
+        if what not in quantities and (why := undetermined(contents, what)) is not None:
+            also = " and update_to_weights" if what == "update" else ""
+            read.add(item.path, [visible(f"{what}{also} not measured: {why}")])
     return CheckpointPoint(item.path, step, "grads" in measured, measured, shapes,
                            layout=contents.kind)

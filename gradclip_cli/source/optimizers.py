@@ -25,6 +25,10 @@ lives in the core; this module only matches keys and hyperparameters.
 | Muon | no | no | no: an orthogonalisation of the momentum |
 | Adafactor (torch) | no | yes (factored) | no: needs the last gradient |
 | Adafactor (transformers) | no | yes (factored) | with beta1 only |
+
+An update that the lr scales is taken at the lr its param group stores (``Numbers.lr``),
+the next step's where a scheduler stepped after the optimizer; a stored 0 or none is a
+``Refusal``.
 """
 
 from __future__ import annotations
@@ -119,6 +123,27 @@ class Numbers:
                              f"eps {eps!r}, below 0")
         return eps
 
+    def lr(self, group: dict) -> float:
+        """The group's stored ``lr``; ``Refusal`` where it is 0 or absent.
+
+        Every common loop (the Hugging Face Trainer, Lightning, torchtitan, a
+        ``LambdaLR`` loop) steps its scheduler right after ``optimizer.step()``,
+        so the stored lr is the one the next step will use; the last step's is in
+        no checkpoint (a ``LambdaLR``'s lambda is not saved). Off by one step of
+        the schedule it still gives the step's size, but a stored 0 (a linear or
+        cosine schedule's end) would report a last step of 0 that was not taken.
+        """
+        index = next((i for i, g in enumerate(self.opt.param_groups) if g is group), None)
+        which = (f"the param group of {self.name}" if index is None else
+                 f"param group {index} (holding {self.name})")
+        if group.get("lr") is None:
+            raise Refusal(f"{which} stores no lr")
+        lr = self(group["lr"], "lr")
+        if lr == 0:
+            raise Refusal(f"{which} stores lr 0 (a schedule's end or start), and the lr its "
+                          "last step used is not in the checkpoint")
+        return lr
+
     def tensor(self, entry: dict, key: str) -> StoredTensor:
         value = entry.get(key)
         if not isinstance(value, StoredTensor):
@@ -157,7 +182,7 @@ def _adam(what, entry, group, num):
     # DeepSpeed's and apex's Adam (bias_correction) and transformers' old AdamW
     # (correct_bias) may step without debiasing the moments.
     debias = not any(_off(group.get(k, True)) for k in ("bias_correction", "correct_bias"))
-    return Derivation((m, v), partial(om.adam_update, lr=num(group.get("lr"), "lr"),
+    return Derivation((m, v), partial(om.adam_update, lr=num.lr(group),
                                       beta1=b1, beta2=b2, eps=num.eps(group),
                                       step=num.step(entry), debias=debias),
                       tuple(m.shape))
@@ -176,7 +201,7 @@ def _radam(what, entry, group, num):
         return _rms(entry, group, num)
     b1, b2 = num.betas(group)
     m, v = num.tensor(entry, "exp_avg"), num.tensor(entry, "exp_avg_sq")
-    return Derivation((m, v), partial(om.radam_update, lr=num(group.get("lr"), "lr"), beta1=b1,
+    return Derivation((m, v), partial(om.radam_update, lr=num.lr(group), beta1=b1,
                                       beta2=b2, eps=num.eps(group),
                                       step=num.step(entry)), tuple(m.shape))
 
@@ -185,7 +210,7 @@ def _adamax(what, entry, group, num):
     if what == "exp_avg":
         return _first_moment(entry, group, num)
     m, u = num.tensor(entry, "exp_avg"), num.tensor(entry, "exp_inf")
-    return Derivation((m, u), partial(om.adamax_update, lr=num(group.get("lr"), "lr"),
+    return Derivation((m, u), partial(om.adamax_update, lr=num.lr(group),
                                       beta1=num.betas(group)[0], step=num.step(entry)),
                       tuple(m.shape))
 
@@ -204,7 +229,7 @@ def _rmsprop(what, entry, group, num):
     if what == "grad_rms":
         return _rms(entry, group, num, "square_avg", alpha)
     buf = num.tensor(entry, "momentum_buffer")
-    return Derivation((buf,), partial(om.momentum_update, lr=num(group.get("lr"), "lr")),
+    return Derivation((buf,), partial(om.momentum_update, lr=num.lr(group)),
                       tuple(buf.shape))
 
 
@@ -220,7 +245,7 @@ def _adadelta(what, entry, group, num):
 
 def _sgd(what, entry, group, num):
     buf = num.tensor(entry, "momentum_buffer")
-    return Derivation((buf,), partial(om.momentum_update, lr=num(group.get("lr"), "lr")),
+    return Derivation((buf,), partial(om.momentum_update, lr=num.lr(group)),
                       tuple(buf.shape))
 
 
@@ -418,7 +443,8 @@ def stepped(kind: Kind, entry: dict | None) -> bool:
 def derive(kind: Kind, what: str, opt: OptimizerState, name: str, entry: dict,
            group: dict) -> Derivation:
     """Parameter ``name``'s ``what`` under ``kind``; ``Refusal`` where its group's settings
-    leave it undetermined (an SGD group with Nesterov momentum among plain ones)."""
+    leave it undetermined (an SGD group with Nesterov momentum among plain ones, a stored
+    lr of 0: ``Numbers.lr``)."""
     if not kind.gives(what):
         raise Refusal(kind.why_not(what))
     return kind.derive(what, entry, group, Numbers(opt, name))

@@ -158,15 +158,24 @@ def available(contents: Contents) -> list[str]:
     if contents.gradients:
         found.append("grads")
     for what in optimizers.QUANTITIES:
-        if _gives(contents, what):
-            try:
-                _from_optimizer(contents, what)
-            except InputError:
-                continue
+        if _gives(contents, what) and undetermined(contents, what) is None:
             found.append(what)
     if contents.weights:
         found.append("weights")
     return found
+
+
+def undetermined(contents: Contents, what: str) -> str | None:
+    """Why this checkpoint's state does not give ``what``, an optimizer quantity its
+    optimizer's rule gives (a param group's stored lr 0, corrupt state), as one raw line
+    naming the file; None where it does, or where the rule never gives it."""
+    if not _gives(contents, what):
+        return None
+    try:
+        _from_optimizer(contents, what, offer=False)
+    except InputError as error:
+        return str(error)
+    return None
 
 
 def _keyed(contents: Contents, what: str) -> list[str]:
@@ -261,7 +270,8 @@ class _Param:
     group: dict
 
 
-def _from_optimizer(contents: Contents, what: str) -> Selection:
+def _from_optimizer(contents: Contents, what: str, offer: bool = True) -> Selection:
+    """``offer``: a refusal lists what else is available (False: ``available`` is asking)."""
     opt = optimizer_state(contents)
     if opt is None:
         raise _unavailable(
@@ -310,6 +320,8 @@ def _from_optimizer(contents: Contents, what: str) -> Selection:
         try:
             d = optimizers.derive(kind, what, opt, p.name, p.state, p.group)
         except optimizers.Refusal as refusal:
+            if not offer:
+                raise InputError(f"{contents.path}: {kind.name} {what}: {refusal}") from None
             raise _unavailable(contents, what, f"{kind.name}: {refusal}") from None
         for t in d.reads[1:]:
             if tuple(d.reads[0].shape) == d.shape and tuple(t.shape) != d.shape:

@@ -499,6 +499,32 @@ def test_a_trainer_folder_at_every_grain(gradclip, hf_run_folder, tmp_path):
     assert "holds the total only" in doc["verdict"]
 
 
+def test_a_checkpoint_at_its_schedules_end_states_no_update_change(gradclip, hf_run_folder):
+    # The Trainer's linear schedule ends at lr 0: checkpoint-20 stores it, though its last
+    # step used lr > 0, so its update (and update_to_weights) is not determined. Across
+    # step 20 no change of either is stated (checkpoint-15 before, nothing after), never
+    # "update 0x", and a note names the checkpoint, the group and why.
+    run = hf_run_folder
+    last = run.output_dir / f"checkpoint-{run.steps}"
+    r, doc = autopsy_json(gradclip, run.output_dir, "--step", run.steps)
+    assert r.code == 0 and doc["step"] == run.steps, r.err
+    assert doc["groups"]
+    for group in doc["groups"]:
+        for what in ("update", "update_to_weights"):
+            change = group["changes"][what]
+            assert change["before_source"].endswith("checkpoint-15")
+            assert change["after"] is None and change["ratio"] is None, (group["name"], what)
+        assert group["changes"]["exp_avg"]["after_source"] == str(last)  # measured there
+    [note] = [n for n in doc["notes"] if "not measured" in n]
+    assert note.startswith(f"update and update_to_weights not measured: {last}: AdamW update: "
+                           "param group ")
+    assert "stores lr 0 (a schedule's end or start)" in note
+    table = gradclip("autopsy", run.output_dir, "--step", run.steps)
+    assert table.code == 0 and " 0x " not in table.out
+    assert any(line.startswith("update and update_to_weights not measured: ")
+               for line in logical_lines(table.out))
+
+
 @pytest.fixture(scope="session")
 def tensorboard_run(tmp_path_factory):
     """The README's plain loop (step 50 a bad batch that blows up fc2), its GradMonitor

@@ -360,3 +360,62 @@ def test_the_trainers_grad_norm_and_the_monitor_log_agree_within_float32(gradcli
     assert any(line.startswith("norm audit: Trainer grad_norm (") and
                f"agree at all {run.steps} step(s), within 0.0039 relative (float32 totals)"
                in line for line in table)
+
+
+# float32 state, the update computed in float32: a few roundings of 2^-24 an element
+# (the factor, the square root, the sum with eps, the product and the quotient).
+UPDATE_TOL = 8 * 2.0**-24
+
+
+def _error_offers(result) -> tuple[str, list[list[str]]]:
+    """A refusal's JSON error line and the flags it offers (``available: --what a, ...``)."""
+    assert result.code == 3, result.out
+    error = result.json()["error"]
+    return error, [f.split() for f in error.split("available: ", 1)[1].split(", ")]
+
+
+def test_a_linear_schedules_last_checkpoint_refuses_the_update_every_command(gradclip,
+                                                                            run_folder):
+    # The Trainer's default schedule decays linearly to 0: checkpoint-20's optimizer.pt
+    # stores lr 0 (its scheduler stepped after the last optimizer step), while that step
+    # used lr > 0. The update is not determined: exit 3 in inspect, trend and compare,
+    # naming the checkpoint and the group, and every flag offered works in that command.
+    out = run_folder.output_dir
+    last, before = out / f"checkpoint-{run_folder.steps}", out / "checkpoint-15"
+    groups = torch.load(last / "optimizer.pt", weights_only=True)["param_groups"]
+    assert [g["lr"] for g in groups] == [0.0] * len(groups)  # the premise
+    commands = {
+        "inspect": ["inspect", last],
+        "trend": ["trend", *(out / f"checkpoint-{s}" for s in (5, 10, 15, 20))],
+        "compare": ["compare", before, last],
+    }
+    for command, args in commands.items():
+        error, offered = _error_offers(gradclip(*args, "--what", "update", "--format", "json"))
+        assert error.startswith(f"{last}: --what update: AdamW: param group "), command
+        assert "stores lr 0 (a schedule's end or start)" in error
+        assert "the lr its last step used is not in the checkpoint" in error
+        assert offered == [["--what", "exp_avg"], ["--what", "grad_rms"], ["--what", "weights"]]
+        for flags in offered:
+            result = gradclip(*args, *flags, "--format", "json")
+            assert result.code in (0, 1), (command, flags, result.err)
+            doc = result.json()
+            assert doc.get("what", flags[1]) == flags[1]
+
+
+def test_a_trainer_checkpoints_update_is_at_its_stored_lr(gradclip, run_folder):
+    # Mid-schedule the stored lr is the next step's; the update is lr * m_hat /
+    # (sqrt(v_hat) + eps) at that lr, compared with float64 math on optimizer.pt.
+    ckpt = run_folder.output_dir / "checkpoint-15"
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    group_of = {p: g for g in opt["param_groups"] for p in g["params"]}
+    squares = 0.0
+    for pid, state in opt["state"].items():
+        g = group_of[pid]
+        assert g["lr"] > 0
+        (b1, b2), t = g["betas"], float(state["step"])
+        m_hat = state["exp_avg"].double() / (1 - b1**t)
+        v_hat = state["exp_avg_sq"].double() / (1 - b2**t)
+        squares += float((g["lr"] * m_hat / (v_hat.sqrt() + g["eps"])).square().sum())
+    doc = gradclip("inspect", ckpt, "--what", "update", "--format", "json").json()
+    assert doc["what"] == "update"
+    assert rel_err(doc["total_norm"], math.sqrt(squares)) <= UPDATE_TOL
