@@ -209,6 +209,7 @@ def _read_checkpoint(item: run_inputs.Input, how: MeasureOptions, steps, read: R
     for what in OPTIMIZER_QUANTITIES:
         if what not in quantities and (why := undetermined(contents, what)) is not None:
             also = " and update_to_weights" if what == "update" else ""
+            why = why.removeprefix(f"{item.path}: ")  # the note names its input
             read.add(item.path, [visible(f"{what}{also} not measured: {why}")])
     return CheckpointPoint(item.path, step, "grads" in measured, measured, shapes,
                            layout=contents.kind)

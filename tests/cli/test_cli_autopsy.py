@@ -516,12 +516,12 @@ def test_a_checkpoint_at_its_schedules_end_states_no_update_change(gradclip, hf_
             assert change["after"] is None and change["ratio"] is None, (group["name"], what)
         assert group["changes"]["exp_avg"]["after_source"] == str(last)  # measured there
     [note] = [n for n in doc["notes"] if "not measured" in n]
-    assert note.startswith(f"update and update_to_weights not measured: {last}: AdamW update: "
+    assert note.startswith(f"{last}: update and update_to_weights not measured: AdamW update: "
                            "param group ")
     assert "stores lr 0 (a schedule's end or start)" in note
     table = gradclip("autopsy", run.output_dir, "--step", run.steps)
     assert table.code == 0 and " 0x " not in table.out
-    assert any(line.startswith("update and update_to_weights not measured: ")
+    assert any(line.startswith(f"{last}: update and update_to_weights not measured: ")
                for line in logical_lines(table.out))
 
 
