@@ -39,7 +39,12 @@ from ..format.text import visible
 from ..progress import progress_steps
 from ..report import parse_group_by
 from ..report.autopsy import build_autopsy_report, finest, ratio
-from ..report.autopsy_series import CheckpointPoint, explained_step, series_of
+from ..report.autopsy_series import (
+    CheckpointPoint,
+    explained_step,
+    series_of,
+    undetermined_notes,
+)
 from ..report.outcome import exit_code
 from ..report.trend import TagRead, mixed_norm_types
 from ..source import run_inputs
@@ -129,6 +134,7 @@ def build(
         explained = explained_step(main, step, series, z, alpha, warmup)
         outliers = {}
         if explained is not None:
+            notes += undetermined_notes(explained, placed)
             outliers, outlier_notes = count_outliers(explained, placed, how, steps, outlier_k,
                                                      rule)
             notes += outlier_notes
@@ -206,10 +212,11 @@ def _read_checkpoint(item: run_inputs.Input, how: MeasureOptions, steps, read: R
     # A quantity its optimizer's rule gives that this checkpoint's state does not (a
     # param group's stored lr 0 at a schedule's end): no change is stated across it, and
     # the note says why, where a 0 would have read as "update 0x".
+    unmeasured = []
     for what in OPTIMIZER_QUANTITIES:
         if what not in quantities and (why := undetermined(contents, what)) is not None:
             also = " and update_to_weights" if what == "update" else ""
             why = why.removeprefix(f"{item.path}: ")  # the note names its input
-            read.add(item.path, [visible(f"{what}{also} not measured: {why}")])
+            unmeasured.append(visible(f"{item.path}: {what}{also} not measured: {why}"))
     return CheckpointPoint(item.path, step, "grads" in measured, measured, shapes,
-                           layout=contents.kind)
+                           layout=contents.kind, undetermined=tuple(unmeasured))

@@ -42,6 +42,10 @@ class CheckpointPoint:
     measured: dict[str, tuple[float, dict[str, float]]]  # what -> (total, groups)
     shapes: dict[str, tuple[int, ...]]  # parameter -> shape, for the same-run check
     layout: str | None = None  # its layout's kind (``Contents.kind``: "lightning", ...)
+    # Why a quantity its optimizer's rule gives is not measured here (a param group's
+    # stored lr 0), one note each, escaped and naming the checkpoint: said where the
+    # explained step's changes would have read it (``undetermined_notes``).
+    undetermined: tuple[str, ...] = ()
 
 
 # -- placing steps and making series --------------------------------------------------------
@@ -250,3 +254,12 @@ def explained_step(main: QuantitySeries, step: int | None, series, z, alpha, war
         raise UsageError(f"--step {step}: not a step of {main.label}, the finest series "
                          f"(steps {steps[0]}-{steps[-1]}), whose steps are explained")
     return step
+
+
+def undetermined_notes(explained: int, placed: dict[int, list[CheckpointPoint]]) -> list[str]:
+    """The notes of the checkpoints a change across ``explained`` would read (the nearest
+    before it, at it, and the nearest after it) on the quantities they do not determine."""
+    steps = sorted(placed)
+    near = [s for s in steps if s == explained]
+    near += [s for s in steps if s < explained][-1:] + [s for s in steps if s > explained][:1]
+    return list(dict.fromkeys(n for s in near for point in placed[s] for n in point.undetermined))

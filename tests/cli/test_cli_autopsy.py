@@ -523,6 +523,10 @@ def test_a_checkpoint_at_its_schedules_end_states_no_update_change(gradclip, hf_
     assert table.code == 0 and " 0x " not in table.out
     assert any(line.startswith(f"{last}: update and update_to_weights not measured: ")
                for line in logical_lines(table.out))
+    # Across a step whose changes read no checkpoint at lr 0, nothing is said of it.
+    earlier = gradclip("autopsy", run.output_dir, "--step", run.steps // 2, "--format", "json")
+    assert earlier.code in (0, 1), earlier.err
+    assert not [n for n in earlier.json()["notes"] if "not measured" in n]
 
 
 @pytest.fixture(scope="session")
