@@ -21,24 +21,10 @@ import pytest
 import torch
 
 from .support import ref_norm, rel_err
+from .test_cli_optimizer_state import Net
 
 TOL = 1e-9  # float64 state: the only differences are rounding
 STEPS = 4
-
-
-class Net(torch.nn.Module):
-    """Two layers in use and, with ``unused``, one that never gets a gradient."""
-
-    def __init__(self, unused: bool = False):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = torch.nn.Linear(5, 4)
-        self.b = torch.nn.Linear(4, 3)
-        self.unused = torch.nn.Linear(3, 3) if unused else None
-        self.double()
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
 
 
 def linear_decay(total: int):
