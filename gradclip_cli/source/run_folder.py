@@ -37,6 +37,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from gradclip_cli import tracker_tags
 from gradclip_cli.errors import GradclipError, InputError, MissingExtraError, UsageError
 from gradclip_cli.escaping import visible
 from gradclip_cli.source.exclude import Exclusion
@@ -80,6 +81,9 @@ class Series:
         span = f", steps {min(steps)}-{max(steps)}" if steps else ""
         if self.kind == MONITOR:
             what = "gradclip monitor log, gradient norms"
+        elif self.kind == TRAINER_STATE and trainer_state.gradclip_totals(self.paths[0]):
+            # gradclip's callback logged the monitor's norms there: those are the points.
+            what = f"Trainer log_history {tracker_tags.TOTAL_NORM}, gradclip's callback"
         elif self.kind == TRAINER_STATE:
             what = "Trainer log_history grad_norm"
         elif self.kind == TRACKER:
