@@ -46,7 +46,8 @@ from ..report.autopsy_series import (
     undetermined_notes,
 )
 from ..report.outcome import exit_code
-from ..report.trend import TagRead, mixed_norm_types
+from ..report.tag import TagRead
+from ..report.trend import mixed_norm_types
 from ..source import run_inputs
 from ..source.exclude import Exclusion
 from ..source.layouts import open_checkpoint

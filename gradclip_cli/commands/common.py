@@ -18,7 +18,7 @@ from ..errors import GradclipError, InputError, UsageError
 from ..format.text import visible
 from ..measuring import Measurement
 from ..progress import Steps
-from ..report.trend import TagRead
+from ..report.tag import TagRead
 from ..sink.unshared import unshare_other_entries
 from ..source import Checkpoint, packed_dtype, roles
 from ..source.files.pages import PageReleaser

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..report.autopsy import QUANTITIES, times
-from ..report.trend import tag_words
+from ..report.tag import tag_words
 from .text import kept_visible, visible
 from .words import group_rule
 

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..report.trend import tag_words
+from ..report.tag import tag_words
 from ..sink import atomic_write
 from .text import visible
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..report.model import EXCEEDED, INSUFFICIENT_HISTORY, NONFINITE, OVERFLOW
-from ..report.trend import tag_words
+from ..report.tag import tag_words
 from .text import visible
 
 if TYPE_CHECKING:

@@ -35,14 +35,13 @@ from dataclasses import dataclass, field
 
 from ..core.spikes import MIN_HISTORY, SpikeDetector, group_threshold
 from .model import INSUFFICIENT_HISTORY
+from .tag import TagRead, tag_words
 from .trend import (
     FAIL_ON_ANY,
     Observation,
-    TagRead,
     TrendReport,
     build_trend_report,
     group_thresholds,
-    tag_words,
 )
 
 EXPLAINED, NOTHING, INSUFFICIENT = "explained", "nothing", "insufficient"
